@@ -1,0 +1,168 @@
+"""Typed configuration tree for zerotron (DESIGN contract 6).
+
+Sections: ``model``, ``parallel``, ``train``, ``data``, ``checkpoint``, ``log``. Every field has a help
+text (``metadata["help"]``) that ``zerotron train --help-config`` prints. This module imports no
+``torch.distributed`` and no torch at all, so ``zerotron plan`` and config checks run anywhere.
+
+Loading (YAML/JSON files, dotted overrides, DeepSpeed ``ds_config.json`` mapping) and validation live
+in :mod:`zerotron.config_load`; this module only declares the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from zerotron.presets import PRESETS
+
+
+def _f(default: Any, help: str) -> Any:  # noqa: A002 - "help" is the natural name here
+    """A dataclass field with a help text."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder. Field names follow Hugging Face's ``LlamaConfig``."""
+
+    preset: Optional[str] = _f("tiny", f"named architecture: {', '.join(PRESETS)}; None with model.path")
+    path: Optional[str] = _f(None, "Hugging Face directory or GGUF file to load architecture and weights from")
+    hidden_size: int = _f(128, "width of the residual stream")
+    num_hidden_layers: int = _f(4, "number of transformer blocks")
+    num_attention_heads: int = _f(4, "query heads per layer")
+    num_key_value_heads: Optional[int] = _f(None, "key/value heads (GQA); None means num_attention_heads")
+    head_dim: Optional[int] = _f(None, "per-head width; None means hidden_size // num_attention_heads")
+    intermediate_size: int = _f(352, "MLP inner width")
+    vocab_size: int = _f(259, "vocabulary size (tokens)")
+    max_position_embeddings: int = _f(1024, "longest sequence the model supports")
+    rope_theta: float = _f(10000.0, "RoPE base frequency")
+    rope_scaling: Optional[dict] = _f(
+        None, "Llama 3 frequency scaling: {rope_type: llama3, factor, low_freq_factor, "
+        "high_freq_factor, original_max_position_embeddings}"
+    )
+    rms_norm_eps: float = _f(1e-5, "epsilon of RMSNorm")
+    tie_word_embeddings: bool = _f(True, "share the input embedding with the output projection")
+    attention_bias: bool = _f(False, "bias on the q/k/v projections (Qwen2)")
+    mlp: str = _f("gated", "gated (SwiGLU, Llama) or plain (GELU, GPT-style)")
+    initializer_range: float = _f(0.02, "standard deviation of the normal weight initialisation")
+    bos_token_id: Optional[int] = _f(None, "beginning-of-sequence token id, if the tokenizer has one")
+    eos_token_id: Optional[int] = _f(None, "end-of-sequence token id")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value head count with the GQA default resolved."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        """Per-head width with the default resolved."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def apply_preset(self) -> ModelConfig:
+        """Return a copy with the preset's architecture fields filled in (explicit overrides win later)."""
+        if self.preset is None:
+            return self
+        if self.preset not in PRESETS:
+            raise ValueError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        values = {**self.__dict__, **PRESETS[self.preset]}
+        return ModelConfig(**values)
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of every parallelism; their product is the world size."""
+
+    dp: int = _f(-1, "data-parallel degree; -1 means world_size / (tp*pp*cp)")
+    tp: int = _f(1, "tensor-parallel degree (divides attention heads and KV heads)")
+    pp: int = _f(1, "pipeline-parallel degree (divides layers)")
+    cp: int = _f(1, "context-parallel degree (divides seq_len)")
+    ep: int = _f(1, "expert-parallel degree, folded over dp*cp")
+    zero: int = _f(0, "ZeRO stage over dp: 0 (DDP), 1 (optimizer states), 2 (+grads), 3 (+params)")
+    sequence_parallel: bool = _f(False, "shard LayerNorm/dropout activations over tp (Megatron SP)")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb")
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
+    offload_optimizer: str = _f("none", "where optimizer states live: none, cpu or nvme")
+    offload_params: str = _f("none", "where ZeRO-3 parameters live: none, cpu or nvme")
+    nvme_path: Optional[str] = _f(None, "directory for NVMe offload files")
+    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
+    backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and schedule."""
+
+    steps: int = _f(200, "optimizer steps to run")
+    global_batch: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
+    micro_batch: int = _f(4, "sequences per forward/backward on one rank")
+    seq_len: int = _f(256, "tokens per sequence")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of the decay")
+    warmup_steps: int = _f(20, "linear warm-up steps")
+    schedule: str = _f("cosine", "decay after warm-up: cosine, linear or constant")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 disables")
+    precision: str = _f("fp32", "fp32, bf16 (fp32 master weights) or fp16 (dynamic loss scaling)")
+    loss_scale_init: float = _f(2.0**16, "fp16: initial loss scale")
+    loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles")
+    recompute: str = _f("none", "activation recomputation: none, selective (attention core) or full")
+    seed: int = _f(1234, "seed for weights, data order and dropout; same weights on any layout")
+    sample_every: int = _f(0, "print a generated sample every N steps (0: only at the end)")
+    sample_prompt: str = _f("def ", "prompt of the generated sample")
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = _f("stdlib", "stdlib (Python's own source files), or a path: text file/dir, .jsonl, .bin/.npy")
+    tokenizer: str = _f("byte", "byte, a tokenizer.json path, or 'model' (the tokenizer of model.path)")
+    text_field: str = _f("text", "JSONL: the field holding a document's text")
+    max_files: int = _f(0, "stdlib/directory sources: read at most this many files (0: all)")
+    max_bytes: int = _f(4_000_000, "stdlib/directory sources: stop reading after this many bytes (0: no limit)")
+    token_dtype: str = _f("uint16", ".bin sources: integer dtype of the token file")
+
+
+@dataclass
+class CheckpointConfig:
+    """When and how many checkpoints are written."""
+
+    every: int = _f(0, "save every N steps (0: only at the end)")
+    keep: int = _f(2, "keep the newest K complete checkpoints")
+
+
+@dataclass
+class LogConfig:
+    """What the run reports."""
+
+    every: int = _f(1, "print a line every N steps when not on a terminal")
+    tensorboard: bool = _f(False, "also write TensorBoard event files into the run directory")
+    per_rank_metrics: bool = _f(False, "each rank writes metrics.rank{R}.jsonl too")
+    progress: str = _f("auto", "auto (a bar on a terminal, lines otherwise), bar, lines or none")
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+}
