@@ -1,0 +1,165 @@
+"""Crash-safe checkpoint directories: atomic publication, checksums, keep-last-K, ``latest`` pointer.
+
+Layout of a run's checkpoint folder::
+
+    checkpoints/
+      step_00000010/          one complete checkpoint
+        manifest.json         written last: every file with its size and sha256
+        *.safetensors, *.json
+      latest                  text file naming the newest complete checkpoint
+      .tmp-step_00000020/     a checkpoint being written (ignored by readers, removed on the next save)
+
+Publication order: every rank writes its files into the temporary folder and fsyncs them; after a
+barrier, rank 0 writes ``manifest.json`` (fsynced), renames the folder to its final name (atomic on POSIX),
+fsyncs the parent, then replaces ``latest`` through a rename. A process killed at any moment therefore
+leaves the previous checkpoint complete, and :func:`find_latest` never returns a partial one.
+No pickle: tensors are safetensors, everything else JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint taken after optimizer step ``step``."""
+    return f"step_{step:08d}"
+
+
+def temp_dir(root: Path, step: int) -> Path:
+    """The folder ranks write into before publication."""
+    return root / f".tmp-{step_dir_name(step)}"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a safetensors file and fsync it."""
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    _fsync_file(path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write a JSON file and fsync it."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def publish(root: Path, step: int, keep: int) -> Path:
+    """Seal the temporary folder of ``step`` with a manifest, rename it into place, prune old ones.
+
+    Called by one rank after every rank has written and fsynced its files.
+    """
+    tmp = temp_dir(root, step)
+    files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != "manifest.json")
+    manifest = {
+        "step": step,
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+    }
+    write_json(tmp / "manifest.json", manifest)
+    _fsync_dir(tmp)
+    final = root / step_dir_name(step)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer_tmp = root / "latest.tmp"
+    pointer_tmp.write_text(final.name + "\n", encoding="utf-8")
+    _fsync_file(pointer_tmp)
+    os.replace(pointer_tmp, root / "latest")
+    _fsync_dir(root)
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
+    for old in complete[: max(0, len(complete) - max(1, keep))]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def verify(ckpt: Path) -> dict:
+    """Check a checkpoint folder against its manifest; return the manifest or raise CheckpointError."""
+    manifest_path = ckpt / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{ckpt}: no manifest.json — the checkpoint is incomplete")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from e
+    for name, meta in manifest["files"].items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (listed in manifest.json)")
+        if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt")
+    return manifest
+
+
+def find_latest(root: Path) -> Path | None:
+    """Newest complete checkpoint under ``root`` (by step), verified; None when there is none."""
+    if not root.is_dir():
+        return None
+    candidates = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
+    for ckpt in candidates:
+        try:
+            verify(ckpt)
+        except CheckpointError:
+            continue
+        return ckpt
+    return None
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Read a safetensors file, naming it in the error if it is unreadable."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file, naming it in the error if it is unreadable."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON ({e})") from e
