@@ -1,0 +1,290 @@
+"""Start ranks: under torchrun (read its environment) or as local processes (:func:`spawn`).
+
+``spawn`` is what ``zerotron train --nproc N`` and the multi-rank tests use on one machine: it starts N
+processes with the "spawn" start method, gives each the environment torchrun would (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs a module-level function in each and returns their results.
+A rank that raises or dies stops the job with a :class:`LaunchError` that carries its traceback; a job
+that runs past its timeout is killed and the error says which collective each rank was in (read from
+the ``ZEROTRON_TRACE_DIR`` files that :mod:`zerotron.dist.collectives` keeps).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_ERROR_GRACE_S = 3.0  # after a first failure, how long to collect the other ranks' errors
+_ACK_WAIT_S = 300.0  # a child keeps its shared tensors alive this long for the parent to read them
+_PKG_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed, died or hung; the message holds each rank's traceback or state."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher that set RANK/WORLD_SIZE)."""
+    env = os.environ
+    return "TORCHELASTIC_RUN_ID" in env or all(
+        k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment; return ``(rank, world_size)``.
+
+    ``backend="auto"`` is NCCL when CUDA is available, else Gloo. On CUDA the device is set from
+    LOCAL_RANK. If torch.distributed is already initialised, nothing is done.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise LaunchError(
+            f"environment variables {', '.join(missing)} are not set; run under torchrun or use spawn()"
+        )
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise LaunchError(f"parallel.backend={backend!r} must be auto, nccl or gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return rank, world
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group (and every group made from it), if any."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def current_rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the running job; ``(0, 1)`` outside any launcher."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _child(
+    fn: Callable[..., Any], args: tuple, rank: int, backend: str, env: dict[str, str], queue: Any, ack: Any
+) -> None:
+    """Body of one spawned rank: set up, run ``fn``, report the result or the traceback.
+
+    The report goes out before the process group is torn down, so a rank that fails while its peers
+    still wait in a collective is reported even if tearing down blocks.
+    """
+    os.environ.update(env)
+    ok = False
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        init_distributed(backend)
+        report: tuple = (rank, "ok", fn(*args))
+        ok = True
+    except BaseException:
+        report = (rank, "error", traceback.format_exc())
+    try:
+        queue.put(report)
+    except BaseException:  # e.g. a result that cannot be sent back
+        ok = False
+        queue.put((rank, "error", traceback.format_exc()))
+    if ok:
+        destroy_distributed()
+    ack.wait(_ACK_WAIT_S)  # the parent may still be reading tensors this process shares with it
+    if not ok:
+        sys.exit(1)
+
+
+def _child_env(
+    rank: int, nproc: int, port: int, trace_dir: str, env: dict[str, str] | None
+) -> dict[str, str]:
+    user = dict(env or {})
+    threads = os.environ.get("OMP_NUM_THREADS") or user.get("OMP_NUM_THREADS")
+    pythonpath = os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    base = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "ZEROTRON_TRACE_DIR": trace_dir,
+        "OMP_NUM_THREADS": threads or str(max(1, (os.cpu_count() or 1) // nproc)),
+        "PYTHONPATH": pythonpath,
+    }
+    return {**base, **user}
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nproc: int,
+    args: tuple = (),
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+    backend: str = "auto",
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` local ranks and return their results, rank order.
+
+    ``fn`` must be a module-level function; its result travels back through a pipe, so keep it plain
+    (numbers, strings, lists, dicts, tensors). Under torchrun the job already has its ranks: this process
+    initialises, runs ``fn`` once and returns ``[result]`` (``nproc`` is then ignored). Each child gets
+    ``OMP_NUM_THREADS = max(1, cpu_count // nproc)`` unless set, and ``env`` on top of its environment.
+    Raises :class:`LaunchError` if a rank raises or dies (with every failing rank's traceback), or when
+    ``timeout_s`` passes (naming the collective each rank is in).
+    """
+    if under_torchrun():
+        owner = not dist.is_initialized()  # a nested call leaves its caller's process group alone
+        init_distributed(backend)
+        try:
+            return [fn(*args)]
+        finally:
+            if owner:
+                destroy_distributed()
+    if nproc < 1:
+        raise LaunchError(f"--nproc {nproc}: need at least one process")
+    user_trace = (env or {}).get("ZEROTRON_TRACE_DIR") or os.environ.get("ZEROTRON_TRACE_DIR")
+    trace_dir = user_trace or tempfile.mkdtemp(prefix="zerotron-trace-")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    acks = [ctx.Event() for _ in range(nproc)]
+    port = free_port()
+    procs: list[Any] = []
+    try:
+        for rank in range(nproc):
+            child_env = _child_env(rank, nproc, port, trace_dir, env)
+            p = ctx.Process(
+                target=_child,
+                args=(fn, args, rank, backend, child_env, queue, acks[rank]),
+                name=f"zerotron-rank{rank}",
+            )
+            _start_with_env(p, child_env)
+            procs.append(p)
+        results = _collect(procs, queue, acks, timeout_s, trace_dir)
+        for p in procs:  # they exit on their own once their results are read
+            p.join(30.0)
+        return results
+    finally:
+        _stop(procs)
+        if not user_trace:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def _start_with_env(p: Any, env: dict[str, str]) -> None:
+    """Start ``p`` with ``env`` in its environment from the first instruction (OMP reads it at import)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _collect(
+    procs: list[Any], queue: Any, acks: list[Any], timeout_s: float | None, trace_dir: str
+) -> list[Any]:
+    """Wait for every rank's report; raise LaunchError on failure, death or timeout."""
+    nproc = len(procs)
+    start = time.monotonic()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    first_error: float | None = None
+    while len(results) + len(errors) < nproc:
+        while not queue.empty():
+            rank, kind, payload = queue.get()
+            (results if kind == "ok" else errors)[rank] = payload
+            acks[rank].set()
+        for rank, p in enumerate(procs):
+            # A dead process that reported has its report in the pipe already, so check the pipe after.
+            if rank not in results and rank not in errors and not p.is_alive() and queue.empty():
+                errors[rank] = f"exited with {_describe_exit(p.exitcode)} without reporting a result"
+        now = time.monotonic()
+        if errors:
+            first_error = first_error or now
+            if now - first_error > _ERROR_GRACE_S:
+                break
+        if timeout_s is not None and now - start > timeout_s:
+            states = _trace_states(trace_dir, nproc)
+            lines = [f"rank {r} {states[r]}" for r in range(nproc) if r not in results]
+            done = [str(r) for r in sorted(results)]
+            extra = f"; ranks {','.join(done)} finished" if done else ""
+            raise LaunchError(
+                f"timed out after {timeout_s:g} s: " + "; ".join(lines) + extra + _format_errors(errors)
+            )
+        time.sleep(0.02)
+    if errors:
+        states = _trace_states(trace_dir, nproc)
+        stopped = [
+            f"rank {r} stopped ({states[r]})" for r in range(nproc) if r not in results and r not in errors
+        ]
+        head = f"{len(errors)} of {nproc} ranks failed" + (": " + "; ".join(stopped) if stopped else "")
+        raise LaunchError(head + _format_errors(errors))
+    return [results[r] for r in range(nproc)]
+
+
+def _format_errors(errors: dict[int, str]) -> str:
+    return "".join(f"\n--- rank {r} ---\n{text.rstrip()}" for r, text in sorted(errors.items()))
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _trace_states(trace_dir: str, nproc: int) -> list[str]:
+    """What each rank was doing, from its ``rank{R}.op`` file, phrased for a hang report."""
+    states = []
+    for rank in range(nproc):
+        try:
+            line = Path(trace_dir, f"rank{rank}.op").read_text().strip()
+        except OSError:
+            line = ""
+        if line.startswith("in "):
+            states.append(f"waits {line}")
+        elif line.startswith("done "):
+            states.append(f"is not in a collective (last finished {line[5:]})")
+        else:
+            states.append("has not started a collective")
+    return states
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate (then kill) every process still running and reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)

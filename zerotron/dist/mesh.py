@@ -1,0 +1,251 @@
+"""The device mesh: parallel degrees, the rank grid and every named process group (DESIGN contract 1).
+
+Layout
+------
+The world's ranks are laid out as ``torch.arange(world).reshape(dp, pp, cp, tp)``: TP is the innermost
+(fastest-varying) axis, so a TP group is a block of consecutive ranks and sits inside one node; then CP,
+then PP, and DP outermost. With ``dp=2, pp=1, cp=1, tp=2`` on 4 ranks the TP groups are ``[0, 1]`` and
+``[2, 3]`` and the DP groups ``[0, 2]`` and ``[1, 3]``.
+
+Axes returned by :meth:`ParallelDims.group_ranks` (every rank belongs to exactly one group per axis):
+
+- ``"dp"``, ``"pp"``, ``"cp"``, ``"tp"``: ranks that differ only in that coordinate.
+- ``"dp_cp"``: ranks that differ only in their (dp, cp) coordinates, ordered dp-major; the group over
+  which gradients are reduced when context parallelism is on (each CP rank holds a different slice of
+  the same sequences, so their gradients are partial sums too).
+- ``"ep"``: expert parallelism folded over dp×cp. Within each ``dp_cp`` group (in its order), consecutive
+  chunks of ``ep`` ranks form the EP groups: the ranks that split the experts between them.
+- ``"edp"``: the expert-data-parallel groups, complementary to ``"ep"`` inside each ``dp_cp`` group:
+  the ranks at the same position of every EP chunk, which hold the same experts and reduce their
+  gradients together.
+- ``"world"``: all ranks.
+
+:class:`ParallelDims` validates itself on construction (``__post_init__`` calls :meth:`validate`), so a
+``ParallelDims`` that exists is consistent; :meth:`validate` stays public for callers that want to say
+so explicitly. :meth:`ParallelDims.build` turns it into a :class:`Mesh` once torch.distributed is up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from zerotron.dist.collectives import CommStats
+
+if TYPE_CHECKING:
+    from zerotron.config import ParallelConfig
+
+GRID_AXES = ("dp", "pp", "cp", "tp")
+AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "world")
+
+
+class MeshError(ValueError):
+    """A parallel layout that cannot be built; the message names the field and what to change."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of every parallelism over ``world_size`` ranks, plus the ZeRO stage over dp.
+
+    Validated on construction (see :meth:`validate`); use :meth:`from_config` to resolve ``dp=-1``.
+    """
+
+    world_size: int
+    dp: int
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
+        """Degrees from ``cfg.parallel``; ``dp=-1`` becomes ``world_size // (pp*cp*tp)``."""
+        dp = parallel.dp
+        if dp == -1:
+            inner = parallel.pp * parallel.cp * parallel.tp
+            if inner < 1 or world_size % inner:
+                raise MeshError(
+                    f"parallel.pp*cp*tp = {parallel.pp}*{parallel.cp}*{parallel.tp} = {inner} does not divide "
+                    f"the world size {world_size}; choose parallel.tp/pp/cp whose product divides {world_size}"
+                )
+            dp = world_size // inner
+        return cls(world_size, dp, parallel.pp, parallel.cp, parallel.tp, parallel.ep, parallel.zero)
+
+    def validate(self) -> None:
+        """Raise :class:`MeshError` (one line naming the field and the fix) unless the layout is consistent.
+
+        Checks: every degree >= 1, ``dp*pp*cp*tp == world_size``, ``ep`` divides ``dp*cp``, ``zero`` in
+        0..3. ``zero > 0`` with ``dp == 1`` is allowed (it then shards over one rank, i.e. nothing).
+        """
+        if self.world_size < 1:
+            raise MeshError(f"world size is {self.world_size}; it must be >= 1")
+        for name in ("dp", "pp", "cp", "tp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                hint = (
+                    " (dp=-1 is resolved by ParallelDims.from_config)" if name == "dp" and value == -1 else ""
+                )
+                raise MeshError(f"parallel.{name}={value} must be an integer >= 1{hint}")
+        product = self.dp * self.pp * self.cp * self.tp
+        if product != self.world_size:
+            inner = self.pp * self.cp * self.tp
+            fix = (
+                f"set parallel.dp={self.world_size // inner}"
+                if self.world_size % inner == 0
+                else f"choose parallel.tp/pp/cp whose product divides {self.world_size}"
+            )
+            raise MeshError(
+                f"parallel.dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {product} "
+                f"but the world size is {self.world_size}; {fix}"
+            )
+        dpcp = self.dp * self.cp
+        if dpcp % self.ep:
+            raise MeshError(
+                f"parallel.ep={self.ep} does not divide parallel.dp*cp = {dpcp}; set parallel.ep to one of "
+                f"{', '.join(map(str, _divisors(dpcp)))}"
+            )
+        if self.zero not in (0, 1, 2, 3):
+            raise MeshError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+
+    def grid(self) -> torch.Tensor:
+        """The rank grid, shape (dp, pp, cp, tp)."""
+        return torch.arange(self.world_size).reshape(self.dp, self.pp, self.cp, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on each grid axis: ``{"dp": .., "pp": .., "cp": .., "tp": ..}``."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        idx = (self.grid() == rank).nonzero()[0].tolist()
+        return dict(zip(GRID_AXES, idx))
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` as a list of global ranks (see the module docstring for the layout)."""
+        g = self.grid()  # (dp, pp, cp, tp)
+        if axis in GRID_AXES:
+            k = GRID_AXES.index(axis)
+            moved = g.movedim(k, -1)  # other axes first, in grid order
+            return moved.reshape(-1, moved.shape[-1]).tolist()
+        if axis == "world":
+            return [list(range(self.world_size))]
+        dpcp = g.permute(1, 3, 0, 2).reshape(self.pp * self.tp, self.dp * self.cp)  # (pp*tp, dp*cp)
+        if axis == "dp_cp":
+            return dpcp.tolist()
+        n_chunks = self.dp * self.cp // self.ep
+        chunks = dpcp.reshape(self.pp * self.tp, n_chunks, self.ep)  # (pp*tp, n_chunks, ep)
+        if axis == "ep":
+            return chunks.reshape(-1, self.ep).tolist()
+        if axis == "edp":
+            return chunks.transpose(1, 2).reshape(-1, n_chunks).tolist()
+        raise MeshError(f"unknown mesh axis {axis!r}; choose one of {', '.join(AXES)}")
+
+    def build(self, rank: int) -> Mesh:
+        """Create every process group (collective: all ranks must call it) and return this rank's Mesh."""
+        return Mesh(self, rank)
+
+
+@dataclass
+class Group:
+    """One process group as seen by one rank: its axis name, member ranks and torch ProcessGroup.
+
+    ``pg`` is None for a group of one rank, whose collectives are no-ops. ``seq`` numbers the collectives
+    issued on this group (for the log and hang reports); ``backend`` is ``"gloo"``, ``"nccl"`` or ``""``
+    (no process group).
+    """
+
+    axis: str
+    ranks: tuple[int, ...]
+    pg: Any
+    stats: CommStats
+    rank: int = 0
+    backend: str = ""
+    seq: int = field(default=0, compare=False)
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self.ranks)
+
+    @property
+    def rank_in_group(self) -> int:
+        """This rank's index in ``ranks``."""
+        return self.ranks.index(self.rank)
+
+    @property
+    def native_avg(self) -> bool:
+        """Whether the backend reduces with ReduceOp.AVG itself (NCCL; Gloo has no AVG)."""
+        return self.backend == "nccl"
+
+    @property
+    def label(self) -> str:
+        """Short name for logs and errors, e.g. ``tp[2,3]``."""
+        return f"{self.axis}[{','.join(map(str, self.ranks))}]"
+
+
+class Mesh:
+    """This rank's view of the mesh: the groups it belongs to on every axis and its neighbours.
+
+    Attributes: ``dims`` (ParallelDims), ``rank`` (global), ``coords`` (dict axis -> coordinate),
+    ``stats`` (CommStats shared by all groups), ``pp_prev``/``pp_next`` (global ranks of the previous and
+    next pipeline stage, None at the ends), ``cp_prev``/``cp_next`` (neighbours on the CP ring).
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int) -> None:
+        self.dims = dims
+        self.rank = rank
+        self.coords = dims.coords(rank)
+        self.stats = CommStats(rank)
+        self._groups: dict[str, Group] = {}
+        initialised = dist.is_available() and dist.is_initialized()
+        if initialised and dist.get_world_size() != dims.world_size:
+            raise MeshError(
+                f"the mesh is for {dims.world_size} ranks but torch.distributed runs {dist.get_world_size()}; "
+                f"set parallel degrees whose product is {dist.get_world_size()}"
+            )
+        if not initialised and dims.world_size > 1:
+            raise MeshError(
+                "ParallelDims.build needs torch.distributed initialised (zerotron.dist.init_distributed)"
+            )
+        backend = str(dist.get_backend()) if initialised else ""
+        created: dict[tuple[int, ...], Any] = {}
+        # Every rank walks the same axes and groups in the same order: new_group is collective.
+        for axis in AXES:
+            for ranks in dims.group_ranks(axis):
+                key = tuple(ranks)
+                if len(key) > 1 and key not in created:
+                    created[key] = (
+                        dist.group.WORLD if len(key) == dims.world_size else dist.new_group(list(key))
+                    )
+                if rank in key:
+                    pg = created.get(key) if len(key) > 1 else None
+                    self._groups[axis] = Group(
+                        axis, key, pg, self.stats, rank, backend if pg is not None else ""
+                    )
+        d = dims
+        c = self.coords
+        grid = dims.grid()
+        self.pp_prev = int(grid[c["dp"], c["pp"] - 1, c["cp"], c["tp"]]) if c["pp"] > 0 else None
+        self.pp_next = int(grid[c["dp"], c["pp"] + 1, c["cp"], c["tp"]]) if c["pp"] < d.pp - 1 else None
+        self.cp_prev = int(grid[c["dp"], c["pp"], (c["cp"] - 1) % d.cp, c["tp"]])
+        self.cp_next = int(grid[c["dp"], c["pp"], (c["cp"] + 1) % d.cp, c["tp"]])
+
+    def group(self, axis: str) -> Group:
+        """This rank's group on ``axis`` (one of ``AXES``); a size-1 group when the degree is 1."""
+        try:
+            return self._groups[axis]
+        except KeyError:
+            raise MeshError(f"unknown mesh axis {axis!r}; choose one of {', '.join(AXES)}") from None
+
+    def __repr__(self) -> str:
+        d = self.dims
+        return f"Mesh(rank={self.rank}, dp={d.dp}, pp={d.pp}, cp={d.cp}, tp={d.tp}, ep={d.ep}, zero={d.zero})"
