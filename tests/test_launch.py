@@ -80,7 +80,7 @@ def test_spawn_under_torchrun_runs_in_place(tmp_path: Path) -> None:
     script.write_text(
         textwrap.dedent(
             """
-            import json, torch
+            import json, sys, torch
             from zerotron.dist import ParallelDims, collectives, current_rank_and_world, spawn
 
             def body(x):
@@ -91,7 +91,8 @@ def test_spawn_under_torchrun_runs_in_place(tmp_path: Path) -> None:
                 return [rank, world, t.item()]
 
             if __name__ == "__main__":
-                print("RESULT", json.dumps(spawn(body, 99, args=(0.5,))), flush=True)
+                # one write per line: torchrun's workers are unbuffered, so print's pieces interleave
+                sys.stdout.write("RESULT " + json.dumps(spawn(body, 99, args=(0.5,))) + "\\n")
             """
         )
     )

@@ -19,7 +19,8 @@ from zerotron.presets import PRESETS
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - "help" is the natural name here
     """A dataclass field with a help text."""
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+        factory: Any = lambda d=default: type(d)(d)  # noqa: E731 - a fresh copy per instance
+        return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -28,7 +29,9 @@ class ModelConfig:
     """Architecture of a Llama-family decoder. Field names follow Hugging Face's ``LlamaConfig``."""
 
     preset: Optional[str] = _f("tiny", f"named architecture: {', '.join(PRESETS)}; None with model.path")
-    path: Optional[str] = _f(None, "Hugging Face directory or GGUF file to load architecture and weights from")
+    path: Optional[str] = _f(
+        None, "Hugging Face directory or GGUF file to load architecture and weights from"
+    )
     hidden_size: int = _f(128, "width of the residual stream")
     num_hidden_layers: int = _f(4, "number of transformer blocks")
     num_attention_heads: int = _f(4, "query heads per layer")
@@ -39,8 +42,9 @@ class ModelConfig:
     max_position_embeddings: int = _f(1024, "longest sequence the model supports")
     rope_theta: float = _f(10000.0, "RoPE base frequency")
     rope_scaling: Optional[dict] = _f(
-        None, "Llama 3 frequency scaling: {rope_type: llama3, factor, low_freq_factor, "
-        "high_freq_factor, original_max_position_embeddings}"
+        None,
+        "Llama 3 frequency scaling: {rope_type: llama3, factor, low_freq_factor, "
+        "high_freq_factor, original_max_position_embeddings}",
     )
     rms_norm_eps: float = _f(1e-5, "epsilon of RMSNorm")
     tie_word_embeddings: bool = _f(True, "share the input embedding with the output projection")
@@ -65,7 +69,9 @@ class ModelConfig:
         if self.preset is None:
             return self
         if self.preset not in PRESETS:
-            raise ValueError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+            raise ValueError(
+                f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}"
+            )
         values = {**self.__dict__, **PRESETS[self.preset]}
         return ModelConfig(**values)
 
@@ -111,6 +117,9 @@ class TrainConfig:
     loss_scale_init: float = _f(2.0**16, "fp16: initial loss scale")
     loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles")
     recompute: str = _f("none", "activation recomputation: none, selective (attention core) or full")
+    exit_step: int = _f(
+        0, "stop after this step (checkpointed) although train.steps is larger; 0: run to the end"
+    )
     seed: int = _f(1234, "seed for weights, data order and dropout; same weights on any layout")
     sample_every: int = _f(0, "print a generated sample every N steps (0: only at the end)")
     sample_prompt: str = _f("def ", "prompt of the generated sample")
@@ -120,11 +129,15 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    source: str = _f("stdlib", "stdlib (Python's own source files), or a path: text file/dir, .jsonl, .bin/.npy")
+    source: str = _f(
+        "stdlib", "stdlib (Python's own source files), or a path: text file/dir, .jsonl, .bin/.npy"
+    )
     tokenizer: str = _f("byte", "byte, a tokenizer.json path, or 'model' (the tokenizer of model.path)")
     text_field: str = _f("text", "JSONL: the field holding a document's text")
     max_files: int = _f(0, "stdlib/directory sources: read at most this many files (0: all)")
-    max_bytes: int = _f(4_000_000, "stdlib/directory sources: stop reading after this many bytes (0: no limit)")
+    max_bytes: int = _f(
+        4_000_000, "stdlib/directory sources: stop reading after this many bytes (0: no limit)"
+    )
     token_dtype: str = _f("uint16", ".bin sources: integer dtype of the token file")
 
 

@@ -1,0 +1,90 @@
+"""The command line: bad input stops before any rank starts, with one line naming what to change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerotron.cli import main
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["train", "parallel.tp=3", "--nproc", "3"], "tp"),
+        (["train", "parallel.dp=3", "--nproc", "2"], "world size"),
+        (["train", "train.lrr=0.1"], "did you mean 'train.lr'"),
+        (["train", "train.lr=-1"], "train.lr"),
+        (["train", "train.seq_len=4096"], "max_position_embeddings"),
+        (["train", "data.source=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    ],
+)
+def test_bad_input_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], expected: str
+) -> None:
+    err = _error(capsys, [*argv, "--out", str(tmp_path / "run")])
+    assert expected in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_malformed_jsonl_reports_file_and_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    data = tmp_path / "corpus.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n{not json\n")
+    err = _error(capsys, ["train", f"data.source={data}", "--out", str(tmp_path / "run")])
+    assert f"{data}:2" in err
+
+
+def test_train_end_to_end_small(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "train.steps=6",
+            "train.seq_len=64",
+            "train.global_batch=4",
+            "train.micro_batch=2",
+            "data.max_bytes=100000",
+            "log.progress=lines",
+            "--out",
+            str(out),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert code == 0
+    assert f"run directory: {out}" in text and "sample:" in text
+    for name in ("config.yaml", "metrics.jsonl", "loss.png", "sample.txt", "checkpoints/latest"):
+        assert (out / name).exists(), name
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    keys = {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "n_params",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "comm_bytes",
+        "model_state_bytes",
+        "activation_bytes",
+        "layout",
+        "rank",
+    }
+    assert keys <= set(records[0])
+    assert records[0]["mfu"] is None and records[0]["layout"]["dp"] == 2
+    states = records[0]["model_state_bytes"]
+    # AdamW: two fp32 moments per parameter, plus one scalar step counter per parameter tensor.
+    assert states["optimizer"] == pytest.approx(2 * states["params"], rel=1e-3)
+    assert states["grads"] == states["params"]  # fp32 gradients of every parameter, held at the step

@@ -1,0 +1,3 @@
+from zerotron.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""The `zerotron` command line: parse arguments and dispatch. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EPILOG_TRAIN = """examples:
+  zerotron train                                   # the embedded default: tiny model, stdlib corpus, 2 ranks
+  zerotron train my.yaml train.lr=1e-3 --nproc 4   # a config file plus dotted overrides
+  zerotron train parallel.dp=2 --resume auto --out runs/a
+  torchrun --nproc-per-node 8 -m zerotron train my.yaml   # under torchrun: its ranks are used
+"""
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    config = None
+    overrides = []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif config is None:
+            config = item
+        else:
+            raise SystemExit(f"zerotron: error: more than one config file given ({config!r}, {item!r})")
+    return config, overrides
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    if args.help_config:
+        from zerotron.config_load import describe_fields
+
+        print(describe_fields())
+        return 0
+    from zerotron.train.run import launch_training
+
+    config, overrides = _split_config_and_overrides(args.items)
+    summary = launch_training(
+        config, overrides, args.nproc, out=args.out, resume=args.resume, deepspeed=args.deepspeed
+    )
+    if "first_loss" in summary:
+        print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps")
+    if summary.get("sample"):
+        print("sample:\n" + summary["sample"])
+    print(f"run directory: {summary['run_dir']}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from zerotron.serve.generate import run_generate
+
+    run_generate(
+        args.model,
+        args.prompt,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from zerotron.checkpoint.convert import convert
+
+    convert(args.src, args.dst)
+    print(f"wrote {args.dst}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="zerotron", description="Train, convert and run transformer models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train",
+        help="train a model",
+        epilog=EPILOG_TRAIN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG] [key=value ...]",
+        help="a YAML/JSON config file and/or dotted overrides (see --help-config)",
+    )
+    train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
+    train.add_argument("--out", help="run directory (default runs/<timestamp>)")
+    train.add_argument("--resume", help="'auto' (newest complete checkpoint in --out) or a checkpoint folder")
+    train.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed ds_config.json to map")
+    train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    train.set_defaults(fn=_cmd_train)
+
+    gen = sub.add_parser("generate", help="generate text from a model (HF directory or GGUF file)")
+    gen.add_argument("model", help="Hugging Face directory or .gguf file")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(fn=_cmd_generate)
+
+    conv = sub.add_parser("convert", help="convert a GGUF file or HF directory into a HF directory")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.set_defaults(fn=_cmd_convert)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are the user's input, reported as one line without a traceback."""
+    errors: list[Any] = []
+    for module, name in [
+        ("zerotron.config_load", "ConfigError"),
+        ("zerotron.dist.mesh", "MeshError"),
+        ("zerotron.dist.launch", "LaunchError"),
+        ("zerotron.models.loading", "ModelLoadError"),
+        ("zerotron.train.data", "DataError"),
+        ("zerotron.checkpoint.store", "CheckpointError"),
+    ]:
+        try:
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `zerotron` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except _user_errors() as e:
+        print(f"zerotron: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

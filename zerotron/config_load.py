@@ -1,0 +1,525 @@
+"""Read, override, check and write the configuration tree of :mod:`zerotron.config` (DESIGN contract 6).
+
+- :func:`load_config`: a YAML/JSON file plus dotted overrides (``train.lr=3e-4``); the model preset is
+  applied first and explicit model fields win over it.
+- :func:`validate`: every check that can run before a rank starts (ranges, choices, divisibility).
+- :func:`from_deepspeed`: a DeepSpeed ``ds_config.json`` mapped onto the tree; keys that cannot be
+  mapped are listed in one error.
+- :func:`save_config` / :func:`to_dict` / :func:`describe_fields`.
+
+Every problem is a :class:`ConfigError` whose one-line message names the key and what to change. No
+torch here: ``zerotron plan`` and the checks run anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zerotron.config import SECTIONS, Config, ModelConfig
+from zerotron.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the fix."""
+
+
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(), n=1, cutoff=0.6)
+    hint = f" — did you mean '{close[0]}'?" if close else "; see `zerotron train --help-config`"
+    return ConfigError(f"unknown key '{key}'{hint}")
+
+
+def _field(section: str, name: str) -> dataclasses.Field:
+    if section not in SECTIONS:
+        raise _unknown(f"{section}.{name}")
+    for f in dataclasses.fields(SECTIONS[section]):
+        if f.name == name:
+            return f
+    raise _unknown(f"{section}.{name}")
+
+
+def _coerce(key: str, annotation: Any, value: Any) -> Any:
+    """``value`` as the field's declared type (annotations are strings: ``"Optional[int]"``, ``"float"``)."""
+    text = str(annotation)
+    optional = text.startswith("Optional[")
+    base = text[len("Optional[") : -1] if optional else text
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    if value is None:
+        raise ConfigError(f"{key}: must be a {base}, not null")
+    kind = _SCALARS.get(base)
+    if kind is None:
+        return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if kind in (int, float) and isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"{key}: expected a {base}, got {value!r}")
+    return value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"override {item!r}: write section.key=value, e.g. train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ConfigError(
+            f"{path}: not valid {'JSON' if p.suffix == '.json' else 'YAML'} ({e})".replace("\n", " ")
+        ) from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    return data
+
+
+def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise (
+                _unknown(str(section))
+                if "." in str(section)
+                else ConfigError(f"{source}: unknown section '{section}'; sections are {', '.join(SECTIONS)}")
+            )
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of keys")
+        for name, value in body.items():
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of ``path`` (YAML/JSON; None for the defaults) with ``key=value`` overrides applied.
+
+    Model fields: defaults, then the preset's architecture, then every model field given explicitly.
+    ``model.path`` without an explicit ``model.preset`` clears the preset (the file has the architecture).
+    """
+    flat = _flatten(_read_file(path), path) if path else {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        flat[key] = value
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        f = _field(section, name)
+        values[section][name] = _coerce(key, f.type, value)
+    model_values = values.pop("model")
+    if model_values.get("path") and "preset" not in model_values:
+        model_values["preset"] = None
+    preset = model_values.get("preset", ModelConfig.preset)
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    model = ModelConfig(**{**(PRESETS[preset] if preset else {}), **model_values})
+    return Config(model=model, **{s: SECTIONS[s](**v) for s, v in values.items()})
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain nested dicts (JSON/YAML ready)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (loads back to an equal config with :func:`load_config`)."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def describe_fields() -> str:
+    """Every key with its type, default and help text (``zerotron train --help-config``)."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"{section}:  {(cls.__doc__ or '').strip().splitlines()[0]}")
+        default = cls()
+        for f in dataclasses.fields(cls):
+            value = getattr(default, f.name)
+            lines.append(
+                f"  {section}.{f.name} ({f.type}, default {value!r})\n      {f.metadata.get('help', '')}"
+            )
+    return "\n".join(lines)
+
+
+_CHOICES = {
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zb"),
+    "parallel.offload_optimizer": ("none", "cpu", "nvme"),
+    "parallel.offload_params": ("none", "cpu", "nvme"),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.recompute": ("none", "selective", "full"),
+    "train.schedule": ("cosine", "linear", "constant"),
+    "model.mlp": ("gated", "plain"),
+    "data.token_dtype": ("uint16", "uint32", "int32", "int64"),
+    "log.progress": ("auto", "bar", "lines", "none"),
+}
+_POSITIVE = (
+    "model.hidden_size",
+    "model.num_hidden_layers",
+    "model.num_attention_heads",
+    "model.intermediate_size",
+    "model.vocab_size",
+    "model.max_position_embeddings",
+    "train.steps",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.seq_len",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.cp",
+    "parallel.ep",
+    "parallel.virtual_stages",
+    "log.every",
+)
+_NON_NEGATIVE = (
+    "train.lr",
+    "train.min_lr",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.grad_clip",
+    "train.exit_step",
+    "train.sample_every",
+    "checkpoint.every",
+    "data.max_files",
+    "data.max_bytes",
+    "parallel.zero",
+    "train.eps",
+)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _check_ranges(cfg: Config) -> None:
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: choose one of {', '.join(choices)}")
+    for key in _POSITIVE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+    if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
+        raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be >= 1, or -1 for world_size / (tp*pp*cp)")
+    if cfg.parallel.zero > 3:
+        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0, 1, 2 or 3")
+    t = cfg.train
+    for key, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key}={value} must be in [0, 1)")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower train.min_lr")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1")
+    if t.loss_scale_init <= 0 or t.loss_scale_window < 1:
+        raise ConfigError("train.loss_scale_init must be > 0 and train.loss_scale_window >= 1")
+
+
+def _check_model(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; change one or set model.head_dim"
+        )
+    if m.num_attention_heads % m.kv_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+            f"model.num_key_value_heads={m.kv_heads}"
+        )
+    for name, heads in (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", m.kv_heads)):
+        if heads % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.{name}={heads}; choose a tp that divides {heads}"
+            )
+    if cfg.train.seq_len > m.max_position_embeddings:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} is above model.max_position_embeddings="
+            f"{m.max_position_embeddings}; lower train.seq_len"
+        )
+
+
+def _check_batch(cfg: Config, world_size: int) -> None:
+    p, t = cfg.parallel, cfg.train
+    inner = p.pp * p.cp * p.tp
+    if p.dp == -1 and world_size % inner:
+        raise ConfigError(
+            f"parallel.pp*cp*tp = {inner} does not divide the world size {world_size}; "
+            f"change parallel.tp/pp/cp or --nproc"
+        )
+    dp = world_size // inner if p.dp == -1 else p.dp
+    if dp * inner != world_size:
+        raise ConfigError(
+            f"parallel.dp*pp*cp*tp = {dp}*{p.pp}*{p.cp}*{p.tp} = {dp * inner} but the world size is "
+            f"{world_size}; set --nproc {dp * inner} or parallel.dp={max(world_size // inner, 1)}"
+        )
+    per_rank = t.global_batch // dp if t.global_batch % dp == 0 else None
+    if per_rank is None:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by the data-parallel size {dp}; "
+            f"use a multiple of {dp}"
+        )
+    if per_rank % t.micro_batch:
+        raise ConfigError(
+            f"train.global_batch/dp = {per_rank} sequences per rank is not a multiple of "
+            f"train.micro_batch={t.micro_batch}; choose a micro_batch that divides {per_rank}"
+        )
+    if p.cp > 1 and t.seq_len % p.cp:
+        raise ConfigError(f"parallel.cp={p.cp} does not divide train.seq_len={t.seq_len}")
+    if cfg.model.num_hidden_layers % p.pp:
+        raise ConfigError(
+            f"parallel.pp={p.pp} does not divide model.num_hidden_layers={cfg.model.num_hidden_layers}"
+        )
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
+    _check_ranges(cfg)
+    _check_model(cfg)
+    _check_batch(cfg, world_size)
+
+
+# -- DeepSpeed ds_config.json ------------------------------------------------------------------------------
+
+_DS_IGNORED = {"steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients"}
+_DS_KNOWN = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer",
+    "scheduler",
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    *_DS_IGNORED,
+}
+_DS_OPTIMIZER = {"lr": "train.lr", "weight_decay": "train.weight_decay", "eps": "train.eps"}
+_DS_SCHEDULERS = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}
+
+
+def _map_ds_optimizer(ds: dict[str, Any], out: dict[str, Any], unmapped: list[str]) -> None:
+    opt = ds.get("optimizer")
+    if not opt:
+        return
+    if str(opt.get("type", "")).lower() not in ("adamw", "adam"):
+        unmapped.append(f"optimizer.type={opt.get('type')!r} (zerotron trains with AdamW)")
+    params = dict(opt.get("params", {}))
+    for key, value in params.items():
+        if key in _DS_OPTIMIZER:
+            out[_DS_OPTIMIZER[key]] = value
+        elif key == "betas" and isinstance(value, list) and len(value) == 2:
+            out["train.beta1"], out["train.beta2"] = value
+        elif key not in ("torch_adam", "adam_w_mode"):
+            unmapped.append(f"optimizer.params.{key}")
+
+
+def _map_ds_scheduler(ds: dict[str, Any], out: dict[str, Any], unmapped: list[str]) -> None:
+    sched = ds.get("scheduler")
+    if not sched:
+        out.setdefault("train.schedule", "constant")
+        out.setdefault("train.warmup_steps", 0)
+        return
+    kind = sched.get("type")
+    if kind not in _DS_SCHEDULERS:
+        unmapped.append(f"scheduler.type={kind!r} (zerotron maps {', '.join(sorted(_DS_SCHEDULERS))})")
+        return
+    params = dict(sched.get("params", {}))
+    out["train.schedule"] = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[
+        kind
+    ]
+    for key, value in params.items():
+        if key == "warmup_num_steps":
+            out["train.warmup_steps"] = value
+        elif key == "warmup_max_lr":
+            out["train.lr"] = value
+        elif key == "total_num_steps":
+            out["train.steps"] = value
+        elif (
+            key == "warmup_type"
+            and value == "linear"
+            or key in ("warmup_min_lr", "warmup_min_ratio")
+            and value == 0
+        ):
+            continue
+        elif key == "cos_min_ratio":
+            out["_cos_min_ratio"] = value
+        else:
+            unmapped.append(f"scheduler.params.{key}={value!r}")
+
+
+def _map_ds_zero(ds: dict[str, Any], out: dict[str, Any], unmapped: list[str]) -> None:
+    zero = ds.get("zero_optimization")
+    if not zero:
+        return
+    for key, value in zero.items():
+        if key == "stage":
+            out["parallel.zero"] = value
+        elif key in ("offload_optimizer", "offload_param"):
+            target = "parallel.offload_optimizer" if key == "offload_optimizer" else "parallel.offload_params"
+            out[target] = value.get("device", "none")
+            if value.get("nvme_path"):
+                out["parallel.nvme_path"] = value["nvme_path"]
+        elif key in ("reduce_bucket_size", "allgather_bucket_size"):
+            out["parallel.bucket_mb"] = float(value) * 4 / 2**20 if float(value) > 1e4 else float(value)
+        elif key in (
+            "overlap_comm",
+            "contiguous_gradients",
+            "reduce_scatter",
+            "allgather_partitions",
+            "round_robin_gradients",
+            "sub_group_size",
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+            "stage3_gather_16bit_weights_on_model_save",
+        ):
+            continue  # performance knobs of DeepSpeed's engine; zerotron schedules these itself
+        else:
+            unmapped.append(f"zero_optimization.{key}")
+
+
+def _map_ds_precision(ds: dict[str, Any], out: dict[str, Any], unmapped: list[str]) -> None:
+    for name in ("bf16", "fp16"):
+        section = ds.get(name) or {}
+        if not section.get("enabled", False):
+            continue
+        out["train.precision"] = name
+        for key, value in section.items():
+            if key == "enabled" or (
+                name == "fp16"
+                and key in ("loss_scale", "hysteresis", "min_loss_scale")
+                and value in (0, 1, 2)
+            ):
+                continue
+            if key == "initial_scale_power":
+                out["train.loss_scale_init"] = float(2 ** int(value))
+            elif key == "loss_scale_window":
+                out["train.loss_scale_window"] = value
+            else:
+                unmapped.append(f"{name}.{key}={value!r}")
+
+
+def _map_ds_batch(
+    ds: dict[str, Any], out: dict[str, Any], unmapped: list[str], dp: int | None, path: str
+) -> None:
+    """DeepSpeed's rule: train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp."""
+    keys = (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    )
+    values = {k: ds[k] for k in keys if k in ds}
+    for key, value in values.items():
+        if value == "auto":
+            unmapped.append(f"{key}='auto' (give a number)")
+    if any(v == "auto" for v in values.values()):
+        return
+    batch, micro, gas = (values.get(k) for k in keys[:3])
+    if "gradient_clipping" in values:
+        out["train.grad_clip"] = values["gradient_clipping"]
+    if micro is not None:
+        out["train.micro_batch"] = micro
+    if batch is not None:
+        out["train.global_batch"] = batch
+    elif micro is not None and gas is not None and dp is not None:
+        out["train.global_batch"] = micro * gas * dp
+    elif gas is not None:
+        unmapped.append("gradient_accumulation_steps without train_batch_size (give train_batch_size)")
+    if (
+        batch is not None
+        and micro is not None
+        and gas is not None
+        and dp is not None
+        and batch != micro * gas * dp
+    ):
+        raise ConfigError(
+            f"{path}: train_batch_size={batch} != train_micro_batch_size_per_gpu * gradient_accumulation_steps "
+            f"* dp = {micro}*{gas}*{dp}; fix one of them"
+        )
+
+
+def from_deepspeed(path: str, cfg: Config, world_size: int | None = None) -> Config:
+    """``cfg`` with the settings of a DeepSpeed ``ds_config.json`` applied.
+
+    Mapped: train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps (checked with
+    DeepSpeed's rule, which needs ``world_size``), gradient_clipping, optimizer (Adam/AdamW), scheduler
+    (WarmupLR, WarmupDecayLR, WarmupCosineLR), fp16/bf16, zero_optimization stage and offload. Anything
+    else raises one error that lists every unmapped key.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--deepspeed {path}: no such file")
+    try:
+        ds = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object")
+    out: dict[str, Any] = {}
+    unmapped = [key for key in ds if key not in _DS_KNOWN]
+    _map_ds_optimizer(ds, out, unmapped)
+    _map_ds_scheduler(ds, out, unmapped)
+    _map_ds_zero(ds, out, unmapped)
+    _map_ds_precision(ds, out, unmapped)
+    inner = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    dp = cfg.parallel.dp if cfg.parallel.dp > 0 else (world_size // inner if world_size else None)
+    _map_ds_batch(ds, out, unmapped, dp, path)
+    if unmapped:
+        raise ConfigError(
+            f"{path}: cannot map {', '.join(unmapped)}; remove them or set the zerotron key instead"
+        )
+    ratio = out.pop("_cos_min_ratio", None)
+    for key, value in out.items():
+        section, _, name = key.partition(".")
+        setattr(getattr(cfg, section), name, _coerce(key, _field(section, name).type, value))
+    if ratio is not None:
+        cfg.train.min_lr = cfg.train.lr * float(ratio)
+    elif cfg.train.min_lr > cfg.train.lr:
+        cfg.train.min_lr = 0.0
+    return cfg

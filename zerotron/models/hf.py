@@ -1,0 +1,199 @@
+"""Hugging Face directories: config.json <-> ModelConfig, safetensors weights, and the weight-name map.
+
+zerotron names are HF's ``LlamaForCausalLM`` names without the ``model.`` prefix
+(``layers.0.self_attn.q_proj.weight`` <-> ``model.layers.0.self_attn.q_proj.weight``); ``lm_head.weight``
+is the same in both and absent from the files of tied models. Qwen2 and Mistral use the same names.
+Errors are :class:`ModelLoadError` with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from zerotron.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelLoadError(ValueError):
+    """A model file or directory that cannot be read: the message names the file and what is wrong."""
+
+
+def to_hf_name(name: str) -> str:
+    """zerotron parameter name -> HF name."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def from_hf_name(name: str) -> str:
+    """HF parameter name -> zerotron name."""
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """ModelConfig from the dict of a HF ``config.json`` (Llama, Mistral or Qwen2 architectures)."""
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{source}: unsupported architecture {arch!r}; zerotron reads {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
+        raise ModelLoadError(f"{source}: Llama attention_bias=true (bias on o_proj too) is not supported")
+    if hf.get("mlp_bias"):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (gated MLP needs silu)")
+    rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+        rope_theta = rope_scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_scaling = None
+    else:
+        rope_theta = hf.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
+        if rope_scaling:
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+    eos = hf.get("eos_token_id")
+    return ModelConfig(
+        preset=None,
+        hidden_size=hf["hidden_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        intermediate_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM",
+        mlp="gated",
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None),
+    )
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """A HF ``config.json`` dict: Qwen2ForCausalLM when q/k/v have biases, LlamaForCausalLM otherwise."""
+    if cfg.mlp != "gated":
+        raise ModelLoadError("model.mlp=plain has no Hugging Face Llama equivalent; export needs mlp=gated")
+    qwen = cfg.attention_bias
+    out: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.dim_per_head,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+        "initializer_range": cfg.initializer_range,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "torch_dtype": "float32",
+    }
+    if not qwen:
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def read_hf_config(directory: str | Path) -> ModelConfig:
+    """ModelConfig of a HF model directory (reads ``config.json``)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such file (a Hugging Face model directory needs config.json)")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+    try:
+        return config_from_hf(hf, str(path))
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: missing field {e.args[0]!r}") from e
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from e
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: no such file (listed in {index.name})")
+        return files
+    raise ModelLoadError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF directory under zerotron names (single or sharded safetensors)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(directory)):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    out[from_hf_name(key)] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own SafetensorError/OSError for damaged files
+            raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
+    return out
+
+
+def write_hf_directory(
+    model: torch.nn.Module,
+    directory: str | Path,
+    tokenizer_files: Optional[dict[str, str]] = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and tokenizer files.
+
+    ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads the result.
+
+    Args:
+        model: a :class:`~zerotron.models.llama.LlamaForCausalLM`.
+        directory: created if absent.
+        tokenizer_files: file name -> text (e.g. tokenizer.json, tokenizer_config.json).
+        dtype: dtype of the stored weights.
+    """
+    from safetensors.torch import save_file
+
+    cfg: ModelConfig = model.config  # type: ignore[assignment]
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = config_to_hf(cfg)
+    hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        tensors[to_hf_name(name)] = tensor.detach().to("cpu", dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
+    gen = {
+        k: v
+        for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id))
+        if v is not None
+    }
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+    for name, text in (tokenizer_files or {}).items():
+        (out / name).write_text(text, encoding="utf-8")
+    return out

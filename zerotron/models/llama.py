@@ -1,0 +1,357 @@
+"""A Llama-family decoder written for one device, as a reference implementation.
+
+Covers Llama 2/3 (GQA, Llama 3 RoPE frequency scaling), Mistral (no sliding window), Qwen2 (q/k/v bias),
+SmolLM2 (tied embeddings) and GPT-style models (``mlp="plain"``: GELU MLP). Parallelism is applied to
+this model from outside (DESIGN contract 3); the parallel plan relies on these names:
+
+- ``model.embed_tokens``, ``model.layers`` (a ``ModuleList`` of :class:`DecoderLayer`), ``model.norm``,
+  ``model.lm_head`` (sharing ``embed_tokens.weight`` when ``tie_word_embeddings``);
+- inside a block: ``self_attn.{q,k,v,o}_proj``, ``self_attn.core`` (softmax(QKᵀ)V only, the unit of
+  selective recomputation), ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``.
+
+Parameter names equal Hugging Face's ``LlamaForCausalLM`` names without the ``model.`` prefix.
+Initialisation is layout-independent (DESIGN contract 4): :func:`init_parameter` gives each parameter a
+value that depends only on (seed, name, global shape).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotron.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square LayerNorm; the statistic is computed in fp32 and the result cast back (as HF)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of ``x`` (any leading shape)."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies (d/2,) in fp32 on the CPU, with Llama 3 scaling when configured.
+
+    Llama 3 scaling (HF ``rope_type="llama3"``): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, shorter than
+    ``original / high_freq_factor`` are kept, and the band between is interpolated smoothly.
+    """
+    dim = cfg.dim_per_head
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )  # (d/2,)
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ValueError(f"model.rope_scaling: rope_type {rope_type!r} is not supported; use llama3 or none")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen, high_freq_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of rotary position embeddings, built lazily per device (never a parameter).
+
+    The tables are plain attributes rather than buffers so that a model built on the meta device needs
+    no re-initialisation of them, and so that ``state_dict`` holds weights only.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inv_freq = rope_inverse_frequencies(cfg)  # (d/2,) fp32, CPU
+        self.max_len = cfg.max_position_embeddings
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._tables.get(device)
+        if cached is None or cached[0].shape[0] < needed:
+            length = max(self.max_len, needed)
+            pos = torch.arange(length, dtype=torch.float32, device=device)
+            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # (L, d/2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (L, d)
+            cached = (emb.cos(), emb.sin())
+            self._tables[device] = cached
+        return cached
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``position_ids`` (b, s), each (b, 1, s, d) in ``dtype``."""
+        cos, sin = self._table(position_ids.device, int(position_ids.max()) + 1)
+        return cos[position_ids].unsqueeze(1).to(dtype), sin[position_ids].unsqueeze(1).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (b, heads, s, d) by the angles in cos/sin (b, 1, s, d); HF's half-split convention."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated keys and values of every layer for incremental decoding.
+
+    ``k[i]``/``v[i]`` are (b, kv_heads, max_len, d); ``length`` tokens of them are filled. The model
+    writes a step's keys into place (no concatenation, no per-step allocation of the cache) and advances
+    ``length`` once all layers have run.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (batch, cfg.kv_heads, max_len, cfg.dim_per_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a step's k, v (b, kv_heads, s, d) of ``layer``; return all keys/values so far (views)."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} tokens exceed its max_len={self.max_len}")
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class AttentionCore(nn.Module):
+    """softmax(QKᵀ/√d)V with a causal mask: the part selective recomputation wraps.
+
+    Grouped-query attention is handled by SDPA's ``enable_gqa`` (k/v heads are shared by groups of
+    query heads without being copied).
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """q (b, h, s, d), k/v (b, kv_h, t, d) -> (b, h, s, d). Causal unless an explicit mask is given.
+
+        With ``t > s`` (cached keys) and no mask, every query sees every key: the single-token decode step.
+        """
+        gqa = q.shape[1] != k.shape[1]
+        if attn_mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        causal = q.shape[2] > 1 and q.shape[2] == k.shape[2]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA/MQA, RoPE and optional q/k/v bias (Qwen2)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"model.num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_heads}"
+            )
+        h, qd, kvd = cfg.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, qd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, kvd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, kvd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(qd, h, bias=False)
+        self.core = AttentionCore()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: Optional[KVCache] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """x (b, s, h) -> (b, s, h)."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (b, nh, s, d)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kvh, s, d)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kvh, s, d)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (b, kvh, t, d)
+        out = self.core(q, k, v, attn_mask)  # (b, nh, s, d)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU (``gated``: down(silu(gate(x)) * up(x))) or GPT-style (``plain``: down(gelu(up(x)))).
+
+    The plain MLP uses GELU with the tanh approximation (GPT-2's ``gelu_new``) and, like the gated one,
+    no biases.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.mlp not in ("gated", "plain"):
+            raise ValueError(f"model.mlp: unknown value {cfg.mlp!r}; choose gated or plain")
+        self.gated = cfg.mlp == "gated"
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        if self.gated:
+            self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, s, h) -> (b, s, h)."""
+        if self.gated:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (b, s, h)
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: Optional[KVCache] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """x (b, s, h) -> (b, s, h)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only language model returning logits; the loss is the caller's.
+
+    Args:
+        cfg: architecture (preset already applied). Build on the meta device and call
+            ``to_empty(device=...)`` + :meth:`init_weights` to materialise without a first random init.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the very tensor of ``embed_tokens.weight`` when tied."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # to_empty/to/cuda convert the two tied references separately; re-tie afterwards.
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """input_ids (b, s) -> logits (b, s, V). With ``kv_cache``, continue after its cached tokens.
+
+        ``logits_to_keep=n > 0`` projects only the last n positions to the vocabulary (b, n, V): a
+        prefill for generation needs just the last one.
+        """
+        b, s = input_ids.shape
+        past = kv_cache.length if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=input_ids.device).expand(b, s)  # (b, s)
+        x = self.embed_tokens(input_ids)  # (b, s, h)
+        cos, sin = self.rotary(position_ids, x.dtype)  # (b, 1, s, d)
+        attn_mask = None
+        if past > 0 and s > 1:
+            # A chunk after cached tokens: query i sees keys up to past + i (causal, bottom-right aligned).
+            keys = torch.arange(past + s, device=input_ids.device)
+            attn_mask = keys[None, :] <= (past + torch.arange(s, device=input_ids.device))[:, None]  # (s, t)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, attn_mask)
+        if kv_cache is not None:
+            kv_cache.length += s
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        return self.lm_head(self.norm(x))  # (b, s, V)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Give every parameter its layout-independent initial value (see :func:`init_parameter`)."""
+        self.tie_weights()
+        for name, param in self.named_parameters():
+            param.copy_(init_parameter(name, tuple(param.shape), seed, self.config))
+
+
+def init_parameter(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:
+    """The initial value (fp32, CPU) of parameter ``name`` with global ``shape``: a pure function.
+
+    A generator seeded with crc32(f"{seed}:{name}") draws N(0, initializer_range) for matrices, scaled by
+    1/sqrt(2·num_layers) for the residual output projections (o_proj, down_proj; GPT-2); norms are ones
+    and biases zeros. A sharded engine computes the same global tensor and slices its part.
+    """
+    if name.endswith("bias"):
+        return torch.zeros(shape, device="cpu")
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return torch.ones(shape, device="cpu")
+    # The CPU generator keeps only 32 bits of its seed, so seed and name are hashed together into 32.
+    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    std = cfg.initializer_range
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std /= math.sqrt(2 * cfg.num_hidden_layers)
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameter elements (a tied embedding counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward+backward model FLOPs per token: 6·N_matmul + 12·L·s·(heads·head_dim).
+
+    N_matmul counts the weights of every matrix multiply (attention and MLP projections and the output
+    head; not the embedding lookup, norms or biases). The attention term is the PaLM/Megatron convention:
+    QKᵀ and AV at 2·s·heads·head_dim FLOPs each per token and layer, times 3 for forward and backward,
+    without halving for the causal mask. Recomputation is not counted (this is *model* FLOPs, for MFU).
+    """
+    h, d, L = cfg.hidden_size, cfg.dim_per_head, cfg.num_hidden_layers
+    attn = h * d * (cfg.num_attention_heads * 2 + cfg.kv_heads * 2)
+    mlp = (3 if cfg.mlp == "gated" else 2) * h * cfg.intermediate_size
+    n_matmul = L * (attn + mlp) + h * cfg.vocab_size
+    return 6.0 * n_matmul + 12.0 * L * seq_len * cfg.num_attention_heads * d

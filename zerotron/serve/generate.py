@@ -1,0 +1,182 @@
+"""Autoregressive generation with a preallocated KV cache: prefill once, then one token per step.
+
+:func:`generate` works on any :class:`~zerotron.models.llama.LlamaForCausalLM` and returns the new ids
+with timings; :func:`run_generate` is ``zerotron generate``: load a model file, optionally apply its chat
+template, and stream the decoded text as tokens arrive.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Optional, TextIO
+
+import torch
+
+from zerotron.models.llama import KVCache, LlamaForCausalLM
+from zerotron.models.loading import ModelLoadError, load_pretrained
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: Optional[torch.Generator]
+) -> int:
+    """One token id from logits (V,): greedy at temperature 0, else top-k / nucleus (top-p) sampling."""
+    if temperature <= 0.0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose probability reaches top_p (always >= 1 token).
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.inference_mode()
+def generate(
+    model: LlamaForCausalLM,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    stop_ids: Optional[list[int]] = None,
+    on_token: Optional[Callable[[int], None]] = None,
+) -> dict[str, Any]:
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (batch of one).
+
+    Args:
+        model: a LlamaForCausalLM (its dtype and device are used for the cache).
+        tokenizer: supplies the default ``stop_ids`` (its EOS); may be None.
+        temperature: 0 is greedy; otherwise sampling with ``top_k`` (0: off) and ``top_p`` (1: off).
+        seed: seeds the sampling generator (None: nondeterministic).
+        stop_ids: generation ends after emitting one of these (default: the tokenizer's EOS).
+        on_token: called with each new id as soon as it is chosen (streaming).
+
+    Returns:
+        ``{"ids": new ids (stop id included), "prompt_tokens", "new_tokens", "prefill_s", "decode_s",
+        "prefill_tokens_per_s", "decode_tokens_per_s"}``. Decode covers the steps after the first new
+        token (the prefill produces that one).
+    """
+    if not prompt_ids:
+        raise ValueError("generate: the prompt is empty; give at least one token (e.g. BOS)")
+    if stop_ids is None:
+        stop_ids = list(getattr(tokenizer, "stop_ids", []) or [])
+    stops = set(stop_ids)
+    param = next(model.parameters())
+    generator = None
+    if temperature > 0.0:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(seed) if seed is not None else generator.seed()
+    cache = KVCache(model.config, 1, len(prompt_ids) + max_new_tokens, dtype=param.dtype, device=param.device)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=param.device)  # (1, s)
+    step_input = torch.empty((1, 1), dtype=torch.long, device=param.device)  # reused every decode step
+
+    t0 = time.perf_counter()
+    logits = model(ids, kv_cache=cache, logits_to_keep=1)[0, -1]  # (V,)
+    out: list[int] = []
+    t1 = time.perf_counter()
+    for _ in range(max_new_tokens):
+        token = sample_next(
+            logits.cpu() if generator is not None else logits, temperature, top_k, top_p, generator
+        )
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in stops or len(out) == max_new_tokens:
+            break
+        step_input.fill_(token)
+        logits = model(step_input, kv_cache=cache)[0, -1]  # (V,)
+    t2 = time.perf_counter()
+    prefill_s, decode_s = t1 - t0, t2 - t1
+    steps = max(len(out) - 1, 0)
+    return {
+        "ids": out,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(out),
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "prefill_tokens_per_s": len(prompt_ids) / prefill_s if prefill_s > 0 else float("inf"),
+        "decode_tokens_per_s": steps / decode_s if decode_s > 0 and steps else 0.0,
+    }
+
+
+class TextStream:
+    """Prints the growth of the decoded text, so multi-token characters and BPE pieces appear whole."""
+
+    def __init__(self, tokenizer: Any, out: TextIO) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, token: int) -> None:
+        """Add one id and print what became final."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for its remaining bytes
+            return
+        self._emit(text)
+
+    def flush(self) -> None:
+        """Print whatever is left (even a dangling partial character)."""
+        self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _emit(self, text: str) -> None:
+        if len(text) > self.printed:
+            self.out.write(text[self.printed :])
+            self.out.flush()
+            self.printed = len(text)
+
+
+def run_generate(
+    model_path: str,
+    prompt: str,
+    chat: bool = False,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    out: TextIO = sys.stdout,
+    stats: Optional[TextIO] = sys.stderr,
+) -> dict[str, Any]:
+    """``zerotron generate``: load ``model_path`` (HF directory or GGUF), stream the continuation to ``out``.
+
+    With ``chat``, the prompt becomes one user message rendered by the model's chat template. Timings
+    go to ``stats`` (None: silent). Returns :func:`generate`'s dict plus ``"text"``.
+    """
+    model, tokenizer = load_pretrained(model_path, dtype=dtype, device=device)
+    if tokenizer is None:
+        raise ModelLoadError(
+            f"{model_path}: the model has no tokenizer (tokenizer.json); cannot encode a prompt"
+        )
+    if chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tokenizer.encode(prompt)
+    stream = TextStream(tokenizer, out)
+    result = generate(
+        model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, on_token=stream
+    )
+    stream.flush()
+    out.write("\n")
+    result["text"] = tokenizer.decode(result["ids"], skip_special_tokens=True)
+    if stats is not None:
+        stats.write(
+            f"prefill {result['prompt_tokens']} tokens at {result['prefill_tokens_per_s']:.1f} tok/s, "
+            f"decode {result['new_tokens']} tokens at {result['decode_tokens_per_s']:.1f} tok/s\n"
+        )
+    return result

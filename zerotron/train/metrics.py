@@ -1,0 +1,178 @@
+"""Run observability: metrics.jsonl, memory accounting, progress display, loss plot, TensorBoard.
+
+metrics.jsonl has one JSON object per optimizer step with exactly the keys of DESIGN.md:
+``step, loss, lr, grad_norm, tokens, n_params, step_time_s, tokens_per_s, mfu, comm_bytes,
+model_state_bytes, activation_bytes, layout, rank`` (plus ``skipped`` and ``loss_scale`` under fp16).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of a collection of tensors, each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen and key != 0:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, extra_grad_bytes: int = 0) -> dict:
+    """Parameters, gradients and optimizer states as this rank holds them, counted from the tensors."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    opt_tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params) + extra_grad_bytes,
+        "optimizer": tensor_bytes(opt_tensors),
+    }
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward, excluding parameters (a saved-tensors hook).
+
+    ``peak`` is the largest total saved during one micro-batch's forward; tensors saved twice (the same
+    storage) count once. Under full recomputation only the checkpointed blocks' inputs are saved.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: set[int] = set()
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._param_ptrs and ptr not in self._seen:
+                self._seen.add(ptr)
+                self.current += t.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.current)
+        return t
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Wrap one micro-batch's forward pass."""
+        self._seen.clear()
+        self.current = 0
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+
+    def take_peak(self) -> int:
+        """Peak of the step so far; resets for the next step."""
+        peak, self.peak = self.peak, 0
+        return peak
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to ``metrics.jsonl`` (rank 0) or ``metrics.rank{R}.jsonl``."""
+
+    def __init__(self, run_dir: Path, rank: int, per_rank: bool, tensorboard: bool) -> None:
+        self.enabled = rank == 0 or per_rank
+        name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+        self.path = run_dir / name
+        # Held open for the whole run and closed by close(): a context manager cannot span the loop.
+        self._file = open(self.path, "a", encoding="utf-8") if self.enabled else None  # noqa: SIM115
+        self._tb = _tensorboard(run_dir) if tensorboard and rank == 0 else None
+
+    def write(self, record: dict) -> None:
+        """Write one step's record."""
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def close(self) -> None:
+        """Flush and close."""
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _tensorboard(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError(
+            "log.tensorboard=true needs the tensorboard package: pip install tensorboard"
+        ) from e
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+class Progress:
+    """A rich progress bar on a terminal, plain lines otherwise (or nothing)."""
+
+    def __init__(self, total: int, start: int, mode: str, every: int) -> None:
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "lines"
+        self.mode, self.every, self.total = mode, max(1, every), total
+        self._bar: Any = None
+        if mode == "bar":
+            from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+
+    def update(self, record: dict) -> None:
+        """Show one step."""
+        info = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s"
+        if self.mode == "bar":
+            self._bar.update(self._task, completed=record["step"], info=info)
+        elif self.mode == "lines" and (record["step"] % self.every == 0 or record["step"] == self.total):
+            print(f"step {record['step']}/{self.total}  {info}", flush=True)
+
+    def close(self) -> None:
+        """Stop the bar."""
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def plot_loss(metrics_path: Path, out_path: Path) -> None:
+    """Draw loss against step from metrics.jsonl into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses = [], []
+    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec.get("loss") is not None:
+            steps.append(rec["step"])
+            losses.append(rec["loss"])
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("zerotron training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)

@@ -1,0 +1,115 @@
+"""Optimizer, learning-rate schedule, global gradient-norm clipping and fp16 loss scaling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from zerotron.config import TrainConfig
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Group
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on matrices only (norm gains and biases are not decayed).
+
+    Uses the ``foreach`` implementation (vectorised over parameters); ``fused`` where a GPU is present.
+    """
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    on_gpu = any(p.is_cuda for p in decay + no_decay)
+    kwargs = {"fused": True} if on_gpu else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warm-up, then cosine/linear/constant."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], shard_groups: Sequence[Group] = ()) -> torch.Tensor:
+    """L2 norm of all gradients of the model, whatever the sharding.
+
+    ``params`` are the tensors whose gradients *this rank owns*: replicated gradients on every rank of a
+    data-parallel group are owned by each, sharded ones (ZeRO-2/3, tensor parallel) only in part.
+    ``shard_groups`` are the groups over which those owned parts must be summed to cover the whole model;
+    none for plain data parallelism, where every rank already holds the full, reduced gradient.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        norms = torch._foreach_norm(grads, 2.0)
+        sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+    else:
+        sq = torch.zeros(())
+    for group in shard_groups:
+        collectives.all_reduce(sq, group, op="sum")
+    return sq.sqrt()
+
+
+def clip_grads_(params: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients in place so that their global norm is at most ``max_norm`` (0 disables)."""
+    if max_norm <= 0:
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
+
+class DynamicLossScaler:
+    """fp16 dynamic loss scaling: skip steps whose gradients overflow and halve the scale.
+
+    The scale doubles after ``window`` consecutive steps without overflow. Overflow is decided from the
+    global gradient norm (inf or nan), which every rank computes identically, so all ranks skip together.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, window: int = 1000, min_scale: float = 1.0) -> None:
+        self.scale = float(init_scale)
+        self.window = window
+        self.min_scale = min_scale
+        self.good_steps = 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        """Record one step's outcome and adjust the scale."""
+        if overflow:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.good_steps = 0
+            self.skipped += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.window == 0:
+                self.scale *= 2
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict`."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped = int(state["skipped"])

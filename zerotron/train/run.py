@@ -1,0 +1,172 @@
+"""`zerotron train`: check everything, prepare the run directory and tokens, launch the ranks.
+
+Every check runs in the launching process before any rank starts (DESIGN contract 6): the config, the
+mesh arithmetic, the tokenizer and the whole data source (tokenised here, once, into
+``run_dir/tokens.npy``, which the ranks memory-map).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zerotron.config import Config
+from zerotron.config_load import ConfigError, from_deepspeed, load_config, save_config, validate
+from zerotron.dist.launch import current_rank_and_world, spawn, under_torchrun
+from zerotron.dist.mesh import ParallelDims
+from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
+from zerotron.train.data import load_tokens, prepare_tokens
+from zerotron.train.metrics import plot_loss
+from zerotron.train.trainer import Trainer
+
+
+def make_tokenizer(cfg: Config) -> Tokenizer:
+    """The tokenizer named by ``data.tokenizer``: ``byte``, ``model`` (that of model.path) or a tokenizer.json."""
+    name = cfg.data.tokenizer
+    if name == "byte":
+        return ByteTokenizer()
+    from zerotron.models.tokenizer import load_tokenizer
+
+    if name == "model":
+        if not cfg.model.path:
+            raise ConfigError("data.tokenizer=model needs model.path (a Hugging Face directory or GGUF file)")
+        return load_tokenizer(cfg.model.path)
+    return load_tokenizer(name)
+
+
+def resolve_model(cfg: Config) -> Config:
+    """Fill the model section from ``model.path`` (architecture read from the file), if one is given."""
+    if cfg.model.path:
+        from zerotron.models.loading import read_model_config
+
+        cfg.model = read_model_config(cfg.model.path)
+    return cfg
+
+
+def default_run_dir() -> Path:
+    """``runs/<timestamp>`` (or ``runs/<torchrun id>`` so that every rank agrees on it)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if under_torchrun() and run_id and run_id != "none":
+        return Path("runs") / f"torchrun-{run_id}"
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def prepare_run(
+    config_path: str | None,
+    overrides: list[str],
+    world_size: int,
+    out: str | None = None,
+    deepspeed: str | None = None,
+) -> tuple[Config, Path]:
+    """Load and check the config, create the run directory, write config.yaml and tokens.npy."""
+    cfg = load_config(config_path, overrides)
+    if deepspeed:
+        cfg = from_deepspeed(deepspeed, cfg, world_size)
+    cfg = resolve_model(cfg)
+    validate(cfg, world_size)
+    ParallelDims.from_config(cfg.parallel, world_size).validate()
+    tokenizer = make_tokenizer(cfg)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
+            f"set model.vocab_size>={tokenizer.vocab_size}"
+        )
+    tokens = prepare_tokens(cfg.data, tokenizer)
+    needed = cfg.train.global_batch * cfg.train.seq_len + 1
+    if len(tokens) < needed:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r} gives {len(tokens)} tokens, fewer than one global batch "
+            f"({needed}); add data or lower train.global_batch/train.seq_len"
+        )
+    top = int(tokens.max())
+    if top >= cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r} holds token id {top} but model.vocab_size is {cfg.model.vocab_size}; "
+            f"set model.vocab_size>={top + 1}"
+        )
+    run_dir = Path(out) if out else default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    _atomic_save_npy(run_dir / "tokens.npy", tokens)
+    return cfg, run_dir
+
+
+def train_worker(run_dir: str, resume: str | None) -> dict[str, Any]:
+    """Body of one rank: build the mesh and the trainer, train, and (rank 0) report."""
+    rd = Path(run_dir)
+    cfg = load_config(str(rd / "config.yaml"), [])
+    rank, world = current_rank_and_world()
+    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    trainer = Trainer(cfg, mesh, rd, load_tokens(str(rd / "tokens.npy")))
+    resumed = trainer.resume(resume) if resume else None
+    if resumed is not None and rank == 0:
+        print(f"resumed from {resumed} at step {trainer.step}", flush=True)
+    history = trainer.fit()
+    summary: dict[str, Any] = {"rank": rank, "steps": trainer.step}
+    if history:
+        summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
+    if rank == 0:
+        summary.update(_finish(trainer, rd))
+    return summary
+
+
+def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
+    """Loss plot and a short generated sample (rank 0)."""
+    out: dict[str, Any] = {}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().st_size > 0:
+        plot_loss(metrics, run_dir / "loss.png")
+    cfg = trainer.cfg
+    tokenizer = make_tokenizer(cfg)
+    from zerotron.serve.generate import generate
+
+    trainer.model.eval()
+    prompt = tokenizer.encode(cfg.train.sample_prompt)
+    with torch.no_grad():
+        result = generate(
+            trainer.model,
+            tokenizer,
+            prompt,
+            max_new_tokens=120,
+            temperature=0.8,
+            top_k=40,
+            seed=cfg.train.seed,
+        )
+    ids = result["ids"] if isinstance(result, dict) else result[0]
+    out["sample"] = cfg.train.sample_prompt + tokenizer.decode(list(ids))
+    (run_dir / "sample.txt").write_text(out["sample"], encoding="utf-8")
+    return out
+
+
+def launch_training(
+    config_path: str | None,
+    overrides: list[str],
+    nproc: int,
+    out: str | None = None,
+    resume: str | None = None,
+    deepspeed: str | None = None,
+) -> dict[str, Any]:
+    """Check, prepare and run a training job on ``nproc`` local ranks (or under torchrun)."""
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+    cfg, run_dir = prepare_run(config_path, overrides, world, out, deepspeed)
+    if resume and resume != "auto" and not Path(resume).is_dir():
+        raise ConfigError(f"--resume {resume}: no such checkpoint folder")
+    results = spawn(train_worker, nproc, args=(str(run_dir), resume))
+    summary = next(r for r in results if r.get("rank") == 0)
+    summary["run_dir"] = str(run_dir)
+    with open(run_dir / "summary.json", "w", encoding="utf-8") as f:
+        json.dump({k: v for k, v in summary.items() if k != "sample"}, f, indent=1)
+    return summary

@@ -1,0 +1,138 @@
+"""What a training checkpoint holds, and how it is written and restored (first, data-parallel version).
+
+Files inside one checkpoint folder (see :mod:`zerotron.checkpoint.store` for publication):
+
+- ``model.safetensors``: the full model under zerotron's parameter names (replicated under plain data
+  parallelism, so rank 0 writes it);
+- ``optimizer.safetensors``: AdamW moments ``{name}.exp_avg`` / ``{name}.exp_avg_sq`` and ``{name}.step``;
+- ``rng.rank{R}.safetensors``: each rank's torch CPU (and CUDA) generator state;
+- ``trainer.json``: step, loss scaler, data-loader position, layout and the resolved config.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotron.checkpoint import store
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Mesh
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        names.setdefault(id(p), name)
+    return names
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (tied ones once) and persistent buffers by name."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
+    persistent = set(model.state_dict().keys())
+    out.update({n: b for n, b in model.named_buffers() if n in persistent})
+    return out
+
+
+def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW state as named tensors (no pickle, readable under any layout later)."""
+    names = _param_names(model)
+    out: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                out[f"{names[id(p)]}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def load_optimizer_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Inverse of :func:`optimizer_tensors`."""
+    names = _param_names(model)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            prefix = names[id(p)] + "."
+            state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if state:
+                optimizer.state[p] = {k: v.to(p.device) if v.ndim else v for k, v in state.items()}
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    """This rank's generator states."""
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: Mesh,
+    trainer_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write and publish the checkpoint of ``step`` from every rank (collective over the world)."""
+    tmp = store.temp_dir(root, step)
+    if mesh.rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    world = mesh.group("world")
+    collectives.barrier(world)
+    store.write_tensors(tmp / f"rng.rank{mesh.rank}.safetensors", rng_tensors())
+    if mesh.rank == 0:
+        store.write_tensors(tmp / "model.safetensors", model_tensors(model))
+        store.write_tensors(tmp / "optimizer.safetensors", optimizer_tensors(model, optimizer))
+        store.write_json(tmp / "trainer.json", trainer_state)
+    collectives.barrier(world)
+    final = root / store.step_dir_name(step)
+    if mesh.rank == 0:
+        final = store.publish(root, step, keep)
+    collectives.barrier(world)
+    return final
+
+
+def load_checkpoint(
+    ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh
+) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from ``ckpt``; return the trainer state."""
+    store.verify(ckpt)
+    state = store.read_json(ckpt / "trainer.json")
+    saved_world = state.get("layout", {}).get("world_size")
+    if saved_world is not None and saved_world != mesh.dims.world_size:
+        raise store.CheckpointError(
+            f"{ckpt}: saved with world size {saved_world}, now {mesh.dims.world_size}; this checkpoint "
+            "format restores the same layout only (start with the same --nproc)"
+        )
+    weights = store.read_tensors(ckpt / "model.safetensors")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if m not in _tied_names(model)]
+    if missing or unexpected:
+        raise store.CheckpointError(
+            f"{ckpt / 'model.safetensors'}: does not fit this model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
+    load_optimizer_tensors(model, optimizer, store.read_tensors(ckpt / "optimizer.safetensors"))
+    rng = store.read_tensors(ckpt / f"rng.rank{mesh.rank}.safetensors")
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return state
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names that alias another parameter (tied embeddings): state_dict keeps both, safetensors one."""
+    all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    unique = {n for n, _ in model.named_parameters(remove_duplicate=True)}
+    return all_names - unique

@@ -1,0 +1,266 @@
+"""The training loop of one rank: micro-batches, gradient accumulation, data-parallel reduction,
+precision, clipping, the optimizer step, metrics and checkpoints.
+
+Parallelism is applied in DESIGN.md's order by :func:`build_model`: (pipeline, tensor, context, expert
+are later issues) → activation recomputation → data-parallel gradient buckets last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from zerotron.checkpoint import store
+from zerotron.config import Config
+from zerotron.config_load import to_dict
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Mesh
+from zerotron.models.llama import LlamaForCausalLM, model_flops_per_token
+from zerotron.parallel.data import GradientBuckets
+from zerotron.parallel.recompute import apply_recompute
+from zerotron.train import state as ckpt_state
+from zerotron.train.data import DataLoader, PackedDataset
+from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress, model_state_bytes
+from zerotron.train.optim import (
+    DynamicLossScaler,
+    build_optimizer,
+    clip_grads_,
+    global_grad_norm,
+    lr_at,
+)
+
+# Dense bf16 peak FLOP/s by device name fragment, for MFU (REFERENCES.md); None elsewhere (CPU).
+_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(cfg: Config, device: torch.device) -> LlamaForCausalLM:
+    """The model on ``device`` with layout-independent initial weights (or weights from model.path)."""
+    if cfg.model.path:
+        from zerotron.models.loading import load_pretrained
+
+        model, _ = load_pretrained(cfg.model.path, dtype=torch.float32, device=str(device))
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg.model)
+        model.to_empty(device=device)
+        model.init_weights(cfg.train.seed)
+    apply_recompute(model, cfg.train.recompute)
+    return model
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of one device, when known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+
+
+class Trainer:
+    """One rank's view of a training run."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, run_dir: Path, tokens: np.ndarray) -> None:
+        self.cfg, self.mesh, self.run_dir = cfg, mesh, run_dir
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        torch.manual_seed(cfg.train.seed + mesh.rank)
+        self.model = build_model(cfg, self.device)
+        self.model.train()
+        self.dp_group = mesh.group("dp")
+        self.buckets = GradientBuckets(self.model, self.dp_group, cfg.parallel.bucket_mb)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.params = [p for p in {id(p): p for p in self.model.parameters()}.values() if p.requires_grad]
+        self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
+        dataset = PackedDataset(tokens, cfg.train.seq_len)
+        self.loader = DataLoader(
+            dataset,
+            global_batch=cfg.train.global_batch,
+            micro_batch=cfg.train.micro_batch,
+            dp_rank=self.dp_group.rank_in_group,
+            dp_size=self.dp_group.size,
+            seed=cfg.train.seed,
+        )
+        self.meter = ActivationMeter(self.model)
+        self.step = 0
+        self.n_params = sum(p.numel() for p in self.params)
+        self.flops_per_token = model_flops_per_token(self.model.config, cfg.train.seq_len)
+        self.ckpt_root = run_dir / "checkpoints"
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+        """Run every micro-batch; return this rank's summed token loss (fp32 scalar)."""
+        tokens_global = self.cfg.train.global_batch * self.cfg.train.seq_len
+        precision = self.cfg.train.precision
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, (inputs, labels) in enumerate(micro):
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last else self.buckets.no_sync()
+            autocast = (
+                torch.autocast(self.device.type, dtype=_AUTOCAST[precision])
+                if precision in _AUTOCAST
+                else contextlib.nullcontext()
+            )
+            with sync:
+                with self.meter.forward(), autocast:
+                    logits = self.model(inputs)  # (mb, s, V)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+                (loss * (scale / tokens_global)).backward()
+            loss_sum += loss.detach()
+        self.buckets.finish()
+        return loss_sum
+
+    def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
+        """Run one optimizer step (on the loader's next batches unless ``micro`` is given)."""
+        cfg = self.cfg.train
+        started = time.perf_counter()
+        micro = micro if micro is not None else self.loader.next_step()
+        fp16 = cfg.precision == "fp16"
+        scale = self.scaler.scale if fp16 else 1.0
+        loss_sum = self._forward_backward(micro, scale)
+        if fp16:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = global_grad_norm(self.params)
+        overflow = not bool(torch.isfinite(norm))
+        lr = lr_at(self.step, cfg)
+        if fp16:
+            self.scaler.update(overflow)
+        if overflow and fp16:
+            skipped = True
+        else:
+            skipped = False
+            clip_grads_(self.params, norm, cfg.grad_clip)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        activation = self.meter.take_peak()
+        states = model_state_bytes(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        collectives.all_reduce(loss_sum, self.dp_group, op="sum")
+        self.step += 1
+        return self._record(loss_sum, norm, lr, started, activation, states, skipped)
+
+    def _record(
+        self,
+        loss_sum: torch.Tensor,
+        norm: torch.Tensor,
+        lr: float,
+        started: float,
+        activation: int,
+        states: dict,
+        skipped: bool,
+    ) -> dict[str, Any]:
+        cfg = self.cfg.train
+        tokens = cfg.global_batch * cfg.seq_len
+        elapsed = time.perf_counter() - started
+        tokens_per_s = tokens / elapsed
+        peak = peak_flops(self.device)
+        mfu = (
+            None if peak is None else self.flops_per_token * tokens_per_s / (peak * self.mesh.dims.world_size)
+        )
+        record: dict[str, Any] = {
+            "step": self.step,
+            "loss": float(loss_sum) / tokens,
+            "lr": lr,
+            "grad_norm": float(norm),
+            "tokens": tokens,
+            "n_params": self.n_params,
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "comm_bytes": self.mesh.stats.snapshot(),
+            "model_state_bytes": states,
+            "activation_bytes": activation,
+            "layout": self.layout(),
+            "rank": self.mesh.rank,
+        }
+        self.mesh.stats.reset()
+        if cfg.precision == "fp16":
+            record.update(skipped=skipped, loss_scale=self.scaler.scale)
+        return record
+
+    def layout(self) -> dict[str, int]:
+        """The parallel layout as written into metrics and checkpoints."""
+        d = self.mesh.dims
+        return {"dp": d.dp, "pp": d.pp, "cp": d.cp, "tp": d.tp, "ep": d.ep, "zero": d.zero}
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (every rank calls this)."""
+        trainer_state = {
+            "step": self.step,
+            "scaler": self.scaler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "layout": {**self.layout(), "world_size": self.mesh.dims.world_size},
+            "config": to_dict(self.cfg),
+        }
+        return ckpt_state.save_checkpoint(
+            self.ckpt_root,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.mesh,
+            trainer_state,
+            self.cfg.checkpoint.keep,
+        )
+
+    def resume(self, spec: str) -> Path | None:
+        """Continue from ``spec``: ``auto`` (newest complete checkpoint of this run, if any) or a path."""
+        if spec == "auto":
+            ckpt = store.find_latest(self.ckpt_root)
+            if ckpt is None:
+                return None
+        else:
+            ckpt = Path(spec)
+            if not ckpt.is_dir():
+                raise store.CheckpointError(f"--resume {spec}: no such checkpoint folder")
+        # Build optimizer state tensors before loading so the restored ones replace them.
+        state = ckpt_state.load_checkpoint(ckpt, self.model, self.optimizer, self.mesh)
+        self.step = int(state["step"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.loader.load_state_dict(state["loader"])
+        return ckpt
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def fit(self, on_step: Any = None) -> list[dict[str, Any]]:
+        """Train until ``train.steps``; checkpoint every ``checkpoint.every`` steps and at the end."""
+        cfg = self.cfg
+        writer = MetricsWriter(self.run_dir, self.mesh.rank, cfg.log.per_rank_metrics, cfg.log.tensorboard)
+        show = self.mesh.rank == 0
+        progress = Progress(cfg.train.steps, self.step, cfg.log.progress if show else "none", cfg.log.every)
+        history = []
+        try:
+            last = cfg.train.steps if cfg.train.exit_step <= 0 else min(cfg.train.steps, cfg.train.exit_step)
+            while self.step < last:
+                record = self.train_step()
+                history.append(record)
+                writer.write(record)
+                progress.update(record)
+                if record.get("skipped") and show:
+                    print(
+                        f"step {record['step']}: fp16 gradient overflow, step skipped, "
+                        f"loss scale now {record['loss_scale']:g}",
+                        flush=True,
+                    )
+                if on_step is not None:
+                    on_step(self, record)
+                every = cfg.checkpoint.every
+                if every > 0 and self.step % every == 0 and self.step < last:
+                    self.save()
+            if not (self.ckpt_root / store.step_dir_name(self.step)).exists():
+                self.save()
+        finally:
+            progress.close()
+            writer.close()
+        return history
