@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 
 
 _SCALARS = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "dict": "a mapping"}
 
 
 def _all_keys() -> list[str]:
@@ -59,7 +60,7 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
         return None
     if value is None:
-        raise ConfigError(f"{key}: must be a {base}, not null")
+        raise ConfigError(f"{key}: must be {_TYPE_WORDS.get(base, base)}, not null")
     kind = _SCALARS.get(base)
     if kind is None:
         return value
@@ -81,7 +82,7 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
         except ValueError:
             pass
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ConfigError(f"{key}: expected a {base}, got {value!r}")
+        raise ConfigError(f"{key}: expected {_TYPE_WORDS.get(base, base)}, got {value!r}")
     return value
 
 
