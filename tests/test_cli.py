@@ -88,3 +88,29 @@ def test_train_end_to_end_small(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     # AdamW: two fp32 moments per parameter, plus one scalar step counter per parameter tensor.
     assert states["optimizer"] == pytest.approx(2 * states["params"], rel=1e-3)
     assert states["grads"] == states["params"]  # fp32 gradients of every parameter, held at the step
+
+
+def test_tensorboard_event_files(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "train.steps=2",
+            "train.seq_len=32",
+            "train.global_batch=2",
+            "train.micro_batch=1",
+            "data.max_bytes=20000",
+            "log.progress=none",
+            "log.tensorboard=true",
+            "--nproc",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]

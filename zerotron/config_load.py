@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -316,8 +317,17 @@ def _check_batch(cfg: Config, world_size: int) -> None:
         )
 
 
+def _check_packages(cfg: Config) -> None:
+    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "log.tensorboard=true needs the tensorboard package: pip install 'zerotron[tensorboard]' "
+            "(or set log.tensorboard=false)"
+        )
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
+    _check_packages(cfg)
     _check_ranges(cfg)
     _check_model(cfg)
     _check_batch(cfg, world_size)
