@@ -74,7 +74,9 @@ def test_simulator_catches_mismatched_message_order() -> None:
     f0 = [Op("RECV_ACT", 0, 0, 0), Op("F", 0, 0), Op("RECV_ACT", 1, 0, 0), Op("F", 1, 0)]
     f1 = [f0[2], f0[3], f0[0], f0[1]]  # rank 1 takes micro-batch 1 before 0
     s.ranks[1][:4] = f1
-    with pytest.raises(ScheduleError, match="expects RECV_ACT1 from stage 0 but rank 0 sent micro-batch 0"):
+    with pytest.raises(
+        ScheduleError, match="expects RECV_ACT1 from stage 0 but rank 0 sent ACT of micro-batch 0"
+    ):
         simulate(s)
 
 

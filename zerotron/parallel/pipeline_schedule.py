@@ -14,8 +14,9 @@ stages; ``v = 1`` except for the interleaved schedule) is one list of :class:`Op
 The executor posts sends asynchronously and blocks on receives, and the shape of every message is
 known from the config, so there is no shape hand-shake. :func:`simulate` replays the lists under those
 semantics: it raises :class:`ScheduleError` on a deadlock or when a channel (one direction between two
-ranks) would deliver messages in another order than they are received — NCCL matches point-to-point
-messages by order, so that order must agree on both sides. It also returns the makespan and bubble
+ranks, activations and gradients together) would deliver messages in another order than they are
+received — NCCL matches point-to-point messages by order, not by tag, so that order must agree on both
+sides. It also returns the makespan and bubble
 fraction with given op costs.
 """
 
@@ -212,8 +213,9 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: float = 1.0) -> Sim
     cost = _costs(s, f, b, w)
     pc = [0] * s.p
     clock = [0.0] * s.p
-    channels: dict[tuple[int, int, str], list[tuple[int, int, float]]] = {}
-    received: dict[tuple[int, int, str], int] = {}
+    # one FIFO channel per (sender, receiver): NCCL matches point-to-point messages by order, not tag
+    channels: dict[tuple[int, int], list[tuple[tuple[str, int, int], float]]] = {}
+    received: dict[tuple[int, int], int] = {}
     in_flight, peak = [0] * s.p, [0] * s.p
     busy = [0.0] * s.p
     while any(pc[r] < len(s.ranks[r]) for r in range(s.p)):
@@ -222,21 +224,19 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: float = 1.0) -> Sim
             while pc[r] < len(s.ranks[r]):
                 op = s.ranks[r][pc[r]]
                 if op.kind.startswith("SEND"):
-                    kind = op.kind.split("_")[1]
-                    channels.setdefault((r, op.peer, kind), []).append(
-                        (op.mb, s.stage(r, op.chunk), clock[r])
-                    )
+                    message = (op.kind[5:], op.mb, s.stage(r, op.chunk))
+                    channels.setdefault((r, op.peer), []).append((message, clock[r]))
                 elif op.kind.startswith("RECV"):
-                    key = (op.peer, r, op.kind.split("_")[1])
+                    key = (op.peer, r)
                     queue, k = channels.get(key, []), received.get(key, 0)
                     if k >= len(queue):
                         break  # blocked: the matching send has not been posted yet
-                    mb, src_stage, sent_at = queue[k]
+                    (kind, mb, src_stage), sent_at = queue[k]
                     expected = s.stage(r, op.chunk) + (-1 if op.kind == "RECV_ACT" else 1)
-                    if (mb, src_stage) != (op.mb, expected):
+                    if (kind, mb, src_stage) != (op.kind[5:], op.mb, expected):
                         raise ScheduleError(
                             f"{s.name}: rank {r} expects {op} from stage {expected} but rank {op.peer} sent "
-                            f"micro-batch {mb} of stage {src_stage} first on that channel"
+                            f"{kind} of micro-batch {mb} of stage {src_stage} first on that channel"
                         )
                     received[key] = k + 1
                     clock[r] = max(clock[r], sent_at)

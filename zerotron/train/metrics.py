@@ -44,39 +44,68 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, extra_
     }
 
 
-class ActivationMeter:
-    """Counts the bytes autograd saves for backward, excluding parameters (a saved-tensors hook).
+class _Saved:
+    """What the meter's pack hook stores in the graph: the tensor, un-counted when autograd drops it."""
 
-    ``peak`` is the largest total saved during one micro-batch's forward; tensors saved twice (the same
-    storage) count once. Under full recomputation only the checkpointed blocks' inputs are saved.
+    __slots__ = ("meter", "ptr", "t")
+
+    def __init__(self, meter: ActivationMeter, t: torch.Tensor, ptr: int) -> None:
+        self.meter, self.t, self.ptr = meter, t, ptr
+
+    def __del__(self) -> None:
+        self.meter._release(self.ptr)
+
+
+class ActivationMeter:
+    """Counts the bytes autograd holds for backward, excluding parameters (a saved-tensors hook).
+
+    Bytes are counted while they are alive: a tensor is added when the forward saves it and removed
+    when autograd frees it (after its backward), each storage once however often it is saved. ``peak``
+    is the largest total alive at any moment of the step, so it covers every micro-batch a pipeline
+    schedule keeps in flight; without a pipeline it is one micro-batch's saved activations. Under full
+    recomputation only the checkpointed blocks' inputs are saved.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._seen: set[int] = set()
+        self._refs: dict[int, tuple[int, int]] = {}  # storage ptr -> (saved count, bytes)
         self.current = 0
         self.peak = 0
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._param_ptrs and ptr not in self._seen:
-                self._seen.add(ptr)
-                self.current += t.untyped_storage().nbytes()
-                self.peak = max(self.peak, self.current)
-        return t
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device.type == "meta":
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._param_ptrs:
+            return t
+        count, nbytes = self._refs.get(ptr, (0, t.untyped_storage().nbytes()))
+        if count == 0:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        self._refs[ptr] = (count + 1, nbytes)
+        return _Saved(self, t, ptr)
+
+    def _release(self, ptr: int) -> None:
+        count, nbytes = self._refs.get(ptr, (0, 0))
+        if count <= 1:
+            self._refs.pop(ptr, None)
+            self.current -= nbytes if count == 1 else 0
+        else:
+            self._refs[ptr] = (count - 1, nbytes)
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.t if isinstance(saved, _Saved) else saved
 
     @contextmanager
     def forward(self) -> Iterator[None]:
-        """Wrap one micro-batch's forward pass."""
-        self._seen.clear()
-        self.current = 0
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        """Wrap one micro-batch's forward pass (nesting several in flight is fine)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
     def take_peak(self) -> int:
-        """Peak of the step so far; resets for the next step."""
-        peak, self.peak = self.peak, 0
+        """Peak of the step so far; resets for the next step (to what is still alive)."""
+        peak, self.peak = self.peak, self.current
         return peak
 
 

@@ -1,0 +1,118 @@
+"""Pipeline stages of the Llama family: one contiguous range of decoder blocks per stage.
+
+A :class:`LlamaStage` holds the embedding when it is the first stage, blocks ``[start, end)`` and the
+final norm and output head when it is the last. Parameter names are those of the whole
+:class:`~zerotron.models.llama.LlamaForCausalLM` (``layers.7.mlp.up_proj.weight``), so every stage
+initialises its parameters to the same global values for the same seed (DESIGN contract 4) and
+checkpoints name them the same way under any split.
+
+With tied embeddings and more than one stage, the last stage holds its own copy of the embedding
+matrix as ``lm_head.weight`` (initialised like ``embed_tokens.weight``); the trainer sums the two
+gradients across the pipeline after each step, so both copies receive the single-device update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from zerotron.config import ModelConfig
+from zerotron.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, init_parameter
+from zerotron.parallel.pipeline import balance_stages, stages_from_sizes
+
+
+class LlamaStage(nn.Module):
+    """Blocks ``[start, end)`` of a Llama model, plus the embedding (first) and the head (last)."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config, self.first, self.last = cfg, first, last
+        if first:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(start, end)})
+        if last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if first and cfg.tie_word_embeddings:  # one stage: the model itself
+                self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere -> (b, s, h) or logits."""
+        if self.first:
+            x = self.embed_tokens(x)  # (b, s, h)
+        b, s = x.shape[:2]
+        position_ids = torch.arange(s, device=x.device).expand(b, s)  # (b, s)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.last:
+            return self.lm_head(self.norm(x))  # (b, s, V)
+        return x
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This stage's copy of a tied embedding matrix (to sum gradients across stages), if any."""
+        if not self.config.tie_word_embeddings or (self.first and self.last):
+            return None
+        if self.first:
+            return self.embed_tokens.weight
+        return self.lm_head.weight if self.last else None
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """The global initial values of this stage's parameters (same as the unsplit model's)."""
+        for name, param in self.named_parameters():
+            tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
+            global_name = "embed_tokens.weight" if tied_head else name
+            param.copy_(init_parameter(global_name, tuple(param.shape), seed, self.config))
+
+
+def block_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs per token of one decoder block, and of the output head plus loss."""
+    h, d = cfg.hidden_size, cfg.dim_per_head
+    attn = (
+        2 * h * d * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads)
+        + 4 * seq_len * cfg.num_attention_heads * d
+    )
+    mlp = 2 * (3 if cfg.mlp == "gated" else 2) * h * cfg.intermediate_size
+    return float(attn + mlp), float(2 * h * cfg.vocab_size)
+
+
+def stage_bounds(
+    cfg: ModelConfig, seq_len: int, n_stages: int, layers_per_stage: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """Block ranges of the ``n_stages`` virtual stages: the user's sizes, or balanced by FLOPs."""
+    if layers_per_stage:
+        if len(layers_per_stage) != n_stages:
+            raise ValueError(
+                f"parallel.pp_layers has {len(layers_per_stage)} entries but there are {n_stages} stages "
+                "(pp * virtual_stages)"
+            )
+        return stages_from_sizes(layers_per_stage, cfg.num_hidden_layers)
+    block, head = block_cost(cfg, seq_len)
+    return balance_stages([block] * cfg.num_hidden_layers, n_stages, last_extra=head)
+
+
+def build_stages(
+    cfg: ModelConfig,
+    bounds: Sequence[tuple[int, int]],
+    pp_rank: int,
+    pp_size: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> list[LlamaStage]:
+    """This pipeline rank's chunks (virtual stages ``c * pp_size + pp_rank``), initialised, on ``device``."""
+    n = len(bounds)
+    chunks = []
+    for stage in range(pp_rank, n, pp_size):
+        start, end = bounds[stage]
+        with torch.device("meta"):
+            chunk = LlamaStage(cfg, start, end, first=stage == 0, last=stage == n - 1)
+        chunk.to_empty(device=device)
+        if chunk.first and chunk.last and cfg.tie_word_embeddings:
+            chunk.lm_head.weight = chunk.embed_tokens.weight
+        chunk.init_weights(seed)
+        chunks.append(chunk)
+    return chunks

@@ -1,0 +1,245 @@
+"""Pipeline parallelism: split a model's blocks into stages and run a schedule's instruction lists.
+
+*apply* part: :func:`balance_stages` cuts a sequence of per-block costs into contiguous stages (the
+first stage also pays for the embedding, the last for the head and loss), minimising the most expensive
+stage, or takes the user's layers per stage. The model side (which module is a stage) lives with the
+model (``zerotron.models.stages``): this module works on any ``nn.Module`` chunks.
+
+*execution*: :class:`PipelineRunner` walks this rank's list from
+:mod:`zerotron.parallel.pipeline_schedule`. Sends are posted asynchronously and waited at the end of the
+step; receives block, into buffers whose shape (micro-batch, seq_len, hidden) and dtype are known from
+the config, so there is no shape hand-shake that could deadlock. ``BI``/``BW`` (zero-bubble) are two
+autograd passes: ``BI`` computes the gradient of the chunk's input only (keeping the graph), ``BW`` the
+gradients of its weights. The numbers equal those of one ``B``; on this implementation ``BW`` re-walks
+the graph, so the zero-bubble schedule saves bubble time but adds backward compute (see README).
+
+Every P2P goes through :mod:`zerotron.dist.collectives` on the pipeline group, counted under ``pp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Group
+from zerotron.parallel.pipeline_schedule import Op, Schedule
+
+
+class PipelineError(ValueError):
+    """A stage split that cannot be made; the message says what to change."""
+
+
+def balance_stages(
+    costs: Sequence[float], n_stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` block ranges for ``n_stages`` stages minimising the largest stage cost.
+
+    ``costs[i]`` is block i's cost; ``first_extra``/``last_extra`` are added to the first and last stage
+    (embedding; head and loss). Every stage gets at least one block. Exact (dynamic programming).
+    """
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise PipelineError(
+            f"cannot split {n} layers into {n_stages} pipeline stages; use at most {n} stages"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, start: int, end: int) -> float:
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == n_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[k][e]: smallest max-stage cost splitting blocks [0, e) into k stages; cut[k][e]: last start
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for e in range(k, n - (n_stages - k) + 1):
+            for s in range(k - 1, e):
+                value = max(best[k - 1][s], cost(k - 1, s, e))
+                if value < best[k][e] - 1e-12:
+                    best[k][e], cut[k][e] = value, s
+    bounds, e = [], n
+    for k in range(n_stages, 0, -1):
+        s = cut[k][e]
+        bounds.append((s, e))
+        e = s
+    return bounds[::-1]
+
+
+def stages_from_sizes(sizes: Sequence[int], n_layers: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges from the user's layers per stage (``parallel.pp_layers``)."""
+    if sum(sizes) != n_layers or any(s < 1 for s in sizes):
+        raise PipelineError(
+            f"parallel.pp_layers={list(sizes)} must be positive and sum to model.num_hidden_layers={n_layers}"
+        )
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+class PipelineRunner:
+    """Executes one rank's instruction list for one optimizer step.
+
+    Args:
+        schedule: the schedule of the whole pipeline (this rank uses ``schedule.ranks[rank]``).
+        rank: this rank's index in the pipeline group.
+        group: the pipeline-parallel group (P2P peers are its members, by stage index).
+        chunks: this rank's model chunks; chunk ``c`` is virtual stage ``c * p + rank``. The first stage's
+            chunk takes token ids, every other chunk a hidden state; the last stage's returns logits.
+        act_shape, act_dtype: shape and dtype of the hidden state passed between stages.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        group: Group,
+        chunks: Sequence[nn.Module],
+        act_shape: tuple[int, ...],
+        act_dtype: torch.dtype,
+    ) -> None:
+        if len(chunks) != schedule.v:
+            raise PipelineError(
+                f"rank {rank} holds {len(chunks)} model chunks but the schedule has v={schedule.v}"
+            )
+        self.schedule, self.rank, self.group, self.chunks = schedule, rank, group, list(chunks)
+        self.act_shape, self.act_dtype = act_shape, act_dtype
+        self.last_stage = schedule.p * schedule.v - 1
+        self.split_backward = any(op.kind == "BW" for op in schedule.ranks[rank])
+
+    def _peer(self, pp_index: int) -> int:
+        return self.group.ranks[pp_index]
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.act_shape, dtype=self.act_dtype, device=device)
+
+    def run(
+        self,
+        inputs: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        forward_context: Callable[[], Any] | None = None,
+    ) -> torch.Tensor:
+        """Run the step: forward and backward of every micro-batch; return this rank's summed loss.
+
+        ``loss_fn(logits, labels)`` gives the (already scaled) loss of one micro-batch on the last stage;
+        its detached sum is returned there (zero elsewhere). Gradients accumulate in the chunks' ``.grad``.
+        ``forward_context`` (e.g. autocast or an activation meter) wraps every forward.
+        """
+        device = inputs[0].device
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        grads_out: dict[tuple[int, int], torch.Tensor | None] = {}
+        pending: list[Any] = []
+        received: dict[tuple[str, int, int], torch.Tensor] = {}
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for op in self.schedule.ranks[self.rank]:
+            stage = self.schedule.stage(self.rank, op.chunk)
+            key = (op.mb, op.chunk)
+            if op.kind in ("RECV_ACT", "RECV_GRAD"):
+                buf = self._buffer(device)
+                collectives.recv(buf, self._peer(op.peer), self.group)
+                received[(op.kind, op.mb, op.chunk)] = buf
+            elif op.kind == "F":
+                loss_sum += self._forward(
+                    op, stage, inputs, labels, loss_fn, received, saved, forward_context
+                )
+            elif op.kind in ("SEND_ACT", "SEND_GRAD"):
+                tensor = saved[key][1].detach() if op.kind == "SEND_ACT" else saved[key][0].grad
+                if tensor is None:
+                    raise PipelineError(f"stage {stage}: no input gradient to send for micro-batch {op.mb}")
+                tensor = tensor.contiguous()
+                work = collectives.send(tensor, self._peer(op.peer), self.group, async_op=True)
+                pending.append((work, tensor))  # the tensor must outlive the send
+                if op.kind == "SEND_GRAD" and not self.split_backward:
+                    saved.pop(key)
+            elif op.kind in ("B", "BI"):
+                grads_out[key] = received.pop(("RECV_GRAD", op.mb, op.chunk), None)
+                self._backward(op, stage, saved, grads_out)
+            elif op.kind == "BW":
+                self._backward_weights(op, saved, grads_out)
+        for work, _ in pending:
+            work.wait()
+        return loss_sum
+
+    def _forward(
+        self,
+        op: Op,
+        stage: int,
+        inputs: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        received: dict[tuple[str, int, int], torch.Tensor],
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        forward_context: Callable[[], Any] | None,
+    ) -> torch.Tensor:
+        if stage == 0:
+            x = inputs[op.mb]  # (mb, s) token ids
+        else:
+            x = received.pop(("RECV_ACT", op.mb, op.chunk)).requires_grad_()  # (mb, s, h)
+        context = forward_context() if forward_context is not None else contextlib.nullcontext()
+        with context:
+            out = self.chunks[op.chunk](x)
+            if stage == self.last_stage:
+                out = loss_fn(out, labels[op.mb])  # scalar
+        saved[(op.mb, op.chunk)] = (x, out)
+        return out.detach().float() if stage == self.last_stage else torch.zeros((), device=out.device)
+
+    def _backward(
+        self,
+        op: Op,
+        stage: int,
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        grads_out: dict[tuple[int, int], torch.Tensor | None],
+    ) -> None:
+        key = (op.mb, op.chunk)
+        x, out = saved[key]
+        grad = grads_out[key]
+        if op.kind == "B":
+            torch.autograd.backward(out, grad)
+            grads_out.pop(key)
+            if stage == 0:  # nothing to send back: done with this micro-batch
+                saved.pop(key)
+            return
+        # BI: the input gradient only, keeping the graph for BW
+        if stage > 0:
+            (x.grad,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+
+    def _backward_weights(
+        self,
+        op: Op,
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        grads_out: dict[tuple[int, int], torch.Tensor | None],
+    ) -> None:
+        key = (op.mb, op.chunk)
+        _, out = saved.pop(key)
+        params = [p for p in self.chunks[op.chunk].parameters() if p.requires_grad]
+        torch.autograd.backward(out, grads_out.pop(key), inputs=params)
+
+
+def sum_tied_grads(weight: torch.Tensor | None, shape: Sequence[int], group: Group) -> None:
+    """Sum the gradients of a weight tied across pipeline stages (embedding and output head).
+
+    Ranks that hold a copy pass it, the others None (they contribute zeros; a dedicated group of the
+    first and last stage would move less, this keeps every pipeline rank on one collective). Afterwards
+    every copy holds the sum, which is the single-device gradient of the shared matrix.
+    """
+    if group.size == 1:
+        return
+    if weight is not None and weight.grad is not None:
+        buf = weight.grad.contiguous()
+    else:
+        ref = weight if weight is not None else None
+        buf = torch.zeros(tuple(shape), dtype=ref.dtype if ref is not None else torch.float32)
+    collectives.all_reduce(buf, group, op="sum")
+    if weight is not None:
+        weight.grad = buf
