@@ -72,7 +72,6 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
         (["train.precision=fp8"], 2, "train.precision='fp8': choose one of fp32, bf16, fp16"),
         (["train.global_batch=15"], 2, "not divisible by the data-parallel size 2"),
         (["train.global_batch=16", "train.micro_batch=3"], 2, "not a multiple of train.micro_batch=3"),
-        (["parallel.pp=3"], 3, "parallel.pp=3 does not divide model.num_hidden_layers=4"),
         (["train.beta2=1.0"], 1, "train.beta2=1.0 must be in"),
         (["train.min_lr=1", "train.lr=0.1"], 1, "train.min_lr=1.0 is above train.lr=0.1"),
         (["checkpoint.keep=0"], 1, "checkpoint.keep=0 must be >= 1"),

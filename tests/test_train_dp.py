@@ -50,7 +50,9 @@ def _tokens(n: int = 8 * 33 * 3, seed: int = 7) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n).astype(np.uint16)
 
 
-def _reference(overrides: list[str], tokens: np.ndarray) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(
+    overrides: list[str], tokens: np.ndarray, steps: int = STEPS
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     cfg = load_config(None, overrides)
     model = LlamaForCausalLM(cfg.model)
     model.init_weights(cfg.train.seed)
@@ -65,7 +67,7 @@ def _reference(overrides: list[str], tokens: np.ndarray) -> tuple[list[float], d
     )
     loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.global_batch, 0, 1, t.seed)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         (x, y) = loader.next_step()[0]
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()

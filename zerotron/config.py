@@ -89,6 +89,9 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "shard LayerNorm/dropout activations over tp (Megatron SP)")
     pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb")
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
+    pp_layers: Optional[list] = _f(
+        None, "layers of each pipeline stage, e.g. [3, 5] (pp*virtual_stages entries); None balances by FLOPs"
+    )
     offload_optimizer: str = _f("none", "where optimizer states live: none, cpu or nvme")
     offload_params: str = _f("none", "where ZeRO-3 parameters live: none, cpu or nvme")
     nvme_path: Optional[str] = _f(None, "directory for NVMe offload files")

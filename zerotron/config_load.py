@@ -30,8 +30,14 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
 
 
-_SCALARS = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "dict": "a mapping"}
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "list": list}
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "dict": "a mapping",
+    "list": "a list",
+}
 
 
 def _all_keys() -> list[str]:
@@ -311,10 +317,6 @@ def _check_batch(cfg: Config, world_size: int) -> None:
         )
     if p.cp > 1 and t.seq_len % p.cp:
         raise ConfigError(f"parallel.cp={p.cp} does not divide train.seq_len={t.seq_len}")
-    if cfg.model.num_hidden_layers % p.pp:
-        raise ConfigError(
-            f"parallel.pp={p.pp} does not divide model.num_hidden_layers={cfg.model.num_hidden_layers}"
-        )
 
 
 def _check_packages(cfg: Config) -> None:

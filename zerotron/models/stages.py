@@ -116,3 +116,35 @@ def build_stages(
         chunk.init_weights(seed)
         chunks.append(chunk)
     return chunks
+
+
+class StagedModel(nn.Module):
+    """One pipeline rank's chunks under the unsplit model's names (``embed_tokens``, ``layers.7``, …).
+
+    The chunks and this container share their modules, so ``named_parameters`` gives the global names
+    that checkpoints and optimizers use, while :attr:`chunks` are what the schedule runs.
+    """
+
+    def __init__(self, cfg: ModelConfig, chunks: Sequence[LlamaStage]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.chunks = list(chunks)  # not registered twice: the modules are registered below
+        self.layers = nn.ModuleDict({k: v for c in self.chunks for k, v in c.layers.items()})
+        for chunk in self.chunks:
+            if chunk.first:
+                self.embed_tokens = chunk.embed_tokens
+            if chunk.last:
+                self.norm, self.lm_head = chunk.norm, chunk.lm_head
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This rank's copy of a tied embedding matrix, if it holds one."""
+        return next((w for c in self.chunks if (w := c.tied_weight()) is not None), None)
+
+    def tied_duplicate(self) -> torch.Tensor | None:
+        """The copy that must not be counted twice (the last stage's head), if this rank holds it."""
+        w = self.tied_weight()
+        return w if w is not None and any(c.last for c in self.chunks) else None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Not callable: a pipeline rank holds part of the model; run it with a PipelineRunner."""
+        raise RuntimeError("a StagedModel holds part of a pipeline; run it with zerotron.parallel.pipeline")

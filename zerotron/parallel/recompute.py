@@ -40,7 +40,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Wrap ``model``'s blocks (``full``) or attention cores (``selective``) in activation checkpointing.
 
     Args:
-        model: a module with ``layers`` (blocks), each with ``self_attn.core``.
+        model: a module with ``layers`` (a list or dict of blocks), each with ``self_attn.core``.
         mode: ``none``, ``selective`` or ``full``.
     """
     if mode not in MODES:
@@ -50,7 +50,8 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError(f"train.recompute={mode} needs a model with a `layers` list of blocks")
-    for block in layers:
+    blocks: Any = layers.values() if isinstance(layers, nn.ModuleDict) else layers  # a pipeline stage's dict
+    for block in blocks:
         if mode == "full":
             _wrap_forward(block)
         else:

@@ -20,6 +20,7 @@ from zerotron.config import Config
 from zerotron.config_load import ConfigError, from_deepspeed, load_config, save_config, validate
 from zerotron.dist.launch import current_rank_and_world, spawn, under_torchrun
 from zerotron.dist.mesh import ParallelDims
+from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
 from zerotron.train.data import load_tokens, prepare_tokens
 from zerotron.train.metrics import plot_loss
@@ -64,6 +65,25 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
+    """The schedule and the stage split can be built (raises ConfigError saying what to change)."""
+    from zerotron.models.stages import stage_bounds
+    from zerotron.parallel.pipeline import PipelineError
+    from zerotron.parallel.pipeline_schedule import ScheduleError, check_sizes
+    from zerotron.train.pipeline_step import micro_batches_per_step
+
+    p, v = dims.pp, cfg.parallel.virtual_stages
+    try:
+        check_sizes(cfg.parallel.pp_schedule, p, micro_batches_per_step(cfg, dims.dp), v)
+        stage_bounds(cfg.model, cfg.train.seq_len, p * v, cfg.parallel.pp_layers)
+    except (ScheduleError, PipelineError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    if cfg.model.path:
+        raise ConfigError(
+            "parallel.pp > 1 with model.path is not supported yet; train a preset, or set parallel.pp=1"
+        )
+
+
 def prepare_run(
     config_path: str | None,
     overrides: list[str],
@@ -77,7 +97,9 @@ def prepare_run(
         cfg = from_deepspeed(deepspeed, cfg, world_size)
     cfg = resolve_model(cfg)
     validate(cfg, world_size)
-    ParallelDims.from_config(cfg.parallel, world_size).validate()
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    if dims.pp > 1:
+        _check_pipeline(cfg, dims)
     tokenizer = make_tokenizer(cfg)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -123,6 +145,23 @@ def train_worker(run_dir: str, resume: str | None) -> dict[str, Any]:
     return summary
 
 
+def _whole_model(trainer: Trainer) -> LlamaForCausalLM:
+    """The trained model in one piece: the trainer's own, or (pipeline) rebuilt from the last checkpoint."""
+    if isinstance(trainer.model, LlamaForCausalLM):
+        return trainer.model
+    from zerotron.checkpoint import store
+    from zerotron.train.state import read_model_tensors
+
+    ckpt = store.find_latest(trainer.ckpt_root)
+    if ckpt is None:
+        raise RuntimeError(f"{trainer.ckpt_root}: no checkpoint to rebuild the whole model from")
+    model = LlamaForCausalLM(trainer.cfg.model)
+    missing, _ = model.load_state_dict(read_model_tensors(ckpt), strict=False)
+    if missing:
+        raise RuntimeError(f"{ckpt}: the pipeline stages' files lack {missing[:3]}")
+    return model.to(trainer.device)
+
+
 def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     """Loss plot and a short generated sample (rank 0)."""
     out: dict[str, Any] = {}
@@ -133,11 +172,12 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     tokenizer = make_tokenizer(cfg)
     from zerotron.serve.generate import generate
 
-    trainer.model.eval()
+    model = _whole_model(trainer)
+    model.eval()
     prompt = tokenizer.encode(cfg.train.sample_prompt)
     with torch.no_grad():
         result = generate(
-            trainer.model,
+            model,
             tokenizer,
             prompt,
             max_new_tokens=120,

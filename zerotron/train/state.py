@@ -3,8 +3,10 @@
 Files inside one checkpoint folder (see :mod:`zerotron.checkpoint.store` for publication):
 
 - ``model.safetensors``: the full model under zerotron's parameter names (replicated under plain data
-  parallelism, so rank 0 writes it);
-- ``optimizer.safetensors``: AdamW moments ``{name}.exp_avg`` / ``{name}.exp_avg_sq`` and ``{name}.step``;
+  parallelism, so rank 0 writes it); with pipeline parallelism ``model.pp{K}.safetensors``, the tensors
+  of pipeline rank K under the same global names, written by its first data-parallel replica;
+- ``optimizer.safetensors`` (``optimizer.pp{K}.safetensors``): AdamW moments ``{name}.exp_avg`` /
+  ``{name}.exp_avg_sq`` and ``{name}.step``;
 - ``rng.rank{R}.safetensors``: each rank's torch CPU (and CUDA) generator state;
 - ``trainer.json``: step, loss scaler, data-loader position, layout and the resolved config.
 """
@@ -91,9 +93,11 @@ def save_checkpoint(
     world = mesh.group("world")
     collectives.barrier(world)
     store.write_tensors(tmp / f"rng.rank{mesh.rank}.safetensors", rng_tensors())
+    if _writes_model(mesh):
+        suffix = _stage_suffix(mesh)
+        store.write_tensors(tmp / f"model{suffix}.safetensors", model_tensors(model))
+        store.write_tensors(tmp / f"optimizer{suffix}.safetensors", optimizer_tensors(model, optimizer))
     if mesh.rank == 0:
-        store.write_tensors(tmp / "model.safetensors", model_tensors(model))
-        store.write_tensors(tmp / "optimizer.safetensors", optimizer_tensors(model, optimizer))
         store.write_json(tmp / "trainer.json", trainer_state)
     collectives.barrier(world)
     final = root / store.step_dir_name(step)
@@ -115,20 +119,45 @@ def load_checkpoint(
             f"{ckpt}: saved with world size {saved_world}, now {mesh.dims.world_size}; this checkpoint "
             "format restores the same layout only (start with the same --nproc)"
         )
-    weights = store.read_tensors(ckpt / "model.safetensors")
+    weights = read_model_tensors(ckpt)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if m not in _tied_names(model)]
+    if mesh.dims.pp > 1:
+        unexpected = []  # the other pipeline stages' tensors
     if missing or unexpected:
         raise store.CheckpointError(
-            f"{ckpt / 'model.safetensors'}: does not fit this model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
+            f"{ckpt}: the model files do not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    load_optimizer_tensors(model, optimizer, store.read_tensors(ckpt / "optimizer.safetensors"))
+    load_optimizer_tensors(model, optimizer, _read_merged(ckpt, "optimizer"))
     rng = store.read_tensors(ckpt / f"rng.rank{mesh.rank}.safetensors")
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     return state
+
+
+def _writes_model(mesh: Mesh) -> bool:
+    """One replica writes the model: the first data-parallel rank of each pipeline stage."""
+    return all(mesh.coords[axis] == 0 for axis in ("dp", "cp", "tp"))
+
+
+def _stage_suffix(mesh: Mesh) -> str:
+    return f".pp{mesh.coords['pp']}" if mesh.dims.pp > 1 else ""
+
+
+def _read_merged(ckpt: Path, kind: str) -> dict[str, torch.Tensor]:
+    files = sorted(ckpt.glob(f"{kind}*.safetensors"))
+    if not files:
+        raise store.CheckpointError(f"{ckpt}: no {kind}*.safetensors file")
+    merged: dict[str, torch.Tensor] = {}
+    for path in files:
+        merged.update(store.read_tensors(path))
+    return merged
+
+
+def read_model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint by global name, merged over its pipeline-stage files."""
+    return _read_merged(ckpt, "model")
 
 
 def _tied_names(model: nn.Module) -> set[str]:

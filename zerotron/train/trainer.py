@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from zerotron.checkpoint import store
 from zerotron.config import Config
@@ -22,6 +23,7 @@ from zerotron.config_load import to_dict
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Mesh
 from zerotron.models.llama import LlamaForCausalLM, model_flops_per_token
+from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.train import state as ckpt_state
@@ -34,15 +36,21 @@ from zerotron.train.optim import (
     global_grad_norm,
     lr_at,
 )
+from zerotron.train.pipeline_step import PipelineStep, build_pipeline_model
 
 # Dense bf16 peak FLOP/s by device name fragment, for MFU (REFERENCES.md); None elsewhere (CPU).
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_model(cfg: Config, device: torch.device) -> LlamaForCausalLM:
-    """The model on ``device`` with layout-independent initial weights (or weights from model.path)."""
-    if cfg.model.path:
+def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> nn.Module:
+    """The model on ``device`` with layout-independent initial weights (or weights from model.path).
+
+    With ``parallel.pp > 1`` only this rank's pipeline stages are built (a StagedModel).
+    """
+    if mesh is not None and mesh.dims.pp > 1:
+        model: nn.Module = build_pipeline_model(cfg, mesh, device)
+    elif cfg.model.path:
         from zerotron.models.loading import load_pretrained
 
         model, _ = load_pretrained(cfg.model.path, dtype=torch.float32, device=str(device))
@@ -74,7 +82,7 @@ class Trainer:
             else torch.device("cpu")
         )
         torch.manual_seed(cfg.train.seed + mesh.rank)
-        self.model = build_model(cfg, self.device)
+        self.model = build_model(cfg, self.device, mesh)
         self.model.train()
         self.dp_group = mesh.group("dp")
         self.buckets = GradientBuckets(self.model, self.dp_group, cfg.parallel.bucket_mb)
@@ -92,13 +100,23 @@ class Trainer:
         )
         self.meter = ActivationMeter(self.model)
         self.step = 0
-        self.n_params = sum(p.numel() for p in self.params)
-        self.flops_per_token = model_flops_per_token(self.model.config, cfg.train.seq_len)
+        self.pipeline = (
+            PipelineStep(self.model, mesh, cfg, self.meter, self.buckets)
+            if isinstance(self.model, StagedModel)
+            else None
+        )
+        # Gradients this rank contributes to the global norm, and the groups that sum those parts.
+        self.norm_params = self.pipeline.norm_params() if self.pipeline else self.params
+        self.norm_groups = [mesh.group("pp")] if self.pipeline else []
+        self.n_params = self.pipeline.n_params() if self.pipeline else sum(p.numel() for p in self.params)
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
         """Run every micro-batch; return this rank's summed token loss (fp32 scalar)."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(micro, scale, self.device)
         tokens_global = self.cfg.train.global_batch * self.cfg.train.seq_len
         precision = self.cfg.train.precision
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -131,7 +149,7 @@ class Trainer:
         if fp16:
             grads = [p.grad for p in self.params if p.grad is not None]
             torch._foreach_mul_(grads, 1.0 / scale)
-        norm = global_grad_norm(self.params)
+        norm = global_grad_norm(self.norm_params, self.norm_groups)
         overflow = not bool(torch.isfinite(norm))
         lr = lr_at(self.step, cfg)
         if fp16:
