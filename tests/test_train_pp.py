@@ -61,6 +61,7 @@ def _body(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
         (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
         (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"]),
         (2, ["parallel.pp=2", "parallel.pp_schedule=zb"]),
+        (2, ["parallel.pp=2", "parallel.pp_schedule=zb", "train.recompute=full"]),  # two-pass BI/BW
         (4, ["parallel.pp=4", "parallel.pp_schedule=1f1b"]),
         (4, ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"]),
         (4, ["parallel.pp=4", "parallel.pp_schedule=zb", "parallel.pp_layers=[1,3,3,1]"]),

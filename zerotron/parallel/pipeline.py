@@ -8,10 +8,11 @@ model (``zerotron.models.stages``): this module works on any ``nn.Module`` chunk
 *execution*: :class:`PipelineRunner` walks this rank's list from
 :mod:`zerotron.parallel.pipeline_schedule`. Sends are posted asynchronously and waited at the end of the
 step; receives block, into buffers whose shape (micro-batch, seq_len, hidden) and dtype are known from
-the config, so there is no shape hand-shake that could deadlock. ``BI``/``BW`` (zero-bubble) are two
-autograd passes: ``BI`` computes the gradient of the chunk's input only (keeping the graph), ``BW`` the
-gradients of its weights. The numbers equal those of one ``B``; on this implementation ``BW`` re-walks
-the graph, so the zero-bubble schedule saves bubble time but adds backward compute (see README).
+the config, so there is no shape hand-shake that could deadlock. ``BI``/``BW`` (zero-bubble): ``BI``
+computes the gradient of the chunk's input (and of its small non-Linear parameters) while a
+:class:`WeightGradStash` keeps each Linear's input and output gradient; ``BW`` turns those into weight
+gradients, one GEMM per layer. With activation recomputation (which re-runs forwards inside the
+backward) the runner falls back to two autograd passes, ``BW`` re-walking the graph for the weights.
 
 Every P2P goes through :mod:`zerotron.dist.collectives` on the pipeline group, counted under ``pp``.
 """
@@ -107,6 +108,7 @@ class PipelineRunner:
         chunks: Sequence[nn.Module],
         act_shape: tuple[int, ...],
         act_dtype: torch.dtype,
+        defer_weight_grads: bool = True,
     ) -> None:
         if len(chunks) != schedule.v:
             raise PipelineError(
@@ -116,6 +118,9 @@ class PipelineRunner:
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.last_stage = schedule.p * schedule.v - 1
         self.split_backward = any(op.kind == "BW" for op in schedule.ranks[rank])
+        self.stash = (
+            WeightGradStash.attach(self.chunks) if self.split_backward and defer_weight_grads else None
+        )
 
     def _peer(self, pp_index: int) -> int:
         return self.group.ranks[pp_index]
@@ -210,8 +215,15 @@ class PipelineRunner:
             if stage == 0:  # nothing to send back: done with this micro-batch
                 saved.pop(key)
             return
-        # BI: the input gradient only, keeping the graph for BW
-        if stage > 0:
+        if self.stash is not None:  # BI: input and small-parameter gradients; Linear ones stashed
+            self.stash.key = key
+            inputs = ([x] if stage > 0 else []) + self.stash.other[op.chunk]
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+            self.stash.key = None
+            if stage > 0:
+                x.grad = grads[0]
+            _accumulate(self.stash.other[op.chunk], grads[1 if stage > 0 else 0 :])
+        elif stage > 0:  # BI without the stash: the input gradient only, keeping the graph for BW
             (x.grad,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
 
     def _backward_weights(
@@ -222,8 +234,76 @@ class PipelineRunner:
     ) -> None:
         key = (op.mb, op.chunk)
         _, out = saved.pop(key)
+        grad = grads_out.pop(key)
+        if self.stash is not None:
+            self.stash.apply(key)
+            return
         params = [p for p in self.chunks[op.chunk].parameters() if p.requires_grad]
-        torch.autograd.backward(out, grads_out.pop(key), inputs=params)
+        torch.autograd.backward(out, grad, inputs=params)
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
+
+class WeightGradStash:
+    """Deferred weight gradients of every ``nn.Linear`` in some chunks (zero-bubble's BW, done properly).
+
+    A forward hook on each Linear puts a hook on its output; when BI's backward passes through it,
+    the output gradient and the layer's input are stashed under the current micro-batch. BI asks autograd
+    only for the chunk input's gradient and the other (small) parameters' ones (norms, embedding), so no
+    weight GEMM runs and the graph is freed; BW then computes each weight gradient as one GEMM
+    ``dW = gᵀ·x``. Use :meth:`attach`, which returns None where this cannot apply (a parameter shared by
+    a Linear and another module, e.g. tied embeddings on one stage).
+    """
+
+    def __init__(self, linears: list[nn.Linear], other: list[list[torch.Tensor]]) -> None:
+        self.key: tuple[int, int] | None = None
+        self.entries: dict[tuple[int, int], list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = {}
+        self.other = other
+        self.handles = [m.register_forward_hook(self._on_forward) for m in linears]
+
+    @classmethod
+    def attach(cls, chunks: Sequence[nn.Module]) -> WeightGradStash | None:
+        """A stash on ``chunks``' Linear layers, or None when a Linear's parameter is shared elsewhere."""
+        linears = [m for c in chunks for m in c.modules() if isinstance(m, nn.Linear)]
+        linear_ids = {id(p) for m in linears for p in m.parameters()}
+        owned_elsewhere = {
+            id(p)
+            for c in chunks
+            for m in c.modules()
+            if not isinstance(m, nn.Linear)
+            for p in m.parameters(recurse=False)
+        }
+        other: list[list[torch.Tensor]] = [
+            [p for p in c.parameters() if p.requires_grad and id(p) not in linear_ids] for c in chunks
+        ]
+        if linear_ids & owned_elsewhere or not all(other):
+            return None
+        return cls(linears, other)
+
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return
+        inp = args[0].detach()
+
+        def on_grad(g: torch.Tensor) -> None:
+            if self.key is not None:
+                self.entries.setdefault(self.key, []).append((module, inp, g.detach()))  # type: ignore[arg-type]
+
+        output.register_hook(on_grad)
+
+    def apply(self, key: tuple[int, int]) -> None:
+        """BW of one micro-batch: accumulate every stashed Linear's weight (and bias) gradient."""
+        for module, inp, g in self.entries.pop(key, []):
+            w = module.weight
+            g2 = g.reshape(-1, g.shape[-1]).to(w.dtype)  # (tokens, out)
+            x2 = inp.reshape(-1, inp.shape[-1]).to(w.dtype)  # (tokens, in)
+            _accumulate([w], [g2.t() @ x2])
+            if module.bias is not None:
+                _accumulate([module.bias], [g2.sum(0)])
 
 
 def sum_tied_grads(weight: torch.Tensor | None, shape: Sequence[int], group: Group) -> None:

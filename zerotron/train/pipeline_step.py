@@ -55,7 +55,13 @@ class PipelineStep:
         # The residual stream stays in the parameters' dtype under autocast (fp32 embedding + fp16 branches).
         dtype = next(model.parameters()).dtype
         self.runner = PipelineRunner(
-            schedule, self.group.rank_in_group, self.group, model.chunks, shape, dtype
+            schedule,
+            self.group.rank_in_group,
+            self.group,
+            model.chunks,
+            shape,
+            dtype,
+            defer_weight_grads=cfg.train.recompute == "none",  # recomputed forwards would stash twice
         )
 
     def n_params(self) -> int:
