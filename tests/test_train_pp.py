@@ -159,3 +159,22 @@ def test_pipeline_resume_is_bitwise_equal(tmp_path: Path) -> None:
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     assert len(losses(straight)) == 6 and losses(straight) == losses(split)
+
+
+def test_show_schedule_prints_each_rank_without_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerotron.cli import main
+
+    argv = [
+        "train",
+        "parallel.pp=2",
+        "parallel.pp_schedule=1f1b",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "--nproc",
+        "2",
+        "--show-schedule",
+    ]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == ["rank 0: F0 F1 B0 F2 B1 F3 B2 B3", "rank 1: F0 B0 F1 B1 F2 B2 F3 B3"]
+    assert "bubble fraction 0.250" in lines[3]

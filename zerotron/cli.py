@@ -28,6 +28,12 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.show_schedule:
+        from zerotron.train.run import describe_schedule
+
+        config, overrides = _split_config_and_overrides(args.items)
+        print(describe_schedule(config, overrides, args.nproc))
+        return 0
     if args.help_config:
         from zerotron.config_load import describe_fields
 
@@ -147,3 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+    train.add_argument(
+        "--show-schedule",
+        action="store_true",
+        help="print the pipeline schedule of this config (each rank's instructions, bubble) and exit",
+    )

@@ -84,6 +84,33 @@ def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
         )
 
 
+def describe_schedule(config_path: str | None, overrides: list[str], nproc: int) -> str:
+    """The pipeline schedule the config would run on ``nproc`` ranks, checked and simulated (no rank starts)."""
+    from zerotron.parallel.pipeline_schedule import build_schedule, simulate
+    from zerotron.train.pipeline_step import micro_batches_per_step
+
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+    cfg = resolve_model(load_config(config_path, overrides))
+    validate(cfg, world)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    if dims.pp == 1:
+        return "parallel.pp=1: no pipeline schedule (set parallel.pp > 1)"
+    _check_pipeline(cfg, dims)
+    p, v = dims.pp, cfg.parallel.virtual_stages
+    m = micro_batches_per_step(cfg, dims.dp)
+    schedule = build_schedule(cfg.parallel.pp_schedule, p, m, v)
+    result = simulate(schedule)
+    head = (
+        f"{cfg.parallel.pp_schedule}: pp={p}, virtual_stages={v}, {m} micro-batches per step; "
+        f"F = forward, B = backward (BI input / BW weight gradients), F3.1 = micro-batch 3 of chunk 1"
+    )
+    tail = (
+        f"bubble fraction {result.bubble_fraction:.3f} (with backward = 2 x forward); "
+        f"most forwards awaiting their backward, per rank: {result.max_in_flight}"
+    )
+    return "\n".join([head, schedule.format(), tail])
+
+
 def prepare_run(
     config_path: str | None,
     overrides: list[str],
