@@ -162,7 +162,11 @@ def train_worker(run_dir: str, resume: str | None) -> dict[str, Any]:
     trainer = Trainer(cfg, mesh, rd, load_tokens(str(rd / "tokens.npy")))
     resumed = trainer.resume(resume) if resume else None
     if resumed is not None and rank == 0:
-        print(f"resumed from {resumed} at step {trainer.step}", flush=True)
+        saved = {k: v for k, v in (trainer.resumed_layout or {}).items() if k != "world_size"}
+        moved = (
+            f", resharded from {saved} to {trainer.layout()}" if saved and saved != trainer.layout() else ""
+        )
+        print(f"resumed from {resumed} at step {trainer.step}{moved}", flush=True)
     history = trainer.fit()
     summary: dict[str, Any] = {"rank": rank, "steps": trainer.step}
     if history:

@@ -110,16 +110,15 @@ def save_checkpoint(
 def load_checkpoint(
     ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh
 ) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from ``ckpt``; return the trainer state."""
+    """Restore model, optimizer and (same world size) this rank's RNG from ``ckpt``; return the trainer state.
+
+    Tensors are stored whole under the model's global names, so a checkpoint loads into any data-parallel
+    size and any pipeline split: each rank takes the names it holds (pipeline stage files are merged).
+    """
     store.verify(ckpt)
     state = store.read_json(ckpt / "trainer.json")
-    saved_world = state.get("layout", {}).get("world_size")
-    if saved_world is not None and saved_world != mesh.dims.world_size:
-        raise store.CheckpointError(
-            f"{ckpt}: saved with world size {saved_world}, now {mesh.dims.world_size}; this checkpoint "
-            "format restores the same layout only (start with the same --nproc)"
-        )
-    weights = read_model_tensors(ckpt)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    weights = _with_tied_head(read_model_tensors(ckpt), tied)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if m not in _tied_names(model)]
     if mesh.dims.pp > 1:
@@ -128,12 +127,29 @@ def load_checkpoint(
         raise store.CheckpointError(
             f"{ckpt}: the model files do not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    load_optimizer_tensors(model, optimizer, _read_merged(ckpt, "optimizer"))
-    rng = store.read_tensors(ckpt / f"rng.rank{mesh.rank}.safetensors")
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    load_optimizer_tensors(model, optimizer, _with_tied_head(_read_merged(ckpt, "optimizer"), tied))
+    saved_world = state.get("layout", {}).get("world_size")
+    if saved_world == mesh.dims.world_size:  # another layout keeps the seeds the trainer set for it
+        rng = store.read_tensors(ckpt / f"rng.rank{mesh.rank}.safetensors")
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     return state
+
+
+def _with_tied_head(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """Give a pipeline's last stage its head copy from a checkpoint that stored the tied matrix once.
+
+    Every ``embed_tokens.weight*`` tensor (weights, AdamW moments, step) gets an ``lm_head.weight*``
+    alias when the checkpoint has none: the copies are equal by construction.
+    """
+    if not tied:
+        return tensors
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if name.startswith("embed_tokens.weight"):
+            out.setdefault("lm_head.weight" + name[len("embed_tokens.weight") :], t)
+    return out
 
 
 def _writes_model(mesh: Mesh) -> bool:

@@ -100,6 +100,7 @@ class Trainer:
         )
         self.meter = ActivationMeter(self.model)
         self.step = 0
+        self.resumed_layout: dict[str, Any] | None = None
         self.pipeline = (
             PipelineStep(self.model, mesh, cfg, self.meter, self.buckets)
             if isinstance(self.model, StagedModel)
@@ -248,6 +249,7 @@ class Trainer:
         self.step = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])
         self.loader.load_state_dict(state["loader"])
+        self.resumed_layout = state.get("layout")
         return ckpt
 
     # -- the loop ------------------------------------------------------------------------------------------
