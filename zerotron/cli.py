@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", help="'auto' (newest complete checkpoint in --out) or a checkpoint folder")
     train.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed ds_config.json to map")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    train.add_argument(
+        "--show-schedule",
+        action="store_true",
+        help="print the pipeline schedule of this config (each rank's instructions, bubble) and exit",
+    )
     train.set_defaults(fn=_cmd_train)
 
     gen = sub.add_parser("generate", help="generate text from a model (HF directory or GGUF file)")
@@ -153,8 +158,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-    train.add_argument(
-        "--show-schedule",
-        action="store_true",
-        help="print the pipeline schedule of this config (each rank's instructions, bubble) and exit",
-    )
