@@ -135,18 +135,24 @@ def verify(ckpt: Path) -> dict:
     return manifest
 
 
-def find_latest(root: Path) -> Path | None:
-    """Newest complete checkpoint under ``root`` (by step), verified; None when there is none."""
+def scan(root: Path) -> tuple[Path | None, list[str]]:
+    """Newest complete, verified checkpoint under ``root`` and why each newer one was skipped."""
     if not root.is_dir():
-        return None
-    candidates = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
-    for ckpt in candidates:
+        return None, []
+    skipped: list[str] = []
+    for ckpt in sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True):
         try:
             verify(ckpt)
-        except CheckpointError:
+        except CheckpointError as e:
+            skipped.append(str(e))
             continue
-        return ckpt
-    return None
+        return ckpt, skipped
+    return None, skipped
+
+
+def find_latest(root: Path) -> Path | None:
+    """Newest complete checkpoint under ``root`` (by step), verified; None when there is none."""
+    return scan(root)[0]
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -233,8 +234,17 @@ def launch_training(
     """Check, prepare and run a training job on ``nproc`` local ranks (or under torchrun)."""
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
     cfg, run_dir = prepare_run(config_path, overrides, world, out, deepspeed)
-    if resume and resume != "auto" and not Path(resume).is_dir():
-        raise ConfigError(f"--resume {resume}: no such checkpoint folder")
+    from zerotron.checkpoint import store
+
+    if resume and resume != "auto":
+        if not Path(resume).is_dir():
+            raise ConfigError(f"--resume {resume}: no such checkpoint folder")
+        store.verify(Path(resume))  # a corrupt file stops here, named, before any rank starts
+    if resume == "auto":
+        latest, skipped = store.scan(run_dir / "checkpoints")
+        for reason in skipped:
+            fallback = f"falling back to {latest.name}" if latest else "no complete checkpoint left"
+            print(f"zerotron: skipping a checkpoint: {reason}; {fallback}", file=sys.stderr, flush=True)
     results = spawn(train_worker, nproc, args=(str(run_dir), resume))
     summary = next(r for r in results if r.get("rank") == 0)
     summary["run_dir"] = str(run_dir)
