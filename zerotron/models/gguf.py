@@ -10,6 +10,7 @@ result equals the original Hugging Face weights (up to quantisation).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -126,11 +127,15 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_gguf_weights(reader: Any, path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Every tensor zerotron uses, dequantised to fp32, under zerotron names."""
+    return dict(iter_gguf_weights(reader, path, cfg))
+
+
+def iter_gguf_weights(reader: Any, path: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of :func:`read_gguf_weights` one at a time (the file stays memory-mapped)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     arch = field(reader, "general.architecture")
-    out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = gguf_to_name(t.name)
         if name is None:
@@ -150,5 +155,4 @@ def read_gguf_weights(reader: Any, path: str | Path, cfg: ModelConfig) -> dict[s
             array = unpermute_qk(array, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = unpermute_qk(array, cfg.kv_heads)
-        out[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-    return out
+        yield name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))

@@ -9,6 +9,8 @@ Errors are :class:`ModelLoadError` with one line naming the file.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -125,6 +127,20 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: missing field {e.args[0]!r}") from e
 
 
+def _name_shards(out: Path, shards: list[dict[str, str]], total: int) -> None:
+    """Rename the written shards as transformers names them, with an index when there are several."""
+    if len(shards) == 1:
+        os.replace(out / ".shard0.safetensors", out / "model.safetensors")
+        return
+    weight_map = {}
+    for k, names in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(out / f".shard{k}.safetensors", out / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
@@ -145,17 +161,31 @@ def _weight_files(directory: Path) -> list[Path]:
 
 def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF directory under zerotron names (single or sharded safetensors)."""
+    return dict(iter_hf_weights(directory))
+
+
+def iter_hf_weights(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of :func:`read_hf_weights` one at a time, read from the files as needed."""
+    for path in _weight_files(Path(directory)):
+        for key, tensor in iter_safetensors(path):
+            yield from_hf_name(key), tensor
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one safetensors file, one tensor in memory at a time; errors name the file."""
     from safetensors import safe_open
 
-    out: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(directory)):
+    try:
+        handle = safe_open(str(path), framework="pt")
+        keys = list(handle.keys())
+    except Exception as e:  # safetensors raises its own SafetensorError/OSError for damaged files
+        raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
+    for key in keys:
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    out[from_hf_name(key)] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own SafetensorError/OSError for damaged files
-            raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
-    return out
+            tensor = handle.get_tensor(key)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: tensor {key} cannot be read ({str(e).splitlines()[0]})") from e
+        yield key, tensor
 
 
 def write_hf_directory(
@@ -174,19 +204,55 @@ def write_hf_directory(
         tokenizer_files: file name -> text (e.g. tokenizer.json, tokenizer_config.json).
         dtype: dtype of the stored weights.
     """
+    cfg: ModelConfig = model.config  # type: ignore[assignment]
+    tensors = (
+        (name, tensor)
+        for name, tensor in model.state_dict().items()
+        if not (cfg.tie_word_embeddings and name == "lm_head.weight")
+    )
+    return write_hf_files(cfg, tensors, directory, tokenizer_files, dtype)
+
+
+def write_hf_files(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    directory: str | Path,
+    tokenizer_files: Optional[dict[str, str]] = None,
+    dtype: torch.dtype = torch.float32,
+    shard_bytes: int = 2 * 2**30,
+) -> Path:
+    """Write a HF directory from ``(zerotron name, tensor)`` pairs, streaming them into shards.
+
+    At most ``shard_bytes`` of tensors are held before a shard is written, so memory stays near one
+    shard plus one tensor whatever the model size. One shard is ``model.safetensors``; more are
+    ``model-0000K-of-0000N.safetensors`` with ``model.safetensors.index.json``, as transformers writes.
+    """
     from safetensors.torch import save_file
 
-    cfg: ModelConfig = model.config  # type: ignore[assignment]
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     hf_cfg = config_to_hf(cfg)
     hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        tensors[to_hf_name(name)] = tensor.detach().to("cpu", dtype).contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shards: list[dict[str, str]] = []  # per shard: hf name -> (later) file
+    pending: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            save_file(pending, str(out / f".shard{len(shards)}.safetensors"), metadata={"format": "pt"})
+            shards.append(dict.fromkeys(pending, ""))
+            pending, size = {}, 0
+
+    for name, tensor in tensors:
+        t = tensor.detach().to("cpu", dtype).contiguous()
+        if pending and size + t.nbytes > shard_bytes:
+            flush()
+        pending[to_hf_name(name)] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    _name_shards(out, shards, total)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
     gen = {
         k: v
