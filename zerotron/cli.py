@@ -54,11 +54,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from zerotron.serve.generate import run_generate
+    from zerotron.serve.generate import generate_worker, run_generate
 
-    run_generate(
-        args.model,
-        args.prompt,
+    model, overrides = _split_config_and_overrides(args.items)
+    tp = 1
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key != "parallel.tp" or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"zerotron: error: generate takes only parallel.tp=N (an integer), not {item!r}")
+        tp = int(value)
+    if model is None:
+        raise SystemExit("zerotron: error: generate needs a MODEL (Hugging Face directory or .gguf file)")
+    nproc = args.nproc if args.nproc is not None else tp
+    if nproc != tp:
+        raise SystemExit(f"zerotron: error: --nproc {nproc} must equal parallel.tp={tp} for generate")
+    options = dict(
         chat=args.chat,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -66,6 +76,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
+    if tp == 1:
+        run_generate(model, args.prompt, **options)
+        return 0
+    from zerotron.dist.launch import spawn
+
+    spawn(generate_worker, nproc, args=(model, args.prompt, options))
     return 0
 
 
@@ -75,6 +91,59 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     convert(args.src, args.dst)
     print(f"wrote {args.dst}")
     return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """`zerotron plan`: predict memory and step time, search layouts, or calibrate a profile."""
+    import json
+    from pathlib import Path
+
+    from zerotron.config_load import load_config
+    from zerotron.plan import PROFILES, PlanError, get_hardware, plan_config
+    from zerotron.plan.calibrate import calibrate_runs, read_metrics
+    from zerotron.plan.layout import from_config
+    from zerotron.plan.report import draw_breakdowns, format_calibration, format_plan, format_table
+    from zerotron.plan.search import search
+
+    config, overrides = _split_config_and_overrides(args.items)
+    if args.calibrate:
+        overrides += [item for item in args.calibrate if "=" in item]  # overrides typed after the dirs
+        runs = []
+        for run_dir in (Path(item) for item in args.calibrate if "=" not in item):
+            records = read_metrics(run_dir)
+            saved = run_dir / "config.yaml"
+            runs.append((load_config(str(saved) if saved.is_file() else config, overrides), records))
+        result = calibrate_runs(runs, get_hardware(args.hardware or "cpu"))
+        print(json.dumps(result, indent=2) if args.json else format_calibration(result))
+        return 0
+    if not args.hardware:
+        raise PlanError(f"--hardware is required: choose one of {', '.join(PROFILES)} or give a profile file")
+    hw = get_hardware(args.hardware)
+    gpus = args.gpus or hw.gpus_per_node
+    cfg = load_config(config, overrides)
+    if cfg.model.path:  # the architecture is in the HF directory or GGUF file, as for `zerotron train`
+        from zerotron.models.loading import read_model_config
+
+        cfg.model = read_model_config(cfg.model.path)
+    if args.search:
+        model, _, work = from_config(_unplaced(cfg), gpus)
+        found = search(model, work, hw, gpus, convention=args.convention, top=args.top)
+        if args.json:
+            print(json.dumps([p.to_json() for p in found.plans], indent=2))
+            return 0
+        print(format_table(found))
+        print(f"breakdowns of the best plans: {draw_breakdowns(found, Path(args.png))}")
+        return 0
+    plan = plan_config(cfg, hw, gpus, convention=args.convention)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _unplaced(cfg: Any) -> Any:
+    """``cfg`` with ``parallel`` reset to one rank of pure data parallelism (the search picks the layout)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=-1, tp=1, pp=1, cp=1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(fn=_cmd_train)
 
     gen = sub.add_parser("generate", help="generate text from a model (HF directory or GGUF file)")
-    gen.add_argument("model", help="Hugging Face directory or .gguf file")
+    gen.add_argument(
+        "items", nargs="+", metavar="MODEL", help="Hugging Face directory or .gguf file [parallel.tp=N]"
+    )
+    gen.add_argument("--nproc", type=int, default=None, help="local ranks (tensor parallel; = parallel.tp)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -123,6 +195,31 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src")
     conv.add_argument("dst")
     conv.set_defaults(fn=_cmd_convert)
+
+    plan = sub.add_parser("plan", help="predict memory and step time of a layout; search the best one")
+    plan.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]", help="as for `zerotron train`")
+    plan.add_argument(
+        "--hardware", metavar="NAME|FILE", help="a hardware profile name or a YAML/JSON profile"
+    )
+    plan.add_argument("--gpus", type=int, help="devices in the job (default: one node of the hardware)")
+    plan.add_argument("--json", action="store_true", help="print JSON (memory_bytes, step_time_s, ...)")
+    plan.add_argument("--search", action="store_true", help="rank every valid layout that fits")
+    plan.add_argument("--top", type=int, default=10, help="--search: layouts to show")
+    plan.add_argument("--png", default="plan_search.png", help="--search: breakdown plot path")
+    plan.add_argument(
+        "--calibrate",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="fit the profile's efficiency to a run (GEMM and communication efficiency to several runs)",
+    )
+    plan.add_argument(
+        "--convention",
+        choices=("zerotron", "mixed"),
+        default="zerotron",
+        help="memory as zerotron's engine holds it, or as Megatron/DeepSpeed do (16-bit params and grads, "
+        "Korthikanti activations)",
+    )
+    plan.set_defaults(fn=_cmd_plan)
     return parser
 
 
@@ -136,6 +233,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("zerotron.models.loading", "ModelLoadError"),
         ("zerotron.train.data", "DataError"),
         ("zerotron.checkpoint.store", "CheckpointError"),
+        ("zerotron.plan.errors", "PlanError"),
     ]:
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))

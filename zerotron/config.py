@@ -95,7 +95,11 @@ class ParallelConfig:
     offload_optimizer: str = _f("none", "where optimizer states live: none, cpu or nvme")
     offload_params: str = _f("none", "where ZeRO-3 parameters live: none, cpu or nvme")
     nvme_path: Optional[str] = _f(None, "directory for NVMe offload files")
-    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
+    bucket_mb: float = _f(25.0, "gradient all-reduce (ZeRO-1/2: reduce-scatter) bucket size in MiB")
+    persist_numel: int = _f(4096, "ZeRO-3: parameters with fewer elements stay whole on every rank")
+    reshard_after_forward: bool = _f(
+        True, "ZeRO-3: free each module's gathered parameters after its forward (re-gathered for backward)"
+    )
     backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
 
 

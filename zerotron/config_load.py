@@ -17,6 +17,8 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -267,7 +269,7 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def _check_model(cfg: Config) -> None:
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
@@ -278,15 +280,57 @@ def _check_model(cfg: Config) -> None:
             f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
             f"model.num_key_value_heads={m.kv_heads}"
         )
-    for name, heads in (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", m.kv_heads)):
-        if heads % p.tp:
-            raise ConfigError(
-                f"parallel.tp={p.tp} does not divide model.{name}={heads}; choose a tp that divides {heads}"
-            )
     if cfg.train.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} is above model.max_position_embeddings="
             f"{m.max_position_embeddings}; lower train.seq_len"
+        )
+
+
+def _tp_fits(cfg: Config, tp: int) -> str | None:
+    """The first reason ``tp`` cannot split this model (as a clause naming the field), or None."""
+    m = cfg.model
+    if m.num_attention_heads % tp:
+        return f"does not divide model.num_attention_heads={m.num_attention_heads}"
+    if m.kv_heads % tp and tp % m.kv_heads:
+        return (
+            f"neither divides model.num_key_value_heads={m.kv_heads} nor is a multiple of it "
+            "(KV heads are split, or replicated when tp exceeds them)"
+        )
+    if m.vocab_size % tp:
+        return f"does not divide model.vocab_size={m.vocab_size} (the vocabulary is split over tp)"
+    if m.intermediate_size % tp:
+        return f"does not divide model.intermediate_size={m.intermediate_size}"
+    if cfg.parallel.sequence_parallel and cfg.train.seq_len % tp:
+        return f"does not divide train.seq_len={cfg.train.seq_len} (parallel.sequence_parallel=true)"
+    return None
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """Tensor parallelism splits heads, KV heads (or replicates them), vocabulary and MLP columns."""
+    p = cfg.parallel
+    if p.tp == 1:
+        return
+    if p.offload_optimizer != "none" or p.offload_params != "none":
+        raise ConfigError(
+            f"parallel.tp={p.tp} with ZeRO offload is not supported yet; set parallel.offload_optimizer=none "
+            "and parallel.offload_params=none, or parallel.tp=1"
+        )
+    for name, value, most in (("pp", p.pp, 1), ("zero", p.zero, 2)):
+        if value > most:
+            raise ConfigError(
+                f"parallel.tp={p.tp} with parallel.{name}={value} is not supported yet; "
+                f"set parallel.tp=1 or parallel.{name}<={most}"
+            )
+    reason = _tp_fits(cfg, p.tp)
+    if reason is not None:
+        fits = [t for t in range(1, cfg.model.num_attention_heads + 1) if _tp_fits(cfg, t) is None]
+        hint = ""
+        if "vocab_size" in reason and not cfg.model.path:
+            padded = -(-cfg.model.vocab_size // p.tp) * p.tp
+            hint = f", or round model.vocab_size up to {padded} (the extra rows stay unused)"
+        raise ConfigError(
+            f"parallel.tp={p.tp} {reason}; tp values that fit this model: {', '.join(map(str, fits))}{hint}"
         )
 
 
@@ -327,12 +371,73 @@ def _check_packages(cfg: Config) -> None:
         )
 
 
+class ZeroSavesNothing(UserWarning):
+    """ZeRO over a data-parallel size of 1: allowed, but it shards over one rank and saves no memory."""
+
+
+def _check_zero(cfg: Config, world_size: int) -> None:
+    """ZeRO stage against the layout, offload targets against the stage, the NVMe directory."""
+    p = cfg.parallel
+    for other in ("pp", "tp", "cp"):
+        if other == "tp" and p.zero <= 2:
+            continue  # tp composes with ZeRO-1/2 (tests/test_tensor_parallel.py); tp with ZeRO-3 is refused
+        if p.zero > 0 and getattr(p, other) > 1:
+            raise ConfigError(
+                f"parallel.zero={p.zero} with parallel.{other}={getattr(p, other)} is not supported yet; "
+                f"set parallel.zero=0 or parallel.{other}=1"
+            )
+    if p.offload_params != "none" and p.zero != 3:
+        raise ConfigError(
+            f"parallel.offload_params={p.offload_params} needs parallel.zero=3 (only ZeRO-3 shards parameters)"
+        )
+    if p.offload_optimizer != "none" and p.zero == 0:
+        raise ConfigError(
+            f"parallel.offload_optimizer={p.offload_optimizer} needs parallel.zero >= 1 (set parallel.zero=1)"
+        )
+    if "nvme" in (p.offload_optimizer, p.offload_params):
+        _check_nvme_path(p.nvme_path)
+    for key, target in (("offload_optimizer", p.offload_optimizer), ("offload_params", p.offload_params)):
+        if target == "nvme" or (key == "offload_params" and target != "none"):
+            raise ConfigError(
+                f"parallel.{key}={target} is not implemented yet (parallel.offload_optimizer=cpu is); "
+                f"set parallel.{key}=none"
+            )
+    inner = p.pp * p.cp * p.tp
+    dp = world_size // inner if p.dp == -1 else p.dp
+    if p.zero > 0 and dp == 1:
+        warnings.warn(
+            f"parallel.zero={p.zero} with a data-parallel size of 1 shards over one rank and saves no memory; "
+            "run more ranks (--nproc) to shard",
+            ZeroSavesNothing,
+            stacklevel=3,
+        )
+
+
+def _check_nvme_path(path: str | None) -> None:
+    if not path:
+        raise ConfigError("NVMe offload needs parallel.nvme_path: a directory on a fast local disk")
+    where = Path(path)
+    if not where.is_dir():
+        raise ConfigError(
+            f"parallel.nvme_path={path} is not an existing directory; create it or point elsewhere"
+        )
+    try:  # a real write: permission bits do not stop root, a read-only mount does
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"parallel.nvme_path={path} is not writable ({e.strerror}); choose a directory this user can write"
+        ) from None
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
     _check_packages(cfg)
     _check_ranges(cfg)
     _check_model(cfg)
     _check_batch(cfg, world_size)
+    _check_tensor_parallel(cfg)
+    _check_zero(cfg, world_size)
 
 
 # -- DeepSpeed ds_config.json ------------------------------------------------------------------------------

@@ -337,6 +337,32 @@ def init_parameter(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfi
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)
 
 
+def tensor_parallel_plan(cfg: ModelConfig) -> dict:
+    """How tensor parallelism splits this model (the format of :mod:`zerotron.parallel.tensor`).
+
+    Attention is split by heads (q, and k/v by KV heads, replicated when tp exceeds them), the MLP by
+    intermediate columns (SwiGLU's gate and up alike), the embedding and the output head by vocabulary.
+    """
+    mlp_colwise = ["gate_proj", "up_proj"] if cfg.mlp == "gated" else ["up_proj"]
+    return {
+        "embedding": "embed_tokens",
+        "output": "lm_head",
+        "norms": ["norm"],
+        "blocks": "layers",
+        "block": {
+            "norms": ["input_layernorm", "post_attention_layernorm"],
+            "regions": {
+                "self_attn": {
+                    "colwise": ["q_proj", "k_proj", "v_proj"],
+                    "rowwise": ["o_proj"],
+                    "heads": {"num_heads": ["q_proj"], "kv_heads": ["k_proj", "v_proj"]},
+                },
+                "mlp": {"colwise": mlp_colwise, "rowwise": ["down_proj"]},
+            },
+        },
+    }
+
+
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameter elements (a tied embedding counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

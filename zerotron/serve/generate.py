@@ -3,10 +3,17 @@
 :func:`generate` works on any :class:`~zerotron.models.llama.LlamaForCausalLM` and returns the new ids
 with timings; :func:`run_generate` is ``zerotron generate``: load a model file, optionally apply its chat
 template, and stream the decoded text as tokens arrive.
+
+Tensor-parallel generation (``zerotron generate --nproc N parallel.tp=N``): every rank holds its shard
+of the model (:mod:`zerotron.parallel.tensor`) and a KV cache of its own KV heads; each step's logits
+of the last position are all-gathered over the vocabulary, the group's first rank picks the token and
+broadcasts it, and only global rank 0 prints.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import sys
 import time
 from collections.abc import Callable
@@ -14,8 +21,12 @@ from typing import Any, Optional, TextIO
 
 import torch
 
-from zerotron.models.llama import KVCache, LlamaForCausalLM
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Group
+from zerotron.models.llama import KVCache, LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.loading import ModelLoadError, load_pretrained
+from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
+from zerotron.parallel.tensor_comm import gather_last_dim
 
 
 def sample_next(
@@ -50,6 +61,7 @@ def generate(
     seed: Optional[int] = None,
     stop_ids: Optional[list[int]] = None,
     on_token: Optional[Callable[[int], None]] = None,
+    tp_group: Optional[Group] = None,
 ) -> dict[str, Any]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (batch of one).
 
@@ -60,6 +72,8 @@ def generate(
         seed: seeds the sampling generator (None: nondeterministic).
         stop_ids: generation ends after emitting one of these (default: the tokenizer's EOS).
         on_token: called with each new id as soon as it is chosen (streaming).
+        tp_group: the tensor-parallel group when ``model`` is a tensor-parallel shard (every rank of
+            the group calls this with the same arguments).
 
     Returns:
         ``{"ids": new ids (stop id included), "prompt_tokens", "new_tokens", "prefill_s", "decode_s",
@@ -76,25 +90,30 @@ def generate(
     if temperature > 0.0:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(seed) if seed is not None else generator.seed()
-    cache = KVCache(model.config, 1, len(prompt_ids) + max_new_tokens, dtype=param.dtype, device=param.device)
+    cfg = model.config
+    if tp_group is not None and tp_group.size > 1:  # this rank's KV heads only
+        local_kv_heads = int(getattr(model.layers[0].self_attn, "kv_heads"))  # noqa: B009 - set by the plan
+        cfg = dataclasses.replace(cfg, num_key_value_heads=local_kv_heads)
+    cache = KVCache(cfg, 1, len(prompt_ids) + max_new_tokens, dtype=param.dtype, device=param.device)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=param.device)  # (1, s)
     step_input = torch.empty((1, 1), dtype=torch.long, device=param.device)  # reused every decode step
 
     t0 = time.perf_counter()
-    logits = model(ids, kv_cache=cache, logits_to_keep=1)[0, -1]  # (V,)
+    logits = _whole_logits(model(ids, kv_cache=cache, logits_to_keep=1)[0, -1], tp_group)  # (V,)
     out: list[int] = []
     t1 = time.perf_counter()
     for _ in range(max_new_tokens):
         token = sample_next(
             logits.cpu() if generator is not None else logits, temperature, top_k, top_p, generator
         )
+        token = _agree(token, tp_group, param.device)
         out.append(token)
         if on_token is not None:
             on_token(token)
         if token in stops or len(out) == max_new_tokens:
             break
         step_input.fill_(token)
-        logits = model(step_input, kv_cache=cache)[0, -1]  # (V,)
+        logits = _whole_logits(model(step_input, kv_cache=cache)[0, -1], tp_group)  # (V,)
     t2 = time.perf_counter()
     prefill_s, decode_s = t1 - t0, t2 - t1
     steps = max(len(out) - 1, 0)
@@ -107,6 +126,20 @@ def generate(
         "prefill_tokens_per_s": len(prompt_ids) / prefill_s if prefill_s > 0 else float("inf"),
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 and steps else 0.0,
     }
+
+
+def _whole_logits(logits: torch.Tensor, tp_group: Optional[Group]) -> torch.Tensor:
+    """(V/t,) vocabulary shard -> (V,) on every rank of the group (unchanged without one)."""
+    return logits if tp_group is None else gather_last_dim(logits, tp_group)
+
+
+def _agree(token: int, tp_group: Optional[Group], device: torch.device) -> int:
+    """The token chosen by the group's first rank (sampling may differ between ranks)."""
+    if tp_group is None or tp_group.size == 1:
+        return token
+    t = torch.tensor([token], dtype=torch.long, device=device)
+    collectives.broadcast(t, tp_group.ranks[0], tp_group)
+    return int(t)
 
 
 class TextStream:
@@ -149,13 +182,20 @@ def run_generate(
     device: str = "cpu",
     out: TextIO = sys.stdout,
     stats: Optional[TextIO] = sys.stderr,
+    tp_group: Optional[Group] = None,
 ) -> dict[str, Any]:
     """``zerotron generate``: load ``model_path`` (HF directory or GGUF), stream the continuation to ``out``.
 
     With ``chat``, the prompt becomes one user message rendered by the model's chat template. Timings
-    go to ``stats`` (None: silent). Returns :func:`generate`'s dict plus ``"text"``.
+    go to ``stats`` (None: silent). Returns :func:`generate`'s dict plus ``"text"``. With ``tp_group``
+    (every rank of it calls this), the model is split over the group and only its first rank prints.
     """
     model, tokenizer = load_pretrained(model_path, dtype=dtype, device=device)
+    if tp_group is not None and tp_group.size > 1:
+        plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
+        apply_tensor_parallel(model, plan, tp_group)
+        if tp_group.rank_in_group != 0:
+            out, stats = io.StringIO(), None
     if tokenizer is None:
         raise ModelLoadError(
             f"{model_path}: the model has no tokenizer (tokenizer.json); cannot encode a prompt"
@@ -169,7 +209,16 @@ def run_generate(
         prompt_ids = tokenizer.encode(prompt)
     stream = TextStream(tokenizer, out)
     result = generate(
-        model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, on_token=stream
+        model,
+        tokenizer,
+        prompt_ids,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        on_token=stream,
+        tp_group=tp_group,
     )
     stream.flush()
     out.write("\n")
@@ -180,3 +229,14 @@ def run_generate(
             f"decode {result['new_tokens']} tokens at {result['decode_tokens_per_s']:.1f} tok/s\n"
         )
     return result
+
+
+def generate_worker(model_path: str, prompt: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Body of one rank of ``zerotron generate --nproc N parallel.tp=N``: all ranks form one TP group."""
+    from zerotron.dist.launch import current_rank_and_world
+    from zerotron.dist.mesh import ParallelDims
+
+    rank, world = current_rank_and_world()
+    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    result = run_generate(model_path, prompt, tp_group=mesh.group("tp"), **options)
+    return {"ids": result["ids"], "text": result["text"]} if rank == 0 else {}

@@ -76,7 +76,7 @@ class ActivationMeter:
         if t.device.type == "meta":
             return t
         ptr = t.untyped_storage().data_ptr()
-        if ptr in self._param_ptrs:
+        if ptr in self._param_ptrs or isinstance(t, nn.Parameter):  # ZeRO-3 re-gathers into new storage
             return t
         count, nbytes = self._refs.get(ptr, (0, t.untyped_storage().nbytes()))
         if count == 0:

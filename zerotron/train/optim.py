@@ -26,6 +26,14 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
             continue
         seen.add(id(p))
         (decay if p.ndim >= 2 else no_decay).append(p)
+    return adamw(decay, no_decay, cfg)
+
+
+def adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over two groups: ``decay`` with ``train.weight_decay``, ``no_decay`` without.
+
+    ZeRO passes its shard segments here, each in the group of the parameter it is part of.
+    """
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -178,8 +178,10 @@ def train_worker(run_dir: str, resume: str | None) -> dict[str, Any]:
 
 
 def _whole_model(trainer: Trainer) -> LlamaForCausalLM:
-    """The trained model in one piece: the trainer's own, or (pipeline) rebuilt from the last checkpoint."""
-    if isinstance(trainer.model, LlamaForCausalLM):
+    """The trained model in one piece: the trainer's own, or (pipeline, tensor parallel, ZeRO-3) rebuilt
+    from the last checkpoint, which holds whole tensors."""
+    dims = trainer.mesh.dims
+    if isinstance(trainer.model, LlamaForCausalLM) and dims.tp == 1 and dims.zero < 3:
         return trainer.model
     from zerotron.checkpoint import store
     from zerotron.train.state import read_model_tensors
@@ -189,6 +191,8 @@ def _whole_model(trainer: Trainer) -> LlamaForCausalLM:
         raise RuntimeError(f"{trainer.ckpt_root}: no checkpoint to rebuild the whole model from")
     model = LlamaForCausalLM(trainer.cfg.model)
     missing, _ = model.load_state_dict(read_model_tensors(ckpt), strict=False)
+    if trainer.cfg.model.tie_word_embeddings:  # stored once, as embed_tokens.weight (tensor parallel)
+        missing = [m for m in missing if m != "lm_head.weight"]
     if missing:
         raise RuntimeError(f"{ckpt}: the pipeline stages' files lack {missing[:3]}")
     return model.to(trainer.device)

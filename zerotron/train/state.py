@@ -9,10 +9,15 @@ Files inside one checkpoint folder (see :mod:`zerotron.checkpoint.store` for pub
   ``{name}.exp_avg_sq`` and ``{name}.step``;
 - ``rng.rank{R}.safetensors``: each rank's torch CPU (and CUDA) generator state;
 - ``trainer.json``: step, loss scaler, data-loader position, layout and the resolved config.
+
+Under tensor parallelism each parameter's shards and its AdamW moments are all-gathered over the tp
+group on save, so the files hold whole tensors under global names whatever tp was, and each rank
+slices its part on load (by the parameter's :class:`~zerotron.parallel.tensor.ShardSpec`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,7 @@ from torch import nn
 from zerotron.checkpoint import store
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Mesh
+from zerotron.parallel.tensor import ShardSpec, gather_tensors, shard_specs, slice_tensors
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -83,8 +89,18 @@ def save_checkpoint(
     mesh: Mesh,
     trainer_state: dict[str, Any],
     keep: int,
+    zero: Any = None,
 ) -> Path:
-    """Write and publish the checkpoint of ``step`` from every rank (collective over the world)."""
+    """Write and publish the checkpoint of ``step`` from every rank (collective over the world).
+
+    Under ZeRO (``zero``: the trainer's engine) the shards are all-gathered first, so the files hold the
+    same whole tensors by name as without it and load under any ZeRO stage or none.
+    """
+    zero_tensors = None
+    if zero is not None:  # collective over dp: every rank takes part in the gathers
+        with zero.full_params():
+            zero_weights = {k: v.detach().clone() for k, v in model_tensors(model).items()}
+        zero_tensors = (zero_weights, zero.optimizer_tensors(optimizer))
     tmp = store.temp_dir(root, step)
     if mesh.rank == 0:
         if tmp.exists():
@@ -93,10 +109,19 @@ def save_checkpoint(
     world = mesh.group("world")
     collectives.barrier(world)
     store.write_tensors(tmp / f"rng.rank{mesh.rank}.safetensors", rng_tensors())
+    tp = mesh.group("tp")
+    if tp.size > 1 and mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0:  # the writer's tp group
+        specs = _tp_specs(model)  # this tp rank's whole shards (gathered over dp first under ZeRO)
+        local = zero_tensors or (model_tensors(model), optimizer_tensors(model, optimizer))
+        weights, moments = gather_tensors(local[0], specs, tp), gather_tensors(local[1], specs, tp)
+    elif _writes_model(mesh) and zero_tensors is not None:
+        weights, moments = zero_tensors
+    elif _writes_model(mesh):
+        weights, moments = model_tensors(model), optimizer_tensors(model, optimizer)
     if _writes_model(mesh):
         suffix = _stage_suffix(mesh)
-        store.write_tensors(tmp / f"model{suffix}.safetensors", model_tensors(model))
-        store.write_tensors(tmp / f"optimizer{suffix}.safetensors", optimizer_tensors(model, optimizer))
+        store.write_tensors(tmp / f"model{suffix}.safetensors", weights)
+        store.write_tensors(tmp / f"optimizer{suffix}.safetensors", moments)
     if mesh.rank == 0:
         store.write_json(tmp / "trainer.json", trainer_state)
     collectives.barrier(world)
@@ -108,7 +133,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh
+    ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, zero: Any = None
 ) -> dict[str, Any]:
     """Restore model, optimizer and (same world size) this rank's RNG from ``ckpt``; return the trainer state.
 
@@ -118,8 +143,11 @@ def load_checkpoint(
     store.verify(ckpt)
     state = store.read_json(ckpt / "trainer.json")
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    weights = _with_tied_head(read_model_tensors(ckpt), tied)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    specs = _tp_specs(model) if mesh.dims.tp > 1 else {}  # full tensors in the files; keep this tp shard
+    weights = slice_tensors(_with_tied_head(read_model_tensors(ckpt), tied), specs)
+    # Under ZeRO-3 the parameters are gathered to take the whole tensors, then each rank keeps its shard.
+    with zero.full_params(writeback=True) if zero is not None else contextlib.nullcontext():
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if m not in _tied_names(model)]
     if mesh.dims.pp > 1:
         unexpected = []  # the other pipeline stages' tensors
@@ -127,7 +155,11 @@ def load_checkpoint(
         raise store.CheckpointError(
             f"{ckpt}: the model files do not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    load_optimizer_tensors(model, optimizer, _with_tied_head(_read_merged(ckpt, "optimizer"), tied))
+    moments = slice_tensors(_with_tied_head(_read_merged(ckpt, "optimizer"), tied), specs)
+    if zero is not None:
+        zero.load_optimizer_tensors(optimizer, moments)
+    else:
+        load_optimizer_tensors(model, optimizer, moments)
     saved_world = state.get("layout", {}).get("world_size")
     if saved_world == mesh.dims.world_size:  # another layout keeps the seeds the trainer set for it
         rng = store.read_tensors(ckpt / f"rng.rank{mesh.rank}.safetensors")
@@ -150,6 +182,13 @@ def _with_tied_head(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, t
         if name.startswith("embed_tokens.weight"):
             out.setdefault("lm_head.weight" + name[len("embed_tokens.weight") :], t)
     return out
+
+
+def _tp_specs(model: nn.Module) -> dict[str, ShardSpec]:
+    """Shard specs of the tensor-parallel parameters and of their AdamW moments, by saved name."""
+    specs = shard_specs(model)
+    moments = {f"{name}.{key}": spec for name, spec in specs.items() for key in ("exp_avg", "exp_avg_sq")}
+    return {**specs, **moments}
 
 
 def _writes_model(mesh: Mesh) -> bool:

@@ -1,8 +1,9 @@
 """The training loop of one rank: micro-batches, gradient accumulation, data-parallel reduction,
 precision, clipping, the optimizer step, metrics and checkpoints.
 
-Parallelism is applied in DESIGN.md's order by :func:`build_model`: (pipeline, tensor, context, expert
-are later issues) → activation recomputation → data-parallel gradient buckets last.
+Parallelism is applied in DESIGN.md's order by :func:`build_model`: pipeline split → tensor/sequence
+parallel → (context, expert are later issues) → activation recomputation → data-parallel gradient
+buckets last.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -22,15 +23,22 @@ from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Mesh
-from zerotron.models.llama import LlamaForCausalLM, model_flops_per_token
+from zerotron.models.llama import LlamaForCausalLM, model_flops_per_token, tensor_parallel_plan
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
+from zerotron.parallel.offload import HostAdamW
 from zerotron.parallel.recompute import apply_recompute
+from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, global_numel
+from zerotron.parallel.tensor import norm_names as tp_norm_names
+from zerotron.parallel.tensor import norm_params as tp_norm_params
+from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
+from zerotron.parallel.zero import apply_zero
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress, model_state_bytes
 from zerotron.train.optim import (
     DynamicLossScaler,
+    adamw,
     build_optimizer,
     clip_grads_,
     global_grad_norm,
@@ -46,7 +54,10 @@ _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> nn.Module:
     """The model on ``device`` with layout-independent initial weights (or weights from model.path).
 
-    With ``parallel.pp > 1`` only this rank's pipeline stages are built (a StagedModel).
+    With ``parallel.pp > 1`` only this rank's pipeline stages are built (a StagedModel). With
+    ``parallel.tp > 1`` the whole model is built (or loaded) with the global seed and each rank keeps
+    its tensor-parallel shard (:func:`zerotron.parallel.tensor.apply_tensor_parallel`), so every tp
+    starts from the same global weights.
     """
     if mesh is not None and mesh.dims.pp > 1:
         model: nn.Module = build_pipeline_model(cfg, mesh, device)
@@ -59,6 +70,14 @@ def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> 
             model = LlamaForCausalLM(cfg.model)
         model.to_empty(device=device)
         model.init_weights(cfg.train.seed)
+    if mesh is not None and mesh.dims.tp > 1:
+        if mesh.dims.pp > 1 or cfg.parallel.zero > 2:
+            raise ValueError(
+                "parallel.tp > 1 with parallel.pp > 1 or parallel.zero=3 is not supported yet; "
+                "set parallel.tp=1, or parallel.pp=1 and parallel.zero<=2"
+            )
+        plan = TensorParallelPlan.from_dict(tensor_parallel_plan(cfg.model))
+        apply_tensor_parallel(model, plan, mesh.group("tp"), cfg.parallel.sequence_parallel)
     apply_recompute(model, cfg.train.recompute)
     return model
 
@@ -85,8 +104,28 @@ class Trainer:
         self.model = build_model(cfg, self.device, mesh)
         self.model.train()
         self.dp_group = mesh.group("dp")
-        self.buckets = GradientBuckets(self.model, self.dp_group, cfg.parallel.bucket_mb)
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        par = cfg.parallel
+        # ZeRO replaces the gradient buckets (same no_sync/finish interface) and owns the optimizer's params.
+        self.zero = (
+            apply_zero(
+                self.model,
+                par.zero,
+                self.dp_group,
+                par.bucket_mb,
+                par.persist_numel,
+                par.reshard_after_forward,
+            )
+            if par.zero > 0
+            else None
+        )
+        self.buckets: Any = cast(Any, self.zero or GradientBuckets(self.model, self.dp_group, par.bucket_mb))
+        self.optimizer: torch.optim.Optimizer
+        if self.zero is None:
+            self.optimizer = build_optimizer(self.model, cfg.train)
+        elif par.offload_optimizer == "cpu":  # ZeRO-Offload: master weights, moments and step on the host
+            self.optimizer = HostAdamW(*self.zero.param_groups(), cfg.train)
+        else:
+            self.optimizer = adamw(*self.zero.param_groups(), cfg.train)
         self.params = [p for p in {id(p): p for p in self.model.parameters()}.values() if p.requires_grad]
         self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
         dataset = PackedDataset(tokens, cfg.train.seq_len)
@@ -110,6 +149,21 @@ class Trainer:
         self.norm_params = self.pipeline.norm_params() if self.pipeline else self.params
         self.norm_groups = [mesh.group("pp")] if self.pipeline else []
         self.n_params = self.pipeline.n_params() if self.pipeline else sum(p.numel() for p in self.params)
+        self.tp_group = mesh.group("tp")
+        if self.tp_group.size > 1:
+            # Split parameters count on every tp rank, replicated ones once; the parts sum over tp.
+            self.norm_params = tp_norm_params(self.model, self.params, self.tp_group)
+            self.norm_groups = [self.tp_group]
+            self.n_params = global_numel(self.model)
+        if self.zero is not None:
+            # The optimizer, clipping and unscaling see this rank's shard segments; their norms sum over dp.
+            self.params = self.zero.params
+            self.norm_params, self.norm_groups = self.params, [self.dp_group]
+            if self.tp_group.size > 1:  # ... and over tp, replicated parameters' segments counted once
+                owned = tp_norm_names(self.model, self.tp_group)
+                segments = [seg for segs in self.zero.segments for seg in segs]
+                self.norm_params = [seg.param for seg in segments if seg.name in owned]
+                self.norm_groups = [self.dp_group, self.tp_group]
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
 
@@ -133,11 +187,18 @@ class Trainer:
             with sync:
                 with self.meter.forward(), autocast:
                     logits = self.model(inputs)  # (mb, s, V)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+                    loss = self._loss(logits, labels)
                 (loss * (scale / tokens_global)).backward()
             loss_sum += loss.detach()
         self.buckets.finish()
         return loss_sum
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy; vocab-parallel under tp (the (mb, s, V/tp) logits stay split)."""
+        if self.tp_group.size > 1:
+            per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp_group)
+            return per_token.sum()
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
 
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
         """Run one optimizer step (on the loader's next batches unless ``micro`` is given)."""
@@ -163,8 +224,14 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if self.zero is not None:
+                self.zero.after_step()
         activation = self.meter.take_peak()
-        states = model_state_bytes(self.model, self.optimizer)
+        if self.zero is not None:
+            states = self.zero.state_bytes(self.optimizer)
+            self.zero.zero_grad()
+        else:
+            states = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         collectives.all_reduce(loss_sum, self.dp_group, op="sum")
         self.step += 1
@@ -232,6 +299,7 @@ class Trainer:
             self.mesh,
             trainer_state,
             self.cfg.checkpoint.keep,
+            self.zero,
         )
 
     def resume(self, spec: str) -> Path | None:
@@ -245,7 +313,7 @@ class Trainer:
             if not ckpt.is_dir():
                 raise store.CheckpointError(f"--resume {spec}: no such checkpoint folder")
         # Build optimizer state tensors before loading so the restored ones replace them.
-        state = ckpt_state.load_checkpoint(ckpt, self.model, self.optimizer, self.mesh)
+        state = ckpt_state.load_checkpoint(ckpt, self.model, self.optimizer, self.mesh, self.zero)
         self.step = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])
         self.loader.load_state_dict(state["loader"])

@@ -1,0 +1,190 @@
+"""`zerotron plan` against the engine's own accounting on tiny models (CPU, Gloo).
+
+For each layout the trainer runs one step and reports ``model_state_bytes`` (counted from the tensors
+the rank holds) and ``activation_bytes`` (peak bytes saved for backward in one micro-batch, counted by
+a saved-tensors hook). The planner must predict the model states exactly and the activations within
+5%, for every rank (each pipeline rank against its own stage). The matrix covers what the engine runs
+today: dp (plain DDP, zero=0), the four pipeline schedules, tensor parallelism with and without
+sequence parallelism, fp32/bf16/fp16 and none/selective/full recomputation; ZeRO, offload and cp
+join it as they land.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness import run_distributed
+from zerotron.config_load import load_config, save_config
+from zerotron.plan import PROFILES, plan_config
+from zerotron.plan.calibrate import calibrate, read_metrics
+from zerotron.plan.layout import from_config
+from zerotron.plan.planner import stage_memory
+
+BASE = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.intermediate_size=96",
+    "train.seq_len=32",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "train.loss_scale_init=1024",
+    "log.progress=none",
+]
+
+LAYOUTS_1 = [
+    [f"train.precision={p}", f"train.recompute={r}"]
+    for p in ("fp32", "bf16", "fp16")
+    for r in ("none", "selective", "full")
+] + [
+    ["model.mlp=plain", "model.num_key_value_heads=4", "model.tie_word_embeddings=false"],
+    ["model.attention_bias=true", "model.num_key_value_heads=1", "train.precision=bf16"],
+    ["model.hidden_size=128", "model.num_attention_heads=8", "train.seq_len=64", "train.micro_batch=1"],
+]
+LAYOUTS_2 = [
+    ["train.precision=fp32"],
+    ["train.precision=bf16", "train.recompute=full", "model.tie_word_embeddings=false"],
+    ["train.precision=fp16", "train.recompute=selective", "model.mlp=plain"],
+    ["parallel.bucket_mb=0.05", "train.micro_batch=1"],
+    # Pipeline schedules (dp=1, pp=2): each rank is compared with its own stage.
+    ["parallel.dp=1", "parallel.pp=2"],
+    ["parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=gpipe", "train.micro_batch=1"],
+    [
+        "parallel.dp=1",
+        "parallel.pp=2",
+        "train.micro_batch=1",
+        "train.precision=bf16",
+        "train.recompute=selective",
+    ],
+    [
+        "parallel.dp=1",
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved",
+        "parallel.virtual_stages=2",
+        "model.num_hidden_layers=4",
+        "train.micro_batch=1",
+    ],
+    [
+        "parallel.dp=1",
+        "parallel.pp=2",
+        "parallel.pp_schedule=zb",
+        "train.micro_batch=1",
+        "model.tie_word_embeddings=false",
+    ],
+    ["parallel.dp=1", "parallel.pp=2", "model.num_hidden_layers=3", "train.recompute=full"],
+]
+if importlib.util.find_spec("zerotron.parallel.zero") is not None:  # ZeRO has landed
+    LAYOUTS_2 += [
+        ["parallel.zero=1"],
+        ["parallel.zero=1", "parallel.bucket_mb=0.05"],
+        ["parallel.zero=2", "parallel.bucket_mb=0.03", "train.precision=bf16"],
+        ["parallel.zero=3"],
+        [
+            "parallel.zero=3",
+            "model.hidden_size=96",
+            "model.num_attention_heads=6",
+            "model.num_key_value_heads=3",
+            "model.tie_word_embeddings=false",
+        ],
+    ]
+if importlib.util.find_spec("zerotron.parallel.tensor") is not None:  # tensor parallelism has landed
+    LAYOUTS_2 += [
+        ["parallel.dp=1", "parallel.tp=2", "model.vocab_size=256"],
+        ["parallel.dp=1", "parallel.tp=2", "model.vocab_size=256", "parallel.sequence_parallel=true"],
+        [
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "model.vocab_size=256",
+            "train.precision=bf16",
+            "model.num_key_value_heads=1",
+            "parallel.sequence_parallel=true",
+            "train.recompute=selective",
+        ],
+        [
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "model.vocab_size=256",
+            "parallel.sequence_parallel=true",
+            "train.recompute=full",
+            "model.mlp=plain",
+        ],
+    ]
+
+
+def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
+    from zerotron.dist.launch import current_rank_and_world
+    from zerotron.dist.mesh import ParallelDims
+    from zerotron.train.trainer import Trainer
+
+    rank, world = current_rank_and_world()
+    tokens = np.random.default_rng(5).integers(0, 256, size=8192).astype(np.uint16)
+    out = []
+    for i, overrides in enumerate(layouts):
+        cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides])
+        mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+        trainer = Trainer(cfg, mesh, Path(run_dir) / str(i), tokens)
+        peak = [0]  # live bytes of plain data parallelism's gradient buckets (a ZeRO engine has none)
+        launch = (
+            getattr(trainer.buckets, "_launch", None) if hasattr(trainer.buckets, "bucket_bytes") else None
+        )
+        if launch is not None:
+
+            def counted(bucket, launch=launch, peak=peak, buckets=trainer.buckets):  # type: ignore[no-untyped-def]
+                launch(bucket)
+                peak[0] = max(peak[0], buckets.bucket_bytes())
+
+            trainer.buckets._launch = counted
+        records = [trainer.train_step() for _ in range(2)]
+        out.append({**records[-1], "bucket_bytes": peak[0]})
+    return out
+
+
+def _predict(overrides: list[str], world: int, rank: int) -> tuple[dict, float, float]:
+    """Model states, activations and gradient-bucket bytes the planner predicts for ``rank``."""
+    cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides])
+    plan_config(cfg, PROFILES["cpu"], world)  # the layout passes every check
+    m, layout, work = from_config(cfg, world)
+    stage = (rank // (layout.tp * layout.cp)) % layout.pp
+    dp_rank = rank // (layout.tp * layout.cp * layout.pp)
+    memory, detail, _, _ = stage_memory(m, layout, work, "zerotron", stage, dp_rank=dp_rank)
+    states = {k: memory[k] for k in ("params", "grads", "optimizer")}
+    return states, memory["activations"], detail.get("grad_buckets", 0.0)
+
+
+@pytest.mark.parametrize(("world", "layouts"), [(1, LAYOUTS_1), (2, LAYOUTS_2)], ids=["dp1", "dp2"])
+def test_plan_matches_engine(world: int, layouts: list[list[str]], tmp_path: Path) -> None:
+    results = run_distributed(_engine, world, layouts, str(tmp_path), timeout=300)
+    for rank, rank_records in enumerate(results):
+        for overrides, record in zip(layouts, rank_records):
+            states, activations, buckets = _predict(overrides, world, rank)
+            assert {k: float(v) for k, v in record["model_state_bytes"].items()} == states, overrides
+            if "parallel.zero=3" in overrides:
+                # Not modelled yet: under ZeRO-3 the meter also counts the gathered weights autograd saves
+                # for backward (they are not parameter storages), a rank- and timing-dependent amount.
+                assert record["activation_bytes"] >= activations, overrides
+                continue
+            assert record["activation_bytes"] == pytest.approx(activations, rel=0.05), overrides
+            if "parallel.zero" not in " ".join(overrides):
+                # The gradient buckets' flat copies alive at once (the planner's "grad_buckets" buffer).
+                assert record["bucket_bytes"] == buckets, overrides
+
+
+def test_calibrate_on_an_engine_run(tmp_path: Path) -> None:
+    """A real run's metrics: the fitted efficiency reproduces its step time; memory agrees."""
+    overrides = [*BASE, "parallel.dp=1"]
+    records = run_distributed(_engine, 1, [[]], str(tmp_path), timeout=300)[0]
+    cfg = load_config(None, overrides)
+    save_config(cfg, tmp_path / "config.yaml")
+    steps = [{**records[0], "step": i, "step_time_s": records[0]["step_time_s"]} for i in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    result = calibrate(load_config(str(tmp_path / "config.yaml")), read_metrics(tmp_path), PROFILES["cpu"])
+    assert 0 < result["profile"]["gemm_efficiency"] <= 1
+    assert result["predicted_step_time_s"]["after"] == pytest.approx(result["measured_step_time_s"], rel=1e-3)
+    for key in ("params", "grads", "optimizer"):
+        assert result["memory"][key]["measured"] == result["memory"][key]["predicted"]

@@ -1,0 +1,214 @@
+"""Tensor and sequence parallelism, *comm* part: autograd functions around the TP collectives.
+
+Megatron's two conjugate operators and their sequence-parallel counterparts, each a
+:class:`torch.autograd.Function` whose forward and backward go through :mod:`zerotron.dist.collectives`
+(so every byte is counted under the ``tp`` axis):
+
+=============================  ============================  ===============================
+function                       forward                       backward
+=============================  ============================  ===============================
+:func:`copy_to_tp` (f)         identity                      all-reduce
+:func:`reduce_from_tp` (g)     all-reduce                    identity
+:func:`gather_from_sequence`   all-gather along ``dim``      reduce-scatter along ``dim``
+:func:`reduce_scatter_to_seq`  reduce-scatter along ``dim``  all-gather along ``dim``
+:func:`split_to_sequence`      keep this rank's chunk        all-gather along ``dim``
+=============================  ============================  ===============================
+
+and :func:`vocab_parallel_cross_entropy`, the loss over logits split by vocabulary (each rank holds
+``V/t`` columns): the maximum, the sum of exponentials and the target logit are combined across ranks
+with two all-reduces of ``N`` and ``2N`` elements (N tokens), so the full (N, V) logits never exist on
+one rank. Its backward is local (softmax minus one-hot, on this rank's columns).
+
+Chunks along ``dim`` are rank-major: rank ``k`` of the group holds elements ``[k·n/t, (k+1)·n/t)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Group
+
+
+def _all_gather_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank-major)."""
+    xt = x.movedim(dim, 0).contiguous()  # (n/t, ...)
+    out = xt.new_empty((group.size * xt.shape[0], *xt.shape[1:]))  # (n, ...)
+    collectives.all_gather(out, xt, group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's chunk along ``dim``."""
+    n = x.shape[dim]
+    if n % group.size:
+        raise ValueError(
+            f"sequence parallelism: dimension {dim} of size {n} is not divisible by tp={group.size}"
+        )
+    xt = x.movedim(dim, 0).contiguous()  # (n, ...)
+    out = xt.new_empty((n // group.size, *xt.shape[1:]))  # (n/t, ...)
+    collectives.reduce_scatter(out, xt, group, op="sum")
+    return out.movedim(0, dim).contiguous()
+
+
+def _split_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    n = x.shape[dim]
+    if n % group.size:
+        raise ValueError(
+            f"sequence parallelism: dimension {dim} of size {n} is not divisible by tp={group.size}"
+        )
+    return x.chunk(group.size, dim)[group.rank_in_group].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    collectives.all_reduce(out, group, op="sum")
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_dim(grad, ctx.group, ctx.dim), None, None
+
+
+class _SplitToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _split_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_dim(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's f: enter a TP region with a replicated input (identity; all-reduce of the gradient)."""
+    return x if group.size == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's g: leave a TP region by summing partial outputs (all-reduce; identity backward)."""
+    return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Enter a TP region from sequence shards: all-gather along ``dim`` (reduce-scatter backward)."""
+    return x if group.size == 1 else _GatherFromSequence.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Leave a TP region onto sequence shards: reduce-scatter along ``dim`` (all-gather backward)."""
+    return x if group.size == 1 else _ReduceScatterToSequence.apply(x, group, dim)
+
+
+def split_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Keep this rank's chunk of a replicated tensor along ``dim`` (all-gather backward)."""
+    return x if group.size == 1 else _SplitToSequence.apply(x, group, dim)
+
+
+def all_reduce_grad_hook(group: Group) -> Any:
+    """A tensor hook that sums a gradient over ``group`` (replicated parameters used on partial data).
+
+    Registered with ``param.register_hook`` it runs on each backward's contribution before it is
+    accumulated into ``.grad``, so gradient accumulation over micro-batches stays a plain sum.
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad, group)
+
+    return hook
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: Group
+    ) -> torch.Tensor:
+        # logits (N, V/t) fp32, labels (N,) global token ids
+        local_max = logits.max(dim=-1).values  # (N,)
+        collectives.all_reduce(local_max, group, op="max")
+        shifted = logits - local_max.unsqueeze(-1)  # (N, V/t)
+        exp = shifted.exp()
+        local = labels - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])  # (N,)
+        local = local.masked_fill(outside, 0)
+        target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)  # (N,)
+        sums = torch.stack((exp.sum(dim=-1), target))  # (2, N): one all-reduce for both
+        collectives.all_reduce(sums, group, op="sum")
+        sum_exp, target = sums[0], sums[1]
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax over the whole vocabulary, this rank's columns
+        ctx.save_for_backward(exp, local, outside)
+        return sum_exp.log() - target  # (N,)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, outside = ctx.saved_tensors
+        grad_logits = softmax.clone()  # (N, V/t)
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, local] -= (~outside).to(grad_logits.dtype)
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, group: Group, vocab_start: int | None = None
+) -> torch.Tensor:
+    """Per-token cross-entropy (N,) from logits split by vocabulary over ``group``.
+
+    Args:
+        logits: (N, V/t) this rank's vocabulary columns (computed in fp32 here).
+        labels: (N,) global token ids, the same on every rank of the group.
+        group: the tensor-parallel group.
+        vocab_start: first vocabulary id of this rank's columns; default ``rank_in_group · V/t``.
+    """
+    if vocab_start is None:
+        vocab_start = group.rank_in_group * logits.shape[-1]
+    if group.size == 1:
+        return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+    return _VocabParallelCrossEntropy.apply(logits.float(), labels, vocab_start, group)
+
+
+def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along the last dimension (no autograd): e.g. vocab-split logits
+    of the one position a generation step needs."""
+    return x if group.size == 1 else _all_gather_dim(x, group, x.dim() - 1)

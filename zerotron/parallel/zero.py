@@ -1,0 +1,297 @@
+"""ZeRO-1 and ZeRO-2 (Rajbhandari et al. SC20): optimizer states, then gradients, sharded over dp.
+
+*apply* part. Both stages keep the whole model on every rank, with its parameters moved into flat
+buckets (:class:`~zerotron.parallel.zero_flat.FlatLayout`, about ``bucket_mb`` MiB each, in reverse
+registration order like the data-parallel buckets): each parameter becomes a view of its bucket's flat
+buffer, so the rank's shard of a bucket is a view too and the optimizer, which sees only the shard's
+:class:`~zerotron.parallel.zero_flat.ShardSegment`\\ s, updates the model's own storage with no second
+copy. After the step every bucket is all-gathered in place (:meth:`after_step`).
+
+- :class:`ZeroStage1` accumulates whole gradients over the micro-batches of a step (they live in one
+  flat gradient buffer per bucket) and reduce-scatters each bucket once, on the last micro-batch, as soon
+  as backward has produced it; only the rank's shard of the buffer holds reduced values afterwards.
+- :class:`ZeroStage2` reduce-scatters each bucket on every micro-batch as soon as backward has produced
+  it, adds the result into a gradient shard and drops the whole gradients at once, so a rank holds one
+  bucket of whole gradients at a time plus its ``1/dp`` shard.
+
+Traffic per step with one micro-batch: reduce-scatter + all-gather of every bucket, ``2Ψ(N-1)/N``
+bytes-elements, which is the all-reduce of plain data parallelism (NCCL bus convention).
+
+*comm* part: the reduce-scatters and all-gathers go through :mod:`zerotron.dist.collectives`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Group
+from zerotron.parallel.zero3 import ZeroStage3
+from zerotron.parallel.zero_flat import (
+    FlatLayout,
+    ShardSegment,
+    gather_optimizer_state,
+    load_optimizer_state,
+    optimizer_state_bytes,
+    segment_grads,
+    unique_named_params,
+)
+
+ZeroEngine = Union["ZeroStage1", "ZeroStage2", ZeroStage3]
+
+
+def apply_zero(
+    model: nn.Module,
+    stage: int,
+    group: Group,
+    bucket_mb: float = 25.0,
+    persist_numel: int = 4096,
+    reshard_after_forward: bool = True,
+) -> ZeroEngine:
+    """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3).
+
+    The last step of DESIGN.md's order: apply it to the finished (recomputation-wrapped) model. The
+    returned engine replaces the data-parallel gradient buckets: the trainer's optimizer works on
+    ``engine.params`` (this rank's shard segments), calls ``engine.finish()`` after backward and
+    ``engine.after_step()`` after the optimizer step.
+    """
+    if stage == 1:
+        return ZeroStage1(model, group, bucket_mb)
+    if stage == 2:
+        return ZeroStage2(model, group, bucket_mb)
+    if stage == 3:
+        return ZeroStage3(model, group, persist_numel, reshard_after_forward)
+    raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
+
+
+def _bucketed(
+    named: list[tuple[str, nn.Parameter]], bucket_mb: float
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Reverse registration order, cut into runs of about ``bucket_mb`` MiB of one dtype each."""
+    limit = max(1, int(bucket_mb * 2**20))
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for name, p in reversed(named):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > limit or p.dtype != buckets[-1][0][1].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, p))
+        size += nbytes
+    return buckets
+
+
+class _ShardedBuckets:
+    """What ZeRO-1 and ZeRO-2 share: flat buckets, shard segments, the all-gather after the step."""
+
+    stage = 0
+
+    def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
+        self.group = group
+        n, r = group.size, group.rank_in_group
+        self.layouts = [FlatLayout(b, n, r) for b in _bucketed(unique_named_params(model), bucket_mb)]
+        self.flats: list[torch.Tensor] = []
+        self.segments: list[list[ShardSegment]] = []
+        self._bucket_of: dict[int, int] = {}
+        for i, layout in enumerate(self.layouts):
+            with torch.no_grad():
+                flat = layout.flatten([s.param.detach() for s in layout.slots])
+            for slot, view in zip(layout.slots, layout.views(flat)):
+                slot.param.data = view
+                self._bucket_of[id(slot.param)] = i
+            self.flats.append(flat)
+            self.segments.append(layout.segments(flat[layout.lo : layout.hi]))
+        self._ready = [0] * len(self.layouts)
+        self._pending: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.layouts]
+        self._launched = [False] * len(self.layouts)
+        self.sync_enabled = True
+        self._hooks = [
+            s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for layout in self.layouts
+            for s in layout.slots
+        ]
+
+    # -- what the trainer's optimizer sees ---------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The segments this rank updates (optimizer parameters; their gradients are reduced)."""
+        return [seg.param for segs in self.segments for seg in segs]
+
+    def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(weight-decayed, not decayed) segments: matrices decay, norm gains and biases do not."""
+        segs = [seg for segs in self.segments for seg in segs]
+        return [s.param for s in segs if s.decay], [s.param for s in segs if not s.decay]
+
+    # -- backward ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches before the last of a step (ZeRO-1 defers its reduction; ZeRO-2 ignores this)."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        i = self._bucket_of[id(param)]
+        if not self._reduces_now():
+            return
+        self._ready[i] += 1
+        if self._ready[i] == len(self.layouts[i].slots):
+            self._launch(i)
+
+    def _reduces_now(self) -> bool:
+        return self.sync_enabled
+
+    def _launch(self, i: int) -> None:
+        layout = self.layouts[i]
+        grads = [
+            s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in layout.slots
+        ]
+        flat_grad = layout.flatten(grads)  # (padded,)
+        self._keep_whole_grads(i, flat_grad)
+        out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)
+        work = collectives.reduce_scatter(out, flat_grad, self.group, op="sum", async_op=True)
+        self._pending[i].append((work, out))
+        self._ready[i], self._launched[i] = 0, True
+
+    def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _land(self, i: int, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the last backward of a step: reduce what has not been, wait, expose the shard gradients.
+
+        Buckets whose hooks did not all fire (parameters unused in this step) are reduced here with zeros
+        for the missing gradients, so every rank issues the same collectives in the same order.
+        """
+        for i in range(len(self.layouts)):
+            if self._ready[i] or not self._launched[i]:
+                self._launch(i)
+        for i in range(len(self.layouts)):
+            for work, out in self._pending[i]:
+                work.wait()
+                self._land(i, out)
+            self._pending[i] = []
+            self._launched[i] = False
+
+    # -- after the optimizer step ------------------------------------------------------------------------
+    def after_step(self) -> None:
+        """All-gather every bucket so that each rank holds the whole updated model again."""
+        for layout, flat in zip(self.layouts, self.flats):
+            shard = flat[layout.lo : layout.hi].clone()
+            collectives.all_gather(flat, shard, self.group)
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (whole and sharded)."""
+        for layout in self.layouts:
+            for s in layout.slots:
+                s.param.grad = None
+        for seg in (seg for segs in self.segments for seg in segs):
+            seg.param.grad = None
+
+    @contextlib.contextmanager
+    def full_params(self, writeback: bool = False) -> Iterator[None]:
+        """The module's parameters hold the whole model (always true for ZeRO-1/2)."""
+        yield
+
+    # -- accounting and checkpoints ----------------------------------------------------------------------
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Parameters, gradients and optimizer states this rank holds, counted from its buffers."""
+        opt = optimizer_state_bytes(optimizer)
+        params = sum(f.numel() * f.element_size() for f in self.flats)
+        return {"params": params, "grads": self._grad_bytes(), "optimizer": opt}
+
+    def _grad_bytes(self) -> int:
+        raise NotImplementedError
+
+    def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """Whole AdamW tensors by parameter name (collective over dp)."""
+        return gather_optimizer_state(self.layouts, self.segments, optimizer, self.group)
+
+    def load_optimizer_tensors(
+        self, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """Each segment takes its part of whole AdamW tensors by name."""
+        load_optimizer_state([seg for segs in self.segments for seg in segs], optimizer, tensors)
+
+
+class ZeroStage1(_ShardedBuckets):
+    """ZeRO-1: optimizer states sharded; whole gradients accumulate, reduced once per step."""
+
+    stage = 1
+
+    def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
+        super().__init__(model, group, bucket_mb)
+        self.flat_grads: list[torch.Tensor | None] = [None] * len(self.layouts)
+
+    def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
+        # The whole gradients move into the flat buffer the reduce-scatter reads (no second copy).
+        for slot, view in zip(self.layouts[i].slots, self.layouts[i].views(flat_grad)):
+            slot.param.grad = view
+        self.flat_grads[i] = flat_grad
+
+    def _land(self, i: int, out: torch.Tensor) -> None:
+        layout, flat_grad = self.layouts[i], self.flat_grads[i]
+        assert flat_grad is not None
+        shard = flat_grad[layout.lo : layout.hi]
+        shard.copy_(out)
+        segment_grads(self.segments[i], shard)
+
+    def _grad_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.flat_grads if g is not None)
+
+    def zero_grad(self) -> None:
+        """Drop the whole-gradient buffers too."""
+        super().zero_grad()
+        self.flat_grads = [None] * len(self.layouts)
+
+
+class ZeroStage2(_ShardedBuckets):
+    """ZeRO-2: + gradients sharded; each bucket is reduce-scattered on every micro-batch as it is ready."""
+
+    stage = 2
+
+    def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
+        super().__init__(model, group, bucket_mb)
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
+
+    def _reduces_now(self) -> bool:
+        return True
+
+    def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
+        for slot in self.layouts[i].slots:
+            slot.param.grad = None  # the flat copy is all that is left until the reduce-scatter lands
+
+    def _land(self, i: int, out: torch.Tensor) -> None:
+        shard = self.grad_shards[i]
+        if shard is None:
+            self.grad_shards[i] = shard = out
+        else:
+            shard.add_(out)
+        segment_grads(self.segments[i], shard)
+
+    def _drain(self, i: int) -> None:
+        for work, out in self._pending[i]:
+            work.wait()
+            self._land(i, out)
+        self._pending[i] = []
+
+    def _launch(self, i: int) -> None:
+        self._drain(i)  # an earlier micro-batch's reduction of this bucket lands first
+        super()._launch(i)
+
+    def _grad_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grad_shards if g is not None)
+
+    def zero_grad(self) -> None:
+        """Drop the gradient shards too."""
+        super().zero_grad()
+        self.grad_shards = [None] * len(self.layouts)

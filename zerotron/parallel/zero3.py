@@ -1,0 +1,300 @@
+"""ZeRO-3 (P_os+g+p): parameters sharded too, gathered module by module just before use.
+
+*apply* part. The model is cut into *units*: every child of every ``nn.ModuleList`` (a transformer
+block) and the root module for whatever is left (embedding, final norm, head). Each unit's parameters
+are laid end to end in a :class:`~zerotron.parallel.zero_flat.FlatLayout`; a rank keeps only its
+``(shard,)`` of it, and the unit's parameters are views of a flat buffer whose storage exists only while
+the unit is gathered (the storage is resized to zero when it is freed, so tensors that autograd saved
+see the data again once it is re-gathered).
+
+- Forward: a unit is all-gathered by a pre-forward hook, which also starts the all-gather of the next
+  unit (prefetch), and freed by a post-forward hook when ``reshard_after_forward`` (the default).
+- Backward: a hook on the unit's output gradient re-gathers it (and prefetches the unit that backward
+  reaches next); when every parameter of the unit has its gradient, the whole gradients are
+  reduce-scattered into the rank's gradient shard and both they and the gathered parameters are freed.
+- Small parameters (fewer than ``persist_numel`` elements: norm gains, biases) form one *persistent*
+  unit that stays gathered, like ZeRO-2: its gradients are reduce-scattered and it is all-gathered after
+  the optimizer step.
+
+Traffic per step with one micro-batch: all-gather forward + all-gather backward + reduce-scatter of
+every sharded unit, ``3Ψ(N-1)/N``: 1.5× data parallelism.
+
+*comm* part: all-gathers and reduce-scatters through :mod:`zerotron.dist.collectives`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Group
+from zerotron.parallel.zero_flat import (
+    FlatLayout,
+    ShardSegment,
+    gather_optimizer_state,
+    load_optimizer_state,
+    optimizer_state_bytes,
+    segment_grads,
+)
+
+
+class _Unit:
+    """One module's flat parameters: the rank's shard, the gathered buffer and backward bookkeeping."""
+
+    def __init__(self, layout: FlatLayout, persistent: bool) -> None:
+        self.layout, self.persistent = layout, persistent
+        with torch.no_grad():
+            self.flat = layout.flatten([s.param.detach() for s in layout.slots])  # (padded,)
+        for slot, view in zip(layout.slots, layout.views(self.flat)):
+            slot.param.data = view
+        self.shard = self.flat[layout.lo : layout.hi].clone()  # (shard,) the rank's master weights
+        self.segments: list[ShardSegment] = layout.segments(self.shard)
+        self.gathered = True
+        self.gathering: Any = None
+        self.grad_shard: torch.Tensor | None = None
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.ready = 0
+        self.reduced = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered buffer."""
+        return self.layout.padded * self.flat.element_size()
+
+    def free(self) -> None:
+        """Release the gathered buffer's storage (the views keep their shapes)."""
+        if self.gathered and not self.persistent:
+            self.flat.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def start_gather(self, group: Group) -> None:
+        """Begin the all-gather of the unit into its buffer (no-op when it is there or on its way)."""
+        if self.gathered or self.gathering is not None:
+            return
+        self.flat.untyped_storage().resize_(self.nbytes)
+        self.gathering = collectives.all_gather(self.flat, self.shard, group, async_op=True)
+
+    def wait_gather(self, group: Group) -> None:
+        """Make sure the unit is gathered."""
+        self.start_gather(group)
+        if self.gathering is not None:
+            self.gathering.wait()
+            self.gathering = None
+            self.gathered = True
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The root first, then every child of every ModuleList, in forward order for a sequential model."""
+    blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return [model, *blocks]
+
+
+class ZeroStage3:
+    """ZeRO-3 over ``group`` for any ``nn.Module`` (see the module docstring).
+
+    Args:
+        model: the whole model, already on its device (its parameters move into flat buffers).
+        group: the data-parallel group.
+        persist_numel: parameters with fewer elements stay whole on every rank.
+        reshard_after_forward: free each unit after its forward (re-gathered for backward); False keeps
+            the units gathered from forward to backward, trading memory for one all-gather.
+    """
+
+    stage = 3
+
+    def __init__(
+        self, model: nn.Module, group: Group, persist_numel: int = 4096, reshard_after_forward: bool = True
+    ) -> None:
+        self.group, self.reshard_after_forward = group, reshard_after_forward
+        n, r = group.size, group.rank_in_group
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+        taken: set[int] = set()
+        small: list[tuple[str, nn.Parameter]] = []
+        self.units: list[_Unit] = []
+        self._unit_of_module: dict[int, _Unit] = {}
+        for module in reversed(_units(model)):  # blocks claim their own parameters before the root
+            named: list[tuple[str, nn.Parameter]] = []
+            for p in module.parameters():
+                if id(p) in taken or not p.requires_grad:
+                    continue
+                taken.add(id(p))
+                (small if p.numel() < persist_numel else named).append((names[id(p)], p))
+            if named:
+                unit = _Unit(FlatLayout(named, n, r), False)
+                self.units.insert(0, unit)
+                self._unit_of_module[id(module)] = unit
+        if small:
+            self.units.append(_Unit(FlatLayout(small, n, r), True))
+        self.order = [u for u in self.units if not u.persistent]  # forward order
+        root = self._unit_of_module.get(id(model))
+        rest = [u for u in self.order if u is not root]
+        self.backward_order = ([root] if root else []) + rest[::-1]
+        self._unit_of_param = {id(s.param): u for u in self.units for s in u.layout.slots}
+        self._in_backward = False
+        for module in _units(model):
+            if id(module) in self._unit_of_module:
+                module.register_forward_pre_hook(self._pre_forward)
+                module.register_forward_hook(self._post_forward)
+        for p in (s.param for u in self.units for s in u.layout.slots):
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for unit in self.order:
+            unit.free()
+
+    # -- what the trainer's optimizer sees ---------------------------------------------------------------
+    @property
+    def segments(self) -> list[list[ShardSegment]]:
+        """Each unit's segments."""
+        return [u.segments for u in self.units]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The segments this rank updates."""
+        return [seg.param for u in self.units for seg in u.segments]
+
+    def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(weight-decayed, not decayed) segments."""
+        segs = [seg for u in self.units for seg in u.segments]
+        return [s.param for s in segs if s.decay], [s.param for s in segs if not s.decay]
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        unit = self._unit_of_module[id(module)]
+        unit.wait_gather(self.group)
+        k = self.order.index(unit)
+        if k + 1 < len(self.order):
+            self.order[k + 1].start_gather(self.group)  # prefetch
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        unit = self._unit_of_module[id(module)]
+        if self._in_backward:  # recomputation inside backward: the unit is needed right after
+            return output
+        outputs = [output] if torch.is_tensor(output) else [t for t in _flatten(output) if torch.is_tensor(t)]
+        if torch.is_grad_enabled():
+            for t in outputs:
+                if t.requires_grad:
+                    t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            unit.free()
+        return output
+
+    def _pre_backward(self, unit: _Unit) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        unit.wait_gather(self.group)
+        k = self.backward_order.index(unit)
+        if k + 1 < len(self.backward_order):
+            self.backward_order[k + 1].start_gather(self.group)  # prefetch what backward reaches next
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        unit = self._unit_of_param[id(param)]
+        unit.ready += 1
+        if unit.ready == len(unit.layout.slots):
+            self._reduce(unit)
+
+    def _reduce(self, unit: _Unit) -> None:
+        layout = unit.layout
+        grads = [
+            s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in layout.slots
+        ]
+        flat_grad = layout.flatten(grads)  # (padded,)
+        for slot in layout.slots:
+            slot.param.grad = None
+        self._land(unit)  # an earlier micro-batch's reduction lands first
+        out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)
+        unit.pending.append((collectives.reduce_scatter(out, flat_grad, self.group, async_op=True), out))
+        unit.ready, unit.reduced = 0, True
+        unit.free()
+
+    def _land(self, unit: _Unit) -> None:
+        for work, out in unit.pending:
+            work.wait()
+            if unit.grad_shard is None:
+                unit.grad_shard = out
+            else:
+                unit.grad_shard.add_(out)
+        unit.pending = []
+        if unit.grad_shard is not None:
+            segment_grads(unit.segments, unit.grad_shard)
+
+    # -- step boundaries ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients are reduce-scattered on every micro-batch; nothing to defer."""
+        yield
+
+    def finish(self) -> None:
+        """After the last backward of a step: reduce what has not been, land every shard gradient."""
+        for unit in self.units:
+            if unit.ready or not unit.reduced:
+                self._reduce(unit)
+        for unit in self.units:
+            self._land(unit)
+            unit.reduced = False
+            unit.free()
+        self._in_backward = False
+
+    def after_step(self) -> None:
+        """The persistent unit is gathered again from its updated shard; sharded units wait for use."""
+        for unit in self.units:
+            if unit.persistent:
+                collectives.all_gather(unit.flat, unit.shard, self.group)
+
+    def zero_grad(self) -> None:
+        """Drop every gradient."""
+        for unit in self.units:
+            unit.grad_shard = None
+            for seg in unit.segments:
+                seg.param.grad = None
+            for s in unit.layout.slots:
+                s.param.grad = None
+
+    @contextlib.contextmanager
+    def full_params(self, writeback: bool = False) -> Iterator[None]:
+        """Gather every unit (collective); with ``writeback`` the shards take the parameters' values after."""
+        for unit in self.order:
+            unit.wait_gather(self.group)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if writeback:
+                    unit.shard.copy_(unit.flat[unit.layout.lo : unit.layout.hi])
+                unit.free()
+
+    # -- accounting and checkpoints ----------------------------------------------------------------------
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Shards (+ the persistent unit whole, + any unit gathered now), shard gradients, AdamW states."""
+        opt = optimizer_state_bytes(optimizer)
+        params = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        params += sum(u.nbytes for u in self.units if u.gathered)
+        grads = sum(
+            u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units if u.grad_shard is not None
+        )
+        return {"params": params, "grads": grads, "optimizer": opt}
+
+    def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """Whole AdamW tensors by parameter name (collective over dp)."""
+        return gather_optimizer_state([u.layout for u in self.units], self.segments, optimizer, self.group)
+
+    def load_optimizer_tensors(
+        self, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """Each segment takes its part of whole AdamW tensors by name."""
+        load_optimizer_state([seg for u in self.units for seg in u.segments], optimizer, tensors)
+
+
+def _flatten(obj: Any) -> list[Any]:
+    if isinstance(obj, (list, tuple)):
+        return [x for item in obj for x in _flatten(item)]
+    if isinstance(obj, dict):
+        return [x for item in obj.values() for x in _flatten(item)]
+    return [obj]

@@ -1,0 +1,194 @@
+"""The flat-buffer layer under every ZeRO stage: parameters laid end to end, padded, cut into dp shards.
+
+A :class:`FlatLayout` takes a run of parameters (a gradient bucket for ZeRO-1/2, one module for ZeRO-3)
+and places them one after another in a flat buffer of ``padded`` elements, ``padded`` the smallest
+multiple of the data-parallel size ``n`` not below their total. Rank ``r`` owns the elements
+``[r*shard, (r+1)*shard)``, ``shard = padded / n``. Padding (fewer than ``n`` elements per layout) is
+zeros that no optimizer sees; it is why a rank's bytes can exceed the ZeRO formulas by at most
+``n - 1`` elements per layout.
+
+What a rank owns is cut along parameter boundaries into :class:`ShardSegment`\\ s: each is a view of the
+rank's shard storage that the optimizer updates as one parameter, and it carries the name of its
+parameter, that parameter's global shape and the offset of the segment in the flattened parameter
+(DESIGN contract 5). AdamW is element-wise, so updating the segments is exactly updating the whole
+parameters. Weight decay follows the parameter's rank (matrices only), as in the unsharded optimizer.
+
+Full tensors for checkpoints are rebuilt by all-gathering the shards (:func:`gather_full`); checkpoints
+therefore keep one layout-independent format: whole tensors by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerotron.dist import collectives
+from zerotron.dist.mesh import Group
+from zerotron.parallel.offload import HostAdamW, state_key
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Slot:
+    """One parameter's place in a flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int  # first element in the flat buffer
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole parameter."""
+        return self.shape.numel()
+
+
+@dataclass
+class ShardSegment:
+    """The part of one parameter a rank owns: an optimizer parameter plus where it belongs globally."""
+
+    name: str
+    global_shape: torch.Size
+    start: int  # offset of the segment in the flattened global parameter
+    length: int
+    at: int  # offset of the segment in the rank's shard
+    param: nn.Parameter  # (length,) view of the rank's shard storage
+    decay: bool  # weight decay applies (the global parameter is a matrix)
+
+
+class FlatLayout:
+    """Parameters ``named`` laid end to end and cut into ``n`` equal shards (see the module docstring)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], n: int, rank: int) -> None:
+        self.slots: list[Slot] = []
+        offset = 0
+        for name, p in named:
+            self.slots.append(Slot(name, p, p.shape, offset))
+            offset += p.numel()
+        self.numel = offset
+        self.n, self.rank = n, rank
+        self.padded = -(-offset // n) * n
+        self.shard = self.padded // n
+        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (one per layout)."""
+        return self.slots[0].param.dtype
+
+    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One tensor per slot (parameters or gradients) into a new padded flat buffer ``(padded,)``."""
+        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
+        for slot, t in zip(self.slots, tensors):
+            flat[slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each slot's tensor as a view of ``flat`` (shaped like its parameter)."""
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def segments(self, shard: torch.Tensor) -> list[ShardSegment]:
+        """This rank's segments as views of ``shard`` (its ``(shard,)`` storage)."""
+        out = []
+        for s in self.slots:
+            a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
+            if a >= b:
+                continue
+            view = shard[a - self.lo : b - self.lo]
+            out.append(
+                ShardSegment(
+                    s.name, s.shape, a - s.offset, b - a, a - self.lo, nn.Parameter(view), len(s.shape) >= 2
+                )
+            )
+        return out
+
+    def take_shard(self, full: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """Copy this rank's elements of the whole tensors ``full`` (by slot name) into ``out`` ``(shard,)``."""
+        out.zero_()
+        for s in self.slots:
+            a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
+            if a < b:
+                out[a - self.lo : b - self.lo].copy_(full[s.name].reshape(-1)[a - s.offset : b - s.offset])
+
+
+def segment_grads(segments: list[ShardSegment], shard_grad: torch.Tensor) -> None:
+    """Point each segment's ``.grad`` at its part of a ``(shard,)`` gradient."""
+    for seg in segments:
+        seg.param.grad = shard_grad[seg.at : seg.at + seg.length]
+
+
+def gather_full(layout: FlatLayout, shard: torch.Tensor, group: Group) -> dict[str, torch.Tensor]:
+    """Whole tensors by name from every rank's ``(shard,)`` (collective over ``group``)."""
+    flat = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
+    collectives.all_gather(flat, shard.contiguous(), group)
+    return {s.name: v.detach().clone().cpu() for s, v in zip(layout.slots, layout.views(flat))}
+
+
+def segment_state_shard(
+    layout: FlatLayout, segments: list[ShardSegment], optimizer: torch.optim.Optimizer, key: str
+) -> torch.Tensor:
+    """Optimizer state ``key`` of the segments laid out as the rank's ``(shard,)`` (zeros elsewhere)."""
+    out = torch.zeros(layout.shard, dtype=torch.float32, device=layout.slots[0].param.device)
+    for seg in segments:
+        state = optimizer.state.get(state_key(optimizer, seg.param))
+        if state and key in state:
+            out[seg.at : seg.at + seg.length].copy_(state[key].detach().reshape(-1))
+    return out
+
+
+def gather_optimizer_state(
+    layouts: list[FlatLayout],
+    segments: list[list[ShardSegment]],
+    optimizer: torch.optim.Optimizer,
+    group: Group,
+) -> dict[str, torch.Tensor]:
+    """AdamW state as whole tensors ``{name}.exp_avg``, ``{name}.exp_avg_sq``, ``{name}.step`` (collective)."""
+    states = [optimizer.state.get(state_key(optimizer, seg.param)) for segs in segments for seg in segs]
+    steps = [state["step"] for state in states if state]
+    if not steps:
+        return {}  # no optimizer step has run yet
+    step = torch.as_tensor(steps[0]).detach().clone().float().cpu()
+    out: dict[str, torch.Tensor] = {}
+    for layout, segs in zip(layouts, segments):
+        for key in ADAM_KEYS:
+            full = gather_full(layout, segment_state_shard(layout, segs, optimizer, key), group)
+            out.update({f"{name}.{key}": t for name, t in full.items()})
+        out.update({f"{s.name}.step": step.clone() for s in layout.slots})
+    return out
+
+
+def load_optimizer_state(
+    segments: list[ShardSegment], optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Give each segment its part of the whole AdamW state ``tensors`` (inverse of the gather)."""
+    for seg in segments:
+        if f"{seg.name}.exp_avg" not in tensors:
+            continue
+        target = state_key(optimizer, seg.param)
+        state: dict[str, torch.Tensor] = {}
+        for key in ADAM_KEYS:
+            whole = tensors[f"{seg.name}.{key}"].reshape(-1)
+            state[key] = whole[seg.start : seg.start + seg.length].clone().to(target.device)
+        state["step"] = tensors[f"{seg.name}.step"].clone().float()
+        optimizer.state[target] = state
+    if isinstance(optimizer, HostAdamW):
+        optimizer.sync_from_device()  # the model was loaded into the device segments first
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """AdamW's moments and step scalars, plus the host master copy under optimizer offload."""
+    held = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v)
+    )
+    return held + (optimizer.master_bytes() if isinstance(optimizer, HostAdamW) else 0)
+
+
+def unique_named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters by name in registration order, tied ones once."""
+    return [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if p.requires_grad]

@@ -1,0 +1,223 @@
+"""Hardware profiles: peak FLOP/s per dtype, memory, links and the efficiency constants of the time model.
+
+Profiles are plain data. The figures are vendors' data-sheet numbers (dense, no sparsity) for one
+device; ``intra_bw`` is one device's uni-directional bandwidth to its node peers (NVLink/NVSwitch,
+Infinity Fabric or PCIe), ``inter_bw`` its share of the node's network (e.g. a DGX A100 has 8×200 Gb/s
+InfiniBand for 8 GPUs: 25 GB/s each). ``host_memory_bytes`` is per node. The efficiency constants
+(``gemm_efficiency``, ``gemm_knee``, ``comm_efficiency``) are what :mod:`zerotron.plan.calibrate`
+fits; the shipped values were fitted to Narayanan et al. Table 1 (A100) and carried over to the other
+GPUs.
+
+A user profile is a YAML or JSON mapping with the same keys; ``base: NAME`` starts from a shipped
+profile and overrides only the keys given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zerotron.plan.errors import PlanError
+
+GiB = 2**30
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator kind and the node it sits in."""
+
+    name: str
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s by compute dtype: ``bf16``, ``fp16``, ``fp32`` (IEEE fp32, what the engine runs:
+    it does not enable TF32) and ``tf32`` (tensor cores, for reference)."""
+    memory_bytes: float
+    """Device memory (bytes)."""
+    memory_bw: float
+    """Device memory bandwidth (bytes/s)."""
+    gpus_per_node: int
+    """Devices that share the fast intra-node link."""
+    intra_bw: float
+    """Uni-directional bandwidth of one device to its node peers (bytes/s)."""
+    inter_bw: float
+    """One device's share of the node's network bandwidth (bytes/s)."""
+    intra_latency_s: float = 5e-6
+    """Per-hop latency α of a collective inside a node."""
+    inter_latency_s: float = 15e-6
+    """Per-hop latency α of a collective across nodes."""
+    host_memory_bytes: float = 1024 * GiB
+    """Host RAM per node (for CPU offload)."""
+    pcie_bw: float = 25 * GB
+    """Host↔device bandwidth per device (bytes/s)."""
+    nvme_bw: float = 3 * GB
+    """NVMe bandwidth available to one device's offload (bytes/s)."""
+    cpu_adam_params_per_s: float = 1.0e9
+    """Parameters per second the host's Adam step updates for one device (DeepSpeed CPU Adam)."""
+    gemm_efficiency: float = 0.6
+    """Fraction of peak that large matrix multiplies reach."""
+    gemm_knee: float = 16.0
+    """GEMM size at which efficiency is half of ``gemm_efficiency`` (see :func:`gemm_efficiency`)."""
+    comm_efficiency: float = 0.9
+    """Fraction of link bandwidth a collective reaches (NCCL bus bandwidth / link bandwidth)."""
+    notes: str = field(default="", compare=False)
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for the compute dtype ``dtype`` (fp32, bf16, fp16)."""
+        if dtype not in self.peak_flops:
+            raise PlanError(
+                f"hardware {self.name!r} has no peak FLOP/s for {dtype}; add peak_flops.{dtype} to the profile"
+            )
+        return self.peak_flops[dtype]
+
+
+def _gpu(
+    name: str, tflops: float, fp32_tflops: float, tf32_tflops: float, mem: float, hbm: float, **kw: Any
+) -> Hardware:
+    flops = {"bf16": tflops * 1e12, "fp16": tflops * 1e12, "fp32": fp32_tflops * 1e12}
+    flops["tf32"] = tf32_tflops * 1e12
+    return Hardware(name=name, peak_flops=flops, memory_bytes=mem, memory_bw=hbm, **kw)
+
+
+PROFILES: dict[str, Hardware] = {
+    p.name: p
+    for p in (
+        _gpu("a100-40g", 312, 19.5, 156, 40 * GiB, 1.555e12, gpus_per_node=8, intra_bw=300 * GB,
+             inter_bw=25 * GB, host_memory_bytes=1024 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
+             notes="DGX A100: NVSwitch 600 GB/s bidirectional, 8x200 Gb/s IB"),
+        _gpu("a100-80g", 312, 19.5, 156, 80 * GiB, 2.039e12, gpus_per_node=8, intra_bw=300 * GB,
+             inter_bw=25 * GB, host_memory_bytes=2048 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
+             notes="DGX A100 80GB (Selene): NVSwitch, 8x200 Gb/s IB"),
+        _gpu("h100-sxm", 989, 67, 494.5, 80 * GiB, 3.35e12, gpus_per_node=8, intra_bw=450 * GB,
+             inter_bw=50 * GB, host_memory_bytes=2048 * GiB, pcie_bw=55 * GB, nvme_bw=5 * GB,
+             cpu_adam_params_per_s=1.5e9, notes="DGX H100: NVLink 900 GB/s bidirectional, 8x400 Gb/s IB"),
+        _gpu("h200", 989, 67, 494.5, 141e9, 4.8e12, gpus_per_node=8, intra_bw=450 * GB, inter_bw=50 * GB,
+             host_memory_bytes=2048 * GiB, pcie_bw=55 * GB, nvme_bw=5 * GB, cpu_adam_params_per_s=1.5e9,
+             notes="HGX H200: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
+        _gpu("h100-pcie", 756, 51, 378, 80 * GiB, 2.0e12, gpus_per_node=8, intra_bw=25 * GB,
+             inter_bw=12.5 * GB, host_memory_bytes=1024 * GiB, pcie_bw=50 * GB, nvme_bw=4 * GB,
+             notes="PCIe Gen5 peers through host switches, 100 Gb/s network per GPU"),
+        _gpu("l40s", 362, 91.6, 183, 48 * GiB, 0.864e12, gpus_per_node=8, intra_bw=25 * GB,
+             inter_bw=12.5 * GB, host_memory_bytes=1024 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
+             notes="no NVLink: PCIe Gen4 peer traffic"),
+        _gpu("rtx4090", 165, 82.6, 82.6, 24 * GiB, 1.008e12, gpus_per_node=4, intra_bw=12 * GB,
+             inter_bw=1.25 * GB, inter_latency_s=50e-6, host_memory_bytes=128 * GiB, pcie_bw=25 * GB,
+             nvme_bw=3 * GB, cpu_adam_params_per_s=0.5e9,
+             notes="workstation: no P2P, PCIe Gen4 through the host, 10 GbE between boxes"),
+        _gpu("mi250x-gcd", 191.5, 47.9, 47.9, 64 * GiB, 1.6e12, gpus_per_node=8, intra_bw=50 * GB,
+             inter_bw=12.5 * GB, host_memory_bytes=512 * GiB, pcie_bw=36 * GB, nvme_bw=2 * GB,
+             notes="one GCD of an MI250X (Frontier node: 8 GCDs, 4x200 Gb/s Slingshot)"),
+        Hardware(name="cpu", peak_flops={"fp32": 1.0e12, "tf32": 1.0e12, "bf16": 1.0e12, "fp16": 0.5e12},
+                 memory_bytes=256 * GiB, memory_bw=100 * GB, gpus_per_node=8, intra_bw=10 * GB,
+                 inter_bw=1.25 * GB, intra_latency_s=20e-6, inter_latency_s=50e-6,
+                 host_memory_bytes=256 * GiB, pcie_bw=100 * GB, nvme_bw=2 * GB,
+                 cpu_adam_params_per_s=0.2e9, gemm_efficiency=0.3, gemm_knee=64.0, comm_efficiency=0.5,
+                 notes="a generic many-core server; ranks are processes sharing host memory (Gloo)"),
+    )
+}  # fmt: skip
+
+_FIELDS = {f.name for f in dataclasses.fields(Hardware)}
+
+
+def get_hardware(name_or_path: str) -> Hardware:
+    """A shipped profile by name, or a user profile from a YAML/JSON file path."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.is_file():
+        return load_profile(path)
+    raise PlanError(
+        f"unknown hardware {name_or_path!r}; choose one of {', '.join(PROFILES)} or give a profile file"
+        " (.yaml/.json)"
+    )
+
+
+def load_profile(path: Path) -> Hardware:
+    """Read a user profile; ``base: NAME`` inherits a shipped profile, other keys override it."""
+    if not path.is_file():
+        raise PlanError(f"--hardware {path}: no such profile file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except ValueError as e:  # yaml.YAMLError is not a ValueError: caught below
+        raise PlanError(f"--hardware {path}: not valid JSON ({e})".replace("\n", " ")) from e
+    except Exception as e:  # noqa: BLE001 - any YAML parse error becomes one line
+        raise PlanError(f"--hardware {path}: not valid YAML ({e})".replace("\n", " ")) from e
+    if not isinstance(data, dict):
+        raise PlanError(f"--hardware {path}: the top level must be a mapping of profile keys")
+    return profile_from_dict(data, source=str(path))
+
+
+def profile_from_dict(data: dict[str, Any], source: str = "profile") -> Hardware:
+    """A :class:`Hardware` from a mapping (``base`` optional); unknown keys are errors."""
+    data = dict(data)
+    base_name = data.pop("base", None)
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise PlanError(
+            f"{source}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(_FIELDS))}"
+        )
+    if base_name is not None:
+        if base_name not in PROFILES:
+            raise PlanError(f"{source}: unknown base {base_name!r}; choose one of {', '.join(PROFILES)}")
+        values = dataclasses.asdict(PROFILES[base_name])
+    else:
+        missing = [
+            f.name
+            for f in dataclasses.fields(Hardware)
+            if f.name not in data
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise PlanError(f"{source}: missing key(s) {', '.join(missing)} (or set base: NAME)")
+        values = {}
+    peak = {**values.get("peak_flops", {}), **(data.pop("peak_flops", None) or {})}
+    values.update({k: _number(k, v, source) for k, v in data.items()})
+    values["peak_flops"] = {k: _number(f"peak_flops.{k}", v, source) for k, v in peak.items()}
+    values.setdefault("name", base_name or source)
+    if values["name"] == base_name and "name" not in data:
+        values["name"] = f"{base_name}+{Path(source).stem}"
+    hw = Hardware(**values)
+    _check(hw, source)
+    return hw
+
+
+def _number(key: str, value: Any, source: str) -> Any:
+    """``value`` as the field's type: text for name/notes, an int for gpus_per_node, else a float.
+
+    YAML reads ``96.0e9`` (no exponent sign) as text; it is accepted as a number here.
+    """
+    if key in ("name", "notes"):
+        return str(value)
+    try:
+        return int(value) if key == "gpus_per_node" else float(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"{source}: {key} must be a number, got {value!r}") from None
+
+
+def _check(hw: Hardware, source: str) -> None:
+    for key in (
+        "memory_bytes",
+        "memory_bw",
+        "intra_bw",
+        "inter_bw",
+        "pcie_bw",
+        "nvme_bw",
+        "cpu_adam_params_per_s",
+        "gemm_efficiency",
+        "comm_efficiency",
+    ):
+        if not float(getattr(hw, key)) > 0:
+            raise PlanError(f"{source}: {key} must be > 0")
+    if hw.gpus_per_node < 1:
+        raise PlanError(f"{source}: gpus_per_node must be >= 1")
+    if hw.gemm_efficiency > 1 or hw.comm_efficiency > 1:
+        raise PlanError(f"{source}: gemm_efficiency and comm_efficiency are fractions of peak (<= 1)")

@@ -1,0 +1,378 @@
+"""Memory per rank: model states (every ZeRO stage and offload target), activations, buffers.
+
+Three byte conventions for model states, per parameter element (params, grads, optimizer):
+
+- ``zerotron``: what the engine holds today. Parameters are the fp32 master weights whatever the
+  precision (bf16/fp16 run under autocast), gradients fp32, AdamW ``exp_avg`` and ``exp_avg_sq`` fp32,
+  plus a 4-byte ``step`` scalar per parameter tensor: (4, 4, 8) + 4 per tensor.
+- ``mixed``: the ZeRO paper's mixed-precision Adam (Rajbhandari et al. §5): 16-bit params and grads,
+  K = 12 bytes of optimizer state (fp32 master, m, v): (2, 2, 12); fp32 training (4, 4, 8).
+- ``deepspeed``: DeepSpeed's estimator (``estimate_zero{2,3}_model_states_mem_needs``): fp16 params
+  (2), partitioned gradients counted as 6 bytes below ZeRO-3 (fp16 partition + fp32 copy) and 4 at
+  ZeRO-3, 12 bytes of optimizer state; ZeRO-3 adds two 16-bit copies of the largest layer (4L).
+
+ZeRO shards over the data-parallel group: stage 1 the optimizer states, 2 also gradients, 3 also
+parameters; a shard is ceil(elements / dp) (one flat buffer padded to a multiple of dp). Offloaded
+optimizer states (and, with them, the fp32 gradient partitions) live on the host or NVMe;
+offloaded parameters (ZeRO-3) too, the device keeping only the gathered working copies.
+
+Activations are lists of :class:`Term` — one per tensor saved for backward — under two conventions:
+``zerotron`` (exactly what the engine's autograd graph saves, read from
+:mod:`zerotron.models.llama` under its :class:`~zerotron.train.metrics.ActivationMeter`) and
+``megatron`` (Korthikanti et al. 2022, 16-bit activations with 1-byte dropout masks, GQA/SwiGLU
+adapted). Each term says how it splits: over ``tp`` always (head- or FFN-split), only under sequence
+parallelism (``sp``: the b·s·h tensors around norms, dropout and the linear inputs), or not at all.
+Context parallelism divides the sequence before the terms are built.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from zerotron.plan.errors import PlanError
+from zerotron.plan.model import ModelShape, ParamList, layer_matrix_params
+
+CONVENTIONS = ("zerotron", "mixed", "deepspeed")
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where and how model states are sharded."""
+
+    dp: int
+    zero: int
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+
+
+def state_bytes_per_element(convention: str, precision: str, zero: int) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes per parameter element under ``convention``."""
+    if convention == "zerotron":
+        return 4, 4, 8
+    if precision == "fp32" and convention == "mixed":
+        return 4, 4, 8
+    if convention == "mixed":
+        return 2, 2, 12
+    if convention == "deepspeed":
+        return 2, (4 if zero == 3 else 6), 12
+    raise PlanError(f"unknown memory convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
+
+
+def _shard(elements: int, n: int) -> int:
+    return -(-elements // n)
+
+
+def model_states(
+    elements: int,
+    tensors: int,
+    layout: StateLayout,
+    convention: str = "zerotron",
+    precision: str = "bf16",
+    exact: dict[str, float] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Bytes of params, grads and optimizer states on the device, the host and NVMe of one rank.
+
+    Args:
+        elements: parameter elements this rank holds before ZeRO (after TP/PP splits).
+        tensors: parameter tensors on this rank (the ``zerotron`` convention counts Adam's step scalars).
+        layout: data-parallel degree, ZeRO stage and offload targets.
+        exact: device bytes counted tensor by tensor (:func:`engine_zero_states`), replacing the
+            per-element estimate before offload moves them.
+    """
+    pb, gb, ob = state_bytes_per_element(convention, precision, layout.zero)
+    dp, zero = layout.dp, layout.zero
+    params = pb * (_shard(elements, dp) if zero >= 3 else elements)
+    grads = gb * (_shard(elements, dp) if zero >= 2 else elements)
+    optim = ob * (_shard(elements, dp) if zero >= 1 else elements)
+    if convention == "zerotron":
+        optim += 4 * (_shard(tensors, dp) if zero >= 1 else tensors)
+    places = {"device": {"params": float(params), "grads": float(grads), "optimizer": float(optim)}}
+    if exact is not None:
+        places["device"] = dict(exact)
+    places["host"] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    places["nvme"] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if layout.offload_optimizer != "none":
+        target = "host" if layout.offload_optimizer == "cpu" else "nvme"
+        places[target]["optimizer"] = places["device"]["optimizer"]
+        places["host"]["grads"] = places["device"]["grads"]  # partitions are reduced into host memory
+        places["device"]["optimizer"] = places["device"]["grads"] = 0.0
+    if layout.offload_params != "none":
+        target = "host" if layout.offload_params == "cpu" else "nvme"
+        places[target]["params"] = places["device"]["params"]
+        places["device"]["params"] = 0.0
+    return places
+
+
+def flat_shard(numels: list[int] | tuple[int, ...], n: int, rank: int) -> tuple[int, int, int]:
+    """(shard elements, real elements, tensors touched) of ``rank`` in a flat buffer of ``numels``.
+
+    The engine's ``FlatLayout``: tensors end to end, padded to a multiple of ``n``, rank r owning
+    ``[r·shard, (r+1)·shard)``; each tensor overlapping that range is one optimizer segment.
+    """
+    total = sum(numels)
+    shard = -(-total // n)
+    lo, hi = rank * shard, (rank + 1) * shard
+    real = segments = offset = 0
+    for numel in numels:
+        a, b = max(offset, lo), min(offset + numel, hi)
+        if a < b:
+            real, segments = real + b - a, segments + 1
+        offset += numel
+    return shard, real, segments
+
+
+def _buckets(numels: list[int], elem_bytes: int, bucket_mb: float) -> list[list[int]]:
+    """The engine's ZeRO-1/2 buckets: reverse registration order, cut at about ``bucket_mb`` MiB."""
+    limit = max(1, int(bucket_mb * 2**20))
+    buckets: list[list[int]] = []
+    size = 0
+    for numel in reversed(numels):
+        if not buckets or size + numel * elem_bytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(numel)
+        size += numel * elem_bytes
+    return buckets
+
+
+def _zero3_units(params: ParamList, persist_numel: int) -> list[list[int]]:
+    """The engine's ZeRO-3 units: the root's and each block's large tensors, then one persistent unit of
+    every tensor below ``persist_numel`` (collected from the last block back to the root)."""
+    root = [n for n in (*params.head, *params.tail) if n >= persist_numel]
+    units = [root] + [[n for n in block if n >= persist_numel] for block in params.blocks]
+    small = [n for block in reversed(params.blocks) for n in block if n < persist_numel]
+    small += [n for n in (*params.head, *params.tail) if n < persist_numel]
+    return [u for u in units if u] + ([small] if small else [])
+
+
+def engine_zero_states(
+    params: ParamList, zero: int, dp: int, rank: int, bucket_mb: float, persist_numel: int = 4096
+) -> dict[str, float]:
+    """Bytes the engine's ZeRO-1/2/3 holds on data-parallel ``rank`` (fp32 masters, fp32 grads, AdamW).
+
+    ZeRO-1/2 keep every parameter (flat buckets) and shard the optimizer per bucket; ZeRO-2 also keeps
+    only the gradient shard. ZeRO-3 keeps each unit's shard plus the persistent unit whole. AdamW holds
+    ``exp_avg``, ``exp_avg_sq`` and a step scalar per shard segment.
+    """
+    ordered = params.ordered()
+    groups = _buckets(ordered, 4, bucket_mb) if zero < 3 else _zero3_units(params, persist_numel)
+    shards = [flat_shard(g, dp, rank) for g in groups]
+    optimizer = sum(8 * real + 4 * segments for _, real, segments in shards)
+    shard_elements = sum(shard for shard, _, _ in shards)
+    if zero < 3:
+        return {"params": 4.0 * sum(ordered), "grads": 4.0 * (shard_elements if zero == 2 else sum(ordered)),
+                "optimizer": float(optimizer)}  # fmt: skip
+    persistent = sum(groups[-1]) if groups and min(groups[-1]) < persist_numel else 0
+    return {"params": 4.0 * (shard_elements + persistent), "grads": 4.0 * shard_elements,
+            "optimizer": float(optimizer)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Term:
+    """One tensor saved for backward, for a whole micro-batch on one device before any split."""
+
+    name: str
+    nbytes: float
+    split: str  # "tp", "sp" or "none"
+    max_split: int = 0  # at most this many ways (KV heads replicated when tp exceeds them); 0: no limit
+
+
+def _act_bytes(precision: str) -> int:
+    return _DTYPE_BYTES[precision]
+
+
+def engine_layer_terms(
+    m: ModelShape, b: int, s: int, precision: str, recompute: str, tp: int = 1
+) -> list[Term]:
+    """Tensors one block of the engine saves for backward (b micro-batch, s local sequence length).
+
+    fp32: each RMSNorm saves its input, 1/rms (b·s) and the normalised value, and the gain's product
+    (the linear input); autocast (bf16/fp16) instead saves a 16-bit copy of the linear input per
+    projection that reads it and a 16-bit copy of every weight (autocast's cast cache lives for one
+    forward). Attention saves rotated q, k and v and, unless the core is recomputed, SDPA's
+    log-sum-exp and output (flash on CPU and GPU: nothing quadratic). Full recomputation keeps only the
+    block's fp32 input.
+
+    Under tensor parallelism the projections' inputs are whole (b, s, h) tensors on every rank: Megatron's
+    f is the identity, and under sequence parallelism the engine saves the all-gathered input (Megatron
+    saves the shard and gathers again in backward), so those terms never split. Keys and values split
+    over at most ``kv_heads`` ranks (the engine replicates KV heads when tp exceeds them).
+    """
+    t, a = b * s, _act_bytes(precision)
+    h, q, kv, i, kvh = m.hidden, m.q_width, m.kv_width, m.intermediate, m.kv_heads
+    if recompute == "full":
+        return [Term("block_input", 4 * t * h, "sp")]
+    terms: list[Term] = []
+    for norm in ("input_norm", "post_norm"):
+        terms += [Term(f"{norm}.x", 4 * t * h, "sp"), Term(f"{norm}.rms", 4 * t, "sp")]
+        terms.append(Term(f"{norm}.normed", 4 * t * h, "sp"))
+    casts_attn, casts_mlp = 3, (2 if m.gated else 1)
+    if precision == "fp32":
+        terms += [Term("attn.linear_input", 4 * t * h, "none"), Term("mlp.linear_input", 4 * t * h, "none")]
+    else:
+        terms.append(Term("attn.linear_input_casts", casts_attn * a * t * h, "none"))
+        terms.append(Term("mlp.linear_input_casts", casts_mlp * a * t * h, "none"))
+        kv_weights = 2 * h * kv
+        kv_split = tp if kvh % tp == 0 else 1  # replicated k/v projections are cast whole
+        terms.append(Term("weight_casts", a * (layer_matrix_params(m) - kv_weights), "tp"))
+        terms.append(Term("weight_casts.kv", a * kv_weights / kv_split, "none"))
+    if recompute == "selective":
+        qk_bytes = 4  # the rotated q/k handed to the checkpointed core keep RoPE's fp32
+        terms += [Term("attn.q", qk_bytes * t * q, "tp"), Term("attn.k", qk_bytes * t * kv, "tp", kvh)]
+        terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.o_input", a * t * q, "tp")]
+    else:
+        terms += [Term("attn.q", a * t * q, "tp"), Term("attn.k", a * t * kv, "tp", kvh)]
+        terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.out", a * t * q, "tp")]
+        terms.append(Term("attn.logsumexp", 4 * b * m.heads * s, "tp"))
+    mlp_tensors = 4 if m.gated else 2  # gate, silu, up, product | up, gelu
+    terms.append(Term("mlp.inner", mlp_tensors * a * t * i, "tp"))
+    return terms
+
+
+def engine_first_stage_terms(m: ModelShape, b: int, s: int, tp: int) -> list[Term]:
+    """The embedding's saved token ids (and, split by vocabulary, its mask of owned ids)."""
+    # A one-sequence micro-batch's ids are a view of the loader's (s+1)-token window: 8 more bytes.
+    window = 8 if b == 1 and tp == 1 else 0
+    terms = [Term("embedding.ids", 8 * b * s + window, "none")]
+    if tp > 1:
+        terms.append(Term("embedding.owned_mask", b * s, "none"))
+    return terms
+
+
+def engine_stage_terms(m: ModelShape, b: int, s: int) -> list[Term]:
+    """RoPE's cos/sin tables (fp32), built on every pipeline stage."""
+    return [Term("rope.cos_sin", 2 * 4 * b * s * m.head_dim, "none")]
+
+
+def engine_last_stage_terms(m: ModelShape, b: int, s: int, precision: str, tp: int) -> list[Term]:
+    """Final norm, output head and the loss.
+
+    The loss keeps an fp32 (b·s, V/t) softmax or log-softmax and the targets: int64 labels (and the
+    weight scalar) from ``cross_entropy``, or, vocabulary-parallel, int64 local targets and a bool mask.
+    The head's input is whole on every tensor-parallel rank (gathered under sequence parallelism).
+    """
+    t, h = b * s, m.hidden
+    terms = [Term("final_norm.x", 4 * t * h, "sp"), Term("final_norm.rms", 4 * t, "sp")]
+    terms.append(Term("final_norm.normed", 4 * t * h, "sp"))
+    if precision == "fp32":
+        terms.append(Term("head.input", 4 * t * h, "none"))
+    else:
+        a = _act_bytes(precision)
+        terms += [Term("head.input_cast", a * t * h, "none"), Term("head.weight_cast", a * m.vocab * h, "tp")]
+    terms.append(Term("loss.softmax", 4 * t * m.vocab, "tp"))
+    if tp > 1:
+        terms.append(Term("loss.targets_and_mask", 9 * t, "none"))
+    else:
+        terms.append(Term("loss.labels", 8 * t + 4 + (8 if b == 1 else 0), "none"))
+    return terms
+
+
+def megatron_layer_terms(m: ModelShape, b: int, s: int, recompute: str, flash: bool = True) -> list[Term]:
+    """Korthikanti et al. Table 2 terms for one block: 16-bit activations, 1-byte dropout masks.
+
+    GPT with h heads and a 4h MLP gives 34·sbh + 5·as²b; GQA shrinks the k and v terms, SwiGLU keeps
+    gate, up and their product. Flash attention and selective recomputation drop the 5·as²b of scores.
+    """
+    t, h, q, kv, i = b * s, m.hidden, m.q_width, m.kv_width, m.intermediate
+    if recompute == "full":
+        return [Term("block_input", 2 * t * h, "sp")]
+    terms = [
+        Term("norms.inputs", 4 * t * h, "sp"),
+        Term("attn.qkv_input", 2 * t * h, "sp"),
+        Term("attn.q_k", 2 * t * (q + kv), "tp"),
+        Term("attn.v", 2 * t * kv, "tp"),
+        Term("attn.o_input", 2 * t * q, "tp"),
+        Term("attn.dropout_mask", t * h, "sp"),
+        Term("mlp.input", 2 * t * h, "sp"),
+        Term("mlp.inner", (3 if m.gated else 2) * 2 * t * i, "tp"),
+        Term("mlp.dropout_mask", t * h, "sp"),
+    ]
+    if not flash and recompute == "none":
+        terms.append(Term("attn.scores", 5 * m.heads * s * s * b, "tp"))
+    return terms
+
+
+def split_bytes(terms: list[Term], tp: int, sequence_parallel: bool) -> float:
+    """Bytes of ``terms`` on one tensor-parallel rank."""
+    total = 0.0
+    for term in terms:
+        if term.split == "tp" or (term.split == "sp" and sequence_parallel):
+            total += term.nbytes / (min(tp, term.max_split) if term.max_split else tp)
+        else:
+            total += term.nbytes
+    return total
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What one pipeline rank holds at its activation peak.
+
+    ``chunks``: chunk-micro-batches in flight (a chunk is L/(p·v) layers); ``first``/``last``: how many
+    of them are in the first virtual stage (embedding) or the last (head and loss).
+    """
+
+    chunks: int
+    first: int
+    last: int
+
+
+@functools.lru_cache(maxsize=16384)
+def inflight(schedule: str, pp: int, micro_batches: int, rank: int, virtual: int = 1) -> InFlight:
+    """The rank's peak of in-flight micro-batches under the engine's schedules.
+
+    GPipe runs every forward first (m in flight); 1F1B and zero-bubble (ZB-H1) warm up with p − r − 1
+    forwards (peak min(p − r, m)); interleaved 1F1B replays Megatron's order, whose first rank peaks at
+    p·v + p − 1 chunks: Korthikanti's factor 1 + (p − 1)/(p·v) over 1F1B.
+    """
+    m, p, r = micro_batches, pp, rank
+    if p == 1:
+        return InFlight(1, 1, 1)
+    if schedule == "gpipe":
+        return InFlight(m, m if r == 0 else 0, m if r == p - 1 else 0)
+    if schedule != "interleaved":
+        n = min(p - r, m)
+        return InFlight(n, n if r == 0 else 0, n if r == p - 1 else 0)
+    v, total = virtual, m * virtual
+    warmup = total if m == p else min(total, (p - r - 1) * 2 + (v - 1) * p)
+    live = [0] * v
+    best = list(live)
+    for k in range(total):  # forward k, then (after warm-up) backward k - warmup
+        live[(k // p) % v] += 1
+        best = list(live) if sum(live) > sum(best) else best
+        if k >= warmup:
+            live[v - 1 - ((k - warmup) // p) % v] -= 1
+    return InFlight(sum(best), best[0] if r == 0 else 0, best[v - 1] if r == p - 1 else 0)
+
+
+def inflight_microbatches(schedule: str, pp: int, micro_batches: int, stage: int, virtual: int) -> float:
+    """In-flight micro-batches of whole stages (L/p layers) at the rank's peak (``chunks / v``)."""
+    v = virtual if schedule == "interleaved" else 1
+    return inflight(schedule, pp, micro_batches, stage, v).chunks / v
+
+
+def zero3_gather_bytes(m: ModelShape, tp: int, param_bytes: int) -> float:
+    """Working copies ZeRO-3 gathers: the current and the prefetched largest module (2 × L × bytes)."""
+    largest = max(layer_matrix_params(m) // tp + 2 * m.hidden, m.vocab * m.hidden // tp)
+    return 2.0 * largest * param_bytes
+
+
+def deepspeed_estimate(
+    n_params: int,
+    largest_layer: int,
+    gpus: int,
+    zero: int,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
+) -> float:
+    """Per-GPU bytes of DeepSpeed's estimator (``estimate_zero{2,3}_model_states_mem_needs``).
+
+    The ``deepspeed`` state convention on all ``gpus`` data-parallel ranks, plus ZeRO-3's two 16-bit
+    working copies of the largest layer (4L).
+    """
+    places = model_states(
+        n_params, 0, StateLayout(gpus, zero, offload_optimizer, offload_params), "deepspeed", "fp16"
+    )
+    extra = 4.0 * largest_layer if zero == 3 else 0.0
+    return sum(places["device"].values()) + extra

@@ -1,0 +1,298 @@
+"""Combine the memory and time models into one plan of one layout.
+
+:func:`plan_config` takes the same :class:`~zerotron.config.Config` as ``zerotron train``;
+:func:`plan_layout` is the fast path the search calls for each candidate. Memory is reported for the
+pipeline stage with the largest total (the first stage holds the most in-flight micro-batches and the
+embedding, the last the head and the loss).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerotron.config import Config
+from zerotron.plan import memory as mem
+from zerotron.plan import timing
+from zerotron.plan.hardware import Hardware
+from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches
+from zerotron.plan.model import (
+    ModelShape,
+    flops_per_token,
+    param_list,
+    pipeline_layers,
+    recompute_flops_per_token,
+    stage_params,
+)
+
+_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Plan:
+    """Predicted memory (bytes per rank) and time (seconds per step) of one layout."""
+
+    layout: Layout
+    hardware: str
+    memory: dict[str, float]
+    host_bytes: float
+    nvme_bytes: float
+    stage: int
+    time: dict[str, float]
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    tflops_per_gpu: float
+    fits: bool
+    memory_limit: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object: memory_bytes, step_time_s, tokens_per_s, mfu, breakdown."""
+        return {
+            "memory_bytes": {
+                k: self.memory[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "total")
+            },
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "breakdown": {
+                "time_s": dict(self.time),
+                "memory": dict(self.detail),
+                "host_bytes_per_rank": self.host_bytes,
+                "nvme_bytes_per_rank": self.nvme_bytes,
+                "peak_stage": self.stage,
+                "fits": self.fits,
+                "device_memory_bytes": self.memory_limit,
+                "tflops_per_gpu": self.tflops_per_gpu,
+                "layout": self.layout.as_dict(),
+                "hardware": self.hardware,
+            },
+        }
+
+
+def plan_config(cfg: Config, hw: Hardware, gpus: int, convention: str = "zerotron") -> Plan:
+    """Plan the layout ``cfg`` describes on ``gpus`` devices of ``hw`` (raises PlanError if impossible)."""
+    m, layout, work = from_config(cfg, gpus)
+    check(m, layout, work, hw, gpus)
+    return plan_layout(m, layout, work, hw, convention)
+
+
+def stage_memory(
+    m: ModelShape,
+    layout: Layout,
+    work: Workload,
+    convention: str,
+    stage: int,
+    flash: bool = True,
+    dp_rank: int = 0,
+) -> tuple[dict[str, float], dict[str, float], float, float]:
+    """(memory, activation/buffer detail, host bytes, nvme bytes) of one pipeline stage's rank.
+
+    ``dp_rank`` matters only for the engine's ZeRO shards (a flat buffer's padding and the tensors cut
+    at shard boundaries differ by a few bytes between data-parallel ranks).
+    """
+    layers = rank_layers(m, layout, work)[stage]
+    sp = stage_params(m, layout.tp, layout.pp, stage, layers)
+    exact = None
+    if convention == "zerotron" and layout.zero >= 1 and layout.dp > 1:
+        exact = _zero_states(
+            m, layout.tp, layout.pp, stage, layers, layout.zero, layout.dp, dp_rank, layout.bucket_mb
+        )
+    states = mem.model_states(
+        sp.elements,
+        sp.tensors,
+        mem.StateLayout(layout.dp, layout.zero, layout.offload_optimizer, layout.offload_params),
+        convention,
+        work.precision,
+        exact,
+    )
+    acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
+    buffers, buf_detail = _buffers(m, layout, work, convention, stage, sp.elements)
+    detail.update(buf_detail)
+    dev = states["device"]
+    memory = {**dev, "activations": acts, "buffers": buffers}
+    memory["total"] = sum(memory.values())
+    return memory, detail, sum(states["host"].values()), sum(states["nvme"].values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_states(
+    m: ModelShape, tp: int, pp: int, stage: int, layers: int, zero: int, dp: int, rank: int, bucket_mb: float
+) -> dict[str, float]:
+    """The engine's ZeRO state bytes of one rank (cached on small keys: the search repeats them)."""
+    return mem.engine_zero_states(param_list(m, tp, pp, stage, layers), zero, dp, rank, bucket_mb)
+
+
+def rank_layers(m: ModelShape, layout: Layout, work: Workload) -> tuple[int, ...]:
+    """Blocks on each pipeline rank, split as the engine splits them (see :func:`pipeline_layers`)."""
+    v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
+    return pipeline_layers(m, work.seq_len, layout.pp, v, layout.pp_layers)
+
+
+def memory_stages(m: ModelShape, layout: Layout, work: Workload) -> tuple[int, ...]:
+    """The pipeline ranks whose memory can peak: the first (most micro-batches in flight, embedding),
+    the last (head and loss) and the one with the most blocks."""
+    return _peak_candidates(rank_layers(m, layout, work))
+
+
+@functools.lru_cache(maxsize=1024)
+def _peak_candidates(layers: tuple[int, ...]) -> tuple[int, ...]:
+    last = len(layers) - 1
+    return tuple(sorted({0, last, max(range(len(layers)), key=lambda r: layers[r])}))
+
+
+def _activations(
+    m: ModelShape, layout: Layout, work: Workload, convention: str, stage: int, layers: int, flash: bool
+) -> tuple[float, dict[str, float]]:
+    b, s = layout.micro_batch, work.seq_len // layout.cp
+    tp, sp = layout.tp, layout.sequence_parallel
+    per_layer = _layer_bytes(m, b, s, work.precision, layout.recompute, tp, sp, convention, flash)
+    every, first, last = _end_bytes(m, b, s, work.precision, tp, sp, convention, layout.pp)
+    v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
+    held = mem.inflight(layout.pp_schedule, layout.pp, micro_batches(layout, work), stage, v)
+    blocks = (per_layer * layers / v + every) * held.chunks
+    ends = first * held.first + last * held.last
+    detail = {"activations_per_layer": per_layer, "inflight_chunks": held.chunks, "activations_ends": ends}
+    return blocks + ends, detail
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_bytes(
+    m: ModelShape,
+    b: int,
+    s: int,
+    precision: str,
+    recompute: str,
+    tp: int,
+    sp: bool,
+    convention: str,
+    flash: bool,
+) -> float:
+    """Activation bytes of one block on one rank (cached: the search asks for the same ones often)."""
+    if convention == "zerotron":
+        return mem.split_bytes(mem.engine_layer_terms(m, b, s, precision, recompute, tp), tp, sp)
+    return mem.split_bytes(mem.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _end_bytes(
+    m: ModelShape, b: int, s: int, precision: str, tp: int, sp: bool, convention: str, pp: int
+) -> tuple[float, float, float]:
+    """Activation bytes outside the blocks: per chunk (RoPE tables), first stage, last stage (cached)."""
+    if convention == "zerotron":
+        every = mem.split_bytes(mem.engine_stage_terms(m, b, s), tp, sp)
+        first = mem.split_bytes(mem.engine_first_stage_terms(m, b, s, tp), tp, sp)
+        last = mem.split_bytes(mem.engine_last_stage_terms(m, b, s, precision, tp), tp, sp)
+        if b == 1 and pp == 1 and tp == 1:
+            # The loader's inputs and labels of a one-sequence micro-batch are views of one (s+1)-token
+            # window: the embedding's ids and the loss's labels are one storage.
+            last -= 8.0 * (s + 1)
+    else:
+        every = 0.0
+        first = 2.0 * b * s * m.hidden / (tp if sp else 1)  # embedding output (dropout mask ignored)
+        last = 4.0 * b * s * m.vocab / tp  # fp32 logits for the loss
+    return every, first, last
+
+
+def _buffers(
+    m: ModelShape, layout: Layout, work: Workload, convention: str, stage: int, elements: int
+) -> tuple[float, dict[str, float]]:
+    pb, gb, _ = mem.state_bytes_per_element(convention, work.precision, layout.zero)
+    detail: dict[str, float] = {}
+    if layout.dp > 1 and layout.zero == 0:
+        # The engine's buckets: every bucket's flat copy lives until the step's reduction finishes.
+        detail["grad_buckets"] = float(elements * gb)
+    elif layout.dp > 1 and layout.zero in (1, 2):
+        # Two reduce-scatter buckets in flight (one filling, one reducing), at most the whole gradient.
+        detail["grad_buckets"] = min(2.0 * layout.bucket_mb * 2**20, float(elements * gb))
+    if layout.zero == 3:
+        # zerotron gathers its fp32 master weights; Megatron/DeepSpeed gather 16-bit copies.
+        gather_bytes = pb
+        detail["zero3_gathered_params"] = mem.zero3_gather_bytes(m, layout.tp, gather_bytes)
+    if stage == layout.pp - 1:
+        # Backward of the loss: d(logits) in fp32 and in the compute dtype, one micro-batch.
+        tokens = layout.micro_batch * work.seq_len / layout.cp
+        detail["logits_grad"] = tokens * m.vocab / layout.tp * (4 + _ACT_BYTES[work.precision])
+    return sum(detail.values()), detail
+
+
+def plan_layout(
+    m: ModelShape,
+    layout: Layout,
+    work: Workload,
+    hw: Hardware,
+    convention: str = "zerotron",
+    flash: bool = True,
+) -> Plan:
+    """Memory and time of a checked ``layout`` (see :func:`zerotron.plan.layout.check`).
+
+    ``flash=False`` models attention that materialises the scores (Megatron 2021): their memory (in the
+    ``megatron`` convention) and the softmax's memory traffic.
+    """
+    stages = memory_stages(m, layout, work)
+    per_stage = [stage_memory(m, layout, work, convention, st, flash) for st in stages]
+    worst = max(range(len(stages)), key=lambda i: per_stage[i][0]["total"])
+    memory, detail, host, nvme = per_stage[worst]
+    times = step_times(m, layout, work, hw, convention, flash)
+    step = sum(times.values())
+    flops_total = flops_per_token(m, work.seq_len) * work.tokens
+    hw_flops = flops_total + recompute_flops_per_token(m, work.seq_len, layout.recompute) * work.tokens
+    peak = hw.flops(work.precision) * layout.world
+    host_per_node = host * min(hw.gpus_per_node, layout.world)
+    fits = memory["total"] <= hw.memory_bytes and host_per_node <= hw.host_memory_bytes
+    return Plan(
+        layout=layout,
+        hardware=hw.name,
+        memory=memory,
+        host_bytes=host,
+        nvme_bytes=nvme,
+        stage=stages[worst],
+        time=times,
+        step_time_s=step,
+        tokens_per_s=work.tokens / step,
+        mfu=flops_total / step / peak,
+        tflops_per_gpu=hw_flops / step / layout.world / 1e12,
+        fits=fits,
+        memory_limit=hw.memory_bytes,
+        detail=detail,
+    )
+
+
+def step_times(
+    m: ModelShape, layout: Layout, work: Workload, hw: Hardware, convention: str, flash: bool = True
+) -> dict[str, float]:
+    """Every component of one step's time on the critical path (seconds)."""
+    n_mb = micro_batches(layout, work)
+    layers = rank_layers(m, layout, work)
+    last = layout.pp - 1
+    busiest = max(range(layout.pp), key=lambda r: layers[r])
+    t_compute, critical = max(
+        (timing.microbatch_compute(m, layout, work, hw, layers[r], r == last, flash)[0], r)
+        for r in {busiest, last}
+    )
+    t_tp = timing.tensor_parallel_time(m, layout, work, hw, max(layers))
+    t_cp = timing.context_parallel_time(m, layout, work, hw, max(layers))
+    t_mb = t_compute + t_tp + t_cp
+    times = {"compute": n_mb * t_compute, "tp_comm": n_mb * t_tp, "cp_comm": n_mb * t_cp}
+    times.update(timing.pipeline_times(m, layout, work, hw, t_mb))
+    pb, gb, ob = mem.state_bytes_per_element(convention, work.precision, layout.zero)
+    grad_wire = gb if convention == "zerotron" else _ACT_BYTES[work.precision]
+    param_wire = pb if convention == "zerotron" else _ACT_BYTES[work.precision]  # zerotron moves fp32 masters
+    stages = [
+        stage_params(m, layout.tp, layout.pp, r, layers[r]) for r in sorted({0, critical, layout.pp - 1})
+    ]
+    sp = max(stages, key=lambda st: st.elements)
+    times.update(
+        timing.data_parallel_time(
+            layout, hw, sp.elements, grad_wire, param_wire, t_compute, n_mb, max(1, sp.layers)
+        )
+    )
+    shard = -(-sp.elements // layout.dp) if layout.zero >= 1 else sp.elements
+    states = mem.model_states(
+        sp.elements, sp.tensors, mem.StateLayout(layout.dp, layout.zero), convention, work.precision
+    )["device"]
+    times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, pb, ob))
+    times["param_offload"] = timing.param_offload_time(layout, hw, shard, pb, t_compute, n_mb)
+    return times

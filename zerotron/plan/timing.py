@@ -1,0 +1,224 @@
+"""Time per optimizer step: compute, collectives (α–β per link), overlap, pipeline bubble, offload.
+
+- Compute: FLOPs (model + recomputation) at ``peak × efficiency(GEMM size)``, where
+  :func:`gemm_efficiency` saturates in the smallest GEMM dimension a rank multiplies.
+- A collective over n ranks moving S bytes costs ``α·steps + bus_bytes / (bw·comm_efficiency)`` with
+  NCCL's bus convention (all-reduce 2S(n−1)/n, all-gather and reduce-scatter S(n−1)/n). Its link is the
+  node's (``intra_bw``) when the group fits in a node, else the network: ``k × inter_bw`` for k group
+  members per node (NCCL drives one NIC per GPU), capped by the intra-node link.
+- Overlap: tensor-parallel all-reduces are exposed (Megatron 2021); data-parallel gradient reduction
+  runs under the backward of the last micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter
+  all-gathers are prefetched under each micro-batch's compute; context-parallel K/V exchange under the
+  attention core; pipeline sends are exposed.
+- Pipeline bubble: ``(p − 1)/m`` of the stage time for GPipe and 1F1B, ``(p − 1)/(v·m)`` interleaved,
+  a third of 1F1B's for the zero-bubble schedule (ZB-H1).
+- Optimizer step: memory-bound on the device (reads and writes every state byte once), or the host's
+  CPU Adam plus PCIe transfers (and NVMe reads/writes) when offloaded.
+"""
+
+from __future__ import annotations
+
+from zerotron.plan.hardware import Hardware
+from zerotron.plan.layout import Layout, Workload, micro_batches
+from zerotron.plan.model import ModelShape, flops_per_token, recompute_flops_per_token
+
+_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def gemm_efficiency(hw: Hardware, size: float) -> float:
+    """Fraction of peak reached by a GEMM whose smallest dimension is ``size``: e·size/(size + knee)."""
+    return hw.gemm_efficiency * size / (size + hw.gemm_knee)
+
+
+def members_per_node(stride: int, size: int, hw: Hardware) -> int:
+    """Members of a group (ranks ``stride`` apart, ``size`` of them) that share one node."""
+    if stride >= hw.gpus_per_node:
+        return 1
+    return max(1, min(size, hw.gpus_per_node // stride))
+
+
+def link(stride: int, size: int, hw: Hardware) -> tuple[float, float]:
+    """(bandwidth, latency) of a group of ``size`` ranks ``stride`` apart in the rank grid."""
+    k = members_per_node(stride, size, hw)
+    if k >= size:
+        return hw.intra_bw * hw.comm_efficiency, hw.intra_latency_s
+    return min(hw.intra_bw, k * hw.inter_bw) * hw.comm_efficiency, hw.inter_latency_s
+
+
+def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    """Seconds of one ``all_reduce``/``all_gather``/``reduce_scatter``/``send`` of ``nbytes`` (α–β, ring)."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = link(stride, size, hw)
+    if op == "send":
+        return alpha + nbytes / bw
+    factor = 2.0 if op == "all_reduce" else 1.0
+    return factor * (size - 1) * alpha + factor * nbytes * (size - 1) / size / bw
+
+
+def strides(layout: Layout) -> dict[str, int]:
+    """Distance between neighbours of each mesh axis in the (dp, pp, cp, tp) rank grid."""
+    return {"tp": 1, "cp": layout.tp, "pp": layout.tp * layout.cp, "dp": layout.tp * layout.cp * layout.pp}
+
+
+def _gemm_size(m: ModelShape, layout: Layout, work: Workload) -> float:
+    tokens = layout.micro_batch * work.seq_len / layout.cp
+    return min(tokens, m.hidden, m.intermediate / layout.tp, m.q_width / layout.tp)
+
+
+def microbatch_compute(
+    m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int, head: bool, flash: bool = True
+) -> tuple[float, float]:
+    """(seconds, FLOPs) of one micro-batch's forward+backward(+recompute) on a rank with ``layers``
+    blocks (and the output head when ``head``).
+
+    Matrix multiplies run at :func:`gemm_efficiency`; element-wise work (norms, activations, residual
+    adds, dropout, and the softmax over scores without flash attention) is memory-bound: see
+    :func:`elementwise_bytes_per_token`.
+    """
+    s = work.seq_len
+    per_token = flops_per_token(m, s) + recompute_flops_per_token(m, s, layout.recompute)
+    head_flops = 6.0 * m.hidden * m.vocab
+    stage = (per_token - head_flops) * layers / m.layers + (head_flops if head else 0.0)
+    tokens = layout.micro_batch * s / layout.cp
+    flops = stage * tokens / layout.tp
+    eff = gemm_efficiency(hw, _gemm_size(m, layout, work))
+    mem_bytes = elementwise_bytes_per_token(m, layout, work, flash) * tokens * layers
+    return flops / (hw.flops(work.precision) * eff) + mem_bytes / hw.memory_bw, flops
+
+
+# Passes (reads + writes) over activation tensors per layer and token, forward + backward, of the
+# memory-bound kernels of a fused Megatron/zerotron block: two norms, two residual adds, dropout and
+# bias adds over h; the MLP activation over the FFN width; scale-mask-softmax and dropout over the
+# scores when attention is not fused (flash).
+HIDDEN_PASSES = 40.0
+FFN_PASSES = 5.0
+SCORE_PASSES = 10.0
+
+
+def elementwise_bytes_per_token(m: ModelShape, layout: Layout, work: Workload, flash: bool = True) -> float:
+    """Bytes of memory traffic per token and layer of the element-wise kernels on one rank.
+
+    The h-sized tensors are replicated on every tensor-parallel rank unless sequence parallelism
+    splits them; full recomputation repeats the forward third.
+    """
+    a = _ACT_BYTES[work.precision]
+    hidden = HIDDEN_PASSES * m.hidden / (layout.tp if layout.sequence_parallel else 1)
+    ffn = FFN_PASSES * m.intermediate * (2 if m.gated else 1) / layout.tp
+    scores = 0.0 if flash else SCORE_PASSES * m.heads / layout.tp * work.seq_len
+    repeat = 4.0 / 3.0 if layout.recompute == "full" else 1.0
+    return (hidden + ffn + scores) * a * repeat
+
+
+def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
+    """Exposed TP (+SP) collectives of one micro-batch on one stage: 2 forward + 2 backward per layer.
+
+    Full recomputation repeats the forward pair. Sequence parallelism replaces each all-reduce by an
+    all-gather and a reduce-scatter of the same bus bytes.
+    """
+    if layout.tp == 1:
+        return 0.0
+    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * _ACT_BYTES[work.precision]
+    per = collective_time("all_reduce", nbytes, layout.tp, 1, hw)
+    count = 4 + (2 if layout.recompute == "full" else 0)
+    return count * per * layers
+
+
+def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
+    """Exposed ring-attention K/V exchange of one micro-batch (hidden under the attention core)."""
+    if layout.cp == 1:
+        return 0.0
+    a = _ACT_BYTES[work.precision]
+    kv = layout.micro_batch * work.seq_len / layout.cp * 2 * m.kv_width / layout.tp * a
+    step = collective_time("send", kv, layout.cp, layout.tp, hw)
+    comm = 3 * (layout.cp - 1) * step  # forward ring + backward ring of K/V and their gradients
+    attn_flops = 12.0 * work.seq_len * m.q_width * layout.micro_batch * work.seq_len / layout.cp / layout.tp
+    attn = attn_flops / (hw.flops(work.precision) * hw.gemm_efficiency)
+    return max(0.0, comm - attn) * layers
+
+
+def pipeline_times(
+    m: ModelShape, layout: Layout, work: Workload, hw: Hardware, t_mb: float
+) -> dict[str, float]:
+    """Bubble and exposed point-to-point sends of one step (``t_mb``: one micro-batch on a stage)."""
+    if layout.pp == 1:
+        return {"pipeline_bubble": 0.0, "pipeline_p2p": 0.0}
+    n_mb = micro_batches(layout, work)
+    v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
+    bubble = (layout.pp - 1) / (v * n_mb) * n_mb * t_mb
+    if layout.pp_schedule == "zb":
+        bubble /= 3.0
+    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * _ACT_BYTES[work.precision]
+    if layout.sequence_parallel or layout.tp > 1:
+        nbytes /= layout.tp  # Megatron's scatter/gather: each tp rank sends its slice
+    send = collective_time("send", nbytes, layout.pp, strides(layout)["pp"], hw)
+    return {"pipeline_bubble": bubble, "pipeline_p2p": 2 * v * n_mb * send}
+
+
+def data_parallel_time(
+    layout: Layout,
+    hw: Hardware,
+    stage_elements: int,
+    grad_bytes: int,
+    param_bytes: int,
+    t_mb: float,
+    n_mb: int,
+    layers: int = 1,
+) -> dict[str, float]:
+    """Exposed data-parallel traffic of one step for the ZeRO stage (ZeRO paper: 2Ψ, or 3Ψ at stage 3).
+
+    ZeRO-3 gathers and reduce-scatters module by module: ``layers`` collectives per pass, each paying
+    the ring's latency.
+    """
+    if layout.dp == 1:
+        return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
+    stride, n = strides(layout)["dp"], layout.dp
+    grads, params = stage_elements * grad_bytes, stage_elements * param_bytes
+    backward = t_mb * 2.0 / 3.0
+    if layout.zero <= 1:
+        op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+        reduce = max(0.0, collective_time(op, grads, n, stride, hw) - backward)
+        gather = collective_time("all_gather", params, n, stride, hw) if layout.zero == 1 else 0.0
+        return {"dp_grad_reduce": reduce, "dp_param_gather": gather}
+    per_mb_reduce = collective_time("reduce_scatter", grads, n, stride, hw)
+    if layout.zero == 2:
+        reduce = n_mb * max(0.0, per_mb_reduce - backward)
+        return {
+            "dp_grad_reduce": reduce,
+            "dp_param_gather": collective_time("all_gather", params, n, stride, hw),
+        }
+    per_layer = collective_time("all_gather", params / layers, n, stride, hw)
+    gathers = 2 * layers * per_layer  # forward and backward
+    per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)
+    exposed = n_mb * max(0.0, gathers + per_mb_reduce - t_mb)
+    return {"dp_grad_reduce": 0.0, "dp_param_gather": exposed}
+
+
+def optimizer_time(
+    layout: Layout,
+    hw: Hardware,
+    shard_elements: int,
+    device_state_bytes: float,
+    grad_bytes: int,
+    param_bytes: int,
+    opt_bytes: int,
+) -> dict[str, float]:
+    """The optimizer step and the offload traffic around it."""
+    if layout.offload_optimizer == "none":
+        return {"optimizer_step": 2.0 * device_state_bytes / hw.memory_bw, "offload_transfer": 0.0}
+    cpu = shard_elements / hw.cpu_adam_params_per_s
+    transfer = shard_elements * (grad_bytes + param_bytes) / hw.pcie_bw
+    if layout.offload_optimizer == "nvme":
+        transfer += 2.0 * shard_elements * opt_bytes / hw.nvme_bw
+    return {"optimizer_step": cpu, "offload_transfer": transfer}
+
+
+def param_offload_time(
+    layout: Layout, hw: Hardware, shard_elements: int, param_bytes: int, t_mb: float, n_mb: int
+) -> float:
+    """Exposed host→device parameter fetches of ZeRO-3 parameter offload (forward and backward)."""
+    if layout.offload_params == "none":
+        return 0.0
+    bw = hw.pcie_bw if layout.offload_params == "cpu" else min(hw.pcie_bw, hw.nvme_bw)
+    fetch = 2.0 * shard_elements * param_bytes / bw
+    return n_mb * max(0.0, fetch - t_mb)
