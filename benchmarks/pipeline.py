@@ -152,10 +152,10 @@ def main() -> None:
     )
     print(
         "| schedule | predicted bubble | predicted step (s) | zerotron step (s) | torch.distributed.pipelining (s) "
-        "| zerotron/torch |\n|---|---:|---:|---:|---:|---:|"
+        "| torch / zerotron (>1: zerotron faster) |\n|---|---:|---:|---:|---:|---:|"
     )
     for r in rows:
-        ratio = f"{r['torch_s'] / r['zerotron_s']:.2f}x faster" if r["torch_s"] else "—"
+        ratio = f"{r['torch_s'] / r['zerotron_s']:.2f}x" if r["torch_s"] else "—"
         torch_s = f"{r['torch_s']:.3f}" if r["torch_s"] else "— (no ZB-H1 in torch)"
         print(
             f"| {r['schedule']} (v={r['v']}) | {r['bubble']:.3f} | {r['predicted_s']:.3f} | {r['zerotron_s']:.3f} "
