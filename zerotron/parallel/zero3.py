@@ -257,6 +257,11 @@ class ZeroStage3:
             for s in unit.layout.slots:
                 s.param.grad = None
 
+    def holds_weights(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in one of the gathered buffers (a weight view autograd saves, not an activation)."""
+        ptr = t.untyped_storage().data_ptr()
+        return ptr != 0 and any(u.flat.untyped_storage().data_ptr() == ptr for u in self.units)
+
     @contextlib.contextmanager
     def full_params(self, writeback: bool = False) -> Iterator[None]:
         """Gather every unit (collective); with ``writeback`` the shards take the parameters' values after."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,8 +66,10 @@ class ActivationMeter:
     recomputation only the checkpointed blocks' inputs are saved.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, is_weight: Callable[[torch.Tensor], bool] | None = None) -> None:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # Weights that live outside the parameters' storages (ZeRO-3's gathered buffers) are not activations.
+        self._is_weight = is_weight
         self._refs: dict[int, tuple[int, int]] = {}  # storage ptr -> (saved count, bytes)
         self.current = 0
         self.peak = 0
@@ -76,7 +78,9 @@ class ActivationMeter:
         if t.device.type == "meta":
             return t
         ptr = t.untyped_storage().data_ptr()
-        if ptr in self._param_ptrs or isinstance(t, nn.Parameter):  # ZeRO-3 re-gathers into new storage
+        if ptr in self._param_ptrs or isinstance(t, nn.Parameter):
+            return t
+        if self._is_weight is not None and self._is_weight(t):
             return t
         count, nbytes = self._refs.get(ptr, (0, t.untyped_storage().nbytes()))
         if count == 0:

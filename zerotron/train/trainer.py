@@ -137,7 +137,7 @@ class Trainer:
             dp_size=self.dp_group.size,
             seed=cfg.train.seed,
         )
-        self.meter = ActivationMeter(self.model)
+        self.meter = ActivationMeter(self.model, getattr(self.zero, "holds_weights", None))
         self.step = 0
         self.resumed_layout: dict[str, Any] | None = None
         self.pipeline = (
