@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,26 +38,36 @@ SAVER = textwrap.dedent(
 )
 
 
-def test_sigkill_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
-    rng = random.Random(20261122)
+def killed_saves(
+    tmp_path: Path, saver: str, trials: int, seed: int, max_wait_s: float
+) -> Iterator[tuple[int, Path, int]]:
+    """Run the ``saver`` script (argument: a checkpoint root) ``trials`` times, SIGKILL it at a random
+    moment after its first checkpoint is published, and yield (trial, root, step of the newest complete
+    checkpoint) for the caller to check; asserts that the root still has a complete checkpoint named by
+    ``latest``."""
+    rng = random.Random(seed)
     script = tmp_path / "saver.py"
-    script.write_text(SAVER)
+    script.write_text(saver)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    for trial in range(10):
+    for trial in range(trials):
         root = tmp_path / f"trial{trial}"
         proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, env=env)
         assert proc.stdout is not None
         proc.stdout.readline()  # the first checkpoint is published
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(rng.uniform(0.0, max_wait_s))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         latest = store.find_latest(root)
         assert latest is not None, f"trial {trial}: no complete checkpoint left"
-        step = store.read_json(latest / "trainer.json")["step"]
+        assert (root / "latest").read_text().strip() in {p.name for p in root.glob("step_*")}
+        yield trial, latest, store.read_json(latest / "trainer.json")["step"]
+
+
+def test_sigkill_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    for _, latest, step in killed_saves(tmp_path, SAVER, trials=10, seed=20261122, max_wait_s=0.4):
         assert torch.equal(
             store.read_tensors(latest / "model.safetensors")["w"], torch.full((256, 1024), float(step))
         )
-        assert (root / "latest").read_text().strip() in {p.name for p in root.glob("step_*")}
 
 
 SMALL = [

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from zerotron.cli import main
+from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import (
     ConfigError,
     describe_fields,
-    from_deepspeed,
     load_config,
     save_config,
     validate,

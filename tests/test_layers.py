@@ -28,6 +28,7 @@ LAYERS = {
     "dist": 2,
     "config": 1,
     "config_load": 1,
+    "config_deepspeed": 1,
     "presets": 1,
     "__init__": 1,
 }

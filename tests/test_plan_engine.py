@@ -5,8 +5,8 @@ the rank holds) and ``activation_bytes`` (peak bytes saved for backward in one m
 a saved-tensors hook). The planner must predict the model states exactly and the activations within
 5%, for every rank (each pipeline rank against its own stage). The matrix covers what the engine runs
 today: dp (plain DDP, zero=0), the four pipeline schedules, tensor parallelism with and without
-sequence parallelism, ZeRO-1/2/3, fp32/bf16/fp16 and none/selective/full recomputation; offload and cp
-join it as they land.
+sequence parallelism, ZeRO-1/2/3, fp32/bf16/fp16, none/selective/full recomputation and optimizer / parameter
+offload to host or NVMe (the bytes off the device too); cp joins it when it lands.
 """
 
 from __future__ import annotations
@@ -92,6 +92,13 @@ LAYOUTS_2 += [  # ZeRO (activations too: the meter leaves out ZeRO-3's gathered 
         "model.tie_word_embeddings=false",
     ],
 ]
+LAYOUTS_2 += [  # offload: what stays on the device, and the host / NVMe bytes (offloaded_state_bytes)
+    ["parallel.zero=1", "parallel.offload_optimizer=cpu"],
+    ["parallel.zero=2", "parallel.offload_optimizer=cpu", "parallel.bucket_mb=0.03"],
+    ["parallel.zero=3", "parallel.offload_optimizer=nvme", "train.precision=bf16"],
+    ["parallel.zero=3", "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"],
+    ["parallel.zero=3", "parallel.offload_optimizer=nvme", "parallel.offload_params=nvme"],
+]
 LAYOUTS_2 += [  # tensor and sequence parallelism
     ["parallel.dp=1", "parallel.tp=2", "model.vocab_size=256"],
     ["parallel.dp=1", "parallel.tp=2", "model.vocab_size=256", "parallel.sequence_parallel=true"],
@@ -124,7 +131,8 @@ def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
     tokens = np.random.default_rng(5).integers(0, 256, size=8192).astype(np.uint16)
     out = []
     for i, overrides in enumerate(layouts):
-        cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides])
+        nvme = [f"parallel.nvme_path={run_dir}"] if "=nvme" in " ".join(overrides) else []
+        cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides, *nvme])
         mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
         trainer = Trainer(cfg, mesh, Path(run_dir) / str(i), tokens)
         peak = [0]  # live bytes of plain data parallelism's gradient buckets (a ZeRO engine has none)
@@ -139,20 +147,22 @@ def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
 
             trainer.buckets._launch = counted
         records = [trainer.train_step() for _ in range(2)]
+        trainer.close()  # removes the NVMe files
         out.append({**records[-1], "bucket_bytes": peak[0]})
     return out
 
 
-def _predict(overrides: list[str], world: int, rank: int) -> tuple[dict, float, float]:
-    """Model states, activations and gradient-bucket bytes the planner predicts for ``rank``."""
+def _predict(overrides: list[str], world: int, rank: int) -> tuple[dict, float, float, dict]:
+    """Device model states, activations, gradient-bucket bytes and offloaded bytes (host, nvme) the
+    planner predicts for ``rank``."""
     cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides])
     plan_config(cfg, PROFILES["cpu"], world)  # the layout passes every check
     m, layout, work = from_config(cfg, world)
     stage = (rank // (layout.tp * layout.cp)) % layout.pp
     dp_rank = rank // (layout.tp * layout.cp * layout.pp)
-    memory, detail, _, _ = stage_memory(m, layout, work, "zerotron", stage, dp_rank=dp_rank)
+    memory, detail, host, nvme = stage_memory(m, layout, work, "zerotron", stage, dp_rank=dp_rank)
     states = {k: memory[k] for k in ("params", "grads", "optimizer")}
-    return states, memory["activations"], detail.get("grad_buckets", 0.0)
+    return states, memory["activations"], detail.get("grad_buckets", 0.0), {"host": host, "nvme": nvme}
 
 
 @pytest.mark.parametrize(("world", "layouts"), [(1, LAYOUTS_1), (2, LAYOUTS_2)], ids=["dp1", "dp2"])
@@ -160,8 +170,10 @@ def test_plan_matches_engine(world: int, layouts: list[list[str]], tmp_path: Pat
     results = run_distributed(_engine, world, layouts, str(tmp_path), timeout=300)
     for rank, rank_records in enumerate(results):
         for overrides, record in zip(layouts, rank_records):
-            states, activations, buckets = _predict(overrides, world, rank)
+            states, activations, buckets, offloaded = _predict(overrides, world, rank)
             assert {k: float(v) for k, v in record["model_state_bytes"].items()} == states, overrides
+            measured = record.get("offloaded_state_bytes", {"host": {}, "nvme": {}})
+            assert {p: float(sum(measured[p].values())) for p in ("host", "nvme")} == offloaded, overrides
             assert record["activation_bytes"] == pytest.approx(activations, rel=0.05), overrides
             if "parallel.zero" not in " ".join(overrides):
                 # The gradient buckets' flat copies alive at once (the planner's "grad_buckets" buffer).

@@ -51,9 +51,10 @@ def _tokens(n: int = 8 * 33 * 3, seed: int = 7) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n).astype(np.uint16)
 
 
-def _reference(
+def _reference_run(
     overrides: list[str], tokens: np.ndarray, steps: int = STEPS
-) -> tuple[list[float], dict[str, torch.Tensor]]:
+) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
+    """The single process with torch's AdamW on the whole batch: its losses, model and optimizer."""
     cfg = load_config(None, overrides)
     model = LlamaForCausalLM(cfg.model)
     model.init_weights(cfg.train.seed)
@@ -76,6 +77,13 @@ def _reference(
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses, model, opt
+
+
+def _reference(
+    overrides: list[str], tokens: np.ndarray, steps: int = STEPS
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, model, _ = _reference_run(overrides, tokens, steps)
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 

@@ -154,6 +154,11 @@ class CheckpointConfig:
 
     every: int = _f(0, "save every N steps (0: only at the end)")
     keep: int = _f(2, "keep the newest K complete checkpoints")
+    async_save: bool = _f(
+        False,
+        "write checkpoint files on a background thread: a step is blocked only while the state is "
+        "gathered and copied to host memory; the next save, the end and an error wait for the write",
+    )
 
 
 @dataclass

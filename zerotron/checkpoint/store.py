@@ -13,6 +13,8 @@ Publication order: every rank writes its files into the temporary folder and fsy
 barrier, rank 0 writes ``manifest.json`` (fsynced), renames the folder to its final name (atomic on POSIX),
 fsyncs the parent, then replaces ``latest`` through a rename. A process killed at any moment therefore
 leaves the previous checkpoint complete, and :func:`find_latest` never returns a partial one.
+An asynchronous save (:mod:`zerotron.checkpoint.async_save`) replaces the barrier by one marker file per
+rank (:func:`mark_written`), which the publishing rank's writer thread waits for; the rest is the same.
 No pickle: tensors are safetensors, everything else JSON.
 """
 
@@ -23,6 +25,8 @@ import json
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +65,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a safetensors file and fsync it."""
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    """Write a safetensors file and fsync it, naming it in the error if it cannot be written."""
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot write safetensors ({e})") from e
     _fsync_file(path)
 
 
@@ -88,6 +95,8 @@ def publish(root: Path, step: int, keep: int) -> Path:
     Called by one rank after every rank has written and fsynced its files.
     """
     tmp = temp_dir(root, step)
+    for marker in tmp.glob(".written.rank*"):
+        marker.unlink()
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != "manifest.json")
     manifest = {
         "step": step,
@@ -107,6 +116,27 @@ def publish(root: Path, step: int, keep: int) -> Path:
     _fsync_dir(root)
     _prune(root, keep)
     return final
+
+
+def mark_written(root: Path, step: int, rank: int) -> None:
+    """Record that ``rank`` has written and fsynced its files of ``step`` (asynchronous saves).
+
+    The marker stands in for the barrier of a synchronous save, so that no collective runs off the main
+    thread: the publishing rank waits for every rank's marker (:func:`wait_written`); :func:`publish`
+    removes the markers before the manifest is written.
+    """
+    write_json(temp_dir(root, step) / f".written.rank{rank}", {"rank": rank})
+
+
+def wait_written(root: Path, step: int, world_size: int, give_up_at: Callable[[], float]) -> bool:
+    """Wait until every rank has marked ``step`` written; False once ``time.monotonic() > give_up_at()``."""
+    tmp = temp_dir(root, step)
+    while True:
+        if all((tmp / f".written.rank{r}").is_file() for r in range(world_size)):
+            return True
+        if time.monotonic() > give_up_at():
+            return False
+        time.sleep(0.005)
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -9,6 +9,11 @@ checkpoints name them the same way under any split.
 With tied embeddings and more than one stage, the last stage holds its own copy of the embedding
 matrix as ``lm_head.weight`` (initialised like ``embed_tokens.weight``); the trainer sums the two
 gradients across the pipeline after each step, so both copies receive the single-device update.
+
+Under tensor parallelism :func:`tensor_parallel_stages` applies the Llama plan to every stage, each
+with the part of the plan it holds: the vocabulary-parallel embedding on the first stage, the blocks
+everywhere, the final norm and the vocabulary-parallel head on the last. With sequence parallelism
+the hidden states passed between stages are this rank's (b, s/t, h) sequence shard.
 """
 
 from __future__ import annotations
@@ -19,8 +24,16 @@ import torch
 from torch import nn
 
 from zerotron.config import ModelConfig
-from zerotron.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, init_parameter
+from zerotron.dist.mesh import Group
+from zerotron.models.llama import (
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    init_parameter,
+    tensor_parallel_plan,
+)
 from zerotron.parallel.pipeline import balance_stages, stages_from_sizes
+from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 
 
 class LlamaStage(nn.Module):
@@ -38,12 +51,18 @@ class LlamaStage(nn.Module):
             if first and cfg.tie_word_embeddings:  # one stage: the model itself
                 self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
+        self.sequence_shards = 1  # tp under sequence parallelism: hidden states are (b, s/t, h) shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere -> (b, s, h) or logits."""
+        """Token ids (b, s) on the first stage, hidden states (b, s, h) elsewhere -> (b, s, h) or logits.
+
+        Under sequence parallelism the hidden states (input and output) are (b, s/t, h) shards.
+        """
         if self.first:
-            x = self.embed_tokens(x)  # (b, s, h)
-        b, s = x.shape[:2]
+            b, s = x.shape  # token ids
+            x = self.embed_tokens(x)  # (b, s, h) [(b, s/t, h)]
+        else:
+            b, s = x.shape[0], x.shape[1] * self.sequence_shards
         position_ids = torch.arange(s, device=x.device).expand(b, s)  # (b, s)
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers.values():
@@ -116,6 +135,33 @@ def build_stages(
         chunk.init_weights(seed)
         chunks.append(chunk)
     return chunks
+
+
+def tensor_parallel_stages(
+    chunks: Sequence[LlamaStage], cfg: ModelConfig, group: Group, sequence_parallel: bool
+) -> None:
+    """Split every chunk over the tensor-parallel ``group`` in place (after the pipeline split).
+
+    Each chunk takes the entries of the Llama plan it holds: the embedding only on the first stage, the
+    final norm and the output head only on the last (a tied head is the last stage's own copy, split
+    by vocabulary like the embedding, so the two copies' shards line up across the pipeline).
+    """
+    for chunk in chunks:
+        plan = tensor_parallel_plan(cfg)
+        if not chunk.first:
+            del plan["embedding"]
+        if not chunk.last:
+            del plan["output"]
+            plan["norms"] = []
+        apply_tensor_parallel(
+            chunk,
+            TensorParallelPlan.from_dict(plan),
+            group,
+            sequence_parallel,
+            hidden_input=not chunk.first,
+        )
+        if sequence_parallel:
+            chunk.sequence_shards = group.size
 
 
 class StagedModel(nn.Module):

@@ -1,74 +1,326 @@
-"""ZeRO-Offload's optimizer half (Ren et al. 2021): master weights, AdamW moments and the step on the host.
+"""ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity's NVMe tier: model states in host memory or on disk.
 
-:class:`HostAdamW` is a ``torch.optim.AdamW`` over fp32 host copies of the rank's shard segments (pinned
-memory where a GPU is present). Its step copies the segments' gradients to the host, runs torch's
-``foreach`` AdamW on the CPU tensors (the vectorised CPU Adam) and copies the updated values back into
-the segments, which are views of the device's working parameters. The device then holds no optimizer
-state at all: the host holds the master copy and the two moments, K = 12 bytes per parameter of the
-shard, which ``state_bytes`` reports as optimizer state.
+Two pieces:
 
-Checkpoints see the moments through :meth:`HostAdamW.key`: ZeRO's gather and load functions look a
-segment's state up under its host copy.
+- :class:`ShardStore` keeps one fp32 ``(shard,)`` tensor per bucket (a ZeRO-1/2 gradient bucket or a
+  ZeRO-3 unit) either resident in host memory (pinned where a GPU is present) or in one raw file per
+  rank and tensor kind under ``parallel.nvme_path`` (``zerotron-pid{P}-rank{R}-{kind}.bin``), read and
+  written with ``os.preadv``/``os.pwrite`` at each bucket's byte offset: no pickle, no format at all,
+  only little-endian fp32. The files are removed by :meth:`ShardStore.close` (the trainer calls it when
+  ``fit`` ends) or, failing that, when the store is garbage collected or the interpreter exits.
+- :class:`OffloadAdamW` runs AdamW on the host, one bucket at a time: it fetches the bucket's fp32 master
+  (from the device parameters' host master store, or the offloaded ZeRO-3 parameter shard itself), its
+  two moments and its gradients, calls torch's own ``foreach`` AdamW kernel on the bucket's segments
+  (the vectorised CPU Adam, bit-for-bit ``torch.optim.AdamW``) and writes the results back (to the files
+  and/or the device segments). With the moments on NVMe, host memory holds one bucket's master and
+  moments at a time, never the whole optimizer state (:attr:`OffloadAdamW.peak_read_bytes` counts it).
+
+A bucket is anything with ``segments`` (:class:`~zerotron.parallel.zero_flat.ShardSegment`\\ s: the
+optimizer parameters, carrying ``.grad``), ``numel`` and ``load_master``/``store_master``/
+``sync_from_device``; :class:`DeviceBucket` is the one for parameters that stay on the device, ZeRO-3's
+units are their own buckets when the parameters are offloaded (:mod:`zerotron.parallel.zero3`).
+
+Checkpoints see the moments through :meth:`OffloadAdamW.segment_state` / :meth:`set_segment_state`:
+ZeRO's gather and load functions read a segment's part from wherever it lives.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import ctypes
+import os
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+from torch.optim.adam import adam as adam_kernel
 
 from zerotron.config import TrainConfig
 
+if TYPE_CHECKING:
+    from zerotron.parallel.zero_flat import ShardSegment
 
-class HostAdamW(torch.optim.AdamW):
-    """AdamW whose parameters are host copies of the device segments ``decay`` and ``no_decay``."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_FP32 = 4
 
-    def __init__(self, decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainConfig) -> None:
-        pin = torch.cuda.is_available()
-        self.device_params = decay + no_decay
-        self.host_params = [self._host_copy(p, pin) for p in self.device_params]
-        self.host_of = {id(d): h for d, h in zip(self.device_params, self.host_params)}
-        hosts_decay, hosts_plain = self.host_params[: len(decay)], self.host_params[len(decay) :]
-        groups = [
-            {"params": hosts_decay, "weight_decay": cfg.weight_decay},
-            {"params": hosts_plain, "weight_decay": 0.0},
-        ]
-        super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
-    @staticmethod
-    def _host_copy(p: nn.Parameter, pin: bool) -> nn.Parameter:
-        host = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
-        host.copy_(p.detach())
-        return nn.Parameter(host)
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous host tensor ``t``, without ``Tensor.numpy`` (which would pin its storage
+    size: the NVMe window of a ZeRO-3 shard is resized to zero between uses)."""
+    assert t.device.type == "cpu" and t.is_contiguous()
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
-    def key(self, device_param: torch.Tensor) -> torch.Tensor:
-        """The tensor under which ``device_param``'s AdamW state is kept (its host copy)."""
-        return self.host_of[id(device_param)]
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Gradients to the host, AdamW there, updated weights back to the device segments."""
-        for d, h in zip(self.device_params, self.host_params):
-            h.grad = None if d.grad is None else d.grad.detach().to("cpu", torch.float32, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        out = super().step(closure)
-        for d, h in zip(self.device_params, self.host_params):
-            d.copy_(h, non_blocking=True)
+def _remove(fd: int, path: str) -> None:
+    os.close(fd)
+    Path(path).unlink(missing_ok=True)
+
+
+class ShardStore:
+    """fp32 shards of ``sizes`` elements, one per bucket: in host memory, or in one file under ``nvme_dir``.
+
+    Args:
+        sizes: elements of each bucket's shard.
+        kind: what the shards are (``params``, ``master``, ``exp_avg``, ``exp_avg_sq``), names the file.
+        where: ``cpu`` (host memory) or ``nvme`` (a raw file in ``nvme_dir``).
+        rank: the rank that owns the store (names the file).
+    """
+
+    def __init__(self, sizes: list[int], kind: str, where: str, nvme_dir: str | None, rank: int) -> None:
+        self.sizes, self.kind, self.where = list(sizes), kind, where
+        self.offsets = [sum(self.sizes[:i]) * _FP32 for i in range(len(self.sizes))]
+        self.numel = sum(self.sizes)
+        self.path: Path | None = None
+        self.tensors: list[torch.Tensor] = []
+        self.bytes_read = 0  # read in from the file so far
+        if where == "nvme":
+            if not nvme_dir:
+                raise ValueError("NVMe offload needs parallel.nvme_path")
+            self.path = Path(nvme_dir) / f"zerotron-pid{os.getpid()}-rank{rank}-{kind}.bin"
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(self._fd, self.numel * _FP32)  # sparse zeros until written
+            self._finalizer = weakref.finalize(self, _remove, self._fd, str(self.path))
+        elif where == "cpu":
+            pin = torch.cuda.is_available()
+            self.tensors = [torch.zeros(n, dtype=torch.float32, pin_memory=pin) for n in self.sizes]
+        else:
+            raise ValueError(f"offload target {where!r}: expected cpu or nvme")
+
+    @property
+    def resident(self) -> bool:
+        """Whether the shards live in host memory (``cpu``) rather than in a file."""
+        return self.path is None
+
+    def host_bytes(self) -> int:
+        """Bytes held resident in host memory."""
+        return self.numel * _FP32 if self.resident else 0
+
+    def nvme_bytes(self) -> int:
+        """Bytes held in the file."""
+        return 0 if self.resident else self.numel * _FP32
+
+    def tensor(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s resident host tensor (``cpu`` stores only)."""
+        assert self.resident, "an NVMe store has no resident tensors; use read_into"
+        return self.tensors[i]
+
+    def fetch(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s shard on the host to update: the resident tensor itself, or read from the file
+        (then :meth:`write` it back)."""
+        return self.tensors[i] if self.resident else self.read(i)
+
+    def read_into(self, i: int, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Fill the host tensor ``out`` with bucket ``i``'s elements ``[start, start + out.numel())``."""
+        if self.resident:
+            out.copy_(self.tensors[i][start : start + out.numel()])
+            return out
+        view = _bytes_of(out)
+        offset, done = self.offsets[i] + start * _FP32, 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: short read at byte {offset + done}")
+            done += got
+        self.bytes_read += done
         return out
 
-    def master_bytes(self) -> int:
-        """Bytes of the fp32 host master copy."""
-        return sum(h.numel() * h.element_size() for h in self.host_params)
+    def read(self, i: int, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """A new host tensor with bucket ``i``'s elements ``[start, start + length)``."""
+        n = self.sizes[i] - start if length is None else length
+        return self.read_into(i, torch.empty(n, dtype=torch.float32), start)
+
+    def write(self, i: int, t: torch.Tensor, start: int = 0) -> None:
+        """Store the host tensor ``t`` as bucket ``i``'s elements from ``start`` on."""
+        if self.resident:
+            target = self.tensors[i][start : start + t.numel()]
+            if target.data_ptr() != t.data_ptr():
+                target.copy_(t)
+            return
+        data = _bytes_of(t.detach().contiguous().float())
+        offset, done = self.offsets[i] + start * _FP32, 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], offset + done)
+
+    def close(self) -> None:
+        """Remove the file (NVMe) or drop the host tensors."""
+        if self.path is not None:
+            self._finalizer()
+        self.tensors = []
+
+
+class Bucket(Protocol):
+    """What :class:`OffloadAdamW` steps: one flat shard's segments and where its fp32 master lives."""
+
+    segments: list[ShardSegment]
+    store: ShardStore | None  # where the master lives (None: nowhere but the bucket itself)
+
+    @property
+    def numel(self) -> int: ...  # elements of the shard
+
+    def load_master(self) -> torch.Tensor: ...  # the (numel,) fp32 master on the host
+
+    def store_master(self, master: torch.Tensor) -> None: ...  # after the step
+
+    def sync_from_device(self) -> None: ...  # take the segments' values as the master
+
+
+class DeviceBucket:
+    """A bucket whose working parameters stay on the device; its fp32 master lives in ``store``."""
+
+    def __init__(self, segments: list[ShardSegment], numel: int, store: ShardStore, index: int) -> None:
+        self.segments, self._numel, self.index = segments, numel, index
+        self.store: ShardStore | None = store
+        self.sync_from_device()
+
+    @property
+    def numel(self) -> int:
+        """Elements of the shard."""
+        return self._numel
+
+    def load_master(self) -> torch.Tensor:
+        """The master shard on the host (resident, or read from the file)."""
+        assert self.store is not None
+        return self.store.fetch(self.index)
+
+    def store_master(self, master: torch.Tensor) -> None:
+        """Write the master back and copy the updated values into the device segments."""
+        assert self.store is not None
+        self.store.write(self.index, master)
+        for seg in self.segments:
+            seg.param.data.copy_(master[seg.at : seg.at + seg.length], non_blocking=True)
+
+    @torch.no_grad()
+    def sync_from_device(self) -> None:
+        """The master takes the device segments' values (at construction and after a checkpoint load)."""
+        master = torch.zeros(self._numel, dtype=torch.float32)
+        for seg in self.segments:
+            master[seg.at : seg.at + seg.length].copy_(seg.param.detach())
+        assert self.store is not None
+        self.store.write(self.index, master)
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW on the host, bucket by bucket, moments in ``moments`` (host memory or NVMe).
+
+    The optimizer's parameters (what ``zero_grad``, the learning-rate schedule and clipping see) are the
+    buckets' segments, in a weight-decayed and a non-decayed group like :func:`~zerotron.train.optim.adamw`.
+    """
+
+    def __init__(self, buckets: list[Bucket], moments: dict[str, ShardStore], cfg: TrainConfig) -> None:
+        segs = [seg for b in buckets for seg in b.segments]
+        groups = [
+            {"params": [s.param for s in segs if s.decay], "weight_decay": cfg.weight_decay},
+            {"params": [s.param for s in segs if not s.decay], "weight_decay": 0.0},
+        ]
+        super().__init__(groups, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps})
+        self.buckets, self.moments = buckets, moments
+        self.steps = 0
+        self._where = {id(seg.param): (i, seg) for i, b in enumerate(buckets) for seg in b.segments}
+        # The stores this optimizer owns (moments, device parameters' masters) and, for the NVMe read
+        # count, also the ZeRO-3 parameter store that is the master under parameter offload.
+        masters = [b.store for b in buckets if isinstance(b, DeviceBucket) and b.store is not None]
+        self._owned = list({id(s): s for s in [*moments.values(), *masters]}.values())
+        others = [b.store for b in buckets if b.store is not None]
+        self._stores = list({id(s): s for s in [*self._owned, *others]}.values())
+        self.peak_read_bytes = 0  # the most bytes read in from NVMe files for one bucket's step
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One AdamW step over every bucket in turn: fetch, update on the host, write back."""
+        decayed, plain = self.param_groups
+        for i, bucket in enumerate(self.buckets):
+            before = sum(s.bytes_read for s in self._stores)
+            master = bucket.load_master()  # (numel,) fp32 host
+            exp_avg, exp_avg_sq = (self.moments[k].fetch(i) for k in MOMENTS)
+            read = sum(s.bytes_read for s in self._stores) - before  # held in host memory for this bucket
+            self.peak_read_bytes = max(self.peak_read_bytes, read)
+            for group, decay in ((decayed, True), (plain, False)):  # the groups are split by seg.decay
+                segs = [s for s in bucket.segments if s.decay == decay and s.param.grad is not None]
+                if segs:
+                    self._adamw(group, segs, master, exp_avg, exp_avg_sq)
+            for key, moment in zip(MOMENTS, (exp_avg, exp_avg_sq)):
+                self.moments[key].write(i, moment)
+            bucket.store_master(master)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # non-blocking copies into the device segments have landed
+        self.steps += 1
+        return None
+
+    def _adamw(
+        self,
+        group: dict[str, Any],
+        segs: list[ShardSegment],
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+    ) -> None:
+        """torch's foreach AdamW on the host views of ``segs`` (what ``torch.optim.AdamW`` computes)."""
+        cut = [slice(s.at, s.at + s.length) for s in segs]
+        beta1, beta2 = group["betas"]
+        adam_kernel(
+            [master[c] for c in cut],
+            [s.param.grad.detach().to("cpu", torch.float32) for s in segs],  # type: ignore[union-attr]
+            [exp_avg[c] for c in cut],
+            [exp_avg_sq[c] for c in cut],
+            [],
+            [torch.tensor(float(self.steps)) for _ in segs],  # each incremented once by the kernel
+            foreach=True,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+    # -- checkpoints and accounting ------------------------------------------------------------------------
+    def segment_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The AdamW state of one segment (its part of each moment, and the step), None before any step."""
+        if self.steps == 0:
+            return None
+        i, seg = self._where[id(param)]
+        state = {k: self.moments[k].read(i, seg.at, seg.length) for k in MOMENTS}
+        state["step"] = torch.tensor(float(self.steps))
+        return state
+
+    def set_segment_state(self, param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Store one segment's part of each moment and the step count (checkpoint load)."""
+        i, seg = self._where[id(param)]
+        for k in MOMENTS:
+            self.moments[k].write(i, state[k].detach().reshape(-1).float().cpu(), seg.at)
+        self.steps = int(float(state["step"]))
 
     def sync_from_device(self) -> None:
-        """Take the device segments' values into the host master copy (after a checkpoint load)."""
-        with torch.no_grad():
-            for d, h in zip(self.device_params, self.host_params):
-                h.copy_(d.detach())
+        """Each bucket's master takes its parameters' values (after a checkpoint load)."""
+        for bucket in self.buckets:
+            bucket.sync_from_device()
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Optimizer bytes (moments and host master of device parameters) by place: host, nvme."""
+        return {
+            "host": sum(s.host_bytes() for s in self._owned),
+            "nvme": sum(s.nvme_bytes() for s in self._owned),
+        }
+
+    def close(self) -> None:
+        """Remove the NVMe files (the optimizer cannot step afterwards)."""
+        for store in self._owned:
+            store.close()
 
 
-def state_key(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
-    """Where ``optimizer`` keeps ``param``'s state: its host copy under offload, else ``param`` itself."""
-    return optimizer.key(param) if isinstance(optimizer, HostAdamW) else param
+def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any] | None:
+    """``param``'s AdamW state wherever ``optimizer`` keeps it (None before the first step)."""
+    if isinstance(optimizer, OffloadAdamW):
+        return optimizer.segment_state(param)
+    return optimizer.state.get(param)
+
+
+def set_state_of(optimizer: torch.optim.Optimizer, param: nn.Parameter, state: dict[str, Any]) -> None:
+    """Give ``param`` the AdamW ``state`` (whole-state tensors already cut to its part)."""
+    if isinstance(optimizer, OffloadAdamW):
+        optimizer.set_segment_state(param, state)
+    else:
+        optimizer.state[param] = {k: v.to(param.device) if k != "step" else v for k, v in state.items()}

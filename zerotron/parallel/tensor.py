@@ -60,7 +60,9 @@ tied: the output layer shares the embedding's vocabulary shard.
 
 Sequence parallelism (``sequence_parallel=True``): between regions the hidden states are split along
 the sequence (dim 1); the embedding reduce-scatters into shards, regions all-gather on entry and
-reduce-scatter on exit, so norms (and their saved activations) work on 1/t of the tokens. Replicated
+reduce-scatter on exit, so norms (and their saved activations) work on 1/t of the tokens. The
+column-parallel layers save the (b, s/t, h) shard of their input, not the gather, and all-gather it
+again in backward, once per region (:class:`~zerotron.parallel.tensor_comm.SequenceGather`). Replicated
 parameters used on shards (norm gains, row-parallel biases) get their gradient summed over the group.
 
 Every split parameter has a :class:`ShardSpec` (global shape, offsets; DESIGN contract 5), listed by
@@ -82,9 +84,11 @@ from torch import nn
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Group
 from zerotron.parallel.tensor_comm import (
+    SequenceGather,
     all_reduce_grad_hook,
     copy_to_tp,
     gather_from_sequence,
+    linear_saving_shard,
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
@@ -180,6 +184,8 @@ class ColumnParallelLinear(nn.Module):
         start, size = rows if rows is not None else _even_split(out, group, "output features")
         self.group, self.input_mode, self.replicated = group, input_mode, replicated
         self.in_features, self.out_features, self.rows = inp, size, (start, size)
+        # Under sequence parallelism inside a region: the region's entry, whose shard is what we save.
+        self.region_gather: _GatherSlot | None = None
         self.tp_specs: dict[str, ShardSpec] = {}
         keep = (slice(None) if replicated else slice(start, start + size),)
         self.weight = nn.Parameter(linear.weight.detach()[keep].clone())  # (out/t, in) or (out, in)
@@ -198,13 +204,21 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, in) [(b, s/t, in) with input_mode=sequence] -> (b, s, out/t)."""
-        x = _enter(x, self.input_mode, self.group)
+        gather = None
+        if self.input_mode == "sequence" and self.group.size > 1 and torch.is_grad_enabled():
+            full = gather_from_sequence(x, self.group, dim=1)  # (b, s, in)
+            gather, x = SequenceGather(x, full, self.group), full
+        else:
+            x = _enter(x, self.input_mode, self.group)
+            gather = self.region_gather.current if self.region_gather is not None else None
         w: torch.Tensor = self.weight
         b: torch.Tensor | None = self.bias
         if self.replicated:
             start, size = self.rows
             w = w[start : start + size]
             b = b[start : start + size] if b is not None else None
+        if gather is not None and gather.full is x:
+            return linear_saving_shard(x, w, b, gather)  # saves (b, s/t, in), gathers again in backward
         return F.linear(x, w, b)
 
     def extra_repr(self) -> str:
@@ -385,21 +399,38 @@ def _head_rows(region: nn.Module, plan: RegionPlan, group: Group) -> dict[str, t
     return rows
 
 
+class _GatherSlot:
+    """The current forward's :class:`SequenceGather` of one region, read by its column-parallel layers."""
+
+    current: SequenceGather | None = None
+
+
 def _shard_region(region: nn.Module, plan: RegionPlan, group: Group, sequence_parallel: bool) -> None:
     heads = _head_rows(region, plan, group)
+    slot = _GatherSlot() if sequence_parallel else None
     for path in plan.colwise:
         start, size, replicated = heads.get(path, (0, 0, False))
         rows = (start, size) if path in heads else None
-        _set(region, path, ColumnParallelLinear(_linear(region, path), group, "none", rows, replicated))
+        column = ColumnParallelLinear(_linear(region, path), group, "none", rows, replicated)
+        column.region_gather = slot
+        _set(region, path, column)
     out_mode = "sequence" if sequence_parallel else "reduce"
     for path in plan.rowwise:
         _set(region, path, RowParallelLinear(_linear(region, path), group, out_mode))
     in_mode = "sequence" if sequence_parallel else "replicated"
 
     def enter(module: nn.Module, args: tuple) -> tuple:
-        return (_enter(args[0], in_mode, group), *args[1:])
+        x = _enter(args[0], in_mode, group)  # (b, s, h)
+        if slot is not None:
+            slot.current = SequenceGather(args[0], x, group) if torch.is_grad_enabled() else None
+        return (x, *args[1:])
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        if slot is not None:
+            slot.current = None  # the saved shard lives on in the graph, not here
 
     region.register_forward_pre_hook(enter)
+    region.register_forward_hook(leave)
 
 
 def _sum_grads_over_tp(module: nn.Module, group: Group) -> None:
@@ -409,16 +440,22 @@ def _sum_grads_over_tp(module: nn.Module, group: Group) -> None:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: TensorParallelPlan, group: Group, sequence_parallel: bool = False
+    model: nn.Module,
+    plan: TensorParallelPlan,
+    group: Group,
+    sequence_parallel: bool = False,
+    hidden_input: bool = False,
 ) -> nn.Module:
     """Replace ``model``'s layers by their tensor-parallel shards on this rank, in place.
 
     ``model`` holds its full, initialised (or loaded) weights; each rank keeps its slice, so the
     global weights do not depend on the layout. A group of one rank leaves the model unchanged.
+    ``hidden_input``: the model is a later pipeline stage whose input is hidden states from the previous
+    stage (already (b, s/t, h) shards under sequence parallelism), so it needs no embedding entry.
     """
     if group.size == 1:
         return model
-    if sequence_parallel and plan.embedding is None:
+    if sequence_parallel and plan.embedding is None and not hidden_input:
         raise ValueError("sequence parallelism needs an 'embedding' entry in the tensor-parallel plan")
     tied = (
         plan.embedding is not None

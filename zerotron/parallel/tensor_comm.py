@@ -20,6 +20,11 @@ with two all-reduces of ``N`` and ``2N`` elements (N tokens), so the full (N, V)
 one rank. Its backward is local (softmax minus one-hot, on this rank's columns).
 
 Chunks along ``dim`` are rank-major: rank ``k`` of the group holds elements ``[k·n/t, (k+1)·n/t)``.
+
+Under sequence parallelism :func:`linear_saving_shard` is the column-parallel layers' linear: it runs
+on the all-gathered (b, s, h) input but keeps only the (b, s/t, h) shard for backward and all-gathers it
+again there (Megatron does the same); the layers of one region share that re-gather through their
+:class:`SequenceGather` (one more all-gather per region and micro-batch in backward).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Group
@@ -212,3 +218,69 @@ def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along the last dimension (no autograd): e.g. vocab-split logits
     of the one position a generation step needs."""
     return x if group.size == 1 else _all_gather_dim(x, group, x.dim() - 1)
+
+
+class SequenceGather:
+    """One TP region's entry under sequence parallelism, shared by the region's column-parallel layers.
+
+    ``full`` is the forward's all-gathered (b, s, h) input; ``shard`` the (b, s/t, h) part this rank
+    keeps for backward (cast once to the autocast dtype when autocast is on). In backward the first
+    layer that needs the whole input all-gathers it again, the others of the region reuse that gather,
+    and the last one to use it drops it.
+    """
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor, group: Group) -> None:
+        self.full, self.group = full, group
+        device = shard.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else shard.dtype
+        self.shard = shard.detach().to(dtype)  # (b, s/t, h)
+        self.users = 0
+        self._left = 0
+        self._gathered: torch.Tensor | None = None
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole (b, s, h) input again: gathered by the region's first caller in a backward pass."""
+        if self._gathered is None:
+            self._gathered, self._left = _all_gather_dim(shard, self.group, 1), self.users
+        full = self._gathered
+        self._left -= 1
+        if self._left <= 0:  # every layer of the region has its weight gradient: free the gather
+            self._gathered = None
+        return full
+
+
+class _LinearSavingShard(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        shard: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gather: SequenceGather,
+    ) -> torch.Tensor:
+        ctx.gather, ctx.has_bias, ctx.x_dtype = gather, bias is not None, x.dtype
+        ctx.save_for_backward(shard, weight)  # (b, s/t, in), not the (b, s, in) gather
+        gather.users += 1
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        shard, weight = ctx.saved_tensors
+        dt = grad.dtype  # the compute dtype (autocast's, or the parameters')
+        g2 = grad.flatten(0, -2)  # (b·s, out/t)
+        dx = grad.matmul(weight.to(dt)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = db = None
+        if ctx.needs_input_grad[2]:
+            full = ctx.gather.take(shard).to(dt).flatten(0, -2)  # (b·s, in)
+            dw = (g2.t() @ full).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            db = g2.sum(0).to(weight.dtype)
+        return dx, None, dw, db, None
+
+
+def linear_saving_shard(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gather: SequenceGather
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the gathered ``x`` (= ``gather.full``) that saves only the shard."""
+    return _LinearSavingShard.apply(x, gather.shard, weight, bias, gather)

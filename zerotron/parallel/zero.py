@@ -29,14 +29,17 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from zerotron.config import TrainConfig
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Group
+from zerotron.parallel.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
 from zerotron.parallel.zero3 import ZeroStage3
 from zerotron.parallel.zero_flat import (
     FlatLayout,
     ShardSegment,
     gather_optimizer_state,
     load_optimizer_state,
+    offloaded_optimizer_bytes,
     optimizer_state_bytes,
     segment_grads,
     unique_named_params,
@@ -52,21 +55,46 @@ def apply_zero(
     bucket_mb: float = 25.0,
     persist_numel: int = 4096,
     reshard_after_forward: bool = True,
+    offload_params: str = "none",
+    nvme_path: str | None = None,
 ) -> ZeroEngine:
     """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3).
 
     The last step of DESIGN.md's order: apply it to the finished (recomputation-wrapped) model. The
     returned engine replaces the data-parallel gradient buckets: the trainer's optimizer works on
     ``engine.params`` (this rank's shard segments), calls ``engine.finish()`` after backward and
-    ``engine.after_step()`` after the optimizer step.
+    ``engine.after_step()`` after the optimizer step. ``offload_params`` (ZeRO-3 only): where the
+    parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``).
     """
     if stage == 1:
         return ZeroStage1(model, group, bucket_mb)
     if stage == 2:
         return ZeroStage2(model, group, bucket_mb)
     if stage == 3:
-        return ZeroStage3(model, group, persist_numel, reshard_after_forward)
+        return ZeroStage3(model, group, persist_numel, reshard_after_forward, offload_params, nvme_path)
     raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
+
+
+def offload_optimizer(
+    engine: ZeroEngine, cfg: TrainConfig, where: str, nvme_path: str | None = None
+) -> OffloadAdamW:
+    """ZeRO-Offload's optimizer for ``engine``: AdamW on the host, moments in host memory or NVMe (``where``).
+
+    Under ZeRO-3 parameter offload the units are the buckets and their offloaded shards the master;
+    otherwise each flat buffer's segments stay on the device and their fp32 master joins the moments.
+    """
+    rank = engine.group.rank_in_group
+    sizes = [layout.shard for layout in engine.layouts]
+    moments = {key: ShardStore(sizes, key, where, nvme_path, rank) for key in MOMENTS}
+    buckets: list[Bucket]
+    if isinstance(engine, ZeroStage3) and engine.store is not None:
+        buckets = list(engine.units)
+    else:
+        master = ShardStore(sizes, "master", where, nvme_path, rank)
+        buckets = [
+            DeviceBucket(segs, n, master, i) for i, (segs, n) in enumerate(zip(engine.segments, sizes))
+        ]
+    return OffloadAdamW(buckets, moments, cfg)
 
 
 def _bucketed(
@@ -211,6 +239,13 @@ class _ShardedBuckets:
 
     def _grad_bytes(self) -> int:
         raise NotImplementedError
+
+    def offloaded_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+        """Model states off the device (the offloaded optimizer's): ``{host|nvme: {params, grads, optimizer}}``."""
+        return offloaded_optimizer_bytes(optimizer)
+
+    def close(self) -> None:
+        """Nothing of ZeRO-1/2's own lives in files (the optimizer closes its own)."""
 
     def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Whole AdamW tensors by parameter name (collective over dp)."""

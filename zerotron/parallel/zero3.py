@@ -33,29 +33,52 @@ from torch import nn
 
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Group
+from zerotron.parallel.offload import ShardStore
 from zerotron.parallel.zero_flat import (
     FlatLayout,
     ShardSegment,
     gather_optimizer_state,
     load_optimizer_state,
+    offloaded_optimizer_bytes,
     optimizer_state_bytes,
     segment_grads,
 )
 
 
 class _Unit:
-    """One module's flat parameters: the rank's shard, the gathered buffer and backward bookkeeping."""
+    """One module's flat parameters: the rank's shard, the gathered buffer and backward bookkeeping.
 
-    def __init__(self, layout: FlatLayout, persistent: bool) -> None:
+    With ``store`` (parameter offload) the shard lives in host memory or in an NVMe file (bucket
+    ``index`` of the store) instead of on the device, and the unit is an
+    :class:`~zerotron.parallel.offload.OffloadAdamW` bucket whose master is that shard.
+    """
+
+    def __init__(
+        self, layout: FlatLayout, persistent: bool, store: ShardStore | None = None, index: int = 0
+    ) -> None:
         self.layout, self.persistent = layout, persistent
+        self.store, self.index = store, index
         with torch.no_grad():
             self.flat = layout.flatten([s.param.detach() for s in layout.slots])  # (padded,)
         for slot, view in zip(layout.slots, layout.views(self.flat)):
             slot.param.data = view
-        self.shard = self.flat[layout.lo : layout.hi].clone()  # (shard,) the rank's master weights
+        # (shard,) the rank's master weights: on the device, or a host tensor (resident, or a window
+        # whose storage exists only while an NVMe shard is read in).
+        if store is None:
+            self.shard = self.flat[layout.lo : layout.hi].clone()
+        elif store.resident:
+            self.shard = store.tensor(index)
+        else:
+            self.shard = torch.empty(layout.shard, dtype=torch.float32)
+        if store is not None:
+            self.shard.copy_(self.flat[layout.lo : layout.hi])  # device -> host
+            store.write(index, self.shard)
         self.segments: list[ShardSegment] = layout.segments(self.shard)
+        self.master_on_nvme = store is not None and not store.resident
+        self._evict()
         self.gathered = True
         self.gathering: Any = None
+        self.staged: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.ready = 0
@@ -77,7 +100,8 @@ class _Unit:
         if self.gathered or self.gathering is not None:
             return
         self.flat.untyped_storage().resize_(self.nbytes)
-        self.gathering = collectives.all_gather(self.flat, self.shard, group, async_op=True)
+        self.staged = self.device_shard()
+        self.gathering = collectives.all_gather(self.flat, self.staged, group, async_op=True)
 
     def wait_gather(self, group: Group) -> None:
         """Make sure the unit is gathered."""
@@ -86,6 +110,55 @@ class _Unit:
             self.gathering.wait()
             self.gathering = None
             self.gathered = True
+            self.staged = None
+
+    # -- the shard's home under parameter offload (an OffloadAdamW bucket) -------------------------------
+    @property
+    def numel(self) -> int:
+        """Elements of the shard."""
+        return self.layout.shard
+
+    def device_shard(self) -> torch.Tensor:
+        """The shard on the device for the all-gather: itself, or a copy from host memory or NVMe."""
+        if self.store is None:
+            return self.shard
+        staged = torch.empty(self.layout.shard, dtype=self.flat.dtype, device=self.flat.device)
+        staged.copy_(self.load_master(), non_blocking=True)  # host -> device (a real copy on CPU too)
+        if self.master_on_nvme:
+            if staged.is_cuda:
+                torch.cuda.current_stream().synchronize()  # the window is read before it is dropped
+            self._evict()
+        return staged
+
+    def load_master(self) -> torch.Tensor:
+        """The fp32 master shard on the host (read in from the NVMe file when it lives there)."""
+        assert self.store is not None
+        if self.master_on_nvme:
+            self.shard.untyped_storage().resize_(self.layout.shard * 4)
+            self.store.read_into(self.index, self.shard)
+        return self.shard
+
+    def store_master(self, master: torch.Tensor) -> None:
+        """After the optimizer step: write the shard back to its file and drop the host window."""
+        assert self.store is not None
+        self.store.write(self.index, master)
+        self._evict()
+
+    def sync_from_device(self) -> None:
+        """The shard already is the master (checkpoint loads write it through :meth:`write_shard`)."""
+
+    def write_shard(self, values: torch.Tensor) -> None:
+        """Give the shard ``values`` ``(shard,)`` (a checkpoint load), wherever it lives."""
+        if self.store is None:
+            self.shard.copy_(values)
+            return
+        master = self.load_master()
+        master.copy_(values)
+        self.store_master(master)
+
+    def _evict(self) -> None:
+        if self.master_on_nvme:
+            self.shard.untyped_storage().resize_(0)
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -103,20 +176,30 @@ class ZeroStage3:
         persist_numel: parameters with fewer elements stay whole on every rank.
         reshard_after_forward: free each unit after its forward (re-gathered for backward); False keeps
             the units gathered from forward to backward, trading memory for one all-gather.
+        offload_params: ``cpu`` or ``nvme`` keeps every unit's shard (the fp32 master) in host memory or
+            in a file under ``nvme_path``, copied to the device only for the all-gather; the gradient
+            shards land in host memory, and the optimizer must step there
+            (:class:`~zerotron.parallel.offload.OffloadAdamW` over :attr:`units`).
     """
 
     stage = 3
 
     def __init__(
-        self, model: nn.Module, group: Group, persist_numel: int = 4096, reshard_after_forward: bool = True
+        self,
+        model: nn.Module,
+        group: Group,
+        persist_numel: int = 4096,
+        reshard_after_forward: bool = True,
+        offload_params: str = "none",
+        nvme_path: str | None = None,
     ) -> None:
         self.group, self.reshard_after_forward = group, reshard_after_forward
+        self.offload_params = offload_params
         n, r = group.size, group.rank_in_group
         names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
         taken: set[int] = set()
         small: list[tuple[str, nn.Parameter]] = []
-        self.units: list[_Unit] = []
-        self._unit_of_module: dict[int, _Unit] = {}
+        runs: list[tuple[nn.Module | None, FlatLayout]] = []  # (module, its layout), forward order
         for module in reversed(_units(model)):  # blocks claim their own parameters before the root
             named: list[tuple[str, nn.Parameter]] = []
             for p in module.parameters():
@@ -125,17 +208,27 @@ class ZeroStage3:
                 taken.add(id(p))
                 (small if p.numel() < persist_numel else named).append((names[id(p)], p))
             if named:
-                unit = _Unit(FlatLayout(named, n, r), False)
-                self.units.insert(0, unit)
-                self._unit_of_module[id(module)] = unit
+                runs.insert(0, (module, FlatLayout(named, n, r)))
         if small:
-            self.units.append(_Unit(FlatLayout(small, n, r), True))
+            runs.append((None, FlatLayout(small, n, r)))
+        self.store = (
+            ShardStore([lay.shard for _, lay in runs], "params", offload_params, nvme_path, r)
+            if offload_params != "none"
+            else None
+        )
+        self.units: list[_Unit] = []
+        self._unit_of_module: dict[int, _Unit] = {}
+        for i, (owner, layout) in enumerate(runs):
+            self.units.append(_Unit(layout, owner is None, self.store, i))
+            if owner is not None:
+                self._unit_of_module[id(owner)] = self.units[-1]
         self.order = [u for u in self.units if not u.persistent]  # forward order
         root = self._unit_of_module.get(id(model))
         rest = [u for u in self.order if u is not root]
         self.backward_order = ([root] if root else []) + rest[::-1]
         self._unit_of_param = {id(s.param): u for u in self.units for s in u.layout.slots}
         self._in_backward = False
+        self.peak_gathered_bytes = 0  # see _note_gathered
         for module in _units(model):
             if id(module) in self._unit_of_module:
                 module.register_forward_pre_hook(self._pre_forward)
@@ -168,6 +261,7 @@ class ZeroStage3:
         k = self.order.index(unit)
         if k + 1 < len(self.order):
             self.order[k + 1].start_gather(self.group)  # prefetch
+        self._note_gathered()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         unit = self._unit_of_module[id(module)]
@@ -190,6 +284,12 @@ class ZeroStage3:
         k = self.backward_order.index(unit)
         if k + 1 < len(self.backward_order):
             self.backward_order[k + 1].start_gather(self.group)  # prefetch what backward reaches next
+        self._note_gathered()
+
+    def _note_gathered(self) -> None:
+        """Track the peak bytes of gathered (or arriving) parameter buffers: ZeRO-3's working set."""
+        held = sum(u.nbytes for u in self.units if u.gathered or u.gathering is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -217,6 +317,8 @@ class ZeroStage3:
     def _land(self, unit: _Unit) -> None:
         for work, out in unit.pending:
             work.wait()
+            if self.store is not None:  # the optimizer steps on the host: the shard gradient goes there
+                out = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda).copy_(out)
             if unit.grad_shard is None:
                 unit.grad_shard = out
             else:
@@ -246,7 +348,7 @@ class ZeroStage3:
         """The persistent unit is gathered again from its updated shard; sharded units wait for use."""
         for unit in self.units:
             if unit.persistent:
-                collectives.all_gather(unit.flat, unit.shard, self.group)
+                collectives.all_gather(unit.flat, unit.device_shard(), self.group)
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
@@ -272,19 +374,43 @@ class ZeroStage3:
         finally:
             for unit in self.units:
                 if writeback:
-                    unit.shard.copy_(unit.flat[unit.layout.lo : unit.layout.hi])
+                    unit.write_shard(unit.flat[unit.layout.lo : unit.layout.hi].detach().cpu())
                 unit.free()
 
     # -- accounting and checkpoints ----------------------------------------------------------------------
+    @property
+    def layouts(self) -> list[FlatLayout]:
+        """Each unit's layout."""
+        return [u.layout for u in self.units]
+
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Shards (+ the persistent unit whole, + any unit gathered now), shard gradients, AdamW states."""
+        """On the device: shards (+ the persistent unit whole, + any unit gathered now), shard gradients,
+        AdamW states. Under parameter offload the shards and their gradients are not on the device."""
         opt = optimizer_state_bytes(optimizer)
-        params = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        params += sum(u.nbytes for u in self.units if u.gathered)
-        grads = sum(
+        params = sum(u.nbytes for u in self.units if u.gathered)
+        if self.store is not None:
+            return {"params": params, "grads": 0, "optimizer": opt}
+        params += sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        return {"params": params, "grads": self._grad_bytes(), "optimizer": opt}
+
+    def offloaded_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+        """Model states off the device: ``{host|nvme: {params, grads, optimizer}}``."""
+        out = offloaded_optimizer_bytes(optimizer)
+        if self.store is not None:
+            out["host"]["params"] += self.store.host_bytes()
+            out["nvme"]["params"] += self.store.nvme_bytes()
+            out["host"]["grads"] += self._grad_bytes()
+        return out
+
+    def _grad_bytes(self) -> int:
+        return sum(
             u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units if u.grad_shard is not None
         )
-        return {"params": params, "grads": grads, "optimizer": opt}
+
+    def close(self) -> None:
+        """Remove the parameter files of NVMe offload."""
+        if self.store is not None:
+            self.store.close()
 
     def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Whole AdamW tensors by parameter name (collective over dp)."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Group
-from zerotron.parallel.offload import HostAdamW, state_key
+from zerotron.parallel.offload import OffloadAdamW, set_state_of, state_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -133,7 +133,7 @@ def segment_state_shard(
     """Optimizer state ``key`` of the segments laid out as the rank's ``(shard,)`` (zeros elsewhere)."""
     out = torch.zeros(layout.shard, dtype=torch.float32, device=layout.slots[0].param.device)
     for seg in segments:
-        state = optimizer.state.get(state_key(optimizer, seg.param))
+        state = state_of(optimizer, seg.param)
         if state and key in state:
             out[seg.at : seg.at + seg.length].copy_(state[key].detach().reshape(-1))
     return out
@@ -146,7 +146,7 @@ def gather_optimizer_state(
     group: Group,
 ) -> dict[str, torch.Tensor]:
     """AdamW state as whole tensors ``{name}.exp_avg``, ``{name}.exp_avg_sq``, ``{name}.step`` (collective)."""
-    states = [optimizer.state.get(state_key(optimizer, seg.param)) for segs in segments for seg in segs]
+    states = [state_of(optimizer, seg.param) for segs in segments for seg in segs]
     steps = [state["step"] for state in states if state]
     if not steps:
         return {}  # no optimizer step has run yet
@@ -167,26 +167,33 @@ def load_optimizer_state(
     for seg in segments:
         if f"{seg.name}.exp_avg" not in tensors:
             continue
-        target = state_key(optimizer, seg.param)
         state: dict[str, torch.Tensor] = {}
         for key in ADAM_KEYS:
             whole = tensors[f"{seg.name}.{key}"].reshape(-1)
-            state[key] = whole[seg.start : seg.start + seg.length].clone().to(target.device)
+            state[key] = whole[seg.start : seg.start + seg.length].clone()
         state["step"] = tensors[f"{seg.name}.step"].clone().float()
-        optimizer.state[target] = state
-    if isinstance(optimizer, HostAdamW):
+        set_state_of(optimizer, seg.param, state)
+    if isinstance(optimizer, OffloadAdamW):
         optimizer.sync_from_device()  # the model was loaded into the device segments first
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """AdamW's moments and step scalars, plus the host master copy under optimizer offload."""
-    held = sum(
+    """AdamW's moments and step scalars held on the device (none under optimizer offload)."""
+    return sum(
         v.numel() * v.element_size()
         for state in optimizer.state.values()
         for v in state.values()
         if torch.is_tensor(v)
     )
-    return held + (optimizer.master_bytes() if isinstance(optimizer, HostAdamW) else 0)
+
+
+def offloaded_optimizer_bytes(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """Model states off the device, ``{host|nvme: {params, grads, optimizer}}``, as far as the optimizer holds them."""
+    out = {place: {"params": 0, "grads": 0, "optimizer": 0} for place in ("host", "nvme")}
+    if isinstance(optimizer, OffloadAdamW):
+        for place, nbytes in optimizer.offloaded_bytes().items():
+            out[place]["optimizer"] = nbytes
+    return out
 
 
 def unique_named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

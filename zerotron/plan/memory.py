@@ -89,10 +89,27 @@ def model_states(
     if convention == "zerotron":
         optim += 4 * (_shard(tensors, dp) if zero >= 1 else tensors)
     places = {"device": {"params": float(params), "grads": float(grads), "optimizer": float(optim)}}
+    shard_bytes, persistent_bytes = 4.0 * _shard(elements, dp), 0.0  # fp32 shard; ZeRO-3's whole small params
     if exact is not None:
-        places["device"] = dict(exact)
+        exact = dict(exact)
+        shard_bytes, persistent_bytes = exact.pop("shard", shard_bytes), exact.pop("persistent", 0.0)
+        places["device"] = exact
     places["host"] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     places["nvme"] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if convention == "zerotron" and layout.offload_optimizer != "none":
+        # The engine's OffloadAdamW: AdamW's two fp32 moments per shard element off the device, plus an
+        # fp32 master copy unless the offloaded parameter shard is itself the master (offload_params);
+        # gradients stay on the device unless ZeRO-3 offloads the parameters too (then the
+        # reduce-scattered shards land in host memory). No step scalars: the offloaded step counts once.
+        target = "host" if layout.offload_optimizer == "cpu" else "nvme"
+        master = 0.0 if layout.offload_params != "none" else shard_bytes
+        places[target]["optimizer"] = 2 * shard_bytes + master
+        places["device"]["optimizer"] = 0.0
+        if layout.offload_params != "none":
+            places["host" if layout.offload_params == "cpu" else "nvme"]["params"] = shard_bytes
+            places["host"]["grads"] = places["device"]["grads"]
+            places["device"]["params"], places["device"]["grads"] = persistent_bytes, 0.0
+        return places
     if layout.offload_optimizer != "none":
         target = "host" if layout.offload_optimizer == "cpu" else "nvme"
         places[target]["optimizer"] = places["device"]["optimizer"]
@@ -163,10 +180,11 @@ def engine_zero_states(
     shard_elements = sum(shard for shard, _, _ in shards)
     if zero < 3:
         return {"params": 4.0 * sum(ordered), "grads": 4.0 * (shard_elements if zero == 2 else sum(ordered)),
-                "optimizer": float(optimizer)}  # fmt: skip
+                "optimizer": float(optimizer), "shard": 4.0 * shard_elements, "persistent": 0.0}  # fmt: skip
     persistent = sum(groups[-1]) if groups and min(groups[-1]) < persist_numel else 0
     return {"params": 4.0 * (shard_elements + persistent), "grads": 4.0 * shard_elements,
-            "optimizer": float(optimizer)}  # fmt: skip
+            "optimizer": float(optimizer), "shard": 4.0 * shard_elements,
+            "persistent": 4.0 * persistent}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -184,7 +202,7 @@ def _act_bytes(precision: str) -> int:
 
 
 def engine_layer_terms(
-    m: ModelShape, b: int, s: int, precision: str, recompute: str, tp: int = 1
+    m: ModelShape, b: int, s: int, precision: str, recompute: str, tp: int = 1, sp: bool = False
 ) -> list[Term]:
     """Tensors one block of the engine saves for backward (b micro-batch, s local sequence length).
 
@@ -195,9 +213,10 @@ def engine_layer_terms(
     log-sum-exp and output (flash on CPU and GPU: nothing quadratic). Full recomputation keeps only the
     block's fp32 input.
 
-    Under tensor parallelism the projections' inputs are whole (b, s, h) tensors on every rank: Megatron's
-    f is the identity, and under sequence parallelism the engine saves the all-gathered input (Megatron
-    saves the shard and gathers again in backward), so those terms never split. Keys and values split
+    Under tensor parallelism the projections' inputs are whole (b, s, h) tensors on every rank (Megatron's
+    f is the identity); under sequence parallelism (``sp``, tp > 1) the column-parallel layers save one
+    (b, s/t, h) shard per region instead (in the compute dtype: one copy under autocast) and cast their
+    weights in backward, so only the row-parallel weights' casts are saved. Keys and values split
     over at most ``kv_heads`` ranks (the engine replicates KV heads when tp exceeds them).
     """
     t, a = b * s, _act_bytes(precision)
@@ -210,7 +229,10 @@ def engine_layer_terms(
         terms.append(Term(f"{norm}.normed", 4 * t * h, "sp"))
     casts_attn, casts_mlp = 3, (2 if m.gated else 1)
     if precision == "fp32":
-        terms += [Term("attn.linear_input", 4 * t * h, "none"), Term("mlp.linear_input", 4 * t * h, "none")]
+        terms += [Term("attn.linear_input", 4 * t * h, "sp"), Term("mlp.linear_input", 4 * t * h, "sp")]
+    elif sp and tp > 1:
+        terms += [Term("attn.input_shard", a * t * h, "sp"), Term("mlp.input_shard", a * t * h, "sp")]
+        terms.append(Term("weight_casts.rowwise", a * (q * h + i * h), "tp"))  # o_proj, down_proj
     else:
         terms.append(Term("attn.linear_input_casts", casts_attn * a * t * h, "none"))
         terms.append(Term("mlp.linear_input_casts", casts_mlp * a * t * h, "none"))
@@ -246,18 +268,23 @@ def engine_stage_terms(m: ModelShape, b: int, s: int) -> list[Term]:
     return [Term("rope.cos_sin", 2 * 4 * b * s * m.head_dim, "none")]
 
 
-def engine_last_stage_terms(m: ModelShape, b: int, s: int, precision: str, tp: int) -> list[Term]:
+def engine_last_stage_terms(
+    m: ModelShape, b: int, s: int, precision: str, tp: int, sp: bool = False
+) -> list[Term]:
     """Final norm, output head and the loss.
 
     The loss keeps an fp32 (b·s, V/t) softmax or log-softmax and the targets: int64 labels (and the
     weight scalar) from ``cross_entropy``, or, vocabulary-parallel, int64 local targets and a bool mask.
-    The head's input is whole on every tensor-parallel rank (gathered under sequence parallelism).
+    The head's input is whole on every tensor-parallel rank, or under sequence parallelism its shard
+    (in the compute dtype; the weight is cast again in backward).
     """
     t, h = b * s, m.hidden
     terms = [Term("final_norm.x", 4 * t * h, "sp"), Term("final_norm.rms", 4 * t, "sp")]
     terms.append(Term("final_norm.normed", 4 * t * h, "sp"))
     if precision == "fp32":
-        terms.append(Term("head.input", 4 * t * h, "none"))
+        terms.append(Term("head.input", 4 * t * h, "sp"))
+    elif sp and tp > 1:
+        terms.append(Term("head.input_shard", _act_bytes(precision) * t * h, "sp"))
     else:
         a = _act_bytes(precision)
         terms += [Term("head.input_cast", a * t * h, "none"), Term("head.weight_cast", a * m.vocab * h, "tp")]

@@ -172,7 +172,7 @@ def _layer_bytes(
 ) -> float:
     """Activation bytes of one block on one rank (cached: the search asks for the same ones often)."""
     if convention == "zerotron":
-        return mem.split_bytes(mem.engine_layer_terms(m, b, s, precision, recompute, tp), tp, sp)
+        return mem.split_bytes(mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp), tp, sp)
     return mem.split_bytes(mem.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
 
 
@@ -184,7 +184,7 @@ def _end_bytes(
     if convention == "zerotron":
         every = mem.split_bytes(mem.engine_stage_terms(m, b, s), tp, sp)
         first = mem.split_bytes(mem.engine_first_stage_terms(m, b, s, tp), tp, sp)
-        last = mem.split_bytes(mem.engine_last_stage_terms(m, b, s, precision, tp), tp, sp)
+        last = mem.split_bytes(mem.engine_last_stage_terms(m, b, s, precision, tp, sp), tp, sp)
         if b == 1 and pp == 1 and tp == 1:
             # The loader's inputs and labels of a one-sequence micro-batch are views of one (s+1)-token
             # window: the embedding's ids and the loss's labels are one storage.

@@ -2,9 +2,15 @@
 
 With ``parallel.pp > 1`` the trainer's model is a :class:`~zerotron.models.stages.StagedModel` (this
 rank's chunks under global parameter names) and :class:`PipelineStep` replaces the micro-batch loop:
-every micro-batch of the rank's share of the global batch goes through the schedule, the data-parallel
-gradient reduction runs once after the last backward, the tied embedding's two copies get the sum of
-their gradients, and the loss (known on the last stage) is summed over the pipeline group.
+every micro-batch of the rank's share of the global batch goes through the schedule, the tied
+embedding's two copies get the sum of their gradients, the data-parallel gradient reduction (plain
+buckets or ZeRO-1's reduce-scatter) runs once after that, and the loss (known on the last stage) is
+summed over the pipeline group.
+
+With tensor parallelism each stage is split by :func:`~zerotron.models.stages.tensor_parallel_stages`;
+the last stage's logits are vocabulary-split, so the loss is the vocabulary-parallel cross-entropy
+over the tp group, and the hidden states passed between stages are (b, s/t, h) sequence shards under
+sequence parallelism.
 """
 
 from __future__ import annotations
@@ -17,21 +23,27 @@ import torch.nn.functional as F
 
 from zerotron.config import Config
 from zerotron.dist import collectives
-from zerotron.dist.mesh import Mesh
-from zerotron.models.stages import StagedModel, build_stages, stage_bounds
+from zerotron.dist.mesh import Group, Mesh
+from zerotron.models.stages import StagedModel, build_stages, stage_bounds, tensor_parallel_stages
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
+from zerotron.parallel.tensor import global_numel
+from zerotron.parallel.tensor import norm_names as tp_norm_names
+from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 from zerotron.train.metrics import ActivationMeter
 
 
 def build_pipeline_model(cfg: Config, mesh: Mesh, device: torch.device) -> StagedModel:
-    """This pipeline rank's chunks, with the layout-independent initial weights of the whole model."""
+    """This pipeline rank's chunks, with the layout-independent initial weights of the whole model,
+    split over the tensor-parallel group when ``parallel.tp > 1`` (pipeline split first, DESIGN order)."""
     if cfg.model.path:
         raise ValueError("parallel.pp > 1 with model.path is not supported yet; train from a preset")
     p, v = mesh.dims.pp, cfg.parallel.virtual_stages
     bounds = stage_bounds(cfg.model, cfg.train.seq_len, p * v, cfg.parallel.pp_layers)
     chunks = build_stages(cfg.model, bounds, mesh.coords["pp"], p, cfg.train.seed, device)
+    if mesh.dims.tp > 1:
+        tensor_parallel_stages(chunks, cfg.model, mesh.group("tp"), cfg.parallel.sequence_parallel)
     return StagedModel(cfg.model, chunks)
 
 
@@ -47,11 +59,12 @@ class PipelineStep:
         self, model: StagedModel, mesh: Mesh, cfg: Config, meter: ActivationMeter, buckets: GradientBuckets
     ) -> None:
         self.model, self.mesh, self.cfg, self.meter, self.buckets = model, mesh, cfg, meter, buckets
-        self.group = mesh.group("pp")
+        self.group, self.tp = mesh.group("pp"), mesh.group("tp")
         dp = mesh.group("dp").size
         m = micro_batches_per_step(cfg, dp)
         schedule = build_schedule(cfg.parallel.pp_schedule, mesh.dims.pp, m, cfg.parallel.virtual_stages)
-        shape = (cfg.train.micro_batch, cfg.train.seq_len, cfg.model.hidden_size)
+        shards = self.tp.size if cfg.parallel.sequence_parallel else 1
+        shape = (cfg.train.micro_batch, cfg.train.seq_len // shards, cfg.model.hidden_size)  # (b, s[/t], h)
         # The residual stream stays in the parameters' dtype under autocast (fp32 embedding + fp16 branches).
         dtype = next(model.parameters()).dtype
         self.runner = PipelineRunner(
@@ -65,17 +78,29 @@ class PipelineStep:
         )
 
     def n_params(self) -> int:
-        """Parameters of the whole model (every stage; the tied head counted once)."""
+        """Parameters of the whole model (every stage, unsplit by tp; the tied head counted once)."""
         dup = self.model.tied_duplicate()
-        local = sum(p.numel() for p in self.model.parameters()) - (dup.numel() if dup is not None else 0)
-        total = torch.tensor([float(local)])
+        tied = self.cfg.model.vocab_size * self.cfg.model.hidden_size if dup is not None else 0
+        total = torch.tensor([float(global_numel(self.model) - tied)])
         collectives.all_reduce(total, self.group, op="sum")
         return int(total.item())
 
-    def norm_params(self) -> list[torch.Tensor]:
-        """The parameters whose gradients this rank contributes to the global norm (tied head excluded)."""
+    def norm_names(self) -> set[str]:
+        """Names of the parameters whose gradients this rank contributes to the global norm: the tied
+        head copy left out, and under tp the replicated parameters counted on the first tp rank only."""
+        named = dict(self.model.named_parameters())
+        names = tp_norm_names(self.model, self.tp) if self.tp.size > 1 else set(named)
         dup = self.model.tied_duplicate()
-        return [p for p in self.model.parameters() if p.requires_grad and p is not dup]
+        return {n for n in names if named[n] is not dup}
+
+    def norm_params(self) -> list[torch.Tensor]:
+        """The parameters named by :meth:`norm_names`, in the model's order."""
+        names = self.norm_names()
+        return [p for n, p in self.model.named_parameters() if p.requires_grad and n in names]
+
+    def norm_groups(self) -> list[Group]:
+        """The groups whose ranks hold the other parts of the gradient norm: pp, and tp when split."""
+        return [self.group, self.tp] if self.tp.size > 1 else [self.group]
 
     def forward_backward(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float, device: torch.device
@@ -85,7 +110,11 @@ class PipelineStep:
         tokens_global = t.global_batch * t.seq_len
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            if self.tp.size > 1:  # logits (mb, s, V/t): this rank's vocabulary columns
+                per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp)
+                loss = per_token.sum()
+            else:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
             return loss * (scale / tokens_global)
 
         @contextlib.contextmanager
@@ -102,10 +131,12 @@ class PipelineStep:
         labels = [y.to(device) for _, y in micro]
         with self.buckets.no_sync():  # one reduction after the last backward
             scaled = self.runner.run(inputs, labels, loss_fn, forward_context)
-        self.buckets.finish()
-        shape = (self.cfg.model.vocab_size, self.cfg.model.hidden_size)
         if self.cfg.model.tie_word_embeddings:
-            sum_tied_grads(self.model.tied_weight(), shape, self.group)
+            # Before the dp reduction: ZeRO-1 leaves reduced values only in this rank's shard of each
+            # bucket, and the two copies sit at different places of their stages' buckets.
+            shape = (self.cfg.model.vocab_size // self.tp.size, self.cfg.model.hidden_size)  # (V/t, h)
+            sum_tied_grads(self.model.tied_weight(), shape, self.group, device)
+        self.buckets.finish()
         loss_sum = scaled * (tokens_global / scale)  # back to the summed token loss
         collectives.all_reduce(loss_sum, self.group, op="sum")
         return loss_sum

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from zerotron.config import Config
-from zerotron.config_load import ConfigError, from_deepspeed, load_config, save_config, validate
+from zerotron.config_deepspeed import from_deepspeed
+from zerotron.config_load import ConfigError, load_config, save_config, validate
 from zerotron.dist.launch import current_rank_and_world, spawn, under_torchrun
 from zerotron.dist.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM

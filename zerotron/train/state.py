@@ -18,6 +18,7 @@ slices its part on load (by the parameter's :class:`~zerotron.parallel.tensor.Sh
 from __future__ import annotations
 
 import contextlib
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from zerotron.checkpoint import store
+from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Mesh
 from zerotron.parallel.tensor import ShardSpec, gather_tensors, shard_specs, slice_tensors
@@ -90,12 +92,19 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int,
     zero: Any = None,
+    writer: CheckpointWriter | None = None,
 ) -> Path:
     """Write and publish the checkpoint of ``step`` from every rank (collective over the world).
 
     Under ZeRO (``zero``: the trainer's engine) the shards are all-gathered first, so the files hold the
     same whole tensors by name as without it and load under any ZeRO stage or none.
+
+    With ``writer`` (``checkpoint.async_save``) the gathers still run here, on the main thread, but the
+    tensors are copied into host memory and the writer's thread writes and publishes them while training
+    goes on; the returned folder exists once ``writer.wait()`` has returned on rank 0.
     """
+    if writer is not None:
+        writer.wait()  # one write in flight: the previous folder is published before this one starts
     zero_tensors = None
     if zero is not None:  # collective over dp: every rank takes part in the gathers
         with zero.full_params():
@@ -108,7 +117,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     world = mesh.group("world")
     collectives.barrier(world)
-    store.write_tensors(tmp / f"rng.rank{mesh.rank}.safetensors", rng_tensors())
+    files = {f"rng.rank{mesh.rank}.safetensors": rng_tensors()}  # file name -> tensors
     tp = mesh.group("tp")
     if tp.size > 1 and mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0:  # the writer's tp group
         specs = _tp_specs(model)  # this tp rank's whole shards (gathered over dp first under ZeRO)
@@ -120,16 +129,28 @@ def save_checkpoint(
         weights, moments = model_tensors(model), optimizer_tensors(model, optimizer)
     if _writes_model(mesh):
         suffix = _stage_suffix(mesh)
-        store.write_tensors(tmp / f"model{suffix}.safetensors", weights)
-        store.write_tensors(tmp / f"optimizer{suffix}.safetensors", moments)
-    if mesh.rank == 0:
-        store.write_json(tmp / "trainer.json", trainer_state)
-    collectives.barrier(world)
+        files[f"model{suffix}.safetensors"] = weights
+        files[f"optimizer{suffix}.safetensors"] = moments
+    json_files = {"trainer.json": copy.deepcopy(trainer_state)} if mesh.rank == 0 else {}
     final = root / store.step_dir_name(step)
+    if writer is not None:
+        live = zero_tensors is None  # ZeRO's gathered tensors are host copies already
+        writer.submit(root, step, {n: _host_copies(t, live) for n, t in files.items()}, json_files, keep)
+        return final
+    for name, tensors in files.items():
+        store.write_tensors(tmp / name, tensors)
+    for name, data in json_files.items():
+        store.write_json(tmp / name, data)
+    collectives.barrier(world)
     if mesh.rank == 0:
         final = store.publish(root, step, keep)
     collectives.barrier(world)
     return final
+
+
+def _host_copies(tensors: dict[str, torch.Tensor], live: bool) -> dict[str, torch.Tensor]:
+    """Detached host tensors that training cannot change: copies of ``live`` ones (model, optimizer)."""
+    return {k: v.detach().to("cpu", copy=live) for k, v in tensors.items()}
 
 
 def load_checkpoint(

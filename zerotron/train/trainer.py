@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotron.checkpoint import store
+from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.dist import collectives
@@ -26,13 +27,12 @@ from zerotron.dist.mesh import Mesh
 from zerotron.models.llama import LlamaForCausalLM, model_flops_per_token, tensor_parallel_plan
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
-from zerotron.parallel.offload import HostAdamW
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, global_numel
 from zerotron.parallel.tensor import norm_names as tp_norm_names
 from zerotron.parallel.tensor import norm_params as tp_norm_params
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
-from zerotron.parallel.zero import apply_zero
+from zerotron.parallel.zero import apply_zero, offload_optimizer
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress, model_state_bytes
@@ -70,12 +70,7 @@ def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> 
             model = LlamaForCausalLM(cfg.model)
         model.to_empty(device=device)
         model.init_weights(cfg.train.seed)
-    if mesh is not None and mesh.dims.tp > 1:
-        if mesh.dims.pp > 1 or cfg.parallel.zero > 2:
-            raise ValueError(
-                "parallel.tp > 1 with parallel.pp > 1 or parallel.zero=3 is not supported yet; "
-                "set parallel.tp=1, or parallel.pp=1 and parallel.zero<=2"
-            )
+    if mesh is not None and mesh.dims.tp > 1 and mesh.dims.pp == 1:  # pipeline stages: split above
         plan = TensorParallelPlan.from_dict(tensor_parallel_plan(cfg.model))
         apply_tensor_parallel(model, plan, mesh.group("tp"), cfg.parallel.sequence_parallel)
     apply_recompute(model, cfg.train.recompute)
@@ -114,6 +109,8 @@ class Trainer:
                 par.bucket_mb,
                 par.persist_numel,
                 par.reshard_after_forward,
+                par.offload_params,
+                par.nvme_path,
             )
             if par.zero > 0
             else None
@@ -122,8 +119,8 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer
         if self.zero is None:
             self.optimizer = build_optimizer(self.model, cfg.train)
-        elif par.offload_optimizer == "cpu":  # ZeRO-Offload: master weights, moments and step on the host
-            self.optimizer = HostAdamW(*self.zero.param_groups(), cfg.train)
+        elif par.offload_optimizer != "none":  # ZeRO-Offload: master, moments and step on the host or NVMe
+            self.optimizer = offload_optimizer(self.zero, cfg.train, par.offload_optimizer, par.nvme_path)
         else:
             self.optimizer = adamw(*self.zero.param_groups(), cfg.train)
         self.params = [p for p in {id(p): p for p in self.model.parameters()}.values() if p.requires_grad]
@@ -147,10 +144,10 @@ class Trainer:
         )
         # Gradients this rank contributes to the global norm, and the groups that sum those parts.
         self.norm_params = self.pipeline.norm_params() if self.pipeline else self.params
-        self.norm_groups = [mesh.group("pp")] if self.pipeline else []
+        self.norm_groups = self.pipeline.norm_groups() if self.pipeline else []
         self.n_params = self.pipeline.n_params() if self.pipeline else sum(p.numel() for p in self.params)
         self.tp_group = mesh.group("tp")
-        if self.tp_group.size > 1:
+        if self.tp_group.size > 1 and self.pipeline is None:
             # Split parameters count on every tp rank, replicated ones once; the parts sum over tp.
             self.norm_params = tp_norm_params(self.model, self.params, self.tp_group)
             self.norm_groups = [self.tp_group]
@@ -158,14 +155,19 @@ class Trainer:
         if self.zero is not None:
             # The optimizer, clipping and unscaling see this rank's shard segments; their norms sum over dp.
             self.params = self.zero.params
-            self.norm_params, self.norm_groups = self.params, [self.dp_group]
-            if self.tp_group.size > 1:  # ... and over tp, replicated parameters' segments counted once
-                owned = tp_norm_names(self.model, self.tp_group)
+            self.norm_params, self.norm_groups = self.params, [self.dp_group, *self.norm_groups]
+            if self.tp_group.size > 1 or self.pipeline:  # replicated segments and the tied head once
+                owned = (
+                    self.pipeline.norm_names() if self.pipeline else tp_norm_names(self.model, self.tp_group)
+                )
                 segments = [seg for segs in self.zero.segments for seg in segs]
                 self.norm_params = [seg.param for seg in segments if seg.name in owned]
-                self.norm_groups = [self.dp_group, self.tp_group]
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
+        # checkpoint.async_save: a thread writes the files; the gathers stay on this thread.
+        self.ckpt_writer = (
+            CheckpointWriter(mesh.rank, mesh.dims.world_size) if cfg.checkpoint.async_save else None
+        )
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
@@ -227,15 +229,20 @@ class Trainer:
             if self.zero is not None:
                 self.zero.after_step()
         activation = self.meter.take_peak()
+        offloaded = None
         if self.zero is not None:
             states = self.zero.state_bytes(self.optimizer)
+            offloaded = self.zero.offloaded_bytes(self.optimizer)
             self.zero.zero_grad()
         else:
             states = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         collectives.all_reduce(loss_sum, self.dp_group, op="sum")
         self.step += 1
-        return self._record(loss_sum, norm, lr, started, activation, states, skipped)
+        record = self._record(loss_sum, norm, lr, started, activation, states, skipped)
+        if offloaded is not None:  # model states off the device (ZeRO offload): {host|nvme: {params, ...}}
+            record["offloaded_state_bytes"] = offloaded
+        return record
 
     def _record(
         self,
@@ -283,7 +290,11 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save(self) -> Path:
-        """Write a checkpoint of the current step (every rank calls this)."""
+        """Write a checkpoint of the current step (every rank calls this).
+
+        Under ``checkpoint.async_save`` this returns once the state is copied to host memory; the folder
+        is complete after :meth:`wait_for_checkpoint` (which the next save and :meth:`fit` call).
+        """
         trainer_state = {
             "step": self.step,
             "scaler": self.scaler.state_dict(),
@@ -300,7 +311,13 @@ class Trainer:
             trainer_state,
             self.cfg.checkpoint.keep,
             self.zero,
+            self.ckpt_writer,
         )
+
+    def wait_for_checkpoint(self, grace_s: float | None = None) -> None:
+        """Block until an asynchronous checkpoint write in flight is on disk (and published, on rank 0)."""
+        if self.ckpt_writer is not None:
+            self.ckpt_writer.wait(grace_s)
 
     def resume(self, spec: str) -> Path | None:
         """Continue from ``spec``: ``auto`` (newest complete checkpoint of this run, if any) or a path."""
@@ -348,7 +365,20 @@ class Trainer:
                     self.save()
             if not (self.ckpt_root / store.step_dir_name(self.step)).exists():
                 self.save()
+            self.wait_for_checkpoint()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                self.wait_for_checkpoint(grace_s=30.0)
+            raise
         finally:
             progress.close()
             writer.close()
+            self.close()
         return history
+
+    def close(self) -> None:
+        """Release what outlives a step: the NVMe offload files of the ZeRO engine and the optimizer."""
+        for owner in (self.zero, self.optimizer):
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,94 @@
+"""Save under a ZeRO or tensor-parallel layout, continue under another: the single process's numbers.
+
+A run under layout A stops at step 5 (``train.exit_step``), a run under layout B resumes from that
+checkpoint and trains to step 10. Its losses, its final weights and its final AdamW moments must equal
+the unsharded single-process computation trained 10 steps without stopping (written here with
+``torch.optim.AdamW``, independently of the trainer), fp32, 1e-5 relative: weights and moments are
+gathered over tp and ZeRO shards on save and sliced again on load, and the data position is global.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_train_dp import _reference_run, _tokens
+from zerotron.checkpoint import store
+from zerotron.train import run as train_run
+from zerotron.train.state import read_model_tensors
+
+STEPS, SAVED = 10, 5
+TINY = [
+    "model.hidden_size=32",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=4",
+    "model.intermediate_size=64",
+    "model.vocab_size=260",
+    "train.seq_len=16",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    f"train.steps={STEPS}",
+    "train.lr=3e-4",
+    "train.warmup_steps=0",
+    "train.schedule=constant",
+    "parallel.persist_numel=64",
+    "log.progress=none",
+]
+
+
+def _reference(
+    overrides: list[str], tokens: np.ndarray
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Losses, weights and AdamW moments of the single process with torch's AdamW (whole batch at once)."""
+    losses, model, opt = _reference_run(overrides, tokens, STEPS)
+    named = dict(model.named_parameters())
+    moments = {f"{n}.{k}": opt.state[p][k] for n, p in named.items() for k in ("exp_avg", "exp_avg_sq")}
+    return losses, {n: p.detach().clone() for n, p in named.items()}, moments
+
+
+def _losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _assert_tensors_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str) -> None:
+    assert set(ref) <= set(got), f"{what}: missing {sorted(set(ref) - set(got))[:3]}"
+    for name, r in ref.items():
+        rel = float((got[name] - r).norm() / r.norm())
+        assert rel <= 1e-5, (what, name, rel)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ((2, ["parallel.dp=2", "parallel.zero=1"]), (4, ["parallel.dp=4", "parallel.zero=3"])),
+        ((4, ["parallel.dp=4", "parallel.zero=3", "parallel.offload_optimizer=cpu"]), (1, [])),
+        ((4, ["parallel.tp=2", "parallel.dp=2"]), (4, ["parallel.tp=4"])),
+    ],
+    ids=["dp2-zero1-to-dp4-zero3", "dp4-zero3-offload-to-1", "tp2xdp2-to-tp4"],
+)
+def test_continue_under_another_layout(a: tuple, b: tuple, tmp_path: Path) -> None:
+    (na, layout_a), (nb, layout_b) = a, b
+    tokens = _tokens()
+    np.save(tmp_path / "tokens.npy", tokens)
+    common = [*TINY, f"data.source={tmp_path / 'tokens.npy'}"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    train_run.launch_training(None, [*common, *layout_a, f"train.exit_step={SAVED}"], na, out=str(first))
+    ckpt = store.find_latest(first / "checkpoints")
+    assert ckpt is not None and ckpt.name == store.step_dir_name(SAVED)
+    train_run.launch_training(None, [*common, *layout_b], nb, out=str(second), resume=str(ckpt))
+
+    ref_losses, ref_weights, ref_moments = _reference(TINY, tokens)
+    got = {**_losses(first), **_losses(second)}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in sorted(got)], ref_losses, rtol=1e-5)
+    final = store.find_latest(second / "checkpoints")
+    assert final is not None and final.name == store.step_dir_name(STEPS)
+    _assert_tensors_close(read_model_tensors(final), ref_weights, "weights")
+    moments = {k: v for f in final.glob("optimizer*.safetensors") for k, v in store.read_tensors(f).items()}
+    _assert_tensors_close(moments, ref_moments, "AdamW moments")
