@@ -7,9 +7,10 @@ parallel over ``--nproc`` ranks; overrides such as ``parallel.zero=1`` change it
 optimizer step, so the state is the weights plus AdamW's two moments, about 375 MB of fp32. Then, in one
 process group, each method saves that state ``--reps`` times, alternating methods:
 
-- ``zerotron sync``: :meth:`Trainer.save` (whole tensors by name, fsync, sha256 manifest, rename);
+- ``zerotron sync``: :meth:`Trainer.save` (each rank writes its own pieces, index, fsync, sha256
+  manifest, rename);
 - ``zerotron async``: the same with ``checkpoint.async_save``: *blocked* is the time ``save()`` takes
-  (gathers + copy into host memory), *total* until the folder is published;
+  (the copy of the rank's pieces into host memory), *total* until the folder is published;
 - ``dcp.save``: ``torch.distributed.checkpoint.save`` of the same tensors ``{"model": weights (tied
   once), "optim": AdamW moments}`` through its FileSystemWriter (fsync on, replicated tensors written once);
 - ``dcp.async_save``: blocked until the call returns (staging), total until its future completes.

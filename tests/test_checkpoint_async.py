@@ -30,6 +30,7 @@ from zerotron.dist import collectives
 from zerotron.dist.launch import current_rank_and_world
 from zerotron.dist.mesh import ParallelDims
 from zerotron.train import run as train_run
+from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 
@@ -82,7 +83,7 @@ def test_async_save_writes_the_bytes_of_a_sync_save(layout: list[str], tmp_path:
     assert all(r["moved"] for r in results), "the step after the save must change the weights"
     r = results[0]
     assert sorted(r["async"]) == sorted(r["sync"])
-    assert {"manifest.json", "trainer.json", "model.safetensors", "optimizer.safetensors"} <= set(r["sync"])
+    assert {"manifest.json", "trainer.json", "index.json", "shard.rank0.safetensors"} <= set(r["sync"])
     assert {"rng.rank0.safetensors", "rng.rank1.safetensors"} <= set(r["sync"])
     for name, data in r["sync"].items():
         assert r["async"][name] == data, name
@@ -102,10 +103,10 @@ def test_resume_from_async_checkpoints_equals_straight_run(tmp_path: Path) -> No
     a, b = _losses(straight), _losses(split)
     assert len(a) == 10 and b == a  # bitwise on CPU fp32: steps 1-5, then 6-10 after the resume
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000008", "step_00000010"]
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        want = store.read_tensors(straight / "checkpoints" / "step_00000010" / name)
-        got = store.read_tensors(root / "step_00000010" / name)
-        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+    for kind in ("model", "optimizer"):
+        want = read_model_tensors(straight / "checkpoints" / "step_00000010", kind)
+        got = read_model_tensors(root / "step_00000010", kind)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), kind
 
 
 def _error_while_writing(overrides: list[str], run_dir: str) -> dict:

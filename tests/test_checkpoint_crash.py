@@ -90,7 +90,7 @@ def test_flipped_byte_is_named_and_resume_falls_back(tmp_path: Path, capfd: pyte
     assert main(["train", *SMALL, "train.steps=4", "--nproc", "1", "--out", str(out)]) == 0
     newest = store.find_latest(out / "checkpoints")
     assert newest is not None and newest.name == "step_00000004"
-    shard = newest / "model.safetensors"
+    shard = newest / "shard.rank0.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))

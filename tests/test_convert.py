@@ -15,7 +15,7 @@ import torch
 from tests.harness import run_distributed
 from zerotron.checkpoint import store
 from zerotron.checkpoint.convert import convert
-from zerotron.config_load import load_config
+from zerotron.config_load import ConfigError, load_config
 from zerotron.dist.launch import current_rank_and_world
 from zerotron.dist.mesh import ParallelDims
 from zerotron.models.hf import read_hf_weights, write_hf_directory
@@ -61,12 +61,51 @@ def test_pipeline_checkpoint_to_hf_has_identical_tensors(tmp_path: Path) -> None
     ]
     train_run.launch_training(None, overrides, 2, out=str(tmp_path / "run"))
     ckpt = store.find_latest(tmp_path / "run" / "checkpoints")
-    assert ckpt is not None and (ckpt / "model.pp1.safetensors").is_file()
+    assert ckpt is not None and (ckpt / "shard.rank1.safetensors").is_file()  # stage 1 wrote its own
     convert(tmp_path / "run", tmp_path / "hf")  # a run directory: its newest checkpoint
     saved = read_model_tensors(ckpt)
     exported = read_hf_weights(tmp_path / "hf")
     assert set(exported) == set(saved) - {"lm_head.weight"}  # tied: stored once
     assert all(torch.equal(exported[k], saved[k]) for k in exported)
+
+
+def test_hf_to_checkpoint_trains_under_a_pipeline_from_the_same_weights(tmp_path: Path) -> None:
+    """HF -> zerotron checkpoint (whole-tensor pieces in several files) -> HF is bit-identical, and the
+    checkpoint as model.path under pp 2 trains like the HF directory in one process (pp needs a
+    checkpoint: model.path of another kind is refused there, saying how to convert)."""
+    model = LlamaForCausalLM(load_config(None, TINY).model)
+    model.init_weights(7)
+    write_hf_directory(model, tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ck", to="checkpoint", shard_bytes=20_000)
+    ckpt = store.find_latest(tmp_path / "ck" / "checkpoints")
+    assert ckpt is not None and ckpt.name == store.step_dir_name(0)
+    assert len(list(ckpt.glob("shard.part*.safetensors"))) > 1
+    saved = read_model_tensors(ckpt)
+    assert set(saved) == {n for n, _ in model.named_parameters()}  # tied head once
+    assert all(torch.equal(saved[n], p) for n, p in model.named_parameters())
+    convert(tmp_path / "ck", tmp_path / "back")
+    original, back = read_hf_weights(tmp_path / "hf"), read_hf_weights(tmp_path / "back")
+    assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
+
+    common = [
+        "train.steps=2",
+        "train.seq_len=32",
+        "train.global_batch=2",
+        "train.micro_batch=1",
+        "data.max_bytes=20000",
+        "log.progress=none",
+    ]
+    with pytest.raises(ConfigError, match="zerotron convert .* --to checkpoint"):
+        train_run.launch_training(None, [*common, f"model.path={tmp_path / 'hf'}", "parallel.pp=2"], 2)
+    train_run.launch_training(None, [*common, f"model.path={tmp_path / 'hf'}"], 1, out=str(tmp_path / "a"))
+    pp_run = [*common, f"model.path={tmp_path / 'ck'}", "parallel.pp=2"]
+    train_run.launch_training(None, pp_run, 2, out=str(tmp_path / "b"))
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("a", "b")
+    ]
+    assert len(losses[0]) == 2
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
 def test_bad_sources_are_named(tmp_path: Path) -> None:
@@ -142,7 +181,8 @@ def test_smollm2_through_a_tp3_checkpoint_to_hf_has_identical_tensors(tmp_path: 
     run_distributed(_smollm2_tp3_save_load_save, 3, str(gguf_path), str(tmp_path), timeout=300)
     root = tmp_path / "checkpoints"
     first, again = root / store.step_dir_name(0), root / store.step_dir_name(1)
-    assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    files = ["index.json", *(f"shard.rank{r}.safetensors" for r in range(3))]  # each tp rank its own part
+    assert all((first / f).read_bytes() == (again / f).read_bytes() for f in files)
     convert(again, tmp_path / "hf")
     ours = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in store.read_tensors(f).items()}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(

@@ -17,6 +17,7 @@ from zerotron.config_load import load_config
 from zerotron.dist.launch import LaunchError, current_rank_and_world
 from zerotron.dist.mesh import ParallelDims
 from zerotron.train import run as train_run
+from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 SMALL = [
@@ -49,13 +50,13 @@ def test_resume_is_bitwise_equal_to_straight_run(tmp_path: Path) -> None:
     a, b = _losses(straight), _losses(split)
     assert len(a) == len(b) == 20
     assert a == b  # bitwise on CPU fp32
-    wa = store.read_tensors(store.find_latest(straight / "checkpoints") / "model.safetensors")
-    wb = store.read_tensors(store.find_latest(split / "checkpoints") / "model.safetensors")
+    wa = read_model_tensors(store.find_latest(straight / "checkpoints"))
+    wb = read_model_tensors(store.find_latest(split / "checkpoints"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def _killed_during_checkpoint(run_dir: str, kill_step: int) -> None:
-    """Rank 0 dies by SIGKILL half-way through writing the model file of checkpoint ``kill_step``."""
+    """Rank 0 dies by SIGKILL half-way through writing its shard file of checkpoint ``kill_step``."""
     original = store.write_tensors
     rank, _ = current_rank_and_world()
 
@@ -63,7 +64,7 @@ def _killed_during_checkpoint(run_dir: str, kill_step: int) -> None:
         if (
             rank == 0
             and path.parent.name == f".tmp-step_{kill_step:08d}"
-            and path.name == "model.safetensors"
+            and path.name == "shard.rank0.safetensors"
         ):
             original(path, tensors)
             data = path.read_bytes()

@@ -30,6 +30,7 @@ from zerotron.dist.launch import current_rank_and_world
 from zerotron.dist.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train import run as train_run
+from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 ZERO3 = ["parallel.persist_numel=100"]  # norm gains (64) stay whole, every matrix is sharded
@@ -312,8 +313,7 @@ def test_zero_resume_is_exact_and_saves_whole_tensors(
     assert _losses(straight) == _losses(split)
     assert not list(tmp_path.glob("zerotron-*"))  # the NVMe files are gone once training ends
     ckpt = store.find_latest(straight / "checkpoints")
-    weights = store.read_tensors(ckpt / "model.safetensors")
-    moments = store.read_tensors(ckpt / "optimizer.safetensors")
+    weights, moments = read_model_tensors(ckpt), read_model_tensors(ckpt, "optimizer")
     model = LlamaForCausalLM(load_config(None, SMALL).model)
     for name, p in model.named_parameters():
         assert weights[name].shape == p.shape  # whole tensors by name, whatever the ZeRO stage

@@ -88,8 +88,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerotron.checkpoint.convert import convert
 
-    convert(args.src, args.dst)
-    print(f"wrote {args.dst}")
+    convert(args.src, args.dst, to=args.to)
+    print(
+        f"wrote {args.dst}"
+        + (" (a run directory: model.path or --resume it)" if args.to == "checkpoint" else "")
+    )
     return 0
 
 
@@ -191,9 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(fn=_cmd_generate)
 
-    conv = sub.add_parser("convert", help="convert a GGUF file or HF directory into a HF directory")
-    conv.add_argument("src")
-    conv.add_argument("dst")
+    conv = sub.add_parser(
+        "convert",
+        help="convert a GGUF file, HF directory or zerotron checkpoint into a HF directory or a checkpoint",
+    )
+    conv.add_argument("src", help="a .gguf file, a HF directory, or a zerotron checkpoint or run directory")
+    conv.add_argument("dst", help="a new (or empty) directory")
+    conv.add_argument(
+        "--to",
+        choices=["hf", "checkpoint"],
+        default="hf",
+        help="hf: a HF directory transformers loads; checkpoint: a zerotron run directory whose checkpoint "
+        "loads under any layout (as model.path or with --resume)",
+    )
     conv.set_defaults(fn=_cmd_convert)
 
     plan = sub.add_parser("plan", help="predict memory and step time of a layout; search the best one")

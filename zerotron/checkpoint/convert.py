@@ -2,7 +2,7 @@
 
 Sources: a Hugging Face directory, a GGUF file (dequantised to fp32), or a zerotron checkpoint — a
 checkpoint folder (``step_00000100/``) or a run directory (its newest complete checkpoint) — saved under
-any layout: its files hold whole tensors under global names, pipeline stages one file each.
+any layout: every tensor is assembled from the ranks' pieces through the checkpoint's index.
 Destination: a Hugging Face directory (config.json, safetensors shards with an index when there are
 several, generation_config.json, tokenizer files) that ``transformers`` loads.
 
@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from zerotron.checkpoint import store
+from zerotron.checkpoint.sharded import ShardedCheckpoint, piece
 from zerotron.config import ModelConfig
-from zerotron.models.hf import iter_hf_weights, iter_safetensors, read_hf_config, write_hf_files
+from zerotron.models.hf import iter_hf_weights, read_hf_config, write_hf_files
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import ModelLoadError
 from zerotron.models.tokenizer import HFTokenizer
@@ -31,28 +33,15 @@ from zerotron.models.tokenizer import HFTokenizer
 Tensors = Iterator[tuple[str, torch.Tensor]]
 
 
-def _checkpoint_dir(path: Path) -> Path | None:
-    """The checkpoint folder ``path`` names (itself, or a run directory's newest), or None."""
-    if (path / "manifest.json").is_file() and (path / "trainer.json").is_file():
-        return path
-    if (path / "checkpoints").is_dir():
-        latest = store.find_latest(path / "checkpoints")
-        if latest is None:
-            raise ModelLoadError(f"{path}: the run has no complete checkpoint")
-        return latest
-    return None
-
-
 def _from_checkpoint(ckpt: Path) -> tuple[ModelConfig, Tensors, Any]:
     store.verify(ckpt)
     model_cfg = ModelConfig(**store.read_json(ckpt / "trainer.json")["config"]["model"])
-    files = sorted(ckpt.glob("model*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{ckpt}: no model*.safetensors file")
+    reader = ShardedCheckpoint(ckpt)  # names the problem now if the index is missing
 
     def tensors() -> Tensors:
-        for path in files:
-            yield from iter_safetensors(path)
+        with reader:  # one tensor at a time, assembled from every rank's pieces
+            for name in reader.names("model"):
+                yield name, reader.read(name)
 
     tokenizer = None
     if model_cfg.path:
@@ -73,7 +62,10 @@ def open_source(src: Path) -> tuple[ModelConfig, Tensors, Any]:
         return cfg, iter_gguf_weights(reader, src, cfg), tokenizer
     if not src.exists():
         raise ModelLoadError(f"{src}: no such file or directory")
-    ckpt = _checkpoint_dir(src) if src.is_dir() else None
+    try:
+        ckpt = store.checkpoint_dir(src) if src.is_dir() else None
+    except store.CheckpointError as e:
+        raise ModelLoadError(str(e)) from e
     if ckpt is not None:
         return _from_checkpoint(ckpt)
     if src.is_dir():
@@ -108,13 +100,59 @@ def _checked(cfg: ModelConfig, tensors: Tensors, src: Path) -> Tensors:
         raise ModelLoadError(f"{src}: missing tensor {missing[0]} (and {len(missing) - 1} more)")
 
 
+def _write_checkpoint(
+    cfg: ModelConfig, tensors: Tensors, out: Path, source: Path, shard_bytes: int, has_tokenizer: bool
+) -> None:
+    """A run directory ``out`` whose ``checkpoints/step_00000000`` holds the model as whole-tensor pieces
+    (files of at most ``shard_bytes`` plus one tensor) with an index; it loads under any layout."""
+    root = out / "checkpoints"
+    tmp = store.temp_dir(root, 0)
+    tmp.mkdir(parents=True)
+    entries: list[dict[str, Any]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            file = f"shard.part{len({e['file'] for e in entries}):05d}.safetensors"
+            store.write_tensors(tmp / file, pending)
+            for name, t in pending.items():
+                entries.append({**piece(name, "model", t.shape, (0,) * t.ndim, t.shape, t), "file": file})
+        pending, size = {}, 0
+
+    for name, tensor in tensors:
+        pending[name] = tensor.to(torch.float32).contiguous()
+        size += tensor.numel() * 4
+        if size >= shard_bytes:
+            flush()
+    flush()
+    store.write_json(tmp / "index.rank0.json", entries)
+    model = {**asdict(cfg), "path": str(source.resolve()) if has_tokenizer else ""}
+    state = {
+        "step": 0,
+        "config": {"model": model},
+        "layout": {"world_size": 0},
+        "converted_from": str(source),
+    }
+    store.write_json(tmp / "trainer.json", state)
+    store.publish(root, 0, keep=1)
+
+
 def convert(
-    src: str | Path, dst: str | Path, dtype: torch.dtype = torch.float32, shard_bytes: int = 2 * 2**30
+    src: str | Path,
+    dst: str | Path,
+    dtype: torch.dtype = torch.float32,
+    shard_bytes: int = 2 * 2**30,
+    to: str = "hf",
 ) -> Path:
-    """Convert ``src`` (HF directory, .gguf, zerotron checkpoint or run) into the HF directory ``dst``.
+    """Convert ``src`` (HF directory, .gguf, zerotron checkpoint or run) into ``dst``: a HF directory
+    (``to="hf"``) or a zerotron run directory holding one checkpoint (``to="checkpoint"``, fp32).
 
     ``dst`` must be empty or absent, so that nothing is overwritten silently. Returns ``dst``.
     """
+    if to not in ("hf", "checkpoint"):
+        raise ModelLoadError(f"--to {to}: expected hf or checkpoint")
     src_p, dst_p = Path(src), Path(dst)
     if dst_p.exists() and (not dst_p.is_dir() or any(dst_p.iterdir())):
         raise ModelLoadError(f"{dst_p}: destination exists and is not an empty directory; choose a new path")
@@ -123,7 +161,13 @@ def convert(
     tmp = dst_p.with_name(f".{dst_p.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_hf_files(cfg, _checked(cfg, tensors, src_p), tmp, files, dtype, shard_bytes)
+        if to == "hf":
+            write_hf_files(cfg, _checked(cfg, tensors, src_p), tmp, files, dtype, shard_bytes)
+        else:
+            source = Path(cfg.path) if cfg.path and _checkpoint_source(src_p) else src_p
+            _write_checkpoint(
+                cfg, _checked(cfg, tensors, src_p), tmp, source, shard_bytes, tokenizer is not None
+            )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -131,3 +175,7 @@ def convert(
         dst_p.rmdir()
     tmp.rename(dst_p)
     return dst_p
+
+
+def _checkpoint_source(src: Path) -> bool:
+    return src.is_dir() and store.checkpoint_dir(src) is not None

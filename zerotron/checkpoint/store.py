@@ -35,6 +35,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+INDEX = "index.json"  # where every saved tensor's pieces lie (zerotron.checkpoint.sharded)
+INDEX_FORMAT = 1
 
 
 class CheckpointError(ValueError):
@@ -97,6 +99,7 @@ def publish(root: Path, step: int, keep: int) -> Path:
     tmp = temp_dir(root, step)
     for marker in tmp.glob(".written.rank*"):
         marker.unlink()
+    merge_index(tmp)
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != "manifest.json")
     manifest = {
         "step": step,
@@ -116,6 +119,32 @@ def publish(root: Path, step: int, keep: int) -> Path:
     _fsync_dir(root)
     _prune(root, keep)
     return final
+
+
+def merge_index(folder: Path) -> None:
+    """Join the ranks' ``index.rank{R}.json`` lists of pieces into one ``index.json`` and remove them.
+
+    Each fragment lists the pieces one rank wrote, with their file; the index groups them by tensor and
+    checks that every piece agrees on its tensor's global shape, dtype and kind.
+    """
+    fragments = sorted(folder.glob("index.rank*.json"))
+    if not fragments:
+        return
+    tensors: dict[str, dict[str, Any]] = {}
+    for path in fragments:
+        for p in read_json(path):
+            meta = tensors.setdefault(
+                p["name"], {"kind": p["kind"], "shape": p["shape"], "dtype": p["dtype"], "pieces": []}
+            )
+            if (meta["kind"], meta["shape"], meta["dtype"]) != (p["kind"], p["shape"], p["dtype"]):
+                raise CheckpointError(
+                    f"{path}: {p['name']!r} is {p['kind']} {p['dtype']} {p['shape']} here but "
+                    f"{meta['kind']} {meta['dtype']} {meta['shape']} in another rank's pieces"
+                )
+            meta["pieces"].append({k: p[k] for k in ("file", "key", "offsets", "box", "flat")})
+    write_json(folder / INDEX, {"format": INDEX_FORMAT, "tensors": tensors})
+    for path in fragments:
+        path.unlink()
 
 
 def mark_written(root: Path, step: int, rank: int) -> None:
@@ -178,6 +207,19 @@ def scan(root: Path) -> tuple[Path | None, list[str]]:
             continue
         return ckpt, skipped
     return None, skipped
+
+
+def checkpoint_dir(path: Path) -> Path | None:
+    """The checkpoint folder ``path`` names — itself, or a run directory's newest complete one — or None
+    when ``path`` is neither (a model file or directory of another kind)."""
+    if (path / "manifest.json").is_file() and (path / "trainer.json").is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        latest = find_latest(path / "checkpoints")
+        if latest is None:
+            raise CheckpointError(f"{path}: the run has no complete checkpoint")
+        return latest
+    return None
 
 
 def find_latest(root: Path) -> Path | None:

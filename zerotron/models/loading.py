@@ -36,7 +36,9 @@ def read_model_config(path: str | Path) -> ModelConfig:
     """The architecture stored at ``path`` (HF directory or GGUF file), without reading weights."""
     p = Path(path)
     if _kind(p) == "hf":
-        return read_hf_config(p)
+        cfg = read_hf_config(p)
+        cfg.path = str(p)  # the weights come from here too
+        return cfg
     from zerotron.models.gguf import config_from_gguf, open_gguf
 
     cfg = config_from_gguf(open_gguf(p), p)

@@ -251,6 +251,12 @@ class _ShardedBuckets:
         """Whole AdamW tensors by parameter name (collective over dp)."""
         return gather_optimizer_state(self.layouts, self.segments, optimizer, self.group)
 
+    def segment_values(self) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
+        """Each segment this rank owns with a copy of its current weights ``(length,)`` (no communication)."""
+        for segs in self.segments:
+            for seg in segs:
+                yield seg, seg.param.detach().clone()
+
     def load_optimizer_tensors(
         self, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
     ) -> None:

@@ -416,6 +416,15 @@ class ZeroStage3:
         """Whole AdamW tensors by parameter name (collective over dp)."""
         return gather_optimizer_state([u.layout for u in self.units], self.segments, optimizer, self.group)
 
+    def segment_values(self) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
+        """Each segment this rank owns with its master weights ``(length,)``, read from wherever the shard
+        lives (device, host memory or NVMe file, one unit in memory at a time); no communication."""
+        for unit in self.units:
+            shard = unit.load_master() if unit.store is not None else unit.shard
+            for seg in unit.segments:
+                yield seg, shard[seg.at : seg.at + seg.length].detach().clone()
+            unit._evict()
+
     def load_optimizer_tensors(
         self, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
     ) -> None:

@@ -36,9 +36,9 @@ from zerotron.train.metrics import ActivationMeter
 
 def build_pipeline_model(cfg: Config, mesh: Mesh, device: torch.device) -> StagedModel:
     """This pipeline rank's chunks, with the layout-independent initial weights of the whole model,
-    split over the tensor-parallel group when ``parallel.tp > 1`` (pipeline split first, DESIGN order)."""
-    if cfg.model.path:
-        raise ValueError("parallel.pp > 1 with model.path is not supported yet; train from a preset")
+    split over the tensor-parallel group when ``parallel.tp > 1`` (pipeline split first, DESIGN order).
+    Weights of a zerotron checkpoint named by ``model.path`` are loaded into the stages afterwards
+    (:func:`zerotron.train.trainer.build_model`)."""
     p, v = mesh.dims.pp, cfg.parallel.virtual_stages
     bounds = stage_bounds(cfg.model, cfg.train.seq_len, p * v, cfg.parallel.pp_layers)
     chunks = build_stages(cfg.model, bounds, mesh.coords["pp"], p, cfg.train.seed, device)

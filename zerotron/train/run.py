@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerotron.config import Config
+from zerotron.checkpoint import store
+from zerotron.config import Config, ModelConfig
 from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import ConfigError, load_config, save_config, validate
 from zerotron.dist.launch import current_rank_and_world, spawn, under_torchrun
@@ -39,16 +40,41 @@ def make_tokenizer(cfg: Config) -> Tokenizer:
     if name == "model":
         if not cfg.model.path:
             raise ConfigError("data.tokenizer=model needs model.path (a Hugging Face directory or GGUF file)")
-        return load_tokenizer(cfg.model.path)
+        source = cfg.model.path
+        ckpt = store.checkpoint_dir(Path(source))
+        if ckpt is not None:  # the model the checkpoint's run (or conversion) started from
+            source = _saved_model_config(ckpt).get("path") or ""
+            if not source:
+                raise ConfigError(
+                    f"{ckpt}: the checkpoint records no model file to take a tokenizer from; "
+                    "set data.tokenizer to a tokenizer.json or to byte"
+                )
+        return load_tokenizer(source)
     return load_tokenizer(name)
 
 
+def _saved_model_config(ckpt: Path) -> dict[str, Any]:
+    saved = store.read_json(ckpt / "trainer.json").get("config", {}).get("model")
+    if not isinstance(saved, dict):
+        raise store.CheckpointError(f"{ckpt / 'trainer.json'}: no config.model section")
+    return saved
+
+
 def resolve_model(cfg: Config) -> Config:
-    """Fill the model section from ``model.path`` (architecture read from the file), if one is given."""
-    if cfg.model.path:
+    """Fill the model section from ``model.path`` (architecture read from the file), if one is given.
+
+    ``model.path`` may name a HF directory, a GGUF file, or a zerotron checkpoint or run directory (the
+    architecture it was saved with).
+    """
+    path = cfg.model.path
+    if path:
         from zerotron.models.loading import read_model_config
 
-        cfg.model = read_model_config(cfg.model.path)
+        ckpt = store.checkpoint_dir(Path(path))
+        if ckpt is not None:
+            cfg.model = ModelConfig(**{**_saved_model_config(ckpt), "path": path})
+        else:
+            cfg.model = read_model_config(path)
     return cfg
 
 
@@ -80,9 +106,11 @@ def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
         stage_bounds(cfg.model, cfg.train.seq_len, p * v, cfg.parallel.pp_layers)
     except (ScheduleError, PipelineError, ValueError) as e:
         raise ConfigError(str(e)) from e
-    if cfg.model.path:
+    if cfg.model.path and store.checkpoint_dir(Path(cfg.model.path)) is None:
         raise ConfigError(
-            "parallel.pp > 1 with model.path is not supported yet; train a preset, or set parallel.pp=1"
+            f"parallel.pp > 1 reads model.path from a zerotron checkpoint only; convert it first with "
+            f"`zerotron convert {cfg.model.path} DIR --to checkpoint` and set model.path=DIR "
+            "(or set parallel.pp=1)"
         )
 
 
@@ -184,7 +212,6 @@ def _whole_model(trainer: Trainer) -> LlamaForCausalLM:
     dims = trainer.mesh.dims
     if isinstance(trainer.model, LlamaForCausalLM) and dims.tp == 1 and dims.zero < 3:
         return trainer.model
-    from zerotron.checkpoint import store
     from zerotron.train.state import read_model_tensors
 
     ckpt = store.find_latest(trainer.ckpt_root)

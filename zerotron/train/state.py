@@ -1,18 +1,18 @@
-"""What a training checkpoint holds, and how it is written and restored (first, data-parallel version).
+"""What a training checkpoint holds, and how every rank writes and reads its part of it.
 
-Files inside one checkpoint folder (see :mod:`zerotron.checkpoint.store` for publication):
+Files inside one checkpoint folder (see :mod:`zerotron.checkpoint.store` for publication and
+:mod:`zerotron.checkpoint.sharded` for the format):
 
-- ``model.safetensors``: the full model under zerotron's parameter names (replicated under plain data
-  parallelism, so rank 0 writes it); with pipeline parallelism ``model.pp{K}.safetensors``, the tensors
-  of pipeline rank K under the same global names, written by its first data-parallel replica;
-- ``optimizer.safetensors`` (``optimizer.pp{K}.safetensors``): AdamW moments ``{name}.exp_avg`` /
-  ``{name}.exp_avg_sq`` and ``{name}.step``;
+- ``shard.rank{R}.safetensors``: the pieces rank R holds — its tensor-parallel box of each weight and
+  AdamW moment (``{name}.exp_avg``, ``{name}.exp_avg_sq``, ``{name}.step``), and under ZeRO only its
+  flat range of that box; without ZeRO the first data-parallel replica of each (pp, tp) place writes;
+- ``index.json``: every tensor's global shape, dtype, kind and pieces (file, box offsets, flat range);
 - ``rng.rank{R}.safetensors``: each rank's torch CPU (and CUDA) generator state;
 - ``trainer.json``: step, loss scaler, data-loader position, layout and the resolved config.
 
-Under tensor parallelism each parameter's shards and its AdamW moments are all-gathered over the tp
-group on save, so the files hold whole tensors under global names whatever tp was, and each rank
-slices its part on load (by the parameter's :class:`~zerotron.parallel.tensor.ShardSpec`).
+Saving gathers nothing; loading reads, for every tensor a rank holds under its own layout, the box it
+needs from whichever pieces overlap it, so a checkpoint loads under any dp, tp, pp, ZeRO stage or
+offload target.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.checkpoint import store
+from zerotron.checkpoint import sharded, store
 from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Mesh
-from zerotron.parallel.tensor import ShardSpec, gather_tensors, shard_specs, slice_tensors
+from zerotron.parallel.offload import state_of
+from zerotron.parallel.tensor import ShardSpec, shard_specs
+from zerotron.parallel.zero_flat import ADAM_KEYS
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -83,6 +85,65 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
+def _rank_pieces(
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, zero: Any
+) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """What this rank writes: its tensors by key and their index entries (no communication).
+
+    Under ZeRO every data-parallel rank writes its segments (weights and AdamW moments, the ``flat``
+    range of its tensor-parallel box); without it the first data-parallel replica writes whole boxes.
+    A tensor replicated over tp is written by tp rank 0 only; context-parallel ranks > 0 write nothing.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    entries: list[dict[str, Any]] = []
+    if mesh.coords["cp"] != 0:
+        return tensors, entries
+    specs = shard_specs(model) if mesh.dims.tp > 1 else {}
+    tp_first = mesh.coords["tp"] == 0
+
+    def add(
+        name: str, kind: str, param: str, data: torch.Tensor, box: tuple[int, ...], flat: Any = None
+    ) -> None:
+        spec = specs.get(param)
+        global_shape: tuple[int, ...]
+        offsets: tuple[int, ...]
+        if data.ndim == 0:  # AdamW's step count: one copy
+            if not tp_first:
+                return
+            global_shape, offsets, box = (), (), ()
+        elif spec is not None and spec.sharded:
+            global_shape, offsets = spec.global_shape, spec.offsets
+        elif not tp_first:
+            return  # the same values live on tp rank 0
+        else:
+            global_shape, offsets = box, (0,) * len(box)
+        tensors[name] = data
+        entries.append(sharded.piece(name, kind, global_shape, offsets, box, data, flat))
+
+    covered: set[str] = set()  # the tensors ZeRO shards over dp (a rank may own no range of some)
+    if zero is not None:
+        covered = {slot.name for layout in zero.layouts for slot in layout.slots}
+        for seg, values in zero.segment_values():
+            box, flat = tuple(seg.global_shape), (seg.start, seg.length)
+            add(seg.name, "model", seg.name, values, box, flat)
+            state = state_of(optimizer, seg.param)
+            if not state:
+                continue
+            for key in ADAM_KEYS:
+                add(f"{seg.name}.{key}", "optimizer", seg.name, state[key].detach().reshape(-1), box, flat)
+            if seg.start == 0:
+                add(f"{seg.name}.step", "optimizer", seg.name, torch.as_tensor(state["step"]).float(), ())
+    if mesh.coords["dp"] == 0:
+        for name, t in model_tensors(model).items():
+            if name not in covered:
+                add(name, "model", name, t.detach(), tuple(t.shape))
+        if zero is None:
+            for name, t in optimizer_tensors(model, optimizer).items():
+                param = name.rsplit(".", 1)[0]
+                add(name, "optimizer", param, t.detach(), tuple(t.shape))
+    return tensors, entries
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -96,20 +157,17 @@ def save_checkpoint(
 ) -> Path:
     """Write and publish the checkpoint of ``step`` from every rank (collective over the world).
 
-    Under ZeRO (``zero``: the trainer's engine) the shards are all-gathered first, so the files hold the
-    same whole tensors by name as without it and load under any ZeRO stage or none.
+    Every rank writes what it holds (:func:`_rank_pieces`) into ``shard.rank{R}.safetensors`` and lists
+    the pieces in ``index.rank{R}.json``; publication merges the lists into ``index.json``. Nothing is
+    gathered, whatever the layout; the only collectives are the barriers around the writes.
 
-    With ``writer`` (``checkpoint.async_save``) the gathers still run here, on the main thread, but the
-    tensors are copied into host memory and the writer's thread writes and publishes them while training
-    goes on; the returned folder exists once ``writer.wait()`` has returned on rank 0.
+    With ``writer`` (``checkpoint.async_save``) the tensors are copied into host memory here and the
+    writer's thread writes and publishes them while training goes on; the returned folder exists once
+    ``writer.wait()`` has returned on rank 0.
     """
     if writer is not None:
         writer.wait()  # one write in flight: the previous folder is published before this one starts
-    zero_tensors = None
-    if zero is not None:  # collective over dp: every rank takes part in the gathers
-        with zero.full_params():
-            zero_weights = {k: v.detach().clone() for k, v in model_tensors(model).items()}
-        zero_tensors = (zero_weights, zero.optimizer_tensors(optimizer))
+    tensors, entries = _rank_pieces(model, optimizer, mesh, zero)
     tmp = store.temp_dir(root, step)
     if mesh.rank == 0:
         if tmp.exists():
@@ -118,27 +176,19 @@ def save_checkpoint(
     world = mesh.group("world")
     collectives.barrier(world)
     files = {f"rng.rank{mesh.rank}.safetensors": rng_tensors()}  # file name -> tensors
-    tp = mesh.group("tp")
-    if tp.size > 1 and mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0:  # the writer's tp group
-        specs = _tp_specs(model)  # this tp rank's whole shards (gathered over dp first under ZeRO)
-        local = zero_tensors or (model_tensors(model), optimizer_tensors(model, optimizer))
-        weights, moments = gather_tensors(local[0], specs, tp), gather_tensors(local[1], specs, tp)
-    elif _writes_model(mesh) and zero_tensors is not None:
-        weights, moments = zero_tensors
-    elif _writes_model(mesh):
-        weights, moments = model_tensors(model), optimizer_tensors(model, optimizer)
-    if _writes_model(mesh):
-        suffix = _stage_suffix(mesh)
-        files[f"model{suffix}.safetensors"] = weights
-        files[f"optimizer{suffix}.safetensors"] = moments
-    json_files = {"trainer.json": copy.deepcopy(trainer_state)} if mesh.rank == 0 else {}
+    json_files: dict[str, Any] = {}
+    if tensors:
+        shard = f"shard.rank{mesh.rank}.safetensors"
+        files[shard] = tensors
+        json_files[f"index.rank{mesh.rank}.json"] = [{**e, "file": shard} for e in entries]
+    if mesh.rank == 0:
+        json_files["trainer.json"] = copy.deepcopy(trainer_state)
     final = root / store.step_dir_name(step)
     if writer is not None:
-        live = zero_tensors is None  # ZeRO's gathered tensors are host copies already
-        writer.submit(root, step, {n: _host_copies(t, live) for n, t in files.items()}, json_files, keep)
+        writer.submit(root, step, {n: _host_copies(t) for n, t in files.items()}, json_files, keep)
         return final
-    for name, tensors in files.items():
-        store.write_tensors(tmp / name, tensors)
+    for name, named in files.items():
+        store.write_tensors(tmp / name, named)
     for name, data in json_files.items():
         store.write_json(tmp / name, data)
     collectives.barrier(world)
@@ -148,9 +198,81 @@ def save_checkpoint(
     return final
 
 
-def _host_copies(tensors: dict[str, torch.Tensor], live: bool) -> dict[str, torch.Tensor]:
-    """Detached host tensors that training cannot change: copies of ``live`` ones (model, optimizer)."""
-    return {k: v.detach().to("cpu", copy=live) for k, v in tensors.items()}
+def _host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached host copies that training cannot change."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
+class _Reader:
+    """This rank's view of a checkpoint: the part of each saved tensor that a parameter here holds."""
+
+    def __init__(self, reader: sharded.ShardedCheckpoint, model: nn.Module) -> None:
+        self.reader, self.ckpt = reader, reader.ckpt
+        self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        self.specs = shard_specs(model)
+
+    def saved(self, name: str) -> str | None:
+        """The saved tensor behind ``name`` (a tied head stored once, as the embedding), or None."""
+        if name in self.reader:
+            return name
+        head = "lm_head.weight"
+        alias = "embed_tokens.weight" + name[len(head) :]
+        if self.tied and name.startswith(head) and alias in self.reader:
+            return alias
+        return None
+
+    def local(self, name: str, param: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """``name``'s part on this rank: the tp box of ``param`` when it is split, else all of it."""
+        src = self.saved(name)
+        assert src is not None
+        spec = self.specs.get(param)
+        saved_shape = self.reader.shape(src)
+        if spec is not None and spec.sharded and saved_shape:
+            want, offsets, shape = spec.global_shape, spec.offsets, spec.shape
+        else:
+            want, offsets = shape, (0,) * len(shape)
+        if saved_shape != tuple(want):
+            raise store.CheckpointError(
+                f"{self.ckpt}: {src!r} has shape {list(saved_shape)} in the checkpoint but this model "
+                f"needs {list(want)} — the model config differs from the one that saved it"
+            )
+        return self.reader.read(src, tuple(offsets), tuple(shape))
+
+    def weights(self, model: nn.Module, partial: bool) -> dict[str, torch.Tensor]:
+        """Every tensor of ``model``'s state dict, this rank's part; ``partial``: a pipeline stage, which
+        holds some of the saved tensors only."""
+        skip = _tied_names(model)
+        expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in skip}
+        missing = [n for n in expected if self.saved(n) is None]
+        unexpected = [] if partial else [n for n in self.reader.names("model") if n not in expected]
+        unexpected = [n for n in unexpected if n not in skip]
+        if missing or unexpected:
+            raise store.CheckpointError(
+                f"{self.ckpt}: the model files do not fit this model (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})"
+            )
+        return {n: self.local(n, n, shape) for n, shape in expected.items()}
+
+    def moments(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """AdamW state by parameter name, this rank's part (empty for a checkpoint saved before any step)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=True):
+            if self.saved(f"{name}.exp_avg") is None:
+                continue
+            shape = _local_shape(p, self.specs.get(name))
+            for key in ADAM_KEYS:
+                out[f"{name}.{key}"] = self.local(f"{name}.{key}", name, shape)
+            out[f"{name}.step"] = self.local(f"{name}.step", name, ())
+        return out
+
+
+def load_weights(ckpt: Path, model: nn.Module, partial: bool) -> None:
+    """Give ``model`` (before ZeRO; any tp split; ``partial``: a pipeline stage) the weights of ``ckpt``."""
+    store.verify(ckpt)
+    with sharded.ShardedCheckpoint(ckpt) as reader:
+        weights = _Reader(reader, model).weights(model, partial)
+    with torch.no_grad():
+        model.load_state_dict(weights, strict=False)
 
 
 def load_checkpoint(
@@ -158,25 +280,19 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore model, optimizer and (same world size) this rank's RNG from ``ckpt``; return the trainer state.
 
-    Tensors are stored whole under the model's global names, so a checkpoint loads into any data-parallel
-    size and any pipeline split: each rank takes the names it holds (pipeline stage files are merged).
+    Whatever layout saved it, each rank reads the box of every tensor it holds (its tp shard, whole
+    otherwise) from the pieces that overlap it; ZeRO then keeps each segment's range.
     """
     store.verify(ckpt)
     state = store.read_json(ckpt / "trainer.json")
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    specs = _tp_specs(model) if mesh.dims.tp > 1 else {}  # full tensors in the files; keep this tp shard
-    weights = slice_tensors(_with_tied_head(read_model_tensors(ckpt), tied), specs)
-    # Under ZeRO-3 the parameters are gathered to take the whole tensors, then each rank keeps its shard.
-    with zero.full_params(writeback=True) if zero is not None else contextlib.nullcontext():
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [m for m in missing if m not in _tied_names(model)]
-    if mesh.dims.pp > 1:
-        unexpected = []  # the other pipeline stages' tensors
-    if missing or unexpected:
-        raise store.CheckpointError(
-            f"{ckpt}: the model files do not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    moments = slice_tensors(_with_tied_head(_read_merged(ckpt, "optimizer"), tied), specs)
+    with sharded.ShardedCheckpoint(ckpt) as reader:
+        view = _Reader(reader, model)
+        weights = view.weights(model, partial=mesh.dims.pp > 1)
+        # Under ZeRO-3 the parameters are gathered to take the whole tensors, then each rank keeps its shard.
+        with zero.full_params(writeback=True) if zero is not None else contextlib.nullcontext():
+            model.load_state_dict(weights, strict=False)
+        del weights
+        moments = view.moments(model)
     if zero is not None:
         zero.load_optimizer_tensors(optimizer, moments)
     else:
@@ -190,50 +306,16 @@ def load_checkpoint(
     return state
 
 
-def _with_tied_head(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """Give a pipeline's last stage its head copy from a checkpoint that stored the tied matrix once.
-
-    Every ``embed_tokens.weight*`` tensor (weights, AdamW moments, step) gets an ``lm_head.weight*``
-    alias when the checkpoint has none: the copies are equal by construction.
-    """
-    if not tied:
-        return tensors
-    out = dict(tensors)
-    for name, t in tensors.items():
-        if name.startswith("embed_tokens.weight"):
-            out.setdefault("lm_head.weight" + name[len("embed_tokens.weight") :], t)
-    return out
+def _local_shape(p: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:
+    """Shape of this rank's part of a parameter (its tp shard, or all of it)."""
+    return tuple(spec.shape) if spec is not None and spec.sharded else tuple(p.shape)
 
 
-def _tp_specs(model: nn.Module) -> dict[str, ShardSpec]:
-    """Shard specs of the tensor-parallel parameters and of their AdamW moments, by saved name."""
-    specs = shard_specs(model)
-    moments = {f"{name}.{key}": spec for name, spec in specs.items() for key in ("exp_avg", "exp_avg_sq")}
-    return {**specs, **moments}
-
-
-def _writes_model(mesh: Mesh) -> bool:
-    """One replica writes the model: the first data-parallel rank of each pipeline stage."""
-    return all(mesh.coords[axis] == 0 for axis in ("dp", "cp", "tp"))
-
-
-def _stage_suffix(mesh: Mesh) -> str:
-    return f".pp{mesh.coords['pp']}" if mesh.dims.pp > 1 else ""
-
-
-def _read_merged(ckpt: Path, kind: str) -> dict[str, torch.Tensor]:
-    files = sorted(ckpt.glob(f"{kind}*.safetensors"))
-    if not files:
-        raise store.CheckpointError(f"{ckpt}: no {kind}*.safetensors file")
-    merged: dict[str, torch.Tensor] = {}
-    for path in files:
-        merged.update(store.read_tensors(path))
-    return merged
-
-
-def read_model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint by global name, merged over its pipeline-stage files."""
-    return _read_merged(ckpt, "model")
+def read_model_tensors(ckpt: Path, kind: str = "model") -> dict[str, torch.Tensor]:
+    """Every tensor of ``kind`` (``model`` or ``optimizer``) of a checkpoint, whole, by global name,
+    assembled from every rank's pieces."""
+    with sharded.ShardedCheckpoint(ckpt) as reader:
+        return {name: reader.read(name) for name in reader.names(kind)}
 
 
 def _tied_names(model: nn.Module) -> set[str]:

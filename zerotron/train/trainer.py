@@ -57,11 +57,15 @@ def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> 
     With ``parallel.pp > 1`` only this rank's pipeline stages are built (a StagedModel). With
     ``parallel.tp > 1`` the whole model is built (or loaded) with the global seed and each rank keeps
     its tensor-parallel shard (:func:`zerotron.parallel.tensor.apply_tensor_parallel`), so every tp
-    starts from the same global weights.
+    starts from the same global weights. A ``model.path`` naming a zerotron checkpoint (or run) is read
+    after the split: each rank takes the part of every saved tensor it holds, whatever layout saved it.
     """
+    ckpt = store.checkpoint_dir(Path(cfg.model.path)) if cfg.model.path else None
     if mesh is not None and mesh.dims.pp > 1:
+        if cfg.model.path and ckpt is None:
+            raise ValueError("parallel.pp > 1 reads model.path from a zerotron checkpoint only")
         model: nn.Module = build_pipeline_model(cfg, mesh, device)
-    elif cfg.model.path:
+    elif cfg.model.path and ckpt is None:
         from zerotron.models.loading import load_pretrained
 
         model, _ = load_pretrained(cfg.model.path, dtype=torch.float32, device=str(device))
@@ -73,6 +77,8 @@ def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> 
     if mesh is not None and mesh.dims.tp > 1 and mesh.dims.pp == 1:  # pipeline stages: split above
         plan = TensorParallelPlan.from_dict(tensor_parallel_plan(cfg.model))
         apply_tensor_parallel(model, plan, mesh.group("tp"), cfg.parallel.sequence_parallel)
+    if ckpt is not None:
+        ckpt_state.load_weights(ckpt, model, partial=mesh is not None and mesh.dims.pp > 1)
     apply_recompute(model, cfg.train.recompute)
     return model
 
@@ -332,8 +338,10 @@ class Trainer:
         # Build optimizer state tensors before loading so the restored ones replace them.
         state = ckpt_state.load_checkpoint(ckpt, self.model, self.optimizer, self.mesh, self.zero)
         self.step = int(state["step"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.loader.load_state_dict(state["loader"])
+        if "scaler" in state:  # absent from a converted model (`zerotron convert --to checkpoint`)
+            self.scaler.load_state_dict(state["scaler"])
+        if "loader" in state:
+            self.loader.load_state_dict(state["loader"])
         self.resumed_layout = state.get("layout")
         return ckpt
 

@@ -1,0 +1,162 @@
+"""The sharded checkpoint format: per-rank safetensors files and one JSON index of where every piece lies.
+
+Each rank writes only what it holds, with no gather: its tensor-parallel shard of every tensor (a box of
+the global tensor) and, under ZeRO, its contiguous range of that box flattened. ``index.json`` names,
+for every saved tensor, its global shape, dtype and kind (``model`` or ``optimizer``) and its pieces::
+
+    {"format": 1, "tensors": {"layers.0.attn.q_proj.weight": {
+        "kind": "model", "shape": [64, 64], "dtype": "float32",
+        "pieces": [{"file": "shard.rank0.safetensors", "key": "layers.0.attn.q_proj.weight",
+                    "offsets": [0, 0], "box": [32, 64], "flat": [0, 1024]}, ...]}}}
+
+``offsets``/``box``: where the piece's box starts in the global tensor and its shape; ``flat``: the
+piece holds elements ``[start, start + length)`` of the box in row-major order (absent: the whole box).
+Pieces with the same box that hold the same elements (replicated KV heads) are equal; any one is read.
+
+:class:`ShardedCheckpoint` reads any box of any tensor — what one rank of another layout holds — from
+the pieces that overlap it, opening files lazily through safetensors' memory map: a whole-box piece is
+sliced in the file, flat pieces are assembled into their box first (at most one box in memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from zerotron.checkpoint.store import INDEX, INDEX_FORMAT, CheckpointError, read_json
+
+
+def piece(
+    name: str,
+    kind: str,
+    global_shape: tuple[int, ...] | list[int],
+    offsets: tuple[int, ...] | list[int],
+    box: tuple[int, ...] | list[int],
+    data: torch.Tensor,
+    flat: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """One index entry (before its file is known) for ``data``: the box, or the range ``flat`` of it."""
+    return {
+        "name": name,
+        "kind": kind,
+        "shape": [int(d) for d in global_shape],
+        "dtype": str(data.dtype).removeprefix("torch."),
+        "key": name,
+        "offsets": [int(o) for o in offsets],
+        "box": [int(d) for d in box],
+        "flat": list(flat) if flat is not None else None,
+    }
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in {INDEX}")
+    return dtype
+
+
+class ShardedCheckpoint:
+    """Reader of one checkpoint folder's tensors by global name (see the module docstring)."""
+
+    def __init__(self, ckpt: Path) -> None:
+        self.ckpt = ckpt
+        path = ckpt / INDEX
+        if not path.is_file():
+            raise CheckpointError(
+                f"{ckpt}: no {INDEX} — not a sharded zerotron checkpoint (saved by an older version, or "
+                "incomplete); convert the model with `zerotron convert` or start from `model.path`"
+            )
+        index = read_json(path)
+        if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or "tensors" not in index:
+            raise CheckpointError(f"{path}: not a zerotron checkpoint index of format {INDEX_FORMAT}")
+        self.tensors: dict[str, dict[str, Any]] = index["tensors"]
+        self._stack = contextlib.ExitStack()
+        self._files: dict[str, Any] = {}
+
+    def __enter__(self) -> ShardedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the files opened so far."""
+        self._stack.close()
+        self._files.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self, kind: str) -> list[str]:
+        """Saved tensors of ``kind`` (``model`` or ``optimizer``) in index order."""
+        return [n for n, meta in self.tensors.items() if meta["kind"] == kind]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Global shape of ``name``."""
+        return tuple(self.tensors[name]["shape"])
+
+    def _file(self, name: str) -> Any:
+        if name not in self._files:
+            path = self.ckpt / name
+            try:
+                self._files[name] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
+        return self._files[name]
+
+    def read(
+        self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """The box ``[offsets, offsets + shape)`` of tensor ``name`` (default: the whole tensor)."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.ckpt}: no tensor {name!r} in {INDEX}")
+        meta = self.tensors[name]
+        global_shape = tuple(meta["shape"])
+        offsets = offsets if offsets is not None else (0,) * len(global_shape)
+        shape = shape if shape is not None else global_shape
+        out = torch.empty(shape, dtype=_dtype(meta["dtype"]))
+        boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[dict[str, Any]]] = {}
+        for p in meta["pieces"]:
+            boxes.setdefault((tuple(p["offsets"]), tuple(p["box"])), []).append(p)
+        covered = 0
+        for (b_off, b_shape), pieces in boxes.items():
+            lo = [max(o, bo) for o, bo in zip(offsets, b_off)]
+            hi = [min(o + s, bo + bs) for o, s, bo, bs in zip(offsets, shape, b_off, b_shape)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            in_box = tuple(slice(low - bo, h - bo) for low, h, bo in zip(lo, hi, b_off))
+            in_out = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
+            out[in_out] = self._box(name, pieces, b_shape, in_box)
+            covered += math.prod(h - low for low, h in zip(lo, hi))
+        if covered != out.numel():
+            raise CheckpointError(
+                f"{self.ckpt}: the pieces of {name!r} cover {covered} of the {out.numel()} elements asked for"
+            )
+        return out
+
+    def _box(
+        self, name: str, pieces: list[dict[str, Any]], box: tuple[int, ...], part: tuple[slice, ...]
+    ) -> torch.Tensor:
+        """``part`` of one box, from a whole-box piece or assembled from its flat ranges."""
+        whole = next((p for p in pieces if p["flat"] is None), None)
+        if whole is not None:
+            f = self._file(whole["file"])
+            return f.get_slice(whole["key"])[part] if part else f.get_tensor(whole["key"])
+        numel = math.prod(box)
+        buf = torch.empty(numel, dtype=_dtype(self.tensors[name]["dtype"]))
+        filled = torch.zeros(numel, dtype=torch.bool)
+        for p in pieces:
+            start, length = p["flat"]
+            buf[start : start + length] = self._file(p["file"]).get_tensor(p["key"]).reshape(-1)
+            filled[start : start + length] = True
+        if not bool(filled.all()):
+            raise CheckpointError(
+                f"{self.ckpt}: the ranges saved of {name!r} (box at {pieces[0]['offsets']}) leave "
+                f"{int((~filled).sum())} of {numel} elements unwritten"
+            )
+        return buf.view(box)[part]
