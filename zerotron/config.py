@@ -50,6 +50,10 @@ class ModelConfig:
     tie_word_embeddings: bool = _f(True, "share the input embedding with the output projection")
     attention_bias: bool = _f(False, "bias on the q/k/v projections (Qwen2)")
     mlp: str = _f("gated", "gated (SwiGLU, Llama) or plain (GELU, GPT-style)")
+    num_local_experts: int = _f(
+        0, "MoE: experts per block, each an MLP of intermediate_size (Mixtral's name); 0 is a dense MLP"
+    )
+    num_experts_per_tok: int = _f(2, "MoE: experts each token is routed to (top-k)")
     initializer_range: float = _f(0.02, "standard deviation of the normal weight initialisation")
     bos_token_id: Optional[int] = _f(None, "beginning-of-sequence token id, if the tokenizer has one")
     eos_token_id: Optional[int] = _f(None, "end-of-sequence token id")

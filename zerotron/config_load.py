@@ -285,6 +285,11 @@ def _check_model(cfg: Config) -> None:
             f"train.seq_len={cfg.train.seq_len} is above model.max_position_embeddings="
             f"{m.max_position_embeddings}; lower train.seq_len"
         )
+    if m.num_local_experts:
+        raise ConfigError(
+            f"model.num_local_experts={m.num_local_experts}: the trainer has no mixture-of-experts layers "
+            "yet (`zerotron plan` models them); set model.num_local_experts=0 to train a dense model"
+        )
 
 
 def _tp_fits(cfg: Config, tp: int) -> str | None:

@@ -36,6 +36,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         mlp="gated",
     ),
+    # Mixture of experts (Mixtral-8x7B-v0.1's config.json): 46.7 B parameters, 12.9 B active per token.
+    "mixtral-8x7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        mlp="gated",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
     "llama3-8b": dict(
         hidden_size=4096,
         num_hidden_layers=32,

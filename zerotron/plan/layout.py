@@ -56,8 +56,9 @@ class Layout:
             extra += f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.offload_optimizer != "none" or self.offload_params != "none":
             extra += f" off={self.offload_optimizer}/{self.offload_params}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
         return (
-            f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero} mb{self.micro_batch} "
+            f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}{ep} z{self.zero} mb{self.micro_batch} "
             f"rc={self.recompute}{extra}"
         )
 
@@ -219,10 +220,22 @@ def _check_batch(layout: Layout, work: Workload) -> None:
 
 
 def _check_features(m: ModelShape, layout: Layout) -> None:
-    if layout.ep > 1:
+    if m.experts and not 1 <= m.top_k <= m.experts:
+        raise PlanError(
+            f"model.num_experts_per_tok={m.top_k} must be between 1 and model.num_local_experts={m.experts}"
+        )
+    if layout.ep > 1 and not m.experts:
         raise PlanError(
             f"ep={layout.ep}: the model has no experts (dense Llama config); expert parallelism needs an MoE "
-            "model, set parallel.ep=1"
+            "model (model.num_local_experts > 0), or set parallel.ep=1"
+        )
+    if m.experts and m.experts % layout.ep:
+        fits = ", ".join(str(d) for d in range(1, m.experts + 1) if m.experts % d == 0)
+        raise PlanError(f"ep={layout.ep} does not divide the {m.experts} experts; choose ep in {fits}")
+    if layout.ep > 1 and (layout.dp * layout.cp) % layout.ep:
+        raise PlanError(
+            f"ep={layout.ep} must divide dp*cp = {layout.dp * layout.cp}: expert parallelism folds over the "
+            "data- and context-parallel ranks (each group of ep of them splits the experts)"
         )
     if layout.offload_params != "none" and layout.zero != 3:
         raise PlanError(

@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass
 
 from zerotron.plan.errors import PlanError
-from zerotron.plan.model import ModelShape, ParamList, layer_matrix_params
+from zerotron.plan.model import ModelShape, ParamList, attention_matrix_params, mlp_params
 
 CONVENTIONS = ("zerotron", "mixed", "deepspeed")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -201,8 +201,35 @@ def _act_bytes(precision: str) -> int:
     return _DTYPE_BYTES[precision]
 
 
+def _local_matrix_params(m: ModelShape, ep: int) -> int:
+    """Weight elements of one block on one expert-parallel rank (before tp): its E/ep experts."""
+    mlps = m.experts // ep if m.experts else 1
+    return attention_matrix_params(m) + mlps * mlp_params(m) + m.router
+
+
+def moe_terms(m: ModelShape, b: int, s: int, precision: str) -> list[Term]:
+    """What an MoE block saves besides its experts' MLP activations (Megatron's MoE layer, estimated:
+    the trainer has no MoE layers to measure): the router's fp32 logits and top-k probabilities, the
+    routing indices, and the k copies of every token dispatched to its experts (compute dtype)."""
+    if not m.experts:
+        return []
+    t, k, a = b * s, m.top_k, _act_bytes(precision)
+    return [
+        Term("moe.router_logits", 4 * t * m.experts, "none"),
+        Term("moe.routing", (4 + 8) * t * k, "none"),
+        Term("moe.dispatched_tokens", a * t * k * m.hidden, "none"),
+    ]
+
+
 def engine_layer_terms(
-    m: ModelShape, b: int, s: int, precision: str, recompute: str, tp: int = 1, sp: bool = False
+    m: ModelShape,
+    b: int,
+    s: int,
+    precision: str,
+    recompute: str,
+    tp: int = 1,
+    sp: bool = False,
+    ep: int = 1,
 ) -> list[Term]:
     """Tensors one block of the engine saves for backward (b micro-batch, s local sequence length).
 
@@ -218,8 +245,12 @@ def engine_layer_terms(
     (b, s/t, h) shard per region instead (in the compute dtype: one copy under autocast) and cast their
     weights in backward, so only the row-parallel weights' casts are saved. Keys and values split
     over at most ``kv_heads`` ranks (the engine replicates KV heads when tp exceeds them).
+
+    An MoE block (balanced routing) runs k expert MLPs per token: its MLP terms count k times, the
+    weight casts cover this rank's E/ep experts, and :func:`moe_terms` adds the router and dispatch.
     """
     t, a = b * s, _act_bytes(precision)
+    k = m.active_mlps
     h, q, kv, i, kvh = m.hidden, m.q_width, m.kv_width, m.intermediate, m.kv_heads
     if recompute == "full":
         return [Term("block_input", 4 * t * h, "sp")]
@@ -227,18 +258,19 @@ def engine_layer_terms(
     for norm in ("input_norm", "post_norm"):
         terms += [Term(f"{norm}.x", 4 * t * h, "sp"), Term(f"{norm}.rms", 4 * t, "sp")]
         terms.append(Term(f"{norm}.normed", 4 * t * h, "sp"))
-    casts_attn, casts_mlp = 3, (2 if m.gated else 1)
+    casts_attn, casts_mlp = 3, (2 if m.gated else 1) * k
     if precision == "fp32":
         terms += [Term("attn.linear_input", 4 * t * h, "sp"), Term("mlp.linear_input", 4 * t * h, "sp")]
     elif sp and tp > 1:
         terms += [Term("attn.input_shard", a * t * h, "sp"), Term("mlp.input_shard", a * t * h, "sp")]
-        terms.append(Term("weight_casts.rowwise", a * (q * h + i * h), "tp"))  # o_proj, down_proj
+        local_mlps = m.experts // ep if m.experts else 1
+        terms.append(Term("weight_casts.rowwise", a * (q * h + i * h * local_mlps), "tp"))  # o, down
     else:
         terms.append(Term("attn.linear_input_casts", casts_attn * a * t * h, "none"))
         terms.append(Term("mlp.linear_input_casts", casts_mlp * a * t * h, "none"))
         kv_weights = 2 * h * kv
         kv_split = tp if kvh % tp == 0 else 1  # replicated k/v projections are cast whole
-        terms.append(Term("weight_casts", a * (layer_matrix_params(m) - kv_weights), "tp"))
+        terms.append(Term("weight_casts", a * (_local_matrix_params(m, ep) - kv_weights), "tp"))
         terms.append(Term("weight_casts.kv", a * kv_weights / kv_split, "none"))
     if recompute == "selective":
         qk_bytes = 4  # the rotated q/k handed to the checkpointed core keep RoPE's fp32
@@ -249,8 +281,8 @@ def engine_layer_terms(
         terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.out", a * t * q, "tp")]
         terms.append(Term("attn.logsumexp", 4 * b * m.heads * s, "tp"))
     mlp_tensors = 4 if m.gated else 2  # gate, silu, up, product | up, gelu
-    terms.append(Term("mlp.inner", mlp_tensors * a * t * i, "tp"))
-    return terms
+    terms.append(Term("mlp.inner", mlp_tensors * a * t * i * k, "tp"))
+    return terms + moe_terms(m, b, s, precision)
 
 
 def engine_first_stage_terms(m: ModelShape, b: int, s: int, tp: int) -> list[Term]:
@@ -313,8 +345,9 @@ def megatron_layer_terms(m: ModelShape, b: int, s: int, recompute: str, flash: b
         Term("attn.o_input", 2 * t * q, "tp"),
         Term("attn.dropout_mask", t * h, "sp"),
         Term("mlp.input", 2 * t * h, "sp"),
-        Term("mlp.inner", (3 if m.gated else 2) * 2 * t * i, "tp"),
+        Term("mlp.inner", (3 if m.gated else 2) * 2 * t * i * m.active_mlps, "tp"),
         Term("mlp.dropout_mask", t * h, "sp"),
+        *moe_terms(m, b, s, "bf16"),
     ]
     if not flash and recompute == "none":
         terms.append(Term("attn.scores", 5 * m.heads * s * s * b, "tp"))
@@ -379,9 +412,9 @@ def inflight_microbatches(schedule: str, pp: int, micro_batches: int, stage: int
     return inflight(schedule, pp, micro_batches, stage, v).chunks / v
 
 
-def zero3_gather_bytes(m: ModelShape, tp: int, param_bytes: int) -> float:
+def zero3_gather_bytes(m: ModelShape, tp: int, param_bytes: int, ep: int = 1) -> float:
     """Working copies ZeRO-3 gathers: the current and the prefetched largest module (2 × L × bytes)."""
-    largest = max(layer_matrix_params(m) // tp + 2 * m.hidden, m.vocab * m.hidden // tp)
+    largest = max(_local_matrix_params(m, ep) // tp + 2 * m.hidden, m.vocab * m.hidden // tp)
     return 2.0 * largest * param_bytes
 
 

@@ -4,6 +4,12 @@ Counts follow the engine's model (:mod:`zerotron.models.llama`) exactly: per blo
 q/k/v/o projections (q/k/v biases with ``attention_bias``), the MLP (gate+up+down for ``gated``,
 up+down for ``plain``, no biases); an embedding, a final norm and an output head (the embedding's
 tensor when ``tie_word_embeddings``).
+
+Mixture-of-experts blocks (``num_local_experts`` E > 0, Mixtral's layout) replace the MLP by E expert
+MLPs of the same shape and a router (h × E, no bias); each token runs ``num_experts_per_tok`` k of
+them, so a block holds E MLPs' parameters but computes with k. Expert parallelism (``ep``) gives each
+rank E/ep experts; each expert's matrices split over tp like a dense MLP; the router is replicated.
+The trainer has no MoE layers yet, so these counts are checked against the published totals only.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class ModelShape:
     gated: bool
     tied: bool
     qkv_bias: bool
+    experts: int = 0  # MoE experts per block (0: dense MLP)
+    top_k: int = 0  # experts each token runs
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -43,6 +51,8 @@ class ModelShape:
             gated=m.mlp == "gated",
             tied=m.tie_word_embeddings,
             qkv_bias=m.attention_bias,
+            experts=m.num_local_experts,
+            top_k=m.num_experts_per_tok if m.num_local_experts else 0,
         )
 
     @property
@@ -60,11 +70,40 @@ class ModelShape:
         """Matrices of size hidden × intermediate in one MLP."""
         return 3 if self.gated else 2
 
+    @property
+    def mlps(self) -> int:
+        """MLPs (experts) one block holds."""
+        return self.experts or 1
+
+    @property
+    def active_mlps(self) -> int:
+        """MLPs one token runs through in a block."""
+        return self.top_k if self.experts else 1
+
+    @property
+    def router(self) -> int:
+        """Elements of one block's router (h × E; 0 when dense)."""
+        return self.hidden * self.experts
+
+
+def attention_matrix_params(m: ModelShape) -> int:
+    """Elements of one block's q/k/v/o projection weights."""
+    return m.hidden * (m.q_width + 2 * m.kv_width) + m.q_width * m.hidden
+
+
+def mlp_params(m: ModelShape) -> int:
+    """Elements of one MLP (one expert)."""
+    return m.mlp_matrices * m.hidden * m.intermediate
+
 
 def layer_matrix_params(m: ModelShape) -> int:
-    """Elements of the weight matrices of one block (attention + MLP)."""
-    attn = m.hidden * (m.q_width + 2 * m.kv_width) + m.q_width * m.hidden
-    return attn + m.mlp_matrices * m.hidden * m.intermediate
+    """Elements of the weight matrices of one block (attention, every MLP or expert, the router)."""
+    return attention_matrix_params(m) + m.mlps * mlp_params(m) + m.router
+
+
+def layer_active_matrix_params(m: ModelShape) -> int:
+    """Weight elements one token multiplies in a block: attention, its k experts (or the MLP), router."""
+    return attention_matrix_params(m) + m.active_mlps * mlp_params(m) + m.router
 
 
 def layer_params(m: ModelShape) -> int:
@@ -73,9 +112,10 @@ def layer_params(m: ModelShape) -> int:
     return layer_matrix_params(m) + 2 * m.hidden + bias
 
 
-def layer_tensors(m: ModelShape) -> int:
-    """Parameter tensors of one block (Adam keeps a ``step`` scalar per tensor)."""
-    return 2 + 4 + (3 if m.qkv_bias else 0) + m.mlp_matrices
+def layer_tensors(m: ModelShape, ep: int = 1) -> int:
+    """Parameter tensors of one block on one expert-parallel rank (Adam keeps a ``step`` per tensor)."""
+    mlp = m.mlp_matrices * m.experts // ep + 1 if m.experts else m.mlp_matrices
+    return 2 + 4 + (3 if m.qkv_bias else 0) + mlp
 
 
 def embedding_params(m: ModelShape) -> int:
@@ -105,12 +145,13 @@ class StageParams:
     elements: int
     tensors: int
     layers: int
+    expert_elements: int = 0  # of ``elements``: the experts' (sharded by ZeRO over dp·cp/ep, not dp)
 
 
 def block_forward_flops(m: ModelShape, seq_len: int) -> float:
     """Forward FLOPs per token of one block, as the engine weighs blocks to balance pipeline stages."""
     attn = 2 * m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 4 * seq_len * m.heads * m.head_dim
-    return float(attn + 2 * m.mlp_matrices * m.hidden * m.intermediate)
+    return float(attn + 2 * m.active_mlps * mlp_params(m) + 2 * m.router)
 
 
 def balance_stages(costs: list[float], n_stages: int, last_extra: float = 0.0) -> list[int]:
@@ -167,7 +208,9 @@ def pipeline_layers(
 
 
 @functools.lru_cache(maxsize=16384)
-def stage_params(m: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None) -> StageParams:
+def stage_params(
+    m: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None, ep: int = 1
+) -> StageParams:
     """Parameters on pipeline stage ``stage`` of ``pp`` with tensor parallel degree ``tp``.
 
     ``layers``: the blocks this stage holds (default an even split, ``num_hidden_layers / pp``).
@@ -176,14 +219,16 @@ def stage_params(m: ModelShape, tp: int, pp: int, stage: int, layers: int | None
     embedding and head, as Megatron); norm gains are replicated, and so are the k/v projections when tp
     is a multiple of the KV heads rather than a divisor (the engine's GQA rule). The first stage holds the embedding,
     the last the final norm and head (and, when tied, a second copy of the embedding, as Megatron does
-    for pp > 1).
+    for pp > 1). MoE blocks hold E/ep experts (each split over tp) and the whole router.
     """
     per_stage = m.layers // pp if layers is None else layers
     kv_split = tp if m.kv_heads % tp == 0 else 1  # KV heads replicated when tp exceeds them
     kv = 2 * m.kv_width * (m.hidden + (1 if m.qkv_bias else 0))
-    rest = layer_matrix_params(m) - 2 * m.hidden * m.kv_width + (m.q_width if m.qkv_bias else 0)
-    elements = per_stage * (rest // tp + kv // kv_split + 2 * m.hidden)
-    tensors = per_stage * layer_tensors(m)
+    rest = attention_matrix_params(m) - 2 * m.hidden * m.kv_width + (m.q_width if m.qkv_bias else 0)
+    rest += 0 if m.experts else mlp_params(m)
+    experts = per_stage * (m.experts // ep) * mlp_params(m) // tp if m.experts else 0
+    elements = per_stage * (rest // tp + kv // kv_split + 2 * m.hidden + m.router) + experts
+    tensors = per_stage * layer_tensors(m, ep)
     if stage == 0:
         elements += embedding_params(m) // tp
         tensors += 1
@@ -193,25 +238,26 @@ def stage_params(m: ModelShape, tp: int, pp: int, stage: int, layers: int | None
         if not m.tied or pp > 1:
             elements += m.vocab * m.hidden // tp
             tensors += 1
-    return StageParams(elements=elements, tensors=tensors, layers=per_stage)
+    return StageParams(elements=elements, tensors=tensors, layers=per_stage, expert_elements=experts)
 
 
 def flops_per_token(m: ModelShape, seq_len: int) -> float:
     """Forward + backward model FLOPs per token, without recomputation (Korthikanti eq. 7, generalised).
 
     6 FLOPs per weight of every matrix multiply (blocks and head) plus the attention scores
-    12·L·s·(heads·head_dim) (QKᵀ and AV, forward and backward, causal mask not halved). Equal to
+    12·L·s·(heads·head_dim) (QKᵀ and AV, forward and backward, causal mask not halved); an MoE block
+    counts its router and the k experts a token runs. Equal to
     :func:`zerotron.models.llama.model_flops_per_token` and, for a GPT model, to
     72·s·L·h²(1 + s/(6h) + V/(12hL)) per sequence.
     """
-    n_matmul = m.layers * layer_matrix_params(m) + m.hidden * m.vocab
+    n_matmul = m.layers * layer_active_matrix_params(m) + m.hidden * m.vocab
     return 6.0 * n_matmul + 12.0 * m.layers * seq_len * m.q_width
 
 
 def recompute_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
     """Extra FLOPs per token that recomputation adds: a block's forward (full) or the attention core's."""
     if recompute == "full":
-        return 2.0 * m.layers * layer_matrix_params(m) + 4.0 * m.layers * seq_len * m.q_width
+        return 2.0 * m.layers * layer_active_matrix_params(m) + 4.0 * m.layers * seq_len * m.q_width
     if recompute == "selective":
         return 4.0 * m.layers * seq_len * m.q_width
     return 0.0
@@ -236,7 +282,11 @@ class ParamList:
 
 @functools.lru_cache(maxsize=4096)
 def param_list(m: ModelShape, tp: int, pp: int, stage: int, layers: int) -> ParamList:
-    """The tensors of pipeline stage ``stage`` on one tensor-parallel rank (see :func:`stage_params`)."""
+    """The tensors of pipeline stage ``stage`` on one tensor-parallel rank (see :func:`stage_params`).
+
+    Dense models only: it mirrors the engine's registration order for the exact ZeRO accounting, and the
+    engine has no MoE blocks.
+    """
     h, q, kv, i = m.hidden, m.q_width, m.kv_width, m.intermediate
     kv_split = tp if m.kv_heads % tp == 0 else 1
     block = [h, h * q // tp]

@@ -9,7 +9,7 @@ embedding, the last the head and the loss).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zerotron.config import Config
@@ -19,6 +19,7 @@ from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches
 from zerotron.plan.model import (
     ModelShape,
+    StageParams,
     flops_per_token,
     param_list,
     pipeline_layers,
@@ -94,20 +95,13 @@ def stage_memory(
     at shard boundaries differ by a few bytes between data-parallel ranks).
     """
     layers = rank_layers(m, layout, work)[stage]
-    sp = stage_params(m, layout.tp, layout.pp, stage, layers)
+    sp = stage_params(m, layout.tp, layout.pp, stage, layers, layout.ep)
     exact = None
-    if convention == "zerotron" and layout.zero >= 1 and layout.dp > 1:
+    if convention == "zerotron" and layout.zero >= 1 and layout.dp > 1 and not m.experts:
         exact = _zero_states(
             m, layout.tp, layout.pp, stage, layers, layout.zero, layout.dp, dp_rank, layout.bucket_mb
         )
-    states = mem.model_states(
-        sp.elements,
-        sp.tensors,
-        mem.StateLayout(layout.dp, layout.zero, layout.offload_optimizer, layout.offload_params),
-        convention,
-        work.precision,
-        exact,
-    )
+    states = _model_states(m, layout, work, convention, sp, exact)
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
     buffers, buf_detail = _buffers(m, layout, work, convention, stage, sp.elements)
     detail.update(buf_detail)
@@ -115,6 +109,44 @@ def stage_memory(
     memory = {**dev, "activations": acts, "buffers": buffers}
     memory["total"] = sum(memory.values())
     return memory, detail, sum(states["host"].values()), sum(states["nvme"].values())
+
+
+def expert_dp(layout: Layout) -> int:
+    """Ranks holding the same experts, over which ZeRO shards them and their gradients are reduced:
+    dp·cp/ep (expert parallelism folds over the data- and context-parallel ranks, as in Megatron)."""
+    return max(1, layout.dp * layout.cp // layout.ep)
+
+
+def _model_states(
+    m: ModelShape,
+    layout: Layout,
+    work: Workload,
+    convention: str,
+    sp: StageParams,
+    exact: dict[str, float] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Model states of one rank by place; an MoE model's experts are sharded over :func:`expert_dp`."""
+    offload = (layout.offload_optimizer, layout.offload_params)
+    dense = mem.StateLayout(layout.dp, layout.zero, *offload)
+    if not sp.expert_elements:
+        return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact)
+    expert_tensors = sp.layers * m.mlp_matrices * (m.experts // layout.ep)
+    parts = [
+        mem.model_states(
+            sp.elements - sp.expert_elements, sp.tensors - expert_tensors, dense, convention, work.precision
+        ),
+        mem.model_states(
+            sp.expert_elements,
+            expert_tensors,
+            mem.StateLayout(expert_dp(layout), layout.zero, *offload),
+            convention,
+            work.precision,
+        ),
+    ]
+    return {
+        place: {kind: parts[0][place][kind] + parts[1][place][kind] for kind in parts[0][place]}
+        for place in parts[0]
+    }
 
 
 @functools.lru_cache(maxsize=4096)
@@ -148,7 +180,7 @@ def _activations(
 ) -> tuple[float, dict[str, float]]:
     b, s = layout.micro_batch, work.seq_len // layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
-    per_layer = _layer_bytes(m, b, s, work.precision, layout.recompute, tp, sp, convention, flash)
+    per_layer = _layer_bytes(m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep)
     every, first, last = _end_bytes(m, b, s, work.precision, tp, sp, convention, layout.pp)
     v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
     held = mem.inflight(layout.pp_schedule, layout.pp, micro_batches(layout, work), stage, v)
@@ -169,10 +201,11 @@ def _layer_bytes(
     sp: bool,
     convention: str,
     flash: bool,
+    ep: int = 1,
 ) -> float:
     """Activation bytes of one block on one rank (cached: the search asks for the same ones often)."""
     if convention == "zerotron":
-        return mem.split_bytes(mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp), tp, sp)
+        return mem.split_bytes(mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep), tp, sp)
     return mem.split_bytes(mem.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
 
 
@@ -210,7 +243,7 @@ def _buffers(
     if layout.zero == 3:
         # zerotron gathers its fp32 master weights; Megatron/DeepSpeed gather 16-bit copies.
         gather_bytes = pb
-        detail["zero3_gathered_params"] = mem.zero3_gather_bytes(m, layout.tp, gather_bytes)
+        detail["zero3_gathered_params"] = mem.zero3_gather_bytes(m, layout.tp, gather_bytes, layout.ep)
     if stage == layout.pp - 1:
         # Backward of the loss: d(logits) in fp32 and in the compute dtype, one micro-batch.
         tokens = layout.micro_batch * work.seq_len / layout.cp
@@ -274,25 +307,38 @@ def step_times(
     )
     t_tp = timing.tensor_parallel_time(m, layout, work, hw, max(layers))
     t_cp = timing.context_parallel_time(m, layout, work, hw, max(layers))
-    t_mb = t_compute + t_tp + t_cp
+    t_ep = timing.expert_parallel_time(m, layout, work, hw, max(layers))
+    t_mb = t_compute + t_tp + t_cp + t_ep
     times = {"compute": n_mb * t_compute, "tp_comm": n_mb * t_tp, "cp_comm": n_mb * t_cp}
+    if m.experts:
+        times["ep_comm"] = n_mb * t_ep
     times.update(timing.pipeline_times(m, layout, work, hw, t_mb))
     pb, gb, ob = mem.state_bytes_per_element(convention, work.precision, layout.zero)
     grad_wire = gb if convention == "zerotron" else _ACT_BYTES[work.precision]
     param_wire = pb if convention == "zerotron" else _ACT_BYTES[work.precision]  # zerotron moves fp32 masters
     stages = [
-        stage_params(m, layout.tp, layout.pp, r, layers[r]) for r in sorted({0, critical, layout.pp - 1})
+        stage_params(m, layout.tp, layout.pp, r, layers[r], layout.ep)
+        for r in sorted({0, critical, layout.pp - 1})
     ]
     sp = max(stages, key=lambda st: st.elements)
+    dense = sp.elements - sp.expert_elements
     times.update(
         timing.data_parallel_time(
-            layout, hw, sp.elements, grad_wire, param_wire, t_compute, n_mb, max(1, sp.layers)
+            layout, hw, dense, grad_wire, param_wire, t_compute, n_mb, max(1, sp.layers)
         )
     )
-    shard = -(-sp.elements // layout.dp) if layout.zero >= 1 else sp.elements
-    states = mem.model_states(
-        sp.elements, sp.tensors, mem.StateLayout(layout.dp, layout.zero), convention, work.precision
-    )["device"]
+    shard = -(-dense // layout.dp) if layout.zero >= 1 else dense
+    if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
+        edp = expert_dp(layout)
+        expert_times = timing.data_parallel_time(
+            replace(layout, dp=edp), hw, sp.expert_elements, grad_wire, param_wire, t_compute, n_mb,
+            max(1, sp.layers),
+        )  # fmt: skip
+        for key, value in expert_times.items():
+            times[key] = times.get(key, 0.0) + value
+        shard += -(-sp.expert_elements // edp) if layout.zero >= 1 else sp.expert_elements
+    states = _model_states(m, replace(layout, offload_optimizer="none", offload_params="none"), work,
+                           convention, sp)["device"]  # fmt: skip
     times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, pb, ob))
     times["param_offload"] = timing.param_offload_time(layout, hw, shard, pb, t_compute, n_mb)
     return times

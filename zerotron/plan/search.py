@@ -71,20 +71,23 @@ def candidates(m: ModelShape, work: Workload, hw: Hardware, gpus: int) -> Iterat
     """Every layout of the search space before memory is considered (recompute/offload left at none)."""
     for dp, tp, pp, cp in _degrees(m, work, hw, gpus):
         per_rank = work.global_batch // dp
-        for mb in _divisors(per_rank, MAX_MICRO_BATCH):
-            for zero in (0, 1, 2, 3) if pp == 1 else (0, 1):
-                for schedule, v in _schedules(m, pp, per_rank // mb):
-                    yield Layout(
-                        dp=dp,
-                        tp=tp,
-                        pp=pp,
-                        cp=cp,
-                        zero=zero,
-                        micro_batch=mb,
-                        sequence_parallel=tp > 1,
-                        pp_schedule=schedule,
-                        virtual_stages=v,
-                    )
+        eps = [e for e in _divisors(m.experts, m.experts) if (dp * cp) % e == 0] if m.experts else [1]
+        for ep in eps:
+            for mb in _divisors(per_rank, MAX_MICRO_BATCH):
+                for zero in (0, 1, 2, 3) if pp == 1 else (0, 1):
+                    for schedule, v in _schedules(m, pp, per_rank // mb):
+                        yield Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
+                            zero=zero,
+                            micro_batch=mb,
+                            sequence_parallel=tp > 1,
+                            pp_schedule=schedule,
+                            virtual_stages=v,
+                        )
 
 
 def _cheapest_fitting(

@@ -63,6 +63,8 @@ def strides(layout: Layout) -> dict[str, int]:
 
 def _gemm_size(m: ModelShape, layout: Layout, work: Workload) -> float:
     tokens = layout.micro_batch * work.seq_len / layout.cp
+    if m.experts:  # each expert's GEMM sees the tokens routed to it: t·k·ep/E on average
+        tokens = min(tokens, tokens * m.top_k * layout.ep / m.experts)
     return min(tokens, m.hidden, m.intermediate / layout.tp, m.q_width / layout.tp)
 
 
@@ -104,7 +106,7 @@ def elementwise_bytes_per_token(m: ModelShape, layout: Layout, work: Workload, f
     """
     a = _ACT_BYTES[work.precision]
     hidden = HIDDEN_PASSES * m.hidden / (layout.tp if layout.sequence_parallel else 1)
-    ffn = FFN_PASSES * m.intermediate * (2 if m.gated else 1) / layout.tp
+    ffn = FFN_PASSES * m.intermediate * (2 if m.gated else 1) * m.active_mlps / layout.tp
     scores = 0.0 if flash else SCORE_PASSES * m.heads / layout.tp * work.seq_len
     repeat = 4.0 / 3.0 if layout.recompute == "full" else 1.0
     return (hidden + ffn + scores) * a * repeat
@@ -135,6 +137,28 @@ def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Har
     attn_flops = 12.0 * work.seq_len * m.q_width * layout.micro_batch * work.seq_len / layout.cp / layout.tp
     attn = attn_flops / (hw.flops(work.precision) * hw.gemm_efficiency)
     return max(0.0, comm - attn) * layers
+
+
+def all_to_all_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    """Seconds of one all-to-all in which every rank sends ``nbytes`` in all, (size−1)/size of it away."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = link(stride, size, hw)
+    return (size - 1) * alpha + nbytes * (size - 1) / size / bw
+
+
+def expert_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
+    """Exposed MoE token exchange of one micro-batch: per block a dispatch and a combine all-to-all
+    forward and two backward (full recomputation repeats the forward pair), each moving the rank's
+    b·s/cp tokens k times (Megatron's all-to-all dispatcher, without overlap). The ep group folds over
+    the context-parallel ranks first, then the data-parallel ones, so its link is theirs."""
+    if not m.experts or layout.ep == 1:
+        return 0.0
+    a = _ACT_BYTES[work.precision]
+    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.top_k * m.hidden * a
+    stride = strides(layout)["cp" if layout.cp > 1 else "dp"]
+    count = 4 + (2 if layout.recompute == "full" else 0)
+    return count * all_to_all_time(nbytes, layout.ep, stride, hw) * layers
 
 
 def pipeline_times(
