@@ -23,7 +23,7 @@ bytes-elements, which is the all-reduce of plain data parallelism (NCCL bus conv
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
 import torch
@@ -258,7 +258,7 @@ class _ShardedBuckets:
                 yield seg, seg.param.detach().clone()
 
     def load_optimizer_tensors(
-        self, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+        self, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]
     ) -> None:
         """Each segment takes its part of whole AdamW tensors by name."""
         load_optimizer_state([seg for segs in self.segments for seg in segs], optimizer, tensors)

@@ -25,7 +25,7 @@ every sharded unit, ``3Ψ(N-1)/N``: 1.5× data parallelism.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -416,6 +416,19 @@ class ZeroStage3:
         """Whole AdamW tensors by parameter name (collective over dp)."""
         return gather_optimizer_state([u.layout for u in self.units], self.segments, optimizer, self.group)
 
+    def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:
+        """Give every unit's shard its part of the weights ``whole(name)`` returns (one parameter at a
+        time, this rank's tp part, whole), with no gather; the persistent unit is re-gathered after
+        (collective over dp). A checkpoint load: no rank ever holds more than one parameter whole."""
+        for unit in self.units:
+            values = torch.zeros(unit.layout.shard, dtype=torch.float32)
+            for seg in unit.segments:
+                values[seg.at : seg.at + seg.length] = whole(seg.name).reshape(-1)[
+                    seg.start : seg.start + seg.length
+                ]
+            unit.write_shard(values)
+        self.after_step()
+
     def segment_values(self) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
         """Each segment this rank owns with its master weights ``(length,)``, read from wherever the shard
         lives (device, host memory or NVMe file, one unit in memory at a time); no communication."""
@@ -426,7 +439,7 @@ class ZeroStage3:
             unit._evict()
 
     def load_optimizer_tensors(
-        self, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+        self, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]
     ) -> None:
         """Each segment takes its part of whole AdamW tensors by name."""
         load_optimizer_state([seg for u in self.units for seg in u.segments], optimizer, tensors)

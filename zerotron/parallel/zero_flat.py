@@ -19,6 +19,7 @@ therefore keep one layout-independent format: whole tensors by name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -161,7 +162,7 @@ def gather_optimizer_state(
 
 
 def load_optimizer_state(
-    segments: list[ShardSegment], optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+    segments: list[ShardSegment], optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]
 ) -> None:
     """Give each segment its part of the whole AdamW state ``tensors`` (inverse of the gather)."""
     for seg in segments:

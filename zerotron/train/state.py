@@ -17,9 +17,9 @@ offload target.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -238,9 +238,9 @@ class _Reader:
             )
         return self.reader.read(src, tuple(offsets), tuple(shape))
 
-    def weights(self, model: nn.Module, partial: bool) -> dict[str, torch.Tensor]:
-        """Every tensor of ``model``'s state dict, this rank's part; ``partial``: a pipeline stage, which
-        holds some of the saved tensors only."""
+    def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:
+        """Every tensor of ``model``'s state dict with its local shape, after checking that the checkpoint
+        has each (and, unless ``partial``, a pipeline stage holding some only, nothing else)."""
         skip = _tied_names(model)
         expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in skip}
         missing = [n for n in expected if self.saved(n) is None]
@@ -251,19 +251,41 @@ class _Reader:
                 f"{self.ckpt}: the model files do not fit this model (missing {missing[:3]}, "
                 f"unexpected {unexpected[:3]})"
             )
-        return {n: self.local(n, n, shape) for n, shape in expected.items()}
+        return expected
 
-    def moments(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """AdamW state by parameter name, this rank's part (empty for a checkpoint saved before any step)."""
-        out: dict[str, torch.Tensor] = {}
+    def weights(self, model: nn.Module, partial: bool) -> dict[str, torch.Tensor]:
+        """Every tensor of ``model``'s state dict, this rank's part."""
+        return {n: self.local(n, n, shape) for n, shape in self.expected(model, partial).items()}
+
+    def moments(self, model: nn.Module) -> _Moments:
+        """AdamW state by name, this rank's part, read when asked for (empty for a checkpoint saved
+        before any step): ZeRO takes one segment's range at a time, never the whole state."""
+        names: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name, p in model.named_parameters(remove_duplicate=True):
             if self.saved(f"{name}.exp_avg") is None:
                 continue
             shape = _local_shape(p, self.specs.get(name))
             for key in ADAM_KEYS:
-                out[f"{name}.{key}"] = self.local(f"{name}.{key}", name, shape)
-            out[f"{name}.step"] = self.local(f"{name}.step", name, ())
-        return out
+                names[f"{name}.{key}"] = (name, shape)
+            names[f"{name}.step"] = (name, ())
+        return _Moments(self, names)
+
+
+class _Moments(Mapping[str, torch.Tensor]):
+    """Saved optimizer tensors by name, each read from the checkpoint when looked up."""
+
+    def __init__(self, view: _Reader, names: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        self.view, self.names = view, names
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        param, shape = self.names[key]
+        return self.view.local(key, param, shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def load_weights(ckpt: Path, model: nn.Module, partial: bool) -> None:
@@ -287,16 +309,17 @@ def load_checkpoint(
     state = store.read_json(ckpt / "trainer.json")
     with sharded.ShardedCheckpoint(ckpt) as reader:
         view = _Reader(reader, model)
-        weights = view.weights(model, partial=mesh.dims.pp > 1)
-        # Under ZeRO-3 the parameters are gathered to take the whole tensors, then each rank keeps its shard.
-        with zero.full_params(writeback=True) if zero is not None else contextlib.nullcontext():
-            model.load_state_dict(weights, strict=False)
-        del weights
+        expected = view.expected(model, partial=mesh.dims.pp > 1)
+        if zero is not None and zero.stage == 3:  # each shard takes its range, one parameter at a time
+            zero.load_shards(lambda name: view.local(name, name, expected[name]))
+            sharded_names = {slot.name for layout in zero.layouts for slot in layout.slots}
+            expected = {n: shape for n, shape in expected.items() if n not in sharded_names}
+        model.load_state_dict({n: view.local(n, n, shape) for n, shape in expected.items()}, strict=False)
         moments = view.moments(model)
-    if zero is not None:
-        zero.load_optimizer_tensors(optimizer, moments)
-    else:
-        load_optimizer_tensors(model, optimizer, moments)
+        if zero is not None:
+            zero.load_optimizer_tensors(optimizer, moments)
+        else:
+            load_optimizer_tensors(model, optimizer, dict(moments))
     saved_world = state.get("layout", {}).get("world_size")
     if saved_world == mesh.dims.world_size:  # another layout keeps the seeds the trainer set for it
         rng = store.read_tensors(ckpt / f"rng.rank{mesh.rank}.safetensors")
