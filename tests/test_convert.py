@@ -31,6 +31,14 @@ TINY = [
     "model.num_attention_heads=2",
     "model.intermediate_size=64",
 ]
+TWO_STEPS = [  # two short optimizer steps of two micro-batches (enough for pp 2)
+    "train.steps=2",
+    "train.seq_len=32",
+    "train.global_batch=2",
+    "train.micro_batch=1",
+    "data.max_bytes=20000",
+    "log.progress=none",
+]
 
 
 def test_sharded_output_loads_in_transformers(tmp_path: Path) -> None:
@@ -49,16 +57,7 @@ def test_sharded_output_loads_in_transformers(tmp_path: Path) -> None:
 
 
 def test_pipeline_checkpoint_to_hf_has_identical_tensors(tmp_path: Path) -> None:
-    overrides = [
-        *TINY,
-        "parallel.pp=2",
-        "train.steps=2",
-        "train.seq_len=32",
-        "train.global_batch=2",
-        "train.micro_batch=1",
-        "data.max_bytes=20000",
-        "log.progress=none",
-    ]
+    overrides = [*TINY, "parallel.pp=2", *TWO_STEPS]
     train_run.launch_training(None, overrides, 2, out=str(tmp_path / "run"))
     ckpt = store.find_latest(tmp_path / "run" / "checkpoints")
     assert ckpt is not None and (ckpt / "shard.rank1.safetensors").is_file()  # stage 1 wrote its own
@@ -87,14 +86,7 @@ def test_hf_to_checkpoint_trains_under_a_pipeline_from_the_same_weights(tmp_path
     original, back = read_hf_weights(tmp_path / "hf"), read_hf_weights(tmp_path / "back")
     assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
 
-    common = [
-        "train.steps=2",
-        "train.seq_len=32",
-        "train.global_batch=2",
-        "train.micro_batch=1",
-        "data.max_bytes=20000",
-        "log.progress=none",
-    ]
+    common = TWO_STEPS
     with pytest.raises(ConfigError, match="zerotron convert .* --to checkpoint"):
         train_run.launch_training(None, [*common, f"model.path={tmp_path / 'hf'}", "parallel.pp=2"], 2)
     train_run.launch_training(None, [*common, f"model.path={tmp_path / 'hf'}"], 1, out=str(tmp_path / "a"))

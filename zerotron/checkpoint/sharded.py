@@ -14,13 +14,13 @@ piece holds elements ``[start, start + length)`` of the box in row-major order (
 Pieces with the same box that hold the same elements (replicated KV heads) are equal; any one is read.
 
 :class:`ShardedCheckpoint` reads any box of any tensor — what one rank of another layout holds — from
-the pieces that overlap it, opening files lazily through safetensors' memory map: a whole-box piece is
-sliced in the file, flat pieces are assembled into their box first (at most one box in memory).
+the pieces that overlap it, each read through safetensors' memory map opened for that piece only: a
+whole-box piece is sliced in the file, flat pieces are assembled into their box first (at most one box
+in memory).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -75,8 +75,6 @@ class ShardedCheckpoint:
         if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or "tensors" not in index:
             raise CheckpointError(f"{path}: not a zerotron checkpoint index of format {INDEX_FORMAT}")
         self.tensors: dict[str, dict[str, Any]] = index["tensors"]
-        self._stack = contextlib.ExitStack()
-        self._files: dict[str, Any] = {}
 
     def __enter__(self) -> ShardedCheckpoint:
         return self
@@ -85,9 +83,7 @@ class ShardedCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Close the files opened so far."""
-        self._stack.close()
-        self._files.clear()
+        """Nothing stays open between reads (each piece's file is mapped only while it is read)."""
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -100,14 +96,17 @@ class ShardedCheckpoint:
         """Global shape of ``name``."""
         return tuple(self.tensors[name]["shape"])
 
-    def _file(self, name: str) -> Any:
-        if name not in self._files:
-            path = self.ckpt / name
-            try:
-                self._files[name] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
-        return self._files[name]
+    def _piece(self, piece: dict[str, Any], part: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """A piece's tensor (or ``part`` of it), read through a memory map that is closed again at once,
+        so the pages of a large checkpoint do not stay mapped (and counted in RSS) while others are read."""
+        path = self.ckpt / piece["file"]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if part:
+                    return f.get_slice(piece["key"])[part].clone()
+                return f.get_tensor(piece["key"]).clone()
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
 
     def read(
         self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
@@ -145,14 +144,13 @@ class ShardedCheckpoint:
         """``part`` of one box, from a whole-box piece or assembled from its flat ranges."""
         whole = next((p for p in pieces if p["flat"] is None), None)
         if whole is not None:
-            f = self._file(whole["file"])
-            return f.get_slice(whole["key"])[part] if part else f.get_tensor(whole["key"])
+            return self._piece(whole, part)
         numel = math.prod(box)
         buf = torch.empty(numel, dtype=_dtype(self.tensors[name]["dtype"]))
         filled = torch.zeros(numel, dtype=torch.bool)
         for p in pieces:
             start, length = p["flat"]
-            buf[start : start + length] = self._file(p["file"]).get_tensor(p["key"]).reshape(-1)
+            buf[start : start + length] = self._piece(p).reshape(-1)
             filled[start : start + length] = True
         if not bool(filled.all()):
             raise CheckpointError(
