@@ -100,3 +100,30 @@ def test_gaps_and_disagreements_are_named(tmp_path: Path) -> None:
 
     with pytest.raises(store.CheckpointError, match="no index.json"):
         sharded.ShardedCheckpoint(tmp_path / "empty")
+
+
+def test_each_file_is_checked_against_the_manifest_when_first_read(tmp_path: Path) -> None:
+    """A published folder, then one flipped byte in one rank's file: a size-only verify passes, and the
+    reader names that file when it needs it (and only then: the other rank's box still reads)."""
+    torch.manual_seed(2)
+    full = torch.randn(8, 6)
+    root = tmp_path / "ckpts"
+    tmp = store.temp_dir(root, 3)
+    _save_pieces(tmp, "w", full, tp_dim=0, tp=2, cuts=[])
+    store.record_checksums(tmp, 0, ["shard.rank0.safetensors"])  # rank 1's file is hashed at publication
+    ckpt = store.publish(root, 3, keep=1)
+    assert not list(ckpt.glob(".sums*"))
+    assert store.verify(ckpt)["files"].keys() == {
+        "index.json",
+        "shard.rank0.safetensors",
+        "shard.rank1.safetensors",
+    }
+    shard = ckpt / "shard.rank1.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    manifest = store.verify(ckpt, hashes=False)
+    with sharded.ShardedCheckpoint(ckpt, manifest) as reader:
+        assert torch.equal(reader.read("w", (0, 0), (4, 6)), full[:4])
+        with pytest.raises(store.CheckpointError, match=r"shard.rank1.safetensors: checksum mismatch"):
+            reader.read("w", (4, 0), (4, 6))

@@ -82,6 +82,7 @@ class CheckpointWriter:
                 store.write_tensors(tmp / name, named)
             for name, data in json_files.items():
                 store.write_json(tmp / name, data)
+            store.record_checksums(tmp, self.rank, [*tensors, *json_files])
             store.mark_written(root, step, self.rank)
             if self.rank == 0:
                 if not store.wait_written(root, step, self.world_size, lambda: self._give_up_at):

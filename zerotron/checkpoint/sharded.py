@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from zerotron.checkpoint.store import INDEX, INDEX_FORMAT, CheckpointError, read_json
+from zerotron.checkpoint.store import INDEX, INDEX_FORMAT, CheckpointError, check_file, read_json
 
 
 def piece(
@@ -63,9 +63,13 @@ def _dtype(name: str) -> torch.dtype:
 class ShardedCheckpoint:
     """Reader of one checkpoint folder's tensors by global name (see the module docstring)."""
 
-    def __init__(self, ckpt: Path) -> None:
-        self.ckpt = ckpt
+    def __init__(self, ckpt: Path, manifest: dict | None = None) -> None:
+        """``manifest`` (from :func:`store.verify` without hashes): check each file's sha256 before its
+        first use, so that a rank hashes only what it reads."""
+        self.ckpt, self.manifest = ckpt, manifest
+        self._checked: set[str] = set()
         path = ckpt / INDEX
+        self._check(INDEX)
         if not path.is_file():
             raise CheckpointError(
                 f"{ckpt}: no {INDEX} — not a sharded zerotron checkpoint (saved by an older version, or "
@@ -75,6 +79,11 @@ class ShardedCheckpoint:
         if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or "tensors" not in index:
             raise CheckpointError(f"{path}: not a zerotron checkpoint index of format {INDEX_FORMAT}")
         self.tensors: dict[str, dict[str, Any]] = index["tensors"]
+
+    def _check(self, name: str) -> None:
+        if self.manifest is not None and name not in self._checked and (self.ckpt / name).is_file():
+            check_file(self.ckpt, name, self.manifest)
+            self._checked.add(name)
 
     def __enter__(self) -> ShardedCheckpoint:
         return self
@@ -100,6 +109,7 @@ class ShardedCheckpoint:
         """A piece's tensor (or ``part`` of it), read through a memory map that is closed again at once,
         so the pages of a large checkpoint do not stay mapped (and counted in RSS) while others are read."""
         path = self.ckpt / piece["file"]
+        self._check(piece["file"])
         try:
             with safe_open(str(path), framework="pt") as f:
                 if part:

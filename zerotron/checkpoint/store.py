@@ -15,6 +15,8 @@ fsyncs the parent, then replaces ``latest`` through a rename. A process killed a
 leaves the previous checkpoint complete, and :func:`find_latest` never returns a partial one.
 An asynchronous save (:mod:`zerotron.checkpoint.async_save`) replaces the barrier by one marker file per
 rank (:func:`mark_written`), which the publishing rank's writer thread waits for; the rest is the same.
+Each rank hashes the files it wrote (:func:`record_checksums`), so the manifest costs rank 0 only the
+files nobody recorded (the merged index). Readers check a file's sha256 before using it.
 No pickle: tensors are safetensors, everything else JSON.
 """
 
@@ -100,11 +102,18 @@ def publish(root: Path, step: int, keep: int) -> Path:
     for marker in tmp.glob(".written.rank*"):
         marker.unlink()
     merge_index(tmp)
+    recorded: dict[str, dict[str, Any]] = {}  # checksums the writing ranks computed (record_checksums)
+    for sums in sorted(tmp.glob(".sums.rank*.json")):
+        recorded.update(read_json(sums))
+        sums.unlink()
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != "manifest.json")
-    manifest = {
-        "step": step,
-        "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
-    }
+    entries = {}
+    for p in files:
+        size = p.stat().st_size
+        known = recorded.get(p.name)
+        digest = known["sha256"] if known and known["bytes"] == size else _sha256(p)
+        entries[p.name] = {"bytes": size, "sha256": digest}
+    manifest = {"step": step, "files": entries}
     write_json(tmp / "manifest.json", manifest)
     _fsync_dir(tmp)
     final = root / step_dir_name(step)
@@ -147,6 +156,13 @@ def merge_index(folder: Path) -> None:
         path.unlink()
 
 
+def record_checksums(folder: Path, rank: int, names: list[str]) -> None:
+    """Hash the files ``rank`` wrote into ``folder`` (each rank its own, in parallel) for the manifest;
+    :func:`publish` uses them instead of hashing every file on one rank."""
+    sums = {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names}
+    write_json(folder / f".sums.rank{rank}.json", sums)
+
+
 def mark_written(root: Path, step: int, rank: int) -> None:
     """Record that ``rank`` has written and fsynced its files of ``step`` (asynchronous saves).
 
@@ -176,8 +192,23 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def verify(ckpt: Path) -> dict:
-    """Check a checkpoint folder against its manifest; return the manifest or raise CheckpointError."""
+def check_file(ckpt: Path, name: str, manifest: dict) -> None:
+    """Check one file of ``ckpt`` against ``manifest`` (size and sha256), naming it if it differs."""
+    meta = manifest["files"].get(name)
+    path = ckpt / name
+    if meta is None:
+        raise CheckpointError(f"{path}: not listed in manifest.json")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (listed in manifest.json)")
+    if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+        raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt")
+
+
+def verify(ckpt: Path, hashes: bool = True) -> dict:
+    """Check a checkpoint folder against its manifest; return the manifest or raise CheckpointError.
+
+    ``hashes=False`` checks that every file is there with its size only; a reader then checks each file's
+    sha256 with :func:`check_file` before it uses it (each rank hashes only the files it reads)."""
     manifest_path = ckpt / "manifest.json"
     if not manifest_path.is_file():
         raise CheckpointError(f"{ckpt}: no manifest.json — the checkpoint is incomplete")
@@ -189,7 +220,9 @@ def verify(ckpt: Path) -> dict:
         path = ckpt / name
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (listed in manifest.json)")
-        if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+        if path.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt (size differs)")
+        if hashes and _sha256(path) != meta["sha256"]:
             raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt")
     return manifest
 

@@ -191,6 +191,7 @@ def save_checkpoint(
         store.write_tensors(tmp / name, named)
     for name, data in json_files.items():
         store.write_json(tmp / name, data)
+    store.record_checksums(tmp, mesh.rank, [*files, *json_files])
     collectives.barrier(world)
     if mesh.rank == 0:
         final = store.publish(root, step, keep)
@@ -290,8 +291,8 @@ class _Moments(Mapping[str, torch.Tensor]):
 
 def load_weights(ckpt: Path, model: nn.Module, partial: bool) -> None:
     """Give ``model`` (before ZeRO; any tp split; ``partial``: a pipeline stage) the weights of ``ckpt``."""
-    store.verify(ckpt)
-    with sharded.ShardedCheckpoint(ckpt) as reader:
+    manifest = store.verify(ckpt, hashes=False)  # each file's sha256 is checked as this rank reads it
+    with sharded.ShardedCheckpoint(ckpt, manifest) as reader:
         weights = _Reader(reader, model).weights(model, partial)
     with torch.no_grad():
         model.load_state_dict(weights, strict=False)
@@ -303,11 +304,14 @@ def load_checkpoint(
     """Restore model, optimizer and (same world size) this rank's RNG from ``ckpt``; return the trainer state.
 
     Whatever layout saved it, each rank reads the box of every tensor it holds (its tp shard, whole
-    otherwise) from the pieces that overlap it; ZeRO then keeps each segment's range.
+    otherwise) from the pieces that overlap it; ZeRO then keeps each segment's range. Every file this
+    rank reads is checked against the manifest's sha256 first (and only those: a rank of a sharded
+    layout hashes its part of the checkpoint, not all of it).
     """
-    store.verify(ckpt)
+    manifest = store.verify(ckpt, hashes=False)
+    store.check_file(ckpt, "trainer.json", manifest)
     state = store.read_json(ckpt / "trainer.json")
-    with sharded.ShardedCheckpoint(ckpt) as reader:
+    with sharded.ShardedCheckpoint(ckpt, manifest) as reader:
         view = _Reader(reader, model)
         expected = view.expected(model, partial=mesh.dims.pp > 1)
         if zero is not None and zero.stage == 3:  # each shard takes its range, one parameter at a time
@@ -322,6 +326,7 @@ def load_checkpoint(
             load_optimizer_tensors(model, optimizer, dict(moments))
     saved_world = state.get("layout", {}).get("world_size")
     if saved_world == mesh.dims.world_size:  # another layout keeps the seeds the trainer set for it
+        store.check_file(ckpt, f"rng.rank{mesh.rank}.safetensors", manifest)
         rng = store.read_tensors(ckpt / f"rng.rank{mesh.rank}.safetensors")
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
