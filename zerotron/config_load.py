@@ -219,6 +219,7 @@ _POSITIVE = (
     "parallel.cp",
     "parallel.ep",
     "parallel.virtual_stages",
+    "model.num_experts_per_tok",
     "log.every",
 )
 _NON_NEGATIVE = (
@@ -234,6 +235,7 @@ _NON_NEGATIVE = (
     "data.max_bytes",
     "parallel.zero",
     "train.eps",
+    "model.num_local_experts",
 )
 
 

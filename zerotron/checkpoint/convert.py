@@ -110,12 +110,13 @@ def _write_checkpoint(
     tmp.mkdir(parents=True)
     entries: list[dict[str, Any]] = []
     pending: dict[str, torch.Tensor] = {}
-    size = 0
+    size = files = 0
 
     def flush() -> None:
-        nonlocal pending, size
+        nonlocal pending, size, files
         if pending:
-            file = f"shard.part{len({e['file'] for e in entries}):05d}.safetensors"
+            file = f"shard.part{files:05d}.safetensors"
+            files += 1
             store.write_tensors(tmp / file, pending)
             for name, t in pending.items():
                 entries.append({**piece(name, "model", t.shape, (0,) * t.ndim, t.shape, t), "file": file})

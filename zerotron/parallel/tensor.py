@@ -553,13 +553,3 @@ def gather_tensors(
         collectives.all_gather(full, shard, group)
         out[name] = full.movedim(0, dim).contiguous()
     return out
-
-
-def slice_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, ShardSpec]) -> dict[str, torch.Tensor]:
-    """This rank's shards of full tensors (the inverse of :func:`gather_tensors`)."""
-    return {
-        name: specs[name].slice(t).contiguous()
-        if name in specs and tuple(t.shape) == specs[name].global_shape
-        else t
-        for name, t in tensors.items()
-    }

@@ -23,7 +23,7 @@ bytes-elements, which is the all-reduce of plain data parallelism (NCCL bus conv
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Union
 
 import torch
@@ -226,9 +226,22 @@ class _ShardedBuckets:
             seg.param.grad = None
 
     @contextlib.contextmanager
-    def full_params(self, writeback: bool = False) -> Iterator[None]:
+    def full_params(self) -> Iterator[None]:
         """The module's parameters hold the whole model (always true for ZeRO-1/2)."""
         yield
+
+    @property
+    def names(self) -> set[str]:
+        """The parameters this engine shards (by name)."""
+        return {slot.name for layout in self.layouts for slot in layout.slots}
+
+    def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:
+        """Give every parameter the values ``whole(name)`` returns (ZeRO-1/2 keep them all; a checkpoint
+        load, one parameter at a time)."""
+        with torch.no_grad():
+            for layout in self.layouts:
+                for slot in layout.slots:
+                    slot.param.copy_(whole(slot.name))
 
     # -- accounting and checkpoints ----------------------------------------------------------------------
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -365,16 +365,14 @@ class ZeroStage3:
         return ptr != 0 and any(u.flat.untyped_storage().data_ptr() == ptr for u in self.units)
 
     @contextlib.contextmanager
-    def full_params(self, writeback: bool = False) -> Iterator[None]:
-        """Gather every unit (collective); with ``writeback`` the shards take the parameters' values after."""
+    def full_params(self) -> Iterator[None]:
+        """Gather every unit (collective) for the duration of the block, then free them again."""
         for unit in self.order:
             unit.wait_gather(self.group)
         try:
             yield
         finally:
             for unit in self.units:
-                if writeback:
-                    unit.write_shard(unit.flat[unit.layout.lo : unit.layout.hi].detach().cpu())
                 unit.free()
 
     # -- accounting and checkpoints ----------------------------------------------------------------------
@@ -415,6 +413,11 @@ class ZeroStage3:
     def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Whole AdamW tensors by parameter name (collective over dp)."""
         return gather_optimizer_state([u.layout for u in self.units], self.segments, optimizer, self.group)
+
+    @property
+    def names(self) -> set[str]:
+        """The parameters this engine shards (by name)."""
+        return {slot.name for unit in self.units for slot in unit.layout.slots}
 
     def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:
         """Give every unit's shard its part of the weights ``whole(name)`` returns (one parameter at a

@@ -13,8 +13,8 @@ parameter, that parameter's global shape and the offset of the segment in the fl
 (DESIGN contract 5). AdamW is element-wise, so updating the segments is exactly updating the whole
 parameters. Weight decay follows the parameter's rank (matrices only), as in the unsharded optimizer.
 
-Full tensors for checkpoints are rebuilt by all-gathering the shards (:func:`gather_full`); checkpoints
-therefore keep one layout-independent format: whole tensors by name.
+Checkpoints save each rank's segments as they are (their global shape and offsets go into the index);
+:func:`gather_full` rebuilds whole tensors where something needs them (a whole-state export).
 """
 
 from __future__ import annotations

@@ -220,6 +220,8 @@ def _check_batch(layout: Layout, work: Workload) -> None:
 
 
 def _check_features(m: ModelShape, layout: Layout) -> None:
+    if m.experts < 0:
+        raise PlanError(f"model.num_local_experts={m.experts} must be >= 0 (0: a dense MLP)")
     if m.experts and not 1 <= m.top_k <= m.experts:
         raise PlanError(
             f"model.num_experts_per_tok={m.top_k} must be between 1 and model.num_local_experts={m.experts}"

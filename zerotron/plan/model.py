@@ -146,6 +146,7 @@ class StageParams:
     tensors: int
     layers: int
     expert_elements: int = 0  # of ``elements``: the experts' (sharded by ZeRO over dp·cp/ep, not dp)
+    expert_tensors: int = 0  # of ``tensors``: the experts'
 
 
 def block_forward_flops(m: ModelShape, seq_len: int) -> float:
@@ -238,7 +239,8 @@ def stage_params(
         if not m.tied or pp > 1:
             elements += m.vocab * m.hidden // tp
             tensors += 1
-    return StageParams(elements=elements, tensors=tensors, layers=per_stage, expert_elements=experts)
+    expert_tensors = per_stage * m.mlp_matrices * (m.experts // ep)
+    return StageParams(elements, tensors, per_stage, experts, expert_tensors)
 
 
 def flops_per_token(m: ModelShape, seq_len: int) -> float:

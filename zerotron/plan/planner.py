@@ -130,14 +130,17 @@ def _model_states(
     dense = mem.StateLayout(layout.dp, layout.zero, *offload)
     if not sp.expert_elements:
         return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact)
-    expert_tensors = sp.layers * m.mlp_matrices * (m.experts // layout.ep)
     parts = [
         mem.model_states(
-            sp.elements - sp.expert_elements, sp.tensors - expert_tensors, dense, convention, work.precision
+            sp.elements - sp.expert_elements,
+            sp.tensors - sp.expert_tensors,
+            dense,
+            convention,
+            work.precision,
         ),
         mem.model_states(
             sp.expert_elements,
-            expert_tensors,
+            sp.expert_tensors,
             mem.StateLayout(expert_dp(layout), layout.zero, *offload),
             convention,
             work.precision,

@@ -31,7 +31,7 @@ from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.dist import collectives
 from zerotron.dist.mesh import Mesh
 from zerotron.parallel.offload import state_of
-from zerotron.parallel.tensor import ShardSpec, shard_specs
+from zerotron.parallel.tensor import shard_specs
 from zerotron.parallel.zero_flat import ADAM_KEYS
 
 
@@ -120,9 +120,8 @@ def _rank_pieces(
         tensors[name] = data
         entries.append(sharded.piece(name, kind, global_shape, offsets, box, data, flat))
 
-    covered: set[str] = set()  # the tensors ZeRO shards over dp (a rank may own no range of some)
+    covered: set[str] = zero.names if zero is not None else set()  # a rank may own no range of some
     if zero is not None:
-        covered = {slot.name for layout in zero.layouts for slot in layout.slots}
         for seg, values in zero.segment_values():
             box, flat = tuple(seg.global_shape), (seg.start, seg.length)
             add(seg.name, "model", seg.name, values, box, flat)
@@ -228,10 +227,9 @@ class _Reader:
         assert src is not None
         spec = self.specs.get(param)
         saved_shape = self.reader.shape(src)
-        if spec is not None and spec.sharded and saved_shape:
-            want, offsets, shape = spec.global_shape, spec.offsets, spec.shape
-        else:
-            want, offsets = shape, (0,) * len(shape)
+        want, offsets = shape, (0,) * len(shape)
+        if spec is not None and spec.sharded and saved_shape:  # ``shape`` is the tp shard's
+            want, offsets = spec.global_shape, spec.offsets
         if saved_shape != tuple(want):
             raise store.CheckpointError(
                 f"{self.ckpt}: {src!r} has shape {list(saved_shape)} in the checkpoint but this model "
@@ -265,9 +263,8 @@ class _Reader:
         for name, p in model.named_parameters(remove_duplicate=True):
             if self.saved(f"{name}.exp_avg") is None:
                 continue
-            shape = _local_shape(p, self.specs.get(name))
             for key in ADAM_KEYS:
-                names[f"{name}.{key}"] = (name, shape)
+                names[f"{name}.{key}"] = (name, tuple(p.shape))
             names[f"{name}.step"] = (name, ())
         return _Moments(self, names)
 
@@ -314,10 +311,9 @@ def load_checkpoint(
     with sharded.ShardedCheckpoint(ckpt, manifest) as reader:
         view = _Reader(reader, model)
         expected = view.expected(model, partial=mesh.dims.pp > 1)
-        if zero is not None and zero.stage == 3:  # each shard takes its range, one parameter at a time
+        if zero is not None:  # ZeRO-3 shards take their ranges, one parameter at a time
             zero.load_shards(lambda name: view.local(name, name, expected[name]))
-            sharded_names = {slot.name for layout in zero.layouts for slot in layout.slots}
-            expected = {n: shape for n, shape in expected.items() if n not in sharded_names}
+            expected = {n: shape for n, shape in expected.items() if n not in zero.names}
         model.load_state_dict({n: view.local(n, n, shape) for n, shape in expected.items()}, strict=False)
         moments = view.moments(model)
         if zero is not None:
@@ -332,11 +328,6 @@ def load_checkpoint(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return state
-
-
-def _local_shape(p: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:
-    """Shape of this rank's part of a parameter (its tp shard, or all of it)."""
-    return tuple(spec.shape) if spec is not None and spec.sharded else tuple(p.shape)
 
 
 def read_model_tensors(ckpt: Path, kind: str = "model") -> dict[str, torch.Tensor]:
