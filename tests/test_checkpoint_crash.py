@@ -109,4 +109,4 @@ def test_flipped_byte_is_named_and_resume_falls_back(tmp_path: Path, capfd: pyte
     assert f"{shard}: checksum mismatch" in captured.err and "falling back to step_00000002" in captured.err
     assert "resumed from" in captured.out and "at step 2" in captured.out
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 3, 4, 5, 6]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the abandoned steps 3-4 are replaced, not repeated

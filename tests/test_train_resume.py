@@ -78,7 +78,9 @@ def _killed_during_checkpoint(run_dir: str, kill_step: int) -> None:
 
 def test_sigkill_while_checkpointing_keeps_previous(tmp_path: Path) -> None:
     overrides = [*SMALL, "train.steps=12", "checkpoint.every=4", "checkpoint.keep=3"]
-    _, run_dir = train_run.prepare_run(None, overrides, 2, out=str(tmp_path / "run"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    train_run.prepare_run(train_run.load_job_config(None, overrides, 2), run_dir)
     with pytest.raises(LaunchError):
         run_distributed(_killed_during_checkpoint, 2, str(run_dir), 8, timeout=240)
     root = run_dir / "checkpoints"
@@ -87,7 +89,7 @@ def test_sigkill_while_checkpointing_keeps_previous(tmp_path: Path) -> None:
     store.verify(latest)  # complete and uncorrupted
     assert (root / ".tmp-step_00000008").exists()  # the half-written one was never published
     summary = train_run.launch_training(None, overrides, 2, out=str(run_dir), resume="auto")
-    assert summary["steps"] == 12
+    assert (summary["steps"], summary["last_step"], summary["resumed_from_step"]) == (8, 12, 4)
     assert store.find_latest(root).name == "step_00000012"
 
 

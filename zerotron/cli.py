@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Any
 
 EPILOG_TRAIN = """examples:
@@ -43,10 +44,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     config, overrides = _split_config_and_overrides(args.items)
     summary = launch_training(
-        config, overrides, args.nproc, out=args.out, resume=args.resume, deepspeed=args.deepspeed
+        config,
+        overrides,
+        args.nproc,
+        out=args.out,
+        resume=args.resume,
+        deepspeed=args.deepspeed,
+        overwrite=args.overwrite,
     )
+    if summary is None:  # a rank other than 0 of a torchrun/srun job: rank 0 reports
+        return 0
+    ran = f"{summary['steps']} steps"
+    if "resumed_from_step" in summary:
+        ran += f" (steps {summary['resumed_from_step'] + 1}-{summary['last_step']}, after resuming)"
     if "first_loss" in summary:
-        print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps")
+        print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {ran}")
+    else:
+        print(f"nothing to run: the checkpoint is at step {summary['last_step']} (train.steps)")
     if summary.get("sample"):
         print("sample:\n" + summary["sample"])
     print(f"run directory: {summary['run_dir']}")
@@ -54,7 +68,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from zerotron.serve.generate import generate_worker, run_generate
+    from zerotron.serve.generate import check_options, generate_worker, run_generate
 
     model, overrides = _split_config_and_overrides(args.items)
     tp = 1
@@ -76,6 +90,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
+    check_options(model, tp, options)
     if tp == 1:
         run_generate(model, args.prompt, **options)
         return 0
@@ -122,7 +137,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not args.hardware:
         raise PlanError(f"--hardware is required: choose one of {', '.join(PROFILES)} or give a profile file")
     hw = get_hardware(args.hardware)
-    gpus = args.gpus or hw.gpus_per_node
+    gpus = args.gpus if args.gpus is not None else hw.gpus_per_node
     cfg = load_config(config, overrides)
     if cfg.model.path:  # the architecture is in the HF directory or GGUF file, as for `zerotron train`
         from zerotron.models.loading import read_model_config
@@ -171,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
     train.add_argument("--out", help="run directory (default runs/<timestamp>)")
     train.add_argument("--resume", help="'auto' (newest complete checkpoint in --out) or a checkpoint folder")
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --out that holds an earlier run (deletes its metrics and checkpoints)",
+    )
     train.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed ds_config.json to map")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument(
@@ -255,9 +275,37 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; ``key=value`` overrides may stand anywhere, before or after the flags.
+
+    argparse's intermixed parsing does not work through sub-parsers, so the sub-command is looked up
+    first and its own parser reads the rest intermixed.
+    """
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv and argv[0] in subparsers.choices:
+        args = subparsers.choices[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)
+
+
+def _show_warning(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+    """zerotron's own warnings as one ``zerotron: warning:`` line; others as Python shows them."""
+    if category.__module__.startswith("zerotron"):
+        print(f"zerotron: warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _PYTHON_SHOWWARNING(message, category, *rest, **kw)
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zerotron` console script."""
-    args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning
+    args = parse_args(argv)
     try:
         return args.fn(args)
     except _user_errors() as e:

@@ -80,6 +80,21 @@ class ModelConfig:
         return ModelConfig(**values)
 
 
+# The fields that decide the parameters' shapes: a checkpoint resumes only into the same values.
+ARCHITECTURE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_heads",
+    "dim_per_head",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp",
+)
+
+
 @dataclass
 class ParallelConfig:
     """Degrees of every parallelism; their product is the world size."""
@@ -117,8 +132,16 @@ class TrainConfig:
     seq_len: int = _f(256, "tokens per sequence")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of the decay")
-    warmup_steps: int = _f(20, "linear warm-up steps")
+    warmup_steps: int = _f(20, "warm-up steps")
+    warmup_type: str = _f("linear", "how warm-up rises: linear, or log (DeepSpeed's default)")
+    warmup_min_lr: float = _f(0.0, "learning rate warm-up starts from")
     schedule: str = _f("cosine", "decay after warm-up: cosine, linear or constant")
+    schedule_convention: str = _f(
+        "zerotron",
+        "zerotron: step k runs warm-up step k+1 and reaches train.lr at the last warm-up step; deepspeed: "
+        "DeepSpeed's WarmupLR family (step k uses the scheduler's iteration k-1, so step 0 runs at "
+        "warmup_min_lr, and warm-up counts at least 2 steps) — set by --deepspeed",
+    )
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases)")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import tempfile
 import warnings
 from pathlib import Path
@@ -142,13 +143,20 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
-def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    path: str | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    between: dict[str, Any] | None = None,
+) -> Config:
     """The config of ``path`` (YAML/JSON; None for the defaults) with ``key=value`` overrides applied.
 
-    Model fields: defaults, then the preset's architecture, then every model field given explicitly.
-    ``model.path`` without an explicit ``model.preset`` clears the preset (the file has the architecture).
+    ``between`` holds dotted keys applied after the file and before the overrides (a mapped DeepSpeed
+    config: the command line wins over it). Model fields: defaults, then the preset's architecture, then
+    every model field given explicitly. ``model.path`` without an explicit ``model.preset`` clears the
+    preset (the file has the architecture).
     """
     flat = _flatten(_read_file(path), path) if path else {}
+    flat.update(between or {})
     for item in overrides:
         key, value = _parse_override(item)
         flat[key] = value
@@ -199,6 +207,8 @@ _CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
     "train.schedule": ("cosine", "linear", "constant"),
+    "train.warmup_type": ("linear", "log"),
+    "train.schedule_convention": ("zerotron", "deepspeed"),
     "model.mlp": ("gated", "plain"),
     "data.token_dtype": ("uint16", "uint32", "int32", "int64"),
     "log.progress": ("auto", "bar", "lines", "none"),
@@ -225,6 +235,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "train.lr",
     "train.min_lr",
+    "train.warmup_min_lr",
     "train.warmup_steps",
     "train.weight_decay",
     "train.grad_clip",
@@ -236,6 +247,7 @@ _NON_NEGATIVE = (
     "parallel.zero",
     "train.eps",
     "model.num_local_experts",
+    "parallel.persist_numel",
 )
 
 
@@ -244,7 +256,26 @@ def _get(cfg: Config, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
+def _check_finite(cfg: Config) -> None:
+    """No NaN or infinity in any number of the tree (they pass every ``<`` check and poison training)."""
+    for section in SECTIONS:
+        for f in dataclasses.fields(SECTIONS[section]):
+            value = getattr(getattr(cfg, section), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name}={value} must be a finite number")
+
+
 def _check_ranges(cfg: Config) -> None:
+    _check_finite(cfg)
+    for key in ("model.head_dim", "model.num_key_value_heads"):
+        if _get(cfg, key) is not None and _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1 (or null for the default)")
+    if cfg.parallel.bucket_mb <= 0:
+        raise ConfigError(
+            f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be > 0 (MiB per gradient bucket)"
+        )
+    if cfg.model.rms_norm_eps <= 0 or cfg.model.rope_theta <= 0 or cfg.model.initializer_range < 0:
+        raise ConfigError("model.rms_norm_eps and model.rope_theta must be > 0, model.initializer_range >= 0")
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: choose one of {', '.join(choices)}")
@@ -262,7 +293,7 @@ def _check_ranges(cfg: Config) -> None:
     for key, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         if not 0 <= value < 1:
             raise ConfigError(f"{key}={value} must be in [0, 1)")
-    if t.min_lr > t.lr:
+    if t.min_lr > t.lr and t.schedule != "constant":
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower train.min_lr")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1")

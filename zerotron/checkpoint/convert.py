@@ -33,6 +33,25 @@ from zerotron.models.tokenizer import HFTokenizer
 Tensors = Iterator[tuple[str, torch.Tensor]]
 
 
+def checkpoint_tokenizer(ckpt: Path) -> Any:
+    """The tokenizer a checkpoint was trained with (None if it records none): ``data.tokenizer`` of its
+    config (``byte``, a tokenizer.json, or ``model``: that of ``model.path``, followed through further
+    checkpoints), or, for a converted model, the tokenizer of the file it was converted from."""
+    from zerotron.models.tokenizer import ByteTokenizer, load_tokenizer
+
+    config = store.read_json(ckpt / "trainer.json").get("config", {})
+    name = (config.get("data") or {}).get("tokenizer", "model")
+    if name == "byte":
+        return ByteTokenizer()
+    if name != "model":
+        return load_tokenizer(name)
+    source = (config.get("model") or {}).get("path") or ""
+    if not source:
+        return None
+    inner = store.checkpoint_dir(Path(source))
+    return checkpoint_tokenizer(inner) if inner is not None else load_tokenizer(source)
+
+
 def _from_checkpoint(ckpt: Path) -> tuple[ModelConfig, Tensors, Any]:
     store.verify(ckpt)
     model_cfg = ModelConfig(**store.read_json(ckpt / "trainer.json")["config"]["model"])
@@ -43,12 +62,7 @@ def _from_checkpoint(ckpt: Path) -> tuple[ModelConfig, Tensors, Any]:
             for name in reader.names("model"):
                 yield name, reader.read(name)
 
-    tokenizer = None
-    if model_cfg.path:
-        from zerotron.models.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(model_cfg.path)
-    return model_cfg, tensors(), tokenizer
+    return model_cfg, tensors(), checkpoint_tokenizer(ckpt)
 
 
 def open_source(src: Path) -> tuple[ModelConfig, Tensors, Any]:

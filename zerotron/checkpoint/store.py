@@ -39,6 +39,11 @@ from safetensors.torch import load_file, save_file
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 INDEX = "index.json"  # where every saved tensor's pieces lie (zerotron.checkpoint.sharded)
 INDEX_FORMAT = 1
+# safetensors creates its files 0600; give them the mode every other file of the run gets (0666 less the
+# umask). Read once at import, on the main thread: os.umask can only be read by setting it.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK
 
 
 class CheckpointError(ValueError):
@@ -74,6 +79,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: cannot write safetensors ({e})") from e
+    os.chmod(path, _FILE_MODE)
     _fsync_file(path)
 
 
@@ -184,9 +190,29 @@ def wait_written(root: Path, step: int, world_size: int, give_up_at: Callable[[]
         time.sleep(0.005)
 
 
+def _latest_step(root: Path) -> int | None:
+    """The step of the checkpoint ``latest`` names, or None when there is no readable pointer."""
+    try:
+        match = _STEP_DIR.match((root / "latest").read_text(encoding="utf-8").strip())
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoint folders newest first, ``latest`` the newest: a higher step than the one it names
+    belongs to an abandoned line of training (a resume from an older checkpoint) and is never chosen."""
+    folders = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
+    top = _latest_step(root)
+    if top is None:
+        return folders
+    return [p for p in folders if int(p.name[5:]) <= top]
+
+
 def _prune(root: Path, keep: int) -> None:
-    complete = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
-    for old in complete[: max(0, len(complete) - max(1, keep))]:
+    """Keep the checkpoint ``latest`` names and the ``keep - 1`` before it; leave later-numbered ones of an
+    abandoned line alone (a resume overwrites them when it gets there)."""
+    for old in _candidates(root)[max(1, keep) :]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step_*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -228,11 +254,14 @@ def verify(ckpt: Path, hashes: bool = True) -> dict:
 
 
 def scan(root: Path) -> tuple[Path | None, list[str]]:
-    """Newest complete, verified checkpoint under ``root`` and why each newer one was skipped."""
+    """Newest complete, verified checkpoint under ``root`` and why each newer one was skipped.
+
+    ``latest`` is the source of truth: the search starts at the checkpoint it names and falls back to
+    older ones; a folder numbered above it is not considered."""
     if not root.is_dir():
         return None, []
     skipped: list[str] = []
-    for ckpt in sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True):
+    for ckpt in _candidates(root):
         try:
             verify(ckpt)
         except CheckpointError as e:
@@ -256,7 +285,7 @@ def checkpoint_dir(path: Path) -> Path | None:
 
 
 def find_latest(root: Path) -> Path | None:
-    """Newest complete checkpoint under ``root`` (by step), verified; None when there is none."""
+    """Newest complete checkpoint under ``root`` (from ``latest``), verified; None when there is none."""
     return scan(root)[0]
 
 

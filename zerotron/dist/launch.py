@@ -37,11 +37,70 @@ class LaunchError(RuntimeError):
 
 
 def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or another launcher that set RANK/WORLD_SIZE)."""
+    """Whether this process is one rank of a job someone else launched: torchrun (or any launcher that
+    sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), or SLURM's ``srun`` (SLURM_PROCID and SLURM_NTASKS,
+    see :func:`adopt_slurm_env`)."""
     env = os.environ
-    return "TORCHELASTIC_RUN_ID" in env or all(
-        k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    )
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return True
+    return adopt_slurm_env()
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            end = i
+            break
+    head = nodelist[:end].strip()
+    if "[" not in head:
+        return head
+    prefix, _, rest = head.partition("[")
+    return prefix + rest.split(",")[0].split("-")[0].rstrip("]")
+
+
+def adopt_slurm_env() -> bool:
+    """Under ``srun`` (SLURM_PROCID, SLURM_NTASKS set), fill torchrun's variables from SLURM's: RANK,
+    WORLD_SIZE, LOCAL_RANK (SLURM_LOCALID), MASTER_ADDR (the first host of SLURM_JOB_NODELIST unless
+    set) and MASTER_PORT (unless set: 20000 + the job id modulo 20000, the same on every task).
+    Returns whether this process is a SLURM task."""
+    env = os.environ
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or "SLURM_STEP_ID" not in env:
+        return False
+    env.setdefault("RANK", env["SLURM_PROCID"])
+    env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
+    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 20000))
+    return True
+
+
+def job_rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process in a launched job, from the launcher's environment."""
+    env = os.environ
+    try:
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError) as e:
+        raise LaunchError(f"RANK/WORLD_SIZE are not set or not integers ({e}); run under torchrun or srun") from None
+
+
+def share_from_rank0(text: str) -> str:
+    """Rank 0's ``text`` on every rank of the job (the others pass anything, e.g. ``""``).
+
+    For setting up a job before any mesh exists (rank 0 prepares the run directory and tells the others
+    where it is, or why it failed); two small broadcasts over the whole world, not a training collective.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    data = text.encode("utf-8")
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0 and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.cpu().tolist()).decode("utf-8")
 
 
 def free_port() -> int:

@@ -254,6 +254,9 @@ def write_hf_files(
     flush()
     _name_shards(out, shards, total)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
+    mode = (out / "config.json").stat().st_mode & 0o777  # safetensors writes 0600; match the others
+    for shard in out.glob("*.safetensors"):
+        os.chmod(shard, mode)
     gen = {
         k: v
         for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id))

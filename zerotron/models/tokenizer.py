@@ -190,6 +190,32 @@ class ByteTokenizer(Tokenizer):
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def to_files(self) -> dict[str, str]:
+        """The same tokenizer as tokenizer.json + tokenizer_config.json, for transformers and
+        :meth:`HFTokenizer.from_file`: byte-level BPE with the 256 byte tokens as ids 0..255 and no
+        merges (so every byte is its own id), and the special tokens at 256..258."""
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import decoders, models, pre_tokenizers
+
+        table = _bytes_to_unicode()
+        backend = Backend(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens(["<bos>", "<eos>", "<pad>"])
+        conf = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "add_bos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": self.chat_template,
+        }
+        return {
+            "tokenizer.json": backend.to_str(),
+            "tokenizer_config.json": json.dumps(conf, indent=2) + "\n",
+        }
+
 
 class HFTokenizer(Tokenizer):
     """A ``tokenizers.Tokenizer`` with the special-token ids and chat template of its model.

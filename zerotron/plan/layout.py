@@ -208,8 +208,9 @@ def _check_batch(layout: Layout, work: Workload) -> None:
     per_rank = work.global_batch // layout.dp
     if per_rank % layout.micro_batch:
         raise PlanError(
-            f"global_batch/dp = {per_rank} sequences per rank is not a multiple of "
-            f"train.micro_batch={layout.micro_batch}; choose a micro_batch that divides {per_rank}"
+            f"train.global_batch={work.global_batch} / dp={layout.dp} = {per_rank} sequences per rank is not a "
+            f"multiple of train.micro_batch={layout.micro_batch}; set train.micro_batch to a divisor of "
+            f"{per_rank} or train.global_batch to a multiple of {layout.dp * layout.micro_batch}"
         )
     m = per_rank // layout.micro_batch
     if layout.pp_schedule == "interleaved" and layout.pp > 1 and m % layout.pp:

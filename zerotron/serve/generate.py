@@ -169,6 +169,56 @@ class TextStream:
             self.printed = len(text)
 
 
+def model_config(path: str) -> Any:
+    """The architecture at ``path``: a HF directory, a GGUF file, or a zerotron checkpoint or run."""
+    from pathlib import Path
+
+    from zerotron.checkpoint import store
+    from zerotron.config import ModelConfig
+    from zerotron.models.loading import read_model_config
+
+    try:
+        ckpt = store.checkpoint_dir(Path(path)) if Path(path).is_dir() else None
+    except store.CheckpointError as e:
+        raise ModelLoadError(str(e)) from e
+    if ckpt is None:
+        return read_model_config(path)
+    return ModelConfig(**store.read_json(ckpt / "trainer.json")["config"]["model"])
+
+
+def check_options(model_path: str, tp: int, options: dict[str, Any]) -> None:
+    """Every generate option in range and ``tp`` able to split the model: one-line errors before any rank."""
+    from zerotron.config import Config
+    from zerotron.config_load import ConfigError, _check_tensor_parallel
+
+    checks = [
+        ("--max-new-tokens", options["max_new_tokens"] >= 1, "at least 1"),
+        ("--temperature", options["temperature"] >= 0, ">= 0 (0 is greedy)"),
+        ("--top-k", options["top_k"] >= 0, ">= 0 (0 keeps every token)"),
+        ("--top-p", 0 < options["top_p"] <= 1, "in (0, 1] (1 keeps every token)"),
+    ]
+    for flag, ok, what in checks:
+        value = options[flag[2:].replace("-", "_")]
+        if not ok or value != value:  # NaN fails every comparison
+            raise ConfigError(f"{flag} {value}: must be {what}")
+    cfg = Config(model=model_config(model_path))
+    cfg.parallel.tp = tp
+    _check_tensor_parallel(cfg)
+
+
+def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, Any]:
+    """Model and tokenizer from a HF directory, a GGUF file, or a zerotron checkpoint or run directory."""
+    from pathlib import Path
+
+    from zerotron.checkpoint.convert import open_source
+    from zerotron.models.loading import build_from_state
+
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        cfg, tensors, tokenizer = open_source(Path(path))  # a checkpoint or run: whole tensors by name
+        return build_from_state(cfg, dict(tensors), path, dtype, device), tokenizer
+    return load_pretrained(path, dtype=dtype, device=device)
+
+
 def run_generate(
     model_path: str,
     prompt: str,
@@ -184,13 +234,13 @@ def run_generate(
     stats: Optional[TextIO] = sys.stderr,
     tp_group: Optional[Group] = None,
 ) -> dict[str, Any]:
-    """``zerotron generate``: load ``model_path`` (HF directory or GGUF), stream the continuation to ``out``.
+    """``zerotron generate``: load ``model_path`` (HF directory, GGUF, zerotron checkpoint or run), stream the continuation to ``out``.
 
     With ``chat``, the prompt becomes one user message rendered by the model's chat template. Timings
     go to ``stats`` (None: silent). Returns :func:`generate`'s dict plus ``"text"``. With ``tp_group``
     (every rank of it calls this), the model is split over the group and only its first rank prints.
     """
-    model, tokenizer = load_pretrained(model_path, dtype=dtype, device=device)
+    model, tokenizer = load_model(model_path, dtype=dtype, device=device)
     if tp_group is not None and tp_group.size > 1:
         plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
         apply_tensor_parallel(model, plan, tp_group)

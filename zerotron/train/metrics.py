@@ -8,6 +8,7 @@ model_state_bytes, activation_bytes, layout, rank`` (plus ``skipped`` and ``loss
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -111,6 +112,24 @@ class ActivationMeter:
         """Peak of the step so far; resets for the next step (to what is still alive)."""
         peak, self.peak = self.peak, self.current
         return peak
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop the records after ``step`` from ``metrics.jsonl`` (and per-rank files): a resume from the
+    checkpoint of ``step`` runs the later steps again and their new records replace the abandoned ones."""
+    for path in [run_dir / "metrics.jsonl", *run_dir.glob("metrics.rank*.jsonl")]:
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if int(json.loads(line)["step"]) <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 class MetricsWriter:

@@ -43,19 +43,47 @@ def adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainCon
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
+def _warmup_fraction(i: int, warmup: int, kind: str) -> float:
+    """How far warm-up has risen at iteration ``i`` of ``warmup`` (DeepSpeed's linear and log forms)."""
+    if kind == "log":
+        return math.log(i + 1) / math.log(warmup)
+    return i / warmup
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warm-up, then cosine/linear/constant."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    """Learning rate for optimizer step ``step`` (0-based): warm-up from ``warmup_min_lr``, then
+    cosine/linear decay to ``min_lr`` over the remaining steps, or constant.
+
+    ``schedule_convention=zerotron``: step k is warm-up step k+1 of ``warmup_steps`` (linear: the
+    fraction (k+1)/W; log: log(k+2)/log(W+1)), so the last warm-up step runs at ``lr``.
+    ``schedule_convention=deepspeed``: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR exactly as
+    its engine applies them: step k uses the scheduler's iteration i = k-1 (the engine steps the scheduler
+    after the optimizer), i = -1 gives ``warmup_min_lr`` (0 for cosine), warm-up spans max(2, W)
+    iterations, and the decay runs over ``steps`` iterations in DeepSpeed's formulas.
+    """
+    deepspeed = cfg.schedule_convention == "deepspeed"
+    i, warmup = (step - 1, max(2, cfg.warmup_steps)) if deepspeed else (step + 1, cfg.warmup_steps)
+    start, peak = cfg.warmup_min_lr, cfg.lr
+    if deepspeed and i < 0:
+        return 0.0 if cfg.schedule == "cosine" else start
+    in_warmup = i < warmup if deepspeed else (cfg.warmup_steps > 0 and step < cfg.warmup_steps)
+    if in_warmup:
+        # zerotron's log form is DeepSpeed's over W+1 iterations, so that iteration W reaches the peak
+        span = warmup + 1 if not deepspeed and cfg.warmup_type == "log" else warmup
+        return start + (peak - start) * _warmup_fraction(i, span, cfg.warmup_type)
     if cfg.schedule == "constant":
-        return cfg.lr
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return peak
+    if deepspeed:
+        span = max(1, cfg.steps - warmup)
+        progress = (i - warmup + (1 if cfg.schedule == "cosine" else 0)) / span
+    else:
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, progress)
     if cfg.schedule == "linear":
-        factor = 1.0 - progress
+        factor = max(0.0, 1.0 - progress)
     else:
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+    return cfg.min_lr + (peak - cfg.min_lr) * factor
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], shard_groups: Sequence[Group] = ()) -> torch.Tensor:

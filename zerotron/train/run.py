@@ -18,15 +18,24 @@ import numpy as np
 import torch
 
 from zerotron.checkpoint import store
-from zerotron.config import Config, ModelConfig
+from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import ConfigError, load_config, save_config, validate
-from zerotron.dist.launch import current_rank_and_world, spawn, under_torchrun
+from zerotron.dist.launch import (
+    current_rank_and_world,
+    destroy_distributed,
+    init_distributed,
+    job_rank_and_world,
+    share_from_rank0,
+    spawn,
+    under_torchrun,
+)
 from zerotron.dist.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
+from zerotron.train import run_dir as run_dir_lock
 from zerotron.train.data import load_tokens, prepare_tokens
-from zerotron.train.metrics import plot_loss
+from zerotron.train.metrics import plot_loss, truncate_metrics
 from zerotron.train.trainer import Trainer
 
 
@@ -141,22 +150,84 @@ def describe_schedule(config_path: str | None, overrides: list[str], nproc: int)
     return "\n".join([head, schedule.format(), tail])
 
 
-def prepare_run(
+def load_job_config(
     config_path: str | None,
     overrides: list[str],
     world_size: int,
-    out: str | None = None,
     deepspeed: str | None = None,
-) -> tuple[Config, Path]:
-    """Load and check the config, create the run directory, write config.yaml and tokens.npy."""
-    cfg = load_config(config_path, overrides)
+    report: bool = True,
+) -> Config:
+    """The job's config, checked: file, DeepSpeed mapping (command-line overrides win; its table printed
+    when ``report``), model.path's architecture and every check that needs no data. Writes no file, so
+    every rank of a job may run it."""
     if deepspeed:
-        cfg = from_deepspeed(deepspeed, cfg, world_size)
+        mapped = from_deepspeed(deepspeed, config_path, overrides, world_size)
+        if report:
+            print(mapped.table(), flush=True)
+        cfg = mapped.config
+    else:
+        cfg = load_config(config_path, overrides)
     cfg = resolve_model(cfg)
     validate(cfg, world_size)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     if dims.pp > 1:
         _check_pipeline(cfg, dims)
+    return cfg
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def _check_resume_model(ckpt: Path, cfg: Config) -> None:
+    """The checkpoint holds the same architecture as the config (else one line naming the field)."""
+    saved = ModelConfig(**_saved_model_config(ckpt))
+    for name in ARCHITECTURE_FIELDS:
+        ours, theirs = getattr(cfg.model, name), getattr(saved, name)
+        if theirs != ours:
+            raise ConfigError(
+                f"--resume {ckpt}: the checkpoint's model has {name}={theirs} but this config has "
+                f"model.{name}={ours}; resume with the same model settings or start a new run (--out)"
+            )
+
+
+def resolve_resume(run_dir: Path, resume: str | None, cfg: Config) -> Path | None:
+    """The checkpoint to resume from (verified once, here) or None; ``auto`` says what it found."""
+    if resume is None:
+        return None
+    path: Path | None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {resume}: no such checkpoint folder")
+        store.verify(path)  # a corrupt file stops here, named, before any rank starts
+    else:
+        path, skipped = store.scan(run_dir / "checkpoints")
+        for reason in skipped:
+            fallback = f"falling back to {path.name}" if path else "no complete checkpoint left"
+            print(f"zerotron: skipping a checkpoint: {reason}; {fallback}", file=sys.stderr, flush=True)
+        if path is None and skipped:
+            raise ConfigError(
+                f"--resume auto: no usable checkpoint in {run_dir / 'checkpoints'} (see above); repair or "
+                "remove them, or start over with --overwrite"
+            )
+        if path is None:
+            print(
+                f"zerotron: --resume auto: no checkpoint in {run_dir / 'checkpoints'}; starting from step 0",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+    assert path is not None
+    _check_resume_model(path, cfg)
+    return path
+
+
+def prepare_run(cfg: Config, run_dir: Path) -> int:
+    """Tokenise the data and write config.yaml, tokens.npy and the tokenizer files; return the token count.
+
+    Paths in the saved config are made absolute, so the run directory is usable from anywhere.
+    """
     tokenizer = make_tokenizer(cfg)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -176,29 +247,67 @@ def prepare_run(
             f"data.source {cfg.data.source!r} holds token id {top} but model.vocab_size is {cfg.model.vocab_size}; "
             f"set model.vocab_size>={top + 1}"
         )
-    run_dir = Path(out) if out else default_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("bos", "eos"):  # recorded so that exports stop generation where the tokenizer does
+        if (
+            getattr(cfg.model, f"{name}_token_id") is None
+            and getattr(tokenizer, f"{name}_id", None) is not None
+        ):
+            setattr(cfg.model, f"{name}_token_id", getattr(tokenizer, f"{name}_id"))
+    if cfg.model.path:
+        cfg.model.path = _absolute(cfg.model.path)
+    if cfg.data.tokenizer not in ("byte", "model"):
+        cfg.data.tokenizer = _absolute(cfg.data.tokenizer)
+    if cfg.data.source != "stdlib":
+        cfg.data.source = _absolute(cfg.data.source)
     save_config(cfg, run_dir / "config.yaml")
     _atomic_save_npy(run_dir / "tokens.npy", tokens)
-    return cfg, run_dir
+    to_files = getattr(tokenizer, "to_files", None)
+    for name, text in (to_files() if to_files else {}).items():  # generate/convert/serve read them
+        (run_dir / name).write_text(text, encoding="utf-8")
+    return len(tokens)
+
+
+def banner(cfg: Config, world: int, n_tokens: int, run_dir: Path) -> str:
+    """One line before step 1: model size, layout, data, tokens per step, run directory."""
+    from zerotron.plan.layout import from_config
+    from zerotron.plan.model import total_params
+
+    shape, layout, _ = from_config(cfg, world)
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    name = m.preset or Path(m.path or "model").name
+    return (
+        f"zerotron: {name} ({total_params(shape) / 1e6:,.2f} M parameters, {m.num_hidden_layers} layers, "
+        f"hidden {m.hidden_size}) | dp={layout.dp} tp={p.tp} pp={p.pp} cp={p.cp} zero={p.zero} on {world} "
+        f"rank{'s' if world > 1 else ''} | data {cfg.data.source}: {n_tokens:,} tokens ({cfg.data.tokenizer}) "
+        f"| {t.global_batch * t.seq_len:,} tokens per step x {t.steps} steps, {t.precision} | run directory "
+        f"{run_dir}"
+    )
 
 
 def train_worker(run_dir: str, resume: str | None) -> dict[str, Any]:
-    """Body of one rank: build the mesh and the trainer, train, and (rank 0) report."""
+    """Body of one rank: build the mesh and the trainer, train, and (rank 0) report.
+
+    ``resume`` is the checkpoint folder the launcher chose and verified (None: start at step 0).
+    """
     rd = Path(run_dir)
     cfg = load_config(str(rd / "config.yaml"), [])
     rank, world = current_rank_and_world()
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
     trainer = Trainer(cfg, mesh, rd, load_tokens(str(rd / "tokens.npy")))
     resumed = trainer.resume(resume) if resume else None
+    if rank == 0:
+        truncate_metrics(rd, trainer.step)  # steps after the checkpoint are run again: no duplicates
     if resumed is not None and rank == 0:
         saved = {k: v for k, v in (trainer.resumed_layout or {}).items() if k != "world_size"}
         moved = (
             f", resharded from {saved} to {trainer.layout()}" if saved and saved != trainer.layout() else ""
         )
         print(f"resumed from {resumed} at step {trainer.step}{moved}", flush=True)
+    start = trainer.step
     history = trainer.fit()
-    summary: dict[str, Any] = {"rank": rank, "steps": trainer.step}
+    summary: dict[str, Any] = {"rank": rank, "steps": trainer.step - start, "last_step": trainer.step}
+    if resumed is not None:
+        summary["resumed_from_step"] = start
     if history:
         summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
     if rank == 0:
@@ -262,24 +371,73 @@ def launch_training(
     out: str | None = None,
     resume: str | None = None,
     deepspeed: str | None = None,
-) -> dict[str, Any]:
-    """Check, prepare and run a training job on ``nproc`` local ranks (or under torchrun)."""
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
-    cfg, run_dir = prepare_run(config_path, overrides, world, out, deepspeed)
-    from zerotron.checkpoint import store
+    overwrite: bool = False,
+) -> dict[str, Any] | None:
+    """Check, prepare and run a training job on ``nproc`` local ranks, or as one rank of a torchrun job.
 
-    if resume and resume != "auto":
-        if not Path(resume).is_dir():
-            raise ConfigError(f"--resume {resume}: no such checkpoint folder")
-        store.verify(Path(resume))  # a corrupt file stops here, named, before any rank starts
-    if resume == "auto":
-        latest, skipped = store.scan(run_dir / "checkpoints")
-        for reason in skipped:
-            fallback = f"falling back to {latest.name}" if latest else "no complete checkpoint left"
-            print(f"zerotron: skipping a checkpoint: {reason}; {fallback}", file=sys.stderr, flush=True)
-    results = spawn(train_worker, nproc, args=(str(run_dir), resume))
-    summary = next(r for r in results if r.get("rank") == 0)
+    Returns rank 0's summary; under torchrun the other ranks return None (rank 0 reports for the job).
+    """
+    if under_torchrun():
+        return _run_as_job_rank(config_path, overrides, out, resume, deepspeed, overwrite)
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: give at least 1 local rank")
+    cfg = load_job_config(config_path, overrides, nproc, deepspeed)
+    run_dir = Path(out) if out else default_run_dir()
+    lock = run_dir_lock.claim(run_dir, resume, overwrite)  # held until this process ends
+    try:
+        checkpoint = resolve_resume(run_dir, resume, cfg)
+        n_tokens = prepare_run(cfg, run_dir)
+        print(banner(cfg, nproc, n_tokens, run_dir), flush=True)
+        ckpt = str(checkpoint) if checkpoint else None
+        results = spawn(train_worker, nproc, args=(str(run_dir), ckpt), backend=cfg.parallel.backend)
+        return _report(results[0], run_dir)
+    finally:
+        lock.close()
+
+
+def _report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     summary["run_dir"] = str(run_dir)
     with open(run_dir / "summary.json", "w", encoding="utf-8") as f:
         json.dump({k: v for k, v in summary.items() if k != "sample"}, f, indent=1)
     return summary
+
+
+def _run_as_job_rank(
+    config_path: str | None,
+    overrides: list[str],
+    out: str | None,
+    resume: str | None,
+    deepspeed: str | None,
+    overwrite: bool,
+) -> dict[str, Any] | None:
+    """This process is one rank of a torchrun/SLURM job (DESIGN contract 10): every rank checks the
+    config (pure), rank 0 alone claims the run directory and writes the shared files while the others
+    wait for its word, then every rank trains; rank 0 reports."""
+    rank, world = job_rank_and_world()
+    cfg = load_job_config(config_path, overrides, world, deepspeed, report=rank == 0)
+    init_distributed(cfg.parallel.backend)
+    lock = None
+    try:
+        word = ""
+        if rank == 0:
+            try:
+                run_dir = Path(out) if out else default_run_dir()
+                lock = run_dir_lock.claim(run_dir, resume, overwrite)
+                checkpoint = resolve_resume(run_dir, resume, cfg)
+                n_tokens = prepare_run(cfg, run_dir)
+                print(banner(cfg, world, n_tokens, run_dir), flush=True)
+                word = json.dumps(
+                    {"run_dir": str(run_dir), "resume": str(checkpoint) if checkpoint else None}
+                )
+            except Exception as e:
+                share_from_rank0(json.dumps({"error": str(e)}))
+                raise
+        message = json.loads(share_from_rank0(word))
+        if "error" in message:
+            raise ConfigError(f"rank 0 could not prepare the run: {message['error']}")
+        summary = train_worker(message["run_dir"], message["resume"])
+        return _report(summary, Path(message["run_dir"])) if rank == 0 else None
+    finally:
+        destroy_distributed()
+        if lock is not None:
+            lock.close()
