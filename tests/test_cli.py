@@ -79,10 +79,12 @@ def test_train_end_to_end_small(capsys: pytest.CaptureFixture[str], tmp_path: Pa
         "comm_bytes",
         "model_state_bytes",
         "activation_bytes",
+        "peak_memory_bytes",
         "layout",
         "rank",
     }
     assert keys <= set(records[0])
+    assert records[0]["peak_memory_bytes"] > records[0]["model_state_bytes"]["params"]
     assert records[0]["mfu"] is None and records[0]["layout"]["dp"] == 2
     states = records[0]["model_state_bytes"]
     # AdamW: two fp32 moments per parameter, plus one scalar step counter per parameter tensor.

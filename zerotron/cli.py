@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import Any
+from typing import Any, NoReturn
+
+from zerotron.config_load import ConfigError
 
 EPILOG_TRAIN = """examples:
   zerotron train                                   # the embedded default: tiny model, stdlib corpus, 2 ranks
@@ -24,7 +26,7 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
         elif config is None:
             config = item
         else:
-            raise SystemExit(f"zerotron: error: more than one config file given ({config!r}, {item!r})")
+            raise ConfigError(f"more than one config file given ({config!r}, {item!r})")
     return config, overrides
 
 
@@ -75,13 +77,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for item in overrides:
         key, _, value = item.partition("=")
         if key != "parallel.tp" or not value.isdigit() or int(value) < 1:
-            raise SystemExit(f"zerotron: error: generate takes only parallel.tp=N (an integer), not {item!r}")
+            raise ConfigError(f"generate takes only parallel.tp=N (an integer), not {item!r}")
         tp = int(value)
     if model is None:
-        raise SystemExit("zerotron: error: generate needs a MODEL (Hugging Face directory or .gguf file)")
+        raise ConfigError("generate needs a MODEL (Hugging Face directory or .gguf file)")
     nproc = args.nproc if args.nproc is not None else tp
     if nproc != tp:
-        raise SystemExit(f"zerotron: error: --nproc {nproc} must equal parallel.tp={tp} for generate")
+        raise ConfigError(f"--nproc {nproc} must equal parallel.tp={tp} for generate")
     options = dict(
         chat=args.chat,
         max_new_tokens=args.max_new_tokens,
@@ -144,6 +146,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         cfg.model = read_model_config(cfg.model.path)
     if args.search:
+        if args.top < 1:
+            raise PlanError(f"--top {args.top}: show at least 1 layout")
         model, _, work = from_config(_unplaced(cfg), gpus)
         found = search(model, work, hw, gpus, convention=args.convention, top=args.top)
         if args.json:
@@ -164,12 +168,17 @@ def _unplaced(cfg: Any) -> Any:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=-1, tp=1, pp=1, cp=1))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (``zerotron train: error: ...; see zerotron train --help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="zerotron", description="Train, convert and run transformer models."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="zerotron", description="Train, convert and run transformer models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser(
         "train",
@@ -305,7 +314,10 @@ _PYTHON_SHOWWARNING = warnings.showwarning
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zerotron` console script."""
     warnings.showwarning = _show_warning
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # argparse's own exit (--help, a malformed flag: one line already printed)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.fn(args)
     except _user_errors() as e:

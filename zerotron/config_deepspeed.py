@@ -10,7 +10,7 @@ Hugging Face's integration does, from the rest of the config), "no effect in zer
 DeepSpeed's meanings kept: the batch triplet rule (any two of ``train_batch_size``,
 ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` give the third, with the
 data-parallel size); FusedAdam's defaults for keys the optimizer section leaves out (lr 1e-3, betas
-(0.9, 0.999), eps 1e-8, weight decay 0); no clipping without ``gradient_clipping``; the WarmupLR family
+(0.9, 0.999), eps 1e-8, weight decay 0); clipping at 1.0 without ``gradient_clipping``; the WarmupLR family
 with its defaults (log warm-up, 1000 warm-up steps, decay to ``warmup_min_lr``) and its step indexing
 (``train.schedule_convention=deepspeed``).
 """
@@ -355,7 +355,7 @@ def _map_rest(ds: dict[str, Any], m: _Mapper) -> None:
         else:
             m.refused.append(f"{key}")
     if "gradient_clipping" not in ds:
-        m.default("gradient_clipping", "train.grad_clip", 0.0, "DeepSpeed does not clip without it")
+        m.default("gradient_clipping", "train.grad_clip", 1.0, "DeepSpeed's default")
 
 
 def from_deepspeed(

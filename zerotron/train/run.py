@@ -172,7 +172,25 @@ def load_job_config(
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     if dims.pp > 1:
         _check_pipeline(cfg, dims)
+    _check_fits_host(cfg)
     return cfg
+
+
+def _check_fits_host(cfg: Config) -> None:
+    """Each rank builds the model's fp32 weights whole before splitting them (until meta-device
+    materialisation lands): refuse a model whose weights alone exceed this machine's memory."""
+    from zerotron.plan.model import ModelShape, total_params
+
+    need = 4 * total_params(ModelShape.from_config(cfg.model))
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        m = cfg.model
+        raise ConfigError(
+            f"the model has {need / 4:,.0f} parameters ({need / 2**30:,.1f} GiB in fp32), more than this "
+            f"machine's {have / 2**30:,.1f} GiB (hidden_size={m.hidden_size}, head_dim={m.dim_per_head}, "
+            f"intermediate_size={m.intermediate_size}, vocab_size={m.vocab_size}, layers={m.num_hidden_layers}); "
+            "check the model.* sizes"
+        )
 
 
 def _absolute(path: str) -> str:

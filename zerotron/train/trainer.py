@@ -83,6 +83,15 @@ def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> 
     return model
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: CUDA's max allocated bytes, or on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 def peak_flops(device: torch.device) -> float | None:
     """Peak dense bf16 FLOP/s of one device, when known."""
     if device.type != "cuda":
@@ -281,6 +290,7 @@ class Trainer:
             "comm_bytes": self.mesh.stats.snapshot(),
             "model_state_bytes": states,
             "activation_bytes": activation,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
             "layout": self.layout(),
             "rank": self.mesh.rank,
         }
