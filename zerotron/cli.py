@@ -161,6 +161,40 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """`zerotron bench`: the same job on zerotron and its peers, side by side."""
+    from zerotron.bench import parse_frameworks, run_bench
+
+    config, overrides = _split_config_and_overrides(args.items)
+    results = run_bench(
+        config,
+        overrides,
+        parse_frameworks(args.frameworks),
+        args.nproc,
+        repeats=args.repeats,
+        out=args.out,
+        plan_hardware=args.hardware if args.plan else None,
+    )
+    if results is None:  # a rank other than 0 of a torchrun job
+        return 0
+    print(results["table"])
+    plan = results["frameworks"].get("zerotron", {}).get("plan")
+    if plan and "step_time_s" in plan:
+        error = (
+            f" (measured / predicted - 1 = {plan['step_time_error']:+.1%})"
+            if "step_time_error" in plan
+            else ""
+        )
+        print(
+            f"zerotron plan on {plan['hardware']}: {plan['step_time_s']:.4f} s per step, "
+            f"{plan['memory_bytes'] / 2**20:,.0f} MiB per rank{error}"
+        )
+    elif plan:
+        print(f"zerotron plan on {plan['hardware']}: {plan['error']}")
+    print(f"results: {results['run_dir']}/results.json, {results['run_dir']}/bench.png")
+    return 0
+
+
 def _unplaced(cfg: Any) -> Any:
     """``cfg`` with ``parallel`` reset to one rank of pure data parallelism (the search picks the layout)."""
     import dataclasses
@@ -262,6 +296,24 @@ def build_parser() -> argparse.ArgumentParser:
         "Korthikanti activations)",
     )
     plan.set_defaults(fn=_cmd_plan)
+
+    bench = sub.add_parser(
+        "bench", help="run the same training job on zerotron, DeepSpeed, FSDP2 and DDP side by side"
+    )
+    bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]", help="as for `zerotron train`")
+    bench.add_argument(
+        "--frameworks",
+        default="zerotron,deepspeed,fsdp2,ddp",
+        help="comma-separated: zerotron, deepspeed, fsdp2, ddp (default: all)",
+    )
+    bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
+    bench.add_argument("--repeats", type=int, default=1, help="runs of each framework, interleaved")
+    bench.add_argument("--out", help="bench directory (default bench/<timestamp>)")
+    bench.add_argument("--plan", action="store_true", help="add zerotron plan's prediction (see --hardware)")
+    bench.add_argument(
+        "--hardware", default="cpu", help="--plan: hardware profile name or file (default cpu)"
+    )
+    bench.set_defaults(fn=_cmd_bench)
     return parser
 
 

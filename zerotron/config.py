@@ -155,7 +155,7 @@ class TrainConfig:
         0, "stop after this step (checkpointed) although train.steps is larger; 0: run to the end"
     )
     seed: int = _f(1234, "seed for weights, data order and dropout; same weights on any layout")
-    sample_every: int = _f(0, "print a generated sample every N steps (0: only at the end)")
+    sample_every: int = _f(0, "not built yet: must stay 0 (one sample is written at the end of the run)")
     sample_prompt: str = _f("def ", "prompt of the generated sample")
 
 

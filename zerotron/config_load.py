@@ -460,9 +460,30 @@ def _check_nvme_path(path: str | None) -> None:
         ) from None
 
 
+def _check_built(cfg: Config) -> None:
+    """Settings the trainer does not implement yet are refused, never accepted and ignored."""
+    p = cfg.parallel
+    if p.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={p.cp}: the trainer has no context parallelism yet (`zerotron plan` models it); "
+            "set parallel.cp=1"
+        )
+    if p.ep > 1:
+        raise ConfigError(
+            f"parallel.ep={p.ep}: expert parallelism needs mixture-of-experts layers, which the trainer does "
+            "not have yet; set parallel.ep=1"
+        )
+    if cfg.train.sample_every:
+        raise ConfigError(
+            f"train.sample_every={cfg.train.sample_every}: samples during training are not built; the run "
+            "writes one at the end (sample.txt); set train.sample_every=0"
+        )
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
     _check_packages(cfg)
+    _check_built(cfg)
     _check_ranges(cfg)
     _check_model(cfg)
     _check_batch(cfg, world_size)

@@ -1,0 +1,201 @@
+"""One rank's run of the bench job on each framework: same weights, tokens, optimizer, clipping and lr.
+
+Every runner builds zerotron's ``LlamaForCausalLM`` as the single process does (``init_weights(train.seed)``
+or the weights of ``model.path``: the same global weights everywhere), reads the micro-batches of zerotron's ``DataLoader`` over the run's ``tokens.npy``,
+steps zerotron's AdamW (matrices decayed, norms and biases not) at ``lr_at(step)`` and clips the global
+gradient norm at ``train.grad_clip``. Each peer normalises its loss so that its gradient is the mean over
+the global batch's tokens, as zerotron's is. Returned per rank: the global mean loss of every step, the
+wall time of every step, the peak memory and (zerotron) the bytes it communicated per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotron.config import Config
+from zerotron.config_load import load_config
+from zerotron.dist import peers
+from zerotron.dist.launch import current_rank_and_world
+from zerotron.dist.mesh import ParallelDims
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.train.data import DataLoader, PackedDataset
+from zerotron.train.optim import build_optimizer, lr_at
+from zerotron.train.trainer import Trainer, build_model, peak_memory_bytes
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def _setup(run_dir: str) -> tuple[Config, np.ndarray, DataLoader, torch.device]:
+    cfg = load_config(str(Path(run_dir) / "config.yaml"), [])
+    tokens = np.load(Path(run_dir) / "tokens.npy", mmap_mode="r")
+    rank, world = current_rank_and_world()
+    t = cfg.train
+    loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.micro_batch, rank, world, t.seed)
+    return cfg, tokens, loader, _device()
+
+
+def _model(cfg: Config, device: torch.device) -> LlamaForCausalLM:
+    """The whole model as zerotron's single process builds it (``model.path`` weights, or the seed's)."""
+    model = build_model(cfg, device)
+    assert isinstance(model, LlamaForCausalLM)
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(steps: int, device: torch.device, step: Callable[[int], float]) -> dict[str, Any]:
+    losses, times = [], []
+    for k in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(step(k))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return {"losses": losses, "step_s": times, "peak_memory_bytes": peak_memory_bytes(device)}
+
+
+def run_zerotron(run_dir: str) -> dict[str, Any]:
+    """zerotron's own trainer on the config's layout."""
+    cfg, tokens, _, device = _setup(run_dir)
+    rank, world = current_rank_and_world()
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build(rank), Path(run_dir), tokens)
+    records: list[dict[str, Any]] = []
+
+    def step(_: int) -> float:
+        records.append(trainer.train_step())
+        return float(records[-1]["loss"])
+
+    out = _timed(cfg.train.steps, device, step)
+    trainer.close()
+    comm = [sum(b for ops in r["comm_bytes"].values() for b in ops.values()) for r in records]
+    return {**out, "peak_memory_bytes": records[-1]["peak_memory_bytes"], "comm_bytes_per_step": comm}
+
+
+def _peer_loop(
+    cfg: Config,
+    loader: DataLoader,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+) -> dict[str, Any]:
+    """DDP's and FSDP2's step: accumulate the micro-batches (no gradient sync but the last), clip, step."""
+    t = cfg.train
+    autocast = t.precision in _DTYPES and no_sync is not None  # DDP computes under autocast; FSDP2 casts
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=t.loss_scale_init, growth_interval=t.loss_scale_window
+    )
+    use_scaler = t.precision == "fp16"
+
+    def step(k: int) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(k, t)
+        micro = loader.next_step()
+        local_tokens = len(micro) * t.micro_batch * t.seq_len
+        total = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(device), y.to(device)
+            sync = no_sync() if no_sync is not None and i < len(micro) - 1 else contextlib.nullcontext()
+            cast = torch.autocast(device.type, _DTYPES[t.precision]) if autocast else contextlib.nullcontext()
+            with sync, cast:
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="sum")
+                (scaler.scale(loss / local_tokens) if use_scaler else loss / local_tokens).backward()
+            total += loss.detach()
+        if use_scaler:
+            scaler.unscale_(optimizer)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        if use_scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(peers.world_sum(total)) / (t.global_batch * t.seq_len)
+
+    return _timed(t.steps, device, step)
+
+
+def run_ddp(run_dir: str) -> dict[str, Any]:
+    """torch DDP (ZeRO-0), the same bucket size as zerotron's."""
+    cfg, _, loader, device = _setup(run_dir)
+    model = peers.ddp(_model(cfg, device), cfg.parallel.bucket_mb)
+    optimizer = build_optimizer(model, cfg.train)
+    return _peer_loop(cfg, loader, model, optimizer, device, model.no_sync)
+
+
+def run_fsdp2(run_dir: str) -> dict[str, Any]:
+    """FSDP2: ZeRO-3 with ``reshard_after_forward=True``, ZeRO-2 with False; bf16 by its policy."""
+    cfg, _, loader, device = _setup(run_dir)
+    model = _model(cfg, device)
+    p = cfg.parallel
+    peers.fsdp2(
+        model,
+        list(model.layers),
+        reshard_after_forward=p.zero == 3 and p.reshard_after_forward,
+        param_dtype=_DTYPES.get(cfg.train.precision),
+        cpu_offload=p.offload_params == "cpu",
+    )
+    optimizer = build_optimizer(model, cfg.train)
+    return _peer_loop(cfg, loader, model, optimizer, device, None)
+
+
+def run_deepspeed(run_dir: str, ds_config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's engine with the generated ds_config and zerotron's AdamW as its client optimizer."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    cfg, _, loader, device = _setup(run_dir)
+    t = cfg.train
+    model = _model(cfg, device)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, t), config=ds_config)
+
+    def step(k: int) -> float:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(k, t)
+        total = torch.zeros((), device=device)
+        for x, y in loader.next_step():
+            logits = engine(x.to(device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())  # micro-batch mean
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() * t.micro_batch * t.seq_len
+        return float(peers.world_sum(total)) / (t.global_batch * t.seq_len)
+
+    return _timed(t.steps, device, step)
+
+
+RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "zerotron": run_zerotron,
+    "deepspeed": run_deepspeed,
+    "fsdp2": run_fsdp2,
+    "ddp": run_ddp,
+}
+
+
+def rank_entry(framework: str, run_dir: str, extra: tuple[Any, ...]) -> dict[str, Any]:
+    """Module-level body that ``spawn`` runs on every rank: one framework's job."""
+    return RUNNERS[framework](run_dir, *extra)
