@@ -43,7 +43,7 @@ def test_bench_every_framework_agrees_with_zerotron(
     table = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     rows = results["frameworks"]
-    assert set(rows) == {"zerotron", "deepspeed", "fsdp2", "ddp"}
+    assert set(rows) == {"zerotron", "deepspeed", "fsdp2", "ddp"}  # the frameworks asked for
     ran = {name for name, row in rows.items() if "losses" in row}
     assert ran == RUNS[stage], {n: r.get("skipped") or r.get("error") for n, r in rows.items()}
     ours = rows["zerotron"]["losses"]
@@ -75,13 +75,14 @@ def test_unavailable_or_inexpressible_framework_is_a_row(monkeypatch: pytest.Mon
     assert "pip install 'zerotron[bench]'" in (why_not("deepspeed", cfg) or "")
     assert "ZeRO-2/3" in (why_not("fsdp2", cfg) or "")
     tp = load_config(None, ["parallel.tp=2"])
-    assert "data-parallel layouts only" in (why_not("ddp", tp) or "")
+    assert "see torch-tp / torch-pp" in (why_not("ddp", tp) or "")
+    assert "tied embeddings" in (why_not("torch-tp", load_config(None, ["parallel.tp=2", "parallel.dp=1"])) or "")
     assert why_not("zerotron", tp) is None
 
 
 def test_bad_frameworks_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["bench", "--frameworks", "zerotron,megatron", "--out", str(tmp_path / "b")]) == 2
-    assert "choose from zerotron, deepspeed, fsdp2, ddp" in capsys.readouterr().err
+    assert "choose from zerotron, deepspeed, fsdp2, ddp, torch-tp, torch-pp" in capsys.readouterr().err
 
 
 def test_bench_under_torchrun(tmp_path: Path) -> None:
@@ -93,3 +94,25 @@ def test_bench_under_torchrun(tmp_path: Path) -> None:
     rows = json.loads((out / "results.json").read_text())["frameworks"]
     assert rows["ddp"]["losses"] == pytest.approx(rows["zerotron"]["losses"], rel=1e-4)
     assert "not run" in done.stdout and done.stdout.count("results:") == 1
+
+
+@pytest.mark.parametrize(
+    ("layout", "peer"),
+    [
+        (["parallel.tp=2", "model.vocab_size=260", "train.global_batch=4"], "torch-tp"),
+        (["parallel.pp=2", "parallel.pp_schedule=1f1b"], "torch-pp"),
+    ],
+)
+def test_bench_tensor_and_pipeline_layouts_against_torch(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, layout: list[str], peer: str
+) -> None:
+    """tp 2 against torch's DTensor TP, pp 2 against torch.distributed.pipelining: same fp32 losses; the
+    data-parallel peers are rows saying which framework takes these layouts."""
+    out = tmp_path / "bench"
+    argv = ["bench", *JOB, "model.tie_word_embeddings=false", *layout, "--nproc", "2", "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["frameworks"]
+    assert {name for name, row in rows.items() if "losses" in row} == {"zerotron", peer}
+    assert rows[peer]["losses"] == pytest.approx(rows["zerotron"]["losses"], rel=1e-4)
+    assert "see torch-tp / torch-pp" in rows["ddp"]["skipped"]
+    capsys.readouterr()

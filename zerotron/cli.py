@@ -9,6 +9,8 @@ from typing import Any, NoReturn
 
 from zerotron.config_load import ConfigError
 
+BENCH_FRAMEWORKS = ("zerotron", "deepspeed", "fsdp2", "ddp", "torch-tp", "torch-pp")  # zerotron.bench.jobs
+
 EPILOG_TRAIN = """examples:
   zerotron train                                   # the embedded default: tiny model, stdlib corpus, 2 ranks
   zerotron train my.yaml train.lr=1e-3 --nproc 4   # a config file plus dotted overrides
@@ -303,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]", help="as for `zerotron train`")
     bench.add_argument(
         "--frameworks",
-        default="zerotron,deepspeed,fsdp2,ddp",
-        help="comma-separated: zerotron, deepspeed, fsdp2, ddp (default: all)",
+        default=",".join(BENCH_FRAMEWORKS),
+        help=f"comma-separated, from: {', '.join(BENCH_FRAMEWORKS)} (default: all)",
     )
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each framework, interleaved")

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,10 @@ def _run_all(
     """Each runnable framework ``repeats`` times, interleaved; rows by framework."""
     rows: dict[str, dict[str, Any]] = {}
     extras: dict[str, tuple[Any, ...]] = {}
+    inner = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    placed = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=world // inner))
     for name in frameworks:
-        reason = why_not(name, cfg)
+        reason = why_not(name, placed)
         rows[name] = {"skipped": reason} if reason else {}
         if name == "deepspeed" and not reason:
             rows[name]["ds_config"] = deepspeed_config(cfg, world // (cfg.parallel.tp * cfg.parallel.pp))

@@ -12,19 +12,53 @@ from typing import Any
 
 from zerotron.config import Config
 
-FRAMEWORKS = ("zerotron", "deepspeed", "fsdp2", "ddp")
+FRAMEWORKS = ("zerotron", "deepspeed", "fsdp2", "ddp", "torch-tp", "torch-pp")
 INSTALL = {"deepspeed": "pip install 'zerotron[bench]' (DeepSpeed)"}
 
 
 def _common(cfg: Config) -> str | None:
-    """Reasons no peer runner here can take the layout: tensor/pipeline parallelism."""
+    """Reasons the data-parallel peers cannot take the layout: tensor/pipeline parallelism."""
     p = cfg.parallel
     if p.tp > 1 or p.pp > 1:
-        return (
-            f"tp={p.tp} pp={p.pp}: the bench runs peers on data-parallel layouts only (DTensor TP and torch "
-            "pipelining runners are not built yet)"
-        )
+        return f"tp={p.tp} pp={p.pp}: a data-parallel framework (see torch-tp / torch-pp for these layouts)"
     return None
+
+
+def _model_parallel(cfg: Config, axis: str) -> str | None:
+    """What torch's DTensor TP and pipelining runners need: that axis alone, no ZeRO or offload,
+    untied embeddings (torch splits the embedding and the head separately)."""
+    p = cfg.parallel
+    degree = p.tp if axis == "tp" else p.pp
+    if degree == 1:
+        return f"parallel.{axis}=1: this runner is for {axis} > 1 layouts"
+    others = {"tp": p.tp, "pp": p.pp, "zero": p.zero, "dp": p.dp}
+    others.pop(axis)
+    if any(v > (0 if k == "zero" else 1) for k, v in others.items()) or p.offload_optimizer != "none":
+        return (
+            f"parallel.{axis} alone only (here {others}, offload {p.offload_optimizer}): use --nproc {degree}"
+        )
+    if cfg.model.tie_word_embeddings:
+        return "tied embeddings: torch splits the embedding and the head separately (model.tie_word_embeddings=false)"
+    if cfg.train.precision == "fp16":
+        return "fp16: this runner has no loss scaler (use bf16 or fp32)"
+    return None
+
+
+def _torch_tp(cfg: Config) -> str | None:
+    reason = _model_parallel(cfg, "tp")
+    if reason is None and cfg.parallel.sequence_parallel:
+        return "parallel.sequence_parallel=true: this runner applies torchtitan's plan without SP"
+    return reason
+
+
+def _torch_pp(cfg: Config) -> str | None:
+    p = cfg.parallel
+    reason = _model_parallel(cfg, "pp")
+    if reason is None and (p.pp_schedule not in ("gpipe", "1f1b") or p.virtual_stages != 1):
+        return f"parallel.pp_schedule={p.pp_schedule}: this runner has torch's gpipe and 1f1b"
+    if reason is None and (cfg.model.path or cfg.train.precision != "fp32" or cfg.train.recompute != "none"):
+        return "this runner trains fp32 stages from the seed's weights without recomputation"
+    return reason
 
 
 def _deepspeed(cfg: Config) -> str | None:
@@ -57,15 +91,24 @@ def _ddp(cfg: Config) -> str | None:
 
 
 def why_not(framework: str, cfg: Config) -> str | None:
-    """None when ``framework`` can run ``cfg`` here, else the one-line reason (or the install line)."""
-    if framework != "zerotron":
-        module = {"deepspeed": "deepspeed", "fsdp2": "torch", "ddp": "torch"}[framework]
-        if importlib.util.find_spec(module) is None:
-            return f"not installed: {INSTALL.get(framework, module)}"
+    """None when ``framework`` can run ``cfg`` here, else the one-line reason (or the install line).
+
+    ``cfg.parallel.dp`` must be resolved (not -1)."""
+    if framework == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return f"not installed: {INSTALL['deepspeed']}"
+    if framework in ("deepspeed", "fsdp2", "ddp"):
         common = _common(cfg)
         if common:
             return common
-    return {"zerotron": lambda c: None, "deepspeed": _deepspeed, "fsdp2": _fsdp2, "ddp": _ddp}[framework](cfg)
+    checks = {
+        "zerotron": lambda c: None,
+        "deepspeed": _deepspeed,
+        "fsdp2": _fsdp2,
+        "ddp": _ddp,
+        "torch-tp": _torch_tp,
+        "torch-pp": _torch_pp,
+    }
+    return checks[framework](cfg)
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:

@@ -42,10 +42,12 @@ def _device() -> torch.device:
     )
 
 
-def _setup(run_dir: str) -> tuple[Config, np.ndarray, DataLoader, torch.device]:
+def _setup(run_dir: str, data_parallel: bool = True) -> tuple[Config, np.ndarray, DataLoader, torch.device]:
+    """Config, tokens, this rank's loader (every rank its own slice when ``data_parallel``, else every
+    rank the whole batch, as tensor and pipeline parallelism read it) and the device."""
     cfg = load_config(str(Path(run_dir) / "config.yaml"), [])
     tokens = np.load(Path(run_dir) / "tokens.npy", mmap_mode="r")
-    rank, world = current_rank_and_world()
+    rank, world = current_rank_and_world() if data_parallel else (0, 1)
     t = cfg.train
     loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.micro_batch, rank, world, t.seed)
     return cfg, tokens, loader, _device()
@@ -188,11 +190,100 @@ def run_deepspeed(run_dir: str, ds_config: dict[str, Any]) -> dict[str, Any]:
     return _timed(t.steps, device, step)
 
 
+_TP_BLOCK = {
+    **{f"self_attn.{n}_proj": "colwise" for n in "qkv"},
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def run_torch_tp(run_dir: str) -> dict[str, Any]:
+    """torch DTensor tensor parallelism over every rank (torchtitan's plan without sequence
+    parallelism): q/k/v/gate/up column-wise, o/down row-wise, embedding and head over the vocabulary."""
+    cfg, _, loader, device = _setup(run_dir, data_parallel=False)
+    _, world = current_rank_and_world()
+    t = cfg.train
+    model = _model(cfg, device)
+    for layer in model.layers:
+        peers.dtensor_tensor_parallel(layer, _TP_BLOCK)
+        attn: Any = layer.self_attn
+        attn.num_heads //= world
+        attn.kv_heads //= world
+    peers.dtensor_tensor_parallel(model, {"embed_tokens": "embedding", "lm_head": "head"})
+    optimizer = build_optimizer(model, t)
+    tokens = t.global_batch * t.seq_len
+
+    def step(k: int) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(k, t)
+        total = torch.zeros((), device=device)
+        for x, y in loader.next_step():
+            cast = (
+                torch.autocast(device.type, _DTYPES[t.precision])
+                if t.precision in _DTYPES
+                else contextlib.nullcontext()
+            )
+            with cast:
+                loss = F.cross_entropy(
+                    model(x.to(device)).float().flatten(0, 1), y.to(device).flatten(), reduction="sum"
+                )
+            (loss / tokens).backward()
+            total += loss.detach()
+        if t.grad_clip > 0:
+            peers.clip_grad_norm_world(list(model.parameters()), t.grad_clip, sharded=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(total) / tokens  # the logits are replicated: every rank has the whole loss
+
+    return _timed(t.steps, device, step)
+
+
+def run_torch_pp(run_dir: str) -> dict[str, Any]:
+    """torch.distributed.pipelining (GPipe or 1F1B) over every rank, one zerotron stage per rank (the
+    stages zerotron's own pipeline builds, same weights); the global gradient norm summed over stages."""
+    from zerotron.models.stages import build_stages, stage_bounds
+
+    cfg, _, loader, device = _setup(run_dir, data_parallel=False)
+    rank, world = current_rank_and_world()
+    t = cfg.train
+    bounds = stage_bounds(cfg.model, t.seq_len, world, cfg.parallel.pp_layers)
+    (stage,) = build_stages(cfg.model, bounds, rank, world, seed=t.seed, device=device)
+    tokens = t.global_batch * t.seq_len
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum") / tokens
+
+    m = t.global_batch // t.micro_batch
+    schedule, first, last = peers.pipeline_schedule(stage, m, loss_fn, cfg.parallel.pp_schedule, device)
+    optimizer = build_optimizer(stage, t)
+
+    def step(k: int) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(k, t)
+        micro = loader.next_step()
+        x = torch.cat([mx for mx, _ in micro]).to(device)
+        y = torch.cat([my for _, my in micro]).to(device)
+        losses: list[torch.Tensor] = []
+        schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None)
+        if t.grad_clip > 0:
+            peers.clip_grad_norm_world(list(stage.parameters()), t.grad_clip, sharded=False)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
+        return float(peers.world_sum(total))
+
+    return _timed(t.steps, device, step)
+
+
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "zerotron": run_zerotron,
     "deepspeed": run_deepspeed,
     "fsdp2": run_fsdp2,
     "ddp": run_ddp,
+    "torch-tp": run_torch_tp,
+    "torch-pp": run_torch_pp,
 }
 
 

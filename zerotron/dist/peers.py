@@ -7,7 +7,8 @@ by the bench itself (``deepspeed.initialize`` does its own process-group work).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,3 +58,59 @@ def world_sum(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over every rank of the job (a peer's loss for the report), in place."""
     dist.all_reduce(t)
     return t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a DTensor (its local shard), or ``t`` itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def dtensor_tensor_parallel(module: nn.Module, plan: dict[str, str]) -> None:
+    """torch's DTensor tensor parallelism over the whole world (``parallelize_module``).
+
+    ``plan`` maps submodule names to ``colwise``, ``rowwise``, ``embedding`` (row-wise over the
+    vocabulary, replicated input) or ``head`` (column-wise over the vocabulary, logits gathered).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "head": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+    kind = "cuda" if next(module.parameters()).is_cuda else "cpu"
+    mesh = init_device_mesh(kind, (dist.get_world_size(),))
+    parallelize_module(module, mesh, {name: styles[style]() for name, style in plan.items()})
+
+
+def clip_grad_norm_world(params: Sequence[nn.Parameter], max_norm: float, sharded: bool) -> None:
+    """Clip the global gradient norm when each rank holds part of the gradients: DTensor shards
+    (``sharded``: their squares summed over the world, plain tensors counted once) or a pipeline
+    stage's own parameters (every gradient local: squares summed over the world)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    locals_ = [_local(g) for g in grads]
+    split = [g for g, loc in zip(grads, locals_) if loc is not g] if sharded else grads
+    whole = [g for g, loc in zip(grads, locals_) if loc is g] if sharded else []
+    sq = sum((_local(g).float().pow(2).sum() for g in split), torch.zeros(()))
+    dist.all_reduce(sq)
+    sq = sq + sum((g.float().pow(2).sum() for g in whole), torch.zeros(()))
+    coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for loc in locals_:
+        loc.mul_(coef)
+
+
+def pipeline_schedule(
+    stage: nn.Module, n_microbatches: int, loss_fn: Callable[..., Any], schedule: str, device: torch.device
+) -> tuple[Any, bool, bool]:
+    """torch.distributed.pipelining over the whole world, rank r holding stage r: the schedule object
+    (call ``.step(...)``) and whether this rank holds the first and the last stage."""
+    import torch.distributed.pipelining as tpp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pipe_stage = tpp.PipelineStage(stage, rank, world, device)
+    cls = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[schedule]
+    return cls(pipe_stage, n_microbatches=n_microbatches, loss_fn=loss_fn), rank == 0, rank == world - 1
