@@ -76,7 +76,9 @@ def test_unavailable_or_inexpressible_framework_is_a_row(monkeypatch: pytest.Mon
     assert "ZeRO-2/3" in (why_not("fsdp2", cfg) or "")
     tp = load_config(None, ["parallel.tp=2"])
     assert "see torch-tp / torch-pp" in (why_not("ddp", tp) or "")
-    assert "tied embeddings" in (why_not("torch-tp", load_config(None, ["parallel.tp=2", "parallel.dp=1"])) or "")
+    assert "tied embeddings" in (
+        why_not("torch-tp", load_config(None, ["parallel.tp=2", "parallel.dp=1"])) or ""
+    )
     assert why_not("zerotron", tp) is None
 
 

@@ -55,9 +55,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         deepspeed=args.deepspeed,
         overwrite=args.overwrite,
+        max_restarts=args.max_restarts,
     )
     if summary is None:  # a rank other than 0 of a torchrun/srun job: rank 0 reports
         return 0
+    if summary.get("stopped"):
+        from zerotron.train.fault import STOPPED_EXIT_CODE
+
+        print(
+            f"stopped by {summary['stopped']} after step {summary['last_step']}; checkpoint written; continue "
+            f"with --resume auto --out {summary['run_dir']}"
+        )
+        return STOPPED_EXIT_CODE
     ran = f"{summary['steps']} steps"
     if "resumed_from_step" in summary:
         ran += f" (steps {summary['resumed_from_step'] + 1}-{summary['last_step']}, after resuming)"
@@ -237,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start over in an --out that holds an earlier run (deletes its metrics and checkpoints)",
     )
     train.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed ds_config.json to map")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart a failed or hung job from its newest checkpoint up to N times (under torchrun: "
+        "torchrun's own --max-restarts)",
+    )
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument(
         "--show-schedule",

@@ -199,6 +199,33 @@ class LogConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Fault tolerance: hang detection, bad steps, fault injection (restarts: ``--max-restarts``)."""
+
+    hang_timeout_s: float = _f(
+        300.0,
+        "stop the job with a report when no rank has made progress (a step or a collective) for this long; "
+        "0 disables",
+    )
+    first_step_timeout_s: float = _f(
+        900.0, "the allowance for start-up (loading, the first step) before hang_timeout_s applies"
+    )
+    spike_factor: float = _f(
+        0.0, "skip a step whose loss exceeds this many times the median of the last 20 steps; 0 disables"
+    )
+    max_bad_steps: int = _f(
+        3,
+        "after this many skipped steps in a row (non-finite or spiking loss), stop the attempt: a restart "
+        "(--max-restarts) rolls back to the last checkpoint",
+    )
+    inject: str = _f(
+        "",
+        "test and drill tool, first attempt only: crash:rank=R,step=S | hang:rank=R,step=S | "
+        "slow:rank=R,seconds=X | nan:step=S | corrupt_checkpoint:step=S, several joined by ';'",
+    )
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -208,6 +235,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -217,4 +245,5 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
+    "fault": FaultConfig,
 }

@@ -460,6 +460,50 @@ def _check_nvme_path(path: str | None) -> None:
         ) from None
 
 
+_INJECTIONS = {
+    "crash": ("rank", "step"),
+    "hang": ("rank", "step"),
+    "slow": ("rank", "seconds"),
+    "nan": ("step",),
+    "corrupt_checkpoint": ("step",),
+}
+
+
+def parse_injections(text: str) -> list[tuple[str, dict[str, float]]]:
+    """``fault.inject`` as ``[(kind, {key: number})]``: ``crash:rank=1,step=5;nan:step=3``."""
+    out = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        kind, _, args = part.partition(":")
+        if kind not in _INJECTIONS:
+            raise ConfigError(f"fault.inject: unknown fault {kind!r}; choose one of {', '.join(_INJECTIONS)}")
+        values: dict[str, float] = {}
+        for item in filter(None, (a.strip() for a in args.split(","))):
+            key, _, value = item.partition("=")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"fault.inject: {part!r}: {item!r} must be key=number") from None
+        if sorted(values) != sorted(_INJECTIONS[kind]) or any(v < 0 for v in values.values()):
+            need = ",".join(f"{k}=N" for k in _INJECTIONS[kind])
+            raise ConfigError(f"fault.inject: {part!r}: write {kind}:{need} (numbers >= 0)")
+        out.append((kind, values))
+    return out
+
+
+def _check_fault(cfg: Config) -> None:
+    f = cfg.fault
+    for key in ("hang_timeout_s", "first_step_timeout_s", "spike_factor"):
+        if getattr(f, key) < 0:
+            raise ConfigError(f"fault.{key}={getattr(f, key)} must be >= 0")
+    if 0 < f.spike_factor <= 1:
+        raise ConfigError(f"fault.spike_factor={f.spike_factor} must be > 1 (a multiple of the median) or 0")
+    if f.max_bad_steps < 1:
+        raise ConfigError(f"fault.max_bad_steps={f.max_bad_steps} must be >= 1")
+    parse_injections(f.inject)
+
+
 def _check_built(cfg: Config) -> None:
     """Settings the trainer does not implement yet are refused, never accepted and ignored."""
     p = cfg.parallel
@@ -484,6 +528,7 @@ def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
     _check_packages(cfg)
     _check_built(cfg)
+    _check_fault(cfg)
     _check_ranges(cfg)
     _check_model(cfg)
     _check_batch(cfg, world_size)

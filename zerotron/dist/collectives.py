@@ -70,16 +70,22 @@ class CommStats:
         self.log: deque[list[Any]] = deque(maxlen=log_len)
         trace_dir = os.environ.get("ZEROTRON_TRACE_DIR")
         self._trace_fd: int | None = None
+        self._step_fd: int | None = None
         if trace_dir:
             os.makedirs(trace_dir, exist_ok=True)
-            self._trace_fd = os.open(
-                os.path.join(trace_dir, f"rank{rank}.op"), os.O_WRONLY | os.O_CREAT, 0o644
-            )
+            flags = os.O_WRONLY | os.O_CREAT
+            self._trace_fd = os.open(os.path.join(trace_dir, f"rank{rank}.op"), flags, 0o644)
+            self._step_fd = os.open(os.path.join(trace_dir, f"rank{rank}.step"), flags, 0o644)
 
     def __del__(self) -> None:
-        fd = getattr(self, "_trace_fd", None)
-        if fd is not None:
-            os.close(fd)
+        for fd in (getattr(self, "_trace_fd", None), getattr(self, "_step_fd", None)):
+            if fd is not None:
+                os.close(fd)
+
+    def progress(self, step: int) -> None:
+        """Record that this rank finished optimizer step ``step`` (the launcher's watchdog reads it)."""
+        if self._step_fd is not None:
+            os.pwrite(self._step_fd, f"step {step}".encode().ljust(31) + b"\n", 0)
 
     def add(self, axis: str, op: str, nbytes: int) -> None:
         """Count ``nbytes`` for ``op`` on ``axis``."""
@@ -208,14 +214,18 @@ def _run(group: Group, entry: list[Any], call: Any, async_op: bool, finish: Any 
 
 
 def all_reduce(
-    t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
+    t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False, kind: str = "all_reduce"
 ) -> Pending | _NoWork | None:
-    """Reduce ``t`` in place over ``group`` with ``op`` in ``sum|avg|max|min``."""
+    """Reduce ``t`` in place over ``group`` with ``op`` in ``sum|avg|max|min``.
+
+    ``kind`` names the op in the counters and the log: ``all_reduce``, or ``control`` for the few bytes
+    ranks exchange to agree on a decision (stop after this step), kept apart from the data traffic that
+    the planner's counts are checked against."""
     rop = _reduce_op(op)
     n = group.size
     if n == 1:
         return _NoWork() if async_op else None
-    entry = _begin(group, "all_reduce", (t,), 2 * _nbytes(t) * (n - 1) // n)
+    entry = _begin(group, kind, (t,), 2 * _nbytes(t) * (n - 1) // n)
     if op == "avg" and group.native_avg:
         return _run(group, entry, lambda a: dist.all_reduce(t, dist.ReduceOp.AVG, group.pg, a), async_op)
     finish = (lambda: _divide(t, n)) if op == "avg" else None

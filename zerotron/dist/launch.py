@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zerotron.dist.watchdog import ProgressMonitor, SignalForwarder, Watchdog, cause_first, rank_states
+
 _ERROR_GRACE_S = 3.0  # after a first failure, how long to collect the other ranks' errors
 _ACK_WAIT_S = 300.0  # a child keeps its shared tensors alive this long for the parent to read them
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
@@ -130,7 +132,25 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> tuple[
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store_file = os.environ.get("ZEROTRON_STORE_FILE")
+    if store_file:  # local ranks (spawn): a file rendezvous, no TCP store listening on any interface
+        store: Any = dist.FileStore(store_file, world)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts; keys of an earlier attempt (rank 0's Gloo
+        # address among them) would be read by the next one, which then fails to connect: a prefix per
+        # attempt keeps the attempts apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
+        store = dist.PrefixStore(f"zerotron/attempt{attempt}", client)
+    else:
+        store = None
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     return rank, world
 
 
@@ -156,6 +176,7 @@ def _child(
     still wait in a collective is reported even if tearing down blocks.
     """
     os.environ.update(env)
+    die_with_parent()
     ok = False
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -176,6 +197,20 @@ def _child(
         sys.exit(1)
 
 
+def die_with_parent() -> None:
+    """Ask Linux to send this rank SIGTERM when the launcher dies (a killed launcher leaves no rank
+    running unsupervised; SIGTERM makes the rank checkpoint at the next step boundary and stop)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own handlers still stop the ranks
+        pass
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _child_env(
     rank: int, nproc: int, port: int, trace_dir: str, env: dict[str, str] | None
 ) -> dict[str, str]:
@@ -190,9 +225,12 @@ def _child_env(
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(nproc),
         "ZEROTRON_TRACE_DIR": trace_dir,
+        "ZEROTRON_STORE_FILE": os.path.join(trace_dir, f"store.{port}"),
         "OMP_NUM_THREADS": threads or str(max(1, (os.cpu_count() or 1) // nproc)),
         "PYTHONPATH": pythonpath,
     }
+    if os.path.exists("/sys/class/net/lo"):
+        base["GLOO_SOCKET_IFNAME"] = "lo"  # local ranks talk over loopback only
     return {**base, **user}
 
 
@@ -203,6 +241,7 @@ def spawn(
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     backend: str = "auto",
+    watchdog: Watchdog | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks and return their results, rank order.
 
@@ -210,8 +249,10 @@ def spawn(
     (numbers, strings, lists, dicts, tensors). Under torchrun the job already has its ranks: this process
     initialises, runs ``fn`` once and returns ``[result]`` (``nproc`` is then ignored). Each child gets
     ``OMP_NUM_THREADS = max(1, cpu_count // nproc)`` unless set, and ``env`` on top of its environment.
-    Raises :class:`LaunchError` if a rank raises or dies (with every failing rank's traceback), or when
-    ``timeout_s`` passes (naming the collective each rank is in).
+    Raises :class:`LaunchError` if a rank raises or dies (the cause first, with every failing rank's
+    traceback), when ``timeout_s`` passes, or when ``watchdog`` sees no progress (naming the collective
+    each rank is in). SIGTERM, SIGUSR1 and SIGINT to this process are passed to the ranks as SIGTERM
+    (:class:`~zerotron.dist.watchdog.SignalForwarder`) while it waits for their results.
     """
     if under_torchrun():
         owner = not dist.is_initialized()  # a nested call leaves its caller's process group alone
@@ -240,7 +281,9 @@ def spawn(
             )
             _start_with_env(p, child_env)
             procs.append(p)
-        results = _collect(procs, queue, acks, timeout_s, trace_dir)
+        monitor = ProgressMonitor(trace_dir, nproc, watchdog) if watchdog else None
+        with SignalForwarder(procs):
+            results = _collect(procs, queue, acks, timeout_s, trace_dir, monitor)
         for p in procs:  # they exit on their own once their results are read
             p.join(30.0)
         return results
@@ -265,9 +308,14 @@ def _start_with_env(p: Any, env: dict[str, str]) -> None:
 
 
 def _collect(
-    procs: list[Any], queue: Any, acks: list[Any], timeout_s: float | None, trace_dir: str
+    procs: list[Any],
+    queue: Any,
+    acks: list[Any],
+    timeout_s: float | None,
+    trace_dir: str,
+    monitor: ProgressMonitor | None = None,
 ) -> list[Any]:
-    """Wait for every rank's report; raise LaunchError on failure, death or timeout."""
+    """Wait for every rank's report; raise LaunchError on failure, death, a hang or the timeout."""
     nproc = len(procs)
     start = time.monotonic()
     results: dict[int, Any] = {}
@@ -287,9 +335,14 @@ def _collect(
             first_error = first_error or now
             if now - first_error > _ERROR_GRACE_S:
                 break
+        elif monitor is not None:
+            hang = monitor.poll(now)
+            if hang:
+                raise LaunchError(f"hang: {hang}")
         if timeout_s is not None and now - start > timeout_s:
-            states = _trace_states(trace_dir, nproc)
-            lines = [f"rank {r} {states[r]}" for r in range(nproc) if r not in results]
+            states = rank_states(trace_dir, nproc)
+            waiting = cause_first(states, [r for r in range(nproc) if r not in results])
+            lines = [f"rank {r} {states[r].describe()}" for r in waiting]
             done = [str(r) for r in sorted(results)]
             extra = f"; ranks {','.join(done)} finished" if done else ""
             raise LaunchError(
@@ -297,17 +350,47 @@ def _collect(
             )
         time.sleep(0.02)
     if errors:
-        states = _trace_states(trace_dir, nproc)
-        stopped = [
-            f"rank {r} stopped ({states[r]})" for r in range(nproc) if r not in results and r not in errors
-        ]
-        head = f"{len(errors)} of {nproc} ranks failed" + (": " + "; ".join(stopped) if stopped else "")
-        raise LaunchError(head + _format_errors(errors))
+        raise LaunchError(_failure_report(errors, results, rank_states(trace_dir, nproc), nproc))
     return [results[r] for r in range(nproc)]
 
 
+def _is_consequence(text: str) -> bool:
+    """A rank's error that follows from another rank's failure (its peer vanished mid-collective)."""
+    return any(
+        marker in text
+        for marker in ("CollectiveError", "Connection reset", "Connection closed", "Broken pipe", "SIGTERM")
+    )
+
+
+def _failure_report(errors: dict[int, str], results: dict[int, Any], states: list[Any], nproc: int) -> str:
+    """The cause first: ranks that died or raised on their own, then the ones that failed because of
+    them, then where the others stopped; every failing rank's traceback, the cause's first."""
+    causes = [r for r in errors if "without reporting" in errors[r]]  # killed or crashed outright
+    causes += [r for r in errors if r not in causes and not _is_consequence(errors[r])]
+    causes = causes or list(errors)[:1]
+    followers = [r for r in errors if r not in causes]
+    head = "; ".join(f"rank {r} {_first_line(errors[r])}" for r in causes)
+    if followers:
+        head += f"; then rank{'s' if len(followers) > 1 else ''} {','.join(map(str, followers))} failed"
+    stopped = [
+        f"rank {r} {states[r].describe()}" for r in range(nproc) if r not in results and r not in errors
+    ]
+    if stopped:
+        head += "; " + "; ".join(stopped)
+    ordered = {r: errors[r] for r in [*causes, *followers]}
+    return f"{head} ({len(errors)} of {nproc} ranks failed)" + _format_errors(ordered)
+
+
+def _first_line(text: str) -> str:
+    """``exited with signal SIGKILL ...`` as it is; a traceback as its last line (the exception)."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "failed"
+    return lines[0] if lines[0].startswith("exited") else f"raised {lines[-1].strip()}"
+
+
 def _format_errors(errors: dict[int, str]) -> str:
-    return "".join(f"\n--- rank {r} ---\n{text.rstrip()}" for r, text in sorted(errors.items()))
+    return "".join(f"\n--- rank {r} ---\n{text.rstrip()}" for r, text in errors.items())
 
 
 def _describe_exit(code: int | None) -> str:
@@ -317,23 +400,6 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
-
-
-def _trace_states(trace_dir: str, nproc: int) -> list[str]:
-    """What each rank was doing, from its ``rank{R}.op`` file, phrased for a hang report."""
-    states = []
-    for rank in range(nproc):
-        try:
-            line = Path(trace_dir, f"rank{rank}.op").read_text().strip()
-        except OSError:
-            line = ""
-        if line.startswith("in "):
-            states.append(f"waits {line}")
-        elif line.startswith("done "):
-            states.append(f"is not in a collective (last finished {line[5:]})")
-        else:
-            states.append("has not started a collective")
-    return states
 
 
 def _stop(procs: list[Any]) -> None:

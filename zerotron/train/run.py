@@ -22,8 +22,10 @@ from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import ConfigError, load_config, save_config, validate
 from zerotron.dist.launch import (
+    LaunchError,
     current_rank_and_world,
     destroy_distributed,
+    die_with_parent,
     init_distributed,
     job_rank_and_world,
     share_from_rank0,
@@ -31,10 +33,12 @@ from zerotron.dist.launch import (
     under_torchrun,
 )
 from zerotron.dist.mesh import ParallelDims
+from zerotron.dist.watchdog import Watchdog
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
 from zerotron.train import run_dir as run_dir_lock
 from zerotron.train.data import load_tokens, prepare_tokens
+from zerotron.train.fault import RankWatchdog
 from zerotron.train.metrics import plot_loss, truncate_metrics
 from zerotron.train.trainer import Trainer
 
@@ -302,16 +306,19 @@ def banner(cfg: Config, world: int, n_tokens: int, run_dir: Path) -> str:
     )
 
 
-def train_worker(run_dir: str, resume: str | None) -> dict[str, Any]:
+def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str, Any]:
     """Body of one rank: build the mesh and the trainer, train, and (rank 0) report.
 
-    ``resume`` is the checkpoint folder the launcher chose and verified (None: start at step 0).
+    ``resume`` is the checkpoint folder the launcher chose and verified (None: start at step 0);
+    ``attempt`` counts the restarts before this one (fault injection runs on attempt 0 only).
     """
     rd = Path(run_dir)
     cfg = load_config(str(rd / "config.yaml"), [])
     rank, world = current_rank_and_world()
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
-    trainer = Trainer(cfg, mesh, rd, load_tokens(str(rd / "tokens.npy")))
+    trainer = Trainer(cfg, mesh, rd, load_tokens(str(rd / "tokens.npy")), attempt=attempt)
+    if not os.environ.get("ZEROTRON_TRACE_DIR"):  # no zerotron launcher watching: watch ourselves
+        RankWatchdog(mesh, trainer, cfg.fault.hang_timeout_s, cfg.fault.first_step_timeout_s)
     resumed = trainer.resume(resume) if resume else None
     if rank == 0:
         truncate_metrics(rd, trainer.step)  # steps after the checkpoint are run again: no duplicates
@@ -324,11 +331,13 @@ def train_worker(run_dir: str, resume: str | None) -> dict[str, Any]:
     start = trainer.step
     history = trainer.fit()
     summary: dict[str, Any] = {"rank": rank, "steps": trainer.step - start, "last_step": trainer.step}
+    if trainer.stopped:
+        summary["stopped"] = trainer.stopped
     if resumed is not None:
         summary["resumed_from_step"] = start
     if history:
         summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
-    if rank == 0:
+    if rank == 0 and not trainer.stopped:
         summary.update(_finish(trainer, rd))
     return summary
 
@@ -390,11 +399,17 @@ def launch_training(
     resume: str | None = None,
     deepspeed: str | None = None,
     overwrite: bool = False,
+    max_restarts: int = 0,
 ) -> dict[str, Any] | None:
     """Check, prepare and run a training job on ``nproc`` local ranks, or as one rank of a torchrun job.
 
-    Returns rank 0's summary; under torchrun the other ranks return None (rank 0 reports for the job).
+    With ``max_restarts``, a job that fails (a rank crashes or dies, a hang, too many bad steps) is torn
+    down and started again from the newest complete checkpoint, at most that many times; each restart
+    and its cause go into ``restarts.jsonl``. Returns rank 0's summary; under torchrun the other ranks
+    return None (rank 0 reports for the job).
     """
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts {max_restarts}: give 0 or more")
     if under_torchrun():
         return _run_as_job_rank(config_path, overrides, out, resume, deepspeed, overwrite)
     if nproc < 1:
@@ -406,11 +421,39 @@ def launch_training(
         checkpoint = resolve_resume(run_dir, resume, cfg)
         n_tokens = prepare_run(cfg, run_dir)
         print(banner(cfg, nproc, n_tokens, run_dir), flush=True)
-        ckpt = str(checkpoint) if checkpoint else None
-        results = spawn(train_worker, nproc, args=(str(run_dir), ckpt), backend=cfg.parallel.backend)
-        return _report(results[0], run_dir)
+        watchdog = Watchdog(cfg.fault.hang_timeout_s, cfg.fault.first_step_timeout_s)
+        for attempt in range(max_restarts + 1):
+            ckpt = str(checkpoint) if checkpoint else None
+            try:
+                results = spawn(
+                    train_worker,
+                    nproc,
+                    args=(str(run_dir), ckpt, attempt),
+                    backend=cfg.parallel.backend,
+                    watchdog=watchdog,
+                )
+                return _report({**results[0], "restarts": attempt}, run_dir)
+            except LaunchError as e:
+                if attempt == max_restarts:
+                    raise
+                checkpoint = _restart_from(run_dir, attempt + 1, max_restarts, str(e))
+        raise AssertionError("unreachable")
     finally:
         lock.close()
+
+
+def _restart_from(run_dir: Path, attempt: int, max_restarts: int, cause: str) -> Path | None:
+    """Record why the job is restarted and pick the newest complete checkpoint to restart from."""
+    checkpoint, skipped = store.scan(run_dir / "checkpoints")
+    for reason in skipped:
+        print(f"zerotron: skipping a checkpoint: {reason}", file=sys.stderr, flush=True)
+    first = cause.splitlines()[0]
+    where = f"from {checkpoint.name}" if checkpoint else "from step 0 (no checkpoint yet)"
+    print(f"zerotron: restart {attempt}/{max_restarts} {where} after: {first}", file=sys.stderr, flush=True)
+    entry = {"attempt": attempt, "time": time.time(), "cause": first, "resume": str(checkpoint or "")}
+    with open(run_dir / "restarts.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+    return checkpoint
 
 
 def _report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -432,6 +475,10 @@ def _run_as_job_rank(
     config (pure), rank 0 alone claims the run directory and writes the shared files while the others
     wait for its word, then every rank trains; rank 0 reports."""
     rank, world = job_rank_and_world()
+    die_with_parent()  # a rank never outlives its torchrun agent (or srun step)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt > 0 and resume is None:  # torchrun restarted the job (--max-restarts): continue it
+        resume = "auto"
     cfg = load_job_config(config_path, overrides, world, deepspeed, report=rank == 0)
     init_distributed(cfg.parallel.backend)
     lock = None
@@ -453,7 +500,7 @@ def _run_as_job_rank(
         message = json.loads(share_from_rank0(word))
         if "error" in message:
             raise ConfigError(f"rank 0 could not prepare the run: {message['error']}")
-        summary = train_worker(message["run_dir"], message["resume"])
+        summary = train_worker(message["run_dir"], message["resume"], attempt)
         return _report(summary, Path(message["run_dir"])) if rank == 0 else None
     finally:
         destroy_distributed()

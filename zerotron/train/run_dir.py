@@ -31,6 +31,7 @@ RESULTS = (
     "tokens.npy",
     "checkpoints",
     "tensorboard",
+    "restarts.jsonl",
 )
 
 

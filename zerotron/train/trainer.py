@@ -35,6 +35,7 @@ from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 from zerotron.parallel.zero import apply_zero, offload_optimizer
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset
+from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
 from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress, model_state_bytes
 from zerotron.train.optim import (
     DynamicLossScaler,
@@ -103,8 +104,12 @@ def peak_flops(device: torch.device) -> float | None:
 class Trainer:
     """One rank's view of a training run."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, run_dir: Path, tokens: np.ndarray) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, run_dir: Path, tokens: np.ndarray, attempt: int = 0) -> None:
         self.cfg, self.mesh, self.run_dir = cfg, mesh, run_dir
+        self.attempt = attempt  # 0, or the number of restarts before this one (--max-restarts)
+        self.guard = BadStepGuard(cfg.fault)
+        self.injector = Injector(cfg.fault.inject, mesh.rank, attempt)
+        self.stopped: str | None = None  # the signal that stopped fit() early, agreed by every rank
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -221,9 +226,13 @@ class Trainer:
         """Run one optimizer step (on the loader's next batches unless ``micro`` is given)."""
         cfg = self.cfg.train
         started = time.perf_counter()
+        self.injector.before_step(self.step + 1)
+        position = self.loader.state_dict()
         micro = micro if micro is not None else self.loader.next_step()
         fp16 = cfg.precision == "fp16"
         scale = self.scaler.scale if fp16 else 1.0
+        if self.injector.poisons(self.step + 1):
+            scale = float("nan")  # fault.inject nan: this step's gradients are NaN on every rank
         loss_sum = self._forward_backward(micro, scale)
         if fp16:
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -231,9 +240,13 @@ class Trainer:
         norm = global_grad_norm(self.norm_params, self.norm_groups)
         overflow = not bool(torch.isfinite(norm))
         lr = lr_at(self.step, cfg)
+        collectives.all_reduce(loss_sum, self.dp_group, op="sum")  # the global loss, equal on every rank
+        bad = None
         if fp16:
             self.scaler.update(overflow)
-        if overflow and fp16:
+        if not (overflow and fp16):  # an fp16 overflow is the loss scaler's to handle
+            bad = self.guard.check(float(loss_sum) / (cfg.global_batch * cfg.seq_len), not overflow)
+        if (overflow and fp16) or bad is not None:
             skipped = True
         else:
             skipped = False
@@ -252,11 +265,13 @@ class Trainer:
         else:
             states = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        collectives.all_reduce(loss_sum, self.dp_group, op="sum")
         self.step += 1
         record = self._record(loss_sum, norm, lr, started, activation, states, skipped)
         if offloaded is not None:  # model states off the device (ZeRO offload): {host|nvme: {params, ...}}
             record["offloaded_state_bytes"] = offloaded
+        if bad is not None:  # skipped; the data it would have trained on, for the post-mortem
+            record.update(bad_step=bad, data_position=position, bad_steps_total=self.guard.total)
+        self.guard.check_limit(self.step)
         return record
 
     def _record(
@@ -293,6 +308,7 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "layout": self.layout(),
             "rank": self.mesh.rank,
+            "restarts": self.attempt,
         }
         self.mesh.stats.reset()
         if cfg.precision == "fp16":
@@ -330,6 +346,12 @@ class Trainer:
             self.ckpt_writer,
         )
 
+    def _save_checked(self) -> None:
+        """Save, then let ``fault.inject`` corrupt the published checkpoint (drills; rank 0)."""
+        path = self.save()
+        if self.ckpt_writer is None and self.mesh.rank == 0:
+            self.injector.after_save(self.step, path)
+
     def wait_for_checkpoint(self, grace_s: float | None = None) -> None:
         """Block until an asynchronous checkpoint write in flight is on disk (and published, on rank 0)."""
         if self.ckpt_writer is not None:
@@ -363,6 +385,7 @@ class Trainer:
         show = self.mesh.rank == 0
         progress = Progress(cfg.train.steps, self.step, cfg.log.progress if show else "none", cfg.log.every)
         history = []
+        stop = StopRequest()
         try:
             last = cfg.train.steps if cfg.train.exit_step <= 0 else min(cfg.train.steps, cfg.train.exit_step)
             while self.step < last:
@@ -370,6 +393,12 @@ class Trainer:
                 history.append(record)
                 writer.write(record)
                 progress.update(record)
+                self.mesh.stats.progress(self.step)
+                if record.get("bad_step") and show:
+                    print(f"step {record['step']}: skipped ({record['bad_step']})", flush=True)
+                if agree(self.mesh, stop.signal is not None):  # every rank stops after the same step
+                    self.stopped = stop.signal or "a signal on another rank"
+                    break
                 if record.get("skipped") and show:
                     print(
                         f"step {record['step']}: fp16 gradient overflow, step skipped, "
@@ -380,10 +409,12 @@ class Trainer:
                     on_step(self, record)
                 every = cfg.checkpoint.every
                 if every > 0 and self.step % every == 0 and self.step < last:
-                    self.save()
+                    self._save_checked()
             if not (self.ckpt_root / store.step_dir_name(self.step)).exists():
-                self.save()
+                self._save_checked()
             self.wait_for_checkpoint()
+            if self.stopped and show:
+                print(f"stopped by {self.stopped} after step {self.step}, checkpoint written", flush=True)
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 self.wait_for_checkpoint(grace_s=30.0)
