@@ -403,11 +403,14 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _stop(procs: list[Any]) -> None:
-    """Terminate (then kill) every process still running and reap them all."""
+    """Terminate (then kill) every process still running and reap them all.
+
+    Ranks treat SIGTERM as "checkpoint at the next step boundary", which a rank blocked in a collective
+    with a dead peer never reaches: after a short grace they are killed."""
     for p in procs:
         if p.is_alive():
             p.terminate()
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 1.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
