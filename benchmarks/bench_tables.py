@@ -92,46 +92,35 @@ def main() -> None:
     args = parser.parse_args()
     groups = args.only or ["zero", "dp", "smollm2"]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    smollm2 = [
+        f"model.path={_smollm2()}" if "smollm2" in groups else "",
+        "data.tokenizer=model",
+        "train.seq_len=128",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "train.steps=6",
+        "train.lr=1e-5",
+        "train.warmup_steps=0",
+        "train.schedule=constant",
+        "data.max_bytes=200000",
+    ]
+    runs = {
+        "zero": [
+            (f"ZeRO-{z}", [*ZERO_MODEL, f"parallel.zero={z}"], "zerotron,deepspeed,fsdp2") for z in (1, 2, 3)
+        ],
+        "dp": [("ZeRO-0 (DDP)", DP_JOB, "zerotron,deepspeed,ddp")],
+        "smollm2": [
+            (f"SmolLM2 ZeRO-{z}", [*smollm2, f"parallel.zero={z}"], "zerotron,deepspeed,fsdp2")
+            for z in (2, 3)
+        ],
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        if "zero" in groups:
+        for group in groups:
             print(HEADER)
-            for stage in (1, 2, 3):
-                shown, res = _bench(
-                    [*ZERO_MODEL, f"parallel.zero={stage}"],
-                    "zerotron,deepspeed,fsdp2",
-                    args.repeats,
-                    Path(tmp) / f"z{stage}",
-                )
+            for k, (label, job, frameworks) in enumerate(runs[group]):
+                shown, res = _bench(job, frameworks, args.repeats, Path(tmp) / f"{group}{k}")
                 print(f"<!-- {shown} -->")
-                print("\n".join(_rows(f"ZeRO-{stage}", res)))
-        if "dp" in groups:
-            print(HEADER)
-            shown, res = _bench(DP_JOB, "zerotron,deepspeed,ddp", args.repeats, Path(tmp) / "dp")
-            print(f"<!-- {shown} -->")
-            print("\n".join(_rows("ZeRO-0 (DDP)", res)))
-        if "smollm2" in groups:
-            print(HEADER)
-            job = [
-                f"model.path={_smollm2()}",
-                "data.tokenizer=model",
-                "train.seq_len=128",
-                "train.global_batch=4",
-                "train.micro_batch=2",
-                "train.steps=6",
-                "train.lr=1e-5",
-                "train.warmup_steps=0",
-                "train.schedule=constant",
-                "data.max_bytes=200000",
-            ]
-            for stage in (2, 3):
-                shown, res = _bench(
-                    [*job, f"parallel.zero={stage}"],
-                    "zerotron,deepspeed,fsdp2",
-                    args.repeats,
-                    Path(tmp) / f"s{stage}",
-                )
-                print(f"<!-- {shown} -->")
-                print("\n".join(_rows(f"SmolLM2 ZeRO-{stage}", res)))
+                print("\n".join(_rows(label, res)))
 
 
 if __name__ == "__main__":

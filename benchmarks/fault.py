@@ -1,7 +1,7 @@
 """Fault recovery: time from a fault to the first step after the restart, for a crash and for a hang,
 and the watchdog's cost per step.
 
-Run:  python benchmarks/fault.py [--repeats 3]
+Run:  python benchmarks/fault.py [--repeats 3] [--nvrx /path/to/venv/bin/ft_launcher]
 
 The job: the tiny model (2 layers, hidden 32) on 2 local ranks, a checkpoint every 2 steps, one rank slowed
 to 0.2 s per step on the first attempt (so that a fault lands mid-run). Crash: SIGKILL to rank 1 from
@@ -10,6 +10,11 @@ Measured from outside, polling the run directory every 10 ms: detection (the fau
 records the restart in restarts.jsonl) and recovery (the fault until the first step after the
 checkpoint is in metrics.jsonl again). Watchdog cost: the median step time of 60 steps with the monitor
 on (``fault.hang_timeout_s=300``) and off (0), alternating.
+
+Peer (``--nvrx``): NVIDIA's resiliency extension, ``ft_launcher --max-restarts 1`` with a rank heartbeat
+timeout of 5 s (the hang limit given to zerotron) and a 1 s check interval, running
+benchmarks/fault_nvrx_job.py (a small torch DDP job with the same faults, checkpoint every 2 steps).
+Its detection is taken as the moment the restarted workers appear.
 """
 
 from __future__ import annotations
@@ -83,6 +88,58 @@ def _recover(kind: str, run: Path) -> dict:
                 return {"detect_s": detected - fault, "recover_s": now - fault}
         time.sleep(0.01)
     raise RuntimeError(f"{kind}: the job ended before recovering (exit {proc.returncode})")
+
+
+def _restarted_worker() -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_text(errors="ignore")
+                env = (entry / "environ").read_text(errors="ignore")
+            except OSError:
+                continue
+            if "fault_nvrx_job.py" in cmd and "TORCHELASTIC_RESTART_COUNT=1" in env:
+                return True
+    return False
+
+
+def _nvrx_worker(rank: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_text(errors="ignore")
+                env = (entry / "environ").read_text(errors="ignore").split("\0")
+            except OSError:
+                continue
+            if "fault_nvrx_job.py" in cmd and f"RANK={rank}" in env:
+                return int(entry.name)
+    raise RuntimeError("no NVRx worker found")
+
+
+def _recover_nvrx(launcher: str, kind: str, run: Path) -> dict:
+    run.mkdir(parents=True)
+    job = str(Path(__file__).with_name("fault_nvrx_job.py"))
+    cmd = [launcher, "--nproc-per-node", "2", "--max-restarts", "1", "--ft-param-rank_heartbeat_timeout", "5"]
+    cmd += ["--ft-param-initial_rank_heartbeat_timeout", "60", "--ft-param-workload_check_interval", "1"]
+    proc = subprocess.Popen(
+        [*cmd, job, "--out", str(run), "--kind", kind], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    metrics = run / "metrics.jsonl"
+    fault = detected = None
+    while proc.poll() is None:
+        records, now = _lines(metrics), time.time()
+        if fault is None and len(records) >= 3:
+            if kind == "crash":
+                os.kill(_nvrx_worker(1), signal.SIGKILL)
+            fault = time.time() if kind == "crash" else now
+        if fault is not None and detected is None and _restarted_worker():
+            detected = time.time()
+        after = [r for r in records if r["restarts"] == 1]
+        if fault is not None and after:
+            proc.kill()
+            return {"detect_s": (detected or after[0]["time"]) - fault, "recover_s": after[0]["time"] - fault}
+        time.sleep(0.01)
+    raise RuntimeError(f"NVRx {kind}: the job ended before recovering (exit {proc.returncode})")
 
 
 def _step_time(hang_timeout: float, run: Path) -> float:

@@ -245,3 +245,28 @@ def test_torchrun_restart_continues_the_run(tmp_path: Path, straight: list[float
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout
     assert _losses(run) == pytest.approx(straight, rel=1e-5)
+
+
+def test_bad_steps_in_a_row_roll_back_to_the_checkpoint(tmp_path: Path, straight: list[float]) -> None:
+    """Two NaN steps in a row with fault.max_bad_steps=2 stop the attempt; the restart rolls back to the
+    last checkpoint and (the drill injects on the first attempt only) trains like the straight run."""
+    run = tmp_path / "run"
+    argv = ["train", *JOB, "fault.inject=nan:step=3;nan:step=4", "fault.max_bad_steps=2", "--nproc", "2"]
+    assert main([*argv, "--max-restarts", "1", "--out", str(run)]) == 0
+    restart = json.loads((run / "restarts.jsonl").read_text().splitlines()[0])
+    assert "2 bad steps in a row up to step 4" in restart["cause"] and restart["resume"].endswith(
+        "step_00000002"
+    )
+    assert _losses(run) == pytest.approx(straight, rel=1e-5)
+
+
+def test_corrupted_checkpoint_is_skipped_on_restart(tmp_path: Path, straight: list[float]) -> None:
+    """The drill corrupts the step-4 checkpoint after it is written and crashes a rank at step 5: the
+    restart finds the checksum mismatch, falls back to step 2, and still ends like the straight run."""
+    run = tmp_path / "run"
+    drills = "fault.inject=corrupt_checkpoint:step=4;crash:rank=1,step=5"
+    proc = _launch([*JOB, drills, "--nproc", "2", "--max-restarts", "1", "--out", str(run)])
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "checksum mismatch" in err and "restart 1/1 from step_00000002" in err
+    assert _losses(run) == pytest.approx(straight, rel=1e-5)

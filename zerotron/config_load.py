@@ -451,12 +451,18 @@ def _check_nvme_path(path: str | None) -> None:
         raise ConfigError(
             f"parallel.nvme_path={path} is not an existing directory; create it or point elsewhere"
         )
-    try:  # a real write: permission bits do not stop root, a read-only mount does
+    check_writable(where, f"parallel.nvme_path={path}")
+
+
+def check_writable(where: Path, label: str) -> None:
+    """A real write into the directory ``where`` (permission bits do not stop root, a read-only mount
+    does); ``label`` names the setting in the one-line error (``--out runs/a``)."""
+    try:
         with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
         raise ConfigError(
-            f"parallel.nvme_path={path} is not writable ({e.strerror}); choose a directory this user can write"
+            f"{label} is not writable ({e.strerror}); choose a directory this user can write"
         ) from None
 
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import IO
 
-from zerotron.config_load import ConfigError
+from zerotron.config_load import ConfigError, check_writable
 
 LOCK_NAME = ".lock"
 # What a run writes into its directory; --overwrite removes exactly these.
@@ -33,16 +32,6 @@ RESULTS = (
     "tensorboard",
     "restarts.jsonl",
 )
-
-
-def _check_writable(path: Path, flag: str) -> None:
-    try:
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise ConfigError(
-            f"{flag} {path} is not writable ({e.strerror}); choose a directory you can write"
-        ) from None
 
 
 def _previous_results(run_dir: Path) -> list[str]:
@@ -88,7 +77,7 @@ def claim(run_dir: Path, resume: str | None, overwrite: bool) -> IO[str]:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {run_dir}: cannot create the directory ({e.strerror})") from None
-    _check_writable(run_dir, "--out")
+    check_writable(run_dir, f"--out {run_dir}")
     lock = _take_lock(run_dir)
     previous = _previous_results(run_dir)
     if previous and resume is None and not overwrite:
@@ -102,5 +91,5 @@ def claim(run_dir: Path, resume: str | None, overwrite: bool) -> IO[str]:
             target = run_dir / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
     if (run_dir / "checkpoints").is_dir():
-        _check_writable(run_dir / "checkpoints", "--out")
+        check_writable(run_dir / "checkpoints", f"--out {run_dir}: checkpoints/")
     return lock
