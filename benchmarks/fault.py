@@ -79,10 +79,11 @@ def _recover(kind: str, run: Path) -> dict:
             fault = time.time()
         if fault is None and kind == "hang" and len(records) >= 3:
             fault = now  # step 3 is done: rank 1 stops at the start of step 4
-        if detected is None and restarts.is_file():
-            detected = json.loads(restarts.read_text().splitlines()[0])["time"]
+        restart = _lines(restarts)  # empty until the launcher has written its line
+        if detected is None and restart:
+            detected = restart[0]["time"]
         if detected is not None and fault is not None:
-            resumed = int(json.loads(restarts.read_text().splitlines()[0])["resume"][-8:])
+            resumed = int(restart[0]["resume"][-8:])
             if any(r["step"] == resumed + 1 and r.get("restarts") == 1 for r in records):
                 proc.kill()
                 return {"detect_s": detected - fault, "recover_s": now - fault}
@@ -122,7 +123,10 @@ def _recover_nvrx(launcher: str, kind: str, run: Path) -> dict:
     cmd = [launcher, "--nproc-per-node", "2", "--max-restarts", "1", "--ft-param-rank_heartbeat_timeout", "5"]
     cmd += ["--ft-param-initial_rank_heartbeat_timeout", "60", "--ft-param-workload_check_interval", "1"]
     proc = subprocess.Popen(
-        [*cmd, job, "--out", str(run), "--kind", kind], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*cmd, job, "--out", str(run), "--kind", kind],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # ft_launcher's agents and workers outlive it: end the whole group
     )
     metrics = run / "metrics.jsonl"
     fault = detected = None
@@ -136,7 +140,8 @@ def _recover_nvrx(launcher: str, kind: str, run: Path) -> dict:
             detected = time.time()
         after = [r for r in records if r["restarts"] == 1]
         if fault is not None and after:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             return {"detect_s": (detected or after[0]["time"]) - fault, "recover_s": after[0]["time"] - fault}
         time.sleep(0.01)
     raise RuntimeError(f"NVRx {kind}: the job ended before recovering (exit {proc.returncode})")
@@ -152,12 +157,17 @@ def main() -> None:
     """Print the recovery table and the watchdog's cost."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nvrx", help="ft_launcher of an environment with nvidia-resiliency-ext")
     args = parser.parse_args()
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {
-            k: [_recover(k, Path(tmp) / f"{k}{i}") for i in range(args.repeats)] for k in ("crash", "hang")
-        }
+        rows = {}
+        for kind in ("crash", "hang"):
+            rows[f"zerotron {kind}"] = [_recover(kind, Path(tmp) / f"{kind}{i}") for i in range(args.repeats)]
+            if args.nvrx:
+                rows[f"NVRx {kind}"] = [
+                    _recover_nvrx(args.nvrx, kind, Path(tmp) / f"nvrx-{kind}{i}") for i in range(args.repeats)
+                ]
         on = [_step_time(300, Path(tmp) / f"on{i}") for i in range(args.repeats)]
         off = [_step_time(0, Path(tmp) / f"off{i}") for i in range(args.repeats)]
     print("| fault | detection (s), median | recovery to the first step after restart (s), median | runs |")

@@ -290,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.set_defaults(fn=_cmd_convert)
 
+    _add_plan(sub)
+
+    _add_bench(sub)
+    return parser
+
+
+def _add_plan(sub: Any) -> None:
+    """The ``zerotron plan`` sub-command."""
     plan = sub.add_parser("plan", help="predict memory and step time of a layout; search the best one")
     plan.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]", help="as for `zerotron train`")
     plan.add_argument(
@@ -315,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.set_defaults(fn=_cmd_plan)
 
+
+def _add_bench(sub: Any) -> None:
+    """The ``zerotron bench`` sub-command."""
     bench = sub.add_parser(
         "bench", help="run the same training job on zerotron, DeepSpeed, FSDP2 and DDP side by side"
     )
@@ -332,7 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--hardware", default="cpu", help="--plan: hardware profile name or file (default cpu)"
     )
     bench.set_defaults(fn=_cmd_bench)
-    return parser
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -403,16 +403,13 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _stop(procs: list[Any]) -> None:
-    """Terminate (then kill) every process still running and reap them all.
+    """Kill every rank still running and reap them all.
 
-    Ranks treat SIGTERM as "checkpoint at the next step boundary", which a rank blocked in a collective
-    with a dead peer never reaches: after a short grace they are killed."""
+    Ranks that finished have exited by now; the ones still running failed with the job or are stuck
+    (in a collective with a dead peer, or hung): SIGTERM would only ask them to checkpoint at a step
+    boundary they cannot reach, so they are killed at once (a restart starts from the last checkpoint)."""
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 1.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
-            p.join(5.0)
+    for p in procs:
+        p.join(5.0)

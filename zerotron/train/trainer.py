@@ -106,10 +106,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh: Mesh, run_dir: Path, tokens: np.ndarray, attempt: int = 0) -> None:
         self.cfg, self.mesh, self.run_dir = cfg, mesh, run_dir
-        self.attempt = attempt  # 0, or the number of restarts before this one (--max-restarts)
-        self.guard = BadStepGuard(cfg.fault)
-        self.injector = Injector(cfg.fault.inject, mesh.rank, attempt)
-        self.stopped: str | None = None  # the signal that stopped fit() early, agreed by every rank
+        self._init_fault(attempt)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -188,6 +185,12 @@ class Trainer:
         self.ckpt_writer = (
             CheckpointWriter(mesh.rank, mesh.dims.world_size) if cfg.checkpoint.async_save else None
         )
+
+    def _init_fault(self, attempt: int) -> None:
+        self.attempt = attempt  # 0, or the number of restarts before this one (--max-restarts)
+        self.guard = BadStepGuard(self.cfg.fault)
+        self.injector = Injector(self.cfg.fault.inject, self.mesh.rank, attempt)
+        self.stopped: str | None = None  # the signal that stopped fit() early, agreed by every rank
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
