@@ -117,7 +117,8 @@ def test_hung_rank_is_named_within_the_timeout(capfd: pytest.CaptureFixture[str]
 
 def test_sigterm_checkpoints_stops_and_resumes_exactly(tmp_path: Path, straight: list[float]) -> None:
     run = tmp_path / "run"
-    proc = _launch([*JOB, "fault.inject=slow:rank=0,seconds=0.3", "--nproc", "2", "--out", str(run)])
+    slow = ["fault.inject=slow:rank=0,seconds=0.3", "fault.signal_check_every=1"]
+    proc = _launch([*JOB, *slow, "--nproc", "2", "--out", str(run)])
     _wait_for_step(run, 3, proc)
     ranks = _ranks(proc.pid)
     proc.send_signal(signal.SIGTERM)

@@ -218,6 +218,11 @@ class FaultConfig:
         "after this many skipped steps in a row (non-finite or spiking loss), stop the attempt: a restart "
         "(--max-restarts) rolls back to the last checkpoint",
     )
+    signal_check_every: int = _f(
+        10,
+        "every this many steps the ranks agree whether a stop signal (SIGTERM, SIGUSR1, SIGINT) arrived, "
+        "with one 4-byte all-reduce per mesh axis; the checkpoint and stop come at the first such step",
+    )
     inject: str = _f(
         "",
         "test and drill tool, first attempt only: crash:rank=R,step=S | hang:rank=R,step=S | "

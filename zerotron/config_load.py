@@ -505,8 +505,8 @@ def _check_fault(cfg: Config) -> None:
             raise ConfigError(f"fault.{key}={getattr(f, key)} must be >= 0")
     if 0 < f.spike_factor <= 1:
         raise ConfigError(f"fault.spike_factor={f.spike_factor} must be > 1 (a multiple of the median) or 0")
-    if f.max_bad_steps < 1:
-        raise ConfigError(f"fault.max_bad_steps={f.max_bad_steps} must be >= 1")
+    if f.max_bad_steps < 1 or f.signal_check_every < 1:
+        raise ConfigError("fault.max_bad_steps and fault.signal_check_every must be >= 1")
     parse_injections(f.inject)
 
 

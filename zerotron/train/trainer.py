@@ -399,7 +399,10 @@ class Trainer:
                 self.mesh.stats.progress(self.step)
                 if record.get("bad_step") and show:
                     print(f"step {record['step']}: skipped ({record['bad_step']})", flush=True)
-                if agree(self.mesh, stop.signal is not None):  # every rank stops after the same step
+                check = self.step % cfg.fault.signal_check_every == 0
+                if check and agree(
+                    self.mesh, stop.signal is not None
+                ):  # every rank stops after the same step
                     self.stopped = stop.signal or "a signal on another rank"
                     break
                 if record.get("skipped") and show:
