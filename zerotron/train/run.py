@@ -176,24 +176,30 @@ def load_job_config(
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     if dims.pp > 1:
         _check_pipeline(cfg, dims)
-    _check_fits_host(cfg)
+    _check_fits_host(cfg, world_size)
     return cfg
 
 
-def _check_fits_host(cfg: Config) -> None:
+def _check_fits_host(cfg: Config, world_size: int) -> None:
     """Each rank builds the model's fp32 weights whole before splitting them (until meta-device
-    materialisation lands): refuse a model whose weights alone exceed this machine's memory."""
+    materialisation lands): refuse a model whose weights alone exceed one rank's share of this machine
+    (a GPU's memory, or the host's memory over the local ranks)."""
     from zerotron.plan.model import ModelShape, total_params
 
     need = 4 * total_params(ModelShape.from_config(cfg.model))
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if torch.cuda.is_available():
+        have, where = torch.cuda.get_device_properties(0).total_memory, "one GPU's memory"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+        where = f"this machine's memory over {local} local rank{'s' if local > 1 else ''}"
     if need > have:
         m = cfg.model
         raise ConfigError(
-            f"the model has {need / 4:,.0f} parameters ({need / 2**30:,.1f} GiB in fp32), more than this "
-            f"machine's {have / 2**30:,.1f} GiB (hidden_size={m.hidden_size}, head_dim={m.dim_per_head}, "
-            f"intermediate_size={m.intermediate_size}, vocab_size={m.vocab_size}, layers={m.num_hidden_layers}); "
-            "check the model.* sizes"
+            f"the model has {need / 4:,.0f} parameters ({need / 2**30:,.1f} GiB in fp32), more than "
+            f"{where} ({have / 2**30:,.1f} GiB) while every rank still builds it whole (hidden_size="
+            f"{m.hidden_size}, head_dim={m.dim_per_head}, intermediate_size={m.intermediate_size}, vocab_size="
+            f"{m.vocab_size}, layers={m.num_hidden_layers}); check the model.* sizes or run fewer local ranks"
         )
 
 
