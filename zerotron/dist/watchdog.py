@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,13 @@ class SignalForwarder:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received == "SIGINT":
             raise KeyboardInterrupt
+        if self.received is None:
+            print(
+                f"zerotron: {signal.Signals(signum).name} passed to the ranks (training checkpoints and stops at "
+                "its next check, every fault.signal_check_every steps); Ctrl-C again stops at once",
+                file=sys.stderr,
+                flush=True,
+            )
         self.received = signal.Signals(signum).name
         for p in self.procs:
             if p.is_alive() and p.pid is not None:
