@@ -448,3 +448,27 @@ def test_deepspeed_refusals_are_listed_together(tmp_path: Path) -> None:
     for part in ("adam_w_mode", "amsgrad", "OneCycle", "fp16.loss_scale=128", "zero_hpz_partition_size"):
         assert part in message, part
     assert "\n" not in message
+
+
+def test_readme_plan_example_prints_what_the_planner_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every `$ zerotron plan ...` transcript in the README is the planner's current output."""
+    import shlex
+
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    transcripts, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("$ zerotron plan"):
+            command = lines[i][2:]
+            while command.endswith("\\"):
+                i += 1
+                command = command[:-1] + " " + lines[i].strip()
+            expected = []
+            while i + 1 < len(lines) and not lines[i + 1].startswith(("$ ", "```")):
+                i += 1
+                expected.append(lines[i])
+            transcripts.append((shlex.split(command)[1:], expected))
+        i += 1
+    assert len(transcripts) >= 2
+    for argv, expected in transcripts:
+        assert main(argv) == 0
+        assert capsys.readouterr().out.splitlines() == expected, argv
