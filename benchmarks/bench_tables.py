@@ -17,18 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ZERO_MODEL = [
-    "model.hidden_size=256",
-    "model.num_hidden_layers=4",
-    "model.num_attention_heads=8",
-    "model.num_key_value_heads=4",
-    "model.intermediate_size=688",
-    "train.seq_len=256",
-    "train.micro_batch=4",
+from zero import MODEL  # benchmarks/zero.py, beside this script
+
+ZERO_MODEL = [  # benchmarks/zero.py's model and step, 2 ranks, 10 steps
+    *(item for item in MODEL if item != "log.progress=none"),
     "train.global_batch=8",
-    "train.lr=3e-4",
-    "train.warmup_steps=0",
-    "train.schedule=constant",
     "train.steps=10",
     "data.max_bytes=400000",
 ]

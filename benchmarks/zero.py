@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from zerotron.bench.report import cpu_name
 from zerotron.config_load import load_config
 from zerotron.dist.launch import current_rank_and_world, spawn
 from zerotron.dist.mesh import ParallelDims
@@ -221,14 +220,6 @@ def run(nproc: int, base: list[str], tokens: np.ndarray) -> dict[str, dict]:
     return out
 
 
-def _cpu_name() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or platform.machine()
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Model name")), "unknown")
-
-
 def _ratio(ours: dict, theirs: dict, key: str) -> str:
     return f"{ours[key] / theirs[key]:.2f}×"
 
@@ -289,7 +280,7 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = _combine([{n: run(n, base, tokens) for n in args.nproc} for _ in range(args.repeats)])
     print(
-        f"{started}, {_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{started}, {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(_table(results))

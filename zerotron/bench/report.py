@@ -92,10 +92,11 @@ def environment() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[package] = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"versions": versions, "python": platform.python_version(), "cpu": _cpu_name(), "gpu": gpu}
+    return {"versions": versions, "python": platform.python_version(), "cpu": cpu_name(), "gpu": gpu}
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (lscpu), or what platform knows."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
     except (OSError, subprocess.CalledProcessError):
