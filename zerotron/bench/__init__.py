@@ -111,12 +111,13 @@ def run_bench(
         run_dir = _prepare(cfg, Path(out) if out else None)
         rows = _run_all(cfg, frameworks, nproc, repeats, run_dir, world)
         return _finish(cfg, world, rows, run_dir, plan_hardware)
+    rank = job_rank_and_world()[0]
     init_distributed(cfg.parallel.backend)
     try:
-        word = str(_prepare(cfg, Path(out) if out else None)) if job_rank_and_world()[0] == 0 else ""
+        word = str(_prepare(cfg, Path(out) if out else None)) if rank == 0 else ""
         run_dir = Path(share_from_rank0(word))
         rows = _run_all(cfg, frameworks, nproc, repeats, run_dir, world)
-        return _finish(cfg, world, rows, run_dir, plan_hardware) if job_rank_and_world()[0] == 0 else None
+        return _finish(cfg, world, rows, run_dir, plan_hardware) if rank == 0 else None
     finally:
         destroy_distributed()
 

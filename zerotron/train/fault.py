@@ -39,15 +39,24 @@ class BadStepsError(RuntimeError):
 
 
 class StopRequest:
-    """A flag set by the stop signals (installed in the main thread of a rank)."""
+    """A flag set by the stop signals while the context is open (the main thread's handlers are
+    restored on exit, so a process that trains in-process keeps its own Ctrl-C afterwards)."""
 
     def __init__(self) -> None:
         self.signal: str | None = None
-        for sig in STOP_SIGNALS:
-            try:
-                signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. a test harness): no signal handling
-                break
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        try:
+            for sig in STOP_SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread (e.g. a test harness): no signal handling
+            pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signal = self.signal or signal.Signals(signum).name

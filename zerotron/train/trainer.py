@@ -387,8 +387,21 @@ class Trainer:
         writer = MetricsWriter(self.run_dir, self.mesh.rank, cfg.log.per_rank_metrics, cfg.log.tensorboard)
         show = self.mesh.rank == 0
         progress = Progress(cfg.train.steps, self.step, cfg.log.progress if show else "none", cfg.log.every)
-        history = []
-        stop = StopRequest()
+        history: list[dict[str, Any]] = []
+        with StopRequest() as stop:
+            return self._fit_loop(cfg, writer, progress, show, history, stop, on_step)
+
+    def _fit_loop(
+        self,
+        cfg: Config,
+        writer: MetricsWriter,
+        progress: Progress,
+        show: bool,
+        history: list[dict[str, Any]],
+        stop: StopRequest,
+        on_step: Any,
+    ) -> list[dict[str, Any]]:
+        """The steps, checkpoints and stop checks of :meth:`fit` (signal handlers installed)."""
         try:
             last = cfg.train.steps if cfg.train.exit_step <= 0 else min(cfg.train.steps, cfg.train.exit_step)
             while self.step < last:
@@ -399,12 +412,6 @@ class Trainer:
                 self.mesh.stats.progress(self.step)
                 if record.get("bad_step") and show:
                     print(f"step {record['step']}: skipped ({record['bad_step']})", flush=True)
-                check = self.step % cfg.fault.signal_check_every == 0
-                if check and agree(
-                    self.mesh, stop.signal is not None
-                ):  # every rank stops after the same step
-                    self.stopped = stop.signal or "a signal on another rank"
-                    break
                 if record.get("skipped") and show:
                     print(
                         f"step {record['step']}: fp16 gradient overflow, step skipped, "
@@ -416,6 +423,11 @@ class Trainer:
                 every = cfg.checkpoint.every
                 if every > 0 and self.step % every == 0 and self.step < last:
                     self._save_checked()
+                # every rank checks the same steps and stops after the same one
+                check = self.step % cfg.fault.signal_check_every == 0
+                if check and agree(self.mesh, stop.signal is not None):
+                    self.stopped = stop.signal or "a signal on another rank"
+                    break
             if not (self.ckpt_root / store.step_dir_name(self.step)).exists():
                 self._save_checked()
             self.wait_for_checkpoint()
