@@ -137,16 +137,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from zerotron.plan.search import search
 
     config, overrides = _split_config_and_overrides(args.items)
+    if args.accuracy:
+        from zerotron.plan.accuracy import accuracy_report
+
+        print(accuracy_report())
+        return 0
     if args.calibrate:
-        overrides += [item for item in args.calibrate if "=" in item]  # overrides typed after the dirs
-        runs = []
-        for run_dir in (Path(item) for item in args.calibrate if "=" not in item):
-            records = read_metrics(run_dir)
-            saved = run_dir / "config.yaml"
-            runs.append((load_config(str(saved) if saved.is_file() else config, overrides), records))
-        result = calibrate_runs(runs, get_hardware(args.hardware or "cpu"))
+        overrides += [item for item in args.calibrate + (args.check or []) if "=" in item]
+
+        def runs_of(items: list[str]) -> list[tuple[Any, list[dict[str, Any]]]]:
+            runs = []
+            for run_dir in (Path(item) for item in items if "=" not in item):
+                records = read_metrics(run_dir)
+                saved = run_dir / "config.yaml"
+                runs.append((load_config(str(saved) if saved.is_file() else config, overrides), records))
+            return runs
+
+        hw = get_hardware(args.hardware or "cpu")
+        result = calibrate_runs(runs_of(args.calibrate), hw, held_out=runs_of(args.check or []))
         print(json.dumps(result, indent=2) if args.json else format_calibration(result))
         return 0
+    if args.check:
+        raise PlanError("--check RUN_DIR ... goes with --calibrate: runs to predict with the fitted profile")
     if not args.hardware:
         raise PlanError(f"--hardware is required: choose one of {', '.join(PROFILES)} or give a profile file")
     hw = get_hardware(args.hardware)
@@ -169,6 +181,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     plan = plan_config(cfg, hw, gpus, convention=args.convention)
     print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
+    if args.explain and not args.json:
+        from zerotron.plan.explain import explain
+
+        print(explain(*from_config(cfg, gpus), hw, plan))
     return 0
 
 
@@ -313,6 +329,18 @@ def _add_plan(sub: Any) -> None:
         nargs="+",
         metavar="RUN_DIR",
         help="fit the profile's efficiency to a run (GEMM and communication efficiency to several runs)",
+    )
+    plan.add_argument(
+        "--check",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="with --calibrate: runs not used by the fit, predicted with the fitted profile (their error)",
+    )
+    plan.add_argument("--explain", action="store_true", help="print each time term's formula and inputs")
+    plan.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="the planner's error on the published calibration and validation runs, row by row",
     )
     plan.add_argument(
         "--convention",

@@ -106,6 +106,11 @@ class ParallelConfig:
     ep: int = _f(1, "expert-parallel degree, folded over dp*cp")
     zero: int = _f(0, "ZeRO stage over dp: 0 (DDP), 1 (optimizer states), 2 (+grads), 3 (+params)")
     sequence_parallel: bool = _f(False, "shard LayerNorm/dropout activations over tp (Megatron SP)")
+    tp_comm_overlap: bool = _f(
+        False,
+        "overlap tp collectives with the GEMMs (Megatron/Transformer Engine userbuffers); modelled by "
+        "`zerotron plan`, not built in the trainer",
+    )
     pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb")
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
     pp_layers: Optional[list] = _f(

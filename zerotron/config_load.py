@@ -204,7 +204,7 @@ _CHOICES = {
     "parallel.offload_optimizer": ("none", "cpu", "nvme"),
     "parallel.offload_params": ("none", "cpu", "nvme"),
     "parallel.backend": ("auto", "nccl", "gloo"),
-    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.precision": ("fp32", "bf16", "fp16", "fp8"),
     "train.recompute": ("none", "selective", "full"),
     "train.schedule": ("cosine", "linear", "constant"),
     "train.warmup_type": ("linear", "log"),
@@ -522,6 +522,16 @@ def _check_built(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.ep={p.ep}: expert parallelism needs mixture-of-experts layers, which the trainer does "
             "not have yet; set parallel.ep=1"
+        )
+    if p.tp_comm_overlap:
+        raise ConfigError(
+            "parallel.tp_comm_overlap=true: the trainer does not overlap tensor-parallel collectives with "
+            "GEMMs yet (`zerotron plan` models it); set parallel.tp_comm_overlap=false"
+        )
+    if cfg.train.precision == "fp8":
+        raise ConfigError(
+            "train.precision=fp8: the trainer has no FP8 matrix multiplies yet (`zerotron plan` models them); "
+            "set train.precision=bf16"
         )
     if cfg.train.sample_every:
         raise ConfigError(

@@ -21,7 +21,7 @@ from typing import Any
 
 from zerotron.config import Config
 from zerotron.plan.errors import PlanError
-from zerotron.plan.hardware import Hardware
+from zerotron.plan.hardware import Hardware, profile_from_dict
 from zerotron.plan.layout import Layout, Workload, check, from_config
 from zerotron.plan.model import ModelShape
 from zerotron.plan.planner import plan_layout
@@ -78,12 +78,40 @@ def calibrate(cfg: Config, records: list[dict[str, Any]], hw: Hardware) -> dict[
     }
 
 
-def calibrate_runs(runs: list[tuple[Config, list[dict[str, Any]]]], hw: Hardware) -> dict[str, Any]:
+def calibrate_runs(
+    runs: list[tuple[Config, list[dict[str, Any]]]],
+    hw: Hardware,
+    held_out: list[tuple[Config, list[dict[str, Any]]]] | None = None,
+) -> dict[str, Any]:
     """Fit ``gemm_efficiency`` and ``comm_efficiency`` to several runs (different layouts) at once.
 
     Minimises the sum of squared log errors of the step times over a grid of both constants, then
-    refines around the best point. With a single run this is :func:`calibrate`.
+    refines around the best point. With a single run this is :func:`calibrate`. ``held_out`` runs are
+    not used by the fit: they are predicted with the fitted profile and their errors reported
+    (``check``: per run, and the mean and worst absolute error).
     """
+    result = _fit(runs, hw)
+    if held_out:
+        fitted = profile_from_dict(result["profile"], source="fitted profile")
+        checks: list[dict[str, Any]] = []
+        for cfg, records in held_out:
+            run = _Run.of(cfg, records, hw)
+            predicted = run.predict(fitted)
+            checks.append(
+                {
+                    "layout": run.layout.short(),
+                    "seq_len": run.work.seq_len,
+                    "measured_step_time_s": run.measured,
+                    "predicted_step_time_s": predicted,
+                    "error": predicted / run.measured - 1.0,
+                }
+            )
+        errs = [abs(float(c["error"])) for c in checks]
+        result["check"] = {"runs": checks, "mean_abs_error": statistics.fmean(errs), "worst": max(errs)}
+    return result
+
+
+def _fit(runs: list[tuple[Config, list[dict[str, Any]]]], hw: Hardware) -> dict[str, Any]:
     if len(runs) == 1:
         return calibrate(runs[0][0], runs[0][1], hw)
     fits = [_Run.of(cfg, records, hw) for cfg, records in runs]

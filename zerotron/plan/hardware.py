@@ -4,9 +4,9 @@ Profiles are plain data. The figures are vendors' data-sheet numbers (dense, no 
 device; ``intra_bw`` is one device's uni-directional bandwidth to its node peers (NVLink/NVSwitch,
 Infinity Fabric or PCIe), ``inter_bw`` its share of the node's network (e.g. a DGX A100 has 8×200 Gb/s
 InfiniBand for 8 GPUs: 25 GB/s each). ``host_memory_bytes`` is per node. The efficiency constants
-(``gemm_efficiency``, ``gemm_knee``, ``comm_efficiency``) are what :mod:`zerotron.plan.calibrate`
-fits; the shipped values were fitted to Narayanan et al. Table 1 (A100) and carried over to the other
-GPUs.
+(``gemm_efficiency``, ``gemm_knee``, ``attention_efficiency``, ``comm_efficiency``) are what
+:mod:`zerotron.plan.calibrate` fits to a user's runs; the shipped values were fitted to the published
+calibration runs of :mod:`zerotron.plan.published` (see ``_A100_FIT`` and ``_H100_FIT``).
 
 A user profile is a YAML or JSON mapping with the same keys; ``base: NAME`` starts from a shipped
 profile and overrides only the keys given.
@@ -33,7 +33,7 @@ class Hardware:
     name: str
     peak_flops: dict[str, float]
     """Dense peak FLOP/s by compute dtype: ``bf16``, ``fp16``, ``fp32`` (IEEE fp32, what the engine runs:
-    it does not enable TF32) and ``tf32`` (tensor cores, for reference)."""
+    it does not enable TF32), ``tf32`` (tensor cores, for reference) and ``fp8`` (Hopper and Ada only)."""
     memory_bytes: float
     """Device memory (bytes)."""
     memory_bw: float
@@ -59,7 +59,11 @@ class Hardware:
     gemm_efficiency: float = 0.6
     """Fraction of peak that large matrix multiplies reach."""
     gemm_knee: float = 16.0
-    """GEMM size at which efficiency is half of ``gemm_efficiency`` (see :func:`gemm_efficiency`)."""
+    """GEMM size (geometric mean of its dimensions) at which efficiency is half of ``gemm_efficiency``."""
+    fp8_efficiency: float = 0.6
+    """Fraction of the FP8 peak that large FP8 matrix multiplies reach (casts and scaling included)."""
+    attention_efficiency: float = 0.5
+    """Fraction of peak a fused (flash) attention kernel reaches on the unmasked half of causal scores."""
     comm_efficiency: float = 0.9
     """Fraction of link bandwidth a collective reaches (NCCL bus bandwidth / link bandwidth)."""
     notes: str = field(default="", compare=False)
@@ -68,47 +72,67 @@ class Hardware:
         """Peak FLOP/s for the compute dtype ``dtype`` (fp32, bf16, fp16)."""
         if dtype not in self.peak_flops:
             raise PlanError(
-                f"hardware {self.name!r} has no peak FLOP/s for {dtype}; add peak_flops.{dtype} to the profile"
+                f"hardware {self.name!r} has no peak FLOP/s for {dtype}; choose another train.precision or add "
+                f"peak_flops.{dtype} to the profile"
             )
         return self.peak_flops[dtype]
 
 
 def _gpu(
-    name: str, tflops: float, fp32_tflops: float, tf32_tflops: float, mem: float, hbm: float, **kw: Any
+    name: str,
+    tflops: float,
+    fp32_tflops: float,
+    tf32_tflops: float,
+    mem: float,
+    hbm: float,
+    fp8_tflops: float = 0.0,
+    **kw: Any,
 ) -> Hardware:
     flops = {"bf16": tflops * 1e12, "fp16": tflops * 1e12, "fp32": fp32_tflops * 1e12}
     flops["tf32"] = tf32_tflops * 1e12
+    if fp8_tflops:
+        flops["fp8"] = fp8_tflops * 1e12
     return Hardware(name=name, peak_flops=flops, memory_bytes=mem, memory_bw=hbm, **kw)
 
+
+# Efficiency constants fitted to the calibration set of :mod:`zerotron.plan.published` by
+# :func:`zerotron.plan.accuracy.fit_profiles` (``python -m zerotron.plan.accuracy --fit``): A100 runs
+# (Narayanan Table 1, llm-foundry on one node) and H100 runs (llm-foundry on one node). H200 and H100
+# PCIe share the H100's chip; the other GPUs carry the A100 fit until calibrated (``--calibrate``).
+_A100_FIT: dict[str, float] = dict(gemm_efficiency=0.74, gemm_knee=768.0, attention_efficiency=0.25)
+_H100_FIT: dict[str, float] = dict(
+    gemm_efficiency=0.72, gemm_knee=4096.0, attention_efficiency=0.15, fp8_efficiency=0.99
+)
 
 PROFILES: dict[str, Hardware] = {
     p.name: p
     for p in (
         _gpu("a100-40g", 312, 19.5, 156, 40 * GiB, 1.555e12, gpus_per_node=8, intra_bw=300 * GB,
              inter_bw=25 * GB, host_memory_bytes=1024 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
-             notes="DGX A100: NVSwitch 600 GB/s bidirectional, 8x200 Gb/s IB"),
+             **_A100_FIT, notes="DGX A100: NVSwitch 600 GB/s bidirectional, 8x200 Gb/s IB"),
         _gpu("a100-80g", 312, 19.5, 156, 80 * GiB, 2.039e12, gpus_per_node=8, intra_bw=300 * GB,
              inter_bw=25 * GB, host_memory_bytes=2048 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
-             notes="DGX A100 80GB (Selene): NVSwitch, 8x200 Gb/s IB"),
-        _gpu("h100-sxm", 989, 67, 494.5, 80 * GiB, 3.35e12, gpus_per_node=8, intra_bw=450 * GB,
+             **_A100_FIT, notes="DGX A100 80GB (Selene): NVSwitch, 8x200 Gb/s IB"),
+        _gpu("h100-sxm", 989, 67, 494.5, 80 * GiB, 3.35e12, 1979, gpus_per_node=8, intra_bw=450 * GB,
              inter_bw=50 * GB, host_memory_bytes=2048 * GiB, pcie_bw=55 * GB, nvme_bw=5 * GB,
-             cpu_adam_params_per_s=1.5e9, notes="DGX H100: NVLink 900 GB/s bidirectional, 8x400 Gb/s IB"),
-        _gpu("h200", 989, 67, 494.5, 141e9, 4.8e12, gpus_per_node=8, intra_bw=450 * GB, inter_bw=50 * GB,
+             cpu_adam_params_per_s=1.5e9, **_H100_FIT,
+             notes="DGX H100: NVLink 900 GB/s bidirectional, 8x400 Gb/s IB"),
+        _gpu("h200", 989, 67, 494.5, 141e9, 4.8e12, 1979, gpus_per_node=8, intra_bw=450 * GB, inter_bw=50 * GB,
              host_memory_bytes=2048 * GiB, pcie_bw=55 * GB, nvme_bw=5 * GB, cpu_adam_params_per_s=1.5e9,
-             notes="HGX H200: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
-        _gpu("h100-pcie", 756, 51, 378, 80 * GiB, 2.0e12, gpus_per_node=8, intra_bw=25 * GB,
+             **_H100_FIT, notes="HGX H200: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
+        _gpu("h100-pcie", 756, 51, 378, 80 * GiB, 2.0e12, 1513, gpus_per_node=8, intra_bw=25 * GB,
              inter_bw=12.5 * GB, host_memory_bytes=1024 * GiB, pcie_bw=50 * GB, nvme_bw=4 * GB,
-             notes="PCIe Gen5 peers through host switches, 100 Gb/s network per GPU"),
-        _gpu("l40s", 362, 91.6, 183, 48 * GiB, 0.864e12, gpus_per_node=8, intra_bw=25 * GB,
+             **_H100_FIT, notes="PCIe Gen5 peers through host switches, 100 Gb/s network per GPU"),
+        _gpu("l40s", 362, 91.6, 183, 48 * GiB, 0.864e12, 733, gpus_per_node=8, intra_bw=25 * GB,
              inter_bw=12.5 * GB, host_memory_bytes=1024 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
-             notes="no NVLink: PCIe Gen4 peer traffic"),
-        _gpu("rtx4090", 165, 82.6, 82.6, 24 * GiB, 1.008e12, gpus_per_node=4, intra_bw=12 * GB,
+             **_A100_FIT, notes="no NVLink: PCIe Gen4 peer traffic"),
+        _gpu("rtx4090", 165, 82.6, 82.6, 24 * GiB, 1.008e12, 330, gpus_per_node=4, intra_bw=12 * GB,
              inter_bw=1.25 * GB, inter_latency_s=50e-6, host_memory_bytes=128 * GiB, pcie_bw=25 * GB,
-             nvme_bw=3 * GB, cpu_adam_params_per_s=0.5e9,
+             nvme_bw=3 * GB, cpu_adam_params_per_s=0.5e9, **_A100_FIT,
              notes="workstation: no P2P, PCIe Gen4 through the host, 10 GbE between boxes"),
         _gpu("mi250x-gcd", 191.5, 47.9, 47.9, 64 * GiB, 1.6e12, gpus_per_node=8, intra_bw=50 * GB,
              inter_bw=12.5 * GB, host_memory_bytes=512 * GiB, pcie_bw=36 * GB, nvme_bw=2 * GB,
-             notes="one GCD of an MI250X (Frontier node: 8 GCDs, 4x200 Gb/s Slingshot)"),
+             **_A100_FIT, notes="one GCD of an MI250X (Frontier node: 8 GCDs, 4x200 Gb/s Slingshot)"),
         Hardware(name="cpu", peak_flops={"fp32": 1.0e12, "tf32": 1.0e12, "bf16": 1.0e12, "fp16": 0.5e12},
                  memory_bytes=256 * GiB, memory_bw=100 * GB, gpus_per_node=8, intra_bw=10 * GB,
                  inter_bw=1.25 * GB, intra_latency_s=20e-6, inter_latency_s=50e-6,
@@ -213,11 +237,16 @@ def _check(hw: Hardware, source: str) -> None:
         "nvme_bw",
         "cpu_adam_params_per_s",
         "gemm_efficiency",
+        "attention_efficiency",
+        "fp8_efficiency",
         "comm_efficiency",
     ):
         if not float(getattr(hw, key)) > 0:
             raise PlanError(f"{source}: {key} must be > 0")
     if hw.gpus_per_node < 1:
         raise PlanError(f"{source}: gpus_per_node must be >= 1")
-    if hw.gemm_efficiency > 1 or hw.comm_efficiency > 1:
-        raise PlanError(f"{source}: gemm_efficiency and comm_efficiency are fractions of peak (<= 1)")
+    if max(hw.gemm_efficiency, hw.attention_efficiency, hw.fp8_efficiency, hw.comm_efficiency) > 1:
+        raise PlanError(
+            f"{source}: gemm_efficiency, attention_efficiency, fp8_efficiency and comm_efficiency are fractions "
+            "(<= 1)"
+        )

@@ -17,7 +17,7 @@ from zerotron.plan.model import ModelShape
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Layout:
     micro_batch: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     offload_optimizer: str = "none"
@@ -52,6 +53,7 @@ class Layout:
     def short(self) -> str:
         """A compact one-line description (search tables)."""
         extra = " sp" if self.sequence_parallel and self.tp > 1 else ""
+        extra += " tpo" if self.tp_comm_overlap and self.tp > 1 else ""
         if self.pp > 1:
             extra += f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.offload_optimizer != "none" or self.offload_params != "none":
@@ -102,6 +104,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         micro_batch=t.micro_batch,
         recompute=t.recompute,
         sequence_parallel=p.sequence_parallel,
+        tp_comm_overlap=p.tp_comm_overlap,
         pp_schedule=p.pp_schedule,
         virtual_stages=p.virtual_stages,
         offload_optimizer=p.offload_optimizer,

@@ -34,7 +34,7 @@ from zerotron.plan.errors import PlanError
 from zerotron.plan.model import ModelShape, ParamList, attention_matrix_params, mlp_params
 
 CONVENTIONS = ("zerotron", "mixed", "deepspeed")
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: activations stay 16-bit
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from zerotron.plan.model import (
     stage_params,
 )
 
-_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 @dataclass

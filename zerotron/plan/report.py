@@ -92,6 +92,7 @@ def format_calibration(result: dict) -> str:
 
     ``zerotron plan --calibrate RUN > mine.yaml`` gives a file that ``--hardware mine.yaml`` reads.
     """
+    checks = _check_lines(result.get("check"))
     if "runs" in result:
         lines = [f"# {len(result['runs'])} runs, rms log error {result['rms_log_error']:.3f} after the fit"]
         for run in result["runs"]:
@@ -100,7 +101,7 @@ def format_calibration(result: dict) -> str:
                 f"# {run['layout']}: measured {run['measured_step_time_s']:.4g} s/step, predicted "
                 f"{t['before']:.4g} s before, {t['after']:.4g} s after"
             )
-        return "\n".join(lines + _profile_lines(result["profile"]))
+        return "\n".join(lines + checks + _profile_lines(result["profile"]))
     t = result["predicted_step_time_s"]
     lines = [
         f"# measured {result['measured_step_time_s']:.4g} s/step (median of {result['steps_used']} steps);"
@@ -111,7 +112,23 @@ def format_calibration(result: dict) -> str:
         lines.append(
             f"# {key}: measured {pair['measured']:,} B, predicted {pair['predicted']:,.0f} B ({rel:+.2%})"
         )
-    return "\n".join(lines + _profile_lines(result["profile"]))
+    return "\n".join(lines + checks + _profile_lines(result["profile"]))
+
+
+def _check_lines(check: dict | None) -> list[str]:
+    """The held-out runs of ``--check``: measured, predicted with the fitted profile, error."""
+    if not check:
+        return []
+    lines = [
+        f"# held out (not fitted): {len(check['runs'])} runs, mean |error| {check['mean_abs_error']:.1%}, "
+        f"worst {check['worst']:.1%}"
+    ]
+    for run in check["runs"]:
+        lines.append(
+            f"# {run['layout']} s={run['seq_len']}: measured {run['measured_step_time_s']:.4g} s/step, "
+            f"predicted {run['predicted_step_time_s']:.4g} s ({run['error']:+.1%})"
+        )
+    return lines
 
 
 def _profile_lines(profile: dict) -> list[str]:

@@ -22,12 +22,17 @@ from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
 from zerotron.plan.model import ModelShape, flops_per_token, recompute_flops_per_token
 
-_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
-def gemm_efficiency(hw: Hardware, size: float) -> float:
-    """Fraction of peak reached by a GEMM whose smallest dimension is ``size``: e·size/(size + knee)."""
-    return hw.gemm_efficiency * size / (size + hw.gemm_knee)
+def gemm_efficiency(hw: Hardware, rows: float, cols: float, inner: float, precision: str = "bf16") -> float:
+    """Fraction of peak a (rows × inner)·(inner × cols) matrix multiply reaches: e·g/(g + knee), where g
+    is the geometric mean of its three dimensions (the work per output tile and the number of tiles
+    both grow with it; small or thin GEMMs leave the tensor cores idle between tiles and waves).
+    ``e`` is ``fp8_efficiency`` for FP8 GEMMs (of the FP8 peak), else ``gemm_efficiency``."""
+    g = (max(rows, 1.0) * max(cols, 1.0) * max(inner, 1.0)) ** (1.0 / 3.0)
+    top = hw.fp8_efficiency if precision == "fp8" else hw.gemm_efficiency
+    return top * g / (g + hw.gemm_knee)
 
 
 def members_per_node(stride: int, size: int, hw: Hardware) -> int:
@@ -61,11 +66,52 @@ def strides(layout: Layout) -> dict[str, int]:
     return {"tp": 1, "cp": layout.tp, "pp": layout.tp * layout.cp, "dp": layout.tp * layout.cp * layout.pp}
 
 
-def _gemm_size(m: ModelShape, layout: Layout, work: Workload) -> float:
-    tokens = layout.micro_batch * work.seq_len / layout.cp
-    if m.experts:  # each expert's GEMM sees the tokens routed to it: t·k·ep/E on average
-        tokens = min(tokens, tokens * m.top_k * layout.ep / m.experts)
-    return min(tokens, m.hidden, m.intermediate / layout.tp, m.q_width / layout.tp)
+def block_gemms(m: ModelShape, layout: Layout, work: Workload) -> list[tuple[float, float, float, float]]:
+    """``(rows, cols, inner, count)`` of one block's forward matrix multiplies on one rank.
+
+    Tokens ``T = b·s/cp``; q/k/v (one fused GEMM) and the output projection split their heads over tp;
+    the MLP (gate and up fused) splits its inner width. An MoE block runs E/ep experts per rank, each
+    on the ``T·k·ep/E`` tokens routed to it on average, plus the router.
+    """
+    t, tp, h = layout.micro_batch * work.seq_len / layout.cp, layout.tp, m.hidden
+    width = m.intermediate * (2 if m.gated else 1)
+    shapes = [(t, (m.q_width + 2 * m.kv_width) / tp, h, 1.0), (t, h, m.q_width / tp, 1.0)]
+    if m.experts:
+        per_expert = max(1.0, t * m.top_k * layout.ep / m.experts)
+        local = m.experts / layout.ep
+        shapes += [(per_expert, width / tp, h, local), (per_expert, h, m.intermediate / tp, local)]
+        shapes.append((t, m.experts, h, 1.0))
+    else:
+        shapes += [(t, width / tp, h, 1.0), (t, h, m.intermediate / tp, 1.0)]
+    return shapes
+
+
+def _gemm_seconds(hw: Hardware, precision: str, shapes: list[tuple[float, float, float, float]]) -> float:
+    """Seconds of the forward GEMMs ``shapes`` (2·rows·cols·inner FLOPs each)."""
+    peak = hw.flops(precision)
+    return sum(
+        2.0 * r * c * k * n / (peak * gemm_efficiency(hw, r, c, k, precision)) for r, c, k, n in shapes
+    )
+
+
+def _attention_dtype(precision: str) -> str:
+    """FP8 recipes (Transformer Engine) keep the attention core in bf16."""
+    return "bf16" if precision == "fp8" else precision
+
+
+def attention_seconds(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, flash: bool) -> float:
+    """Seconds of one block's attention core (QKᵀ and AV) forward on one rank, for one micro-batch.
+
+    Fused (flash) attention skips the masked half of a causal score matrix and runs at the profile's
+    ``attention_efficiency``; unfused attention computes every score with batched GEMMs of head_dim
+    depth (their efficiency from the same GEMM law). The FLOP count is Megatron's 4·T·s·q/tp.
+    """
+    t = layout.micro_batch * work.seq_len / layout.cp
+    flops = 4.0 * t * work.seq_len * m.q_width / layout.tp
+    peak = hw.flops(_attention_dtype(work.precision))
+    if flash:
+        return 0.5 * flops / (peak * hw.attention_efficiency)
+    return flops / (peak * gemm_efficiency(hw, work.seq_len, work.seq_len, m.head_dim))
 
 
 def microbatch_compute(
@@ -74,19 +120,26 @@ def microbatch_compute(
     """(seconds, FLOPs) of one micro-batch's forward+backward(+recompute) on a rank with ``layers``
     blocks (and the output head when ``head``).
 
-    Matrix multiplies run at :func:`gemm_efficiency`; element-wise work (norms, activations, residual
-    adds, dropout, and the softmax over scores without flash attention) is memory-bound: see
-    :func:`elementwise_bytes_per_token`.
+    A backward pass is two GEMMs of each forward GEMM's size (input and weight gradients): 3 forward
+    passes in all, 4 with full recomputation; the attention core is recomputed under selective
+    recomputation too. Element-wise work (norms, activations, residual adds, dropout, and the softmax
+    over scores without flash attention) is memory-bound: see :func:`elementwise_bytes_per_token`.
     """
     s = work.seq_len
+    passes = 4.0 if layout.recompute == "full" else 3.0
+    attn_passes = 3.0 if layout.recompute == "none" else 4.0
+    block = passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work))
+    block += attn_passes * attention_seconds(m, layout, work, hw, flash)
+    tokens = layout.micro_batch * s / layout.cp
+    seconds = block * layers
+    if head:
+        seconds += 3.0 * _gemm_seconds(hw, work.precision, [(tokens, m.vocab / layout.tp, m.hidden, 1.0)])
     per_token = flops_per_token(m, s) + recompute_flops_per_token(m, s, layout.recompute)
     head_flops = 6.0 * m.hidden * m.vocab
     stage = (per_token - head_flops) * layers / m.layers + (head_flops if head else 0.0)
-    tokens = layout.micro_batch * s / layout.cp
     flops = stage * tokens / layout.tp
-    eff = gemm_efficiency(hw, _gemm_size(m, layout, work))
     mem_bytes = elementwise_bytes_per_token(m, layout, work, flash) * tokens * layers
-    return flops / (hw.flops(work.precision) * eff) + mem_bytes / hw.memory_bw, flops
+    return seconds + mem_bytes / hw.memory_bw, flops
 
 
 # Passes (reads + writes) over activation tensors per layer and token, forward + backward, of the
@@ -116,13 +169,19 @@ def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
     """Exposed TP (+SP) collectives of one micro-batch on one stage: 2 forward + 2 backward per layer.
 
     Full recomputation repeats the forward pair. Sequence parallelism replaces each all-reduce by an
-    all-gather and a reduce-scatter of the same bus bytes.
+    all-gather and a reduce-scatter of the same bus bytes. With ``tp_comm_overlap`` (Megatron's
+    userbuffers) each collective runs in chunks under the GEMM it feeds: only what the block's GEMMs
+    cannot cover is exposed.
     """
     if layout.tp == 1:
         return 0.0
     nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * _ACT_BYTES[work.precision]
     per = collective_time("all_reduce", nbytes, layout.tp, 1, hw)
     count = 4 + (2 if layout.recompute == "full" else 0)
+    if layout.tp_comm_overlap:
+        passes = 4.0 if layout.recompute == "full" else 3.0
+        gemms = passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work))
+        return max(0.0, count * per - gemms) * layers
     return count * per * layers
 
 
@@ -134,8 +193,7 @@ def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Har
     kv = layout.micro_batch * work.seq_len / layout.cp * 2 * m.kv_width / layout.tp * a
     step = collective_time("send", kv, layout.cp, layout.tp, hw)
     comm = 3 * (layout.cp - 1) * step  # forward ring + backward ring of K/V and their gradients
-    attn_flops = 12.0 * work.seq_len * m.q_width * layout.micro_batch * work.seq_len / layout.cp / layout.tp
-    attn = attn_flops / (hw.flops(work.precision) * hw.gemm_efficiency)
+    attn = 3.0 * attention_seconds(m, layout, work, hw, flash=True)
     return max(0.0, comm - attn) * layers
 
 

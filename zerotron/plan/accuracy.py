@@ -1,0 +1,168 @@
+"""How far the step-time model is from published runs, and the fit of the shipped constants.
+
+``zerotron plan --accuracy`` prints :func:`accuracy_report`; ``tests/test_plan_accuracy.py`` asserts the
+validation bounds; :func:`fit_profiles` re-derives the shipped efficiency constants from the
+calibration set alone (``python -m zerotron.plan.accuracy --fit``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from zerotron.plan.hardware import PROFILES, Hardware
+from zerotron.plan.layout import Layout, Workload, check
+from zerotron.plan.model import ModelShape
+from zerotron.plan.planner import plan_layout
+from zerotron.plan.published import CALIBRATION, VALIDATION, PublishedRun
+
+
+def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:
+    """The planner's inputs for a published run."""
+    m = ModelShape(
+        hidden=run.hidden,
+        layers=run.layers,
+        heads=run.heads,
+        kv_heads=run.kv_heads or run.heads,
+        head_dim=run.hidden // run.heads,
+        intermediate=run.intermediate,
+        vocab=run.vocab,
+        gated=run.gated,
+        tied=run.tied,
+        qkv_bias=False,
+    )
+    dp = run.gpus // (run.tp * run.pp)
+    layout = Layout(
+        dp=dp,
+        tp=run.tp,
+        pp=run.pp,
+        zero=run.zero,
+        micro_batch=run.micro_batch,
+        recompute=run.recompute,
+        sequence_parallel=run.sequence_parallel,
+        tp_comm_overlap=run.tp_comm_overlap,
+        pp_schedule=run.schedule,
+        virtual_stages=run.virtual_stages,
+    )
+    return m, layout, Workload(run.seq_len, run.global_batch, run.precision)
+
+
+def predict(run: PublishedRun, hw: Hardware | None = None) -> float:
+    """Predicted seconds per step of ``run`` (on its own hardware profile unless ``hw`` is given)."""
+    hw = hw or PROFILES[run.hardware]
+    m, layout, work = run_inputs(run)
+    check(m, layout, work, hw, run.gpus)
+    return plan_layout(m, layout, work, hw, "mixed", flash=run.flash).step_time_s
+
+
+def errors(runs: Iterable[PublishedRun], profiles: dict[str, Hardware] | None = None) -> list[dict[str, Any]]:
+    """Per run: published and predicted seconds per step and the relative error of the prediction."""
+    profiles = profiles or PROFILES
+    rows = []
+    for run in runs:
+        published = run.published_step_s()
+        predicted = predict(run, profiles[run.hardware])
+        rows.append(
+            {
+                "name": run.name,
+                "source": run.source,
+                "hardware": run.hardware,
+                "gpus": run.gpus,
+                "layout": run_inputs(run)[1].short(),
+                "published_s": published,
+                "predicted_s": predicted,
+                "error": predicted / published - 1.0,
+            }
+        )
+    return rows
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Mean and worst absolute relative error of ``rows`` (from :func:`errors`)."""
+    errs = [abs(r["error"]) for r in rows]
+    return {"runs": len(errs), "mean": statistics.fmean(errs), "worst": max(errs)}
+
+
+def accuracy_report(profiles: dict[str, Hardware] | None = None) -> str:
+    """Both sets row by row, as Markdown tables, with their mean and worst error."""
+    out = []
+    for title, runs in (("calibration", CALIBRATION), ("validation", VALIDATION)):
+        rows = errors(runs, profiles)
+        s = summary(rows)
+        out.append(
+            f"{title}: {s['runs']} runs, mean |error| {100 * s['mean']:.1f}%, worst {100 * s['worst']:.1f}%"
+        )
+        out.append("| run | hardware | GPUs | layout | published s/step | predicted | error |")
+        out.append("|---|---|---:|---|---:|---:|---:|")
+        for r in rows:
+            out.append(
+                f"| {r['name']} | {r['hardware']} | {r['gpus']} | {r['layout']} | {r['published_s']:.4g} "
+                f"| {r['predicted_s']:.4g} | {100 * r['error']:+.1f}% |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+# -- fitting the shipped constants to the calibration set ------------------------------------------------
+
+FIT_GRID: dict[str, tuple[float, ...]] = {
+    "gemm_efficiency": tuple(round(0.50 + 0.02 * i, 2) for i in range(21)),
+    "gemm_knee": (0.0, 128.0, 256.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 3072.0, 4096.0),
+    "attention_efficiency": tuple(round(0.1 + 0.025 * i, 3) for i in range(17)),
+}
+
+
+FP8_GRID: tuple[float, ...] = tuple(round(0.40 + 0.01 * i, 2) for i in range(61))
+
+
+def _loss(hw: Hardware, runs: Sequence[PublishedRun]) -> float:
+    """Mean squared log error of the step time over ``runs`` (the worst error breaks ties)."""
+    logs = [math.log(predict(r, hw) / r.published_step_s()) for r in runs]
+    return statistics.fmean(x * x for x in logs) + 1e-3 * max(abs(x) for x in logs)
+
+
+def _with(hw: Hardware, values: dict[str, float]) -> Hardware:
+    """``hw`` with the efficiency constants ``values``."""
+    return dataclasses.replace(hw, **values)  # type: ignore[arg-type]
+
+
+def fit_profiles(runs: Sequence[PublishedRun] = CALIBRATION) -> dict[str, dict[str, float]]:
+    """Per hardware kind in ``runs``: the grid point of :data:`FIT_GRID` with the least :func:`_loss`
+    over that kind's 16-bit runs, then ``fp8_efficiency`` on its FP8 runs (:data:`FP8_GRID`)."""
+    fitted: dict[str, dict[str, float]] = {}
+    for kind in sorted({r.hardware for r in runs}):
+        base = PROFILES[kind]
+        mine = [r for r in runs if r.hardware == kind and r.precision != "fp8"]
+        best = min(
+            itertools.product(*FIT_GRID.values()),
+            key=lambda values: _loss(_with(base, dict(zip(FIT_GRID, values))), mine),
+        )
+        values = {k: round(v, 4) for k, v in zip(FIT_GRID, best)}
+        fp8 = [r for r in runs if r.hardware == kind and r.precision == "fp8"]
+        if fp8:
+            bf16 = _with(base, values)
+            values["fp8_efficiency"] = min(
+                FP8_GRID, key=lambda e: _loss(dataclasses.replace(bf16, fp8_efficiency=e), fp8)
+            )
+        fitted[kind] = values
+    return fitted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m zerotron.plan.accuracy [--fit]``: the report, or the fit of the shipped constants."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--fit" in argv:
+        for kind, values in fit_profiles().items():
+            print(kind, values)
+        return 0
+    print(accuracy_report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""``zerotron plan --explain``: every time term of a plan with its formula and the inputs it used.
+
+The numbers are recomputed with the same functions :func:`zerotron.plan.planner.step_times` calls,
+so the explanation and the plan cannot drift apart (``tests/test_plan_accuracy.py`` checks that the
+terms printed here add up to the plan's step time).
+"""
+
+from __future__ import annotations
+
+from zerotron.plan import timing
+from zerotron.plan.hardware import Hardware
+from zerotron.plan.layout import Layout, Workload, micro_batches
+from zerotron.plan.model import ModelShape
+from zerotron.plan.planner import Plan, rank_layers
+
+_GEMM_NAMES = ("q/k/v", "out-proj", "mlp-in", "mlp-out", "router")
+
+
+def _gemms(m: ModelShape, layout: Layout, work: Workload, hw: Hardware) -> list[str]:
+    lines = []
+    peak = hw.flops(work.precision)
+    for name, (r, c, k, n) in zip(_GEMM_NAMES, timing.block_gemms(m, layout, work)):
+        eff = timing.gemm_efficiency(hw, r, c, k, work.precision)
+        seconds = 2 * r * c * k * n / (peak * eff)
+        count = f" x{n:g}" if n != 1 else ""
+        lines.append(
+            f"    {name:<9} {r:,.0f} x {c:,.0f} x {k:,.0f}{count}: g = {(r * c * k) ** (1 / 3):,.0f}, "
+            f"eff = e*g/(g+knee) = {eff:.3f} -> {seconds * 1e3:.4g} ms forward"
+        )
+    return lines
+
+
+def explain(
+    m: ModelShape, layout: Layout, work: Workload, hw: Hardware, plan: Plan, flash: bool = True
+) -> str:
+    """Each term of ``plan.time`` with the formula and the inputs behind it."""
+    n_mb = micro_batches(layout, work)
+    layers = rank_layers(m, layout, work)
+    t = layout.micro_batch * work.seq_len / layout.cp
+    passes = 4 if layout.recompute == "full" else 3
+    top = hw.fp8_efficiency if work.precision == "fp8" else hw.gemm_efficiency
+    attn = timing.attention_seconds(m, layout, work, hw, flash)
+    lines = [
+        f"inputs   {layout.short()} on {layout.world} x {hw.name}; {work.global_batch} x {work.seq_len} tokens "
+        f"per step, {n_mb} micro-batches of {layout.micro_batch} per pipeline; blocks per stage {list(layers)}",
+        f"profile  peak {hw.flops(work.precision) / 1e12:g} TFLOP/s ({work.precision}), e = {top}, "
+        f"knee = {hw.gemm_knee:g}, attention_efficiency = {hw.attention_efficiency}, memory "
+        f"{hw.memory_bw / 1e9:g} GB/s, node link {hw.intra_bw / 1e9:g} GB/s, network {hw.inter_bw / 1e9:g} "
+        f"GB/s per device x comm_efficiency {hw.comm_efficiency}",
+        f"compute  {plan.time['compute']:.4g} s = micro-batches x (blocks x (passes x GEMMs + attention passes x"
+        f" attention) + head + element-wise bytes / memory bandwidth); passes = {passes} (forward, 2 backward"
+        + (", recompute" if passes == 4 else "")
+        + f"); T = b*s/cp = {t:,.0f} tokens per micro-batch",
+        *_gemms(m, layout, work, hw),
+        f"    attention 4*T*s*q/tp = {4 * t * work.seq_len * m.q_width / layout.tp:.4g} FLOPs forward, "
+        + (
+            f"flash: half of it (causal) at attention_efficiency -> {attn * 1e3:.4g} ms"
+            if flash
+            else f"unfused: every score, GEMMs of depth head_dim -> {attn * 1e3:.4g} ms"
+        ),
+        f"    element-wise {timing.elementwise_bytes_per_token(m, layout, work, flash):,.0f} bytes per token and"
+        " block (norms, activations, residuals) / memory bandwidth",
+    ]
+    formulas = {
+        "tp_comm": "micro-batches x blocks x (4, or 6 with full recompute) all-reduces of b*s/cp*h*bytes over "
+        "tp: 2(n-1)a + 2S(n-1)/n / (bw*comm_efficiency)"
+        + (" minus the block's GEMM time they overlap (tp_comm_overlap)" if layout.tp_comm_overlap else ""),
+        "cp_comm": "ring attention: 3(cp-1) K/V sends per block not hidden under the attention core",
+        "ep_comm": "4 (6) all-to-alls of b*s/cp*k*h*bytes per block over ep",
+        "pipeline_bubble": f"(pp-1)/(v*m) x m x micro-batch time, pp={layout.pp}, v={layout.virtual_stages}, "
+        f"m={n_mb}" + (" / 3 (zero bubble)" if layout.pp_schedule == "zb" else ""),
+        "pipeline_p2p": "2 x v x m sends of b*s/cp*h*bytes (/tp: scatter-gather) between stages",
+        "dp_grad_reduce": "gradient all-reduce (ZeRO-1/2: reduce-scatter) over dp not hidden under the "
+        "backward of the last micro-batch (ZeRO-2: of each)",
+        "dp_param_gather": "ZeRO-1/2: all-gather of the updated shard; ZeRO-3: per block gathers (forward, "
+        "backward) and reduce-scatters not hidden under each micro-batch's compute",
+        "optimizer_step": "2 x state bytes / memory bandwidth (device Adam), or shard / cpu_adam_params_per_s",
+        "offload_transfer": "gradients down and parameters up over PCIe (and NVMe reads/writes)",
+        "param_offload": "ZeRO-3 parameter fetches from host/NVMe not hidden under compute",
+    }
+    for key, value in plan.time.items():
+        if key != "compute" and value > 0:
+            lines.append(f"{key:<16} {value:.4g} s = {formulas.get(key, key)}")
+    lines.append(f"total    {plan.step_time_s:.4g} s per step = the sum of the terms above")
+    return "\n".join(lines)
