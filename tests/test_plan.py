@@ -384,7 +384,12 @@ def test_cli_calibrate_recovers_efficiency(capsys: pytest.CaptureFixture[str], t
 
     cfg = load_config(None, ["train.global_batch=8", "train.micro_batch=4", "parallel.dp=2"])
     save_config(cfg, tmp_path / "config.yaml")
-    truth = dataclasses.replace(PROFILES["cpu"], gemm_efficiency=0.137)
+    cpu = PROFILES["cpu"]  # the fit keeps attention efficiency in proportion to GEMM efficiency
+    truth = dataclasses.replace(
+        cpu,
+        gemm_efficiency=0.137,
+        attention_efficiency=cpu.attention_efficiency * 0.137 / cpu.gemm_efficiency,
+    )
     step = plan_config(cfg, truth, 2).step_time_s
     layout = {"dp": 2, "pp": 1, "cp": 1, "tp": 1, "ep": 1, "zero": 0}
     lines = [
@@ -439,7 +444,13 @@ def test_calibrate_several_runs_fits_compute_and_communication(
     """Runs of two layouts made at known constants: both constants are recovered, the output is a profile."""
     from zerotron.config_load import save_config
 
-    truth = dataclasses.replace(PROFILES["cpu"], gemm_efficiency=0.137, comm_efficiency=0.3)
+    cpu = PROFILES["cpu"]
+    truth = dataclasses.replace(
+        cpu,
+        gemm_efficiency=0.137,
+        attention_efficiency=cpu.attention_efficiency * 0.137 / cpu.gemm_efficiency,
+        comm_efficiency=0.3,
+    )
     base = [
         "model.hidden_size=1024",
         "model.intermediate_size=2816",

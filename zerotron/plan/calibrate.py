@@ -2,7 +2,8 @@
 
 A run directory holds ``config.yaml`` (the resolved config; the command line loads it) and
 ``metrics.jsonl`` (one record per step: ``step_time_s``, ``layout``, ``model_state_bytes``,
-``activation_bytes``, ...). The fit finds the ``gemm_efficiency`` at which the predicted step time
+``activation_bytes``, ...). The fit finds the ``gemm_efficiency`` (attention and FP8 efficiency keep
+their ratio to it) at which the predicted step time
 equals the run's median step time (the first step, which includes warm-up, is left out), by
 bisection: predicted time falls monotonically as efficiency rises. The run's memory figures are
 compared with the plan's at the same time, so a calibration also reports how far the memory model is
@@ -67,10 +68,10 @@ def calibrate(cfg: Config, records: list[dict[str, Any]], hw: Hardware) -> dict[
     run = _Run.of(cfg, records, hw)
     before = run.predict(hw)
     eff = _bisect(run, hw)
-    fitted = dataclasses.replace(hw, gemm_efficiency=eff)
+    fitted = _compute(hw, eff)
     after = plan_layout(run.model, run.layout, run.work, fitted)
     return {
-        "profile": _profile(hw, {"gemm_efficiency": eff}),
+        "profile": _profile(hw, _fitted_keys(fitted)),
         "measured_step_time_s": run.measured,
         "predicted_step_time_s": {"before": before, "after": after.step_time_s},
         "memory": _memory_comparison(after, records[-1]),
@@ -111,27 +112,47 @@ def calibrate_runs(
     return result
 
 
+# Multi-run fit: log-space bounds of each constant and the weight of the prior that keeps a constant the
+# runs cannot inform (e.g. bandwidth when every collective hides under compute) at the profile's value.
+_BOUNDS = {"gemm": (1e-4, 1.0), "comm": (1e-3, 1.0), "latency": (1e-2, 1e4)}
+PRIOR_WEIGHT = 0.01
+
+
 def _fit(runs: list[tuple[Config, list[dict[str, Any]]]], hw: Hardware) -> dict[str, Any]:
+    """Fit GEMM efficiency, communication efficiency and a scale of the collective latency α.
+
+    Minimises the squared log errors of the step times plus a weak prior (``PRIOR_WEIGHT`` times the
+    squared log distance from the profile's values), one constant at a time by golden-section search
+    in log space, until no constant moves.
+    """
     if len(runs) == 1:
         return calibrate(runs[0][0], runs[0][1], hw)
     fits = [_Run.of(cfg, records, hw) for cfg, records in runs]
+    start = {"gemm": hw.gemm_efficiency, "comm": hw.comm_efficiency, "latency": 1.0}
 
-    def loss(gemm: float, comm: float) -> float:
+    def trial(x: dict[str, float]) -> Hardware:
+        return _latency(_compute(hw, x["gemm"], x["comm"]), x["latency"])
+
+    def data_loss(x: dict[str, float]) -> float:
         """Sum over the runs of the squared log ratio of predicted to measured step time."""
-        trial = dataclasses.replace(hw, gemm_efficiency=gemm, comm_efficiency=comm)
-        return sum(math.log(r.predict(trial) / r.measured) ** 2 for r in fits)
+        h = trial(x)
+        return sum(math.log(r.predict(h) / r.measured) ** 2 for r in fits)
 
-    grid = [(g, c) for g in _logspace(1e-4, 1.0, 41) for c in _logspace(1e-3, 1.0, 16)]
-    gemm, comm = min(grid, key=lambda gc: loss(*gc))
-    for i in range(30):  # local refinement: shrinking multiplicative steps
-        step = 1.0 + 0.5 * 0.8**i
-        near = [
-            (min(1.0, gemm * a), min(1.0, comm * b)) for a in (1 / step, 1, step) for b in (1 / step, 1, step)
-        ]
-        gemm, comm = min(near, key=lambda gc: loss(*gc))
-    fitted = dataclasses.replace(hw, gemm_efficiency=gemm, comm_efficiency=comm)
+    def loss(x: dict[str, float]) -> float:
+        return data_loss(x) + PRIOR_WEIGHT * sum(math.log(x[k] / start[k]) ** 2 for k in x)
+
+    x = dict(start)
+    for _ in range(6):
+        before = dict(x)
+        for key, (lo, hi) in _BOUNDS.items():
+            x[key] = _golden(lambda v, key=key: loss({**x, key: v}), lo, hi)
+        if all(abs(math.log(x[k] / before[k])) < 1e-3 for k in x):
+            break
+    fitted = trial(x)
+    keys = {**_fitted_keys(fitted), "comm_efficiency": fitted.comm_efficiency}
+    keys.update(intra_latency_s=fitted.intra_latency_s, inter_latency_s=fitted.inter_latency_s)
     return {
-        "profile": _profile(hw, {"gemm_efficiency": gemm, "comm_efficiency": comm}),
+        "profile": _profile(hw, keys),
         "runs": [
             {
                 "measured_step_time_s": r.measured,
@@ -140,8 +161,33 @@ def _fit(runs: list[tuple[Config, list[dict[str, Any]]]], hw: Hardware) -> dict[
             }
             for r in fits
         ],
-        "rms_log_error": math.sqrt(loss(gemm, comm) / len(fits)),
+        "rms_log_error": math.sqrt(data_loss(x) / len(fits)),
     }
+
+
+def _golden(f: Any, lo: float, hi: float, iters: int = 40) -> float:
+    """The minimum of ``f`` over [lo, hi], searched in log space (golden section)."""
+    a, b = math.log(lo), math.log(hi)
+    r = (math.sqrt(5) - 1) / 2
+    c, d = b - r * (b - a), a + r * (b - a)
+    fc, fd = f(math.exp(c)), f(math.exp(d))
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - r * (b - a)
+            fc = f(math.exp(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + r * (b - a)
+            fd = f(math.exp(d))
+    return math.exp((a + b) / 2)
+
+
+def _latency(hw: Hardware, scale: float) -> Hardware:
+    """``hw`` with both collective latencies α multiplied by ``scale``."""
+    return dataclasses.replace(
+        hw, intra_latency_s=hw.intra_latency_s * scale, inter_latency_s=hw.inter_latency_s * scale
+    )
 
 
 @dataclass(frozen=True)
@@ -170,8 +216,21 @@ class _Run:
         return plan_layout(self.model, self.layout, self.work, hw).step_time_s
 
 
-def _logspace(lo: float, hi: float, n: int) -> list[float]:
-    return [lo * (hi / lo) ** (i / (n - 1)) for i in range(n)]
+def _compute(hw: Hardware, gemm: float, comm: float | None = None) -> Hardware:
+    """``hw`` with GEMM efficiency ``gemm``; the attention and FP8 efficiencies keep their ratio to it
+    (two runs of one sequence length cannot tell them apart), capped at 1."""
+    scale = gemm / hw.gemm_efficiency
+    return dataclasses.replace(
+        hw,
+        gemm_efficiency=gemm,
+        attention_efficiency=min(1.0, hw.attention_efficiency * scale),
+        fp8_efficiency=min(1.0, hw.fp8_efficiency * scale),
+        comm_efficiency=hw.comm_efficiency if comm is None else comm,
+    )
+
+
+def _fitted_keys(hw: Hardware) -> dict[str, float]:
+    return {k: getattr(hw, k) for k in ("gemm_efficiency", "attention_efficiency", "fp8_efficiency")}
 
 
 def _profile(hw: Hardware, fitted: dict[str, float]) -> dict[str, Any]:
@@ -189,7 +248,7 @@ def _shipped() -> set[str]:
 
 def _bisect(run: _Run, hw: Hardware) -> float:
     lo, hi, measured = 1e-6, 1.0, run.measured
-    fastest = run.predict(dataclasses.replace(hw, gemm_efficiency=hi))
+    fastest = run.predict(_compute(hw, hi))
     if measured < fastest:
         raise PlanError(
             f"the run ({measured:.4g} s/step) is faster than the plan at 100% GEMM efficiency "
@@ -197,7 +256,7 @@ def _bisect(run: _Run, hw: Hardware) -> float:
         )
     for _ in range(60):
         mid = (lo * hi) ** 0.5
-        t = run.predict(dataclasses.replace(hw, gemm_efficiency=mid))
+        t = run.predict(_compute(hw, mid))
         lo, hi = (mid, hi) if t > measured else (lo, mid)
     return (lo * hi) ** 0.5
 

@@ -66,7 +66,24 @@ class Hardware:
     """Fraction of peak a fused (flash) attention kernel reaches on the unmasked half of causal scores."""
     comm_efficiency: float = 0.9
     """Fraction of link bandwidth a collective reaches (NCCL bus bandwidth / link bandwidth)."""
+    shared_host: bool = False
+    """Ranks on a node share one host's peak FLOP/s and memory bandwidth (CPU processes): the profile
+    gives the node's figures and each rank gets 1/(ranks on the node) of them."""
     notes: str = field(default="", compare=False)
+
+    def per_rank(self, world: int) -> Hardware:
+        """The share of one rank when ``world`` ranks run (a ``shared_host`` node splits its compute)."""
+        if not self.shared_host:
+            return self
+        ranks = max(1, min(world, self.gpus_per_node))
+        if ranks == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            peak_flops={k: v / ranks for k, v in self.peak_flops.items()},
+            memory_bw=self.memory_bw / ranks,
+            cpu_adam_params_per_s=self.cpu_adam_params_per_s / ranks,
+        )
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for the compute dtype ``dtype`` (fp32, bf16, fp16)."""
@@ -104,6 +121,11 @@ _H100_FIT: dict[str, float] = dict(
     gemm_efficiency=0.72, gemm_knee=4096.0, attention_efficiency=0.15, fp8_efficiency=0.99
 )
 
+# The ``cpu`` profile's collective constants and attention efficiency are measured by
+# benchmarks/cpu_profile.py on a 2-core machine: Gloo all-reduces of 0.5 and 8 MB through zerotron's
+# collectives (2α ≈ 2.9 ms, ~1 GB/s bus bandwidth: intra_bw 2 GB/s x comm_efficiency 0.5) and causal
+# attention at a third of the matmul speed on one thread. Its GEMM efficiency is a prior that
+# ``--calibrate`` replaces.
 PROFILES: dict[str, Hardware] = {
     p.name: p
     for p in (
@@ -134,11 +156,12 @@ PROFILES: dict[str, Hardware] = {
              inter_bw=12.5 * GB, host_memory_bytes=512 * GiB, pcie_bw=36 * GB, nvme_bw=2 * GB,
              **_A100_FIT, notes="one GCD of an MI250X (Frontier node: 8 GCDs, 4x200 Gb/s Slingshot)"),
         Hardware(name="cpu", peak_flops={"fp32": 1.0e12, "tf32": 1.0e12, "bf16": 1.0e12, "fp16": 0.5e12},
-                 memory_bytes=256 * GiB, memory_bw=100 * GB, gpus_per_node=8, intra_bw=10 * GB,
-                 inter_bw=1.25 * GB, intra_latency_s=20e-6, inter_latency_s=50e-6,
+                 memory_bytes=256 * GiB, memory_bw=100 * GB, gpus_per_node=8, intra_bw=2 * GB,
+                 inter_bw=1.25 * GB, intra_latency_s=1.4e-3, inter_latency_s=2e-3,
                  host_memory_bytes=256 * GiB, pcie_bw=100 * GB, nvme_bw=2 * GB,
                  cpu_adam_params_per_s=0.2e9, gemm_efficiency=0.3, gemm_knee=64.0, comm_efficiency=0.5,
-                 notes="a generic many-core server; ranks are processes sharing host memory (Gloo)"),
+                 attention_efficiency=0.1, shared_host=True,
+                 notes="a generic many-core server; ranks are processes sharing its cores and memory (Gloo)"),
     )
 }  # fmt: skip
 
@@ -221,6 +244,10 @@ def _number(key: str, value: Any, source: str) -> Any:
     """
     if key in ("name", "notes"):
         return str(value)
+    if key == "shared_host":
+        if isinstance(value, bool):
+            return value
+        raise PlanError(f"{source}: shared_host must be true or false, got {value!r}")
     try:
         return int(value) if key == "gpus_per_node" else float(value)
     except (TypeError, ValueError):

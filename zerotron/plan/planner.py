@@ -271,6 +271,7 @@ def plan_layout(
     per_stage = [stage_memory(m, layout, work, convention, st, flash) for st in stages]
     worst = max(range(len(stages)), key=lambda i: per_stage[i][0]["total"])
     memory, detail, host, nvme = per_stage[worst]
+    hw = hw.per_rank(layout.world)
     times = step_times(m, layout, work, hw, convention, flash)
     step = sum(times.values())
     flops_total = flops_per_token(m, work.seq_len) * work.tokens

@@ -1,15 +1,19 @@
 """Time per optimizer step: compute, collectives (α–β per link), overlap, pipeline bubble, offload.
 
-- Compute: FLOPs (model + recomputation) at ``peak × efficiency(GEMM size)``, where
-  :func:`gemm_efficiency` saturates in the smallest GEMM dimension a rank multiplies.
+- Compute: each block's GEMMs (q/k/v, output projection, MLP in and out; MoE experts and router) at
+  ``peak × gemm_efficiency(shape)``, which rises with the geometric mean of the GEMM's dimensions
+  (:func:`gemm_efficiency`); the attention core at the profile's ``attention_efficiency`` (fused,
+  causal: half the scores) or as batched GEMMs (unfused); FP8 GEMMs at the FP8 peak and
+  ``fp8_efficiency``; element-wise kernels memory-bound. Recomputation repeats the forward.
 - A collective over n ranks moving S bytes costs ``α·steps + bus_bytes / (bw·comm_efficiency)`` with
   NCCL's bus convention (all-reduce 2S(n−1)/n, all-gather and reduce-scatter S(n−1)/n). Its link is the
   node's (``intra_bw``) when the group fits in a node, else the network: ``k × inter_bw`` for k group
   members per node (NCCL drives one NIC per GPU), capped by the intra-node link.
-- Overlap: tensor-parallel all-reduces are exposed (Megatron 2021); data-parallel gradient reduction
-  runs under the backward of the last micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter
-  all-gathers are prefetched under each micro-batch's compute; context-parallel K/V exchange under the
-  attention core; pipeline sends are exposed.
+- Overlap: tensor-parallel collectives are exposed unless ``tp_comm_overlap`` (then only what the
+  block's GEMMs cannot cover); data-parallel gradient reduction runs under the backward of the last
+  micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter all-gathers are prefetched under each
+  micro-batch's compute; context-parallel K/V exchange under the attention core; pipeline sends are
+  exposed. On a ``shared_host`` (CPU ranks) nothing overlaps: the same cores run both.
 - Pipeline bubble: ``(p − 1)/m`` of the stage time for GPipe and 1F1B, ``(p − 1)/(v·m)`` interleaved,
   a third of 1F1B's for the zero-bubble schedule (ZB-H1).
 - Optimizer step: memory-bound on the device (reads and writes every state byte once), or the host's
@@ -33,6 +37,12 @@ def gemm_efficiency(hw: Hardware, rows: float, cols: float, inner: float, precis
     g = (max(rows, 1.0) * max(cols, 1.0) * max(inner, 1.0)) ** (1.0 / 3.0)
     top = hw.fp8_efficiency if precision == "fp8" else hw.gemm_efficiency
     return top * g / (g + hw.gemm_knee)
+
+
+def _cover(hw: Hardware, seconds: float) -> float:
+    """Compute time a collective can hide under: none on a ``shared_host`` (CPU ranks: the same cores
+    run the collective and the kernels, with no copy engine to overlap them)."""
+    return 0.0 if hw.shared_host else seconds
 
 
 def members_per_node(stride: int, size: int, hw: Hardware) -> int:
@@ -180,7 +190,7 @@ def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
     count = 4 + (2 if layout.recompute == "full" else 0)
     if layout.tp_comm_overlap:
         passes = 4.0 if layout.recompute == "full" else 3.0
-        gemms = passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work))
+        gemms = _cover(hw, passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work)))
         return max(0.0, count * per - gemms) * layers
     return count * per * layers
 
@@ -193,7 +203,7 @@ def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Har
     kv = layout.micro_batch * work.seq_len / layout.cp * 2 * m.kv_width / layout.tp * a
     step = collective_time("send", kv, layout.cp, layout.tp, hw)
     comm = 3 * (layout.cp - 1) * step  # forward ring + backward ring of K/V and their gradients
-    attn = 3.0 * attention_seconds(m, layout, work, hw, flash=True)
+    attn = _cover(hw, 3.0 * attention_seconds(m, layout, work, hw, flash=True))
     return max(0.0, comm - attn) * layers
 
 
@@ -256,7 +266,7 @@ def data_parallel_time(
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
     stride, n = strides(layout)["dp"], layout.dp
     grads, params = stage_elements * grad_bytes, stage_elements * param_bytes
-    backward = t_mb * 2.0 / 3.0
+    backward = _cover(hw, t_mb * 2.0 / 3.0)
     if layout.zero <= 1:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
         reduce = max(0.0, collective_time(op, grads, n, stride, hw) - backward)
@@ -272,7 +282,7 @@ def data_parallel_time(
     per_layer = collective_time("all_gather", params / layers, n, stride, hw)
     gathers = 2 * layers * per_layer  # forward and backward
     per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)
-    exposed = n_mb * max(0.0, gathers + per_mb_reduce - t_mb)
+    exposed = n_mb * max(0.0, gathers + per_mb_reduce - _cover(hw, t_mb))
     return {"dp_grad_reduce": 0.0, "dp_param_gather": exposed}
 
 
@@ -303,4 +313,4 @@ def param_offload_time(
         return 0.0
     bw = hw.pcie_bw if layout.offload_params == "cpu" else min(hw.pcie_bw, hw.nvme_bw)
     fetch = 2.0 * shard_elements * param_bytes / bw
-    return n_mb * max(0.0, fetch - t_mb)
+    return n_mb * max(0.0, fetch - _cover(hw, t_mb))
