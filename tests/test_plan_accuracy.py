@@ -142,8 +142,9 @@ def test_cli_explain_terms_add_up(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_accuracy_prints_both_sets(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--accuracy"]) == 0
     out = capsys.readouterr().out
-    assert out.count("| run | hardware |") == 2
+    assert out.count("| run | hardware |") == 3  # calibration, validation, out of model
     assert f"calibration: {len(CALIBRATION)} runs" in out and f"validation: {len(VALIDATION)} runs" in out
+    assert "out of model (in neither set): 6 runs" in out
 
 
 def _synthetic_run(tmp_path: Path, name: str, overrides: list[str], world: int, hw: object) -> str:

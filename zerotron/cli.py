@@ -163,6 +163,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise PlanError(f"--hardware is required: choose one of {', '.join(PROFILES)} or give a profile file")
     hw = get_hardware(args.hardware)
     gpus = args.gpus if args.gpus is not None else hw.gpus_per_node
+    flash = args.attention == "flash"
     cfg = load_config(config, overrides)
     if cfg.model.path:  # the architecture is in the HF directory or GGUF file, as for `zerotron train`
         from zerotron.models.loading import read_model_config
@@ -172,19 +173,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.top < 1:
             raise PlanError(f"--top {args.top}: show at least 1 layout")
         model, _, work = from_config(_unplaced(cfg), gpus)
-        found = search(model, work, hw, gpus, convention=args.convention, top=args.top)
+        found = search(model, work, hw, gpus, convention=args.convention, top=args.top, flash=flash)
         if args.json:
             print(json.dumps([p.to_json() for p in found.plans], indent=2))
             return 0
         print(format_table(found))
         print(f"breakdowns of the best plans: {draw_breakdowns(found, Path(args.png))}")
         return 0
-    plan = plan_config(cfg, hw, gpus, convention=args.convention)
+    plan = plan_config(cfg, hw, gpus, convention=args.convention, flash=flash)
     print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
     if args.explain and not args.json:
         from zerotron.plan.explain import explain
 
-        print(explain(*from_config(cfg, gpus), hw, plan))
+        print(explain(*from_config(cfg, gpus), hw, plan, flash))
     return 0
 
 
@@ -337,6 +338,13 @@ def _add_plan(sub: Any) -> None:
         help="with --calibrate: runs not used by the fit, predicted with the fitted profile (their error)",
     )
     plan.add_argument("--explain", action="store_true", help="print each time term's formula and inputs")
+    plan.add_argument(
+        "--attention",
+        choices=("flash", "unfused"),
+        default="flash",
+        help="fused (flash) attention, as zerotron runs it, or unfused attention that stores the scores "
+        "(Megatron before flash attention; memory in the mixed convention, time of the score GEMMs)",
+    )
     plan.add_argument(
         "--accuracy",
         action="store_true",

@@ -19,7 +19,7 @@ from zerotron.plan.hardware import PROFILES, Hardware
 from zerotron.plan.layout import Layout, Workload, check
 from zerotron.plan.model import ModelShape
 from zerotron.plan.planner import plan_layout
-from zerotron.plan.published import CALIBRATION, VALIDATION, PublishedRun
+from zerotron.plan.published import CALIBRATION, OUT_OF_MODEL, VALIDATION, PublishedRun
 
 
 def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:
@@ -89,9 +89,15 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def accuracy_report(profiles: dict[str, Hardware] | None = None) -> str:
-    """Both sets row by row, as Markdown tables, with their mean and worst error."""
+    """Both sets row by row, as Markdown tables, with their mean and worst error, and the runs outside
+    the model (:data:`~zerotron.plan.published.OUT_OF_MODEL`) after them."""
     out = []
-    for title, runs in (("calibration", CALIBRATION), ("validation", VALIDATION)):
+    sets = (
+        ("calibration", CALIBRATION),
+        ("validation", VALIDATION),
+        ("out of model (in neither set)", OUT_OF_MODEL),
+    )
+    for title, runs in sets:
         rows = errors(runs, profiles)
         s = summary(rows)
         out.append(
@@ -132,24 +138,34 @@ def _with(hw: Hardware, values: dict[str, float]) -> Hardware:
 
 
 def fit_profiles(runs: Sequence[PublishedRun] = CALIBRATION) -> dict[str, dict[str, float]]:
-    """Per hardware kind in ``runs``: the grid point of :data:`FIT_GRID` with the least :func:`_loss`
-    over that kind's 16-bit runs, then ``fp8_efficiency`` on its FP8 runs (:data:`FP8_GRID`)."""
+    """Per hardware kind in ``runs``: the constants of :data:`FIT_GRID` (and ``fp8_efficiency`` on
+    :data:`FP8_GRID` when the kind has FP8 runs) with the least :func:`_loss` over all that kind's runs.
+
+    For each (knee, attention efficiency) of the grid, ``gemm_efficiency`` is the best on the 16-bit
+    runs and ``fp8_efficiency`` the best on the FP8 runs given it; the point with the least loss over
+    every run wins (the attention core and the GEMM shapes are shared by both precisions).
+    """
     fitted: dict[str, dict[str, float]] = {}
     for kind in sorted({r.hardware for r in runs}):
-        base = PROFILES[kind]
-        mine = [r for r in runs if r.hardware == kind and r.precision != "fp8"]
-        best = min(
-            itertools.product(*FIT_GRID.values()),
-            key=lambda values: _loss(_with(base, dict(zip(FIT_GRID, values))), mine),
-        )
-        values = {k: round(v, 4) for k, v in zip(FIT_GRID, best)}
-        fp8 = [r for r in runs if r.hardware == kind and r.precision == "fp8"]
-        if fp8:
-            bf16 = _with(base, values)
-            values["fp8_efficiency"] = min(
-                FP8_GRID, key=lambda e: _loss(dataclasses.replace(bf16, fp8_efficiency=e), fp8)
-            )
-        fitted[kind] = values
+        mine = [r for r in runs if r.hardware == kind]
+        wide = [r for r in mine if r.precision != "fp8"]
+        fp8 = [r for r in mine if r.precision == "fp8"]
+        best: tuple[float, dict[str, float]] | None = None
+        for knee, attention in itertools.product(FIT_GRID["gemm_knee"], FIT_GRID["attention_efficiency"]):
+            hw = _with(PROFILES[kind], {"gemm_knee": knee, "attention_efficiency": attention})
+            e = min(FIT_GRID["gemm_efficiency"], key=lambda v: _loss(_with(hw, {"gemm_efficiency": v}), wide))
+            values = {"gemm_efficiency": e, "gemm_knee": knee, "attention_efficiency": attention}
+            hw = _with(hw, {"gemm_efficiency": e})
+            if fp8:
+                values["fp8_efficiency"] = min(
+                    FP8_GRID, key=lambda v: _loss(_with(hw, {"fp8_efficiency": v}), fp8)
+                )
+                hw = _with(hw, {"fp8_efficiency": values["fp8_efficiency"]})
+            loss = _loss(hw, mine)
+            if best is None or loss < best[0]:
+                best = (loss, values)
+        assert best is not None
+        fitted[kind] = best[1]
     return fitted
 
 

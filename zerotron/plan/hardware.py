@@ -118,7 +118,7 @@ def _gpu(
 # PCIe share the H100's chip; the other GPUs carry the A100 fit until calibrated (``--calibrate``).
 _A100_FIT: dict[str, float] = dict(gemm_efficiency=0.74, gemm_knee=768.0, attention_efficiency=0.25)
 _H100_FIT: dict[str, float] = dict(
-    gemm_efficiency=0.72, gemm_knee=4096.0, attention_efficiency=0.15, fp8_efficiency=0.99
+    gemm_efficiency=0.68, gemm_knee=4096.0, attention_efficiency=0.2, fp8_efficiency=0.91
 )
 
 # The ``cpu`` profile's collective constants and attention efficiency are measured by

@@ -73,11 +73,13 @@ class Plan:
         }
 
 
-def plan_config(cfg: Config, hw: Hardware, gpus: int, convention: str = "zerotron") -> Plan:
+def plan_config(
+    cfg: Config, hw: Hardware, gpus: int, convention: str = "zerotron", flash: bool = True
+) -> Plan:
     """Plan the layout ``cfg`` describes on ``gpus`` devices of ``hw`` (raises PlanError if impossible)."""
     m, layout, work = from_config(cfg, gpus)
     check(m, layout, work, hw, gpus)
-    return plan_layout(m, layout, work, hw, convention)
+    return plan_layout(m, layout, work, hw, convention, flash)
 
 
 def stage_memory(

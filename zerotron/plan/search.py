@@ -91,34 +91,45 @@ def candidates(m: ModelShape, work: Workload, hw: Hardware, gpus: int) -> Iterat
 
 
 def _cheapest_fitting(
-    m: ModelShape, base: Layout, work: Workload, hw: Hardware, convention: str
+    m: ModelShape, base: Layout, work: Workload, hw: Hardware, convention: str, flash: bool = True
 ) -> Layout | None:
     for recompute, off_opt, off_par in _MEMORY_SAVERS:
         if (off_opt != "none" and base.zero == 0) or (off_par != "none" and base.zero != 3):
             continue
         layout = replace(base, recompute=recompute, offload_optimizer=off_opt, offload_params=off_par)
         stages = memory_stages(m, layout, work)
-        if all(stage_memory(m, layout, work, convention, st)[0]["total"] <= hw.memory_bytes for st in stages):
+        if all(
+            stage_memory(m, layout, work, convention, st, flash)[0]["total"] <= hw.memory_bytes
+            for st in stages
+        ):
             return layout
     return None
 
 
 def search(
-    m: ModelShape, work: Workload, hw: Hardware, gpus: int, convention: str = "zerotron", top: int = 10
+    m: ModelShape,
+    work: Workload,
+    hw: Hardware,
+    gpus: int,
+    convention: str = "zerotron",
+    top: int = 10,
+    flash: bool = True,
 ) -> SearchResult:
-    """The ``top`` fastest layouts that fit ``gpus`` devices of ``hw`` (raises PlanError if none fits)."""
+    """The ``top`` fastest layouts that fit ``gpus`` devices of ``hw`` (raises PlanError if none fits).
+
+    ``flash=False`` plans attention that materialises the scores (see :func:`plan_layout`)."""
     plans: list[Plan] = []
     count = 0
     for base in candidates(m, work, hw, gpus):
         count += 1
-        layout = _cheapest_fitting(m, base, work, hw, convention)
+        layout = _cheapest_fitting(m, base, work, hw, convention, flash)
         if layout is None:
             continue
         try:
             check(m, layout, work, hw, gpus)
         except PlanError:
             continue
-        plan = plan_layout(m, layout, work, hw, convention)
+        plan = plan_layout(m, layout, work, hw, convention, flash)
         if plan.fits:
             plans.append(plan)
     if count == 0:
