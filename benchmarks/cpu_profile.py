@@ -58,9 +58,9 @@ def _thread_scaling() -> float:
 
 
 def _latency_worker() -> None:
-    from zerotron.dist import collectives
-    from zerotron.dist.launch import current_rank_and_world
-    from zerotron.dist.mesh import ParallelDims
+    from zerotron.distributed import collectives
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
 
     rank, world = current_rank_and_world()
     mesh = ParallelDims(world, world, 1, 1, 1, 1, 0).build(rank)
@@ -80,7 +80,7 @@ def _latency_worker() -> None:
 
 def main() -> int:
     """Print each measurement and the profile value it implies."""
-    from zerotron.dist.launch import spawn
+    from zerotron.distributed.launch import spawn
 
     attn, gemm = _attention_ratio()
     print(f"one thread: matmul {gemm / 1e9:.1f} GFLOP/s, causal attention {attn / 1e9:.1f} GFLOP/s "

@@ -157,8 +157,8 @@ def _step_time(hang_timeout: float, run: Path) -> float:
 
 def _agree_body(calls: int) -> float:
     """Seconds per stop agreement (the per-step all-reduce of the fault machinery) on this rank."""
-    from zerotron.dist.launch import current_rank_and_world
-    from zerotron.dist.mesh import ParallelDims
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
     from zerotron.train.fault import agree
 
     rank, world = current_rank_and_world()
@@ -189,7 +189,7 @@ def main() -> None:
         for i in range(args.repeats):  # alternating, so that machine noise falls on both
             on.append(_step_time(300, Path(tmp) / f"on{i}"))
             off.append(_step_time(0, Path(tmp) / f"off{i}"))
-        from zerotron.dist.launch import spawn
+        from zerotron.distributed.launch import spawn
 
         agree_s = max(spawn(_agree_body, 2, args=(2000,)))
     print("| fault | detection (s), median | recovery to the first step after restart (s), median | runs |")

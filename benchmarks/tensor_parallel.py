@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.config_load import load_config
-from zerotron.dist.launch import current_rank_and_world, spawn
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world, spawn
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.optim import build_optimizer

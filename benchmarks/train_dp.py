@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.config_load import load_config
-from zerotron.dist.launch import current_rank_and_world, spawn
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world, spawn
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.train.data import DataLoader, PackedDataset, prepare_tokens

@@ -1,6 +1,6 @@
 """pytest setup: make the repository root and ``tests/`` importable here and in spawned ranks.
 
-Spawned ranks (``zerotron.dist.launch.spawn``, "spawn" start method) inherit ``sys.path`` and the
+Spawned ranks (``zerotron.distributed.launch.spawn``, "spawn" start method) inherit ``sys.path`` and the
 environment, so a test body defined in ``tests/test_x.py`` is importable in every child.
 """
 

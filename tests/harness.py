@@ -1,4 +1,4 @@
-"""Run a test body on N Gloo ranks in subprocesses (built on :func:`zerotron.dist.launch.spawn`).
+"""Run a test body on N Gloo ranks in subprocesses (built on :func:`zerotron.distributed.launch.spawn`).
 
 Usage::
 
@@ -16,7 +16,7 @@ or, for a body that takes no arguments and asserts on its own::
     def test_it():
         ...
 
-A rank that raises makes the test fail with :class:`zerotron.dist.launch.LaunchError`, whose message (in
+A rank that raises makes the test fail with :class:`zerotron.distributed.launch.LaunchError`, whose message (in
 the pytest report) holds the traceback of every failing rank; a hang fails after ``timeout`` seconds
 naming the collective each rank waits in.
 """
@@ -28,7 +28,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from zerotron.dist.launch import spawn
+from zerotron.distributed.launch import spawn
 
 DEFAULT_TIMEOUT_S = 120.0
 

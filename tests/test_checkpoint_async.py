@@ -26,9 +26,9 @@ from tests.test_train_resume import SMALL, _losses
 from zerotron.checkpoint import store
 from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.config_load import load_config
-from zerotron.dist import collectives
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed import collectives
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.train import run as train_run
 from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer

@@ -16,9 +16,9 @@ import torch
 from torch.testing import assert_close
 
 from tests.harness import run_distributed
-from zerotron.dist import collectives as C
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed import collectives as C
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 
 WORLD = 4
 AXES = ("tp", "dp", "world", "pp")

@@ -16,8 +16,8 @@ from tests.harness import run_distributed
 from zerotron.checkpoint import store
 from zerotron.checkpoint.convert import convert
 from zerotron.config_load import ConfigError, load_config
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.hf import read_hf_weights, write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import ModelLoadError

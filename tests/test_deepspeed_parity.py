@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _tokens
 from zerotron.config_load import load_config
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.trainer import Trainer

@@ -19,7 +19,7 @@ from tests.test_inputs import TINY
 from tests.test_launch_job import ROOT, _env
 from zerotron.cli import main
 from zerotron.config import FaultConfig
-from zerotron.dist.watchdog import RankState, describe_hang
+from zerotron.distributed.watchdog import RankState, describe_hang
 from zerotron.train.fault import STOPPED_EXIT_CODE, BadStepGuard
 
 JOB = [*TINY, "train.steps=8", "checkpoint.every=2", "train.lr=1e-2"]
@@ -212,9 +212,9 @@ def _listening() -> list[str]:
 
 
 def _listening_body() -> list[str]:
-    from zerotron.dist import collectives
-    from zerotron.dist.launch import current_rank_and_world
-    from zerotron.dist.mesh import ParallelDims
+    from zerotron.distributed import collectives
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
 
     rank, world = current_rank_and_world()
     import torch

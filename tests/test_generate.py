@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from zerotron.config import ModelConfig
+from zerotron.config_load import load_config
 from zerotron.models.hf import write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.serve.generate import TextStream, generate, run_generate, sample_next
 
-CFG = ModelConfig(preset="tiny").apply_preset()
+CFG = load_config(None, ["model.preset=tiny"]).model
 CFG = dataclasses.replace(CFG, num_hidden_layers=2, hidden_size=64, intermediate_size=128)
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.harness import distributed, run_distributed
-from zerotron.dist import collectives as C
-from zerotron.dist.launch import LaunchError, current_rank_and_world, free_port
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed import collectives as C
+from zerotron.distributed.launch import LaunchError, current_rank_and_world, free_port
+from zerotron.distributed.mesh import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_spawn_under_torchrun_runs_in_place(tmp_path: Path) -> None:
         textwrap.dedent(
             """
             import json, sys, torch
-            from zerotron.dist import ParallelDims, collectives, current_rank_and_world, spawn
+            from zerotron.distributed import ParallelDims, collectives, current_rank_and_world, spawn
 
             def body(x):
                 rank, world = current_rank_and_world()

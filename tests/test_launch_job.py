@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.test_inputs import TINY
-from zerotron.dist.launch import first_slurm_host, free_port
+from zerotron.distributed.launch import first_slurm_host, free_port
 
 TRAIN = ["-m", "zerotron", "train", *TINY]
 ROOT = str(Path(__file__).resolve().parents[1])

@@ -1,4 +1,4 @@
-"""Imports point down the layers (DESIGN "Layers"), plan stays torch-free, only dist touches torch.distributed.
+"""Imports point down the layers (DESIGN "Layers"), plan stays torch-free, only distributed/ touches torch.distributed.
 
 An AST walk over every ``zerotron/**/*.py``, imports inside functions included. A module may import its
 own layer or a lower one. ``models`` sits above ``parallel``: parallel code is applied to models but
@@ -25,14 +25,15 @@ LAYERS = {
     "plan": 5,
     "models": 4,
     "parallel": 3,
-    "dist": 2,
+    "distributed": 2,
     "config": 1,
+    "shapes": 1,
     "config_load": 1,
     "config_deepspeed": 1,
     "presets": 1,
     "__init__": 1,
 }
-PLAN_MAY_IMPORT = {"config", "presets", "plan"}
+PLAN_MAY_IMPORT = {"config", "presets", "shapes", "plan"}
 
 
 def _component(module: str) -> str:
@@ -85,8 +86,10 @@ def _violations() -> list[str]:
             continue
         for line, module in _imports(path):
             top = module.split(".")[0]
-            if me != "dist" and (module == "torch.distributed" or module.startswith("torch.distributed.")):
-                problems.append(f"{rel}:{line}: imports {module}; only zerotron/dist may")
+            if me != "distributed" and (
+                module == "torch.distributed" or module.startswith("torch.distributed.")
+            ):
+                problems.append(f"{rel}:{line}: imports {module}; only zerotron/distributed may")
             if me == "plan" and top == "torch":
                 problems.append(f"{rel}:{line}: plan imports {module}; plan must run without torch")
             if top != "zerotron" or module == "zerotron":
@@ -100,7 +103,7 @@ def _violations() -> list[str]:
             if other not in LAYERS:
                 problems.append(f"{rel}:{line}: imports {module}, whose component is not in the layer table")
             elif me == "plan" and other not in PLAN_MAY_IMPORT:
-                problems.append(f"{rel}:{line}: plan imports {module}; plan may import only config/presets")
+                problems.append(f"{rel}:{line}: plan imports {module}; plan may import only config/presets/shapes")
             elif LAYERS[other] > LAYERS[me]:
                 problems.append(
                     f"{rel}:{line}: {me} (layer {LAYERS[me]}) imports {module} (layer {LAYERS[other]})"
@@ -117,11 +120,11 @@ def test_imports_point_down() -> None:
     ("source", "me", "expected"),
     [
         ("from zerotron.train import trainer\n", "parallel", "parallel (layer 3) imports zerotron.train"),
-        ("import torch.distributed as dist\n", "models", "only zerotron/dist may"),
-        ("import torch\nx = torch.distributed.get_rank\n", "models", "only zerotron/dist may"),
+        ("import torch.distributed as dist\n", "models", "only zerotron/distributed may"),
+        ("import torch\nx = torch.distributed.get_rank\n", "models", "only zerotron/distributed may"),
         ("from ..models import llama\n", "parallel", "imports zerotron.models"),
         ("import torch\n", "plan", "plan must run without torch"),
-        ("from zerotron.dist import mesh\n", "plan", "plan may import only config/presets"),
+        ("from zerotron.distributed import mesh\n", "plan", "plan may import only config/presets/shapes"),
     ],
 )
 def test_checker_catches(
@@ -130,7 +133,7 @@ def test_checker_catches(
     """The checker itself finds each kind of violation (on a throwaway package tree)."""
     pkg = tmp_path / "zerotron"
     (pkg / me).mkdir(parents=True)
-    for name in ("train", "models", "dist"):
+    for name in ("train", "models", "distributed"):
         (pkg / name).mkdir(exist_ok=True)
     (pkg / "__init__.py").write_text("")
     (pkg / me / "__init__.py").write_text("")

@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from zerotron.config import ParallelConfig
-from zerotron.dist.mesh import MeshError, ParallelDims
+from zerotron.distributed.mesh import MeshError, ParallelDims
 
 WORLD = 8
 

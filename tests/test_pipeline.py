@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from tests.harness import run_distributed
 from zerotron.config_load import load_config
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.stages import build_stages, stage_bounds
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads

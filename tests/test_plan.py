@@ -21,8 +21,8 @@ from zerotron.config_load import load_config
 from zerotron.plan import PROFILES, PlanError, get_hardware, plan_config, plan_layout
 from zerotron.plan import memory as mem
 from zerotron.plan.layout import Layout, Workload, check, from_config
-from zerotron.plan.model import ModelShape, flops_per_token, recompute_flops_per_token
 from zerotron.plan.search import search
+from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
 
 # -- ZeRO Table 1: GB (1e9) per device, model states only, K = 12 ---------------------------------------
 ZERO_TABLE1 = {  # dp: [(7.5B os, os+g, os+g+p), (128B ...), (1T ...)]

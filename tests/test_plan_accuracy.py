@@ -17,8 +17,8 @@ from zerotron.config_load import load_config, save_config
 from zerotron.plan import PROFILES, PlanError, plan_config, plan_layout, timing
 from zerotron.plan.accuracy import errors, fit_profiles, predict, run_inputs, summary
 from zerotron.plan.layout import Layout, Workload
-from zerotron.plan.model import ModelShape, flops_per_token
 from zerotron.plan.published import CALIBRATION, VALIDATION
+from zerotron.shapes import ModelShape, flops_per_token
 
 
 def test_validation_error_under_10_percent_mean_20_worst() -> None:

@@ -123,8 +123,8 @@ LAYOUTS_2 += [  # tensor and sequence parallelism
 
 
 def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
-    from zerotron.dist.launch import current_rank_and_world
-    from zerotron.dist.mesh import ParallelDims
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
     from zerotron.train.trainer import Trainer
 
     rank, world = current_rank_and_world()

@@ -16,8 +16,9 @@ import pytest
 from zerotron.config_load import ConfigError, load_config, validate
 from zerotron.plan import PROFILES, PlanError, plan_config
 from zerotron.plan.layout import from_config
-from zerotron.plan.model import ModelShape, flops_per_token, stage_params, total_params
+from zerotron.plan.model import stage_params, total_params
 from zerotron.plan.search import search
+from zerotron.shapes import ModelShape, flops_per_token
 
 H100 = PROFILES["h100-sxm"]
 

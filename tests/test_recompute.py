@@ -8,8 +8,8 @@ import numpy as np
 
 from tests.harness import run_distributed
 from zerotron.config_load import load_config
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.train.trainer import Trainer
 
 BASE = [

@@ -24,8 +24,8 @@ from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _assert_close, _reference, _tokens
 from zerotron.checkpoint import store
 from zerotron.config_load import ConfigError, load_config, validate
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -14,8 +14,8 @@ import torch
 from tests.harness import run_distributed
 from zerotron.checkpoint import store
 from zerotron.config_load import load_config
-from zerotron.dist.launch import LaunchError, current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import LaunchError, current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.train import run as train_run
 from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer

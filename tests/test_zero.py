@@ -26,8 +26,8 @@ from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _reference, _tokens
 from zerotron.checkpoint import store
 from zerotron.config_load import ConfigError, ZeroSavesNothing, load_config, validate
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train import run as train_run
 from zerotron.train.state import read_model_tensors

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.parallel.zero import apply_zero
 from zerotron.train.optim import clip_grads_, global_grad_norm
 

@@ -107,7 +107,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if tp == 1:
         run_generate(model, args.prompt, **options)
         return 0
-    from zerotron.dist.launch import spawn
+    from zerotron.distributed.launch import spawn
 
     spawn(generate_worker, nproc, args=(model, args.prompt, options))
     return 0
@@ -386,8 +386,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errors: list[Any] = []
     for module, name in [
         ("zerotron.config_load", "ConfigError"),
-        ("zerotron.dist.mesh", "MeshError"),
-        ("zerotron.dist.launch", "LaunchError"),
+        ("zerotron.distributed.mesh", "MeshError"),
+        ("zerotron.distributed.launch", "LaunchError"),
         ("zerotron.models.loading", "ModelLoadError"),
         ("zerotron.train.data", "DataError"),
         ("zerotron.checkpoint.store", "CheckpointError"),

@@ -68,17 +68,6 @@ class ModelConfig:
         """Per-head width with the default resolved."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
-    def apply_preset(self) -> ModelConfig:
-        """Return a copy with the preset's architecture fields filled in (explicit overrides win later)."""
-        if self.preset is None:
-            return self
-        if self.preset not in PRESETS:
-            raise ValueError(
-                f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}"
-            )
-        values = {**self.__dict__, **PRESETS[self.preset]}
-        return ModelConfig(**values)
-
 
 # The fields that decide the parameters' shapes: a checkpoint resumes only into the same values.
 ARCHITECTURE_FIELDS = (

@@ -19,7 +19,7 @@ from zerotron.bench.jobs import FRAMEWORKS, deepspeed_config, why_not
 from zerotron.bench.runners import rank_entry
 from zerotron.config import Config
 from zerotron.config_load import ConfigError, to_dict
-from zerotron.dist.launch import (
+from zerotron.distributed.launch import (
     LaunchError,
     destroy_distributed,
     init_distributed,

@@ -23,9 +23,9 @@ from torch import nn
 
 from zerotron.config import Config
 from zerotron.config_load import load_config
-from zerotron.dist import peers
-from zerotron.dist.launch import current_rank_and_world
-from zerotron.dist.mesh import ParallelDims
+from zerotron.distributed import peers
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.optim import build_optimizer, lr_at

@@ -42,7 +42,6 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._give_up_at = 0.0
-        self.last_write_s = 0.0  # seconds the thread spent on the last checkpoint (for benchmarks)
 
     def submit(
         self,
@@ -75,7 +74,6 @@ class CheckpointWriter:
         json_files: dict[str, Any],
         keep: int,
     ) -> None:
-        started = time.perf_counter()
         try:
             tmp = store.temp_dir(root, step)
             for name, named in tensors.items():
@@ -93,8 +91,6 @@ class CheckpointWriter:
                 store.publish(root, step, keep)
         except BaseException as e:  # handed to the main thread by wait()
             self._error = e
-        finally:
-            self.last_write_s = time.perf_counter() - started
 
     @property
     def busy(self) -> bool:

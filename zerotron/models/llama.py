@@ -366,18 +366,3 @@ def tensor_parallel_plan(cfg: ModelConfig) -> dict:
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameter elements (a tied embedding counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward+backward model FLOPs per token: 6·N_matmul + 12·L·s·(heads·head_dim).
-
-    N_matmul counts the weights of every matrix multiply (attention and MLP projections and the output
-    head; not the embedding lookup, norms or biases). The attention term is the PaLM/Megatron convention:
-    QKᵀ and AV at 2·s·heads·head_dim FLOPs each per token and layer, times 3 for forward and backward,
-    without halving for the causal mask. Recomputation is not counted (this is *model* FLOPs, for MFU).
-    """
-    h, d, L = cfg.hidden_size, cfg.dim_per_head, cfg.num_hidden_layers
-    attn = h * d * (cfg.num_attention_heads * 2 + cfg.kv_heads * 2)
-    mlp = (3 if cfg.mlp == "gated" else 2) * h * cfg.intermediate_size
-    n_matmul = L * (attn + mlp) + h * cfg.vocab_size
-    return 6.0 * n_matmul + 12.0 * L * seq_len * cfg.num_attention_heads * d

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from zerotron.config import ModelConfig
-from zerotron.dist.mesh import Group
+from zerotron.distributed.mesh import Group
 from zerotron.models.llama import (
     DecoderLayer,
     RMSNorm,
@@ -34,6 +34,7 @@ from zerotron.models.llama import (
 )
 from zerotron.parallel.pipeline import balance_stages, stages_from_sizes
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
+from zerotron.shapes import ModelShape, block_forward_flops, head_forward_flops
 
 
 class LlamaStage(nn.Module):
@@ -88,17 +89,6 @@ class LlamaStage(nn.Module):
             param.copy_(init_parameter(global_name, tuple(param.shape), seed, self.config))
 
 
-def block_cost(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
-    """Forward FLOPs per token of one decoder block, and of the output head plus loss."""
-    h, d = cfg.hidden_size, cfg.dim_per_head
-    attn = (
-        2 * h * d * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads)
-        + 4 * seq_len * cfg.num_attention_heads * d
-    )
-    mlp = 2 * (3 if cfg.mlp == "gated" else 2) * h * cfg.intermediate_size
-    return float(attn + mlp), float(2 * h * cfg.vocab_size)
-
-
 def stage_bounds(
     cfg: ModelConfig, seq_len: int, n_stages: int, layers_per_stage: Sequence[int] | None = None
 ) -> list[tuple[int, int]]:
@@ -110,7 +100,8 @@ def stage_bounds(
                 "(pp * virtual_stages)"
             )
         return stages_from_sizes(layers_per_stage, cfg.num_hidden_layers)
-    block, head = block_cost(cfg, seq_len)
+    m = ModelShape.from_config(cfg)
+    block, head = block_forward_flops(m, seq_len), head_forward_flops(m)
     return balance_stages([block] * cfg.num_hidden_layers, n_stages, last_extra=head)
 
 

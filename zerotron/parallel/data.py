@@ -12,7 +12,7 @@ data-parallel ranks and micro-batches), so the summed gradient is exactly the gr
 loss. That is what ``torch.nn.parallel.DistributedDataParallel`` computes (it averages per-rank means over
 equal-sized shards), and the test suite checks the two agree.
 
-*comm* part: the collectives themselves go through :mod:`zerotron.dist.collectives`, which counts bytes.
+*comm* part: the collectives themselves go through :mod:`zerotron.distributed.collectives`, which counts bytes.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 
 
 @dataclass

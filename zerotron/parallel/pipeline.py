@@ -14,7 +14,7 @@ computes the gradient of the chunk's input (and of its small non-Linear paramete
 gradients, one GEMM per layer. With activation recomputation (which re-runs forwards inside the
 backward) the runner falls back to two autograd passes, ``BW`` re-walking the graph for the weights.
 
-Every P2P goes through :mod:`zerotron.dist.collectives` on the pipeline group, counted under ``pp``.
+Every P2P goes through :mod:`zerotron.distributed.collectives` on the pipeline group, counted under ``pp``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron import shapes
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.parallel.pipeline_schedule import Op, Schedule
 
 
@@ -41,38 +42,14 @@ def balance_stages(
     """Contiguous ``[start, end)`` block ranges for ``n_stages`` stages minimising the largest stage cost.
 
     ``costs[i]`` is block i's cost; ``first_extra``/``last_extra`` are added to the first and last stage
-    (embedding; head and loss). Every stage gets at least one block. Exact (dynamic programming).
+    (embedding; head and loss). Every stage gets at least one block. The split is
+    :func:`zerotron.shapes.balance_stages`', the planner's too.
     """
-    n = len(costs)
-    if not 1 <= n_stages <= n:
-        raise PipelineError(
-            f"cannot split {n} layers into {n_stages} pipeline stages; use at most {n} stages"
-        )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def cost(stage: int, start: int, end: int) -> float:
-        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == n_stages - 1 else 0.0)
-        return prefix[end] - prefix[start] + extra
-
-    # best[k][e]: smallest max-stage cost splitting blocks [0, e) into k stages; cut[k][e]: last start
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n_stages + 1):
-        for e in range(k, n - (n_stages - k) + 1):
-            for s in range(k - 1, e):
-                value = max(best[k - 1][s], cost(k - 1, s, e))
-                if value < best[k][e] - 1e-12:
-                    best[k][e], cut[k][e] = value, s
-    bounds, e = [], n
-    for k in range(n_stages, 0, -1):
-        s = cut[k][e]
-        bounds.append((s, e))
-        e = s
-    return bounds[::-1]
+    try:
+        sizes = shapes.balance_stages(costs, n_stages, first_extra, last_extra)
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+    return stages_from_sizes(sizes, len(costs))
 
 
 def stages_from_sizes(sizes: Sequence[int], n_layers: int) -> list[tuple[int, int]]:

@@ -81,8 +81,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.parallel.tensor_comm import (
     SequenceGather,
     all_reduce_grad_hook,

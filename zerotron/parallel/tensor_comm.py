@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism, *comm* part: autograd functions around the TP collectives.
 
 Megatron's two conjugate operators and their sequence-parallel counterparts, each a
-:class:`torch.autograd.Function` whose forward and backward go through :mod:`zerotron.dist.collectives`
+:class:`torch.autograd.Function` whose forward and backward go through :mod:`zerotron.distributed.collectives`
 (so every byte is counted under the ``tp`` axis):
 
 =============================  ============================  ===============================
@@ -11,7 +11,6 @@ function                       forward                       backward
 :func:`reduce_from_tp` (g)     all-reduce                    identity
 :func:`gather_from_sequence`   all-gather along ``dim``      reduce-scatter along ``dim``
 :func:`reduce_scatter_to_seq`  reduce-scatter along ``dim``  all-gather along ``dim``
-:func:`split_to_sequence`      keep this rank's chunk        all-gather along ``dim``
 =============================  ============================  ===============================
 
 and :func:`vocab_parallel_cross_entropy`, the loss over logits split by vocabulary (each rank holds
@@ -34,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 
 
 def _all_gather_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -57,15 +56,6 @@ def _reduce_scatter_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor
     out = xt.new_empty((n // group.size, *xt.shape[1:]))  # (n/t, ...)
     collectives.reduce_scatter(out, xt, group, op="sum")
     return out.movedim(0, dim).contiguous()
-
-
-def _split_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    n = x.shape[dim]
-    if n % group.size:
-        raise ValueError(
-            f"sequence parallelism: dimension {dim} of size {n} is not divisible by tp={group.size}"
-        )
-    return x.chunk(group.size, dim)[group.rank_in_group].contiguous()
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -117,17 +107,6 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather_dim(grad, ctx.group, ctx.dim), None, None
 
 
-class _SplitToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _split_dim(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather_dim(grad, ctx.group, ctx.dim), None, None
-
-
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron's f: enter a TP region with a replicated input (identity; all-reduce of the gradient)."""
     return x if group.size == 1 else _CopyToTP.apply(x, group)
@@ -146,11 +125,6 @@ def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.T
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Leave a TP region onto sequence shards: reduce-scatter along ``dim`` (all-gather backward)."""
     return x if group.size == 1 else _ReduceScatterToSequence.apply(x, group, dim)
-
-
-def split_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    """Keep this rank's chunk of a replicated tensor along ``dim`` (all-gather backward)."""
-    return x if group.size == 1 else _SplitToSequence.apply(x, group, dim)
 
 
 def all_reduce_grad_hook(group: Group) -> Any:

@@ -17,7 +17,7 @@ copy. After the step every bucket is all-gathered in place (:meth:`after_step`).
 Traffic per step with one micro-batch: reduce-scatter + all-gather of every bucket, ``2Ψ(N-1)/N``
 bytes-elements, which is the all-reduce of plain data parallelism (NCCL bus convention).
 
-*comm* part: the reduce-scatters and all-gathers go through :mod:`zerotron.dist.collectives`.
+*comm* part: the reduce-scatters and all-gathers go through :mod:`zerotron.distributed.collectives`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from zerotron.config import TrainConfig
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.parallel.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
 from zerotron.parallel.zero3 import ZeroStage3
 from zerotron.parallel.zero_flat import (

@@ -19,7 +19,7 @@ see the data again once it is re-gathered).
 Traffic per step with one micro-batch: all-gather forward + all-gather backward + reduce-scatter of
 every sharded unit, ``3Ψ(N-1)/N``: 1.5× data parallelism.
 
-*comm* part: all-gathers and reduce-scatters through :mod:`zerotron.dist.collectives`.
+*comm* part: all-gathers and reduce-scatters through :mod:`zerotron.distributed.collectives`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.parallel.offload import ShardStore
 from zerotron.parallel.zero_flat import (
     FlatLayout,

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.parallel.offload import OffloadAdamW, set_state_of, state_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -105,14 +105,6 @@ class FlatLayout:
                 )
             )
         return out
-
-    def take_shard(self, full: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-        """Copy this rank's elements of the whole tensors ``full`` (by slot name) into ``out`` ``(shard,)``."""
-        out.zero_()
-        for s in self.slots:
-            a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
-            if a < b:
-                out[a - self.lo : b - self.lo].copy_(full[s.name].reshape(-1)[a - s.offset : b - s.offset])
 
 
 def segment_grads(segments: list[ShardSegment], shard_grad: torch.Tensor) -> None:

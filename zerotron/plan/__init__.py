@@ -16,8 +16,8 @@ from __future__ import annotations
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import PROFILES, Hardware, get_hardware
 from zerotron.plan.layout import Layout, Workload
-from zerotron.plan.model import ModelShape
 from zerotron.plan.planner import Plan, plan_config, plan_layout
+from zerotron.shapes import ModelShape
 
 __all__ = [
     "PROFILES",

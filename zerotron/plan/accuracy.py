@@ -17,9 +17,9 @@ from typing import Any
 
 from zerotron.plan.hardware import PROFILES, Hardware
 from zerotron.plan.layout import Layout, Workload, check
-from zerotron.plan.model import ModelShape
 from zerotron.plan.planner import plan_layout
 from zerotron.plan.published import CALIBRATION, OUT_OF_MODEL, VALIDATION, PublishedRun
+from zerotron.shapes import ModelShape
 
 
 def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:

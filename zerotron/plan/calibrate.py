@@ -24,8 +24,8 @@ from zerotron.config import Config
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware, profile_from_dict
 from zerotron.plan.layout import Layout, Workload, check, from_config
-from zerotron.plan.model import ModelShape
 from zerotron.plan.planner import plan_layout
+from zerotron.shapes import ModelShape
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from zerotron.plan import timing
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
-from zerotron.plan.model import ModelShape
 from zerotron.plan.planner import Plan, rank_layers
+from zerotron.shapes import ModelShape
 
 _GEMM_NAMES = ("q/k/v", "out-proj", "mlp-in", "mlp-out", "router")
 

@@ -167,6 +167,27 @@ PROFILES: dict[str, Hardware] = {
 
 _FIELDS = {f.name for f in dataclasses.fields(Hardware)}
 
+# CUDA device names (fragments, most specific first) -> the profile whose peak is the device's.
+_DEVICE_NAMES = (
+    ("H100 PCIe", "h100-pcie"),
+    ("H100", "h100-sxm"),
+    ("H200", "h200"),
+    ("A100-SXM4-40GB", "a100-40g"),
+    ("A100", "a100-80g"),
+    ("L40S", "l40s"),
+    ("RTX 4090", "rtx4090"),
+    ("MI250X", "mi250x-gcd"),
+)
+
+
+def peak_flops_of_device(device_name: str, dtype: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of the device ``torch.cuda.get_device_name`` reports, from the profiles (the
+    trainer's MFU and the planner use the same figures); None for a device no profile describes."""
+    for fragment, profile in _DEVICE_NAMES:
+        if fragment in device_name:
+            return PROFILES[profile].peak_flops.get(dtype)
+    return None
+
 
 def get_hardware(name_or_path: str) -> Hardware:
     """A shipped profile by name, or a user profile from a YAML/JSON file path."""

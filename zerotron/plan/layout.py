@@ -1,7 +1,7 @@
 """A parallel layout and its workload, read from a :class:`~zerotron.config.Config`, and checked.
 
 Every check raises :class:`~zerotron.plan.errors.PlanError` with one line that says what to change.
-The rank grid is the engine's (:class:`zerotron.dist.mesh.ParallelDims`): ``(dp, pp, cp, tp)`` with tp
+The rank grid is the engine's (:class:`zerotron.distributed.mesh.ParallelDims`): ``(dp, pp, cp, tp)`` with tp
 innermost, so a tp group is ``tp`` consecutive ranks and must fit in one node.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from zerotron.config import Config
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
-from zerotron.plan.model import ModelShape
+from zerotron.shapes import ModelShape
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")

@@ -31,7 +31,8 @@ import functools
 from dataclasses import dataclass
 
 from zerotron.plan.errors import PlanError
-from zerotron.plan.model import ModelShape, ParamList, attention_matrix_params, mlp_params
+from zerotron.plan.model import ParamList
+from zerotron.shapes import ModelShape, attention_matrix_params, mlp_params
 
 CONVENTIONS = ("zerotron", "mixed", "deepspeed")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: activations stay 16-bit
@@ -195,6 +196,28 @@ class Term:
     nbytes: float
     split: str  # "tp", "sp" or "none"
     max_split: int = 0  # at most this many ways (KV heads replicated when tp exceeds them); 0: no limit
+    storage: str = ""  # tensors that are views of one storage name it: counted once per rank (see unique)
+
+
+def unique(terms: list[Term]) -> list[Term]:
+    """``terms`` with each named storage counted once (the first term that names it)."""
+    seen: set[str] = set()
+    out = []
+    for term in terms:
+        if term.storage and term.storage in seen:
+            continue
+        seen.add(term.storage)
+        out.append(term)
+    return out
+
+
+def _token_ids(name: str, b: int, s: int, tp: int) -> Term:
+    """Token ids a stage saves: a one-sequence micro-batch's ids and labels are both views of the loader's
+    (s+1)-token int64 window (one storage); a stacked batch, or ids the vocabulary-parallel layers
+    rewrite (tp > 1), is a tensor of its own."""
+    if b == 1 and tp == 1:
+        return Term(name, 8 * (s + 1), "none", storage="loader.window")
+    return Term(name, 8 * b * s, "none")
 
 
 def _act_bytes(precision: str) -> int:
@@ -287,9 +310,7 @@ def engine_layer_terms(
 
 def engine_first_stage_terms(m: ModelShape, b: int, s: int, tp: int) -> list[Term]:
     """The embedding's saved token ids (and, split by vocabulary, its mask of owned ids)."""
-    # A one-sequence micro-batch's ids are a view of the loader's (s+1)-token window: 8 more bytes.
-    window = 8 if b == 1 and tp == 1 else 0
-    terms = [Term("embedding.ids", 8 * b * s + window, "none")]
+    terms = [_token_ids("embedding.ids", b, s, tp)]
     if tp > 1:
         terms.append(Term("embedding.owned_mask", b * s, "none"))
     return terms
@@ -324,7 +345,7 @@ def engine_last_stage_terms(
     if tp > 1:
         terms.append(Term("loss.targets_and_mask", 9 * t, "none"))
     else:
-        terms.append(Term("loss.labels", 8 * t + 4 + (8 if b == 1 else 0), "none"))
+        terms += [_token_ids("loss.labels", b, s, tp), Term("loss.weight", 4, "none")]
     return terms
 
 

@@ -17,15 +17,8 @@ from zerotron.plan import memory as mem
 from zerotron.plan import timing
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches
-from zerotron.plan.model import (
-    ModelShape,
-    StageParams,
-    flops_per_token,
-    param_list,
-    pipeline_layers,
-    recompute_flops_per_token,
-    stage_params,
-)
+from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
+from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
 
 _ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
@@ -221,12 +214,13 @@ def _end_bytes(
     """Activation bytes outside the blocks: per chunk (RoPE tables), first stage, last stage (cached)."""
     if convention == "zerotron":
         every = mem.split_bytes(mem.engine_stage_terms(m, b, s), tp, sp)
-        first = mem.split_bytes(mem.engine_first_stage_terms(m, b, s, tp), tp, sp)
-        last = mem.split_bytes(mem.engine_last_stage_terms(m, b, s, precision, tp, sp), tp, sp)
-        if b == 1 and pp == 1 and tp == 1:
-            # The loader's inputs and labels of a one-sequence micro-batch are views of one (s+1)-token
-            # window: the embedding's ids and the loss's labels are one storage.
-            last -= 8.0 * (s + 1)
+        first_terms = mem.engine_first_stage_terms(m, b, s, tp)
+        last_terms = mem.engine_last_stage_terms(m, b, s, precision, tp, sp)
+        first = mem.split_bytes(first_terms, tp, sp)
+        if pp == 1:  # one rank holds both ends: a storage they share is counted once
+            last = mem.split_bytes(mem.unique(first_terms + last_terms), tp, sp) - first
+        else:
+            last = mem.split_bytes(last_terms, tp, sp)
     else:
         every = 0.0
         first = 2.0 * b * s * m.hidden / (tp if sp else 1)  # embedding output (dropout mask ignored)

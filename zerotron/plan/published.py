@@ -28,7 +28,7 @@ FULL_SHARD (ZeRO-3) with flash attention and Megatron-style mixed-precision wire
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,6 @@ class PublishedRun:
     precision: str = "bf16"
     published: float = 0.0
     unit: str = "step_s"  # step_s | tflops | tflops_selective | tokens_per_s
-    notes: str = field(default="", compare=False)
 
     @property
     def intermediate(self) -> int:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, check
-from zerotron.plan.model import ModelShape
 from zerotron.plan.planner import Plan, memory_stages, plan_layout, stage_memory
+from zerotron.shapes import ModelShape
 
 # Cheapest first: (recompute, offload_optimizer, offload_params).
 _MEMORY_SAVERS = (

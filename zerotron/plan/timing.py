@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
-from zerotron.plan.model import ModelShape, flops_per_token, recompute_flops_per_token
+from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
 
 _ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 

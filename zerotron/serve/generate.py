@@ -21,8 +21,8 @@ from typing import Any, Optional, TextIO
 
 import torch
 
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.models.llama import KVCache, LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.loading import ModelLoadError, load_pretrained
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
@@ -283,8 +283,8 @@ def run_generate(
 
 def generate_worker(model_path: str, prompt: str, options: dict[str, Any]) -> dict[str, Any]:
     """Body of one rank of ``zerotron generate --nproc N parallel.tp=N``: all ranks form one TP group."""
-    from zerotron.dist.launch import current_rank_and_world
-    from zerotron.dist.mesh import ParallelDims
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
 
     rank, world = current_rank_and_world()
     mesh = ParallelDims(world, dp=1, tp=world).build(rank)

@@ -25,10 +25,10 @@ import torch
 
 from zerotron.config import FaultConfig
 from zerotron.config_load import parse_injections
-from zerotron.dist import collectives
+from zerotron.distributed import collectives
 
 if TYPE_CHECKING:
-    from zerotron.dist.mesh import Mesh
+    from zerotron.distributed.mesh import Mesh
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; `--resume auto` continues

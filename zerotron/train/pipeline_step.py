@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.config import Config
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Group, Mesh
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group, Mesh
 from zerotron.models.stages import StagedModel, build_stages, stage_bounds, tensor_parallel_stages
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads

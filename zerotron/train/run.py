@@ -21,7 +21,7 @@ from zerotron.checkpoint import store
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import ConfigError, load_config, save_config, validate
-from zerotron.dist.launch import (
+from zerotron.distributed.launch import (
     LaunchError,
     current_rank_and_world,
     destroy_distributed,
@@ -32,8 +32,8 @@ from zerotron.dist.launch import (
     spawn,
     under_torchrun,
 )
-from zerotron.dist.mesh import ParallelDims
-from zerotron.dist.watchdog import Watchdog
+from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.watchdog import Watchdog
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
 from zerotron.train import run_dir as run_dir_lock
@@ -184,7 +184,8 @@ def _check_fits_host(cfg: Config, world_size: int) -> None:
     """Each rank builds the model's fp32 weights whole before splitting them (until meta-device
     materialisation lands): refuse a model whose weights alone exceed one rank's share of this machine
     (a GPU's memory, or the host's memory over the local ranks)."""
-    from zerotron.plan.model import ModelShape, total_params
+    from zerotron.plan.model import total_params
+    from zerotron.shapes import ModelShape
 
     need = 4 * total_params(ModelShape.from_config(cfg.model))
     if torch.cuda.is_available():

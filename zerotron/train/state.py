@@ -28,8 +28,8 @@ from torch import nn
 
 from zerotron.checkpoint import sharded, store
 from zerotron.checkpoint.async_save import CheckpointWriter
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Mesh
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Mesh
 from zerotron.parallel.offload import state_of
 from zerotron.parallel.tensor import shard_specs
 from zerotron.parallel.zero_flat import ADAM_KEYS

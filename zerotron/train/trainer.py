@@ -22,9 +22,9 @@ from zerotron.checkpoint import store
 from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.config import Config
 from zerotron.config_load import to_dict
-from zerotron.dist import collectives
-from zerotron.dist.mesh import Mesh
-from zerotron.models.llama import LlamaForCausalLM, model_flops_per_token, tensor_parallel_plan
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Mesh
+from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.recompute import apply_recompute
@@ -33,6 +33,8 @@ from zerotron.parallel.tensor import norm_names as tp_norm_names
 from zerotron.parallel.tensor import norm_params as tp_norm_params
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 from zerotron.parallel.zero import apply_zero, offload_optimizer
+from zerotron.plan.hardware import peak_flops_of_device
+from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
@@ -47,8 +49,6 @@ from zerotron.train.optim import (
 )
 from zerotron.train.pipeline_step import PipelineStep, build_pipeline_model
 
-# Dense bf16 peak FLOP/s by device name fragment, for MFU (REFERENCES.md); None elsewhere (CPU).
-_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -97,8 +97,7 @@ def peak_flops(device: torch.device) -> float | None:
     """Peak dense bf16 FLOP/s of one device, when known."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+    return peak_flops_of_device(torch.cuda.get_device_name(device))
 
 
 class Trainer:
@@ -179,7 +178,7 @@ class Trainer:
                 )
                 segments = [seg for segs in self.zero.segments for seg in segs]
                 self.norm_params = [seg.param for seg in segments if seg.name in owned]
-        self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.flops_per_token = flops_per_token(ModelShape.from_config(cfg.model), cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
         # checkpoint.async_save: a thread writes the files; the gathers stay on this thread.
         self.ckpt_writer = (

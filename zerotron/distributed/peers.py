@@ -1,6 +1,6 @@
 """The peers' own data-parallel wrappers, for ``zerotron bench``: torch DDP and FSDP2 around a model.
 
-zerotron's layers never call torch.distributed outside ``zerotron/dist``; the bench hands the same model
+zerotron's layers never call torch.distributed outside ``zerotron/distributed``; the bench hands the same model
 to torch's DDP and FSDP2 to measure them beside zerotron, so those calls live here. DeepSpeed is driven
 by the bench itself (``deepspeed.initialize`` does its own process-group work).
 """

@@ -1,7 +1,7 @@
 """Watching a local job from its launcher: progress, hangs named by cause, signals passed to the ranks.
 
 Each rank keeps two one-line files in the job's trace directory (``ZEROTRON_TRACE_DIR``):
-``rank{R}.op`` (the collective it is in, or the last it finished; :mod:`zerotron.dist.collectives`) and
+``rank{R}.op`` (the collective it is in, or the last it finished; :mod:`zerotron.distributed.collectives`) and
 ``rank{R}.step`` (the last optimizer step it finished; :meth:`CommStats.progress`). Progress is any
 change in either file: a rank that is alive but stuck (stopped, deadlocked, spinning) makes none, which
 a liveness check would miss. When no rank has made progress for ``hang_timeout_s`` (after
@@ -118,7 +118,10 @@ class ProgressMonitor:
         limit, name = (
             (self.watchdog.hang_timeout_s, "fault.hang_timeout_s")
             if started
-            else (self.watchdog.first_step_timeout_s, "fault.first_step_timeout_s, before every rank's first step")
+            else (
+                self.watchdog.first_step_timeout_s,
+                "fault.first_step_timeout_s, before every rank's first step",
+            )
         )
         if limit > 0 and now - self._changed > limit:
             return describe_hang(states, now - self._changed, name)

@@ -1,14 +1,14 @@
 """The only code that touches torch.distributed: the mesh, the collectives and the launcher.
 
-- :mod:`zerotron.dist.mesh`: ``ParallelDims`` (degrees, validation, rank grid) and ``Mesh`` (this rank's
+- :mod:`zerotron.distributed.mesh`: ``ParallelDims`` (degrees, validation, rank grid) and ``Mesh`` (this rank's
   groups on every axis).
-- :mod:`zerotron.dist.collectives`: every collective, with byte counts and a log (``CommStats``).
-- :mod:`zerotron.dist.launch`: ``init_distributed`` under torchrun, ``spawn`` for local ranks.
+- :mod:`zerotron.distributed.collectives`: every collective, with byte counts and a log (``CommStats``).
+- :mod:`zerotron.distributed.launch`: ``init_distributed`` under torchrun, ``spawn`` for local ranks.
 """
 
-from zerotron.dist import collectives
-from zerotron.dist.collectives import CollectiveError, CommStats
-from zerotron.dist.launch import (
+from zerotron.distributed import collectives
+from zerotron.distributed.collectives import CollectiveError, CommStats
+from zerotron.distributed.launch import (
     LaunchError,
     current_rank_and_world,
     destroy_distributed,
@@ -17,7 +17,7 @@ from zerotron.dist.launch import (
     spawn,
     under_torchrun,
 )
-from zerotron.dist.mesh import AXES, Group, Mesh, MeshError, ParallelDims
+from zerotron.distributed.mesh import AXES, Group, Mesh, MeshError, ParallelDims
 
 __all__ = [
     "AXES",

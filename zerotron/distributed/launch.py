@@ -5,7 +5,7 @@ processes with the "spawn" start method, gives each the environment torchrun wou
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs a module-level function in each and returns their results.
 A rank that raises or dies stops the job with a :class:`LaunchError` that carries its traceback; a job
 that runs past its timeout is killed and the error says which collective each rank was in (read from
-the ``ZEROTRON_TRACE_DIR`` files that :mod:`zerotron.dist.collectives` keeps).
+the ``ZEROTRON_TRACE_DIR`` files that :mod:`zerotron.distributed.collectives` keeps).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zerotron.dist.watchdog import ProgressMonitor, SignalForwarder, Watchdog, cause_first, rank_states
+from zerotron.distributed.watchdog import ProgressMonitor, SignalForwarder, Watchdog, cause_first, rank_states
 
 _ERROR_GRACE_S = 3.0  # after a first failure, how long to collect the other ranks' errors
 _ACK_WAIT_S = 300.0  # a child keeps its shared tensors alive this long for the parent to read them
@@ -43,7 +43,9 @@ def under_torchrun() -> bool:
     sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), or SLURM's ``srun`` (SLURM_PROCID and SLURM_NTASKS,
     see :func:`adopt_slurm_env`)."""
     env = os.environ
-    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+    if "TORCHELASTIC_RUN_ID" in env or all(
+        k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    ):
         return True
     return adopt_slurm_env()
 
@@ -85,7 +87,9 @@ def job_rank_and_world() -> tuple[int, int]:
     try:
         return int(env["RANK"]), int(env["WORLD_SIZE"])
     except (KeyError, ValueError) as e:
-        raise LaunchError(f"RANK/WORLD_SIZE are not set or not integers ({e}); run under torchrun or srun") from None
+        raise LaunchError(
+            f"RANK/WORLD_SIZE are not set or not integers ({e}); run under torchrun or srun"
+        ) from None
 
 
 def share_from_rank0(text: str) -> str:
@@ -252,7 +256,7 @@ def spawn(
     Raises :class:`LaunchError` if a rank raises or dies (the cause first, with every failing rank's
     traceback), when ``timeout_s`` passes, or when ``watchdog`` sees no progress (naming the collective
     each rank is in). SIGTERM, SIGUSR1 and SIGINT to this process are passed to the ranks as SIGTERM
-    (:class:`~zerotron.dist.watchdog.SignalForwarder`) while it waits for their results.
+    (:class:`~zerotron.distributed.watchdog.SignalForwarder`) while it waits for their results.
     """
     if under_torchrun():
         owner = not dist.is_initialized()  # a nested call leaves its caller's process group alone

@@ -25,7 +25,7 @@ Logging and hangs
 -----------------
 Each call gets a sequence number per group and an entry in a bounded log (last 64). A failure raises
 :class:`CollectiveError`: "rank 3: all_gather #118 on group tp[2,3] failed: <cause>; last ops: ...".
-When ``ZEROTRON_TRACE_DIR`` is set (``zerotron.dist.launch.spawn`` sets it), each rank keeps the one line
+When ``ZEROTRON_TRACE_DIR`` is set (``zerotron.distributed.launch.spawn`` sets it), each rank keeps the one line
 file ``rank{R}.op`` saying which op it is in or last finished, rewritten in place with one ``pwrite``
 per state change, so the launcher can tell what each rank of a hung job waits for.
 
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from zerotron.dist.mesh import Group
+    from zerotron.distributed.mesh import Group
 
 LOG_LEN = 64
 _TRACE_WIDTH = 200

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from zerotron.dist.collectives import CommStats
+from zerotron.distributed.collectives import CommStats
 
 if TYPE_CHECKING:
     from zerotron.config import ParallelConfig
@@ -214,7 +214,7 @@ class Mesh:
             )
         if not initialised and dims.world_size > 1:
             raise MeshError(
-                "ParallelDims.build needs torch.distributed initialised (zerotron.dist.init_distributed)"
+                "ParallelDims.build needs torch.distributed initialised (zerotron.distributed.init_distributed)"
             )
         backend = str(dist.get_backend()) if initialised else ""
         created: dict[tuple[int, ...], Any] = {}
