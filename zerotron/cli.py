@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from zerotron.config_load import ConfigError
 
@@ -412,7 +412,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if argv and argv[0] in subparsers.choices:
         args = subparsers.choices[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]
-        return args
+        return cast("argparse.Namespace", args)
     return parser.parse_args(argv)
 
 
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse's own exit (--help, a malformed flag: one line already printed)
         return e.code if isinstance(e.code, int) else 2
     try:
-        return args.fn(args)
+        return cast(int, args.fn(args))
     except _user_errors() as e:
         print(f"zerotron: error: {e}", file=sys.stderr)
         return 2

@@ -53,7 +53,7 @@ def _unknown(key: str) -> ConfigError:
     return ConfigError(f"unknown key '{key}'{hint}")
 
 
-def _field(section: str, name: str) -> dataclasses.Field:
+def _field(section: str, name: str) -> dataclasses.Field[Any]:
     if section not in SECTIONS:
         raise _unknown(f"{section}.{name}")
     for f in dataclasses.fields(SECTIONS[section]):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -63,7 +63,7 @@ def _dtype(name: str) -> torch.dtype:
 class ShardedCheckpoint:
     """Reader of one checkpoint folder's tensors by global name (see the module docstring)."""
 
-    def __init__(self, ckpt: Path, manifest: dict | None = None) -> None:
+    def __init__(self, ckpt: Path, manifest: dict[str, Any] | None = None) -> None:
         """``manifest`` (from :func:`store.verify` without hashes): check each file's sha256 before its
         first use, so that a rank hashes only what it reads."""
         self.ckpt, self.manifest = ckpt, manifest
@@ -113,8 +113,8 @@ class ShardedCheckpoint:
         try:
             with safe_open(str(path), framework="pt") as f:
                 if part:
-                    return f.get_slice(piece["key"])[part].clone()
-                return f.get_tensor(piece["key"]).clone()
+                    return cast("torch.Tensor", f.get_slice(piece["key"])[part].clone())
+                return cast("torch.Tensor", f.get_tensor(piece["key"]).clone())
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
 

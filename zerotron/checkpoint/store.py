@@ -30,7 +30,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
@@ -218,7 +218,7 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def check_file(ckpt: Path, name: str, manifest: dict) -> None:
+def check_file(ckpt: Path, name: str, manifest: dict[str, Any]) -> None:
     """Check one file of ``ckpt`` against ``manifest`` (size and sha256), naming it if it differs."""
     meta = manifest["files"].get(name)
     path = ckpt / name
@@ -230,7 +230,7 @@ def check_file(ckpt: Path, name: str, manifest: dict) -> None:
         raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt")
 
 
-def verify(ckpt: Path, hashes: bool = True) -> dict:
+def verify(ckpt: Path, hashes: bool = True) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest; return the manifest or raise CheckpointError.
 
     ``hashes=False`` checks that every file is there with its size only; a reader then checks each file's
@@ -250,7 +250,7 @@ def verify(ckpt: Path, hashes: bool = True) -> dict:
             raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt (size differs)")
         if hashes and _sha256(path) != meta["sha256"]:
             raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt")
-    return manifest
+    return cast(dict[str, Any], manifest)
 
 
 def scan(root: Path) -> tuple[Path | None, list[str]]:

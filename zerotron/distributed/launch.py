@@ -139,16 +139,16 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> tuple[
     timeout = timedelta(seconds=timeout_s)
     store_file = os.environ.get("ZEROTRON_STORE_FILE")
     if store_file:  # local ranks (spawn): a file rendezvous, no TCP store listening on any interface
-        store: Any = dist.FileStore(store_file, world)
+        store: Any = dist.FileStore(store_file, world)  # type: ignore[attr-defined]
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent keeps one store across restarts; keys of an earlier attempt (rank 0's Gloo
         # address among them) would be read by the next one, which then fails to connect: a prefix per
         # attempt keeps the attempts apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        client = dist.TCPStore(
+        client = dist.TCPStore(  # type: ignore[attr-defined]
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
         )
-        store = dist.PrefixStore(f"zerotron/attempt{attempt}", client)
+        store = dist.PrefixStore(f"zerotron/attempt{attempt}", client)  # type: ignore[attr-defined]
     else:
         store = None
     if store is not None:
@@ -172,7 +172,13 @@ def current_rank_and_world() -> tuple[int, int]:
 
 
 def _child(
-    fn: Callable[..., Any], args: tuple, rank: int, backend: str, env: dict[str, str], queue: Any, ack: Any
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    backend: str,
+    env: dict[str, str],
+    queue: Any,
+    ack: Any,
 ) -> None:
     """Body of one spawned rank: set up, run ``fn``, report the result or the traceback.
 
@@ -185,7 +191,7 @@ def _child(
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         init_distributed(backend)
-        report: tuple = (rank, "ok", fn(*args))
+        report: tuple[Any, ...] = (rank, "ok", fn(*args))
         ok = True
     except BaseException:
         report = (rank, "error", traceback.format_exc())
@@ -241,7 +247,7 @@ def _child_env(
 def spawn(
     fn: Callable[..., Any],
     nproc: int,
-    args: tuple = (),
+    args: tuple[Any, ...] = (),
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     backend: str = "auto",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -275,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # to_empty/to/cuda convert the two tied references separately; re-tie afterwards.
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         self.tie_weights()
         return self
 
@@ -337,7 +337,7 @@ def init_parameter(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfi
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)
 
 
-def tensor_parallel_plan(cfg: ModelConfig) -> dict:
+def tensor_parallel_plan(cfg: ModelConfig) -> dict[str, Any]:
     """How tensor parallelism splits this model (the format of :mod:`zerotron.parallel.tensor`).
 
     Attention is split by heads (q, and k/v by KV heads, replicated when tp exceeds them), the MLP by

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from zerotron.models.hf import ModelLoadError
 
@@ -294,11 +294,11 @@ class HFTokenizer(Tokenizer):
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
-        return ids
+        return cast(list[int], ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return cast(str, self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def to_files(self) -> dict[str, str]:
         """tokenizer.json and tokenizer_config.json texts for a Hugging Face directory."""

@@ -33,7 +33,7 @@ def _wrap_forward(module: nn.Module) -> None:
             return inner(*args, **kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:

@@ -75,7 +75,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -360,7 +360,7 @@ def _get(root: nn.Module, path: str) -> nn.Module:
         if not hasattr(module, part):
             raise ValueError(f"tensor-parallel plan: {type(root).__name__} has no module {path!r}")
         module = getattr(module, part)
-    return module
+    return cast("nn.Module", module)
 
 
 def _set(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -419,13 +419,13 @@ def _shard_region(region: nn.Module, plan: RegionPlan, group: Group, sequence_pa
         _set(region, path, RowParallelLinear(_linear(region, path), group, out_mode))
     in_mode = "sequence" if sequence_parallel else "replicated"
 
-    def enter(module: nn.Module, args: tuple) -> tuple:
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = _enter(args[0], in_mode, group)  # (b, s, h)
         if slot is not None:
             slot.current = SequenceGather(args[0], x, group) if torch.is_grad_enabled() else None
         return (x, *args[1:])
 
-    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if slot is not None:
             slot.current = None  # the saved shard lives on in the graph, not here
 

@@ -18,7 +18,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from zerotron.config import Config
 from zerotron.plan.errors import PlanError
@@ -258,7 +258,7 @@ def _bisect(run: _Run, hw: Hardware) -> float:
         mid = (lo * hi) ** 0.5
         t = run.predict(_compute(hw, mid))
         lo, hi = (mid, hi) if t > measured else (lo, mid)
-    return (lo * hi) ** 0.5
+    return cast(float, (lo * hi) ** 0.5)
 
 
 def _memory_comparison(plan: Any, record: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from zerotron.plan.planner import Plan
 from zerotron.plan.search import SearchResult
@@ -87,7 +88,7 @@ def draw_breakdowns(result: SearchResult, path: Path, best: int = 5) -> Path:
     return path
 
 
-def format_calibration(result: dict) -> str:
+def format_calibration(result: dict[str, Any]) -> str:
     """A calibration as a profile file: the fit and the memory comparison as comments, then the profile.
 
     ``zerotron plan --calibrate RUN > mine.yaml`` gives a file that ``--hardware mine.yaml`` reads.
@@ -115,7 +116,7 @@ def format_calibration(result: dict) -> str:
     return "\n".join(lines + checks + _profile_lines(result["profile"]))
 
 
-def _check_lines(check: dict | None) -> list[str]:
+def _check_lines(check: dict[str, Any] | None) -> list[str]:
     """The held-out runs of ``--check``: measured, predicted with the fitted profile, error."""
     if not check:
         return []
@@ -131,6 +132,6 @@ def _check_lines(check: dict | None) -> list[str]:
     return lines
 
 
-def _profile_lines(profile: dict) -> list[str]:
+def _profile_lines(profile: dict[str, Any]) -> list[str]:
     """``key: value`` lines that YAML reads back (strings bare, numbers and mappings as Python writes them)."""
     return [f"{k}: {v}" if isinstance(v, str) else f"{k}: {v!r}" for k, v in profile.items() if v is not None]

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
 from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
@@ -36,7 +38,7 @@ def gemm_efficiency(hw: Hardware, rows: float, cols: float, inner: float, precis
     ``e`` is ``fp8_efficiency`` for FP8 GEMMs (of the FP8 peak), else ``gemm_efficiency``."""
     g = (max(rows, 1.0) * max(cols, 1.0) * max(inner, 1.0)) ** (1.0 / 3.0)
     top = hw.fp8_efficiency if precision == "fp8" else hw.gemm_efficiency
-    return top * g / (g + hw.gemm_knee)
+    return cast(float, top * g / (g + hw.gemm_knee))
 
 
 def _cover(hw: Hardware, seconds: float) -> float:

@@ -22,7 +22,7 @@ import json
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -126,7 +126,7 @@ def _token_file(path: Path, cfg: DataConfig) -> np.ndarray:
         raise DataError(f"{path}: expected a 1-D array of integer token ids, got {array.dtype} {array.shape}")
     if array.size and array.min() < 0:
         raise DataError(f"{path}: negative token id {int(array.min())}")
-    return array
+    return cast("np.ndarray", array)
 
 
 def _source_files(cfg: DataConfig) -> list[Path]:
@@ -192,7 +192,7 @@ def prepare_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
 def load_tokens(path: str | Path) -> np.ndarray:
     """A token array written by the launcher, memory-mapped read-only (no pickle)."""
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        return cast("np.ndarray", np.load(path, mmap_mode="r", allow_pickle=False))
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: cannot read the token file ({e})") from e
 

@@ -34,7 +34,9 @@ def tensor_bytes(tensors: Any) -> int:
     return total
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, extra_grad_bytes: int = 0) -> dict:
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, extra_grad_bytes: int = 0
+) -> dict[str, Any]:
     """Parameters, gradients and optimizer states as this rank holds them, counted from the tensors."""
     params = list({id(p): p for p in model.parameters()}.values())
     opt_tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
@@ -143,7 +145,7 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8") if self.enabled else None  # noqa: SIM115
         self._tb = _tensorboard(run_dir) if tensorboard and rank == 0 else None
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         """Write one step's record."""
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
@@ -192,7 +194,7 @@ class Progress:
             self._bar.start()
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
 
-    def update(self, record: dict) -> None:
+    def update(self, record: dict[str, Any]) -> None:
         """Show one step."""
         info = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s"
         if self.mode == "bar":

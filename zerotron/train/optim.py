@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -140,11 +141,11 @@ class DynamicLossScaler:
             if self.good_steps % self.window == 0:
                 self.scale *= 2
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state."""
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])

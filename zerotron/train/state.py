@@ -21,7 +21,7 @@ import copy
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -327,7 +327,7 @@ def load_checkpoint(
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return state
+    return cast(dict[str, Any], state)
 
 
 def read_model_tensors(ckpt: Path, kind: str = "model") -> dict[str, torch.Tensor]:

@@ -283,7 +283,7 @@ class Trainer:
         lr: float,
         started: float,
         activation: int,
-        states: dict,
+        states: dict[str, Any],
         skipped: bool,
     ) -> dict[str, Any]:
         cfg = self.cfg.train
