@@ -77,7 +77,7 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
         (["train.beta2=1.0"], 1, "train.beta2=1.0 must be in"),
         (["train.min_lr=1", "train.lr=0.1"], 1, "train.min_lr=1.0 is above train.lr=0.1"),
         (["checkpoint.keep=0"], 1, "checkpoint.keep=0 must be >= 1"),
-        (["parallel.dp=2", "parallel.tp=2"], 2, "set --nproc 4"),
+        (["parallel.dp=2", "parallel.tp=2"], 2, "or --nproc 4"),
         # not built yet: refused, never accepted and ignored
         (["parallel.cp=2"], 2, "no context parallelism yet"),
         (["parallel.ep=2"], 2, "expert parallelism needs mixture-of-experts layers"),

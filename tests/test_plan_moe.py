@@ -104,7 +104,7 @@ def test_expert_parallelism_trades_memory_for_all_to_all() -> None:
             12,
             "ep=3 does not divide the 8 experts; choose ep in 1, 2, 4, 8",
         ),
-        (["parallel.ep=8", "parallel.dp=4", "parallel.tp=2"], 8, "ep=8 must divide dp*cp = 4"),
+        (["parallel.ep=8", "parallel.dp=4", "parallel.tp=2"], 8, "ep=8 does not divide parallel.dp*cp = 4"),
         (["model.num_experts_per_tok=9"], 8, "num_experts_per_tok=9 must be between 1 and"),
     ],
 )

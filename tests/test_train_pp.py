@@ -116,7 +116,7 @@ def test_pipeline_bad_sizes_stop_before_spawn(
         ),
         (
             ["parallel.pp=2", "parallel.pp_layers=[1,2]"],
-            "must be positive and sum to model.num_hidden_layers=4",
+            "must have pp*virtual_stages = 2 positive entries summing to model.num_hidden_layers=4",
         ),
         (["parallel.pp=2", "parallel.virtual_stages=2"], "needs parallel.pp_schedule=interleaved"),
         (

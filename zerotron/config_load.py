@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from zerotron import layout
 from zerotron.config import SECTIONS, Config, ModelConfig
 from zerotron.presets import PRESETS
 
@@ -325,69 +326,23 @@ def _check_model(cfg: Config) -> None:
         )
 
 
-def _tp_fits(cfg: Config, tp: int) -> str | None:
-    """The first reason ``tp`` cannot split this model (as a clause naming the field), or None."""
-    m = cfg.model
-    if m.num_attention_heads % tp:
-        return f"does not divide model.num_attention_heads={m.num_attention_heads}"
-    if m.kv_heads % tp and tp % m.kv_heads:
-        return (
-            f"neither divides model.num_key_value_heads={m.kv_heads} nor is a multiple of it "
-            "(KV heads are split, or replicated when tp exceeds them)"
-        )
-    if m.vocab_size % tp:
-        return f"does not divide model.vocab_size={m.vocab_size} (the vocabulary is split over tp)"
-    if m.intermediate_size % tp:
-        return f"does not divide model.intermediate_size={m.intermediate_size}"
-    if cfg.parallel.sequence_parallel and cfg.train.seq_len % tp:
-        return f"does not divide train.seq_len={cfg.train.seq_len} (parallel.sequence_parallel=true)"
-    return None
+def _check_layout(cfg: Config, world_size: int, tensor_only: bool = False) -> None:
+    """The shared layout check (:mod:`zerotron.layout`): degrees, tensor/pipeline/context/expert splits,
+    batch and offload targets, as the planner checks them (``tensor_only``: the tp split alone)."""
+    try:
+        spec = layout.spec_of(cfg, world_size)
+        (layout.check_tensor if tensor_only else layout.check)(spec)
+    except layout.LayoutError as e:
+        message = str(e)
+        if message.startswith("parallel.tp=") and "model.vocab_size" in message and not cfg.model.path:
+            padded = -(-cfg.model.vocab_size // cfg.parallel.tp) * cfg.parallel.tp
+            message += f", or round model.vocab_size up to {padded} (the extra rows stay unused)"
+        raise ConfigError(message) from None
 
 
-def _check_tensor_parallel(cfg: Config) -> None:
-    """Tensor parallelism splits heads, KV heads (or replicates them), vocabulary and MLP columns."""
-    p = cfg.parallel
-    if p.tp == 1:
-        return
-    reason = _tp_fits(cfg, p.tp)
-    if reason is not None:
-        fits = [t for t in range(1, cfg.model.num_attention_heads + 1) if _tp_fits(cfg, t) is None]
-        hint = ""
-        if "vocab_size" in reason and not cfg.model.path:
-            padded = -(-cfg.model.vocab_size // p.tp) * p.tp
-            hint = f", or round model.vocab_size up to {padded} (the extra rows stay unused)"
-        raise ConfigError(
-            f"parallel.tp={p.tp} {reason}; tp values that fit this model: {', '.join(map(str, fits))}{hint}"
-        )
-
-
-def _check_batch(cfg: Config, world_size: int) -> None:
-    p, t = cfg.parallel, cfg.train
-    inner = p.pp * p.cp * p.tp
-    if p.dp == -1 and world_size % inner:
-        raise ConfigError(
-            f"parallel.pp*cp*tp = {inner} does not divide the world size {world_size}; "
-            f"change parallel.tp/pp/cp or --nproc"
-        )
-    dp = world_size // inner if p.dp == -1 else p.dp
-    if dp * inner != world_size:
-        raise ConfigError(
-            f"parallel.dp*pp*cp*tp = {dp}*{p.pp}*{p.cp}*{p.tp} = {dp * inner} but the world size is "
-            f"{world_size}; set --nproc {dp * inner} or parallel.dp={max(world_size // inner, 1)}"
-        )
-    per_rank = t.global_batch // dp if t.global_batch % dp == 0 else None
-    if per_rank is None:
-        raise ConfigError(
-            f"train.global_batch={t.global_batch} is not divisible by the data-parallel size {dp}; "
-            f"use a multiple of {dp}"
-        )
-    if per_rank % t.micro_batch:
-        raise ConfigError(
-            f"train.global_batch/dp = {per_rank} sequences per rank is not a multiple of "
-            f"train.micro_batch={t.micro_batch}; choose a micro_batch that divides {per_rank}"
-        )
-    if p.cp > 1 and t.seq_len % p.cp:
-        raise ConfigError(f"parallel.cp={p.cp} does not divide train.seq_len={t.seq_len}")
+def check_tensor_parallel(cfg: Config) -> None:
+    """Whether ``parallel.tp`` can split the model (heads, KV heads, vocabulary, MLP): ConfigError if not."""
+    _check_layout(cfg, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp, tensor_only=True)
 
 
 def _check_packages(cfg: Config) -> None:
@@ -403,7 +358,8 @@ class ZeroSavesNothing(UserWarning):
 
 
 def _check_zero(cfg: Config, world_size: int) -> None:
-    """ZeRO stage against the layout, offload targets against the stage, the NVMe directory."""
+    """What the engine's ZeRO does not combine with yet, and the NVMe directory (the offload targets
+    against the stage are :mod:`zerotron.layout`'s)."""
     p = cfg.parallel
     if p.pp > 1 and p.zero > 1:
         raise ConfigError(
@@ -417,21 +373,8 @@ def _check_zero(cfg: Config, world_size: int) -> None:
             f"parallel.zero={p.zero} with parallel.cp={p.cp} is not supported yet; "
             "set parallel.zero=0 or parallel.cp=1"
         )
-    if p.offload_params != "none" and p.zero != 3:
-        raise ConfigError(
-            f"parallel.offload_params={p.offload_params} needs parallel.zero=3 (only ZeRO-3 shards parameters)"
-        )
-    if p.offload_optimizer != "none" and p.zero == 0:
-        raise ConfigError(
-            f"parallel.offload_optimizer={p.offload_optimizer} needs parallel.zero >= 1 (set parallel.zero=1)"
-        )
     if "nvme" in (p.offload_optimizer, p.offload_params):
         _check_nvme_path(p.nvme_path)
-    if p.offload_params != "none" and p.offload_optimizer == "none":
-        raise ConfigError(
-            f"parallel.offload_params={p.offload_params} needs parallel.offload_optimizer=cpu or nvme "
-            "(the optimizer steps on the host, where the parameter shards live)"
-        )
     inner = p.pp * p.cp * p.tp
     dp = world_size // inner if p.dp == -1 else p.dp
     if p.zero > 0 and dp == 1:
@@ -547,6 +490,5 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_fault(cfg)
     _check_ranges(cfg)
     _check_model(cfg)
-    _check_batch(cfg, world_size)
-    _check_tensor_parallel(cfg)
-    _check_zero(cfg, world_size)
+    _check_zero(cfg, world_size)  # before the layout: an NVMe target without a directory is named first
+    _check_layout(cfg, world_size)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zerotron.distributed.collectives import CommStats
+from zerotron.layout import LayoutError, check_degrees
 
 if TYPE_CHECKING:
     from zerotron.config import ParallelConfig
@@ -44,10 +45,6 @@ AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "world")
 
 class MeshError(ValueError):
     """A parallel layout that cannot be built; the message names the field and what to change."""
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -85,38 +82,14 @@ class ParallelDims:
     def validate(self) -> None:
         """Raise :class:`MeshError` (one line naming the field and the fix) unless the layout is consistent.
 
-        Checks: every degree >= 1, ``dp*pp*cp*tp == world_size``, ``ep`` divides ``dp*cp``, ``zero`` in
+        The checks are :func:`zerotron.layout.check_degrees` (the config loader and the planner run the
+        same): every degree >= 1, ``dp*pp*cp*tp == world_size``, ``ep`` divides ``dp*cp``, ``zero`` in
         0..3. ``zero > 0`` with ``dp == 1`` is allowed (it then shards over one rank, i.e. nothing).
         """
-        if self.world_size < 1:
-            raise MeshError(f"world size is {self.world_size}; it must be >= 1")
-        for name in ("dp", "pp", "cp", "tp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                hint = (
-                    " (dp=-1 is resolved by ParallelDims.from_config)" if name == "dp" and value == -1 else ""
-                )
-                raise MeshError(f"parallel.{name}={value} must be an integer >= 1{hint}")
-        product = self.dp * self.pp * self.cp * self.tp
-        if product != self.world_size:
-            inner = self.pp * self.cp * self.tp
-            fix = (
-                f"set parallel.dp={self.world_size // inner}"
-                if self.world_size % inner == 0
-                else f"choose parallel.tp/pp/cp whose product divides {self.world_size}"
-            )
-            raise MeshError(
-                f"parallel.dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {product} "
-                f"but the world size is {self.world_size}; {fix}"
-            )
-        dpcp = self.dp * self.cp
-        if dpcp % self.ep:
-            raise MeshError(
-                f"parallel.ep={self.ep} does not divide parallel.dp*cp = {dpcp}; set parallel.ep to one of "
-                f"{', '.join(map(str, _divisors(dpcp)))}"
-            )
-        if self.zero not in (0, 1, 2, 3):
-            raise MeshError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+        try:
+            check_degrees(self.world_size, self.dp, self.pp, self.cp, self.tp, self.ep, self.zero)
+        except LayoutError as e:
+            raise MeshError(str(e)) from None
 
     def grid(self) -> torch.Tensor:
         """The rank grid, shape (dp, pp, cp, tp)."""

@@ -189,7 +189,7 @@ def model_config(path: str) -> Any:
 def check_options(model_path: str, tp: int, options: dict[str, Any]) -> None:
     """Every generate option in range and ``tp`` able to split the model: one-line errors before any rank."""
     from zerotron.config import Config
-    from zerotron.config_load import ConfigError, _check_tensor_parallel
+    from zerotron.config_load import ConfigError, check_tensor_parallel
 
     checks = [
         ("--max-new-tokens", options["max_new_tokens"] >= 1, "at least 1"),
@@ -203,7 +203,7 @@ def check_options(model_path: str, tp: int, options: dict[str, Any]) -> None:
             raise ConfigError(f"{flag} {value}: must be {what}")
     cfg = Config(model=model_config(model_path))
     cfg.parallel.tp = tp
-    _check_tensor_parallel(cfg)
+    check_tensor_parallel(cfg)
 
 
 def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, Any]:

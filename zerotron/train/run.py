@@ -107,18 +107,8 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
 
 
 def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
-    """The schedule and the stage split can be built (raises ConfigError saying what to change)."""
-    from zerotron.models.stages import stage_bounds
-    from zerotron.parallel.pipeline import PipelineError
-    from zerotron.parallel.pipeline_schedule import ScheduleError, check_sizes
-    from zerotron.train.pipeline_step import micro_batches_per_step
-
-    p, v = dims.pp, cfg.parallel.virtual_stages
-    try:
-        check_sizes(cfg.parallel.pp_schedule, p, micro_batches_per_step(cfg, dims.dp), v)
-        stage_bounds(cfg.model, cfg.train.seq_len, p * v, cfg.parallel.pp_layers)
-    except (ScheduleError, PipelineError, ValueError) as e:
-        raise ConfigError(str(e)) from e
+    """A pipeline reads its weights from a zerotron checkpoint (the schedule and the stage split were
+    checked with the rest of the layout by :func:`zerotron.layout.check`)."""
     if cfg.model.path and store.checkpoint_dir(Path(cfg.model.path)) is None:
         raise ConfigError(
             f"parallel.pp > 1 reads model.path from a zerotron checkpoint only; convert it first with "
