@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from torch import nn
 from zerotron.config import TrainConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.parallel.engine import ShardedEngine
 from zerotron.parallel.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
 from zerotron.parallel.zero3 import ZeroStage3
 from zerotron.parallel.zero_flat import (
@@ -45,7 +46,7 @@ from zerotron.parallel.zero_flat import (
     unique_named_params,
 )
 
-ZeroEngine = Union["ZeroStage1", "ZeroStage2", ZeroStage3]
+ZeroEngine = ShardedEngine  # what apply_zero returns: every stage satisfies the protocol (mypy checks)
 
 
 def apply_zero(
@@ -229,6 +230,10 @@ class _ShardedBuckets:
     def full_params(self) -> Iterator[None]:
         """The module's parameters hold the whole model (always true for ZeRO-1/2)."""
         yield
+
+    def holds_weights(self, t: torch.Tensor) -> bool:
+        """ZeRO-1/2 gather nothing for the forward: no tensor autograd saves is the engine's."""
+        return False
 
     @property
     def names(self) -> set[str]:

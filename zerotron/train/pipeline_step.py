@@ -25,7 +25,7 @@ from zerotron.config import Config
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group, Mesh
 from zerotron.models.stages import StagedModel, build_stages, stage_bounds, tensor_parallel_stages
-from zerotron.parallel.data import GradientBuckets
+from zerotron.parallel.engine import GradientReducer
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
 from zerotron.parallel.tensor import global_numel
@@ -56,7 +56,7 @@ class PipelineStep:
     """Forward and backward of one optimizer step through the pipeline schedule."""
 
     def __init__(
-        self, model: StagedModel, mesh: Mesh, cfg: Config, meter: ActivationMeter, buckets: GradientBuckets
+        self, model: StagedModel, mesh: Mesh, cfg: Config, meter: ActivationMeter, buckets: GradientReducer
     ) -> None:
         self.model, self.mesh, self.cfg, self.meter, self.buckets = model, mesh, cfg, meter, buckets
         self.group, self.tp = mesh.group("pp"), mesh.group("tp")

@@ -30,6 +30,7 @@ from zerotron.checkpoint import sharded, store
 from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
+from zerotron.parallel.engine import ShardedEngine
 from zerotron.parallel.offload import state_of
 from zerotron.parallel.tensor import shard_specs
 from zerotron.parallel.zero_flat import ADAM_KEYS
@@ -86,7 +87,7 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 
 def _rank_pieces(
-    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, zero: Any
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, zero: ShardedEngine | None
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """What this rank writes: its tensors by key and their index entries (no communication).
 
@@ -151,7 +152,7 @@ def save_checkpoint(
     mesh: Mesh,
     trainer_state: dict[str, Any],
     keep: int,
-    zero: Any = None,
+    zero: ShardedEngine | None = None,
     writer: CheckpointWriter | None = None,
 ) -> Path:
     """Write and publish the checkpoint of ``step`` from every rank (collective over the world).
@@ -296,7 +297,11 @@ def load_weights(ckpt: Path, model: nn.Module, partial: bool) -> None:
 
 
 def load_checkpoint(
-    ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, zero: Any = None
+    ckpt: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: Mesh,
+    zero: ShardedEngine | None = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer and (same world size) this rank's RNG from ``ckpt``; return the trainer state.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from zerotron.distributed.mesh import Mesh
 from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
+from zerotron.parallel.engine import GradientReducer, ShardedEngine
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, global_numel
 from zerotron.parallel.tensor import norm_names as tp_norm_names
@@ -117,7 +118,7 @@ class Trainer:
         self.dp_group = mesh.group("dp")
         par = cfg.parallel
         # ZeRO replaces the gradient buckets (same no_sync/finish interface) and owns the optimizer's params.
-        self.zero = (
+        self.zero: ShardedEngine | None = (
             apply_zero(
                 self.model,
                 par.zero,
@@ -131,7 +132,7 @@ class Trainer:
             if par.zero > 0
             else None
         )
-        self.buckets: Any = cast(Any, self.zero or GradientBuckets(self.model, self.dp_group, par.bucket_mb))
+        self.buckets: GradientReducer = self.zero or GradientBuckets(self.model, self.dp_group, par.bucket_mb)
         self.optimizer: torch.optim.Optimizer
         if self.zero is None:
             self.optimizer = build_optimizer(self.model, cfg.train)
@@ -150,7 +151,7 @@ class Trainer:
             dp_size=self.dp_group.size,
             seed=cfg.train.seed,
         )
-        self.meter = ActivationMeter(self.model, getattr(self.zero, "holds_weights", None))
+        self.meter = ActivationMeter(self.model, self.zero.holds_weights if self.zero is not None else None)
         self.step = 0
         self.resumed_layout: dict[str, Any] | None = None
         self.pipeline = (
