@@ -116,30 +116,7 @@ class Trainer:
         self.model = build_model(cfg, self.device, mesh)
         self.model.train()
         self.dp_group = mesh.group("dp")
-        par = cfg.parallel
-        # ZeRO replaces the gradient buckets (same no_sync/finish interface) and owns the optimizer's params.
-        self.zero: ShardedEngine | None = (
-            apply_zero(
-                self.model,
-                par.zero,
-                self.dp_group,
-                par.bucket_mb,
-                par.persist_numel,
-                par.reshard_after_forward,
-                par.offload_params,
-                par.nvme_path,
-            )
-            if par.zero > 0
-            else None
-        )
-        self.buckets: GradientReducer = self.zero or GradientBuckets(self.model, self.dp_group, par.bucket_mb)
-        self.optimizer: torch.optim.Optimizer
-        if self.zero is None:
-            self.optimizer = build_optimizer(self.model, cfg.train)
-        elif par.offload_optimizer != "none":  # ZeRO-Offload: master, moments and step on the host or NVMe
-            self.optimizer = offload_optimizer(self.zero, cfg.train, par.offload_optimizer, par.nvme_path)
-        else:
-            self.optimizer = adamw(*self.zero.param_groups(), cfg.train)
+        self.zero, self.buckets, self.optimizer = self._build_engine(cfg)
         self.params = [p for p in {id(p): p for p in self.model.parameters()}.values() if p.requires_grad]
         self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
         dataset = PackedDataset(tokens, cfg.train.seq_len)
@@ -185,6 +162,36 @@ class Trainer:
         self.ckpt_writer = (
             CheckpointWriter(mesh.rank, mesh.dims.world_size) if cfg.checkpoint.async_save else None
         )
+
+    def _build_engine(
+        self, cfg: Config
+    ) -> tuple[ShardedEngine | None, GradientReducer, torch.optim.Optimizer]:
+        """ZeRO (which replaces the gradient buckets and owns the optimizer's params) or plain data
+        parallelism's buckets, and the optimizer over what this rank updates."""
+        par = cfg.parallel
+        zero: ShardedEngine | None = (
+            apply_zero(
+                self.model,
+                par.zero,
+                self.dp_group,
+                par.bucket_mb,
+                par.persist_numel,
+                par.reshard_after_forward,
+                par.offload_params,
+                par.nvme_path,
+            )
+            if par.zero > 0
+            else None
+        )
+        buckets: GradientReducer = zero or GradientBuckets(self.model, self.dp_group, par.bucket_mb)
+        optimizer: torch.optim.Optimizer
+        if zero is None:
+            optimizer = build_optimizer(self.model, cfg.train)
+        elif par.offload_optimizer != "none":  # ZeRO-Offload: master, moments and step on the host or NVMe
+            optimizer = offload_optimizer(zero, cfg.train, par.offload_optimizer, par.nvme_path)
+        else:
+            optimizer = adamw(*zero.param_groups(), cfg.train)
+        return zero, buckets, optimizer
 
     def _init_fault(self, attempt: int) -> None:
         self.attempt = attempt  # 0, or the number of restarts before this one (--max-restarts)
