@@ -22,7 +22,7 @@ import torch
 from tests.harness import run_distributed
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
-from zerotron.parallel.zero import apply_zero
+from zerotron.parallel.zero.api import apply_zero
 from zerotron.train.optim import clip_grads_, global_grad_norm
 
 transformers = pytest.importorskip("transformers")

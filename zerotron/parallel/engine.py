@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from zerotron.distributed.mesh import Group
-from zerotron.parallel.zero_flat import FlatLayout, ShardSegment
+if TYPE_CHECKING:  # annotations only: the ZeRO package imports this module
+    from zerotron.distributed.mesh import Group
+    from zerotron.parallel.zero.flat import FlatLayout, ShardSegment
 
 
 class GradientReducer(Protocol):

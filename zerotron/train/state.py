@@ -31,9 +31,9 @@ from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.parallel.engine import ShardedEngine
-from zerotron.parallel.offload import state_of
 from zerotron.parallel.tensor import shard_specs
-from zerotron.parallel.zero_flat import ADAM_KEYS
+from zerotron.parallel.zero.offload import state_of
+from zerotron.parallel.zero.optim_state import ADAM_KEYS
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:

@@ -33,7 +33,7 @@ from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, 
 from zerotron.parallel.tensor import norm_names as tp_norm_names
 from zerotron.parallel.tensor import norm_params as tp_norm_params
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
-from zerotron.parallel.zero import apply_zero, offload_optimizer
+from zerotron.parallel.zero.api import apply_zero, offload_optimizer
 from zerotron.plan.hardware import peak_flops_of_device
 from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state

@@ -1,10 +1,10 @@
 """ZeRO-1 and ZeRO-2 (Rajbhandari et al. SC20): optimizer states, then gradients, sharded over dp.
 
 *apply* part. Both stages keep the whole model on every rank, with its parameters moved into flat
-buckets (:class:`~zerotron.parallel.zero_flat.FlatLayout`, about ``bucket_mb`` MiB each, in reverse
+buckets (:class:`~zerotron.parallel.zero.flat.FlatLayout`, about ``bucket_mb`` MiB each, in reverse
 registration order like the data-parallel buckets): each parameter becomes a view of its bucket's flat
 buffer, so the rank's shard of a bucket is a view too and the optimizer, which sees only the shard's
-:class:`~zerotron.parallel.zero_flat.ShardSegment`\\ s, updates the model's own storage with no second
+:class:`~zerotron.parallel.zero.flat.ShardSegment`\\ s, updates the model's own storage with no second
 copy. After the step every bucket is all-gathered in place (:meth:`after_step`).
 
 - :class:`ZeroStage1` accumulates whole gradients over the micro-batches of a step (they live in one
@@ -29,73 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.config import TrainConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.parallel.engine import ShardedEngine
-from zerotron.parallel.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
-from zerotron.parallel.zero3 import ZeroStage3
-from zerotron.parallel.zero_flat import (
-    FlatLayout,
-    ShardSegment,
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads, unique_named_params
+from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
     load_optimizer_state,
     offloaded_optimizer_bytes,
     optimizer_state_bytes,
-    segment_grads,
-    unique_named_params,
 )
-
-ZeroEngine = ShardedEngine  # what apply_zero returns: every stage satisfies the protocol (mypy checks)
-
-
-def apply_zero(
-    model: nn.Module,
-    stage: int,
-    group: Group,
-    bucket_mb: float = 25.0,
-    persist_numel: int = 4096,
-    reshard_after_forward: bool = True,
-    offload_params: str = "none",
-    nvme_path: str | None = None,
-) -> ZeroEngine:
-    """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3).
-
-    The last step of DESIGN.md's order: apply it to the finished (recomputation-wrapped) model. The
-    returned engine replaces the data-parallel gradient buckets: the trainer's optimizer works on
-    ``engine.params`` (this rank's shard segments), calls ``engine.finish()`` after backward and
-    ``engine.after_step()`` after the optimizer step. ``offload_params`` (ZeRO-3 only): where the
-    parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``).
-    """
-    if stage == 1:
-        return ZeroStage1(model, group, bucket_mb)
-    if stage == 2:
-        return ZeroStage2(model, group, bucket_mb)
-    if stage == 3:
-        return ZeroStage3(model, group, persist_numel, reshard_after_forward, offload_params, nvme_path)
-    raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
-
-
-def offload_optimizer(
-    engine: ZeroEngine, cfg: TrainConfig, where: str, nvme_path: str | None = None
-) -> OffloadAdamW:
-    """ZeRO-Offload's optimizer for ``engine``: AdamW on the host, moments in host memory or NVMe (``where``).
-
-    Under ZeRO-3 parameter offload the units are the buckets and their offloaded shards the master;
-    otherwise each flat buffer's segments stay on the device and their fp32 master joins the moments.
-    """
-    rank = engine.group.rank_in_group
-    sizes = [layout.shard for layout in engine.layouts]
-    moments = {key: ShardStore(sizes, key, where, nvme_path, rank) for key in MOMENTS}
-    buckets: list[Bucket]
-    if isinstance(engine, ZeroStage3) and engine.store is not None:
-        buckets = list(engine.units)
-    else:
-        master = ShardStore(sizes, "master", where, nvme_path, rank)
-        buckets = [
-            DeviceBucket(segs, n, master, i) for i, (segs, n) in enumerate(zip(engine.segments, sizes))
-        ]
-    return OffloadAdamW(buckets, moments, cfg)
 
 
 def _bucketed(

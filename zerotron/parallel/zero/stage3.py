@@ -2,7 +2,7 @@
 
 *apply* part. The model is cut into *units*: every child of every ``nn.ModuleList`` (a transformer
 block) and the root module for whatever is left (embedding, final norm, head). Each unit's parameters
-are laid end to end in a :class:`~zerotron.parallel.zero_flat.FlatLayout`; a rank keeps only its
+are laid end to end in a :class:`~zerotron.parallel.zero.flat.FlatLayout`; a rank keeps only its
 ``(shard,)`` of it, and the unit's parameters are views of a flat buffer whose storage exists only while
 the unit is gathered (the storage is resized to zero when it is freed, so tensors that autograd saved
 see the data again once it is re-gathered).
@@ -33,15 +33,13 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.parallel.offload import ShardStore
-from zerotron.parallel.zero_flat import (
-    FlatLayout,
-    ShardSegment,
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
+from zerotron.parallel.zero.offload import ShardStore
+from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
     load_optimizer_state,
     offloaded_optimizer_bytes,
     optimizer_state_bytes,
-    segment_grads,
 )
 
 
@@ -50,7 +48,7 @@ class _Unit:
 
     With ``store`` (parameter offload) the shard lives in host memory or in an NVMe file (bucket
     ``index`` of the store) instead of on the device, and the unit is an
-    :class:`~zerotron.parallel.offload.OffloadAdamW` bucket whose master is that shard.
+    :class:`~zerotron.parallel.zero.offload.OffloadAdamW` bucket whose master is that shard.
     """
 
     def __init__(
@@ -179,7 +177,7 @@ class ZeroStage3:
         offload_params: ``cpu`` or ``nvme`` keeps every unit's shard (the fp32 master) in host memory or
             in a file under ``nvme_path``, copied to the device only for the all-gather; the gradient
             shards land in host memory, and the optimizer must step there
-            (:class:`~zerotron.parallel.offload.OffloadAdamW` over :attr:`units`).
+            (:class:`~zerotron.parallel.zero.offload.OffloadAdamW` over :attr:`units`).
     """
 
     stage = 3

@@ -15,10 +15,10 @@ Two pieces:
   and/or the device segments). With the moments on NVMe, host memory holds one bucket's master and
   moments at a time, never the whole optimizer state (:attr:`OffloadAdamW.peak_read_bytes` counts it).
 
-A bucket is anything with ``segments`` (:class:`~zerotron.parallel.zero_flat.ShardSegment`\\ s: the
+A bucket is anything with ``segments`` (:class:`~zerotron.parallel.zero.flat.ShardSegment`\\ s: the
 optimizer parameters, carrying ``.grad``), ``numel`` and ``load_master``/``store_master``/
 ``sync_from_device``; :class:`DeviceBucket` is the one for parameters that stay on the device, ZeRO-3's
-units are their own buckets when the parameters are offloaded (:mod:`zerotron.parallel.zero3`).
+units are their own buckets when the parameters are offloaded (:mod:`zerotron.parallel.zero.stage3`).
 
 Checkpoints see the moments through :meth:`OffloadAdamW.segment_state` / :meth:`set_segment_state`:
 ZeRO's gather and load functions read a segment's part from wherever it lives.
@@ -39,7 +39,7 @@ from torch.optim.adam import adam as adam_kernel
 from zerotron.config import TrainConfig
 
 if TYPE_CHECKING:
-    from zerotron.parallel.zero_flat import ShardSegment
+    from zerotron.parallel.zero.flat import ShardSegment
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _FP32 = 4
