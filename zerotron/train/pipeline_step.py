@@ -19,7 +19,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from zerotron.config import Config
 from zerotron.distributed import collectives
@@ -30,7 +29,7 @@ from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
 from zerotron.parallel.tensor import global_numel
 from zerotron.parallel.tensor import norm_names as tp_norm_names
-from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
+from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter
 
 
@@ -110,22 +109,12 @@ class PipelineStep:
         tokens_global = t.global_batch * t.seq_len
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            if self.tp.size > 1:  # logits (mb, s, V/t): this rank's vocabulary columns
-                per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp)
-                loss = per_token.sum()
-            else:
-                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-            return loss * (scale / tokens_global)
+            return token_loss_sum(logits, labels, self.tp) * (scale / tokens_global)
 
         @contextlib.contextmanager
         def forward_context() -> Iterator[None]:
-            autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-            with self.meter.forward():
-                if autocast is None:
-                    yield
-                else:
-                    with torch.autocast(device.type, dtype=autocast):
-                        yield
+            with self.meter.forward(), autocast(device, t.precision):
+                yield
 
         inputs = [x.to(device) for x, _ in micro]
         labels = [y.to(device) for _, y in micro]

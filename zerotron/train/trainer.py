@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zerotron.checkpoint import store
@@ -32,13 +31,13 @@ from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, global_numel
 from zerotron.parallel.tensor import norm_names as tp_norm_names
 from zerotron.parallel.tensor import norm_params as tp_norm_params
-from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 from zerotron.parallel.zero.api import apply_zero, offload_optimizer
 from zerotron.plan.hardware import peak_flops_of_device
 from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
+from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress, model_state_bytes
 from zerotron.train.optim import (
     DynamicLossScaler,
@@ -49,8 +48,6 @@ from zerotron.train.optim import (
     lr_at,
 )
 from zerotron.train.pipeline_step import PipelineStep, build_pipeline_model
-
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> nn.Module:
@@ -211,26 +208,14 @@ class Trainer:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last else self.buckets.no_sync()
-            autocast = (
-                torch.autocast(self.device.type, dtype=_AUTOCAST[precision])
-                if precision in _AUTOCAST
-                else contextlib.nullcontext()
-            )
             with sync:
-                with self.meter.forward(), autocast:
+                with self.meter.forward(), autocast(self.device, precision):
                     logits = self.model(inputs)  # (mb, s, V)
-                    loss = self._loss(logits, labels)
+                    loss = token_loss_sum(logits, labels, self.tp_group)
                 (loss * (scale / tokens_global)).backward()
             loss_sum += loss.detach()
         self.buckets.finish()
         return loss_sum
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy; vocab-parallel under tp (the (mb, s, V/tp) logits stay split)."""
-        if self.tp_group.size > 1:
-            per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp_group)
-            return per_token.sum()
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
 
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
         """Run one optimizer step (on the loader's next batches unless ``micro`` is given)."""

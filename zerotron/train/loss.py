@@ -1,0 +1,29 @@
+"""The one loss and the one autocast rule, used by the single-process step and the pipeline step alike."""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn.functional as F
+
+from zerotron.distributed.mesh import Group
+from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager[object]:
+    """Autocast to the compute dtype of ``train.precision`` (nothing for fp32)."""
+    if precision in AUTOCAST:
+        return torch.autocast(device.type, dtype=AUTOCAST[precision])
+    return contextlib.nullcontext()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, tp: Group) -> torch.Tensor:
+    """Summed token cross-entropy in fp32; vocabulary-parallel under tp (the (mb, s, V/tp) logits stay
+    split)."""
+    if tp.size > 1:
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), tp).sum()
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
