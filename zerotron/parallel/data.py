@@ -53,8 +53,11 @@ class GradientBuckets:
     def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
         self.group = group
         self.sync_enabled = True
-        params = [p for p in _unique_params(model) if p.requires_grad]
-        self.buckets = _make_buckets(list(reversed(params)), bucket_mb)
+        named = unique_named_params(model)
+        params = [p for _, p in named]
+        self.buckets = [
+            _Bucket([p for _, p in run], sum(p.numel() for _, p in run)) for run in bucketed(named, bucket_mb)
+        ]
         self._bucket_of: dict[int, _Bucket] = {}
         for bucket in self.buckets:
             for p in bucket.params:
@@ -82,7 +85,7 @@ class GradientBuckets:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [_grad_or_zeros(p) for p in bucket.params]
+        grads = [grad_or_zeros(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])  # (bucket numel,)
         bucket.work = collectives.all_reduce(bucket.flat, self.group, op="sum", async_op=True)
 
@@ -123,34 +126,28 @@ class GradientBuckets:
         self._hooks.clear()
 
 
-def _unique_params(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters in registration order, each once (tied weights appear once)."""
-    seen: set[int] = set()
-    out = []
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+def unique_named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters by name in registration order, tied ones once."""
+    return [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if p.requires_grad]
 
 
-def _make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[_Bucket]:
-    """Greedy split into buckets of about ``bucket_mb`` MiB; each bucket holds one dtype."""
+def bucketed(named: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[list[tuple[str, nn.Parameter]]]:
+    """Reverse registration order (roughly the order backward produces gradients), cut into runs of about
+    ``bucket_mb`` MiB of one dtype each: the gradient buckets of data parallelism and of ZeRO-1/2."""
     limit = max(1, int(bucket_mb * 2**20))
-    buckets: list[_Bucket] = []
-    current: list[nn.Parameter] = []
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
-    for p in params:
+    for name, p in reversed(named):
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > limit or p.dtype != current[0].dtype):
-            buckets.append(_Bucket(current, sum(q.numel() for q in current)))
-            current, size = [], 0
-        current.append(p)
+        if not buckets or size + nbytes > limit or p.dtype != buckets[-1][0][1].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, p))
         size += nbytes
-    if current:
-        buckets.append(_Bucket(current, sum(q.numel() for q in current)))
     return buckets
 
 
-def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+def grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient, or zeros where ``p`` took no part in this step's graph (every rank still joins
+    the bucket's collective)."""
     return p.grad if p.grad is not None else torch.zeros_like(p)

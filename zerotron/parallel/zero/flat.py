@@ -115,8 +115,3 @@ def gather_full(layout: FlatLayout, shard: torch.Tensor, group: Group) -> dict[s
     flat = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
     collectives.all_gather(flat, shard.contiguous(), group)
     return {s.name: v.detach().clone().cpu() for s, v in zip(layout.slots, layout.views(flat))}
-
-
-def unique_named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Trainable parameters by name in registration order, tied ones once."""
-    return [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if p.requires_grad]

@@ -31,30 +31,14 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads, unique_named_params
+from zerotron.parallel.data import bucketed, grad_or_zeros, unique_named_params
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
     load_optimizer_state,
     offloaded_optimizer_bytes,
     optimizer_state_bytes,
 )
-
-
-def _bucketed(
-    named: list[tuple[str, nn.Parameter]], bucket_mb: float
-) -> list[list[tuple[str, nn.Parameter]]]:
-    """Reverse registration order, cut into runs of about ``bucket_mb`` MiB of one dtype each."""
-    limit = max(1, int(bucket_mb * 2**20))
-    buckets: list[list[tuple[str, nn.Parameter]]] = []
-    size = 0
-    for name, p in reversed(named):
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > limit or p.dtype != buckets[-1][0][1].dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, p))
-        size += nbytes
-    return buckets
 
 
 class _ShardedBuckets:
@@ -65,7 +49,7 @@ class _ShardedBuckets:
     def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
         self.group = group
         n, r = group.size, group.rank_in_group
-        self.layouts = [FlatLayout(b, n, r) for b in _bucketed(unique_named_params(model), bucket_mb)]
+        self.layouts = [FlatLayout(b, n, r) for b in bucketed(unique_named_params(model), bucket_mb)]
         self.flats: list[torch.Tensor] = []
         self.segments: list[list[ShardSegment]] = []
         self._bucket_of: dict[int, int] = {}
@@ -121,9 +105,7 @@ class _ShardedBuckets:
 
     def _launch(self, i: int) -> None:
         layout = self.layouts[i]
-        grads = [
-            s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in layout.slots
-        ]
+        grads = [grad_or_zeros(s.param) for s in layout.slots]
         flat_grad = layout.flatten(grads)  # (padded,)
         self._keep_whole_grads(i, flat_grad)
         out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)

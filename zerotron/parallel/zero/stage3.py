@@ -33,6 +33,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
 from zerotron.parallel.zero.offload import ShardStore
 from zerotron.parallel.zero.optim_state import (
@@ -300,9 +301,7 @@ class ZeroStage3:
 
     def _reduce(self, unit: _Unit) -> None:
         layout = unit.layout
-        grads = [
-            s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in layout.slots
-        ]
+        grads = [grad_or_zeros(s.param) for s in layout.slots]
         flat_grad = layout.flatten(grads)  # (padded,)
         for slot in layout.slots:
             slot.param.grad = None
