@@ -41,7 +41,23 @@ class _Bucket:
     ids: set[int] = field(default_factory=set)
 
 
-class GradientBuckets:
+class SyncGate:
+    """``no_sync()``: the micro-batches before the last of a step accumulate without reducing
+    (``sync_enabled`` is False inside); shared by data parallelism and ZeRO-1/2."""
+
+    sync_enabled: bool = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (micro-batches before the last of a step)."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+
+class GradientBuckets(SyncGate):
     """Sum-all-reduce gradients over ``group`` in buckets, overlapping with backward.
 
     Args:
@@ -66,15 +82,6 @@ class GradientBuckets:
         if group.size > 1:
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (micro-batches before the last of a step)."""
-        previous, self.sync_enabled = self.sync_enabled, False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.sync_enabled:

@@ -31,7 +31,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.parallel.data import bucketed, grad_or_zeros, unique_named_params
+from zerotron.parallel.data import SyncGate, bucketed, grad_or_zeros, unique_named_params
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
@@ -41,7 +41,7 @@ from zerotron.parallel.zero.optim_state import (
 )
 
 
-class _ShardedBuckets:
+class _ShardedBuckets(SyncGate):
     """What ZeRO-1 and ZeRO-2 share: flat buckets, shard segments, the all-gather after the step."""
 
     stage = 0
@@ -82,16 +82,7 @@ class _ShardedBuckets:
         segs = [seg for segs in self.segments for seg in segs]
         return [s.param for s in segs if s.decay], [s.param for s in segs if not s.decay]
 
-    # -- backward ----------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Micro-batches before the last of a step (ZeRO-1 defers its reduction; ZeRO-2 ignores this)."""
-        previous, self.sync_enabled = self.sync_enabled, False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
-
+    # -- backward (no_sync: ZeRO-1 defers its reduction; ZeRO-2 ignores it) ----------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         i = self._bucket_of[id(param)]
         if not self._reduces_now():
