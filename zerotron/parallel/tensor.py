@@ -72,8 +72,6 @@ initialised whole with the global seed (or loaded).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -501,35 +499,6 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     return {
         name: by_id[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id
     }
-
-
-def norm_params(model: nn.Module, params: Iterable[torch.Tensor], group: Group) -> list[torch.Tensor]:
-    """The parameters whose gradients this rank contributes to the global norm summed over ``group``.
-
-    Split parameters count on every rank (each holds a different part); replicated ones (norms,
-    replicated KV heads, whose gradients are equal on every rank) only on the group's first rank.
-    """
-    named = dict(model.named_parameters(remove_duplicate=False))
-    sharded = {id(named[name]) for name, spec in shard_specs(model).items() if spec.sharded}
-    first = group.rank_in_group == 0
-    return [p for p in params if id(p) in sharded or first]
-
-
-def norm_names(model: nn.Module, group: Group) -> set[str]:
-    """Names of the parameters :func:`norm_params` counts on this rank (for engines that hold segments
-    of parameters by name, e.g. ZeRO's shard segments)."""
-    specs = shard_specs(model)
-    first = group.rank_in_group == 0
-    return {n for n, _ in model.named_parameters() if first or (n in specs and specs[n].sharded)}
-
-
-def global_numel(model: nn.Module) -> int:
-    """Elements of the whole (unsharded) model, tied weights once."""
-    specs = shard_specs(model)
-    total = 0
-    for name, p in model.named_parameters(remove_duplicate=True):
-        total += math.prod(specs[name].global_shape) if name in specs else p.numel()
-    return total
 
 
 def gather_tensors(

@@ -22,13 +22,11 @@ import torch
 
 from zerotron.config import Config
 from zerotron.distributed import collectives
-from zerotron.distributed.mesh import Group, Mesh
+from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel, build_stages, stage_bounds, tensor_parallel_stages
 from zerotron.parallel.engine import GradientReducer
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
-from zerotron.parallel.tensor import global_numel
-from zerotron.parallel.tensor import norm_names as tp_norm_names
 from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter
 
@@ -75,31 +73,6 @@ class PipelineStep:
             dtype,
             defer_weight_grads=cfg.train.recompute == "none",  # recomputed forwards would stash twice
         )
-
-    def n_params(self) -> int:
-        """Parameters of the whole model (every stage, unsplit by tp; the tied head counted once)."""
-        dup = self.model.tied_duplicate()
-        tied = self.cfg.model.vocab_size * self.cfg.model.hidden_size if dup is not None else 0
-        total = torch.tensor([float(global_numel(self.model) - tied)])
-        collectives.all_reduce(total, self.group, op="sum")
-        return int(total.item())
-
-    def norm_names(self) -> set[str]:
-        """Names of the parameters whose gradients this rank contributes to the global norm: the tied
-        head copy left out, and under tp the replicated parameters counted on the first tp rank only."""
-        named = dict(self.model.named_parameters())
-        names = tp_norm_names(self.model, self.tp) if self.tp.size > 1 else set(named)
-        dup = self.model.tied_duplicate()
-        return {n for n in names if named[n] is not dup}
-
-    def norm_params(self) -> list[torch.Tensor]:
-        """The parameters named by :meth:`norm_names`, in the model's order."""
-        names = self.norm_names()
-        return [p for n, p in self.model.named_parameters() if p.requires_grad and n in names]
-
-    def norm_groups(self) -> list[Group]:
-        """The groups whose ranks hold the other parts of the gradient norm: pp, and tp when split."""
-        return [self.group, self.tp] if self.tp.size > 1 else [self.group]
 
     def forward_backward(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float, device: torch.device

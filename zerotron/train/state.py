@@ -30,7 +30,9 @@ from zerotron.checkpoint import sharded, store
 from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
+from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
+from zerotron.parallel.placement import placements
 from zerotron.parallel.tensor import shard_specs
 from zerotron.parallel.zero.offload import state_of
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
@@ -94,6 +96,8 @@ def _rank_pieces(
     Under ZeRO every data-parallel rank writes its segments (weights and AdamW moments, the ``flat``
     range of its tensor-parallel box); without it the first data-parallel replica writes whole boxes.
     A tensor replicated over tp is written by tp rank 0 only; context-parallel ranks > 0 write nothing.
+    A copy (the tied head on the last pipeline stage, per the placement record) is not written: its
+    owner, the embedding, is, and every layout reads the head from it.
     """
     tensors: dict[str, torch.Tensor] = {}
     entries: list[dict[str, Any]] = []
@@ -101,10 +105,14 @@ def _rank_pieces(
         return tensors, entries
     specs = shard_specs(model) if mesh.dims.tp > 1 else {}
     tp_first = mesh.coords["tp"] == 0
+    copy = model.tied_duplicate() if isinstance(model, StagedModel) else None
+    copies = {name for name, record in placements(model, mesh.dims.tp, copy).items() if record.copy}
 
     def add(
         name: str, kind: str, param: str, data: torch.Tensor, box: tuple[int, ...], flat: Any = None
     ) -> None:
+        if param in copies:
+            return
         spec = specs.get(param)
         global_shape: tuple[int, ...]
         offsets: tuple[int, ...]

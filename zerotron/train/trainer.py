@@ -27,10 +27,9 @@ from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
+from zerotron.parallel.placement import counts_in_norm, local_numel, norm_axes, placements
 from zerotron.parallel.recompute import apply_recompute
-from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, global_numel
-from zerotron.parallel.tensor import norm_names as tp_norm_names
-from zerotron.parallel.tensor import norm_params as tp_norm_params
+from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 from zerotron.parallel.zero.api import apply_zero, offload_optimizer
 from zerotron.plan.hardware import peak_flops_of_device
 from zerotron.shapes import ModelShape, flops_per_token
@@ -133,32 +132,33 @@ class Trainer:
             if isinstance(self.model, StagedModel)
             else None
         )
-        # Gradients this rank contributes to the global norm, and the groups that sum those parts.
-        self.norm_params = self.pipeline.norm_params() if self.pipeline else self.params
-        self.norm_groups = self.pipeline.norm_groups() if self.pipeline else []
-        self.n_params = self.pipeline.n_params() if self.pipeline else sum(p.numel() for p in self.params)
         self.tp_group = mesh.group("tp")
-        if self.tp_group.size > 1 and self.pipeline is None:
-            # Split parameters count on every tp rank, replicated ones once; the parts sum over tp.
-            self.norm_params = tp_norm_params(self.model, self.params, self.tp_group)
-            self.norm_groups = [self.tp_group]
-            self.n_params = global_numel(self.model)
-        if self.zero is not None:
-            # The optimizer, clipping and unscaling see this rank's shard segments; their norms sum over dp.
-            self.params = self.zero.params
-            self.norm_params, self.norm_groups = self.params, [self.dp_group, *self.norm_groups]
-            if self.tp_group.size > 1 or self.pipeline:  # replicated segments and the tied head once
-                owned = (
-                    self.pipeline.norm_names() if self.pipeline else tp_norm_names(self.model, self.tp_group)
-                )
-                segments = [seg for segs in self.zero.segments for seg in segs]
-                self.norm_params = [seg.param for seg in segments if seg.name in owned]
+        self._place_norm(mesh)
         self.flops_per_token = flops_per_token(ModelShape.from_config(cfg.model), cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
         # checkpoint.async_save: a thread writes the files; the gathers stay on this thread.
         self.ckpt_writer = (
             CheckpointWriter(mesh.rank, mesh.dims.world_size) if cfg.checkpoint.async_save else None
         )
+
+    def _place_norm(self, mesh: Mesh) -> None:
+        """From the placement record: the gradients this rank adds to the global norm (each element
+        once), the groups that sum the parts, and the model's parameter count."""
+        copy = self.model.tied_duplicate() if isinstance(self.model, StagedModel) else None
+        records = placements(self.model, mesh.dims.tp, copy)
+        owned = {name for name, record in records.items() if counts_in_norm(record, mesh.coords)}
+        axes = norm_axes(records, self.pipeline is not None, self.zero is not None)
+        self.norm_groups = [mesh.group(axis) for axis in axes]
+        if self.zero is not None:  # the optimizer, clipping and unscaling see this rank's shard segments
+            self.params = self.zero.params
+            segments = [seg for segs in self.zero.segments for seg in segs]
+            self.norm_params = [seg.param for seg in segments if seg.name in owned]
+        else:
+            self.norm_params = [p for n, p in self.model.named_parameters() if p.requires_grad and n in owned]
+        total = torch.tensor([float(local_numel(records, self.model))])
+        if self.pipeline is not None:  # every stage holds different blocks
+            collectives.all_reduce(total, mesh.group("pp"), op="sum")
+        self.n_params = int(total.item())
 
     def _build_engine(
         self, cfg: Config

@@ -1,0 +1,77 @@
+"""The placement record (zerotron/parallel/placement.py): each distinct element is counted once.
+
+Across all ranks of a layout, the boxes the ranks count in the gradient norm must tile every parameter
+of the whole model exactly once (no element twice, none missing), and the parameter count must equal
+the single-process model's. The reference is the single-process model built from the same config.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness import run_distributed
+from zerotron.config_load import load_config
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.parallel.placement import counts_in_norm, placements
+from zerotron.train.trainer import Trainer
+
+BASE = [
+    "model.hidden_size=32",
+    "model.num_hidden_layers=4",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.intermediate_size=64",
+    "model.vocab_size=260",
+    "train.seq_len=16",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "train.steps=1",
+]
+
+
+def _body(overrides: list[str], run_dir: str) -> dict:
+    rank, world = current_rank_and_world()
+    cfg = load_config(None, [*BASE, *overrides])
+    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    tokens = np.arange(4096, dtype=np.int64) % 250
+    trainer = Trainer(cfg, mesh, Path(run_dir) / f"r{rank}", tokens)
+    copy = trainer.model.tied_duplicate() if hasattr(trainer.model, "tied_duplicate") else None
+    records = placements(trainer.model, mesh.dims.tp, copy)
+    boxes = []
+    for name, p in trainer.model.named_parameters():
+        record = records[name]
+        if counts_in_norm(record, mesh.coords) and mesh.coords["dp"] == 0:
+            boxes.append((name.split("chunks.")[-1], record.global_shape, record.offsets, tuple(p.shape)))
+    return {
+        "boxes": boxes,
+        "n_params": trainer.n_params,
+        "norm_numel": sum(p.numel() for p in trainer.norm_params),
+    }
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides"),
+    [
+        (2, ["parallel.tp=2"]),
+        (2, ["parallel.pp=2"]),
+        (4, ["parallel.pp=2", "parallel.tp=2"]),
+        (4, ["parallel.tp=2", "parallel.zero=1"]),
+    ],
+    ids=["tp2", "pp2", "pp2-tp2", "tp2-zero1"],
+)
+def test_norm_boxes_tile_the_model_once(world: int, overrides: list[str], tmp_path: Path) -> None:
+    results = run_distributed(_body, world, overrides, str(tmp_path), timeout=300)
+    reference = LlamaForCausalLM(load_config(None, BASE).model)
+    whole = sum(p.numel() for p in reference.parameters())  # tied embedding once
+    assert {r["n_params"] for r in results} == {whole}
+    counted = [box for r in results for box in r["boxes"]]
+    assert sum(math.prod(shape) for *_, shape in counted) == whole  # a replicated box twice would exceed it
+    assert len({(name, offsets) for name, _, offsets, _ in counted}) == len(counted)
+    # What the trainer adds to the norm (whole tensors, or ZeRO's shard segments over dp) tiles it too.
+    assert sum(r["norm_numel"] for r in results) == whole
