@@ -8,11 +8,14 @@ calibration rule below is calibration, every other run is validation.
 
 - Calibration: Narayanan et al. SC21 Table 1 (Megatron-LM, A100 80 GB, 1.7 B to 1 T parameters,
   32 to 3,072 GPUs) and MosaicML's llm-foundry benchmark tables (FSDP on 8 GPUs of one node,
-  sequence length 2,048, and the 1b model at 8,192: H100 80 GB bf16 and A100 80 GB).
+  sequence length 2,048, and the 1b model at 8,192: H100 80 GB bf16 and A100 80 GB), and one FP8
+  run per model family on H100 from NVIDIA's performance summaries (Llama-3-8B on 8 GPUs, GPT-3-175B on
+  512).
 - Validation: Narayanan et al. Table 2 (PTD-P rows), Korthikanti et al. 2022 Table 5 (selective
   recomputation + sequence parallelism, and full recomputation), Smith et al. 2022 (MT-NLG 530B on
   2,240 to 3,360 A100s, DeepSpeed pipeline), and llm-foundry's multi-node and long-sequence rows
-  (16 to 128 GPUs, sequence 4k to 32k, H100 and A100 80/40 GB).
+  (16 to 128 GPUs, sequence 4k to 32k, H100 and A100 80/40 GB), and Megatron-Bridge's FP8 Llama-3-70B
+  on 64 H100 (tp 4, pp 8, interleaved).
 
 Each published figure is turned into seconds per optimizer step the way its source defines it:
 ``tflops`` rows with Megatron's count 96·B·s·L·h²·(1 + s/6h + V/16Lh) (full recomputation
@@ -23,7 +26,8 @@ selective recomputation of the attention core is not counted, as in Korthikanti 
 Assumptions the sources leave open are stated per source: Megatron runs use micro-batch 1 and the
 interleaved schedule with the most model chunks (4, 3 or 2) that divide a stage's blocks when the
 paper uses interleaving, attention without flash (2021–2022 kernels); llm-foundry runs are FSDP
-FULL_SHARD (ZeRO-3) with flash attention and Megatron-style mixed-precision wires.
+FULL_SHARD (ZeRO-3) with flash attention and Megatron-style mixed-precision wires; the NeMo /
+Megatron-Bridge runs are described at :func:`_nemo`.
 """
 
 from __future__ import annotations
