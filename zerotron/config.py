@@ -141,7 +141,11 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 disables")
-    precision: str = _f("fp32", "fp32, bf16 (fp32 master weights) or fp16 (dynamic loss scaling)")
+    precision: str = _f(
+        "fp32",
+        "fp32, bf16 (fp32 master weights) or fp16 (dynamic loss scaling); fp8 is modelled by `zerotron plan` "
+        "and refused by the trainer",
+    )
     loss_scale_init: float = _f(2.0**16, "fp16: initial loss scale")
     loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles")
     recompute: str = _f("none", "activation recomputation: none, selective (attention core) or full")

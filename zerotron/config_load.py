@@ -201,9 +201,9 @@ def describe_fields() -> str:
 
 
 _CHOICES = {
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zb"),
-    "parallel.offload_optimizer": ("none", "cpu", "nvme"),
-    "parallel.offload_params": ("none", "cpu", "nvme"),
+    "parallel.pp_schedule": layout.SCHEDULES,
+    "parallel.offload_optimizer": layout.OFFLOAD,
+    "parallel.offload_params": layout.OFFLOAD,
     "parallel.backend": ("auto", "nccl", "gloo"),
     "train.precision": ("fp32", "bf16", "fp16", "fp8"),
     "train.recompute": ("none", "selective", "full"),

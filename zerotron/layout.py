@@ -170,16 +170,27 @@ def _check_tensor(spec: LayoutSpec) -> None:
         )
 
 
-def _check_pipeline(spec: LayoutSpec) -> None:
-    if spec.pp_schedule not in SCHEDULES:
-        raise LayoutError(f"parallel.pp_schedule={spec.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    if spec.virtual_stages < 1:
-        raise LayoutError(f"parallel.virtual_stages={spec.virtual_stages} must be >= 1")
-    if spec.virtual_stages > 1 and spec.pp_schedule != "interleaved":
+def check_schedule(name: str, pp: int, virtual_stages: int, micro_batches: int | None = None) -> None:
+    """The pipeline schedule ``name`` can run ``micro_batches`` per step on ``pp`` ranks with
+    ``virtual_stages`` chunks each (the schedule builder checks with this too)."""
+    if name not in SCHEDULES:
+        raise LayoutError(f"parallel.pp_schedule={name!r}: choose one of {', '.join(SCHEDULES)}")
+    if virtual_stages < 1:
+        raise LayoutError(f"parallel.virtual_stages={virtual_stages} must be >= 1")
+    if virtual_stages > 1 and name != "interleaved":
         raise LayoutError(
-            f"parallel.virtual_stages={spec.virtual_stages} needs parallel.pp_schedule=interleaved "
+            f"parallel.virtual_stages={virtual_stages} needs parallel.pp_schedule=interleaved "
             "(or set virtual_stages=1)"
         )
+    if micro_batches is not None and name == "interleaved" and pp > 1 and micro_batches % pp:
+        raise LayoutError(
+            f"the interleaved schedule needs the micro-batches per step ({micro_batches}) to be a multiple of "
+            f"parallel.pp={pp}; change train.global_batch or train.micro_batch"
+        )
+
+
+def _check_pipeline(spec: LayoutSpec) -> None:
+    check_schedule(spec.pp_schedule, spec.pp, spec.virtual_stages)
     chunks = spec.pp * spec.virtual_stages
     if chunks > spec.layers:
         raise LayoutError(
@@ -210,12 +221,7 @@ def _check_batch(spec: LayoutSpec) -> None:
             f"multiple of train.micro_batch={spec.micro_batch}; set train.micro_batch to a divisor of "
             f"{per_rank} or train.global_batch to a multiple of {spec.dp * spec.micro_batch}"
         )
-    m = per_rank // spec.micro_batch
-    if spec.pp_schedule == "interleaved" and spec.pp > 1 and m % spec.pp:
-        raise LayoutError(
-            f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple of "
-            f"parallel.pp={spec.pp}; change train.global_batch or train.micro_batch"
-        )
+    check_schedule(spec.pp_schedule, spec.pp, spec.virtual_stages, per_rank // spec.micro_batch)
     if spec.seq_len % spec.cp:
         raise LayoutError(f"parallel.cp={spec.cp} does not divide train.seq_len={spec.seq_len}")
 

@@ -68,7 +68,6 @@ class GradientBuckets(SyncGate):
 
     def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
         self.group = group
-        self.sync_enabled = True
         named = unique_named_params(model)
         params = [p for _, p in named]
         self.buckets = [

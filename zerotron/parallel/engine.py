@@ -74,8 +74,11 @@ class ShardedEngine(GradientReducer, Protocol):
         """Drop the step's gradients."""
         ...
 
-    def holds_weights(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is a gathered weight the engine owns (not an activation)."""
+    @property
+    def weight_test(self) -> Callable[[torch.Tensor], bool] | None:
+        """Whether a tensor autograd saves is a weight the engine gathered outside the parameters'
+        storages (ZeRO-3), not an activation; None when the engine gathers nothing for the forward
+        (the activation meter then makes no call per saved tensor)."""
         ...
 
     def full_params(self) -> AbstractContextManager[None]:

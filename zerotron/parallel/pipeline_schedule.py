@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+from zerotron.layout import LayoutError, check_schedule
+
 COMPUTE = ("F", "B", "BI", "BW")
 
 
@@ -70,20 +71,14 @@ class Schedule:
 
 
 def check_sizes(name: str, p: int, m: int, v: int, layers: int | None = None) -> None:
-    """Raise :class:`ScheduleError` with the fix when ``name`` cannot run ``m`` micro-batches on ``p`` ranks."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"parallel.pp_schedule={name!r}: choose one of {', '.join(SCHEDULES)}")
+    """Raise :class:`ScheduleError` with the fix when ``name`` cannot run ``m`` micro-batches on ``p`` ranks
+    (the schedule rules are :func:`zerotron.layout.check_schedule`'s, which the config check runs too)."""
     if p < 1 or m < 1 or v < 1:
         raise ScheduleError(f"pipeline sizes must be >= 1 (pp={p}, micro-batches={m}, virtual_stages={v})")
-    if name != "interleaved" and v != 1:
-        raise ScheduleError(
-            f"parallel.virtual_stages={v} needs parallel.pp_schedule=interleaved (or set virtual_stages=1)"
-        )
-    if name == "interleaved" and p > 1 and m % p:
-        raise ScheduleError(
-            f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple of parallel.pp={p}; "
-            "change train.global_batch or train.micro_batch"
-        )
+    try:
+        check_schedule(name, p, v, m)
+    except LayoutError as e:
+        raise ScheduleError(str(e)) from None
     if layers is not None and layers % (p * v):
         raise ScheduleError(
             f"model.num_hidden_layers={layers} cannot be split into pp*virtual_stages = {p}*{v} = {p * v} "

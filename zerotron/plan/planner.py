@@ -302,7 +302,7 @@ def step_times(
     last = layout.pp - 1
     busiest = max(range(layout.pp), key=lambda r: layers[r])
     t_compute, critical = max(
-        (timing.microbatch_compute(m, layout, work, hw, layers[r], r == last, flash)[0], r)
+        (timing.microbatch_compute(m, layout, work, hw, layers[r], r == last, flash), r)
         for r in {busiest, last}
     )
     t_tp = timing.tensor_parallel_time(m, layout, work, hw, max(layers))

@@ -26,7 +26,7 @@ from typing import cast
 
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
-from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
+from zerotron.shapes import ModelShape
 
 _ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
@@ -128,9 +128,9 @@ def attention_seconds(m: ModelShape, layout: Layout, work: Workload, hw: Hardwar
 
 def microbatch_compute(
     m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int, head: bool, flash: bool = True
-) -> tuple[float, float]:
-    """(seconds, FLOPs) of one micro-batch's forward+backward(+recompute) on a rank with ``layers``
-    blocks (and the output head when ``head``).
+) -> float:
+    """Seconds of one micro-batch's forward+backward(+recompute) on a rank with ``layers`` blocks (and
+    the output head when ``head``).
 
     A backward pass is two GEMMs of each forward GEMM's size (input and weight gradients): 3 forward
     passes in all, 4 with full recomputation; the attention core is recomputed under selective
@@ -146,12 +146,8 @@ def microbatch_compute(
     seconds = block * layers
     if head:
         seconds += 3.0 * _gemm_seconds(hw, work.precision, [(tokens, m.vocab / layout.tp, m.hidden, 1.0)])
-    per_token = flops_per_token(m, s) + recompute_flops_per_token(m, s, layout.recompute)
-    head_flops = 6.0 * m.hidden * m.vocab
-    stage = (per_token - head_flops) * layers / m.layers + (head_flops if head else 0.0)
-    flops = stage * tokens / layout.tp
     mem_bytes = elementwise_bytes_per_token(m, layout, work, flash) * tokens * layers
-    return seconds + mem_bytes / hw.memory_bw, flops
+    return seconds + mem_bytes / hw.memory_bw
 
 
 # Passes (reads + writes) over activation tensors per layer and token, forward + backward, of the

@@ -32,7 +32,7 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
-from zerotron.parallel.placement import placements
+from zerotron.parallel.placement import Placement, placements
 from zerotron.parallel.tensor import shard_specs
 from zerotron.parallel.zero.offload import state_of
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
@@ -88,6 +88,12 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
+def model_placements(model: nn.Module, tp: int) -> dict[str, Placement]:
+    """The placement record of this rank's model (a pipeline's tied head is a copy of the embedding)."""
+    copy = model.tied_duplicate() if isinstance(model, StagedModel) else None
+    return placements(model, tp, copy)
+
+
 def _rank_pieces(
     model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, zero: ShardedEngine | None
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -105,8 +111,7 @@ def _rank_pieces(
         return tensors, entries
     specs = shard_specs(model) if mesh.dims.tp > 1 else {}
     tp_first = mesh.coords["tp"] == 0
-    copy = model.tied_duplicate() if isinstance(model, StagedModel) else None
-    copies = {name for name, record in placements(model, mesh.dims.tp, copy).items() if record.copy}
+    copies = {name for name, record in model_placements(model, mesh.dims.tp).items() if record.copy}
 
     def add(
         name: str, kind: str, param: str, data: torch.Tensor, box: tuple[int, ...], flat: Any = None

@@ -27,7 +27,7 @@ from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
-from zerotron.parallel.placement import counts_in_norm, local_numel, norm_axes, placements
+from zerotron.parallel.placement import counts_in_norm, local_numel, norm_axes
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 from zerotron.parallel.zero.api import apply_zero, offload_optimizer
@@ -124,7 +124,7 @@ class Trainer:
             dp_size=self.dp_group.size,
             seed=cfg.train.seed,
         )
-        self.meter = ActivationMeter(self.model, self.zero.holds_weights if self.zero is not None else None)
+        self.meter = ActivationMeter(self.model, self.zero.weight_test if self.zero is not None else None)
         self.step = 0
         self.resumed_layout: dict[str, Any] | None = None
         self.pipeline = (
@@ -144,8 +144,7 @@ class Trainer:
     def _place_norm(self, mesh: Mesh) -> None:
         """From the placement record: the gradients this rank adds to the global norm (each element
         once), the groups that sum the parts, and the model's parameter count."""
-        copy = self.model.tied_duplicate() if isinstance(self.model, StagedModel) else None
-        records = placements(self.model, mesh.dims.tp, copy)
+        records = ckpt_state.model_placements(self.model, mesh.dims.tp)
         owned = {name for name, record in records.items() if counts_in_norm(record, mesh.coords)}
         axes = norm_axes(records, self.pipeline is not None, self.zero is not None)
         self.norm_groups = [mesh.group(axis) for axis in axes]

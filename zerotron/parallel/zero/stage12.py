@@ -64,7 +64,6 @@ class _ShardedBuckets(SyncGate):
         self._ready = [0] * len(self.layouts)
         self._pending: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.layouts]
         self._launched = [False] * len(self.layouts)
-        self.sync_enabled = True
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
             for layout in self.layouts
@@ -146,9 +145,10 @@ class _ShardedBuckets(SyncGate):
         """The module's parameters hold the whole model (always true for ZeRO-1/2)."""
         yield
 
-    def holds_weights(self, t: torch.Tensor) -> bool:
-        """ZeRO-1/2 gather nothing for the forward: no tensor autograd saves is the engine's."""
-        return False
+    @property
+    def weight_test(self) -> Callable[[torch.Tensor], bool] | None:
+        """ZeRO-1/2 gather nothing for the forward: every saved tensor that is no parameter is an activation."""
+        return None
 
     @property
     def names(self) -> set[str]:

@@ -356,6 +356,11 @@ class ZeroStage3:
             for s in unit.layout.slots:
                 s.param.grad = None
 
+    @property
+    def weight_test(self) -> Callable[[torch.Tensor], bool] | None:
+        """:meth:`holds_weights`: the gathered buffers hold weights, not activations."""
+        return self.holds_weights
+
     def holds_weights(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of the gathered buffers (a weight view autograd saves, not an activation)."""
         ptr = t.untyped_storage().data_ptr()
