@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/pipeline.py [--pp 2] [--micro-batches 8] [--steps 6] [key=value ...]
 
-Both frameworks run the same stage modules (:class:`zerotron.models.stages.LlamaStage`, untied
+Both frameworks run the same stage modules (:func:`zerotron.models.stages.build_stages`, untied
 embeddings, same weights) on the same micro-batches, forward and backward only (no optimizer step).
 zerotron's predicted step time is the simulator's makespan with the forward and backward time of one
 micro-batch through one stage measured on its own (``simulate(schedule, f, b)``), i.e. what the schedule

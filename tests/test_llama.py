@@ -117,6 +117,31 @@ def test_meta_build_equals_normal_build() -> None:
         assert torch.equal(p1, p2), n1
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_are_the_model_pruned(tied: bool) -> None:
+    """A stage is the same class with what it does not own pruned: chained, the stages give the whole
+    model's logits exactly, under the whole model's parameter names and initial values."""
+    from zerotron.models.stages import build_stages
+
+    cfg = dataclasses.replace(BASE, tie_word_embeddings=tied, num_hidden_layers=4)
+    whole = LlamaForCausalLM(cfg)
+    whole.init_weights(5)
+    stages = build_stages(cfg, [(0, 1), (1, 3), (3, 4)], pp_rank=0, pp_size=1, seed=5)
+    assert all(type(stage) is LlamaForCausalLM for stage in stages)
+    assert [(s.first, s.last) for s in stages] == [(True, False), (False, False), (False, True)]
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    assert torch.equal(x, whole(ids))
+    reference = dict(whole.named_parameters(remove_duplicate=False))
+    held = {n: p for stage in stages for n, p in stage.named_parameters()}
+    assert held.keys() == reference.keys()  # the tied head is the last stage's own copy
+    for name, param in held.items():
+        assert torch.equal(param, reference[name]), name
+    assert (stages[-1].tied_weight() is not None) == tied
+
+
 def test_init_depends_only_on_seed_name_shape() -> None:
     cfg = dataclasses.replace(BASE, num_hidden_layers=3)
     a = LlamaForCausalLM(cfg)

@@ -18,7 +18,8 @@ from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.parallel.placement import counts_in_norm, placements
+from zerotron.parallel.placement import counts_in_norm
+from zerotron.train.state import model_placements
 from zerotron.train.trainer import Trainer
 
 BASE = [
@@ -41,8 +42,7 @@ def _body(overrides: list[str], run_dir: str) -> dict:
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
     tokens = np.arange(4096, dtype=np.int64) % 250
     trainer = Trainer(cfg, mesh, Path(run_dir) / f"r{rank}", tokens)
-    copy = trainer.model.tied_duplicate() if hasattr(trainer.model, "tied_duplicate") else None
-    records = placements(trainer.model, mesh.dims.tp, copy)
+    records = model_placements(trainer.model, mesh.dims.tp)
     boxes = []
     for name, p in trainer.model.named_parameters():
         record = records[name]

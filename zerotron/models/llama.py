@@ -4,7 +4,7 @@ Covers Llama 2/3 (GQA, Llama 3 RoPE frequency scaling), Mistral (no sliding wind
 SmolLM2 (tied embeddings) and GPT-style models (``mlp="plain"``: GELU MLP). Parallelism is applied to
 this model from outside (DESIGN contract 3); the parallel plan relies on these names:
 
-- ``model.embed_tokens``, ``model.layers`` (a ``ModuleList`` of :class:`DecoderLayer`), ``model.norm``,
+- ``model.embed_tokens``, ``model.layers`` (a :class:`LayerStack` of :class:`DecoderLayer`), ``model.norm``,
   ``model.lm_head`` (sharing ``embed_tokens.weight`` when ``tie_word_embeddings``);
 - inside a block: ``self_attn.{q,k,v,o}_proj``, ``self_attn.core`` (softmax(QKᵀ)V only, the unit of
   selective recomputation), ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``.
@@ -250,28 +250,78 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LayerStack(nn.ModuleList):
+    """The decoder blocks a model holds, registered under their global indices (``layers.7``).
+
+    The whole model holds blocks ``0 .. L-1`` (an ordinary ``ModuleList``); a pipeline stage holds a
+    contiguous range of them under the same names, so parameter names, initial values and checkpoint
+    keys do not depend on the split. Iteration and integer indexing go by position.
+    """
+
+    def __init__(self, blocks: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index, block in blocks.items():
+            self._modules[str(index)] = block
+
+    def __getitem__(self, idx: Any) -> Any:
+        return list(self._modules.values())[idx]
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only language model returning logits; the loss is the caller's.
 
     Args:
         cfg: architecture (preset already applied). Build on the meta device and call
             ``to_empty(device=...)`` + :meth:`init_weights` to materialise without a first random init.
+        layers: the blocks this model holds (all of them unless it is a pipeline stage).
+        embed, head: whether it holds the embedding (the first stage) and the final norm + output head
+            (the last stage). A model without the embedding takes hidden states ``(b, s, h)`` (``(b,
+            s/t, h)`` sequence shards under sequence parallelism: :attr:`sequence_shards`); one without
+            the head returns them. With tied embeddings, a last stage that is not also the first holds
+            its own copy of the embedding matrix as ``lm_head.weight`` (initialised like
+            ``embed_tokens.weight``; the pipeline sums the two copies' gradients after each step).
+
+    A pipeline stage is this model with what it does not own pruned (:mod:`zerotron.models.stages`).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layers: range | None = None, embed: bool = True, head: bool = True
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        layers = range(cfg.num_hidden_layers) if layers is None else layers
+        if embed:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = LayerStack({i: DecoderLayer(cfg, i) for i in layers})
+        if head:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
+        self.sequence_shards = 1  # tp under sequence parallelism: hidden inputs are (b, s/t, h) shards
         self.tie_weights()
 
+    @property
+    def first(self) -> bool:
+        """Whether this model holds the embedding (takes token ids)."""
+        return "embed_tokens" in self._modules
+
+    @property
+    def last(self) -> bool:
+        """Whether this model holds the output head (returns logits)."""
+        return "lm_head" in self._modules
+
     def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the very tensor of ``embed_tokens.weight`` when tied."""
-        if self.config.tie_word_embeddings:
+        """Make ``lm_head.weight`` the very tensor of ``embed_tokens.weight`` when tied (and both here)."""
+        if self.config.tie_word_embeddings and self.first and self.last:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This stage's copy of a tied embedding matrix (to sum gradients across stages), if any."""
+        if not self.config.tie_word_embeddings or (self.first and self.last):
+            return None
+        if self.first:
+            return self.embed_tokens.weight
+        return self.lm_head.weight if self.last else None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # to_empty/to/cuda convert the two tied references separately; re-tie afterwards.
@@ -289,33 +339,42 @@ class LlamaForCausalLM(nn.Module):
         """input_ids (b, s) -> logits (b, s, V). With ``kv_cache``, continue after its cached tokens.
 
         ``logits_to_keep=n > 0`` projects only the last n positions to the vocabulary (b, n, V): a
-        prefill for generation needs just the last one.
+        prefill for generation needs just the last one. A pipeline stage takes hidden states instead
+        of token ids when it has no embedding, and returns hidden states when it has no head.
         """
-        b, s = input_ids.shape
+        if self.first:
+            b, s = input_ids.shape
+            x = self.embed_tokens(input_ids)  # (b, s, h) [(b, s/t, h) under sequence parallelism]
+        else:
+            x = input_ids  # hidden states from the previous stage
+            b, s = x.shape[0], x.shape[1] * self.sequence_shards
         past = kv_cache.length if kv_cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(past, past + s, device=input_ids.device).expand(b, s)  # (b, s)
-        x = self.embed_tokens(input_ids)  # (b, s, h)
+            position_ids = torch.arange(past, past + s, device=x.device).expand(b, s)  # (b, s)
         cos, sin = self.rotary(position_ids, x.dtype)  # (b, 1, s, d)
         attn_mask = None
         if past > 0 and s > 1:
             # A chunk after cached tokens: query i sees keys up to past + i (causal, bottom-right aligned).
-            keys = torch.arange(past + s, device=input_ids.device)
-            attn_mask = keys[None, :] <= (past + torch.arange(s, device=input_ids.device))[:, None]  # (s, t)
+            keys = torch.arange(past + s, device=x.device)
+            attn_mask = keys[None, :] <= (past + torch.arange(s, device=x.device))[:, None]  # (s, t)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, attn_mask)
         if kv_cache is not None:
             kv_cache.length += s
+        if not self.last:
+            return x
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.lm_head(self.norm(x))  # (b, s, V)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Give every parameter its layout-independent initial value (see :func:`init_parameter`)."""
+        """Give every parameter its layout-independent initial value (see :func:`init_parameter`); a
+        tied head copy takes the embedding's."""
         self.tie_weights()
         for name, param in self.named_parameters():
-            param.copy_(init_parameter(name, tuple(param.shape), seed, self.config))
+            source = "embed_tokens.weight" if self.tied_weight() is param and self.last else name
+            param.copy_(init_parameter(source, tuple(param.shape), seed, self.config))
 
 
 def init_parameter(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:

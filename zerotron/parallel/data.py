@@ -17,7 +17,7 @@ equal-sized shards), and the test suite checks the two agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +35,7 @@ class _Bucket:
 
     params: list[nn.Parameter]
     numel: int
+    group: Group
     ready: int = 0
     work: Any = None
     flat: torch.Tensor | None = None
@@ -58,29 +59,31 @@ class SyncGate:
 
 
 class GradientBuckets(SyncGate):
-    """Sum-all-reduce gradients over ``group`` in buckets, overlapping with backward.
+    """Sum-all-reduce gradients in buckets, overlapping with backward, each over its parameters' group.
 
     Args:
         model: any module; only parameters with ``requires_grad`` take part.
-        group: the data-parallel group (``mesh.group("dp")``, or ``"dp_cp"`` with context parallelism).
+        group: the data-parallel group of every parameter (``mesh.group("dp")``), or each parameter's
+            group by name, from the placement record (:func:`zerotron.parallel.placement.grad_groups`):
+            a bucket holds parameters of one group.
         bucket_mb: target bucket size in MiB of gradient data.
     """
 
-    def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
-        self.group = group
+    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
         named = unique_named_params(model)
-        params = [p for _, p in named]
+        self._named = named
         self.buckets = [
-            _Bucket([p for _, p in run], sum(p.numel() for _, p in run)) for run in bucketed(named, bucket_mb)
+            _Bucket([p for _, p in run], sum(p.numel() for _, p in run), g)
+            for g, run in bucketed_by_group(named, bucket_mb, group)
+            if g.size > 1
         ]
         self._bucket_of: dict[int, _Bucket] = {}
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
-        self._hooks = []
-        if group.size > 1:
-            for p in params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
+        ]
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.sync_enabled:
@@ -93,7 +96,7 @@ class GradientBuckets(SyncGate):
     def _launch(self, bucket: _Bucket) -> None:
         grads = [grad_or_zeros(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])  # (bucket numel,)
-        bucket.work = collectives.all_reduce(bucket.flat, self.group, op="sum", async_op=True)
+        bucket.work = collectives.all_reduce(bucket.flat, bucket.group, op="sum", async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce and copy the summed gradients back into ``.grad``.
@@ -101,8 +104,6 @@ class GradientBuckets(SyncGate):
         Buckets whose hooks did not fire (parameters unused in this step's graph) are reduced here, so
         every rank takes part in the same collectives in the same order.
         """
-        if self.group.size == 1:
-            return
         for bucket in self.buckets:
             if bucket.work is None and bucket.flat is None:
                 self._launch(bucket)
@@ -120,6 +121,38 @@ class GradientBuckets(SyncGate):
                     p.grad.copy_(reduced)
                 offset += n
             bucket.ready, bucket.work, bucket.flat = 0, None, None
+
+    # -- the rest of the step protocol (GradientReducer): the optimizer updates the parameters -----------
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters themselves, by name (tied ones once)."""
+        return list(self._named)
+
+    def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(weight-decayed, not decayed) parameters: matrices decay, norm gains and biases do not."""
+        params = [p for _, p in self._named]
+        return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+    def after_step(self) -> None:
+        """The optimizer updated the parameters in place: nothing to gather."""
+
+    def zero_grad(self) -> None:
+        """No gradients of its own (the optimizer's ``zero_grad`` drops the parameters')."""
+
+    @property
+    def weight_test(self) -> Callable[[torch.Tensor], bool] | None:
+        """Nothing is gathered for the forward."""
+        return None
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Parameters, gradients and optimizer states this rank holds, counted from the tensors."""
+        params = [p for _, p in self._named]
+        opt = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        grads = [p.grad for p in params if p.grad is not None]
+        return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(opt)}
+
+    def offloaded_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]] | None:
+        """Plain data parallelism offloads nothing."""
+        return None
 
     def bucket_bytes(self) -> int:
         """Bytes held by in-flight bucket buffers right now (for memory accounting)."""
@@ -151,6 +184,35 @@ def bucketed(named: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[li
         buckets[-1].append((name, p))
         size += nbytes
     return buckets
+
+
+def bucketed_by_group(
+    named: list[tuple[str, nn.Parameter]], bucket_mb: float, group: Group | Mapping[str, Group]
+) -> list[tuple[Group, list[tuple[str, nn.Parameter]]]]:
+    """:func:`bucketed` within each reduction group (``group``: one for all, or each parameter's by
+    name), groups in the order their parameters first appear: the buckets that never mix groups."""
+    if isinstance(group, Group):
+        return [(group, run) for run in bucketed(named, bucket_mb)]
+    missing = [n for n, _ in named if n not in group]
+    if missing:
+        raise ValueError(f"no gradient group for {missing[:3]} (the placement record names every parameter)")
+    by_group: dict[int, tuple[Group, list[tuple[str, nn.Parameter]]]] = {}
+    for name, p in named:
+        by_group.setdefault(id(group[name]), (group[name], []))[1].append((name, p))
+    return [(g, run) for g, members in by_group.values() for run in bucketed(members, bucket_mb)]
+
+
+def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of a collection of tensors, each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key in seen and key != 0:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
 
 
 def grad_or_zeros(p: nn.Parameter) -> torch.Tensor:

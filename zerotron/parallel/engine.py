@@ -18,12 +18,15 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # annotations only: the ZeRO package imports this module
-    from zerotron.distributed.mesh import Group
     from zerotron.parallel.zero.flat import FlatLayout, ShardSegment
 
 
 class GradientReducer(Protocol):
-    """Reduces gradients over the data-parallel group as backward produces them."""
+    """Reduces gradients as backward produces them, each over its parameter's group (the placement
+    record's: the data-parallel group for dense parameters), and says what the optimizer updates.
+
+    Plain data parallelism and every ZeRO stage answer the same questions, so the step loop asks them
+    without knowing which technique runs."""
 
     def no_sync(self) -> AbstractContextManager[None]:
         """A context in which backward accumulates without reducing (all but the last micro-batch)."""
@@ -33,18 +36,47 @@ class GradientReducer(Protocol):
         """Wait for the step's reductions (after the last backward)."""
         ...
 
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """What the optimizer updates on this rank, by parameter name: the parameters themselves, or
+        this rank's shard segments of them (ZeRO)."""
+        ...
+
+    def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """What :meth:`trainable` lists, as AdamW's (weight-decayed, not decayed) groups: matrices
+        decay, norm gains and biases do not."""
+        ...
+
+    def after_step(self) -> None:
+        """After the optimizer step: make the updated weights visible to the next forward."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Drop the step's gradients the reducer keeps of its own (shards, whole gradients)."""
+        ...
+
+    @property
+    def weight_test(self) -> Callable[[torch.Tensor], bool] | None:
+        """Whether a tensor autograd saves is a weight the engine gathered outside the parameters'
+        storages (ZeRO-3), not an activation; None when nothing is gathered for the forward (the
+        activation meter then makes no call per saved tensor)."""
+        ...
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Parameters, gradients and optimizer states this rank holds on the device."""
+        ...
+
+    def offloaded_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]] | None:
+        """Model states off the device, ``{host|nvme: {params, grads, optimizer}}``; None when the
+        technique offloads nothing."""
+        ...
+
 
 class ShardedEngine(GradientReducer, Protocol):
     """A ZeRO engine: this rank's shards of the parameters, gradients and optimizer states."""
 
     @property
-    def group(self) -> Group:
-        """The data-parallel group the engine shards over."""
-        ...
-
-    @property
     def layouts(self) -> list[FlatLayout]:
-        """The flat buffers (ZeRO-1/2) or units (ZeRO-3) and this rank's range of each."""
+        """The flat buffers (ZeRO-1/2) or units (ZeRO-3), each with its group and this rank's range."""
         ...
 
     @property
@@ -62,23 +94,8 @@ class ShardedEngine(GradientReducer, Protocol):
         """The parameters this engine shards, by name."""
         ...
 
-    def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(weight-decayed, not decayed) segments."""
-        ...
-
-    def after_step(self) -> None:
-        """After the optimizer step: make the updated weights visible to the next forward."""
-        ...
-
-    def zero_grad(self) -> None:
-        """Drop the step's gradients."""
-        ...
-
-    @property
-    def weight_test(self) -> Callable[[torch.Tensor], bool] | None:
-        """Whether a tensor autograd saves is a weight the engine gathered outside the parameters'
-        storages (ZeRO-3), not an activation; None when the engine gathers nothing for the forward
-        (the activation meter then makes no call per saved tensor)."""
+    def offloaded_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+        """Model states off the device: ``{host|nvme: {params, grads, optimizer}}``."""
         ...
 
     def full_params(self) -> AbstractContextManager[None]:
@@ -87,14 +104,6 @@ class ShardedEngine(GradientReducer, Protocol):
 
     def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:
         """Give every parameter the values ``whole(name)`` returns."""
-        ...
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Parameters, gradients and optimizer states this rank holds on the device."""
-        ...
-
-    def offloaded_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
-        """Model states off the device: ``{host|nvme: {params, grads, optimizer}}``."""
         ...
 
     def close(self) -> None:

@@ -3,27 +3,34 @@
 A :class:`Placement` says, for one parameter tensor on this rank, its global shape, the offsets of this
 rank's box in it, the mesh axes that split it (``sharded``) and the axes over which the same box is
 held more than once (``replicated``), and whether the tensor is a copy whose original lives elsewhere
-(the tied output head on the last pipeline stage, a copy of the first stage's embedding). The records
-are derived from what the ``apply_*`` steps left on the model: tensor parallelism's shard specs, the
-pipeline's tied copy. Data parallelism replicates everything (ZeRO then splits the flat buffers, one
-level down: :mod:`zerotron.parallel.zero.flat` records each segment's range).
+(the tied output head on the last pipeline stage, a copy of the first stage's embedding, saved and
+read under the embedding's name: ``source``), and the mesh axis whose ranks sum its gradient
+(``grad_axis``: ``dp`` for every dense parameter; an ``apply_*`` that gives some parameters another
+group, such as expert parallelism's ``edp``, says so with :func:`set_grad_axis`). The records are
+derived from what the ``apply_*`` steps left on the model: tensor parallelism's shard specs, the
+pipeline's tied copy, the gradient axes. Data parallelism replicates everything (ZeRO then splits the
+flat buffers, one level down: :mod:`zerotron.parallel.zero.flat` records each segment's range).
 
 Derived here, and nowhere else: which rank counts a parameter in the global gradient norm
-(:func:`counts_in_norm`, :func:`norm_axes`) and the model's parameter count (:func:`local_numel`,
-summed over the pipeline by the caller). Still derived case by case elsewhere (the next users of the
-record): gradient reduction groups, which replica writes a checkpoint piece.
+(:func:`counts_in_norm`, :func:`norm_axes`), which rank writes a checkpoint piece (:func:`writes`),
+the group that reduces each parameter's gradient (:func:`grad_groups`, which the data-parallel buckets
+and the ZeRO engines take) and the model's parameter count (:func:`local_numel`, summed over the
+pipeline by the caller).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from zerotron.distributed.mesh import Group
 from zerotron.parallel.tensor import shard_specs
+
+GRAD_AXES_ATTR = "grad_axes"  # on a module: {parameter name in the module: mesh axis reducing its gradient}
 
 
 @dataclass(frozen=True)
@@ -34,13 +41,41 @@ class Placement:
     offsets: tuple[int, ...]
     sharded: tuple[str, ...] = ()
     replicated: tuple[str, ...] = ()
-    copy: bool = False  # a copy of a tensor another pipeline stage owns (tied weights)
+    source: str | None = None  # the tensor this one copies (tied weights), saved under that name
+    grad_axis: str = "dp"  # the mesh axis whose ranks sum this parameter's gradient
+
+    @property
+    def copy(self) -> bool:
+        """A copy of a tensor another pipeline stage owns (counted, written and reduced there)."""
+        return self.source is not None
 
 
-def placements(model: nn.Module, tp: int = 1, copy: torch.Tensor | None = None) -> dict[str, Placement]:
+def set_grad_axis(module: nn.Module, param_name: str, axis: str) -> None:
+    """Record that ``module.<param_name>``'s gradient is summed over mesh ``axis`` (not ``dp``)."""
+    axes = getattr(module, GRAD_AXES_ATTR, None)
+    if axes is None:
+        axes = {}
+        setattr(module, GRAD_AXES_ATTR, axes)
+    axes[param_name] = axis
+
+
+def _grad_axes(model: nn.Module) -> dict[int, str]:
+    """Parameter id -> the gradient axis an ``apply_*`` recorded for it."""
+    out: dict[int, str] = {}
+    for module in model.modules():
+        for pname, axis in getattr(module, GRAD_AXES_ATTR, {}).items():
+            out.setdefault(id(getattr(module, pname)), axis)
+    return out
+
+
+def placements(
+    model: nn.Module, tp: int = 1, copy: tuple[torch.Tensor, str] | None = None
+) -> dict[str, Placement]:
     """Every parameter's placement by name (tied names included), from the model's tensor-parallel
-    shard specs (``tp`` ranks) and the pipeline's tied ``copy`` (the head on the last stage), if any."""
+    shard specs (``tp`` ranks), its recorded gradient axes, and the pipeline's tied ``copy`` (the head
+    on the last stage and the name of the tensor it copies), if any."""
     specs = shard_specs(model)
+    axes = _grad_axes(model)
     out: dict[str, Placement] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         spec = specs.get(name)
@@ -53,9 +88,25 @@ def placements(model: nn.Module, tp: int = 1, copy: torch.Tensor | None = None) 
             offsets=tuple(offsets),
             sharded=("tp",) if sharded else (),
             replicated=("tp",) if tp > 1 and not sharded else (),
-            copy=copy is not None and p is copy,
+            source=copy[1] if copy is not None and p is copy[0] else None,
+            grad_axis=axes.get(id(p), "dp"),
         )
     return out
+
+
+GroupOf = Callable[[str], Group]  # mesh axis -> this rank's group on it (``Mesh.group``)
+
+
+def grad_groups(records: Mapping[str, Placement], group_of: GroupOf) -> dict[str, Group]:
+    """The group that sums each parameter's gradient, by name, from its placement's ``grad_axis``."""
+    return {name: group_of(record.grad_axis) for name, record in records.items()}
+
+
+def writes(placement: Placement, coords: Mapping[str, int]) -> bool:
+    """Whether this rank writes the parameter's box to a checkpoint: not a copy, and the first holder
+    along every axis that replicates the box (data-parallel replicas are the caller's: ZeRO's ranks
+    write their own ranges)."""
+    return counts_in_norm(placement, coords)
 
 
 def counts_in_norm(placement: Placement, coords: Mapping[str, int]) -> bool:
@@ -64,13 +115,11 @@ def counts_in_norm(placement: Placement, coords: Mapping[str, int]) -> bool:
     return not placement.copy and all(coords.get(axis, 0) == 0 for axis in placement.replicated)
 
 
-def norm_axes(records: Mapping[str, Placement], pipeline: bool, sharded_states: bool) -> list[str]:
+def norm_axes(records: Mapping[str, Placement], sharded_states: bool) -> list[str]:
     """The mesh axes whose ranks hold the other parts of the gradient norm, in reduction order: dp when
-    the optimizer sees shards (ZeRO), pp when stages hold different parameters, and every axis that
-    splits a parameter."""
-    axes = ["dp"] if sharded_states else []
-    if pipeline:
-        axes.append("pp")
+    the optimizer sees shards (ZeRO), pp (stages hold different parameters; one rank without
+    pipeline parallelism, where the sum is free), and every axis that splits a parameter."""
+    axes = ["dp", "pp"] if sharded_states else ["pp"]
     for axis in sorted({a for r in records.values() for a in r.sharded}):
         axes.append(axis)
     return axes

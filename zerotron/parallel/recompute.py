@@ -7,7 +7,7 @@
 - ``selective``: only the attention core (softmax(QKᵀ)V, the part whose activations grow with s²) is
   recomputed; the projections and the MLP keep their activations.
 
-The model's parallel plan names what to wrap: ``model.layers`` (a ``ModuleList`` of blocks) and, inside
+The model's parallel plan names what to wrap: ``model.layers`` (a ``ModuleList`` of blocks, a stage's too) and, inside
 each block, ``self_attn.core`` (the attention-core module). Wrapping replaces ``forward`` of those modules
 with a non-reentrant :func:`torch.utils.checkpoint.checkpoint` call, so RNG state is replayed exactly and
 the numbers equal the run without recomputation.
@@ -40,7 +40,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Wrap ``model``'s blocks (``full``) or attention cores (``selective``) in activation checkpointing.
 
     Args:
-        model: a module with ``layers`` (a list or dict of blocks), each with ``self_attn.core``.
+        model: a module with ``layers`` (a ``ModuleList`` of blocks), each with ``self_attn.core``.
         mode: ``none``, ``selective`` or ``full``.
     """
     if mode not in MODES:
@@ -50,8 +50,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError(f"train.recompute={mode} needs a model with a `layers` list of blocks")
-    blocks: Any = layers.values() if isinstance(layers, nn.ModuleDict) else layers  # a pipeline stage's dict
-    for block in blocks:
+    for block in layers:
         if mode == "full":
             _wrap_forward(block)
         else:

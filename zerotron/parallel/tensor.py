@@ -27,7 +27,7 @@ A plain dict (see :meth:`TensorParallelPlan.from_dict`); names are attribute pat
         "embedding": "embed_tokens",     # nn.Embedding -> VocabParallelEmbedding (optional)
         "output": "lm_head",             # nn.Linear to the vocabulary -> vocab-split logits (optional)
         "norms": ["norm"],               # replicated modules that run on sequence shards under SP
-        "blocks": "layers",              # a ModuleList/ModuleDict of transformer blocks
+        "blocks": "layers",              # a ModuleList of transformer blocks
         "block": {                       # everything below is relative to one block
             "norms": ["input_layernorm", "post_attention_layernorm"],
             "regions": {
@@ -72,7 +72,7 @@ initialised whole with the global seed (or loaded).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -352,6 +352,22 @@ class TensorParallelPlan:
         )
 
 
+def _held(plan: TensorParallelPlan, model: nn.Module) -> TensorParallelPlan:
+    """``plan`` without the embedding, output and final norms that ``model`` (a pruned pipeline stage)
+    does not hold."""
+
+    def held(path: str) -> bool:
+        parent, _, name = path.rpartition(".")
+        return name in (_get(model, parent) if parent else model)._modules
+
+    return replace(
+        plan,
+        embedding=plan.embedding if plan.embedding is not None and held(plan.embedding) else None,
+        output=plan.output if plan.output is not None and held(plan.output) else None,
+        norms=[n for n in plan.norms if held(n)],
+    )
+
+
 def _get(root: nn.Module, path: str) -> nn.Module:
     module: Any = root
     for part in path.split("."):
@@ -442,19 +458,20 @@ def apply_tensor_parallel(
     plan: TensorParallelPlan,
     group: Group,
     sequence_parallel: bool = False,
-    hidden_input: bool = False,
 ) -> nn.Module:
     """Replace ``model``'s layers by their tensor-parallel shards on this rank, in place.
 
     ``model`` holds its full, initialised (or loaded) weights; each rank keeps its slice, so the
-    global weights do not depend on the layout. A group of one rank leaves the model unchanged.
-    ``hidden_input``: the model is a later pipeline stage whose input is hidden states from the previous
-    stage (already (b, s/t, h) shards under sequence parallelism), so it needs no embedding entry.
+    global weights do not depend on the layout. A group of one rank leaves the model unchanged. A
+    pipeline stage is the model with what it does not own pruned: the plan's embedding, output and
+    final norms that the model does not hold are skipped (a stage without the embedding takes hidden
+    states, already (b, s/t, h) shards under sequence parallelism).
     """
     if group.size == 1:
         return model
-    if sequence_parallel and plan.embedding is None and not hidden_input:
+    if sequence_parallel and plan.embedding is None:
         raise ValueError("sequence parallelism needs an 'embedding' entry in the tensor-parallel plan")
+    plan = _held(plan, model)
     tied = (
         plan.embedding is not None
         and plan.output is not None
@@ -475,7 +492,7 @@ def apply_tensor_parallel(
             head.weight = embedding.weight
         _set(model, plan.output, head)
     blocks: Any = _get(model, plan.blocks)
-    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+    for block in blocks:
         for name, region_plan in plan.regions.items():
             _shard_region(_get(block, name), region_plan, group, sequence_parallel)
         if sequence_parallel:

@@ -19,34 +19,6 @@ import torch
 from torch import nn
 
 
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of a collection of tensors, each storage counted once."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
-        key = t.untyped_storage().data_ptr()
-        if key in seen and key != 0:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
-
-
-def model_state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, extra_grad_bytes: int = 0
-) -> dict[str, Any]:
-    """Parameters, gradients and optimizer states as this rank holds them, counted from the tensors."""
-    params = list({id(p): p for p in model.parameters()}.values())
-    opt_tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    return {
-        "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params) + extra_grad_bytes,
-        "optimizer": tensor_bytes(opt_tensors),
-    }
-
-
 class _Saved:
     """What the meter's pack hook stores in the graph: the tensor, un-counted when autograd drops it."""
 

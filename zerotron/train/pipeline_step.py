@@ -7,8 +7,8 @@ embedding's two copies get the sum of their gradients, the data-parallel gradien
 buckets or ZeRO-1's reduce-scatter) runs once after that, and the loss (known on the last stage) is
 summed over the pipeline group.
 
-With tensor parallelism each stage is split by :func:`~zerotron.models.stages.tensor_parallel_stages`;
-the last stage's logits are vocabulary-split, so the loss is the vocabulary-parallel cross-entropy
+The stages are built by the one parallelize path (:func:`zerotron.models.parallelize.parallelize_llama`);
+with tensor parallelism the last stage's logits are vocabulary-split, so the loss is the vocabulary-parallel cross-entropy
 over the tp group, and the hidden states passed between stages are (b, s/t, h) sequence shards under
 sequence parallelism.
 """
@@ -23,25 +23,12 @@ import torch
 from zerotron.config import Config
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
-from zerotron.models.stages import StagedModel, build_stages, stage_bounds, tensor_parallel_stages
+from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import GradientReducer
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
 from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter
-
-
-def build_pipeline_model(cfg: Config, mesh: Mesh, device: torch.device) -> StagedModel:
-    """This pipeline rank's chunks, with the layout-independent initial weights of the whole model,
-    split over the tensor-parallel group when ``parallel.tp > 1`` (pipeline split first, DESIGN order).
-    Weights of a zerotron checkpoint named by ``model.path`` are loaded into the stages afterwards
-    (:func:`zerotron.train.trainer.build_model`)."""
-    p, v = mesh.dims.pp, cfg.parallel.virtual_stages
-    bounds = stage_bounds(cfg.model, cfg.train.seq_len, p * v, cfg.parallel.pp_layers)
-    chunks = build_stages(cfg.model, bounds, mesh.coords["pp"], p, cfg.train.seed, device)
-    if mesh.dims.tp > 1:
-        tensor_parallel_stages(chunks, cfg.model, mesh.group("tp"), cfg.parallel.sequence_parallel)
-    return StagedModel(cfg.model, chunks)
 
 
 def micro_batches_per_step(cfg: Config, dp: int) -> int:

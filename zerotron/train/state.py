@@ -32,8 +32,7 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
-from zerotron.parallel.placement import Placement, placements
-from zerotron.parallel.tensor import shard_specs
+from zerotron.parallel.placement import Placement, placements, writes
 from zerotron.parallel.zero.offload import state_of
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
 
@@ -88,9 +87,9 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def model_placements(model: nn.Module, tp: int) -> dict[str, Placement]:
+def model_placements(model: nn.Module, tp: int = 1) -> dict[str, Placement]:
     """The placement record of this rank's model (a pipeline's tied head is a copy of the embedding)."""
-    copy = model.tied_duplicate() if isinstance(model, StagedModel) else None
+    copy = model.tied_copy() if isinstance(model, StagedModel) else None
     return placements(model, tp, copy)
 
 
@@ -100,37 +99,30 @@ def _rank_pieces(
     """What this rank writes: its tensors by key and their index entries (no communication).
 
     Under ZeRO every data-parallel rank writes its segments (weights and AdamW moments, the ``flat``
-    range of its tensor-parallel box); without it the first data-parallel replica writes whole boxes.
-    A tensor replicated over tp is written by tp rank 0 only; context-parallel ranks > 0 write nothing.
-    A copy (the tied head on the last pipeline stage, per the placement record) is not written: its
-    owner, the embedding, is, and every layout reads the head from it.
+    range of its box); without it the first data-parallel replica writes whole boxes. Of the ranks
+    holding the same box, the placement record's first holder writes it (``placement.writes``: tp
+    rank 0 for a tensor replicated over tp); a copy (the tied head on the last
+    pipeline stage) is not written: its source, the embedding, is, and every layout reads the head
+    from it. Context-parallel ranks > 0 write nothing.
     """
     tensors: dict[str, torch.Tensor] = {}
     entries: list[dict[str, Any]] = []
     if mesh.coords["cp"] != 0:
         return tensors, entries
-    specs = shard_specs(model) if mesh.dims.tp > 1 else {}
-    tp_first = mesh.coords["tp"] == 0
-    copies = {name for name, record in model_placements(model, mesh.dims.tp).items() if record.copy}
+    records = model_placements(model, mesh.dims.tp)
 
     def add(
         name: str, kind: str, param: str, data: torch.Tensor, box: tuple[int, ...], flat: Any = None
     ) -> None:
-        if param in copies:
+        record = records[param]
+        if not writes(record, mesh.coords):
             return
-        spec = specs.get(param)
-        global_shape: tuple[int, ...]
-        offsets: tuple[int, ...]
-        if data.ndim == 0:  # AdamW's step count: one copy
-            if not tp_first:
+        global_shape: tuple[int, ...] = record.global_shape
+        offsets: tuple[int, ...] = record.offsets
+        if data.ndim == 0:  # AdamW's step count: one copy, from the first box along the splitting axes
+            if any(mesh.coords[axis] for axis in record.sharded):
                 return
             global_shape, offsets, box = (), (), ()
-        elif spec is not None and spec.sharded:
-            global_shape, offsets = spec.global_shape, spec.offsets
-        elif not tp_first:
-            return  # the same values live on tp rank 0
-        else:
-            global_shape, offsets = box, (0,) * len(box)
         tensors[name] = data
         entries.append(sharded.piece(name, kind, global_shape, offsets, box, data, flat))
 
@@ -222,28 +214,30 @@ class _Reader:
 
     def __init__(self, reader: sharded.ShardedCheckpoint, model: nn.Module) -> None:
         self.reader, self.ckpt = reader, reader.ckpt
-        self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        self.specs = shard_specs(model)
+        self.records = model_placements(model)
 
-    def saved(self, name: str) -> str | None:
-        """The saved tensor behind ``name`` (a tied head stored once, as the embedding), or None."""
+    def saved(self, name: str, param: str) -> str | None:
+        """The saved tensor behind ``name`` (``param`` or one of its optimizer tensors): itself, or for a
+        copy the same tensor of its placement's ``source`` (a tied head is stored once, as the
+        embedding), or None."""
         if name in self.reader:
             return name
-        head = "lm_head.weight"
-        alias = "embed_tokens.weight" + name[len(head) :]
-        if self.tied and name.startswith(head) and alias in self.reader:
-            return alias
+        record = self.records.get(param)
+        if record is not None and record.source is not None:
+            alias = record.source + name[len(param) :]
+            if alias in self.reader:
+                return alias
         return None
 
     def local(self, name: str, param: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """``name``'s part on this rank: the tp box of ``param`` when it is split, else all of it."""
-        src = self.saved(name)
+        """``name``'s part on this rank: ``param``'s box per the placement record (its tp shard)."""
+        src = self.saved(name, param)
         assert src is not None
-        spec = self.specs.get(param)
+        record = self.records[param]
         saved_shape = self.reader.shape(src)
         want, offsets = shape, (0,) * len(shape)
-        if spec is not None and spec.sharded and saved_shape:  # ``shape`` is the tp shard's
-            want, offsets = spec.global_shape, spec.offsets
+        if record.sharded and saved_shape:  # ``shape`` is the box's, inside the global tensor
+            want, offsets = record.global_shape, record.offsets
         if saved_shape != tuple(want):
             raise store.CheckpointError(
                 f"{self.ckpt}: {src!r} has shape {list(saved_shape)} in the checkpoint but this model "
@@ -256,7 +250,7 @@ class _Reader:
         has each (and, unless ``partial``, a pipeline stage holding some only, nothing else)."""
         skip = _tied_names(model)
         expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in skip}
-        missing = [n for n in expected if self.saved(n) is None]
+        missing = [n for n in expected if self.saved(n, n) is None]
         unexpected = [] if partial else [n for n in self.reader.names("model") if n not in expected]
         unexpected = [n for n in unexpected if n not in skip]
         if missing or unexpected:
@@ -275,7 +269,7 @@ class _Reader:
         before any step): ZeRO takes one segment's range at a time, never the whole state."""
         names: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name, p in model.named_parameters(remove_duplicate=True):
-            if self.saved(f"{name}.exp_avg") is None:
+            if self.saved(f"{name}.exp_avg", name) is None:
                 continue
             for key in ADAM_KEYS:
                 names[f"{name}.{key}"] = (name, tuple(p.shape))

@@ -1,9 +1,9 @@
 """The training loop of one rank: micro-batches, gradient accumulation, data-parallel reduction,
 precision, clipping, the optimizer step, metrics and checkpoints.
 
-Parallelism is applied in DESIGN.md's order by :func:`build_model`: pipeline split → tensor/sequence
-parallel → (context, expert are later issues) → activation recomputation → data-parallel gradient
-buckets last.
+Parallelism is applied in DESIGN.md's order: :func:`build_model` runs the one parallelize path
+(pipeline split → tensor/sequence parallel → (context, expert are later issues) → activation
+recomputation), then the engine adds data-parallel gradient buckets or ZeRO last.
 """
 
 from __future__ import annotations
@@ -23,62 +23,40 @@ from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
-from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
-from zerotron.models.stages import StagedModel
+from zerotron.models.parallelize import parallelize_llama
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
-from zerotron.parallel.placement import counts_in_norm, local_numel, norm_axes
-from zerotron.parallel.recompute import apply_recompute
-from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
+from zerotron.parallel.placement import counts_in_norm, grad_groups, local_numel, norm_axes
 from zerotron.parallel.zero.api import apply_zero, offload_optimizer
 from zerotron.plan.hardware import peak_flops_of_device
 from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
-from zerotron.train.loss import autocast, token_loss_sum
-from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress, model_state_bytes
+from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress
 from zerotron.train.optim import (
     DynamicLossScaler,
     adamw,
-    build_optimizer,
     clip_grads_,
     global_grad_norm,
     lr_at,
 )
-from zerotron.train.pipeline_step import PipelineStep, build_pipeline_model
+from zerotron.train.step import build_step
 
 
 def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> nn.Module:
-    """The model on ``device`` with layout-independent initial weights (or weights from model.path).
-
-    With ``parallel.pp > 1`` only this rank's pipeline stages are built (a StagedModel). With
-    ``parallel.tp > 1`` the whole model is built (or loaded) with the global seed and each rank keeps
-    its tensor-parallel shard (:func:`zerotron.parallel.tensor.apply_tensor_parallel`), so every tp
-    starts from the same global weights. A ``model.path`` naming a zerotron checkpoint (or run) is read
-    after the split: each rank takes the part of every saved tensor it holds, whatever layout saved it.
-    """
+    """The model on ``device`` with layout-independent initial weights (or weights from model.path),
+    laid out over ``mesh`` by the one parallelize path (:func:`zerotron.models.parallelize.
+    parallelize_llama`). A ``model.path`` naming a zerotron checkpoint (or run) is read after the split:
+    each rank takes the part of every saved tensor it holds, whatever layout saved it."""
     ckpt = store.checkpoint_dir(Path(cfg.model.path)) if cfg.model.path else None
-    if mesh is not None and mesh.dims.pp > 1:
-        if cfg.model.path and ckpt is None:
-            raise ValueError("parallel.pp > 1 reads model.path from a zerotron checkpoint only")
-        model: nn.Module = build_pipeline_model(cfg, mesh, device)
-    elif cfg.model.path and ckpt is None:
-        from zerotron.models.loading import load_pretrained
+    pretrained = cfg.model.path if cfg.model.path and ckpt is None else None
 
-        model, _ = load_pretrained(cfg.model.path, dtype=torch.float32, device=str(device))
-    else:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg.model)
-        model.to_empty(device=device)
-        model.init_weights(cfg.train.seed)
-    if mesh is not None and mesh.dims.tp > 1 and mesh.dims.pp == 1:  # pipeline stages: split above
-        plan = TensorParallelPlan.from_dict(tensor_parallel_plan(cfg.model))
-        apply_tensor_parallel(model, plan, mesh.group("tp"), cfg.parallel.sequence_parallel)
-    if ckpt is not None:
-        ckpt_state.load_weights(ckpt, model, partial=mesh is not None and mesh.dims.pp > 1)
-    apply_recompute(model, cfg.train.recompute)
-    return model
+    def load(model: nn.Module, partial: bool) -> None:
+        assert ckpt is not None
+        ckpt_state.load_weights(ckpt, model, partial)
+
+    return parallelize_llama(cfg, device, mesh, pretrained, load if ckpt is not None else None)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -113,7 +91,6 @@ class Trainer:
         self.model.train()
         self.dp_group = mesh.group("dp")
         self.zero, self.buckets, self.optimizer = self._build_engine(cfg)
-        self.params = [p for p in {id(p): p for p in self.model.parameters()}.values() if p.requires_grad]
         self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
         dataset = PackedDataset(tokens, cfg.train.seq_len)
         self.loader = DataLoader(
@@ -124,15 +101,10 @@ class Trainer:
             dp_size=self.dp_group.size,
             seed=cfg.train.seed,
         )
-        self.meter = ActivationMeter(self.model, self.zero.weight_test if self.zero is not None else None)
+        self.meter = ActivationMeter(self.model, self.buckets.weight_test)
         self.step = 0
         self.resumed_layout: dict[str, Any] | None = None
-        self.pipeline = (
-            PipelineStep(self.model, mesh, cfg, self.meter, self.buckets)
-            if isinstance(self.model, StagedModel)
-            else None
-        )
-        self.tp_group = mesh.group("tp")
+        self.runner = build_step(self.model, mesh, cfg, self.meter, self.buckets)
         self._place_norm(mesh)
         self.flops_per_token = flops_per_token(ModelShape.from_config(cfg.model), cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
@@ -146,30 +118,29 @@ class Trainer:
         once), the groups that sum the parts, and the model's parameter count."""
         records = ckpt_state.model_placements(self.model, mesh.dims.tp)
         owned = {name for name, record in records.items() if counts_in_norm(record, mesh.coords)}
-        axes = norm_axes(records, self.pipeline is not None, self.zero is not None)
-        self.norm_groups = [mesh.group(axis) for axis in axes]
-        if self.zero is not None:  # the optimizer, clipping and unscaling see this rank's shard segments
-            self.params = self.zero.params
-            segments = [seg for segs in self.zero.segments for seg in segs]
-            self.norm_params = [seg.param for seg in segments if seg.name in owned]
-        else:
-            self.norm_params = [p for n, p in self.model.named_parameters() if p.requires_grad and n in owned]
+        # the optimizer, clipping and unscaling see what the reducer says this rank updates (whole
+        # parameters, or ZeRO's shard segments)
+        trainable = self.buckets.trainable()
+        self.params = [p for _, p in trainable]
+        self.norm_params = [p for name, p in trainable if name in owned]
+        self.norm_groups = [mesh.group(axis) for axis in norm_axes(records, self.zero is not None)]
         total = torch.tensor([float(local_numel(records, self.model))])
-        if self.pipeline is not None:  # every stage holds different blocks
-            collectives.all_reduce(total, mesh.group("pp"), op="sum")
+        collectives.all_reduce(total, mesh.group("pp"), op="sum")  # every stage holds different blocks
         self.n_params = int(total.item())
 
     def _build_engine(
         self, cfg: Config
     ) -> tuple[ShardedEngine | None, GradientReducer, torch.optim.Optimizer]:
         """ZeRO (which replaces the gradient buckets and owns the optimizer's params) or plain data
-        parallelism's buckets, and the optimizer over what this rank updates."""
+        parallelism's buckets, each reducing a parameter over the group its placement names, and the
+        optimizer over what this rank updates."""
         par = cfg.parallel
+        groups = grad_groups(ckpt_state.model_placements(self.model, self.mesh.dims.tp), self.mesh.group)
         zero: ShardedEngine | None = (
             apply_zero(
                 self.model,
                 par.zero,
-                self.dp_group,
+                groups,
                 par.bucket_mb,
                 par.persist_numel,
                 par.reshard_after_forward,
@@ -179,14 +150,12 @@ class Trainer:
             if par.zero > 0
             else None
         )
-        buckets: GradientReducer = zero or GradientBuckets(self.model, self.dp_group, par.bucket_mb)
+        buckets: GradientReducer = zero or GradientBuckets(self.model, groups, par.bucket_mb)
         optimizer: torch.optim.Optimizer
-        if zero is None:
-            optimizer = build_optimizer(self.model, cfg.train)
-        elif par.offload_optimizer != "none":  # ZeRO-Offload: master, moments and step on the host or NVMe
+        if zero is not None and par.offload_optimizer != "none":  # ZeRO-Offload: the step on the host
             optimizer = offload_optimizer(zero, cfg.train, par.offload_optimizer, par.nvme_path)
         else:
-            optimizer = adamw(*zero.param_groups(), cfg.train)
+            optimizer = adamw(*buckets.param_groups(), cfg.train)
         return zero, buckets, optimizer
 
     def _init_fault(self, attempt: int) -> None:
@@ -196,26 +165,6 @@ class Trainer:
         self.stopped: str | None = None  # the signal that stopped fit() early, agreed by every rank
 
     # -- one optimizer step ------------------------------------------------------------------------
-    def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-        """Run every micro-batch; return this rank's summed token loss (fp32 scalar)."""
-        if self.pipeline is not None:
-            return self.pipeline.forward_backward(micro, scale, self.device)
-        tokens_global = self.cfg.train.global_batch * self.cfg.train.seq_len
-        precision = self.cfg.train.precision
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, (inputs, labels) in enumerate(micro):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last else self.buckets.no_sync()
-            with sync:
-                with self.meter.forward(), autocast(self.device, precision):
-                    logits = self.model(inputs)  # (mb, s, V)
-                    loss = token_loss_sum(logits, labels, self.tp_group)
-                (loss * (scale / tokens_global)).backward()
-            loss_sum += loss.detach()
-        self.buckets.finish()
-        return loss_sum
-
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
         """Run one optimizer step (on the loader's next batches unless ``micro`` is given)."""
         cfg = self.cfg.train
@@ -227,7 +176,7 @@ class Trainer:
         scale = self.scaler.scale if fp16 else 1.0
         if self.injector.poisons(self.step + 1):
             scale = float("nan")  # fault.inject nan: this step's gradients are NaN on every rank
-        loss_sum = self._forward_backward(micro, scale)
+        loss_sum = self.runner.forward_backward(micro, scale, self.device)
         if fp16:
             grads = [p.grad for p in self.params if p.grad is not None]
             torch._foreach_mul_(grads, 1.0 / scale)
@@ -248,16 +197,11 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-            if self.zero is not None:
-                self.zero.after_step()
+            self.buckets.after_step()
         activation = self.meter.take_peak()
-        offloaded = None
-        if self.zero is not None:
-            states = self.zero.state_bytes(self.optimizer)
-            offloaded = self.zero.offloaded_bytes(self.optimizer)
-            self.zero.zero_grad()
-        else:
-            states = model_state_bytes(self.model, self.optimizer)
+        states = self.buckets.state_bytes(self.optimizer)
+        offloaded = self.buckets.offloaded_bytes(self.optimizer)
+        self.buckets.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         record = self._record(loss_sum, norm, lr, started, activation, states, skipped)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 
 from zerotron.config import TrainConfig
@@ -17,14 +19,16 @@ ZeroEngine = ShardedEngine  # what apply_zero returns: every stage satisfies the
 def apply_zero(
     model: nn.Module,
     stage: int,
-    group: Group,
+    group: Group | Mapping[str, Group],
     bucket_mb: float = 25.0,
     persist_numel: int = 4096,
     reshard_after_forward: bool = True,
     offload_params: str = "none",
     nvme_path: str | None = None,
 ) -> ZeroEngine:
-    """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3).
+    """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3):
+    one group for every parameter, or each parameter's by name (the placement record's
+    :func:`~zerotron.parallel.placement.grad_groups`).
 
     The last step of DESIGN.md's order: apply it to the finished (recomputation-wrapped) model. The
     returned engine replaces the data-parallel gradient buckets: the trainer's optimizer works on
@@ -49,7 +53,7 @@ def offload_optimizer(
     Under ZeRO-3 parameter offload the units are the buckets and their offloaded shards the master;
     otherwise each flat buffer's segments stay on the device and their fp32 master joins the moments.
     """
-    rank = engine.group.rank_in_group
+    rank = engine.layouts[0].rank if engine.layouts else 0  # names the offload files
     sizes = [layout.shard for layout in engine.layouts]
     moments = {key: ShardStore(sizes, key, where, nvme_path, rank) for key in MOMENTS}
     buckets: list[Bucket]

@@ -58,9 +58,12 @@ class ShardSegment:
 
 
 class FlatLayout:
-    """Parameters ``named`` laid end to end and cut into ``n`` equal shards (see the module docstring)."""
+    """Parameters ``named`` laid end to end and cut into one equal shard per rank of ``group`` (the
+    group that reduces their gradients, per the placement record; see the module docstring)."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], n: int, rank: int) -> None:
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group: Group) -> None:
+        self.group = group
+        n, rank = group.size, group.rank_in_group
         self.slots: list[Slot] = []
         offset = 0
         for name, p in named:
@@ -110,8 +113,8 @@ def segment_grads(segments: list[ShardSegment], shard_grad: torch.Tensor) -> Non
         seg.param.grad = shard_grad[seg.at : seg.at + seg.length]
 
 
-def gather_full(layout: FlatLayout, shard: torch.Tensor, group: Group) -> dict[str, torch.Tensor]:
-    """Whole tensors by name from every rank's ``(shard,)`` (collective over ``group``)."""
+def gather_full(layout: FlatLayout, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Whole tensors by name from every rank's ``(shard,)`` (collective over the layout's group)."""
     flat = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
-    collectives.all_gather(flat, shard.contiguous(), group)
+    collectives.all_gather(flat, shard.contiguous(), layout.group)
     return {s.name: v.detach().clone().cpu() for s, v in zip(layout.slots, layout.views(flat))}

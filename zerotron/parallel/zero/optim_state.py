@@ -10,7 +10,6 @@ from collections.abc import Mapping
 
 import torch
 
-from zerotron.distributed.mesh import Group
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_full
 from zerotron.parallel.zero.offload import OffloadAdamW, set_state_of, state_of
 
@@ -33,7 +32,6 @@ def gather_optimizer_state(
     layouts: list[FlatLayout],
     segments: list[list[ShardSegment]],
     optimizer: torch.optim.Optimizer,
-    group: Group,
 ) -> dict[str, torch.Tensor]:
     """AdamW state as whole tensors ``{name}.exp_avg``, ``{name}.exp_avg_sq``, ``{name}.step`` (collective)."""
     states = [state_of(optimizer, seg.param) for segs in segments for seg in segs]
@@ -44,7 +42,7 @@ def gather_optimizer_state(
     out: dict[str, torch.Tensor] = {}
     for layout, segs in zip(layouts, segments):
         for key in ADAM_KEYS:
-            full = gather_full(layout, segment_state_shard(layout, segs, optimizer, key), group)
+            full = gather_full(layout, segment_state_shard(layout, segs, optimizer, key))
             out.update({f"{name}.{key}": t for name, t in full.items()})
         out.update({f"{s.name}.step": step.clone() for s in layout.slots})
     return out

@@ -14,6 +14,9 @@ copy. After the step every bucket is all-gathered in place (:meth:`after_step`).
   it, adds the result into a gradient shard and drops the whole gradients at once, so a rank holds one
   bucket of whole gradients at a time plus its ``1/dp`` shard.
 
+Each bucket holds parameters of one reduction group (the placement record's ``grad_groups``: ``dp``
+for dense parameters) and is sharded, reduced and gathered over that group.
+
 Traffic per step with one micro-batch: reduce-scatter + all-gather of every bucket, ``2Ψ(N-1)/N``
 bytes-elements, which is the all-reduce of plain data parallelism (NCCL bus convention).
 
@@ -31,7 +34,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.parallel.data import SyncGate, bucketed, grad_or_zeros, unique_named_params
+from zerotron.parallel.data import SyncGate, bucketed_by_group, grad_or_zeros, unique_named_params
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
@@ -46,10 +49,9 @@ class _ShardedBuckets(SyncGate):
 
     stage = 0
 
-    def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
-        self.group = group
-        n, r = group.size, group.rank_in_group
-        self.layouts = [FlatLayout(b, n, r) for b in bucketed(unique_named_params(model), bucket_mb)]
+    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
+        named = unique_named_params(model)
+        self.layouts = [FlatLayout(run, g) for g, run in bucketed_by_group(named, bucket_mb, group)]
         self.flats: list[torch.Tensor] = []
         self.segments: list[list[ShardSegment]] = []
         self._bucket_of: dict[int, int] = {}
@@ -76,6 +78,10 @@ class _ShardedBuckets(SyncGate):
         """The segments this rank updates (optimizer parameters; their gradients are reduced)."""
         return [seg.param for segs in self.segments for seg in segs]
 
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's shard segments, by the name of the parameter each is part of."""
+        return [(seg.name, seg.param) for segs in self.segments for seg in segs]
+
     def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(weight-decayed, not decayed) segments: matrices decay, norm gains and biases do not."""
         segs = [seg for segs in self.segments for seg in segs]
@@ -99,7 +105,7 @@ class _ShardedBuckets(SyncGate):
         flat_grad = layout.flatten(grads)  # (padded,)
         self._keep_whole_grads(i, flat_grad)
         out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)
-        work = collectives.reduce_scatter(out, flat_grad, self.group, op="sum", async_op=True)
+        work = collectives.reduce_scatter(out, flat_grad, layout.group, op="sum", async_op=True)
         self._pending[i].append((work, out))
         self._ready[i], self._launched[i] = 0, True
 
@@ -130,7 +136,7 @@ class _ShardedBuckets(SyncGate):
         """All-gather every bucket so that each rank holds the whole updated model again."""
         for layout, flat in zip(self.layouts, self.flats):
             shard = flat[layout.lo : layout.hi].clone()
-            collectives.all_gather(flat, shard, self.group)
+            collectives.all_gather(flat, shard, layout.group)
 
     def zero_grad(self) -> None:
         """Drop every gradient (whole and sharded)."""
@@ -182,7 +188,7 @@ class _ShardedBuckets(SyncGate):
 
     def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Whole AdamW tensors by parameter name (collective over dp)."""
-        return gather_optimizer_state(self.layouts, self.segments, optimizer, self.group)
+        return gather_optimizer_state(self.layouts, self.segments, optimizer)
 
     def segment_values(self) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
         """Each segment this rank owns with a copy of its current weights ``(length,)`` (no communication)."""
@@ -202,7 +208,7 @@ class ZeroStage1(_ShardedBuckets):
 
     stage = 1
 
-    def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
+    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
         super().__init__(model, group, bucket_mb)
         self.flat_grads: list[torch.Tensor | None] = [None] * len(self.layouts)
 
@@ -233,7 +239,7 @@ class ZeroStage2(_ShardedBuckets):
 
     stage = 2
 
-    def __init__(self, model: nn.Module, group: Group, bucket_mb: float = 25.0) -> None:
+    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
         super().__init__(model, group, bucket_mb)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
 

@@ -94,17 +94,17 @@ class _Unit:
             self.flat.untyped_storage().resize_(0)
             self.gathered = False
 
-    def start_gather(self, group: Group) -> None:
+    def start_gather(self) -> None:
         """Begin the all-gather of the unit into its buffer (no-op when it is there or on its way)."""
         if self.gathered or self.gathering is not None:
             return
         self.flat.untyped_storage().resize_(self.nbytes)
         self.staged = self.device_shard()
-        self.gathering = collectives.all_gather(self.flat, self.staged, group, async_op=True)
+        self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
 
-    def wait_gather(self, group: Group) -> None:
+    def wait_gather(self) -> None:
         """Make sure the unit is gathered."""
-        self.start_gather(group)
+        self.start_gather()
         if self.gathering is not None:
             self.gathering.wait()
             self.gathering = None
@@ -160,6 +160,18 @@ class _Unit:
             self.shard.untyped_storage().resize_(0)
 
 
+def _one_group(named: list[tuple[str, nn.Parameter]], group_of: Callable[[str], Group]) -> Group:
+    """The reduction group that every parameter of one module shares (a unit is sharded over one)."""
+    groups = {id(group_of(name)): group_of(name) for name, _ in named}
+    if len(groups) > 1:
+        labels = sorted(g.label for g in groups.values())
+        raise ValueError(
+            f"ZeRO-3: the parameters of one module ({named[0][0]} …) reduce over different groups "
+            f"({', '.join(labels)}); give the parameters of each group a module of their own"
+        )
+    return next(iter(groups.values()))
+
+
 def _units(model: nn.Module) -> list[nn.Module]:
     """The root first, then every child of every ModuleList, in forward order for a sequential model."""
     blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
@@ -171,7 +183,10 @@ class ZeroStage3:
 
     Args:
         model: the whole model, already on its device (its parameters move into flat buffers).
-        group: the data-parallel group.
+        group: the data-parallel group of every parameter, or each parameter's group by name (the
+            placement record's :func:`~zerotron.parallel.placement.grad_groups`). A unit is sharded
+            over its parameters' group: the parameters of one module must share one (experts live in
+            modules of their own), the small persistent ones form one unit per group.
         persist_numel: parameters with fewer elements stay whole on every rank.
         reshard_after_forward: free each unit after its forward (re-gathered for backward); False keeps
             the units gathered from forward to backward, trading memory for one all-gather.
@@ -186,16 +201,16 @@ class ZeroStage3:
     def __init__(
         self,
         model: nn.Module,
-        group: Group,
+        group: Group | Mapping[str, Group],
         persist_numel: int = 4096,
         reshard_after_forward: bool = True,
         offload_params: str = "none",
         nvme_path: str | None = None,
     ) -> None:
-        self.group, self.reshard_after_forward = group, reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward
         self.offload_params = offload_params
-        n, r = group.size, group.rank_in_group
         names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+        group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
         taken: set[int] = set()
         small: list[tuple[str, nn.Parameter]] = []
         runs: list[tuple[nn.Module | None, FlatLayout]] = []  # (module, its layout), forward order
@@ -207,11 +222,14 @@ class ZeroStage3:
                 taken.add(id(p))
                 (small if p.numel() < persist_numel else named).append((names[id(p)], p))
             if named:
-                runs.insert(0, (module, FlatLayout(named, n, r)))
-        if small:
-            runs.append((None, FlatLayout(small, n, r)))
+                runs.insert(0, (module, FlatLayout(named, _one_group(named, group_of))))
+        by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        for name, p in small:
+            by_group.setdefault(id(group_of(name)), []).append((name, p))
+        runs += [(None, FlatLayout(run, group_of(run[0][0]))) for run in by_group.values()]
+        rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
         self.store = (
-            ShardStore([lay.shard for _, lay in runs], "params", offload_params, nvme_path, r)
+            ShardStore([lay.shard for _, lay in runs], "params", offload_params, nvme_path, rank)
             if offload_params != "none"
             else None
         )
@@ -248,6 +266,10 @@ class ZeroStage3:
         """The segments this rank updates."""
         return [seg.param for u in self.units for seg in u.segments]
 
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's shard segments, by the name of the parameter each is part of."""
+        return [(seg.name, seg.param) for segs in self.segments for seg in segs]
+
     def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(weight-decayed, not decayed) segments."""
         segs = [seg for u in self.units for seg in u.segments]
@@ -256,10 +278,10 @@ class ZeroStage3:
     # -- hooks -------------------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         unit = self._unit_of_module[id(module)]
-        unit.wait_gather(self.group)
+        unit.wait_gather()
         k = self.order.index(unit)
         if k + 1 < len(self.order):
-            self.order[k + 1].start_gather(self.group)  # prefetch
+            self.order[k + 1].start_gather()  # prefetch
         self._note_gathered()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -279,10 +301,10 @@ class ZeroStage3:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        unit.wait_gather(self.group)
+        unit.wait_gather()
         k = self.backward_order.index(unit)
         if k + 1 < len(self.backward_order):
-            self.backward_order[k + 1].start_gather(self.group)  # prefetch what backward reaches next
+            self.backward_order[k + 1].start_gather()  # prefetch what backward reaches next
         self._note_gathered()
 
     def _note_gathered(self) -> None:
@@ -307,7 +329,7 @@ class ZeroStage3:
             slot.param.grad = None
         self._land(unit)  # an earlier micro-batch's reduction lands first
         out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)
-        unit.pending.append((collectives.reduce_scatter(out, flat_grad, self.group, async_op=True), out))
+        unit.pending.append((collectives.reduce_scatter(out, flat_grad, layout.group, async_op=True), out))
         unit.ready, unit.reduced = 0, True
         unit.free()
 
@@ -345,7 +367,7 @@ class ZeroStage3:
         """The persistent unit is gathered again from its updated shard; sharded units wait for use."""
         for unit in self.units:
             if unit.persistent:
-                collectives.all_gather(unit.flat, unit.device_shard(), self.group)
+                collectives.all_gather(unit.flat, unit.device_shard(), unit.layout.group)
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
@@ -370,7 +392,7 @@ class ZeroStage3:
     def full_params(self) -> Iterator[None]:
         """Gather every unit (collective) for the duration of the block, then free them again."""
         for unit in self.order:
-            unit.wait_gather(self.group)
+            unit.wait_gather()
         try:
             yield
         finally:
@@ -414,7 +436,7 @@ class ZeroStage3:
 
     def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Whole AdamW tensors by parameter name (collective over dp)."""
-        return gather_optimizer_state([u.layout for u in self.units], self.segments, optimizer, self.group)
+        return gather_optimizer_state([u.layout for u in self.units], self.segments, optimizer)
 
     @property
     def names(self) -> set[str]:

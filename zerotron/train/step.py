@@ -1,0 +1,72 @@
+"""Forward and backward of one optimizer step: the protocol the trainer runs, and its two shapes.
+
+A :class:`Step` runs a rank's micro-batches and returns its summed token loss; the gradient reducer
+(data-parallel buckets or a ZeRO engine) reduces as backward goes. :func:`build_step` picks the shape
+from the model alone: a :class:`~zerotron.models.stages.StagedModel` (this rank holds pipeline stages)
+runs a pipeline schedule (:class:`~zerotron.train.pipeline_step.PipelineStep`); any other model is the
+one-stage case, its micro-batches in turn (:class:`MicroBatchStep`). Both use the one loss and the one
+autocast rule of :mod:`zerotron.train.loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from zerotron.config import Config
+from zerotron.distributed.mesh import Mesh
+from zerotron.models.stages import StagedModel
+from zerotron.parallel.engine import GradientReducer
+from zerotron.train.loss import autocast, token_loss_sum
+from zerotron.train.metrics import ActivationMeter
+from zerotron.train.pipeline_step import PipelineStep
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, labels), each (mb, s)
+
+
+class Step(Protocol):
+    """Forward and backward of this rank's micro-batches of one optimizer step."""
+
+    def forward_backward(self, micro: MicroBatches, scale: float, device: torch.device) -> torch.Tensor:
+        """Run every micro-batch with the loss scaled by ``scale / global tokens``; return this rank's
+        summed token loss (fp32 scalar; over the pipeline when there is one)."""
+        ...
+
+
+class MicroBatchStep:
+    """The one-stage step: each micro-batch's forward and backward in turn, gradients accumulating
+    locally until the last, whose backward the reducer overlaps with its reduction."""
+
+    def __init__(
+        self, model: nn.Module, mesh: Mesh, cfg: Config, meter: ActivationMeter, reducer: GradientReducer
+    ) -> None:
+        self.model, self.cfg, self.meter, self.reducer = model, cfg, meter, reducer
+        self.tp = mesh.group("tp")
+
+    def forward_backward(self, micro: MicroBatches, scale: float, device: torch.device) -> torch.Tensor:
+        """See :class:`Step`."""
+        tokens_global = self.cfg.train.global_batch * self.cfg.train.seq_len
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for i, (inputs, labels) in enumerate(micro):
+            inputs, labels = inputs.to(device), labels.to(device)
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else self.reducer.no_sync():
+                with self.meter.forward(), autocast(device, self.cfg.train.precision):
+                    logits = self.model(inputs)  # (mb, s, V) [(mb, s, V/tp) under tp]
+                    loss = token_loss_sum(logits, labels, self.tp)
+                (loss * (scale / tokens_global)).backward()
+            loss_sum += loss.detach()
+        self.reducer.finish()
+        return loss_sum
+
+
+def build_step(
+    model: nn.Module, mesh: Mesh, cfg: Config, meter: ActivationMeter, reducer: GradientReducer
+) -> Step:
+    """The pipeline schedule for a rank holding pipeline stages, else the micro-batch loop."""
+    if isinstance(model, StagedModel):
+        return PipelineStep(model, mesh, cfg, meter, reducer)
+    return MicroBatchStep(model, mesh, cfg, meter, reducer)
