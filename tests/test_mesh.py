@@ -43,6 +43,8 @@ def _brute(dp: int, pp: int, cp: int, tp: int, ep: int) -> dict[str, list[list[i
         # position inside the dp_cp group is dp-major: i = dp * cp + cp_coord
         "ep": lambda c: (c["pp"], c["tp"], (c["dp"] * cp + c["cp"]) // ep),
         "edp": lambda c: (c["pp"], c["tp"], (c["dp"] * cp + c["cp"]) % ep),
+        # the first and last stage of each pipeline group together; a middle stage alone
+        "embed": lambda c: (c["dp"], c["cp"], c["tp"], c["pp"] if 0 < c["pp"] < pp - 1 else -1),
         "world": lambda c: (),
     }
     out = {}

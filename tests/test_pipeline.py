@@ -56,7 +56,7 @@ def _pipeline_body(schedule_name: str, v: int, m: int) -> dict:
     meter = ActivationMeter(torch.nn.ModuleList(chunks))
     loss = runner.run(list(x.split(MB)), list(y.split(MB)), loss_fn, forward_context=meter.forward)
     tied = next((c.tied_weight() for c in chunks if c.tied_weight() is not None), None)
-    sum_tied_grads(tied, (cfg.vocab_size, cfg.hidden_size), group)
+    sum_tied_grads(tied.grad if tied is not None else None, mesh.group("embed"))  # first and last stage
     grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
     return {"loss": float(loss), "grads": grads, "peak": meter.take_peak(), "pp_bytes": mesh.stats.snapshot()}
 

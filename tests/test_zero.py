@@ -338,8 +338,8 @@ def test_zero_resume_is_exact_and_saves_whole_tensors(
             "is not writable",
         ),
         (
-            ["parallel.zero=2", "parallel.pp=2", "parallel.dp=1"],
-            "parallel.zero=2 with parallel.pp=2 is not supported",
+            ["parallel.zero=3", "parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zb"],
+            "parallel.zero=3 with parallel.pp_schedule=zb is not supported",
         ),
     ],
 )

@@ -361,12 +361,17 @@ def _check_zero(cfg: Config, world_size: int) -> None:
     """What the engine's ZeRO does not combine with yet, and the NVMe directory (the offload targets
     against the stage are :mod:`zerotron.layout`'s)."""
     p = cfg.parallel
-    if p.pp > 1 and p.zero > 1:
+    if p.pp > 1 and p.zero == 3 and p.pp_schedule == "zb":
         raise ConfigError(
-            f"parallel.zero={p.zero} with parallel.pp={p.pp} is not supported: the pipeline interleaves the "
-            "micro-batches' forwards and backwards, so ZeRO-2 would reduce-scatter gradients (and ZeRO-3 "
-            "gather parameters) once per micro-batch per stage; set parallel.zero=1 (optimizer states "
-            "sharded, gradients reduced once per step) or parallel.pp=1"
+            "parallel.zero=3 with parallel.pp_schedule=zb is not supported: zero-bubble defers the weight "
+            "gradients, so every unit would stay gathered until the end of the step; use "
+            "parallel.pp_schedule=1f1b (or gpipe, interleaved) or parallel.zero=2"
+        )
+    if p.pp > 1 and p.zero == 3 and p.offload_params != "none" and cfg.model.tie_word_embeddings:
+        raise ConfigError(
+            "parallel.offload_params with parallel.zero=3, parallel.pp > 1 and tied embeddings is not "
+            "supported: the two copies' gradient shards are summed across the stages on the device; set "
+            "parallel.offload_params=none or model.tie_word_embeddings=false"
         )
     if p.zero > 0 and p.cp > 1:  # tp composes with ZeRO-1/2/3 (tests/test_tensor_parallel.py)
         raise ConfigError(

@@ -18,6 +18,8 @@ Axes returned by :meth:`ParallelDims.group_ranks` (every rank belongs to exactly
 - ``"edp"``: the expert-data-parallel groups, complementary to ``"ep"`` inside each ``dp_cp`` group:
   the ranks at the same position of every EP chunk, which hold the same experts and reduce their
   gradients together.
+- ``"embed"``: the first and the last stage of each pipeline group (the two ranks that hold a tied
+  embedding's copies and sum their gradients); a middle stage is a group of its own.
 - ``"world"``: all ranks.
 
 :class:`ParallelDims` validates itself on construction (``__post_init__`` calls :meth:`validate`), so a
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from zerotron.config import ParallelConfig
 
 GRID_AXES = ("dp", "pp", "cp", "tp")
-AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "world")
+AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "embed", "world")
 
 
 class MeshError(ValueError):
@@ -111,6 +113,9 @@ class ParallelDims:
             return moved.reshape(-1, moved.shape[-1]).tolist()
         if axis == "world":
             return [list(range(self.world_size))]
+        if axis == "embed":
+            ends = [[g[0], g[-1]] if len(g) > 1 else g for g in self.group_ranks("pp")]
+            return ends + [[r] for g in self.group_ranks("pp") for r in g[1:-1]]
         dpcp = g.permute(1, 3, 0, 2).reshape(self.pp * self.tp, self.dp * self.cp)  # (pp*tp, dp*cp)
         if axis == "dp_cp":
             return dpcp.tolist()

@@ -44,9 +44,22 @@ class _Bucket:
 
 class SyncGate:
     """``no_sync()``: the micro-batches before the last of a step accumulate without reducing
-    (``sync_enabled`` is False inside); shared by data parallelism and ZeRO-1/2."""
+    (``sync_enabled`` is False inside); ``hold()``: nothing is reduced until ``finish()``, whatever the
+    technique would do per micro-batch (``held``; a pipeline step, whose micro-batches interleave, reduces
+    once per stage after the last). Shared by data parallelism and ZeRO-1/2."""
 
     sync_enabled: bool = True
+    held: bool = False
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Reduce nothing until :meth:`finish` (the whole step accumulates whole gradients)."""
+        previous, self.held = self.held, True
+        try:
+            with self.no_sync():
+                yield
+        finally:
+            self.held = previous
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -131,6 +144,10 @@ class GradientBuckets(SyncGate):
         """(weight-decayed, not decayed) parameters: matrices decay, norm gains and biases do not."""
         params = [p for _, p in self._named]
         return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+    def reduced_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """After :meth:`finish`: ``param``'s whole reduced gradient."""
+        return param.grad
 
     def after_step(self) -> None:
         """The optimizer updated the parameters in place: nothing to gather."""

@@ -32,8 +32,18 @@ class GradientReducer(Protocol):
         """A context in which backward accumulates without reducing (all but the last micro-batch)."""
         ...
 
+    def hold(self) -> AbstractContextManager[None]:
+        """A context in which nothing is reduced until :meth:`finish` where the technique keeps whole
+        gradients (a pipeline step: one reduction per stage after the last micro-batch)."""
+        ...
+
     def finish(self) -> None:
         """Wait for the step's reductions (after the last backward)."""
+        ...
+
+    def reduced_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """After :meth:`finish`: the reduced gradient of ``param`` this rank holds (whole, or the shard
+        of a ZeRO layout that holds ``param`` alone, as a tied copy's does), to be changed in place."""
         ...
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:

@@ -283,28 +283,15 @@ class WeightGradStash:
                 _accumulate([module.bias], [g2.sum(0)])
 
 
-def sum_tied_grads(
-    weight: torch.Tensor | None,
-    shape: Sequence[int],
-    group: Group,
-    device: torch.device | str = "cpu",
-) -> None:
-    """Sum the gradients of a weight tied across pipeline stages (embedding and output head).
+def sum_tied_grads(grad: torch.Tensor | None, group: Group) -> None:
+    """Sum, in place, the gradients of a weight tied across pipeline stages (embedding and output head).
 
-    Ranks that hold a copy pass it, the others None (they contribute zeros of ``shape`` on ``device``; a
-    dedicated group of the first and last stage would move less, this keeps every pipeline rank on one
-    collective). Afterwards every copy holds the sum, which is the single-device gradient of the shared
-    matrix. Under tensor parallelism each tp rank passes its vocabulary shard (both copies are split
-    alike), over the pipeline group of its own tp index.
+    The ranks that hold a copy (the first and the last stage: ``group`` is the mesh's ``embed`` group)
+    pass its reduced gradient, the whole one or their ZeRO shard of it (the two copies are sharded
+    alike); the others pass None and take no part. Afterwards both copies hold the sum, which is the
+    single-device gradient of the shared matrix. Under tensor parallelism each tp rank passes its
+    vocabulary shard (both copies are split alike), over the embedding group of its own tp index.
     """
-    if group.size == 1:
+    if grad is None or group.size == 1:
         return
-    if weight is not None and weight.grad is not None:
-        buf = weight.grad.contiguous()
-    else:
-        ref = weight if weight is not None else None
-        dtype = ref.dtype if ref is not None else torch.float32
-        buf = torch.zeros(tuple(shape), dtype=dtype, device=ref.device if ref is not None else device)
-    collectives.all_reduce(buf, group, op="sum")
-    if weight is not None:
-        weight.grad = buf
+    collectives.all_reduce(grad, group, op="sum")

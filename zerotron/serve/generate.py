@@ -62,6 +62,7 @@ def generate(
     stop_ids: Optional[list[int]] = None,
     on_token: Optional[Callable[[int], None]] = None,
     tp_group: Optional[Group] = None,
+    agree_group: Optional[Group] = None,
 ) -> dict[str, Any]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (batch of one).
 
@@ -74,6 +75,8 @@ def generate(
         on_token: called with each new id as soon as it is chosen (streaming).
         tp_group: the tensor-parallel group when ``model`` is a tensor-parallel shard (every rank of
             the group calls this with the same arguments).
+        agree_group: the ranks that must emit the same tokens (default ``tp_group``): under ZeRO-3 every
+            data-parallel rank runs the same forwards, so they all take the first rank's choice.
 
     Returns:
         ``{"ids": new ids (stop id included), "prompt_tokens", "new_tokens", "prefill_s", "decode_s",
@@ -106,7 +109,7 @@ def generate(
         token = sample_next(
             logits.cpu() if generator is not None else logits, temperature, top_k, top_p, generator
         )
-        token = _agree(token, tp_group, param.device)
+        token = _agree(token, agree_group or tp_group, param.device)
         out.append(token)
         if on_token is not None:
             on_token(token)

@@ -43,7 +43,7 @@ class PipelineStep:
         self, model: StagedModel, mesh: Mesh, cfg: Config, meter: ActivationMeter, buckets: GradientReducer
     ) -> None:
         self.model, self.mesh, self.cfg, self.meter, self.buckets = model, mesh, cfg, meter, buckets
-        self.group, self.tp = mesh.group("pp"), mesh.group("tp")
+        self.group, self.tp, self.embed = mesh.group("pp"), mesh.group("tp"), mesh.group("embed")
         dp = mesh.group("dp").size
         m = micro_batches_per_step(cfg, dp)
         schedule = build_schedule(cfg.parallel.pp_schedule, mesh.dims.pp, m, cfg.parallel.virtual_stages)
@@ -78,14 +78,11 @@ class PipelineStep:
 
         inputs = [x.to(device) for x, _ in micro]
         labels = [y.to(device) for _, y in micro]
-        with self.buckets.no_sync():  # one reduction after the last backward
+        with self.buckets.hold():  # one reduction after the last backward (ZeRO-3: per micro-batch)
             scaled = self.runner.run(inputs, labels, loss_fn, forward_context)
-        if self.cfg.model.tie_word_embeddings:
-            # Before the dp reduction: ZeRO-1 leaves reduced values only in this rank's shard of each
-            # bucket, and the two copies sit at different places of their stages' buckets.
-            shape = (self.cfg.model.vocab_size // self.tp.size, self.cfg.model.hidden_size)  # (V/t, h)
-            sum_tied_grads(self.model.tied_weight(), shape, self.group, device)
         self.buckets.finish()
+        tied = self.model.tied_weight()  # after the dp reduction: both copies' shards line up (ZeRO)
+        sum_tied_grads(self.buckets.reduced_grad(tied) if tied is not None else None, self.embed)
         loss_sum = scaled * (tokens_global / scale)  # back to the summed token loss
         collectives.all_reduce(loss_sum, self.group, op="sum")
         return loss_sum

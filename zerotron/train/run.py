@@ -326,65 +326,61 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
         )
         print(f"resumed from {resumed} at step {trainer.step}{moved}", flush=True)
     start = trainer.step
-    history = trainer.fit()
-    summary: dict[str, Any] = {"rank": rank, "steps": trainer.step - start, "last_step": trainer.step}
-    if trainer.stopped:
-        summary["stopped"] = trainer.stopped
-    if resumed is not None:
-        summary["resumed_from_step"] = start
-    if history:
-        summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
-    if rank == 0 and not trainer.stopped:
-        summary.update(_finish(trainer, rd))
+    history = trainer.fit(keep_open=True)  # the sample runs under the training layout, offload included
+    try:
+        summary: dict[str, Any] = {"rank": rank, "steps": trainer.step - start, "last_step": trainer.step}
+        if trainer.stopped:
+            summary["stopped"] = trainer.stopped
+        if resumed is not None:
+            summary["resumed_from_step"] = start
+        if history:
+            summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
+        if not trainer.stopped:
+            summary.update(_finish(trainer, rd))
+    finally:
+        trainer.close()
     return summary
 
 
-def _whole_model(trainer: Trainer) -> LlamaForCausalLM:
-    """The trained model in one piece: the trainer's own, or (pipeline, tensor parallel, ZeRO-3) rebuilt
-    from the last checkpoint, which holds whole tensors."""
-    dims = trainer.mesh.dims
-    if isinstance(trainer.model, LlamaForCausalLM) and dims.tp == 1 and dims.zero < 3:
-        return trainer.model
-    from zerotron.train.state import read_model_tensors
-
-    ckpt = store.find_latest(trainer.ckpt_root)
-    if ckpt is None:
-        raise RuntimeError(f"{trainer.ckpt_root}: no checkpoint to rebuild the whole model from")
-    model = LlamaForCausalLM(trainer.cfg.model)
-    missing, _ = model.load_state_dict(read_model_tensors(ckpt), strict=False)
-    if trainer.cfg.model.tie_word_embeddings:  # stored once, as embed_tokens.weight (tensor parallel)
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing:
-        raise RuntimeError(f"{ckpt}: the pipeline stages' files lack {missing[:3]}")
-    return model.to(trainer.device)
-
-
 def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
-    """Loss plot and a short generated sample (rank 0)."""
+    """Loss plot (rank 0) and a short generated sample, under the training layout (every rank runs it:
+    tensor-parallel shards and ZeRO-3 units gather as in training; nothing is rebuilt whole on one rank).
+    Under pipeline parallelism the sample is skipped with one line (generation across stages is not
+    built)."""
     out: dict[str, Any] = {}
+    mesh, cfg = trainer.mesh, trainer.cfg
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and metrics.stat().st_size > 0:
+    if mesh.rank == 0 and metrics.exists() and metrics.stat().st_size > 0:
         plot_loss(metrics, run_dir / "loss.png")
-    cfg = trainer.cfg
-    tokenizer = make_tokenizer(cfg)
+    if not isinstance(trainer.model, LlamaForCausalLM):  # this rank holds pipeline stages
+        if mesh.rank == 0:
+            print(
+                "zerotron: no sample.txt: generation under pipeline parallelism is not built; export the "
+                f"run (zerotron convert {run_dir} OUT) and run zerotron generate OUT",
+                flush=True,
+            )
+        return out
     from zerotron.serve.generate import generate
 
-    model = _whole_model(trainer)
+    tokenizer = make_tokenizer(cfg)
+    model = trainer.model
     model.eval()
-    prompt = tokenizer.encode(cfg.train.sample_prompt)
+    tp = mesh.group("tp")
     with torch.no_grad():
         result = generate(
             model,
             tokenizer,
-            prompt,
+            tokenizer.encode(cfg.train.sample_prompt),
             max_new_tokens=120,
             temperature=0.8,
             top_k=40,
             seed=cfg.train.seed,
+            tp_group=tp if tp.size > 1 else None,
+            agree_group=mesh.group("world"),
         )
-    ids = result["ids"] if isinstance(result, dict) else result[0]
-    out["sample"] = cfg.train.sample_prompt + tokenizer.decode(list(ids))
-    (run_dir / "sample.txt").write_text(out["sample"], encoding="utf-8")
+    if mesh.rank == 0:
+        out["sample"] = cfg.train.sample_prompt + tokenizer.decode(list(result["ids"]))
+        (run_dir / "sample.txt").write_text(out["sample"], encoding="utf-8")
     return out
 
 

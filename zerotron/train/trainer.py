@@ -316,8 +316,12 @@ class Trainer:
         return ckpt
 
     # -- the loop ------------------------------------------------------------------------------------------
-    def fit(self, on_step: Any = None) -> list[dict[str, Any]]:
-        """Train until ``train.steps``; checkpoint every ``checkpoint.every`` steps and at the end."""
+    def fit(self, on_step: Any = None, keep_open: bool = False) -> list[dict[str, Any]]:
+        """Train until ``train.steps``; checkpoint every ``checkpoint.every`` steps and at the end.
+
+        ``keep_open``: leave the engine's offload files in place after a run that ends normally (the
+        caller generates the end-of-run sample under the training layout, then calls :meth:`close`)."""
+        self._keep_open = keep_open
         cfg = self.cfg
         writer = MetricsWriter(self.run_dir, self.mesh.rank, cfg.log.per_rank_metrics, cfg.log.tensorboard)
         show = self.mesh.rank == 0
@@ -371,10 +375,12 @@ class Trainer:
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 self.wait_for_checkpoint(grace_s=30.0)
+            self.close()
             raise
         finally:
             progress.close()
             writer.close()
+        if not self._keep_open:
             self.close()
         return history
 

@@ -118,3 +118,11 @@ def gather_full(layout: FlatLayout, shard: torch.Tensor) -> dict[str, torch.Tens
     flat = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
     collectives.all_gather(flat, shard.contiguous(), layout.group)
     return {s.name: v.detach().clone().cpu() for s, v in zip(layout.slots, layout.views(flat))}
+
+
+def tied_copy(model: nn.Module) -> nn.Parameter | None:
+    """A pipeline rank's copy of a tied embedding matrix (``model.tied_weight()``), if it holds one:
+    the ZeRO engines give it a flat layout of its own, so that the two copies' shards line up and their
+    reduced gradient shards can be summed across the stages."""
+    fn = getattr(model, "tied_weight", None)
+    return fn() if callable(fn) else None

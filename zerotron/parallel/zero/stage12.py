@@ -35,7 +35,7 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import SyncGate, bucketed_by_group, grad_or_zeros, unique_named_params
-from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads, tied_copy
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
     load_optimizer_state,
@@ -51,7 +51,10 @@ class _ShardedBuckets(SyncGate):
 
     def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
         named = unique_named_params(model)
-        self.layouts = [FlatLayout(run, g) for g, run in bucketed_by_group(named, bucket_mb, group)]
+        tied = tied_copy(model)  # alone in its layout: the two stages' copies shard alike
+        runs = bucketed_by_group([(n, p) for n, p in named if p is not tied], bucket_mb, group)
+        runs += [(g, run) for g, run in bucketed_by_group([(n, p) for n, p in named if p is tied], 0, group)]
+        self.layouts = [FlatLayout(run, g) for g, run in runs]
         self.flats: list[torch.Tensor] = []
         self.segments: list[list[ShardSegment]] = []
         self._bucket_of: dict[int, int] = {}
@@ -110,6 +113,17 @@ class _ShardedBuckets(SyncGate):
         self._ready[i], self._launched[i] = 0, True
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reduced_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """After :meth:`finish`: this rank's reduced gradient shard of ``param``, which must be alone in
+        its bucket (a tied copy); None when it is not."""
+        i = self._bucket_of.get(id(param))
+        if i is None or len(self.layouts[i].slots) != 1:
+            return None
+        return self._grad_shard(i)
+
+    def _grad_shard(self, i: int) -> torch.Tensor | None:
         raise NotImplementedError
 
     def _land(self, i: int, out: torch.Tensor) -> None:
@@ -225,6 +239,10 @@ class ZeroStage1(_ShardedBuckets):
         shard.copy_(out)
         segment_grads(self.segments[i], shard)
 
+    def _grad_shard(self, i: int) -> torch.Tensor | None:
+        flat_grad, layout = self.flat_grads[i], self.layouts[i]
+        return None if flat_grad is None else flat_grad[layout.lo : layout.hi]
+
     def _grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.flat_grads if g is not None)
 
@@ -235,7 +253,9 @@ class ZeroStage1(_ShardedBuckets):
 
 
 class ZeroStage2(_ShardedBuckets):
-    """ZeRO-2: + gradients sharded; each bucket is reduce-scattered on every micro-batch as it is ready."""
+    """ZeRO-2: + gradients sharded; each bucket is reduce-scattered on every micro-batch as it is ready
+    (under :meth:`hold`, a pipeline step's, once after the last micro-batch: the whole gradients of the
+    step accumulate as ZeRO-1's do)."""
 
     stage = 2
 
@@ -244,7 +264,7 @@ class ZeroStage2(_ShardedBuckets):
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
 
     def _reduces_now(self) -> bool:
-        return True
+        return not self.held  # under a pipeline step's hold, once per step like ZeRO-1
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
         for slot in self.layouts[i].slots:
@@ -267,6 +287,9 @@ class ZeroStage2(_ShardedBuckets):
     def _launch(self, i: int) -> None:
         self._drain(i)  # an earlier micro-batch's reduction of this bucket lands first
         super()._launch(i)
+
+    def _grad_shard(self, i: int) -> torch.Tensor | None:
+        return self.grad_shards[i]
 
     def _grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grad_shards if g is not None)

@@ -25,7 +25,7 @@ every sharded unit, ``3Ψ(N-1)/N``: 1.5× data parallelism.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
-from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads, tied_copy
 from zerotron.parallel.zero.offload import ShardStore
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
@@ -172,10 +172,23 @@ def _one_group(named: list[tuple[str, nn.Parameter]], group_of: Callable[[str], 
     return next(iter(groups.values()))
 
 
-def _units(model: nn.Module) -> list[nn.Module]:
-    """The root first, then every child of every ModuleList, in forward order for a sequential model."""
-    blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
-    return [model, *blocks]
+def _roots(model: nn.Module) -> list[nn.Module]:
+    """The modules whose forward the caller runs: the model, or a pipeline rank's chunks."""
+    chunks = getattr(model, "chunks", None)
+    return list(chunks) if chunks else [model]
+
+
+def _units(model: nn.Module, own: Sequence[nn.Module] = ()) -> list[list[nn.Module]]:
+    """Per root, in forward order for a sequential model registered in that order: the root, then the
+    modules of ``own`` inside it (a tied copy's module: a unit of its own) and every child of every
+    ModuleList, by registration order."""
+    out = []
+    for root in _roots(model):
+        position = {id(m): i for i, m in enumerate(root.modules())}  # registration order = forward order
+        blocks = [m for lst in root.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+        inner = sorted([*(m for m in own if id(m) in position), *blocks], key=lambda m: position[id(m)])
+        out.append([root, *inner])
+    return out
 
 
 class ZeroStage3:
@@ -214,13 +227,16 @@ class ZeroStage3:
         taken: set[int] = set()
         small: list[tuple[str, nn.Parameter]] = []
         runs: list[tuple[nn.Module | None, FlatLayout]] = []  # (module, its layout), forward order
-        for module in reversed(_units(model)):  # blocks claim their own parameters before the root
+        tied = tied_copy(model)
+        own = [m for m in model.modules() if any(p is tied for p in m.parameters(recurse=False))]
+        per_root = _units(model, own)
+        for module in reversed([m for units in per_root for m in units]):  # blocks claim theirs first
             named: list[tuple[str, nn.Parameter]] = []
             for p in module.parameters():
                 if id(p) in taken or not p.requires_grad:
                     continue
                 taken.add(id(p))
-                (small if p.numel() < persist_numel else named).append((names[id(p)], p))
+                (small if p.numel() < persist_numel and p is not tied else named).append((names[id(p)], p))
             if named:
                 runs.insert(0, (module, FlatLayout(named, _one_group(named, group_of))))
         by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
@@ -240,13 +256,17 @@ class ZeroStage3:
             if owner is not None:
                 self._unit_of_module[id(owner)] = self.units[-1]
         self.order = [u for u in self.units if not u.persistent]  # forward order
-        root = self._unit_of_module.get(id(model))
-        rest = [u for u in self.order if u is not root]
-        self.backward_order = ([root] if root else []) + rest[::-1]
+        self.backward_order: list[
+            _Unit
+        ] = []  # per root, last first: the root (its output's grad), then the rest
+        for units in reversed(per_root):
+            mine = [self._unit_of_module[id(m)] for m in units if id(m) in self._unit_of_module]
+            root = self._unit_of_module.get(id(units[0]))
+            self.backward_order += ([root] if root else []) + [u for u in mine if u is not root][::-1]
         self._unit_of_param = {id(s.param): u for u in self.units for s in u.layout.slots}
         self._in_backward = False
         self.peak_gathered_bytes = 0  # see _note_gathered
-        for module in _units(model):
+        for module in (m for units in per_root for m in units):
             if id(module) in self._unit_of_module:
                 module.register_forward_pre_hook(self._pre_forward)
                 module.register_forward_hook(self._post_forward)
@@ -346,10 +366,22 @@ class ZeroStage3:
         if unit.grad_shard is not None:
             segment_grads(unit.segments, unit.grad_shard)
 
+    def reduced_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """After :meth:`finish`: this rank's reduced gradient shard of ``param``, which must be alone in
+        its unit (a tied copy); None when it is not."""
+        unit = self._unit_of_param.get(id(param))
+        return unit.grad_shard if unit is not None and len(unit.layout.slots) == 1 else None
+
     # -- step boundaries ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients are reduce-scattered on every micro-batch; nothing to defer."""
+        yield
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Under a pipeline step too, each micro-batch's gradients are reduce-scattered as they are
+        ready: ZeRO-3 keeps no whole gradient."""
         yield
 
     def finish(self) -> None:
@@ -360,6 +392,8 @@ class ZeroStage3:
         for unit in self.units:
             self._land(unit)
             unit.reduced = False
+            if unit.gathering is not None:  # a prefetch on its way would land pre-step weights later
+                unit.wait_gather()
             unit.free()
         self._in_backward = False
 
