@@ -42,13 +42,16 @@ def _body(overrides: list[str], run_dir: str) -> dict:
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
     tokens = np.arange(4096, dtype=np.int64) % 250
     trainer = Trainer(cfg, mesh, Path(run_dir) / f"r{rank}", tokens)
-    records = model_placements(trainer.model, mesh.dims.tp)
+    records = model_placements(trainer.model, mesh.dims.tp, trainer.zero)
     boxes = []
     for name, p in trainer.model.named_parameters():
         record = records[name]
         if counts_in_norm(record, mesh.coords) and mesh.coords["dp"] == 0:
             boxes.append((name.split("chunks.")[-1], record.global_shape, record.offsets, tuple(p.shape)))
+    params = dict(trainer.model.named_parameters(remove_duplicate=False))
+    ranges = {(n, mesh.coords["tp"]): (r.flat, params[n].numel()) for n, r in records.items() if r.flat}
     return {
+        "ranges": ranges,
         "boxes": boxes,
         "n_params": trainer.n_params,
         "norm_numel": sum(p.numel() for p in trainer.norm_params),
@@ -75,3 +78,23 @@ def test_norm_boxes_tile_the_model_once(world: int, overrides: list[str], tmp_pa
     assert len({(name, offsets) for name, _, offsets, _ in counted}) == len(counted)
     # What the trainer adds to the norm (whole tensors, or ZeRO's shard segments over dp) tiles it too.
     assert sum(r["norm_numel"] for r in results) == whole
+
+
+def test_zero_ranges_in_the_record_tile_each_box_over_dp(tmp_path: Path) -> None:
+    """Under ZeRO the record carries each rank's flat range: over the dp ranks of one tp box they cover
+    the box exactly once."""
+    results = run_distributed(_body, 4, ["parallel.tp=2", "parallel.zero=2"], str(tmp_path), timeout=300)
+    reference = dict(LlamaForCausalLM(load_config(None, BASE).model).named_parameters(remove_duplicate=False))
+    by_box: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    box_numel: dict[tuple[str, int], int] = {}
+    for r in results:
+        for key, (flat, numel) in r["ranges"].items():
+            by_box.setdefault(key, []).append(tuple(flat))
+            box_numel[key] = numel
+    assert {name for name, _ in by_box} == set(reference)  # the tied head shares the embedding's ranges
+    for key, ranges in by_box.items():
+        name = key[0]
+        covered = sorted((start, length) for start, length in ranges if length)
+        ends = [start + length for start, length in covered]
+        assert [start for start, _ in covered] == [0, *ends[:-1]], (name, covered)  # contiguous, no overlap
+        assert ends[-1] == box_numel[key], (key, ends[-1], box_numel[key])

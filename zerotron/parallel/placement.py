@@ -8,8 +8,8 @@ read under the embedding's name: ``source``), and the mesh axis whose ranks sum 
 (``grad_axis``: ``dp`` for every dense parameter; an ``apply_*`` that gives some parameters another
 group, such as expert parallelism's ``edp``, says so with :func:`set_grad_axis`). The records are
 derived from what the ``apply_*`` steps left on the model: tensor parallelism's shard specs, the
-pipeline's tied copy, the gradient axes. Data parallelism replicates everything (ZeRO then splits the
-flat buffers, one level down: :mod:`zerotron.parallel.zero.flat` records each segment's range).
+pipeline's tied copy, the gradient axes, ZeRO's range of each flattened box (``flat``; the engine's
+:mod:`zerotron.parallel.zero.flat` segments say where it lives in the rank's shard).
 
 Derived here, and nowhere else: which rank counts a parameter in the global gradient norm
 (:func:`counts_in_norm`, :func:`norm_axes`), which rank writes a checkpoint piece (:func:`writes`),
@@ -43,6 +43,7 @@ class Placement:
     replicated: tuple[str, ...] = ()
     source: str | None = None  # the tensor this one copies (tied weights), saved under that name
     grad_axis: str = "dp"  # the mesh axis whose ranks sum this parameter's gradient
+    flat: tuple[int, int] | None = None  # ZeRO: (start, length) of this rank's range of the flat box
 
     @property
     def copy(self) -> bool:
@@ -69,13 +70,18 @@ def _grad_axes(model: nn.Module) -> dict[int, str]:
 
 
 def placements(
-    model: nn.Module, tp: int = 1, copy: tuple[torch.Tensor, str] | None = None
+    model: nn.Module,
+    tp: int = 1,
+    copy: tuple[torch.Tensor, str] | None = None,
+    ranges: Mapping[str, tuple[int, int]] | None = None,
 ) -> dict[str, Placement]:
     """Every parameter's placement by name (tied names included), from the model's tensor-parallel
-    shard specs (``tp`` ranks), its recorded gradient axes, and the pipeline's tied ``copy`` (the head
-    on the last stage and the name of the tensor it copies), if any."""
+    shard specs (``tp`` ranks), its recorded gradient axes, the pipeline's tied ``copy`` (the head on
+    the last stage and the name of the tensor it copies), if any, and ZeRO's flat ``ranges`` by name
+    (a parameter ZeRO shards but this rank holds none of gets ``(0, 0)``)."""
     specs = shard_specs(model)
     axes = _grad_axes(model)
+    first = {id(p): name for name, p in model.named_parameters()}  # a tied alias shares its range
     out: dict[str, Placement] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         spec = specs.get(name)
@@ -90,6 +96,7 @@ def placements(
             replicated=("tp",) if tp > 1 and not sharded else (),
             source=copy[1] if copy is not None and p is copy[0] else None,
             grad_axis=axes.get(id(p), "dp"),
+            flat=None if ranges is None else ranges.get(first[id(p)], (0, 0)),
         )
     return out
 

@@ -87,10 +87,14 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def model_placements(model: nn.Module, tp: int = 1) -> dict[str, Placement]:
-    """The placement record of this rank's model (a pipeline's tied head is a copy of the embedding)."""
+def model_placements(
+    model: nn.Module, tp: int = 1, zero: ShardedEngine | None = None
+) -> dict[str, Placement]:
+    """The placement record of this rank's model (a pipeline's tied head is a copy of the embedding;
+    under ZeRO, each parameter's flat range on this rank)."""
     copy = model.tied_copy() if isinstance(model, StagedModel) else None
-    return placements(model, tp, copy)
+    ranges = None if zero is None else {g.name: (g.start, g.length) for segs in zero.segments for g in segs}
+    return placements(model, tp, copy, ranges)
 
 
 def _rank_pieces(
@@ -109,7 +113,7 @@ def _rank_pieces(
     entries: list[dict[str, Any]] = []
     if mesh.coords["cp"] != 0:
         return tensors, entries
-    records = model_placements(model, mesh.dims.tp)
+    records = model_placements(model, mesh.dims.tp, zero)
 
     def add(
         name: str, kind: str, param: str, data: torch.Tensor, box: tuple[int, ...], flat: Any = None
@@ -129,7 +133,7 @@ def _rank_pieces(
     covered: set[str] = zero.names if zero is not None else set()  # a rank may own no range of some
     if zero is not None:
         for seg, values in zero.segment_values():
-            box, flat = tuple(seg.global_shape), (seg.start, seg.length)
+            box, flat = tuple(seg.global_shape), records[seg.name].flat
             add(seg.name, "model", seg.name, values, box, flat)
             state = state_of(optimizer, seg.param)
             if not state:
