@@ -253,17 +253,18 @@ def verify(ckpt: Path, hashes: bool = True) -> dict[str, Any]:
     return cast(dict[str, Any], manifest)
 
 
-def scan(root: Path) -> tuple[Path | None, list[str]]:
+def scan(root: Path, hashes: bool = True) -> tuple[Path | None, list[str]]:
     """Newest complete, verified checkpoint under ``root`` and why each newer one was skipped.
 
     ``latest`` is the source of truth: the search starts at the checkpoint it names and falls back to
-    older ones; a folder numbered above it is not considered."""
+    older ones; a folder numbered above it is not considered. ``hashes=False`` checks the files'
+    presence and sizes only (a reader then checks the sha256 of what it reads: :func:`check_file`)."""
     if not root.is_dir():
         return None, []
     skipped: list[str] = []
     for ckpt in _candidates(root):
         try:
-            verify(ckpt)
+            verify(ckpt, hashes)
         except CheckpointError as e:
             skipped.append(str(e))
             continue
@@ -271,22 +272,24 @@ def scan(root: Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def checkpoint_dir(path: Path) -> Path | None:
+def checkpoint_dir(path: Path, hashes: bool = True) -> Path | None:
     """The checkpoint folder ``path`` names — itself, or a run directory's newest complete one — or None
-    when ``path`` is neither (a model file or directory of another kind)."""
+    when ``path`` is neither (a model file or directory of another kind). ``hashes=False``: the run's
+    checkpoints are chosen by file sizes, the reader checks what it reads."""
     if (path / "manifest.json").is_file() and (path / "trainer.json").is_file():
         return path
     if (path / "checkpoints").is_dir():
-        latest = find_latest(path / "checkpoints")
+        latest = find_latest(path / "checkpoints", hashes)
         if latest is None:
             raise CheckpointError(f"{path}: the run has no complete checkpoint")
         return latest
     return None
 
 
-def find_latest(root: Path) -> Path | None:
-    """Newest complete checkpoint under ``root`` (from ``latest``), verified; None when there is none."""
-    return scan(root)[0]
+def find_latest(root: Path, hashes: bool = True) -> Path | None:
+    """Newest complete checkpoint under ``root`` (from ``latest``), verified (sizes only without
+    ``hashes``); None when there is none."""
+    return scan(root, hashes)[0]
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -316,7 +316,7 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     trainer = Trainer(cfg, mesh, rd, load_tokens(str(rd / "tokens.npy")), attempt=attempt)
     if not os.environ.get("ZEROTRON_TRACE_DIR"):  # no zerotron launcher watching: watch ourselves
         RankWatchdog(mesh, trainer, cfg.fault.hang_timeout_s, cfg.fault.first_step_timeout_s)
-    resumed = trainer.resume(resume) if resume else None
+    resumed = trainer.resume(resume, verified=True) if resume else None  # hashed once, by the launcher
     if rank == 0:
         truncate_metrics(rd, trainer.step)  # steps after the checkpoint are run again: no duplicates
     if resumed is not None and rank == 0:

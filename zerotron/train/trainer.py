@@ -49,7 +49,8 @@ def build_model(cfg: Config, device: torch.device, mesh: Mesh | None = None) -> 
     laid out over ``mesh`` by the one parallelize path (:func:`zerotron.models.parallelize.
     parallelize_llama`). A ``model.path`` naming a zerotron checkpoint (or run) is read after the split:
     each rank takes the part of every saved tensor it holds, whatever layout saved it."""
-    ckpt = store.checkpoint_dir(Path(cfg.model.path)) if cfg.model.path else None
+    # every rank picks the run's newest checkpoint by file sizes, then hashes only the files it reads
+    ckpt = store.checkpoint_dir(Path(cfg.model.path), hashes=False) if cfg.model.path else None
     pretrained = cfg.model.path if cfg.model.path and ckpt is None else None
 
     def load(model: nn.Module, partial: bool) -> None:
@@ -295,8 +296,11 @@ class Trainer:
         if self.ckpt_writer is not None:
             self.ckpt_writer.wait(grace_s)
 
-    def resume(self, spec: str) -> Path | None:
-        """Continue from ``spec``: ``auto`` (newest complete checkpoint of this run, if any) or a path."""
+    def resume(self, spec: str, verified: bool = False) -> Path | None:
+        """Continue from ``spec``: ``auto`` (newest complete checkpoint of this run, if any) or a path.
+
+        ``verified``: the launcher (or torchrun's rank 0) chose ``spec`` and checked every file's
+        sha256, so this rank does not hash them again; otherwise it hashes the files it reads."""
         if spec == "auto":
             ckpt = store.find_latest(self.ckpt_root)
             if ckpt is None:
@@ -306,7 +310,7 @@ class Trainer:
             if not ckpt.is_dir():
                 raise store.CheckpointError(f"--resume {spec}: no such checkpoint folder")
         # Build optimizer state tensors before loading so the restored ones replace them.
-        state = ckpt_state.load_checkpoint(ckpt, self.model, self.optimizer, self.mesh, self.zero)
+        state = ckpt_state.load_checkpoint(ckpt, self.model, self.optimizer, self.mesh, self.zero, verified)
         self.step = int(state["step"])
         if "scaler" in state:  # absent from a converted model (`zerotron convert --to checkpoint`)
             self.scaler.load_state_dict(state["scaler"])
