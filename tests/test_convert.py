@@ -15,7 +15,7 @@ import torch
 from tests.harness import run_distributed
 from zerotron.checkpoint import store
 from zerotron.checkpoint.convert import convert
-from zerotron.config_load import ConfigError, load_config
+from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.hf import read_hf_weights, write_hf_directory
@@ -70,8 +70,7 @@ def test_pipeline_checkpoint_to_hf_has_identical_tensors(tmp_path: Path) -> None
 
 def test_hf_to_checkpoint_trains_under_a_pipeline_from_the_same_weights(tmp_path: Path) -> None:
     """HF -> zerotron checkpoint (whole-tensor pieces in several files) -> HF is bit-identical, and the
-    checkpoint as model.path under pp 2 trains like the HF directory in one process (pp needs a
-    checkpoint: model.path of another kind is refused there, saying how to convert)."""
+    checkpoint as model.path under pp 2 trains like the HF directory in one process and under pp 2."""
     model = LlamaForCausalLM(load_config(None, TINY).model)
     model.init_weights(7)
     write_hf_directory(model, tmp_path / "hf")
@@ -86,18 +85,21 @@ def test_hf_to_checkpoint_trains_under_a_pipeline_from_the_same_weights(tmp_path
     original, back = read_hf_weights(tmp_path / "hf"), read_hf_weights(tmp_path / "back")
     assert set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
 
+    # The same weights from the HF directory (one process, and each pipeline stage reading only its
+    # tensors' slices) and from the converted checkpoint under pp 2: the same losses.
     common = TWO_STEPS
-    with pytest.raises(ConfigError, match="zerotron convert .* --to checkpoint"):
-        train_run.launch_training(None, [*common, f"model.path={tmp_path / 'hf'}", "parallel.pp=2"], 2)
     train_run.launch_training(None, [*common, f"model.path={tmp_path / 'hf'}"], 1, out=str(tmp_path / "a"))
     pp_run = [*common, f"model.path={tmp_path / 'ck'}", "parallel.pp=2"]
     train_run.launch_training(None, pp_run, 2, out=str(tmp_path / "b"))
+    pp_hf = [*common, f"model.path={tmp_path / 'hf'}", "parallel.pp=2"]
+    train_run.launch_training(None, pp_hf, 2, out=str(tmp_path / "c"))
     losses = [
         [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for run in ("a", "b")
+        for run in ("a", "b", "c")
     ]
     assert len(losses[0]) == 2
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    np.testing.assert_allclose(losses[2], losses[0], rtol=1e-5)
 
 
 def test_bad_sources_are_named(tmp_path: Path) -> None:

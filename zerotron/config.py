@@ -39,6 +39,12 @@ class ModelConfig:
     head_dim: Optional[int] = _f(None, "per-head width; None means hidden_size // num_attention_heads")
     intermediate_size: int = _f(352, "MLP inner width")
     vocab_size: int = _f(259, "vocabulary size (tokens)")
+    pad_vocab_to_multiple_of: int = _f(
+        1,
+        "pad the embedding and output rows to a multiple of this times parallel.tp (Megatron's "
+        "make-vocab-size-divisible-by; 128 suits GPU kernels; 1 pads only what tp needs); padded rows "
+        "get no probability and are not counted, saved or exported",
+    )
     max_position_embeddings: int = _f(1024, "longest sequence the model supports")
     rope_theta: float = _f(10000.0, "RoPE base frequency")
     rope_scaling: Optional[dict] = _f(
@@ -67,6 +73,12 @@ class ModelConfig:
     def dim_per_head(self) -> int:
         """Per-head width with the default resolved."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """Rows of the embedding and output head under ``tp``: vocab_size rounded up to a multiple of
+        pad_vocab_to_multiple_of · tp (the rows past vocab_size are padding)."""
+        step = max(1, self.pad_vocab_to_multiple_of) * tp
+        return -(-self.vocab_size // step) * step
 
 
 # The fields that decide the parameters' shapes: a checkpoint resumes only into the same values.

@@ -220,6 +220,7 @@ _POSITIVE = (
     "model.num_attention_heads",
     "model.intermediate_size",
     "model.vocab_size",
+    "model.pad_vocab_to_multiple_of",
     "model.max_position_embeddings",
     "train.steps",
     "train.global_batch",

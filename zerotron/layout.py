@@ -147,8 +147,6 @@ def tp_reason(spec: LayoutSpec, tp: int) -> str | None:
             f"neither divides model.num_key_value_heads={spec.kv_heads} nor is a multiple of it "
             "(KV heads are split, or replicated when tp exceeds them)"
         )
-    if spec.vocab % tp:
-        return f"does not divide model.vocab_size={spec.vocab} (the vocabulary is split over tp)"
     if spec.intermediate % tp:
         return f"does not divide model.intermediate_size={spec.intermediate}"
     if spec.sequence_parallel and spec.seq_len % tp:

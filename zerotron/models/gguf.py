@@ -132,27 +132,31 @@ def read_gguf_weights(reader: Any, path: str | Path, cfg: ModelConfig) -> dict[s
 
 def iter_gguf_weights(reader: Any, path: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of :func:`read_gguf_weights` one at a time (the file stays memory-mapped)."""
+    for t in reader.tensors:
+        name = gguf_to_name(t.name)
+        if name is not None:
+            yield name, gguf_tensor(reader, t, name, path, cfg)
+
+
+def gguf_tensor(reader: Any, t: Any, name: str, path: str | Path, cfg: ModelConfig) -> torch.Tensor:
+    """One GGUF tensor ``t`` (zerotron ``name``), dequantised to fp32 in zerotron's layout."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     arch = field(reader, "general.architecture")
-    for t in reader.tensors:
-        name = gguf_to_name(t.name)
-        if name is None:
-            continue
-        try:
-            data = np.asarray(t.data)  # a plain ndarray view: numpy's memmap subclass makes dequantising slow
-            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                array = data.astype(np.float32)
-            else:
-                array = dequantize(data, t.tensor_type)
-            array = array.reshape([int(n) for n in reversed(t.shape)])
-        except Exception as e:
-            raise ModelLoadError(
-                f"{path}: tensor {t.name} cannot be read ({e}); the file may be truncated"
-            ) from e
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = unpermute_qk(array, cfg.num_attention_heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = unpermute_qk(array, cfg.kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    try:
+        data = np.asarray(t.data)  # a plain ndarray view: numpy's memmap subclass makes dequantising slow
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = data.astype(np.float32)
+        else:
+            array = dequantize(data, t.tensor_type)
+        array = array.reshape([int(n) for n in reversed(t.shape)])
+    except Exception as e:
+        raise ModelLoadError(
+            f"{path}: tensor {t.name} cannot be read ({e}); the file may be truncated"
+        ) from e
+    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        array = unpermute_qk(array, cfg.num_attention_heads)
+    elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        array = unpermute_qk(array, cfg.kv_heads)
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))

@@ -280,22 +280,35 @@ class LlamaForCausalLM(nn.Module):
             the head returns them. With tied embeddings, a last stage that is not also the first holds
             its own copy of the embedding matrix as ``lm_head.weight`` (initialised like
             ``embed_tokens.weight``; the pipeline sums the two copies' gradients after each step).
+        vocab_rows: rows of the embedding and output head (default ``vocab_size``); more pads the
+            vocabulary (:meth:`~zerotron.config.ModelConfig.padded_vocab`, so that tensor parallelism
+            splits it evenly): the rows past ``vocab_size`` are zeros, their logits are ``-inf`` (no
+            token ever gets probability there, so the loss and the gradients are the unpadded model's)
+            and the placement record leaves them out of the parameter count and the checkpoints.
 
     A pipeline stage is this model with what it does not own pruned (:mod:`zerotron.models.stages`).
     """
 
     def __init__(
-        self, cfg: ModelConfig, layers: range | None = None, embed: bool = True, head: bool = True
+        self,
+        cfg: ModelConfig,
+        layers: range | None = None,
+        embed: bool = True,
+        head: bool = True,
+        vocab_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.vocab_rows = vocab_rows or cfg.vocab_size
+        if self.vocab_rows < cfg.vocab_size:
+            raise ValueError(f"vocab_rows={self.vocab_rows} < vocab_size={cfg.vocab_size}")
         layers = range(cfg.num_hidden_layers) if layers is None else layers
         if embed:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size)
         self.layers = LayerStack({i: DecoderLayer(cfg, i) for i in layers})
         if head:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(cfg)
         self.sequence_shards = 1  # tp under sequence parallelism: hidden inputs are (b, s/t, h) shards
         self.tie_weights()
@@ -365,16 +378,54 @@ class LlamaForCausalLM(nn.Module):
             return x
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(self.norm(x))  # (b, s, V)
+        logits = self.lm_head(self.norm(x))  # (b, s, V) [this rank's V/t columns under tp]
+        return self._mask_padding(logits) if self.vocab_rows > self.config.vocab_size else logits
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """``-inf`` in the columns of padded vocabulary rows (ids >= vocab_size; under tensor
+        parallelism this rank's columns start at its shard's offset)."""
+        spec = getattr(self.lm_head, "tp_specs", {}).get("weight")
+        start = spec.offsets[0] if spec is not None else 0
+        ids = torch.arange(start, start + logits.shape[-1], device=logits.device)  # (V/t,)
+        return logits.masked_fill(ids >= self.config.vocab_size, float("-inf"))
+
+    def padded_rows(self) -> dict[str, int]:
+        """Parameters padded past the vocabulary: name -> rows that are real (vocab_size)."""
+        if self.vocab_rows == self.config.vocab_size:
+            return {}
+        names = [n for n, held in (("embed_tokens", self.first), ("lm_head", self.last)) if held]
+        return {f"{n}.weight": self.config.vocab_size for n in names}
+
+    @torch.no_grad()
+    def pad_vocabulary(self, rows: int) -> None:
+        """Grow a materialised model's embedding and head to ``rows`` rows (zeros past the vocabulary):
+        what :func:`~zerotron.models.parallelize.parallelize_llama` builds directly, for a model loaded
+        whole (``zerotron generate`` under tp)."""
+        if rows <= self.vocab_rows:
+            return
+        for name in ("embed_tokens", "lm_head"):  # a tied head is grown too, then tied again
+            module = getattr(self, name, None)
+            if module is None:
+                continue
+            old = module.weight
+            grown = old.new_zeros((rows, *old.shape[1:]))
+            grown[: old.shape[0]] = old
+            module.weight = nn.Parameter(grown, old.requires_grad)
+        self.vocab_rows = rows
+        self.tie_weights()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Give every parameter its layout-independent initial value (see :func:`init_parameter`); a
         tied head copy takes the embedding's."""
         self.tie_weights()
+        padded = self.padded_rows()
         for name, param in self.named_parameters():
             source = "embed_tokens.weight" if self.tied_weight() is param and self.last else name
-            param.copy_(init_parameter(source, tuple(param.shape), seed, self.config))
+            shape = tuple(param.shape)
+            rows = padded.get(name, shape[0] if shape else 0)
+            param.zero_()
+            param[:rows].copy_(init_parameter(source, (rows, *shape[1:]), seed, self.config))
 
 
 def init_parameter(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:

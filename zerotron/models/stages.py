@@ -56,15 +56,32 @@ def build_stages(
     device: torch.device | str = "cpu",
 ) -> list[LlamaForCausalLM]:
     """This pipeline rank's chunks (virtual stages ``c * pp_size + pp_rank``), initialised, on ``device``."""
+    chunks = meta_stages(cfg, bounds, pp_rank, pp_size)
+    for chunk in chunks:
+        chunk.to_empty(device=device)
+        chunk.init_weights(seed)
+    return chunks
+
+
+def meta_stages(
+    cfg: ModelConfig,
+    bounds: Sequence[tuple[int, int]],
+    pp_rank: int,
+    pp_size: int,
+    vocab_rows: int | None = None,
+) -> list[LlamaForCausalLM]:
+    """This pipeline rank's chunks on the meta device (no storage: materialised after the split), with
+    ``vocab_rows`` embedding/head rows (default: the vocabulary, unpadded)."""
     n = len(bounds)
     chunks = []
     for stage in range(pp_rank, n, pp_size):
         start, end = bounds[stage]
         with torch.device("meta"):
-            chunk = LlamaForCausalLM(cfg, range(start, end), embed=stage == 0, head=stage == n - 1)
-        chunk.to_empty(device=device)
-        chunk.init_weights(seed)
-        chunks.append(chunk)
+            chunks.append(
+                LlamaForCausalLM(
+                    cfg, range(start, end), embed=stage == 0, head=stage == n - 1, vocab_rows=vocab_rows
+                )
+            )
     return chunks
 
 
@@ -95,6 +112,10 @@ class StagedModel(nn.Module):
         the tensor it copies, if this rank holds it."""
         w = self.tied_weight()
         return (w, "embed_tokens.weight") if w is not None and any(c.last for c in self.chunks) else None
+
+    def padded_rows(self) -> dict[str, int]:
+        """This rank's parameters padded past the vocabulary (see :meth:`LlamaForCausalLM.padded_rows`)."""
+        return {n: rows for c in self.chunks for n, rows in c.padded_rows().items()}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Not callable: a pipeline rank holds part of the model; run it with a PipelineRunner."""

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from zerotron.distributed.mesh import Group
-from zerotron.parallel.tensor import shard_specs
+from zerotron.parallel.tensor import attach_grad_sums, shard_specs
 
 GRAD_AXES_ATTR = "grad_axes"  # on a module: {parameter name in the module: mesh axis reducing its gradient}
 
@@ -44,11 +44,27 @@ class Placement:
     source: str | None = None  # the tensor this one copies (tied weights), saved under that name
     grad_axis: str = "dp"  # the mesh axis whose ranks sum this parameter's gradient
     flat: tuple[int, int] | None = None  # ZeRO: (start, length) of this rank's range of the flat box
+    local_shape: tuple[int, ...] = ()  # the box's shape (the tensor this rank holds before ZeRO)
+    real_rows: int | None = None  # padded (the vocabulary): rows of dim 0 past this are padding
 
     @property
     def copy(self) -> bool:
         """A copy of a tensor another pipeline stage owns (counted, written and reduced there)."""
         return self.source is not None
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The global shape without padding: what is saved, read, exported and counted."""
+        if self.real_rows is None:
+            return self.global_shape
+        return (self.real_rows, *self.global_shape[1:])
+
+    def stored_box(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of box ``offsets``/``shape`` that is not padding (its leading rows), as a shape."""
+        if self.real_rows is None or not shape:
+            return shape
+        rows = max(0, min(offsets[0] + shape[0], self.real_rows) - offsets[0])
+        return (rows, *shape[1:])
 
 
 def set_grad_axis(module: nn.Module, param_name: str, axis: str) -> None:
@@ -74,11 +90,13 @@ def placements(
     tp: int = 1,
     copy: tuple[torch.Tensor, str] | None = None,
     ranges: Mapping[str, tuple[int, int]] | None = None,
+    padded: Mapping[str, int] | None = None,
 ) -> dict[str, Placement]:
     """Every parameter's placement by name (tied names included), from the model's tensor-parallel
     shard specs (``tp`` ranks), its recorded gradient axes, the pipeline's tied ``copy`` (the head on
-    the last stage and the name of the tensor it copies), if any, and ZeRO's flat ``ranges`` by name
-    (a parameter ZeRO shards but this rank holds none of gets ``(0, 0)``)."""
+    the last stage and the name of the tensor it copies), if any, ZeRO's flat ``ranges`` by name
+    (a parameter ZeRO shards but this rank holds none of gets ``(0, 0)``) and the rows that are real
+    in parameters ``padded`` past the vocabulary, by name."""
     specs = shard_specs(model)
     axes = _grad_axes(model)
     first = {id(p): name for name, p in model.named_parameters()}  # a tied alias shares its range
@@ -97,6 +115,8 @@ def placements(
             source=copy[1] if copy is not None and p is copy[0] else None,
             grad_axis=axes.get(id(p), "dp"),
             flat=None if ranges is None else ranges.get(first[id(p)], (0, 0)),
+            local_shape=tuple(p.shape),
+            real_rows=None if padded is None else padded.get(name),
         )
     return out
 
@@ -141,5 +161,55 @@ def local_numel(records: Mapping[str, Placement], model: nn.Module) -> int:
         if id(p) in seen or records[name].copy:
             continue
         seen.add(id(p))
-        total += math.prod(records[name].global_shape)
+        total += math.prod(records[name].stored_shape)
     return total
+
+
+Box = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], torch.Tensor]
+"""(global name, global shape, box offsets, box shape) -> the box's values (a weight source's ``box``)."""
+
+
+def read_box(
+    record: Placement,
+    offsets: tuple[int, ...],
+    shape: tuple[int, ...],
+    read: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor],
+) -> torch.Tensor:
+    """Box ``offsets``/``shape`` of a parameter, whose stored part ``read(offsets, shape)`` gives (from a
+    tensor of ``record.stored_shape``): padding rows past the vocabulary are zeros, never read."""
+    stored = record.stored_box(offsets, shape)
+    if stored == shape:
+        return read(offsets, shape)
+    out = torch.zeros(shape)
+    if stored[0] > 0:
+        part = read(offsets, stored)
+        out = out.to(part.dtype)
+        out[: stored[0]] = part
+    return out
+
+
+def fill_value(box: Box, name: str, record: Placement) -> torch.Tensor:
+    """The values of this rank's box of parameter ``name`` from a weight source's ``box`` (a copy reads
+    its source's; padding rows are zeros)."""
+    source = record.source or name
+
+    def read(offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        return box(source, record.stored_shape, offsets, shape)
+
+    return read_box(record, record.offsets, record.local_shape, read)
+
+
+def materialize(
+    model: nn.Module, box: Box, device: torch.device | str, records: Mapping[str, Placement]
+) -> None:
+    """Give a model built on the meta device (and split there) its storage on ``device``, each parameter
+    filled with the box its placement names (a copy reads its source's), one tensor at a time: the peak
+    is this rank's parameters plus the largest single tensor a source builds, never the whole model.
+    Each Parameter keeps its identity (tied references, shard specs), and the tensor-parallel gradient
+    sums recorded on the meta model are attached."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied names once: every module holding it sees it
+            values = fill_value(box, name, records[name])
+            real = nn.Parameter(values.to(device=device, dtype=p.dtype, copy=True), p.requires_grad)
+            torch.utils.swap_tensors(p, real)  # the same Parameter object, now with storage
+    attach_grad_sums(model)

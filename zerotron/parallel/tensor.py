@@ -198,7 +198,7 @@ class ColumnParallelLinear(nn.Module):
                 _replicated_spec(shape) if replicated else _split_spec(shape, 0, start, size)
             )
             if replicated and group.size > 1:
-                getattr(self, name).register_hook(all_reduce_grad_hook(group))
+                sum_grad_over_tp(self, name, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, in) [(b, s/t, in) with input_mode=sequence] -> (b, s, out/t)."""
@@ -251,7 +251,7 @@ class RowParallelLinear(nn.Module):
         if linear.bias is not None:
             self.bias = nn.Parameter(linear.bias.detach().clone())  # replicated, added after the sum
             if output_mode == "sequence" and group.size > 1:
-                self.bias.register_hook(all_reduce_grad_hook(group))
+                sum_grad_over_tp(self, "bias", group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, in/t) -> (b, s, out) [(b, s/t, out) with output_mode=sequence]."""
@@ -447,10 +447,35 @@ def _shard_region(region: nn.Module, plan: RegionPlan, group: Group, sequence_pa
     region.register_forward_hook(leave)
 
 
-def _sum_grads_over_tp(module: nn.Module, group: Group) -> None:
-    for p in module.parameters():
-        if p.requires_grad:
+def sum_grad_over_tp(module: nn.Module, name: str, group: Group) -> None:
+    """Record that ``module.<name>``'s gradient is a partial sum to add up over ``group`` (a parameter
+    replicated over tp but used on partial data). The hook is attached at once, or by :func:`attach_grad_sums`
+    once the parameter has storage (a model split on the meta device is materialised first)."""
+    sums: dict[str, Group] = module.__dict__.setdefault("tp_grad_sums", {})
+    sums[name] = group
+    attach_grad_sums(module)  # at once when it has storage
+
+
+def attach_grad_sums(model: nn.Module) -> None:
+    """Attach the recorded gradient sums (:func:`sum_grad_over_tp`) to the parameters that have storage
+    and do not have theirs yet (idempotent: run after the split and again after materialisation)."""
+    for module in model.modules():
+        sums = getattr(module, "tp_grad_sums", None)
+        if not sums:
+            continue
+        done = module.__dict__.setdefault("_tp_grad_hooked", set())
+        for name, group in sums.items():
+            p = getattr(module, name)
+            if p is None or p.is_meta or id(p) in done or not p.requires_grad:
+                continue
             p.register_hook(all_reduce_grad_hook(group))
+            done.add(id(p))
+
+
+def _sum_grads_over_tp(module: nn.Module, group: Group) -> None:
+    for name, p in module.named_parameters(recurse=False):
+        if p.requires_grad:
+            sum_grad_over_tp(module, name, group)
 
 
 def apply_tensor_parallel(
@@ -501,6 +526,7 @@ def apply_tensor_parallel(
     if sequence_parallel:
         for name in plan.norms:
             _sum_grads_over_tp(_get(model, name), group)
+    attach_grad_sums(model)  # now, unless the model is still on the meta device
     return model
 
 

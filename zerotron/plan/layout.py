@@ -184,6 +184,6 @@ def _check_choices(layout: Layout, work: Workload) -> None:
 def _check_limits(layout: Layout) -> None:
     if layout.zero >= 2 and layout.pp > 1:
         raise PlanError(
-            f"zero={layout.zero} with pp={layout.pp}: sharded gradients would be reduced every micro-batch; "
-            "use zero<=1 with pipeline parallelism (as DeepSpeed and Megatron do)"
+            f"zero={layout.zero} with pp={layout.pp}: zerotron plan does not model ZeRO-2/3 under pipeline "
+            "parallelism yet (zerotron train runs it); plan it with zero<=1"
         )

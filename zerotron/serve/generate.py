@@ -245,6 +245,7 @@ def run_generate(
     """
     model, tokenizer = load_model(model_path, dtype=dtype, device=device)
     if tp_group is not None and tp_group.size > 1:
+        model.pad_vocabulary(model.config.padded_vocab(tp_group.size))  # tp splits the vocabulary evenly
         plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
         apply_tensor_parallel(model, plan, tp_group)
         if tp_group.rank_in_group != 0:

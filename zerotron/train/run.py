@@ -83,11 +83,13 @@ def resolve_model(cfg: Config) -> Config:
     if path:
         from zerotron.models.loading import read_model_config
 
+        pad = cfg.model.pad_vocab_to_multiple_of  # a layout choice of this run, not the file's
         ckpt = store.checkpoint_dir(Path(path))
         if ckpt is not None:
             cfg.model = ModelConfig(**{**_saved_model_config(ckpt), "path": path})
         else:
             cfg.model = read_model_config(path)
+        cfg.model.pad_vocab_to_multiple_of = pad
     return cfg
 
 
@@ -106,17 +108,6 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
-    """A pipeline reads its weights from a zerotron checkpoint (the schedule and the stage split were
-    checked with the rest of the layout by :func:`zerotron.layout.check`)."""
-    if cfg.model.path and store.checkpoint_dir(Path(cfg.model.path)) is None:
-        raise ConfigError(
-            f"parallel.pp > 1 reads model.path from a zerotron checkpoint only; convert it first with "
-            f"`zerotron convert {cfg.model.path} DIR --to checkpoint` and set model.path=DIR "
-            "(or set parallel.pp=1)"
-        )
-
-
 def describe_schedule(config_path: str | None, overrides: list[str], nproc: int) -> str:
     """The pipeline schedule the config would run on ``nproc`` ranks, checked and simulated (no rank starts)."""
     from zerotron.parallel.pipeline_schedule import build_schedule, simulate
@@ -128,7 +119,6 @@ def describe_schedule(config_path: str | None, overrides: list[str], nproc: int)
     dims = ParallelDims.from_config(cfg.parallel, world)
     if dims.pp == 1:
         return "parallel.pp=1: no pipeline schedule (set parallel.pp > 1)"
-    _check_pipeline(cfg, dims)
     p, v = dims.pp, cfg.parallel.virtual_stages
     m = micro_batches_per_step(cfg, dims.dp)
     schedule = build_schedule(cfg.parallel.pp_schedule, p, m, v)
@@ -163,34 +153,35 @@ def load_job_config(
         cfg = load_config(config_path, overrides)
     cfg = resolve_model(cfg)
     validate(cfg, world_size)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    if dims.pp > 1:
-        _check_pipeline(cfg, dims)
-    _check_fits_host(cfg, world_size)
+    _check_fits_host(cfg, ParallelDims.from_config(cfg.parallel, world_size))
     return cfg
 
 
-def _check_fits_host(cfg: Config, world_size: int) -> None:
-    """Each rank builds the model's fp32 weights whole before splitting them (until meta-device
-    materialisation lands): refuse a model whose weights alone exceed one rank's share of this machine
-    (a GPU's memory, or the host's memory over the local ranks)."""
+def _check_fits_host(cfg: Config, dims: ParallelDims) -> None:
+    """Each rank materialises its share of the fp32 weights (its tensor-parallel and pipeline part, and
+    under ZeRO-3 its data-parallel shard of that) plus the largest single tensor: refuse a model whose
+    share alone exceeds one rank's part of this machine (a GPU's memory, or the host's memory over the
+    local ranks), before any rank starts."""
     from zerotron.plan.model import total_params
     from zerotron.shapes import ModelShape
 
-    need = 4 * total_params(ModelShape.from_config(cfg.model))
+    m = cfg.model
+    split = dims.tp * dims.pp * (dims.dp if cfg.parallel.zero == 3 else 1)
+    largest = max(m.vocab_size, m.intermediate_size, m.num_attention_heads * m.dim_per_head) * m.hidden_size
+    need = 4 * (total_params(ModelShape.from_config(m)) // split + largest)
     if torch.cuda.is_available():
         have, where = torch.cuda.get_device_properties(0).total_memory, "one GPU's memory"
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size) or 1)
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
         where = f"this machine's memory over {local} local rank{'s' if local > 1 else ''}"
     if need > have:
-        m = cfg.model
         raise ConfigError(
-            f"the model has {need / 4:,.0f} parameters ({need / 2**30:,.1f} GiB in fp32), more than "
-            f"{where} ({have / 2**30:,.1f} GiB) while every rank still builds it whole (hidden_size="
-            f"{m.hidden_size}, head_dim={m.dim_per_head}, intermediate_size={m.intermediate_size}, vocab_size="
-            f"{m.vocab_size}, layers={m.num_hidden_layers}); check the model.* sizes or run fewer local ranks"
+            f"each rank's share of the model is {need / 4:,.0f} fp32 values ({need / 2**30:,.1f} GiB with the "
+            f"largest tensor), more than {where} ({have / 2**30:,.1f} GiB) (hidden_size={m.hidden_size}, "
+            f"head_dim={m.dim_per_head}, intermediate_size={m.intermediate_size}, vocab_size={m.vocab_size}, "
+            f"layers={m.num_hidden_layers}); check the model.* sizes, or split it further (parallel.tp, "
+            "parallel.pp, parallel.zero=3) or run fewer local ranks"
         )
 
 

@@ -18,6 +18,7 @@ offload target.
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,7 +33,7 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
-from zerotron.parallel.placement import Placement, placements, writes
+from zerotron.parallel.placement import Placement, placements, read_box, writes
 from zerotron.parallel.zero.offload import state_of
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
 
@@ -94,7 +95,8 @@ def model_placements(
     under ZeRO, each parameter's flat range on this rank)."""
     copy = model.tied_copy() if isinstance(model, StagedModel) else None
     ranges = None if zero is None else {g.name: (g.start, g.length) for segs in zero.segments for g in segs}
-    return placements(model, tp, copy, ranges)
+    padded_rows = getattr(model, "padded_rows", None)
+    return placements(model, tp, copy, ranges, padded_rows() if padded_rows is not None else None)
 
 
 def _rank_pieces(
@@ -127,6 +129,11 @@ def _rank_pieces(
             if any(mesh.coords[axis] for axis in record.sharded):
                 return
             global_shape, offsets, box = (), (), ()
+        if record.real_rows is not None and data.ndim:  # vocabulary padding is not saved
+            data, box, flat = _unpadded(record, data, box, flat)
+            global_shape = record.stored_shape
+            if not data.numel():
+                return
         tensors[name] = data
         entries.append(sharded.piece(name, kind, global_shape, offsets, box, data, flat))
 
@@ -151,6 +158,19 @@ def _rank_pieces(
                 param = name.rsplit(".", 1)[0]
                 add(name, "optimizer", param, t.detach(), tuple(t.shape))
     return tensors, entries
+
+
+def _unpadded(
+    record: Placement, data: torch.Tensor, box: tuple[int, ...], flat: tuple[int, int] | None
+) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, int] | None]:
+    """A piece without the padding rows of its box: the box's leading rows that are real, and the part
+    of a flat range (row-major, so a prefix of the box) that falls in them."""
+    kept = record.stored_box(record.offsets, box)
+    if flat is None:
+        return data[: kept[0]], kept, None
+    start, length = flat
+    length = max(0, min(start + length, math.prod(kept)) - start)
+    return data[:length], kept, (start, length)
 
 
 def save_checkpoint(
@@ -239,15 +259,15 @@ class _Reader:
         assert src is not None
         record = self.records[param]
         saved_shape = self.reader.shape(src)
-        want, offsets = shape, (0,) * len(shape)
-        if record.sharded and saved_shape:  # ``shape`` is the box's, inside the global tensor
-            want, offsets = record.global_shape, record.offsets
+        if not saved_shape:  # a scalar (AdamW's step count)
+            return self.reader.read(src, (), ())
+        want, offsets = record.stored_shape, record.offsets  # ``shape`` is the box's in the global tensor
         if saved_shape != tuple(want):
             raise store.CheckpointError(
                 f"{self.ckpt}: {src!r} has shape {list(saved_shape)} in the checkpoint but this model "
                 f"needs {list(want)} — the model config differs from the one that saved it"
             )
-        return self.reader.read(src, tuple(offsets), tuple(shape))
+        return read_box(record, tuple(offsets), tuple(shape), lambda o, s: self.reader.read(src, o, s))
 
     def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:
         """Every tensor of ``model``'s state dict with its local shape, after checking that the checkpoint
@@ -298,13 +318,32 @@ class _Moments(Mapping[str, torch.Tensor]):
         return len(self.names)
 
 
-def load_weights(ckpt: Path, model: nn.Module, partial: bool) -> None:
-    """Give ``model`` (before ZeRO; any tp split; ``partial``: a pipeline stage) the weights of ``ckpt``."""
-    manifest = store.verify(ckpt, hashes=False)  # each file's sha256 is checked as this rank reads it
-    with sharded.ShardedCheckpoint(ckpt, manifest) as reader:
-        weights = _Reader(reader, model).weights(model, partial)
-    with torch.no_grad():
-        model.load_state_dict(weights, strict=False)
+class CheckpointSource:
+    """A zerotron checkpoint as a weight source (:mod:`zerotron.models.sources`): each box is read from
+    the pieces of whatever layout saved it, and each file's sha256 is checked when this rank first reads
+    it. ``model`` (on the meta device, split) is checked against the checkpoint's tensors first
+    (``partial``: a pipeline rank holds some of them only)."""
+
+    def __init__(self, ckpt: Path, model: nn.Module, partial: bool) -> None:
+        manifest = store.verify(ckpt, hashes=False)
+        self.reader = sharded.ShardedCheckpoint(ckpt, manifest)
+        _Reader(self.reader, model).expected(model, partial)
+
+    def box(
+        self, name: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The box of saved tensor ``name``, whose global shape must be ``global_shape``."""
+        saved = self.reader.shape(name)
+        if tuple(saved) != tuple(global_shape):
+            raise store.CheckpointError(
+                f"{self.reader.ckpt}: {name!r} has shape {list(saved)} in the checkpoint but this model "
+                f"needs {list(global_shape)} — the model config differs from the one that saved it"
+            )
+        return self.reader.read(name, offsets, shape)
+
+    def close(self) -> None:
+        """Close the reader."""
+        self.reader.close()
 
 
 def load_checkpoint(

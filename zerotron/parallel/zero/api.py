@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from zerotron.config import TrainConfig
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.engine import ShardedEngine
 from zerotron.parallel.zero.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
-from zerotron.parallel.zero.stage3 import ZeroStage3
+from zerotron.parallel.zero.stage3 import Fill, ZeroStage3
 from zerotron.parallel.zero.stage12 import ZeroStage1, ZeroStage2
 
 ZeroEngine = ShardedEngine  # what apply_zero returns: every stage satisfies the protocol (mypy checks)
@@ -25,6 +26,8 @@ def apply_zero(
     reshard_after_forward: bool = True,
     offload_params: str = "none",
     nvme_path: str | None = None,
+    fill: Fill | None = None,
+    device: torch.device | str = "cpu",
 ) -> ZeroEngine:
     """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3):
     one group for every parameter, or each parameter's by name (the placement record's
@@ -41,7 +44,9 @@ def apply_zero(
     if stage == 2:
         return ZeroStage2(model, group, bucket_mb)
     if stage == 3:
-        return ZeroStage3(model, group, persist_numel, reshard_after_forward, offload_params, nvme_path)
+        return ZeroStage3(
+            model, group, persist_numel, reshard_after_forward, offload_params, nvme_path, fill, device
+        )
     raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
+from zerotron.parallel.tensor import attach_grad_sums
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads, tied_copy
 from zerotron.parallel.zero.offload import ShardStore
 from zerotron.parallel.zero.optim_state import (
@@ -53,29 +54,45 @@ class _Unit:
     """
 
     def __init__(
-        self, layout: FlatLayout, persistent: bool, store: ShardStore | None = None, index: int = 0
+        self,
+        layout: FlatLayout,
+        persistent: bool,
+        store: ShardStore | None = None,
+        index: int = 0,
+        fill: Fill | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.layout, self.persistent = layout, persistent
         self.store, self.index = store, index
         with torch.no_grad():
-            self.flat = layout.flatten([s.param.detach() for s in layout.slots])  # (padded,)
+            if fill is None:  # the parameters hold their values
+                self.flat = layout.flatten([s.param.detach() for s in layout.slots])  # (padded,)
+                mine = self.flat[layout.lo : layout.hi]
+            else:  # parameters on the meta device: only this rank's range is materialised
+                self.flat = torch.empty(layout.padded, dtype=torch.float32, device=device)
+                mine = _materialize_range(layout, self.flat, fill, whole=persistent)
         for slot, view in zip(layout.slots, layout.views(self.flat)):
-            slot.param.data = view
+            if slot.param.is_meta:  # the same Parameter object, now a view of the flat buffer
+                torch.utils.swap_tensors(slot.param, nn.Parameter(view, slot.param.requires_grad))
+            else:
+                slot.param.data = view
         # (shard,) the rank's master weights: on the device, or a host tensor (resident, or a window
         # whose storage exists only while an NVMe shard is read in).
         if store is None:
-            self.shard = self.flat[layout.lo : layout.hi].clone()
+            self.shard = mine.clone()
         elif store.resident:
             self.shard = store.tensor(index)
         else:
             self.shard = torch.empty(layout.shard, dtype=torch.float32)
         if store is not None:
-            self.shard.copy_(self.flat[layout.lo : layout.hi])  # device -> host
+            self.shard.copy_(mine)  # device -> host
             store.write(index, self.shard)
         self.segments: list[ShardSegment] = layout.segments(self.shard)
         self.master_on_nvme = store is not None and not store.resident
         self._evict()
         self.gathered = True
+        if fill is not None:
+            self.free()  # never gathered whole while the model is built
         self.gathering: Any = None
         self.staged: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -160,6 +177,30 @@ class _Unit:
             self.shard.untyped_storage().resize_(0)
 
 
+Fill = Callable[[str], torch.Tensor]  # parameter name -> its whole box on this rank (fp32, any device)
+
+
+_MAX_IN_FLIGHT = 2  # gradient reduce-scatters on their way at once (see ZeroStage3._reduce)
+
+
+def _materialize_range(layout: FlatLayout, flat: torch.Tensor, fill: Fill, whole: bool) -> torch.Tensor:
+    """This rank's ``(shard,)`` range of a unit whose parameters are on the meta device, asking ``fill``
+    for one parameter at a time; ``whole`` (the small persistent unit) fills all of ``flat`` too."""
+    shard = torch.zeros(layout.shard, dtype=flat.dtype, device=flat.device)
+    if whole:
+        flat.zero_()
+    for slot in layout.slots:
+        lo, hi = max(slot.offset, layout.lo), min(slot.offset + slot.numel, layout.hi)
+        if not whole and lo >= hi:
+            continue
+        values = fill(slot.name).reshape(-1).to(flat.device)
+        if whole:
+            flat[slot.offset : slot.offset + slot.numel].copy_(values)
+        if lo < hi:
+            shard[lo - layout.lo : hi - layout.lo].copy_(values[lo - slot.offset : hi - slot.offset])
+    return shard
+
+
 def _one_group(named: list[tuple[str, nn.Parameter]], group_of: Callable[[str], Group]) -> Group:
     """The reduction group that every parameter of one module shares (a unit is sharded over one)."""
     groups = {id(group_of(name)): group_of(name) for name, _ in named}
@@ -207,6 +248,10 @@ class ZeroStage3:
             in a file under ``nvme_path``, copied to the device only for the all-gather; the gradient
             shards land in host memory, and the optimizer must step there
             (:class:`~zerotron.parallel.zero.offload.OffloadAdamW` over :attr:`units`).
+        fill: for a model built on the meta device, each parameter's values by name (its whole box on
+            this rank, from a weight source): every unit materialises only this rank's range, one
+            parameter at a time, so the whole model never exists on one rank.
+        device: where the units live when ``fill`` materialises them.
     """
 
     stage = 3
@@ -219,6 +264,8 @@ class ZeroStage3:
         reshard_after_forward: bool = True,
         offload_params: str = "none",
         nvme_path: str | None = None,
+        fill: Fill | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.reshard_after_forward = reshard_after_forward
         self.offload_params = offload_params
@@ -252,7 +299,7 @@ class ZeroStage3:
         self.units: list[_Unit] = []
         self._unit_of_module: dict[int, _Unit] = {}
         for i, (owner, layout) in enumerate(runs):
-            self.units.append(_Unit(layout, owner is None, self.store, i))
+            self.units.append(_Unit(layout, owner is None, self.store, i, fill, device))
             if owner is not None:
                 self._unit_of_module[id(owner)] = self.units[-1]
         self.order = [u for u in self.units if not u.persistent]  # forward order
@@ -266,12 +313,14 @@ class ZeroStage3:
         self._unit_of_param = {id(s.param): u for u in self.units for s in u.layout.slots}
         self._in_backward = False
         self.peak_gathered_bytes = 0  # see _note_gathered
+        self._in_flight: list[_Unit] = []  # units whose reduce-scatter is on its way (oldest first)
         for module in (m for units in per_root for m in units):
             if id(module) in self._unit_of_module:
                 module.register_forward_pre_hook(self._pre_forward)
                 module.register_forward_hook(self._post_forward)
         for p in (s.param for u in self.units for s in u.layout.slots):
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        attach_grad_sums(model)  # a model materialised here: its tensor-parallel gradient sums
         for unit in self.order:
             unit.free()
 
@@ -352,11 +401,18 @@ class ZeroStage3:
         unit.pending.append((collectives.reduce_scatter(out, flat_grad, layout.group, async_op=True), out))
         unit.ready, unit.reduced = 0, True
         unit.free()
+        # At most two reductions in flight (FSDP2 waits on the previous one too): each holds its unit's
+        # whole flat gradient until it lands, so more would grow with the model, not the unit.
+        self._in_flight.append(unit)
+        while len(self._in_flight) > _MAX_IN_FLIGHT:
+            self._land(self._in_flight[0])
 
     def _land(self, unit: _Unit) -> None:
+        if unit in self._in_flight:
+            self._in_flight.remove(unit)
         for work, out in unit.pending:
             work.wait()
-            if self.store is not None:  # the optimizer steps on the host: the shard gradient goes there
+            if self.store is not None and out.device.type != "cpu":  # the optimizer steps on the host
                 out = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda).copy_(out)
             if unit.grad_shard is None:
                 unit.grad_shard = out

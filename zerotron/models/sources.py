@@ -1,0 +1,144 @@
+"""Where a model's weights come from, one box of one tensor at a time (DESIGN contract 4).
+
+A rank materialises only what it holds: for every parameter it asks its source for the box the
+placement record names (the whole tensor, a tensor-parallel shard, or a ZeRO-3 unit's slots), so that
+its peak memory is its shards plus the largest single tensor, never the whole model.
+
+- :class:`InitSource`: the layout-independent initial values (:func:`~zerotron.models.llama.
+  init_parameter`): one global tensor is drawn, the box is sliced from it.
+- :class:`HFSource`: a Hugging Face directory; the box is read from the safetensors file with a slice
+  (``safe_open(...).get_slice``), so only its bytes are read, never a whole file.
+- :class:`GGUFSource`: a GGUF file; one tensor is dequantised at a time (quantised blocks do not slice)
+  and the box is sliced from it.
+
+A zerotron checkpoint is a source too (:class:`zerotron.train.state.CheckpointSource`): it reads each
+box from the pieces of whatever layout saved it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from zerotron.config import ModelConfig
+from zerotron.models.hf import ModelLoadError, _weight_files, from_hf_name
+from zerotron.models.llama import init_parameter
+
+Shape = tuple[int, ...]
+
+
+class WeightSource(Protocol):
+    """Gives the box ``offsets``/``shape`` of global tensor ``name`` (of ``global_shape``), fp32 on the host."""
+
+    def box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
+        """The box (a tensor of ``shape``)."""
+        ...
+
+    def close(self) -> None:
+        """Release open files."""
+        ...
+
+
+def box_slices(offsets: Shape, shape: Shape) -> tuple[slice, ...]:
+    """Index of a box inside its global tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+
+
+class InitSource:
+    """The layout-independent initial weights of ``cfg`` for ``seed``."""
+
+    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+
+    def box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
+        """Draw the global tensor (one at a time), keep the box."""
+        return init_parameter(name, global_shape, self.seed, self.cfg)[box_slices(offsets, shape)]
+
+    def close(self) -> None:
+        """Nothing open."""
+
+
+def _check_shape(source: Any, name: str, got: Shape, want: Shape) -> None:
+    if tuple(got) != tuple(want):
+        raise ModelLoadError(
+            f"{source}: tensor {name} has shape {list(got)}, the config implies {list(want)}"
+        )
+
+
+class HFSource:
+    """Boxes read from a Hugging Face directory's safetensors files, a slice at a time."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        self._handles: list[Any] = []
+        self._where: dict[str, tuple[Any, str]] = {}  # zerotron name -> (open file, its key)
+        for path in _weight_files(self.directory):
+            try:
+                handle = safe_open(str(path), framework="pt")
+                keys = list(handle.keys())
+            except Exception as e:  # safetensors raises its own errors for damaged files
+                raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
+            self._handles.append(handle)
+            for key in keys:
+                self._where[from_hf_name(key)] = (handle, key)
+
+    def box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
+        """Read only the box's bytes."""
+        if name not in self._where:
+            raise ModelLoadError(
+                f"{self.directory}: missing tensor {name} (expected shape {list(global_shape)})"
+            )
+        handle, key = self._where[name]
+        part = handle.get_slice(key)
+        _check_shape(self.directory, name, tuple(part.get_shape()), global_shape)
+        data: torch.Tensor = part[box_slices(offsets, shape)]
+        return data.float()
+
+    def close(self) -> None:
+        """Drop the file handles."""
+        self._handles.clear()
+        self._where.clear()
+
+
+class GGUFSource:
+    """Boxes of a GGUF file's tensors, dequantised one tensor at a time."""
+
+    def __init__(self, path: str | Path, cfg: ModelConfig) -> None:
+        from zerotron.models.gguf import gguf_to_name, open_gguf
+
+        self.path, self.cfg = Path(path), cfg
+        self.reader = open_gguf(self.path)
+        self._tensors = {n: t for t in self.reader.tensors if (n := gguf_to_name(t.name)) is not None}
+        self._last: tuple[str, torch.Tensor] | None = None  # ZeRO-3 asks for one tensor's slots in a row
+
+    def box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
+        """Dequantise ``name`` (kept until another tensor is asked for), keep the box."""
+        from zerotron.models.gguf import gguf_tensor
+
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: missing tensor {name} (expected shape {list(global_shape)})")
+        if self._last is None or self._last[0] != name:
+            self._last = None  # the previous tensor goes before the next one is made
+            self._last = (name, gguf_tensor(self.reader, self._tensors[name], name, self.path, self.cfg))
+        whole = self._last[1]
+        _check_shape(self.path, name, tuple(whole.shape), global_shape)
+        return whole[box_slices(offsets, shape)]
+
+    def close(self) -> None:
+        """Drop the dequantised tensor and the reader."""
+        self._last = None
+        self._tensors.clear()
+
+
+def open_pretrained(path: str | Path, cfg: ModelConfig) -> WeightSource:
+    """The source for a Hugging Face directory or a GGUF file."""
+    p = Path(path)
+    if p.is_dir():
+        return HFSource(p)
+    if p.is_file() and p.suffix == ".gguf":
+        return GGUFSource(p, cfg)
+    raise ModelLoadError(f"{p}: not a model (expected a Hugging Face directory or a .gguf file)")
