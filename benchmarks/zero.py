@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zerotron.bench.report import cpu_name
+from zerotron.bench.report import cpu_name, reset_peak_rss, rss_kib
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
 from zerotron.distributed.mesh import ParallelDims
@@ -70,20 +70,6 @@ MODEL = [
 MIB = 2**20
 
 
-def _status_kib(field: str) -> int:
-    """A ``VmRSS``/``VmHWM`` line of /proc/self/status, in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    """Reset this process's peak RSS to its current RSS; return that RSS in bytes."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kib("VmRSS") * 1024
-
-
 class _StepClock:
     """Wall and CPU (this process, every thread) seconds of each step."""
 
@@ -100,7 +86,7 @@ class _StepClock:
 
 
 def _report(clock: _StepClock, base_rss: int, loss: float) -> dict:
-    peak = _status_kib("VmHWM") * 1024
+    peak = rss_kib("VmHWM") * 1024
     return {
         "step_s": statistics.median(clock.wall[WARMUP:] or clock.wall),
         "cpu_s": statistics.median(clock.cpu[WARMUP:] or clock.cpu),
@@ -120,7 +106,7 @@ def _model(cfg) -> LlamaForCausalLM:
 def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    base = _reset_peak()
+    base = reset_peak_rss()
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     clock, loss = _StepClock(), 0.0
@@ -138,7 +124,7 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, stage: int) -> dict:
     cfg = load_config(None, overrides)
     t = cfg.train
     rank, world = current_rank_and_world()
-    base = _reset_peak()
+    base = reset_peak_rss()
     model = _model(cfg)
     ds_config = {
         "train_batch_size": t.global_batch,
@@ -172,7 +158,7 @@ def _fsdp2(overrides: list[str], tokens: np.ndarray) -> dict:
     cfg = load_config(None, overrides)
     t = cfg.train
     rank, world = current_rank_and_world()
-    base = _reset_peak()
+    base = reset_peak_rss()
     model = _model(cfg)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.layers:

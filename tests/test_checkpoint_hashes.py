@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.harness import run_distributed
+from tests.test_checkpoint_crash import SMALL as CRASH_SMALL
 from zerotron.checkpoint import store
 from zerotron.cli import main
 from zerotron.config_load import load_config
@@ -19,17 +20,10 @@ from zerotron.distributed.mesh import ParallelDims
 from zerotron.train.run import resolve_resume, train_worker
 from zerotron.train.trainer import Trainer
 
-SMALL = [
-    "model.hidden_size=32",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=2",
-    "model.intermediate_size=64",
-    "train.seq_len=32",
+SMALL = [  # the crash tests' small run, saved every 2 steps, under ZeRO-1 on 2 ranks
+    *CRASH_SMALL,
     "train.global_batch=4",
-    "train.micro_batch=1",
     "train.steps=2",
-    "data.max_bytes=20000",
-    "log.progress=none",
     "parallel.zero=1",
 ]
 

@@ -10,7 +10,6 @@ unpadded and the other way round.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_distributed
+from tests.test_train_3d import _body as _train
 from tests.test_train_dp import BASE, _reference, _tokens
 from zerotron.checkpoint import store
 from zerotron.checkpoint.convert import convert
@@ -27,31 +27,12 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import load_pretrained
-from zerotron.parallel.tensor import gather_tensors, shard_specs
 from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 STEPS = 3
 VOCAB = 259  # the tiny preset's (byte-level) vocabulary
 PADDED = [*BASE, f"model.vocab_size={VOCAB}", "train.grad_clip=0.3", "train.micro_batch=2"]
-
-
-def _train(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int, resume: str | None) -> dict:
-    cfg = load_config(None, overrides)
-    rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
-    trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
-    if resume is not None:
-        trainer.resume(resume)
-    history = [trainer.train_step() for _ in range(steps)]
-    trainer.save()
-    with trainer.zero.full_params() if trainer.zero is not None else contextlib.nullcontext():
-        shards = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return {
-        "losses": [r["loss"] for r in history],
-        "n_params": history[0]["n_params"],
-        "weights": gather_tensors(shards, shard_specs(trainer.model), mesh.group("tp")),
-    }
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:

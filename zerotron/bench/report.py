@@ -141,3 +141,17 @@ def draw(path: Path, rows: dict[str, dict[str, Any]]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def rss_kib(field: str = "VmRSS") -> int:
+    """A line of /proc/self/status (``VmRSS``: resident now, ``VmHWM``: the peak), in KiB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS; return that RSS in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return rss_kib("VmRSS") * 1024
