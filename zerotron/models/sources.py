@@ -68,39 +68,41 @@ def _check_shape(source: Any, name: str, got: Shape, want: Shape) -> None:
 
 
 class HFSource:
-    """Boxes read from a Hugging Face directory's safetensors files, a slice at a time."""
+    """Boxes read from a Hugging Face directory's safetensors files, a slice at a time. Each read opens
+    its file and closes it again, so the pages it touched do not stay mapped (and counted in the rank's
+    RSS: a column slice touches every row of its tensor) while the next tensors are read."""
 
     def __init__(self, directory: str | Path) -> None:
         from safetensors import safe_open
 
         self.directory = Path(directory)
-        self._handles: list[Any] = []
-        self._where: dict[str, tuple[Any, str]] = {}  # zerotron name -> (open file, its key)
+        self._where: dict[str, tuple[Path, str]] = {}  # zerotron name -> (file, its key)
         for path in _weight_files(self.directory):
             try:
-                handle = safe_open(str(path), framework="pt")
-                keys = list(handle.keys())
+                with safe_open(str(path), framework="pt") as handle:
+                    keys = list(handle.keys())
             except Exception as e:  # safetensors raises its own errors for damaged files
                 raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
-            self._handles.append(handle)
             for key in keys:
-                self._where[from_hf_name(key)] = (handle, key)
+                self._where[from_hf_name(key)] = (path, key)
 
     def box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
         """Read only the box's bytes."""
+        from safetensors import safe_open
+
         if name not in self._where:
             raise ModelLoadError(
                 f"{self.directory}: missing tensor {name} (expected shape {list(global_shape)})"
             )
-        handle, key = self._where[name]
-        part = handle.get_slice(key)
-        _check_shape(self.directory, name, tuple(part.get_shape()), global_shape)
-        data: torch.Tensor = part[box_slices(offsets, shape)]
-        return data.float()
+        path, key = self._where[name]
+        with safe_open(str(path), framework="pt") as handle:
+            part = handle.get_slice(key)
+            _check_shape(self.directory, name, tuple(part.get_shape()), global_shape)
+            data: torch.Tensor = part[box_slices(offsets, shape)]
+            return data.float().clone() if data.dtype == torch.float32 else data.float()
 
     def close(self) -> None:
-        """Drop the file handles."""
-        self._handles.clear()
+        """Nothing stays open between reads."""
         self._where.clear()
 
 
