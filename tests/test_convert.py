@@ -116,12 +116,13 @@ def test_bad_sources_are_named(tmp_path: Path) -> None:
 
 MEASURE = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     import torch, gguf, safetensors  # everything convert imports, so the baseline includes them
     from zerotron.checkpoint.convert import convert
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from zerotron.train.trainer import peak_memory_bytes  # VmHWM: not the spawning pytest's ru_maxrss
+    base = peak_memory_bytes(torch.device("cpu"))
     convert(sys.argv[1], sys.argv[2], shard_bytes=64 * 2**20)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_memory_bytes(torch.device("cpu"))
     print(json.dumps({"base": base, "peak": peak}))
     """
 )

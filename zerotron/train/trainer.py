@@ -100,9 +100,20 @@ def _fill_from(source: WeightSource, records: Mapping[str, Placement]) -> Callab
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """This rank's peak memory so far: CUDA's max allocated bytes, or on CPU the process's peak RSS."""
+    """This rank's peak memory so far: CUDA's max allocated bytes, or on CPU the process's peak RSS.
+
+    On Linux the peak is ``VmHWM`` of /proc/self/status, this process image's own: ``ru_maxrss`` also
+    keeps the RSS of the process that spawned it (Linux carries it over fork and exec), so a rank
+    started by a large parent (a test runner, a notebook) would report the parent's size."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    from pathlib import Path
+
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
