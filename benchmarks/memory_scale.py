@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from zerotron.bench.report import cpu_name, reset_peak_rss, rss_kib
+from zerotron.bench.runners import deepspeed_step
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
 from zerotron.distributed.mesh import ParallelDims
@@ -88,7 +88,6 @@ TUNED = {
 
 def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str | None, tuned: bool) -> dict:
     import deepspeed
-    import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config(None, overrides)
@@ -122,13 +121,7 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str | None, tuned
     loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.micro_batch, rank, world, t.seed)
     total = torch.zeros(())
     for _ in range(t.steps):
-        total = torch.zeros(())
-        for x, y in loader.next_step():
-            loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
+        total = deepspeed_step(engine, loader.next_step())
     return _added(base, time.perf_counter() - start, float(total) / world)
 
 

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.bench.report import cpu_name, reset_peak_rss, rss_kib
+from zerotron.bench.runners import deepspeed_step
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
 from zerotron.distributed.mesh import ParallelDims
@@ -118,7 +119,6 @@ def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
 
 def _deepspeed(overrides: list[str], tokens: np.ndarray, stage: int) -> dict:
     import deepspeed
-    import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config(None, overrides)
@@ -140,13 +140,7 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, stage: int) -> dict:
     clock, total = _StepClock(), torch.zeros(())
     for _ in range(t.steps):
         with clock:
-            total = torch.zeros(())
-            for x, y in loader.next_step():
-                loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach()
-            dist.all_reduce(total)
+            total = deepspeed_step(engine, loader.next_step())
     return _report(clock, base, float(total) / t.global_batch * t.micro_batch)
 
 

@@ -178,16 +178,26 @@ def run_deepspeed(run_dir: str, ds_config: dict[str, Any]) -> dict[str, Any]:
     def step(k: int) -> float:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(k, t)
-        total = torch.zeros((), device=device)
-        for x, y in loader.next_step():
-            logits = engine(x.to(device))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())  # micro-batch mean
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() * t.micro_batch * t.seq_len
-        return float(peers.world_sum(total)) / (t.global_batch * t.seq_len)
+        total = deepspeed_step(engine, loader.next_step(), device)  # micro-batch means, summed
+        return float(total) * t.micro_batch / t.global_batch
 
     return _timed(t.steps, device, step)
+
+
+def deepspeed_step(
+    engine: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """One step of a DeepSpeed engine over its micro-batches (forward, ``engine.backward``,
+    ``engine.step`` each; DeepSpeed steps the optimizer at the step's last micro-batch): the sum of the
+    micro-batch mean losses over every micro-batch of every rank."""
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        logits = engine(x.to(device))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())  # micro-batch mean
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach()
+    return peers.world_sum(total)
 
 
 _TP_BLOCK = {
