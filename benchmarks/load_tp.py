@@ -48,18 +48,18 @@ def _load(path: str, tp: int, whole: bool) -> dict:
     rank, world = current_rank_and_world()
     cfg = train_run.resolve_model(load_config(None, [f"model.path={path}", f"parallel.tp={tp}"]))
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
-    return_freed_host_memory()  # as the trainer does, for both ways
     with torch.device("meta"):  # torch's meta kernels load on first use: not the model's memory
         LlamaForCausalLM(cfg.model)
     torch.distributed.barrier()
     base, start = reset_peak_rss(), time.perf_counter()
-    if whole:
-        model, _ = load_pretrained(path, dtype=torch.float32)
-        model.pad_vocabulary(cfg.model.padded_vocab(tp))
-        plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
-        apply_tensor_parallel(model, plan, mesh.group("tp"))
-    else:
-        model = build_model(cfg, torch.device("cpu"), mesh)
+    with return_freed_host_memory():  # as the trainer does, for both ways
+        if whole:
+            model, _ = load_pretrained(path, dtype=torch.float32)
+            model.pad_vocabulary(cfg.model.padded_vocab(tp))
+            plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
+            apply_tensor_parallel(model, plan, mesh.group("tp"))
+        else:
+            model = build_model(cfg, torch.device("cpu"), mesh)
     torch.distributed.barrier()
     seconds = time.perf_counter() - start
     held = sum(p.numel() for p in model.parameters())

@@ -65,12 +65,11 @@ def _rss() -> int:
 
 
 def _body(overrides: list[str], run_dir: str, whole: bool) -> dict:
-    from zerotron.train.trainer import Trainer, peak_memory_bytes, return_freed_host_memory
+    from zerotron.train.trainer import Trainer, peak_memory_bytes
 
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
-    return_freed_host_memory()
     with torch.device("meta"):  # torch loads its meta kernels on first use (about 75 MiB, once)
         LlamaForCausalLM(load_config(None, []).model)
     base = _rss()

@@ -119,27 +119,39 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def return_freed_host_memory() -> None:
-    """Have glibc give freed tensors back to the OS: a fixed mmap threshold of 1 MiB for this process.
+@contextlib.contextmanager
+def return_freed_host_memory() -> Iterator[None]:
+    """While the model is materialised, have glibc give freed tensors back to the OS at once.
 
-    By default glibc raises the threshold to the largest block freed so far (up to 32 MiB) and serves
-    later tensors below it from heap arenas, which fragment and are not returned: materialising a model
-    one global tensor at a time then grows the RSS by a good part of the model (measured: +190 to
-    +280 MiB of RSS for 345 MiB of fp32 weights under ZeRO-3, none of it held). An explicit
-    ``MALLOC_MMAP_THRESHOLD_`` in the environment is left alone; elsewhere than glibc this does nothing.
+    By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB) and
+    serves later tensors below it from heap arenas, which fragment and are not returned: materialising
+    a model one global tensor at a time then grows the RSS by a good part of the model (measured: +190
+    to +280 MiB for 345 MiB of fp32 weights under ZeRO-3, none of it held). Inside, the threshold is
+    1 MiB; on leaving, the heap is trimmed (``malloc_trim``) and the threshold set to 4 MiB for
+    training: 1 MiB there (every tensor of 1 MiB or more mapped afresh) cost about 30% more CPU time per
+    step on benchmarks/zero.py's model, and 32 MiB (glibc's ceiling) let ZeRO-3's working set fragment
+    the heap by 180 MiB in tests/test_memory_scale.py. An explicit ``MALLOC_MMAP_THRESHOLD_`` in the
+    environment is left alone; elsewhere than glibc this does nothing.
     """
     import ctypes
     import os
     import sys
 
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
+    libc: Any = None
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        try:
+            libc = ctypes.CDLL(None)
+            libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc has both (musl has neither)
+        except (OSError, AttributeError):
+            libc = None
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return
-    mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        yield
+    finally:
+        if libc is not None:
+            libc.malloc_trim(0)
+            libc.mallopt(-3, 4 << 20)
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -161,11 +173,11 @@ class Trainer:
             else torch.device("cpu")
         )
         torch.manual_seed(cfg.train.seed + mesh.rank)
-        return_freed_host_memory()
-        self.model = build_model(cfg, self.device, mesh, materialized=cfg.parallel.zero < 3)
-        self.model.train()
-        self.dp_group = mesh.group("dp")
-        self.zero, self.buckets, self.optimizer = self._build_engine(cfg)
+        with return_freed_host_memory():
+            self.model = build_model(cfg, self.device, mesh, materialized=cfg.parallel.zero < 3)
+            self.model.train()
+            self.dp_group = mesh.group("dp")
+            self.zero, self.buckets, self.optimizer = self._build_engine(cfg)
         self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
         dataset = PackedDataset(tokens, cfg.train.seq_len)
         self.loader = DataLoader(
