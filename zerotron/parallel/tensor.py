@@ -526,7 +526,6 @@ def apply_tensor_parallel(
     if sequence_parallel:
         for name in plan.norms:
             _sum_grads_over_tp(_get(model, name), group)
-    attach_grad_sums(model)  # now, unless the model is still on the meta device
     return model
 
 

@@ -233,6 +233,14 @@ def _host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
 
+def _check_saved_shape(ckpt: Path, name: str, saved: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(saved) != tuple(want):
+        raise store.CheckpointError(
+            f"{ckpt}: {name!r} has shape {list(saved)} in the checkpoint but this model needs "
+            f"{list(want)} — the model config differs from the one that saved it"
+        )
+
+
 class _Reader:
     """This rank's view of a checkpoint: the part of each saved tensor that a parameter here holds."""
 
@@ -262,11 +270,7 @@ class _Reader:
         if not saved_shape:  # a scalar (AdamW's step count)
             return self.reader.read(src, (), ())
         want, offsets = record.stored_shape, record.offsets  # ``shape`` is the box's in the global tensor
-        if saved_shape != tuple(want):
-            raise store.CheckpointError(
-                f"{self.ckpt}: {src!r} has shape {list(saved_shape)} in the checkpoint but this model "
-                f"needs {list(want)} — the model config differs from the one that saved it"
-            )
+        _check_saved_shape(self.ckpt, src, saved_shape, want)
         return read_box(record, tuple(offsets), tuple(shape), lambda o, s: self.reader.read(src, o, s))
 
     def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:
@@ -283,10 +287,6 @@ class _Reader:
                 f"unexpected {unexpected[:3]})"
             )
         return expected
-
-    def weights(self, model: nn.Module, partial: bool) -> dict[str, torch.Tensor]:
-        """Every tensor of ``model``'s state dict, this rank's part."""
-        return {n: self.local(n, n, shape) for n, shape in self.expected(model, partial).items()}
 
     def moments(self, model: nn.Module) -> _Moments:
         """AdamW state by name, this rank's part, read when asked for (empty for a checkpoint saved
@@ -321,24 +321,19 @@ class _Moments(Mapping[str, torch.Tensor]):
 class CheckpointSource:
     """A zerotron checkpoint as a weight source (:mod:`zerotron.models.sources`): each box is read from
     the pieces of whatever layout saved it, and each file's sha256 is checked when this rank first reads
-    it. ``model`` (on the meta device, split) is checked against the checkpoint's tensors first
-    (``partial``: a pipeline rank holds some of them only)."""
+    it. ``model`` (on the meta device, split) is checked against the checkpoint's tensors first (a
+    pipeline rank's against the part it holds)."""
 
-    def __init__(self, ckpt: Path, model: nn.Module, partial: bool) -> None:
+    def __init__(self, ckpt: Path, model: nn.Module) -> None:
         manifest = store.verify(ckpt, hashes=False)
         self.reader = sharded.ShardedCheckpoint(ckpt, manifest)
-        _Reader(self.reader, model).expected(model, partial)
+        _Reader(self.reader, model).expected(model, partial=isinstance(model, StagedModel))
 
     def box(
         self, name: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...]
     ) -> torch.Tensor:
         """The box of saved tensor ``name``, whose global shape must be ``global_shape``."""
-        saved = self.reader.shape(name)
-        if tuple(saved) != tuple(global_shape):
-            raise store.CheckpointError(
-                f"{self.reader.ckpt}: {name!r} has shape {list(saved)} in the checkpoint but this model "
-                f"needs {list(global_shape)} — the model config differs from the one that saved it"
-            )
+        _check_saved_shape(self.reader.ckpt, name, self.reader.shape(name), global_shape)
         return self.reader.read(name, offsets, shape)
 
     def close(self) -> None:

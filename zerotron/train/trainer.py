@@ -26,7 +26,6 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
-from zerotron.models.stages import StagedModel
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
 from zerotron.parallel.placement import (
@@ -56,14 +55,14 @@ from zerotron.train.step import build_step
 
 
 @contextlib.contextmanager
-def weight_source(cfg: Config, model: nn.Module, partial: bool) -> Iterator[WeightSource]:
+def weight_source(cfg: Config, model: nn.Module) -> Iterator[WeightSource]:
     """Where ``model``'s weights come from: a zerotron checkpoint (or run) named by ``model.path`` (each
     rank picks the run's newest checkpoint by file sizes and hashes only the files it reads), a Hugging
     Face directory or GGUF file named by it, or the layout-independent initial values."""
     ckpt = store.checkpoint_dir(Path(cfg.model.path), hashes=False) if cfg.model.path else None
     source: WeightSource
     if ckpt is not None:
-        source = ckpt_state.CheckpointSource(ckpt, model, partial)
+        source = ckpt_state.CheckpointSource(ckpt, model)
     elif cfg.model.path:
         source = open_pretrained(cfg.model.path, cfg.model)
     else:
@@ -85,7 +84,7 @@ def build_model(
     model = parallelize_llama(cfg, mesh)
     if materialized:
         tp = mesh.dims.tp if mesh is not None else 1
-        with weight_source(cfg, model, partial=isinstance(model, StagedModel)) as source:
+        with weight_source(cfg, model) as source:
             materialize(model, source.box, device, ckpt_state.model_placements(model, tp))
     return model
 
@@ -229,8 +228,7 @@ class Trainer:
             with contextlib.ExitStack() as stack:
                 fill = None
                 if par.zero == 3:  # the model is on the meta device: each unit materialises its range
-                    partial = isinstance(self.model, StagedModel)
-                    fill = _fill_from(stack.enter_context(weight_source(cfg, self.model, partial)), records)
+                    fill = _fill_from(stack.enter_context(weight_source(cfg, self.model)), records)
                 zero = apply_zero(
                     self.model,
                     par.zero,
