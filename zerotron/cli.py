@@ -113,6 +113,42 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from zerotron.serve.app import run_server
+    except ImportError as err:
+        raise ConfigError(
+            f"zerotron serve needs FastAPI and uvicorn ({err}): pip install 'zerotron[serve]'"
+        ) from None
+    from zerotron.serve.engine import EngineConfig
+
+    if args.nproc not in (None, 1):
+        raise ConfigError(
+            f"serve --nproc {args.nproc}: tensor-parallel serving is not built yet; serve on one process"
+        )
+    checks = [
+        ("--port", 0 < args.port < 65536),
+        ("--block-size", args.block_size >= 1),
+        ("--max-num-seqs", args.max_num_seqs >= 1),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens >= 1),
+        ("--kv-cache-memory", args.kv_cache_memory > 0),
+        ("--max-model-len", args.max_model_len is None or args.max_model_len >= 2),
+    ]
+    for flag, ok in checks:
+        if not ok:
+            raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
+    config = EngineConfig(
+        block_size=args.block_size,
+        kv_cache_bytes=int(args.kv_cache_memory * 2**30),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        prefix_caching=not args.no_prefix_caching,
+    )
+    run_server(args.model, args.host, args.port, args.served_model_name, config, args.dtype)
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerotron.checkpoint.convert import convert
 
@@ -291,6 +327,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(fn=_cmd_generate)
+
+    srv = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (paged KV cache, continuous batching)"
+    )
+    srv.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    srv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
+    srv.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    srv.add_argument("--nproc", type=int, default=None, help="local ranks (tensor parallel)")
+    srv.set_defaults(fn=_cmd_serve)
 
     conv = sub.add_parser(
         "convert",

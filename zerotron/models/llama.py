@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +111,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+class AttentionCache(Protocol):
+    """What the attention layers need of a cache: ``length`` tokens held before this step (the model
+    derives positions and the chunk's causal mask from it) and ``attend``, which stores the step's keys
+    and values and attends to all of them. :class:`KVCache` is the contiguous one;
+    :class:`zerotron.serve.paged.PagedAttention` reads a paged pool through block tables."""
+
+    length: int
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor],
+        core: nn.Module,
+    ) -> torch.Tensor: ...
+
+
 class KVCache:
     """Preallocated keys and values of every layer for incremental decoding.
 
@@ -141,6 +160,20 @@ class KVCache:
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor],
+        core: nn.Module,
+    ) -> torch.Tensor:
+        """Store this step's k/v of ``layer`` and attend q (b, h, s, d) to every key so far."""
+        k, v = self.update(layer, k, v)  # (b, kvh, t, d)
+        out: torch.Tensor = core(q, k, v, attn_mask)
+        return out
 
 
 class AttentionCore(nn.Module):
@@ -187,7 +220,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: Optional[KVCache] = None,
+        kv_cache: Optional[AttentionCache] = None,
         attn_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x (b, s, h) -> (b, s, h)."""
@@ -196,9 +229,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kvh, s, d)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kvh, s, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (b, kvh, t, d)
-        out = self.core(q, k, v, attn_mask)  # (b, nh, s, d)
+        if kv_cache is not None:  # the cache stores k/v and attends (contiguous or paged)
+            out = kv_cache.attend(self.layer_idx, q, k, v, attn_mask, self.core)  # (b, nh, s, d)
+        else:
+            out = self.core(q, k, v, attn_mask)  # (b, nh, s, d)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -242,7 +276,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: Optional[KVCache] = None,
+        kv_cache: Optional[AttentionCache] = None,
         attn_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x (b, s, h) -> (b, s, h)."""
@@ -346,8 +380,9 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
-        kv_cache: Optional[KVCache] = None,
+        kv_cache: Optional[AttentionCache] = None,
         logits_to_keep: int = 0,
+        logits_index: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """input_ids (b, s) -> logits (b, s, V). With ``kv_cache``, continue after its cached tokens.
 
@@ -376,7 +411,9 @@ class LlamaForCausalLM(nn.Module):
             kv_cache.length += s
         if not self.last:
             return x
-        if logits_to_keep > 0:
+        if logits_index is not None:
+            x = x[:, logits_index]
+        elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(x))  # (b, s, V) [this rank's V/t columns under tp]
         return self._mask_padding(logits) if self.vocab_rows > self.config.vocab_size else logits

@@ -1,0 +1,297 @@
+"""The serving engine: requests in, a step at a time, tokens and text out.
+
+:class:`Engine` owns the model, the paged KV cache (:mod:`zerotron.serve.paged`) and the scheduler
+(:mod:`zerotron.serve.scheduler`). Each :meth:`Engine.step` runs one forward over the scheduled tokens
+of every sequence as one flattened batch, samples where a sequence's last token was computed, cuts
+stop strings, and returns what each request gained. It is single-threaded; the HTTP server drives it
+from one thread (:mod:`zerotron.serve.server`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.serve.paged import BlockPool, KVPool, PagedAttention, Piece
+from zerotron.serve.sampling import Choice, SamplingParams, sample
+from zerotron.serve.scheduler import Scheduler, Sequence, Status
+
+# Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
+# kernels change with the row count and a sequence's numbers would depend on its batch.
+MIN_ROWS = 16
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (prompt too long, bad parameters); the server answers 400."""
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: Optional[int] = None  # None: from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings (at most 8192)
+    prefix_caching: bool = True
+
+
+@dataclass
+class SeqOutput:
+    """What one sequence gained in a step."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    choices: list[Choice]
+    finish_reason: Optional[str]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[SeqOutput]
+    finished: bool
+    prompt_tokens: int
+    completion_tokens: int
+    arrival: float = 0.0  # perf_counter times: request added, first and latest token
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache for one model."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, tokenizer: Any, config: Optional[EngineConfig] = None
+    ) -> None:
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.config = cfg = config or EngineConfig()
+        mc = model.config
+        param = next(model.parameters())
+        attn = model.layers[0].self_attn
+        kv_heads, head_dim = int(attn.kv_heads), int(attn.head_dim)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype)
+        num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // (per_token * cfg.block_size))
+        self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
+        if (num_blocks - 1) * cfg.block_size < self.max_model_len + cfg.block_size:
+            raise RequestError(
+                f"the KV cache holds {(num_blocks - 1) * cfg.block_size} tokens, less than one sequence of "
+                f"max_model_len={self.max_model_len}: give it more memory or lower --max-model-len"
+            )
+        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.kv = KVPool(
+            mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads, head_dim, param.dtype, param.device
+        )
+        self.scheduler = Scheduler(
+            self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.eos = set(getattr(tokenizer, "stop_ids", None) or [])
+        self.device = param.device
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raise :class:`RequestError` for one that cannot run."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        self.check(prompt_ids, params)
+        request = Request(request_id, list(prompt_ids), params)
+        seq = Sequence(request_id, 0, request.prompt_ids, params, params.generator(0))
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(prompt_ids)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise :class:`RequestError` for a request this engine cannot run (safe from any thread)."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context length is "
+                f"{self.max_model_len} (max_model_len): shorten the prompt"
+            )
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        try:
+            params.validate()
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client went away) and free its blocks; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Compute one batch of scheduled tokens; return the requests that gained tokens or ended."""
+        batch = self.scheduler.schedule()
+        if not batch.pieces:
+            return []
+        for src, dst, slots in batch.copies:
+            self.kv.copy_block(src, dst, slots)
+        logits, sampled = self._forward(batch.pieces)
+        for seq, _, n in batch.pieces:
+            self.scheduler.commit(seq, n)
+        self.stats["steps"] += 1
+        touched: dict[str, Request] = {}
+        for row, seq in enumerate(sampled):
+            request = self.requests[seq.request_id]
+            family = [seq]
+            if not seq.output_ids and seq.index == 0 and request.params.n > 1 and len(request.seqs) == 1:
+                family += self._fork(request, seq)
+            for member in family:
+                self._append(request, member, logits[row])
+            touched[request.request_id] = request
+        return [self._output(r) for r in touched.values()]
+
+    def _forward(self, pieces: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """One forward of the step's tokens; logits (k, V) of the sequences whose last token ran."""
+        total = sum(n for _, _, n in pieces)
+        rows = max(total, MIN_ROWS)
+        ids = torch.zeros(rows, dtype=torch.long)
+        positions = torch.zeros(rows, dtype=torch.long)
+        layout: list[Piece] = []
+        sampled: list[Sequence] = []
+        last_rows: list[int] = []
+        r = 0
+        for seq, start, n in pieces:
+            ids[r : r + n] = torch.tensor(seq.tokens[start : start + n])
+            positions[r : r + n] = torch.arange(start, start + n)
+            layout.append(Piece(r, n, start, seq.table))
+            if start + n == len(seq.tokens):
+                sampled.append(seq)
+                last_rows.append(r + n - 1)
+            r += n
+        attention = PagedAttention(self.kv, layout, rows)
+        index = torch.tensor(last_rows + [0] * max(0, MIN_ROWS - len(last_rows)), dtype=torch.long)
+        logits = self.model(
+            ids[None].to(self.device),
+            position_ids=positions[None].to(self.device),
+            kv_cache=attention,
+            logits_index=index.to(self.device),
+        )[0, : len(sampled)]
+        return logits.float().cpu(), sampled
+
+    def _fork(self, request: Request, seq: Sequence) -> list[Sequence]:
+        """The other n - 1 parallel samples of a prompt whose prefill just ended, sharing its blocks."""
+        children = []
+        for index in range(1, request.params.n):
+            child = Sequence(seq.request_id, index, seq.prompt_ids, seq.params, seq.params.generator(index))
+            self.scheduler.fork(seq, child)
+            request.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _append(self, request: Request, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample the sequence's next token; decode; finish it on EOS, a stop, or its length."""
+        params = seq.params
+        choice = sample(logits, params, seq.prompt_ids, seq.output_ids, seq.generator)
+        seq.output_ids.append(choice.token)
+        seq.choices.append(choice)
+        now = time.perf_counter()
+        request.first_token = request.first_token or now
+        request.last_token = now
+        self.stats["generation_tokens"] += 1
+        reason = None
+        if choice.token in params.stop_token_ids or (choice.token in self.eos and not params.ignore_eos):
+            reason = "stop"
+        if self.tokenizer is not None:  # an engine without tokenizer works in token ids only
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        for stop in params.stop:
+            at = seq.text.find(stop, max(0, seq.sent - len(stop)))
+            if at >= 0:
+                seq.text, reason = seq.text[:at], "stop"
+        if reason is None and params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is None and len(seq.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's news since its last output: new tokens and text (a stop string's possible
+        beginning and an incomplete UTF-8 character are held back until they are decided)."""
+        outputs = []
+        for seq in request.seqs:
+            done = seq.status is Status.FINISHED
+            end = len(seq.text) if done else _safe_end(seq.text, seq.params.stop)
+            new = len(seq.output_ids) - seq.reported
+            seq.reported = len(seq.output_ids)
+            if new == 0 and end == seq.sent and not done:
+                continue
+            ids = seq.output_ids[len(seq.output_ids) - new :] if new else []
+            choices = seq.choices[len(seq.choices) - new :] if new else []
+            outputs.append(SeqOutput(seq.index, ids, seq.text[seq.sent : end], choices, seq.finish_reason))
+            seq.sent = end
+        finished = all(s.status is Status.FINISHED for s in request.seqs) and (
+            request.params.n == len(request.seqs)
+        )
+        if finished:
+            self.requests.pop(request.request_id, None)
+            self.stats["finished"] += 1
+        completion = sum(len(s.output_ids) for s in request.seqs)
+        return RequestOutput(
+            request.request_id,
+            outputs,
+            finished,
+            len(request.prompt_ids),
+            completion,
+            request.arrival,
+            request.first_token,
+            request.last_token,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Offline batch: run ``prompts`` together to the end; the output ids of each (first sample)."""
+        ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                for o in out.outputs:
+                    if o.index == 0:
+                        results[out.request_id] += o.token_ids
+        return [results[rid] for rid in ids]
+
+
+def _safe_end(text: str, stops: list[str]) -> int:
+    """How much of ``text`` may be sent: not a trailing replacement character (half a UTF-8
+    character) nor a tail that could still become a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - k : end] == stop[:k]:
+                end -= k
+                break
+    return end

@@ -1,0 +1,225 @@
+"""Paged KV cache: fixed-size blocks in one preallocated pool per layer, read through block tables.
+
+A sequence's keys and values live in blocks of ``block_size`` token slots anywhere in the pool; its
+block table lists them in order, so token ``p`` of the sequence is slot
+``table[p // block_size] * block_size + p % block_size``. Blocks are reference-counted: parallel
+samples of one prompt and requests that share a cached prefix point at the same blocks, and a
+sequence that must write into a shared block first copies it (copy-on-write, :meth:`BlockPool.cow`).
+
+Prefix caching: a full block is named by the hash of its tokens chained with its parent block's hash
+(:func:`block_hash`), so equal hashes mean equal token prefixes. A freed block keeps its contents and
+its hash until the pool hands it out again; the free list is least-recently-freed first, so the blocks
+evicted first are those unused the longest (LRU).
+
+Batch invariance (:class:`PagedAttention`): each token's attention is computed with shapes that depend
+only on its own position, never on the other tokens of the step, so a greedy request gives the same
+numbers alone, batched, chunked or after a prefix-cache hit. Block 0 is a scratch block that no
+sequence owns: padding rows of a step write there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Keys are gathered in multiples of this many positions: a query at position p attends to a key window
+# of ceil((p + 1) / KEY_BUCKET) * KEY_BUCKET slots, masked past p, whatever else the step holds.
+KEY_BUCKET = 64
+
+
+def block_hash(parent: Optional[bytes], tokens: list[int]) -> bytes:
+    """The prefix-cache name of a full block: its tokens chained with its parent block's hash."""
+    digest = hashlib.sha256(parent or b"root")
+    digest.update(b",".join(str(t).encode() for t in tokens))
+    return digest.digest()
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free block (the scheduler preempts before this can happen)."""
+
+
+class BlockPool:
+    """Reference counts, the free list (LRU) and the prefix-cache index of ``num_blocks`` blocks.
+
+    Block 0 is reserved (scratch for padding rows), so ``num_blocks - 1`` blocks are usable.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}; give it more memory")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.hash_of: dict[int, bytes] = {}
+        self.by_hash: dict[bytes, int] = {}
+        self.hits = 0  # prefix-cache blocks reused
+        self.queries = 0  # prefix-cache blocks looked up
+
+    @property
+    def usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def in_use(self) -> int:
+        return self.usable - len(self.free)
+
+    def allocate(self) -> int:
+        """A fresh block (reference 1), evicting the least recently freed cached block if need be."""
+        if not self.free:
+            raise OutOfBlocks("no free KV block")
+        block, _ = self.free.popitem(last=False)
+        old = self.hash_of.pop(block, None)
+        if old is not None and self.by_hash.get(old) == block:
+            del self.by_hash[old]
+        self.ref[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more holder of ``block`` (a parallel sample, or a prefix-cache hit on a freed block)."""
+        if self.ref[block] == 0:
+            del self.free[block]
+        self.ref[block] += 1
+
+    def release(self, block: int) -> None:
+        """Drop one holder; at zero the block joins the free list's end, its contents kept for reuse."""
+        if self.ref[block] <= 0:
+            raise AssertionError(f"KV block {block} released more often than it was taken")
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free[block] = None
+
+    def cow(self, block: int) -> tuple[int, bool]:
+        """The block a holder may write into: ``block`` itself if no one else holds it, else a fresh
+        copy target (the caller copies the slots). Returns (block, whether a copy is needed)."""
+        if self.ref[block] == 1 and block not in self.hash_of:
+            return block, False
+        fresh = self.allocate()
+        self.release(block)
+        return fresh, True
+
+    def lookup(self, digest: bytes) -> Optional[int]:
+        """The cached block named ``digest``, taken (shared) if present."""
+        self.queries += 1
+        block = self.by_hash.get(digest)
+        if block is None:
+            return None
+        self.hits += 1
+        self.share(block)
+        return block
+
+    def register(self, block: int, digest: bytes) -> None:
+        """Name a full block for prefix caching (the first block with a given name keeps it)."""
+        if digest not in self.by_hash and block not in self.hash_of:
+            self.by_hash[digest] = block
+            self.hash_of[block] = digest
+
+
+class KVPool:
+    """The key and value slots of every layer: ``k[layer]`` is (num_blocks * block_size, kv_heads, d)."""
+
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @torch.no_grad()
+    def copy_block(self, src: int, dst: int, slots: int) -> None:
+        """Copy the first ``slots`` token slots of block ``src`` into ``dst`` in every layer."""
+        a, b = src * self.block_size, dst * self.block_size
+        for pool in (*self.k, *self.v):
+            pool[b : b + slots] = pool[a : a + slots]
+
+
+@dataclass
+class Piece:
+    """Rows ``[row, row + n)`` of a step: positions ``[start, start + n)`` of one sequence."""
+
+    row: int
+    n: int
+    start: int
+    table: list[int]  # the sequence's block table
+
+
+class PagedAttention:
+    """The attention cache of one engine step over a :class:`KVPool` (an ``AttentionCache``).
+
+    The step's tokens of all sequences are one row each of a (1, N) batch (N padded to at least
+    ``min_rows``; padding rows write to the scratch block and get zero attention). Each sequence's
+    rows are cut at :data:`KEY_BUCKET` boundaries; a run of rows attends to the key window of its
+    bucket, masked causally, so every row's attention has the same shapes in any batch.
+    """
+
+    length = 0  # positions come with the batch; the causal masks are built here
+
+    def __init__(self, pool: KVPool, pieces: list[Piece], rows: int) -> None:
+        self.pool = pool
+        bs = pool.block_size
+        slots = torch.zeros(rows, dtype=torch.long)  # padding rows: slot 0 of the scratch block
+        self.runs: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # row, n, key slots, mask
+        for piece in pieces:
+            table = torch.tensor(piece.table, dtype=torch.long)
+            positions = torch.arange(piece.start, piece.start + piece.n)
+            slots[piece.row : piece.row + piece.n] = table[positions // bs] * bs + positions % bs
+            lo = piece.start
+            while lo < piece.start + piece.n:
+                window = (lo // KEY_BUCKET + 1) * KEY_BUCKET
+                hi = min(piece.start + piece.n, window)
+                keys = torch.arange(window)
+                held = keys < hi  # positions past this run's last token point at the scratch slot
+                key_slots = torch.where(held, table[(keys // bs).clamp(max=len(piece.table) - 1)] * bs, 0)
+                key_slots = key_slots + torch.where(held, keys % bs, 0)
+                # q rows padded to two: a single query takes another SDPA kernel than a run of them.
+                q_pos = torch.arange(lo, max(hi, lo + 2))
+                mask = keys[None, :] <= q_pos[:, None]  # (n_q, window)
+                self.runs.append((piece.row + lo - piece.start, hi - lo, key_slots, mask))
+                lo = hi
+        self.slots = slots
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor],
+        core: nn.Module,
+    ) -> torch.Tensor:
+        """q (1, h, N, d), k/v (1, kvh, N, d) of this step -> (1, h, N, d)."""
+        kp, vp = self.pool.k[layer], self.pool.v[layer]  # (slots, kvh, d)
+        kp[self.slots] = k[0].transpose(0, 1)
+        vp[self.slots] = v[0].transpose(0, 1)
+        out = torch.zeros_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        for row, n, key_slots, mask in self.runs:
+            rows = q[:, :, row : row + n]
+            if n == 1:
+                rows = torch.cat([rows, rows], dim=2)
+            keys = kp[key_slots].transpose(0, 1).unsqueeze(0)  # (1, kvh, window, d)
+            values = vp[key_slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, enable_gqa=gqa)
+            out[:, :, row : row + n] = o[:, :, :n]
+        return out

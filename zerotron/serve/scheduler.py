@@ -1,0 +1,188 @@
+"""Continuous batching: which tokens of which sequences the next engine step computes.
+
+One token budget per step (``max_num_batched_tokens``) is shared by the running sequences' decodes and
+prefill chunks (chunked prefill): running sequences first, oldest first, then waiting ones, first come
+first served, while fewer than ``max_num_seqs`` run. A sequence's blocks are reserved before it is
+scheduled; when the pool runs dry the newest running sequence is preempted (its blocks freed, its
+tokens recomputed when it is admitted again: prompt and output so far, through the prefix cache).
+Requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from zerotron.serve.paged import BlockPool, block_hash
+from zerotron.serve.sampling import Choice, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream of tokens: a prompt and what has been generated after it."""
+
+    request_id: str
+    index: int  # which parallel sample of its request
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: Optional[torch.Generator]
+    output_ids: list[int] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)  # block table
+    hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of the full blocks
+    computed: int = 0  # tokens whose keys and values are in the cache
+    status: Status = Status.WAITING
+    finish_reason: Optional[str] = None
+    preemptions: int = 0
+    text: str = ""  # decoded output (stop strings cut)
+    sent: int = 0  # characters of ``text`` already returned
+    reported: int = 0  # output tokens already returned
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class Batch:
+    """One step: (sequence, first position, token count) per sequence, and the copy-on-write block
+    copies (src, dst, slots) to make before the step's forward."""
+
+    pieces: list[tuple[Sequence, int, int]]
+    copies: list[tuple[int, int, int]]
+
+
+class Scheduler:
+    """Waiting and running sequences over one :class:`BlockPool`."""
+
+    def __init__(
+        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = True
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Batch:
+        """Choose this step's tokens within the budget; preempt the newest sequences if blocks run out."""
+        budget = self.max_num_batched_tokens
+        batch = Batch([], [])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            take = min(len(seq.tokens) - seq.computed, budget)
+            while not self._reserve(seq, take, batch.copies):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break
+            batch.pieces.append((seq, seq.computed, take))
+            budget -= take
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.prefix_caching and seq.computed == 0:
+                self._match_prefix(seq)
+            take = min(len(seq.tokens) - seq.computed, budget)
+            if not self._reserve(seq, take, batch.copies):
+                self._free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.pieces.append((seq, seq.computed, take))
+            budget -= take
+        return batch
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Take the cached blocks of the sequence's longest cached prefix (its last token is always
+        computed: the step needs its logits)."""
+        tokens, bs = seq.tokens, self.pool.block_size
+        parent: Optional[bytes] = None
+        for j in range((len(tokens) - 1) // bs):
+            digest = block_hash(parent, tokens[j * bs : (j + 1) * bs])
+            block = self.pool.lookup(digest)
+            if block is None:
+                break
+            seq.table.append(block)
+            seq.hashes.append(digest)
+            parent = digest
+        seq.computed = len(seq.table) * bs
+
+    def _reserve(self, seq: Sequence, take: int, copies: list[tuple[int, int, int]]) -> bool:
+        """Blocks for positions [computed, computed + take): the new ones, and a private copy of a
+        shared block about to be written. False (nothing taken) if the pool lacks them."""
+        bs = self.pool.block_size
+        new = -(-(seq.computed + take) // bs) - len(seq.table)
+        partial = seq.computed // bs if seq.computed % bs else None
+        shared = partial is not None and self.pool.ref[seq.table[partial]] > 1
+        if self.pool.num_free < max(new, 0) + int(shared):
+            return False
+        if partial is not None:
+            block, copy = self.pool.cow(seq.table[partial])
+            if copy:
+                copies.append((seq.table[partial], block, seq.computed % bs))
+                seq.table[partial] = block
+        for _ in range(new):
+            seq.table.append(self.pool.allocate())
+        return True
+
+    def commit(self, seq: Sequence, n: int) -> None:
+        """After a step: ``n`` more tokens are in the cache; name the blocks that became full."""
+        seq.computed += n
+        if not self.prefix_caching:
+            return
+        bs, tokens = self.pool.block_size, seq.tokens
+        while len(seq.hashes) < seq.computed // bs:
+            j = len(seq.hashes)
+            digest = block_hash(seq.hashes[-1] if seq.hashes else None, tokens[j * bs : (j + 1) * bs])
+            self.pool.register(seq.table[j], digest)
+            seq.hashes.append(digest)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it waits at the front and is recomputed when admitted."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def fork(self, seq: Sequence, child: Sequence) -> None:
+        """Run ``child`` beside ``seq``, sharing its blocks (a parallel sample of the same prompt)."""
+        for block in seq.table:
+            self.pool.share(block)
+        child.table, child.hashes, child.computed = list(seq.table), list(seq.hashes), seq.computed
+        child.status = Status.RUNNING
+        self.running.insert(self.running.index(seq) + 1, child)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (done or aborted) and return its blocks, the tail's first (evicted first)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _free(self, seq: Sequence) -> None:
+        for block in reversed(seq.table):
+            self.pool.release(block)
+        seq.table, seq.hashes, seq.computed = [], [], 0

@@ -1,0 +1,218 @@
+"""``zerotron serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`Engine`.
+
+The engine runs in one background thread (:class:`EngineLoop`): it takes new requests and aborts from
+a queue between steps and hands each step's outputs to the waiting handlers on the event loop.
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (with server-sent-event streaming),
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Bad requests get a 400 with an
+OpenAI-style error body; a client that disconnects has its request aborted and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Optional, Union
+
+from zerotron.serve.engine import Engine, RequestError, RequestOutput
+from zerotron.serve.sampling import SamplingParams
+
+Sink = Callable[[Union[RequestOutput, Exception]], None]
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count)."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts = [0] * len(buckets)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        lines += [f'{self.name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum}"]
+        return [*lines, f"{self.name}_count {self.count}"]
+
+
+class EngineLoop:
+    """Drives an :class:`Engine` from one thread; the event loop submits and aborts through a queue."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.sinks: dict[str, Sink] = {}
+        self.ttft = Histogram("zerotron_time_to_first_token_seconds", "time to first token", TTFT_BUCKETS)
+        self.tpot = Histogram("zerotron_time_per_output_token_seconds", "time per output token", TPOT_BUCKETS)
+        self.recent: deque[tuple[float, int]] = deque()  # (time, generation tokens so far)
+        self.errors = 0
+        self.thread = threading.Thread(target=self._run, name="zerotron-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        self.commands.put(("add", request_id, prompt_ids, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    def _drain(self) -> None:
+        block = not self.engine.has_unfinished()
+        while True:
+            try:
+                command = self.commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if command[0] == "add":
+                _, rid, prompt_ids, params, sink = command
+                try:
+                    self.engine.add_request(rid, prompt_ids, params)
+                    self.sinks[rid] = sink
+                except RequestError as err:
+                    sink(err)
+            else:
+                self.engine.abort(command[1])
+                self.sinks.pop(command[1], None)
+
+    def _run(self) -> None:
+        while True:
+            self._drain()
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # noqa: BLE001 - fail the requests in flight, keep serving
+                traceback.print_exc()
+                self.errors += 1
+                for rid, sink in list(self.sinks.items()):
+                    self.engine.abort(rid)
+                    sink(RuntimeError(f"engine step failed: {err}"))
+                self.sinks.clear()
+                continue
+            now = time.perf_counter()
+            self.recent.append((now, self.engine.stats["generation_tokens"]))
+            while self.recent and now - self.recent[0][0] > 10.0:
+                self.recent.popleft()
+            for out in outputs:
+                waiting = self.sinks.get(out.request_id)
+                if out.finished:
+                    self.sinks.pop(out.request_id, None)
+                    self._observe(out)
+                if waiting is not None:
+                    waiting(out)
+
+    def _observe(self, out: RequestOutput) -> None:
+        if out.first_token is None or out.last_token is None:
+            return  # aborted before its first token
+        self.ttft.observe(out.first_token - out.arrival)
+        if out.completion_tokens > 1:
+            self.tpot.observe((out.last_token - out.first_token) / (out.completion_tokens - 1))
+
+    def metrics(self) -> str:
+        """Prometheus text exposition of the engine's state and counters."""
+        e, pool = self.engine, self.engine.pool
+        rate = 0.0
+        if len(self.recent) > 1 and self.recent[-1][0] > self.recent[0][0]:
+            rate = (self.recent[-1][1] - self.recent[0][1]) / (self.recent[-1][0] - self.recent[0][0])
+        values = [
+            ("num_requests_running", "gauge", "sequences running", len(e.scheduler.running)),
+            ("num_requests_waiting", "gauge", "sequences waiting", len(e.scheduler.waiting)),
+            ("kv_blocks_in_use", "gauge", "KV cache blocks held by sequences", pool.usable - pool.num_free),
+            ("kv_blocks_total", "gauge", "KV cache blocks", pool.usable),
+            ("kv_cache_usage_ratio", "gauge", "fraction of KV blocks in use", pool.in_use / pool.usable),
+            ("prefix_cache_queries_total", "counter", "blocks looked up in the prefix cache", pool.queries),
+            ("prefix_cache_hits_total", "counter", "blocks found in the prefix cache", pool.hits),
+            ("num_preemptions_total", "counter", "sequences preempted", e.scheduler.preemptions),
+            ("prompt_tokens_total", "counter", "prompt tokens received", e.stats["prompt_tokens"]),
+            ("generation_tokens_total", "counter", "tokens generated", e.stats["generation_tokens"]),
+            ("request_success_total", "counter", "requests finished", e.stats["finished"]),
+            ("engine_errors_total", "counter", "engine steps that failed", self.errors),
+            ("generation_tokens_per_second", "gauge", "tokens generated per second (last 10 s)", rate),
+        ]
+        lines = []
+        for name, kind, help_text, value in values:
+            lines += [f"# HELP zerotron_{name} {help_text}", f"# TYPE zerotron_{name} {kind}"]
+            lines.append(f"zerotron_{name} {value}")
+        return "\n".join([*lines, *self.ttft.render(), *self.tpot.render()]) + "\n"
+
+
+def error_body(
+    message: str, status: int, kind: str = "invalid_request_error", param: Any = None
+) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def stream_outputs(
+    loop_: EngineLoop, request_id: str, prompt_ids: list[int], params: SamplingParams
+) -> AsyncIterator[RequestOutput]:
+    """Submit a request and yield its outputs as they come; abort it if the consumer goes away."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[Union[RequestOutput, Exception]] = asyncio.Queue()
+
+    def sink(item: Union[RequestOutput, Exception]) -> None:
+        loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+    loop_.submit(request_id, prompt_ids, params, sink)
+    finished = False
+    try:
+        while not finished:
+            item = await inbox.get()
+            if isinstance(item, Exception):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            loop_.abort(request_id)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def logprobs_entry(tokenizer: Any, choices: list[Any], chat: bool) -> Optional[dict[str, Any]]:
+    """OpenAI log-probability objects for a run of sampled tokens (None when not asked)."""
+    if not choices or choices[0].logprob is None:
+        return None
+
+    def text(token: int) -> str:
+        return str(tokenizer.decode([token])) if tokenizer is not None else str(token)
+
+    if chat:
+        content = [
+            {
+                "token": text(c.token),
+                "logprob": c.logprob,
+                "bytes": list(text(c.token).encode()),
+                "top_logprobs": [
+                    {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())} for t, lp in c.top
+                ],
+            }
+            for c in choices
+        ]
+        return {"content": content}
+    return {
+        "tokens": [text(c.token) for c in choices],
+        "token_logprobs": [c.logprob for c in choices],
+        "top_logprobs": [{text(t): lp for t, lp in c.top} for c in choices],
+        "text_offset": [],
+    }
