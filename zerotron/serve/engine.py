@@ -89,6 +89,8 @@ class Engine:
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype)
         num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // (per_token * cfg.block_size))
         self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
+        if cfg.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise RequestError(f"block size {cfg.block_size}: choose a power of two from 1 to 128")
         if (num_blocks - 1) * cfg.block_size < self.max_model_len + cfg.block_size:
             raise RequestError(
                 f"the KV cache holds {(num_blocks - 1) * cfg.block_size} tokens, less than one sequence of "

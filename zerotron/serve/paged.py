@@ -31,6 +31,10 @@ from torch import nn
 # Keys are gathered in multiples of this many positions: a query at position p attends to a key window
 # of ceil((p + 1) / KEY_BUCKET) * KEY_BUCKET slots, masked past p, whatever else the step holds.
 KEY_BUCKET = 64
+# Runs of query rows start at multiples of this (or at a chunk's first row): the CPU attention kernel
+# works on blocks of 32 query rows, and a row's numbers depend on where its block starts. The
+# scheduler starts prefill chunks and prefix-cache hits at multiples of it too.
+Q_ALIGN = 32
 
 
 def block_hash(parent: Optional[bytes], tokens: list[int]) -> bytes:
@@ -169,8 +173,9 @@ class PagedAttention:
 
     The step's tokens of all sequences are one row each of a (1, N) batch (N padded to at least
     ``min_rows``; padding rows write to the scratch block and get zero attention). Each sequence's
-    rows are cut at :data:`KEY_BUCKET` boundaries; a run of rows attends to the key window of its
-    bucket, masked causally, so every row's attention has the same shapes in any batch.
+    rows are cut at :data:`Q_ALIGN` boundaries; a run of rows attends to the key window of its
+    :data:`KEY_BUCKET`, masked causally, so every row's attention is computed the same way in any batch
+    as long as chunks start at multiples of :data:`Q_ALIGN` (the scheduler's rule).
     """
 
     length = 0  # positions come with the batch; the causal masks are built here
@@ -187,7 +192,7 @@ class PagedAttention:
             lo = piece.start
             while lo < piece.start + piece.n:
                 window = (lo // KEY_BUCKET + 1) * KEY_BUCKET
-                hi = min(piece.start + piece.n, window)
+                hi = min(piece.start + piece.n, (lo // Q_ALIGN + 1) * Q_ALIGN)
                 keys = torch.arange(window)
                 held = keys < hi  # positions past this run's last token point at the scratch slot
                 key_slots = torch.where(held, table[(keys // bs).clamp(max=len(piece.table) - 1)] * bs, 0)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from zerotron.serve.paged import BlockPool, block_hash
+from zerotron.serve.paged import Q_ALIGN, BlockPool, block_hash
 from zerotron.serve.sampling import Choice, SamplingParams
 
 
@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.cow_copies = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,7 +86,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            take = min(len(seq.tokens) - seq.computed, budget)
+            take = self._chunk(seq, budget, batch)
+            if take == 0:
+                i += 1
+                continue
             while not self._reserve(seq, take, batch.copies):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -100,8 +104,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.prefix_caching and seq.computed == 0:
                 self._match_prefix(seq)
-            take = min(len(seq.tokens) - seq.computed, budget)
-            if not self._reserve(seq, take, batch.copies):
+            take = self._chunk(seq, budget, batch)
+            if take == 0 or not self._reserve(seq, take, batch.copies):
                 self._free(seq)
                 break
             self.waiting.popleft()
@@ -111,12 +115,23 @@ class Scheduler:
             budget -= take
         return batch
 
+    def _chunk(self, seq: Sequence, budget: int, batch: Batch) -> int:
+        """Tokens of ``seq`` to compute now: all that are left if the budget allows, else a chunk that
+        ends at a multiple of :data:`Q_ALIGN` (so the next chunk starts aligned and the numbers do not
+        depend on the budget); 0 to wait for the next step, unless nothing else would run."""
+        left = len(seq.tokens) - seq.computed
+        if left <= budget:
+            return left
+        aligned = (seq.computed + budget) // Q_ALIGN * Q_ALIGN - seq.computed
+        return aligned if aligned > 0 or batch.pieces else budget
+
     def _match_prefix(self, seq: Sequence) -> None:
         """Take the cached blocks of the sequence's longest cached prefix (its last token is always
         computed: the step needs its logits)."""
         tokens, bs = seq.tokens, self.pool.block_size
         parent: Optional[bytes] = None
-        for j in range((len(tokens) - 1) // bs):
+        usable = (len(tokens) - 1) // Q_ALIGN * Q_ALIGN  # a hit ends where a query run may start
+        for j in range(usable // bs):
             digest = block_hash(parent, tokens[j * bs : (j + 1) * bs])
             block = self.pool.lookup(digest)
             if block is None:
@@ -138,6 +153,7 @@ class Scheduler:
         if partial is not None:
             block, copy = self.pool.cow(seq.table[partial])
             if copy:
+                self.cow_copies += 1
                 copies.append((seq.table[partial], block, seq.computed % bs))
                 seq.table[partial] = block
         for _ in range(new):

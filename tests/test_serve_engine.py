@@ -1,0 +1,269 @@
+"""The serving engine on tiny random models: paged cache, scheduler and sampling against references.
+
+References: transformers' own ``generate`` and logits processors, and the brute-force forward of the
+whole sequence without any cache. Every engine test ends with all KV blocks free (no leak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.test_llama import BASE, _reference, _zerotron_from
+from zerotron.config_load import load_config
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.models.tokenizer import ByteTokenizer
+from zerotron.serve.engine import MIN_ROWS, Engine, EngineConfig, RequestError
+from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, BlockPool, block_hash
+from zerotron.serve.sampling import SamplingParams, SamplingError, apply_penalties, filter_logits
+
+transformers = pytest.importorskip("transformers")
+
+CFG = dataclasses.replace(BASE, max_position_embeddings=512)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[torch.nn.Module, LlamaForCausalLM]:
+    """A random transformers Llama and zerotron's model with its weights (made sharper: more varied
+    greedy choices than the near-uniform init)."""
+    ref = _reference(CFG)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.ndim == 2:
+                p.mul_(8)
+    return ref, _zerotron_from(ref, CFG)
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's (first sample's) tokens and their log-probabilities, all run together."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    got: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for o in out.outputs:
+                if o.index == 0:
+                    got[out.request_id][0].extend(o.token_ids)
+                    got[out.request_id][1].extend(c.logprob for c in o.choices)
+    assert engine.pool.in_use == 0, "KV blocks leaked"
+    return [got[rid] for rid in ids]
+
+
+@pytest.fixture
+def engine_factory(pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> Iterator[object]:
+    engines: list[Engine] = []
+
+    def make(**kw: object) -> Engine:
+        engines.append(Engine(pair[1], None, EngineConfig(**{"num_blocks": 128, **kw})))  # type: ignore[arg-type]
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        assert e.pool.in_use == 0 and not e.scheduler.running and not e.scheduler.waiting
+
+
+def test_block_pool_counts_shares_and_evicts_least_recently_freed() -> None:
+    pool = BlockPool(5, 4)  # block 0 is scratch: 4 usable
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.in_use == 2 and 0 not in (a, b)
+    pool.share(a)
+    fresh, copy = pool.cow(a)  # shared: writing needs a private copy
+    assert copy and fresh not in (a, b) and pool.ref[a] == 1
+    same, copy = pool.cow(b)  # sole holder: write in place
+    assert same == b and not copy
+    pool.register(a, block_hash(None, [1, 2, 3, 4]))
+    pool.release(a)
+    pool.release(b)
+    pool.release(fresh)
+    assert pool.in_use == 0
+    assert pool.lookup(block_hash(None, [1, 2, 3, 4])) == a  # a freed block keeps its contents' name
+    pool.release(a)
+    taken = [pool.allocate() for _ in range(4)]  # evicts least recently freed first: a comes last
+    assert taken[-1] == a and block_hash(None, [1, 2, 3, 4]) not in pool.by_hash
+    with pytest.raises(AssertionError):
+        pool.release(0)
+
+
+def test_greedy_equals_transformers_generate(
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], engine_factory: object
+) -> None:
+    ref, _ = pair
+    prompts = _prompts([5, 17, 40, 70, 3, 100])
+    engine = engine_factory(max_num_batched_tokens=48)  # type: ignore[operator]
+    got = _run(engine, prompts, GREEDY)
+    for prompt, (tokens, _) in zip(prompts, got):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])  # an explicit mask: token 0 in a prompt is not padding
+            out = ref.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_logprobs_equal_the_full_forward(
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], engine_factory: object
+) -> None:
+    """The engine's log-probabilities are those of the whole sequence run without any cache."""
+    _, model = pair
+    (prompt,) = _prompts([33], seed=4)
+    ((tokens, logprobs),) = _run(engine_factory(), [prompt], GREEDY)  # type: ignore[operator]
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([prompt + tokens]))[0].float(), -1)
+    expected = [float(full[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=0, atol=1e-5)
+
+
+def test_batch_invariance_alone_batched_chunked_and_cached(engine_factory: object) -> None:
+    """A greedy request gets bit-identical tokens and log-probabilities alone, in a batch of other
+    requests under a small token budget (its prompt cut into chunks), and on a prefix-cache hit."""
+    prompts = _prompts([150, 9, 64, 33, 90], seed=1)
+    alone = [_run(engine_factory(), [p], GREEDY)[0] for p in prompts]  # type: ignore[operator]
+    batched = _run(engine_factory(max_num_batched_tokens=37), prompts, GREEDY)  # type: ignore[operator]
+    assert batched == alone
+    engine = engine_factory()  # type: ignore[operator]
+    first = _run(engine, prompts[:1], GREEDY)
+    hits = engine.pool.hits
+    again = _run(engine, prompts[:1] + prompts[1:3], GREEDY)
+    cached = (len(prompts[0]) - 1) // Q_ALIGN * Q_ALIGN  # whole blocks, ending where a query run starts
+    assert engine.pool.hits - hits == cached // engine.pool.block_size > 0
+    assert first == alone[:1] and again == alone[:3]
+    assert MIN_ROWS > 1 and KEY_BUCKET % Q_ALIGN == 0
+
+
+def test_preemption_and_resume_give_the_same_output(engine_factory: object) -> None:
+    prompts = _prompts([40, 41, 42, 43, 44, 45], seed=2)
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    ample = _run(engine_factory(), prompts, params)  # type: ignore[operator]
+    tight = engine_factory(num_blocks=14, block_size=16, max_model_len=160)  # type: ignore[operator]
+    resumed = _run(tight, prompts, params)
+    assert tight.scheduler.preemptions > 0
+    # Same tokens; a recomputed output token's keys come from a prefill run instead of a decode row,
+    # so log-probabilities after a resume agree to rounding, not bit for bit.
+    assert [tokens for tokens, _ in resumed] == [tokens for tokens, _ in ample]
+    for (_, got), (_, want) in zip(resumed, ample):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
+
+
+def test_parallel_samples_share_the_prompt_and_stay_independent(engine_factory: object) -> None:
+    """n=3 seeded samples: each equals the same request alone with seed + i (copy-on-write keeps one
+    sample's tokens out of the others' blocks); the prompt was computed once."""
+    (prompt,) = _prompts([21], seed=3)  # 21 tokens: the last prompt block is partly full, so shared
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, logprobs=0)
+    engine = engine_factory()  # type: ignore[operator]
+    engine.add_request("r", prompt, params)
+    samples: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for o in out.outputs:
+                samples[o.index] += o.token_ids
+    alone = [
+        _run(engine_factory(), [prompt], dataclasses.replace(params, n=1, seed=11 + i))[0][0]  # type: ignore[operator]
+        for i in range(3)
+    ]
+    assert [samples[i] for i in range(3)] == alone
+    assert engine.stats["prompt_tokens"] == len(prompt)  # one prefill for the three samples
+    assert engine.scheduler.cow_copies == 2  # two of the three holders of the last prompt block copied it
+    assert len({tuple(s) for s in alone}) == 3  # the samples differ
+
+
+def test_abort_frees_blocks_and_engine_keeps_serving(engine_factory: object) -> None:
+    engine = engine_factory()  # type: ignore[operator]
+    prompts = _prompts([30, 12])
+    engine.add_request("a", prompts[0], GREEDY)
+    engine.add_request("b", prompts[1], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.pool.in_use > 0
+    engine.abort("a")
+    engine.abort("b")
+    assert engine.pool.in_use == 0 and not engine.has_unfinished()
+    assert _run(engine, prompts[:1], GREEDY) == _run(engine_factory(), prompts[:1], GREEDY)  # type: ignore[operator]
+
+
+def test_bad_requests_are_refused_with_a_reason(engine_factory: object) -> None:
+    engine = engine_factory(max_model_len=64)  # type: ignore[operator]
+    cases = [
+        ([1] * 64, GREEDY, "context length"),
+        ([], GREEDY, "empty"),
+        ([CFG.vocab_size], GREEDY, "token ids"),
+        ([1, 2], dataclasses.replace(GREEDY, max_tokens=0), "max_tokens"),
+        ([1, 2], dataclasses.replace(GREEDY, top_p=0.0), "top_p"),
+        ([1, 2], dataclasses.replace(GREEDY, temperature=float("nan")), "temperature"),
+    ]
+    for prompt, params, words in cases:
+        with pytest.raises(RequestError, match=words):
+            engine.add_request("x", prompt, params)
+    assert not engine.has_unfinished()
+    with pytest.raises(RequestError, match="KV cache holds"):
+        engine_factory(num_blocks=3, max_model_len=64)  # type: ignore[operator]
+
+
+def test_stop_strings_cut_the_text_and_finish() -> None:
+    cfg = dataclasses.replace(load_config(None, ["model.preset=tiny"]).model, num_hidden_layers=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.init_weights(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(20)
+    tok = ByteTokenizer()
+    engine = Engine(model, tok, EngineConfig(num_blocks=64, max_model_len=256))
+    prompt = tok.encode("def main():")
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    (ids,) = engine.generate([prompt], free)
+    text = tok.decode(ids, skip_special_tokens=True)
+    stop = text[10:13]
+    engine.add_request("s", prompt, dataclasses.replace(free, stop=[stop]))
+    pieces, reason = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces += [o.text for o in out.outputs]
+            reason = out.outputs[-1].finish_reason if out.outputs else reason
+    assert "".join(pieces) == text[: text.find(stop)] and reason == "stop"
+    assert engine.pool.in_use == 0
+
+
+def test_sampling_filters_equal_transformers_processors() -> None:
+    from transformers.generation import logits_process as lp
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(200, generator=g) * 3
+    prompt, output = [3, 5, 7, 7], [9, 9, 9, 11, 3]
+    params = SamplingParams(repetition_penalty=1.3, temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)
+    ids = torch.tensor([prompt + output])
+    expected = lp.RepetitionPenaltyLogitsProcessor(1.3)(ids, logits[None].clone())
+    got = apply_penalties(logits, params, prompt, output)
+    torch.testing.assert_close(got, expected[0])
+    chain = [
+        lp.TemperatureLogitsWarper(0.7),
+        lp.TopKLogitsWarper(20),
+        lp.TopPLogitsWarper(0.8),
+        lp.MinPLogitsWarper(0.05),
+    ]
+    ref = expected
+    for proc in chain:
+        ref = proc(ids, ref)
+    mine = filter_logits(got, params)
+    assert torch.equal(torch.isinf(mine), torch.isinf(ref[0]))
+    torch.testing.assert_close(mine[~torch.isinf(mine)], ref[0][~torch.isinf(ref[0])])
+    # presence and frequency penalties as OpenAI defines them: logit - presence - frequency * count
+    pf = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt, output)
+    assert pf[9] == pytest.approx(float(logits[9]) - 0.5 - 0.75) and pf[7] == logits[7]
+    with pytest.raises(SamplingError, match="min_p"):
+        SamplingParams(min_p=2.0).validate()
