@@ -18,7 +18,7 @@ from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.serve.engine import MIN_ROWS, Engine, EngineConfig, RequestError
 from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, BlockPool, block_hash
-from zerotron.serve.sampling import SamplingParams, SamplingError, apply_penalties, filter_logits
+from zerotron.serve.sampling import SamplingError, SamplingParams, apply_penalties, filter_logits
 
 transformers = pytest.importorskip("transformers")
 
