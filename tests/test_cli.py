@@ -116,3 +116,18 @@ def test_tensorboard_event_files(tmp_path: Path) -> None:
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["serve", "model.gguf", "--nproc", "2"], "tensor-parallel serving is not built"),
+        (["serve", "model.gguf", "--port", "70000"], "--port"),
+        (["serve", "model.gguf", "--max-num-seqs", "0"], "--max-num-seqs"),
+    ],
+)
+def test_serve_refuses_in_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    err = _error(capsys, argv)
+    assert expected in err and len(err.splitlines()) == 1

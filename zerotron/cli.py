@@ -145,7 +145,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
     )
-    run_server(args.model, args.host, args.port, args.served_model_name, config, args.dtype)
+    run_server(args.model, args.host, args.port, args.served_model_name, config)
     return 0
 
 
@@ -341,7 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     srv.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
-    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     srv.add_argument("--nproc", type=int, default=None, help="local ranks (tensor parallel)")
     srv.set_defaults(fn=_cmd_serve)
 

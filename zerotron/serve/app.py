@@ -214,7 +214,6 @@ def run_server(
     port: int = 8000,
     served_model_name: Optional[str] = None,
     config: Optional[EngineConfig] = None,
-    dtype: str = "float32",
 ) -> None:
     """``zerotron serve``: load the model, build the engine and serve until interrupted."""
     import torch
@@ -222,7 +221,7 @@ def run_server(
 
     from zerotron.serve.generate import load_model
 
-    model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype), device="cpu")
+    model, tokenizer = load_model(model_path, dtype=torch.float32, device="cpu")
     engine = Engine(model, tokenizer, config)
     name = served_model_name or model_path
     app = build_app(engine, name)

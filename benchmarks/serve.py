@@ -1,0 +1,235 @@
+"""Serving benchmark: the same request trace against zerotron serve, vLLM's OpenAI server, transformers'
+continuous batching and sequential ``zerotron generate``, on one machine in one run.
+
+The trace: ``--requests`` prompts of ``--prompt-len`` random token ids (fixed seed), each asking for
+``--output-len`` tokens (greedy, EOS ignored), sent as Poisson arrivals at each ``--rates`` value
+(``inf``: all at once) with at most ``--max-concurrency`` in flight. Against an HTTP server each
+request streams; TTFT is the time to its first token, TPOT the mean time per later token. The two
+in-process baselines report throughput only (they have no per-request stream).
+
+    python benchmarks/serve.py MODEL_HF_DIR --vllm-python /path/to/venv/bin/python
+
+MODEL_HF_DIR is a Hugging Face directory (``zerotron convert model.gguf DIR`` makes one), so every
+system reads the same fp32 weights. vLLM runs in its own virtual environment (PEERS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any, Optional
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_up(base: str, proc: subprocess.Popen[bytes], limit: float = 600) -> None:
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"server at {base} did not come up")
+
+
+def trace(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
+
+
+async def one_request(client: Any, model: str, prompt: list[int], output_len: int) -> dict[str, float]:
+    start = time.perf_counter()
+    first: Optional[float] = None
+    tokens = 0
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=output_len,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            tokens += 1  # one chunk per step per request; a step may carry several tokens' text
+            first = first or time.perf_counter()
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - start, "latency": end - start, "chunks": tokens, "first": first, "end": end}
+
+
+async def run_trace(
+    base: str, model: str, prompts: list[list[int]], output_len: int, rate: float, concurrency: int
+) -> dict[str, float]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(1)
+
+    async def limited(prompt: list[int]) -> dict[str, float]:
+        async with gate:
+            return await one_request(client, model, prompt, output_len)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(limited(prompt)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    ttft = [r["ttft"] for r in results]
+    tpot = [(r["end"] - r["first"]) / (output_len - 1) for r in results]
+    return {
+        "requests_per_s": len(prompts) / wall,
+        "output_tokens_per_s": len(prompts) * output_len / wall,
+        "ttft_mean": statistics.mean(ttft),
+        "ttft_median": statistics.median(ttft),
+        "ttft_p99": sorted(ttft)[max(0, int(0.99 * len(ttft)) - 1)],
+        "tpot_mean": statistics.mean(tpot),
+        "tpot_median": statistics.median(tpot),
+        "tpot_p99": sorted(tpot)[max(0, int(0.99 * len(tpot)) - 1)],
+        "wall_s": wall,
+    }
+
+
+def serve_zerotron(model_dir: str, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerotron",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+    ]
+    cmd += ["--max-model-len", "1024", "--max-num-seqs", str(args.max_concurrency)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    cmd = [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+    ]
+    cmd += ["--served-model-name", "m", "--max-model-len", "1024", "--dtype", "float32"]
+    cmd += ["--max-num-seqs", str(args.max_concurrency)]
+    # Both cores for vLLM's compute, as zerotron serve has them (by default vLLM keeps one for its
+    # front end and computes on the other).
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    }
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def offline_baselines(
+    model_dir: str, prompts: list[list[int]], output_len: int
+) -> dict[str, dict[str, float]]:
+    """transformers' continuous batching and sequential zerotron generate: output tokens per second."""
+    import torch
+
+    from zerotron.serve.generate import generate, load_model
+
+    out: dict[str, dict[str, float]] = {}
+    model, tok = load_model(model_dir, torch.float32, "cpu")
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        generate(model, tok, prompt, output_len, stop_ids=[])
+    wall = time.perf_counter() - t0
+    out["zerotron generate (sequential)"] = {
+        "output_tokens_per_s": len(prompts) * output_len / wall,
+        "wall_s": wall,
+    }
+    try:
+        import transformers
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+    except ImportError:
+        return out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.set_attn_implementation("paged|sdpa")
+    gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=512)
+    t0 = time.perf_counter()
+    hf.generate_batch(
+        inputs=prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False
+    )
+    wall = time.perf_counter() - t0
+    out["transformers generate_batch"] = {
+        "output_tokens_per_s": len(prompts) * output_len / wall,
+        "wall_s": wall,
+    }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (skip vLLM if absent)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rates", default="2,inf")
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--offline", action="store_true", help="also run the in-process baselines")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = trace(args.requests, args.prompt_len, vocab, seed=0)
+    rates = [float(r) for r in args.rates.split(",")]
+    results: dict[str, Any] = {}
+    servers = [("zerotron serve", serve_zerotron)]
+    if args.vllm_python:
+        servers.append(("vLLM", serve_vllm))
+    for name, start in servers:
+        port = _free_port()
+        proc = start(args.model_dir, port, args)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_up(base, proc)
+            asyncio.run(run_trace(base, "m", prompts[:4], 4, float("inf"), 4))  # warm up
+            for rate in rates:
+                r = asyncio.run(run_trace(base, "m", prompts, args.output_len, rate, args.max_concurrency))
+                results[f"{name} @ {rate} req/s"] = r
+                print(name, rate, json.dumps({k: round(v, 4) for k, v in r.items()}), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    if args.offline:
+        for name, r in offline_baselines(args.model_dir, prompts, args.output_len).items():
+            results[name] = r
+            print(name, json.dumps({k: round(v, 4) for k, v in r.items()}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
