@@ -27,6 +27,7 @@ from zerotron.models.llama import KVCache, LlamaForCausalLM, tensor_parallel_pla
 from zerotron.models.loading import ModelLoadError, load_pretrained
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 from zerotron.parallel.tensor_comm import gather_last_dim
+from zerotron.serve.sampling import SamplingParams, filter_logits
 
 
 def sample_next(
@@ -35,17 +36,8 @@ def sample_next(
     """One token id from logits (V,): greedy at temperature 0, else top-k / nucleus (top-p) sampling."""
     if temperature <= 0.0:
         return int(torch.argmax(logits))
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose probability reaches top_p (always >= 1 token).
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = torch.softmax(filter_logits(logits.float(), params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
