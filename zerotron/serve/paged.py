@@ -168,14 +168,27 @@ class Piece:
     table: list[int]  # the sequence's block table
 
 
+@dataclass
+class _Group:
+    """Runs of query rows with the same key window and query length, attended in one SDPA call."""
+
+    src: torch.Tensor  # (B * lq,) row of each query slot (padding slots repeat a real row)
+    keep: torch.Tensor  # (B * lq,) which query slots are real
+    dst: torch.Tensor  # (real,) the rows they fill
+    key_slots: torch.Tensor  # (B, window) pool slots of each run's keys (scratch past its end)
+    mask: torch.Tensor  # (B, 1, lq, window) causal
+
+
 class PagedAttention:
     """The attention cache of one engine step over a :class:`KVPool` (an ``AttentionCache``).
 
     The step's tokens of all sequences are one row each of a (1, N) batch (N padded to at least
     ``min_rows``; padding rows write to the scratch block and get zero attention). Each sequence's
-    rows are cut at :data:`Q_ALIGN` boundaries; a run of rows attends to the key window of its
-    :data:`KEY_BUCKET`, masked causally, so every row's attention is computed the same way in any batch
-    as long as chunks start at multiples of :data:`Q_ALIGN` (the scheduler's rule).
+    rows are cut into runs at :data:`Q_ALIGN` boundaries; a run attends to the key window of its
+    :data:`KEY_BUCKET`, masked causally, with at least two query rows (one query takes another CPU
+    kernel). Runs of equal window and length are batched into one SDPA call; a run's numbers do not
+    depend on its batch, so every row's attention is computed the same way in any step as long as
+    chunks start at multiples of :data:`Q_ALIGN` (the scheduler's rule).
     """
 
     length = 0  # positions come with the batch; the causal masks are built here
@@ -184,7 +197,7 @@ class PagedAttention:
         self.pool = pool
         bs = pool.block_size
         slots = torch.zeros(rows, dtype=torch.long)  # padding rows: slot 0 of the scratch block
-        self.runs: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # row, n, key slots, mask
+        runs: dict[tuple[int, int], list[tuple[int, int, int, torch.Tensor]]] = {}  # (window, lq) -> runs
         for piece in pieces:
             table = torch.tensor(piece.table, dtype=torch.long)
             positions = torch.arange(piece.start, piece.start + piece.n)
@@ -197,12 +210,29 @@ class PagedAttention:
                 held = keys < hi  # positions past this run's last token point at the scratch slot
                 key_slots = torch.where(held, table[(keys // bs).clamp(max=len(piece.table) - 1)] * bs, 0)
                 key_slots = key_slots + torch.where(held, keys % bs, 0)
-                # q rows padded to two: a single query takes another SDPA kernel than a run of them.
-                q_pos = torch.arange(lo, max(hi, lo + 2))
-                mask = keys[None, :] <= q_pos[:, None]  # (n_q, window)
-                self.runs.append((piece.row + lo - piece.start, hi - lo, key_slots, mask))
+                lq = max(hi - lo, 2)
+                runs.setdefault((window, lq), []).append((piece.row + lo - piece.start, hi - lo, lo, key_slots))
                 lo = hi
         self.slots = slots
+        self.groups = [self._group(window, lq, members) for (window, lq), members in runs.items()]
+
+    @staticmethod
+    def _group(window: int, lq: int, members: list[tuple[int, int, int, torch.Tensor]]) -> _Group:
+        src, keep, masks = [], [], []
+        keys = torch.arange(window)
+        for row, n, first, _ in members:
+            offsets = torch.arange(lq)
+            src.append(row + offsets.clamp(max=n - 1))
+            keep.append(offsets < n)
+            masks.append(keys[None, :] <= (first + offsets)[:, None])  # (lq, window)
+        source, kept = torch.cat(src), torch.cat(keep)
+        return _Group(
+            source,
+            kept,
+            source[kept],
+            torch.stack([m[3] for m in members]),
+            torch.stack(masks)[:, None],
+        )
 
     def attend(
         self,
@@ -218,13 +248,13 @@ class PagedAttention:
         kp[self.slots] = k[0].transpose(0, 1)
         vp[self.slots] = v[0].transpose(0, 1)
         out = torch.zeros_like(q)
+        heads, d = q.shape[1], q.shape[3]
         gqa = q.shape[1] != k.shape[1]
-        for row, n, key_slots, mask in self.runs:
-            rows = q[:, :, row : row + n]
-            if n == 1:
-                rows = torch.cat([rows, rows], dim=2)
-            keys = kp[key_slots].transpose(0, 1).unsqueeze(0)  # (1, kvh, window, d)
-            values = vp[key_slots].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, enable_gqa=gqa)
-            out[:, :, row : row + n] = o[:, :, :n]
+        for g in self.groups:
+            b, lq = g.key_slots.shape[0], g.mask.shape[2]
+            queries = q[0][:, g.src].view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
+            keys = kp[g.key_slots].transpose(1, 2)  # (B, kvh, window, d)
+            values = vp[g.key_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, enable_gqa=gqa)
+            out[0][:, g.dst] = o.transpose(0, 1).reshape(heads, b * lq, d)[:, g.keep]
         return out
