@@ -121,7 +121,8 @@ def test_tensorboard_event_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["serve", "model.gguf", "--nproc", "2"], "tensor-parallel serving is not built"),
+        (["serve", "model.gguf", "--nproc", "0"], "--nproc"),
+        (["serve", "missing.gguf", "--nproc", "2"], "no such file"),
         (["serve", "model.gguf", "--port", "70000"], "--port"),
         (["serve", "model.gguf", "--max-num-seqs", "0"], "--max-num-seqs"),
     ],

@@ -214,3 +214,37 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server: str, client: o
     c = client  # type: ignore[assignment]
     assert c.completions.create(model=NAME, prompt="Hello", temperature=0, max_tokens=3).choices[0].text
     assert _get(f"{server}/health")[0] == 200
+
+
+def test_tensor_parallel_serving_equals_one_process(client: object) -> None:
+    """``zerotron serve --nproc 3`` (SmolLM2's 9 heads and 3 KV heads split over 3 ranks): the same
+    greedy tokens as the one-process server, log-probabilities equal to rounding (the tp sums run in
+    another order); SIGTERM stops all ranks cleanly (exit status 0)."""
+    gguf = _smollm2_dir() / GGUF_NAME
+    port = _free_port()
+    cmd = [sys.executable, "-m", "zerotron", "serve", str(gguf), "--nproc", "3", "--port", str(port)]
+    cmd += ["--served-model-name", NAME, "--max-model-len", "512", "--kv-cache-memory", "0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if _get(f"{base}/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
+        tp = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        one = client  # type: ignore[assignment]
+        for prompt in ("The capital of France is", "def fibonacci(n):"):
+            kwargs = dict(model=NAME, prompt=prompt, temperature=0, max_tokens=16, logprobs=0)
+            a, b = one.completions.create(**kwargs), tp.completions.create(**kwargs)  # type: ignore[attr-defined]
+            assert a.choices[0].text == b.choices[0].text
+            got, want = b.choices[0].logprobs.token_logprobs, a.choices[0].logprobs.token_logprobs
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-4)
+        _wait_idle(base)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out

@@ -122,11 +122,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ) from None
     from zerotron.serve.engine import EngineConfig
 
-    if args.nproc not in (None, 1):
-        raise ConfigError(
-            f"serve --nproc {args.nproc}: tensor-parallel serving is not built yet; serve on one process"
-        )
+    nproc = 1 if args.nproc is None else args.nproc
     checks = [
+        ("--nproc", nproc >= 1),
         ("--port", 0 < args.port < 65536),
         ("--block-size", args.block_size >= 1),
         ("--max-num-seqs", args.max_num_seqs >= 1),
@@ -145,7 +143,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
     )
-    run_server(args.model, args.host, args.port, args.served_model_name, config)
+    if nproc == 1:
+        run_server(args.model, args.host, args.port, args.served_model_name, config)
+        return 0
+    from zerotron.config import Config
+    from zerotron.config_load import check_tensor_parallel
+    from zerotron.distributed.launch import spawn
+    from zerotron.serve.app import serve_worker
+    from zerotron.serve.generate import model_config
+
+    cfg = Config(model=model_config(args.model))
+    cfg.parallel.tp = nproc  # every rank holds a tensor-parallel shard
+    check_tensor_parallel(cfg)
+    name = args.served_model_name or args.model
+    spawn(serve_worker, nproc, args=(args.model, name, args.host, args.port, config))
     return 0
 
 
@@ -341,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     srv.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
-    srv.add_argument("--nproc", type=int, default=None, help="local ranks (tensor parallel)")
+    srv.add_argument(
+        "--nproc", type=int, default=None, help="local ranks: the model is split over them (tensor parallel)"
+    )
     srv.set_defaults(fn=_cmd_serve)
 
     conv = sub.add_parser(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Optional, Union
@@ -11,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from zerotron.distributed.mesh import Group
 from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
 from zerotron.serve.sampling import SamplingParams
@@ -208,6 +210,41 @@ async def _stream(
     yield "data: [DONE]\n\n"
 
 
+def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optional[Group] = None) -> Engine:
+    """The model at ``model_path`` (fp32) in an engine; split over ``tp_group`` when given."""
+    import torch
+
+    from zerotron.serve.generate import load_model, split_for_tensor_parallel
+
+    model, tokenizer = load_model(model_path, dtype=torch.float32, device="cpu")
+    if tp_group is not None and tp_group.size > 1:
+        split_for_tensor_parallel(model, tp_group)
+    return Engine(model, tokenizer, config, tp_group)
+
+
+def serve(engine: Engine, name: str, host: str, port: int) -> None:
+    """Serve ``engine`` over HTTP until interrupted, then stop its thread (and its followers)."""
+    import uvicorn
+
+    app = build_app(engine, name)
+    group = engine.runner.group
+    print(
+        f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
+        f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}"
+        + (f", tensor parallel over {group.size} ranks)" if group is not None else ")"),
+        flush=True,
+    )
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handler it
+    # found: let that be a no-op, so the engine thread (and the ranks that follow it) stop cleanly.
+    saved = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        app.state.engine_loop.stop()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def run_server(
     model_path: str,
     host: str = "127.0.0.1",
@@ -215,19 +252,23 @@ def run_server(
     served_model_name: Optional[str] = None,
     config: Optional[EngineConfig] = None,
 ) -> None:
-    """``zerotron serve``: load the model, build the engine and serve until interrupted."""
-    import torch
-    import uvicorn
+    """``zerotron serve`` on one process: load the model, build the engine and serve until interrupted."""
+    serve(load_engine(model_path, config), served_model_name or model_path, host, port)
 
-    from zerotron.serve.generate import load_model
 
-    model, tokenizer = load_model(model_path, dtype=torch.float32, device="cpu")
-    engine = Engine(model, tokenizer, config)
-    name = served_model_name or model_path
-    app = build_app(engine, name)
-    print(
-        f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
-        f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len})",
-        flush=True,
-    )
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+def serve_worker(model_path: str, name: str, host: str, port: int, config: EngineConfig) -> dict[str, int]:
+    """One rank of ``zerotron serve --nproc N``: all ranks form one tensor-parallel group; the first
+    serves HTTP and schedules, the others run its steps on their shards until it stops."""
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
+
+    rank, world = current_rank_and_world()
+    group = ParallelDims(world, dp=1, tp=world).build(rank).group("tp")
+    engine = load_engine(model_path, config, group)
+    if group.rank_in_group == 0:
+        serve(engine, name, host, port)
+        return {"steps": engine.stats["steps"]}
+    # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return {"steps": engine.runner.follow()}

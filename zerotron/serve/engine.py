@@ -15,14 +15,14 @@ from typing import Any, Optional
 
 import torch
 
+from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.serve.paged import BlockPool, KVPool, PagedAttention, Piece
+from zerotron.serve.paged import BlockPool, KVPool
+from zerotron.serve.runner import MIN_ROWS, StepRunner, make_plan
 from zerotron.serve.sampling import Choice, SamplingParams, sample
 from zerotron.serve.scheduler import Scheduler, Sequence, Status
 
-# Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
-# kernels change with the row count and a sequence's numbers would depend on its batch.
-MIN_ROWS = 16
+__all__ = ["MIN_ROWS", "Engine", "EngineConfig", "RequestError", "RequestOutput", "build_kv_pool"]
 
 
 class RequestError(ValueError):
@@ -78,34 +78,24 @@ class Engine:
     """Continuous-batching generation over a paged KV cache for one model."""
 
     def __init__(
-        self, model: LlamaForCausalLM, tokenizer: Any, config: Optional[EngineConfig] = None
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Any,
+        config: Optional[EngineConfig] = None,
+        tp_group: Optional[Group] = None,
     ) -> None:
+        """``tp_group``: ``model`` is this rank's tensor-parallel shard; the group's other ranks run
+        :meth:`StepRunner.follow` over the same model and config (see :func:`build_kv_pool`)."""
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = cfg = config or EngineConfig()
-        mc = model.config
-        param = next(model.parameters())
-        attn = model.layers[0].self_attn
-        kv_heads, head_dim = int(attn.kv_heads), int(attn.head_dim)
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype)
-        num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // (per_token * cfg.block_size))
-        self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
-        if cfg.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise RequestError(f"block size {cfg.block_size}: choose a power of two from 1 to 128")
-        if (num_blocks - 1) * cfg.block_size < self.max_model_len + cfg.block_size:
-            raise RequestError(
-                f"the KV cache holds {(num_blocks - 1) * cfg.block_size} tokens, less than one sequence of "
-                f"max_model_len={self.max_model_len}: give it more memory or lower --max-model-len"
-            )
-        self.pool = BlockPool(num_blocks, cfg.block_size)
-        self.kv = KVPool(
-            mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads, head_dim, param.dtype, param.device
-        )
+        self.max_model_len, self.kv = build_kv_pool(model, cfg)
+        self.pool = BlockPool(self.kv.num_blocks, cfg.block_size)
+        self.runner = StepRunner(model, self.kv, tp_group)
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
         )
         self.requests: dict[str, Request] = {}
         self.eos = set(getattr(tokenizer, "stop_ids", None) or [])
-        self.device = param.device
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0}
 
     # ---- requests ------------------------------------------------------------------------------
@@ -156,10 +146,12 @@ class Engine:
         """Compute one batch of scheduled tokens; return the requests that gained tokens or ended."""
         batch = self.scheduler.schedule()
         if not batch.pieces:
+            self.runner.keep_alive()
             return []
-        for src, dst, slots in batch.copies:
-            self.kv.copy_block(src, dst, slots)
-        logits, sampled = self._forward(batch.pieces)
+        plan = make_plan([(seq.tokens, seq.table, start, n) for seq, start, n in batch.pieces], batch.copies)
+        sampled = [seq for seq, start, n in batch.pieces if start + n == len(seq.tokens)]
+        self.runner.publish(plan)
+        logits = self.runner.run(plan)[:, : self.model.config.vocab_size]
         for seq, _, n in batch.pieces:
             self.scheduler.commit(seq, n)
         self.stats["steps"] += 1
@@ -173,34 +165,6 @@ class Engine:
                 self._append(request, member, logits[row])
             touched[request.request_id] = request
         return [self._output(r) for r in touched.values()]
-
-    def _forward(self, pieces: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """One forward of the step's tokens; logits (k, V) of the sequences whose last token ran."""
-        total = sum(n for _, _, n in pieces)
-        rows = max(total, MIN_ROWS)
-        ids = torch.zeros(rows, dtype=torch.long)
-        positions = torch.zeros(rows, dtype=torch.long)
-        layout: list[Piece] = []
-        sampled: list[Sequence] = []
-        last_rows: list[int] = []
-        r = 0
-        for seq, start, n in pieces:
-            ids[r : r + n] = torch.tensor(seq.tokens[start : start + n])
-            positions[r : r + n] = torch.arange(start, start + n)
-            layout.append(Piece(r, n, start, seq.table))
-            if start + n == len(seq.tokens):
-                sampled.append(seq)
-                last_rows.append(r + n - 1)
-            r += n
-        attention = PagedAttention(self.kv, layout, rows)
-        index = torch.tensor(last_rows + [0] * max(0, MIN_ROWS - len(last_rows)), dtype=torch.long)
-        logits = self.model(
-            ids[None].to(self.device),
-            position_ids=positions[None].to(self.device),
-            kv_cache=attention,
-            logits_index=index.to(self.device),
-        )[0, : len(sampled)]
-        return logits.float().cpu(), sampled
 
     def _fork(self, request: Request, seq: Sequence) -> list[Sequence]:
         """The other n - 1 parallel samples of a prompt whose prefill just ended, sharing its blocks."""
@@ -283,6 +247,29 @@ class Engine:
                     if o.index == 0:
                         results[out.request_id] += o.token_ids
         return [results[rid] for rid in ids]
+
+
+def build_kv_pool(model: LlamaForCausalLM, cfg: EngineConfig) -> tuple[int, KVPool]:
+    """(max_model_len, this rank's KV pool) for ``model`` (a tensor-parallel shard holds its KV heads;
+    every rank of a group gets the same number of blocks)."""
+    mc = model.config
+    param = next(model.parameters())
+    attn = model.layers[0].self_attn
+    kv_heads, head_dim = int(attn.kv_heads), int(attn.head_dim)
+    per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype)
+    num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // (per_token * cfg.block_size))
+    max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
+    if cfg.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        raise RequestError(f"block size {cfg.block_size}: choose a power of two from 1 to 128")
+    if (num_blocks - 1) * cfg.block_size < max_model_len + cfg.block_size:
+        raise RequestError(
+            f"the KV cache holds {(num_blocks - 1) * cfg.block_size} tokens, less than one sequence of "
+            f"max_model_len={max_model_len}: give it more memory or lower --max-model-len"
+        )
+    kv = KVPool(
+        mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads, head_dim, param.dtype, param.device
+    )
+    return max_model_len, kv
 
 
 def _safe_end(text: str, stops: list[str]) -> int:

@@ -214,6 +214,13 @@ def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[LlamaForCaus
     return load_pretrained(path, dtype=dtype, device=device)
 
 
+def split_for_tensor_parallel(model: LlamaForCausalLM, tp_group: Group) -> None:
+    """Split a whole model over ``tp_group`` in place (vocabulary padded so tp splits it evenly)."""
+    model.pad_vocabulary(model.config.padded_vocab(tp_group.size))
+    plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
+    apply_tensor_parallel(model, plan, tp_group)
+
+
 def run_generate(
     model_path: str,
     prompt: str,
@@ -237,9 +244,7 @@ def run_generate(
     """
     model, tokenizer = load_model(model_path, dtype=dtype, device=device)
     if tp_group is not None and tp_group.size > 1:
-        model.pad_vocabulary(model.config.padded_vocab(tp_group.size))  # tp splits the vocabulary evenly
-        plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
-        apply_tensor_parallel(model, plan, tp_group)
+        split_for_tensor_parallel(model, tp_group)
         if tp_group.rank_in_group != 0:
             out, stats = io.StringIO(), None
     if tokenizer is None:

@@ -144,7 +144,7 @@ class KVPool:
         shape = (num_blocks * block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
 
     @staticmethod
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -211,7 +211,9 @@ class PagedAttention:
                 key_slots = torch.where(held, table[(keys // bs).clamp(max=len(piece.table) - 1)] * bs, 0)
                 key_slots = key_slots + torch.where(held, keys % bs, 0)
                 lq = max(hi - lo, 2)
-                runs.setdefault((window, lq), []).append((piece.row + lo - piece.start, hi - lo, lo, key_slots))
+                runs.setdefault((window, lq), []).append(
+                    (piece.row + lo - piece.start, hi - lo, lo, key_slots)
+                )
                 lo = hi
         self.slots = slots
         self.groups = [self._group(window, lq, members) for (window, lq), members in runs.items()]

@@ -71,14 +71,23 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
 
-    def _drain(self) -> None:
+    def stop(self) -> None:
+        """End the engine thread (it tells tensor-parallel followers to stop) and wait for it."""
+        self.commands.put(("stop",))
+        self.thread.join(timeout=60)
+
+    def _drain(self) -> bool:
+        """Take queued commands (waiting briefly when idle); False once told to stop."""
         block = not self.engine.has_unfinished()
         while True:
             try:
                 command = self.commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
-                return
+                return True
             block = False
+            if command[0] == "stop":
+                self.engine.runner.publish(None, stop=True)
+                return False
             if command[0] == "add":
                 _, rid, prompt_ids, params, sink = command
                 try:
@@ -91,8 +100,7 @@ class EngineLoop:
                 self.sinks.pop(command[1], None)
 
     def _run(self) -> None:
-        while True:
-            self._drain()
+        while self._drain():
             try:
                 outputs = self.engine.step()
             except Exception as err:  # noqa: BLE001 - fail the requests in flight, keep serving

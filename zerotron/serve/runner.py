@@ -1,0 +1,152 @@
+"""One engine step's forward, on one rank or on every rank of a tensor-parallel group.
+
+:class:`StepPlan` is everything a forward needs (token ids, positions, each sequence's rows and block
+table, the copy-on-write block copies, the rows whose logits are sampled); :class:`StepRunner` runs a
+plan on this rank's model (or tensor-parallel shard) and KV pool. Under tensor parallelism the first
+rank schedules and samples; it broadcasts each plan (:meth:`StepRunner.publish`) and the other ranks
+run the same plans in :func:`follow` until told to stop. Every rank holds its KV heads' pool.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.parallel.tensor_comm import gather_last_dim
+from zerotron.serve.paged import KVPool, PagedAttention, Piece
+
+# Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
+# kernels change with the row count and a sequence's numbers would depend on its batch.
+MIN_ROWS = 16
+
+_PLAN, _IDLE, _STOP = 1, 0, -1
+KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
+
+
+@dataclass
+class StepPlan:
+    ids: torch.Tensor  # (rows,) token ids (padding rows 0)
+    positions: torch.Tensor  # (rows,)
+    pieces: list[Piece]
+    sample_rows: torch.Tensor  # (>= MIN_ROWS,) rows whose logits are wanted (padded with row 0)
+    sampled: int  # how many of them are real
+    copies: list[tuple[int, int, int]]  # copy-on-write (src block, dst block, slots)
+
+    def pack(self) -> torch.Tensor:
+        """All of the plan as one int64 tensor (for a broadcast)."""
+        head = [len(self.ids), len(self.pieces), len(self.copies), len(self.sample_rows), self.sampled]
+        body = [*head, *self.ids.tolist(), *self.positions.tolist(), *self.sample_rows.tolist()]
+        for p in self.pieces:
+            body += [p.row, p.n, p.start, len(p.table), *p.table]
+        for copy in self.copies:
+            body += list(copy)
+        return torch.tensor(body, dtype=torch.long)
+
+    @classmethod
+    def unpack(cls, t: torch.Tensor) -> StepPlan:
+        v = t.tolist()
+        rows, n_pieces, n_copies, n_index, sampled = v[:5]
+        at = 5
+        ids = torch.tensor(v[at : at + rows], dtype=torch.long)
+        positions = torch.tensor(v[at + rows : at + 2 * rows], dtype=torch.long)
+        at += 2 * rows
+        sample_rows = torch.tensor(v[at : at + n_index], dtype=torch.long)
+        at += n_index
+        pieces = []
+        for _ in range(n_pieces):
+            row, n, start, length = v[at : at + 4]
+            pieces.append(Piece(row, n, start, v[at + 4 : at + 4 + length]))
+            at += 4 + length
+        copies = [(v[at + 3 * i], v[at + 3 * i + 1], v[at + 3 * i + 2]) for i in range(n_copies)]
+        return cls(ids, positions, pieces, sample_rows, sampled, copies)
+
+
+def make_plan(
+    pieces: list[tuple[list[int], list[int], int, int]], copies: list[tuple[int, int, int]]
+) -> StepPlan:
+    """A plan from (tokens, block table, first position, count) per sequence; a sequence is sampled
+    when its last token is among the rows."""
+    total = sum(n for _, _, _, n in pieces)
+    rows = max(total, MIN_ROWS)
+    ids = torch.zeros(rows, dtype=torch.long)
+    positions = torch.zeros(rows, dtype=torch.long)
+    layout: list[Piece] = []
+    last_rows: list[int] = []
+    r = 0
+    for tokens, table, start, n in pieces:
+        ids[r : r + n] = torch.tensor(tokens[start : start + n])
+        positions[r : r + n] = torch.arange(start, start + n)
+        layout.append(Piece(r, n, start, list(table)))
+        if start + n == len(tokens):
+            last_rows.append(r + n - 1)
+        r += n
+    index = torch.tensor(last_rows + [0] * max(0, MIN_ROWS - len(last_rows)), dtype=torch.long)
+    return StepPlan(ids, positions, layout, index, len(last_rows), copies)
+
+
+class StepRunner:
+    """Runs step plans on this rank's model and KV pool."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVPool, tp_group: Optional[Group] = None) -> None:
+        self.model, self.kv = model, kv
+        self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
+        self.device = next(model.parameters()).device
+        self.last_signal = time.monotonic()
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Copy the plan's blocks, run its forward; logits (sampled, vocab rows) in float32 on the CPU
+        (the whole vocabulary, gathered over the tensor-parallel group)."""
+        for src, dst, slots in plan.copies:
+            self.kv.copy_block(src, dst, slots)
+        attention = PagedAttention(self.kv, plan.pieces, len(plan.ids))
+        logits = self.model(
+            plan.ids[None].to(self.device),
+            position_ids=plan.positions[None].to(self.device),
+            kv_cache=attention,
+            logits_index=plan.sample_rows.to(self.device),
+        )[0, : plan.sampled]
+        if self.group is not None:
+            logits = gather_last_dim(logits, self.group)
+        whole: torch.Tensor = logits.float().cpu()
+        return whole
+
+    # ---- tensor parallelism: the first rank publishes, the others follow --------------------------
+    def publish(self, plan: Optional[StepPlan], stop: bool = False) -> None:
+        """Send a plan (or a keep-alive, or stop) to the other ranks of the group."""
+        if self.group is None:
+            return
+        body = plan.pack() if plan is not None else torch.zeros(0, dtype=torch.long)
+        kind = _STOP if stop else (_PLAN if plan is not None else _IDLE)
+        head = torch.tensor([kind, len(body)], dtype=torch.long)
+        collectives.broadcast(head, self.group.ranks[0], self.group)
+        if len(body):
+            collectives.broadcast(body, self.group.ranks[0], self.group)
+        self.last_signal = time.monotonic()
+
+    def keep_alive(self) -> None:
+        """On an idle first rank: a keep-alive when the others have waited KEEPALIVE_S."""
+        if self.group is not None and time.monotonic() - self.last_signal > KEEPALIVE_S:
+            self.publish(None)
+
+    def follow(self) -> int:
+        """On the other ranks: run the first rank's plans until it says stop; returns the steps run."""
+        assert self.group is not None, "follow() is for tensor-parallel ranks"
+        steps = 0
+        while True:
+            head = torch.zeros(2, dtype=torch.long)
+            collectives.broadcast(head, self.group.ranks[0], self.group)
+            kind, length = int(head[0]), int(head[1])
+            if kind == _STOP:
+                return steps
+            if kind == _PLAN:
+                body = torch.zeros(length, dtype=torch.long)
+                collectives.broadcast(body, self.group.ranks[0], self.group)
+                self.run(StepPlan.unpack(body))
+                steps += 1
