@@ -120,9 +120,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"zerotron serve needs FastAPI and uvicorn ({err}): pip install 'zerotron[serve]'"
         ) from None
+    from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, under_torchrun
     from zerotron.serve.engine import EngineConfig
 
     nproc = 1 if args.nproc is None else args.nproc
+    if adopt_slurm_env() or under_torchrun():  # every process of the job is a tensor-parallel rank
+        nproc = job_rank_and_world()[1]
     checks = [
         ("--nproc", nproc >= 1),
         ("--port", 0 < args.port < 65536),
@@ -143,7 +146,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
     )
-    if nproc == 1:
+    if nproc == 1 and not under_torchrun():
         run_server(args.model, args.host, args.port, args.served_model_name, config)
         return 0
     from zerotron.config import Config
@@ -353,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     srv.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     srv.add_argument(
-        "--nproc", type=int, default=None, help="local ranks: the model is split over them (tensor parallel)"
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks: the model is split over them (tensor parallel); under torchrun or srun its ranks",
     )
     srv.set_defaults(fn=_cmd_serve)
 
