@@ -75,8 +75,16 @@ async def one_request(client: Any, model: str, prompt: list[int], output_len: in
 
 
 async def run_trace(
-    base: str, model: str, prompts: list[list[int]], output_len: int, rate: float, concurrency: int
+    base: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    rate: float,
+    concurrency: int,
+    kv_metrics: bool = False,
 ) -> dict[str, float]:
+    """Send the trace; throughput, TTFT and TPOT (and with ``kv_metrics``, zerotron serve's peak KV
+    blocks in use and running sequences, read from /metrics)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -87,6 +95,8 @@ async def run_trace(
         async with gate:
             return await one_request(client, model, prompt, output_len)
 
+    peak = {"blocks": 0.0, "running": 0.0}
+    poller = asyncio.create_task(_poll_kv(base, peak)) if kv_metrics else None
     tasks = []
     t0 = time.perf_counter()
     for prompt in prompts:
@@ -95,6 +105,8 @@ async def run_trace(
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
+    if poller is not None:
+        poller.cancel()
     ttft = [r["ttft"] for r in results]
     tpot = [(r["end"] - r["first"]) / (output_len - 1) for r in results]
     return {
@@ -107,7 +119,20 @@ async def run_trace(
         "tpot_median": statistics.median(tpot),
         "tpot_p99": sorted(tpot)[max(0, int(0.99 * len(tpot)) - 1)],
         "wall_s": wall,
+        **({"peak_kv_blocks": peak["blocks"], "peak_running": peak["running"]} if poller else {}),
     }
+
+
+async def _poll_kv(base: str, peak: dict[str, float]) -> None:
+    """Track zerotron serve's peak KV blocks in use and running sequences from /metrics."""
+    while True:
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+        )
+        values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+        peak["blocks"] = max(peak["blocks"], values["zerotron_kv_blocks_in_use"])
+        peak["running"] = max(peak["running"], values["zerotron_num_requests_running"])
+        await asyncio.sleep(0.25)
 
 
 def serve_zerotron(model_dir: str, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
@@ -216,7 +241,17 @@ def main() -> None:
             _wait_up(base, proc)
             asyncio.run(run_trace(base, "m", prompts[:4], 4, float("inf"), 4))  # warm up
             for rate in rates:
-                r = asyncio.run(run_trace(base, "m", prompts, args.output_len, rate, args.max_concurrency))
+                r = asyncio.run(
+                    run_trace(
+                        base,
+                        "m",
+                        prompts,
+                        args.output_len,
+                        rate,
+                        args.max_concurrency,
+                        name == "zerotron serve",
+                    )
+                )
                 results[f"{name} @ {rate} req/s"] = r
                 print(name, rate, json.dumps({k: round(v, 4) for k, v in r.items()}), flush=True)
         finally:

@@ -247,16 +247,18 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q (1, h, N, d), k/v (1, kvh, N, d) of this step -> (1, h, N, d)."""
         kp, vp = self.pool.k[layer], self.pool.v[layer]  # (slots, kvh, d)
-        kp[self.slots] = k[0].transpose(0, 1)
-        vp[self.slots] = v[0].transpose(0, 1)
+        kp.index_copy_(0, self.slots, k[0].transpose(0, 1))
+        vp.index_copy_(0, self.slots, v[0].transpose(0, 1))
         out = torch.zeros_like(q)
         heads, d = q.shape[1], q.shape[3]
         gqa = q.shape[1] != k.shape[1]
         for g in self.groups:
-            b, lq = g.key_slots.shape[0], g.mask.shape[2]
-            queries = q[0][:, g.src].view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
-            keys = kp[g.key_slots].transpose(1, 2)  # (B, kvh, window, d)
-            values = vp[g.key_slots].transpose(1, 2)
+            b, window = g.key_slots.shape
+            lq = g.mask.shape[2]
+            queries = q[0].index_select(1, g.src).view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
+            flat = g.key_slots.view(-1)
+            keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)
+            values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, enable_gqa=gqa)
-            out[0][:, g.dst] = o.transpose(0, 1).reshape(heads, b * lq, d)[:, g.keep]
+            out[0].index_copy_(1, g.dst, o.transpose(0, 1).reshape(heads, b * lq, d)[:, g.keep])
         return out
