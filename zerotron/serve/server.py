@@ -60,6 +60,7 @@ class EngineLoop:
         self.sinks: dict[str, Sink] = {}
         self.ttft = Histogram("zerotron_time_to_first_token_seconds", "time to first token", TTFT_BUCKETS)
         self.tpot = Histogram("zerotron_time_per_output_token_seconds", "time per output token", TPOT_BUCKETS)
+        self.step_time = Histogram("zerotron_engine_step_seconds", "time of one engine step", TPOT_BUCKETS)
         self.recent: deque[tuple[float, int]] = deque()  # (time, generation tokens so far)
         self.errors = 0
         self.thread = threading.Thread(target=self._run, name="zerotron-engine", daemon=True)
@@ -101,6 +102,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while self._drain():
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as err:  # noqa: BLE001 - fail the requests in flight, keep serving
@@ -112,6 +114,8 @@ class EngineLoop:
                 self.sinks.clear()
                 continue
             now = time.perf_counter()
+            if outputs:
+                self.step_time.observe(now - started)
             self.recent.append((now, self.engine.stats["generation_tokens"]))
             while self.recent and now - self.recent[0][0] > 10.0:
                 self.recent.popleft()
@@ -155,7 +159,7 @@ class EngineLoop:
         for name, kind, help_text, value in values:
             lines += [f"# HELP zerotron_{name} {help_text}", f"# TYPE zerotron_{name} {kind}"]
             lines.append(f"zerotron_{name} {value}")
-        return "\n".join([*lines, *self.ttft.render(), *self.tpot.render()]) + "\n"
+        return "\n".join([*lines, *self.ttft.render(), *self.tpot.render(), *self.step_time.render()]) + "\n"
 
 
 def error_body(
