@@ -117,6 +117,22 @@ def test_chat_completion_says_paris_and_streaming_gives_the_same_text(client: ob
     assert "".join(pieces) == text and len(pieces) > 3
     models = c.models.list()
     assert [m.id for m in models.data] == [NAME]
+    two = c.chat.completions.create(
+        model=NAME, messages=QUESTION, n=2, temperature=0.9, seed=3, max_tokens=12
+    )
+    assert [ch.index for ch in two.choices] == [0, 1] and all(ch.message.content for ch in two.choices)
+    again = c.chat.completions.create(
+        model=NAME, messages=QUESTION, n=2, temperature=0.9, seed=3, max_tokens=12
+    )
+    assert [ch.message.content for ch in again.choices] == [
+        ch.message.content for ch in two.choices
+    ]  # seeded
+    chunks = list(
+        c.completions.create(
+            model=NAME, prompt="Paris is", max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
 
 
 def test_sixteen_concurrent_requests_complete_and_equal_each_alone(client: object) -> None:
