@@ -267,3 +267,31 @@ def test_sampling_filters_equal_transformers_processors() -> None:
     assert pf[9] == pytest.approx(float(logits[9]) - 0.5 - 0.75) and pf[7] == logits[7]
     with pytest.raises(SamplingError, match="min_p"):
         SamplingParams(min_p=2.0).validate()
+
+
+@pytest.mark.slow
+def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) -> None:
+    """A run trained under tp 2 (a sharded checkpoint) is served whole: its greedy tokens are those of
+    transformers' generate on the same checkpoint exported as a HF directory."""
+    from pathlib import Path
+
+    from zerotron.cli import main
+    from zerotron.serve.app import load_engine
+
+    run, hf = Path(str(tmp_path)) / "run", Path(str(tmp_path)) / "hf"
+    args = ["train", "train.steps=2", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2"]
+    args += ["data.max_bytes=50000", "log.progress=none", "parallel.tp=2", "--nproc", "2", "--out", str(run)]
+    assert main(args) == 0
+    assert main(["convert", str(run), str(hf)]) == 0
+    engine = load_engine(str(run), EngineConfig(num_blocks=64, max_model_len=256))
+    prompts = [list(b"def main():"), list(b"import os\n")]
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    for prompt, tokens in zip(prompts, got):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+            )
+        assert tokens == out[0, len(prompt) :].tolist()
+    assert engine.pool.in_use == 0
