@@ -222,13 +222,15 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rates", default="2,inf")
     p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--sweep", default="", help="also all at once with these limits in flight, e.g. 1,8")
     p.add_argument("--offline", action="store_true", help="also run the in-process baselines")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     prompts = trace(args.requests, args.prompt_len, vocab, seed=0)
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    sweep = [int(c) for c in args.sweep.split(",") if c]
     results: dict[str, Any] = {}
     servers = [("zerotron serve", serve_zerotron)]
     if args.vllm_python:
@@ -240,20 +242,17 @@ def main() -> None:
             base = f"http://127.0.0.1:{port}"
             _wait_up(base, proc)
             asyncio.run(run_trace(base, "m", prompts[:4], 4, float("inf"), 4))  # warm up
-            for rate in rates:
+            runs = [(rate, args.max_concurrency) for rate in rates]
+            runs += [(float("inf"), c) for c in sweep]
+            for rate, concurrency in runs:
                 r = asyncio.run(
                     run_trace(
-                        base,
-                        "m",
-                        prompts,
-                        args.output_len,
-                        rate,
-                        args.max_concurrency,
-                        name == "zerotron serve",
+                        base, "m", prompts, args.output_len, rate, concurrency, name == "zerotron serve"
                     )
                 )
-                results[f"{name} @ {rate} req/s"] = r
-                print(name, rate, json.dumps({k: round(v, 4) for k, v in r.items()}), flush=True)
+                key = f"{name} @ {rate} req/s, {concurrency} in flight"
+                results[key] = r
+                print(key, json.dumps({k: round(v, 4) for k, v in r.items()}), flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=60)

@@ -6,7 +6,9 @@ whole sequence without any cache. Every engine test ends with all KV blocks free
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +20,7 @@ from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.serve.engine import MIN_ROWS, Engine, EngineConfig, RequestError
 from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, BlockPool, block_hash
+from zerotron.serve.runner import MIN_ROWS_ONEDNN
 from zerotron.serve.sampling import SamplingError, SamplingParams, apply_penalties, filter_logits
 
 transformers = pytest.importorskip("transformers")
@@ -66,7 +69,9 @@ def engine_factory(pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> Iterator[o
     engines: list[Engine] = []
 
     def make(**kw: object) -> Engine:
-        engines.append(Engine(pair[1], None, EngineConfig(**{"num_blocks": 128, **kw})))  # type: ignore[arg-type]
+        # A packed engine (onednn) owns its model: give it a copy.
+        model = copy.deepcopy(pair[1]) if kw.get("onednn") else pair[1]
+        engines.append(Engine(model, None, EngineConfig(**{"num_blocks": 128, **kw})))  # type: ignore[arg-type]
         return engines[-1]
 
     yield make
@@ -96,12 +101,14 @@ def test_block_pool_counts_shares_and_evicts_least_recently_freed() -> None:
         pool.release(0)
 
 
+@pytest.mark.parametrize("onednn", [False, True])
 def test_greedy_equals_transformers_generate(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], engine_factory: object
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], engine_factory: object, onednn: bool
 ) -> None:
     ref, _ = pair
     prompts = _prompts([5, 17, 40, 70, 3, 100])
-    engine = engine_factory(max_num_batched_tokens=48)  # type: ignore[operator]
+    engine = engine_factory(max_num_batched_tokens=48, onednn=onednn)  # type: ignore[operator]
+    assert engine.runner.min_rows == (MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
     got = _run(engine, prompts, GREEDY)
     for prompt, (tokens, _) in zip(prompts, got):
         with torch.no_grad():
@@ -129,14 +136,17 @@ def test_logprobs_equal_the_full_forward(
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=0, atol=1e-5)
 
 
-def test_batch_invariance_alone_batched_chunked_and_cached(engine_factory: object) -> None:
+@pytest.mark.parametrize("onednn", [False, True])
+def test_batch_invariance_alone_batched_chunked_and_cached(engine_factory: object, onednn: bool) -> None:
     """A greedy request gets bit-identical tokens and log-probabilities alone, in a batch of other
-    requests under a small token budget (its prompt cut into chunks), and on a prefix-cache hit."""
+    requests under a small token budget (its prompt cut into chunks), and on a prefix-cache hit; with
+    MKL's linears (forwards of 16 rows or more) and with oneDNN's packed ones (2 rows or more)."""
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
-    alone = [_run(engine_factory(), [p], GREEDY)[0] for p in prompts]  # type: ignore[operator]
-    batched = _run(engine_factory(max_num_batched_tokens=37), prompts, GREEDY)  # type: ignore[operator]
+    make = functools.partial(engine_factory, onednn=onednn)  # type: ignore[call-overload]
+    alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
+    batched = _run(make(max_num_batched_tokens=37), prompts, GREEDY)
     assert batched == alone
-    engine = engine_factory()  # type: ignore[operator]
+    engine = make()
     first = _run(engine, prompts[:1], GREEDY)
     hits = engine.pool.hits
     again = _run(engine, prompts[:1] + prompts[1:3], GREEDY)

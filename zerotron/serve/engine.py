@@ -38,6 +38,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings (at most 8192)
     prefix_caching: bool = True
+    onednn: bool = False  # pack the linears for oneDNN (the engine then owns the model; CPU fp32)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         self.max_model_len, self.kv = build_kv_pool(model, cfg)
         self.pool = BlockPool(self.kv.num_blocks, cfg.block_size)
-        self.runner = StepRunner(model, self.kv, tp_group)
+        self.runner = StepRunner(model, self.kv, tp_group, cfg.onednn)
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
         )
@@ -148,7 +149,8 @@ class Engine:
         if not batch.pieces:
             self.runner.keep_alive()
             return []
-        plan = make_plan([(seq.tokens, seq.table, start, n) for seq, start, n in batch.pieces], batch.copies)
+        pieces = [(seq.tokens, seq.table, start, n) for seq, start, n in batch.pieces]
+        plan = make_plan(pieces, batch.copies, self.runner.min_rows)
         sampled = [seq for seq, start, n in batch.pieces if start + n == len(seq.tokens)]
         self.runner.publish(plan)
         logits = self.runner.run(plan)[:, : self.model.config.vocab_size]

@@ -9,21 +9,26 @@ run the same plans in :func:`follow` until told to stop. Every rank holds its KV
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
 
 # Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
-# kernels change with the row count and a sequence's numbers would depend on its batch.
+# kernels change their arithmetic with the row count and a sequence's numbers would depend on its
+# batch. MKL's (F.linear) settle at 16 rows; oneDNN's (packed linears, :func:`pack_linears`) at 2.
 MIN_ROWS = 16
+MIN_ROWS_ONEDNN = 2
 
 _PLAN, _IDLE, _STOP = 1, 0, -1
 KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
@@ -34,7 +39,7 @@ class StepPlan:
     ids: torch.Tensor  # (rows,) token ids (padding rows 0)
     positions: torch.Tensor  # (rows,)
     pieces: list[Piece]
-    sample_rows: torch.Tensor  # (>= MIN_ROWS,) rows whose logits are wanted (padded with row 0)
+    sample_rows: torch.Tensor  # (>= min_rows,) rows whose logits are wanted (padded with row 0)
     sampled: int  # how many of them are real
     copies: list[tuple[int, int, int]]  # copy-on-write (src block, dst block, slots)
 
@@ -68,12 +73,14 @@ class StepPlan:
 
 
 def make_plan(
-    pieces: list[tuple[list[int], list[int], int, int]], copies: list[tuple[int, int, int]]
+    pieces: list[tuple[list[int], list[int], int, int]],
+    copies: list[tuple[int, int, int]],
+    min_rows: int = MIN_ROWS,
 ) -> StepPlan:
     """A plan from (tokens, block table, first position, count) per sequence; a sequence is sampled
-    when its last token is among the rows."""
+    when its last token is among the rows. Rows and sampled rows are padded to ``min_rows``."""
     total = sum(n for _, _, _, n in pieces)
-    rows = max(total, MIN_ROWS)
+    rows = max(total, min_rows)
     ids = torch.zeros(rows, dtype=torch.long)
     positions = torch.zeros(rows, dtype=torch.long)
     layout: list[Piece] = []
@@ -86,15 +93,50 @@ def make_plan(
         if start + n == len(tokens):
             last_rows.append(r + n - 1)
         r += n
-    index = torch.tensor(last_rows + [0] * max(0, MIN_ROWS - len(last_rows)), dtype=torch.long)
+    index = torch.tensor(last_rows + [0] * max(0, min_rows - len(last_rows)), dtype=torch.long)
     return StepPlan(ids, positions, layout, index, len(last_rows), copies)
+
+
+def _onednn_linear(
+    weight: torch.Tensor, bias: Optional[torch.Tensor], features: tuple[int, int], x: torch.Tensor
+) -> torch.Tensor:
+    y = torch._C._nn.mkldnn_linear(x.reshape(-1, features[0]).to_mkldnn(), weight, bias).to_dense()
+    return y.view(*x.shape[:-1], features[1])
+
+
+def pack_linears(model: nn.Module) -> bool:
+    """Run every ``nn.Linear`` of a CPU fp32 model through oneDNN on weights packed once (faster than
+    MKL here, and row results independent of the row count from 2 rows up); the dense weights of
+    untied linears are freed, so the model is the engine's from then on. Returns whether every linear
+    of the model is packed (tensor-parallel linears are not)."""
+    shared = getattr(model, "embed_tokens", None)
+    every = True
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            every = False
+        if type(module) is not nn.Linear:
+            continue
+        w = module.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            every = False
+            continue
+        bias = module.bias.detach().to_mkldnn() if module.bias is not None else None
+        features = (module.in_features, module.out_features)
+        module.forward = functools.partial(_onednn_linear, w.detach().to_mkldnn(), bias, features)  # type: ignore[method-assign]
+        if shared is None or w is not shared.weight:  # a tied head keeps the embedding's matrix
+            module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    return every
 
 
 class StepRunner:
     """Runs step plans on this rank's model and KV pool."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, tp_group: Optional[Group] = None) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv: KVPool, tp_group: Optional[Group] = None, onednn: bool = False
+    ) -> None:
+        """``onednn``: pack the model's linears (:func:`pack_linears`; the engine then owns the model)."""
         self.model, self.kv = model, kv
+        self.min_rows = MIN_ROWS_ONEDNN if onednn and pack_linears(model) else MIN_ROWS
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = next(model.parameters()).device
         self.last_signal = time.monotonic()

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Optional, Union
 
-from zerotron.serve.engine import Engine, RequestError, RequestOutput
+from zerotron.serve.engine import Engine, RequestOutput
 from zerotron.serve.sampling import SamplingParams
 
 Sink = Callable[[Union[RequestOutput, Exception]], None]
@@ -94,7 +94,7 @@ class EngineLoop:
                 try:
                     self.engine.add_request(rid, prompt_ids, params)
                     self.sinks[rid] = sink
-                except RequestError as err:
+                except Exception as err:  # noqa: BLE001 - RequestError is a 400; anything else a 500
                     sink(err)
             else:
                 self.engine.abort(command[1])
