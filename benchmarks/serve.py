@@ -147,7 +147,13 @@ def serve_zerotron(model_dir: str, port: int, args: argparse.Namespace) -> subpr
         "--served-model-name",
         "m",
     ]
-    cmd += ["--max-model-len", "1024", "--max-num-seqs", str(args.max_concurrency)]
+    cmd += [
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        str(args.max_concurrency),
+        *args.zerotron_args.split(),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -224,6 +230,9 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--sweep", default="", help="also all at once with these limits in flight, e.g. 1,8")
     p.add_argument("--offline", action="store_true", help="also run the in-process baselines")
+    p.add_argument(
+        "--zerotron-args", default="", help="extra arguments of zerotron serve, e.g. '--matmul mkl'"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,27 +56,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    gguf = _smollm2_dir() / GGUF_NAME
+def _start(extra: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
+    """``zerotron serve`` of SmolLM2 on a free port with ``extra`` arguments, its output to ``log``;
+    returns once /health answers."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "zerotron", "serve", str(gguf), "--port", str(port)]
-    cmd += ["--served-model-name", NAME, "--max-model-len", "1024", "--kv-cache-memory", "0.25"]
+    cmd = [sys.executable, "-m", "zerotron", "serve", str(_smollm2_dir() / GGUF_NAME), "--port", str(port)]
+    out = log.open("w")
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+        [*cmd, "--served-model-name", NAME, *extra], stdout=out, stderr=subprocess.STDOUT, text=True
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 180
     while time.time() < deadline:
         try:
             if _get(f"{base}/health")[0] == 200:
-                break
+                return proc, base
         except OSError:
             time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
-    else:
-        proc.kill()
-        pytest.fail("zerotron serve did not come up in 120 s")
+        assert proc.poll() is None, log.read_text()
+    proc.kill()
+    pytest.fail(f"zerotron serve did not come up in 180 s: {log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc, base = _start(["--max-model-len", "1024", "--kv-cache-memory", "0.25"], log)
     yield base
     proc.terminate()
     proc.wait(timeout=30)
@@ -232,25 +237,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server: str, client: o
     assert _get(f"{server}/health")[0] == 200
 
 
-def test_tensor_parallel_serving_equals_one_process(client: object) -> None:
+def test_tensor_parallel_serving_equals_one_process(client: object, tmp_path: Path) -> None:
     """``zerotron serve --nproc 3`` (SmolLM2's 9 heads and 3 KV heads split over 3 ranks): the same
     greedy tokens as the one-process server, log-probabilities equal to rounding (the tp sums run in
     another order); SIGTERM stops all ranks cleanly (exit status 0)."""
-    gguf = _smollm2_dir() / GGUF_NAME
-    port = _free_port()
-    cmd = [sys.executable, "-m", "zerotron", "serve", str(gguf), "--nproc", "3", "--port", str(port)]
-    cmd += ["--served-model-name", NAME, "--max-model-len", "512", "--kv-cache-memory", "0.1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "tp.log"
+    proc, base = _start(["--nproc", "3", "--max-model-len", "512", "--kv-cache-memory", "0.1"], log)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if _get(f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
         tp = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         one = client  # type: ignore[assignment]
         for prompt in ("The capital of France is", "def fibonacci(n):"):
@@ -262,5 +255,5 @@ def test_tensor_parallel_serving_equals_one_process(client: object) -> None:
         _wait_idle(base)
     finally:
         proc.terminate()
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, log.read_text()

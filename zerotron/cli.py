@@ -145,6 +145,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
+        onednn=args.matmul == "onednn",
     )
     if nproc == 1 and not under_torchrun():
         run_server(args.model, args.host, args.port, args.served_model_name, config)
@@ -355,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     srv.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    srv.add_argument(
+        "--matmul",
+        choices=["onednn", "mkl"],
+        default="onednn",
+        help="linear layers through oneDNN on packed weights (forwards of >= 2 rows) or MKL (>= 16 rows)",
+    )
     srv.add_argument(
         "--nproc",
         type=int,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -220,8 +219,8 @@ def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optio
     model, tokenizer = load_model(model_path, dtype=torch.float32, device="cpu")
     if tp_group is not None and tp_group.size > 1:
         split_for_tensor_parallel(model, tp_group)
-    # The engine owns this model: its linears may be packed for oneDNN.
-    return Engine(model, tokenizer, dataclasses.replace(config or EngineConfig(), onednn=True), tp_group)
+    # The engine owns this model: its linears may be packed for oneDNN (config.onednn, the default here).
+    return Engine(model, tokenizer, config or EngineConfig(onednn=True), tp_group)
 
 
 def serve(engine: Engine, name: str, host: str, port: int) -> None:
