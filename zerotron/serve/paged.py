@@ -105,7 +105,7 @@ class BlockPool:
     def cow(self, block: int) -> tuple[int, bool]:
         """The block a holder may write into: ``block`` itself if no one else holds it, else a fresh
         copy target (the caller copies the slots). Returns (block, whether a copy is needed)."""
-        if self.ref[block] == 1 and block not in self.hash_of:
+        if self.ref[block] == 1:  # (a block being written is never full, so never prefix-cached)
             return block, False
         fresh = self.allocate()
         self.release(block)
