@@ -129,7 +129,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     checks = [
         ("--nproc", nproc >= 1),
         ("--port", 0 < args.port < 65536),
-        ("--block-size", args.block_size >= 1),
+        ("--block-size", args.block_size in (1, 2, 4, 8, 16, 32, 64, 128)),
         ("--max-num-seqs", args.max_num_seqs >= 1),
         ("--max-num-batched-tokens", args.max_num_batched_tokens >= 1),
         ("--kv-cache-memory", args.kv_cache_memory > 0),
@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     srv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    srv.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV cache block (a power of two, 1 to 128)"
+    )
     srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     srv.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     srv.add_argument(

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from zerotron.config_load import ConfigError
 from zerotron.distributed.mesh import Group
 from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
@@ -220,7 +221,10 @@ def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optio
     if tp_group is not None and tp_group.size > 1:
         split_for_tensor_parallel(model, tp_group)
     # The engine owns this model: its linears may be packed for oneDNN (config.onednn, the default here).
-    return Engine(model, tokenizer, config or EngineConfig(onednn=True), tp_group)
+    try:
+        return Engine(model, tokenizer, config or EngineConfig(onednn=True), tp_group)
+    except RequestError as err:  # a cache that cannot hold one sequence: the command line's to change
+        raise ConfigError(str(err)) from None
 
 
 def serve(engine: Engine, name: str, host: str, port: int) -> None:
