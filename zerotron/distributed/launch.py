@@ -10,6 +10,7 @@ the ``ZEROTRON_TRACE_DIR`` files that :mod:`zerotron.distributed.collectives` ke
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -159,8 +160,14 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> tuple[
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group (and every group made from it), if any."""
+    """Tear down the default process group (and every group made from it), if any.
+
+    Objects that hold a group (a DDP reducer in a reference cycle, say) are collected first: one
+    left for the interpreter's exit is destroyed after its group's threads, which aborts the process
+    ("terminate called without an active exception") now and then.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
