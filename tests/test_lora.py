@@ -1,0 +1,175 @@
+"""LoRA adapters against peft: same targets, same logits after training, PEFT's files both ways, merging."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import peft
+import pytest
+import torch
+import transformers
+
+from zerotron.config import ModelConfig
+from zerotron.config_load import ConfigError
+from zerotron.models.hf import to_hf_name, write_hf_directory
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.models.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
+
+CFG = ModelConfig(
+    preset=None,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=80,
+    vocab_size=97,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (2, 13), generator=torch.Generator().manual_seed(seed))
+
+
+def _base(tmp_path: Path, **changes: Any) -> tuple[LlamaForCausalLM, Path]:
+    model = LlamaForCausalLM(dataclasses.replace(CFG, **changes)).eval()
+    model.init_weights(5)
+    write_hf_directory(model, tmp_path / "base")
+    return model, tmp_path / "base"
+
+
+def _hf(directory: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
+    assert (got - expected).abs().max().item() <= tol * expected.abs().max().item()
+
+
+def _train(model: LlamaForCausalLM, steps: int = 3) -> None:
+    """A few AdamW steps on random tokens: only the adapters may move."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    model.train()
+    for k in range(steps):
+        ids = _ids(100 + k)
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+@pytest.mark.parametrize(
+    "targets", ["all-linear", ["q_proj", "v_proj"], r".*\.mlp\.(up|down)_proj"], ids=["all", "list", "regex"]
+)
+def test_targets_match_peft(tmp_path: Path, targets: Any) -> None:
+    model, base = _base(tmp_path)
+    names = apply_lora(model, LoraConfig(rank=4, target_modules=targets))
+    ref = peft.get_peft_model(_hf(base), peft.LoraConfig(r=4, target_modules=targets))
+    wrapped = {
+        n.removeprefix("base_model.model.")
+        for n, m in ref.named_modules()
+        if isinstance(m, peft.tuners.lora.Linear)
+    }
+    assert {to_hf_name(n) for n in names} == wrapped
+
+
+def test_fresh_adapters_leave_logits_and_only_adapters_train(tmp_path: Path) -> None:
+    model, _ = _base(tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        expected = model(_ids(0))
+    apply_lora(model, LoraConfig(rank=4, alpha=8))
+    with torch.no_grad():
+        assert torch.equal(model(_ids(0)), expected)
+    _train(model)
+    after = dict(model.named_parameters())
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name  # the base is frozen
+    moved = [n for n, p in after.items() if "lora_B" in n and p.abs().max() > 0]
+    assert len(moved) == 2 * 7  # every adapter of every layer trained
+    with torch.no_grad():
+        assert not torch.allclose(model(_ids(0)), expected)
+
+
+@pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
+def test_trained_adapter_loads_in_peft_with_the_same_logits(tmp_path: Path, rslora: bool) -> None:
+    model, base = _base(tmp_path, attention_bias=True)
+    cfg = LoraConfig(rank=4, alpha=12, dropout=0.1, use_rslora=rslora)
+    apply_lora(model, cfg, generator=torch.Generator().manual_seed(3))
+    _train(model)
+    save_adapter(model, cfg, tmp_path / "adapter", base_model=str(base))
+    ref = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        _close(model(_ids(1)), ref(_ids(1)).logits)
+
+
+def test_peft_adapter_loads_in_zerotron(tmp_path: Path) -> None:
+    model, base = _base(tmp_path)
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(
+        _hf(base), peft.LoraConfig(r=6, lora_alpha=3, target_modules=["k_proj", "o_proj"])
+    )
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+    ref.save_pretrained(str(tmp_path / "peft"))
+    cfg = load_adapter(model, tmp_path / "peft")
+    assert (cfg.rank, cfg.alpha, sorted(cfg.target_modules)) == (6, 3.0, ["k_proj", "o_proj"])
+    with torch.no_grad():
+        _close(model(_ids(2)), ref.eval()(_ids(2)).logits)
+
+
+def test_merged_export_loads_in_transformers(tmp_path: Path) -> None:
+    model, _ = _base(tmp_path)
+    apply_lora(model, LoraConfig(rank=4))
+    _train(model)
+    with torch.no_grad():
+        expected = model(_ids(3))
+    assert merge_lora(model) == 2 * 7
+    with torch.no_grad():
+        _close(model(_ids(3)), expected)
+    write_hf_directory(model, tmp_path / "merged")
+    with torch.no_grad():
+        _close(_hf(tmp_path / "merged")(_ids(3)).logits, expected)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "says"),
+    [
+        (LoraConfig(rank=0), "lora.rank=0"),
+        (LoraConfig(dropout=1.0), "lora.dropout=1.0"),
+        (LoraConfig(use_dora=True), "DoRA is not built yet"),
+        (LoraConfig(target_modules="q_proj["), "is not a regex"),
+        (LoraConfig(target_modules=["qproj"]), "matches no linear layer"),
+    ],
+)
+def test_bad_lora_settings_say_what_to_change(tmp_path: Path, cfg: LoraConfig, says: str) -> None:
+    model, _ = _base(tmp_path)
+    with pytest.raises(ConfigError, match=says.replace("[", r"\[")):
+        apply_lora(model, cfg)
+
+
+def test_initialisation_is_peft_s(tmp_path: Path) -> None:
+    """A spans PEFT's Kaiming-uniform range over the full fan-in (same bound per layer), B is zero."""
+    model, base = _base(tmp_path)
+    apply_lora(model, LoraConfig(rank=16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(_hf(base), peft.LoraConfig(r=16, target_modules="all-linear"))
+    theirs = {
+        n.removeprefix("base_model.model.").replace(".default", ""): p for n, p in ref.named_parameters()
+    }
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            q = theirs[to_hf_name(name)]
+            if "lora_B" in name:
+                assert not p.any() and not q.any()
+            else:
+                ratio = p.abs().max() / q.abs().max()
+                assert 0.9 < ratio < 1.1, (name, ratio.item())

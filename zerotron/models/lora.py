@@ -1,0 +1,243 @@
+"""LoRA adapters on a zerotron model, saved and read in PEFT's format.
+
+A targeted ``nn.Linear`` becomes a :class:`LoraLinear`: the same frozen ``weight``/``bias`` (so the base
+model's parameter names, checkpoints and conversions are unchanged) plus ``lora_A`` (rank x in) and
+``lora_B`` (out x rank); ``y = base(x) + scaling * B(A(dropout(x)))`` with ``scaling = alpha / rank``
+(``alpha / sqrt(rank)`` with rsLoRA). As PEFT initialises them: A Kaiming-uniform over the full fan-in,
+B zero, so a fresh adapter leaves the model's outputs unchanged.
+
+Target selection follows PEFT so a config means the same thing in both: ``"all-linear"`` is every linear
+layer but the output head; a list names module-name suffixes (``q_proj`` matches
+``model.layers.0.self_attn.q_proj``); any other string is a regular expression that must match the whole
+Hugging Face module name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from zerotron.config_load import ConfigError
+from zerotron.models.hf import to_hf_name
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The ``lora.*`` settings (PEFT's names in its adapter_config.json in brackets)."""
+
+    rank: int = 8  # [r]
+    alpha: float = 16.0  # [lora_alpha]
+    dropout: float = 0.0  # [lora_dropout]
+    target_modules: Union[str, list[str]] = "all-linear"
+    use_rslora: bool = False
+    use_dora: bool = False
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"lora.rank={self.rank}: give a rank of at least 1")
+        if self.alpha <= 0:
+            raise ConfigError(f"lora.alpha={self.alpha}: give a positive alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout}: give a probability in [0, 1)")
+        if self.use_dora:
+            raise ConfigError("lora.use_dora=true: DoRA is not built yet; set lora.use_dora=false")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            try:
+                re.compile(self.target_modules)
+            except re.error as e:
+                raise ConfigError(f"lora.target_modules={self.target_modules!r} is not a regex: {e}") from e
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+class LoraLinear(nn.Linear):
+    """A frozen linear layer plus a low-rank update (see the module's docstring)."""
+
+    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=dtype)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = scaling
+        self.reset_lora()
+
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's initialisation: A ~ Kaiming-uniform(a=sqrt(5)) over the full fan-in, B = 0."""
+        if self.lora_A.weight.is_meta:
+            return
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) == U(-1/sqrt(fan_in), ..)
+        with torch.no_grad():
+            self.lora_A.weight.uniform_(-bound, bound, generator=generator)
+            self.lora_B.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = super().forward(x)
+        update: torch.Tensor = self.lora_B(self.lora_A(self.lora_dropout(x)))
+        return out + update * self.scaling
+
+    def merged(self) -> nn.Linear:
+        """A plain linear layer whose weight is ``W + scaling * B @ A``."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        with torch.no_grad():
+            delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+            linear.weight = nn.Parameter((self.weight.float() + delta).to(self.weight.dtype))
+            if self.bias is not None:
+                linear.bias = nn.Parameter(self.bias.detach().clone())
+        return linear
+
+
+def _is_target(name: str, module: nn.Module, cfg: LoraConfig) -> bool:
+    if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear):
+        return False
+    if cfg.target_modules == "all-linear":  # as PEFT: every linear layer but the output head
+        return name != "lm_head"
+    if isinstance(cfg.target_modules, str):
+        return re.fullmatch(cfg.target_modules, to_hf_name(name)) is not None
+    return any(name == t or name.endswith("." + t) for t in cfg.target_modules)
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | None = None) -> list[str]:
+    """Freeze ``model`` and put an adapter on each targeted linear layer; return their names.
+
+    Raises ConfigError when nothing matches (a typo in ``lora.target_modules`` would otherwise train
+    nothing).
+    """
+    cfg.validate()
+    names = [n for n, m in model.named_modules() if _is_target(n, m, cfg)]
+    if not names:
+        raise ConfigError(
+            f"lora.target_modules={cfg.target_modules!r} matches no linear layer of the model; "
+            "name module suffixes such as q_proj,v_proj, or use all-linear"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in names:
+        base = model.get_submodule(name)
+        assert isinstance(base, nn.Linear)
+        lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout)
+        lora.reset_lora(generator)
+        _set(model, name, lora)
+    return names
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (in place); return how many were merged."""
+    found = lora_modules(model)
+    for name, module in found.items():
+        _set(model, name, module.merged())
+    return len(found)
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's key names (``base_model.model.<hf module>.lora_A.weight``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in lora_modules(model).items():
+        hf = to_hf_name(name)
+        out[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = module.lora_A.weight.detach().contiguous()
+        out[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = module.lora_B.weight.detach().contiguous()
+    return out
+
+
+def _target_list(cfg: LoraConfig, names: list[str]) -> Union[str, list[str]]:
+    if isinstance(cfg.target_modules, str):
+        return cfg.target_modules
+    return sorted({n.rsplit(".", 1)[-1] for n in names})
+
+
+def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str | Path, base_model: str = "") -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` that ``peft`` loads."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(lora_modules(model))
+    if not names:
+        raise ConfigError("the model has no LoRA adapters to save")
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": _target_list(cfg, names),
+        "use_rslora": cfg.use_rslora,
+        "use_dora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    tensors = {k: v.cpu() for k, v in adapter_state_dict(model).items()}
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def read_adapter_config(directory: str | Path) -> LoraConfig:
+    """The LoraConfig of a PEFT adapter directory (ours or PEFT's)."""
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} not found: an adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
+        )
+    raw = json.loads(path.read_text())
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{path}: peft_type={raw.get('peft_type')!r}; only LORA adapters are read")
+    if raw.get("use_dora"):
+        raise ConfigError(f"{path}: a DoRA adapter; DoRA is not built yet")
+    targets = raw.get("target_modules") or "all-linear"
+    return LoraConfig(
+        rank=int(raw["r"]),
+        alpha=float(raw.get("lora_alpha", raw["r"])),
+        dropout=float(raw.get("lora_dropout", 0.0)),
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        use_rslora=bool(raw.get("use_rslora", False)),
+    )
+
+
+def load_adapter(model: nn.Module, directory: str | Path) -> LoraConfig:
+    """Put the adapters of a PEFT directory on ``model`` (which gets them if it has none yet)."""
+    cfg = read_adapter_config(directory)
+    if not lora_modules(model):
+        apply_lora(model, cfg)
+    tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+    tensors = {k.replace(".default.", "."): v for k, v in tensors.items()}
+    expected = adapter_state_dict(model)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ConfigError(f"{directory}: the adapter lacks {len(missing)} tensors, e.g. {missing[0]}")
+    with torch.no_grad():
+        for name, module in lora_modules(model).items():
+            hf = PEFT_PREFIX + to_hf_name(name)
+            for part in ("lora_A", "lora_B"):
+                getattr(module, part).weight.copy_(tensors[f"{hf}.{part}.weight"])
+    return cfg
