@@ -176,6 +176,19 @@ class KVCache:
         return out
 
 
+def document_attention(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents (b, s) -> (position ids restarting at each document (b, s), boolean mask
+    (b, 1, s, s): causal within a document, nothing across documents)."""
+    s = document_ids.shape[1]
+    index = torch.arange(s, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # each doc's start
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    return index - first, (same & causal)[:, None]
+
+
 class AttentionCore(nn.Module):
     """softmax(QKᵀ/√d)V with a causal mask: the part selective recomputation wraps.
 
@@ -383,8 +396,13 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: Optional[AttentionCache] = None,
         logits_to_keep: int = 0,
         logits_index: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """input_ids (b, s) -> logits (b, s, V). With ``kv_cache``, continue after its cached tokens.
+
+        ``document_ids`` (b, s) marks packed documents: a token attends only to earlier tokens of its
+        own document, and positions restart at each document unless ``position_ids`` are given, so each
+        document gets the logits it has alone.
 
         ``logits_to_keep=n > 0`` projects only the last n positions to the vocabulary (b, n, V): a
         prefill for generation needs just the last one. A pipeline stage takes hidden states instead
@@ -397,10 +415,15 @@ class LlamaForCausalLM(nn.Module):
             x = input_ids  # hidden states from the previous stage
             b, s = x.shape[0], x.shape[1] * self.sequence_shards
         past = kv_cache.length if kv_cache is not None else 0
+        attn_mask = None
+        if document_ids is not None:
+            if kv_cache is not None:
+                raise ValueError("document_ids (packed documents) cannot be combined with a KV cache")
+            doc_positions, attn_mask = document_attention(document_ids)
+            position_ids = doc_positions if position_ids is None else position_ids
         if position_ids is None:
             position_ids = torch.arange(past, past + s, device=x.device).expand(b, s)  # (b, s)
         cos, sin = self.rotary(position_ids, x.dtype)  # (b, 1, s, d)
-        attn_mask = None
         if past > 0 and s > 1:
             # A chunk after cached tokens: query i sees keys up to past + i (causal, bottom-right aligned).
             keys = torch.arange(past + s, device=x.device)
