@@ -21,6 +21,7 @@ LAYERS = {
     "train": 6,
     "serve": 6,
     "bench": 6,
+    "finetune": 6,
     "checkpoint": 5,
     "plan": 5,
     "models": 4,

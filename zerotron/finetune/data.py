@@ -1,0 +1,214 @@
+"""Supervised fine-tuning data: rows of the usual formats -> messages -> tokens with a loss mask.
+
+Formats (detected per row, or fixed by ``fmt``):
+
+- ``messages``: ``{"messages": [{"role", "content"}, ...]}`` (OpenAI);
+- ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}``;
+- ``alpaca``: ``{"instruction", "input"?, "output", "system"?}``;
+- ``query``: ``{"query", "response", "history"?: [[q, a], ...], "system"?}``;
+- ``text``: ``{"text"}`` (no roles; the loss counts every token).
+
+Each bad row is a :class:`RowError` naming ``file:line``; the caller skips and counts it or stops.
+The loss mask comes from the model's chat template rendered turn by turn: the text each assistant turn
+adds after the generation prompt is what the loss counts (``loss_on="assistant"``; ``"last_turn"``: only
+the final assistant turn; ``"all"``: every token).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zerotron.models.tokenizer import Tokenizer
+from zerotron.train.packing import Sample
+
+FORMATS = ("messages", "sharegpt", "alpaca", "query", "text")
+LOSS_ON = ("assistant", "last_turn", "all")
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_SHAREGPT_ROLES |= {"system": "system", "bot": "assistant", "model": "assistant"}
+SUFFIXES = (".jsonl", ".json", ".csv")
+
+
+class RowError(ValueError):
+    """A row that cannot be used; ``where`` is ``file:line`` (JSON arrays: ``file:#index``)."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}")
+        self.where = where
+
+
+@dataclass(frozen=True)
+class Row:
+    where: str
+    data: Any
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        if not found:
+            raise FileNotFoundError(f"{path}: no {', '.join(SUFFIXES)} files in this directory")
+        return found
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if path.suffix == ".parquet":
+        raise ValueError(
+            f"{path}: Parquet is not read yet; convert it to JSONL (pandas: df.to_json(lines=True))"
+        )
+    if path.suffix not in SUFFIXES:
+        raise ValueError(f"{path}: give a {', '.join(SUFFIXES)} file or a directory of them")
+    return [path]
+
+
+def read_rows(path: str | Path) -> Iterator[Row | RowError]:
+    """Every row of a file or directory, in order; unparseable rows come as RowError (not raised)."""
+    for file in _files(Path(path)):
+        if file.suffix == ".jsonl":
+            with file.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            yield Row(f"{file}:{n}", json.loads(line))
+                        except json.JSONDecodeError as e:
+                            yield RowError(f"{file}:{n}", f"bad JSON ({e.msg} at column {e.colno})")
+        elif file.suffix == ".json":
+            try:
+                rows = json.loads(file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                yield RowError(f"{file}:{e.lineno}", f"bad JSON ({e.msg})")
+                continue
+            for k, item in enumerate(rows if isinstance(rows, list) else [rows]):
+                yield Row(f"{file}:#{k}", item)
+        else:
+            with file.open(encoding="utf-8", newline="") as f:
+                for k, record in enumerate(csv.DictReader(f)):
+                    yield Row(f"{file}:{k + 2}", dict(record))  # line 1 is the header
+
+
+def detect_format(data: Any) -> str | None:
+    if not isinstance(data, dict):
+        return None
+    for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("instruction", "alpaca")):
+        if key in data:
+            return fmt
+    if "query" in data and "response" in data:
+        return "query"
+    return "text" if "text" in data else None
+
+
+def _text(value: Any, what: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise RowError(where, f"{what} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _pairs(data: dict[str, Any], fmt: str, where: str) -> list[dict[str, str]]:
+    system = (
+        [{"role": "system", "content": _text(data["system"], "system", where)}] if data.get("system") else []
+    )
+    if fmt == "alpaca":
+        if "output" not in data:
+            raise RowError(where, "an alpaca row needs instruction and output")
+        prompt = _text(data["instruction"], "instruction", where)
+        if data.get("input"):
+            prompt += "\n\n" + _text(data["input"], "input", where)
+        return [
+            *system,
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": data["output"]},
+        ]
+    turns = []
+    for k, pair in enumerate(data.get("history") or []):
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise RowError(where, f"history[{k}] must be a [query, response] pair")
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    turns += [{"role": "user", "content": data["query"]}, {"role": "assistant", "content": data["response"]}]
+    return [*system, *turns]
+
+
+def to_messages(row: Row, fmt: str | None = None) -> list[dict[str, str]]:
+    """The row as chat messages (``text`` rows: one message with role ``text``); RowError if unusable."""
+    found = fmt or detect_format(row.data)
+    if found is None:
+        raise RowError(row.where, f"no known format; give one of the fields of {', '.join(FORMATS)} rows")
+    data = row.data
+    if not isinstance(data, dict) or (fmt and detect_format(data) != fmt):
+        raise RowError(row.where, f"not a {found} row (data.format={found})")
+    if found == "text":
+        return [{"role": "text", "content": _text(data["text"], "text", row.where)}]
+    messages: list[dict[str, Any]]
+    if found == "messages":
+        raw = data["messages"]
+        if not isinstance(raw, list):
+            raise RowError(row.where, "messages must be a list")
+        messages = [{"role": m.get("role"), "content": m.get("content")} for m in raw if isinstance(m, dict)]
+    elif found == "sharegpt":
+        raw = data["conversations"]
+        if not isinstance(raw, list):
+            raise RowError(row.where, "conversations must be a list")
+        messages = [
+            {"role": _SHAREGPT_ROLES.get(str(m.get("from")), str(m.get("from"))), "content": m.get("value")}
+            for m in raw
+            if isinstance(m, dict)
+        ]
+    else:
+        messages = _pairs(data, found, row.where)
+    return _checked(messages, row.where, len(raw) if found in ("messages", "sharegpt") else len(messages))
+
+
+def _checked(messages: list[dict[str, Any]], where: str, given: int) -> list[dict[str, str]]:
+    if len(messages) != given:
+        raise RowError(where, "every message must be an object with a role and content")
+    for k, m in enumerate(messages):
+        if m["role"] not in ("system", "user", "assistant"):
+            raise RowError(where, f"message {k}: role {m['role']!r}; use system, user or assistant")
+        _text(m["content"], f"message {k} content", where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(where, "no assistant turn: nothing to learn from")
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise RowError(where, f"message {k}: an empty assistant turn")
+    return messages
+
+
+def _spans(
+    messages: list[dict[str, str]], tokenizer: Tokenizer, loss_on: str, where: str
+) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, counted) pieces, cut where assistant turns start and end."""
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    pieces: list[tuple[str, bool]] = []
+    at = 0
+    last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True)
+        turn = tokenizer.apply_chat_template(messages[: k + 1], add_generation_prompt=False)
+        start, end = len(prompt), len(turn)
+        if not (at <= start <= end and turn.startswith(prompt) and full.startswith(turn)):
+            raise RowError(where, "the chat template does not render this conversation turn by turn")
+        pieces += [(full[at:start], False), (full[start:end], loss_on == "assistant" or k == last)]
+        at = end
+    pieces.append((full[at:], False))
+    return [p for p in pieces if p[0]]
+
+
+def encode_conversation(
+    messages: list[dict[str, str]], tokenizer: Tokenizer, loss_on: str = "assistant", where: str = "?"
+) -> Sample:
+    """Tokens and loss mask of one conversation (see the module docstring)."""
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"data.loss_on={loss_on!r}: choose {', '.join(LOSS_ON)}")
+    if messages and messages[0]["role"] == "text":
+        return Sample(tokenizer.encode(messages[0]["content"]), None)
+    ids: list[int] = []
+    counted: list[bool] = []
+    for k, (text, count) in enumerate(_spans(messages, tokenizer, loss_on, where)):
+        piece = tokenizer.encode(text, add_special_tokens=k == 0)
+        ids += piece
+        counted += [count or loss_on == "all"] * len(piece)
+    return Sample(ids, counted)
