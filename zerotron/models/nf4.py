@@ -1,0 +1,101 @@
+"""4-bit NormalFloat (NF4) weights, as QLoRA defines them, for a frozen base model.
+
+NF4 has 16 levels: quantiles of the standard normal, asymmetric so that 0 is exact (QLoRA, Dettmers et
+al. 2023, eq. 4): 8 positive levels ``ndtri(linspace(δ, 1/2, 9))[:-1]``, 7 negative
+``-ndtri(linspace(δ, 1/2, 8))[:-1]``, and 0, scaled to [-1, 1], with δ = 0.9677 (a half-step inside the
+last quantile, ``(1 - 1/(2·15) + 1 - 1/(2·16)) / 2``). A weight is cut into blocks of 64 values; each block
+stores its absolute maximum and each value the nearest level of ``value / absmax``, two per byte.
+
+Double quantisation stores the absmax values themselves in 8 bits: their mean is subtracted and each
+block of 256 is scaled by its own fp32 maximum to int8 (a linear 8-bit code; bitsandbytes uses its
+dynamic 8-bit code here, so the two differ by less than that code's step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_DELTA = 0.5 * ((1 - 1 / 30) + (1 - 1 / 32))
+
+
+def nf4_levels() -> torch.Tensor:
+    """The 16 NF4 levels in increasing order, in [-1, 1] (fp32)."""
+    pos = torch.special.ndtri(torch.linspace(_DELTA, 0.5, 9, dtype=torch.float64))[:-1]
+    neg = -torch.special.ndtri(torch.linspace(_DELTA, 0.5, 8, dtype=torch.float64))[:-1]
+    levels = torch.cat([pos, neg, torch.zeros(1, dtype=torch.float64)])
+    return (levels / levels.abs().max()).sort().values.float()
+
+
+def _blocks(x: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % size
+    return F.pad(flat, (0, pad)).view(-1, size), pad
+
+
+@dataclass
+class NF4Weight:
+    """A quantised weight: packed level indices plus (possibly double-quantised) block scales."""
+
+    packed: torch.Tensor  # uint8, two 4-bit indices per byte
+    shape: torch.Size
+    block: int
+    absmax: Optional[torch.Tensor]  # fp32 per block (no double quantisation)
+    absmax_q: Optional[torch.Tensor]  # int8 per block (double quantisation)
+    absmax_scale: Optional[torch.Tensor]  # fp32 per 256 blocks
+    absmax_offset: float = 0.0
+    block2: int = 256
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.packed, self.absmax, self.absmax_q, self.absmax_scale)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def scales(self) -> torch.Tensor:
+        if self.absmax is not None:
+            return self.absmax
+        assert self.absmax_q is not None and self.absmax_scale is not None
+        q = self.absmax_q.float().view(-1, self.block2) * self.absmax_scale[:, None] / 127.0
+        return q.reshape(-1)[: self.packed.numel() * 2 // self.block] + self.absmax_offset
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        idx = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).reshape(-1).long()
+        values = nf4_levels().to(self.packed.device)[idx].view(-1, self.block) * self.scales()[:, None]
+        n = self.shape.numel()
+        return values.reshape(-1)[:n].view(self.shape).to(dtype)
+
+
+def quantize_nf4(weight: torch.Tensor, block: int = 64, double: bool = True, block2: int = 256) -> NF4Weight:
+    """NF4 of ``weight`` in blocks of ``block`` values (see the module docstring)."""
+    if block % 2:
+        raise ValueError(f"block={block}: NF4 packs two values per byte; give an even block size")
+    rows, _ = _blocks(weight.detach().float(), block)
+    absmax = rows.abs().amax(dim=1)
+    normed = rows / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    levels = nf4_levels().to(weight.device)
+    idx = (normed[..., None] - levels).abs().argmin(dim=-1).to(torch.uint8).view(-1, 2)
+    packed = (idx[:, 0] << 4) | idx[:, 1]
+    if not double:
+        return NF4Weight(packed, weight.shape, block, absmax, None, None)
+    offset = float(absmax.mean())
+    groups, _ = _blocks(absmax - offset, block2)
+    scale = groups.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(groups / scale[:, None] * 127.0).clamp(-127, 127).to(torch.int8)
+    return NF4Weight(packed, weight.shape, block, None, q.reshape(-1), scale, offset, block2)
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight is stored in NF4 and dequantised to the input's dtype per call."""
+
+    def __init__(self, linear: nn.Linear, block: int = 64, double: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.quantized = quantize_nf4(linear.weight, block, double)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
