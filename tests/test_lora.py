@@ -173,3 +173,37 @@ def test_initialisation_is_peft_s(tmp_path: Path) -> None:
             else:
                 ratio = p.abs().max() / q.abs().max()
                 assert 0.9 < ratio < 1.1, (name, ratio.item())
+
+
+def _hf_4bit(directory: Path, double: bool) -> Any:
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=double,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(directory), quantization_config=quant, device_map="cpu", dtype=torch.float32
+    ).eval()
+
+
+@pytest.mark.parametrize("double", [False, True], ids=["nf4", "nf4-double-quant"])
+def test_qlora_matches_peft_on_a_bitsandbytes_base(tmp_path: Path, double: bool) -> None:
+    """QLoRA: every linear layer but lm_head in NF4 under trained adapters, against peft on transformers'
+    bitsandbytes 4-bit model: far closer to it than either is to the unquantised model."""
+    model, base = _base(tmp_path, hidden_size=64, intermediate_size=128)  # bitsandbytes on CPU: dims % 64
+    with torch.no_grad():
+        exact = model(_ids(4))
+    cfg = LoraConfig(rank=4, alpha=8, base_bits=4, double_quant=double)
+    apply_lora(model, cfg, generator=torch.Generator().manual_seed(4))
+    plain = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n]
+    assert plain == ["lm_head"]
+    _train(model)
+    save_adapter(model, cfg, tmp_path / "adapter")
+    ref = peft.PeftModel.from_pretrained(_hf_4bit(base, double), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        got, expected = model(_ids(4)), ref(_ids(4)).logits
+    # transformers hands bitsandbytes' CPU kernel bf16 weights (quant_state.dtype is bfloat16), so the
+    # two agree to the NF4 + bf16 rounding, not to fp32 (test_nf4 checks the layer exactly in fp32).
+    assert (got - expected).norm() <= 0.05 * (expected - exact).norm()
+    assert merge_lora(model) == 2 * 7

@@ -27,6 +27,7 @@ from torch import nn
 
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import to_hf_name
+from zerotron.models.nf4 import NF4Linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -43,6 +44,8 @@ class LoraConfig:
     target_modules: Union[str, list[str]] = "all-linear"
     use_rslora: bool = False
     use_dora: bool = False
+    base_bits: int = 0  # 0: keep the base's dtype; 4: NF4 (QLoRA)
+    double_quant: bool = True  # NF4 base: 8-bit block scales
 
     def validate(self) -> None:
         if self.rank < 1:
@@ -51,6 +54,8 @@ class LoraConfig:
             raise ConfigError(f"lora.alpha={self.alpha}: give a positive alpha")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"lora.dropout={self.dropout}: give a probability in [0, 1)")
+        if self.base_bits not in (0, 4):
+            raise ConfigError(f"lora.base_bits={self.base_bits}: choose 0 (the base's dtype) or 4 (NF4)")
         if self.use_dora:
             raise ConfigError("lora.use_dora=true: DoRA is not built yet; set lora.use_dora=false")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
@@ -82,13 +87,7 @@ class LoraLinear(nn.Linear):
         self.reset_lora()
 
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
-        """PEFT's initialisation: A ~ Kaiming-uniform(a=sqrt(5)) over the full fan-in, B = 0."""
-        if self.lora_A.weight.is_meta:
-            return
-        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) == U(-1/sqrt(fan_in), ..)
-        with torch.no_grad():
-            self.lora_A.weight.uniform_(-bound, bound, generator=generator)
-            self.lora_B.weight.zero_()
+        _init_lora(self.lora_A, self.lora_B, self.in_features, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = super().forward(x)
@@ -106,8 +105,53 @@ class LoraLinear(nn.Linear):
         return linear
 
 
+class QLoraLinear(nn.Module):
+    """QLoRA: a frozen NF4 linear layer plus a low-rank update in the input's dtype."""
+
+    def __init__(self, base: NF4Linear, rank: int, scaling: float, dropout: float) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = scaling
+        self.reset_lora()
+
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        _init_lora(self.lora_A, self.lora_B, self.in_features, generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.base_layer(x)
+        update: torch.Tensor = self.lora_B(self.lora_A(self.lora_dropout(x)))
+        return out + update * self.scaling
+
+    def merged(self) -> nn.Linear:
+        """A plain linear layer: the dequantised weight plus ``scaling * B @ A`` (fp32)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.base_layer.bias is not None)
+        with torch.no_grad():
+            delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+            linear.weight.copy_(self.base_layer.quantized.dequantize() + delta)
+            if self.base_layer.bias is not None:
+                linear.bias.copy_(self.base_layer.bias)
+        return linear
+
+
+LoraLayer = Union[LoraLinear, QLoraLinear]
+
+
+def _init_lora(a: nn.Linear, b: nn.Linear, fan_in: int, generator: torch.Generator | None = None) -> None:
+    """PEFT's initialisation: A ~ Kaiming-uniform(a=sqrt(5)) over the full fan-in, B = 0."""
+    if a.weight.is_meta:
+        return
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    with torch.no_grad():
+        a.weight.uniform_(-bound, bound, generator=generator)
+        b.weight.zero_()
+
+
 def _is_target(name: str, module: nn.Module, cfg: LoraConfig) -> bool:
-    if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear):
+    if type(module) is not nn.Linear:
         return False
     if cfg.target_modules == "all-linear":  # as PEFT: every linear layer but the output head
         return name != "lm_head"
@@ -124,8 +168,9 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | None = None) -> list[str]:
     """Freeze ``model`` and put an adapter on each targeted linear layer; return their names.
 
-    Raises ConfigError when nothing matches (a typo in ``lora.target_modules`` would otherwise train
-    nothing).
+    With ``base_bits=4`` every linear layer but ``lm_head`` is stored in NF4 (as QLoRA loads a base
+    model), the targeted ones under their adapters. Raises ConfigError when nothing matches (a typo in
+    ``lora.target_modules`` would otherwise train nothing).
     """
     cfg.validate()
     names = [n for n, m in model.named_modules() if _is_target(n, m, cfg)]
@@ -134,19 +179,31 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | N
             f"lora.target_modules={cfg.target_modules!r} matches no linear layer of the model; "
             "name module suffixes such as q_proj,v_proj, or use all-linear"
         )
+    others = [
+        n for n, m in model.named_modules() if type(m) is nn.Linear and n not in names and n != "lm_head"
+    ]
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
         base = model.get_submodule(name)
         assert isinstance(base, nn.Linear)
-        lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout)
+        lora: LoraLayer
+        if cfg.base_bits == 4:
+            lora = QLoraLinear(NF4Linear(base, double=cfg.double_quant), cfg.rank, cfg.scaling, cfg.dropout)
+        else:
+            lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout)
         lora.reset_lora(generator)
         _set(model, name, lora)
+    if cfg.base_bits == 4:
+        for name in others:
+            linear = model.get_submodule(name)
+            assert isinstance(linear, nn.Linear)
+            _set(model, name, NF4Linear(linear, double=cfg.double_quant))
     return names
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+def lora_modules(model: nn.Module) -> dict[str, LoraLayer]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoraLinear, QLoraLinear))}
 
 
 def merge_lora(model: nn.Module) -> int:
