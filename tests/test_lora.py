@@ -207,3 +207,29 @@ def test_qlora_matches_peft_on_a_bitsandbytes_base(tmp_path: Path, double: bool)
     # two agree to the NF4 + bf16 rounding, not to fp32 (test_nf4 checks the layer exactly in fp32).
     assert (got - expected).norm() <= 0.05 * (expected - exact).norm()
     assert merge_lora(model) == 2 * 7
+
+
+def test_convert_merge_lora_matches_peft_merge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`zerotron convert BASE OUT --merge-lora ADAPTER`: the export equals peft's merge_and_unload."""
+    from zerotron.cli import main
+
+    _, base = _base(tmp_path, attention_bias=True)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(_hf(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+    ref.save_pretrained(str(tmp_path / "adapter"))
+    with torch.no_grad():
+        expected = ref.merge_and_unload().eval()(_ids(5)).logits
+    assert (
+        main(["convert", str(base), str(tmp_path / "merged"), "--merge-lora", str(tmp_path / "adapter")]) == 0
+    )
+    with torch.no_grad():
+        _close(_hf(tmp_path / "merged")(_ids(5)).logits, expected)
+    capsys.readouterr()
+    (tmp_path / "bad").mkdir()
+    assert main(["convert", str(base), str(tmp_path / "m2"), "--merge-lora", str(tmp_path / "bad")]) != 0
+    assert "adapter_config.json not found" in capsys.readouterr().err
+    assert not (tmp_path / "m2").exists()

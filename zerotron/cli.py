@@ -167,7 +167,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerotron.checkpoint.convert import convert
 
-    convert(args.src, args.dst, to=args.to)
+    convert(args.src, args.dst, to=args.to, merge_lora=args.merge_lora)
     print(
         f"wrote {args.dst}"
         + (" (a run directory: model.path or --resume it)" if args.to == "checkpoint" else "")
@@ -384,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="hf",
         help="hf: a HF directory transformers loads; checkpoint: a zerotron run directory whose checkpoint "
         "loads under any layout (as model.path or with --resume)",
+    )
+    conv.add_argument(
+        "--merge-lora",
+        metavar="ADAPTER_DIR",
+        default=None,
+        help="fold a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into the weights",
     )
     conv.set_defaults(fn=_cmd_convert)
 

@@ -28,6 +28,7 @@ from zerotron.config import ModelConfig
 from zerotron.models.hf import iter_hf_weights, read_hf_config, write_hf_files
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import ModelLoadError
+from zerotron.models.lora import merge_adapter_tensors, read_adapter_config
 from zerotron.models.tokenizer import HFTokenizer
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
@@ -160,18 +161,24 @@ def convert(
     dtype: torch.dtype = torch.float32,
     shard_bytes: int = 2 * 2**30,
     to: str = "hf",
+    merge_lora: str | Path | None = None,
 ) -> Path:
     """Convert ``src`` (HF directory, .gguf, zerotron checkpoint or run) into ``dst``: a HF directory
     (``to="hf"``) or a zerotron run directory holding one checkpoint (``to="checkpoint"``, fp32).
 
-    ``dst`` must be empty or absent, so that nothing is overwritten silently. Returns ``dst``.
+    ``dst`` must be empty or absent, so that nothing is overwritten silently. ``merge_lora``: a PEFT
+    adapter directory folded into the weights on the way. Returns ``dst``.
     """
     if to not in ("hf", "checkpoint"):
         raise ModelLoadError(f"--to {to}: expected hf or checkpoint")
     src_p, dst_p = Path(src), Path(dst)
     if dst_p.exists() and (not dst_p.is_dir() or any(dst_p.iterdir())):
         raise ModelLoadError(f"{dst_p}: destination exists and is not an empty directory; choose a new path")
+    if merge_lora is not None:
+        read_adapter_config(merge_lora)  # a bad adapter stops here, before any work
     cfg, tensors, tokenizer = open_source(src_p)
+    if merge_lora is not None:
+        tensors = merge_adapter_tensors(tensors, merge_lora)
     files = tokenizer.to_files() if tokenizer is not None and hasattr(tokenizer, "to_files") else None
     tmp = dst_p.with_name(f".{dst_p.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

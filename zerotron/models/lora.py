@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -26,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from zerotron.config_load import ConfigError
-from zerotron.models.hf import to_hf_name
+from zerotron.models.hf import from_hf_name, to_hf_name
 from zerotron.models.nf4 import NF4Linear
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -298,3 +299,37 @@ def load_adapter(model: nn.Module, directory: str | Path) -> LoraConfig:
             for part in ("lora_A", "lora_B"):
                 getattr(module, part).weight.copy_(tensors[f"{hf}.{part}.weight"])
     return cfg
+
+
+def merge_adapter_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Weights (zerotron names) with a PEFT adapter folded in: ``W + scaling * B @ A`` (fp32), one
+    tensor at a time. Raises ConfigError if a module the adapter names is not among the weights."""
+    cfg = read_adapter_config(directory)
+    adapter = {
+        k.replace(".default.", "."): v for k, v in load_file(str(Path(directory) / ADAPTER_WEIGHTS)).items()
+    }
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in adapter.items():
+        module, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if part not in ("A.weight", "B.weight"):
+            raise ConfigError(
+                f"{directory}: {key} is not a lora_A/lora_B weight; only LoRA adapters are merged"
+            )
+        pairs.setdefault(from_hf_name(module), {})[part[0]] = value.float()
+    for name, tensor in tensors:
+        found = pairs.pop(name.removesuffix(".weight"), None) if name.endswith(".weight") else None
+        if found is not None:
+            delta = (found["B"] @ found["A"]) * cfg.scaling
+            if delta.shape != tensor.shape:
+                raise ConfigError(
+                    f"{directory}: the adapter of {name} is {tuple(delta.shape)}, the weight "
+                    f"{tuple(tensor.shape)}; was it trained on this model?"
+                )
+            tensor = (tensor.float() + delta).to(tensor.dtype)
+        yield name, tensor
+    if pairs:
+        raise ConfigError(
+            f"{directory}: the model has no {sorted(pairs)[0]}.weight; was it trained on this model?"
+        )
