@@ -11,23 +11,11 @@ import pytest
 import torch
 import transformers
 
-from zerotron.config import ModelConfig
+from tests.test_hf_io import CFG
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import to_hf_name, write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
-
-CFG = ModelConfig(
-    preset=None,
-    hidden_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=80,
-    vocab_size=97,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 
 
 def _ids(seed: int) -> torch.Tensor:

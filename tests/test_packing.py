@@ -8,21 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zerotron.config import ModelConfig
+from tests.test_hf_io import CFG
 from zerotron.models.llama import LlamaForCausalLM, document_attention
 from zerotron.train.packing import IGNORE, Sample, pack
-
-CFG = ModelConfig(
-    preset=None,
-    hidden_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=80,
-    vocab_size=97,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 
 
 def _samples(seed: int, lengths: list[int], masked: bool) -> list[Sample]:

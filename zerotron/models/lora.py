@@ -70,8 +70,35 @@ class LoraConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
+def _attach(
+    m: LoraLayer,
+    rank: int,
+    scaling: float,
+    dropout: float,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Give ``m`` (with in_features/out_features) PEFT's adapter parts, initialised."""
+    m.lora_A = nn.Linear(m.in_features, rank, bias=False, device=device, dtype=dtype)
+    m.lora_B = nn.Linear(rank, m.out_features, bias=False, device=device, dtype=dtype)
+    m.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    m.scaling = scaling
+    _init_lora(m.lora_A, m.lora_B, m.in_features)
+
+
+def _update(m: LoraLayer, x: torch.Tensor) -> torch.Tensor:
+    """``scaling * B(A(dropout(x)))``."""
+    update: torch.Tensor = m.lora_B(m.lora_A(m.lora_dropout(x)))
+    return update * m.scaling
+
+
 class LoraLinear(nn.Linear):
     """A frozen linear layer plus a low-rank update (see the module's docstring)."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
 
     def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
@@ -80,20 +107,14 @@ class LoraLinear(nn.Linear):
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        device, dtype = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=dtype)
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.scaling = scaling
-        self.reset_lora()
+        _attach(self, rank, scaling, dropout, base.weight.device, base.weight.dtype)
 
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
         _init_lora(self.lora_A, self.lora_B, self.in_features, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = super().forward(x)
-        update: torch.Tensor = self.lora_B(self.lora_A(self.lora_dropout(x)))
-        return out + update * self.scaling
+        return out + _update(self, x)
 
     def merged(self) -> nn.Linear:
         """A plain linear layer whose weight is ``W + scaling * B @ A``."""
@@ -109,23 +130,23 @@ class LoraLinear(nn.Linear):
 class QLoraLinear(nn.Module):
     """QLoRA: a frozen NF4 linear layer plus a low-rank update in the input's dtype."""
 
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
     def __init__(self, base: NF4Linear, rank: int, scaling: float, dropout: float) -> None:
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.scaling = scaling
-        self.reset_lora()
+        _attach(self, rank, scaling, dropout)
 
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
         _init_lora(self.lora_A, self.lora_B, self.in_features, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base_layer(x)
-        update: torch.Tensor = self.lora_B(self.lora_A(self.lora_dropout(x)))
-        return out + update * self.scaling
+        return out + _update(self, x)
 
     def merged(self) -> nn.Linear:
         """A plain linear layer: the dequantised weight plus ``scaling * B @ A`` (fp32)."""
