@@ -156,13 +156,13 @@ def to_messages(row: Row, fmt: str | None = None) -> list[dict[str, str]]:
             if isinstance(m, dict)
         ]
     else:
-        messages = _pairs(data, found, row.where)
-    return _checked(messages, row.where, len(raw) if found in ("messages", "sharegpt") else len(messages))
+        return _checked(_pairs(data, found, row.where), row.where)
+    if len(messages) != len(raw):
+        raise RowError(row.where, "every message must be an object with a role and content")
+    return _checked(messages, row.where)
 
 
-def _checked(messages: list[dict[str, Any]], where: str, given: int) -> list[dict[str, str]]:
-    if len(messages) != given:
-        raise RowError(where, "every message must be an object with a role and content")
+def _checked(messages: list[dict[str, Any]], where: str) -> list[dict[str, str]]:
     for k, m in enumerate(messages):
         if m["role"] not in ("system", "user", "assistant"):
             raise RowError(where, f"message {k}: role {m['role']!r}; use system, user or assistant")

@@ -77,13 +77,19 @@ def _attach(
     dropout: float,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    generator: torch.Generator | None = None,
 ) -> None:
     """Give ``m`` (with in_features/out_features) PEFT's adapter parts, initialised."""
     m.lora_A = nn.Linear(m.in_features, rank, bias=False, device=device, dtype=dtype)
     m.lora_B = nn.Linear(rank, m.out_features, bias=False, device=device, dtype=dtype)
     m.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     m.scaling = scaling
-    _init_lora(m.lora_A, m.lora_B, m.in_features)
+    _init_lora(m.lora_A, m.lora_B, m.in_features, generator)
+
+
+def _delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The update an adapter adds to its weight: ``scaling * B @ A`` in fp32."""
+    return (b.float() @ a.float()) * scaling
 
 
 def _update(m: LoraLayer, x: torch.Tensor) -> torch.Tensor:
@@ -100,17 +106,21 @@ class LoraLinear(nn.Linear):
     lora_dropout: nn.Module
     scaling: float
 
-    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
+    def __init__(
+        self,
+        base: nn.Linear,
+        rank: int,
+        scaling: float,
+        dropout: float,
+        generator: torch.Generator | None = None,
+    ) -> None:
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight = base.weight
         self.bias = base.bias
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        _attach(self, rank, scaling, dropout, base.weight.device, base.weight.dtype)
-
-    def reset_lora(self, generator: torch.Generator | None = None) -> None:
-        _init_lora(self.lora_A, self.lora_B, self.in_features, generator)
+        _attach(self, rank, scaling, dropout, base.weight.device, base.weight.dtype, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = super().forward(x)
@@ -120,7 +130,7 @@ class LoraLinear(nn.Linear):
         """A plain linear layer whose weight is ``W + scaling * B @ A``."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         with torch.no_grad():
-            delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+            delta = _delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
             linear.weight = nn.Parameter((self.weight.float() + delta).to(self.weight.dtype))
             if self.bias is not None:
                 linear.bias = nn.Parameter(self.bias.detach().clone())
@@ -135,14 +145,18 @@ class QLoraLinear(nn.Module):
     lora_dropout: nn.Module
     scaling: float
 
-    def __init__(self, base: NF4Linear, rank: int, scaling: float, dropout: float) -> None:
+    def __init__(
+        self,
+        base: NF4Linear,
+        rank: int,
+        scaling: float,
+        dropout: float,
+        generator: torch.Generator | None = None,
+    ) -> None:
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        _attach(self, rank, scaling, dropout)
-
-    def reset_lora(self, generator: torch.Generator | None = None) -> None:
-        _init_lora(self.lora_A, self.lora_B, self.in_features, generator)
+        _attach(self, rank, scaling, dropout, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base_layer(x)
@@ -150,12 +164,13 @@ class QLoraLinear(nn.Module):
 
     def merged(self) -> nn.Linear:
         """A plain linear layer: the dequantised weight plus ``scaling * B @ A`` (fp32)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.base_layer.bias is not None)
+        bias = self.base_layer.bias
+        linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device="meta")
         with torch.no_grad():
-            delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
-            linear.weight.copy_(self.base_layer.quantized.dequantize() + delta)
-            if self.base_layer.bias is not None:
-                linear.bias.copy_(self.base_layer.bias)
+            delta = _delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
+            linear.weight = nn.Parameter(self.base_layer.quantized.dequantize() + delta)
+            if bias is not None:
+                linear.bias = nn.Parameter(bias.detach().clone())
         return linear
 
 
@@ -211,10 +226,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | N
         assert isinstance(base, nn.Linear)
         lora: LoraLayer
         if cfg.base_bits == 4:
-            lora = QLoraLinear(NF4Linear(base, double=cfg.double_quant), cfg.rank, cfg.scaling, cfg.dropout)
+            nf4 = NF4Linear(base, double=cfg.double_quant)
+            lora = QLoraLinear(nf4, cfg.rank, cfg.scaling, cfg.dropout, generator)
         else:
-            lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout)
-        lora.reset_lora(generator)
+            lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, generator)
         _set(model, name, lora)
     if cfg.base_bits == 4:
         for name in others:
@@ -303,13 +318,18 @@ def read_adapter_config(directory: str | Path) -> LoraConfig:
     )
 
 
+def _adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """An adapter's tensors under PEFT's saved names (an adapter name such as ``.default.`` dropped)."""
+    tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+    return {k.replace(".default.", "."): v for k, v in tensors.items()}
+
+
 def load_adapter(model: nn.Module, directory: str | Path) -> LoraConfig:
     """Put the adapters of a PEFT directory on ``model`` (which gets them if it has none yet)."""
     cfg = read_adapter_config(directory)
     if not lora_modules(model):
         apply_lora(model, cfg)
-    tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
-    tensors = {k.replace(".default.", "."): v for k, v in tensors.items()}
+    tensors = _adapter_tensors(directory)
     expected = adapter_state_dict(model)
     missing = sorted(set(expected) - set(tensors))
     if missing:
@@ -328,21 +348,18 @@ def merge_adapter_tensors(
     """Weights (zerotron names) with a PEFT adapter folded in: ``W + scaling * B @ A`` (fp32), one
     tensor at a time. Raises ConfigError if a module the adapter names is not among the weights."""
     cfg = read_adapter_config(directory)
-    adapter = {
-        k.replace(".default.", "."): v for k, v in load_file(str(Path(directory) / ADAPTER_WEIGHTS)).items()
-    }
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in adapter.items():
+    for key, value in _adapter_tensors(directory).items():
         module, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         if part not in ("A.weight", "B.weight"):
             raise ConfigError(
                 f"{directory}: {key} is not a lora_A/lora_B weight; only LoRA adapters are merged"
             )
-        pairs.setdefault(from_hf_name(module), {})[part[0]] = value.float()
+        pairs.setdefault(from_hf_name(module), {})[part[0]] = value
     for name, tensor in tensors:
         found = pairs.pop(name.removesuffix(".weight"), None) if name.endswith(".weight") else None
         if found is not None:
-            delta = (found["B"] @ found["A"]) * cfg.scaling
+            delta = _delta(found["A"], found["B"], cfg.scaling)
             if delta.shape != tensor.shape:
                 raise ConfigError(
                     f"{directory}: the adapter of {name} is {tuple(delta.shape)}, the weight "

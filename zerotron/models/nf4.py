@@ -13,6 +13,7 @@ dynamic 8-bit code here, so the two differ by less than that code's step).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,8 +24,9 @@ from torch import nn
 _DELTA = 0.5 * ((1 - 1 / 30) + (1 - 1 / 32))
 
 
+@functools.cache
 def nf4_levels() -> torch.Tensor:
-    """The 16 NF4 levels in increasing order, in [-1, 1] (fp32)."""
+    """The 16 NF4 levels in increasing order, in [-1, 1] (fp32; computed once, not to be modified)."""
     pos = torch.special.ndtri(torch.linspace(_DELTA, 0.5, 9, dtype=torch.float64))[:-1]
     neg = -torch.special.ndtri(torch.linspace(_DELTA, 0.5, 8, dtype=torch.float64))[:-1]
     levels = torch.cat([pos, neg, torch.zeros(1, dtype=torch.float64)])
