@@ -221,3 +221,35 @@ def test_convert_merge_lora_matches_peft_merge(tmp_path: Path, capsys: pytest.Ca
     assert main(["convert", str(base), str(tmp_path / "m2"), "--merge-lora", str(tmp_path / "bad")]) != 0
     assert "adapter_config.json not found" in capsys.readouterr().err
     assert not (tmp_path / "m2").exists()
+
+
+def test_unbuilt_layouts_are_refused(tmp_path: Path) -> None:
+    """LoRA under tensor parallelism or on a meta-device (ZeRO-3) model is not built: one line, not a
+    silently partial adapter."""
+    from zerotron.distributed.collectives import CommStats
+    from zerotron.distributed.mesh import Group
+    from zerotron.parallel.tensor import RowParallelLinear
+
+    model, _ = _base(tmp_path)
+    tp_one = Group("tp", (0,), None, CommStats(0))
+    model.layers[0].self_attn.o_proj = RowParallelLinear(model.layers[0].self_attn.o_proj, tp_one)
+    with pytest.raises(ConfigError, match="tensor-parallel model is not built yet"):
+        apply_lora(model, LoraConfig())
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(CFG)
+    with pytest.raises(ConfigError, match="meta-device"):
+        apply_lora(meta, LoraConfig())
+
+
+def test_saving_over_an_adapter_replaces_it_whole(tmp_path: Path) -> None:
+    model, base = _base(tmp_path)
+    cfg = LoraConfig(rank=4)
+    apply_lora(model, cfg)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "stale.txt").write_text("from an earlier save")
+    save_adapter(model, cfg, tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]  # no temporary folders left

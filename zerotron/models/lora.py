@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch import nn
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
 from zerotron.models.nf4 import NF4Linear
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -210,6 +212,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | N
     ``lora.target_modules`` would otherwise train nothing).
     """
     cfg.validate()
+    if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules()):
+        raise ConfigError("LoRA on a tensor-parallel model is not built yet; apply it to the whole model")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(
+            "LoRA on an unmaterialised (meta-device) model is not built yet; load its weights first"
+        )
     names = [n for n, m in model.named_modules() if _is_target(n, m, cfg)]
     if not names:
         raise ConfigError(
@@ -268,9 +276,12 @@ def _target_list(cfg: LoraConfig, names: list[str]) -> Union[str, list[str]]:
 
 
 def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str | Path, base_model: str = "") -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` that ``peft`` loads."""
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` that ``peft`` loads.
+
+    Both files are written into a sibling folder first and swapped in whole, so a crash leaves the
+    previous adapter in ``directory`` intact.
+    """
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     names = list(lora_modules(model))
     if not names:
         raise ConfigError("the model has no LoRA adapters to save")
@@ -290,9 +301,17 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str | Path, base_
         "modules_to_save": None,
         "inference_mode": True,
     }
+    tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     tensors = {k: v.cpu() for k, v in adapter_state_dict(model).items()}
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
