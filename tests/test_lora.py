@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,17 @@ def test_saving_over_an_adapter_replaces_it_whole(tmp_path: Path) -> None:
         "adapter_model.safetensors",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]  # no temporary folders left
+
+
+@pytest.mark.parametrize(
+    "setting", [{"bias": "all"}, {"modules_to_save": ["lm_head"]}, {"rank_pattern": {"q_proj": 2}}]
+)
+def test_adapter_settings_not_built_are_refused(tmp_path: Path, setting: dict[str, Any]) -> None:
+    model, _ = _base(tmp_path)
+    cfg = LoraConfig(rank=4)
+    apply_lora(model, cfg)
+    save_adapter(model, cfg, tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **setting}))
+    with pytest.raises(ConfigError, match=f"{next(iter(setting))}=.* is not read yet"):
+        load_adapter(model, tmp_path / "adapter")

@@ -35,6 +35,15 @@ from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# adapter_config.json settings that change what the adapter computes and that zerotron does not build
+_UNBUILT_ADAPTER_KEYS = (
+    "bias",
+    "modules_to_save",
+    "fan_in_fan_out",
+    "layers_to_transform",
+    "rank_pattern",
+    "alpha_pattern",
+)
 
 
 @dataclass(frozen=True)
@@ -327,6 +336,12 @@ def read_adapter_config(directory: str | Path) -> LoraConfig:
         raise ConfigError(f"{path}: peft_type={raw.get('peft_type')!r}; only LORA adapters are read")
     if raw.get("use_dora"):
         raise ConfigError(f"{path}: a DoRA adapter; DoRA is not built yet")
+    unbuilt = [k for k in _UNBUILT_ADAPTER_KEYS if raw.get(k) not in (None, False, "none", {}, [])]
+    if unbuilt:
+        raise ConfigError(
+            f"{path}: {', '.join(f'{k}={raw[k]!r}' for k in unbuilt)} is not read yet; "
+            "only plain LoRA adapters (bias none, no extra trained modules) are"
+        )
     targets = raw.get("target_modules") or "all-linear"
     return LoraConfig(
         rank=int(raw["r"]),
