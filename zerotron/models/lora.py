@@ -109,13 +109,17 @@ def _update(m: LoraLayer, x: torch.Tensor) -> torch.Tensor:
     return update * m.scaling
 
 
-class LoraLinear(nn.Linear):
-    """A frozen linear layer plus a low-rank update (see the module's docstring)."""
+class _LoraParts:
+    """What an adapted layer holds besides its base (set by :func:`_attach`)."""
 
     lora_A: nn.Linear
     lora_B: nn.Linear
     lora_dropout: nn.Module
     scaling: float
+
+
+class LoraLinear(_LoraParts, nn.Linear):
+    """A frozen linear layer plus a low-rank update (see the module's docstring)."""
 
     def __init__(
         self,
@@ -148,13 +152,8 @@ class LoraLinear(nn.Linear):
         return linear
 
 
-class QLoraLinear(nn.Module):
+class QLoraLinear(_LoraParts, nn.Module):
     """QLoRA: a frozen NF4 linear layer plus a low-rank update in the input's dtype."""
-
-    lora_A: nn.Linear
-    lora_B: nn.Linear
-    lora_dropout: nn.Module
-    scaling: float
 
     def __init__(
         self,
