@@ -18,6 +18,17 @@ EPILOG_TRAIN = """examples:
   torchrun --nproc-per-node 8 -m zerotron train my.yaml   # under torchrun: its ranks are used
 """
 
+EPILOG_SFT = """LoRA (rank 8, alpha 32, all linear layers), loss on the assistant's tokens, packed samples,
+lr 1e-4; every key of `zerotron train --help-config` applies (lora.rank=0: full fine-tuning).
+examples:
+  zerotron sft HuggingFaceTB/SmolLM2-135M-Instruct chat.jsonl --nproc 1
+  zerotron sft model.gguf data/ lora.rank=16 data.loss_on=last_turn train.steps=500 --out runs/sft
+  zerotron sft model_dir chat.jsonl --deepspeed ds_config_zero2.json --nproc 2
+  torchrun --nproc-per-node 4 -m zerotron sft model_dir chat.jsonl
+The adapter is written to RUN_DIR/adapter (PEFT's files); `zerotron convert MODEL OUT --merge-lora
+RUN_DIR/adapter` writes the merged Hugging Face model.
+"""
+
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     config = None
@@ -47,16 +58,37 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from zerotron.train.run import launch_training
 
     config, overrides = _split_config_and_overrides(args.items)
-    summary = launch_training(
-        config,
-        overrides,
-        args.nproc,
+    return _report_run(launch_training(config, overrides, args.nproc, **_launch_options(args)))
+
+
+def _launch_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
         out=args.out,
         resume=args.resume,
         deepspeed=args.deepspeed,
         overwrite=args.overwrite,
         max_restarts=args.max_restarts,
     )
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from zerotron.finetune.sft import SFT_DEFAULTS
+    from zerotron.train.run import launch_training
+
+    config, overrides = _split_config_and_overrides(args.items)
+    defaults = {**SFT_DEFAULTS, "model.path": args.model, "data.source": args.data}
+    summary = launch_training(config, overrides, args.nproc, defaults=defaults, **_launch_options(args))
+    code = _report_run(summary)
+    if summary is not None and summary.get("adapter"):
+        print(
+            f"adapter (PEFT format): {summary['adapter']}; merge it with: zerotron convert "
+            f"{args.model} MERGED --merge-lora {summary['adapter']}"
+        )
+    return code
+
+
+def _report_run(summary: dict[str, Any] | None) -> int:
+    """Print a finished run's summary (rank 0); the exit code."""
     if summary is None:  # a rank other than 0 of a torchrun/srun job: rank 0 reports
         return 0
     if summary.get("stopped"):
@@ -288,6 +320,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
+    p.add_argument("--out", help="run directory (default runs/<timestamp>)")
+    p.add_argument("--resume", help="'auto' (newest complete checkpoint in --out) or a checkpoint folder")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --out that holds an earlier run (deletes its metrics and checkpoints)",
+    )
+    p.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed ds_config.json to map")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart a failed or hung job from its newest checkpoint up to N times (under torchrun: "
+        "torchrun's own --max-restarts)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = _Parser(prog="zerotron", description="Train, convert and run transformer models.")
@@ -305,22 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[CONFIG] [key=value ...]",
         help="a YAML/JSON config file and/or dotted overrides (see --help-config)",
     )
-    train.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
-    train.add_argument("--out", help="run directory (default runs/<timestamp>)")
-    train.add_argument("--resume", help="'auto' (newest complete checkpoint in --out) or a checkpoint folder")
-    train.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over in an --out that holds an earlier run (deletes its metrics and checkpoints)",
-    )
-    train.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed ds_config.json to map")
-    train.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart a failed or hung job from its newest checkpoint up to N times (under torchrun: "
-        "torchrun's own --max-restarts)",
-    )
+    _add_launch_args(train)
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument(
         "--show-schedule",
@@ -328,6 +364,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the pipeline schedule of this config (each rank's instructions, bubble) and exit",
     )
     train.set_defaults(fn=_cmd_train)
+
+    sft = sub.add_parser(
+        "sft",
+        help="fine-tune a model on chat data (LoRA, assistant-only loss, packing)",
+        epilog=EPILOG_SFT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sft.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
+    sft.add_argument("data", metavar="DATA", help=".jsonl/.json/.csv file or a directory of them")
+    sft.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG] [key=value ...]",
+        help="as for `zerotron train` (see zerotron train --help-config: lora.*, data.*)",
+    )
+    _add_launch_args(sft)
+    sft.set_defaults(fn=_cmd_sft)
 
     gen = sub.add_parser("generate", help="generate text from a model (HF directory or GGUF file)")
     gen.add_argument(

@@ -1,7 +1,7 @@
 """Typed configuration tree for zerotron (DESIGN contract 6).
 
-Sections: ``model``, ``parallel``, ``train``, ``data``, ``checkpoint``, ``log``. Every field has a help
-text (``metadata["help"]``) that ``zerotron train --help-config`` prints. This module imports no
+Sections: ``model``, ``parallel``, ``train``, ``data``, ``lora``, ``checkpoint``, ``log``, ``fault``.
+Every field has a help text (``metadata["help"]``) that ``zerotron train --help-config`` prints. This module imports no
 ``torch.distributed`` and no torch at all, so ``zerotron plan`` and config checks run anywhere.
 
 Loading (YAML/JSON files, dotted overrides, DeepSpeed ``ds_config.json`` mapping) and validation live
@@ -183,6 +183,51 @@ class DataConfig:
         4_000_000, "stdlib/directory sources: stop reading after this many bytes (0: no limit)"
     )
     token_dtype: str = _f("uint16", ".bin sources: integer dtype of the token file")
+    format: str = _f(
+        "pretrain",
+        "pretrain (documents concatenated into windows, every token counted), or supervised samples one "
+        "per row of .jsonl/.json/.csv: auto (detected per row), messages, sharegpt, alpaca, query, text",
+    )
+    loss_on: str = _f(
+        "assistant",
+        "supervised data: the tokens the loss counts: assistant, last_turn (the final one) or all",
+    )
+    template: str = _f(
+        "model", "supervised data: the chat template: model (the tokenizer's own), chatml or llama3"
+    )
+    max_length: int = _f(0, "supervised data: longest sample in tokens (0: train.seq_len)")
+    truncation: str = _f(
+        "delete",
+        "supervised data: a sample over data.max_length is a bad row (delete) or loses its first (left) or "
+        "last (right) tokens",
+    )
+    on_error: str = _f(
+        "fatal",
+        "supervised data: a bad row (file:line) stops the run (fatal) or is skipped and counted (skip)",
+    )
+    packing: bool = _f(
+        True,
+        "supervised data: pack several samples per row (each attends only to itself, positions restart); "
+        "false: one sample per row, padded",
+    )
+
+
+@dataclass
+class LoraSection:
+    """LoRA adapters (PEFT's settings); lora.rank=0 trains every weight."""
+
+    rank: int = _f(0, "adapter rank r; 0: no adapters (full fine-tuning)")
+    alpha: float = _f(16.0, "adapter scaling numerator: the update is alpha/rank * B A")
+    dropout: float = _f(0.0, "dropout on the adapters' input")
+    target_modules: str = _f(
+        "all-linear",
+        "all-linear (every linear layer but the output head), module-name suffixes joined by commas "
+        "(q_proj,v_proj), or a regular expression over the Hugging Face module names",
+    )
+    use_rslora: bool = _f(False, "scale by alpha/sqrt(rank) (rsLoRA)")
+    use_dora: bool = _f(False, "DoRA: not built yet; must stay false")
+    base_bits: int = _f(0, "0: the frozen base in the training dtype; 4: NF4 (QLoRA)")
+    double_quant: bool = _f(True, "NF4 base: quantise the block scales to 8 bits too")
 
 
 @dataclass
@@ -248,6 +293,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -258,6 +304,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "train": TrainConfig,
     "data": DataConfig,
+    "lora": LoraSection,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "fault": FaultConfig,

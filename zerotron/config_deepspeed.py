@@ -18,6 +18,7 @@ with its defaults (log warm-up, 1000 warm-up steps, decay to ``warmup_min_lr``) 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -359,7 +360,11 @@ def _map_rest(ds: dict[str, Any], m: _Mapper) -> None:
 
 
 def from_deepspeed(
-    path: str, config_path: str | None, overrides: list[str], world_size: int | None = None
+    path: str,
+    config_path: str | None,
+    overrides: list[str],
+    world_size: int | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> DeepSpeedMapping:
     """The zerotron config of ``config_path`` with the DeepSpeed file ``path`` on top and ``overrides`` on
     top of both, and the table of what each DeepSpeed key did.
@@ -376,7 +381,7 @@ def from_deepspeed(
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(ds, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object")
-    base = load_config(config_path, overrides)
+    base = load_config(config_path, overrides, defaults=defaults)
     par = base.parallel
     dp = par.dp if par.dp > 0 else max(1, (world_size or 1) // (par.tp * par.pp * par.cp))
     m = _Mapper(base, dp)
@@ -398,4 +403,6 @@ def from_deepspeed(
         value = _coerce(key, _field(section, name).type, raw)
         if key in m.values and m.values[key] != value:
             m.rows.append((f"{key}={value} (command line)", f"overrides the DeepSpeed value {m.values[key]}"))
-    return DeepSpeedMapping(load_config(config_path, overrides, between=m.values), path, m.rows)
+    return DeepSpeedMapping(
+        load_config(config_path, overrides, between=m.values, defaults=defaults), path, m.rows
+    )

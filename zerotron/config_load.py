@@ -18,8 +18,10 @@ import difflib
 import importlib.util
 import json
 import math
+import re
 import tempfile
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,15 +150,19 @@ def load_config(
     path: str | None,
     overrides: list[str] | tuple[str, ...] = (),
     between: dict[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> Config:
     """The config of ``path`` (YAML/JSON; None for the defaults) with ``key=value`` overrides applied.
 
+    ``defaults`` holds dotted keys that replace the tree's defaults (``zerotron sft``'s): the file, a
+    mapped DeepSpeed config and the overrides all win over them.
     ``between`` holds dotted keys applied after the file and before the overrides (a mapped DeepSpeed
     config: the command line wins over it). Model fields: defaults, then the preset's architecture, then
     every model field given explicitly. ``model.path`` without an explicit ``model.preset`` clears the
     preset (the file has the architecture).
     """
-    flat = _flatten(_read_file(path), path) if path else {}
+    flat = dict(defaults or {})
+    flat.update(_flatten(_read_file(path), path) if path else {})
     flat.update(between or {})
     for item in overrides:
         key, value = _parse_override(item)
@@ -212,6 +218,12 @@ _CHOICES = {
     "train.schedule_convention": ("zerotron", "deepspeed"),
     "model.mlp": ("gated", "plain"),
     "data.token_dtype": ("uint16", "uint32", "int32", "int64"),
+    "data.format": ("pretrain", "auto", "messages", "sharegpt", "alpaca", "query", "text"),
+    "data.loss_on": ("assistant", "last_turn", "all"),
+    "data.template": ("model", "chatml", "llama3"),
+    "data.truncation": ("delete", "left", "right"),
+    "data.on_error": ("fatal", "skip"),
+    "lora.base_bits": (0, 4),
     "log.progress": ("auto", "bar", "lines", "none"),
 }
 _POSITIVE = (
@@ -250,6 +262,9 @@ _NON_NEGATIVE = (
     "train.eps",
     "model.num_local_experts",
     "parallel.persist_numel",
+    "data.max_length",
+    "lora.rank",
+    "train.seed",
 )
 
 
@@ -280,7 +295,7 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError("model.rms_norm_eps and model.rope_theta must be > 0, model.initializer_range >= 0")
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}: choose one of {', '.join(choices)}")
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: choose one of {', '.join(map(str, choices))}")
     for key in _POSITIVE:
         if _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
@@ -489,12 +504,55 @@ def _check_built(cfg: Config) -> None:
         )
 
 
+def _check_finetune(cfg: Config) -> None:
+    """Supervised data and LoRA: ranges, and the layouts they are not built for yet (one line each)."""
+    lo, d, p = cfg.lora, cfg.data, cfg.parallel
+    supervised = d.format != "pretrain"
+    if supervised and p.pp > 1:
+        raise ConfigError(
+            f"data.format={d.format} under parallel.pp={p.pp}: supervised samples (loss masks, packed "
+            "documents) through pipeline stages are not built yet; use dp, tp or ZeRO, or parallel.pp=1"
+        )
+    if supervised and d.max_length > cfg.train.seq_len:
+        raise ConfigError(
+            f"data.max_length={d.max_length} is longer than train.seq_len={cfg.train.seq_len} (a row); "
+            "lower it or raise train.seq_len"
+        )
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.alpha={lo.alpha} must be > 0 and lora.dropout={lo.dropout} in [0, 1)")
+    if lo.use_dora:
+        raise ConfigError("lora.use_dora=true: DoRA is not built yet; set lora.use_dora=false")
+    if lo.target_modules != "all-linear" and not re.fullmatch(
+        r"[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*", lo.target_modules
+    ):
+        try:
+            re.compile(lo.target_modules)
+        except re.error as e:
+            raise ConfigError(
+                f"lora.target_modules={lo.target_modules!r} is not a regular expression: {e}"
+            ) from e
+    for name, degree in (("tp", p.tp), ("pp", p.pp)):
+        if degree > 1:
+            raise ConfigError(
+                f"lora.rank={lo.rank} under parallel.{name}={degree}: LoRA adapters on a {name}-split model "
+                f"are not built yet; use dp and ZeRO-1/2, or parallel.{name}=1 (lora.rank=0 trains every weight)"
+            )
+    if p.zero == 3:
+        raise ConfigError(
+            f"lora.rank={lo.rank} with parallel.zero=3: LoRA on a ZeRO-3-sharded base is not built yet; "
+            "use parallel.zero=2 (the frozen base takes no gradients or optimizer state)"
+        )
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
     _check_packages(cfg)
     _check_built(cfg)
     _check_fault(cfg)
     _check_ranges(cfg)
+    _check_finetune(cfg)
     _check_model(cfg)
     _check_zero(cfg, world_size)  # before the layout: an NVMe target without a directory is named first
     _check_layout(cfg, world_size)

@@ -185,7 +185,7 @@ def run_deepspeed(run_dir: str, ds_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def deepspeed_step(
-    engine: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str = "cpu"
+    engine: Any, batches: list[tuple[torch.Tensor, ...]], device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """One step of a DeepSpeed engine over its micro-batches (forward, ``engine.backward``,
     ``engine.step`` each; DeepSpeed steps the optimizer at the step's last micro-batch): the sum of the

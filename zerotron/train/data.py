@@ -210,12 +210,52 @@ class PackedDataset:
     def __len__(self) -> int:
         return self.n
 
+    def counted(self, indices: np.ndarray) -> int:
+        """Tokens the loss counts in the windows ``indices``: every one."""
+        return len(indices) * self.seq_len
+
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and labels of the windows ``indices``: two int64 tensors of shape (len(indices), seq_len)."""
         s = self.seq_len
         rows = np.stack([np.asarray(self.tokens[i * s : i * s + s + 1], dtype=np.int64) for i in indices])
         window = torch.from_numpy(rows)  # (b, s+1)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+class SupervisedDataset:
+    """Rows of supervised samples (``zerotron sft``): a (3, rows, seq_len) integer array of input ids,
+    labels (-100 where the loss does not count) and document ids (-1 on padding) per row.
+
+    With ``packed`` the micro-batches carry the document ids (each document attends only to itself and
+    its positions restart); rows of one sample each need no mask (its padding comes after it)."""
+
+    def __init__(self, rows: np.ndarray, packed: bool) -> None:
+        if rows.ndim != 3 or rows.shape[0] != 3:
+            raise DataError(f"supervised rows must have shape (3, rows, seq_len), got {rows.shape}")
+        self.rows, self.packed = rows, packed
+        self.seq_len = int(rows.shape[2])
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[1])
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels[, document_ids]), each int64 (len(indices), seq_len)."""
+        part = torch.from_numpy(np.asarray(self.rows[:, np.asarray(indices)], dtype=np.int64))  # (3, b, s)
+        inputs, labels, documents = part[0].contiguous(), part[1].contiguous(), part[2].contiguous()
+        return (inputs, labels, documents) if self.packed else (inputs, labels)
+
+    def counted(self, indices: np.ndarray) -> int:
+        """Tokens the loss counts in the rows ``indices``."""
+        return int((np.asarray(self.rows[1, np.asarray(indices)]) != -100).sum())
+
+
+def load_supervised(path: str | Path, packed: bool) -> SupervisedDataset:
+    """The rows written by the launcher (``sft.npy``), memory-mapped read-only (no pickle)."""
+    try:
+        rows = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot read the supervised rows ({e})") from e
+    return SupervisedDataset(rows, packed)
 
 
 class DataLoader:
@@ -228,7 +268,7 @@ class DataLoader:
 
     def __init__(
         self,
-        dataset: PackedDataset,
+        dataset: PackedDataset | SupervisedDataset,
         global_batch: int,
         micro_batch: int,
         dp_rank: int,
@@ -250,6 +290,7 @@ class DataLoader:
         self.steps_per_epoch = len(dataset) // global_batch
         self.epoch, self.step_in_epoch = 0, 0
         self._order: tuple[int, np.ndarray] | None = None
+        self.global_tokens = 0  # tokens the loss counts in the last global batch :meth:`next_step` gave
 
     def _permutation(self) -> np.ndarray:
         if self._order is None or self._order[0] != self.epoch:
@@ -257,8 +298,10 @@ class DataLoader:
             self._order = (self.epoch, perm)
         return self._order[1]
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of the next optimizer step: ``[(inputs, labels)]``, each (mb, seq_len)."""
+    def next_step(self) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro-batches of the next optimizer step: ``[(inputs, labels[, document_ids])]``,
+        each (mb, seq_len); :attr:`global_tokens` becomes the whole global batch's counted tokens (every
+        rank computes the same number, no communication)."""
         if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
         start = self.step_in_epoch * self.global_batch
@@ -266,6 +309,7 @@ class DataLoader:
         per_rank = self.global_batch // self.dp_size
         mine = indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         self.step_in_epoch += 1
+        self.global_tokens = self.dataset.counted(indices)
         return [
             self.dataset.batch(mine[i : i + self.micro_batch]) for i in range(0, per_rank, self.micro_batch)
         ]

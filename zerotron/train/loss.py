@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 
+IGNORE = -100  # a label the loss does not count (F.cross_entropy's ignore_index)
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -22,8 +23,11 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager[obj
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, tp: Group) -> torch.Tensor:
-    """Summed token cross-entropy in fp32; vocabulary-parallel under tp (the (mb, s, V/tp) logits stay
-    split)."""
+    """Summed token cross-entropy in fp32 over the labels that are not -100 (``IGNORE``: padding, and
+    tokens a supervised loss mask leaves out); vocabulary-parallel under tp (the (mb, s, V/tp) logits
+    stay split)."""
     if tp.size > 1:
-        return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), tp).sum()
+        labels = labels.flatten()
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels, tp)
+        return torch.where(labels != IGNORE, losses, 0.0).sum()
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-IGNORE = -100
+from zerotron.train.loss import IGNORE
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,9 @@ def _rows(lengths: list[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
-def pack(samples: Sequence[Sample], seq_len: int, pad_id: int = 0) -> PackedBatch:
-    """Pack ``samples`` into as few rows of ``seq_len`` tokens as first-fit decreasing finds."""
+def pack(samples: Sequence[Sample], seq_len: int, pad_id: int = 0, packing: bool = True) -> PackedBatch:
+    """Pack ``samples`` into as few rows of ``seq_len`` tokens as first-fit decreasing finds
+    (``packing=False``: each sample alone in its row, in order, padded)."""
     if not samples:
         raise ValueError("nothing to pack: no samples")
     for k, sample in enumerate(samples):
@@ -70,7 +71,7 @@ def pack(samples: Sequence[Sample], seq_len: int, pad_id: int = 0) -> PackedBatc
             raise ValueError(
                 f"sample {k}: {len(sample.counted)} loss-mask entries for {len(sample.ids)} tokens"
             )
-    rows = _rows([len(s.ids) for s in samples], seq_len)
+    rows = _rows([len(s.ids) for s in samples], seq_len) if packing else [[i] for i in range(len(samples))]
     shape = (len(rows), seq_len)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE, dtype=torch.long)

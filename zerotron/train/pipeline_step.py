@@ -62,11 +62,16 @@ class PipelineStep:
         )
 
     def forward_backward(
-        self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float, device: torch.device
+        self,
+        micro: list[tuple[torch.Tensor, ...]],
+        scale: float,
+        device: torch.device,
+        tokens: int | None = None,
     ) -> torch.Tensor:
-        """Run the schedule on this rank's micro-batches; return the loss summed over the pipeline."""
+        """Run the schedule on this rank's micro-batches; return the loss summed over the pipeline.
+        Packed samples (document ids) are refused by the config check before any rank starts."""
         t = self.cfg.train
-        tokens_global = t.global_batch * t.seq_len
+        tokens_global = tokens or t.global_batch * t.seq_len
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return token_loss_sum(logits, labels, self.tp) * (scale / tokens_global)
@@ -76,8 +81,8 @@ class PipelineStep:
             with self.meter.forward(), autocast(device, t.precision):
                 yield
 
-        inputs = [x.to(device) for x, _ in micro]
-        labels = [y.to(device) for _, y in micro]
+        inputs = [batch[0].to(device) for batch in micro]
+        labels = [batch[1].to(device) for batch in micro]
         with self.buckets.hold():  # one reduction after the last backward (ZeRO-3: per micro-batch)
             scaled = self.runner.run(inputs, labels, loss_fn, forward_context)
         self.buckets.finish()

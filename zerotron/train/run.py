@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from zerotron.distributed.watchdog import Watchdog
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
 from zerotron.train import run_dir as run_dir_lock
-from zerotron.train.data import load_tokens, prepare_tokens
+from zerotron.train.data import load_supervised, load_tokens, prepare_tokens
 from zerotron.train.fault import RankWatchdog
 from zerotron.train.metrics import plot_loss, truncate_metrics
 from zerotron.train.trainer import Trainer
@@ -140,17 +141,18 @@ def load_job_config(
     world_size: int,
     deepspeed: str | None = None,
     report: bool = True,
+    defaults: Mapping[str, Any] | None = None,
 ) -> Config:
     """The job's config, checked: file, DeepSpeed mapping (command-line overrides win; its table printed
     when ``report``), model.path's architecture and every check that needs no data. Writes no file, so
     every rank of a job may run it."""
     if deepspeed:
-        mapped = from_deepspeed(deepspeed, config_path, overrides, world_size)
+        mapped = from_deepspeed(deepspeed, config_path, overrides, world_size, defaults)
         if report:
             print(mapped.table(), flush=True)
         cfg = mapped.config
     else:
-        cfg = load_config(config_path, overrides)
+        cfg = load_config(config_path, overrides, defaults=defaults)
     cfg = resolve_model(cfg)
     validate(cfg, world_size)
     _check_fits_host(cfg, ParallelDims.from_config(cfg.parallel, world_size))
@@ -244,19 +246,10 @@ def prepare_run(cfg: Config, run_dir: Path) -> int:
             f"data.tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
             f"set model.vocab_size>={tokenizer.vocab_size}"
         )
-    tokens = prepare_tokens(cfg.data, tokenizer)
-    needed = cfg.train.global_batch * cfg.train.seq_len + 1
-    if len(tokens) < needed:
-        raise ConfigError(
-            f"data.source {cfg.data.source!r} gives {len(tokens)} tokens, fewer than one global batch "
-            f"({needed}); add data or lower train.global_batch/train.seq_len"
-        )
-    top = int(tokens.max())
-    if top >= cfg.model.vocab_size:
-        raise ConfigError(
-            f"data.source {cfg.data.source!r} holds token id {top} but model.vocab_size is {cfg.model.vocab_size}; "
-            f"set model.vocab_size>={top + 1}"
-        )
+    if cfg.data.format != "pretrain":
+        n_tokens = _prepare_supervised(cfg, tokenizer, run_dir)
+    else:
+        n_tokens = _prepare_pretraining(cfg, tokenizer, run_dir)
     for name in ("bos", "eos"):  # recorded so that exports stop generation where the tokenizer does
         if (
             getattr(cfg.model, f"{name}_token_id") is None
@@ -270,11 +263,53 @@ def prepare_run(cfg: Config, run_dir: Path) -> int:
     if cfg.data.source != "stdlib":
         cfg.data.source = _absolute(cfg.data.source)
     save_config(cfg, run_dir / "config.yaml")
-    _atomic_save_npy(run_dir / "tokens.npy", tokens)
     to_files = getattr(tokenizer, "to_files", None)
     for name, text in (to_files() if to_files else {}).items():  # generate/convert/serve read them
         (run_dir / name).write_text(text, encoding="utf-8")
+    return n_tokens
+
+
+def _check_vocab(cfg: Config, top: int) -> None:
+    if top >= cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r} holds token id {top} but model.vocab_size is {cfg.model.vocab_size}; "
+            f"set model.vocab_size>={top + 1}"
+        )
+
+
+def _prepare_pretraining(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int:
+    """Documents into ``tokens.npy``; return the token count."""
+    tokens = prepare_tokens(cfg.data, tokenizer)
+    needed = cfg.train.global_batch * cfg.train.seq_len + 1
+    if len(tokens) < needed:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r} gives {len(tokens)} tokens, fewer than one global batch "
+            f"({needed}); add data or lower train.global_batch/train.seq_len"
+        )
+    _check_vocab(cfg, int(tokens.max()))
+    _atomic_save_npy(run_dir / "tokens.npy", tokens)
     return len(tokens)
+
+
+def _prepare_supervised(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int:
+    """Supervised samples packed into ``sft.npy`` (see :mod:`zerotron.finetune.sft`), the chat template
+    they were rendered with kept for the exported tokenizer; return the tokens the loss counts."""
+    from zerotron.finetune.sft import prepare_supervised
+
+    pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    data = prepare_supervised(cfg.data, tokenizer, cfg.train.seq_len, pad)
+    print(f"zerotron: data {cfg.data.source}: {data.summary()}", flush=True)
+    if data.rows.shape[1] < cfg.train.global_batch:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r} packs into {data.rows.shape[1]} rows of {cfg.train.seq_len} tokens, "
+            f"fewer than one global batch ({cfg.train.global_batch}); add data or lower train.global_batch"
+        )
+    _check_vocab(cfg, int(data.rows[0].max()))
+    if data.skipped:
+        with open(run_dir / "skipped_rows.txt", "w", encoding="utf-8") as f:
+            f.write("\n".join(data.skipped) + "\n")
+    _atomic_save_npy(run_dir / "sft.npy", data.rows)
+    return data.loss_tokens
 
 
 def banner(cfg: Config, world: int, n_tokens: int, run_dir: Path) -> str:
@@ -304,7 +339,12 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     cfg = load_config(str(rd / "config.yaml"), [])
     rank, world = current_rank_and_world()
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
-    trainer = Trainer(cfg, mesh, rd, load_tokens(str(rd / "tokens.npy")), attempt=attempt)
+    data = (
+        load_tokens(str(rd / "tokens.npy"))
+        if cfg.data.format == "pretrain"
+        else load_supervised(rd / "sft.npy", cfg.data.packing)
+    )
+    trainer = Trainer(cfg, mesh, rd, data, attempt=attempt)
     if not os.environ.get("ZEROTRON_TRACE_DIR"):  # no zerotron launcher watching: watch ourselves
         RankWatchdog(mesh, trainer, cfg.fault.hang_timeout_s, cfg.fault.first_step_timeout_s)
     resumed = trainer.resume(resume, verified=True) if resume else None  # hashed once, by the launcher
@@ -343,6 +383,15 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     metrics = run_dir / "metrics.jsonl"
     if mesh.rank == 0 and metrics.exists() and metrics.stat().st_size > 0:
         plot_loss(metrics, run_dir / "loss.png")
+    if cfg.lora.rank > 0 and mesh.rank == 0:  # dp/ZeRO-1/2 only (validate): rank 0 holds whole adapters
+        from zerotron.models.lora import save_adapter
+        from zerotron.train.trainer import lora_config
+
+        out["adapter"] = str(
+            save_adapter(
+                trainer.model, lora_config(cfg), run_dir / "adapter", base_model=cfg.model.path or ""
+            )
+        )
     if not isinstance(trainer.model, LlamaForCausalLM):  # this rank holds pipeline stages
         if mesh.rank == 0:
             print(
@@ -354,6 +403,14 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     from zerotron.serve.generate import generate
 
     tokenizer = make_tokenizer(cfg)
+    prompt = cfg.train.sample_prompt
+    if cfg.data.format != "pretrain":  # a fine-tuned chat model: the prompt is a user turn
+        from zerotron.finetune.sft import use_template
+
+        use_template(tokenizer, cfg.data.template)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
     model = trainer.model
     model.eval()
     tp = mesh.group("tp")
@@ -361,7 +418,7 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
         result = generate(
             model,
             tokenizer,
-            tokenizer.encode(cfg.train.sample_prompt),
+            tokenizer.encode(prompt),
             max_new_tokens=120,
             temperature=0.8,
             top_k=40,
@@ -370,7 +427,7 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
             agree_group=mesh.group("world"),
         )
     if mesh.rank == 0:
-        out["sample"] = cfg.train.sample_prompt + tokenizer.decode(list(result["ids"]))
+        out["sample"] = prompt + tokenizer.decode(list(result["ids"]))
         (run_dir / "sample.txt").write_text(out["sample"], encoding="utf-8")
     return out
 
@@ -384,21 +441,23 @@ def launch_training(
     deepspeed: str | None = None,
     overwrite: bool = False,
     max_restarts: int = 0,
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Check, prepare and run a training job on ``nproc`` local ranks, or as one rank of a torchrun job.
 
     With ``max_restarts``, a job that fails (a rank crashes or dies, a hang, too many bad steps) is torn
     down and started again from the newest complete checkpoint, at most that many times; each restart
-    and its cause go into ``restarts.jsonl``. Returns rank 0's summary; under torchrun the other ranks
+    and its cause go into ``restarts.jsonl``. ``defaults``: dotted keys in place of the tree's defaults
+    (``zerotron sft``'s). Returns rank 0's summary; under torchrun the other ranks
     return None (rank 0 reports for the job).
     """
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts}: give 0 or more")
     if under_torchrun():
-        return _run_as_job_rank(config_path, overrides, out, resume, deepspeed, overwrite)
+        return _run_as_job_rank(config_path, overrides, out, resume, deepspeed, overwrite, defaults)
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give at least 1 local rank")
-    cfg = load_job_config(config_path, overrides, nproc, deepspeed)
+    cfg = load_job_config(config_path, overrides, nproc, deepspeed, defaults=defaults)
     run_dir = Path(out) if out else default_run_dir()
     lock = run_dir_lock.claim(run_dir, resume, overwrite)  # held until this process ends
     try:
@@ -454,6 +513,7 @@ def _run_as_job_rank(
     resume: str | None,
     deepspeed: str | None,
     overwrite: bool,
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """This process is one rank of a torchrun/SLURM job (DESIGN contract 10): every rank checks the
     config (pure), rank 0 alone claims the run directory and writes the shared files while the others
@@ -463,7 +523,7 @@ def _run_as_job_rank(
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if attempt > 0 and resume is None:  # torchrun restarted the job (--max-restarts): continue it
         resume = "auto"
-    cfg = load_job_config(config_path, overrides, world, deepspeed, report=rank == 0)
+    cfg = load_job_config(config_path, overrides, world, deepspeed, report=rank == 0, defaults=defaults)
     init_distributed(cfg.parallel.backend)
     lock = None
     try:

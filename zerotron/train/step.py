@@ -24,15 +24,19 @@ from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter
 from zerotron.train.pipeline_step import PipelineStep
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, labels), each (mb, s)
+# (inputs, labels[, document_ids]), each (mb, s); labels -100 are not counted; document_ids: packed samples
+MicroBatches = list[tuple[torch.Tensor, ...]]
 
 
 class Step(Protocol):
     """Forward and backward of this rank's micro-batches of one optimizer step."""
 
-    def forward_backward(self, micro: MicroBatches, scale: float, device: torch.device) -> torch.Tensor:
-        """Run every micro-batch with the loss scaled by ``scale / global tokens``; return this rank's
-        summed token loss (fp32 scalar; over the pipeline when there is one)."""
+    def forward_backward(
+        self, micro: MicroBatches, scale: float, device: torch.device, tokens: int | None = None
+    ) -> torch.Tensor:
+        """Run every micro-batch with the loss scaled by ``scale / tokens`` (the global batch's counted
+        tokens; default ``global_batch * seq_len``); return this rank's summed token loss (fp32 scalar;
+        over the pipeline when there is one)."""
         ...
 
 
@@ -46,16 +50,24 @@ class MicroBatchStep:
         self.model, self.cfg, self.meter, self.reducer = model, cfg, meter, reducer
         self.tp = mesh.group("tp")
 
-    def forward_backward(self, micro: MicroBatches, scale: float, device: torch.device) -> torch.Tensor:
+    def forward_backward(
+        self, micro: MicroBatches, scale: float, device: torch.device, tokens: int | None = None
+    ) -> torch.Tensor:
         """See :class:`Step`."""
-        tokens_global = self.cfg.train.global_batch * self.cfg.train.seq_len
+        tokens_global = tokens or self.cfg.train.global_batch * self.cfg.train.seq_len
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for i, (inputs, labels) in enumerate(micro):
-            inputs, labels = inputs.to(device), labels.to(device)
+        for i, batch in enumerate(micro):
+            inputs, labels = batch[0].to(device), batch[1].to(device)
+            documents = batch[2].to(device) if len(batch) > 2 else None
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.reducer.no_sync():
                 with self.meter.forward(), autocast(device, self.cfg.train.precision):
-                    logits = self.model(inputs)  # (mb, s, V) [(mb, s, V/tp) under tp]
+                    # (mb, s, V) [(mb, s, V/tp) under tp]
+                    logits = (
+                        self.model(inputs)
+                        if documents is None
+                        else self.model(inputs, document_ids=documents)
+                    )
                     loss = token_loss_sum(logits, labels, self.tp)
                 (loss * (scale / tokens_global)).backward()
             loss_sum += loss.detach()

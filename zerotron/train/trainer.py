@@ -9,6 +9,7 @@ recomputation), then the engine adds data-parallel gradient buckets or ZeRO last
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
+from zerotron.models.lora import LoraConfig, apply_lora
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
 from zerotron.parallel.data import GradientBuckets
@@ -41,7 +43,7 @@ from zerotron.parallel.zero.api import apply_zero, offload_optimizer
 from zerotron.plan.hardware import peak_flops_of_device
 from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state
-from zerotron.train.data import DataLoader, PackedDataset
+from zerotron.train.data import DataLoader, PackedDataset, SupervisedDataset
 from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
 from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress
 from zerotron.train.optim import (
@@ -86,7 +88,36 @@ def build_model(
         tp = mesh.dims.tp if mesh is not None else 1
         with weight_source(cfg, model) as source:
             materialize(model, source.box, device, ckpt_state.model_placements(model, tp))
+        if cfg.lora.rank > 0:
+            add_adapters(model, cfg)
     return model
+
+
+def lora_config(cfg: Config) -> LoraConfig:
+    """The ``lora.*`` section as the adapters' settings (a comma-joined name list becomes a list)."""
+    lo = cfg.lora
+    targets: str | list[str] = lo.target_modules
+    if lo.target_modules != "all-linear" and re.fullmatch(
+        r"[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*", lo.target_modules
+    ):
+        targets = lo.target_modules.split(",")
+    return LoraConfig(
+        rank=lo.rank,
+        alpha=lo.alpha,
+        dropout=lo.dropout,
+        target_modules=targets,
+        use_rslora=lo.use_rslora,
+        use_dora=lo.use_dora,
+        base_bits=lo.base_bits,
+        double_quant=lo.double_quant,
+    )
+
+
+def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
+    """Freeze the materialised ``model`` and put LoRA adapters on it, initialised from ``train.seed``
+    alone (the same adapters on every rank and layout)."""
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    return apply_lora(model, lora_config(cfg), generator)
 
 
 def _fill_from(source: WeightSource, records: Mapping[str, Placement]) -> Callable[[str], torch.Tensor]:
@@ -163,7 +194,16 @@ def peak_flops(device: torch.device) -> float | None:
 class Trainer:
     """One rank's view of a training run."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, run_dir: Path, tokens: np.ndarray, attempt: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        run_dir: Path,
+        tokens: np.ndarray | SupervisedDataset,
+        attempt: int = 0,
+    ) -> None:
+        """``tokens``: the token array of pre-training data (cut into windows here) or the supervised
+        rows of ``zerotron sft``."""
         self.cfg, self.mesh, self.run_dir = cfg, mesh, run_dir
         self._init_fault(attempt)
         self.device = (
@@ -178,7 +218,9 @@ class Trainer:
             self.dp_group = mesh.group("dp")
             self.zero, self.buckets, self.optimizer = self._build_engine(cfg)
         self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
-        dataset = PackedDataset(tokens, cfg.train.seq_len)
+        dataset = (
+            tokens if isinstance(tokens, SupervisedDataset) else PackedDataset(tokens, cfg.train.seq_len)
+        )
         self.loader = DataLoader(
             dataset,
             global_batch=cfg.train.global_batch,
@@ -256,18 +298,26 @@ class Trainer:
         self.stopped: str | None = None  # the signal that stopped fit() early, agreed by every rank
 
     # -- one optimizer step ------------------------------------------------------------------------
-    def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
-        """Run one optimizer step (on the loader's next batches unless ``micro`` is given)."""
+    def train_step(self, micro: list[tuple[torch.Tensor, ...]] | None = None) -> dict[str, Any]:
+        """Run one optimizer step (on the loader's next batches unless ``micro`` is given; its loss is
+        then normalised by ``global_batch * seq_len``).
+
+        The loss is the mean over the tokens the loss counts in the whole global batch (labels other
+        than -100), on every layout: each rank scales its micro-batches' summed loss by that global
+        count, so data-parallel sizes and micro-batch splits give the single process's gradients."""
         cfg = self.cfg.train
         started = time.perf_counter()
         self.injector.before_step(self.step + 1)
         position = self.loader.state_dict()
-        micro = micro if micro is not None else self.loader.next_step()
+        counted = cfg.global_batch * cfg.seq_len
+        if micro is None:
+            micro = self.loader.next_step()
+            counted = self.loader.global_tokens
         fp16 = cfg.precision == "fp16"
         scale = self.scaler.scale if fp16 else 1.0
         if self.injector.poisons(self.step + 1):
             scale = float("nan")  # fault.inject nan: this step's gradients are NaN on every rank
-        loss_sum = self.runner.forward_backward(micro, scale, self.device)
+        loss_sum = self.runner.forward_backward(micro, scale, self.device, counted)
         if fp16:
             grads = [p.grad for p in self.params if p.grad is not None]
             torch._foreach_mul_(grads, 1.0 / scale)
@@ -279,7 +329,7 @@ class Trainer:
         if fp16:
             self.scaler.update(overflow)
         if not (overflow and fp16):  # an fp16 overflow is the loss scaler's to handle
-            bad = self.guard.check(float(loss_sum) / (cfg.global_batch * cfg.seq_len), not overflow)
+            bad = self.guard.check(float(loss_sum) / counted, not overflow)
         if (overflow and fp16) or bad is not None:
             skipped = True
         else:
@@ -295,7 +345,8 @@ class Trainer:
         self.buckets.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        record = self._record(loss_sum, norm, lr, started, activation, states, skipped)
+        record = self._record(loss_sum / counted, norm, lr, started, activation, states, skipped)
+        record["loss_tokens"] = counted
         if offloaded is not None:  # model states off the device (ZeRO offload): {host|nvme: {params, ...}}
             record["offloaded_state_bytes"] = offloaded
         if bad is not None:  # skipped; the data it would have trained on, for the post-mortem
@@ -305,7 +356,7 @@ class Trainer:
 
     def _record(
         self,
-        loss_sum: torch.Tensor,
+        loss: torch.Tensor,
         norm: torch.Tensor,
         lr: float,
         started: float,
@@ -323,7 +374,7 @@ class Trainer:
         )
         record: dict[str, Any] = {
             "step": self.step,
-            "loss": float(loss_sum) / tokens,
+            "loss": float(loss),
             "lr": lr,
             "grad_norm": float(norm),
             "tokens": tokens,

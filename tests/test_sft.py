@@ -1,0 +1,258 @@
+"""`zerotron sft`: the trainer on supervised rows (LoRA, assistant-only loss, packed samples).
+
+The reference is independent of the trainer: transformers' Llama with peft's LoRA, each conversation
+run alone (no packing, no mask), its loss summed over the assistant tokens and divided by their count
+over the batch, ``torch.optim.AdamW`` and ``clip_grad_norm_``. The adapters start from the same
+values (zerotron's seeded initialisation copied into peft's layers; the initialisation itself is
+checked against peft's in tests/test_lora.py). Layouts are then checked against the single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from tests.harness import run_distributed
+from tests.test_hf_io import CFG
+from zerotron.config import Config
+from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import ParallelDims
+from zerotron.finetune.data import encode_conversation
+from zerotron.finetune.sft import SFT_DEFAULTS, prepare_supervised
+from zerotron.models.hf import to_hf_name, write_hf_directory
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.models.lora import load_adapter, lora_modules
+from zerotron.models.tokenizer import ByteTokenizer
+from zerotron.train.data import DataError, SupervisedDataset
+from zerotron.train.run import resolve_model
+from zerotron.train.trainer import Trainer, add_adapters
+
+WORDS = ["cat", "dog", "sun", "sea", "red", "big", "tree", "rain"]
+
+
+def _chat(rng: random.Random) -> dict[str, Any]:
+    messages: list[dict[str, str]] = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": "be brief"})
+    for _ in range(rng.randint(1, 2)):
+        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4)))
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": q.upper()[::-1]}]
+    return {"messages": messages}
+
+
+def _setup(tmp_path: Path, n: int = 24) -> tuple[Path, Path]:
+    model = LlamaForCausalLM(dataclasses.replace(CFG, vocab_size=300, max_position_embeddings=256))
+    model.init_weights(3)
+    write_hf_directory(model, tmp_path / "base")
+    rng = random.Random(1)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(_chat(rng)) + "\n" for _ in range(n)), encoding="utf-8")
+    return tmp_path / "base", data
+
+
+def _config(base: Path, data: Path, *overrides: str) -> Config:
+    defaults = {**SFT_DEFAULTS, "model.path": str(base), "data.source": str(data)}
+    common = [
+        "data.tokenizer=byte",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "train.seq_len=128",
+        "train.lr=3e-4",
+        "train.warmup_steps=0",
+        "train.schedule=constant",
+        "log.progress=none",
+    ]
+    return resolve_model(load_config(None, [*common, *overrides], defaults=defaults))
+
+
+def _rows(cfg: Config) -> np.ndarray:
+    return prepare_supervised(cfg.data, ByteTokenizer(), cfg.train.seq_len).rows
+
+
+def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict[str, Any]:
+    rank, world = current_rank_and_world()
+    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    trainer = Trainer(cfg, mesh, Path(run_dir), SupervisedDataset(rows, cfg.data.packing))
+    history = [trainer.train_step() for _ in range(steps)]
+    weights = {}  # the adapters (whole on every rank; ZeRO-3's full-weight shards are not read here)
+    if cfg.lora.rank > 0:
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return {"losses": [r["loss"] for r in history], "counted": history[0]["loss_tokens"], "weights": weights}
+
+
+def _peft_reference(
+    cfg: Config, base: Path, data: Path, steps: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """peft on transformers, every conversation alone, full-batch AdamW steps."""
+    tok = ByteTokenizer()
+    samples = [
+        encode_conversation(json.loads(line)["messages"], tok, cfg.data.loss_on)
+        for line in data.read_text().splitlines()
+    ]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = peft.get_peft_model(
+        hf, peft.LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules="all-linear")
+    )
+    ours = LlamaForCausalLM(dataclasses.replace(cfg.model, path=None))  # the same seeded adapters
+    add_adapters(ours, cfg)
+    named = dict(model.named_modules())
+    with torch.no_grad():
+        for name, module in lora_modules(ours).items():
+            target = named[f"base_model.model.{to_hf_name(name)}"]
+            target.lora_A["default"].weight.copy_(module.lora_A.weight)
+            target.lora_B["default"].weight.copy_(module.lora_B.weight)
+    params = [p for p in model.parameters() if p.requires_grad]
+    t = cfg.train
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    counted = sum(sum(s.counted[1:]) for s in samples)
+    losses = []
+    for _ in range(steps):
+        total = torch.zeros(())
+        for s in samples:
+            ids = torch.tensor([list(s.ids)])
+            labels = torch.where(torch.tensor(s.counted[1:]), ids[0, 1:], -100)
+            logits = model(input_ids=ids).logits[0, :-1]
+            total = total + torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        loss = total / counted
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, adapters
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "one-per-row"])
+def test_sft_equals_peft_on_each_conversation_alone(tmp_path: Path, packing: bool) -> None:
+    base, data = _setup(tmp_path)
+    cfg = _config(base, data, f"data.packing={packing}")
+    rows = _rows(cfg)
+    n = rows.shape[1]  # the whole data is one global batch: each step sees every sample once
+    cfg.train.global_batch, cfg.train.micro_batch = n, 1
+    validate(cfg, 1)
+    got = run_distributed(_train_body, 1, cfg, rows, str(tmp_path / "run"), 3)[0]
+    losses, adapters = _peft_reference(cfg, base, data, 3)
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    for name, weight in got["weights"].items():
+        hf_module, _, part = name.rpartition(".lora_")
+        ref = adapters[
+            f"base_model.model.{to_hf_name(hf_module)}.lora_{part.replace('.weight', '.default.weight')}"
+        ]
+        rel = ((weight - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-5, f"{name}: {rel:.3g}"
+    if packing:
+        assert n < 24  # several conversations share a row
+
+
+LAYOUTS = [
+    (2, ["parallel.dp=2"]),
+    (2, ["parallel.dp=2", "parallel.zero=2"]),
+    (2, ["lora.rank=0", "parallel.tp=2"]),
+    (2, ["lora.rank=0", "parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
+]
+
+
+@pytest.mark.parametrize(("world", "layout"), LAYOUTS, ids=["dp2", "dp2-zero2", "full-tp2", "full-dp2-zero3"])
+def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: list[str]) -> None:
+    base, data = _setup(tmp_path, n=40)
+    full = "lora.rank=0" in layout
+    one = _config(
+        base, data, "train.global_batch=4", "train.micro_batch=2", *(["lora.rank=0"] if full else [])
+    )
+    rows = _rows(one)
+    ref = run_distributed(_train_body, 1, one, rows, str(tmp_path / "one"), 3)[0]
+    cfg = _config(base, data, "train.global_batch=4", "train.micro_batch=1", *layout)
+    validate(cfg, world)
+    results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
+    np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
+    assert results[0]["counted"] == ref["counted"]
+    if not full:  # whole adapters on every rank (the sharded full-weight cases are checked by their losses)
+        for name, weight in ref["weights"].items():
+            rel = ((results[-1]["weights"][name] - weight).norm() / weight.norm()).item()
+            assert rel <= 1e-5, f"{name}: {rel:.3g}"
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "zerotron", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path) -> None:
+    base, data = _setup(tmp_path)
+    run = _cli(
+        "sft", str(base), str(data), "data.tokenizer=byte", "train.seq_len=128", "train.steps=3",
+        "train.global_batch=4", "train.lr=1e-2", "--nproc", "2", "--out", "run", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "adapter (PEFT format)" in run.stdout
+    adapter = tmp_path / "run" / "adapter"
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    expected = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()(input_ids=ids).logits
+    ours = LlamaForCausalLM(dataclasses.replace(CFG, vocab_size=300, max_position_embeddings=256)).eval()
+    ours.init_weights(3)
+    load_adapter(ours, adapter)
+    with torch.no_grad():
+        got = ours(ids)
+        plain = LlamaForCausalLM(dataclasses.replace(CFG, vocab_size=300, max_position_embeddings=256))
+        plain.init_weights(3)
+        untouched = plain.eval()(ids)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (got - untouched).abs().max() > 1e-3  # the adapter trained
+
+
+def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
+    base, data = _setup(tmp_path, n=12)
+    lines = data.read_text().splitlines()
+    lines[3] = "{not json"
+    lines[6] = json.dumps(
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}
+    )
+    lines[8] = json.dumps(
+        {"messages": [{"role": "user", "content": "y" * 300}, {"role": "assistant", "content": "z"}]}
+    )
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"chat\.jsonl:4: bad JSON.*data\.on_error=skip"):
+        _rows(_config(base, data))
+    cfg = _config(base, data, "data.on_error=skip")
+    prepared = prepare_supervised(cfg.data, ByteTokenizer(), cfg.train.seq_len)
+    assert prepared.samples == 9
+    assert [s.split(": ")[0].rsplit(":", 1)[1] for s in prepared.skipped] == ["4", "7", "9"]
+    assert "longer than data.max_length=128" in prepared.skipped[2]
+    right = _config(base, data, "data.on_error=skip", "data.truncation=right")
+    assert (
+        prepare_supervised(right.data, ByteTokenizer(), 128).samples == 9
+    )  # y*300 cut: no assistant token left
+    left = _config(base, data, "data.on_error=skip", "data.truncation=left")
+    assert prepare_supervised(left.data, ByteTokenizer(), 128).samples == 10  # keeps the assistant's end
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.tp=2"], "LoRA adapters on a tp-split model are not built yet"),
+        (["parallel.pp=2"], "through pipeline stages are not built yet"),
+        (["parallel.zero=3", "parallel.dp=2"], "ZeRO-3-sharded base is not built yet"),
+        (["lora.use_dora=true"], "DoRA is not built yet"),
+        (["data.max_length=200"], "longer than train.seq_len=128"),
+        (["data.format=yaml"], "choose one of pretrain, auto"),
+    ],
+)
+def test_unbuilt_settings_are_refused(tmp_path: Path, overrides: list[str], message: str) -> None:
+    base, data = _setup(tmp_path, n=2)
+    with pytest.raises(ConfigError, match=message):
+        validate(_config(base, data, *overrides), 2)
