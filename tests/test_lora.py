@@ -224,9 +224,9 @@ def test_convert_merge_lora_matches_peft_merge(tmp_path: Path, capsys: pytest.Ca
     assert not (tmp_path / "m2").exists()
 
 
-def test_unbuilt_layouts_are_refused(tmp_path: Path) -> None:
-    """LoRA under tensor parallelism or on a meta-device (ZeRO-3) model is not built: one line, not a
-    silently partial adapter."""
+def test_tensor_parallel_layers_get_adapters_and_meta_models_are_refused(tmp_path: Path) -> None:
+    """A tensor-parallel layer gets its adapter part (tests/test_sft.py runs tp 2 and 4 against the single
+    process); LoRA on a meta-device (ZeRO-3) model is not built: one line, not uninitialised adapters."""
     from zerotron.distributed.collectives import CommStats
     from zerotron.distributed.mesh import Group
     from zerotron.parallel.tensor import RowParallelLinear
@@ -234,8 +234,12 @@ def test_unbuilt_layouts_are_refused(tmp_path: Path) -> None:
     model, _ = _base(tmp_path)
     tp_one = Group("tp", (0,), None, CommStats(0))
     model.layers[0].self_attn.o_proj = RowParallelLinear(model.layers[0].self_attn.o_proj, tp_one)
-    with pytest.raises(ConfigError, match="tensor-parallel model is not built yet"):
-        apply_lora(model, LoraConfig())
+    with torch.no_grad():
+        expected = model(_ids(0))
+    names = apply_lora(model, LoraConfig(rank=4))
+    assert "layers.0.self_attn.o_proj" in names and hasattr(model.layers[0].self_attn.o_proj, "lora_A")
+    with torch.no_grad():
+        assert torch.equal(model(_ids(0)), expected)
     with torch.device("meta"):
         meta = LlamaForCausalLM(CFG)
     with pytest.raises(ConfigError, match="meta-device"):

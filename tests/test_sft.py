@@ -35,6 +35,7 @@ from zerotron.models.hf import to_hf_name, write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.lora import load_adapter, lora_modules
 from zerotron.models.tokenizer import ByteTokenizer
+from zerotron.parallel.tensor import gather_tensors, shard_specs
 from zerotron.train.data import DataError, SupervisedDataset
 from zerotron.train.run import resolve_model
 from zerotron.train.trainer import Trainer, add_adapters
@@ -86,9 +87,10 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), SupervisedDataset(rows, cfg.data.packing))
     history = [trainer.train_step() for _ in range(steps)]
-    weights = {}  # the adapters (whole on every rank; ZeRO-3's full-weight shards are not read here)
+    weights = {}  # the whole adapters (ZeRO-3's full-weight shards are not read here)
     if cfg.lora.rank > 0:
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        weights = gather_tensors(weights, shard_specs(trainer.model), mesh.group("tp"))
     return {"losses": [r["loss"] for r in history], "counted": history[0]["loss_tokens"], "weights": weights}
 
 
@@ -160,12 +162,19 @@ def test_sft_equals_peft_on_each_conversation_alone(tmp_path: Path, packing: boo
 LAYOUTS = [
     (2, ["parallel.dp=2"]),
     (2, ["parallel.dp=2", "parallel.zero=2"]),
+    (2, ["parallel.tp=2"]),
+    (4, ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true", "parallel.zero=1"]),
+    (4, ["parallel.tp=4"]),  # 2 KV heads on 4 ranks: each KV layer's adapter B whole, its rows used
     (2, ["lora.rank=0", "parallel.tp=2"]),
     (2, ["lora.rank=0", "parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
 ]
 
 
-@pytest.mark.parametrize(("world", "layout"), LAYOUTS, ids=["dp2", "dp2-zero2", "full-tp2", "full-dp2-zero3"])
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    LAYOUTS,
+    ids=["dp2", "dp2-zero2", "tp2", "tp2-sp-dp2-zero1", "tp4-kv-replicated", "full-tp2", "full-dp2-zero3"],
+)
 def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: list[str]) -> None:
     base, data = _setup(tmp_path, n=40)
     full = "lora.rank=0" in layout
@@ -192,10 +201,11 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path) -> None:
+    """Under tp 2: the adapter's B (column-parallel) and A (row-parallel) shards are gathered whole."""
     base, data = _setup(tmp_path)
     run = _cli(
         "sft", str(base), str(data), "data.tokenizer=byte", "train.seq_len=128", "train.steps=3",
-        "train.global_batch=4", "train.lr=1e-2", "--nproc", "2", "--out", "run", cwd=tmp_path,
+        "train.global_batch=4", "train.lr=1e-2", "parallel.tp=2", "--nproc", "2", "--out", "run", cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "adapter (PEFT format)" in run.stdout
@@ -244,8 +254,9 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.tp=2"], "LoRA adapters on a tp-split model are not built yet"),
+        (["parallel.tp=2", "lora.base_bits=4"], "QLoRA and adapter dropout on a tensor-parallel model"),
         (["parallel.pp=2"], "through pipeline stages are not built yet"),
+        (["parallel.pp=2", "data.format=pretrain"], "LoRA adapters on pipeline stages are not built yet"),
         (["parallel.zero=3", "parallel.dp=2"], "ZeRO-3-sharded base is not built yet"),
         (["lora.use_dora=true"], "DoRA is not built yet"),
         (["data.max_length=200"], "longer than train.seq_len=128"),

@@ -65,6 +65,22 @@ def test_alpaca_json_and_csv(tmp_path: Path) -> None:
     assert to_messages(rows[1])[-1] == {"role": "assistant", "content": "hi"}
 
 
+def test_parquet_rows_as_written_by_pandas_or_datasets(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [ROWS["messages"], ROWS["sharegpt"], {"instruction": "Say hi", "output": "hi"}]
+    pq.write_table(pa.Table.from_struct_array(pa.array(rows)), tmp_path / "d.parquet")  # absent fields: null
+    found = list(read_rows(tmp_path / "d.parquet"))
+    assert [r.where.rsplit("/", 1)[-1] for r in found] == ["d.parquet:#0", "d.parquet:#1", "d.parquet:#2"]
+    assert all(not isinstance(r, RowError) for r in found)
+    assert to_messages(found[0]) == CHAT and to_messages(found[1]) == CHAT  # type: ignore[arg-type]
+    assert to_messages(found[2], "alpaca")[-1] == {"role": "assistant", "content": "hi"}  # type: ignore[arg-type]
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match="not a readable Parquet file"):
+        list(read_rows(tmp_path / "broken.parquet"))
+
+
 def test_bad_rows_named_by_file_and_line(tmp_path: Path) -> None:
     path = _write(
         tmp_path / "bad.jsonl",

@@ -533,12 +533,17 @@ def _check_finetune(cfg: Config) -> None:
             raise ConfigError(
                 f"lora.target_modules={lo.target_modules!r} is not a regular expression: {e}"
             ) from e
-    for name, degree in (("tp", p.tp), ("pp", p.pp)):
-        if degree > 1:
-            raise ConfigError(
-                f"lora.rank={lo.rank} under parallel.{name}={degree}: LoRA adapters on a {name}-split model "
-                f"are not built yet; use dp and ZeRO-1/2, or parallel.{name}=1 (lora.rank=0 trains every weight)"
-            )
+    if p.pp > 1:
+        raise ConfigError(
+            f"lora.rank={lo.rank} under parallel.pp={p.pp}: LoRA adapters on pipeline stages are not built "
+            "yet; use dp, tp and ZeRO-1/2, or parallel.pp=1 (lora.rank=0 trains every weight)"
+        )
+    if p.tp > 1 and (lo.base_bits == 4 or lo.dropout > 0):
+        raise ConfigError(
+            f"lora.base_bits={lo.base_bits}, lora.dropout={lo.dropout} under parallel.tp={p.tp}: QLoRA and "
+            "adapter dropout on a tensor-parallel model are not built yet; set lora.base_bits=0 and "
+            "lora.dropout=0, or parallel.tp=1"
+        )
     if p.zero == 3:
         raise ConfigError(
             f"lora.rank={lo.rank} with parallel.zero=3: LoRA on a ZeRO-3-sharded base is not built yet; "

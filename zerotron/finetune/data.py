@@ -30,7 +30,7 @@ FORMATS = ("messages", "sharegpt", "alpaca", "query", "text")
 LOSS_ON = ("assistant", "last_turn", "all")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 _SHAREGPT_ROLES |= {"system": "system", "bot": "assistant", "model": "assistant"}
-SUFFIXES = (".jsonl", ".json", ".csv")
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 class RowError(ValueError):
@@ -55,10 +55,6 @@ def _files(path: Path) -> list[Path]:
         return found
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if path.suffix == ".parquet":
-        raise ValueError(
-            f"{path}: Parquet is not read yet; convert it to JSONL (pandas: df.to_json(lines=True))"
-        )
     if path.suffix not in SUFFIXES:
         raise ValueError(f"{path}: give a {', '.join(SUFFIXES)} file or a directory of them")
     return [path]
@@ -83,10 +79,27 @@ def read_rows(path: str | Path) -> Iterator[Row | RowError]:
                 continue
             for k, item in enumerate(rows if isinstance(rows, list) else [rows]):
                 yield Row(f"{file}:#{k}", item)
+        elif file.suffix == ".parquet":
+            for k, item in enumerate(_parquet_rows(file)):
+                yield Row(f"{file}:#{k}", item)
         else:
             with file.open(encoding="utf-8", newline="") as f:
                 for k, record in enumerate(csv.DictReader(f)):
                     yield Row(f"{file}:{k + 2}", dict(record))  # line 1 is the header
+
+
+def _parquet_rows(file: Path) -> list[dict[str, Any]]:
+    """A Parquet file's rows as dicts (nested lists and structs as lists and dicts), through pyarrow; a
+    null column value is an absent field (a file's one schema holds every row's fields)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{file}: reading Parquet needs pyarrow: pip install 'zerotron[parquet]'") from None
+    try:
+        table = pq.read_table(file).to_pylist()
+    except Exception as e:  # pyarrow's ArrowInvalid and OSError for a damaged file
+        raise ValueError(f"{file}: not a readable Parquet file ({e})") from None
+    return [{k: v for k, v in row.items() if v is not None} for row in table]
 
 
 def detect_format(data: Any) -> str | None:

@@ -18,7 +18,7 @@ import json
 import math
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -29,8 +29,8 @@ from torch import nn
 
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
+from zerotron.models.lora_tp import TensorParallelLinear, attach_tp_lora
 from zerotron.models.nf4 import NF4Linear
-from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -198,7 +198,7 @@ def _init_lora(a: nn.Linear, b: nn.Linear, fan_in: int, generator: torch.Generat
 
 
 def _is_target(name: str, module: nn.Module, cfg: LoraConfig) -> bool:
-    if type(module) is not nn.Linear:
+    if type(module) is not nn.Linear and not isinstance(module, TensorParallelLinear):
         return False
     if cfg.target_modules == "all-linear":  # as PEFT: every linear layer but the output head
         return name != "lm_head"
@@ -220,8 +220,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | N
     ``lora.target_modules`` would otherwise train nothing).
     """
     cfg.validate()
-    if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules()):
-        raise ConfigError("LoRA on a tensor-parallel model is not built yet; apply it to the whole model")
+    split = any(isinstance(m, TensorParallelLinear) and m.group.size > 1 for m in model.modules())
+    if split and (cfg.base_bits == 4 or cfg.dropout > 0):
+        raise ConfigError(
+            "LoRA on a tensor-parallel model: QLoRA (lora.base_bits=4) and lora.dropout > 0 are not built "
+            "yet there; use lora.base_bits=0 and lora.dropout=0, or parallel.tp=1"
+        )
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError(
             "LoRA on an unmaterialised (meta-device) model is not built yet; load its weights first"
@@ -239,6 +243,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | N
         p.requires_grad_(False)
     for name in names:
         base = model.get_submodule(name)
+        if isinstance(base, TensorParallelLinear):  # this rank's part, the single process's values
+            attach_tp_lora(base, cfg.rank, cfg.scaling, generator)
+            continue
         assert isinstance(base, nn.Linear)
         lora: LoraLayer
         if cfg.base_bits == 4:
@@ -255,25 +262,38 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | N
     return names
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoraLayer]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, (LoraLinear, QLoraLinear))}
+def lora_modules(model: nn.Module) -> dict[str, Any]:
+    """The adapted layers by name: LoRA/QLoRA layers, and tensor-parallel layers with adapters."""
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, (LoraLinear, QLoraLinear))
+        or (isinstance(m, TensorParallelLinear) and hasattr(m, "lora_A"))
+    }
 
 
 def merge_lora(model: nn.Module) -> int:
     """Fold every adapter into its base weight (in place); return how many were merged."""
-    found = lora_modules(model)
+    found = {n: m for n, m in lora_modules(model).items() if isinstance(m, (LoraLinear, QLoraLinear))}
+    if len(found) < len(lora_modules(model)):
+        raise ConfigError("merging adapters of a tensor-parallel model is not built; merge the saved adapter")
     for name, module in found.items():
         _set(model, name, module.merged())
     return len(found)
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters under PEFT's key names (``base_model.model.<hf module>.lora_A.weight``)."""
+def adapter_state_dict(
+    model: nn.Module, full: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's key names (``base_model.model.<hf module>.lora_A.weight``); ``full``
+    gives whole tensors by parameter name in place of this rank's (a tensor-parallel model's, gathered)."""
     out: dict[str, torch.Tensor] = {}
     for name, module in lora_modules(model).items():
         hf = to_hf_name(name)
-        out[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = module.lora_A.weight.detach().contiguous()
-        out[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = module.lora_B.weight.detach().contiguous()
+        for part in ("lora_A", "lora_B"):
+            key = f"{name}.{part}.weight"
+            tensor = full[key] if full is not None and key in full else getattr(module, part).weight
+            out[f"{PEFT_PREFIX}{hf}.{part}.weight"] = tensor.detach().contiguous()
     return out
 
 
@@ -283,7 +303,13 @@ def _target_list(cfg: LoraConfig, names: list[str]) -> Union[str, list[str]]:
     return sorted({n.rsplit(".", 1)[-1] for n in names})
 
 
-def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str | Path, base_model: str = "") -> Path:
+def save_adapter(
+    model: nn.Module,
+    cfg: LoraConfig,
+    directory: str | Path,
+    base_model: str = "",
+    full: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` that ``peft`` loads.
 
     Both files are written into a sibling folder first and swapped in whole, so a crash leaves the
@@ -312,7 +338,7 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str | Path, base_
     tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.cpu() for k, v in adapter_state_dict(model).items()}
+    tensors = {k: v.cpu() for k, v in adapter_state_dict(model, full).items()}
     save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     shutil.rmtree(old, ignore_errors=True)

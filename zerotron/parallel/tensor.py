@@ -120,13 +120,15 @@ class ShardSpec:
         return full.narrow(self.dim, self.offsets[self.dim], self.shape[self.dim])
 
 
-def _split_spec(global_shape: tuple[int, ...], dim: int, start: int, size: int) -> ShardSpec:
+def split_spec(global_shape: tuple[int, ...], dim: int, start: int, size: int) -> ShardSpec:
+    """The spec of a shard of ``size`` along ``dim`` starting at ``start``."""
     offsets = tuple(start if d == dim else 0 for d in range(len(global_shape)))
     shape = tuple(size if d == dim else n for d, n in enumerate(global_shape))
     return ShardSpec(tuple(global_shape), offsets, shape, dim)
 
 
-def _replicated_spec(global_shape: tuple[int, ...]) -> ShardSpec:
+def replicated_spec(global_shape: tuple[int, ...]) -> ShardSpec:
+    """The spec of a tensor whole on every tensor-parallel rank."""
     return ShardSpec(tuple(global_shape), (0,) * len(global_shape), tuple(global_shape), None)
 
 
@@ -145,7 +147,9 @@ def _enter(x: torch.Tensor, mode: str, group: Group) -> torch.Tensor:
     return x
 
 
-def _leave(y: torch.Tensor, mode: str, group: Group) -> torch.Tensor:
+def leave_region(y: torch.Tensor, mode: str, group: Group) -> torch.Tensor:
+    """A row-parallel output's partial sums out of the region: all-reduced (``reduce``),
+    reduce-scattered onto sequence shards (``sequence``) or left as they are (``none``)."""
     if mode == "reduce":
         return reduce_from_tp(y, group)
     if mode == "sequence":
@@ -194,9 +198,7 @@ class ColumnParallelLinear(nn.Module):
             if p is None:
                 continue
             shape = tuple(p.shape)
-            self.tp_specs[name] = (
-                _replicated_spec(shape) if replicated else _split_spec(shape, 0, start, size)
-            )
+            self.tp_specs[name] = replicated_spec(shape) if replicated else split_spec(shape, 0, start, size)
             if replicated and group.size > 1:
                 sum_grad_over_tp(self, name, group)
 
@@ -246,7 +248,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.output_mode = group, output_mode
         self.in_features, self.out_features = size, out
         self.weight = nn.Parameter(linear.weight.detach()[:, start : start + size].clone())  # (out, in/t)
-        self.tp_specs = {"weight": _split_spec((out, inp), 1, start, size)}
+        self.tp_specs = {"weight": split_spec((out, inp), 1, start, size)}
         self.bias = None
         if linear.bias is not None:
             self.bias = nn.Parameter(linear.bias.detach().clone())  # replicated, added after the sum
@@ -255,7 +257,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, in/t) -> (b, s, out) [(b, s/t, out) with output_mode=sequence]."""
-        y = _leave(F.linear(x, self.weight), self.output_mode, self.group)
+        y = leave_region(F.linear(x, self.weight), self.output_mode, self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -283,7 +285,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.output_mode = group, output_mode
         self.vocab_start, self.num_embeddings, self.embedding_dim = start, size, dim
         self.weight = nn.Parameter(embedding.weight.detach()[start : start + size].clone())  # (V/t, h)
-        self.tp_specs = {"weight": _split_spec((vocab, dim), 0, start, size)}
+        self.tp_specs = {"weight": split_spec((vocab, dim), 0, start, size)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (b, s) -> (b, s, h) [(b, s/t, h) with output_mode=sequence]."""
@@ -291,7 +293,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.num_embeddings)  # (b, s)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return _leave(out, self.output_mode, self.group)
+        return leave_region(out, self.output_mode, self.group)
 
     def extra_repr(self) -> str:
         """Shapes and mode, for ``print(model)``."""

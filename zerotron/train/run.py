@@ -373,6 +373,27 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     return summary
 
 
+def _save_adapter(trainer: Trainer, directory: Path) -> Path | None:
+    """Rank 0 writes the whole adapters in PEFT's files (tensor-parallel shards gathered over tp first;
+    every rank of a tp group joins; ZeRO-1/2 ranks hold whole adapters). Returns the folder on rank 0."""
+    from zerotron.models.lora import lora_modules, save_adapter
+    from zerotron.parallel.tensor import gather_tensors, shard_specs
+    from zerotron.train.trainer import lora_config
+
+    model, mesh = trainer.model, trainer.mesh
+    full = None
+    if mesh.dims.tp > 1:
+        mine = {
+            f"{name}.{part}.weight": getattr(module, part).weight
+            for name, module in lora_modules(model).items()
+            for part in ("lora_A", "lora_B")
+        }
+        full = gather_tensors(mine, shard_specs(model), mesh.group("tp"))
+    if mesh.rank != 0:
+        return None
+    return save_adapter(model, lora_config(trainer.cfg), directory, trainer.cfg.model.path or "", full)
+
+
 def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     """Loss plot (rank 0) and a short generated sample, under the training layout (every rank runs it:
     tensor-parallel shards and ZeRO-3 units gather as in training; nothing is rebuilt whole on one rank).
@@ -383,15 +404,10 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     metrics = run_dir / "metrics.jsonl"
     if mesh.rank == 0 and metrics.exists() and metrics.stat().st_size > 0:
         plot_loss(metrics, run_dir / "loss.png")
-    if cfg.lora.rank > 0 and mesh.rank == 0:  # dp/ZeRO-1/2 only (validate): rank 0 holds whole adapters
-        from zerotron.models.lora import save_adapter
-        from zerotron.train.trainer import lora_config
-
-        out["adapter"] = str(
-            save_adapter(
-                trainer.model, lora_config(cfg), run_dir / "adapter", base_model=cfg.model.path or ""
-            )
-        )
+    if cfg.lora.rank > 0:
+        adapter = _save_adapter(trainer, run_dir / "adapter")
+        if adapter is not None:
+            out["adapter"] = str(adapter)
     if not isinstance(trainer.model, LlamaForCausalLM):  # this rank holds pipeline stages
         if mesh.rank == 0:
             print(
