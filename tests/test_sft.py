@@ -165,15 +165,29 @@ LAYOUTS = [
     (2, ["parallel.tp=2"]),
     (4, ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true", "parallel.zero=1"]),
     (4, ["parallel.tp=4"]),  # 2 KV heads on 4 ranks: each KV layer's adapter B whole, its rows used
+    (2, ["parallel.pp=2"]),
+    (4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb"]),
     (2, ["lora.rank=0", "parallel.tp=2"]),
     (2, ["lora.rank=0", "parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
+    (2, ["lora.rank=0", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
 ]
 
 
 @pytest.mark.parametrize(
     ("world", "layout"),
     LAYOUTS,
-    ids=["dp2", "dp2-zero2", "tp2", "tp2-sp-dp2-zero1", "tp4-kv-replicated", "full-tp2", "full-dp2-zero3"],
+    ids=[
+        "dp2",
+        "dp2-zero2",
+        "tp2",
+        "tp2-sp-dp2-zero1",
+        "tp4-kv-replicated",
+        "pp2",
+        "pp2-tp2-zb",
+        "full-tp2",
+        "full-dp2-zero3",
+        "full-pp2-gpipe",
+    ],
 )
 def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: list[str]) -> None:
     base, data = _setup(tmp_path, n=40)
@@ -188,10 +202,14 @@ def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: li
     results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
     np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
     assert results[0]["counted"] == ref["counted"]
-    if not full:  # whole adapters on every rank (the sharded full-weight cases are checked by their losses)
+    if not full:  # the adapters, whole over tp, each pipeline stage's own (full weights: by their losses)
+        got = {name: w for result in results for name, w in result["weights"].items()}
+        assert sorted(got) == sorted(ref["weights"])
         for name, weight in ref["weights"].items():
-            rel = ((results[-1]["weights"][name] - weight).norm() / weight.norm()).item()
-            assert rel <= 1e-5, f"{name}: {rel:.3g}"
+            # B starts at zero, so Adam's sign-sized first steps turn last-bit gradient differences from
+            # another summation order (tp sums) into ~1e-5 of a B; a wrong update is off by O(1)
+            rel = ((got[name] - weight).norm() / weight.norm()).item()
+            assert rel <= 5e-5, f"{name}: {rel:.3g}"
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -200,12 +218,14 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path) -> None:
-    """Under tp 2: the adapter's B (column-parallel) and A (row-parallel) shards are gathered whole."""
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path, layout: str) -> None:
+    """Under tp 2 the adapter's B (column-parallel) and A (row-parallel) shards are gathered whole; under
+    pp 2 each stage's layers are merged into one adapter."""
     base, data = _setup(tmp_path)
     run = _cli(
         "sft", str(base), str(data), "data.tokenizer=byte", "train.seq_len=128", "train.steps=3",
-        "train.global_batch=4", "train.lr=1e-2", "parallel.tp=2", "--nproc", "2", "--out", "run", cwd=tmp_path,
+        "train.global_batch=4", "train.lr=1e-2", layout, "--nproc", "2", "--out", "run", cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "adapter (PEFT format)" in run.stdout
@@ -255,8 +275,6 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         (["parallel.tp=2", "lora.base_bits=4"], "QLoRA and adapter dropout on a tensor-parallel model"),
-        (["parallel.pp=2"], "through pipeline stages are not built yet"),
-        (["parallel.pp=2", "data.format=pretrain"], "LoRA adapters on pipeline stages are not built yet"),
         (["parallel.zero=3", "parallel.dp=2"], "ZeRO-3-sharded base is not built yet"),
         (["lora.use_dora=true"], "DoRA is not built yet"),
         (["data.max_length=200"], "longer than train.seq_len=128"),

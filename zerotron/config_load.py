@@ -508,11 +508,6 @@ def _check_finetune(cfg: Config) -> None:
     """Supervised data and LoRA: ranges, and the layouts they are not built for yet (one line each)."""
     lo, d, p = cfg.lora, cfg.data, cfg.parallel
     supervised = d.format != "pretrain"
-    if supervised and p.pp > 1:
-        raise ConfigError(
-            f"data.format={d.format} under parallel.pp={p.pp}: supervised samples (loss masks, packed "
-            "documents) through pipeline stages are not built yet; use dp, tp or ZeRO, or parallel.pp=1"
-        )
     if supervised and d.max_length > cfg.train.seq_len:
         raise ConfigError(
             f"data.max_length={d.max_length} is longer than train.seq_len={cfg.train.seq_len} (a row); "
@@ -533,11 +528,6 @@ def _check_finetune(cfg: Config) -> None:
             raise ConfigError(
                 f"lora.target_modules={lo.target_modules!r} is not a regular expression: {e}"
             ) from e
-    if p.pp > 1:
-        raise ConfigError(
-            f"lora.rank={lo.rank} under parallel.pp={p.pp}: LoRA adapters on pipeline stages are not built "
-            "yet; use dp, tp and ZeRO-1/2, or parallel.pp=1 (lora.rank=0 trains every weight)"
-        )
     if p.tp > 1 and (lo.base_bits == 4 or lo.dropout > 0):
         raise ConfigError(
             f"lora.base_bits={lo.base_bits}, lora.dropout={lo.dropout} under parallel.tp={p.tp}: QLoRA and "

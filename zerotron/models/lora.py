@@ -18,6 +18,7 @@ import json
 import math
 import re
 import shutil
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,8 +213,19 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | None = None) -> list[str]:
+def _generator_for(seed: int, name: str) -> torch.Generator:
+    """The generator of one adapter: from the seed and the layer's name alone, so a layer's adapter is
+    the same whichever layers a rank holds (pipeline stages) and in whatever order they are visited."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(to_hf_name(name).encode()))
+
+
+def apply_lora(
+    model: nn.Module, cfg: LoraConfig, generator: torch.Generator | None = None, seed: int | None = None
+) -> list[str]:
     """Freeze ``model`` and put an adapter on each targeted linear layer; return their names.
+
+    ``seed``: each adapter drawn from its own generator (:func:`_generator_for`), the same on every
+    layout; otherwise ``generator`` draws them in module order.
 
     With ``base_bits=4`` every linear layer but ``lm_head`` is stored in NF4 (as QLoRA loads a base
     model), the targeted ones under their adapters. Raises ConfigError when nothing matches (a typo in
@@ -243,16 +255,17 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, generator: torch.Generator | N
         p.requires_grad_(False)
     for name in names:
         base = model.get_submodule(name)
+        g = _generator_for(seed, name) if seed is not None else generator
         if isinstance(base, TensorParallelLinear):  # this rank's part, the single process's values
-            attach_tp_lora(base, cfg.rank, cfg.scaling, generator)
+            attach_tp_lora(base, cfg.rank, cfg.scaling, g)
             continue
         assert isinstance(base, nn.Linear)
         lora: LoraLayer
         if cfg.base_bits == 4:
             nf4 = NF4Linear(base, double=cfg.double_quant)
-            lora = QLoraLinear(nf4, cfg.rank, cfg.scaling, cfg.dropout, generator)
+            lora = QLoraLinear(nf4, cfg.rank, cfg.scaling, cfg.dropout, g)
         else:
-            lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, generator)
+            lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, g)
         _set(model, name, lora)
     if cfg.base_bits == 4:
         for name in others:
@@ -286,15 +299,23 @@ def adapter_state_dict(
     model: nn.Module, full: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's key names (``base_model.model.<hf module>.lora_A.weight``); ``full``
-    gives whole tensors by parameter name in place of this rank's (a tensor-parallel model's, gathered)."""
+    gives every adapter's whole tensors by parameter name in place of this rank's (gathered over tp and
+    pipeline stages)."""
     out: dict[str, torch.Tensor] = {}
-    for name, module in lora_modules(model).items():
+    modules = lora_modules(model)
+    for name in _adapted_names(model, full):
         hf = to_hf_name(name)
         for part in ("lora_A", "lora_B"):
             key = f"{name}.{part}.weight"
-            tensor = full[key] if full is not None and key in full else getattr(module, part).weight
+            tensor = full[key] if full is not None else getattr(modules[name], part).weight
             out[f"{PEFT_PREFIX}{hf}.{part}.weight"] = tensor.detach().contiguous()
     return out
+
+
+def _adapted_names(model: nn.Module, full: Mapping[str, torch.Tensor] | None) -> list[str]:
+    if full is None:
+        return list(lora_modules(model))
+    return sorted({key.rsplit(".lora_", 1)[0] for key in full})
 
 
 def _target_list(cfg: LoraConfig, names: list[str]) -> Union[str, list[str]]:
@@ -316,7 +337,7 @@ def save_adapter(
     previous adapter in ``directory`` intact.
     """
     out = Path(directory)
-    names = list(lora_modules(model))
+    names = _adapted_names(model, full)
     if not names:
         raise ConfigError("the model has no LoRA adapters to save")
     config: dict[str, Any] = {

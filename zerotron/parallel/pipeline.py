@@ -111,8 +111,12 @@ class PipelineRunner:
         labels: Sequence[torch.Tensor],
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         forward_context: Callable[[], Any] | None = None,
+        documents: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the step: forward and backward of every micro-batch; return this rank's summed loss.
+
+        ``documents``: each micro-batch's (mb, s) document ids of packed samples, given to every chunk
+        (each stage masks attention and restarts positions per document alike).
 
         ``loss_fn(logits, labels)`` gives the (already scaled) loss of one micro-batch on the last stage;
         its detached sum is returned there (zero elsewhere). Gradients accumulate in the chunks' ``.grad``.
@@ -132,8 +136,9 @@ class PipelineRunner:
                 collectives.recv(buf, self._peer(op.peer), self.group)
                 received[(op.kind, op.mb, op.chunk)] = buf
             elif op.kind == "F":
+                document_ids = documents[op.mb] if documents is not None else None
                 loss_sum += self._forward(
-                    op, stage, inputs, labels, loss_fn, received, saved, forward_context
+                    op, stage, inputs, labels, loss_fn, received, saved, forward_context, document_ids
                 )
             elif op.kind in ("SEND_ACT", "SEND_GRAD"):
                 tensor = saved[key][1].detach() if op.kind == "SEND_ACT" else saved[key][0].grad
@@ -163,6 +168,7 @@ class PipelineRunner:
         received: dict[tuple[str, int, int], torch.Tensor],
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
         forward_context: Callable[[], Any] | None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if stage == 0:
             x = inputs[op.mb]  # (mb, s) token ids
@@ -170,7 +176,8 @@ class PipelineRunner:
             x = received.pop(("RECV_ACT", op.mb, op.chunk)).requires_grad_()  # (mb, s, h)
         context = forward_context() if forward_context is not None else contextlib.nullcontext()
         with context:
-            out = self.chunks[op.chunk](x)
+            chunk = self.chunks[op.chunk]
+            out = chunk(x) if document_ids is None else chunk(x, document_ids=document_ids)
             if stage == self.last_stage:
                 out = loss_fn(out, labels[op.mb])  # scalar
         saved[(op.mb, op.chunk)] = (x, out)

@@ -69,7 +69,7 @@ class PipelineStep:
         tokens: int | None = None,
     ) -> torch.Tensor:
         """Run the schedule on this rank's micro-batches; return the loss summed over the pipeline.
-        Packed samples (document ids) are refused by the config check before any rank starts."""
+        Packed samples' document ids (a third tensor per micro-batch) go to every stage."""
         t = self.cfg.train
         tokens_global = tokens or t.global_batch * t.seq_len
 
@@ -83,8 +83,9 @@ class PipelineStep:
 
         inputs = [batch[0].to(device) for batch in micro]
         labels = [batch[1].to(device) for batch in micro]
+        documents = [batch[2].to(device) for batch in micro] if micro and len(micro[0]) > 2 else None
         with self.buckets.hold():  # one reduction after the last backward (ZeRO-3: per micro-batch)
-            scaled = self.runner.run(inputs, labels, loss_fn, forward_context)
+            scaled = self.runner.run(inputs, labels, loss_fn, forward_context, documents)
         self.buckets.finish()
         tied = self.model.tied_weight()  # after the dp reduction: both copies' shards line up (ZeRO)
         sum_tied_grads(self.buckets.reduced_grad(tied) if tied is not None else None, self.embed)

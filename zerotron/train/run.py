@@ -22,6 +22,7 @@ from zerotron.checkpoint import store
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import ConfigError, load_config, save_config, validate
+from zerotron.distributed import collectives
 from zerotron.distributed.launch import (
     LaunchError,
     current_rank_and_world,
@@ -374,23 +375,35 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
 
 
 def _save_adapter(trainer: Trainer, directory: Path) -> Path | None:
-    """Rank 0 writes the whole adapters in PEFT's files (tensor-parallel shards gathered over tp first;
-    every rank of a tp group joins; ZeRO-1/2 ranks hold whole adapters). Returns the folder on rank 0."""
+    """Rank 0 writes the whole adapters in PEFT's files. Tensor-parallel shards are gathered over tp
+    (every rank of a tp group joins); each other pipeline stage's first rank leaves its layers'
+    adapters in a part file that rank 0 merges (ZeRO-1/2 ranks hold whole adapters). Returns the folder
+    on rank 0."""
+    from safetensors.torch import load_file, save_file
+
     from zerotron.models.lora import lora_modules, save_adapter
     from zerotron.parallel.tensor import gather_tensors, shard_specs
     from zerotron.train.trainer import lora_config
 
     model, mesh = trainer.model, trainer.mesh
-    full = None
+    full = {
+        f"{name}.{part}.weight": getattr(module, part).weight.detach()
+        for name, module in lora_modules(model).items()
+        for part in ("lora_A", "lora_B")
+    }
     if mesh.dims.tp > 1:
-        mine = {
-            f"{name}.{part}.weight": getattr(module, part).weight
-            for name, module in lora_modules(model).items()
-            for part in ("lora_A", "lora_B")
-        }
-        full = gather_tensors(mine, shard_specs(model), mesh.group("tp"))
+        full = gather_tensors(full, shard_specs(model), mesh.group("tp"))
+    parts = [directory.parent / f".adapter_stage{k}.safetensors" for k in range(mesh.dims.pp)]
+    first_of_stage = mesh.coords["dp"] == 0 and mesh.coords["tp"] == 0 and mesh.coords["cp"] == 0
+    if mesh.dims.pp > 1:
+        if first_of_stage and mesh.coords["pp"] > 0:
+            save_file({k: v.contiguous().cpu() for k, v in full.items()}, str(parts[mesh.coords["pp"]]))
+        collectives.all_reduce(torch.zeros(1), mesh.group("world"), op="sum")  # the parts are on disk
     if mesh.rank != 0:
         return None
+    for part in parts[1:]:
+        full.update(load_file(str(part)))
+        part.unlink()
     return save_adapter(model, lora_config(trainer.cfg), directory, trainer.cfg.model.path or "", full)
 
 

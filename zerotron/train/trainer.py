@@ -114,10 +114,9 @@ def lora_config(cfg: Config) -> LoraConfig:
 
 
 def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
-    """Freeze the materialised ``model`` and put LoRA adapters on it, initialised from ``train.seed``
-    alone (the same adapters on every rank and layout)."""
-    generator = torch.Generator().manual_seed(cfg.train.seed)
-    return apply_lora(model, lora_config(cfg), generator)
+    """Freeze the materialised ``model`` and put LoRA adapters on it, each initialised from
+    ``train.seed`` and its layer's name alone (the same adapters on every rank and layout)."""
+    return apply_lora(model, lora_config(cfg), seed=cfg.train.seed)
 
 
 def _fill_from(source: WeightSource, records: Mapping[str, Placement]) -> Callable[[str], torch.Tensor]:
