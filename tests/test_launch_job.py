@@ -81,3 +81,15 @@ def test_first_slurm_host() -> None:
     assert first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
     assert first_slurm_host("a1,b[2-3]") == "a1"
     assert first_slurm_host("n[3]") == "n3"
+
+
+def test_sft_under_torchrun_writes_one_adapter(tmp_path: Path) -> None:
+    from tests.test_sft import _setup
+
+    base, data = _setup(tmp_path)
+    args = ["data.tokenizer=byte", "train.seq_len=128", "train.steps=2", "train.global_batch=4"]
+    done = _torchrun(["-m", "zerotron", "sft", str(base), str(data), *args, "--out", str(tmp_path / "run")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("adapter (PEFT format)") == 1  # rank 0 reports for the job
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert _steps(tmp_path / "run") == [1, 2]

@@ -140,3 +140,37 @@ def test_truncated_gguf_names_the_file(gguf_path: Path, tmp_path: Path) -> None:
         bad.write_bytes(f.read(8192))
     with pytest.raises(ModelLoadError, match="truncated.gguf"):
         load_pretrained(bad)
+
+
+def test_lora_adapter_on_smollm2_loads_in_peft(reference, ours, tmp_path: Path) -> None:  # noqa: ANN001
+    """LoRA on SmolLM2: a fresh adapter leaves the logits as they were; a trained-looking one (random B),
+    saved by zerotron and loaded by peft on transformers' own load of the GGUF, changes them alike."""
+    peft = pytest.importorskip("peft")
+    from zerotron.models.lora import LoraConfig, apply_lora, save_adapter
+
+    ref_model, ref_tok = reference
+    model, _ = load_pretrained(_smollm2_dir() / GGUF_NAME, dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([ref_tok(PROMPTS[0]).input_ids])
+    with torch.no_grad():
+        base = model(ids)
+    cfg = LoraConfig(rank=8, alpha=32)
+    apply_lora(model, cfg, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        assert torch.equal(model(ids), base)
+        for p in (p for n, p in model.named_parameters() if n.endswith("lora_B.weight")):
+            p.normal_(0, 0.02, generator=gen)
+        got = model(ids)
+    save_adapter(model, cfg, tmp_path / "adapter")
+    with torch.no_grad():
+        ref_base = ref_model(ids).logits
+    wrapped = peft.PeftModel.from_pretrained(ref_model, str(tmp_path / "adapter")).eval()
+    try:
+        with torch.no_grad():
+            want = wrapped(input_ids=ids).logits
+    finally:
+        wrapped.unload()  # the module-scoped reference model without the adapter again
+    assert _rel_err(got, want) <= 1e-4  # as the base models agree (test_logits_match_transformers)
+    assert _rel_err(got - base, want - ref_base) <= 1e-3  # the adapter's own change, alike
+    assert _rel_err(got, base) > 1e-2  # the adapter changed the logits
