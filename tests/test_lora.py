@@ -86,10 +86,12 @@ def test_fresh_adapters_leave_logits_and_only_adapters_train(tmp_path: Path) -> 
         assert not torch.allclose(model(_ids(0)), expected)
 
 
-@pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
-def test_trained_adapter_loads_in_peft_with_the_same_logits(tmp_path: Path, rslora: bool) -> None:
+@pytest.mark.parametrize(
+    ("rslora", "dora"), [(False, False), (True, False), (False, True)], ids=["lora", "rslora", "dora"]
+)
+def test_trained_adapter_loads_in_peft_with_the_same_logits(tmp_path: Path, rslora: bool, dora: bool) -> None:
     model, base = _base(tmp_path, attention_bias=True)
-    cfg = LoraConfig(rank=4, alpha=12, dropout=0.1, use_rslora=rslora)
+    cfg = LoraConfig(rank=4, alpha=12, dropout=0.1, use_rslora=rslora, use_dora=dora)
     apply_lora(model, cfg, generator=torch.Generator().manual_seed(3))
     _train(model)
     save_adapter(model, cfg, tmp_path / "adapter", base_model=str(base))
@@ -98,26 +100,35 @@ def test_trained_adapter_loads_in_peft_with_the_same_logits(tmp_path: Path, rslo
         _close(model(_ids(1)), ref(_ids(1)).logits)
 
 
-def test_peft_adapter_loads_in_zerotron(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_peft_adapter_loads_in_zerotron(tmp_path: Path, dora: bool) -> None:
     model, base = _base(tmp_path)
     torch.manual_seed(0)
     ref = peft.get_peft_model(
-        _hf(base), peft.LoraConfig(r=6, lora_alpha=3, target_modules=["k_proj", "o_proj"])
+        _hf(base), peft.LoraConfig(r=6, lora_alpha=3, target_modules=["k_proj", "o_proj"], use_dora=dora)
     )
     with torch.no_grad():
         for n, p in ref.named_parameters():
             if "lora_B" in n:
                 p.normal_(std=0.05)
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
     ref.save_pretrained(str(tmp_path / "peft"))
     cfg = load_adapter(model, tmp_path / "peft")
-    assert (cfg.rank, cfg.alpha, sorted(cfg.target_modules)) == (6, 3.0, ["k_proj", "o_proj"])
+    assert (cfg.rank, cfg.alpha, sorted(cfg.target_modules), cfg.use_dora) == (
+        6,
+        3.0,
+        ["k_proj", "o_proj"],
+        dora,
+    )
     with torch.no_grad():
         _close(model(_ids(2)), ref.eval()(_ids(2)).logits)
 
 
-def test_merged_export_loads_in_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_merged_export_loads_in_transformers(tmp_path: Path, dora: bool) -> None:
     model, _ = _base(tmp_path)
-    apply_lora(model, LoraConfig(rank=4))
+    apply_lora(model, LoraConfig(rank=4, use_dora=dora))
     _train(model)
     with torch.no_grad():
         expected = model(_ids(3))
@@ -134,7 +145,7 @@ def test_merged_export_loads_in_transformers(tmp_path: Path) -> None:
     [
         (LoraConfig(rank=0), "lora.rank=0"),
         (LoraConfig(dropout=1.0), "lora.dropout=1.0"),
-        (LoraConfig(use_dora=True), "DoRA is not built yet"),
+        (LoraConfig(use_dora=True, base_bits=4), "QDoRA"),
         (LoraConfig(target_modules="q_proj["), "is not a regex"),
         (LoraConfig(target_modules=["qproj"]), "matches no linear layer"),
     ],
@@ -198,17 +209,24 @@ def test_qlora_matches_peft_on_a_bitsandbytes_base(tmp_path: Path, double: bool)
     assert merge_lora(model) == 2 * 7
 
 
-def test_convert_merge_lora_matches_peft_merge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_convert_merge_lora_matches_peft_merge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dora: bool
+) -> None:
     """`zerotron convert BASE OUT --merge-lora ADAPTER`: the export equals peft's merge_and_unload."""
     from zerotron.cli import main
 
     _, base = _base(tmp_path, attention_bias=True)
     torch.manual_seed(1)
-    ref = peft.get_peft_model(_hf(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    ref = peft.get_peft_model(
+        _hf(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora)
+    )
     with torch.no_grad():
         for n, p in ref.named_parameters():
             if "lora_B" in n:
                 p.normal_(std=0.05)
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
     ref.save_pretrained(str(tmp_path / "adapter"))
     with torch.no_grad():
         expected = ref.merge_and_unload().eval()(_ids(5)).logits

@@ -225,7 +225,10 @@ class LoraSection:
         "(q_proj,v_proj), or a regular expression over the Hugging Face module names",
     )
     use_rslora: bool = _f(False, "scale by alpha/sqrt(rank) (rsLoRA)")
-    use_dora: bool = _f(False, "DoRA: not built yet; must stay false")
+    use_dora: bool = _f(
+        False,
+        "DoRA: a trained per-row magnitude times the direction of W + s·BA (not with tp or base_bits=4)",
+    )
     base_bits: int = _f(0, "0: the frozen base in the training dtype; 4: NF4 (QLoRA)")
     double_quant: bool = _f(True, "NF4 base: quantise the block scales to 8 bits too")
 

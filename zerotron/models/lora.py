@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -36,6 +37,7 @@ from zerotron.models.nf4 import NF4Linear
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+DORA_MAGNITUDE = "lora_magnitude_vector"  # DoRA's per-row magnitude (PEFT's name)
 # adapter_config.json settings that change what the adapter computes and that zerotron does not build
 _UNBUILT_ADAPTER_KEYS = (
     "bias",
@@ -69,8 +71,8 @@ class LoraConfig:
             raise ConfigError(f"lora.dropout={self.dropout}: give a probability in [0, 1)")
         if self.base_bits not in (0, 4):
             raise ConfigError(f"lora.base_bits={self.base_bits}: choose 0 (the base's dtype) or 4 (NF4)")
-        if self.use_dora:
-            raise ConfigError("lora.use_dora=true: DoRA is not built yet; set lora.use_dora=false")
+        if self.use_dora and self.base_bits == 4:
+            raise ConfigError("lora.use_dora=true with lora.base_bits=4 (QDoRA) is not built yet; choose one")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             try:
                 re.compile(self.target_modules)
@@ -104,6 +106,21 @@ def _delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     return (b.float() @ a.float()) * scaling
 
 
+def _dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """DoRA's per-output-row norm of ``W + scaling * B @ A`` (out,)."""
+    norm: torch.Tensor = torch.linalg.norm(weight + scaling * (b @ a), dim=1)
+    return norm
+
+
+def _merge(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor | None) -> torch.Tensor:
+    """The merged weight in fp32: ``W + delta``, and with DoRA's ``magnitude`` each row rescaled to it."""
+    merged = weight.float() + delta
+    if magnitude is None:
+        return merged
+    rows: torch.Tensor = magnitude.float() / torch.linalg.norm(merged, dim=1)
+    return merged * rows.unsqueeze(1)
+
+
 def _update(m: LoraLayer, x: torch.Tensor) -> torch.Tensor:
     """``scaling * B(A(dropout(x)))``."""
     update: torch.Tensor = m.lora_B(m.lora_A(m.lora_dropout(x)))
@@ -129,6 +146,7 @@ class LoraLinear(_LoraParts, nn.Linear):
         scaling: float,
         dropout: float,
         generator: torch.Generator | None = None,
+        dora: bool = False,
     ) -> None:
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight = base.weight
@@ -137,17 +155,33 @@ class LoraLinear(_LoraParts, nn.Linear):
         if self.bias is not None:
             self.bias.requires_grad_(False)
         _attach(self, rank, scaling, dropout, base.weight.device, base.weight.dtype, generator)
+        self.lora_magnitude_vector: nn.Parameter | None = None
+        if dora:  # DoRA: m starts as the row norms of W + s·BA (= W's: B is zero)
+            with torch.no_grad():
+                norm = _dora_norm(self.weight, self.lora_A.weight, self.lora_B.weight, scaling)
+            self.lora_magnitude_vector = nn.Parameter(norm.to(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = super().forward(x)
-        return out + _update(self, x)
+        if self.lora_magnitude_vector is None:
+            out: torch.Tensor = super().forward(x)
+            return out + _update(self, x)
+        # DoRA (PEFT's form): the norm of W + s·BA is a constant in backward (DoRA paper, 4.3)
+        norm = _dora_norm(self.weight, self.lora_A.weight.detach(), self.lora_B.weight.detach(), self.scaling)
+        scale = self.lora_magnitude_vector / norm.detach()  # (out,)
+        base = F.linear(x, self.weight)
+        dropped = self.lora_dropout(x)
+        base_dropped = base if dropped is x else F.linear(dropped, self.weight)
+        out = base + (scale - 1) * base_dropped + scale * self.lora_B(self.lora_A(dropped)) * self.scaling
+        return out + self.bias if self.bias is not None else out
 
     def merged(self) -> nn.Linear:
-        """A plain linear layer whose weight is ``W + scaling * B @ A``."""
+        """A plain linear layer whose weight is ``W + scaling * B @ A`` (DoRA: rescaled to m per row)."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         with torch.no_grad():
             delta = _delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
-            linear.weight = nn.Parameter((self.weight.float() + delta).to(self.weight.dtype))
+            linear.weight = nn.Parameter(
+                _merge(self.weight, delta, self.lora_magnitude_vector).to(self.weight.dtype)
+            )
             if self.bias is not None:
                 linear.bias = nn.Parameter(self.bias.detach().clone())
         return linear
@@ -233,10 +267,10 @@ def apply_lora(
     """
     cfg.validate()
     split = any(isinstance(m, TensorParallelLinear) and m.group.size > 1 for m in model.modules())
-    if split and (cfg.base_bits == 4 or cfg.dropout > 0):
+    if split and (cfg.base_bits == 4 or cfg.dropout > 0 or cfg.use_dora):
         raise ConfigError(
-            "LoRA on a tensor-parallel model: QLoRA (lora.base_bits=4) and lora.dropout > 0 are not built "
-            "yet there; use lora.base_bits=0 and lora.dropout=0, or parallel.tp=1"
+            "LoRA on a tensor-parallel model: QLoRA (lora.base_bits=4), DoRA and lora.dropout > 0 are not "
+            "built yet there; use plain LoRA without dropout, or parallel.tp=1"
         )
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError(
@@ -265,7 +299,7 @@ def apply_lora(
             nf4 = NF4Linear(base, double=cfg.double_quant)
             lora = QLoraLinear(nf4, cfg.rank, cfg.scaling, cfg.dropout, g)
         else:
-            lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, g)
+            lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, g, dora=cfg.use_dora)
         _set(model, name, lora)
     if cfg.base_bits == 4:
         for name in others:
@@ -309,6 +343,10 @@ def adapter_state_dict(
             key = f"{name}.{part}.weight"
             tensor = full[key] if full is not None else getattr(modules[name], part).weight
             out[f"{PEFT_PREFIX}{hf}.{part}.weight"] = tensor.detach().contiguous()
+        key = f"{name}.{DORA_MAGNITUDE}"
+        magnitude = full.get(key) if full is not None else getattr(modules[name], DORA_MAGNITUDE, None)
+        if magnitude is not None:
+            out[f"{PEFT_PREFIX}{hf}.{DORA_MAGNITUDE}"] = magnitude.detach().contiguous()
     return out
 
 
@@ -349,7 +387,7 @@ def save_adapter(
         "lora_dropout": cfg.dropout,
         "target_modules": _target_list(cfg, names),
         "use_rslora": cfg.use_rslora,
-        "use_dora": False,
+        "use_dora": cfg.use_dora,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -380,8 +418,6 @@ def read_adapter_config(directory: str | Path) -> LoraConfig:
     raw = json.loads(path.read_text())
     if raw.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{path}: peft_type={raw.get('peft_type')!r}; only LORA adapters are read")
-    if raw.get("use_dora"):
-        raise ConfigError(f"{path}: a DoRA adapter; DoRA is not built yet")
     unbuilt = [k for k in _UNBUILT_ADAPTER_KEYS if raw.get(k) not in (None, False, "none", {}, [])]
     if unbuilt:
         raise ConfigError(
@@ -395,6 +431,7 @@ def read_adapter_config(directory: str | Path) -> LoraConfig:
         dropout=float(raw.get("lora_dropout", 0.0)),
         target_modules=targets if isinstance(targets, str) else list(targets),
         use_rslora=bool(raw.get("use_rslora", False)),
+        use_dora=bool(raw.get("use_dora", False)),
     )
 
 
@@ -419,6 +456,8 @@ def load_adapter(model: nn.Module, directory: str | Path) -> LoraConfig:
             hf = PEFT_PREFIX + to_hf_name(name)
             for part in ("lora_A", "lora_B"):
                 getattr(module, part).weight.copy_(tensors[f"{hf}.{part}.weight"])
+            if getattr(module, DORA_MAGNITUDE, None) is not None:
+                getattr(module, DORA_MAGNITUDE).copy_(tensors[f"{hf}.{DORA_MAGNITUDE}"])
     return cfg
 
 
@@ -431,6 +470,9 @@ def merge_adapter_tensors(
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in _adapter_tensors(directory).items():
         module, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if part == "magnitude_vector":  # DoRA
+            pairs.setdefault(from_hf_name(module), {})["m"] = value
+            continue
         if part not in ("A.weight", "B.weight"):
             raise ConfigError(
                 f"{directory}: {key} is not a lora_A/lora_B weight; only LoRA adapters are merged"
@@ -445,7 +487,7 @@ def merge_adapter_tensors(
                     f"{directory}: the adapter of {name} is {tuple(delta.shape)}, the weight "
                     f"{tuple(tensor.shape)}; was it trained on this model?"
                 )
-            tensor = (tensor.float() + delta).to(tensor.dtype)
+            tensor = _merge(tensor, delta, found.get("m")).to(tensor.dtype)
         yield name, tensor
     if pairs:
         raise ConfigError(

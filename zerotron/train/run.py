@@ -381,7 +381,7 @@ def _save_adapter(trainer: Trainer, directory: Path) -> Path | None:
     on rank 0."""
     from safetensors.torch import load_file, save_file
 
-    from zerotron.models.lora import lora_modules, save_adapter
+    from zerotron.models.lora import DORA_MAGNITUDE, lora_modules, save_adapter
     from zerotron.parallel.tensor import gather_tensors, shard_specs
     from zerotron.train.trainer import lora_config
 
@@ -391,6 +391,9 @@ def _save_adapter(trainer: Trainer, directory: Path) -> Path | None:
         for name, module in lora_modules(model).items()
         for part in ("lora_A", "lora_B")
     }
+    for name, module in lora_modules(model).items():  # DoRA (never under tp)
+        if getattr(module, DORA_MAGNITUDE, None) is not None:
+            full[f"{name}.{DORA_MAGNITUDE}"] = getattr(module, DORA_MAGNITUDE).detach()
     if mesh.dims.tp > 1:
         full = gather_tensors(full, shard_specs(model), mesh.group("tp"))
     parts = [directory.parent / f".adapter_stage{k}.safetensors" for k in range(mesh.dims.pp)]
