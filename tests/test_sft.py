@@ -9,6 +9,7 @@ checked against peft's in tests/test_lora.py). Layouts are then checked against 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -88,10 +89,19 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
     trainer = Trainer(cfg, mesh, Path(run_dir), SupervisedDataset(rows, cfg.data.packing))
     history = [trainer.train_step() for _ in range(steps)]
     weights = {}  # the whole adapters (ZeRO-3's full-weight shards are not read here)
-    if cfg.lora.rank > 0:
-        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if cfg.lora.rank > 0:  # ZeRO-3: the adapters' units gathered whole
+        with trainer.zero.full_params(trained_only=True) if trainer.zero else contextlib.nullcontext():
+            weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         weights = gather_tensors(weights, shard_specs(trainer.model), mesh.group("tp"))
-    return {"losses": [r["loss"] for r in history], "counted": history[0]["loss_tokens"], "weights": weights}
+    units = getattr(trainer.zero, "units", [])  # ZeRO-3: every parameter, the frozen base included
+    shards = {"numel": sum(u.layout.shard for u in units), "frozen": sum(u.frozen for u in units)}
+    return {
+        "losses": [r["loss"] for r in history],
+        "counted": history[0]["loss_tokens"],
+        "weights": weights,
+        "shards": shards,
+        "n_params": trainer.n_params,
+    }
 
 
 def _peft_reference(
@@ -178,6 +188,8 @@ LAYOUTS = [
     (4, ["parallel.tp=4"]),  # 2 KV heads on 4 ranks: each KV layer's adapter B whole, its rows used
     (2, ["parallel.pp=2"]),
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb"]),
+    (2, ["parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
+    (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]),
     (2, ["lora.rank=0", "parallel.tp=2"]),
     (2, ["lora.rank=0", "parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
     (2, ["lora.rank=0", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
@@ -195,6 +207,8 @@ LAYOUTS = [
         "tp4-kv-replicated",
         "pp2",
         "pp2-tp2-zb",
+        "dp2-zero3",
+        "dp2-tp2-zero3",
         "full-tp2",
         "full-dp2-zero3",
         "full-pp2-gpipe",
@@ -213,6 +227,11 @@ def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: li
     results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
     np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
     assert results[0]["counted"] == ref["counted"]
+    if "parallel.zero=3" in layout:  # each rank keeps about 1/dp of its tp part, frozen weights too
+        tp = 2 if "parallel.tp=2" in layout else 1
+        shards = results[0]["shards"]
+        assert shards["numel"] <= results[0]["n_params"] / tp / 2 * 1.05
+        assert shards["frozen"] > 0 or full
     if not full:  # the adapters, whole over tp, each pipeline stage's own (full weights: by their losses)
         got = {name: w for result in results for name, w in result["weights"].items()}
         assert sorted(got) == sorted(ref["weights"])
@@ -229,10 +248,11 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.zero=3"])
 def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path, layout: str) -> None:
     """Under tp 2 the adapter's B (column-parallel) and A (row-parallel) shards are gathered whole; under
-    pp 2 each stage's layers are merged into one adapter."""
+    pp 2 each stage's layers are merged into one adapter; under ZeRO-3 (dp 2) the adapters' units are
+    gathered over dp (other tools have saved empty adapters there)."""
     base, data = _setup(tmp_path)
     run = _cli(
         "sft", str(base), str(data), "data.tokenizer=byte", "train.seq_len=128", "train.steps=3",

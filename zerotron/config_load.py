@@ -538,10 +538,11 @@ def _check_finetune(cfg: Config) -> None:
             "adapter dropout on a tensor-parallel model are not built yet; set lora.base_bits=0 and "
             "lora.dropout=0, or parallel.tp=1"
         )
-    if p.zero == 3:
+    if p.zero == 3 and (lo.base_bits == 4 or lo.use_dora or p.offload_params != "none"):
         raise ConfigError(
-            f"lora.rank={lo.rank} with parallel.zero=3: LoRA on a ZeRO-3-sharded base is not built yet; "
-            "use parallel.zero=2 (the frozen base takes no gradients or optimizer state)"
+            f"parallel.zero=3 with lora.base_bits={lo.base_bits}, lora.use_dora={lo.use_dora}, "
+            f"parallel.offload_params={p.offload_params}: QLoRA, DoRA and parameter offload on a ZeRO-3-"
+            "sharded base are not built yet; use plain LoRA, or parallel.zero=2"
         )
 
 

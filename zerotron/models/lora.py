@@ -253,6 +253,19 @@ def _generator_for(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(to_hf_name(name).encode()))
 
 
+def initial_adapter(name: str, global_shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The whole initial value of adapter parameter ``name`` (``<layer>.lora_A.weight``/``lora_B``) as
+    :func:`apply_lora` with ``seed`` draws it: for a model built on the meta device (ZeRO-3), whose
+    units materialise their ranges from it."""
+    layer, _, part = name.rpartition(".lora_")
+    if part == "B.weight":
+        return torch.zeros(global_shape)
+    if part != "A.weight":
+        raise ValueError(f"{name}: not a LoRA A/B weight")
+    bound = 1.0 / math.sqrt(global_shape[1])
+    return torch.empty(global_shape).uniform_(-bound, bound, generator=_generator_for(seed, layer))
+
+
 def apply_lora(
     model: nn.Module, cfg: LoraConfig, generator: torch.Generator | None = None, seed: int | None = None
 ) -> list[str]:
@@ -272,9 +285,10 @@ def apply_lora(
             "LoRA on a tensor-parallel model: QLoRA (lora.base_bits=4), DoRA and lora.dropout > 0 are not "
             "built yet there; use plain LoRA without dropout, or parallel.tp=1"
         )
-    if any(p.is_meta for p in model.parameters()):
+    if any(p.is_meta for p in model.parameters()) and (cfg.base_bits == 4 or cfg.use_dora):
         raise ConfigError(
-            "LoRA on an unmaterialised (meta-device) model is not built yet; load its weights first"
+            "QLoRA or DoRA on an unmaterialised (meta-device, ZeRO-3) model is not built yet: their "
+            "initial values need the base's weights; load them first (use ZeRO-2)"
         )
     names = [n for n, m in model.named_modules() if _is_target(n, m, cfg)]
     if not names:

@@ -108,8 +108,9 @@ class ShardedEngine(GradientReducer, Protocol):
         """Model states off the device: ``{host|nvme: {params, grads, optimizer}}``."""
         ...
 
-    def full_params(self) -> AbstractContextManager[None]:
-        """A context in which the module's parameters hold the whole model."""
+    def full_params(self, trained_only: bool = False) -> AbstractContextManager[None]:
+        """A context in which the module's parameters hold the whole model (``trained_only``: its
+        trained parameters, at least)."""
         ...
 
     def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:

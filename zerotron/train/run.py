@@ -7,6 +7,7 @@ mesh arithmetic, the tokenizer and the whole data source (tokenised here, once, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -386,12 +387,16 @@ def _save_adapter(trainer: Trainer, directory: Path) -> Path | None:
     from zerotron.train.trainer import lora_config
 
     model, mesh = trainer.model, trainer.mesh
-    full = {
-        f"{name}.{part}.weight": getattr(module, part).weight.detach()
-        for name, module in lora_modules(model).items()
-        for part in ("lora_A", "lora_B")
-    }
-    for name, module in lora_modules(model).items():  # DoRA (never under tp)
+    gathered: Any = contextlib.nullcontext()
+    if trainer.zero is not None:  # ZeRO-3: the adapters' units gathered whole (collective over dp)
+        gathered = trainer.zero.full_params(trained_only=True)
+    with gathered:
+        full = {
+            f"{name}.{part}.weight": getattr(module, part).weight.detach().clone()
+            for name, module in lora_modules(model).items()
+            for part in ("lora_A", "lora_B")
+        }
+    for name, module in lora_modules(model).items():  # DoRA (never under tp or ZeRO-3)
         if getattr(module, DORA_MAGNITUDE, None) is not None:
             full[f"{name}.{DORA_MAGNITUDE}"] = getattr(module, DORA_MAGNITUDE).detach()
     if mesh.dims.tp > 1:

@@ -25,7 +25,7 @@ from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
-from zerotron.models.lora import LoraConfig, apply_lora
+from zerotron.models.lora import LoraConfig, apply_lora, initial_adapter
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
 from zerotron.parallel.data import GradientBuckets
@@ -88,8 +88,8 @@ def build_model(
         tp = mesh.dims.tp if mesh is not None else 1
         with weight_source(cfg, model) as source:
             materialize(model, source.box, device, ckpt_state.model_placements(model, tp))
-        if cfg.lora.rank > 0:
-            add_adapters(model, cfg)
+    if cfg.lora.rank > 0:  # on the meta device for ZeRO-3: its units take the initial values (_fill_from)
+        add_adapters(model, cfg)
     return model
 
 
@@ -119,11 +119,21 @@ def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
     return apply_lora(model, lora_config(cfg), seed=cfg.train.seed)
 
 
-def _fill_from(source: WeightSource, records: Mapping[str, Placement]) -> Callable[[str], torch.Tensor]:
-    """ZeRO-3's ``fill``: a parameter's box on this rank, by name, from ``source``."""
+def _fill_from(
+    source: WeightSource, records: Mapping[str, Placement], seed: int
+) -> Callable[[str], torch.Tensor]:
+    """ZeRO-3's ``fill``: a parameter's box on this rank, by name, from ``source``; a LoRA adapter's
+    from its initial value (:func:`~zerotron.models.lora.initial_adapter`)."""
+
+    def adapter_box(
+        name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
+    ) -> torch.Tensor:
+        whole = initial_adapter(name, shape, seed)
+        return whole[tuple(slice(o, o + n) for o, n in zip(offsets, box))]
 
     def fill(name: str) -> torch.Tensor:
-        return fill_value(source.box, name, records[name])
+        adapter = ".lora_A." in name or ".lora_B." in name
+        return fill_value(adapter_box if adapter else source.box, name, records[name])
 
     return fill
 
@@ -269,7 +279,8 @@ class Trainer:
             with contextlib.ExitStack() as stack:
                 fill = None
                 if par.zero == 3:  # the model is on the meta device: each unit materialises its range
-                    fill = _fill_from(stack.enter_context(weight_source(cfg, self.model)), records)
+                    source = stack.enter_context(weight_source(cfg, self.model))
+                    fill = _fill_from(source, records, cfg.train.seed)
                 zero = apply_zero(
                     self.model,
                     par.zero,

@@ -161,7 +161,7 @@ class _ShardedBuckets(SyncGate):
             seg.param.grad = None
 
     @contextlib.contextmanager
-    def full_params(self) -> Iterator[None]:
+    def full_params(self, trained_only: bool = False) -> Iterator[None]:
         """The module's parameters hold the whole model (always true for ZeRO-1/2)."""
         yield
 

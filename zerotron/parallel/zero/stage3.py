@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -61,8 +61,9 @@ class _Unit:
         index: int = 0,
         fill: Fill | None = None,
         device: torch.device | str = "cpu",
+        frozen: bool = False,
     ) -> None:
-        self.layout, self.persistent = layout, persistent
+        self.layout, self.persistent, self.frozen = layout, persistent, frozen
         self.store, self.index = store, index
         with torch.no_grad():
             if fill is None:  # the parameters hold their values
@@ -232,6 +233,44 @@ def _units(model: nn.Module, own: Sequence[nn.Module] = ()) -> list[list[nn.Modu
     return out
 
 
+Run = tuple[Optional[nn.Module], FlatLayout, bool]  # (module or None: persistent, layout, frozen)
+
+
+def _plan_units(
+    model: nn.Module, group_of: Callable[[str], Group], persist_numel: int
+) -> tuple[list[list[nn.Module]], list[Run]]:
+    """The unit modules per root and the flat layouts in forward order: per module its trainable
+    parameters, then its frozen ones in a unit of their own (gathered for use, never reduced), then
+    the small trainable parameters that stay whole (one persistent unit per group)."""
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+    taken: set[int] = set()
+    small: list[tuple[str, nn.Parameter]] = []
+    runs: list[Run] = []
+    tied = tied_copy(model)
+    own = [m for m in model.modules() if any(p is tied for p in m.parameters(recurse=False))]
+    per_root = _units(model, own)
+    for module in reversed([m for units in per_root for m in units]):  # blocks claim theirs first
+        named: list[tuple[str, nn.Parameter]] = []
+        frozen: list[tuple[str, nn.Parameter]] = []
+        for p in module.parameters():
+            if id(p) in taken:
+                continue
+            taken.add(id(p))
+            if not p.requires_grad:
+                frozen.append((names[id(p)], p))
+            else:
+                (small if p.numel() < persist_numel and p is not tied else named).append((names[id(p)], p))
+        if frozen:
+            runs.insert(0, (module, FlatLayout(frozen, _one_group(frozen, group_of)), True))
+        if named:
+            runs.insert(0, (module, FlatLayout(named, _one_group(named, group_of)), False))
+    by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in small:
+        by_group.setdefault(id(group_of(name)), []).append((name, p))
+    runs += [(None, FlatLayout(run, group_of(run[0][0])), False) for run in by_group.values()]
+    return per_root, runs
+
+
 class ZeroStage3:
     """ZeRO-3 over ``group`` for any ``nn.Module`` (see the module docstring).
 
@@ -269,56 +308,37 @@ class ZeroStage3:
     ) -> None:
         self.reshard_after_forward = reshard_after_forward
         self.offload_params = offload_params
-        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
         group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
-        taken: set[int] = set()
-        small: list[tuple[str, nn.Parameter]] = []
-        runs: list[tuple[nn.Module | None, FlatLayout]] = []  # (module, its layout), forward order
-        tied = tied_copy(model)
-        own = [m for m in model.modules() if any(p is tied for p in m.parameters(recurse=False))]
-        per_root = _units(model, own)
-        for module in reversed([m for units in per_root for m in units]):  # blocks claim theirs first
-            named: list[tuple[str, nn.Parameter]] = []
-            for p in module.parameters():
-                if id(p) in taken or not p.requires_grad:
-                    continue
-                taken.add(id(p))
-                (small if p.numel() < persist_numel and p is not tied else named).append((names[id(p)], p))
-            if named:
-                runs.insert(0, (module, FlatLayout(named, _one_group(named, group_of))))
-        by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
-        for name, p in small:
-            by_group.setdefault(id(group_of(name)), []).append((name, p))
-        runs += [(None, FlatLayout(run, group_of(run[0][0]))) for run in by_group.values()]
+        per_root, runs = _plan_units(model, group_of, persist_numel)
         rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
+        if offload_params != "none" and any(frozen for _, _, frozen in runs):
+            raise ValueError("ZeRO-3 parameter offload of frozen (adapter-trained) models is not built yet")
         self.store = (
-            ShardStore([lay.shard for _, lay in runs], "params", offload_params, nvme_path, rank)
+            ShardStore([lay.shard for _, lay, _ in runs], "params", offload_params, nvme_path, rank)
             if offload_params != "none"
             else None
         )
         self.units: list[_Unit] = []
-        self._unit_of_module: dict[int, _Unit] = {}
-        for i, (owner, layout) in enumerate(runs):
-            self.units.append(_Unit(layout, owner is None, self.store, i, fill, device))
+        self._units_of_module: dict[int, list[_Unit]] = {}
+        for i, (owner, layout, frozen) in enumerate(runs):
+            self.units.append(_Unit(layout, owner is None, self.store, i, fill, device, frozen))
             if owner is not None:
-                self._unit_of_module[id(owner)] = self.units[-1]
+                self._units_of_module.setdefault(id(owner), []).append(self.units[-1])
         self.order = [u for u in self.units if not u.persistent]  # forward order
-        self.backward_order: list[
-            _Unit
-        ] = []  # per root, last first: the root (its output's grad), then the rest
+        self.backward_order: list[_Unit] = []  # per root, last first: the root (its output's grad), the rest
         for units in reversed(per_root):
-            mine = [self._unit_of_module[id(m)] for m in units if id(m) in self._unit_of_module]
-            root = self._unit_of_module.get(id(units[0]))
-            self.backward_order += ([root] if root else []) + [u for u in mine if u is not root][::-1]
+            of = [self._units_of_module.get(id(m), []) for m in units]
+            self.backward_order += of[0] + [u for mine in reversed(of[1:]) for u in mine]
         self._unit_of_param = {id(s.param): u for u in self.units for s in u.layout.slots}
         self._in_backward = False
+        self._frozen_held: list[_Unit] = []  # frozen units gathered for the module backward is in
         self.peak_gathered_bytes = 0  # see _note_gathered
         self._in_flight: list[_Unit] = []  # units whose reduce-scatter is on its way (oldest first)
         for module in (m for units in per_root for m in units):
-            if id(module) in self._unit_of_module:
+            if id(module) in self._units_of_module:
                 module.register_forward_pre_hook(self._pre_forward)
                 module.register_forward_hook(self._post_forward)
-        for p in (s.param for u in self.units for s in u.layout.slots):
+        for p in (s.param for u in self.units if not u.frozen for s in u.layout.slots):
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         attach_grad_sums(model)  # a model materialised here: its tensor-parallel gradient sums
         for unit in self.order:
@@ -327,54 +347,72 @@ class ZeroStage3:
     # -- what the trainer's optimizer sees ---------------------------------------------------------------
     @property
     def segments(self) -> list[list[ShardSegment]]:
-        """Each unit's segments."""
+        """Each unit's segments (frozen units' too: checkpoints hold their weights)."""
         return [u.segments for u in self.units]
+
+    @property
+    def _trained(self) -> list[_Unit]:
+        return [u for u in self.units if not u.frozen]
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The segments this rank updates."""
-        return [seg.param for u in self.units for seg in u.segments]
+        return [seg.param for u in self._trained for seg in u.segments]
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's shard segments, by the name of the parameter each is part of."""
-        return [(seg.name, seg.param) for segs in self.segments for seg in segs]
+        """This rank's shard segments of trained parameters, by the name of the parameter each is part of."""
+        return [(seg.name, seg.param) for u in self._trained for seg in u.segments]
 
     def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(weight-decayed, not decayed) segments."""
-        segs = [seg for u in self.units for seg in u.segments]
+        segs = [seg for u in self._trained for seg in u.segments]
         return [s.param for s in segs if s.decay], [s.param for s in segs if not s.decay]
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        unit = self._unit_of_module[id(module)]
-        unit.wait_gather()
-        k = self.order.index(unit)
+        units = self._units_of_module[id(module)]
+        for unit in units:
+            unit.wait_gather()
+        k = self.order.index(units[-1])
         if k + 1 < len(self.order):
             self.order[k + 1].start_gather()  # prefetch
         self._note_gathered()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        unit = self._unit_of_module[id(module)]
+        units = self._units_of_module[id(module)]
         if self._in_backward:  # recomputation inside backward: the unit is needed right after
             return output
         outputs = [output] if torch.is_tensor(output) else [t for t in _flatten(output) if torch.is_tensor(t)]
         if torch.is_grad_enabled():
             for t in outputs:
                 if t.requires_grad:
-                    t.register_hook(lambda g, unit=unit: self._pre_backward(unit))
+                    t.register_hook(lambda g, units=units: self._pre_backward(units))
         if self.reshard_after_forward or not torch.is_grad_enabled():
-            unit.free()
+            for unit in units:
+                unit.free()
         return output
 
-    def _pre_backward(self, unit: _Unit) -> None:
+    def _pre_backward(self, units: list[_Unit]) -> None:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        unit.wait_gather()
-        k = self.backward_order.index(unit)
+        # backward has left the module whose frozen units are held: its input gradient is this output's
+        self._free_frozen(keep=units)
+        for unit in units:
+            unit.wait_gather()
+            if unit.frozen:
+                self._frozen_held.append(unit)
+        k = self.backward_order.index(units[-1])
         if k + 1 < len(self.backward_order):
             self.backward_order[k + 1].start_gather()  # prefetch what backward reaches next
         self._note_gathered()
+
+    def _free_frozen(self, keep: Sequence[_Unit] = ()) -> None:
+        """Free the frozen units held for backward, but those of ``keep``."""
+        for unit in self._frozen_held:
+            if unit not in keep:
+                unit.free()
+        self._frozen_held = [u for u in self._frozen_held if u in keep]
 
     def _note_gathered(self) -> None:
         """Track the peak bytes of gathered (or arriving) parameter buffers: ZeRO-3's working set."""
@@ -383,6 +421,7 @@ class ZeroStage3:
 
     def _end_backward(self) -> None:
         self._in_backward = False
+        self._free_frozen()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         unit = self._unit_of_param[id(param)]
@@ -442,7 +481,7 @@ class ZeroStage3:
 
     def finish(self) -> None:
         """After the last backward of a step: reduce what has not been, land every shard gradient."""
-        for unit in self.units:
+        for unit in self._trained:
             if unit.ready or not unit.reduced:
                 self._reduce(unit)
         for unit in self.units:
@@ -479,10 +518,12 @@ class ZeroStage3:
         return ptr != 0 and any(u.flat.untyped_storage().data_ptr() == ptr for u in self.units)
 
     @contextlib.contextmanager
-    def full_params(self) -> Iterator[None]:
-        """Gather every unit (collective) for the duration of the block, then free them again."""
+    def full_params(self, trained_only: bool = False) -> Iterator[None]:
+        """Gather every unit (``trained_only``: those of trained parameters) for the duration of the
+        block (collective), then free them again."""
         for unit in self.order:
-            unit.wait_gather()
+            if not (trained_only and unit.frozen):
+                unit.wait_gather()
         try:
             yield
         finally:
@@ -526,7 +567,8 @@ class ZeroStage3:
 
     def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Whole AdamW tensors by parameter name (collective over dp)."""
-        return gather_optimizer_state([u.layout for u in self.units], self.segments, optimizer)
+        trained = self._trained
+        return gather_optimizer_state([u.layout for u in trained], [u.segments for u in trained], optimizer)
 
     @property
     def names(self) -> set[str]:
@@ -559,7 +601,7 @@ class ZeroStage3:
         self, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]
     ) -> None:
         """Each segment takes its part of whole AdamW tensors by name."""
-        load_optimizer_state([seg for u in self.units for seg in u.segments], optimizer, tensors)
+        load_optimizer_state([seg for u in self._trained for seg in u.segments], optimizer, tensors)
 
 
 def _flatten(obj: Any) -> list[Any]:
