@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sft.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
-    sft.add_argument("data", metavar="DATA", help=".jsonl/.json/.csv file or a directory of them")
+    sft.add_argument("data", metavar="DATA", help=".jsonl/.json/.csv/.parquet file or a directory of them")
     sft.add_argument(
         "items",
         nargs="*",

@@ -216,7 +216,7 @@ class DataConfig:
 class LoraSection:
     """LoRA adapters (PEFT's settings); lora.rank=0 trains every weight."""
 
-    rank: int = _f(0, "adapter rank r; 0: no adapters (full fine-tuning)")
+    rank: int = _f(0, "adapter rank r; 0: no adapters (every weight trains); zerotron sft's default is 8")
     alpha: float = _f(16.0, "adapter scaling numerator: the update is alpha/rank * B A")
     dropout: float = _f(0.0, "dropout on the adapters' input")
     target_modules: str = _f(

@@ -114,8 +114,9 @@ def lora_config(cfg: Config) -> LoraConfig:
 
 
 def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
-    """Freeze the materialised ``model`` and put LoRA adapters on it, each initialised from
-    ``train.seed`` and its layer's name alone (the same adapters on every rank and layout)."""
+    """Freeze ``model`` and put LoRA adapters on it, each initialised from ``train.seed`` and its layer's
+    name alone (the same adapters on every rank and layout). On a meta-device model (ZeRO-3) the
+    adapters are on the meta device too and ZeRO-3's units take their values from :func:`_fill_from`."""
     return apply_lora(model, lora_config(cfg), seed=cfg.train.seed)
 
 
