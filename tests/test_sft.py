@@ -274,6 +274,11 @@ def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path, layout: str) -
         untouched = plain.eval()(ids)
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert (got - untouched).abs().max() > 1e-3  # the adapter trained
+    if layout == "parallel.tp=2":  # the run is no base to start from or export as it is: what to do instead
+        again = _cli("sft", "run", str(data), "data.tokenizer=byte", "--nproc", "1", cwd=tmp_path)
+        assert again.returncode == 2 and "holds LoRA adapters on a frozen base" in again.stderr
+        export = _cli("convert", "run", "merged", cwd=tmp_path)
+        assert export.returncode != 0 and "--merge-lora RUN_DIR/adapter" in export.stderr
 
 
 def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:

@@ -100,6 +100,11 @@ def _checked(cfg: ModelConfig, tensors: Tensors, src: Path) -> Tensors:
     for name, tensor in tensors:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # a pipeline checkpoint's last-stage copy of the tied embedding
+        if name not in expected and ".lora_" in name:
+            raise ModelLoadError(
+                f"{src}: a LoRA fine-tuning checkpoint (adapter tensor {name}); write the merged model with "
+                "zerotron convert BASE OUT --merge-lora RUN_DIR/adapter"
+            )
         if name not in expected:
             raise ModelLoadError(f"{src}: unexpected tensor {name}; wrong architecture?")
         if tuple(tensor.shape) != expected[name]:

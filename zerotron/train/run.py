@@ -89,11 +89,24 @@ def resolve_model(cfg: Config) -> Config:
         pad = cfg.model.pad_vocab_to_multiple_of  # a layout choice of this run, not the file's
         ckpt = store.checkpoint_dir(Path(path))
         if ckpt is not None:
+            _refuse_adapter_checkpoint(ckpt)
             cfg.model = ModelConfig(**{**_saved_model_config(ckpt), "path": path})
         else:
             cfg.model = read_model_config(path)
         cfg.model.pad_vocab_to_multiple_of = pad
     return cfg
+
+
+def _refuse_adapter_checkpoint(ckpt: Path) -> None:
+    """A LoRA run's checkpoint as ``model.path`` would lose its trained adapters: say what to do instead."""
+    saved = store.read_json(ckpt / "trainer.json").get("config", {}).get("lora", {})
+    if isinstance(saved, dict) and saved.get("rank", 0):
+        run = ckpt.parent.parent
+        raise ConfigError(
+            f"model.path {ckpt} holds LoRA adapters on a frozen base: continue that run with --resume auto "
+            f"--out {run}, or merge its adapter first (zerotron convert BASE MERGED --merge-lora "
+            f"{run / 'adapter'}) and start from MERGED"
+        )
 
 
 def default_run_dir() -> Path:
