@@ -38,6 +38,16 @@ def _close(got: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None
     assert (got - expected).abs().max().item() <= tol * expected.abs().max().item()
 
 
+def _as_if_trained(ref: Any) -> None:
+    """Give a fresh peft adapter values training would: B away from zero, DoRA magnitudes moved."""
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+
+
 def _train(model: LlamaForCausalLM, steps: int = 3) -> None:
     """A few AdamW steps on random tokens: only the adapters may move."""
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -107,12 +117,7 @@ def test_peft_adapter_loads_in_zerotron(tmp_path: Path, dora: bool) -> None:
     ref = peft.get_peft_model(
         _hf(base), peft.LoraConfig(r=6, lora_alpha=3, target_modules=["k_proj", "o_proj"], use_dora=dora)
     )
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.05)
-            if "lora_magnitude_vector" in n:
-                p.mul_(1 + 0.1 * torch.randn_like(p))
+    _as_if_trained(ref)
     ref.save_pretrained(str(tmp_path / "peft"))
     cfg = load_adapter(model, tmp_path / "peft")
     assert (cfg.rank, cfg.alpha, sorted(cfg.target_modules), cfg.use_dora) == (
@@ -221,12 +226,7 @@ def test_convert_merge_lora_matches_peft_merge(
     ref = peft.get_peft_model(
         _hf(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora)
     )
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.05)
-            if "lora_magnitude_vector" in n:
-                p.mul_(1 + 0.1 * torch.randn_like(p))
+    _as_if_trained(ref)
     ref.save_pretrained(str(tmp_path / "adapter"))
     with torch.no_grad():
         expected = ref.merge_and_unload().eval()(_ids(5)).logits
@@ -242,9 +242,11 @@ def test_convert_merge_lora_matches_peft_merge(
     assert not (tmp_path / "m2").exists()
 
 
-def test_tensor_parallel_layers_get_adapters_and_meta_models_are_refused(tmp_path: Path) -> None:
+def test_tensor_parallel_and_meta_device_models_get_adapters(tmp_path: Path) -> None:
     """A tensor-parallel layer gets its adapter part (tests/test_sft.py runs tp 2 and 4 against the single
-    process); LoRA on a meta-device (ZeRO-3) model is not built: one line, not uninitialised adapters."""
+    process); a meta-device (ZeRO-3) model gets meta adapters, whose values ZeRO-3's units take from
+    initial_adapter (tests/test_sft.py: ZeRO-3 equals the single process); QLoRA and DoRA, whose initial
+    values need the base's weights, are refused there with one line."""
     from zerotron.distributed.collectives import CommStats
     from zerotron.distributed.mesh import Group
     from zerotron.parallel.tensor import RowParallelLinear
@@ -260,8 +262,11 @@ def test_tensor_parallel_layers_get_adapters_and_meta_models_are_refused(tmp_pat
         assert torch.equal(model(_ids(0)), expected)
     with torch.device("meta"):
         meta = LlamaForCausalLM(CFG)
+    assert apply_lora(meta, LoraConfig(rank=4), seed=0) and all(p.is_meta for p in meta.parameters())
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(CFG)
     with pytest.raises(ConfigError, match="meta-device"):
-        apply_lora(meta, LoraConfig())
+        apply_lora(meta, LoraConfig(use_dora=True))
 
 
 def test_saving_over_an_adapter_replaces_it_whole(tmp_path: Path) -> None:

@@ -312,7 +312,10 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
     [
         (["parallel.tp=2", "lora.base_bits=4"], "QLoRA and adapter dropout on a tensor-parallel model"),
         (["parallel.tp=2", "lora.use_dora=true"], "DoRA on an NF4 base"),
-        (["parallel.zero=3", "parallel.dp=2"], "ZeRO-3-sharded base is not built yet"),
+        (
+            ["parallel.zero=3", "parallel.dp=2", "lora.use_dora=true"],
+            "DoRA and parameter offload on a ZeRO-3",
+        ),
         (["data.max_length=200"], "longer than train.seq_len=128"),
         (["data.format=yaml"], "choose one of pretrain, auto"),
     ],

@@ -1,5 +1,5 @@
-"""`zerotron sft`: supervised fine-tuning as `zerotron train` with fine-tuning defaults, and the
-launcher's preparation of supervised rows.
+"""`zerotron sft`: supervised fine-tuning as `zerotron train` with fine-tuning defaults, the
+launcher's preparation of supervised rows, and the adapter a run writes at its end.
 
 The launcher reads every row once (:func:`prepare_supervised`): each becomes chat messages, then tokens
 with a loss mask from the chat template (:mod:`zerotron.finetune.data`), is truncated or refused by
@@ -10,15 +10,23 @@ memory-maps; the trainer normalises the loss by the tokens it counts in each glo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
 
 from zerotron.config import DataConfig
+from zerotron.distributed import collectives
+from zerotron.models.lora import DORA_MAGNITUDE, lora_modules, save_adapter
 from zerotron.models.tokenizer import Tokenizer
+from zerotron.parallel.tensor import gather_tensors, shard_specs
 from zerotron.train.data import DataError
 from zerotron.train.packing import Sample, pack
+from zerotron.train.trainer import Trainer, lora_config
 
 from .data import RowError, encode_conversation, read_rows, to_messages
 
@@ -157,3 +165,37 @@ def prepare_supervised(
         padding_fraction=packed.padding_fraction,
         skipped=skipped,
     )
+
+
+def save_run_adapter(trainer: Trainer, directory: Path) -> Path | None:
+    """Rank 0 writes the whole adapters in PEFT's files. Tensor-parallel shards are gathered over tp
+    (every rank of a tp group joins); each other pipeline stage's first rank leaves its layers'
+    adapters in a part file that rank 0 merges (ZeRO-1/2 ranks hold whole adapters). Returns the folder
+    on rank 0."""
+    model, mesh = trainer.model, trainer.mesh
+    gathered: Any = contextlib.nullcontext()
+    if trainer.zero is not None:  # ZeRO-3: the adapters' units gathered whole (collective over dp)
+        gathered = trainer.zero.full_params(trained_only=True)
+    with gathered:
+        full = {
+            f"{name}.{part}.weight": getattr(module, part).weight.detach().clone()
+            for name, module in lora_modules(model).items()
+            for part in ("lora_A", "lora_B")
+        }
+    for name, module in lora_modules(model).items():  # DoRA (never under tp or ZeRO-3)
+        if getattr(module, DORA_MAGNITUDE, None) is not None:
+            full[f"{name}.{DORA_MAGNITUDE}"] = getattr(module, DORA_MAGNITUDE).detach()
+    if mesh.dims.tp > 1:
+        full = gather_tensors(full, shard_specs(model), mesh.group("tp"))
+    parts = [directory.parent / f".adapter_stage{k}.safetensors" for k in range(mesh.dims.pp)]
+    first_of_stage = mesh.coords["dp"] == 0 and mesh.coords["tp"] == 0 and mesh.coords["cp"] == 0
+    if mesh.dims.pp > 1:
+        if first_of_stage and mesh.coords["pp"] > 0:
+            save_file({k: v.contiguous().cpu() for k, v in full.items()}, str(parts[mesh.coords["pp"]]))
+        collectives.all_reduce(torch.zeros(1), mesh.group("world"), op="sum")  # the parts are on disk
+    if mesh.rank != 0:
+        return None
+    for part in parts[1:]:
+        full.update(load_file(str(part)))
+        part.unlink()
+    return save_adapter(model, lora_config(trainer.cfg), directory, trainer.cfg.model.path or "", full)

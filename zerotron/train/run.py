@@ -7,7 +7,6 @@ mesh arithmetic, the tokenizer and the whole data source (tokenised here, once, 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -23,7 +22,6 @@ from zerotron.checkpoint import store
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import ConfigError, load_config, save_config, validate
-from zerotron.distributed import collectives
 from zerotron.distributed.launch import (
     LaunchError,
     current_rank_and_world,
@@ -388,46 +386,6 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     return summary
 
 
-def _save_adapter(trainer: Trainer, directory: Path) -> Path | None:
-    """Rank 0 writes the whole adapters in PEFT's files. Tensor-parallel shards are gathered over tp
-    (every rank of a tp group joins); each other pipeline stage's first rank leaves its layers'
-    adapters in a part file that rank 0 merges (ZeRO-1/2 ranks hold whole adapters). Returns the folder
-    on rank 0."""
-    from safetensors.torch import load_file, save_file
-
-    from zerotron.models.lora import DORA_MAGNITUDE, lora_modules, save_adapter
-    from zerotron.parallel.tensor import gather_tensors, shard_specs
-    from zerotron.train.trainer import lora_config
-
-    model, mesh = trainer.model, trainer.mesh
-    gathered: Any = contextlib.nullcontext()
-    if trainer.zero is not None:  # ZeRO-3: the adapters' units gathered whole (collective over dp)
-        gathered = trainer.zero.full_params(trained_only=True)
-    with gathered:
-        full = {
-            f"{name}.{part}.weight": getattr(module, part).weight.detach().clone()
-            for name, module in lora_modules(model).items()
-            for part in ("lora_A", "lora_B")
-        }
-    for name, module in lora_modules(model).items():  # DoRA (never under tp or ZeRO-3)
-        if getattr(module, DORA_MAGNITUDE, None) is not None:
-            full[f"{name}.{DORA_MAGNITUDE}"] = getattr(module, DORA_MAGNITUDE).detach()
-    if mesh.dims.tp > 1:
-        full = gather_tensors(full, shard_specs(model), mesh.group("tp"))
-    parts = [directory.parent / f".adapter_stage{k}.safetensors" for k in range(mesh.dims.pp)]
-    first_of_stage = mesh.coords["dp"] == 0 and mesh.coords["tp"] == 0 and mesh.coords["cp"] == 0
-    if mesh.dims.pp > 1:
-        if first_of_stage and mesh.coords["pp"] > 0:
-            save_file({k: v.contiguous().cpu() for k, v in full.items()}, str(parts[mesh.coords["pp"]]))
-        collectives.all_reduce(torch.zeros(1), mesh.group("world"), op="sum")  # the parts are on disk
-    if mesh.rank != 0:
-        return None
-    for part in parts[1:]:
-        full.update(load_file(str(part)))
-        part.unlink()
-    return save_adapter(model, lora_config(trainer.cfg), directory, trainer.cfg.model.path or "", full)
-
-
 def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     """Loss plot (rank 0) and a short generated sample, under the training layout (every rank runs it:
     tensor-parallel shards and ZeRO-3 units gather as in training; nothing is rebuilt whole on one rank).
@@ -439,7 +397,9 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     if mesh.rank == 0 and metrics.exists() and metrics.stat().st_size > 0:
         plot_loss(metrics, run_dir / "loss.png")
     if cfg.lora.rank > 0:
-        adapter = _save_adapter(trainer, run_dir / "adapter")
+        from zerotron.finetune.sft import save_run_adapter
+
+        adapter = save_run_adapter(trainer, run_dir / "adapter")
         if adapter is not None:
             out["adapter"] = str(adapter)
     if not isinstance(trainer.model, LlamaForCausalLM):  # this rank holds pipeline stages

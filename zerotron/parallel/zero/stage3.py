@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.tensor import attach_grad_sums
-from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads, tied_copy
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
 from zerotron.parallel.zero.offload import ShardStore
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
@@ -43,6 +43,7 @@ from zerotron.parallel.zero.optim_state import (
     offloaded_optimizer_bytes,
     optimizer_state_bytes,
 )
+from zerotron.parallel.zero.units import plan_units
 
 
 class _Unit:
@@ -202,75 +203,6 @@ def _materialize_range(layout: FlatLayout, flat: torch.Tensor, fill: Fill, whole
     return shard
 
 
-def _one_group(named: list[tuple[str, nn.Parameter]], group_of: Callable[[str], Group]) -> Group:
-    """The reduction group that every parameter of one module shares (a unit is sharded over one)."""
-    groups = {id(group_of(name)): group_of(name) for name, _ in named}
-    if len(groups) > 1:
-        labels = sorted(g.label for g in groups.values())
-        raise ValueError(
-            f"ZeRO-3: the parameters of one module ({named[0][0]} …) reduce over different groups "
-            f"({', '.join(labels)}); give the parameters of each group a module of their own"
-        )
-    return next(iter(groups.values()))
-
-
-def _roots(model: nn.Module) -> list[nn.Module]:
-    """The modules whose forward the caller runs: the model, or a pipeline rank's chunks."""
-    chunks = getattr(model, "chunks", None)
-    return list(chunks) if chunks else [model]
-
-
-def _units(model: nn.Module, own: Sequence[nn.Module] = ()) -> list[list[nn.Module]]:
-    """Per root, in forward order for a sequential model registered in that order: the root, then the
-    modules of ``own`` inside it (a tied copy's module: a unit of its own) and every child of every
-    ModuleList, by registration order."""
-    out = []
-    for root in _roots(model):
-        position = {id(m): i for i, m in enumerate(root.modules())}  # registration order = forward order
-        blocks = [m for lst in root.modules() if isinstance(lst, nn.ModuleList) for m in lst]
-        inner = sorted([*(m for m in own if id(m) in position), *blocks], key=lambda m: position[id(m)])
-        out.append([root, *inner])
-    return out
-
-
-Run = tuple[Optional[nn.Module], FlatLayout, bool]  # (module or None: persistent, layout, frozen)
-
-
-def _plan_units(
-    model: nn.Module, group_of: Callable[[str], Group], persist_numel: int
-) -> tuple[list[list[nn.Module]], list[Run]]:
-    """The unit modules per root and the flat layouts in forward order: per module its trainable
-    parameters, then its frozen ones in a unit of their own (gathered for use, never reduced), then
-    the small trainable parameters that stay whole (one persistent unit per group)."""
-    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
-    taken: set[int] = set()
-    small: list[tuple[str, nn.Parameter]] = []
-    runs: list[Run] = []
-    tied = tied_copy(model)
-    own = [m for m in model.modules() if any(p is tied for p in m.parameters(recurse=False))]
-    per_root = _units(model, own)
-    for module in reversed([m for units in per_root for m in units]):  # blocks claim theirs first
-        named: list[tuple[str, nn.Parameter]] = []
-        frozen: list[tuple[str, nn.Parameter]] = []
-        for p in module.parameters():
-            if id(p) in taken:
-                continue
-            taken.add(id(p))
-            if not p.requires_grad:
-                frozen.append((names[id(p)], p))
-            else:
-                (small if p.numel() < persist_numel and p is not tied else named).append((names[id(p)], p))
-        if frozen:
-            runs.insert(0, (module, FlatLayout(frozen, _one_group(frozen, group_of)), True))
-        if named:
-            runs.insert(0, (module, FlatLayout(named, _one_group(named, group_of)), False))
-    by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
-    for name, p in small:
-        by_group.setdefault(id(group_of(name)), []).append((name, p))
-    runs += [(None, FlatLayout(run, group_of(run[0][0])), False) for run in by_group.values()]
-    return per_root, runs
-
-
 class ZeroStage3:
     """ZeRO-3 over ``group`` for any ``nn.Module`` (see the module docstring).
 
@@ -309,7 +241,7 @@ class ZeroStage3:
         self.reshard_after_forward = reshard_after_forward
         self.offload_params = offload_params
         group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
-        per_root, runs = _plan_units(model, group_of, persist_numel)
+        per_root, runs = plan_units(model, group_of, persist_numel)
         rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
         if offload_params != "none" and any(frozen for _, _, frozen in runs):
             raise ValueError("ZeRO-3 parameter offload of frozen (adapter-trained) models is not built yet")
