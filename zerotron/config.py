@@ -212,6 +212,11 @@ class DataConfig:
     )
 
 
+# lora.target_modules that is a list of module-name suffixes joined by commas (anything else but
+# "all-linear" is a regular expression over the Hugging Face module names)
+LORA_NAME_LIST = r"[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*"
+
+
 @dataclass
 class LoraSection:
     """LoRA adapters (PEFT's settings); lora.rank=0 trains every weight."""

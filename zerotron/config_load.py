@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from zerotron import layout
-from zerotron.config import SECTIONS, Config, ModelConfig
+from zerotron.config import LORA_NAME_LIST, SECTIONS, Config, ModelConfig
 from zerotron.presets import PRESETS
 
 
@@ -523,9 +523,7 @@ def _check_finetune(cfg: Config) -> None:
             "(QDoRA) or a tensor-parallel model is not built yet; use lora.base_bits=0 and parallel.tp=1, "
             "or plain LoRA"
         )
-    if lo.target_modules != "all-linear" and not re.fullmatch(
-        r"[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*", lo.target_modules
-    ):
+    if lo.target_modules != "all-linear" and not re.fullmatch(LORA_NAME_LIST, lo.target_modules):
         try:
             re.compile(lo.target_modules)
         except re.error as e:

@@ -21,7 +21,7 @@ from torch import nn
 
 from zerotron.checkpoint import store
 from zerotron.checkpoint.async_save import CheckpointWriter
-from zerotron.config import Config
+from zerotron.config import LORA_NAME_LIST, Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
@@ -97,9 +97,7 @@ def lora_config(cfg: Config) -> LoraConfig:
     """The ``lora.*`` section as the adapters' settings (a comma-joined name list becomes a list)."""
     lo = cfg.lora
     targets: str | list[str] = lo.target_modules
-    if lo.target_modules != "all-linear" and re.fullmatch(
-        r"[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*", lo.target_modules
-    ):
+    if lo.target_modules != "all-linear" and re.fullmatch(LORA_NAME_LIST, lo.target_modules):
         targets = lo.target_modules.split(",")
     return LoraConfig(
         rank=lo.rank,
