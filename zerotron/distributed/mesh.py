@@ -195,6 +195,8 @@ class Mesh:
                 "ParallelDims.build needs torch.distributed initialised (zerotron.distributed.init_distributed)"
             )
         backend = str(dist.get_backend()) if initialised else ""
+        self.backend = backend
+        self._split: dict[tuple[str, int], tuple[Group, Group]] = {}
         created: dict[tuple[int, ...], Any] = {}
         # Every rank walks the same axes and groups in the same order: new_group is collective.
         for axis in AXES:
@@ -223,6 +225,37 @@ class Mesh:
             return self._groups[axis]
         except KeyError:
             raise MeshError(f"unknown mesh axis {axis!r}; choose one of {', '.join(AXES)}") from None
+
+    def split(self, axis: str, inner: int, names: tuple[str, str]) -> tuple[Group, Group]:
+        """Split every group of ``axis`` into blocks of ``inner`` consecutive ranks (the first group
+        returned, named ``names[0]``) and the ranks at the same place of each block (the second, named
+        ``names[1]``): context parallelism's Ulysses groups inside a node and its ring across nodes.
+        Collective the first time (every rank calls it with the same arguments); cached after."""
+        key = (axis, inner)
+        if key in self._split:
+            return self._split[key]
+        whole = self.dims.group_ranks(axis)
+        if inner < 1 or len(whole[0]) % inner:
+            raise MeshError(f"{inner} does not divide the {axis} degree {len(whole[0])}; choose a divisor of it")
+        blocks = [g[i : i + inner] for g in whole for i in range(0, len(g), inner)]
+        strided = [g[j::inner] for g in whole for j in range(inner)]
+        mine: list[Group] = []
+        existing = {tuple(g) for g in whole}
+        for name, lists in zip(names, (blocks, strided)):
+            for ranks in lists:
+                key_ranks = tuple(ranks)
+                if key_ranks in existing:  # an axis group itself (same decision on every rank): reuse it
+                    pg = self._groups[axis].pg if self.rank in key_ranks else None
+                elif len(key_ranks) > 1:
+                    pg = dist.new_group(list(key_ranks))
+                else:
+                    pg = None
+                if self.rank in key_ranks:
+                    mine.append(
+                        Group(name, key_ranks, pg, self.stats, self.rank, self.backend if pg is not None else "")
+                    )
+        self._split[key] = (mine[0], mine[1])
+        return mine[0], mine[1]
 
     def __repr__(self) -> str:
         d = self.dims

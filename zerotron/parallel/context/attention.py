@@ -1,0 +1,212 @@
+"""Context-parallel attention: ring, Ulysses all-to-all, all-gather and hybrid (``parallel.cp_comm``).
+
+Each rank holds the zig-zag chunks of the sequence (:mod:`.split`) and its q/k/v (b, heads, n, d) for
+them; every mode returns this rank's attention output, equal to the single process's causal attention
+over the whole sequence (:func:`~.blocks.reference_attention`) on the rank's tokens.
+
+- ``ring``: K/V blocks go round the ring of ``cp`` ranks with point-to-point sends posted before the
+  current block's attention (overlapped), partial outputs merged by log-sum-exp; in backward the K/V
+  blocks go round again with their dK/dV accumulators, which arrive home after a full circle.
+- ``ulysses``: all-to-all from sequence-split to head-split q/k/v (``cp`` divides the query heads;
+  KV heads are split when ``cp`` divides them, else repeated per query head first), attention over the
+  whole sequence, all-to-all back (DeepSpeed-Ulysses).
+- ``allgather``: K/V all-gathered over ``cp`` (reduce-scattered in backward), local queries attend.
+- ``hybrid``: Ulysses inside groups of ``parallel.cp_ulysses_size`` consecutive ranks (a node), ring
+  across the groups; ``ring`` and ``ulysses`` are its two ends.
+
+Every transfer goes through :mod:`zerotron.distributed.collectives` (counted under the group's axis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
+from zerotron.parallel.context.blocks import block_backward, block_forward, merge
+from zerotron.parallel.context.split import Runs
+from zerotron.parallel.tensor_comm import gather_from_sequence
+
+MODES = ("ring", "ulysses", "allgather", "hybrid")
+
+
+def _pass_on(t: torch.Tensor, ring: Group) -> Callable[[], torch.Tensor]:
+    """Post the send of ``t`` to the next ring member and the receive from the previous one; the
+    returned wait gives the received tensor."""
+    me, n = ring.rank_in_group, ring.size
+    buf = torch.empty_like(t)
+    sent = collectives.send(t, ring.ranks[(me + 1) % n], ring, async_op=True)
+    got = collectives.recv(buf, ring.ranks[(me - 1) % n], ring, async_op=True)
+
+    def wait() -> torch.Tensor:
+        assert sent is not None and got is not None
+        sent.wait()
+        got.wait()
+        return buf
+
+    return wait
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention of local queries to the K/V of every ring member, passed round the ring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: Optional[Group],
+        q_runs: Runs,
+        kv_runs: Sequence[Runs],
+        documents: Optional[torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        n = 1 if ring is None else ring.size
+        me = 0 if ring is None else ring.rank_in_group
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(n):
+            wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None  # overlapped
+            o, lb = block_forward(q, kv[0], kv[1], q_runs, kv_runs[(me - step) % n], documents, scale)
+            out, lse = merge(out, lse, o, lb)
+            if wait is not None:
+                kv = wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.q_runs, ctx.kv_runs, ctx.documents, ctx.scale = ring, q_runs, kv_runs, documents, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: Optional[Group] = ctx.ring
+        n = 1 if ring is None else ring.size
+        me = 0 if ring is None else ring.rank_in_group
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1)  # (b, h, n)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros_like(kv)  # the accumulators travel with their K/V block
+        for step in range(n):
+            wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None
+            src = (me - step) % n
+            dq_b, dk_b, dv_b = block_backward(
+                q, kv[0], kv[1], grad_out, lse, delta, ctx.q_runs, ctx.kv_runs[src], ctx.documents, ctx.scale
+            )
+            dq += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
+            if ring is not None and n > 1:
+                dkv = _pass_on(dkv, ring)()  # after n passes a block's gradient is back with its owner
+            if wait is not None:
+                kv = wait()
+        return dq, dkv[0], dkv[1], None, None, None, None, None
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """(b, H, n, d) sequence-split -> (b, H/u, u·n, d) head-split over ``group`` (all-to-all)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """(b, H/u, u·n, d) head-split -> (b, H, n, d) sequence-split over ``group`` (all-to-all)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Ulysses' first all-to-all (no autograd): every member's tokens, this member's head group."""
+    u = group.size
+    b, h, n, d = x.shape
+    send = x.reshape(b, u, h // u, n, d).transpose(0, 1).contiguous()  # (u, b, h/u, n, d): part j -> j
+    got = torch.empty_like(send)  # part i: member i's tokens of my head group
+    collectives.all_to_all(got, send, group)
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * n, d)
+
+
+def heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Ulysses' second all-to-all (no autograd), the inverse of :func:`seq_to_heads`."""
+    u = group.size
+    b, hu, un, d = x.shape
+    send = x.reshape(b, hu, u, un // u, d).permute(2, 0, 1, 3, 4).contiguous()  # part j: member j's tokens
+    got = torch.empty_like(send)  # part i: head group i of my tokens
+    collectives.all_to_all(got, send, group)
+    return got.transpose(0, 1).reshape(b, u * hu, un // u, d)
+
+
+def _kv_for_heads(k: torch.Tensor, heads: int, u: int) -> torch.Tensor:
+    """K or V ready for a head split in ``u``: as they are when ``u`` divides the KV heads, else
+    repeated per query head (each member then gets the KV heads of its query heads)."""
+    kvh = k.shape[1]
+    return k if kvh % u == 0 else k.repeat_interleave(heads // kvh, dim=1)
+
+
+class ContextGroups:
+    """This rank's context-parallel groups for one mode: the all-to-all group (the Ulysses part, size
+    ``u``) inside the ring of ``cp / u`` members, and the whole ``cp`` group (all-gather)."""
+
+    def __init__(self, mode: str, cp_group: Group, ulysses: Group, ring: Group) -> None:
+        if mode not in MODES:
+            raise ValueError(f"parallel.cp_comm: unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if ulysses.size * ring.size != cp_group.size:
+            raise ValueError(f"{ulysses.label} x {ring.label} do not make up {cp_group.label}")
+        self.mode, self.cp_group, self.ulysses, self.ring = mode, cp_group, ulysses, ring
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        runs: Sequence[Runs],
+        documents: Optional[torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """This rank's causal attention output (b, h, n, d) for its q (b, h, n, d) and k/v (b, kv_h, n,
+        d); ``runs[r]``: the global positions cp rank ``r`` holds; ``documents``: the whole rows' ids."""
+        me = self.cp_group.rank_in_group
+        if self.mode == "allgather":
+            k = gather_from_sequence(k, self.cp_group, dim=2)  # every rank's tokens, rank order
+            v = gather_from_sequence(v, self.cp_group, dim=2)
+            every = (sum(runs, ()),)
+            out: torch.Tensor = _RingAttention.apply(q, k, v, None, runs[me], every, documents, scale)
+            return out
+        u, heads = self.ulysses.size, q.shape[1]
+        # a ring member is a Ulysses group: the consecutive cp ranks g·u .. g·u+u-1, their runs in order
+        members = [sum(runs[g * u : (g + 1) * u], ()) for g in range(len(runs) // u)]
+        if u > 1:
+            q = _SeqToHeads.apply(q, self.ulysses)
+            k = _SeqToHeads.apply(_kv_for_heads(k, heads, u), self.ulysses)
+            v = _SeqToHeads.apply(_kv_for_heads(v, heads, u), self.ulysses)
+        ring = self.ring if self.ring.size > 1 else None
+        mine = members[self.ring.rank_in_group]
+        out = _RingAttention.apply(q, k, v, ring, mine, members, documents, scale)
+        return _HeadsToSeq.apply(out, self.ulysses) if u > 1 else out
+
+
+def context_groups(mesh: Any, mode: str, ulysses_size: int = 1) -> ContextGroups:
+    """The groups of ``mode`` on this rank's ``cp`` group of ``mesh`` (collective on first use:
+    every rank calls it alike). ``ulysses_size``: the all-to-all part of ``hybrid``."""
+    cp = mesh.group("cp")
+    u = {"ring": 1, "allgather": 1, "ulysses": cp.size}.get(mode, ulysses_size)
+    names = ("cp_ulysses", "cp_ring") if mode == "hybrid" else ("cp", "cp")
+    ulysses, ring = mesh.split("cp", u, names)
+    return ContextGroups(mode, cp, ulysses, ring)
