@@ -79,7 +79,7 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
         (["checkpoint.keep=0"], 1, "checkpoint.keep=0 must be >= 1"),
         (["parallel.dp=2", "parallel.tp=2"], 2, "or --nproc 4"),
         # not built yet: refused, never accepted and ignored
-        (["parallel.cp=2"], 2, "no context parallelism yet"),
+        (["parallel.cp=2", "parallel.cp_comm=ring2"], 2, "choose one of ring, ulysses, allgather, hybrid"),
         (["parallel.ep=2"], 2, "expert parallelism needs mixture-of-experts layers"),
         (["train.sample_every=5"], 1, "samples during training are not built"),
     ],

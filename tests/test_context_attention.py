@@ -80,3 +80,61 @@ def test_zigzag_split_round_trip_and_positions() -> None:
     assert torch.equal(parts[1][0], torch.tensor([4, 5, 6, 7, 16, 17, 18, 19]))
     with pytest.raises(ValueError, match="multiple of 2\\*parallel.cp = 6"):
         check_split(32, 3)
+
+
+def _deepspeed_body(seq: int, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    """Ulysses by DeepSpeed (contiguous sequence split, (s, b, h, d) layout) and by zerotron (zig-zag)
+    on the same q, k, v: each rank's outputs and input gradients, for the caller to reassemble."""
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = current_rank_and_world()
+    q, k, v, grad, _ = _inputs(heads, kv_heads, seq, documents=False)
+
+    def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # DeepSpeed hands (s, b, h/p, d); the single process's causal SDPA wants (b, h, s, d)
+        def bhsd(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(1, 2, 0, 3)
+
+        out = torch.nn.functional.scaled_dot_product_attention(
+            bhsd(q), bhsd(k), bhsd(v), is_causal=True, enable_gqa=q.shape[2] != k.shape[2]
+        )
+        return out.permute(2, 0, 1, 3)
+
+    part = seq // world
+    theirs = [
+        t[:, :, rank * part : (rank + 1) * part].permute(2, 0, 1, 3).detach().requires_grad_()
+        for t in (q, k, v)
+    ]
+    attention = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=0)
+    out_ds = attention(*theirs, 1)  # batch dim 1
+    out_ds.backward(grad[:, :, rank * part : (rank + 1) * part].permute(2, 0, 1, 3))
+
+    mesh = ParallelDims(world, dp=1, cp=world).build(rank)
+    mine = [shard(t, world, rank, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    runs = [runs_of(seq, world, r) for r in range(world)]
+    out = context_groups(mesh, "ulysses").attend(*mine, runs, None, 8**-0.5)
+    out.backward(shard(grad, world, rank, dim=2))
+
+    def back(t: torch.Tensor) -> torch.Tensor:  # (s, b, h, d) -> (b, h, s, d)
+        return t.detach().permute(1, 2, 0, 3)
+
+    result = {"ds_out": back(out_ds), "out": out.detach()}
+    for name, a, b in zip("qkv", theirs, mine):
+        assert a.grad is not None and b.grad is not None
+        result[f"ds_d{name}"], result[f"d{name}"] = back(a.grad), b.grad
+    return result
+
+
+def test_ulysses_equals_deepspeed_ulysses() -> None:
+    seq, cp = 32, 2
+    results = run_distributed(_deepspeed_body, cp, seq, 4, 2, timeout=180)
+    for key in ("out", "dq", "dk", "dv"):
+        ours = unshard([r[key] for r in results], dim=2)  # zig-zag parts -> the whole sequence
+        theirs = torch.cat([r[f"ds_{key}"] for r in results], dim=2)  # contiguous parts
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6 * float(theirs.abs().max()))

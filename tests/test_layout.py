@@ -83,11 +83,11 @@ def test_mesh_uses_the_same_degree_check() -> None:
 
 
 def test_models_the_trainer_has_not_built_are_well_formed_layouts() -> None:
-    """Context and expert parallelism are refused by the trainer alone: the layout is well formed."""
+    """Expert parallelism is refused by the trainer alone: the layout is well formed (context
+    parallelism is built: tests/test_context_train.py)."""
     cfg = load_config(None, [*BASE, "parallel.cp=2"])
     check(spec_of(cfg, 8))
-    with pytest.raises(ConfigError, match="no context parallelism yet"):
-        validate(cfg, 8)
+    validate(cfg, 8)
     moe = LayoutSpec(world=8, dp=8, ep=4, heads=4, kv_heads=4, layers=4, experts=8, top_k=2, global_batch=8)
     check(moe)
     with pytest.raises(LayoutError, match="the model has no experts"):

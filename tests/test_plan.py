@@ -194,7 +194,7 @@ def _cfg(*overrides: str):  # type: ignore[no-untyped-def]
             8,
             "to be a multiple of parallel.pp=2",
         ),
-        (["parallel.cp=3"], 3, "cp=3 does not divide train.seq_len=4096"),
+        (["parallel.cp=3"], 3, "train.seq_len=4096 is not a multiple of 2*parallel.cp = 6"),
     ],
 )
 def test_impossible_layouts_are_explained(overrides: list[str], gpus: int, expected: str) -> None:

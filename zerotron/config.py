@@ -103,7 +103,13 @@ class ParallelConfig:
     dp: int = _f(-1, "data-parallel degree; -1 means world_size / (tp*pp*cp)")
     tp: int = _f(1, "tensor-parallel degree (divides attention heads and KV heads)")
     pp: int = _f(1, "pipeline-parallel degree (divides layers)")
-    cp: int = _f(1, "context-parallel degree (divides seq_len)")
+    cp: int = _f(1, "context-parallel degree (2*cp divides seq_len: each rank holds two zig-zag chunks)")
+    cp_comm: str = _f(
+        "ring",
+        "context-parallel attention: ring (K/V passed round the ranks), ulysses (all-to-all to heads), "
+        "allgather (gather K/V) or hybrid (ulysses inside groups of cp_ulysses_size, ring across)",
+    )
+    cp_ulysses_size: int = _f(1, "cp_comm=hybrid: ranks of each all-to-all group (divides cp, 1 < size < cp)")
     ep: int = _f(1, "expert-parallel degree, folded over dp*cp")
     zero: int = _f(0, "ZeRO stage over dp: 0 (DDP), 1 (optimizer states), 2 (+grads), 3 (+params)")
     sequence_parallel: bool = _f(False, "shard LayerNorm/dropout activations over tp (Megatron SP)")

@@ -241,6 +241,7 @@ _POSITIVE = (
     "parallel.tp",
     "parallel.pp",
     "parallel.cp",
+    "parallel.cp_ulysses_size",
     "parallel.ep",
     "parallel.virtual_stages",
     "model.num_experts_per_tok",
@@ -389,11 +390,6 @@ def _check_zero(cfg: Config, world_size: int) -> None:
             "supported: the two copies' gradient shards are summed across the stages on the device; set "
             "parallel.offload_params=none or model.tie_word_embeddings=false"
         )
-    if p.zero > 0 and p.cp > 1:  # tp composes with ZeRO-1/2/3 (tests/test_tensor_parallel.py)
-        raise ConfigError(
-            f"parallel.zero={p.zero} with parallel.cp={p.cp} is not supported yet; "
-            "set parallel.zero=0 or parallel.cp=1"
-        )
     if "nvme" in (p.offload_optimizer, p.offload_params):
         _check_nvme_path(p.nvme_path)
     inner = p.pp * p.cp * p.tp
@@ -477,11 +473,6 @@ def _check_fault(cfg: Config) -> None:
 def _check_built(cfg: Config) -> None:
     """Settings the trainer does not implement yet are refused, never accepted and ignored."""
     p = cfg.parallel
-    if p.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp}: the trainer has no context parallelism yet (`zerotron plan` models it); "
-            "set parallel.cp=1"
-        )
     if p.ep > 1:
         raise ConfigError(
             f"parallel.ep={p.ep}: expert parallelism needs mixture-of-experts layers, which the trainer does "
@@ -544,6 +535,36 @@ def _check_finetune(cfg: Config) -> None:
         )
 
 
+CP_COMM = ("ring", "ulysses", "allgather", "hybrid")
+
+
+def _check_context(cfg: Config) -> None:
+    """Context parallelism: a known comm mode, and heads the all-to-all of ``ulysses``/``hybrid`` can
+    split (after tensor parallelism took its share); the even zig-zag split of the sequence is
+    :mod:`zerotron.layout`'s check (the planner's too)."""
+    p = cfg.parallel
+    if p.cp_comm not in CP_COMM:
+        raise ConfigError(f"parallel.cp_comm={p.cp_comm!r} is not a mode; choose one of {', '.join(CP_COMM)}")
+    if (
+        p.cp_comm == "hybrid"
+        and p.cp > 1
+        and not (1 < p.cp_ulysses_size < p.cp and p.cp % p.cp_ulysses_size == 0)
+    ):
+        raise ConfigError(
+            f"parallel.cp_comm=hybrid needs parallel.cp_ulysses_size between 1 and cp={p.cp}, dividing it "
+            f"(it is {p.cp_ulysses_size}); or use cp_comm=ring or ulysses"
+        )
+    if p.cp == 1:
+        return
+    u = {"ulysses": p.cp, "hybrid": p.cp_ulysses_size}.get(p.cp_comm, 1)
+    heads = cfg.model.num_attention_heads // p.tp
+    if heads % u:
+        raise ConfigError(
+            f"parallel.cp_comm={p.cp_comm} splits the {heads} query heads of each tp rank over {u} ranks, "
+            f"which does not divide them; use parallel.cp_comm=ring (or allgather), or a cp dividing {heads}"
+        )
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
     _check_packages(cfg)
@@ -554,3 +575,4 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_model(cfg)
     _check_zero(cfg, world_size)  # before the layout: an NVMe target without a directory is named first
     _check_layout(cfg, world_size)
+    _check_context(cfg)

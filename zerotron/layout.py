@@ -220,8 +220,12 @@ def _check_batch(spec: LayoutSpec) -> None:
             f"{per_rank} or train.global_batch to a multiple of {spec.dp * spec.micro_batch}"
         )
     check_schedule(spec.pp_schedule, spec.pp, spec.virtual_stages, per_rank // spec.micro_batch)
-    if spec.seq_len % spec.cp:
-        raise LayoutError(f"parallel.cp={spec.cp} does not divide train.seq_len={spec.seq_len}")
+    if spec.cp > 1 and spec.seq_len % (2 * spec.cp):  # the zig-zag split: two equal chunks per cp rank
+        fit = -(-spec.seq_len // (2 * spec.cp)) * 2 * spec.cp
+        raise LayoutError(
+            f"parallel.cp={spec.cp}: train.seq_len={spec.seq_len} is not a multiple of 2*parallel.cp = "
+            f"{2 * spec.cp} (each cp rank holds two equal zig-zag chunks); use train.seq_len={fit} or another cp"
+        )
 
 
 def _check_experts(spec: LayoutSpec) -> None:

@@ -236,7 +236,9 @@ class Mesh:
             return self._split[key]
         whole = self.dims.group_ranks(axis)
         if inner < 1 or len(whole[0]) % inner:
-            raise MeshError(f"{inner} does not divide the {axis} degree {len(whole[0])}; choose a divisor of it")
+            raise MeshError(
+                f"{inner} does not divide the {axis} degree {len(whole[0])}; choose a divisor of it"
+            )
         blocks = [g[i : i + inner] for g in whole for i in range(0, len(g), inner)]
         strided = [g[j::inner] for g in whole for j in range(inner)]
         mine: list[Group] = []
@@ -252,7 +254,9 @@ class Mesh:
                     pg = None
                 if self.rank in key_ranks:
                     mine.append(
-                        Group(name, key_ranks, pg, self.stats, self.rank, self.backend if pg is not None else "")
+                        Group(
+                            name, key_ranks, pg, self.stats, self.rank, self.backend if pg is not None else ""
+                        )
                     )
         self._split[key] = (mine[0], mine[1])
         return mine[0], mine[1]

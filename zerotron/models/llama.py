@@ -176,17 +176,33 @@ class KVCache:
         return out
 
 
-def document_attention(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed documents (b, s) -> (position ids restarting at each document (b, s), boolean mask
-    (b, 1, s, s): causal within a document, nothing across documents)."""
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Packed documents (b, s) -> position ids (b, s) restarting at 0 at each document's first token."""
     s = document_ids.shape[1]
     index = torch.arange(s, device=document_ids.device).expand_as(document_ids)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # each doc's start
+    return index - first
+
+
+def document_attention(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents (b, s) -> (position ids restarting at each document (b, s), boolean mask
+    (b, 1, s, s): causal within a document, nothing across documents)."""
+    s = document_ids.shape[1]
     same = document_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    return index - first, (same & causal)[:, None]
+    return document_positions(document_ids), (same & causal)[:, None]
+
+
+class SequenceSplit(Protocol):
+    """What a model whose tokens are split over ranks (context parallelism) needs of the split: the
+    global positions (s,) of this rank's ``s`` tokens of each row and the value its replaced attention
+    cores take in place of a mask (where every rank's tokens sit, the whole rows' document ids)."""
+
+    def prepare(
+        self, s: int, device: torch.device, document_ids: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Any]: ...
 
 
 class AttentionCore(nn.Module):
@@ -358,6 +374,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(cfg)
         self.sequence_shards = 1  # tp under sequence parallelism: hidden inputs are (b, s/t, h) shards
+        self.context: Optional[SequenceSplit] = None  # context parallelism: this rank's tokens of each row
         self.tie_weights()
 
     @property
@@ -404,6 +421,10 @@ class LlamaForCausalLM(nn.Module):
         own document, and positions restart at each document unless ``position_ids`` are given, so each
         document gets the logits it has alone.
 
+        Under context parallelism (:attr:`context`, set by
+        :func:`~zerotron.parallel.context.apply_context_parallel`) ``input_ids`` are this rank's zig-zag
+        tokens of each row, ``document_ids`` the whole rows' ids, and the positions come from the split.
+
         ``logits_to_keep=n > 0`` projects only the last n positions to the vocabulary (b, n, V): a
         prefill for generation needs just the last one. A pipeline stage takes hidden states instead
         of token ids when it has no embedding, and returns hidden states when it has no head.
@@ -415,8 +436,12 @@ class LlamaForCausalLM(nn.Module):
             x = input_ids  # hidden states from the previous stage
             b, s = x.shape[0], x.shape[1] * self.sequence_shards
         past = kv_cache.length if kv_cache is not None else 0
-        attn_mask = None
-        if document_ids is not None:
+        attn_mask: Any = None
+        if self.context is not None:  # s of the row's tokens; the whole rows' document ids
+            index, attn_mask = self.context.prepare(s, x.device, document_ids)
+            whole = index.expand(b, s) if document_ids is None else document_positions(document_ids)[:, index]
+            position_ids = whole if position_ids is None else position_ids
+        elif document_ids is not None:
             if kv_cache is not None:
                 raise ValueError("document_ids (packed documents) cannot be combined with a KV cache")
             doc_positions, attn_mask = document_attention(document_ids)

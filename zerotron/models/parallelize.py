@@ -6,7 +6,9 @@
    evenly; the padded rows get no probability and are neither counted nor saved).
 2. **Tensor (+ sequence) parallelism**: the Llama plan on every chunk (a pruned chunk skips the
    entries it does not hold).
-3. (Context and expert parallelism: not built yet; refused by the configuration check.)
+3. **Context parallelism**: each row's tokens split zig-zag over ``cp`` ranks, every block's attention
+   core replaced by the ``parallel.cp_comm`` one (:mod:`zerotron.parallel.context`).
+   (Expert parallelism: not built yet; refused by the configuration check.)
 4. **Activation recomputation** around the blocks.
 
 Everything happens on the meta device: no rank allocates what it will not hold. The caller then
@@ -25,6 +27,7 @@ from zerotron.config import Config
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel, meta_stages, stage_bounds
+from zerotron.parallel.context import apply_context_parallel, context_groups
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 
@@ -41,6 +44,10 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
         for chunk in chunks:
             apply_tensor_parallel(chunk, plan, mesh.group("tp"), sp)
             chunk.sequence_shards = mesh.dims.tp if sp else 1
+    if mesh is not None and mesh.dims.cp > 1:
+        groups = context_groups(mesh, cfg.parallel.cp_comm, cfg.parallel.cp_ulysses_size)
+        for chunk in chunks:
+            apply_context_parallel(chunk, groups)
     one_stage = mesh is None or mesh.dims.pp == 1
     model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
     apply_recompute(model, cfg.train.recompute)

@@ -5,7 +5,8 @@ rank's box in it, the mesh axes that split it (``sharded``) and the axes over wh
 held more than once (``replicated``), and whether the tensor is a copy whose original lives elsewhere
 (the tied output head on the last pipeline stage, a copy of the first stage's embedding, saved and
 read under the embedding's name: ``source``), and the mesh axis whose ranks sum its gradient
-(``grad_axis``: ``dp`` for every dense parameter; an ``apply_*`` that gives some parameters another
+(``grad_axis``: ``dp`` for every dense parameter, ``dp_cp`` under context parallelism, whose ranks
+hold parts of the same rows; an ``apply_*`` that gives some parameters another
 group, such as expert parallelism's ``edp``, says so with :func:`set_grad_axis`). The records are
 derived from what the ``apply_*`` steps left on the model: tensor parallelism's shard specs, the
 pipeline's tied copy, the gradient axes, ZeRO's range of each flattened box (``flat``; the engine's
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from zerotron.distributed.mesh import Group
+from zerotron.parallel.context import is_context_parallel
 from zerotron.parallel.tensor import attach_grad_sums, shard_specs
 
 GRAD_AXES_ATTR = "grad_axes"  # on a module: {parameter name in the module: mesh axis reducing its gradient}
@@ -99,6 +101,7 @@ def placements(
     in parameters ``padded`` past the vocabulary, by name."""
     specs = shard_specs(model)
     axes = _grad_axes(model)
+    data_axis = "dp_cp" if is_context_parallel(model) else "dp"  # cp ranks hold parts of the same rows
     first = {id(p): name for name, p in model.named_parameters()}  # a tied alias shares its range
     out: dict[str, Placement] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -113,7 +116,7 @@ def placements(
             sharded=("tp",) if sharded else (),
             replicated=("tp",) if tp > 1 and not sharded else (),
             source=copy[1] if copy is not None and p is copy[0] else None,
-            grad_axis=axes.get(id(p), "dp"),
+            grad_axis=axes.get(id(p), data_axis),
             flat=None if ranges is None else ranges.get(first[id(p)], (0, 0)),
             local_shape=tuple(p.shape),
             real_rows=None if padded is None else padded.get(name),
@@ -143,10 +146,11 @@ def counts_in_norm(placement: Placement, coords: Mapping[str, int]) -> bool:
 
 
 def norm_axes(records: Mapping[str, Placement], sharded_states: bool) -> list[str]:
-    """The mesh axes whose ranks hold the other parts of the gradient norm, in reduction order: dp when
-    the optimizer sees shards (ZeRO), pp (stages hold different parameters; one rank without
+    """The mesh axes whose ranks hold the other parts of the gradient norm, in reduction order: the
+    data axes (dp, or dp_cp) when the optimizer sees shards (ZeRO), pp (stages hold different parameters; one rank without
     pipeline parallelism, where the sum is free), and every axis that splits a parameter."""
-    axes = ["dp", "pp"] if sharded_states else ["pp"]
+    data = sorted({r.grad_axis for r in records.values()})  # dp, or dp_cp under context parallelism
+    axes = [*data, "pp"] if sharded_states else ["pp"]
     for axis in sorted({a for r in records.values() for a in r.sharded}):
         axes.append(axis)
     return axes

@@ -24,6 +24,7 @@ from zerotron.config import Config
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
+from zerotron.parallel.context import shard_batch
 from zerotron.parallel.engine import GradientReducer
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
@@ -47,8 +48,9 @@ class PipelineStep:
         dp = mesh.group("dp").size
         m = micro_batches_per_step(cfg, dp)
         schedule = build_schedule(cfg.parallel.pp_schedule, mesh.dims.pp, m, cfg.parallel.virtual_stages)
-        shards = self.tp.size if cfg.parallel.sequence_parallel else 1
-        shape = (cfg.train.micro_batch, cfg.train.seq_len // shards, cfg.model.hidden_size)  # (b, s[/t], h)
+        self.cp = mesh.group("cp")
+        shards = (self.tp.size if cfg.parallel.sequence_parallel else 1) * self.cp.size
+        shape = (cfg.train.micro_batch, cfg.train.seq_len // shards, cfg.model.hidden_size)  # (b, s[/t/c], h)
         # The residual stream stays in the parameters' dtype under autocast (fp32 embedding + fp16 branches).
         dtype = next(model.parameters()).dtype
         self.runner = PipelineRunner(
@@ -81,6 +83,7 @@ class PipelineStep:
             with self.meter.forward(), autocast(device, t.precision):
                 yield
 
+        micro = [shard_batch(batch, self.cp.size, self.cp.rank_in_group) for batch in micro]  # under cp
         inputs = [batch[0].to(device) for batch in micro]
         labels = [batch[1].to(device) for batch in micro]
         documents = [batch[2].to(device) for batch in micro] if micro and len(micro[0]) > 2 else None

@@ -109,11 +109,12 @@ def _rank_pieces(
     holding the same box, the placement record's first holder writes it (``placement.writes``: tp
     rank 0 for a tensor replicated over tp); a copy (the tied head on the last
     pipeline stage) is not written: its source, the embedding, is, and every layout reads the head
-    from it. Context-parallel ranks > 0 write nothing.
+    from it. Context-parallel ranks are data-parallel ones for the model state: under ZeRO (which
+    shards over dp × cp) each writes its segments, without it those > 0 write nothing.
     """
     tensors: dict[str, torch.Tensor] = {}
     entries: list[dict[str, Any]] = []
-    if mesh.coords["cp"] != 0:
+    if mesh.coords["cp"] != 0 and zero is None:
         return tensors, entries
     records = model_placements(model, mesh.dims.tp, zero)
 
@@ -149,7 +150,7 @@ def _rank_pieces(
                 add(f"{seg.name}.{key}", "optimizer", seg.name, state[key].detach().reshape(-1), box, flat)
             if seg.start == 0:
                 add(f"{seg.name}.step", "optimizer", seg.name, torch.as_tensor(state["step"]).float(), ())
-    if mesh.coords["dp"] == 0:
+    if mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0:
         for name, t in model_tensors(model).items():
             if name not in covered:
                 add(name, "model", name, t.detach(), tuple(t.shape))

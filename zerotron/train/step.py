@@ -19,6 +19,7 @@ from torch import nn
 from zerotron.config import Config
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
+from zerotron.parallel.context import shard_batch
 from zerotron.parallel.engine import GradientReducer
 from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter
@@ -48,7 +49,7 @@ class MicroBatchStep:
         self, model: nn.Module, mesh: Mesh, cfg: Config, meter: ActivationMeter, reducer: GradientReducer
     ) -> None:
         self.model, self.cfg, self.meter, self.reducer = model, cfg, meter, reducer
-        self.tp = mesh.group("tp")
+        self.tp, self.cp = mesh.group("tp"), mesh.group("cp")
 
     def forward_backward(
         self, micro: MicroBatches, scale: float, device: torch.device, tokens: int | None = None
@@ -57,6 +58,7 @@ class MicroBatchStep:
         tokens_global = tokens or self.cfg.train.global_batch * self.cfg.train.seq_len
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
+            batch = shard_batch(batch, self.cp.size, self.cp.rank_in_group)  # this rank's tokens under cp
             inputs, labels = batch[0].to(device), batch[1].to(device)
             documents = batch[2].to(device) if len(batch) > 2 else None
             last = i == len(micro) - 1

@@ -333,7 +333,8 @@ class Trainer:
         norm = global_grad_norm(self.norm_params, self.norm_groups)
         overflow = not bool(torch.isfinite(norm))
         lr = lr_at(self.step, cfg)
-        collectives.all_reduce(loss_sum, self.dp_group, op="sum")  # the global loss, equal on every rank
+        # the global loss, equal on every rank (context-parallel ranks hold parts of the same rows)
+        collectives.all_reduce(loss_sum, self.mesh.group("dp_cp"), op="sum")
         bad = None
         if fp16:
             self.scaler.update(overflow)

@@ -20,7 +20,7 @@ Every transfer goes through :mod:`zerotron.distributed.collectives` (counted und
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -31,6 +31,11 @@ from zerotron.parallel.context.split import Runs
 from zerotron.parallel.tensor_comm import gather_from_sequence
 
 MODES = ("ring", "ulysses", "allgather", "hybrid")
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    """``fn.apply(*args)`` typed (torch leaves ``Function.apply`` unannotated)."""
+    return cast(torch.Tensor, fn.apply(*args))
 
 
 def _pass_on(t: torch.Tensor, ring: Group) -> Callable[[], torch.Tensor]:
@@ -54,7 +59,7 @@ class _RingAttention(torch.autograd.Function):
     """Attention of local queries to the K/V of every ring member, passed round the ring."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -81,7 +86,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         ring: Optional[Group] = ctx.ring
         n = 1 if ring is None else ring.size
@@ -111,12 +116,12 @@ class _SeqToHeads(torch.autograd.Function):
     """(b, H, n, d) sequence-split -> (b, H/u, u·n, d) head-split over ``group`` (all-to-all)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
         return seq_to_heads(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return heads_to_seq(grad.contiguous(), ctx.group), None
 
 
@@ -124,12 +129,12 @@ class _HeadsToSeq(torch.autograd.Function):
     """(b, H/u, u·n, d) head-split -> (b, H, n, d) sequence-split over ``group`` (all-to-all)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
         return heads_to_seq(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return seq_to_heads(grad.contiguous(), ctx.group), None
 
 
@@ -187,19 +192,19 @@ class ContextGroups:
             k = gather_from_sequence(k, self.cp_group, dim=2)  # every rank's tokens, rank order
             v = gather_from_sequence(v, self.cp_group, dim=2)
             every = (sum(runs, ()),)
-            out: torch.Tensor = _RingAttention.apply(q, k, v, None, runs[me], every, documents, scale)
+            out: torch.Tensor = _apply(_RingAttention, q, k, v, None, runs[me], every, documents, scale)
             return out
         u, heads = self.ulysses.size, q.shape[1]
         # a ring member is a Ulysses group: the consecutive cp ranks g·u .. g·u+u-1, their runs in order
         members = [sum(runs[g * u : (g + 1) * u], ()) for g in range(len(runs) // u)]
         if u > 1:
-            q = _SeqToHeads.apply(q, self.ulysses)
-            k = _SeqToHeads.apply(_kv_for_heads(k, heads, u), self.ulysses)
-            v = _SeqToHeads.apply(_kv_for_heads(v, heads, u), self.ulysses)
+            q = _apply(_SeqToHeads, q, self.ulysses)
+            k = _apply(_SeqToHeads, _kv_for_heads(k, heads, u), self.ulysses)
+            v = _apply(_SeqToHeads, _kv_for_heads(v, heads, u), self.ulysses)
         ring = self.ring if self.ring.size > 1 else None
         mine = members[self.ring.rank_in_group]
-        out = _RingAttention.apply(q, k, v, ring, mine, members, documents, scale)
-        return _HeadsToSeq.apply(out, self.ulysses) if u > 1 else out
+        out = _apply(_RingAttention, q, k, v, ring, mine, members, documents, scale)
+        return _apply(_HeadsToSeq, out, self.ulysses) if u > 1 else out
 
 
 def context_groups(mesh: Any, mode: str, ulysses_size: int = 1) -> ContextGroups:

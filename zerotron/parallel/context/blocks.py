@@ -38,7 +38,10 @@ def _visible(q_run: tuple[int, int], k_runs: Runs) -> list[tuple[int, int, int]]
 
 
 def _mask(
-    q_run: tuple[int, int], keys: list[tuple[int, int, int]], documents: Optional[torch.Tensor], device: torch.device
+    q_run: tuple[int, int],
+    keys: list[tuple[int, int, int]],
+    documents: Optional[torch.Tensor],
+    device: torch.device,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The (b|1, 1, n_q, n_k) mask of one query run against its visible keys (None: all visible),
     and the keys' index in the block."""
@@ -144,7 +147,9 @@ def block_backward(
         dp = torch.matmul(g_rows, v_sel.transpose(-1, -2)).view(p.shape)
         ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
         dq[:, :, rows] = torch.matmul(_grouped(ds, kvh), k_sel).view(q_rows.shape) * scale
-        dk.index_add_(2, index, torch.matmul(_grouped(ds, kvh).transpose(-1, -2), _grouped(q_rows, kvh)) * scale)
+        dk.index_add_(
+            2, index, torch.matmul(_grouped(ds, kvh).transpose(-1, -2), _grouped(q_rows, kvh)) * scale
+        )
     return dq, dk, dv
 
 
