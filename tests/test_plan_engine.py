@@ -6,7 +6,8 @@ a saved-tensors hook). The planner must predict the model states exactly and the
 5%, for every rank (each pipeline rank against its own stage). The matrix covers what the engine runs
 today: dp (plain DDP, zero=0), the four pipeline schedules, tensor parallelism with and without
 sequence parallelism, ZeRO-1/2/3, fp32/bf16/fp16, none/selective/full recomputation and optimizer / parameter
-offload to host or NVMe (the bytes off the device too); cp joins it when it lands.
+offload to host or NVMe (the bytes off the device too), and context parallelism in each comm mode,
+whose traffic (``comm_bytes`` on the cp groups) must equal the planner's count exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from zerotron.plan import PROFILES, plan_config
 from zerotron.plan.calibrate import calibrate, read_metrics
 from zerotron.plan.layout import from_config
 from zerotron.plan.planner import stage_memory
+from zerotron.plan.timing import context_parallel_bytes
 
 BASE = [
     "model.hidden_size=64",
@@ -122,6 +124,22 @@ LAYOUTS_2 += [  # tensor and sequence parallelism
 ]
 
 
+LAYOUTS_CP2 = [  # context parallelism (dp=1, cp=2)
+    ["parallel.dp=1", "parallel.cp=2"],
+    ["parallel.dp=1", "parallel.cp=2", "train.recompute=selective"],
+    ["parallel.dp=1", "parallel.cp=2", "parallel.cp_comm=ulysses"],
+    ["parallel.dp=1", "parallel.cp=2", "parallel.cp_comm=ulysses", "train.precision=bf16"],
+    ["parallel.dp=1", "parallel.cp=2", "parallel.cp_comm=allgather"],
+]
+LAYOUTS_CP4 = [
+    ["parallel.dp=1", "parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_ulysses_size=2"],
+    ["parallel.dp=1", "parallel.cp=4", "parallel.cp_comm=ulysses"],  # 2 KV heads < 4: repeated
+    ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "model.vocab_size=256", "train.precision=bf16"],
+    ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1", "train.micro_batch=1"],  # ZeRO shards over dp x cp
+    ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_comm=allgather"],
+]
+
+
 def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
     from zerotron.distributed.launch import current_rank_and_world
     from zerotron.distributed.mesh import ParallelDims
@@ -159,13 +177,30 @@ def _predict(overrides: list[str], world: int, rank: int) -> tuple[dict, float, 
     plan_config(cfg, PROFILES["cpu"], world)  # the layout passes every check
     m, layout, work = from_config(cfg, world)
     stage = (rank // (layout.tp * layout.cp)) % layout.pp
-    dp_rank = rank // (layout.tp * layout.cp * layout.pp)
+    dp_rank = (
+        rank // (layout.tp * layout.cp * layout.pp) * layout.cp + rank // layout.tp % layout.cp
+    )  # in dp x cp
     memory, detail, host, nvme = stage_memory(m, layout, work, "zerotron", stage, dp_rank=dp_rank)
     states = {k: memory[k] for k in ("params", "grads", "optimizer")}
     return states, memory["activations"], detail.get("grad_buckets", 0.0), {"host": host, "nvme": nvme}
 
 
-@pytest.mark.parametrize(("world", "layouts"), [(1, LAYOUTS_1), (2, LAYOUTS_2)], ids=["dp1", "dp2"])
+def _check_context_traffic(overrides: list[str], world: int, record: dict) -> None:
+    """The cp groups' bytes of one step equal the planner's per-block count x blocks x micro-batches."""
+    cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides])
+    m, layout, work = from_config(cfg, world)
+    per_block = context_parallel_bytes(m, layout, work)
+    blocks = m.layers * work.global_batch // (layout.dp * layout.micro_batch)
+    expected = {g: {op: n * blocks for op, n in ops.items()} for g, ops in per_block.items()}
+    measured = {g: ops for g, ops in record["comm_bytes"].items() if g.startswith("cp")}
+    assert measured == expected and (expected or layout.cp == 1), overrides
+
+
+@pytest.mark.parametrize(
+    ("world", "layouts"),
+    [(1, LAYOUTS_1), (2, LAYOUTS_2), (2, LAYOUTS_CP2), (4, LAYOUTS_CP4)],
+    ids=["dp1", "dp2", "cp2", "cp4"],
+)
 def test_plan_matches_engine(world: int, layouts: list[list[str]], tmp_path: Path) -> None:
     results = run_distributed(_engine, world, layouts, str(tmp_path), timeout=300)
     for rank, rank_records in enumerate(results):
@@ -175,6 +210,7 @@ def test_plan_matches_engine(world: int, layouts: list[list[str]], tmp_path: Pat
             measured = record.get("offloaded_state_bytes", {"host": {}, "nvme": {}})
             assert {p: float(sum(measured[p].values())) for p in ("host", "nvme")} == offloaded, overrides
             assert record["activation_bytes"] == pytest.approx(activations, rel=0.05), overrides
+            _check_context_traffic(overrides, world, record)
             if "parallel.zero" not in " ".join(overrides):
                 # The gradient buckets' flat copies alive at once (the planner's "grad_buckets" buffer).
                 assert record["bucket_bytes"] == buckets, overrides

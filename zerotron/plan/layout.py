@@ -27,6 +27,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_comm: str = "ring"  # ring, ulysses, allgather or hybrid (ulysses in groups of cp_ulysses_size)
+    cp_ulysses_size: int = 1
     ep: int = 1
     zero: int = 0
     micro_batch: int = 1
@@ -58,6 +60,8 @@ class Layout:
         if self.offload_optimizer != "none" or self.offload_params != "none":
             extra += f" off={self.offload_optimizer}/{self.offload_params}"
         ep = f" ep{self.ep}" if self.ep > 1 else ""
+        if self.cp > 1 and self.cp_comm != "ring":
+            extra += f" cp={self.cp_comm}" + (f"{self.cp_ulysses_size}" if self.cp_comm == "hybrid" else "")
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}{ep} z{self.zero} mb{self.micro_batch} "
             f"rc={self.recompute}{extra}"
@@ -98,6 +102,8 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         tp=p.tp,
         pp=p.pp,
         cp=p.cp,
+        cp_comm=p.cp_comm,
+        cp_ulysses_size=p.cp_ulysses_size,
         ep=p.ep,
         zero=p.zero,
         micro_batch=t.micro_batch,

@@ -308,6 +308,37 @@ def engine_layer_terms(
     return terms + moe_terms(m, b, s, precision)
 
 
+def context_terms(
+    m: ModelShape,
+    b: int,
+    s: int,
+    precision: str,
+    recompute: str,
+    tp: int,
+    cp: int,
+    cp_comm: str,
+    ulysses: int,
+) -> list[Term]:
+    """What context-parallel attention saves beyond the one-device core's q, k, v, output and
+    log-sum-exp (b micro-batch, s local tokens): ``ulysses``/``hybrid`` keep the output in head-split
+    form besides the output projection's input (and K/V repeated per query head when the all-to-all
+    group does not divide this tp rank's KV heads); ``allgather`` keeps the other cp − 1 ranks' K/V.
+    Nothing when the core is recomputed (its inputs are what is kept)."""
+    if cp == 1 or recompute != "none":
+        return []
+    t, a = b * s, _act_bytes(precision)
+    if cp_comm == "allgather":
+        return [Term("cp.gathered_kv", 2 * (cp - 1) * a * t * m.kv_width, "tp", m.kv_heads)]
+    u = cp if cp_comm == "ulysses" else ulysses if cp_comm == "hybrid" else 1
+    if u == 1:
+        return []
+    terms = [Term("cp.out_heads", a * t * m.q_width, "tp")]
+    if (m.kv_heads // min(tp, m.kv_heads)) % u:  # repeated: each query head's K/V saved
+        kv_local = m.kv_width / min(tp, m.kv_heads)
+        terms.append(Term("cp.kv_repeated", 2 * a * t * (m.q_width / tp - kv_local), "none"))
+    return terms
+
+
 def engine_first_stage_terms(m: ModelShape, b: int, s: int, tp: int) -> list[Term]:
     """The embedding's saved token ids (and, split by vocabulary, its mask of owned ids)."""
     terms = [_token_ids("embedding.ids", b, s, tp)]

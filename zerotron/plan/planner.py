@@ -92,9 +92,10 @@ def stage_memory(
     layers = rank_layers(m, layout, work)[stage]
     sp = stage_params(m, layout.tp, layout.pp, stage, layers, layout.ep)
     exact = None
-    if convention == "zerotron" and layout.zero >= 1 and layout.dp > 1 and not m.experts:
+    data = data_ranks(layout)
+    if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts:
         exact = _zero_states(
-            m, layout.tp, layout.pp, stage, layers, layout.zero, layout.dp, dp_rank, layout.bucket_mb
+            m, layout.tp, layout.pp, stage, layers, layout.zero, data, dp_rank, layout.bucket_mb
         )
     states = _model_states(m, layout, work, convention, sp, exact)
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
@@ -104,6 +105,13 @@ def stage_memory(
     memory = {**dev, "activations": acts, "buffers": buffers}
     memory["total"] = sum(memory.values())
     return memory, detail, sum(states["host"].values()), sum(states["nvme"].values())
+
+
+def data_ranks(layout: Layout) -> int:
+    """Ranks holding the same dense parameters, over which ZeRO shards them and their gradients are
+    reduced: dp·cp (context-parallel ranks hold parts of the same rows; Megatron's distributed
+    optimizer and the engine shard over both)."""
+    return layout.dp * layout.cp
 
 
 def expert_dp(layout: Layout) -> int:
@@ -122,7 +130,7 @@ def _model_states(
 ) -> dict[str, dict[str, float]]:
     """Model states of one rank by place; an MoE model's experts are sharded over :func:`expert_dp`."""
     offload = (layout.offload_optimizer, layout.offload_params)
-    dense = mem.StateLayout(layout.dp, layout.zero, *offload)
+    dense = mem.StateLayout(data_ranks(layout), layout.zero, *offload)
     if not sp.expert_elements:
         return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact)
     parts = [
@@ -179,6 +187,11 @@ def _activations(
     b, s = layout.micro_batch, work.seq_len // layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
     per_layer = _layer_bytes(m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep)
+    if convention == "zerotron":
+        cp_terms = mem.context_terms(
+            m, b, s, work.precision, layout.recompute, tp, layout.cp, layout.cp_comm, layout.cp_ulysses_size
+        )
+        per_layer += mem.split_bytes(cp_terms, tp, sp)
     every, first, last = _end_bytes(m, b, s, work.precision, tp, sp, convention, layout.pp)
     v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
     held = mem.inflight(layout.pp_schedule, layout.pp, micro_batches(layout, work), stage, v)
@@ -233,10 +246,10 @@ def _buffers(
 ) -> tuple[float, dict[str, float]]:
     pb, gb, _ = mem.state_bytes_per_element(convention, work.precision, layout.zero)
     detail: dict[str, float] = {}
-    if layout.dp > 1 and layout.zero == 0:
+    if data_ranks(layout) > 1 and layout.zero == 0:
         # The engine's buckets: every bucket's flat copy lives until the step's reduction finishes.
         detail["grad_buckets"] = float(elements * gb)
-    elif layout.dp > 1 and layout.zero in (1, 2):
+    elif data_ranks(layout) > 1 and layout.zero in (1, 2):
         # Two reduce-scatter buckets in flight (one filling, one reducing), at most the whole gradient.
         detail["grad_buckets"] = min(2.0 * layout.bucket_mb * 2**20, float(elements * gb))
     if layout.zero == 3:
@@ -323,11 +336,18 @@ def step_times(
     sp = max(stages, key=lambda st: st.elements)
     dense = sp.elements - sp.expert_elements
     times.update(
-        timing.data_parallel_time(
-            layout, hw, dense, grad_wire, param_wire, t_compute, n_mb, max(1, sp.layers)
-        )
+        timing.data_parallel_time(  # cp folded into the data-parallel group (dp·cp ranks)
+            replace(layout, dp=data_ranks(layout), cp=1),
+            hw,
+            dense,
+            grad_wire,
+            param_wire,
+            t_compute,
+            n_mb,
+            max(1, sp.layers),
+        )  # fmt: skip
     )
-    shard = -(-dense // layout.dp) if layout.zero >= 1 else dense
+    shard = -(-dense // data_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
         edp = expert_dp(layout)
         expert_times = timing.data_parallel_time(

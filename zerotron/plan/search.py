@@ -48,7 +48,7 @@ def _divisors(n: int, limit: int) -> list[int]:
 def _degrees(m: ModelShape, work: Workload, hw: Hardware, gpus: int) -> Iterator[tuple[int, int, int, int]]:
     heads = math.gcd(m.heads, m.kv_heads)
     for tp in _divisors(heads, min(hw.gpus_per_node, gpus)):
-        for cp in (c for c in (1, 2, 4, 8) if c <= MAX_CP and work.seq_len % c == 0):
+        for cp in (c for c in (1, 2, 4, 8) if c <= MAX_CP and (c == 1 or work.seq_len % (2 * c) == 0)):
             for pp in range(1, min(m.layers, gpus) + 1):  # stages need not be equal (balanced by FLOPs)
                 inner = tp * cp * pp
                 if gpus % inner:

@@ -193,16 +193,81 @@ def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
     return count * per * layers
 
 
-def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
-    """Exposed ring-attention K/V exchange of one micro-batch (hidden under the attention core)."""
+def _cp_groups(layout: Layout) -> tuple[int, int]:
+    """(all-to-all group size, ring size) of the layout's ``cp_comm``."""
+    u = {"ring": 1, "allgather": 1, "ulysses": layout.cp}.get(layout.cp_comm, layout.cp_ulysses_size)
+    return u, layout.cp // u
+
+
+def context_parallel_calls(
+    m: ModelShape, layout: Layout, work: Workload
+) -> list[tuple[str, str, float, int]]:
+    """Every context-parallel transfer of one block's forward and backward on one rank, as (group,
+    op, bytes of the buffer, group size) — the engine's calls (:mod:`zerotron.parallel.context`):
+    K/V travel in the compute dtype, their gradients round the ring in fp32; ulysses moves q, k, v and
+    the output each way; allgather gathers K/V and reduce-scatters their gradients. Recomputing the core
+    (selective or full) runs its forward transfers again in backward."""
     if layout.cp == 1:
-        return 0.0
+        return []
     a = _ACT_BYTES[work.precision]
-    kv = layout.micro_batch * work.seq_len / layout.cp * 2 * m.kv_width / layout.tp * a
-    step = collective_time("send", kv, layout.cp, layout.tp, hw)
-    comm = 3 * (layout.cp - 1) * step  # forward ring + backward ring of K/V and their gradients
+    t = layout.micro_batch * work.seq_len / layout.cp  # this rank's tokens
+    kvh_local = max(1, m.kv_heads // layout.tp)
+    q, kv = m.q_width / layout.tp, m.kv_width / min(layout.tp, m.kv_heads)
+    forwards = 2 if layout.recompute in ("selective", "full") else 1
+    if layout.cp_comm == "allgather":
+        gathered = layout.cp * t * kv * a
+        gather, scatter = (
+            ("cp", "all_gather", gathered, layout.cp),
+            ("cp", "reduce_scatter", gathered, layout.cp),
+        )
+        return [gather] * 2 * forwards + [scatter] * 2
+    u, r = _cp_groups(layout)
+    a2a, ring = ("cp_ulysses", "cp_ring") if layout.cp_comm == "hybrid" else ("cp", "cp")
+    calls: list[tuple[str, str, float, int]] = []
+    if u > 1:
+        kv_sent = kv if kvh_local % u == 0 else q  # repeated per query head when u does not divide them
+        one_way = [(a2a, "all_to_all", t * w * a, u) for w in (q, kv_sent, kv_sent)]
+        back = [(a2a, "all_to_all", t * q * a, u)]
+        calls += (one_way + back) * forwards + (back + one_way)  # backward: dO in, dq/dk/dv out
+        kv = kv_sent / u
+        t *= u
+    if r > 1:
+        block = 2 * t * kv
+        passes = [(ring, op, block * a, r) for op in ("send", "recv")] * (r - 1)
+        grads = [(ring, op, block * 4, r) for op in ("send", "recv")] * r
+        calls += passes * (forwards + 1) + grads
+    return calls
+
+
+def context_parallel_bytes(m: ModelShape, layout: Layout, work: Workload) -> dict[str, dict[str, int]]:
+    """Bytes one block's forward and backward count on one rank, by group and op (the engine's
+    ``comm_bytes`` convention of :mod:`zerotron.distributed.collectives`, floored per call)."""
+    out: dict[str, dict[str, int]] = {}
+    for group, op, nbytes, size in context_parallel_calls(m, layout, work):
+        counted = int(nbytes) if op in ("send", "recv") else int(nbytes) * (size - 1) // size
+        out.setdefault(group, {}).setdefault(op, 0)
+        out[group][op] += counted
+    return out
+
+
+def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
+    """Exposed context-parallel communication of one micro-batch: the ring's point-to-point passes
+    hide under the attention they run beside (three attention passes' worth, forward and backward);
+    all-to-all, all-gather and reduce-scatter wait for their results (not overlapped)."""
+    stride = strides(layout)["cp"]
+    u, _ = _cp_groups(layout)
+    ring_s, other_s = 0.0, 0.0
+    for _group, op, nbytes, size in context_parallel_calls(m, layout, work):
+        if op == "recv":
+            continue  # a pass is one send and its receive
+        if op == "send":
+            ring_s += collective_time("send", nbytes, size, stride * u, hw)
+        elif op == "all_to_all":
+            other_s += all_to_all_time(nbytes, size, stride, hw)
+        else:
+            other_s += collective_time(op, nbytes, size, stride, hw)
     attn = _cover(hw, 3.0 * attention_seconds(m, layout, work, hw, flash=True))
-    return max(0.0, comm - attn) * layers
+    return (max(0.0, ring_s - attn) + other_s) * layers
 
 
 def all_to_all_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:

@@ -52,7 +52,10 @@ class ContextSplit:
 
 
 class ContextAttentionCore(nn.Module):
-    """softmax(QKᵀ/√d)V over the whole sequence for this rank's queries, by ``parallel.cp_comm``."""
+    """softmax(QKᵀ/√d)V over the whole sequence for this rank's queries, by ``parallel.cp_comm``.
+
+    Under autocast q/k/v enter (and are sent) in the compute dtype, as SDPA takes them; the scores,
+    log-sum-exp, merges and gradient accumulators are fp32 (the flash kernels' accumulation)."""
 
     def __init__(self, groups: ContextGroups) -> None:
         super().__init__()
@@ -64,6 +67,9 @@ class ContextAttentionCore(nn.Module):
         """q (b, h, s, d), k/v (b, kv_h, s, d) of this rank's tokens -> (b, h, s, d)."""
         if not isinstance(attn_mask, ContextBatch):
             raise TypeError("a context-parallel attention core needs the model's ContextBatch as its mask")
+        kind = q.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # autocast's compute dtype, as SDPA's
         return self.groups.attend(q, k, v, attn_mask.runs, attn_mask.documents, q.shape[-1] ** -0.5)
 
 

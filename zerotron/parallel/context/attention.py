@@ -72,15 +72,19 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         n = 1 if ring is None else ring.size
         me = 0 if ring is None else ring.rank_in_group
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(n):
-            wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None  # overlapped
-            o, lb = block_forward(q, kv[0], kv[1], q_runs, kv_runs[(me - step) % n], documents, scale)
-            out, lse = merge(out, lse, o, lb)
-            if wait is not None:
-                kv = wait()
+        with torch.autocast(q.device.type, enabled=False):  # fp32 math; K/V travel in their own dtype
+            out = torch.zeros_like(q, dtype=torch.float32)  # q's strides: o_proj reads it as a view
+            lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+            kv = torch.stack([k, v]).contiguous()
+            q32 = q.float()
+            for step in range(n):
+                wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None  # overlapped
+                src = kv_runs[(me - step) % n]
+                o, lb = block_forward(q32, kv[0].float(), kv[1].float(), q_runs, src, documents, scale)
+                out, lse = merge(out, lse, o, lb)
+                if wait is not None:
+                    kv = wait()
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.q_runs, ctx.kv_runs, ctx.documents, ctx.scale = ring, q_runs, kv_runs, documents, scale
         return out
@@ -91,25 +95,35 @@ class _RingAttention(torch.autograd.Function):
         ring: Optional[Group] = ctx.ring
         n = 1 if ring is None else ring.size
         me = 0 if ring is None else ring.rank_in_group
-        grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1)  # (b, h, n)
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv)  # the accumulators travel with their K/V block
-        for step in range(n):
-            wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None
-            src = (me - step) % n
-            dq_b, dk_b, dv_b = block_backward(
-                q, kv[0], kv[1], grad_out, lse, delta, ctx.q_runs, ctx.kv_runs[src], ctx.documents, ctx.scale
-            )
-            dq += dq_b
-            dkv[0] += dk_b
-            dkv[1] += dv_b
-            if ring is not None and n > 1:
-                dkv = _pass_on(dkv, ring)()  # after n passes a block's gradient is back with its owner
-            if wait is not None:
-                kv = wait()
-        return dq, dkv[0], dkv[1], None, None, None, None, None
+        with torch.autocast(q.device.type, enabled=False):
+            grad_out, q32 = grad_out.float().contiguous(), q.float()
+            delta = (grad_out * out.float()).sum(-1)  # (b, h, n)
+            dq = torch.zeros_like(q32)
+            kv = torch.stack([k, v]).contiguous()
+            dkv = torch.zeros_like(kv, dtype=torch.float32)  # fp32 accumulators travel with their block
+            for step in range(n):
+                wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None
+                src = ctx.kv_runs[(me - step) % n]
+                dq_b, dk_b, dv_b = block_backward(
+                    q32,
+                    kv[0].float(),
+                    kv[1].float(),
+                    grad_out,
+                    lse,
+                    delta,
+                    ctx.q_runs,
+                    src,
+                    ctx.documents,
+                    ctx.scale,
+                )
+                dq += dq_b
+                dkv[0] += dk_b
+                dkv[1] += dv_b
+                if ring is not None and n > 1:
+                    dkv = _pass_on(dkv, ring)()  # after n passes a block's gradient is back with its owner
+                if wait is not None:
+                    kv = wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -155,7 +169,9 @@ def heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     send = x.reshape(b, hu, u, un // u, d).permute(2, 0, 1, 3, 4).contiguous()  # part j: member j's tokens
     got = torch.empty_like(send)  # part i: head group i of my tokens
     collectives.all_to_all(got, send, group)
-    return got.transpose(0, 1).reshape(b, u * hu, un // u, d)
+    # laid out (b, n, h, d) in memory, as a transposed projection: the output projection reads a view
+    tokens_major = got.permute(1, 3, 0, 2, 4).contiguous()  # (b, n, u, h/u, d)
+    return tokens_major.reshape(b, un // u, u * hu, d).transpose(1, 2)
 
 
 def _kv_for_heads(k: torch.Tensor, heads: int, u: int) -> torch.Tensor:
