@@ -535,36 +535,6 @@ def _check_finetune(cfg: Config) -> None:
         )
 
 
-CP_COMM = ("ring", "ulysses", "allgather", "hybrid")
-
-
-def _check_context(cfg: Config) -> None:
-    """Context parallelism: a known comm mode, and heads the all-to-all of ``ulysses``/``hybrid`` can
-    split (after tensor parallelism took its share); the even zig-zag split of the sequence is
-    :mod:`zerotron.layout`'s check (the planner's too)."""
-    p = cfg.parallel
-    if p.cp_comm not in CP_COMM:
-        raise ConfigError(f"parallel.cp_comm={p.cp_comm!r} is not a mode; choose one of {', '.join(CP_COMM)}")
-    if (
-        p.cp_comm == "hybrid"
-        and p.cp > 1
-        and not (1 < p.cp_ulysses_size < p.cp and p.cp % p.cp_ulysses_size == 0)
-    ):
-        raise ConfigError(
-            f"parallel.cp_comm=hybrid needs parallel.cp_ulysses_size between 1 and cp={p.cp}, dividing it "
-            f"(it is {p.cp_ulysses_size}); or use cp_comm=ring or ulysses"
-        )
-    if p.cp == 1:
-        return
-    u = {"ulysses": p.cp, "hybrid": p.cp_ulysses_size}.get(p.cp_comm, 1)
-    heads = cfg.model.num_attention_heads // p.tp
-    if heads % u:
-        raise ConfigError(
-            f"parallel.cp_comm={p.cp_comm} splits the {heads} query heads of each tp rank over {u} ranks, "
-            f"which does not divide them; use parallel.cp_comm=ring (or allgather), or a cp dividing {heads}"
-        )
-
-
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no data and no rank: raise :class:`ConfigError` on the first problem."""
     _check_packages(cfg)
@@ -575,4 +545,3 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_model(cfg)
     _check_zero(cfg, world_size)  # before the layout: an NVMe target without a directory is named first
     _check_layout(cfg, world_size)
-    _check_context(cfg)

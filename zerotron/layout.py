@@ -37,6 +37,8 @@ class LayoutSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_comm: str = "ring"
+    cp_ulysses_size: int = 1
     ep: int = 1
     zero: int = 0
     heads: int = 1
@@ -72,6 +74,8 @@ def spec_of(cfg: Config, world: int) -> LayoutSpec:
         tp=p.tp,
         pp=p.pp,
         cp=p.cp,
+        cp_comm=p.cp_comm,
+        cp_ulysses_size=p.cp_ulysses_size,
         ep=p.ep,
         zero=p.zero,
         heads=m.num_attention_heads,
@@ -103,6 +107,7 @@ def check(spec: LayoutSpec) -> None:
     _check_tensor(spec)
     _check_pipeline(spec)
     _check_batch(spec)
+    _check_context(spec)
     _check_experts(spec)
     _check_offload(spec)
 
@@ -225,6 +230,33 @@ def _check_batch(spec: LayoutSpec) -> None:
         raise LayoutError(
             f"parallel.cp={spec.cp}: train.seq_len={spec.seq_len} is not a multiple of 2*parallel.cp = "
             f"{2 * spec.cp} (each cp rank holds two equal zig-zag chunks); use train.seq_len={fit} or another cp"
+        )
+
+
+CP_COMM = ("ring", "ulysses", "allgather", "hybrid")
+
+
+def _check_context(spec: LayoutSpec) -> None:
+    """A known context-parallel mode, its hybrid group size, and query heads (each tp rank's) that the
+    all-to-all of ``ulysses``/``hybrid`` can split; KV heads it cannot split are repeated."""
+    if spec.cp_comm not in CP_COMM:
+        raise LayoutError(
+            f"parallel.cp_comm={spec.cp_comm!r} is not a mode; choose one of {', '.join(CP_COMM)}"
+        )
+    u = spec.cp_ulysses_size
+    if spec.cp_comm == "hybrid" and spec.cp > 1 and not (1 < u < spec.cp and spec.cp % u == 0):
+        raise LayoutError(
+            f"parallel.cp_comm=hybrid needs parallel.cp_ulysses_size between 1 and cp={spec.cp}, dividing it "
+            f"(it is {u}); or use cp_comm=ring or ulysses"
+        )
+    if spec.cp == 1:
+        return
+    split = {"ulysses": spec.cp, "hybrid": u}.get(spec.cp_comm, 1)
+    heads = spec.heads // spec.tp
+    if heads % split:
+        raise LayoutError(
+            f"parallel.cp_comm={spec.cp_comm} splits the {heads} query heads of each tp rank over {split} ranks, "
+            f"which does not divide them; use parallel.cp_comm=ring (or allgather), or a cp dividing {heads}"
         )
 
 

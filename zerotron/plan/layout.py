@@ -157,6 +157,8 @@ def spec(m: ModelShape, layout: Layout, work: Workload) -> shared.LayoutSpec:
         tp=layout.tp,
         pp=layout.pp,
         cp=layout.cp,
+        cp_comm=layout.cp_comm,
+        cp_ulysses_size=layout.cp_ulysses_size,
         ep=layout.ep,
         zero=layout.zero,
         heads=m.heads,

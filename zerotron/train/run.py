@@ -37,6 +37,7 @@ from zerotron.distributed.mesh import ParallelDims
 from zerotron.distributed.watchdog import Watchdog
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
+from zerotron.parallel.context import whole_sequences
 from zerotron.train import run_dir as run_dir_lock
 from zerotron.train.data import load_supervised, load_tokens, prepare_tokens
 from zerotron.train.fault import RankWatchdog
@@ -424,7 +425,7 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     model = trainer.model
     model.eval()
     tp = mesh.group("tp")
-    with torch.no_grad():
+    with torch.no_grad(), whole_sequences(model):  # every cp rank generates the same whole sequence
         result = generate(
             model,
             tokenizer,

@@ -11,6 +11,8 @@ The steps split each micro-batch's inputs and labels with :func:`shard_batch` (z
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -57,16 +59,19 @@ class ContextAttentionCore(nn.Module):
     Under autocast q/k/v enter (and are sent) in the compute dtype, as SDPA takes them; the scores,
     log-sum-exp, merges and gradient accumulators are fp32 (the flash kernels' accumulation)."""
 
-    def __init__(self, groups: ContextGroups) -> None:
+    def __init__(self, groups: ContextGroups, local: nn.Module) -> None:
         super().__init__()
         self.groups = groups
+        self.local = local  # the one-device core: whole sequences (generation after training)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None
     ) -> torch.Tensor:
-        """q (b, h, s, d), k/v (b, kv_h, s, d) of this rank's tokens -> (b, h, s, d)."""
+        """q (b, h, s, d), k/v (b, kv_h, s, d) of this rank's tokens -> (b, h, s, d); without the
+        model's :class:`ContextBatch` (:func:`whole_sequences`) the one-device core on whole ones."""
         if not isinstance(attn_mask, ContextBatch):
-            raise TypeError("a context-parallel attention core needs the model's ContextBatch as its mask")
+            out: torch.Tensor = self.local(q, k, v, attn_mask)
+            return out
         kind = q.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # autocast's compute dtype, as SDPA's
@@ -77,8 +82,20 @@ def apply_context_parallel(model: nn.Module, groups: ContextGroups) -> nn.Module
     """Split ``model``'s sequences over the cp group of ``groups`` (see the module docstring)."""
     setattr(model, CONTEXT_ATTR, ContextSplit(groups))
     for block in getattr(model, "layers", []):
-        block.self_attn.core = ContextAttentionCore(groups)
+        block.self_attn.core = ContextAttentionCore(groups, block.self_attn.core)
     return model
+
+
+@contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[None]:
+    """Run a context-parallel model on whole sequences on each rank (its parameters are whole on
+    every cp rank): generation, where the tokens come one by one."""
+    split = getattr(model, CONTEXT_ATTR, None)
+    setattr(model, CONTEXT_ATTR, None)
+    try:
+        yield
+    finally:
+        setattr(model, CONTEXT_ATTR, split)
 
 
 def is_context_parallel(model: nn.Module) -> bool:
@@ -106,4 +123,5 @@ __all__ = [
     "context_groups",
     "is_context_parallel",
     "shard_batch",
+    "whole_sequences",
 ]
