@@ -96,25 +96,16 @@ class _RingAttention(torch.autograd.Function):
         n = 1 if ring is None else ring.size
         me = 0 if ring is None else ring.rank_in_group
         with torch.autocast(q.device.type, enabled=False):
-            grad_out, q32 = grad_out.float().contiguous(), q.float()
-            delta = (grad_out * out.float()).sum(-1)  # (b, h, n)
+            grad_out, q32, out32 = grad_out.float().contiguous(), q.float(), out.float()
             dq = torch.zeros_like(q32)
             kv = torch.stack([k, v]).contiguous()
             dkv = torch.zeros_like(kv, dtype=torch.float32)  # fp32 accumulators travel with their block
             for step in range(n):
                 wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None
                 src = ctx.kv_runs[(me - step) % n]
+                k32, v32 = kv[0].float(), kv[1].float()
                 dq_b, dk_b, dv_b = block_backward(
-                    q32,
-                    kv[0].float(),
-                    kv[1].float(),
-                    grad_out,
-                    lse,
-                    delta,
-                    ctx.q_runs,
-                    src,
-                    ctx.documents,
-                    ctx.scale,
+                    q32, k32, v32, out32, grad_out, lse, ctx.q_runs, src, ctx.documents, ctx.scale
                 )
                 dq += dq_b
                 dkv[0] += dk_b

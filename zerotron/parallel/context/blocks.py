@@ -8,8 +8,10 @@ flash-attention backward: ``P = exp(S − lse)``, ``dS = P ∘ (dP − rowsum(dO
 
 Queries and keys are described by runs of global positions (:mod:`.split`). The mask is causal by
 position (a key is seen by the queries at or after it) and, for packed documents, within a document
-(``documents``: the whole row's ids, (b, S)). Work is skipped at run granularity: a query run never
-meets a key run that starts after it ends, and a key run wholly before it needs no causal mask.
+(``documents``: the whole row's ids, (b, S)). Work goes pair of runs by pair of runs: a query run never
+meets a key run that starts after it ends, a key run wholly before it needs no mask, and the same run
+is the causal diagonal; those two run on the fused flash kernel, anything under a document mask on
+plain matrix products (the masked scores of one pair are materialised).
 
 Grouped-query attention: query head ``i`` uses key/value head ``i // (h / kv_h)`` (SDPA's
 ``enable_gqa`` and Hugging Face's ``repeat_kv``); no key or value is copied per query head.
@@ -26,35 +28,49 @@ from zerotron.parallel.context.split import Runs, positions
 NEG_INF = float("-inf")
 
 
-def _visible(q_run: tuple[int, int], k_runs: Runs) -> list[tuple[int, int, int]]:
-    """(offset in the block, first position, length) of each key run a query run can see any of."""
-    out, offset = [], 0
-    last_query = q_run[0] + q_run[1] - 1
-    for start, n in k_runs:
-        if start <= last_query:
-            out.append((offset, start, n))
-        offset += n
+Pair = tuple[slice, tuple[int, int], slice, tuple[int, int], str]
+
+
+def _pairs(q_runs: Runs, k_runs: Runs) -> list[Pair]:
+    """(query rows, query run, key columns, key run, kind) of every run pair with a visible key; kind:
+    ``full`` (every key at or before every query), ``causal`` (the same positions: the diagonal) or
+    ``mask`` (anything else). A pair whose keys all come after its queries is skipped."""
+    out: list[Pair] = []
+    q_off = 0
+    for qs, ql in q_runs:
+        k_off = 0
+        for ks, kl in k_runs:
+            if ks <= qs + ql - 1:
+                kind = "full" if ks + kl - 1 <= qs else "causal" if (ks, kl) == (qs, ql) else "mask"
+                out.append((slice(q_off, q_off + ql), (qs, ql), slice(k_off, k_off + kl), (ks, kl), kind))
+            k_off += kl
+        q_off += ql
     return out
 
 
-def _mask(
-    q_run: tuple[int, int],
-    keys: list[tuple[int, int, int]],
-    documents: Optional[torch.Tensor],
-    device: torch.device,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The (b|1, 1, n_q, n_k) mask of one query run against its visible keys (None: all visible),
-    and the keys' index in the block."""
-    index = torch.cat([torch.arange(off, off + n, device=device) for off, _, n in keys])
-    kpos = torch.cat([torch.arange(s, s + n, device=device) for _, s, n in keys])
-    qpos = torch.arange(q_run[0], q_run[0] + q_run[1], device=device)
-    mask = None
-    if any(s + n - 1 > q_run[0] for _, s, n in keys):  # some key comes after some query: causal
-        mask = (kpos[None, :] <= qpos[:, None])[None, None]
+def _grouped_pairs(
+    pairs: list[Pair], device: torch.device
+) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Pairs under a mask, one entry per query run: its rows, the block columns of every key run it
+    sees (concatenated: one masked product, one normalisation), and the query and key positions."""
+    by_rows: dict[tuple[int, int], list[Pair]] = {}
+    for pair in pairs:
+        by_rows.setdefault((pair[0].start, pair[0].stop), []).append(pair)
+    out = []
+    for (start, stop), group in by_rows.items():
+        qs, ql = group[0][1]
+        cols = torch.cat([torch.arange(p[2].start, p[2].stop, device=device) for p in group])
+        kpos = torch.cat([torch.arange(p[3][0], p[3][0] + p[3][1], device=device) for p in group])
+        out.append((slice(start, stop), cols, torch.arange(qs, qs + ql, device=device), kpos))
+    return out
+
+
+def _mask(qpos: torch.Tensor, kpos: torch.Tensor, documents: Optional[torch.Tensor]) -> torch.Tensor:
+    """The (b|1, 1, n_q, n_k) mask: causal by position, and within a document."""
+    mask = (kpos[None, :] <= qpos[:, None])[None, None]
     if documents is not None:
-        same = (documents[:, qpos][:, :, None] == documents[:, kpos][:, None, :])[:, None]
-        mask = same if mask is None else mask & same
-    return mask, index
+        mask = mask & (documents[:, qpos][:, :, None] == documents[:, kpos][:, None, :])[:, None]
+    return mask
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -71,6 +87,54 @@ def _grouped(x: torch.Tensor, kvh: int) -> torch.Tensor:
     return x.reshape(b, kvh, (h // kvh) * n, e)
 
 
+def _masked_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pair under an explicit mask (plain matrix products): output and row log-sum-exp."""
+    s = _scores(q, k, scale)
+    if mask is not None:
+        s = s.masked_fill(~mask, NEG_INF)
+    top = s.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(s - top)
+    total = p.sum(-1, keepdim=True)
+    pv = torch.matmul(_grouped(p, k.shape[1]), v).view(q.shape)
+    out = pv / torch.where(total > 0, total, torch.ones_like(total))
+    return out, (top + torch.log(total)).squeeze(-1)
+
+
+def _masked_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kvh = k.shape[1]
+    s = _scores(q, k, scale)
+    if mask is not None:
+        s = s.masked_fill(~mask, NEG_INF)
+    p = torch.exp(s - lse.unsqueeze(-1))  # (b, h, n, m); masked keys give 0
+    g = _grouped(grad_out, kvh)  # (b, kv_h, g·n, d)
+    dv = torch.matmul(_grouped(p, kvh).transpose(-1, -2), g)
+    ds = p * (torch.matmul(g, v.transpose(-1, -2)).view(p.shape) - delta.unsqueeze(-1))
+    dq = torch.matmul(_grouped(ds, kvh), k).view(q.shape) * scale
+    dk = torch.matmul(_grouped(ds, kvh).transpose(-1, -2), _grouped(q, kvh)) * scale
+    return dq, dk, dv
+
+
+def _split(
+    pairs: list[Pair], documents: Optional[torch.Tensor], device: torch.device
+) -> tuple[list[Pair], list[Pair]]:
+    """The pairs for the fused kernel (no document mask; full or diagonal, on CPU) and the others."""
+    fused = documents is None and device.type == "cpu"
+    flash = [p for p in pairs if fused and p[4] != "mask"]
+    return flash, [p for p in pairs if not (fused and p[4] != "mask")]
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,27 +145,23 @@ def block_forward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (b, h, n, d) to one block k/v (b, kv_h, m, d): the output normalised within the
-    block (b, h, n, d) and the row log-sum-exp (b, h, n) (``-inf`` where a row sees no key here)."""
+    block (b, h, n, d) and the row log-sum-exp (b, h, n) (``-inf`` where a row sees no key here).
+
+    Full and diagonal run pairs without documents run on the fused flash kernel (on CPU
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp); other pairs on
+    plain matrix products under their mask."""
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], NEG_INF, dtype=q.dtype, device=q.device)
-    kvh, offset = k.shape[1], 0
-    for q_run in q_runs:
-        rows = slice(offset, offset + q_run[1])
-        offset += q_run[1]
-        keys = _visible(q_run, k_runs)
-        if not keys:
-            continue
-        mask, index = _mask(q_run, keys, documents, q.device)
-        s = _scores(q[:, :, rows], k.index_select(2, index), scale)
-        if mask is not None:
-            s = s.masked_fill(~mask, NEG_INF)
-        top = s.amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        p = torch.exp(s - top)
-        total = p.sum(-1, keepdim=True)
-        pv = torch.matmul(_grouped(p, kvh), v.index_select(2, index)).view(q[:, :, rows].shape)
-        out[:, :, rows] = pv / torch.where(total > 0, total, torch.ones_like(total))
-        lse[:, :, rows] = (top + torch.log(total)).squeeze(-1)
+    lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
+    flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
+    for rows, _, cols, _, kind in flash:
+        o, lb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, :, rows], k[:, :, cols], v[:, :, cols], 0.0, kind == "causal", scale=scale
+        )
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, lb)
+    for rows, index, qpos, kpos in _grouped_pairs(masked, q.device):
+        kc, vc = k.index_select(2, index), v.index_select(2, index)
+        o, lb = _masked_forward(q[:, :, rows], kc, vc, _mask(qpos, kpos, documents), scale)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, lb)
     return out, lse
 
 
@@ -119,37 +179,34 @@ def block_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
     grad_out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
     q_runs: Runs,
     k_runs: Runs,
     documents: Optional[torch.Tensor],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of (dQ, dK, dV) given the final ``lse`` (b, h, n) and ``delta`` = rowsum(dO ∘ O)."""
+    """This block's share of (dQ, dK, dV) given the final output ``out`` and ``lse`` (b, h, n)."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    kvh, offset = k.shape[1], 0
-    for q_run in q_runs:
-        rows = slice(offset, offset + q_run[1])
-        offset += q_run[1]
-        keys = _visible(q_run, k_runs)
-        if not keys:
-            continue
-        mask, index = _mask(q_run, keys, documents, q.device)
-        k_sel, v_sel, q_rows = k.index_select(2, index), v.index_select(2, index), q[:, :, rows]
-        s = _scores(q_rows, k_sel, scale)
-        if mask is not None:
-            s = s.masked_fill(~mask, NEG_INF)
-        p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))  # (b, h, n, m); masked keys give 0
-        g_rows = _grouped(grad_out[:, :, rows], kvh)  # (b, kv_h, g·n, d)
-        dv.index_add_(2, index, torch.matmul(_grouped(p, kvh).transpose(-1, -2), g_rows))
-        dp = torch.matmul(g_rows, v_sel.transpose(-1, -2)).view(p.shape)
-        ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
-        dq[:, :, rows] = torch.matmul(_grouped(ds, kvh), k_sel).view(q_rows.shape) * scale
-        dk.index_add_(
-            2, index, torch.matmul(_grouped(ds, kvh).transpose(-1, -2), _grouped(q_rows, kvh)) * scale
+    flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
+    for rows, _, cols, _, kind in flash:
+        dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out[:, :, rows].contiguous(), q[:, :, rows], k[:, :, cols], v[:, :, cols],
+            out[:, :, rows], lse[:, :, rows], 0.0, kind == "causal", scale=scale,
+        )  # fmt: skip
+        dq[:, :, rows] += dq_p
+        dk[:, :, cols] += dk_p
+        dv[:, :, cols] += dv_p
+    delta = (grad_out * out).sum(-1)  # rowsum(dO ∘ O), (b, h, n)
+    for rows, index, qpos, kpos in _grouped_pairs(masked, q.device):
+        kc, vc, mask = k.index_select(2, index), v.index_select(2, index), _mask(qpos, kpos, documents)
+        dq_p, dk_p, dv_p = _masked_backward(
+            q[:, :, rows], kc, vc, grad_out[:, :, rows], lse[:, :, rows], delta[:, :, rows], mask, scale
         )
+        dq[:, :, rows] += dq_p
+        dk.index_add_(2, index, dk_p)
+        dv.index_add_(2, index, dv_p)
     return dq, dk, dv
 
 
