@@ -138,3 +138,36 @@ def test_ulysses_equals_deepspeed_ulysses() -> None:
         ours = unshard([r[key] for r in results], dim=2)  # zig-zag parts -> the whole sequence
         theirs = torch.cat([r[f"ds_{key}"] for r in results], dim=2)  # contiguous parts
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6 * float(theirs.abs().max()))
+
+
+class _Echo(torch.nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None) -> torch.Tensor:
+        return q
+
+
+def test_rope_positions_under_the_split_are_the_whole_rows() -> None:
+    """Each cp rank's tokens get the RoPE angles of their positions in the whole row, restarting at each
+    packed document (positions written out here token by token)."""
+    from types import SimpleNamespace
+
+    from zerotron.config_load import load_config
+    from zerotron.models.llama import LlamaForCausalLM
+    from zerotron.parallel.context import ContextSplit
+
+    cfg = load_config(None, ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2"])
+    model = LlamaForCausalLM(cfg.model)
+    model.layers[0].self_attn.core = _Echo()
+    seen: list[torch.Tensor] = []
+    model.layers[0].self_attn.register_forward_pre_hook(lambda _, args: seen.append(args[1]))
+    seq, cp = 24, 3
+    docs = torch.tensor([[0] * 7 + [1] * 10 + [2] * 7, [5] * 24])
+    whole = torch.tensor([[*range(7), *range(10), *range(7)], list(range(24))])  # by hand
+    for rank in range(cp):
+        groups = SimpleNamespace(cp_group=SimpleNamespace(size=cp, rank_in_group=rank))
+        model.context = ContextSplit(groups)  # type: ignore[arg-type]
+        for documents in (docs, None):
+            seen.clear()
+            model(shard(torch.zeros(2, seq, dtype=torch.long), cp, rank), document_ids=documents)
+            expected = shard(whole if documents is not None else torch.arange(seq).expand(2, seq), cp, rank)
+            cos, _ = model.rotary(expected, torch.float32)
+            assert torch.equal(seen[0], cos)

@@ -84,12 +84,22 @@ def test_first_slurm_host() -> None:
 
 
 def test_sft_under_torchrun_writes_one_adapter(tmp_path: Path) -> None:
+    """Two ranks as data-parallel replicas, then as context-parallel halves of every row: each run's
+    rank 0 writes one adapter, and the two adapters are the same numbers."""
+    from safetensors.torch import load_file
+
     from tests.test_sft import _setup
 
     base, data = _setup(tmp_path)
     args = ["data.tokenizer=byte", "train.seq_len=128", "train.steps=2", "train.global_batch=4"]
-    done = _torchrun(["-m", "zerotron", "sft", str(base), str(data), *args, "--out", str(tmp_path / "run")])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("adapter (PEFT format)") == 1  # rank 0 reports for the job
-    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
-    assert _steps(tmp_path / "run") == [1, 2]
+    adapters = []
+    for layout in ("parallel.dp=2", "parallel.cp=2"):
+        run = tmp_path / layout
+        done = _torchrun(["-m", "zerotron", "sft", str(base), str(data), *args, layout, "--out", str(run)])
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("adapter (PEFT format)") == 1  # rank 0 reports for the job
+        assert _steps(run) == [1, 2]
+        adapters.append(load_file(str(run / "adapter" / "adapter_model.safetensors")))
+    assert adapters[0].keys() == adapters[1].keys()
+    for name, tensor in adapters[0].items():
+        assert float((tensor - adapters[1][name]).abs().max()) <= 1e-5 * max(1.0, float(tensor.abs().max())), name

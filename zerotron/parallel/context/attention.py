@@ -23,11 +23,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, cast
 
 import torch
+import torch.nn.functional as F
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.context.blocks import block_backward, block_forward, merge
-from zerotron.parallel.context.split import Runs
+from zerotron.parallel.context.split import Runs, positions
 from zerotron.parallel.tensor_comm import gather_from_sequence
 
 MODES = ("ring", "ulysses", "allgather", "hybrid")
@@ -172,6 +173,20 @@ def _kv_for_heads(k: torch.Tensor, heads: int, u: int) -> torch.Tensor:
     return k if kvh % u == 0 else k.repeat_interleave(heads // kvh, dim=1)
 
 
+def _whole_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, scale: float
+) -> torch.Tensor:
+    """Causal attention over a whole sequence held in zig-zag order (``runs``): put it in position order,
+    run the one-device kernel (SDPA), and put the output back (DeepSpeed-Ulysses' local attention)."""
+    order = positions(runs, q.device)  # local row i holds position order[i]
+    natural = torch.argsort(order)  # position j sits in local row natural[j]
+    qn, kn, vn = (t.index_select(2, natural) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        qn, kn, vn, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.index_select(2, order)
+
+
 class ContextGroups:
     """This rank's context-parallel groups for one mode: the all-to-all group (the Ulysses part, size
     ``u``) inside the ring of ``cp / u`` members, and the whole ``cp`` group (all-gather)."""
@@ -210,7 +225,10 @@ class ContextGroups:
             v = _apply(_SeqToHeads, _kv_for_heads(v, heads, u), self.ulysses)
         ring = self.ring if self.ring.size > 1 else None
         mine = members[self.ring.rank_in_group]
-        out = _apply(_RingAttention, q, k, v, ring, mine, members, documents, scale)
+        if ring is None and documents is None:  # Ulysses: the whole sequence here, one causal kernel
+            out = _whole_sequence(q, k, v, mine, scale)
+        else:
+            out = _apply(_RingAttention, q, k, v, ring, mine, members, documents, scale)
         return _apply(_HeadsToSeq, out, self.ulysses) if u > 1 else out
 
 

@@ -19,7 +19,7 @@ Grouped-query attention: query head ``i`` uses key/value head ``i // (h / kv_h)`
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -135,6 +135,41 @@ def _split(
     return flash, [p for p in pairs if not (fused and p[4] != "mask")]
 
 
+Fused = tuple[
+    slice, Union[slice, torch.Tensor], bool
+]  # query rows, key columns (a slice or an index), causal
+
+
+def _fused(pairs: list[Pair], device: torch.device) -> list[Fused]:
+    """The fused kernel's calls: per query run, all its full pairs as one call (their key columns
+    gathered when not adjacent), and its diagonal pair as a causal one."""
+    full: dict[tuple[int, int], list[slice]] = {}
+    calls: list[Fused] = []
+    for rows, _, cols, _, kind in pairs:
+        if kind == "causal":
+            calls.append((rows, cols, True))
+        else:
+            full.setdefault((rows.start, rows.stop), []).append(cols)
+    for (start, stop), parts in full.items():
+        if len(parts) == 1:
+            calls.append((slice(start, stop), parts[0], False))
+        else:
+            index = torch.cat([torch.arange(c.start, c.stop, device=device) for c in parts])
+            calls.append((slice(start, stop), index, False))
+    return calls
+
+
+def _columns(x: torch.Tensor, cols: slice | torch.Tensor) -> torch.Tensor:
+    return x[:, :, cols] if isinstance(cols, slice) else x.index_select(2, cols)
+
+
+def _add_columns(x: torch.Tensor, cols: slice | torch.Tensor, part: torch.Tensor) -> None:
+    if isinstance(cols, slice):
+        x[:, :, cols] += part
+    else:
+        x.index_add_(2, cols, part)
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,9 +188,9 @@ def block_forward(
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
     flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
-    for rows, _, cols, _, kind in flash:
+    for rows, cols, causal in _fused(flash, q.device):
         o, lb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, rows], k[:, :, cols], v[:, :, cols], 0.0, kind == "causal", scale=scale
+            q[:, :, rows], _columns(k, cols), _columns(v, cols), 0.0, causal, scale=scale
         )
         out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, lb)
     for rows, index, qpos, kpos in _grouped_pairs(masked, q.device):
@@ -190,14 +225,14 @@ def block_backward(
     """This block's share of (dQ, dK, dV) given the final output ``out`` and ``lse`` (b, h, n)."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
-    for rows, _, cols, _, kind in flash:
+    for rows, cols, causal in _fused(flash, q.device):
         dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out[:, :, rows].contiguous(), q[:, :, rows], k[:, :, cols], v[:, :, cols],
-            out[:, :, rows], lse[:, :, rows], 0.0, kind == "causal", scale=scale,
+            grad_out[:, :, rows].contiguous(), q[:, :, rows], _columns(k, cols), _columns(v, cols),
+            out[:, :, rows], lse[:, :, rows], 0.0, causal, scale=scale,
         )  # fmt: skip
         dq[:, :, rows] += dq_p
-        dk[:, :, cols] += dk_p
-        dv[:, :, cols] += dv_p
+        _add_columns(dk, cols, dk_p)
+        _add_columns(dv, cols, dv_p)
     delta = (grad_out * out).sum(-1)  # rowsum(dO ∘ O), (b, h, n)
     for rows, index, qpos, kpos in _grouped_pairs(masked, q.device):
         kc, vc, mask = k.index_select(2, index), v.index_select(2, index), _mask(qpos, kpos, documents)
