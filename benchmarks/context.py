@@ -9,7 +9,8 @@ Run:  python benchmarks/context.py [--part memory|speed|plan|all] [--steps 6]
 - speed: the same model, 4K tokens, cp = 2 (two ranks, one per core) and cp = 4: the median step time of
   each comm mode through the trainer, and DeepSpeed-Ulysses (``deepspeed.sequence.layer.
   DistributedAttention`` around SDPA, contiguous sequence split, gradients all-reduced over the ranks,
-  torch's AdamW) on the same model and data in the same script.
+  clipping, torch's AdamW with the trainer's settings and schedule) on the same model and the same
+  batches in the same script: the two losses agree step by step.
 - plan: ``zerotron plan`` of Llama-3-8B at 128K tokens on 64 H100s with each comm mode.
 
 Every rank is a Gloo process on this CPU (``zerotron.distributed.launch.spawn``).
@@ -94,6 +95,8 @@ def _deepspeed_body(seq: int, steps: int) -> dict[str, Any]:
     from zerotron.config_load import load_config
     from zerotron.distributed.launch import current_rank_and_world
     from zerotron.models.llama import LlamaForCausalLM
+    from zerotron.train.data import DataLoader, PackedDataset
+    from zerotron.train.optim import lr_at
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = current_rank_and_world()
@@ -127,15 +130,19 @@ def _deepspeed_body(seq: int, steps: int) -> dict[str, Any]:
     model.init_weights(cfg.train.seed)
     for layer in model.layers:
         layer.self_attn.core = UlyssesCore()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    tokens = torch.from_numpy(_tokens()[: seq + 1].astype(np.int64))
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    loader = DataLoader(PackedDataset(_tokens(), seq), 1, 1, 0, 1, cfg.train.seed)  # the trainer's batches
     part = seq // world
-    x = tokens[:seq][None, rank * part : (rank + 1) * part]
-    y = tokens[1:][None, rank * part : (rank + 1) * part]
     positions = torch.arange(rank * part, (rank + 1) * part)[None]
     times, losses = [], []
-    for _ in range(steps):
+    for step in range(steps):
         start = time.perf_counter()
+        inputs, labels = loader.next_step()[0]
+        x, y = inputs[:, rank * part : (rank + 1) * part], labels[:, rank * part : (rank + 1) * part]
         logits = model(x, position_ids=positions)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / seq
         loss.backward()
@@ -143,6 +150,9 @@ def _deepspeed_body(seq: int, steps: int) -> dict[str, Any]:
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat)
         torch.nn.utils.vector_to_parameters(flat, grads)  # type: ignore[arg-type]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, t)
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
