@@ -73,15 +73,15 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         n = 1 if ring is None else ring.size
         me = 0 if ring is None else ring.rank_in_group
-        with torch.autocast(q.device.type, enabled=False):  # fp32 math; K/V travel in their own dtype
+        # kernels in the inputs' dtype, merges in fp32; K/V travel in their own dtype
+        with torch.autocast(q.device.type, enabled=False):
             out = torch.zeros_like(q, dtype=torch.float32)  # q's strides: o_proj reads it as a view
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             kv = torch.stack([k, v]).contiguous()
-            q32 = q.float()
             for step in range(n):
                 wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None  # overlapped
                 src = kv_runs[(me - step) % n]
-                o, lb = block_forward(q32, kv[0].float(), kv[1].float(), q_runs, src, documents, scale)
+                o, lb = block_forward(q, kv[0], kv[1], q_runs, src, documents, scale)
                 out, lse = merge(out, lse, o, lb)
                 if wait is not None:
                     kv = wait()
@@ -97,16 +97,14 @@ class _RingAttention(torch.autograd.Function):
         n = 1 if ring is None else ring.size
         me = 0 if ring is None else ring.rank_in_group
         with torch.autocast(q.device.type, enabled=False):
-            grad_out, q32, out32 = grad_out.float().contiguous(), q.float(), out.float()
-            dq = torch.zeros_like(q32)
+            dq = torch.zeros_like(q, dtype=torch.float32)
             kv = torch.stack([k, v]).contiguous()
             dkv = torch.zeros_like(kv, dtype=torch.float32)  # fp32 accumulators travel with their block
             for step in range(n):
                 wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None
                 src = ctx.kv_runs[(me - step) % n]
-                k32, v32 = kv[0].float(), kv[1].float()
                 dq_b, dk_b, dv_b = block_backward(
-                    q32, k32, v32, out32, grad_out, lse, ctx.q_runs, src, ctx.documents, ctx.scale
+                    q, kv[0], kv[1], out, grad_out, lse, ctx.q_runs, src, ctx.documents, ctx.scale
                 )
                 dq += dq_b
                 dkv[0] += dk_b

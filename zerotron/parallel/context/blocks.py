@@ -23,6 +23,7 @@ from typing import Optional, Union
 
 import torch
 
+from zerotron.parallel.context import kernels
 from zerotron.parallel.context.split import Runs, positions
 
 NEG_INF = float("-inf")
@@ -129,8 +130,8 @@ def _masked_backward(
 def _split(
     pairs: list[Pair], documents: Optional[torch.Tensor], device: torch.device
 ) -> tuple[list[Pair], list[Pair]]:
-    """The pairs for the fused kernel (no document mask; full or diagonal, on CPU) and the others."""
-    fused = documents is None and device.type == "cpu"
+    """The pairs for the fused kernel (no document mask; full or diagonal) and the others."""
+    fused = documents is None and kernels.supported(device)
     flash = [p for p in pairs if fused and p[4] != "mask"]
     return flash, [p for p in pairs if not (fused and p[4] != "mask")]
 
@@ -185,17 +186,15 @@ def block_forward(
     Full and diagonal run pairs without documents run on the fused flash kernel (on CPU
     ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp); other pairs on
     plain matrix products under their mask."""
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q, dtype=torch.float32)  # q's strides (see attention.py)
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
     flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
     for rows, cols, causal in _fused(flash, q.device):
-        o, lb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, rows], _columns(k, cols), _columns(v, cols), 0.0, causal, scale=scale
-        )
-        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, lb)
+        o, lb = kernels.forward(q[:, :, rows], _columns(k, cols), _columns(v, cols), causal, scale)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), lb)
     for rows, index, qpos, kpos in _grouped_pairs(masked, q.device):
-        kc, vc = k.index_select(2, index), v.index_select(2, index)
-        o, lb = _masked_forward(q[:, :, rows], kc, vc, _mask(qpos, kpos, documents), scale)
+        kc, vc = k.index_select(2, index).float(), v.index_select(2, index).float()
+        o, lb = _masked_forward(q[:, :, rows].float(), kc, vc, _mask(qpos, kpos, documents), scale)
         out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, lb)
     return out, lse
 
@@ -222,22 +221,32 @@ def block_backward(
     documents: Optional[torch.Tensor],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of (dQ, dK, dV) given the final output ``out`` and ``lse`` (b, h, n)."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    """This block's share of (dQ, dK, dV) (fp32) given the final output ``out`` and ``lse`` (b, h, n)."""
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
     for rows, cols, causal in _fused(flash, q.device):
-        dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out[:, :, rows].contiguous(), q[:, :, rows], _columns(k, cols), _columns(v, cols),
-            out[:, :, rows], lse[:, :, rows], 0.0, causal, scale=scale,
+        dq_p, dk_p, dv_p = kernels.backward(
+            grad_out[:, :, rows], q[:, :, rows], _columns(k, cols), _columns(v, cols),
+            out[:, :, rows], lse[:, :, rows], causal, scale,
         )  # fmt: skip
-        dq[:, :, rows] += dq_p
-        _add_columns(dk, cols, dk_p)
-        _add_columns(dv, cols, dv_p)
+        dq[:, :, rows] += dq_p.float()
+        _add_columns(dk, cols, dk_p.float())
+        _add_columns(dv, cols, dv_p.float())
+    grad_out, out = grad_out.float(), out.float()
     delta = (grad_out * out).sum(-1)  # rowsum(dO ∘ O), (b, h, n)
     for rows, index, qpos, kpos in _grouped_pairs(masked, q.device):
-        kc, vc, mask = k.index_select(2, index), v.index_select(2, index), _mask(qpos, kpos, documents)
+        kc, vc = k.index_select(2, index).float(), v.index_select(2, index).float()
+        mask = _mask(qpos, kpos, documents)
         dq_p, dk_p, dv_p = _masked_backward(
-            q[:, :, rows], kc, vc, grad_out[:, :, rows], lse[:, :, rows], delta[:, :, rows], mask, scale
+            q[:, :, rows].float(),
+            kc,
+            vc,
+            grad_out[:, :, rows],
+            lse[:, :, rows],
+            delta[:, :, rows],
+            mask,
+            scale,
         )
         dq[:, :, rows] += dq_p
         dk.index_add_(2, index, dk_p)
