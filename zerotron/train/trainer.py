@@ -334,7 +334,9 @@ class Trainer:
         overflow = not bool(torch.isfinite(norm))
         lr = lr_at(self.step, cfg)
         # the global loss, equal on every rank (context-parallel ranks hold parts of the same rows)
-        collectives.all_reduce(loss_sum, self.mesh.group("dp_cp"), op="sum")
+        collectives.all_reduce(
+            loss_sum, self.mesh.group("dp_cp" if self.mesh.dims.cp > 1 else "dp"), op="sum"
+        )
         bad = None
         if fp16:
             self.scaler.update(overflow)
