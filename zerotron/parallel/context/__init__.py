@@ -56,8 +56,8 @@ class ContextSplit:
 class ContextAttentionCore(nn.Module):
     """softmax(QKᵀ/√d)V over the whole sequence for this rank's queries, by ``parallel.cp_comm``.
 
-    Under autocast q/k/v enter (and are sent) in the compute dtype, as SDPA takes them; the scores,
-    log-sum-exp, merges and gradient accumulators are fp32 (the flash kernels' accumulation)."""
+    Under autocast q/k/v enter (and are sent) in the compute dtype, as SDPA takes them, and the fused
+    kernels run in it; log-sum-exp, merges and gradient accumulators are fp32."""
 
     def __init__(self, groups: ContextGroups, local: nn.Module) -> None:
         super().__init__()

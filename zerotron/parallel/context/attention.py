@@ -116,30 +116,19 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """(b, H, n, d) sequence-split -> (b, H/u, u·n, d) head-split over ``group`` (all-to-all)."""
+class _UlyssesAllToAll(torch.autograd.Function):
+    """Sequence-split (b, H, n, d) -> head-split (b, H/u, u·n, d) over ``group`` (``to_heads``), or
+    back; the backward is the other direction."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return seq_to_heads(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return seq_to_heads(x, group) if to_heads else heads_to_seq(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """(b, H/u, u·n, d) head-split -> (b, H, n, d) sequence-split over ``group`` (all-to-all)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return seq_to_heads(grad.contiguous(), ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous()
+        return (heads_to_seq(grad, ctx.group) if ctx.to_heads else seq_to_heads(grad, ctx.group)), None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -218,16 +207,16 @@ class ContextGroups:
         # a ring member is a Ulysses group: the consecutive cp ranks g·u .. g·u+u-1, their runs in order
         members = [sum(runs[g * u : (g + 1) * u], ()) for g in range(len(runs) // u)]
         if u > 1:
-            q = _apply(_SeqToHeads, q, self.ulysses)
-            k = _apply(_SeqToHeads, _kv_for_heads(k, heads, u), self.ulysses)
-            v = _apply(_SeqToHeads, _kv_for_heads(v, heads, u), self.ulysses)
+            q = _apply(_UlyssesAllToAll, q, self.ulysses, True)
+            k = _apply(_UlyssesAllToAll, _kv_for_heads(k, heads, u), self.ulysses, True)
+            v = _apply(_UlyssesAllToAll, _kv_for_heads(v, heads, u), self.ulysses, True)
         ring = self.ring if self.ring.size > 1 else None
         mine = members[self.ring.rank_in_group]
         if ring is None and documents is None:  # Ulysses: the whole sequence here, one causal kernel
             out = _whole_sequence(q, k, v, mine, scale)
         else:
             out = _apply(_RingAttention, q, k, v, ring, mine, members, documents, scale)
-        return _apply(_HeadsToSeq, out, self.ulysses) if u > 1 else out
+        return _apply(_UlyssesAllToAll, out, self.ulysses, False) if u > 1 else out
 
 
 def context_groups(mesh: Any, mode: str, ulysses_size: int = 1) -> ContextGroups:

@@ -24,7 +24,7 @@ from typing import Optional, Union
 import torch
 
 from zerotron.parallel.context import kernels
-from zerotron.parallel.context.split import Runs, positions
+from zerotron.parallel.context.split import Runs
 
 NEG_INF = float("-inf")
 
@@ -183,9 +183,9 @@ def block_forward(
     """Attention of q (b, h, n, d) to one block k/v (b, kv_h, m, d): the output normalised within the
     block (b, h, n, d) and the row log-sum-exp (b, h, n) (``-inf`` where a row sees no key here).
 
-    Full and diagonal run pairs without documents run on the fused flash kernel (on CPU
-    ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp); other pairs on
-    plain matrix products under their mask."""
+    Full and diagonal run pairs without documents run on a fused kernel that returns the log-sum-exp
+    (:mod:`.kernels`), in the inputs' dtype; other pairs on plain fp32 matrix products under their
+    mask. The output and log-sum-exp are fp32."""
     out = torch.zeros_like(q, dtype=torch.float32)  # q's strides (see attention.py)
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
     flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
@@ -266,4 +266,4 @@ def reference_attention(
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-__all__ = ["block_forward", "block_backward", "merge", "reference_attention", "positions"]
+__all__ = ["block_forward", "block_backward", "merge", "reference_attention"]
