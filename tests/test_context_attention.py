@@ -154,7 +154,9 @@ def test_rope_positions_under_the_split_are_the_whole_rows() -> None:
     from zerotron.models.llama import LlamaForCausalLM
     from zerotron.parallel.context import ContextSplit
 
-    cfg = load_config(None, ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2"])
+    cfg = load_config(
+        None, ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2"]
+    )
     model = LlamaForCausalLM(cfg.model)
     model.layers[0].self_attn.core = _Echo()
     seen: list[torch.Tensor] = []

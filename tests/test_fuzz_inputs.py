@@ -95,7 +95,11 @@ FLAG_VALUES = ["-5", "0", "nan", "x", "", "1e9", "-0.0", "/nonexistent/path"]
     ],
 )
 def test_every_flag(
-    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, prefix: list[str], flag: str
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    prefix: list[str],
+    flag: str,
 ) -> None:
     """Bad flag values: exit 2 with one line (these never reach a rank: every case here is invalid).
     Run from a temporary directory: an ``--out`` value is a relative path there."""

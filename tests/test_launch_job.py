@@ -102,4 +102,6 @@ def test_sft_under_torchrun_writes_one_adapter(tmp_path: Path) -> None:
         adapters.append(load_file(str(run / "adapter" / "adapter_model.safetensors")))
     assert adapters[0].keys() == adapters[1].keys()
     for name, tensor in adapters[0].items():
-        assert float((tensor - adapters[1][name]).abs().max()) <= 1e-5 * max(1.0, float(tensor.abs().max())), name
+        assert float((tensor - adapters[1][name]).abs().max()) <= 1e-5 * max(
+            1.0, float(tensor.abs().max())
+        ), name
