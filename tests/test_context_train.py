@@ -41,6 +41,7 @@ STEPS = 8
         (4, ["parallel.cp=4"]),
         (4, ["parallel.cp=4", "parallel.cp_comm=ulysses", "model.num_key_value_heads=4"]),
         (4, ["parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_ulysses_size=2"]),
+        (4, ["parallel.cp=4", "parallel.cp_comm=allgather", "model.num_key_value_heads=1"]),
         (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"]),
         (
             4,
