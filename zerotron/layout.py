@@ -236,6 +236,12 @@ def _check_batch(spec: LayoutSpec) -> None:
 CP_COMM = ("ring", "ulysses", "allgather", "hybrid")
 
 
+def ulysses_size(cp_comm: str, cp: int, cp_ulysses_size: int) -> int:
+    """Ranks of each all-to-all group of a context-parallel mode: cp for ``ulysses``,
+    ``cp_ulysses_size`` for ``hybrid``, 1 (no all-to-all) for ``ring`` and ``allgather``."""
+    return {"ulysses": cp, "hybrid": cp_ulysses_size}.get(cp_comm, 1)
+
+
 def _check_context(spec: LayoutSpec) -> None:
     """A known context-parallel mode, its hybrid group size, and query heads (each tp rank's) that the
     all-to-all of ``ulysses``/``hybrid`` can split; KV heads it cannot split are repeated."""
@@ -251,7 +257,7 @@ def _check_context(spec: LayoutSpec) -> None:
         )
     if spec.cp == 1:
         return
-    split = {"ulysses": spec.cp, "hybrid": u}.get(spec.cp_comm, 1)
+    split = ulysses_size(spec.cp_comm, spec.cp, u)
     heads = spec.heads // spec.tp
     if heads % split:
         raise LayoutError(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from zerotron.layout import ulysses_size
 from zerotron.plan.errors import PlanError
 from zerotron.plan.model import ParamList
 from zerotron.shapes import ModelShape, attention_matrix_params, mlp_params
@@ -329,7 +330,7 @@ def context_terms(
     t, a = b * s, _act_bytes(precision)
     if cp_comm == "allgather":
         return [Term("cp.gathered_kv", 2 * (cp - 1) * a * t * m.kv_width, "tp", m.kv_heads)]
-    u = cp if cp_comm == "ulysses" else ulysses if cp_comm == "hybrid" else 1
+    u = ulysses_size(cp_comm, cp, ulysses)
     if u == 1:
         return []
     terms = [Term("cp.out_heads", a * t * m.q_width, "tp")]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import cast
 
+from zerotron.layout import ulysses_size
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
 from zerotron.shapes import ModelShape
@@ -195,7 +196,7 @@ def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
 
 def _cp_groups(layout: Layout) -> tuple[int, int]:
     """(all-to-all group size, ring size) of the layout's ``cp_comm``."""
-    u = {"ring": 1, "allgather": 1, "ulysses": layout.cp}.get(layout.cp_comm, layout.cp_ulysses_size)
+    u = ulysses_size(layout.cp_comm, layout.cp, layout.cp_ulysses_size)
     return u, layout.cp // u
 
 

@@ -27,11 +27,13 @@ import torch.nn.functional as F
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.layout import CP_COMM
+from zerotron.layout import ulysses_size as layout_ulysses_size
 from zerotron.parallel.context.blocks import block_backward, block_forward, merge
 from zerotron.parallel.context.split import Runs, positions
 from zerotron.parallel.tensor_comm import gather_from_sequence
 
-MODES = ("ring", "ulysses", "allgather", "hybrid")
+MODES = CP_COMM
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
@@ -223,7 +225,7 @@ def context_groups(mesh: Any, mode: str, ulysses_size: int = 1) -> ContextGroups
     """The groups of ``mode`` on this rank's ``cp`` group of ``mesh`` (collective on first use:
     every rank calls it alike). ``ulysses_size``: the all-to-all part of ``hybrid``."""
     cp = mesh.group("cp")
-    u = {"ring": 1, "allgather": 1, "ulysses": cp.size}.get(mode, ulysses_size)
+    u = layout_ulysses_size(mode, cp.size, ulysses_size)
     names = ("cp_ulysses", "cp_ring") if mode == "hybrid" else ("cp", "cp")
     ulysses, ring = mesh.split("cp", u, names)
     return ContextGroups(mode, cp, ulysses, ring)
