@@ -166,6 +166,7 @@ def test_chat_rows_under_context_parallelism(layout: list[str], tmp_path: Path) 
             "the 1 query heads of each tp rank",
         ),
         (["parallel.cp=4", "parallel.cp_comm=hybrid"], 4, "cp_ulysses_size"),
+        (["parallel.cp=4", "parallel.cp_ulysses_size=2"], 4, "applies to parallel.cp_comm=hybrid only"),
         (["parallel.cp=2", "parallel.cp_comm=p2p"], 2, "cp_comm='p2p' is not a mode"),
         (["parallel.cp=2", "parallel.tp=2"], 2, "dp\\*pp\\*cp\\*tp|does not divide the world size"),
     ],

@@ -250,6 +250,11 @@ def _check_context(spec: LayoutSpec) -> None:
             f"parallel.cp_comm={spec.cp_comm!r} is not a mode; choose one of {', '.join(CP_COMM)}"
         )
     u = spec.cp_ulysses_size
+    if u != 1 and spec.cp_comm != "hybrid":
+        raise LayoutError(
+            f"parallel.cp_ulysses_size={u} applies to parallel.cp_comm=hybrid only (cp_comm is "
+            f"{spec.cp_comm}); set parallel.cp_ulysses_size=1 or parallel.cp_comm=hybrid"
+        )
     if spec.cp_comm == "hybrid" and spec.cp > 1 and not (1 < u < spec.cp and spec.cp % u == 0):
         raise LayoutError(
             f"parallel.cp_comm=hybrid needs parallel.cp_ulysses_size between 1 and cp={spec.cp}, dividing it "
