@@ -57,9 +57,26 @@ class ModelConfig:
     attention_bias: bool = _f(False, "bias on the q/k/v projections (Qwen2)")
     mlp: str = _f("gated", "gated (SwiGLU, Llama) or plain (GELU, GPT-style)")
     num_local_experts: int = _f(
-        0, "MoE: experts per block, each an MLP of intermediate_size (Mixtral's name); 0 is a dense MLP"
+        0, "MoE: routed experts per block (Mixtral's name; HF num_experts); 0 is a dense MLP"
     )
     num_experts_per_tok: int = _f(2, "MoE: experts each token is routed to (top-k)")
+    moe_intermediate_size: Optional[int] = _f(
+        None, "MoE: inner width of each routed expert (Qwen-MoE/OLMoE's name); None means intermediate_size"
+    )
+    shared_expert_intermediate_size: int = _f(
+        0, "MoE: inner width of the always-on shared expert, gated by sigmoid (Qwen2-MoE); 0 is none"
+    )
+    norm_topk_prob: bool = _f(True, "MoE: renormalise the top-k router probabilities to sum to 1 (Mixtral)")
+    router_aux_loss_coef: float = _f(
+        0.001, "MoE: weight of the load-balancing loss (Switch/Mixtral form) added to the training loss"
+    )
+    router_z_loss_coef: float = _f(0.0, "MoE: weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2)")
+    moe_grouped_gemm: bool = _f(
+        True, "MoE: run the experts as one grouped GEMM (torch._grouped_mm) where shapes allow; false loops"
+    )
+    qk_norm: str = _f(
+        "none", "RMSNorm on queries and keys: none, head (per head, Qwen3) or full (whole projection, OLMoE)"
+    )
     initializer_range: float = _f(0.02, "standard deviation of the normal weight initialisation")
     bos_token_id: Optional[int] = _f(None, "beginning-of-sequence token id, if the tokenizer has one")
     eos_token_id: Optional[int] = _f(None, "end-of-sequence token id")
@@ -68,6 +85,11 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """Key/value head count with the GQA default resolved."""
         return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def expert_intermediate(self) -> int:
+        """Inner width of each routed expert with the default resolved."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def dim_per_head(self) -> int:
@@ -93,6 +115,10 @@ ARCHITECTURE_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
     "mlp",
+    "num_local_experts",
+    "expert_intermediate",
+    "shared_expert_intermediate_size",
+    "qk_norm",
 )
 
 

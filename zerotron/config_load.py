@@ -262,6 +262,9 @@ _NON_NEGATIVE = (
     "parallel.zero",
     "train.eps",
     "model.num_local_experts",
+"model.router_aux_loss_coef",
+    "model.router_z_loss_coef",
+    "model.shared_expert_intermediate_size",
     "parallel.persist_numel",
     "data.max_length",
     "lora.rank",
@@ -285,7 +288,7 @@ def _check_finite(cfg: Config) -> None:
 
 def _check_ranges(cfg: Config) -> None:
     _check_finite(cfg)
-    for key in ("model.head_dim", "model.num_key_value_heads"):
+    for key in ("model.head_dim", "model.num_key_value_heads", "model.moe_intermediate_size"):
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1 (or null for the default)")
     if cfg.parallel.bucket_mb <= 0:
@@ -336,11 +339,29 @@ def _check_model(cfg: Config) -> None:
             f"train.seq_len={cfg.train.seq_len} is above model.max_position_embeddings="
             f"{m.max_position_embeddings}; lower train.seq_len"
         )
-    if m.num_local_experts:
+    if m.qk_norm not in ("none", "head", "full"):
+        raise ConfigError(f"model.qk_norm={m.qk_norm!r}: choose none, head (Qwen3) or full (OLMoE)")
+    if m.qk_norm == "full" and cfg.parallel.tp > 1:
         raise ConfigError(
-            f"model.num_local_experts={m.num_local_experts}: the trainer has no mixture-of-experts layers "
-            "yet (`zerotron plan` models them); set model.num_local_experts=0 to train a dense model"
+            "model.qk_norm=full normalises over all heads, which tensor parallelism splits; use parallel.tp=1"
         )
+    if m.num_local_experts:
+        _check_moe(cfg)
+
+
+def _check_moe(cfg: Config) -> None:
+    """What the mixture-of-experts trainer does not do yet, refused in one line each."""
+    m, p = cfg.model, cfg.parallel
+    if m.mlp != "gated":
+        raise ConfigError("model.mlp=plain with experts: MoE experts are SwiGLU; set model.mlp=gated")
+    for key, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp)):
+        if value > 1:
+            raise ConfigError(
+                f"{key}={value} with model.num_local_experts={m.num_local_experts}: mixture-of-experts models "
+                f"train with dp, ZeRO, cp and ep so far; set {key}=1"
+            )
+    if cfg.lora.rank:
+        raise ConfigError("lora.rank > 0 on a mixture-of-experts model is not built yet; set lora.rank=0")
 
 
 def _check_layout(cfg: Config, world_size: int, tensor_only: bool = False) -> None:

@@ -17,39 +17,83 @@ from typing import Any, Optional
 import torch
 
 from zerotron.config import ModelConfig
+from zerotron.models.hf_moe import MIXTRAL_ROLES, PLAIN_ROLES, fuse_stream, rename_block, split_experts
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+_QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
+_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+_ARCH_OF_TYPE = {t: a for a, t in _MODEL_TYPE.items()} | {"mistral": "MistralForCausalLM"}
 
 
 class ModelLoadError(ValueError):
     """A model file or directory that cannot be read: the message names the file and what is wrong."""
 
 
-def to_hf_name(name: str) -> str:
-    """zerotron parameter name -> HF name."""
-    return name if name.startswith("lm_head.") else "model." + name
+def to_hf_name(name: str, arch: str = "LlamaForCausalLM") -> str:
+    """zerotron parameter name -> HF name (Mixtral's MoE block is ``block_sparse_moe``)."""
+    if name.startswith("lm_head."):
+        return name
+    if arch == "MixtralForCausalLM":
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+    return "model." + name
 
 
 def from_hf_name(name: str) -> str:
     """HF parameter name -> zerotron name."""
-    return name[len("model.") :] if name.startswith("model.") else name
+    return rename_block(name[len("model.") :] if name.startswith("model.") else name)
 
 
-def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """ModelConfig from the dict of a HF ``config.json`` (Llama, Mistral or Qwen2 architectures)."""
-    archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    arch = archs[0]
+def _refuse_unsupported(hf: dict[str, Any], arch: str, source: str) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: unsupported architecture {arch!r}; zerotron reads {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
-        raise ModelLoadError(f"{source}: Llama attention_bias=true (bias on o_proj too) is not supported")
-    if hf.get("mlp_bias"):
-        raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
+    if arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and hf.get("attention_bias"):
+        raise ModelLoadError(f"{source}: attention_bias=true (bias on o_proj too) is not supported")
+    checks = (
+        ("mlp_bias", bool(hf.get("mlp_bias")), "mlp_bias=true"),
+        ("clip_qkv", hf.get("clip_qkv") is not None, f"clip_qkv={hf.get('clip_qkv')}"),
+        ("router_jitter_noise", bool(hf.get("router_jitter_noise")), "router jitter noise"),
+        ("decoder_sparse_step", hf.get("decoder_sparse_step", 1) != 1, "dense layers between MoE layers"),
+        ("mlp_only_layers", bool(hf.get("mlp_only_layers")), "dense layers between MoE layers"),
+    )
+    for _, bad, what in checks:
+        if bad:
+            raise ModelLoadError(f"{source}: {what} is not supported")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (gated MLP needs silu)")
+
+
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's expert fields from a HF MoE config (none for a dense one)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    return {
+        "num_local_experts": hf.get("num_local_experts") or hf["num_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf.get("moe_intermediate_size"),
+        "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0,
+        "norm_topk_prob": True if arch == "MixtralForCausalLM" else bool(hf.get("norm_topk_prob", False)),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """ModelConfig from the dict of a HF ``config.json`` (the architectures of SUPPORTED_ARCHITECTURES)."""
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    arch = _ARCH_OF_TYPE.get(archs[0], archs[0])  # a config without architectures names its model_type
+    _refuse_unsupported(hf, arch, source)
     rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
         rope_theta = rope_scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -59,6 +103,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
         if rope_scaling:
             rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
     eos = hf.get("eos_token_id")
+    bias = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and hf.get("qkv_bias", True))
     return ModelConfig(
         preset=None,
         hidden_size=hf["hidden_size"],
@@ -73,28 +118,53 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=arch == "Qwen2ForCausalLM",
+        attention_bias=bool(bias),
         mlp="gated",
+        qk_norm=_QK_NORM.get(arch, "none"),
         initializer_range=float(hf.get("initializer_range", 0.02)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None),
+        **_moe_fields(hf, arch),
     )
 
 
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """A HF ``config.json`` dict: Qwen2ForCausalLM when q/k/v have biases, LlamaForCausalLM otherwise."""
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The transformers architecture that holds exactly this model (one-line error when none does)."""
     if cfg.mlp != "gated":
         raise ModelLoadError("model.mlp=plain has no Hugging Face Llama equivalent; export needs mlp=gated")
-    qwen = cfg.attention_bias
+    bias, shared = cfg.attention_bias, cfg.shared_expert_intermediate_size > 0
+    if not cfg.num_local_experts:
+        table = {("none", False): "LlamaForCausalLM", ("none", True): "Qwen2ForCausalLM"}
+        table[("head", False)] = "Qwen3ForCausalLM"
+        arch = table.get((cfg.qk_norm, bias))
+    elif shared:
+        arch = "Qwen2MoeForCausalLM" if cfg.qk_norm == "none" else None
+    elif cfg.qk_norm == "full":
+        arch = None if bias else "OlmoeForCausalLM"
+    elif cfg.qk_norm == "head":
+        arch = None if bias else "Qwen3MoeForCausalLM"
+    else:
+        arch = "MixtralForCausalLM" if cfg.norm_topk_prob and not bias else None
+    if arch is None:
+        raise ModelLoadError(
+            f"no Hugging Face architecture holds this model (qk_norm={cfg.qk_norm}, attention_bias={bias}, "
+            f"experts={cfg.num_local_experts}, shared expert={shared}, norm_topk_prob={cfg.norm_topk_prob})"
+        )
+    return arch
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """A HF ``config.json`` dict for the architecture :func:`hf_architecture` picks."""
+    arch = hf_architecture(cfg)
     out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [arch],
+        "model_type": _MODEL_TYPE[arch],
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.dim_per_head,
-        "intermediate_size": cfg.intermediate_size,
+        "intermediate_size": cfg.expert_intermediate if arch in _SAME_WIDTH else cfg.intermediate_size,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_theta,
@@ -107,8 +177,34 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": cfg.eos_token_id,
         "torch_dtype": "float32",
     }
-    if not qwen:
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         out.update(attention_bias=False, mlp_bias=False)
+    if cfg.num_local_experts:
+        out.update(_moe_to_hf(cfg, arch))
+    return out
+
+
+_SAME_WIDTH = ("MixtralForCausalLM", "OlmoeForCausalLM")  # intermediate_size is the experts' width
+
+
+def _moe_to_hf(cfg: ModelConfig, arch: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+    if arch == "MixtralForCausalLM":
+        out.update(num_local_experts=cfg.num_local_experts, router_jitter_noise=0.0)
+        return out
+    out.update(num_experts=cfg.num_local_experts, norm_topk_prob=cfg.norm_topk_prob)
+    if arch != "OlmoeForCausalLM":
+        out.update(moe_intermediate_size=cfg.expert_intermediate, decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "Qwen2MoeForCausalLM":
+        out.update(
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=cfg.attention_bias
+        )
+    if arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+        out.update(attention_bias=False, clip_qkv=None)
     return out
 
 
@@ -166,9 +262,21 @@ def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 
 def iter_hf_weights(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of :func:`read_hf_weights` one at a time, read from the files as needed."""
-    for path in _weight_files(Path(directory)):
-        for key, tensor in iter_safetensors(path):
-            yield from_hf_name(key), tensor
+    pairs = (
+        (from_hf_name(key), tensor)
+        for path in _weight_files(Path(directory))
+        for key, tensor in iter_safetensors(path)
+    )
+    yield from fuse_stream(pairs, _experts_in(Path(directory)))
+
+
+def _experts_in(directory: Path) -> int:
+    """Routed experts per block said by the directory's config.json (0: dense, or no config)."""
+    try:
+        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    return int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -244,13 +352,16 @@ def write_hf_files(
             shards.append(dict.fromkeys(pending, ""))
             pending, size = {}, 0
 
-    for name, tensor in tensors:
-        t = tensor.detach().to("cpu", dtype).contiguous()
-        if pending and size + t.nbytes > shard_bytes:
-            flush()
-        pending[to_hf_name(name)] = t
-        size += t.nbytes
-        total += t.nbytes
+    arch = hf_cfg["architectures"][0]
+    roles = MIXTRAL_ROLES if arch == "MixtralForCausalLM" else PLAIN_ROLES
+    for fused_name, fused in tensors:
+        for name, tensor in split_experts(fused_name, fused, roles):  # per-expert, as save_pretrained
+            t = tensor.detach().to("cpu", dtype).contiguous()
+            if pending and size + t.nbytes > shard_bytes:
+                flush()
+            pending[to_hf_name(name, arch)] = t
+            size += t.nbytes
+            total += t.nbytes
     flush()
     _name_shards(out, shards, total)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")

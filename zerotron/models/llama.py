@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotron.config import ModelConfig
+from zerotron.models.moe import MoEBlock
 
 
 class RMSNorm(nn.Module):
@@ -243,6 +244,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, kvd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(qd, h, bias=False)
         self.core = AttentionCore()
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm not in ("none", "head", "full"):
+            raise ValueError(f"model.qk_norm: unknown value {cfg.qk_norm!r}; choose none, head or full")
+        if cfg.qk_norm != "none":  # per head (Qwen3) or over the whole projection (OLMoE)
+            full = cfg.qk_norm == "full"
+            self.q_norm = RMSNorm(qd if full else self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kvd if full else self.head_dim, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -254,8 +262,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (b, s, h) -> (b, s, h)."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (b, nh, s, d)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kvh, s, d)
+        q, k = self.q_proj(x), self.k_proj(x)  # (b, s, nh·d), (b, s, kvh·d)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, nh, s, d), (b, kvh, s, d)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kvh, s, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:  # the cache stores k/v and attends (contiguous or paged)
@@ -298,7 +312,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoEBlock(cfg) if cfg.num_local_experts else MLP(cfg)
 
     def forward(
         self,
@@ -527,7 +541,7 @@ def init_parameter(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfi
     # The CPU generator keeps only 32 bits of its seed, so seed and name are hashed together into 32.
     gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     std = cfg.initializer_range
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         std /= math.sqrt(2 * cfg.num_hidden_layers)
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)
 

@@ -24,6 +24,7 @@ import torch
 
 from zerotron.config import ModelConfig
 from zerotron.models.hf import ModelLoadError, _weight_files, from_hf_name
+from zerotron.models.hf_moe import expert_part
 from zerotron.models.llama import init_parameter
 
 Shape = tuple[int, ...]
@@ -77,6 +78,7 @@ class HFSource:
 
         self.directory = Path(directory)
         self._where: dict[str, tuple[Path, str]] = {}  # zerotron name -> (file, its key)
+        self._parts: dict[str, dict[tuple[int, str], tuple[Path, str]]] = {}  # fused name -> per expert
         for path in _weight_files(self.directory):
             try:
                 with safe_open(str(path), framework="pt") as handle:
@@ -84,26 +86,60 @@ class HFSource:
             except Exception as e:  # safetensors raises its own errors for damaged files
                 raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
             for key in keys:
-                self._where[from_hf_name(key)] = (path, key)
+                name = from_hf_name(key)
+                part = expert_part(name)
+                if part is None:
+                    self._where[name] = (path, key)
+                else:  # one expert's tensor of a fused one (the layout save_pretrained writes)
+                    self._parts.setdefault(part.fused, {})[(part.expert, part.role)] = (path, key)
 
     def box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
         """Read only the box's bytes."""
-        from safetensors import safe_open
-
+        if name in self._parts and name not in self._where:
+            return self._expert_box(name, global_shape, offsets, shape)
         if name not in self._where:
             raise ModelLoadError(
                 f"{self.directory}: missing tensor {name} (expected shape {list(global_shape)})"
             )
-        path, key = self._where[name]
+        return self._read(name, self._where[name], global_shape, box_slices(offsets, shape))
+
+    def _read(
+        self, name: str, where: tuple[Path, str], want: Shape, index: tuple[slice, ...]
+    ) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path, key = where
         with safe_open(str(path), framework="pt") as handle:
             part = handle.get_slice(key)
-            _check_shape(self.directory, name, tuple(part.get_shape()), global_shape)
-            data: torch.Tensor = part[box_slices(offsets, shape)]
+            _check_shape(self.directory, key, tuple(part.get_shape()), want)
+            data: torch.Tensor = part[index]
             return data.float().clone() if data.dtype == torch.float32 else data.float()
+
+    def _expert_box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
+        """A box of a fused expert tensor read from the per-expert tensors that hold it."""
+        parts, (e0, r0, c0), (ne, nr, nc) = self._parts[name], offsets, shape
+        cols = slice(c0, c0 + nc)
+        down = name.endswith("down_proj")
+        half = global_shape[1] if down else global_shape[1] // 2  # rows of each per-expert tensor
+        pieces: list[torch.Tensor] = []
+        for e in range(e0, e0 + ne):
+            rows = []
+            for role, start in (("down", 0),) if down else (("gate", 0), ("up", half)):
+                lo, hi = max(r0, start) - start, min(r0 + nr, start + half) - start
+                if lo >= hi:
+                    continue
+                if (e, role) not in parts:
+                    raise ModelLoadError(f"{self.directory}: missing expert {e}'s {role} tensor of {name}")
+                rows.append(
+                    self._read(name, parts[(e, role)], (half, global_shape[2]), (slice(lo, hi), cols))
+                )
+            pieces.append(torch.cat(rows))
+        return torch.stack(pieces)
 
     def close(self) -> None:
         """Nothing stays open between reads."""
         self._where.clear()
+        self._parts.clear()
 
 
 class GGUFSource:
