@@ -262,7 +262,7 @@ _NON_NEGATIVE = (
     "parallel.zero",
     "train.eps",
     "model.num_local_experts",
-"model.router_aux_loss_coef",
+    "model.router_aux_loss_coef",
     "model.router_z_loss_coef",
     "model.shared_expert_intermediate_size",
     "parallel.persist_numel",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -95,3 +96,7 @@ class PipelineStep:
         loss_sum = scaled * (tokens_global / scale)  # back to the summed token loss
         collectives.all_reduce(loss_sum, self.group, op="sum")
         return loss_sum
+
+    def metrics(self) -> dict[str, Any]:
+        """Nothing beyond the loss (MoE models are refused under pipeline parallelism so far)."""
+        return {}

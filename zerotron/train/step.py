@@ -11,7 +11,7 @@ autocast rule of :mod:`zerotron.train.loss`.
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from zerotron.parallel.engine import GradientReducer
 from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter
 from zerotron.train.pipeline_step import PipelineStep
+from zerotron.train.router import RouterMeter
 
 # (inputs, labels[, document_ids]), each (mb, s); labels -100 are not counted; document_ids: packed samples
 MicroBatches = list[tuple[torch.Tensor, ...]]
@@ -40,6 +41,10 @@ class Step(Protocol):
         over the pipeline when there is one)."""
         ...
 
+    def metrics(self) -> dict[str, Any]:
+        """Figures of the last step for the metrics record (MoE: router losses, expert load)."""
+        ...
+
 
 class MicroBatchStep:
     """The one-stage step: each micro-batch's forward and backward in turn, gradients accumulating
@@ -50,12 +55,15 @@ class MicroBatchStep:
     ) -> None:
         self.model, self.cfg, self.meter, self.reducer = model, cfg, meter, reducer
         self.tp, self.cp = mesh.group("tp"), mesh.group("cp")
+        self.data = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")  # the ranks holding other tokens
+        self.router = RouterMeter(cfg.model)  # MoE: the step's router losses and expert load
 
     def forward_backward(
         self, micro: MicroBatches, scale: float, device: torch.device, tokens: int | None = None
     ) -> torch.Tensor:
         """See :class:`Step`."""
         tokens_global = tokens or self.cfg.train.global_batch * self.cfg.train.seq_len
+        self.router.reset()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
             batch = shard_batch(batch, self.cp.size, self.cp.rank_in_group)  # this rank's tokens under cp
@@ -71,10 +79,15 @@ class MicroBatchStep:
                         else self.model(inputs, document_ids=documents)
                     )
                     loss = token_loss_sum(logits, labels, self.tp)
-                (loss * (scale / tokens_global)).backward()
+                    extra = self.router.add(self.model, self.data, len(micro))  # 0 without experts
+                (loss * (scale / tokens_global) + extra * scale).backward()
             loss_sum += loss.detach()
         self.reducer.finish()
         return loss_sum
+
+    def metrics(self) -> dict[str, Any]:
+        """See :class:`Step`."""
+        return self.router.metrics()
 
 
 def build_step(

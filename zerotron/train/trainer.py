@@ -359,6 +359,7 @@ class Trainer:
         self.step += 1
         record = self._record(loss_sum / counted, norm, lr, started, activation, states, skipped)
         record["loss_tokens"] = counted
+        record.update(self.runner.metrics())  # MoE: aux_loss, z_loss, expert_load
         if offloaded is not None:  # model states off the device (ZeRO offload): {host|nvme: {params, ...}}
             record["offloaded_state_bytes"] = offloaded
         if bad is not None:  # skipped; the data it would have trained on, for the post-mortem

@@ -1,0 +1,168 @@
+"""Training a mixture-of-experts model equals transformers' Mixtral trained in one process, on every
+layout that carries experts: one process, dp, ZeRO-1/2/3, cp, recomputation, expert parallelism.
+
+Reference: transformers' ``MixtralForCausalLM`` holding zerotron's initial weights, trained with torch's
+AdamW on the whole global batch, its loss the token cross-entropy plus ``router_aux_loss_coef`` times
+transformers' own auxiliary loss (and the z-loss from its router logits where asked). The layouts run
+one micro-batch per rank (no accumulation), so the load-balancing statistics are pooled over the same
+global batch. fp32, 8 steps: losses, aux losses and weights within 1e-5 (relative).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.harness import run_distributed
+from tests.test_train_3d import _body, _check_weights
+from tests.test_train_dp import BASE, _tokens
+from zerotron.checkpoint import store
+from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.train.data import DataLoader, PackedDataset
+from zerotron.train.state import read_model_tensors
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 8
+MOE = [
+    *BASE,
+    "model.vocab_size=256",
+    "model.num_local_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.intermediate_size=32",
+    "model.router_aux_loss_coef=0.1",
+    "train.grad_clip=0.3",
+    f"train.steps={STEPS}",
+]
+
+
+def _mixtral(cfg: Any) -> Any:
+    m = cfg.model
+    config = transformers.MixtralConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.expert_intermediate,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.kv_heads,
+        num_local_experts=m.num_local_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.rms_norm_eps,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=m.tie_word_embeddings,
+        router_aux_loss_coef=m.router_aux_loss_coef,
+        output_router_logits=True,
+    )
+    return transformers.MixtralForCausalLM(config).float()
+
+
+def _reference(
+    overrides: list[str], tokens: np.ndarray
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """transformers' Mixtral from zerotron's initial weights, trained on the whole batch."""
+    cfg = load_config(None, overrides)
+    ours = LlamaForCausalLM(cfg.model)
+    ours.init_weights(cfg.train.seed)
+    ref = _mixtral(cfg)
+    state = {("" if k.startswith("lm_head") else "model.") + k: v for k, v in ours.state_dict().items()}
+    ref.load_state_dict(state, strict=True)
+    ref.train()
+    t = cfg.train
+    decay = [p for p in ref.parameters() if p.ndim >= 2]
+    no_decay = [p for p in ref.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+    )
+    loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.global_batch, 0, 1, t.seed)
+    losses, auxes = [], []
+    for _ in range(STEPS):
+        (x, y) = loader.next_step()[0]
+        out = ref(x)
+        ce = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+        z = sum(torch.logsumexp(r.float(), -1).square().mean() for r in out.router_logits)
+        loss = ce + cfg.model.router_aux_loss_coef * out.aux_loss + cfg.model.router_z_loss_coef * z
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(ce.item())
+        auxes.append(out.aux_loss.item())
+    weights = {k.removeprefix("model."): v.detach().clone() for k, v in ref.named_parameters()}
+    return losses, auxes, weights
+
+
+def _aux_body(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int, resume: str | None) -> dict:
+    """The shared training body, plus the router figures of every step."""
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.train.trainer import Trainer
+
+    cfg = load_config(None, overrides)
+    rank, world = current_rank_and_world()
+    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
+    history = [trainer.train_step() for _ in range(2)]
+    return {"aux": [r["aux_loss"] for r in history], "load": history[-1]["expert_load"]}
+
+
+LAYOUTS = [
+    (1, ["train.micro_batch=8"]),
+    (2, ["train.micro_batch=4"]),
+    (2, ["train.micro_batch=4", "parallel.zero=1"]),
+    (2, ["train.micro_batch=4", "parallel.zero=2", "model.router_z_loss_coef=0.001"]),
+    (2, ["train.micro_batch=4", "parallel.zero=3", "parallel.persist_numel=0"]),
+    (2, ["train.micro_batch=8", "parallel.cp=2", "train.recompute=full"]),
+    (2, ["train.micro_batch=4", "model.moe_grouped_gemm=false", "train.recompute=selective"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    LAYOUTS,
+    ids=lambda x: x if isinstance(x, int) else "+".join(v.split(".")[1] for v in x),
+)
+def test_moe_training_matches_transformers(world: int, layout: list[str], tmp_path: Path) -> None:
+    tokens = _tokens()
+    overrides = [*MOE, *layout]
+    validate(load_config(None, overrides), world)
+    ref_losses, ref_aux, ref_weights = _reference(overrides, tokens)
+    results = run_distributed(_body, world, overrides, tokens, str(tmp_path), STEPS, None, timeout=300)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-5)
+        assert r["n_params"] == sum(w.numel() for w in ref_weights.values())
+    _check_weights(results, ref_weights)
+    saved = read_model_tensors(store.find_latest(tmp_path / "checkpoints"))
+    for name, ref in ref_weights.items():
+        assert float((saved[name] - ref).norm() / ref.norm()) <= 1e-5, name
+    figures = run_distributed(
+        _aux_body, world, overrides, tokens, str(tmp_path / "aux"), 2, None, timeout=300
+    )
+    for f in figures:  # every rank reports the global aux loss of the step
+        np.testing.assert_allclose(f["aux"], ref_aux[:2], rtol=1e-5)
+        assert 0 < f["load"]["min"] <= 0.25 <= f["load"]["max"] and f["load"]["cv"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["parallel.pp=2"], "parallel.pp=2 with model.num_local_experts=4"),
+        (["parallel.tp=2"], "parallel.tp=2 with model.num_local_experts=4"),
+        (["lora.rank=4"], "lora.rank > 0 on a mixture-of-experts model is not built yet"),
+        (["model.num_experts_per_tok=5"], "num_experts_per_tok=5 must be between 1 and"),
+        (["parallel.ep=3"], "ep=3"),
+        (["model.mlp=plain"], "MoE experts are SwiGLU"),
+    ],
+)
+def test_moe_layouts_not_built_are_refused(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        validate(load_config(None, [*MOE, *overrides]), 2)
