@@ -34,6 +34,7 @@ BASE = [
     "train.micro_batch=1",
     "train.steps=1",
 ]
+MOE = ["model.num_local_experts=4", "model.intermediate_size=32", "train.global_batch=8"]
 
 
 def _body(overrides: list[str], run_dir: str) -> dict:
@@ -46,7 +47,7 @@ def _body(overrides: list[str], run_dir: str) -> dict:
     boxes = []
     for name, p in trainer.model.named_parameters():
         record = records[name]
-        if counts_in_norm(record, mesh.coords) and mesh.coords["dp"] == 0:
+        if counts_in_norm(record, mesh.coords) and mesh.group(record.grad_axis).rank_in_group == 0:
             boxes.append((name.split("chunks.")[-1], record.global_shape, record.offsets, tuple(p.shape)))
     params = dict(trainer.model.named_parameters(remove_duplicate=False))
     ranges = {(n, mesh.coords["tp"]): (r.flat, params[n].numel()) for n, r in records.items() if r.flat}
@@ -54,7 +55,7 @@ def _body(overrides: list[str], run_dir: str) -> dict:
         "ranges": ranges,
         "boxes": boxes,
         "n_params": trainer.n_params,
-        "norm_numel": sum(p.numel() for p in trainer.norm_params),
+        "norm_numel": sum(p.numel() for params, _ in trainer.norm_classes for p in params),
     }
 
 
@@ -65,12 +66,16 @@ def _body(overrides: list[str], run_dir: str) -> dict:
         (2, ["parallel.pp=2"]),
         (4, ["parallel.pp=2", "parallel.tp=2"]),
         (4, ["parallel.tp=2", "parallel.zero=1"]),
+        (4, [*MOE, "parallel.ep=2", "parallel.zero=1"]),
+        (4, [*MOE, "parallel.ep=4", "parallel.zero=3"]),
     ],
-    ids=["tp2", "pp2", "pp2-tp2", "tp2-zero1"],
+    ids=["tp2", "pp2", "pp2-tp2", "tp2-zero1", "ep2-dp4-zero1", "ep4-zero3"],
 )
 def test_norm_boxes_tile_the_model_once(world: int, overrides: list[str], tmp_path: Path) -> None:
+    """Each element of the model is counted in the norm, and written, by exactly one rank (an expert
+    tensor's rows by the first replica of the EP rank holding them)."""
     results = run_distributed(_body, world, overrides, str(tmp_path), timeout=300)
-    reference = LlamaForCausalLM(load_config(None, BASE).model)
+    reference = LlamaForCausalLM(load_config(None, [*BASE, *overrides]).model)
     whole = sum(p.numel() for p in reference.parameters())  # tied embedding once
     assert {r["n_params"] for r in results} == {whole}
     counted = [box for r in results for box in r["boxes"]]

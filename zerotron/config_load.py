@@ -347,6 +347,11 @@ def _check_model(cfg: Config) -> None:
         )
     if m.num_local_experts:
         _check_moe(cfg)
+    elif m.moe_intermediate_size or m.shared_expert_intermediate_size:
+        raise ConfigError(
+            "model.moe_intermediate_size and model.shared_expert_intermediate_size size the experts of an MoE "
+            "model: set model.num_local_experts > 0, or leave them unset for a dense model"
+        )
 
 
 def _check_moe(cfg: Config) -> None:
@@ -494,11 +499,6 @@ def _check_fault(cfg: Config) -> None:
 def _check_built(cfg: Config) -> None:
     """Settings the trainer does not implement yet are refused, never accepted and ignored."""
     p = cfg.parallel
-    if p.ep > 1:
-        raise ConfigError(
-            f"parallel.ep={p.ep}: expert parallelism needs mixture-of-experts layers, which the trainer does "
-            "not have yet; set parallel.ep=1"
-        )
     if p.tp_comm_overlap:
         raise ConfigError(
             "parallel.tp_comm_overlap=true: the trainer does not overlap tensor-parallel collectives with "

@@ -330,6 +330,31 @@ def all_to_all(
     )
 
 
+def all_to_all_v(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: Group,
+    kind: str = "all_to_all",
+) -> None:
+    """Rows ``in_splits[j]`` of ``input`` (in order along dim 0) go to the j-th rank of ``group``; the
+    ``out_splits[j]`` rows arriving from it fill ``output`` in rank order. Counts the bytes that leave
+    this rank (its rows for itself stay)."""
+    if group.size == 1:
+        output.copy_(input)
+        return
+    row = _nbytes(input[:1]) if input.shape[0] else _nbytes(output[:1]) if output.shape[0] else 0
+    sent = (sum(in_splits) - in_splits[group.rank_in_group]) * row
+    entry = _begin(group, kind, (output, input), sent)
+    _run(
+        group,
+        entry,
+        lambda a: dist.all_to_all_single(output, input, out_splits, in_splits, group=group.pg, async_op=a),
+        False,
+    )
+
+
 def broadcast(t: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Pending | _NoWork | None:
     """Copy ``t`` from global rank ``src`` to every rank of ``group`` (in place)."""
     if src not in group.ranks:

@@ -173,7 +173,8 @@ class Group:
 class Mesh:
     """This rank's view of the mesh: the groups it belongs to on every axis and its neighbours.
 
-    Attributes: ``dims`` (ParallelDims), ``rank`` (global), ``coords`` (dict axis -> coordinate),
+    Attributes: ``dims`` (ParallelDims), ``rank`` (global), ``coords`` (dict axis -> coordinate: the
+    grid axes, and ``ep``/``edp``, the rank's place in its expert groups),
     ``stats`` (CommStats shared by all groups), ``pp_prev``/``pp_next`` (global ranks of the previous and
     next pipeline stage, None at the ends), ``cp_prev``/``cp_next`` (neighbours on the CP ring).
     """
@@ -211,6 +212,10 @@ class Mesh:
                     self._groups[axis] = Group(
                         axis, key, pg, self.stats, rank, backend if pg is not None else ""
                     )
+        # expert parallelism's coordinates: the place in this rank's EP group (which experts it holds)
+        # and in its expert-data-parallel group (which replica of them)
+        self.coords["ep"] = self._groups["ep"].rank_in_group
+        self.coords["edp"] = self._groups["edp"].rank_in_group
         d = dims
         c = self.coords
         grid = dims.grid()

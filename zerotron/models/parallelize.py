@@ -8,8 +8,10 @@
    entries it does not hold).
 3. **Context parallelism**: each row's tokens split zig-zag over ``cp`` ranks, every block's attention
    core replaced by the ``parallel.cp_comm`` one (:mod:`zerotron.parallel.context`).
-   (Expert parallelism: not built yet; refused by the configuration check.)
-4. **Activation recomputation** around the blocks.
+4. **Expert parallelism**: each MoE block keeps its ``ep`` rank's E/ep experts, split and reduced as
+   the placement record says (``ep``/``edp``), its token slots sent to their experts by all-to-all
+   (:mod:`zerotron.parallel.expert`).
+5. **Activation recomputation** around the blocks.
 
 Everything happens on the meta device: no rank allocates what it will not hold. The caller then
 materialises the split model from a weight source (:mod:`zerotron.models.sources`: the layout-independent
@@ -28,6 +30,7 @@ from zerotron.distributed.mesh import Mesh
 from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel, meta_stages, stage_bounds
 from zerotron.parallel.context import apply_context_parallel, context_groups
+from zerotron.parallel.expert import apply_expert_parallel
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 
@@ -48,6 +51,9 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
         groups = context_groups(mesh, cfg.parallel.cp_comm, cfg.parallel.cp_ulysses_size)
         for chunk in chunks:
             apply_context_parallel(chunk, groups)
+    if mesh is not None and mesh.dims.ep > 1:
+        for chunk in chunks:
+            apply_expert_parallel(chunk, mesh.group("ep"))
     one_stage = mesh is None or mesh.dims.pp == 1
     model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
     apply_recompute(model, cfg.train.recompute)

@@ -30,9 +30,10 @@ from torch import nn
 
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.context import is_context_parallel
-from zerotron.parallel.tensor import attach_grad_sums, shard_specs
+from zerotron.parallel.tensor import ShardSpec, attach_grad_sums, shard_specs
 
 GRAD_AXES_ATTR = "grad_axes"  # on a module: {parameter name in the module: mesh axis reducing its gradient}
+SPLIT_ATTR = "axis_splits"  # on a module: {parameter name: (mesh axis, ShardSpec)} for splits other than tp
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,25 @@ def set_grad_axis(module: nn.Module, param_name: str, axis: str) -> None:
     axes[param_name] = axis
 
 
+def set_split(module: nn.Module, param_name: str, axis: str, spec: ShardSpec) -> None:
+    """Record that ``module.<param_name>`` is this rank's box ``spec`` of a tensor split over mesh
+    ``axis`` (expert parallelism's ``ep``; tensor parallelism keeps its own ``tp_specs``)."""
+    splits = getattr(module, SPLIT_ATTR, None)
+    if splits is None:
+        splits = {}
+        setattr(module, SPLIT_ATTR, splits)
+    splits[param_name] = (axis, spec)
+
+
+def _splits(model: nn.Module) -> dict[int, tuple[str, ShardSpec]]:
+    """Parameter id -> the (axis, box) an ``apply_*`` other than tensor parallelism recorded for it."""
+    out: dict[int, tuple[str, ShardSpec]] = {}
+    for module in model.modules():
+        for pname, split in getattr(module, SPLIT_ATTR, {}).items():
+            out.setdefault(id(getattr(module, pname)), split)
+    return out
+
+
 def _grad_axes(model: nn.Module) -> dict[int, str]:
     """Parameter id -> the gradient axis an ``apply_*`` recorded for it."""
     out: dict[int, str] = {}
@@ -100,20 +120,25 @@ def placements(
     (a parameter ZeRO shards but this rank holds none of gets ``(0, 0)``) and the rows that are real
     in parameters ``padded`` past the vocabulary, by name."""
     specs = shard_specs(model)
-    axes = _grad_axes(model)
+    axes, splits = _grad_axes(model), _splits(model)
     data_axis = "dp_cp" if is_context_parallel(model) else "dp"  # cp ranks hold parts of the same rows
     first = {id(p): name for name, p in model.named_parameters()}  # a tied alias shares its range
     out: dict[str, Placement] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         spec = specs.get(name)
-        if spec is None:
+        split_axes: tuple[str, ...] = ()
+        if id(p) in splits:
+            axis, spec = splits[id(p)]
+            shape, offsets, split_axes = spec.global_shape, spec.offsets, (axis,)
+            sharded = False
+        elif spec is None:
             shape, offsets, sharded = tuple(p.shape), (0,) * p.dim(), False
         else:
             shape, offsets, sharded = spec.global_shape, spec.offsets, spec.sharded
         out[name] = Placement(
             global_shape=tuple(shape),
             offsets=tuple(offsets),
-            sharded=("tp",) if sharded else (),
+            sharded=("tp",) if sharded else split_axes,
             replicated=("tp",) if tp > 1 and not sharded else (),
             source=copy[1] if copy is not None and p is copy[0] else None,
             grad_axis=axes.get(id(p), data_axis),
@@ -145,15 +170,14 @@ def counts_in_norm(placement: Placement, coords: Mapping[str, int]) -> bool:
     return not placement.copy and all(coords.get(axis, 0) == 0 for axis in placement.replicated)
 
 
-def norm_axes(records: Mapping[str, Placement], sharded_states: bool) -> list[str]:
-    """The mesh axes whose ranks hold the other parts of the gradient norm, in reduction order: the
-    data axes (dp, or dp_cp) when the optimizer sees shards (ZeRO), pp (stages hold different parameters; one rank without
-    pipeline parallelism, where the sum is free), and every axis that splits a parameter."""
-    data = sorted({r.grad_axis for r in records.values()})  # dp, or dp_cp under context parallelism
-    axes = [*data, "pp"] if sharded_states else ["pp"]
-    for axis in sorted({a for r in records.values() for a in r.sharded}):
-        axes.append(axis)
-    return axes
+def norm_axes(record: Placement, sharded_states: bool) -> tuple[str, ...]:
+    """The mesh axes whose ranks hold the other parts of this parameter's share of the gradient norm
+    (the caller sums each class of parameters with the same axes over them, then over ``pp``, whose
+    stages hold different parameters): its gradient axis when the optimizer sees shards (ZeRO shards
+    over it: dp, dp_cp, or edp for experts), and every axis that splits or replicates it (tp; ep for
+    experts), where :func:`counts_in_norm` counts each distinct element on one rank."""
+    data = (record.grad_axis,) if sharded_states else ()
+    return data + tuple(a for a in (*record.sharded, *record.replicated) if a not in data)
 
 
 def local_numel(records: Mapping[str, Placement], model: nn.Module) -> int:

@@ -107,29 +107,29 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather_dim(grad, ctx.group, ctx.dim), None, None
 
 
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+def apply_function(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
     """``fn.apply(*args)`` typed (torch leaves ``Function.apply`` unannotated)."""
     return cast(torch.Tensor, fn.apply(*args))
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron's f: enter a TP region with a replicated input (identity; all-reduce of the gradient)."""
-    return x if group.size == 1 else _apply(_CopyToTP, x, group)
+    return x if group.size == 1 else apply_function(_CopyToTP, x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron's g: leave a TP region by summing partial outputs (all-reduce; identity backward)."""
-    return x if group.size == 1 else _apply(_ReduceFromTP, x, group)
+    return x if group.size == 1 else apply_function(_ReduceFromTP, x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Enter a TP region from sequence shards: all-gather along ``dim`` (reduce-scatter backward)."""
-    return x if group.size == 1 else _apply(_GatherFromSequence, x, group, dim)
+    return x if group.size == 1 else apply_function(_GatherFromSequence, x, group, dim)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Leave a TP region onto sequence shards: reduce-scatter along ``dim`` (all-gather backward)."""
-    return x if group.size == 1 else _apply(_ReduceScatterToSequence, x, group, dim)
+    return x if group.size == 1 else apply_function(_ReduceScatterToSequence, x, group, dim)
 
 
 def all_reduce_grad_hook(group: Group) -> Any:
@@ -190,7 +190,7 @@ def vocab_parallel_cross_entropy(
         vocab_start = group.rank_in_group * logits.shape[-1]
     if group.size == 1:
         return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
-    return _apply(_VocabParallelCrossEntropy, logits.float(), labels, vocab_start, group)
+    return apply_function(_VocabParallelCrossEntropy, logits.float(), labels, vocab_start, group)
 
 
 def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -262,4 +262,4 @@ def linear_saving_shard(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gather: SequenceGather
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on the gathered ``x`` (= ``gather.full``) that saves only the shard."""
-    return _apply(_LinearSavingShard, x, gather.shard, weight, bias, gather)
+    return apply_function(_LinearSavingShard, x, gather.shard, weight, bias, gather)

@@ -95,15 +95,33 @@ def global_grad_norm(params: Iterable[torch.Tensor], shard_groups: Sequence[Grou
     ``shard_groups`` are the groups over which those owned parts must be summed to cover the whole model;
     none for plain data parallelism, where every rank already holds the full, reduced gradient.
     """
+    return _square_sum(params, shard_groups).sqrt()
+
+
+def _square_sum(params: Iterable[torch.Tensor], groups: Sequence[Group]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         norms = torch._foreach_norm(grads, 2.0)
         sq = torch.stack([n.float() for n in norms]).pow(2).sum()
     else:
         sq = torch.zeros(())
-    for group in shard_groups:
+    for group in groups:
         collectives.all_reduce(sq, group, op="sum")
-    return sq.sqrt()
+    return sq
+
+
+def sharded_grad_norm(
+    classes: Sequence[tuple[Sequence[torch.Tensor], Sequence[Group]]], stages: Group
+) -> torch.Tensor:
+    """L2 norm of all gradients when parameters differ in how they are split: each class's owned
+    gradients (see :func:`global_grad_norm`) squared and summed over that class's groups, the classes
+    added, and the total summed over the pipeline ``stages``."""
+    parts = [_square_sum(params, groups) for params, groups in classes]
+    total = parts[0] if parts else torch.zeros(())
+    for part in parts[1:]:
+        total = total + part.to(total.device)
+    collectives.all_reduce(total, stages, op="sum")
+    return total.sqrt()
 
 
 def clip_grads_(params: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

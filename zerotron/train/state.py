@@ -109,13 +109,12 @@ def _rank_pieces(
     holding the same box, the placement record's first holder writes it (``placement.writes``: tp
     rank 0 for a tensor replicated over tp); a copy (the tied head on the last
     pipeline stage) is not written: its source, the embedding, is, and every layout reads the head
-    from it. Context-parallel ranks are data-parallel ones for the model state: under ZeRO (which
-    shards over dp × cp) each writes its segments, without it those > 0 write nothing.
+    from it. Without ZeRO the first rank of each parameter's gradient group writes it: dp (dp × cp
+    under context parallelism: cp ranks > 0 write nothing) for dense parameters, ``edp`` for the
+    experts an expert-parallel rank holds (every EP rank writes its own experts).
     """
     tensors: dict[str, torch.Tensor] = {}
     entries: list[dict[str, Any]] = []
-    if mesh.coords["cp"] != 0 and zero is None:
-        return tensors, entries
     records = model_placements(model, mesh.dims.tp, zero)
 
     def add(
@@ -150,13 +149,17 @@ def _rank_pieces(
                 add(f"{seg.name}.{key}", "optimizer", seg.name, state[key].detach().reshape(-1), box, flat)
             if seg.start == 0:
                 add(f"{seg.name}.step", "optimizer", seg.name, torch.as_tensor(state["step"]).float(), ())
-    if mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0:
-        for name, t in model_tensors(model).items():
-            if name not in covered:
-                add(name, "model", name, t.detach(), tuple(t.shape))
-        if zero is None:
-            for name, t in optimizer_tensors(model, optimizer).items():
-                param = name.rsplit(".", 1)[0]
+
+    def first_replica(param: str) -> bool:  # of the ranks that sum its gradient (dp, dp_cp; edp)
+        return mesh.group(records[param].grad_axis).rank_in_group == 0
+
+    for name, t in model_tensors(model).items():
+        if name not in covered and first_replica(name):
+            add(name, "model", name, t.detach(), tuple(t.shape))
+    if zero is None:
+        for name, t in optimizer_tensors(model, optimizer).items():
+            param = name.rsplit(".", 1)[0]
+            if first_replica(param):
                 add(name, "optimizer", param, t.detach(), tuple(t.shape))
     return tensors, entries
 

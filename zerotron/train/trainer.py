@@ -50,8 +50,8 @@ from zerotron.train.optim import (
     DynamicLossScaler,
     adamw,
     clip_grads_,
-    global_grad_norm,
     lr_at,
+    sharded_grad_norm,
 )
 from zerotron.train.step import build_step
 
@@ -258,8 +258,13 @@ class Trainer:
         # parameters, or ZeRO's shard segments)
         trainable = self.buckets.trainable()
         self.params = [p for _, p in trainable]
-        self.norm_params = [p for name, p in trainable if name in owned]
-        self.norm_groups = [mesh.group(axis) for axis in norm_axes(records, self.zero is not None)]
+        axes = {name: norm_axes(record, self.zero is not None) for name, record in records.items()}
+        classes: dict[tuple[str, ...], list[torch.Tensor]] = {a: [] for a in sorted(set(axes.values()))}
+        for name, p in trainable:
+            if name in owned:
+                classes[axes[name]].append(p)
+        # each class of parameters summed over its own groups (the same classes on every rank of them)
+        self.norm_classes = [(params, [mesh.group(a) for a in key]) for key, params in classes.items()]
         total = torch.tensor([float(local_numel(records, self.model))])
         collectives.all_reduce(total, mesh.group("pp"), op="sum")  # every stage holds different blocks
         self.n_params = int(total.item())
@@ -330,7 +335,7 @@ class Trainer:
         if fp16:
             grads = [p.grad for p in self.params if p.grad is not None]
             torch._foreach_mul_(grads, 1.0 / scale)
-        norm = global_grad_norm(self.norm_params, self.norm_groups)
+        norm = sharded_grad_norm(self.norm_classes, self.mesh.group("pp"))
         overflow = not bool(torch.isfinite(norm))
         lr = lr_at(self.step, cfg)
         # the global loss, equal on every rank (context-parallel ranks hold parts of the same rows)

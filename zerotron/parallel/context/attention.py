@@ -20,7 +20,7 @@ Every transfer goes through :mod:`zerotron.distributed.collectives` (counted und
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,14 +31,9 @@ from zerotron.layout import CP_COMM
 from zerotron.layout import ulysses_size as layout_ulysses_size
 from zerotron.parallel.context.blocks import block_backward, block_forward, merge
 from zerotron.parallel.context.split import Runs, positions
-from zerotron.parallel.tensor_comm import gather_from_sequence
+from zerotron.parallel.tensor_comm import apply_function, gather_from_sequence
 
 MODES = CP_COMM
-
-
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
-    """``fn.apply(*args)`` typed (torch leaves ``Function.apply`` unannotated)."""
-    return cast(torch.Tensor, fn.apply(*args))
 
 
 def _pass_on(t: torch.Tensor, ring: Group) -> Callable[[], torch.Tensor]:
@@ -203,22 +198,24 @@ class ContextGroups:
             k = gather_from_sequence(k, self.cp_group, dim=2)  # every rank's tokens, rank order
             v = gather_from_sequence(v, self.cp_group, dim=2)
             every = (sum(runs, ()),)
-            out: torch.Tensor = _apply(_RingAttention, q, k, v, None, runs[me], every, documents, scale)
+            out: torch.Tensor = apply_function(
+                _RingAttention, q, k, v, None, runs[me], every, documents, scale
+            )
             return out
         u, heads = self.ulysses.size, q.shape[1]
         # a ring member is a Ulysses group: the consecutive cp ranks g·u .. g·u+u-1, their runs in order
         members = [sum(runs[g * u : (g + 1) * u], ()) for g in range(len(runs) // u)]
         if u > 1:
-            q = _apply(_UlyssesAllToAll, q, self.ulysses, True)
-            k = _apply(_UlyssesAllToAll, _kv_for_heads(k, heads, u), self.ulysses, True)
-            v = _apply(_UlyssesAllToAll, _kv_for_heads(v, heads, u), self.ulysses, True)
+            q = apply_function(_UlyssesAllToAll, q, self.ulysses, True)
+            k = apply_function(_UlyssesAllToAll, _kv_for_heads(k, heads, u), self.ulysses, True)
+            v = apply_function(_UlyssesAllToAll, _kv_for_heads(v, heads, u), self.ulysses, True)
         ring = self.ring if self.ring.size > 1 else None
         mine = members[self.ring.rank_in_group]
         if ring is None and documents is None:  # Ulysses: the whole sequence here, one causal kernel
             out = _whole_sequence(q, k, v, mine, scale)
         else:
-            out = _apply(_RingAttention, q, k, v, ring, mine, members, documents, scale)
-        return _apply(_UlyssesAllToAll, out, self.ulysses, False) if u > 1 else out
+            out = apply_function(_RingAttention, q, k, v, ring, mine, members, documents, scale)
+        return apply_function(_UlyssesAllToAll, out, self.ulysses, False) if u > 1 else out
 
 
 def context_groups(mesh: Any, mode: str, ulysses_size: int = 1) -> ContextGroups:

@@ -1,7 +1,8 @@
 """ZeRO-3's units: which modules gather together, in forward order, and which flat layout each holds.
 
 A unit is every child of every ``nn.ModuleList`` (a transformer block) and the root module for whatever
-is left (embedding, final norm, head); a module holding a tied copy is a unit of its own. Per module
+is left (embedding, final norm, head); a module holding a tied copy, or parameters with a gradient
+axis of their own (the placement record's: expert parallelism's experts), is a unit of its own. Per module
 the trainable parameters form one layout and the frozen ones (a LoRA run's base) another, gathered for
 use and never reduced; small trainable parameters form one persistent layout per reduction group.
 """
@@ -14,6 +15,7 @@ from typing import Optional
 from torch import nn
 
 from zerotron.distributed.mesh import Group
+from zerotron.parallel.placement import GRAD_AXES_ATTR
 from zerotron.parallel.zero.flat import FlatLayout, tied_copy
 
 
@@ -62,7 +64,13 @@ def plan_units(
     small: list[tuple[str, nn.Parameter]] = []
     runs: list[Run] = []
     tied = tied_copy(model)
-    own = [m for m in model.modules() if any(p is tied for p in m.parameters(recurse=False))]
+    # units of their own: a tied copy's module, and modules whose parameters reduce over a group of
+    # their own (an expert-parallel block's experts: edp, while the rest of the block reduces over dp)
+    own = [
+        m
+        for m in model.modules()
+        if any(p is tied for p in m.parameters(recurse=False)) or getattr(m, GRAD_AXES_ATTR, None)
+    ]
     per_root = _units(model, own)
     for module in reversed([m for units in per_root for m in units]):  # blocks claim theirs first
         named: list[tuple[str, nn.Parameter]] = []
