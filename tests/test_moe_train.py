@@ -200,3 +200,33 @@ def test_moe_training_matches_transformers(world: int, layout: list[str], tmp_pa
 def test_moe_layouts_not_built_are_refused(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):
         validate(load_config(None, [*MOE, *overrides]), 2)
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"), [(1, ["train.micro_batch=8"]), (4, ["train.micro_batch=2", "parallel.ep=4"])]
+)
+def test_checkpoint_saved_at_ep2_resumes_on_another_layout(
+    world: int, layout: list[str], tmp_path: Path
+) -> None:
+    """Saved with the experts split over 2 ranks, resumed whole on one rank or split over 4: the
+    trajectory continues as transformers' does."""
+    tokens = _tokens()
+    ref_losses, _, ref_weights = _reference(MOE, tokens)
+    first = run_distributed(
+        _moe_body,
+        2,
+        [*MOE, "train.micro_batch=4", "parallel.ep=2"],
+        tokens,
+        str(tmp_path),
+        4,
+        None,
+        timeout=300,
+    )
+    np.testing.assert_allclose(first[0]["losses"], ref_losses[:4], rtol=1e-5)
+    ckpt = str(store.find_latest(tmp_path / "checkpoints"))
+    second = run_distributed(
+        _moe_body, world, [*MOE, *layout], tokens, str(tmp_path / "b"), 4, ckpt, timeout=300
+    )
+    for r in second:
+        np.testing.assert_allclose(r["losses"], ref_losses[4:], rtol=1e-5)
+    _check_expert_weights(second, ref_weights)
