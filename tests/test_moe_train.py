@@ -230,3 +230,27 @@ def test_checkpoint_saved_at_ep2_resumes_on_another_layout(
     for r in second:
         np.testing.assert_allclose(r["losses"], ref_losses[4:], rtol=1e-5)
     _check_expert_weights(second, ref_weights)
+
+
+def test_expert_parallel_checkpoint_exports_to_transformers(tmp_path: Path) -> None:
+    """A checkpoint trained at ep 2 (ZeRO-3) converts to a Hugging Face Mixtral directory that
+    transformers loads (per-expert tensors, as save_pretrained writes), with the logits of
+    transformers' own trained model."""
+    from zerotron.checkpoint.convert import convert
+
+    tokens = _tokens()
+    overrides = [*MOE, "train.micro_batch=4", "parallel.ep=2", "parallel.zero=3", "parallel.persist_numel=0"]
+    _, _, ref_weights = _reference(MOE, tokens)
+    run_distributed(_moe_body, 2, overrides, tokens, str(tmp_path), STEPS, None, timeout=300)
+    convert(store.find_latest(tmp_path / "checkpoints"), tmp_path / "hf", shard_bytes=200_000)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32
+    ).eval()
+    assert type(loaded).__name__ == "MixtralForCausalLM"
+    ref = _mixtral(load_config(None, MOE)).eval()
+    result = ref.load_state_dict({"model." + k: v for k, v in ref_weights.items()}, strict=False)
+    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # the tied head
+    ids = torch.from_numpy(tokens[:64].astype(np.int64)).reshape(2, 32)
+    with torch.no_grad():
+        expected = ref(ids).logits
+        assert (loaded(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
