@@ -2,7 +2,7 @@
 precision, clipping, the optimizer step, metrics and checkpoints.
 
 Parallelism is applied in DESIGN.md's order: :func:`build_model` runs the one parallelize path
-(pipeline split → tensor/sequence parallel → (context, expert are later issues) → activation
+(pipeline split → tensor/sequence parallel → context parallel → expert parallel → activation
 recomputation), then the engine adds data-parallel gradient buckets or ZeRO last.
 """
 
