@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tests.harness import run_distributed
 from tests.test_train_3d import _body
-from tests.test_train_dp import BASE, _tokens
+from tests.test_train_dp import BASE, _tokens, torch_adamw
 from zerotron.checkpoint import store
 from zerotron.config_load import ConfigError, load_config, validate
 from zerotron.models.llama import LlamaForCausalLM
@@ -76,14 +76,7 @@ def _reference(
     ref.load_state_dict(state, strict=True)
     ref.train()
     t = cfg.train
-    decay = [p for p in ref.parameters() if p.ndim >= 2]
-    no_decay = [p for p in ref.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-    )
+    opt = torch_adamw(ref, t)
     loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.global_batch, 0, 1, t.seed)
     losses, auxes = [], []
     for _ in range(STEPS):

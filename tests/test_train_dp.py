@@ -15,6 +15,7 @@ test's data, the reference against itself with the batch split in two micro-batc
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,6 +52,18 @@ def _tokens(n: int = 8 * 33 * 3, seed: int = 7) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n).astype(np.uint16)
 
 
+def torch_adamw(model: torch.nn.Module, t: Any) -> torch.optim.Optimizer:
+    """torch's AdamW with the trainer's settings: matrices decay, norm gains and biases do not."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+    )
+
+
 def _reference_run(
     overrides: list[str], tokens: np.ndarray, steps: int = STEPS
 ) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
@@ -58,15 +71,8 @@ def _reference_run(
     cfg = load_config(None, overrides)
     model = LlamaForCausalLM(cfg.model)
     model.init_weights(cfg.train.seed)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
     t = cfg.train
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-    )
+    opt = torch_adamw(model, t)
     loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.global_batch, 0, 1, t.seed)
     losses = []
     for _ in range(steps):
@@ -110,14 +116,7 @@ def _ddp_body(overrides: list[str], tokens: np.ndarray) -> dict:
     model.init_weights(cfg.train.seed)
     ddp = DistributedDataParallel(model)
     t = cfg.train
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-    )
+    opt = torch_adamw(model, t)
     loader = DataLoader(
         PackedDataset(tokens, t.seq_len), t.global_batch, t.global_batch // world, rank, world, t.seed
     )
