@@ -27,7 +27,6 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.models.moe import Experts, moe_blocks
 from zerotron.parallel.placement import set_grad_axis, set_split
 from zerotron.parallel.tensor import ShardSpec
 from zerotron.parallel.tensor_comm import apply_function
@@ -59,7 +58,7 @@ class ExpertDispatch:
     def __init__(self, group: Group, local: int) -> None:
         self.group, self.local = group, local
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x (n·k, h) sorted by global expert, counts (E,) -> the experts' outputs in x's order."""
         p, local = self.group.size, self.local
         send = counts.view(p, local)  # slots for each peer's each expert
@@ -81,19 +80,25 @@ def apply_expert_parallel(model: nn.Module, group: Group) -> None:
     one parallelize path), record their split over ``ep`` and their gradient group ``edp``, and route
     the blocks' slots through :class:`ExpertDispatch`."""
     p, r = group.size, group.rank_in_group
-    for block in moe_blocks(model):
-        e = block.num_experts
+    # the model's MoE blocks, found by what they hold (this layer does not import the models):
+    # ``num_experts``, ``experts`` with stacked ``gate_up_proj``/``down_proj``, and a ``dispatch``
+    blocks = [m for m in model.modules() if hasattr(m, "dispatch") and hasattr(m, "num_experts")]
+    for block in blocks:
+        e: int = int(getattr(block, "num_experts"))  # noqa: B009 - a duck-typed block
         if e % p:
             raise ValueError(f"parallel.ep={p} does not divide the {e} experts")
         local = e // p
-        experts = block.experts
+        experts: nn.Module = getattr(block, "experts")  # noqa: B009
         for name in ("gate_up_proj", "down_proj"):
             whole: torch.Tensor = getattr(experts, name)
             part = whole.detach()[r * local : (r + 1) * local].clone()
             setattr(experts, name, nn.Parameter(part, whole.requires_grad))
             shape = tuple(whole.shape)
             set_split(
-                experts, name, "ep", ShardSpec(shape, (r * local, *[0] * (len(shape) - 1)), part.shape, 0)
+                experts,
+                name,
+                "ep",
+                ShardSpec(shape, (r * local, *[0] * (len(shape) - 1)), tuple(part.shape), 0),
             )
             set_grad_axis(experts, name, "edp")
-        block.dispatch = ExpertDispatch(group, local)
+        setattr(block, "dispatch", ExpertDispatch(group, local))  # noqa: B010
