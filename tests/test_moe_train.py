@@ -97,13 +97,14 @@ def _reference(
 
 def _moe_body(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int, resume: str | None) -> dict:
     """The shared training body; an expert-parallel rank's expert tensors are reported with the index
-    of their first expert (with tp = pp = 1 the EP groups are runs of ``ep`` consecutive ranks)."""
+    of their first expert (its ``ep`` coordinate times the experts per rank)."""
     from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
 
     out = _body(overrides, tokens, run_dir, steps, resume)
-    rank, _ = current_rank_and_world()
-    ep = load_config(None, overrides).parallel.ep
-    out["first_expert"] = {n: (rank % ep) * w.shape[0] for n, w in out["weights"].items() if ".experts." in n}
+    rank, world = current_rank_and_world()
+    ep_rank = ParallelDims.from_config(load_config(None, overrides).parallel, world).build(rank).coords["ep"]
+    out["first_expert"] = {n: ep_rank * w.shape[0] for n, w in out["weights"].items() if ".experts." in n}
     return out
 
 
@@ -149,6 +150,29 @@ LAYOUTS = [
     (4, ["train.micro_batch=2", "parallel.ep=2", "parallel.zero=3", "parallel.persist_numel=0"]),
     (2, ["train.micro_batch=8", "parallel.ep=2", "parallel.cp=2", "train.recompute=full"]),
     (4, ["train.micro_batch=4", "parallel.ep=4", "parallel.cp=2", "parallel.dp=2"]),
+    (2, ["train.micro_batch=8", "parallel.tp=2"]),
+    (4, ["train.micro_batch=4", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
+    (
+        4,
+        [
+            "train.micro_batch=4",
+            "parallel.tp=2",
+            "parallel.ep=2",
+            "parallel.zero=3",
+            "parallel.persist_numel=0",
+        ],
+    ),
+    (
+        8,
+        [
+            "train.micro_batch=4",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "parallel.zero=1",
+        ],
+    ),
 ]
 
 
@@ -182,7 +206,6 @@ def test_moe_training_matches_transformers(world: int, layout: list[str], tmp_pa
     ("overrides", "expected"),
     [
         (["parallel.pp=2"], "parallel.pp=2 with model.num_local_experts=4"),
-        (["parallel.tp=2"], "parallel.tp=2 with model.num_local_experts=4"),
         (["lora.rank=4"], "lora.rank > 0 on a mixture-of-experts model is not built yet"),
         (["model.num_experts_per_tok=5"], "num_experts_per_tok=5 must be between 1 and"),
         (["parallel.ep=3"], "ep=3"),

@@ -551,24 +551,29 @@ def tensor_parallel_plan(cfg: ModelConfig) -> dict[str, Any]:
 
     Attention is split by heads (q, and k/v by KV heads, replicated when tp exceeds them), the MLP by
     intermediate columns (SwiGLU's gate and up alike), the embedding and the output head by vocabulary.
+    A mixture-of-experts block is not split: every tp rank holds its experts whole and runs them on the
+    tokens it has (its sequence shard under sequence parallelism, whose gradients then sum over tp, as
+    the norms' do), as Megatron does with an expert tensor-parallel size of 1.
     """
     mlp_colwise = ["gate_proj", "up_proj"] if cfg.mlp == "gated" else ["up_proj"]
+    regions: dict[str, Any] = {
+        "self_attn": {
+            "colwise": ["q_proj", "k_proj", "v_proj"],
+            "rowwise": ["o_proj"],
+            "heads": {"num_heads": ["q_proj"], "kv_heads": ["k_proj", "v_proj"]},
+        },
+    }
+    replicated = ["input_layernorm", "post_attention_layernorm"]
+    if cfg.num_local_experts:  # experts whole on every tp rank (Megatron's expert tp = 1)
+        replicated.append("mlp")
+    else:
+        regions["mlp"] = {"colwise": mlp_colwise, "rowwise": ["down_proj"]}
     return {
         "embedding": "embed_tokens",
         "output": "lm_head",
         "norms": ["norm"],
         "blocks": "layers",
-        "block": {
-            "norms": ["input_layernorm", "post_attention_layernorm"],
-            "regions": {
-                "self_attn": {
-                    "colwise": ["q_proj", "k_proj", "v_proj"],
-                    "rowwise": ["o_proj"],
-                    "heads": {"num_heads": ["q_proj"], "kv_heads": ["k_proj", "v_proj"]},
-                },
-                "mlp": {"colwise": mlp_colwise, "rowwise": ["down_proj"]},
-            },
-        },
+        "block": {"norms": replicated, "regions": regions},
     }
 
 

@@ -475,9 +475,11 @@ def attach_grad_sums(model: nn.Module) -> None:
 
 
 def _sum_grads_over_tp(module: nn.Module, group: Group) -> None:
-    for name, p in module.named_parameters(recurse=False):
-        if p.requires_grad:
-            sum_grad_over_tp(module, name, group)
+    """Every parameter of ``module`` and its children is replicated over tp and sees the sequence shard."""
+    for owner in module.modules():
+        for name, p in owner.named_parameters(recurse=False):
+            if p.requires_grad:
+                sum_grad_over_tp(owner, name, group)
 
 
 def apply_tensor_parallel(

@@ -2,7 +2,8 @@
 
 Each micro-step's auxiliary load-balancing loss and z-loss (:func:`zerotron.models.moe.router_losses`)
 are computed over the tokens of that micro-step on every data-parallel (and context-parallel) rank:
-the assignment counts are summed over those ranks before the loss is formed, so each rank's router
+the assignment counts are summed over those ranks (and the tp ranks holding the other sequence
+shards under sequence parallelism) before the loss is formed, so each rank's router
 probabilities enter with the global counts and the ranks' gradients sum to those of one process that
 sees the micro-step's whole batch. With one micro-batch per step (no accumulation) that is the global
 batch, and a data-parallel step equals the single process. The micro-steps' losses are averaged.
@@ -32,25 +33,25 @@ class RouterMeter:
         """Start a new optimizer step."""
         self.aux = self.z = 0.0
         self.load: torch.Tensor | None = None
-        self.micro = 0
 
-    def add(self, model: nn.Module, data: Group, n_micro: int) -> torch.Tensor | float:
+    def add(self, model: nn.Module, groups: list[Group], n_micro: int) -> torch.Tensor | float:
         """This rank's part of the micro-step's weighted router losses (in the graph), divided by the
-        ``n_micro`` micro-steps of the step; 0 for a model without experts."""
+        ``n_micro`` micro-steps of the step; 0 for a model without experts. ``groups`` together hold
+        the micro-step's other tokens (dp or dp × cp, and tp under sequence parallelism)."""
+        groups = [g for g in groups if g.size > 1]
 
         def reduce(t: torch.Tensor) -> None:
-            collectives.all_reduce(t, data, op="sum", kind="router")
+            for group in groups:
+                collectives.all_reduce(t, group, op="sum", kind="router")
 
-        losses = router_losses(model, reduce if data.size > 1 else None)
+        losses = router_losses(model, reduce if groups else None)
         if losses is None:
             return 0.0
         parts = torch.stack([losses.aux.detach(), losses.z.detach()])
-        if data.size > 1:
-            reduce(parts)  # each rank holds its part of the global losses
+        reduce(parts)  # each rank holds its part of the global losses
         self.aux += float(parts[0]) / n_micro
         self.z += float(parts[1]) / n_micro
         self.load = losses.load if self.load is None else self.load + losses.load
-        self.micro += 1
         return (self.aux_coef * losses.aux + self.z_coef * losses.z) / n_micro
 
     def metrics(self) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class MicroBatchStep:
         self.model, self.cfg, self.meter, self.reducer = model, cfg, meter, reducer
         self.tp, self.cp = mesh.group("tp"), mesh.group("cp")
         self.data = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")  # the ranks holding other tokens
+        # ... and, under sequence parallelism, the tp ranks holding the other sequence shards
+        sp = mesh.dims.tp > 1 and cfg.parallel.sequence_parallel
+        self.token_groups = [self.data, self.tp] if sp else [self.data]
         self.router = RouterMeter(cfg.model)  # MoE: the step's router losses and expert load
 
     def forward_backward(
@@ -79,7 +82,7 @@ class MicroBatchStep:
                         else self.model(inputs, document_ids=documents)
                     )
                     loss = token_loss_sum(logits, labels, self.tp)
-                    extra = self.router.add(self.model, self.data, len(micro))  # 0 without experts
+                    extra = self.router.add(self.model, self.token_groups, len(micro))  # 0 without experts
                 (loss * (scale / tokens_global) + extra * scale).backward()
             loss_sum += loss.detach()
         self.reducer.finish()
