@@ -71,6 +71,20 @@ class ModelConfig:
         0.001, "MoE: weight of the load-balancing loss (Switch/Mixtral form) added to the training loss"
     )
     router_z_loss_coef: float = _f(0.0, "MoE: weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2)")
+    scoring_func: str = _f(
+        "softmax", "MoE: router scores, softmax (Mixtral, Qwen-MoE, OLMoE) or sigmoid (DeepSeek-V3)"
+    )
+    routed_scaling_factor: float = _f(1.0, "MoE: factor on the routed experts' weights (DeepSeek-V3: 2.5)")
+    router_bias_update_rate: float = _f(
+        0.0,
+        "MoE: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k "
+        "choice only, moved by this rate toward balance after each step (0 is off; DeepSeek-V3: 0.001)",
+    )
+    expert_capacity_factor: float = _f(
+        0.0,
+        "MoE: 0 is dropless; c > 0 keeps at most ceil(c * seq_len * top_k / experts) tokens per expert and "
+        "sequence, dropping the lowest-weighted (they pass through the residual)",
+    )
     moe_grouped_gemm: bool = _f(
         True, "MoE: run the experts as one grouped GEMM (torch._grouped_mm) where shapes allow; false loops"
     )
@@ -90,6 +104,11 @@ class ModelConfig:
     def expert_intermediate(self) -> int:
         """Inner width of each routed expert with the default resolved."""
         return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def router_bias(self) -> bool:
+        """Whether MoE routers hold the aux-loss-free balancing bias (``mlp.gate.e_score_correction_bias``)."""
+        return self.num_local_experts > 0 and self.router_bias_update_rate > 0
 
     @property
     def dim_per_head(self) -> int:
@@ -118,6 +137,7 @@ ARCHITECTURE_FIELDS = (
     "num_local_experts",
     "expert_intermediate",
     "shared_expert_intermediate_size",
+    "router_bias",
     "qk_norm",
 )
 

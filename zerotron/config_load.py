@@ -217,6 +217,7 @@ _CHOICES = {
     "train.warmup_type": ("linear", "log"),
     "train.schedule_convention": ("zerotron", "deepspeed"),
     "model.mlp": ("gated", "plain"),
+    "model.scoring_func": ("softmax", "sigmoid"),
     "data.token_dtype": ("uint16", "uint32", "int32", "int64"),
     "data.format": ("pretrain", "auto", "messages", "sharegpt", "alpaca", "query", "text"),
     "data.loss_on": ("assistant", "last_turn", "all"),
@@ -264,6 +265,8 @@ _NON_NEGATIVE = (
     "model.num_local_experts",
     "model.router_aux_loss_coef",
     "model.router_z_loss_coef",
+    "model.router_bias_update_rate",
+    "model.expert_capacity_factor",
     "model.shared_expert_intermediate_size",
     "parallel.persist_numel",
     "data.max_length",
@@ -347,11 +350,21 @@ def _check_model(cfg: Config) -> None:
         )
     if m.num_local_experts:
         _check_moe(cfg)
-    elif m.moe_intermediate_size or m.shared_expert_intermediate_size:
-        raise ConfigError(
-            "model.moe_intermediate_size and model.shared_expert_intermediate_size size the experts of an MoE "
-            "model: set model.num_local_experts > 0, or leave them unset for a dense model"
-        )
+    else:
+        moe_only = {
+            "moe_intermediate_size": m.moe_intermediate_size is not None,
+            "shared_expert_intermediate_size": m.shared_expert_intermediate_size != 0,
+            "scoring_func": m.scoring_func != "softmax",
+            "routed_scaling_factor": m.routed_scaling_factor != 1.0,
+            "router_bias_update_rate": m.router_bias_update_rate != 0.0,
+            "expert_capacity_factor": m.expert_capacity_factor != 0.0,
+        }
+        given = [f"model.{k}" for k, v in moe_only.items() if v]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} set the experts of an MoE model: set model.num_local_experts > 0, or "
+                "leave them unset for a dense model"
+            )
 
 
 def _check_moe(cfg: Config) -> None:
@@ -366,6 +379,14 @@ def _check_moe(cfg: Config) -> None:
         )
     if cfg.lora.rank:
         raise ConfigError("lora.rank > 0 on a mixture-of-experts model is not built yet; set lora.rank=0")
+    if m.routed_scaling_factor <= 0:
+        raise ConfigError(f"model.routed_scaling_factor={m.routed_scaling_factor} must be > 0")
+    sequence_split = p.cp > 1 or (p.tp > 1 and p.sequence_parallel)
+    if m.expert_capacity_factor and sequence_split:
+        raise ConfigError(
+            "model.expert_capacity_factor drops tokens per whole sequence, which cp and sequence parallelism "
+            "split between ranks; use it with parallel.cp=1 and sequence_parallel=false, or set it to 0"
+        )
 
 
 def _check_layout(cfg: Config, world_size: int, tensor_only: bool = False) -> None:

@@ -30,6 +30,7 @@ from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import ModelLoadError
 from zerotron.models.lora import merge_adapter_tensors, read_adapter_config
 from zerotron.models.tokenizer import HFTokenizer
+from zerotron.parallel.placement import persistent_buffers
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 
@@ -95,7 +96,9 @@ def open_source(src: Path) -> tuple[ModelConfig, Tensors, Any]:
 def _checked(cfg: ModelConfig, tensors: Tensors, src: Path) -> Tensors:
     """Pass the tensors on, checking names and shapes; a tied head's second copy is dropped."""
     with torch.device("meta"):
-        expected = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).named_parameters()}
+        model = LlamaForCausalLM(cfg)
+        expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        optional = {n: tuple(b.shape) for n, b in persistent_buffers(model).items()}  # routers' biases
     seen: set[str] = set()
     for name, tensor in tensors:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -105,6 +108,9 @@ def _checked(cfg: ModelConfig, tensors: Tensors, src: Path) -> Tensors:
                 f"{src}: a LoRA fine-tuning checkpoint (adapter tensor {name}); write the merged model with "
                 "zerotron convert BASE OUT --merge-lora RUN_DIR/adapter"
             )
+        if name in optional and name not in expected:
+            expected[name] = optional[name]
+            optional.pop(name)
         if name not in expected:
             raise ModelLoadError(f"{src}: unexpected tensor {name}; wrong architecture?")
         if tuple(tensor.shape) != expected[name]:

@@ -133,6 +133,12 @@ def hf_architecture(cfg: ModelConfig) -> str:
     if cfg.mlp != "gated":
         raise ModelLoadError("model.mlp=plain has no Hugging Face Llama equivalent; export needs mlp=gated")
     bias, shared = cfg.attention_bias, cfg.shared_expert_intermediate_size > 0
+    if cfg.scoring_func != "softmax" or cfg.routed_scaling_factor != 1.0 or cfg.router_bias:
+        raise ModelLoadError(
+            "no Hugging Face architecture zerotron writes routes by sigmoid scores, a routed scaling factor "
+            "or a balancing bias (DeepSeek-V3 has them, with attention zerotron does not build); keep the "
+            "zerotron checkpoint"
+        )
     if not cfg.num_local_experts:
         table = {("none", False): "LlamaForCausalLM", ("none", True): "Qwen2ForCausalLM"}
         table[("head", False)] = "Qwen3ForCausalLM"

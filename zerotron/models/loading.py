@@ -16,6 +16,7 @@ from zerotron.config import ModelConfig
 from zerotron.models.hf import ModelLoadError, read_hf_config, read_hf_weights
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import HFTokenizer, Tokenizer
+from zerotron.parallel.placement import persistent_buffers
 
 __all__ = ["ModelLoadError", "load_pretrained", "load_state", "read_model_config"]
 
@@ -76,7 +77,12 @@ def build_from_state(
 ) -> LlamaForCausalLM:
     """A model on ``device`` in ``dtype`` holding ``weights``; names and shapes are checked first."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model = LlamaForCausalLM(cfg)
+        buffers = persistent_buffers(model)  # kept in their own dtype (a router's fp32 bias)
+        model.to(dtype)
+        for name, b in buffers.items():
+            prefix, _, attr = name.rpartition(".")
+            model.get_submodule(prefix)._buffers[attr] = b
     expected = dict(model.named_parameters())
     for name, param in expected.items():
         if name not in weights:
@@ -86,7 +92,7 @@ def build_from_state(
                 f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
                 f"the config implies {tuple(param.shape)}"
             )
-    unused = sorted(set(weights) - set(expected) - {"lm_head.weight"})
+    unused = sorted(set(weights) - set(expected) - set(buffers) - {"lm_head.weight"})
     if unused:
         raise ModelLoadError(
             f"{source}: unexpected tensor {unused[0]} (and {len(unused) - 1} more); wrong architecture?"
@@ -95,6 +101,8 @@ def build_from_state(
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(weights[name])
+        for name, b in persistent_buffers(model).items():  # a source without them: the initial zeros
+            b.copy_(weights[name]) if name in weights else b.zero_()
     return model.eval()
 
 

@@ -21,6 +21,7 @@ data-parallel step gets the single process's loss — plus the optional router z
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -88,11 +89,15 @@ class Experts(nn.Module):
 
 
 class Router(nn.Module):
-    """Linear scores of each token for each expert (``weight`` (E, h))."""
+    """Linear scores of each token for each expert (``weight`` (E, h)); with aux-loss-free balancing,
+    the per-expert bias added to the scores for the top-k choice (``e_score_correction_bias`` (E,), fp32,
+    moved outside autograd by :func:`update_router_bias`)."""
 
-    def __init__(self, experts: int, hidden: int) -> None:
+    def __init__(self, experts: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden))
+        if bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (n, h) -> logits (n, E)."""
@@ -132,7 +137,9 @@ class MoEBlock(nn.Module):
         super().__init__()
         h, e = cfg.hidden_size, cfg.num_local_experts
         self.num_experts, self.top_k, self.norm_topk = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = Router(e, h)
+        self.sigmoid, self.scaling = cfg.scoring_func == "sigmoid", cfg.routed_scaling_factor
+        self.capacity_factor = cfg.expert_capacity_factor
+        self.gate = Router(e, h, cfg.router_bias)
         self.experts = Experts(e, h, cfg.expert_intermediate, cfg.moe_grouped_gemm)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(h, cfg.shared_expert_intermediate_size)
@@ -141,12 +148,25 @@ class MoEBlock(nn.Module):
         self.stats: Optional[RouterStats] = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (n, h) -> (top-k weights (n, k) in x's dtype, expert ids (n, k)); records :attr:`stats`."""
+        """x (n, h) -> (top-k weights (n, k) in x's dtype, expert ids (n, k)); records :attr:`stats`.
+
+        Scores in fp32: softmax, or sigmoid (whose balancing statistics use the scores normalised per
+        token, as Megatron does). The top-k choice adds the balancing bias when there is one; the
+        weights are the chosen scores (renormalised with ``norm_topk_prob``, then scaled)."""
         logits = self.gate(x)  # (n, E)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (n, k)
+        if self.sigmoid:
+            scores = torch.sigmoid(logits.float())
+            probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            scores = probs = torch.softmax(logits.float(), dim=-1)
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        choice = scores if bias is None else scores.detach() + bias
+        ids = torch.topk(choice, self.top_k, dim=-1).indices  # (n, k)
+        weights = scores.gather(1, ids)
         if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         with torch.no_grad():
             counts = torch.bincount(ids.flatten(), minlength=self.num_experts).float()
         z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum()
@@ -158,16 +178,43 @@ class MoEBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (n, h)
         weights, ids = self.route(flat)
-        slot_expert = ids.flatten()  # (n·k,) the expert of each (token, choice) slot
-        order = torch.argsort(slot_expert, stable=True)
-        counts = torch.bincount(slot_expert, minlength=self.num_experts)
-        token = order // self.top_k  # the token of each sorted slot
-        out_sorted = self.dispatch(flat[token], counts, self.experts)  # (n·k, h)
-        out_sorted = out_sorted * weights.flatten()[order, None]
+        slot_weight, slot_expert = weights.flatten(), ids.flatten()  # per (token, choice) slot
+        slots = torch.arange(slot_expert.numel(), device=x.device)
+        if self.capacity_factor:  # the slots each expert keeps, per sequence
+            seq = shape[-2] if x.dim() == 3 else flat.shape[0]
+            capacity = math.ceil(self.capacity_factor * seq * self.top_k / self.num_experts)
+            keep = capacity_keep(
+                slot_weight.detach(), slot_expert, seq * self.top_k, self.num_experts, capacity
+            )
+            slots = slots[keep]
+        order = torch.argsort(slot_expert[slots], stable=True)
+        sorted_slots = slots[order]
+        counts = torch.bincount(slot_expert[slots], minlength=self.num_experts)
+        token = sorted_slots // self.top_k  # the token of each sorted slot
+        out_sorted = self.dispatch(flat[token], counts, self.experts)  # (slots, h)
+        out_sorted = out_sorted * slot_weight[sorted_slots, None]
         out = torch.zeros_like(flat).index_add_(0, token, out_sorted.to(flat.dtype))
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)
+
+
+def capacity_keep(
+    weight: torch.Tensor, expert: torch.Tensor, slots_per_seq: int, experts: int, capacity: int
+) -> torch.Tensor:
+    """Which slots (token, choice) survive a per-sequence expert capacity: of each sequence's slots
+    routed to an expert, the ``capacity`` with the highest weights (ties: the earlier slot). ``weight``
+    and ``expert`` are (n·k,), sequences are consecutive runs of ``slots_per_seq`` slots."""
+    n = weight.numel()
+    group = torch.arange(n, device=weight.device) // slots_per_seq * experts + expert
+    order = torch.argsort(weight, descending=True, stable=True)
+    order = order[torch.argsort(group[order], stable=True)]  # by group, heaviest first within it
+    grouped = group[order]
+    sizes = torch.bincount(grouped, minlength=int(grouped.max()) + 1 if n else 0)
+    rank = torch.arange(n, device=weight.device) - (sizes.cumsum(0) - sizes)[grouped]
+    keep = torch.empty(n, dtype=torch.bool, device=weight.device)
+    keep[order] = rank < capacity
+    return keep
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -182,6 +229,7 @@ class RouterLosses:
     aux: torch.Tensor
     z: torch.Tensor
     load: torch.Tensor
+    block_counts: torch.Tensor  # (blocks, E) this rank's assignments per block (not reduced)
 
 
 def router_losses(
@@ -202,6 +250,7 @@ def router_losses(
     stats = [b.stats for b in blocks if b.stats is not None]
     counts = torch.stack([s.counts for s in stats]).sum(0)  # (E,)
     totals = torch.cat([counts, counts.new_tensor([float(sum(s.tokens for s in stats))])])
+    block_counts = torch.stack([s.counts for s in stats])  # (blocks, E)
     z_sum = torch.stack([s.z_sum for s in stats]).sum()
     if all_reduce is not None:
         all_reduce(totals)
@@ -212,4 +261,18 @@ def router_losses(
     z = z_sum * len(stats) / rows  # Σ_blocks of the mean over the global tokens of each block
     for b in blocks:
         b.stats = None
-    return RouterLosses(aux, z, counts)
+    return RouterLosses(aux, z, counts, block_counts)
+
+
+def update_router_bias(model: nn.Module, block_load: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): each block's bias moves by ``rate`` toward balance, up for
+    an expert that got fewer than the mean assignments of the step, down for one that got more.
+    ``block_load`` (blocks, E) is the step's assignments over the global batch, the same on every rank,
+    so every replica of a router moves its bias alike."""
+    blocks = [b for b in moe_blocks(model) if hasattr(b.gate, "e_score_correction_bias")]
+    if len(blocks) != block_load.shape[0]:
+        raise ValueError(f"{len(blocks)} routers with a bias, but loads for {block_load.shape[0]} blocks")
+    with torch.no_grad():
+        for block, load in zip(blocks, block_load):
+            bias = block.gate.get_buffer("e_score_correction_bias")
+            bias += rate * torch.sign(load.mean() - load).to(bias)

@@ -1,4 +1,5 @@
-"""Where every parameter belongs: one placement record per parameter (DESIGN contract 5).
+"""Where every parameter belongs: one placement record per parameter (DESIGN contract 5), and per
+persistent buffer (whole on every rank, saved like a replicated parameter).
 
 A :class:`Placement` says, for one parameter tensor on this rank, its global shape, the offsets of this
 rank's box in it, the mesh axes that split it (``sharded``) and the axes over which the same box is
@@ -146,6 +147,28 @@ def placements(
             local_shape=tuple(p.shape),
             real_rows=None if padded is None else padded.get(name),
         )
+    for name, b in persistent_buffers(model).items():  # state outside autograd: whole on every rank
+        out[name] = Placement(
+            global_shape=tuple(b.shape),
+            offsets=(0,) * b.dim(),
+            sharded=(),
+            replicated=("tp",) if tp > 1 else (),
+            source=None,
+            grad_axis=data_axis,
+            flat=None,
+            local_shape=tuple(b.shape),
+            real_rows=None,
+        )
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by name (saved with the parameters: MoE routers' balancing bias)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
     return out
 
 
@@ -240,4 +263,19 @@ def materialize(
             values = fill_value(box, name, records[name])
             real = nn.Parameter(values.to(device=device, dtype=p.dtype, copy=True), p.requires_grad)
             torch.utils.swap_tensors(p, real)  # the same Parameter object, now with storage
+    materialize_buffers(model, box, device, records)
     attach_grad_sums(model)
+
+
+def materialize_buffers(
+    model: nn.Module, box: Box, device: torch.device | str, records: Mapping[str, Placement]
+) -> None:
+    """Give the persistent buffers still on the meta device their values from the weight source
+    (ZeRO-3, which materialises only the parameters, calls this for the rest)."""
+    with torch.no_grad():
+        for name, b in persistent_buffers(model).items():
+            if not b.is_meta:
+                continue
+            prefix, _, attr = name.rpartition(".")
+            owner = model.get_submodule(prefix) if prefix else model
+            owner._buffers[attr] = fill_value(box, name, records[name]).to(device=device, dtype=b.dtype)

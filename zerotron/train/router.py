@@ -19,7 +19,7 @@ from torch import nn
 from zerotron.config import ModelConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.models.moe import router_losses
+from zerotron.models.moe import router_losses, update_router_bias
 
 
 class RouterMeter:
@@ -27,12 +27,14 @@ class RouterMeter:
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
+        self.bias_rate = cfg.router_bias_update_rate
         self.reset()
 
     def reset(self) -> None:
         """Start a new optimizer step."""
         self.aux = self.z = 0.0
         self.load: torch.Tensor | None = None
+        self.block_load: torch.Tensor | None = None  # (blocks, E) this rank's, for the balancing bias
 
     def add(self, model: nn.Module, groups: list[Group], n_micro: int) -> torch.Tensor | float:
         """This rank's part of the micro-step's weighted router losses (in the graph), divided by the
@@ -52,7 +54,20 @@ class RouterMeter:
         self.aux += float(parts[0]) / n_micro
         self.z += float(parts[1]) / n_micro
         self.load = losses.load if self.load is None else self.load + losses.load
+        counts = losses.block_counts
+        self.block_load = counts if self.block_load is None else self.block_load + counts
         return (self.aux_coef * losses.aux + self.z_coef * losses.z) / n_micro
+
+    def finish(self, model: nn.Module, groups: list[Group]) -> None:
+        """After the step's last micro-step: with aux-loss-free balancing, sum each block's assignments
+        over the ranks holding the step's other tokens and move the routers' biases."""
+        if not self.bias_rate or self.block_load is None:
+            return
+        load = self.block_load.clone()
+        for group in groups:
+            if group.size > 1:
+                collectives.all_reduce(load, group, op="sum", kind="router")
+        update_router_bias(model, load, self.bias_rate)
 
     def metrics(self) -> dict[str, Any]:
         """The step's router figures (none without experts): the auxiliary loss and z-loss (unweighted,

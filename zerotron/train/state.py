@@ -33,7 +33,7 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
-from zerotron.parallel.placement import Placement, placements, read_box, writes
+from zerotron.parallel.placement import Placement, persistent_buffers, placements, read_box, writes
 from zerotron.parallel.zero.offload import state_of
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
 
@@ -48,8 +48,7 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (tied ones once) and persistent buffers by name."""
     out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
-    persistent = set(model.state_dict().keys())
-    out.update({n: b for n, b in model.named_buffers() if n in persistent})
+    out.update(persistent_buffers(model))
     return out
 
 

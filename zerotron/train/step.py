@@ -85,6 +85,7 @@ class MicroBatchStep:
                     extra = self.router.add(self.model, self.token_groups, len(micro))  # 0 without experts
                 (loss * (scale / tokens_global) + extra * scale).backward()
             loss_sum += loss.detach()
+        self.router.finish(self.model, self.token_groups)  # aux-loss-free balancing: the routers' biases
         self.reducer.finish()
         return loss_sum
 

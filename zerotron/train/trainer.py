@@ -37,6 +37,7 @@ from zerotron.parallel.placement import (
     grad_groups,
     local_numel,
     materialize,
+    materialize_buffers,
     norm_axes,
 )
 from zerotron.parallel.zero.api import apply_zero, offload_optimizer
@@ -285,6 +286,7 @@ class Trainer:
                 if par.zero == 3:  # the model is on the meta device: each unit materialises its range
                     source = stack.enter_context(weight_source(cfg, self.model))
                     fill = _fill_from(source, records, cfg.train.seed)
+                    materialize_buffers(self.model, source.box, self.device, records)  # not ZeRO's
                 zero = apply_zero(
                     self.model,
                     par.zero,
