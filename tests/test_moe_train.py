@@ -132,7 +132,11 @@ def _aux_body(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int
     mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(2)]
-    return {"aux": [r["aux_loss"] for r in history], "load": history[-1]["expert_load"]}
+    return {
+        "aux": [r["aux_loss"] for r in history],
+        "load": history[-1]["expert_load"],
+        "active": history[-1]["active_params"],
+    }
 
 
 LAYOUTS = [
@@ -197,8 +201,11 @@ def test_moe_training_matches_transformers(world: int, layout: list[str], tmp_pa
     figures = run_distributed(
         _aux_body, world, overrides, tokens, str(tmp_path / "aux"), 2, None, timeout=300
     )
+    experts = sum(w.numel() for n, w in ref_weights.items() if ".experts." in n)
+    idle = experts * (4 - 2) // 4  # of each block's 4 experts a token runs 2
     for f in figures:  # every rank reports the global aux loss of the step
         np.testing.assert_allclose(f["aux"], ref_aux[:2], rtol=1e-5)
+        assert f["active"] == sum(w.numel() for w in ref_weights.values()) - idle
         assert 0 < f["load"]["min"] <= 0.25 <= f["load"]["max"] and f["load"]["cv"] >= 0
 
 

@@ -6,8 +6,10 @@ engine's model (:mod:`zerotron.models.llama`) exactly: per block two RMSNorm gai
 biases); an embedding, a final norm and an output head (the embedding's tensor when tied).
 
 Mixture-of-experts blocks (``num_local_experts`` E > 0, Mixtral's layout) replace the MLP by E expert
-MLPs of the same shape and a router (h × E, no bias); each token runs ``num_experts_per_tok`` k of
-them, so a block holds E MLPs' parameters but computes with k.
+MLPs (``intermediate`` is then the experts' width, ``moe_intermediate_size`` where set) and a router
+(h × E, no bias), plus an optional shared expert with its gate (Qwen2-MoE, counted with the router);
+each token runs ``num_experts_per_tok`` k of the experts, so a block holds E MLPs' parameters but
+computes with k.
 
 :func:`flops_per_token` is the one FLOP count of the project (the trainer's MFU, the planner's
 throughput); :func:`block_forward_flops` and :func:`head_forward_flops` weigh pipeline stages, which
@@ -38,6 +40,9 @@ class ModelShape:
     qkv_bias: bool
     experts: int = 0  # MoE experts per block (0: dense MLP)
     top_k: int = 0  # experts each token runs
+    shared: int = 0  # MoE: inner width of the always-on shared expert (0: none)
+    norm_topk: bool = True  # MoE: the top-k weights renormalised
+    sigmoid: bool = False  # MoE: sigmoid router scores (softmax otherwise)
 
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShape:
@@ -48,13 +53,16 @@ class ModelShape:
             heads=m.num_attention_heads,
             kv_heads=m.kv_heads,
             head_dim=m.dim_per_head,
-            intermediate=m.intermediate_size,
+            intermediate=m.expert_intermediate if m.num_local_experts else m.intermediate_size,
             vocab=m.vocab_size,
             gated=m.mlp == "gated",
             tied=m.tie_word_embeddings,
             qkv_bias=m.attention_bias,
             experts=m.num_local_experts,
             top_k=m.num_experts_per_tok if m.num_local_experts else 0,
+            shared=m.shared_expert_intermediate_size if m.num_local_experts else 0,
+            norm_topk=m.norm_topk_prob,
+            sigmoid=m.scoring_func == "sigmoid",
         )
 
     @property
@@ -84,8 +92,10 @@ class ModelShape:
 
     @property
     def router(self) -> int:
-        """Elements of one block's router (h × E; 0 when dense)."""
-        return self.hidden * self.experts
+        """Elements of one block's router (h × E; 0 when dense) and of its shared expert with its gate
+        (3·h·I_shared + h): what every token runs besides attention and its k experts."""
+        shared = 3 * self.hidden * self.shared + self.hidden if self.shared else 0
+        return self.hidden * self.experts + shared
 
 
 def attention_matrix_params(m: ModelShape) -> int:

@@ -59,7 +59,12 @@ def expert_mlp(
     x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, grouped: bool
 ) -> torch.Tensor:
     """SwiGLU of each expert on its rows: x (n, h) sorted by expert, ``counts`` (E,) rows per expert,
-    gate_up (E, 2I, h), down (E, h, I) -> (n, h). Grouped GEMM when ``grouped`` and the shapes allow."""
+    gate_up (E, 2I, h), down (E, h, I) -> (n, h). Grouped GEMM when ``grouped`` and the shapes allow.
+    Under autocast both paths compute in its dtype (autocast casts ``F.linear``'s operands, not
+    ``torch._grouped_mm``'s, so they are cast here)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     if grouped and _grouped_ok(x, gate_up, down):
         offs = counts.cumsum(0).to(torch.int32)
         h1 = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)  # (n, 2I)
@@ -191,7 +196,10 @@ class MoEBlock(nn.Module):
         sorted_slots = slots[order]
         counts = torch.bincount(slot_expert[slots], minlength=self.num_experts)
         token = sorted_slots // self.top_k  # the token of each sorted slot
-        out_sorted = self.dispatch(flat[token], counts, self.experts)  # (slots, h)
+        rows = flat[token]
+        if torch.is_autocast_enabled(x.device.type):  # tokens travel and meet the experts in 16 bits
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))
+        out_sorted = self.dispatch(rows, counts, self.experts)  # (slots, h)
         out_sorted = out_sorted * slot_weight[sorted_slots, None]
         out = torch.zeros_like(flat).index_add_(0, token, out_sorted.to(flat.dtype))
         if hasattr(self, "shared_expert"):

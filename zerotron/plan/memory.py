@@ -232,8 +232,8 @@ def _local_matrix_params(m: ModelShape, ep: int) -> int:
 
 
 def moe_terms(m: ModelShape, b: int, s: int, precision: str) -> list[Term]:
-    """What an MoE block saves besides its experts' MLP activations (Megatron's MoE layer, estimated:
-    the trainer has no MoE layers to measure): the router's fp32 logits and top-k probabilities, the
+    """What a Megatron MoE block saves besides its experts' MLP activations (the Megatron convention's
+    estimate; the engine's own block is :func:`engine_moe_terms`): the router's fp32 logits and top-k probabilities, the
     routing indices, and the k copies of every token dispatched to its experts (compute dtype)."""
     if not m.experts:
         return []
@@ -243,6 +243,55 @@ def moe_terms(m: ModelShape, b: int, s: int, precision: str) -> list[Term]:
         Term("moe.routing", (4 + 8) * t * k, "none"),
         Term("moe.dispatched_tokens", a * t * k * m.hidden, "none"),
     ]
+
+
+def engine_moe_terms(m: ModelShape, b: int, s: int, precision: str, ep: int = 1) -> list[Term]:
+    """What the engine's MoE block (:mod:`zerotron.models.moe`) saves for backward beyond its input, for
+    balanced routing (each of the ``T·k`` slots on one expert; b micro-batch, s local sequence length).
+
+    Router (fp32 scores): the scores (softmax's output, or sigmoid's and the per-token sums that
+    normalise them), the fp32 logits logsumexp reads and its result (the z-loss), the top-k ids, and
+    with ``norm_topk`` the chosen weights and their sums. Dispatch: two int64 slot indices, the slots'
+    weights, the sorted token rows, the experts' gate|up output, its SiLU and the product (gate|up
+    and down in the compute dtype), the experts' output and its weighted fp32 copy that the combine
+    keeps. Expert parallelism keeps the regrouping permutation and its inverse. Under autocast the
+    router's input and every local weight are cast to 16 bits (the experts' casts are done by the
+    block, :func:`zerotron.models.moe.expert_mlp`). A shared expert saves its three products and gate.
+    Tokens are a rank's own (``sp``: its sequence shard under sequence parallelism); the experts are
+    whole on every tp rank (``none``)."""
+    t, k, h, i, e = b * s, m.top_k, m.hidden, m.intermediate, m.experts
+    autocast = precision != "fp32"
+    w = _act_bytes(precision) if autocast else 4
+    slots = t * k
+    terms = [
+        Term("moe.scores", 4 * t * e, "sp"),
+        Term("moe.logits_fp32", 4 * t * e, "sp"),
+        Term("moe.logsumexp", 4 * t, "sp"),
+        Term("moe.ids", 8 * slots, "sp"),
+        Term("moe.slot_indices", 2 * 8 * slots, "sp"),
+        Term("moe.slot_weights", 4 * slots, "sp"),
+        Term("moe.tokens", w * slots * h, "sp"),
+        Term("moe.inner", 4 * w * slots * i, "sp"),  # gate|up (2I), SiLU (I), product (I)
+        Term("moe.expert_out", w * slots * h, "sp"),
+        Term("moe.weighted_out", 4 * slots * h, "sp"),
+    ]
+    if m.sigmoid:
+        terms.append(Term("moe.score_sums", 4 * t, "sp"))
+    if m.norm_topk:
+        terms += [Term("moe.topk_weights", 4 * slots, "sp"), Term("moe.topk_sums", 4 * t, "sp")]
+    if ep > 1:
+        terms.append(Term("moe.regroup", 2 * 8 * slots, "sp"))
+    if autocast:
+        terms.append(Term("moe.router_input_cast", w * t * h, "sp"))
+        weights = e * h + (e // ep) * mlp_params(m) + (3 * h * m.shared + h if m.shared else 0)
+        terms.append(Term("moe.weight_casts", w * weights, "none"))
+    if m.shared:
+        casts = 3 * w * t * h if autocast else 0  # gate, up and its gate's inputs (autocast's own casts)
+        terms += [
+            Term("moe.shared_inner", 4 * w * t * m.shared + casts, "sp"),
+            Term("moe.shared_gate", 4 * t + 4 * t * h, "sp"),
+        ]
+    return terms
 
 
 def engine_layer_terms(
@@ -270,8 +319,7 @@ def engine_layer_terms(
     weights in backward, so only the row-parallel weights' casts are saved. Keys and values split
     over at most ``kv_heads`` ranks (the engine replicates KV heads when tp exceeds them).
 
-    An MoE block (balanced routing) runs k expert MLPs per token: its MLP terms count k times, the
-    weight casts cover this rank's E/ep experts, and :func:`moe_terms` adds the router and dispatch.
+    An MoE block's terms are :func:`engine_moe_terms`'.
     """
     t, a = b * s, _act_bytes(precision)
     k = m.active_mlps
@@ -283,18 +331,23 @@ def engine_layer_terms(
         terms += [Term(f"{norm}.x", 4 * t * h, "sp"), Term(f"{norm}.rms", 4 * t, "sp")]
         terms.append(Term(f"{norm}.normed", 4 * t * h, "sp"))
     casts_attn, casts_mlp = 3, (2 if m.gated else 1) * k
+    moe = m.experts > 0  # the MoE block's own terms replace the MLP's (engine_moe_terms)
     if precision == "fp32":
-        terms += [Term("attn.linear_input", 4 * t * h, "sp"), Term("mlp.linear_input", 4 * t * h, "sp")]
+        terms.append(Term("attn.linear_input", 4 * t * h, "sp"))
+        terms.append(Term("mlp.linear_input", 4 * t * h, "sp"))  # (MoE: the router's input)
     elif sp and tp > 1:
-        terms += [Term("attn.input_shard", a * t * h, "sp"), Term("mlp.input_shard", a * t * h, "sp")]
-        local_mlps = m.experts // ep if m.experts else 1
-        terms.append(Term("weight_casts.rowwise", a * (q * h + i * h * local_mlps), "tp"))  # o, down
+        terms.append(Term("attn.input_shard", a * t * h, "sp"))
+        if not moe:
+            terms.append(Term("mlp.input_shard", a * t * h, "sp"))
+        terms.append(Term("weight_casts.rowwise", a * (q * h + (0 if moe else i * h)), "tp"))  # o, down
     else:
         terms.append(Term("attn.linear_input_casts", casts_attn * a * t * h, "none"))
-        terms.append(Term("mlp.linear_input_casts", casts_mlp * a * t * h, "none"))
+        if not moe:
+            terms.append(Term("mlp.linear_input_casts", casts_mlp * a * t * h, "none"))
         kv_weights = 2 * h * kv
         kv_split = tp if kvh % tp == 0 else 1  # replicated k/v projections are cast whole
-        terms.append(Term("weight_casts", a * (_local_matrix_params(m, ep) - kv_weights), "tp"))
+        matrices = attention_matrix_params(m) if moe else _local_matrix_params(m, ep)
+        terms.append(Term("weight_casts", a * (matrices - kv_weights), "tp"))
         terms.append(Term("weight_casts.kv", a * kv_weights / kv_split, "none"))
     if recompute == "selective":
         qk_bytes = 4  # the rotated q/k handed to the checkpointed core keep RoPE's fp32
@@ -304,9 +357,11 @@ def engine_layer_terms(
         terms += [Term("attn.q", a * t * q, "tp"), Term("attn.k", a * t * kv, "tp", kvh)]
         terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.out", a * t * q, "tp")]
         terms.append(Term("attn.logsumexp", 4 * b * m.heads * s, "tp"))
+    if moe:
+        return terms + engine_moe_terms(m, b, s, precision, ep)
     mlp_tensors = 4 if m.gated else 2  # gate, silu, up, product | up, gelu
-    terms.append(Term("mlp.inner", mlp_tensors * a * t * i * k, "tp"))
-    return terms + moe_terms(m, b, s, precision)
+    terms.append(Term("mlp.inner", mlp_tensors * a * t * i, "tp"))
+    return terms
 
 
 def context_terms(

@@ -1,9 +1,9 @@
 """Per-rank parameter counts: what each pipeline stage and tensor/expert-parallel rank holds.
 
 The shapes and whole-model counts are :mod:`zerotron.shapes`' (shared with the engine). Expert
-parallelism (``ep``) gives each rank E/ep experts; each expert's matrices split over tp like a dense
-MLP; the router is replicated. The trainer has no MoE layers yet, so the MoE counts are checked against
-the published totals only.
+parallelism (``ep``) gives each rank E/ep experts, whole on every tp rank (the engine's expert tp = 1);
+the router is replicated. The MoE counts are checked against the published totals and against the
+engine's own (tests/test_plan_engine.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def layer_params(m: ModelShape) -> int:
 
 def layer_tensors(m: ModelShape, ep: int = 1) -> int:
     """Parameter tensors of one block on one expert-parallel rank (Adam keeps a ``step`` per tensor)."""
-    mlp = m.mlp_matrices * m.experts // ep + 1 if m.experts else m.mlp_matrices
+    # MoE: the router, the experts' two stacked tensors, a shared expert's three and its gate
+    mlp = 3 + (4 if m.shared else 0) if m.experts else m.mlp_matrices
     return 2 + 4 + (3 if m.qkv_bias else 0) + mlp
 
 
@@ -47,6 +48,16 @@ def head_params(m: ModelShape) -> int:
 def total_params(m: ModelShape) -> int:
     """Distinct parameter elements of the whole model (a tied embedding counts once)."""
     return embedding_params(m) + m.layers * layer_params(m) + head_params(m)
+
+
+def inactive_params(m: ModelShape) -> int:
+    """Parameters a token does not run: in every MoE block, the E − k experts it is not routed to."""
+    return m.layers * (m.experts - m.top_k) * mlp_params(m) if m.experts else 0
+
+
+def active_params(m: ModelShape) -> int:
+    """Parameters each token runs (the model's size for a dense model)."""
+    return total_params(m) - inactive_params(m)
 
 
 @dataclass(frozen=True)
@@ -91,14 +102,15 @@ def stage_params(
     embedding and head, as Megatron); norm gains are replicated, and so are the k/v projections when tp
     is a multiple of the KV heads rather than a divisor (the engine's GQA rule). The first stage holds the embedding,
     the last the final norm and head (and, when tied, a second copy of the embedding, as Megatron does
-    for pp > 1). MoE blocks hold E/ep experts (each split over tp) and the whole router.
+    for pp > 1). MoE blocks hold E/ep experts, whole on every tp rank (the engine's expert tp = 1), and
+    the whole router (and shared expert).
     """
     per_stage = m.layers // pp if layers is None else layers
     kv_split = tp if m.kv_heads % tp == 0 else 1  # KV heads replicated when tp exceeds them
     kv = 2 * m.kv_width * (m.hidden + (1 if m.qkv_bias else 0))
     rest = attention_matrix_params(m) - 2 * m.hidden * m.kv_width + (m.q_width if m.qkv_bias else 0)
     rest += 0 if m.experts else mlp_params(m)
-    experts = per_stage * (m.experts // ep) * mlp_params(m) // tp if m.experts else 0
+    experts = per_stage * (m.experts // ep) * mlp_params(m) if m.experts else 0  # whole on every tp rank
     elements = per_stage * (rest // tp + kv // kv_split + 2 * m.hidden + m.router) + experts
     tensors = per_stage * layer_tensors(m, ep)
     if stage == 0:
@@ -110,7 +122,7 @@ def stage_params(
         if not m.tied or pp > 1:
             elements += m.vocab * m.hidden // tp
             tensors += 1
-    expert_tensors = per_stage * m.mlp_matrices * (m.experts // ep)
+    expert_tensors = per_stage * 2 if m.experts else 0  # gate_up_proj and down_proj, E/ep stacked
     return StageParams(elements, tensors, per_stage, experts, expert_tensors)
 
 
@@ -135,8 +147,8 @@ class ParamList:
 def param_list(m: ModelShape, tp: int, pp: int, stage: int, layers: int) -> ParamList:
     """The tensors of pipeline stage ``stage`` on one tensor-parallel rank (see :func:`stage_params`).
 
-    Dense models only: it mirrors the engine's registration order for the exact ZeRO accounting, and the
-    engine has no MoE blocks.
+    Dense models only: it mirrors the engine's registration order for the exact ZeRO accounting (an MoE
+    model's states are counted without it: AdamW's per-segment step scalars are then approximate).
     """
     h, q, kv, i = m.hidden, m.q_width, m.kv_width, m.intermediate
     kv_split = tp if m.kv_heads % tp == 0 else 1

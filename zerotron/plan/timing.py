@@ -83,17 +83,19 @@ def block_gemms(m: ModelShape, layout: Layout, work: Workload) -> list[tuple[flo
     """``(rows, cols, inner, count)`` of one block's forward matrix multiplies on one rank.
 
     Tokens ``T = b·s/cp``; q/k/v (one fused GEMM) and the output projection split their heads over tp;
-    the MLP (gate and up fused) splits its inner width. An MoE block runs E/ep experts per rank, each
-    on the ``T·k·ep/E`` tokens routed to it on average, plus the router.
+    the MLP (gate and up fused) splits its inner width. An MoE block runs E/ep whole experts per rank,
+    each on the ``T'·k·ep/E`` tokens routed to it on average (``T' = T/tp`` under sequence parallelism,
+    ``T`` without: every tp rank routes the tokens it holds), plus the router and any shared expert.
     """
     t, tp, h = layout.micro_batch * work.seq_len / layout.cp, layout.tp, m.hidden
     width = m.intermediate * (2 if m.gated else 1)
     shapes = [(t, (m.q_width + 2 * m.kv_width) / tp, h, 1.0), (t, h, m.q_width / tp, 1.0)]
-    if m.experts:
-        per_expert = max(1.0, t * m.top_k * layout.ep / m.experts)
+    if m.experts:  # whole experts on every tp rank, on its sequence shard under SP (all tokens without)
+        routed = t / tp if layout.sequence_parallel else t
+        per_expert = max(1.0, routed * m.top_k * layout.ep / m.experts)
         local = m.experts / layout.ep
-        shapes += [(per_expert, width / tp, h, local), (per_expert, h, m.intermediate / tp, local)]
-        shapes.append((t, m.experts, h, 1.0))
+        shapes += [(per_expert, width, h, local), (per_expert, h, m.intermediate, local)]
+        shapes.append((routed, m.router // h, h, 1.0))  # router (and shared expert, as one GEMM)
     else:
         shapes += [(t, width / tp, h, 1.0), (t, h, m.intermediate / tp, 1.0)]
     return shapes
@@ -279,15 +281,37 @@ def all_to_all_time(nbytes: float, size: int, stride: int, hw: Hardware) -> floa
     return (size - 1) * alpha + nbytes * (size - 1) / size / bw
 
 
+def expert_parallel_bytes(m: ModelShape, layout: Layout, work: Workload) -> float:
+    """Bytes one rank sends on its ep group in one step, as the engine counts them: per block and
+    micro-batch, the per-expert counts (int64, forward) and the dispatch and combine all-to-alls
+    (forward and backward; full recomputation repeats the forward ones) of its ``T·k`` token slots
+    (``T = b·s/cp``, /tp under sequence parallelism) in the compute dtype, of which, with balanced
+    routing, a fraction (ep − 1)/ep leaves the rank."""
+    if not m.experts or layout.ep == 1:
+        return 0.0
+    ep, full = layout.ep, layout.recompute == "full"
+    tokens = layout.micro_batch * work.seq_len / layout.cp
+    if layout.sequence_parallel:
+        tokens /= layout.tp
+    slots_out = tokens * m.top_k * (ep - 1) / ep
+    counts = 8 * m.experts * (ep - 1) // ep
+    per_block = (2 if full else 1) * counts + (6 if full else 4) * slots_out * m.hidden * _ACT_BYTES[
+        work.precision
+    ]
+    return per_block * m.layers * micro_batches(layout, work)
+
+
 def expert_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
     """Exposed MoE token exchange of one micro-batch: per block a dispatch and a combine all-to-all
     forward and two backward (full recomputation repeats the forward pair), each moving the rank's
-    b·s/cp tokens k times (Megatron's all-to-all dispatcher, without overlap). The ep group folds over
+    b·s/cp tokens (b·s/(cp·tp) under sequence parallelism) k times (Megatron's all-to-all dispatcher, without overlap). The ep group folds over
     the context-parallel ranks first, then the data-parallel ones, so its link is theirs."""
     if not m.experts or layout.ep == 1:
         return 0.0
     a = _ACT_BYTES[work.precision]
     nbytes = layout.micro_batch * work.seq_len / layout.cp * m.top_k * m.hidden * a
+    if layout.sequence_parallel:  # each tp rank exchanges the tokens of its sequence shard
+        nbytes /= layout.tp
     stride = strides(layout)["cp" if layout.cp > 1 else "dp"]
     count = 4 + (2 if layout.recompute == "full" else 0)
     return count * all_to_all_time(nbytes, layout.ep, stride, hw) * layers

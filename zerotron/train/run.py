@@ -329,13 +329,14 @@ def _prepare_supervised(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int
 def banner(cfg: Config, world: int, n_tokens: int, run_dir: Path) -> str:
     """One line before step 1: model size, layout, data, tokens per step, run directory."""
     from zerotron.plan.layout import from_config
-    from zerotron.plan.model import total_params
+    from zerotron.plan.model import active_params, total_params
 
     shape, layout, _ = from_config(cfg, world)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     name = m.preset or Path(m.path or "model").name
+    active = f", {active_params(shape) / 1e6:,.2f} M active" if shape.experts else ""
     return (
-        f"zerotron: {name} ({total_params(shape) / 1e6:,.2f} M parameters, {m.num_hidden_layers} layers, "
+        f"zerotron: {name} ({total_params(shape) / 1e6:,.2f} M parameters{active}, {m.num_hidden_layers} layers, "
         f"hidden {m.hidden_size}) | dp={layout.dp} tp={p.tp} pp={p.pp} cp={p.cp} zero={p.zero} on {world} "
         f"rank{'s' if world > 1 else ''} | data {cfg.data.source}: {n_tokens:,} tokens ({cfg.data.tokenizer}) "
         f"| {t.global_batch * t.seq_len:,} tokens per step x {t.steps} steps, {t.precision} | run directory "

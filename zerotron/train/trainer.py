@@ -42,6 +42,7 @@ from zerotron.parallel.placement import (
 )
 from zerotron.parallel.zero.api import apply_zero, offload_optimizer
 from zerotron.plan.hardware import peak_flops_of_device
+from zerotron.plan.model import inactive_params
 from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset, SupervisedDataset
@@ -269,6 +270,8 @@ class Trainer:
         total = torch.tensor([float(local_numel(records, self.model))])
         collectives.all_reduce(total, mesh.group("pp"), op="sum")  # every stage holds different blocks
         self.n_params = int(total.item())
+        # MoE: what each token runs (the experts it is not routed to left out)
+        self.active_params = self.n_params - inactive_params(ModelShape.from_config(self.cfg.model))
 
     def _build_engine(
         self, cfg: Config
@@ -367,6 +370,8 @@ class Trainer:
         record = self._record(loss_sum / counted, norm, lr, started, activation, states, skipped)
         record["loss_tokens"] = counted
         record.update(self.runner.metrics())  # MoE: aux_loss, z_loss, expert_load
+        if self.active_params != self.n_params:  # MoE: the parameters each token runs
+            record["active_params"] = self.active_params
         if offloaded is not None:  # model states off the device (ZeRO offload): {host|nvme: {params, ...}}
             record["offloaded_state_bytes"] = offloaded
         if bad is not None:  # skipped; the data it would have trained on, for the post-mortem
