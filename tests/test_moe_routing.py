@@ -171,10 +171,10 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize(
-    ("world", "layout"),
+    ("world", "layout", "micro"),
     [
-        (2, ["train.micro_batch=4"]),
-        (2, ["train.micro_batch=4", "parallel.ep=2"]),
+        (2, ["train.micro_batch=4"], 8),
+        (2, ["train.micro_batch=4", "parallel.ep=2"], 8),
         # tp sums attention in another order; a capacity cut between two near-equal weights can then
         # flip (a step's loss moves by ~1e-5), so this layout runs dropless (the rest is exact)
         (
@@ -186,17 +186,33 @@ VARIANTS = [
                 "parallel.zero=3",
                 "model.expert_capacity_factor=0",
             ],
+            8,
         ),
+        # 4 micro-batches through a pipeline (dp 1): pooled per micro-batch over every stage, as one
+        # process pools them per accumulation step
+        (2, ["train.micro_batch=2", "parallel.pp=2", "parallel.dp=1"], 2),
+        (
+            2,
+            [
+                "train.micro_batch=2",
+                "parallel.pp=2",
+                "parallel.dp=1",
+                "parallel.virtual_stages=2",
+                "parallel.pp_schedule=interleaved",
+            ],
+            2,
+        ),
+        (4, ["train.micro_batch=4", "parallel.pp=2", "parallel.ep=2", "parallel.zero=2"], 8),
     ],
-    ids=["dp2", "ep2", "ep2-tp2-zero3"],
+    ids=["dp2", "ep2", "ep2-tp2-zero3", "pp2-accumulation", "pp2-interleaved", "pp2-ep2-zero2"],
 )
 def test_sigmoid_bias_capacity_training_equals_one_process(
-    world: int, layout: list[str], tmp_path: Path
+    world: int, layout: list[str], micro: int, tmp_path: Path
 ) -> None:
     tokens = _tokens()
     model = [x for x in layout if x.startswith("model.")]
     one = run_distributed(
-        _body, 1, [*VARIANTS, *model, "train.micro_batch=8"], tokens, str(tmp_path / "a"), 8, None
+        _body, 1, [*VARIANTS, *model, f"train.micro_batch={micro}"], tokens, str(tmp_path / "a"), 8, None
     )
     validate(load_config(None, [*VARIANTS, *layout]), world)
     many = run_distributed(

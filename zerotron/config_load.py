@@ -372,11 +372,6 @@ def _check_moe(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if m.mlp != "gated":
         raise ConfigError("model.mlp=plain with experts: MoE experts are SwiGLU; set model.mlp=gated")
-    if p.pp > 1:
-        raise ConfigError(
-            f"parallel.pp={p.pp} with model.num_local_experts={m.num_local_experts}: mixture-of-experts "
-            "models train with dp, ZeRO, tp, cp and ep so far; set parallel.pp=1"
-        )
     if cfg.lora.rank:
         raise ConfigError("lora.rank > 0 on a mixture-of-experts model is not built yet; set lora.rank=0")
     if m.routed_scaling_factor <= 0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -65,6 +65,31 @@ def stages_from_sizes(sizes: Sequence[int], n_layers: int) -> list[tuple[int, in
     return bounds
 
 
+class SideChannel(Protocol):
+    """Small per-micro-batch state that travels with the activations and their gradients (a model's
+    router statistics, pooled over every stage): a fixed-size fp32 payload is sent after each hidden
+    state or gradient and received after it, in the same order, so it needs no hand-shake either.
+    ``key`` is (micro-batch, chunk) on this rank."""
+
+    size: int
+
+    def after_forward(self, key: tuple[int, int], out: torch.Tensor, last: bool) -> torch.Tensor:
+        """The chunk's output (maybe wrapped to carry gradients home) after its forward."""
+        ...
+
+    def extra_loss(self, key: tuple[int, int]) -> torch.Tensor | None:
+        """On the last stage: a term added to the micro-batch's loss for backward (not to its value)."""
+        ...
+
+    def outgoing(self, key: tuple[int, int], kind: str) -> torch.Tensor:
+        """The payload sent with this chunk's activation (``kind`` "act") or input gradient ("grad")."""
+        ...
+
+    def incoming(self, key: tuple[int, int], kind: str, payload: torch.Tensor) -> None:
+        """The payload that arrived with this chunk's input activation or output gradient."""
+        ...
+
+
 class PipelineRunner:
     """Executes one rank's instruction list for one optimizer step.
 
@@ -75,6 +100,7 @@ class PipelineRunner:
         chunks: this rank's model chunks; chunk ``c`` is virtual stage ``c * p + rank``. The first stage's
             chunk takes token ids, every other chunk a hidden state; the last stage's returns logits.
         act_shape, act_dtype: shape and dtype of the hidden state passed between stages.
+        side: state that travels with every activation and gradient (:class:`SideChannel`), if any.
     """
 
     def __init__(
@@ -86,13 +112,14 @@ class PipelineRunner:
         act_shape: tuple[int, ...],
         act_dtype: torch.dtype,
         defer_weight_grads: bool = True,
+        side: SideChannel | None = None,
     ) -> None:
         if len(chunks) != schedule.v:
             raise PipelineError(
                 f"rank {rank} holds {len(chunks)} model chunks but the schedule has v={schedule.v}"
             )
         self.schedule, self.rank, self.group, self.chunks = schedule, rank, group, list(chunks)
-        self.act_shape, self.act_dtype = act_shape, act_dtype
+        self.act_shape, self.act_dtype, self.side = act_shape, act_dtype, side
         self.last_stage = schedule.p * schedule.v - 1
         self.split_backward = any(op.kind == "BW" for op in schedule.ranks[rank])
         self.stash = (
@@ -135,6 +162,10 @@ class PipelineRunner:
                 buf = self._buffer(device)
                 collectives.recv(buf, self._peer(op.peer), self.group)
                 received[(op.kind, op.mb, op.chunk)] = buf
+                if self.side is not None:
+                    payload = torch.empty(self.side.size, dtype=torch.float32, device=device)
+                    collectives.recv(payload, self._peer(op.peer), self.group)
+                    self.side.incoming(key, "act" if op.kind == "RECV_ACT" else "grad", payload)
             elif op.kind == "F":
                 document_ids = documents[op.mb] if documents is not None else None
                 loss_sum += self._forward(
@@ -147,6 +178,11 @@ class PipelineRunner:
                 tensor = tensor.contiguous()
                 work = collectives.send(tensor, self._peer(op.peer), self.group, async_op=True)
                 pending.append((work, tensor))  # the tensor must outlive the send
+                if self.side is not None:
+                    payload = self.side.outgoing(key, "act" if op.kind == "SEND_ACT" else "grad").contiguous()
+                    pending.append(
+                        (collectives.send(payload, self._peer(op.peer), self.group, True), payload)
+                    )
                 if op.kind == "SEND_GRAD" and not self.split_backward:
                     saved.pop(key)
             elif op.kind in ("B", "BI"):
@@ -178,10 +214,17 @@ class PipelineRunner:
         with context:
             chunk = self.chunks[op.chunk]
             out = chunk(x) if document_ids is None else chunk(x, document_ids=document_ids)
-            if stage == self.last_stage:
+            last = stage == self.last_stage
+            if self.side is not None:
+                out = self.side.after_forward((op.mb, op.chunk), out, last)
+            if last:
                 out = loss_fn(out, labels[op.mb])  # scalar
+                value = out.detach().float()
+                extra = self.side.extra_loss((op.mb, op.chunk)) if self.side is not None else None
+                if extra is not None:  # in the backward, not in the reported loss
+                    out = out + extra
         saved[(op.mb, op.chunk)] = (x, out)
-        return out.detach().float() if stage == self.last_stage else torch.zeros((), device=out.device)
+        return value if last else torch.zeros((), device=out.device)
 
     def _backward(
         self,

@@ -31,6 +31,7 @@ from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
 from zerotron.train.loss import autocast, token_loss_sum
 from zerotron.train.metrics import ActivationMeter
+from zerotron.train.router import PipelineRouter
 
 
 def micro_batches_per_step(cfg: Config, dp: int) -> int:
@@ -54,6 +55,12 @@ class PipelineStep:
         shape = (cfg.train.micro_batch, cfg.train.seq_len // shards, cfg.model.hidden_size)  # (b, s[/t/c], h)
         # The residual stream stays in the parameters' dtype under autocast (fp32 embedding + fp16 branches).
         dtype = next(model.parameters()).dtype
+        self.router = None  # MoE: the router losses pooled over every stage
+        if cfg.model.num_local_experts:
+            data = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+            sp = self.tp.size > 1 and cfg.parallel.sequence_parallel
+            self.router = PipelineRouter(cfg.model, list(model.chunks), [data, self.tp] if sp else [data])
+        self.n_micro = m
         self.runner = PipelineRunner(
             schedule,
             self.group.rank_in_group,
@@ -62,6 +69,7 @@ class PipelineStep:
             shape,
             dtype,
             defer_weight_grads=cfg.train.recompute == "none",  # recomputed forwards would stash twice
+            side=self.router,
         )
 
     def forward_backward(
@@ -88,8 +96,12 @@ class PipelineStep:
         inputs = [batch[0].to(device) for batch in micro]
         labels = [batch[1].to(device) for batch in micro]
         documents = [batch[2].to(device) for batch in micro] if micro and len(micro[0]) > 2 else None
+        if self.router is not None:
+            self.router.begin(scale, self.n_micro)
         with self.buckets.hold():  # one reduction after the last backward (ZeRO-3: per micro-batch)
             scaled = self.runner.run(inputs, labels, loss_fn, forward_context, documents)
+        if self.router is not None:
+            self.router.finish(self.group)
         self.buckets.finish()
         tied = self.model.tied_weight()  # after the dp reduction: both copies' shards line up (ZeRO)
         sum_tied_grads(self.buckets.reduced_grad(tied) if tied is not None else None, self.embed)
@@ -98,5 +110,5 @@ class PipelineStep:
         return loss_sum
 
     def metrics(self) -> dict[str, Any]:
-        """Nothing beyond the loss (MoE models are refused under pipeline parallelism so far)."""
-        return {}
+        """The router figures of an MoE model (every pipeline rank reports the last stage's)."""
+        return self.router.metrics() if self.router is not None else {}
