@@ -63,9 +63,9 @@ def kernel() -> dict[str, float]:
     return out
 
 
-def train(steps: int) -> list[dict[str, Any]]:
+def train(steps: int, peers_only: bool = False) -> list[dict[str, Any]]:
     rows = []
-    for nproc, ep in ((2, 1), (2, 2), (4, 4)):
+    for nproc, ep in ((2, 2),) if peers_only else ((2, 1), (2, 2), (4, 4)):
         with tempfile.TemporaryDirectory() as tmp:
             micro = 8 // nproc
             cmd = [
@@ -99,19 +99,196 @@ def train(steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _mixtral_config(transformers: Any) -> Any:
+    """The MODEL shape as a transformers Mixtral config (aux loss weight 0.001, zerotron's default)."""
+    return transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.001,
+    )
+
+
+def native_ep_worker(model_dir: str, steps: int, out: str) -> None:
+    """One rank of transformers' native EP (``DistributedConfig(ep_size=2, fsdp_size=2)``, all-to-all
+    dispatch, FSDP2 on the rest) training MODEL's shape with torch AdamW: 4 sequences of 256 per rank."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from transformers import DistributedConfig
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="all_to_all")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, distributed_config=config, dtype=torch.float32
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (4, 256), generator=gen)
+        start = time.perf_counter()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        Path(out).write_text(json.dumps({"step_s": statistics.median(times[1:]), "peak": peak}))
+    dist.destroy_process_group()
+
+
+def deepspeed_moe_worker(steps: int, out: str) -> None:
+    """One rank of DeepSpeed-MoE: transformers' Mixtral with each block's MoE replaced by
+    ``deepspeed.moe.layer.MoE`` (8 SwiGLU experts of the same shape, top-2, ep 2, dropless), DeepSpeed's
+    engine (ZeRO-0, fp32) with torch AdamW split into dense and expert groups as DeepSpeed requires."""
+    import os
+    import resource
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from torch import nn
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+
+    class Expert(nn.Module):
+        def __init__(self, h: int, i: int) -> None:
+            super().__init__()
+            self.gate_up = nn.Linear(h, 2 * i, bias=False)
+            self.down = nn.Linear(i, h, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+
+    class Block(nn.Module):
+        def __init__(self, h: int, i: int) -> None:
+            super().__init__()
+            self.moe = MoE(h, Expert(h, i), num_experts=8, ep_size=2, k=2, drop_tokens=False, use_rts=False)
+            self.aux: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y, self.aux, _ = self.moe(x)
+            return y
+
+    torch.manual_seed(0)
+    config = _mixtral_config(transformers)
+    config.output_router_logits = False
+    model = transformers.MixtralForCausalLM(config).float()
+    blocks = []
+    for layer in model.model.layers:
+        layer.mlp = Block(config.hidden_size, config.intermediate_size)
+        blocks.append(layer.mlp)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "all"}
+    )
+    opt = torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.1)
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (4, 256), generator=gen)
+        start = time.perf_counter()
+        loss = engine(ids, labels=ids).loss + 0.001 * sum(b.aux for b in blocks if b.aux is not None)
+        engine.backward(loss)
+        engine.step()
+        torch.distributed.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        Path(out).write_text(json.dumps({"step_s": statistics.median(times[1:]), "peak": peak}))
+
+
+def deepspeed_moe(steps: int) -> dict[str, Any]:
+    """DeepSpeed-MoE on 2 ranks (torchrun, Gloo), the same shape and batch as ep = 2 here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__]
+        run = subprocess.run(
+            [*cmd, "--worker", "deepspeed", "--steps", str(steps), "--out", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        if run.returncode:
+            raise RuntimeError(run.stderr[-3000:])
+        result = json.loads(out.read_text())
+    return {
+        "ranks": 2,
+        "peer": "DeepSpeed-MoE (ep 2, ZeRO-0)",
+        "step_s": result["step_s"],
+        "peak_memory_mib": result["peak"] / 2**20,
+    }
+
+
+def native_ep(steps: int) -> dict[str, Any]:
+    """transformers' native EP on 2 ranks (torchrun, Gloo), the same shape and batch as ep = 2 here."""
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        transformers.MixtralForCausalLM(_mixtral_config(transformers)).save_pretrained(tmp)
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__]
+        subprocess.run(
+            [*cmd, "--worker", tmp, "--steps", str(steps), "--out", str(out)], check=True, capture_output=True
+        )
+        result = json.loads(out.read_text())
+    return {
+        "ranks": 2,
+        "peer": "transformers native EP (ep 2, FSDP2 2)",
+        "step_s": result["step_s"],
+        "peak_memory_mib": result["peak"] / 2**20,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", default="all", choices=["kernel", "train", "all"])
+    parser.add_argument("--part", default="all", choices=["kernel", "train", "peers", "all"])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a native-EP rank: the model directory
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "deepspeed":
+        deepspeed_moe_worker(args.steps, args.out)
+        return
+    if args.worker:
+        native_ep_worker(args.worker, args.steps, args.out)
+        return
     print(
         json.dumps({"machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")})
     )
     if args.part in ("kernel", "all"):
         print(json.dumps({"kernel": kernel()}))
-    if args.part in ("train", "all"):
-        for row in train(args.steps):
+    if args.part in ("train", "all", "peers"):
+        for row in train(args.steps, peers_only=args.part == "peers"):
             print(json.dumps(row))
+    if args.part in ("peers", "all"):
+        print(json.dumps(native_ep(args.steps)))
+        print(json.dumps(deepspeed_moe(args.steps)))
 
 
 if __name__ == "__main__":
