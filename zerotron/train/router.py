@@ -170,7 +170,10 @@ class PipelineRouter:
         probs = torch.stack([s.probs for s in stats]).sum(0)
         z = torch.stack([s.z_sum for s in stats]).sum()
         rows = float(sum(s.tokens for s in stats))
-        plain = torch.cat([counts.sum(0), probs.detach(), counts.new_tensor([rows, float(z), len(stats)])])
+        tail = torch.stack(
+            [counts.new_tensor(rows), z.detach().to(counts.dtype), counts.new_tensor(len(stats))]
+        )
+        plain = torch.cat([counts.sum(0), probs.detach().to(counts.dtype), tail])
         return plain, probs, z, counts
 
     def after_forward(self, key: tuple[int, int], out: torch.Tensor, last: bool) -> torch.Tensor:
