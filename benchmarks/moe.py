@@ -1,6 +1,6 @@
-"""Mixture-of-experts on this machine: the experts' kernel and expert parallelism's step.
+"""Mixture-of-experts on this machine: the experts' kernel and expert parallelism's step, beside peers.
 
-Run:  python benchmarks/moe.py [--part kernel|train|all] [--steps 8]
+Run:  python benchmarks/moe.py [--part kernel|train|peers|all] [--steps 8]
 
 - kernel: one MoE block's experts (8 experts, top-2, hidden 256, expert width 512, 4096 tokens: 8192
   token slots), forward + backward, as one grouped GEMM (``torch._grouped_mm``) and as the loop over
@@ -10,6 +10,10 @@ Run:  python benchmarks/moe.py [--part kernel|train|all] [--steps 8]
   ep = 2 (each rank holds 4 experts), and on 4 ranks (2 cores: oversubscribed) with ep = 4: median step
   time after the first step, peak memory of rank 0 (``peak_memory_bytes``), model-state bytes per rank
   and the bytes each step sends, by group. The losses of the layouts agree (the tests check 1e-5).
+- peers: zerotron at ep = 2 (as in train), then on the same shape, batch and 2 ranks (torchrun, Gloo):
+  transformers' native EP (``DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="all_to_all")``)
+  and DeepSpeed-MoE (``deepspeed.moe.layer.MoE``, ep 2, dropless) in a Mixtral with its MoE blocks
+  replaced; median step after the first and rank 0's peak RSS.
 """
 
 from __future__ import annotations
@@ -222,25 +226,23 @@ def deepspeed_moe_worker(steps: int, out: str) -> None:
         Path(out).write_text(json.dumps({"step_s": statistics.median(times[1:]), "peak": peak}))
 
 
+def _peer_run(worker: str, steps: int, peer: str, tmp: str) -> dict[str, Any]:
+    """Run ``worker`` (this file's --worker) on 2 torchrun ranks; its rank 0's median step and peak RSS."""
+    out = Path(tmp) / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__]
+    run = subprocess.run(
+        [*cmd, "--worker", worker, "--steps", str(steps), "--out", str(out)], capture_output=True, text=True
+    )
+    if run.returncode:
+        raise RuntimeError(run.stderr[-3000:])
+    result = json.loads(out.read_text())
+    return {"ranks": 2, "peer": peer, "step_s": result["step_s"], "peak_memory_mib": result["peak"] / 2**20}
+
+
 def deepspeed_moe(steps: int) -> dict[str, Any]:
     """DeepSpeed-MoE on 2 ranks (torchrun, Gloo), the same shape and batch as ep = 2 here."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__]
-        run = subprocess.run(
-            [*cmd, "--worker", "deepspeed", "--steps", str(steps), "--out", str(out)],
-            capture_output=True,
-            text=True,
-        )
-        if run.returncode:
-            raise RuntimeError(run.stderr[-3000:])
-        result = json.loads(out.read_text())
-    return {
-        "ranks": 2,
-        "peer": "DeepSpeed-MoE (ep 2, ZeRO-0)",
-        "step_s": result["step_s"],
-        "peak_memory_mib": result["peak"] / 2**20,
-    }
+        return _peer_run("deepspeed", steps, "DeepSpeed-MoE (ep 2, ZeRO-0)", tmp)
 
 
 def native_ep(steps: int) -> dict[str, Any]:
@@ -251,18 +253,7 @@ def native_ep(steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         transformers.MixtralForCausalLM(_mixtral_config(transformers)).save_pretrained(tmp)
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__]
-        subprocess.run(
-            [*cmd, "--worker", tmp, "--steps", str(steps), "--out", str(out)], check=True, capture_output=True
-        )
-        result = json.loads(out.read_text())
-    return {
-        "ranks": 2,
-        "peer": "transformers native EP (ep 2, FSDP2 2)",
-        "step_s": result["step_s"],
-        "peak_memory_mib": result["peak"] / 2**20,
-    }
+        return _peer_run(tmp, steps, "transformers native EP (ep 2, FSDP2 2)", tmp)
 
 
 def main() -> None:
