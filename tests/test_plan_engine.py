@@ -101,6 +101,17 @@ LAYOUTS_2 += [  # ZeRO (activations too: the meter leaves out ZeRO-3's gathered 
         "model.tie_word_embeddings=false",
     ],
 ]
+LAYOUTS_2 += [  # ZeRO-3 under mixed precision: 16-bit working weights (a 16-bit residual stream)
+    ["parallel.zero=3", "train.precision=bf16"],
+    [
+        "parallel.zero=3",
+        "train.precision=bf16",
+        "train.recompute=selective",
+        "parallel.grad_reduce_dtype=bf16",
+    ],
+    ["parallel.zero=3", "train.precision=fp16", "train.recompute=full", "model.mlp=plain"],
+    ["parallel.zero=3", "train.precision=bf16", "model.tie_word_embeddings=false"],
+]
 LAYOUTS_2 += [  # offload: what stays on the device, and the host / NVMe bytes (offloaded_state_bytes)
     ["parallel.zero=1", "parallel.offload_optimizer=cpu"],
     ["parallel.zero=2", "parallel.offload_optimizer=cpu", "parallel.bucket_mb=0.03"],

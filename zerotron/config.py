@@ -177,6 +177,11 @@ class ParallelConfig:
     reshard_after_forward: bool = _f(
         True, "ZeRO-3: free each module's gathered parameters after its forward (re-gathered for backward)"
     )
+    grad_reduce_dtype: str = _f(
+        "fp32",
+        "dtype gradients are reduced in over the data-parallel group: fp32, or bf16 (half the bytes; "
+        "ZeRO-2/3 still accumulate the reduced shards in fp32)",
+    )
     backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
 
 

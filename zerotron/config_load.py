@@ -211,6 +211,7 @@ _CHOICES = {
     "parallel.offload_optimizer": layout.OFFLOAD,
     "parallel.offload_params": layout.OFFLOAD,
     "parallel.backend": ("auto", "nccl", "gloo"),
+    "parallel.grad_reduce_dtype": ("fp32", "bf16"),
     "train.precision": ("fp32", "bf16", "fp16", "fp8"),
     "train.recompute": ("none", "selective", "full"),
     "train.schedule": ("cosine", "linear", "constant"),

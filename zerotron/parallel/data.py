@@ -80,9 +80,18 @@ class GradientBuckets(SyncGate):
             group by name, from the placement record (:func:`zerotron.parallel.placement.grad_groups`):
             a bucket holds parameters of one group.
         bucket_mb: target bucket size in MiB of gradient data.
+        reduce_dtype: the dtype gradients travel in (``parallel.grad_reduce_dtype``); None: their own.
+            The reduced values are written back in the gradients' dtype.
     """
 
-    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Group | Mapping[str, Group],
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.reduce_dtype = reduce_dtype
         named = unique_named_params(model)
         self._named = named
         self.buckets = [
@@ -109,6 +118,8 @@ class GradientBuckets(SyncGate):
     def _launch(self, bucket: _Bucket) -> None:
         grads = [grad_or_zeros(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])  # (bucket numel,)
+        if self.reduce_dtype is not None and bucket.flat.dtype != self.reduce_dtype:
+            bucket.flat = bucket.flat.to(self.reduce_dtype)
         bucket.work = collectives.all_reduce(bucket.flat, bucket.group, op="sum", async_op=True)
 
     def finish(self) -> None:
@@ -129,7 +140,7 @@ class GradientBuckets(SyncGate):
                 n = p.numel()
                 reduced = bucket.flat[offset : offset + n].view_as(p)
                 if p.grad is None:
-                    p.grad = reduced.clone()
+                    p.grad = reduced.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(reduced)
                 offset += n

@@ -41,6 +41,7 @@ class Layout:
     offload_params: str = "none"
     bucket_mb: float = 25.0
     pp_layers: tuple[int, ...] | None = None
+    grad_reduce_dtype: str = "fp32"  # what gradients travel in over the data-parallel group (fp32, bf16)
 
     @property
     def world(self) -> int:
@@ -116,8 +117,15 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         offload_params=p.offload_params,
         bucket_mb=p.bucket_mb,
         pp_layers=tuple(int(n) for n in getattr(p, "pp_layers", None) or ()) or None,
+        grad_reduce_dtype=p.grad_reduce_dtype,
     )
     return ModelShape.from_config(cfg.model), layout, Workload(t.seq_len, t.global_batch, t.precision)
+
+
+def working_weights16(layout: Layout, work: Workload) -> bool:
+    """Whether the engine's working weights are 16-bit: ZeRO-3 under bf16/fp16 gathers 16-bit copies of
+    its fp32 master shards (DESIGN contract 9); other layouts keep fp32 weights under autocast."""
+    return layout.zero == 3 and work.precision in ("bf16", "fp16")
 
 
 def micro_batches(layout: Layout, work: Workload) -> int:

@@ -167,12 +167,19 @@ def _zero3_units(params: ParamList, persist_numel: int) -> list[list[int]]:
 
 
 def engine_zero_states(
-    params: ParamList, zero: int, dp: int, rank: int, bucket_mb: float, persist_numel: int = 4096
+    params: ParamList,
+    zero: int,
+    dp: int,
+    rank: int,
+    bucket_mb: float,
+    persist_numel: int = 4096,
+    working_bytes: int = 4,
 ) -> dict[str, float]:
     """Bytes the engine's ZeRO-1/2/3 holds on data-parallel ``rank`` (fp32 masters, fp32 grads, AdamW).
 
     ZeRO-1/2 keep every parameter (flat buckets) and shard the optimizer per bucket; ZeRO-2 also keeps
-    only the gradient shard. ZeRO-3 keeps each unit's shard plus the persistent unit whole. AdamW holds
+    only the gradient shard. ZeRO-3 keeps each unit's fp32 shard plus the persistent unit whole in the
+    working dtype (``working_bytes``: 2 under bf16/fp16, whose gathers are 16-bit). AdamW holds
     ``exp_avg``, ``exp_avg_sq`` and a step scalar per shard segment.
     """
     ordered = params.ordered()
@@ -184,9 +191,9 @@ def engine_zero_states(
         return {"params": 4.0 * sum(ordered), "grads": 4.0 * (shard_elements if zero == 2 else sum(ordered)),
                 "optimizer": float(optimizer), "shard": 4.0 * shard_elements, "persistent": 0.0}  # fmt: skip
     persistent = sum(groups[-1]) if groups and min(groups[-1]) < persist_numel else 0
-    return {"params": 4.0 * (shard_elements + persistent), "grads": 4.0 * shard_elements,
+    return {"params": 4.0 * shard_elements + working_bytes * persistent, "grads": 4.0 * shard_elements,
             "optimizer": float(optimizer), "shard": 4.0 * shard_elements,
-            "persistent": 4.0 * persistent}  # fmt: skip
+            "persistent": float(working_bytes * persistent)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -303,6 +310,7 @@ def engine_layer_terms(
     tp: int = 1,
     sp: bool = False,
     ep: int = 1,
+    weights16: bool = False,
 ) -> list[Term]:
     """Tensors one block of the engine saves for backward (b micro-batch, s local sequence length).
 
@@ -320,19 +328,28 @@ def engine_layer_terms(
     over at most ``kv_heads`` ranks (the engine replicates KV heads when tp exceeds them).
 
     An MoE block's terms are :func:`engine_moe_terms`'.
+
+    ``weights16`` (ZeRO-3 under bf16/fp16: 16-bit working weights, DESIGN contract 9): the residual
+    stream is 16-bit too, so each RMSNorm saves an fp32 copy of its input, 1/rms, the 16-bit cast of
+    the normalised value and its 16-bit result, the one input all projections that read it save (no casts, no weight copies: the
+    gathered weights are not activations); RoPE's q/k and the checkpointed block input are 16-bit.
     """
     t, a = b * s, _act_bytes(precision)
     k = m.active_mlps
     h, q, kv, i, kvh = m.hidden, m.q_width, m.kv_width, m.intermediate, m.kv_heads
     if recompute == "full":
-        return [Term("block_input", 4 * t * h, "sp")]
+        return [Term("block_input", (a if weights16 else 4) * t * h, "sp")]
     terms: list[Term] = []
     for norm in ("input_norm", "post_norm"):
         terms += [Term(f"{norm}.x", 4 * t * h, "sp"), Term(f"{norm}.rms", 4 * t, "sp")]
-        terms.append(Term(f"{norm}.normed", 4 * t * h, "sp"))
+        terms.append(Term(f"{norm}.normed", (a if weights16 else 4) * t * h, "sp"))
+        if weights16:  # the gain's product reads the 16-bit cast of the fp32 normalised value
+            terms.append(Term(f"{norm}.cast", a * t * h, "sp"))
     casts_attn, casts_mlp = 3, (2 if m.gated else 1) * k
     moe = m.experts > 0  # the MoE block's own terms replace the MLP's (engine_moe_terms)
-    if precision == "fp32":
+    if weights16:
+        pass  # the projections read the norms' 16-bit results, counted above
+    elif precision == "fp32":
         terms.append(Term("attn.linear_input", 4 * t * h, "sp"))
         terms.append(Term("mlp.linear_input", 4 * t * h, "sp"))  # (MoE: the router's input)
     elif sp and tp > 1:
@@ -350,7 +367,7 @@ def engine_layer_terms(
         terms.append(Term("weight_casts", a * (matrices - kv_weights), "tp"))
         terms.append(Term("weight_casts.kv", a * kv_weights / kv_split, "none"))
     if recompute == "selective":
-        qk_bytes = 4  # the rotated q/k handed to the checkpointed core keep RoPE's fp32
+        qk_bytes = a if weights16 else 4  # rotated q/k handed to the checkpointed core: RoPE's dtype
         terms += [Term("attn.q", qk_bytes * t * q, "tp"), Term("attn.k", qk_bytes * t * kv, "tp", kvh)]
         terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.o_input", a * t * q, "tp")]
     else:
@@ -403,15 +420,16 @@ def engine_first_stage_terms(m: ModelShape, b: int, s: int, tp: int) -> list[Ter
     return terms
 
 
-def engine_stage_terms(m: ModelShape, b: int, s: int) -> list[Term]:
-    """RoPE's cos/sin tables (fp32), built on every pipeline stage."""
-    return [Term("rope.cos_sin", 2 * 4 * b * s * m.head_dim, "none")]
+def engine_stage_terms(m: ModelShape, b: int, s: int, nbytes: int = 4) -> list[Term]:
+    """RoPE's cos/sin tables (in the residual stream's dtype: fp32, or 16-bit under 16-bit working
+    weights), built on every pipeline stage."""
+    return [Term("rope.cos_sin", 2 * nbytes * b * s * m.head_dim, "none")]
 
 
 def engine_last_stage_terms(
-    m: ModelShape, b: int, s: int, precision: str, tp: int, sp: bool = False
+    m: ModelShape, b: int, s: int, precision: str, tp: int, sp: bool = False, weights16: bool = False
 ) -> list[Term]:
-    """Final norm, output head and the loss.
+    """Final norm, output head and the loss (``weights16``: see :func:`engine_layer_terms`).
 
     The loss keeps an fp32 (b·s, V/t) softmax or log-softmax and the targets: int64 labels (and the
     weight scalar) from ``cross_entropy``, or, vocabulary-parallel, int64 local targets and a bool mask.
@@ -420,8 +438,12 @@ def engine_last_stage_terms(
     """
     t, h = b * s, m.hidden
     terms = [Term("final_norm.x", 4 * t * h, "sp"), Term("final_norm.rms", 4 * t, "sp")]
-    terms.append(Term("final_norm.normed", 4 * t * h, "sp"))
-    if precision == "fp32":
+    terms.append(Term("final_norm.normed", (_act_bytes(precision) if weights16 else 4) * t * h, "sp"))
+    if weights16:
+        terms.append(Term("final_norm.cast", _act_bytes(precision) * t * h, "sp"))
+    if weights16:
+        pass  # the head reads the norm's 16-bit result; its weight is a gathered 16-bit copy
+    elif precision == "fp32":
         terms.append(Term("head.input", 4 * t * h, "sp"))
     elif sp and tp > 1:
         terms.append(Term("head.input_shard", _act_bytes(precision) * t * h, "sp"))

@@ -16,7 +16,7 @@ from zerotron.config import Config
 from zerotron.plan import memory as mem
 from zerotron.plan import timing
 from zerotron.plan.hardware import Hardware
-from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches
+from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches, working_weights16
 from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
 from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
 
@@ -94,8 +94,9 @@ def stage_memory(
     exact = None
     data = data_ranks(layout)
     if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts:
+        working = 2 if working_weights16(layout, work) else 4
         exact = _zero_states(
-            m, layout.tp, layout.pp, stage, layers, layout.zero, data, dp_rank, layout.bucket_mb
+            m, layout.tp, layout.pp, stage, layers, layout.zero, data, dp_rank, layout.bucket_mb, working
         )
     states = _model_states(m, layout, work, convention, sp, exact)
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
@@ -157,10 +158,20 @@ def _model_states(
 
 @functools.lru_cache(maxsize=4096)
 def _zero_states(
-    m: ModelShape, tp: int, pp: int, stage: int, layers: int, zero: int, dp: int, rank: int, bucket_mb: float
+    m: ModelShape,
+    tp: int,
+    pp: int,
+    stage: int,
+    layers: int,
+    zero: int,
+    dp: int,
+    rank: int,
+    bucket_mb: float,
+    working_bytes: int = 4,
 ) -> dict[str, float]:
     """The engine's ZeRO state bytes of one rank (cached on small keys: the search repeats them)."""
-    return mem.engine_zero_states(param_list(m, tp, pp, stage, layers), zero, dp, rank, bucket_mb)
+    params = param_list(m, tp, pp, stage, layers)
+    return mem.engine_zero_states(params, zero, dp, rank, bucket_mb, working_bytes=working_bytes)
 
 
 def rank_layers(m: ModelShape, layout: Layout, work: Workload) -> tuple[int, ...]:
@@ -186,13 +197,16 @@ def _activations(
 ) -> tuple[float, dict[str, float]]:
     b, s = layout.micro_batch, work.seq_len // layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
-    per_layer = _layer_bytes(m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep)
+    w16 = working_weights16(layout, work)
+    per_layer = _layer_bytes(
+        m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep, w16
+    )
     if convention == "zerotron":
         cp_terms = mem.context_terms(
             m, b, s, work.precision, layout.recompute, tp, layout.cp, layout.cp_comm, layout.cp_ulysses_size
         )
         per_layer += mem.split_bytes(cp_terms, tp, sp)
-    every, first, last = _end_bytes(m, b, s, work.precision, tp, sp, convention, layout.pp)
+    every, first, last = _end_bytes(m, b, s, work.precision, tp, sp, convention, layout.pp, w16)
     v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
     held = mem.inflight(layout.pp_schedule, layout.pp, micro_batches(layout, work), stage, v)
     blocks = (per_layer * layers / v + every) * held.chunks
@@ -213,22 +227,32 @@ def _layer_bytes(
     convention: str,
     flash: bool,
     ep: int = 1,
+    weights16: bool = False,
 ) -> float:
     """Activation bytes of one block on one rank (cached: the search asks for the same ones often)."""
     if convention == "zerotron":
-        return mem.split_bytes(mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep), tp, sp)
+        terms = mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep, weights16)
+        return mem.split_bytes(terms, tp, sp)
     return mem.split_bytes(mem.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
 
 
 @functools.lru_cache(maxsize=4096)
 def _end_bytes(
-    m: ModelShape, b: int, s: int, precision: str, tp: int, sp: bool, convention: str, pp: int
+    m: ModelShape,
+    b: int,
+    s: int,
+    precision: str,
+    tp: int,
+    sp: bool,
+    convention: str,
+    pp: int,
+    weights16: bool = False,
 ) -> tuple[float, float, float]:
     """Activation bytes outside the blocks: per chunk (RoPE tables), first stage, last stage (cached)."""
     if convention == "zerotron":
-        every = mem.split_bytes(mem.engine_stage_terms(m, b, s), tp, sp)
+        every = mem.split_bytes(mem.engine_stage_terms(m, b, s, 2 if weights16 else 4), tp, sp)
         first_terms = mem.engine_first_stage_terms(m, b, s, tp)
-        last_terms = mem.engine_last_stage_terms(m, b, s, precision, tp, sp)
+        last_terms = mem.engine_last_stage_terms(m, b, s, precision, tp, sp, weights16)
         first = mem.split_bytes(first_terms, tp, sp)
         if pp == 1:  # one rank holds both ends: a storage they share is counted once
             last = mem.split_bytes(mem.unique(first_terms + last_terms), tp, sp) - first
@@ -253,8 +277,8 @@ def _buffers(
         # Two reduce-scatter buckets in flight (one filling, one reducing), at most the whole gradient.
         detail["grad_buckets"] = min(2.0 * layout.bucket_mb * 2**20, float(elements * gb))
     if layout.zero == 3:
-        # zerotron gathers its fp32 master weights; Megatron/DeepSpeed gather 16-bit copies.
-        gather_bytes = pb
+        # 16-bit working copies under bf16/fp16 (zerotron, Megatron, DeepSpeed); fp32 in fp32 training.
+        gather_bytes = 2 if working_weights16(layout, work) else pb
         detail["zero3_gathered_params"] = mem.zero3_gather_bytes(m, layout.tp, gather_bytes, layout.ep)
     if stage == layout.pp - 1:
         # Backward of the loss: d(logits) in fp32 and in the compute dtype, one micro-batch.
@@ -327,8 +351,18 @@ def step_times(
         times["ep_comm"] = n_mb * t_ep
     times.update(timing.pipeline_times(m, layout, work, hw, t_mb))
     pb, gb, ob = mem.state_bytes_per_element(convention, work.precision, layout.zero)
-    grad_wire = gb if convention == "zerotron" else _ACT_BYTES[work.precision]
-    param_wire = pb if convention == "zerotron" else _ACT_BYTES[work.precision]  # zerotron moves fp32 masters
+    # zerotron: gradients travel in parallel.grad_reduce_dtype; ZeRO-3 gathers 16-bit working copies under
+    # bf16/fp16, ZeRO-1/2 all-gather their fp32 weights after the step
+    grad_wire = (
+        (2 if layout.grad_reduce_dtype == "bf16" else gb)
+        if convention == "zerotron"
+        else _ACT_BYTES[work.precision]
+    )
+    param_wire = (
+        (2 if working_weights16(layout, work) else pb)
+        if convention == "zerotron"
+        else _ACT_BYTES[work.precision]
+    )
     stages = [
         stage_params(m, layout.tp, layout.pp, r, layers[r], layout.ep)
         for r in sorted({0, critical, layout.pp - 1})

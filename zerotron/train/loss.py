@@ -13,6 +13,7 @@ from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 
 IGNORE = -100  # a label the loss does not count (F.cross_entropy's ignore_index)
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+REDUCE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager[object]:

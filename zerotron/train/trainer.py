@@ -47,6 +47,7 @@ from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset, SupervisedDataset
 from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
+from zerotron.train.loss import AUTOCAST, REDUCE_DTYPE
 from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress
 from zerotron.train.optim import (
     DynamicLossScaler,
@@ -301,8 +302,12 @@ class Trainer:
                     par.nvme_path,
                     fill,
                     self.device,
+                    AUTOCAST.get(cfg.train.precision),  # ZeRO-3: 16-bit working weights and gathers
+                    REDUCE_DTYPE[par.grad_reduce_dtype],
                 )
-        buckets: GradientReducer = zero or GradientBuckets(self.model, groups, par.bucket_mb)
+        buckets: GradientReducer = zero or GradientBuckets(
+            self.model, groups, par.bucket_mb, REDUCE_DTYPE[par.grad_reduce_dtype]
+        )
         optimizer: torch.optim.Optimizer
         if zero is not None and par.offload_optimizer != "none":  # ZeRO-Offload: the step on the host
             optimizer = offload_optimizer(zero, cfg.train, par.offload_optimizer, par.nvme_path)

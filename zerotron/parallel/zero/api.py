@@ -28,6 +28,8 @@ def apply_zero(
     nvme_path: str | None = None,
     fill: Fill | None = None,
     device: torch.device | str = "cpu",
+    working_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> ZeroEngine:
     """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3):
     one group for every parameter, or each parameter's by name (the placement record's
@@ -37,15 +39,26 @@ def apply_zero(
     returned engine replaces the data-parallel gradient buckets: the trainer's optimizer works on
     ``engine.params`` (this rank's shard segments), calls ``engine.finish()`` after backward and
     ``engine.after_step()`` after the optimizer step. ``offload_params`` (ZeRO-3 only): where the
-    parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``).
+    parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``). ``working_dtype`` (ZeRO-3):
+    the 16-bit dtype of the gathered working weights under mixed precision (DESIGN contract 9);
+    ``reduce_dtype``: what gradients are reduced in (``parallel.grad_reduce_dtype``).
     """
     if stage == 1:
-        return ZeroStage1(model, group, bucket_mb)
+        return ZeroStage1(model, group, bucket_mb, reduce_dtype)
     if stage == 2:
-        return ZeroStage2(model, group, bucket_mb)
+        return ZeroStage2(model, group, bucket_mb, reduce_dtype)
     if stage == 3:
         return ZeroStage3(
-            model, group, persist_numel, reshard_after_forward, offload_params, nvme_path, fill, device
+            model,
+            group,
+            persist_numel,
+            reshard_after_forward,
+            offload_params,
+            nvme_path,
+            fill,
+            device,
+            working_dtype,
+            reduce_dtype,
         )
     raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
 

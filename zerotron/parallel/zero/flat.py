@@ -80,9 +80,10 @@ class FlatLayout:
         """The parameters' dtype (one per layout)."""
         return self.slots[0].param.dtype
 
-    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """One tensor per slot (parameters or gradients) into a new padded flat buffer ``(padded,)``."""
-        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor per slot (parameters or gradients) into a new padded flat buffer ``(padded,)`` of
+        ``dtype`` (the tensors' own by default)."""
+        flat = torch.zeros(self.padded, dtype=dtype or tensors[0].dtype, device=tensors[0].device)
         for slot, t in zip(self.slots, tensors):
             flat[slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
         return flat

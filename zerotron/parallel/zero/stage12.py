@@ -49,7 +49,14 @@ class _ShardedBuckets(SyncGate):
 
     stage = 0
 
-    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Group | Mapping[str, Group],
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.reduce_dtype = reduce_dtype  # what gradients travel in (parallel.grad_reduce_dtype)
         named = unique_named_params(model)
         tied = tied_copy(model)  # alone in its layout: the two stages' copies shard alike
         runs = bucketed_by_group([(n, p) for n, p in named if p is not tied], bucket_mb, group)
@@ -107,8 +114,11 @@ class _ShardedBuckets(SyncGate):
         grads = [grad_or_zeros(s.param) for s in layout.slots]
         flat_grad = layout.flatten(grads)  # (padded,)
         self._keep_whole_grads(i, flat_grad)
-        out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)
-        work = collectives.reduce_scatter(out, flat_grad, layout.group, op="sum", async_op=True)
+        send = flat_grad  # in parallel.grad_reduce_dtype; the shard lands in the gradients' dtype
+        if self.reduce_dtype is not None and send.dtype != self.reduce_dtype:
+            send = flat_grad.to(self.reduce_dtype)
+        out = torch.empty(layout.shard, dtype=send.dtype, device=send.device)
+        work = collectives.reduce_scatter(out, send, layout.group, op="sum", async_op=True)
         self._pending[i].append((work, out))
         self._ready[i], self._launched[i] = 0, True
 
@@ -222,8 +232,14 @@ class ZeroStage1(_ShardedBuckets):
 
     stage = 1
 
-    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
-        super().__init__(model, group, bucket_mb)
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Group | Mapping[str, Group],
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(model, group, bucket_mb, reduce_dtype)
         self.flat_grads: list[torch.Tensor | None] = [None] * len(self.layouts)
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
@@ -259,8 +275,14 @@ class ZeroStage2(_ShardedBuckets):
 
     stage = 2
 
-    def __init__(self, model: nn.Module, group: Group | Mapping[str, Group], bucket_mb: float = 25.0) -> None:
-        super().__init__(model, group, bucket_mb)
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Group | Mapping[str, Group],
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(model, group, bucket_mb, reduce_dtype)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
 
     def _reduces_now(self) -> bool:
@@ -273,7 +295,9 @@ class ZeroStage2(_ShardedBuckets):
     def _land(self, i: int, out: torch.Tensor) -> None:
         shard = self.grad_shards[i]
         if shard is None:
-            self.grad_shards[i] = shard = out
+            self.grad_shards[i] = shard = (
+                out if out.dtype == self.layouts[i].dtype else out.to(self.layouts[i].dtype)
+            )
         else:
             shard.add_(out)
         segment_grads(self.segments[i], shard)

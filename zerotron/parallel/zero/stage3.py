@@ -63,25 +63,29 @@ class _Unit:
         fill: Fill | None = None,
         device: torch.device | str = "cpu",
         frozen: bool = False,
+        working: torch.dtype = torch.float32,
     ) -> None:
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
         self.store, self.index = store, index
         with torch.no_grad():
             if fill is None:  # the parameters hold their values
-                self.flat = layout.flatten([s.param.detach() for s in layout.slots])  # (padded,)
-                mine = self.flat[layout.lo : layout.hi]
+                flat = layout.flatten([s.param.detach() for s in layout.slots], torch.float32)  # (padded,)
+                mine = flat[layout.lo : layout.hi].clone()
+                self.flat = flat if working == torch.float32 else flat.to(working)
+                del flat
             else:  # parameters on the meta device: only this rank's range is materialised
-                self.flat = torch.empty(layout.padded, dtype=torch.float32, device=device)
+                self.flat = torch.empty(layout.padded, dtype=working, device=device)
                 mine = _materialize_range(layout, self.flat, fill, whole=persistent)
         for slot, view in zip(layout.slots, layout.views(self.flat)):
             if slot.param.is_meta:  # the same Parameter object, now a view of the flat buffer
                 torch.utils.swap_tensors(slot.param, nn.Parameter(view, slot.param.requires_grad))
             else:
                 slot.param.data = view
-        # (shard,) the rank's master weights: on the device, or a host tensor (resident, or a window
-        # whose storage exists only while an NVMe shard is read in).
+        # (shard,) the rank's fp32 master weights: on the device, or a host tensor (resident, or a window
+        # whose storage exists only while an NVMe shard is read in). The gathered buffer ``flat`` holds
+        # the working copy, in ``working`` (16-bit under bf16/fp16 training: gathers move 16-bit shards).
         if store is None:
-            self.shard = mine.clone()
+            self.shard = mine
         elif store.resident:
             self.shard = store.tensor(index)
         else:
@@ -118,7 +122,7 @@ class _Unit:
         if self.gathered or self.gathering is not None:
             return
         self.flat.untyped_storage().resize_(self.nbytes)
-        self.staged = self.device_shard()
+        self.staged = self.working_shard()
         self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
 
     def wait_gather(self) -> None:
@@ -135,6 +139,20 @@ class _Unit:
     def numel(self) -> int:
         """Elements of the shard."""
         return self.layout.shard
+
+    def working_shard(self) -> torch.Tensor:
+        """The shard on the device in the gathered buffer's dtype (the master cast to 16 bits under
+        mixed precision), what the all-gather sends."""
+        shard = self.device_shard()
+        return shard if shard.dtype == self.flat.dtype else shard.to(self.flat.dtype)
+
+    def gather_master(self) -> torch.Tensor:
+        """The unit's whole fp32 master weights ``(padded,)`` on the device (collective over its group)."""
+        full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.flat.device)
+        shard = (self.load_master() if self.store is not None else self.shard).to(self.flat.device)
+        collectives.all_gather(full, shard.contiguous(), self.layout.group)
+        self._evict()
+        return full
 
     def device_shard(self) -> torch.Tensor:
         """The shard on the device for the all-gather: itself, or a copy from host memory or NVMe."""
@@ -188,7 +206,7 @@ _MAX_IN_FLIGHT = 2  # gradient reduce-scatters on their way at once (see ZeroSta
 def _materialize_range(layout: FlatLayout, flat: torch.Tensor, fill: Fill, whole: bool) -> torch.Tensor:
     """This rank's ``(shard,)`` range of a unit whose parameters are on the meta device, asking ``fill``
     for one parameter at a time; ``whole`` (the small persistent unit) fills all of ``flat`` too."""
-    shard = torch.zeros(layout.shard, dtype=flat.dtype, device=flat.device)
+    shard = torch.zeros(layout.shard, dtype=torch.float32, device=flat.device)  # the fp32 master
     if whole:
         flat.zero_()
     for slot in layout.slots:
@@ -223,6 +241,11 @@ class ZeroStage3:
             this rank, from a weight source): every unit materialises only this rank's range, one
             parameter at a time, so the whole model never exists on one rank.
         device: where the units live when ``fill`` materialises them.
+        working_dtype: the dtype of the gathered working weights (DESIGN contract 9: bf16/fp16 under
+            mixed precision, so every all-gather moves 16-bit shards; the shards themselves stay the fp32
+            master weights the optimizer updates). None: fp32.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``parallel.grad_reduce_dtype``);
+            None: the gradients' own. The reduced shards accumulate in fp32 either way.
     """
 
     stage = 3
@@ -237,7 +260,12 @@ class ZeroStage3:
         nvme_path: str | None = None,
         fill: Fill | None = None,
         device: torch.device | str = "cpu",
+        working_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
+        self.working_dtype = working_dtype or torch.float32
+        self.mixed = self.working_dtype != torch.float32
+        self.reduce_dtype = reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.offload_params = offload_params
         group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
@@ -253,7 +281,8 @@ class ZeroStage3:
         self.units: list[_Unit] = []
         self._units_of_module: dict[int, list[_Unit]] = {}
         for i, (owner, layout, frozen) in enumerate(runs):
-            self.units.append(_Unit(layout, owner is None, self.store, i, fill, device, frozen))
+            unit = _Unit(layout, owner is None, self.store, i, fill, device, frozen, self.working_dtype)
+            self.units.append(unit)
             if owner is not None:
                 self._units_of_module.setdefault(id(owner), []).append(self.units[-1])
         self.order = [u for u in self.units if not u.persistent]  # forward order
@@ -364,7 +393,7 @@ class ZeroStage3:
     def _reduce(self, unit: _Unit) -> None:
         layout = unit.layout
         grads = [grad_or_zeros(s.param) for s in layout.slots]
-        flat_grad = layout.flatten(grads)  # (padded,)
+        flat_grad = layout.flatten(grads, self.reduce_dtype)  # (padded,) in the reduction's dtype
         for slot in layout.slots:
             slot.param.grad = None
         self._land(unit)  # an earlier micro-batch's reduction lands first
@@ -386,7 +415,7 @@ class ZeroStage3:
             if self.store is not None and out.device.type != "cpu":  # the optimizer steps on the host
                 out = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda).copy_(out)
             if unit.grad_shard is None:
-                unit.grad_shard = out
+                unit.grad_shard = out if out.dtype == torch.float32 else out.float()  # fp32 accumulation
             else:
                 unit.grad_shard.add_(out)
         unit.pending = []
@@ -428,7 +457,7 @@ class ZeroStage3:
         """The persistent unit is gathered again from its updated shard; sharded units wait for use."""
         for unit in self.units:
             if unit.persistent:
-                collectives.all_gather(unit.flat, unit.device_shard(), unit.layout.group)
+                collectives.all_gather(unit.flat, unit.working_shard(), unit.layout.group)
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
@@ -452,7 +481,12 @@ class ZeroStage3:
     @contextlib.contextmanager
     def full_params(self, trained_only: bool = False) -> Iterator[None]:
         """Gather every unit (``trained_only``: those of trained parameters) for the duration of the
-        block (collective), then free them again."""
+        block (collective), then free them again. Under mixed precision the parameters show the fp32
+        master weights (gathered apart from the 16-bit working buffers) for the block's duration."""
+        if self.mixed:
+            with self._full_masters(trained_only):
+                yield
+            return
         for unit in self.order:
             if not (trained_only and unit.frozen):
                 unit.wait_gather()
@@ -462,6 +496,19 @@ class ZeroStage3:
             for unit in self.units:
                 unit.free()
 
+    @contextlib.contextmanager
+    def _full_masters(self, trained_only: bool) -> Iterator[None]:
+        units = [u for u in self.units if not (trained_only and u.frozen)]
+        for unit in units:
+            for slot, view in zip(unit.layout.slots, unit.layout.views(unit.gather_master())):
+                slot.param.data = view
+        try:
+            yield
+        finally:
+            for unit in units:
+                for slot, view in zip(unit.layout.slots, unit.layout.views(unit.flat)):
+                    slot.param.data = view
+
     # -- accounting and checkpoints ----------------------------------------------------------------------
     @property
     def layouts(self) -> list[FlatLayout]:
@@ -470,7 +517,9 @@ class ZeroStage3:
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """On the device: shards (+ the persistent unit whole, + any unit gathered now), shard gradients,
-        AdamW states. Under parameter offload the shards and their gradients are not on the device."""
+        AdamW states. Under parameter offload the shards and their gradients are not on the device.
+        Under mixed precision the params are the fp32 master shards (which the ZeRO paper's K counts
+        as optimizer state) plus the 16-bit working buffers gathered now."""
         opt = optimizer_state_bytes(optimizer)
         params = sum(u.nbytes for u in self.units if u.gathered)
         if self.store is not None:
