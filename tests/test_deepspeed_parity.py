@@ -132,3 +132,65 @@ def test_zero_matches_deepspeed(stage: int, tmp_path: Path) -> None:
             rel = ((got["weights"][name] - ref).norm() / ref.norm()).item()
             assert rel <= WEIGHT_RTOL, f"{name}: relative difference {rel:.3g} > {WEIGHT_RTOL:g}"
     assert ours[0]["losses"][-1] < ours[0]["losses"][0]
+
+
+# -- bf16: DeepSpeed's ``bf16`` mode (16-bit working weights, fp32 master partitions) -----------------
+
+
+def _deepspeed_bf16_body(overrides: list[str], tokens: np.ndarray, stage: int) -> dict:
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config(None, overrides)
+    t = cfg.train
+    rank, world = current_rank_and_world()
+    model = LlamaForCausalLM(cfg.model)
+    model.init_weights(t.seed)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+    )
+    accumulation = t.global_batch // (t.micro_batch * world)
+    ds_config = {
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": t.grad_clip,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.micro_batch, rank, world, t.seed)
+    losses = []
+    for _ in range(STEPS):
+        total = torch.zeros(())
+        for x, y in loader.next_step():
+            loss = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        dist.all_reduce(total)
+        losses.append(total.item() / (world * accumulation))
+    return {"losses": losses}
+
+
+def test_zero3_bf16_matches_deepspeed_bf16(tmp_path: Path) -> None:
+    """bf16 ZeRO-3 against DeepSpeed's bf16 ZeRO-3 from the same weights and batches: both keep 16-bit
+    working weights gathered from fp32 master partitions, so the loss trajectories agree within bf16's
+    own spread (the single process's bf16 run moves up to 1e-3 from fp32; tests/test_precision.py).
+    Gradients: DeepSpeed reduce-scatters bf16 gradients; zerotron in fp32 (``grad_reduce_dtype``)."""
+    tokens = _tokens()
+    overrides = [*COMMON, "parallel.zero=3", "train.precision=bf16"]
+    theirs = run_distributed(_deepspeed_bf16_body, 2, overrides, tokens, 3, timeout=300)[0]["losses"]
+    ours = run_distributed(_zerotron_body, 2, overrides, tokens, str(tmp_path), timeout=300)[0]["losses"]
+    assert ours[0] == theirs[0]  # the first step's forward: the same 16-bit weights, bit for bit
+    # Measured: 2e-5 relative at most over 10 steps (DeepSpeed's fp32 run is 3e-5 from either).
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4)

@@ -499,15 +499,15 @@ class ZeroStage3:
     @contextlib.contextmanager
     def _full_masters(self, trained_only: bool) -> Iterator[None]:
         units = [u for u in self.units if not (trained_only and u.frozen)]
+        working = [(s.param, s.param.data) for u in units for s in u.layout.slots]  # views of the buffers
         for unit in units:
             for slot, view in zip(unit.layout.slots, unit.layout.views(unit.gather_master())):
                 slot.param.data = view
         try:
             yield
         finally:
-            for unit in units:
-                for slot, view in zip(unit.layout.slots, unit.layout.views(unit.flat)):
-                    slot.param.data = view
+            for param, data in working:
+                param.data = data
 
     # -- accounting and checkpoints ----------------------------------------------------------------------
     @property
