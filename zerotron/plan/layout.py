@@ -123,9 +123,9 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
 
 
 def working_weights16(layout: Layout, work: Workload) -> bool:
-    """Whether the engine's working weights are 16-bit: ZeRO-3 under bf16/fp16 gathers 16-bit copies of
-    its fp32 master shards (DESIGN contract 9); other layouts keep fp32 weights under autocast."""
-    return layout.zero == 3 and work.precision in ("bf16", "fp16")
+    """Whether the engine's working weights are 16-bit: ZeRO-1/2/3 under bf16/fp16 keep fp32 master
+    shards and 16-bit working weights (DESIGN contract 9); DDP keeps fp32 weights under autocast."""
+    return layout.zero >= 1 and work.precision in ("bf16", "fp16")
 
 
 def micro_batches(layout: Layout, work: Workload) -> int:

@@ -73,6 +73,7 @@ def model_states(
     convention: str = "zerotron",
     precision: str = "bf16",
     exact: dict[str, float] | None = None,
+    working_bytes: int = 4,
 ) -> dict[str, dict[str, float]]:
     """Bytes of params, grads and optimizer states on the device, the host and NVMe of one rank.
 
@@ -82,10 +83,14 @@ def model_states(
         layout: data-parallel degree, ZeRO stage and offload targets.
         exact: device bytes counted tensor by tensor (:func:`engine_zero_states`), replacing the
             per-element estimate before offload moves them.
+        working_bytes: the ``zerotron`` convention's working weights under ZeRO-1/2 (2: 16-bit, beside
+            the fp32 master shards; ZeRO-3 keeps only the fp32 shard between gathers).
     """
     pb, gb, ob = state_bytes_per_element(convention, precision, layout.zero)
     dp, zero = layout.dp, layout.zero
     params = pb * (_shard(elements, dp) if zero >= 3 else elements)
+    if convention == "zerotron" and working_bytes != pb and zero in (1, 2):
+        params = working_bytes * elements + pb * _shard(elements, dp)
     grads = gb * (_shard(elements, dp) if zero >= 2 else elements)
     optim = ob * (_shard(elements, dp) if zero >= 1 else elements)
     if convention == "zerotron":
@@ -177,9 +182,10 @@ def engine_zero_states(
 ) -> dict[str, float]:
     """Bytes the engine's ZeRO-1/2/3 holds on data-parallel ``rank`` (fp32 masters, fp32 grads, AdamW).
 
-    ZeRO-1/2 keep every parameter (flat buckets) and shard the optimizer per bucket; ZeRO-2 also keeps
-    only the gradient shard. ZeRO-3 keeps each unit's fp32 shard plus the persistent unit whole in the
-    working dtype (``working_bytes``: 2 under bf16/fp16, whose gathers are 16-bit). AdamW holds
+    ZeRO-1/2 keep every parameter (flat buckets) in the working dtype (``working_bytes``: 2 under
+    bf16/fp16, plus the fp32 master shards) and shard the optimizer per bucket; ZeRO-2 also keeps only
+    the gradient shard. ZeRO-3 keeps each unit's fp32 shard plus the persistent unit whole in the
+    working dtype (its gathers are 16-bit under bf16/fp16). Gradients are fp32. AdamW holds
     ``exp_avg``, ``exp_avg_sq`` and a step scalar per shard segment.
     """
     ordered = params.ordered()
@@ -187,8 +193,10 @@ def engine_zero_states(
     shards = [flat_shard(g, dp, rank) for g in groups]
     optimizer = sum(8 * real + 4 * segments for _, real, segments in shards)
     shard_elements = sum(shard for shard, _, _ in shards)
-    if zero < 3:
-        return {"params": 4.0 * sum(ordered), "grads": 4.0 * (shard_elements if zero == 2 else sum(ordered)),
+    if zero < 3:  # the working weights whole, + the fp32 master shards when those are 16-bit
+        masters = 4.0 * shard_elements if working_bytes != 4 else 0.0
+        return {"params": working_bytes * sum(ordered) + masters,
+                "grads": 4.0 * (shard_elements if zero == 2 else sum(ordered)),
                 "optimizer": float(optimizer), "shard": 4.0 * shard_elements, "persistent": 0.0}  # fmt: skip
     persistent = sum(groups[-1]) if groups and min(groups[-1]) < persist_numel else 0
     return {"params": 4.0 * shard_elements + working_bytes * persistent, "grads": 4.0 * shard_elements,
@@ -252,7 +260,9 @@ def moe_terms(m: ModelShape, b: int, s: int, precision: str) -> list[Term]:
     ]
 
 
-def engine_moe_terms(m: ModelShape, b: int, s: int, precision: str, ep: int = 1) -> list[Term]:
+def engine_moe_terms(
+    m: ModelShape, b: int, s: int, precision: str, ep: int = 1, weights16: bool = False
+) -> list[Term]:
     """What the engine's MoE block (:mod:`zerotron.models.moe`) saves for backward beyond its input, for
     balanced routing (each of the ``T·k`` slots on one expert; b micro-batch, s local sequence length).
 
@@ -265,7 +275,9 @@ def engine_moe_terms(m: ModelShape, b: int, s: int, precision: str, ep: int = 1)
     router's input and every local weight are cast to 16 bits (the experts' casts are done by the
     block, :func:`zerotron.models.moe.expert_mlp`). A shared expert saves its three products and gate.
     Tokens are a rank's own (``sp``: its sequence shard under sequence parallelism); the experts are
-    whole on every tp rank (``none``)."""
+    whole on every tp rank (``none``). With 16-bit working weights (``weights16``) nothing is cast:
+    the router and the shared expert read the norm's 16-bit output, the experts their own weights, and
+    the slots' weights and weighted outputs are 16-bit like the residual stream."""
     t, k, h, i, e = b * s, m.top_k, m.hidden, m.intermediate, m.experts
     autocast = precision != "fp32"
     w = _act_bytes(precision) if autocast else 4
@@ -276,11 +288,11 @@ def engine_moe_terms(m: ModelShape, b: int, s: int, precision: str, ep: int = 1)
         Term("moe.logsumexp", 4 * t, "sp"),
         Term("moe.ids", 8 * slots, "sp"),
         Term("moe.slot_indices", 2 * 8 * slots, "sp"),
-        Term("moe.slot_weights", 4 * slots, "sp"),
+        Term("moe.slot_weights", (w if weights16 else 4) * slots, "sp"),
         Term("moe.tokens", w * slots * h, "sp"),
         Term("moe.inner", 4 * w * slots * i, "sp"),  # gate|up (2I), SiLU (I), product (I)
         Term("moe.expert_out", w * slots * h, "sp"),
-        Term("moe.weighted_out", 4 * slots * h, "sp"),
+        Term("moe.weighted_out", (w if weights16 else 4) * slots * h, "sp"),
     ]
     if m.sigmoid:
         terms.append(Term("moe.score_sums", 4 * t, "sp"))
@@ -288,12 +300,13 @@ def engine_moe_terms(m: ModelShape, b: int, s: int, precision: str, ep: int = 1)
         terms += [Term("moe.topk_weights", 4 * slots, "sp"), Term("moe.topk_sums", 4 * t, "sp")]
     if ep > 1:
         terms.append(Term("moe.regroup", 2 * 8 * slots, "sp"))
-    if autocast:
+    if autocast and not weights16:
         terms.append(Term("moe.router_input_cast", w * t * h, "sp"))
         weights = e * h + (e // ep) * mlp_params(m) + (3 * h * m.shared + h if m.shared else 0)
         terms.append(Term("moe.weight_casts", w * weights, "none"))
     if m.shared:
-        casts = 3 * w * t * h if autocast else 0  # gate, up and its gate's inputs (autocast's own casts)
+        # gate, up and its gate's inputs (autocast's own casts)
+        casts = 3 * w * t * h if autocast and not weights16 else 0
         terms += [
             Term("moe.shared_inner", 4 * w * t * m.shared + casts, "sp"),
             Term("moe.shared_gate", 4 * t + 4 * t * h, "sp"),
@@ -329,7 +342,7 @@ def engine_layer_terms(
 
     An MoE block's terms are :func:`engine_moe_terms`'.
 
-    ``weights16`` (ZeRO-3 under bf16/fp16: 16-bit working weights, DESIGN contract 9): the residual
+    ``weights16`` (ZeRO-1/2/3 under bf16/fp16: 16-bit working weights, DESIGN contract 9): the residual
     stream is 16-bit too, so each RMSNorm saves an fp32 copy of its input, 1/rms, the 16-bit cast of
     the normalised value and its 16-bit result, the one input all projections that read it save (no casts, no weight copies: the
     gathered weights are not activations); RoPE's q/k and the checkpointed block input are 16-bit.
@@ -375,7 +388,7 @@ def engine_layer_terms(
         terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.out", a * t * q, "tp")]
         terms.append(Term("attn.logsumexp", 4 * b * m.heads * s, "tp"))
     if moe:
-        return terms + engine_moe_terms(m, b, s, precision, ep)
+        return terms + engine_moe_terms(m, b, s, precision, ep, weights16)
     mlp_tensors = 4 if m.gated else 2  # gate, silu, up, product | up, gelu
     terms.append(Term("mlp.inner", mlp_tensors * a * t * i, "tp"))
     return terms

@@ -132,8 +132,9 @@ def _model_states(
     """Model states of one rank by place; an MoE model's experts are sharded over :func:`expert_dp`."""
     offload = (layout.offload_optimizer, layout.offload_params)
     dense = mem.StateLayout(data_ranks(layout), layout.zero, *offload)
+    working = 2 if working_weights16(layout, work) else 4
     if not sp.expert_elements:
-        return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact)
+        return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact, working)
     parts = [
         mem.model_states(
             sp.elements - sp.expert_elements,
@@ -141,6 +142,7 @@ def _model_states(
             dense,
             convention,
             work.precision,
+            working_bytes=working,
         ),
         mem.model_states(
             sp.expert_elements,
@@ -148,6 +150,7 @@ def _model_states(
             mem.StateLayout(expert_dp(layout), layout.zero, *offload),
             convention,
             work.precision,
+            working_bytes=working,
         ),
     ]
     return {
@@ -351,8 +354,8 @@ def step_times(
         times["ep_comm"] = n_mb * t_ep
     times.update(timing.pipeline_times(m, layout, work, hw, t_mb))
     pb, gb, ob = mem.state_bytes_per_element(convention, work.precision, layout.zero)
-    # zerotron: gradients travel in parallel.grad_reduce_dtype; ZeRO-3 gathers 16-bit working copies under
-    # bf16/fp16, ZeRO-1/2 all-gather their fp32 weights after the step
+    # zerotron: gradients travel in parallel.grad_reduce_dtype; ZeRO's gathers move 16-bit working
+    # weights under bf16/fp16
     grad_wire = (
         (2 if layout.grad_reduce_dtype == "bf16" else gb)
         if convention == "zerotron"

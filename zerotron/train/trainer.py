@@ -302,7 +302,7 @@ class Trainer:
                     par.nvme_path,
                     fill,
                     self.device,
-                    AUTOCAST.get(cfg.train.precision),  # ZeRO-3: 16-bit working weights and gathers
+                    AUTOCAST.get(cfg.train.precision),  # 16-bit working weights, fp32 master shards
                     REDUCE_DTYPE[par.grad_reduce_dtype],
                 )
         buckets: GradientReducer = zero or GradientBuckets(

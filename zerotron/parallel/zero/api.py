@@ -39,14 +39,13 @@ def apply_zero(
     returned engine replaces the data-parallel gradient buckets: the trainer's optimizer works on
     ``engine.params`` (this rank's shard segments), calls ``engine.finish()`` after backward and
     ``engine.after_step()`` after the optimizer step. ``offload_params`` (ZeRO-3 only): where the
-    parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``). ``working_dtype`` (ZeRO-3):
-    the 16-bit dtype of the gathered working weights under mixed precision (DESIGN contract 9);
+    parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``). ``working_dtype``: the 16-bit dtype of the gathered working weights under mixed precision (DESIGN contract 9);
     ``reduce_dtype``: what gradients are reduced in (``parallel.grad_reduce_dtype``).
     """
     if stage == 1:
-        return ZeroStage1(model, group, bucket_mb, reduce_dtype)
+        return ZeroStage1(model, group, bucket_mb, reduce_dtype, working_dtype)
     if stage == 2:
-        return ZeroStage2(model, group, bucket_mb, reduce_dtype)
+        return ZeroStage2(model, group, bucket_mb, reduce_dtype, working_dtype)
     if stage == 3:
         return ZeroStage3(
             model,

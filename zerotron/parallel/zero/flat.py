@@ -20,6 +20,8 @@ optimizer state of the segments is :mod:`zerotron.parallel.zero.optim_state`'s.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -114,11 +116,33 @@ def segment_grads(segments: list[ShardSegment], shard_grad: torch.Tensor) -> Non
         seg.param.grad = shard_grad[seg.at : seg.at + seg.length]
 
 
-def gather_full(layout: FlatLayout, shard: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Whole tensors by name from every rank's ``(shard,)`` (collective over the layout's group)."""
+def gather_flat(layout: FlatLayout, shard: torch.Tensor) -> torch.Tensor:
+    """The whole ``(padded,)`` buffer from every rank's ``(shard,)`` (collective over the layout's group)."""
     flat = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
     collectives.all_gather(flat, shard.contiguous(), layout.group)
+    return flat
+
+
+def gather_full(layout: FlatLayout, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Whole tensors by name from every rank's ``(shard,)`` (collective over the layout's group)."""
+    flat = gather_flat(layout, shard)
     return {s.name: v.detach().clone().cpu() for s, v in zip(layout.slots, layout.views(flat))}
+
+
+@contextlib.contextmanager
+def showing(buffers: Iterable[tuple[FlatLayout, torch.Tensor]]) -> Iterator[None]:
+    """Point each layout's parameters at views of a whole ``(padded,)`` buffer (the gathered fp32 master
+    weights, under mixed precision) for the block, then back at their working views."""
+    pairs = list(buffers)
+    working = [(s.param, s.param.data) for layout, _ in pairs for s in layout.slots]
+    for layout, flat in pairs:
+        for slot, view in zip(layout.slots, layout.views(flat)):
+            slot.param.data = view
+    try:
+        yield
+    finally:
+        for param, data in working:
+            param.data = data
 
 
 def tied_copy(model: nn.Module) -> nn.Parameter | None:

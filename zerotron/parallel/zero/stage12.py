@@ -35,7 +35,15 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import SyncGate, bucketed_by_group, grad_or_zeros, unique_named_params
-from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads, tied_copy
+from zerotron.parallel.zero.flat import (
+    FlatLayout,
+    ShardSegment,
+    Slot,
+    gather_flat,
+    segment_grads,
+    showing,
+    tied_copy,
+)
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
     load_optimizer_state,
@@ -55,24 +63,36 @@ class _ShardedBuckets(SyncGate):
         group: Group | Mapping[str, Group],
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        working_dtype: torch.dtype | None = None,
     ) -> None:
         self.reduce_dtype = reduce_dtype  # what gradients travel in (parallel.grad_reduce_dtype)
+        self.mixed = working_dtype is not None and working_dtype != torch.float32
         named = unique_named_params(model)
         tied = tied_copy(model)  # alone in its layout: the two stages' copies shard alike
         runs = bucketed_by_group([(n, p) for n, p in named if p is not tied], bucket_mb, group)
         runs += [(g, run) for g, run in bucketed_by_group([(n, p) for n, p in named if p is tied], 0, group)]
         self.layouts = [FlatLayout(run, g) for g, run in runs]
-        self.flats: list[torch.Tensor] = []
+        self.flats: list[torch.Tensor] = []  # the working weights (16-bit under mixed precision)
+        self.masters: list[torch.Tensor] = []  # this rank's (shard,) of each: fp32, what AdamW updates
         self.segments: list[list[ShardSegment]] = []
         self._bucket_of: dict[int, int] = {}
+        self._slot_of: dict[int, Slot] = {}
         for i, layout in enumerate(self.layouts):
             with torch.no_grad():
                 flat = layout.flatten([s.param.detach() for s in layout.slots])
+                master = flat[layout.lo : layout.hi]  # a view: the optimizer updates the weights in place
+                if self.mixed:
+                    master = master.float()  # fp32 master shard (a copy); the weights turn 16-bit
+                    flat = flat.to(working_dtype)
             for slot, view in zip(layout.slots, layout.views(flat)):
                 slot.param.data = view
                 self._bucket_of[id(slot.param)] = i
+                self._slot_of[id(slot.param)] = slot
             self.flats.append(flat)
-            self.segments.append(layout.segments(flat[layout.lo : layout.hi]))
+            self.masters.append(master)
+            self.segments.append(layout.segments(master))
+        # mixed precision: each bucket's whole gradients accumulate in fp32 here as backward makes them
+        self._acc: list[torch.Tensor | None] = [None] * len(self.layouts)
         self._ready = [0] * len(self.layouts)
         self._pending: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.layouts]
         self._launched = [False] * len(self.layouts)
@@ -100,6 +120,8 @@ class _ShardedBuckets(SyncGate):
     # -- backward (no_sync: ZeRO-1 defers its reduction; ZeRO-2 ignores it) ----------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         i = self._bucket_of[id(param)]
+        if self.mixed:
+            self._accumulate(i, param)
         if not self._reduces_now():
             return
         self._ready[i] += 1
@@ -109,10 +131,23 @@ class _ShardedBuckets(SyncGate):
     def _reduces_now(self) -> bool:
         return self.sync_enabled
 
+    def _accumulate(self, i: int, param: torch.Tensor) -> None:
+        """Mixed precision: add ``param``'s 16-bit gradient into its bucket's fp32 accumulator."""
+        assert param.grad is not None
+        acc = self._acc[i]
+        if acc is None:
+            acc = self._acc[i] = torch.zeros(self.layouts[i].padded, device=param.grad.device)
+        slot = self._slot_of[id(param)]
+        acc[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+
     def _launch(self, i: int) -> None:
         layout = self.layouts[i]
-        grads = [grad_or_zeros(s.param) for s in layout.slots]
-        flat_grad = layout.flatten(grads)  # (padded,)
+        if self.mixed:  # the fp32 accumulator (zeros where no gradient came, on every rank alike)
+            acc, self._acc[i] = self._acc[i], None
+            flat_grad = acc if acc is not None else torch.zeros(layout.padded, device=self.flats[i].device)
+        else:
+            flat_grad = layout.flatten([grad_or_zeros(s.param) for s in layout.slots])  # (padded,)
         self._keep_whole_grads(i, flat_grad)
         send = flat_grad  # in parallel.grad_reduce_dtype; the shard lands in the gradients' dtype
         if self.reduce_dtype is not None and send.dtype != self.reduce_dtype:
@@ -157,9 +192,10 @@ class _ShardedBuckets(SyncGate):
 
     # -- after the optimizer step ------------------------------------------------------------------------
     def after_step(self) -> None:
-        """All-gather every bucket so that each rank holds the whole updated model again."""
-        for layout, flat in zip(self.layouts, self.flats):
-            shard = flat[layout.lo : layout.hi].clone()
+        """All-gather every bucket so that each rank holds the whole updated model again (its fp32
+        master shard cast to the 16-bit working weights under mixed precision)."""
+        for layout, flat, master in zip(self.layouts, self.flats, self.masters):
+            shard = master.to(flat.dtype) if self.mixed else master.clone()
             collectives.all_gather(flat, shard, layout.group)
 
     def zero_grad(self) -> None:
@@ -169,11 +205,17 @@ class _ShardedBuckets(SyncGate):
                 s.param.grad = None
         for seg in (seg for segs in self.segments for seg in segs):
             seg.param.grad = None
+        self._acc = [None] * len(self.layouts)
 
     @contextlib.contextmanager
     def full_params(self, trained_only: bool = False) -> Iterator[None]:
-        """The module's parameters hold the whole model (always true for ZeRO-1/2)."""
-        yield
+        """The module's parameters hold the whole model (always true for ZeRO-1/2); under mixed
+        precision they show the fp32 master weights, gathered for the block (collective)."""
+        if not self.mixed:
+            yield
+            return
+        with showing((lay, gather_flat(lay, m)) for lay, m in zip(self.layouts, self.masters)):
+            yield
 
     @property
     def weight_test(self) -> Callable[[torch.Tensor], bool] | None:
@@ -189,7 +231,12 @@ class _ShardedBuckets(SyncGate):
         """Give every parameter the values ``whole(name)`` returns (ZeRO-1/2 keep them all; a checkpoint
         load, one parameter at a time)."""
         with torch.no_grad():
-            for layout in self.layouts:
+            for layout, flat, master in zip(self.layouts, self.flats, self.masters):
+                if self.mixed:
+                    values = layout.flatten([whole(slot.name) for slot in layout.slots], torch.float32)
+                    master.copy_(values[layout.lo : layout.hi])
+                    flat.copy_(values)
+                    continue
                 for slot in layout.slots:
                     slot.param.copy_(whole(slot.name))
 
@@ -198,6 +245,8 @@ class _ShardedBuckets(SyncGate):
         """Parameters, gradients and optimizer states this rank holds, counted from its buffers."""
         opt = optimizer_state_bytes(optimizer)
         params = sum(f.numel() * f.element_size() for f in self.flats)
+        if self.mixed:  # + the fp32 master shards (the ZeRO paper's K counts them as optimizer state)
+            params += sum(m.numel() * m.element_size() for m in self.masters)
         return {"params": params, "grads": self._grad_bytes(), "optimizer": opt}
 
     def _grad_bytes(self) -> int:
@@ -238,14 +287,17 @@ class ZeroStage1(_ShardedBuckets):
         group: Group | Mapping[str, Group],
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        working_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(model, group, bucket_mb, reduce_dtype)
+        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype)
         self.flat_grads: list[torch.Tensor | None] = [None] * len(self.layouts)
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
-        # The whole gradients move into the flat buffer the reduce-scatter reads (no second copy).
-        for slot, view in zip(self.layouts[i].slots, self.layouts[i].views(flat_grad)):
-            slot.param.grad = view
+        # The whole gradients move into the flat buffer the reduce-scatter reads (no second copy); under
+        # mixed precision that is the fp32 accumulator, which the 16-bit parameters cannot point at.
+        if not self.mixed:
+            for slot, view in zip(self.layouts[i].slots, self.layouts[i].views(flat_grad)):
+                slot.param.grad = view
         self.flat_grads[i] = flat_grad
 
     def _land(self, i: int, out: torch.Tensor) -> None:
@@ -281,8 +333,9 @@ class ZeroStage2(_ShardedBuckets):
         group: Group | Mapping[str, Group],
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        working_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(model, group, bucket_mb, reduce_dtype)
+        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
 
     def _reduces_now(self) -> bool:
@@ -295,9 +348,8 @@ class ZeroStage2(_ShardedBuckets):
     def _land(self, i: int, out: torch.Tensor) -> None:
         shard = self.grad_shards[i]
         if shard is None:
-            self.grad_shards[i] = shard = (
-                out if out.dtype == self.layouts[i].dtype else out.to(self.layouts[i].dtype)
-            )
+            dtype = self.masters[i].dtype  # the optimizer's: fp32 under mixed precision
+            self.grad_shards[i] = shard = out if out.dtype == dtype else out.to(dtype)
         else:
             shard.add_(out)
         segment_grads(self.segments[i], shard)

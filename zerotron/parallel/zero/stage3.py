@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.tensor import attach_grad_sums
-from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, segment_grads
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat, segment_grads, showing
 from zerotron.parallel.zero.offload import ShardStore
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
@@ -148,9 +149,8 @@ class _Unit:
 
     def gather_master(self) -> torch.Tensor:
         """The unit's whole fp32 master weights ``(padded,)`` on the device (collective over its group)."""
-        full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.flat.device)
         shard = (self.load_master() if self.store is not None else self.shard).to(self.flat.device)
-        collectives.all_gather(full, shard.contiguous(), self.layout.group)
+        full = gather_flat(self.layout, shard)
         self._evict()
         return full
 
@@ -496,18 +496,9 @@ class ZeroStage3:
             for unit in self.units:
                 unit.free()
 
-    @contextlib.contextmanager
-    def _full_masters(self, trained_only: bool) -> Iterator[None]:
+    def _full_masters(self, trained_only: bool) -> AbstractContextManager[None]:
         units = [u for u in self.units if not (trained_only and u.frozen)]
-        working = [(s.param, s.param.data) for u in units for s in u.layout.slots]  # views of the buffers
-        for unit in units:
-            for slot, view in zip(unit.layout.slots, unit.layout.views(unit.gather_master())):
-                slot.param.data = view
-        try:
-            yield
-        finally:
-            for param, data in working:
-                param.data = data
+        return showing((u.layout, u.gather_master()) for u in units)
 
     # -- accounting and checkpoints ----------------------------------------------------------------------
     @property
