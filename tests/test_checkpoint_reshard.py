@@ -46,8 +46,12 @@ def _losses(run: Path) -> dict[int, float]:
         ((4, ["parallel.pp=4"]), (4, ["parallel.pp=2", "parallel.dp=2"])),
         ((4, ["parallel.pp=2", "parallel.dp=2"]), (1, [])),
         ((4, ["parallel.dp=4"]), (2, ["parallel.pp=2", "parallel.pp_schedule=zb"])),
+        (
+            (4, ["parallel.dp=4", "parallel.zero=3", "parallel.zero_shard_size=2"]),
+            (2, ["parallel.dp=2", "parallel.zero=1"]),
+        ),
     ],
-    ids=["dp2-to-dp4", "pp4-to-pp2xdp2", "pp2xdp2-to-1", "dp4-to-pp2"],
+    ids=["dp2-to-dp4", "pp4-to-pp2xdp2", "pp2xdp2-to-1", "dp4-to-pp2", "hybrid-zero3-to-zero1"],
 )
 def test_continue_under_another_layout(
     a: tuple, b: tuple, tmp_path: Path, capfd: pytest.CaptureFixture

@@ -177,6 +177,12 @@ class ParallelConfig:
     reshard_after_forward: bool = _f(
         True, "ZeRO-3: free each module's gathered parameters after its forward (re-gathered for backward)"
     )
+    zero_shard_size: int = _f(
+        0,
+        "hybrid sharding (FSDP's HSDP, DeepSpeed's hpZ): ZeRO shards over groups of this many consecutive "
+        "data-parallel ranks (a node) and replicates across the groups, whose gradients are all-reduced; "
+        "0: shard over all dp ranks",
+    )
     grad_reduce_dtype: str = _f(
         "fp32",
         "dtype gradients are reduced in over the data-parallel group: fp32, or bf16 (half the bytes; "

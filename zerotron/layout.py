@@ -57,6 +57,7 @@ class LayoutSpec:
     pp_layers: tuple[int, ...] | None = None
     offload_optimizer: str = "none"
     offload_params: str = "none"
+    zero_shard_size: int = 0
 
 
 def spec_of(cfg: Config, world: int) -> LayoutSpec:
@@ -94,6 +95,7 @@ def spec_of(cfg: Config, world: int) -> LayoutSpec:
         pp_layers=tuple(int(n) for n in p.pp_layers) if p.pp_layers else None,
         offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params,
+        zero_shard_size=p.zero_shard_size,
     )
 
 
@@ -110,6 +112,40 @@ def check(spec: LayoutSpec) -> None:
     _check_context(spec)
     _check_experts(spec)
     _check_offload(spec)
+    _check_hybrid(spec)
+
+
+def hybrid(dp: int, zero: int, shard_size: int) -> bool:
+    """Whether ZeRO shards over groups of ``shard_size`` data-parallel ranks and replicates across them
+    (hybrid sharding: ``parallel.zero_shard_size`` set, smaller than dp)."""
+    return zero > 0 and 0 < shard_size < dp
+
+
+def _check_hybrid(spec: LayoutSpec) -> None:
+    s = spec.zero_shard_size
+    if s == 0 or s == spec.dp:
+        return
+    where = "parallel.zero_shard_size"
+    if s < 0 or spec.dp % s:
+        raise LayoutError(
+            f"{where}={s} must divide parallel.dp={spec.dp} (ZeRO shards over groups of that many data-"
+            f"parallel ranks); choose one of {', '.join(map(str, _divisors(spec.dp)))}, or 0 for all of them"
+        )
+    if spec.zero == 0:
+        raise LayoutError(
+            f"{where}={s} needs parallel.zero 1, 2 or 3 (it shards ZeRO's states); set parallel.zero"
+        )
+    for key, value in (("cp", spec.cp), ("ep", spec.ep)):
+        if value > 1:
+            raise LayoutError(
+                f"{where}={s} with parallel.{key}={value} is not built yet (hybrid sharding groups the dp "
+                f"ranks only); set parallel.{key}=1 or {where}=0"
+            )
+    if spec.offload_params != "none":
+        raise LayoutError(
+            f"{where}={s} with parallel.offload_params={spec.offload_params} is not built yet; set "
+            f"parallel.offload_params=none or {where}=0"
+        )
 
 
 def check_degrees(world: int, dp: int, pp: int, cp: int, tp: int, ep: int = 1, zero: int = 0) -> None:

@@ -18,6 +18,10 @@ Axes returned by :meth:`ParallelDims.group_ranks` (every rank belongs to exactly
 - ``"edp"``: the expert-data-parallel groups, complementary to ``"ep"`` inside each ``dp_cp`` group:
   the ranks at the same position of every EP chunk, which hold the same experts and reduce their
   gradients together.
+- ``"dp_shard"`` and ``"dp_rep"``: hybrid sharding (``zero_shard_size`` S): each dp group cut into blocks
+  of S consecutive ranks, over which ZeRO shards (a node), and the ranks at the same place of every
+  block, which hold the same shard and all-reduce its gradient. Without hybrid sharding ``dp_shard`` is
+  ``dp`` and ``dp_rep`` one rank.
 - ``"embed"``: the first and the last stage of each pipeline group (the two ranks that hold a tied
   embedding's copies and sum their gradients); a middle stage is a group of its own.
 - ``"world"``: all ranks.
@@ -36,13 +40,13 @@ import torch
 import torch.distributed as dist
 
 from zerotron.distributed.collectives import CommStats
-from zerotron.layout import LayoutError, check_degrees
+from zerotron.layout import LayoutError, check_degrees, hybrid
 
 if TYPE_CHECKING:
     from zerotron.config import ParallelConfig
 
 GRID_AXES = ("dp", "pp", "cp", "tp")
-AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "embed", "world")
+AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "dp_shard", "dp_rep", "embed", "world")
 
 
 class MeshError(ValueError):
@@ -63,6 +67,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     zero: int = 0
+    zero_shard_size: int = 0  # hybrid sharding: ZeRO shards over blocks of this many dp ranks (0: all)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,7 +84,16 @@ class ParallelDims:
                     f"the world size {world_size}; choose parallel.tp/pp/cp whose product divides {world_size}"
                 )
             dp = world_size // inner
-        return cls(world_size, dp, parallel.pp, parallel.cp, parallel.tp, parallel.ep, parallel.zero)
+        return cls(
+            world_size,
+            dp,
+            parallel.pp,
+            parallel.cp,
+            parallel.tp,
+            parallel.ep,
+            parallel.zero,
+            parallel.zero_shard_size,
+        )
 
     def validate(self) -> None:
         """Raise :class:`MeshError` (one line naming the field and the fix) unless the layout is consistent.
@@ -92,6 +106,15 @@ class ParallelDims:
             check_degrees(self.world_size, self.dp, self.pp, self.cp, self.tp, self.ep, self.zero)
         except LayoutError as e:
             raise MeshError(str(e)) from None
+        if self.zero_shard_size and self.dp % self.zero_shard_size:
+            raise MeshError(
+                f"parallel.zero_shard_size={self.zero_shard_size} must divide parallel.dp={self.dp}"
+            )
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards over blocks of dp ranks and replicates across them (hybrid sharding)."""
+        return hybrid(self.dp, self.zero, self.zero_shard_size)
 
     def grid(self) -> torch.Tensor:
         """The rank grid, shape (dp, pp, cp, tp)."""
@@ -113,6 +136,12 @@ class ParallelDims:
             return moved.reshape(-1, moved.shape[-1]).tolist()
         if axis == "world":
             return [list(range(self.world_size))]
+        if axis in ("dp_shard", "dp_rep"):
+            size = self.zero_shard_size if self.hybrid else self.dp
+            dp_groups = self.group_ranks("dp")
+            if axis == "dp_shard":
+                return [g[i : i + size] for g in dp_groups for i in range(0, len(g), size)]
+            return [g[j::size] for g in dp_groups for j in range(size)]
         if axis == "embed":
             ends = [[g[0], g[-1]] if len(g) > 1 else g for g in self.group_ranks("pp")]
             return ends + [[r] for g in self.group_ranks("pp") for r in g[1:-1]]
@@ -223,6 +252,11 @@ class Mesh:
         self.pp_next = int(grid[c["dp"], c["pp"] + 1, c["cp"], c["tp"]]) if c["pp"] < d.pp - 1 else None
         self.cp_prev = int(grid[c["dp"], c["pp"], (c["cp"] - 1) % d.cp, c["tp"]])
         self.cp_next = int(grid[c["dp"], c["pp"], (c["cp"] + 1) % d.cp, c["tp"]])
+
+    def zero_group(self, axis: str) -> Group:
+        """The group ZeRO shards a parameter with gradient axis ``axis`` over: under hybrid sharding
+        ``dp_shard`` for ``dp`` (the replicas across blocks all-reduce, over ``dp_rep``), else ``axis``'s."""
+        return self.group("dp_shard" if axis == "dp" and self.dims.hybrid else axis)
 
     def group(self, axis: str) -> Group:
         """This rank's group on ``axis`` (one of ``AXES``); a size-1 group when the degree is 1."""

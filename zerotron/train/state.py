@@ -137,7 +137,8 @@ def _rank_pieces(
         entries.append(sharded.piece(name, kind, global_shape, offsets, box, data, flat))
 
     covered: set[str] = zero.names if zero is not None else set()  # a rank may own no range of some
-    if zero is not None:
+    # hybrid sharding: the first block of data-parallel ranks writes the shards, the others hold copies
+    if zero is not None and mesh.group("dp_rep").rank_in_group == 0:
         for seg, values in zero.segment_values():
             box, flat = tuple(seg.global_shape), records[seg.name].flat
             add(seg.name, "model", seg.name, values, box, flat)

@@ -267,7 +267,9 @@ class Trainer:
             if name in owned:
                 classes[axes[name]].append(p)
         # each class of parameters summed over its own groups (the same classes on every rank of them)
-        self.norm_classes = [(params, [mesh.group(a) for a in key]) for key, params in classes.items()]
+        # (ZeRO's shards are summed over the group that shards them: a block of dp under hybrid sharding)
+        group = mesh.zero_group if self.zero is not None else mesh.group
+        self.norm_classes = [(params, [group(a) for a in key]) for key, params in classes.items()]
         total = torch.tensor([float(local_numel(records, self.model))])
         collectives.all_reduce(total, mesh.group("pp"), op="sum")  # every stage holds different blocks
         self.n_params = int(total.item())
@@ -282,7 +284,7 @@ class Trainer:
         optimizer over what this rank updates."""
         par = cfg.parallel
         records = ckpt_state.model_placements(self.model, self.mesh.dims.tp)
-        groups = grad_groups(records, self.mesh.group)
+        groups = grad_groups(records, self.mesh.zero_group if par.zero > 0 else self.mesh.group)
         zero: ShardedEngine | None = None
         if par.zero > 0:
             with contextlib.ExitStack() as stack:
@@ -304,6 +306,7 @@ class Trainer:
                     self.device,
                     AUTOCAST.get(cfg.train.precision),  # 16-bit working weights, fp32 master shards
                     REDUCE_DTYPE[par.grad_reduce_dtype],
+                    self.mesh.group("dp_rep") if self.mesh.dims.hybrid else None,
                 )
         buckets: GradientReducer = zero or GradientBuckets(
             self.model, groups, par.bucket_mb, REDUCE_DTYPE[par.grad_reduce_dtype]

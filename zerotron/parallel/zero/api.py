@@ -30,6 +30,7 @@ def apply_zero(
     device: torch.device | str = "cpu",
     working_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    replica: Group | None = None,
 ) -> ZeroEngine:
     """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3):
     one group for every parameter, or each parameter's by name (the placement record's
@@ -40,12 +41,14 @@ def apply_zero(
     ``engine.params`` (this rank's shard segments), calls ``engine.finish()`` after backward and
     ``engine.after_step()`` after the optimizer step. ``offload_params`` (ZeRO-3 only): where the
     parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``). ``working_dtype``: the 16-bit dtype of the gathered working weights under mixed precision (DESIGN contract 9);
-    ``reduce_dtype``: what gradients are reduced in (``parallel.grad_reduce_dtype``).
+    ``reduce_dtype``: what gradients are reduced in (``parallel.grad_reduce_dtype``). ``replica``: hybrid
+    sharding's ``dp_rep`` group (``group`` then holds the ``dp_shard`` blocks), over which each step's
+    gradient shards are all-reduced.
     """
     if stage == 1:
-        return ZeroStage1(model, group, bucket_mb, reduce_dtype, working_dtype)
+        return ZeroStage1(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
     if stage == 2:
-        return ZeroStage2(model, group, bucket_mb, reduce_dtype, working_dtype)
+        return ZeroStage2(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
     if stage == 3:
         return ZeroStage3(
             model,
@@ -58,6 +61,7 @@ def apply_zero(
             device,
             working_dtype,
             reduce_dtype,
+            replica,
         )
     raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
 

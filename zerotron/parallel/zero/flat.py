@@ -145,6 +145,21 @@ def showing(buffers: Iterable[tuple[FlatLayout, torch.Tensor]]) -> Iterator[None
             param.data = data
 
 
+def reduce_replicas(shards: list[torch.Tensor], replica: Group | None, dtype: torch.dtype | None) -> None:
+    """Hybrid sharding: sum each gradient shard in place over the ranks that hold the same shard in the
+    other blocks (``replica``, the ``dp_rep`` group; nothing when it is one rank), in ``dtype``
+    (``parallel.grad_reduce_dtype``; None: the shards' own). All are launched before any is waited on."""
+    if replica is None or replica.size == 1:
+        return
+    sends = [s if dtype is None or s.dtype == dtype else s.to(dtype) for s in shards]
+    works = [collectives.all_reduce(t, replica, op="sum", async_op=True) for t in sends]
+    for shard, send, work in zip(shards, sends, works):
+        if work is not None:
+            work.wait()
+        if send is not shard:
+            shard.copy_(send)
+
+
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
     """A pipeline rank's copy of a tied embedding matrix (``model.tied_weight()``), if it holds one:
     the ZeRO engines give it a flat layout of its own, so that the two copies' shards line up and their

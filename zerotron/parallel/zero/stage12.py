@@ -40,6 +40,7 @@ from zerotron.parallel.zero.flat import (
     ShardSegment,
     Slot,
     gather_flat,
+    reduce_replicas,
     segment_grads,
     showing,
     tied_copy,
@@ -64,8 +65,10 @@ class _ShardedBuckets(SyncGate):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         working_dtype: torch.dtype | None = None,
+        replica: Group | None = None,
     ) -> None:
         self.reduce_dtype = reduce_dtype  # what gradients travel in (parallel.grad_reduce_dtype)
+        self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
         self.mixed = working_dtype is not None and working_dtype != torch.float32
         named = unique_named_params(model)
         tied = tied_copy(model)  # alone in its layout: the two stages' copies shard alike
@@ -189,6 +192,8 @@ class _ShardedBuckets(SyncGate):
                 self._land(i, out)
             self._pending[i] = []
             self._launched[i] = False
+        shards = [self._grad_shard(i) for i in range(len(self.layouts))]
+        reduce_replicas([s for s in shards if s is not None], self.replica, self.reduce_dtype)
 
     # -- after the optimizer step ------------------------------------------------------------------------
     def after_step(self) -> None:
@@ -288,8 +293,9 @@ class ZeroStage1(_ShardedBuckets):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         working_dtype: torch.dtype | None = None,
+        replica: Group | None = None,
     ) -> None:
-        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype)
+        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
         self.flat_grads: list[torch.Tensor | None] = [None] * len(self.layouts)
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
@@ -334,8 +340,9 @@ class ZeroStage2(_ShardedBuckets):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         working_dtype: torch.dtype | None = None,
+        replica: Group | None = None,
     ) -> None:
-        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype)
+        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
 
     def _reduces_now(self) -> bool:

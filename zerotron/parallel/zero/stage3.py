@@ -36,7 +36,14 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.tensor import attach_grad_sums
-from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat, segment_grads, showing
+from zerotron.parallel.zero.flat import (
+    FlatLayout,
+    ShardSegment,
+    gather_flat,
+    reduce_replicas,
+    segment_grads,
+    showing,
+)
 from zerotron.parallel.zero.offload import ShardStore
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
@@ -246,6 +253,8 @@ class ZeroStage3:
             master weights the optimizer updates). None: fp32.
         reduce_dtype: the dtype gradients are reduce-scattered in (``parallel.grad_reduce_dtype``);
             None: the gradients' own. The reduced shards accumulate in fp32 either way.
+        replica: hybrid sharding (``group`` is a block of the dp ranks): the ranks that hold the same
+            shards in the other blocks; each step's accumulated gradient shards are all-reduced over it.
     """
 
     stage = 3
@@ -262,7 +271,9 @@ class ZeroStage3:
         device: torch.device | str = "cpu",
         working_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        replica: Group | None = None,
     ) -> None:
+        self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
         self.working_dtype = working_dtype or torch.float32
         self.mixed = self.working_dtype != torch.float32
         self.reduce_dtype = reduce_dtype
@@ -451,6 +462,8 @@ class ZeroStage3:
             if unit.gathering is not None:  # a prefetch on its way would land pre-step weights later
                 unit.wait_gather()
             unit.free()
+        shards = [u.grad_shard for u in self._trained if u.grad_shard is not None]
+        reduce_replicas(shards, self.replica, self.reduce_dtype)
         self._in_backward = False
 
     def after_step(self) -> None:
