@@ -286,6 +286,21 @@ def test_memory_responds_to_each_technique() -> None:
     assert off.time["offload_transfer"] > 0
 
 
+def test_hybrid_sharding_keeps_zero3_gathers_inside_a_node() -> None:
+    """ZeRO-3 over 32 H100s (4 nodes): sharding over each node's 8 GPUs (``zero_shard_size=8``) holds
+    8-way states instead of 32-way, and trades the gathers' inter-node traffic for one all-reduce of
+    the gradient shard across nodes, which the step-time model puts on the network link."""
+    hw = PROFILES["h100-sxm"]
+    base = ["parallel.zero=3", "train.precision=bf16", "train.global_batch=32", "train.seq_len=1024"]
+    flat = plan_config(_cfg(*base), hw, 32)
+    hsdp = plan_config(_cfg(*base, "parallel.zero_shard_size=8"), hw, 32)
+    assert hsdp.memory["optimizer"] == pytest.approx(4 * flat.memory["optimizer"], rel=1e-3)
+    assert hsdp.time["dp_param_gather"] < flat.time["dp_param_gather"]  # NVLink instead of the network
+    assert hsdp.time["dp_grad_reduce"] > 0 == flat.time["dp_grad_reduce"]  # the cross-node all-reduce
+    with pytest.raises(PlanError, match="zero_shard_size=3 must divide"):
+        plan_config(_cfg(*base, "parallel.zero_shard_size=3"), hw, 32)
+
+
 def test_pipeline_bubble_follows_schedule() -> None:
     hw = PROFILES["h100-sxm"]
     times = {}

@@ -155,6 +155,29 @@ LAYOUTS_CP4 = [
     ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "model.vocab_size=256", "train.precision=bf16"],
     ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1", "train.micro_batch=1"],  # ZeRO shards over dp x cp
     ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_comm=allgather"],
+    # hybrid sharding: ZeRO over blocks of 2 of the 4 dp ranks (the states are 2-way, whatever dp is)
+    [
+        "parallel.dp=4",
+        "parallel.cp=1",
+        "parallel.zero=1",
+        "parallel.zero_shard_size=2",
+        "train.micro_batch=1",
+    ],
+    [
+        "parallel.dp=4",
+        "parallel.cp=1",
+        "parallel.zero=2",
+        "parallel.zero_shard_size=2",
+        "train.micro_batch=1",
+    ],
+    [
+        "parallel.dp=4",
+        "parallel.cp=1",
+        "parallel.zero=3",
+        "parallel.zero_shard_size=2",
+        "train.micro_batch=1",
+        "train.precision=bf16",
+    ],
 ]
 
 

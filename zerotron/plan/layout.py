@@ -42,6 +42,12 @@ class Layout:
     bucket_mb: float = 25.0
     pp_layers: tuple[int, ...] | None = None
     grad_reduce_dtype: str = "fp32"  # what gradients travel in over the data-parallel group (fp32, bf16)
+    zero_shard_size: int = 0  # hybrid sharding: ZeRO over blocks of this many dp ranks (0: all of them)
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks ZeRO shards over: a block of the data-parallel ranks under hybrid sharding, else all."""
+        return self.zero_shard_size if shared.hybrid(self.dp, self.zero, self.zero_shard_size) else self.dp
 
     @property
     def world(self) -> int:
@@ -118,6 +124,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         bucket_mb=p.bucket_mb,
         pp_layers=tuple(int(n) for n in getattr(p, "pp_layers", None) or ()) or None,
         grad_reduce_dtype=p.grad_reduce_dtype,
+        zero_shard_size=p.zero_shard_size,
     )
     return ModelShape.from_config(cfg.model), layout, Workload(t.seq_len, t.global_batch, t.precision)
 
@@ -185,6 +192,7 @@ def spec(m: ModelShape, layout: Layout, work: Workload) -> shared.LayoutSpec:
         pp_layers=layout.pp_layers,
         offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params,
+        zero_shard_size=layout.zero_shard_size,
     )
 
 

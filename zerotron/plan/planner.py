@@ -92,7 +92,8 @@ def stage_memory(
     layers = rank_layers(m, layout, work)[stage]
     sp = stage_params(m, layout.tp, layout.pp, stage, layers, layout.ep)
     exact = None
-    data = data_ranks(layout)
+    data = zero_ranks(layout)
+    dp_rank %= data  # hybrid sharding: the rank's place in its block
     if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts:
         working = 2 if working_weights16(layout, work) else 4
         exact = _zero_states(
@@ -115,6 +116,12 @@ def data_ranks(layout: Layout) -> int:
     return layout.dp * layout.cp
 
 
+def zero_ranks(layout: Layout) -> int:
+    """Ranks ZeRO shards the dense parameters over: :func:`data_ranks`, or one block of them under hybrid
+    sharding (``zero_shard_size``; cp and ep are 1 there)."""
+    return layout.zero_shards * layout.cp
+
+
 def expert_dp(layout: Layout) -> int:
     """Ranks holding the same experts, over which ZeRO shards them and their gradients are reduced:
     dp·cp/ep (expert parallelism folds over the data- and context-parallel ranks, as in Megatron)."""
@@ -131,7 +138,7 @@ def _model_states(
 ) -> dict[str, dict[str, float]]:
     """Model states of one rank by place; an MoE model's experts are sharded over :func:`expert_dp`."""
     offload = (layout.offload_optimizer, layout.offload_params)
-    dense = mem.StateLayout(data_ranks(layout), layout.zero, *offload)
+    dense = mem.StateLayout(zero_ranks(layout), layout.zero, *offload)
     working = 2 if working_weights16(layout, work) else 4
     if not sp.expert_elements:
         return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact, working)
@@ -384,7 +391,7 @@ def step_times(
             max(1, sp.layers),
         )  # fmt: skip
     )
-    shard = -(-dense // data_ranks(layout)) if layout.zero >= 1 else dense
+    shard = -(-dense // zero_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
         edp = expert_dp(layout)
         expert_times = timing.data_parallel_time(

@@ -348,12 +348,36 @@ def data_parallel_time(
     """Exposed data-parallel traffic of one step for the ZeRO stage (ZeRO paper: 2Ψ, or 3Ψ at stage 3).
 
     ZeRO-3 gathers and reduce-scatters module by module: ``layers`` collectives per pass, each paying
-    the ring's latency.
+    the ring's latency. Hybrid sharding (``zero_shard_size`` S < dp): ZeRO's collectives run inside
+    blocks of S consecutive ranks, and each step's gradient shard (1/S of the gradients) is all-reduced
+    across the dp/S blocks after backward, on the link that spans them (exposed).
     """
     if layout.dp == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
-    stride, n = strides(layout)["dp"], layout.dp
+    stride, n = strides(layout)["dp"], layout.zero_shards
     grads, params = stage_elements * grad_bytes, stage_elements * param_bytes
+    across = 0.0
+    if n < layout.dp:
+        across = collective_time("all_reduce", grads / n, layout.dp // n, stride * n, hw)
+    times = _zero_times(layout, hw, grads, params, n, stride, t_mb, n_mb, layers)
+    times["dp_grad_reduce"] += across
+    return times
+
+
+def _zero_times(
+    layout: Layout,
+    hw: Hardware,
+    grads: float,
+    params: float,
+    n: int,
+    stride: int,
+    t_mb: float,
+    n_mb: int,
+    layers: int,
+) -> dict[str, float]:
+    """:func:`data_parallel_time` over ``n`` ranks ``stride`` apart (the whole dp group, or a block)."""
+    if n == 1:
+        return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
     backward = _cover(hw, t_mb * 2.0 / 3.0)
     if layout.zero <= 1:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
