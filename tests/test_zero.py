@@ -194,10 +194,11 @@ def test_offload_matches_single_process(zero: int, optimizer: str, params: str, 
         shard_bytes = 4 * sum(result["shards"])
         assert result["files"] == {k: shard_bytes for k in kinds}  # one file per kind, the rank's shards
         assert result["files_after_close"] == []
-        if optimizer == "nvme":  # host memory holds one bucket's master and moments at a time
-            read_kinds = 3
-            assert result["peak_read_bytes"] == read_kinds * 4 * max(result["shards"])
-            assert result["peak_read_bytes"] < read_kinds * 4 * sum(result["shards"])
+        if optimizer == "nvme":  # host memory holds a bucket's master and moments and the next one's
+            read_kinds, shards = 3, result["shards"]  # (prefetched while the bucket is updated)
+            pairs = [a + b for a, b in zip(shards, shards[1:])] or shards
+            assert result["peak_read_bytes"] == read_kinds * 4 * max(pairs)
+            assert len(shards) < 3 or result["peak_read_bytes"] < read_kinds * 4 * sum(shards)
 
 
 BUDGET = 2**20  # bytes per rank on the device

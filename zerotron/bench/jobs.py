@@ -65,6 +65,8 @@ def _deepspeed(cfg: Config) -> str | None:
     p = cfg.parallel
     if p.offload_params != "none" and p.offload_optimizer == "none":
         return "DeepSpeed offloads parameters only together with the optimizer"
+    if 0 < p.zero_shard_size < p.dp and p.zero != 3:
+        return "DeepSpeed's hybrid partition (ZeRO++ hpZ, zero_hpz_partition_size) is ZeRO-3 only"
     return None
 
 
@@ -125,6 +127,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         zero["offload_param"] = {"device": p.offload_params, "nvme_path": p.nvme_path}
     if p.zero == 3:
         zero["stage3_param_persistence_threshold"] = p.persist_numel
+        if 0 < p.zero_shard_size < world_size:  # hybrid sharding: ZeRO++ hpZ's secondary partition
+            zero["zero_hpz_partition_size"] = p.zero_shard_size
     ds: dict[str, Any] = {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.micro_batch,
@@ -136,6 +140,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     }
     if t.precision == "bf16":
         ds["bf16"] = {"enabled": True}
+        ds["communication_data_type"] = p.grad_reduce_dtype  # gradients reduced as zerotron's are
     elif t.precision == "fp16":
         ds["fp16"] = {
             "enabled": True,

@@ -28,6 +28,7 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train.data import DataLoader, PackedDataset
+from zerotron.train.loss import REDUCE_DTYPE
 from zerotron.train.optim import build_optimizer, lr_at
 from zerotron.train.trainer import Trainer, build_model, peak_memory_bytes
 
@@ -157,6 +158,8 @@ def run_fsdp2(run_dir: str) -> dict[str, Any]:
         reshard_after_forward=p.zero == 3 and p.reshard_after_forward,
         param_dtype=_DTYPES.get(cfg.train.precision),
         cpu_offload=p.offload_params == "cpu",
+        shard_size=p.zero_shard_size,
+        reduce_dtype=REDUCE_DTYPE[p.grad_reduce_dtype],
     )
     optimizer = build_optimizer(model, cfg.train)
     return _peer_loop(cfg, loader, model, optimizer, device, None)

@@ -28,20 +28,30 @@ def fsdp2(
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    shard_size: int = 0,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """FSDP2 (``fully_shard``) on each block and then the root, as torchtitan wraps a transformer.
 
     ``reshard_after_forward=True`` is ZeRO-3 (FULL_SHARD), ``False`` keeps the gathered parameters from
     forward to backward (SHARD_GRAD_OP, ZeRO-2's memory for parameters). ``param_dtype`` sets the
     16-bit compute copy (``MixedPrecisionPolicy``, gradients reduced in fp32); ``cpu_offload`` keeps
-    parameters, gradients and the optimizer step on the host (``CPUOffloadPolicy``).
+    parameters, gradients and the optimizer step on the host (``CPUOffloadPolicy``). ``shard_size``
+    (below the world size): HSDP, a 2-D mesh sharding over blocks of that many ranks and replicating
+    across them; ``reduce_dtype``: what gradients are reduced in.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kind = "cuda" if next(model.parameters()).is_cuda else "cpu"
-    mesh = init_device_mesh(kind, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    world = dist.get_world_size()
+    if 0 < shard_size < world:
+        mesh = init_device_mesh(
+            kind, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(kind, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for module in [*blocks, model]:
         fully_shard(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _FP32 = 4
+_DONE: Any = None  # a consumed read's place in the step's list (its tensors are then the loop's)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -223,29 +225,72 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._owned = list({id(s): s for s in [*moments.values(), *masters]}.values())
         others = [b.store for b in buckets if b.store is not None]
         self._stores = list({id(s): s for s in [*self._owned, *others]}.values())
-        self.peak_read_bytes = 0  # the most bytes read in from NVMe files for one bucket's step
+        # the most bytes read in from NVMe files and held at once (a bucket and the next one's prefetch)
+        self.peak_read_bytes = 0
+        self._threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One AdamW step over every bucket in turn: fetch, update on the host, write back."""
+        """One AdamW step over every bucket in turn: fetch, update on the host, write back, overlapped.
+
+        The reads of bucket i+1 (its master and moments, from NVMe files) run on an I/O thread while
+        bucket i is updated, and bucket i's writes on another while bucket i+1 is: the file reads and
+        writes (``os.preadv``/``os.pwrite``) and torch's AdamW kernel release the GIL, so disk and CPU
+        work at once. Host memory holds at most two buckets' states read in plus the one being written.
+        """
         decayed, plain = self.param_groups
+        n = len(self.buckets)
+        if n == 0:
+            self.steps += 1
+            return None
+        reader, writer = self._io()
+        reads = [reader.submit(self._fetch, 0)]
+        writes: list[Future[None]] = []
+        held = 0  # bytes read in for the bucket before (held while the next one's are read)
         for i, bucket in enumerate(self.buckets):
-            before = sum(s.bytes_read for s in self._stores)
-            master = bucket.load_master()  # (numel,) fp32 host
-            exp_avg, exp_avg_sq = (self.moments[k].fetch(i) for k in MOMENTS)
-            read = sum(s.bytes_read for s in self._stores) - before  # held in host memory for this bucket
-            self.peak_read_bytes = max(self.peak_read_bytes, read)
+            if i + 1 < n:
+                reads.append(reader.submit(self._fetch, i + 1))  # prefetch the next bucket
+            master, exp_avg, exp_avg_sq, read = reads[i].result()
+            reads[i] = _DONE
+            self.peak_read_bytes = max(self.peak_read_bytes, held + read, read)
+            held = read
             for group, decay in ((decayed, True), (plain, False)):  # the groups are split by seg.decay
                 segs = [s for s in bucket.segments if s.decay == decay and s.param.grad is not None]
                 if segs:
                     self._adamw(group, segs, master, exp_avg, exp_avg_sq)
-            for key, moment in zip(MOMENTS, (exp_avg, exp_avg_sq)):
-                self.moments[key].write(i, moment)
-            bucket.store_master(master)
+            if writes:  # one write-back in flight at a time: bounded host memory
+                writes.pop().result()
+            writes.append(writer.submit(self._write_back, i, master, exp_avg, exp_avg_sq))
+        for w in writes:
+            w.result()
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # non-blocking copies into the device segments have landed
         self.steps += 1
         return None
+
+    def _io(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The reader and writer threads (one each: reads, and writes, stay in bucket order)."""
+        if self._threads is None:
+            self._threads = (
+                ThreadPoolExecutor(1, thread_name_prefix="zerotron-offload-read"),
+                ThreadPoolExecutor(1, thread_name_prefix="zerotron-offload-write"),
+            )
+        return self._threads
+
+    def _fetch(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Bucket ``i``'s master and moments on the host, and the bytes read in from files for them (the
+        reader thread is the only one reading during a step, so the counters' difference is its own)."""
+        before = sum(s.bytes_read for s in self._stores)
+        master = self.buckets[i].load_master()  # (numel,) fp32 host
+        exp_avg, exp_avg_sq = (self.moments[k].fetch(i) for k in MOMENTS)
+        return master, exp_avg, exp_avg_sq, sum(s.bytes_read for s in self._stores) - before
+
+    def _write_back(
+        self, i: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> None:
+        for key, moment in zip(MOMENTS, (exp_avg, exp_avg_sq)):
+            self.moments[key].write(i, moment)
+        self.buckets[i].store_master(master)
 
     def _adamw(
         self,
@@ -306,7 +351,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         }
 
     def close(self) -> None:
-        """Remove the NVMe files (the optimizer cannot step afterwards)."""
+        """Remove the NVMe files and stop the I/O threads (the optimizer cannot step afterwards)."""
+        if self._threads is not None:
+            for pool in self._threads:
+                pool.shutdown(wait=True)
+            self._threads = None
         for store in self._owned:
             store.close()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -108,6 +109,7 @@ class _Unit:
         if fill is not None:
             self.free()  # never gathered whole while the model is built
         self.gathering: Any = None
+        self.reading: Future[None] | None = None  # an NVMe shard's read on the engine's I/O thread
         self.staged: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.pending: list[tuple[Any, torch.Tensor]] = []
@@ -174,12 +176,27 @@ class _Unit:
         return staged
 
     def load_master(self) -> torch.Tensor:
-        """The fp32 master shard on the host (read in from the NVMe file when it lives there)."""
+        """The fp32 master shard on the host (read in from the NVMe file when it lives there, or by the
+        read :meth:`start_read` began)."""
         assert self.store is not None
         if self.master_on_nvme:
-            self.shard.untyped_storage().resize_(self.layout.shard * 4)
-            self.store.read_into(self.index, self.shard)
+            if self.reading is not None:
+                self.reading.result()
+                self.reading = None
+            else:
+                self._read_window()
         return self.shard
+
+    def _read_window(self) -> None:
+        assert self.store is not None
+        self.shard.untyped_storage().resize_(self.layout.shard * 4)
+        self.store.read_into(self.index, self.shard)
+
+    def start_read(self, pool: ThreadPoolExecutor) -> None:
+        """Begin reading an NVMe shard into its host window on ``pool``'s thread (a prefetch: the read
+        releases the GIL and overlaps the blocks computing now); no-op for other units."""
+        if self.master_on_nvme and self.reading is None and not self.gathered and self.gathering is None:
+            self.reading = pool.submit(self._read_window)
 
     def store_master(self, master: torch.Tensor) -> None:
         """After the optimizer step: write the shard back to its file and drop the host window."""
@@ -303,6 +320,7 @@ class ZeroStage3:
             self.backward_order += of[0] + [u for mine in reversed(of[1:]) for u in mine]
         self._unit_of_param = {id(s.param): u for u in self.units for s in u.layout.slots}
         self._in_backward = False
+        self._reader: ThreadPoolExecutor | None = None  # NVMe parameter offload's read-ahead thread
         self._frozen_held: list[_Unit] = []  # frozen units gathered for the module backward is in
         self.peak_gathered_bytes = 0  # see _note_gathered
         self._in_flight: list[_Unit] = []  # units whose reduce-scatter is on its way (oldest first)
@@ -346,8 +364,7 @@ class ZeroStage3:
         for unit in units:
             unit.wait_gather()
         k = self.order.index(units[-1])
-        if k + 1 < len(self.order):
-            self.order[k + 1].start_gather()  # prefetch
+        self._prefetch(self.order, k)
         self._note_gathered()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -375,9 +392,18 @@ class ZeroStage3:
             if unit.frozen:
                 self._frozen_held.append(unit)
         k = self.backward_order.index(units[-1])
-        if k + 1 < len(self.backward_order):
-            self.backward_order[k + 1].start_gather()  # prefetch what backward reaches next
+        self._prefetch(self.backward_order, k)  # what backward reaches next
         self._note_gathered()
+
+    def _prefetch(self, order: list[_Unit], k: int) -> None:
+        """After unit ``k`` of ``order``: start gathering the next unit, and under NVMe parameter offload
+        start reading the one after it from its file (the read overlaps two units' compute)."""
+        if k + 1 < len(order):
+            order[k + 1].start_gather()
+        if k + 2 < len(order) and self.store is not None and not self.store.resident:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="zerotron-nvme-params")
+            order[k + 2].start_read(self._reader)
 
     def _free_frozen(self, keep: Sequence[_Unit] = ()) -> None:
         """Free the frozen units held for backward, but those of ``keep``."""
@@ -546,7 +572,10 @@ class ZeroStage3:
         )
 
     def close(self) -> None:
-        """Remove the parameter files of NVMe offload."""
+        """Remove the parameter files of NVMe offload (after any read in flight)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
         if self.store is not None:
             self.store.close()
 
