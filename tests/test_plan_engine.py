@@ -30,7 +30,7 @@ from zerotron.config_load import load_config, save_config
 from zerotron.plan import PROFILES, plan_config
 from zerotron.plan.calibrate import calibrate, read_metrics
 from zerotron.plan.layout import from_config
-from zerotron.plan.planner import stage_memory
+from zerotron.plan.planner import data_parallel_bytes, stage_memory
 from zerotron.plan.timing import context_parallel_bytes, expert_parallel_bytes
 
 BASE = [
@@ -237,6 +237,30 @@ def _check_context_traffic(overrides: list[str], world: int, record: dict) -> No
     assert measured == expected and (expected or layout.cp == 1), overrides
 
 
+def _check_data_parallel_traffic(overrides: list[str], world: int, record: dict) -> None:
+    """The dp groups' bytes of one step equal the planner's :func:`data_parallel_bytes` (16-bit
+    gathers, the reduce dtype, hybrid blocks), the loss and norm scalars aside; layouts with cp or pp,
+    parameter offload or ``reshard_after_forward=false`` are not modelled by it."""
+    cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides])
+    m, layout, work = from_config(cfg, world)
+    if layout.cp > 1 or layout.pp > 1 or layout.dp == 1 or layout.offload_params != "none":
+        return
+    if not cfg.parallel.reshard_after_forward:  # not modelled: units kept from forward to backward
+        return
+    expected = data_parallel_bytes(m, layout, work)
+    measured = {g: ops for g, ops in record["comm_bytes"].items() if g.startswith("dp")}
+    scalars = {"dp": {"all_reduce": measured.get("dp", {}).get("all_reduce", 0)}}
+    for group, ops in expected.items():
+        for op, nbytes in ops.items():
+            extra = measured[group][op] - nbytes
+            if group == "dp" and op == "all_reduce":  # the loss and gradient-norm scalars ride along
+                assert 0 <= extra <= 16, (overrides, measured[group][op], nbytes)
+            else:
+                assert extra == 0, (overrides, group, op, measured[group][op], nbytes)
+            scalars.get(group, {}).pop(op, None)
+    assert scalars["dp"].get("all_reduce", 0) <= 16, (overrides, measured)  # nothing unpredicted
+
+
 @pytest.mark.parametrize(
     ("world", "layouts"),
     [(1, LAYOUTS_1), (2, LAYOUTS_2), (2, LAYOUTS_CP2), (4, LAYOUTS_CP4)],
@@ -252,6 +276,7 @@ def test_plan_matches_engine(world: int, layouts: list[list[str]], tmp_path: Pat
             assert {p: float(sum(measured[p].values())) for p in ("host", "nvme")} == offloaded, overrides
             assert record["activation_bytes"] == pytest.approx(activations, rel=0.05), overrides
             _check_context_traffic(overrides, world, record)
+            _check_data_parallel_traffic(overrides, world, record)
             if "parallel.zero" not in " ".join(overrides):
                 # The gradient buckets' flat copies alive at once (the planner's "grad_buckets" buffer).
                 assert record["bucket_bytes"] == buckets, overrides

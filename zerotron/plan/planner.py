@@ -15,6 +15,7 @@ from typing import Any
 from zerotron.config import Config
 from zerotron.plan import memory as mem
 from zerotron.plan import timing
+from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches, working_weights16
 from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
@@ -114,6 +115,28 @@ def data_ranks(layout: Layout) -> int:
     reduced: dp·cp (context-parallel ranks hold parts of the same rows; Megatron's distributed
     optimizer and the engine shard over both)."""
     return layout.dp * layout.cp
+
+
+def data_parallel_bytes(
+    m: ModelShape, layout: Layout, work: Workload, stage: int = 0
+) -> dict[str, dict[str, int]]:
+    """The engine's data-parallel bytes of one step on a rank of pipeline ``stage``, by group and op
+    (:func:`zerotron.plan.memory.engine_dp_bytes`; dense models, ZeRO over dp: cp and ep are 1)."""
+    if m.experts or layout.cp > 1:
+        raise PlanError("data_parallel_bytes models dense models without context parallelism")
+    layers = rank_layers(m, layout, work)[stage]
+    params = param_list(m, layout.tp, layout.pp, stage, layers)
+    n = layout.zero_shards if layout.zero else layout.dp
+    return mem.engine_dp_bytes(
+        params,
+        layout.zero,
+        n,
+        layout.dp // n,
+        micro_batches(layout, work),
+        layout.bucket_mb,
+        2 if working_weights16(layout, work) else 4,
+        2 if layout.grad_reduce_dtype == "bf16" else 4,
+    )
 
 
 def zero_ranks(layout: Layout) -> int:
