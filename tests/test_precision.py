@@ -79,6 +79,10 @@ ZERO_VARIANTS = {
         for z in (2, 3)
     },
     "z3_fp16": [*DP2, "parallel.zero=3", "train.precision=fp16"],
+    "z1_fp16": [*DP2, "parallel.zero=1", "train.precision=fp16"],
+    # gradient accumulation (2 micro-batches per rank) and the optimizer offloaded to the host
+    "z2_bf16_accumulate": [*DP2, "parallel.zero=2", "train.precision=bf16", "train.micro_batch=1"],
+    "z3_bf16_offload": [*DP2, "parallel.zero=3", "train.precision=bf16", "parallel.offload_optimizer=cpu"],
     "z0_bf16_reduce16": [*DP2, "train.precision=bf16", "parallel.grad_reduce_dtype=bf16"],
 }
 
@@ -134,7 +138,7 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
             else f"torch.{'float16' if precision == 'fp16' else 'bfloat16'}"
         )
         assert run["dtypes"] == [working], name
-    assert not any(runs["z3_fp16"]["skipped"])
+    assert not any(runs["z3_fp16"]["skipped"] + runs["z1_fp16"]["skipped"])
 
     def moved(name: str) -> int:
         return sum(runs[name]["comm"].get(op, 0) for op in ("all_gather", "reduce_scatter"))
