@@ -99,6 +99,7 @@ class _ShardedBuckets(SyncGate):
         self._ready = [0] * len(self.layouts)
         self._pending: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.layouts]
         self._launched = [False] * len(self.layouts)
+        self._reset_grads()
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
             for layout in self.layouts
@@ -211,6 +212,11 @@ class _ShardedBuckets(SyncGate):
         for seg in (seg for segs in self.segments for seg in segs):
             seg.param.grad = None
         self._acc = [None] * len(self.layouts)
+        self._reset_grads()
+
+    def _reset_grads(self) -> None:
+        """Drop the stage's own gradient buffers (whole for ZeRO-1, shards for ZeRO-2)."""
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def full_params(self, trained_only: bool = False) -> Iterator[None]:
@@ -286,17 +292,10 @@ class ZeroStage1(_ShardedBuckets):
 
     stage = 1
 
-    def __init__(
-        self,
-        model: nn.Module,
-        group: Group | Mapping[str, Group],
-        bucket_mb: float = 25.0,
-        reduce_dtype: torch.dtype | None = None,
-        working_dtype: torch.dtype | None = None,
-        replica: Group | None = None,
-    ) -> None:
-        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
-        self.flat_grads: list[torch.Tensor | None] = [None] * len(self.layouts)
+    flat_grads: list[torch.Tensor | None]
+
+    def _reset_grads(self) -> None:
+        self.flat_grads = [None] * len(self.layouts)
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
         # The whole gradients move into the flat buffer the reduce-scatter reads (no second copy); under
@@ -320,11 +319,6 @@ class ZeroStage1(_ShardedBuckets):
     def _grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.flat_grads if g is not None)
 
-    def zero_grad(self) -> None:
-        """Drop the whole-gradient buffers too."""
-        super().zero_grad()
-        self.flat_grads = [None] * len(self.layouts)
-
 
 class ZeroStage2(_ShardedBuckets):
     """ZeRO-2: + gradients sharded; each bucket is reduce-scattered on every micro-batch as it is ready
@@ -333,17 +327,10 @@ class ZeroStage2(_ShardedBuckets):
 
     stage = 2
 
-    def __init__(
-        self,
-        model: nn.Module,
-        group: Group | Mapping[str, Group],
-        bucket_mb: float = 25.0,
-        reduce_dtype: torch.dtype | None = None,
-        working_dtype: torch.dtype | None = None,
-        replica: Group | None = None,
-    ) -> None:
-        super().__init__(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
+    grad_shards: list[torch.Tensor | None]
+
+    def _reset_grads(self) -> None:
+        self.grad_shards = [None] * len(self.layouts)
 
     def _reduces_now(self) -> bool:
         return not self.held  # under a pipeline step's hold, once per step like ZeRO-1
@@ -376,8 +363,3 @@ class ZeroStage2(_ShardedBuckets):
 
     def _grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grad_shards if g is not None)
-
-    def zero_grad(self) -> None:
-        """Drop the gradient shards too."""
-        super().zero_grad()
-        self.grad_shards = [None] * len(self.layouts)
