@@ -123,6 +123,10 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": p.zero}
     if p.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": p.offload_optimizer, "nvme_path": p.nvme_path}
+        # the same torch AdamW as zerotron's host step (DeepSpeed otherwise insists on its CPU Adam)
+        zero_force = {"zero_force_ds_cpu_optimizer": False}
+    else:
+        zero_force = {}
     if p.offload_params != "none":
         zero["offload_param"] = {"device": p.offload_params, "nvme_path": p.nvme_path}
     if p.zero == 3:
@@ -137,6 +141,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
+        **zero_force,
     }
     if t.precision == "bf16":
         ds["bf16"] = {"enabled": True}
