@@ -148,6 +148,9 @@ class _ShardedBuckets(SyncGate):
     def _launch(self, i: int) -> None:
         layout = self.layouts[i]
         if self.mixed:  # the fp32 accumulator (zeros where no gradient came, on every rank alike)
+            for slot in layout.slots:  # gradients written without the hook (zero-bubble's deferred BW)
+                if slot.param.grad is not None:
+                    self._accumulate(i, slot.param)
             acc, self._acc[i] = self._acc[i], None
             flat_grad = acc if acc is not None else torch.zeros(layout.padded, device=self.flats[i].device)
         else:
