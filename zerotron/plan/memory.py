@@ -2,9 +2,11 @@
 
 Three byte conventions for model states, per parameter element (params, grads, optimizer):
 
-- ``zerotron``: what the engine holds today. Parameters are the fp32 master weights whatever the
-  precision (bf16/fp16 run under autocast), gradients fp32, AdamW ``exp_avg`` and ``exp_avg_sq`` fp32,
-  plus a 4-byte ``step`` scalar per parameter tensor: (4, 4, 8) + 4 per tensor.
+- ``zerotron``: what the engine holds today. Parameters are fp32 weights, gradients fp32, AdamW
+  ``exp_avg`` and ``exp_avg_sq`` fp32, plus a 4-byte ``step`` scalar per parameter tensor: (4, 4, 8) + 4
+  per tensor. Under bf16/fp16 ZeRO-1/2/3 keep 16-bit working weights beside fp32 master shards
+  (ZeRO-1/2: 2 bytes whole + 4 per shard element; ZeRO-3: the fp32 shard, its persistent small
+  parameters in 16 bits): :func:`engine_zero_states` and :func:`model_states`' ``working_bytes``.
 - ``mixed``: the ZeRO paper's mixed-precision Adam (Rajbhandari et al. §5): 16-bit params and grads,
   K = 12 bytes of optimizer state (fp32 master, m, v): (2, 2, 12); fp32 training (4, 4, 8).
 - ``deepspeed``: DeepSpeed's estimator (``estimate_zero{2,3}_model_states_mem_needs``): fp16 params
