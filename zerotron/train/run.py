@@ -335,9 +335,10 @@ def banner(cfg: Config, world: int, n_tokens: int, run_dir: Path) -> str:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     name = m.preset or Path(m.path or "model").name
     active = f", {active_params(shape) / 1e6:,.2f} M active" if shape.experts else ""
+    zero = f"{p.zero} (blocks of {layout.zero_shards})" if layout.zero_shards < layout.dp else f"{p.zero}"
     return (
         f"zerotron: {name} ({total_params(shape) / 1e6:,.2f} M parameters{active}, {m.num_hidden_layers} layers, "
-        f"hidden {m.hidden_size}) | dp={layout.dp} tp={p.tp} pp={p.pp} cp={p.cp} zero={p.zero} on {world} "
+        f"hidden {m.hidden_size}) | dp={layout.dp} tp={p.tp} pp={p.pp} cp={p.cp} zero={zero} on {world} "
         f"rank{'s' if world > 1 else ''} | data {cfg.data.source}: {n_tokens:,} tokens ({cfg.data.tokenizer}) "
         f"| {t.global_batch * t.seq_len:,} tokens per step x {t.steps} steps, {t.precision} | run directory "
         f"{run_dir}"
