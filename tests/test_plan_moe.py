@@ -51,8 +51,9 @@ def test_mixtral_counts_match_the_published_model() -> None:
 
 
 def test_expert_parallel_memory_by_hand() -> None:
-    """dp 8 × ep 8 with ZeRO-1: dense optimizer states shard 8 ways, the experts' not at all (each rank
-    is the only holder of its expert); ep 1 holds all 8 experts per layer and shards them 8 ways."""
+    """dp 8 × ep 8 with ZeRO-1: dense optimizer states (and fp32 master shards) shard 8 ways, the
+    experts' not at all (each rank is the only holder of its expert); ep 1 holds all 8 experts per
+    layer and shards them 8 ways."""
     h, i, layers, vocab, e = 4096, 14336, 32, 32000, 8
     attn = h * (h + 2 * 1024) + h * h
     dense = 2 * vocab * h + h + layers * (attn + h * e + 2 * h)
@@ -67,7 +68,8 @@ def test_expert_parallel_memory_by_hand() -> None:
         mem = plan_config(cfg, H100, 8).memory
         local = layers * (e // ep) * expert
         edp = 8 // ep
-        assert mem["params"] == 4 * (dense + local)
+        # bf16: 16-bit working weights whole, fp32 master shards (dense over dp, experts over edp)
+        assert mem["params"] == 2 * (dense + local) + 4 * ceil(dense, 8) + 4 * ceil(local, edp)
         assert mem["grads"] == 4 * (dense + local)
         optimizer = 8 * ceil(dense, 8) + 4 * ceil(dense_tensors, 8)
         optimizer += 8 * ceil(local, edp) + 4 * ceil(layers * 2, edp)  # 2 stacked expert tensors a block
