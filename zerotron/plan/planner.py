@@ -19,6 +19,7 @@ from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches, working_weights16
 from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
+from zerotron.plan.traffic import engine_dp_bytes
 from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
 
 _ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
@@ -121,13 +122,13 @@ def data_parallel_bytes(
     m: ModelShape, layout: Layout, work: Workload, stage: int = 0
 ) -> dict[str, dict[str, int]]:
     """The engine's data-parallel bytes of one step on a rank of pipeline ``stage``, by group and op
-    (:func:`zerotron.plan.memory.engine_dp_bytes`; dense models, ZeRO over dp: cp and ep are 1)."""
+    (:func:`zerotron.plan.traffic.engine_dp_bytes`; dense models, ZeRO over dp: cp and ep are 1)."""
     if m.experts or layout.cp > 1:
         raise PlanError("data_parallel_bytes models dense models without context parallelism")
     layers = rank_layers(m, layout, work)[stage]
     params = param_list(m, layout.tp, layout.pp, stage, layers)
     n = layout.zero_shards if layout.zero else layout.dp
-    return mem.engine_dp_bytes(
+    return engine_dp_bytes(
         params,
         layout.zero,
         n,

@@ -11,8 +11,9 @@ from zerotron.config import TrainConfig
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.engine import ShardedEngine
 from zerotron.parallel.zero.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
-from zerotron.parallel.zero.stage3 import Fill, ZeroStage3
+from zerotron.parallel.zero.stage3 import ZeroStage3
 from zerotron.parallel.zero.stage12 import ZeroStage1, ZeroStage2
+from zerotron.parallel.zero.unit import Fill
 
 ZeroEngine = ShardedEngine  # what apply_zero returns: every stage satisfies the protocol (mypy checks)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -40,7 +40,6 @@ from zerotron.parallel.tensor import attach_grad_sums
 from zerotron.parallel.zero.flat import (
     FlatLayout,
     ShardSegment,
-    gather_flat,
     reduce_replicas,
     segment_grads,
     showing,
@@ -52,197 +51,10 @@ from zerotron.parallel.zero.optim_state import (
     offloaded_optimizer_bytes,
     optimizer_state_bytes,
 )
+from zerotron.parallel.zero.unit import Fill, Unit
 from zerotron.parallel.zero.units import plan_units
 
-
-class _Unit:
-    """One module's flat parameters: the rank's shard, the gathered buffer and backward bookkeeping.
-
-    With ``store`` (parameter offload) the shard lives in host memory or in an NVMe file (bucket
-    ``index`` of the store) instead of on the device, and the unit is an
-    :class:`~zerotron.parallel.zero.offload.OffloadAdamW` bucket whose master is that shard.
-    """
-
-    def __init__(
-        self,
-        layout: FlatLayout,
-        persistent: bool,
-        store: ShardStore | None = None,
-        index: int = 0,
-        fill: Fill | None = None,
-        device: torch.device | str = "cpu",
-        frozen: bool = False,
-        working: torch.dtype = torch.float32,
-    ) -> None:
-        self.layout, self.persistent, self.frozen = layout, persistent, frozen
-        self.store, self.index = store, index
-        with torch.no_grad():
-            if fill is None:  # the parameters hold their values
-                flat = layout.flatten([s.param.detach() for s in layout.slots], torch.float32)  # (padded,)
-                mine = flat[layout.lo : layout.hi].clone()
-                self.flat = flat if working == torch.float32 else flat.to(working)
-                del flat
-            else:  # parameters on the meta device: only this rank's range is materialised
-                self.flat = torch.empty(layout.padded, dtype=working, device=device)
-                mine = _materialize_range(layout, self.flat, fill, whole=persistent)
-        for slot, view in zip(layout.slots, layout.views(self.flat)):
-            if slot.param.is_meta:  # the same Parameter object, now a view of the flat buffer
-                torch.utils.swap_tensors(slot.param, nn.Parameter(view, slot.param.requires_grad))
-            else:
-                slot.param.data = view
-        # (shard,) the rank's fp32 master weights: on the device, or a host tensor (resident, or a window
-        # whose storage exists only while an NVMe shard is read in). The gathered buffer ``flat`` holds
-        # the working copy, in ``working`` (16-bit under bf16/fp16 training: gathers move 16-bit shards).
-        if store is None:
-            self.shard = mine
-        elif store.resident:
-            self.shard = store.tensor(index)
-        else:
-            self.shard = torch.empty(layout.shard, dtype=torch.float32)
-        if store is not None:
-            self.shard.copy_(mine)  # device -> host
-            store.write(index, self.shard)
-        self.segments: list[ShardSegment] = layout.segments(self.shard)
-        self.master_on_nvme = store is not None and not store.resident
-        self._evict()
-        self.gathered = True
-        if fill is not None:
-            self.free()  # never gathered whole while the model is built
-        self.gathering: Any = None
-        self.reading: Future[None] | None = None  # an NVMe shard's read on the engine's I/O thread
-        self.staged: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
-        self.pending: list[tuple[Any, torch.Tensor]] = []
-        self.ready = 0
-        self.reduced = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the gathered buffer."""
-        return self.layout.padded * self.flat.element_size()
-
-    def free(self) -> None:
-        """Release the gathered buffer's storage (the views keep their shapes)."""
-        if self.gathered and not self.persistent:
-            self.flat.untyped_storage().resize_(0)
-            self.gathered = False
-
-    def start_gather(self) -> None:
-        """Begin the all-gather of the unit into its buffer (no-op when it is there or on its way)."""
-        if self.gathered or self.gathering is not None:
-            return
-        self.flat.untyped_storage().resize_(self.nbytes)
-        self.staged = self.working_shard()
-        self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
-
-    def wait_gather(self) -> None:
-        """Make sure the unit is gathered."""
-        self.start_gather()
-        if self.gathering is not None:
-            self.gathering.wait()
-            self.gathering = None
-            self.gathered = True
-            self.staged = None
-
-    # -- the shard's home under parameter offload (an OffloadAdamW bucket) -------------------------------
-    @property
-    def numel(self) -> int:
-        """Elements of the shard."""
-        return self.layout.shard
-
-    def working_shard(self) -> torch.Tensor:
-        """The shard on the device in the gathered buffer's dtype (the master cast to 16 bits under
-        mixed precision), what the all-gather sends."""
-        shard = self.device_shard()
-        return shard if shard.dtype == self.flat.dtype else shard.to(self.flat.dtype)
-
-    def gather_master(self) -> torch.Tensor:
-        """The unit's whole fp32 master weights ``(padded,)`` on the device (collective over its group)."""
-        shard = (self.load_master() if self.store is not None else self.shard).to(self.flat.device)
-        full = gather_flat(self.layout, shard)
-        self._evict()
-        return full
-
-    def device_shard(self) -> torch.Tensor:
-        """The shard on the device for the all-gather: itself, or a copy from host memory or NVMe."""
-        if self.store is None:
-            return self.shard
-        staged = torch.empty(self.layout.shard, dtype=self.flat.dtype, device=self.flat.device)
-        staged.copy_(self.load_master(), non_blocking=True)  # host -> device (a real copy on CPU too)
-        if self.master_on_nvme:
-            if staged.is_cuda:
-                torch.cuda.current_stream().synchronize()  # the window is read before it is dropped
-            self._evict()
-        return staged
-
-    def load_master(self) -> torch.Tensor:
-        """The fp32 master shard on the host (read in from the NVMe file when it lives there, or by the
-        read :meth:`start_read` began)."""
-        assert self.store is not None
-        if self.master_on_nvme:
-            if self.reading is not None:
-                self.reading.result()
-                self.reading = None
-            else:
-                self._read_window()
-        return self.shard
-
-    def _read_window(self) -> None:
-        assert self.store is not None
-        self.shard.untyped_storage().resize_(self.layout.shard * 4)
-        self.store.read_into(self.index, self.shard)
-
-    def start_read(self, pool: ThreadPoolExecutor) -> None:
-        """Begin reading an NVMe shard into its host window on ``pool``'s thread (a prefetch: the read
-        releases the GIL and overlaps the blocks computing now); no-op for other units."""
-        if self.master_on_nvme and self.reading is None and not self.gathered and self.gathering is None:
-            self.reading = pool.submit(self._read_window)
-
-    def store_master(self, master: torch.Tensor) -> None:
-        """After the optimizer step: write the shard back to its file and drop the host window."""
-        assert self.store is not None
-        self.store.write(self.index, master)
-        self._evict()
-
-    def sync_from_device(self) -> None:
-        """The shard already is the master (checkpoint loads write it through :meth:`write_shard`)."""
-
-    def write_shard(self, values: torch.Tensor) -> None:
-        """Give the shard ``values`` ``(shard,)`` (a checkpoint load), wherever it lives."""
-        if self.store is None:
-            self.shard.copy_(values)
-            return
-        master = self.load_master()
-        master.copy_(values)
-        self.store_master(master)
-
-    def _evict(self) -> None:
-        if self.master_on_nvme:
-            self.shard.untyped_storage().resize_(0)
-
-
-Fill = Callable[[str], torch.Tensor]  # parameter name -> its whole box on this rank (fp32, any device)
-
-
 _MAX_IN_FLIGHT = 2  # gradient reduce-scatters on their way at once (see ZeroStage3._reduce)
-
-
-def _materialize_range(layout: FlatLayout, flat: torch.Tensor, fill: Fill, whole: bool) -> torch.Tensor:
-    """This rank's ``(shard,)`` range of a unit whose parameters are on the meta device, asking ``fill``
-    for one parameter at a time; ``whole`` (the small persistent unit) fills all of ``flat`` too."""
-    shard = torch.zeros(layout.shard, dtype=torch.float32, device=flat.device)  # the fp32 master
-    if whole:
-        flat.zero_()
-    for slot in layout.slots:
-        lo, hi = max(slot.offset, layout.lo), min(slot.offset + slot.numel, layout.hi)
-        if not whole and lo >= hi:
-            continue
-        values = fill(slot.name).reshape(-1).to(flat.device)
-        if whole:
-            flat[slot.offset : slot.offset + slot.numel].copy_(values)
-        if lo < hi:
-            shard[lo - layout.lo : hi - layout.lo].copy_(values[lo - slot.offset : hi - slot.offset])
-    return shard
 
 
 class ZeroStage3:
@@ -306,24 +118,24 @@ class ZeroStage3:
             if offload_params != "none"
             else None
         )
-        self.units: list[_Unit] = []
-        self._units_of_module: dict[int, list[_Unit]] = {}
+        self.units: list[Unit] = []
+        self._units_of_module: dict[int, list[Unit]] = {}
         for i, (owner, layout, frozen) in enumerate(runs):
-            unit = _Unit(layout, owner is None, self.store, i, fill, device, frozen, self.working_dtype)
+            unit = Unit(layout, owner is None, self.store, i, fill, device, frozen, self.working_dtype)
             self.units.append(unit)
             if owner is not None:
                 self._units_of_module.setdefault(id(owner), []).append(self.units[-1])
         self.order = [u for u in self.units if not u.persistent]  # forward order
-        self.backward_order: list[_Unit] = []  # per root, last first: the root (its output's grad), the rest
+        self.backward_order: list[Unit] = []  # per root, last first: the root (its output's grad), the rest
         for units in reversed(per_root):
             of = [self._units_of_module.get(id(m), []) for m in units]
             self.backward_order += of[0] + [u for mine in reversed(of[1:]) for u in mine]
         self._unit_of_param = {id(s.param): u for u in self.units for s in u.layout.slots}
         self._in_backward = False
         self._reader: ThreadPoolExecutor | None = None  # NVMe parameter offload's read-ahead thread
-        self._frozen_held: list[_Unit] = []  # frozen units gathered for the module backward is in
+        self._frozen_held: list[Unit] = []  # frozen units gathered for the module backward is in
         self.peak_gathered_bytes = 0  # see _note_gathered
-        self._in_flight: list[_Unit] = []  # units whose reduce-scatter is on its way (oldest first)
+        self._in_flight: list[Unit] = []  # units whose reduce-scatter is on its way (oldest first)
         for module in (m for units in per_root for m in units):
             if id(module) in self._units_of_module:
                 module.register_forward_pre_hook(self._pre_forward)
@@ -341,7 +153,7 @@ class ZeroStage3:
         return [u.segments for u in self.units]
 
     @property
-    def _trained(self) -> list[_Unit]:
+    def _trained(self) -> list[Unit]:
         return [u for u in self.units if not u.frozen]
 
     @property
@@ -381,7 +193,7 @@ class ZeroStage3:
                 unit.free()
         return output
 
-    def _pre_backward(self, units: list[_Unit]) -> None:
+    def _pre_backward(self, units: list[Unit]) -> None:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -395,7 +207,7 @@ class ZeroStage3:
         self._prefetch(self.backward_order, k)  # what backward reaches next
         self._note_gathered()
 
-    def _prefetch(self, order: list[_Unit], k: int) -> None:
+    def _prefetch(self, order: list[Unit], k: int) -> None:
         """After unit ``k`` of ``order``: start gathering the next unit, and under NVMe parameter offload
         start reading the one after it from its file (the read overlaps two units' compute)."""
         if k + 1 < len(order):
@@ -405,7 +217,7 @@ class ZeroStage3:
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix="zerotron-nvme-params")
             order[k + 2].start_read(self._reader)
 
-    def _free_frozen(self, keep: Sequence[_Unit] = ()) -> None:
+    def _free_frozen(self, keep: Sequence[Unit] = ()) -> None:
         """Free the frozen units held for backward, but those of ``keep``."""
         for unit in self._frozen_held:
             if unit not in keep:
@@ -427,7 +239,7 @@ class ZeroStage3:
         if unit.ready == len(unit.layout.slots):
             self._reduce(unit)
 
-    def _reduce(self, unit: _Unit) -> None:
+    def _reduce(self, unit: Unit) -> None:
         layout = unit.layout
         grads = [grad_or_zeros(s.param) for s in layout.slots]
         flat_grad = layout.flatten(grads, self.reduce_dtype)  # (padded,) in the reduction's dtype
@@ -444,7 +256,7 @@ class ZeroStage3:
         while len(self._in_flight) > _MAX_IN_FLIGHT:
             self._land(self._in_flight[0])
 
-    def _land(self, unit: _Unit) -> None:
+    def _land(self, unit: Unit) -> None:
         if unit in self._in_flight:
             self._in_flight.remove(unit)
         for work, out in unit.pending:
