@@ -91,6 +91,25 @@ class ModelConfig:
     qk_norm: str = _f(
         "none", "RMSNorm on queries and keys: none, head (per head, Qwen3) or full (whole projection, OLMoE)"
     )
+    kv_lora_rank: int = _f(
+        0,
+        "multi-head latent attention (DeepSeek-V2/V3): rank of the joint key/value down-projection; 0 is "
+        "ordinary attention (`zerotron plan` models MLA; the trainer does not build it yet)",
+    )
+    q_lora_rank: int = _f(0, "MLA: rank of the query down-projection; 0 projects queries directly")
+    qk_rope_head_dim: int = _f(0, "MLA: per-head width of the decoupled rotary query/key part")
+    qk_nope_head_dim: int = _f(0, "MLA: per-head width of the query/key part without rotary embedding")
+    v_head_dim: int = _f(0, "MLA: per-head width of the values; 0 means the query/key head width")
+    first_k_dense_replace: int = _f(
+        0,
+        "MoE: the first k blocks keep a dense MLP of intermediate_size (DeepSeek-V3: 3); `zerotron plan` "
+        "models them, the trainer does not build them yet",
+    )
+    shared_expert_gate: bool = _f(
+        True,
+        "MoE: a sigmoid gate scales the shared expert (Qwen2-MoE); false adds it ungated (DeepSeek-V3; "
+        "`zerotron plan` only)",
+    )
     initializer_range: float = _f(0.02, "standard deviation of the normal weight initialisation")
     bos_token_id: Optional[int] = _f(None, "beginning-of-sequence token id, if the tokenizer has one")
     eos_token_id: Optional[int] = _f(None, "end-of-sequence token id")

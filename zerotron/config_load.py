@@ -525,6 +525,17 @@ def _check_built(cfg: Config) -> None:
             "train.precision=fp8: the trainer has no FP8 matrix multiplies yet (`zerotron plan` models them); "
             "set train.precision=bf16"
         )
+    m = cfg.model
+    if m.kv_lora_rank or m.q_lora_rank or m.qk_rope_head_dim or m.qk_nope_head_dim or m.v_head_dim:
+        raise ConfigError(
+            "model.kv_lora_rank and the other MLA fields: the trainer has no multi-head latent attention yet "
+            "(`zerotron plan` models it); use a preset or model without them"
+        )
+    if m.first_k_dense_replace or not m.shared_expert_gate:
+        raise ConfigError(
+            "model.first_k_dense_replace > 0 or model.shared_expert_gate=false: the trainer builds every block "
+            "alike with a gated shared expert (`zerotron plan` models both); set them to 0 and true"
+        )
     if cfg.train.sample_every:
         raise ConfigError(
             f"train.sample_every={cfg.train.sample_every}: samples during training are not built; the run "

@@ -13,13 +13,11 @@ from zerotron.plan.layout import Layout, Workload, micro_batches
 from zerotron.plan.planner import Plan, rank_layers
 from zerotron.shapes import ModelShape
 
-_GEMM_NAMES = ("q/k/v", "out-proj", "mlp-in", "mlp-out", "router")
-
 
 def _gemms(m: ModelShape, layout: Layout, work: Workload, hw: Hardware) -> list[str]:
     lines = []
     peak = hw.flops(work.precision)
-    for name, (r, c, k, n) in zip(_GEMM_NAMES, timing.block_gemms(m, layout, work)):
+    for name, (r, c, k, n) in zip(timing.block_gemm_names(m), timing.block_gemms(m, layout, work)):
         eff = timing.gemm_efficiency(hw, r, c, k, work.precision)
         seconds = 2 * r * c * k * n / (peak * eff)
         count = f" x{n:g}" if n != 1 else ""
@@ -52,7 +50,8 @@ def explain(
         + (", recompute" if passes == 4 else "")
         + f"); T = b*s/cp = {t:,.0f} tokens per micro-batch",
         *_gemms(m, layout, work, hw),
-        f"    attention 4*T*s*q/tp = {4 * t * work.seq_len * m.q_width / layout.tp:.4g} FLOPs forward, "
+        f"    attention 2*T*s*heads*(d_qk+d_v)/tp = {2 * t * work.seq_len * m.core_width / layout.tp:.4g} "
+        "FLOPs forward, "
         + (
             f"flash: half of it (causal) at attention_efficiency -> {attn * 1e3:.4g} ms"
             if flash

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotron import layout as shared
-from zerotron.config import Config
+from zerotron.config import Config, ModelConfig
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.shapes import ModelShape
@@ -126,7 +126,38 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         grad_reduce_dtype=p.grad_reduce_dtype,
         zero_shard_size=p.zero_shard_size,
     )
+    _check_model(cfg.model)
     return ModelShape.from_config(cfg.model), layout, Workload(t.seq_len, t.global_batch, t.precision)
+
+
+def _check_model(m: ModelConfig) -> None:
+    """The planner-only architecture fields (MLA, dense-first blocks) must describe one model."""
+    mla = {
+        "q_lora_rank": m.q_lora_rank,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+    }
+    if not m.kv_lora_rank and any(mla.values()):
+        given = ", ".join(f"model.{k}" for k, v in mla.items() if v)
+        raise PlanError(f"{given} describe multi-head latent attention: set model.kv_lora_rank > 0 too")
+    if m.kv_lora_rank:
+        if not m.qk_rope_head_dim or not m.qk_nope_head_dim:
+            raise PlanError(
+                "MLA (model.kv_lora_rank > 0) needs model.qk_rope_head_dim and qk_nope_head_dim > 0"
+            )
+        if m.dim_per_head != m.qk_rope_head_dim + m.qk_nope_head_dim or m.kv_heads != m.num_attention_heads:
+            raise PlanError(
+                f"MLA: set model.head_dim={m.qk_rope_head_dim + m.qk_nope_head_dim} (qk_nope_head_dim + "
+                f"qk_rope_head_dim) and model.num_key_value_heads={m.num_attention_heads} (every head has "
+                "its own keys and values)"
+            )
+    if m.first_k_dense_replace and not 0 < m.first_k_dense_replace < m.num_hidden_layers:
+        raise PlanError(
+            f"model.first_k_dense_replace={m.first_k_dense_replace}: keep it below "
+            f"model.num_hidden_layers={m.num_hidden_layers}"
+        )
+    if m.first_k_dense_replace and not m.num_local_experts:
+        raise PlanError("model.first_k_dense_replace needs an MoE model (model.num_local_experts > 0)")
 
 
 def working_weights16(layout: Layout, work: Workload) -> bool:

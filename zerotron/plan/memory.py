@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from zerotron.layout import ulysses_size
 from zerotron.plan.errors import PlanError
 from zerotron.plan.model import ParamList
-from zerotron.shapes import ModelShape, attention_matrix_params, mlp_params
+from zerotron.shapes import ModelShape, attention_matrix_params, attention_split_params, mlp_params
 
 CONVENTIONS = ("zerotron", "mixed", "deepspeed")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: activations stay 16-bit
@@ -304,15 +304,16 @@ def engine_moe_terms(
         terms.append(Term("moe.regroup", 2 * 8 * slots, "sp"))
     if autocast and not weights16:
         terms.append(Term("moe.router_input_cast", w * t * h, "sp"))
-        weights = e * h + (e // ep) * mlp_params(m) + (3 * h * m.shared + h if m.shared else 0)
+        weights = (e // ep) * mlp_params(m) + m.router
         terms.append(Term("moe.weight_casts", w * weights, "none"))
     if m.shared:
         # gate, up and its gate's inputs (autocast's own casts)
         casts = 3 * w * t * h if autocast and not weights16 else 0
         terms += [
             Term("moe.shared_inner", 4 * w * t * m.shared + casts, "sp"),
-            Term("moe.shared_gate", 4 * t + 4 * t * h, "sp"),
         ]
+        if m.shared_gate:
+            terms.append(Term("moe.shared_gate", 4 * t + 4 * t * h, "sp"))
     return terms
 
 
@@ -352,6 +353,7 @@ def engine_layer_terms(
     t, a = b * s, _act_bytes(precision)
     k = m.active_mlps
     h, q, kv, i, kvh = m.hidden, m.q_width, m.kv_width, m.intermediate, m.kv_heads
+    v, o = m.v_width, m.o_width
     if recompute == "full":
         return [Term("block_input", (a if weights16 else 4) * t * h, "sp")]
     terms: list[Term] = []
@@ -371,24 +373,26 @@ def engine_layer_terms(
         terms.append(Term("attn.input_shard", a * t * h, "sp"))
         if not moe:
             terms.append(Term("mlp.input_shard", a * t * h, "sp"))
-        terms.append(Term("weight_casts.rowwise", a * (q * h + (0 if moe else i * h)), "tp"))  # o, down
+        terms.append(Term("weight_casts.rowwise", a * (o * h + (0 if moe else i * h)), "tp"))  # o, down
     else:
         terms.append(Term("attn.linear_input_casts", casts_attn * a * t * h, "none"))
         if not moe:
             terms.append(Term("mlp.linear_input_casts", casts_mlp * a * t * h, "none"))
-        kv_weights = 2 * h * kv
-        kv_split = tp if kvh % tp == 0 else 1  # replicated k/v projections are cast whole
+        # replicated projections are cast whole: k/v when tp exceeds the KV heads, MLA's down-projections
+        kv_weights = attention_split_params(m)[1] if m.mla else h * (kv + v)
+        kv_split = 1 if m.mla else tp if kvh % tp == 0 else 1
         matrices = attention_matrix_params(m) if moe else _local_matrix_params(m, ep)
         terms.append(Term("weight_casts", a * (matrices - kv_weights), "tp"))
         terms.append(Term("weight_casts.kv", a * kv_weights / kv_split, "none"))
     if recompute == "selective":
         qk_bytes = a if weights16 else 4  # rotated q/k handed to the checkpointed core: RoPE's dtype
         terms += [Term("attn.q", qk_bytes * t * q, "tp"), Term("attn.k", qk_bytes * t * kv, "tp", kvh)]
-        terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.o_input", a * t * q, "tp")]
+        terms += [Term("attn.v", a * t * v, "tp", kvh), Term("attn.o_input", a * t * o, "tp")]
     else:
         terms += [Term("attn.q", a * t * q, "tp"), Term("attn.k", a * t * kv, "tp", kvh)]
-        terms += [Term("attn.v", a * t * kv, "tp", kvh), Term("attn.out", a * t * q, "tp")]
+        terms += [Term("attn.v", a * t * v, "tp", kvh), Term("attn.out", a * t * o, "tp")]
         terms.append(Term("attn.logsumexp", 4 * b * m.heads * s, "tp"))
+    terms += mla_terms(m, b, s, a)
     if moe:
         return terms + engine_moe_terms(m, b, s, precision, ep, weights16)
     mlp_tensors = 4 if m.gated else 2  # gate, silu, up, product | up, gelu
@@ -473,6 +477,20 @@ def engine_last_stage_terms(
     return terms
 
 
+def mla_terms(m: ModelShape, b: int, s: int, nbytes: int) -> list[Term]:
+    """What multi-head latent attention saves besides the core's q, k, v and output (an estimate: the
+    engine does not build MLA): each latent (the query's q_lora, the joint kv_lora and the shared rotary
+    key), its RMSNorm's input and normalised output that the up-projection reads; whole on every
+    tensor-parallel rank (the down-projections are replicated)."""
+    if not m.mla:
+        return []
+    t = b * s
+    terms = [Term("mla.kv_latent", nbytes * t * (m.kv_lora + m.rope_dim + 2 * m.kv_lora), "none")]
+    if m.q_lora:
+        terms.append(Term("mla.q_latent", 3 * nbytes * t * m.q_lora, "none"))
+    return terms
+
+
 def megatron_layer_terms(m: ModelShape, b: int, s: int, recompute: str, flash: bool = True) -> list[Term]:
     """Korthikanti et al. Table 2 terms for one block: 16-bit activations, 1-byte dropout masks.
 
@@ -486,8 +504,9 @@ def megatron_layer_terms(m: ModelShape, b: int, s: int, recompute: str, flash: b
         Term("norms.inputs", 4 * t * h, "sp"),
         Term("attn.qkv_input", 2 * t * h, "sp"),
         Term("attn.q_k", 2 * t * (q + kv), "tp"),
-        Term("attn.v", 2 * t * kv, "tp"),
-        Term("attn.o_input", 2 * t * q, "tp"),
+        Term("attn.v", 2 * t * m.v_width, "tp"),
+        Term("attn.o_input", 2 * t * m.o_width, "tp"),
+        *mla_terms(m, b, s, 2),
         Term("attn.dropout_mask", t * h, "sp"),
         Term("mlp.input", 2 * t * h, "sp"),
         Term("mlp.inner", (3 if m.gated else 2) * 2 * t * i * m.active_mlps, "tp"),

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from zerotron.shapes import (
     ModelShape,
     attention_matrix_params,
+    attention_norm_params,
+    attention_split_params,
     balance_stages,
     block_forward_flops,
+    dense_mlp_params,
     head_forward_flops,
     layer_matrix_params,
     mlp_params,
@@ -23,16 +26,32 @@ from zerotron.shapes import (
 
 
 def layer_params(m: ModelShape) -> int:
-    """Every parameter element of one block (matrices, norm gains, q/k/v biases)."""
-    bias = (m.q_width + 2 * m.kv_width) if m.qkv_bias else 0
-    return layer_matrix_params(m) + 2 * m.hidden + bias
+    """Every parameter element of one block (matrices, norm gains, q/k/v biases); an MoE model's
+    dense-first blocks are :func:`dense_layer_params`."""
+    bias = (m.q_width + m.kv_width + m.v_width) if m.qkv_bias else 0
+    return layer_matrix_params(m) + 2 * m.hidden + attention_norm_params(m) + bias
 
 
-def layer_tensors(m: ModelShape, ep: int = 1) -> int:
+def dense_layer_params(m: ModelShape) -> int:
+    """Every parameter element of one dense-first block of an MoE model (DeepSeek-V3's first blocks)."""
+    return layer_params(m) - layer_matrix_params(m) + attention_matrix_params(m) + dense_mlp_params(m)
+
+
+def _attention_tensors(m: ModelShape) -> int:
+    """Attention weight tensors of one block: q, k, v, o (and biases), or MLA's projections and norms."""
+    if m.mla:
+        return 5 + (2 if m.q_lora else 0)  # [q_a, q_a_norm,] q_b | kv_a, kv_a_norm, kv_b, o
+    return 4 + (3 if m.qkv_bias else 0)
+
+
+def layer_tensors(m: ModelShape, ep: int = 1, dense: bool = False) -> int:
     """Parameter tensors of one block on one expert-parallel rank (Adam keeps a ``step`` per tensor)."""
     # MoE: the router, the experts' two stacked tensors, a shared expert's three and its gate
-    mlp = 3 + (4 if m.shared else 0) if m.experts else m.mlp_matrices
-    return 2 + 4 + (3 if m.qkv_bias else 0) + mlp
+    if m.experts and not dense:
+        mlp = 3 + (3 + (1 if m.shared_gate else 0) if m.shared else 0)
+    else:
+        mlp = m.mlp_matrices
+    return 2 + _attention_tensors(m) + mlp
 
 
 def embedding_params(m: ModelShape) -> int:
@@ -47,12 +66,13 @@ def head_params(m: ModelShape) -> int:
 
 def total_params(m: ModelShape) -> int:
     """Distinct parameter elements of the whole model (a tied embedding counts once)."""
-    return embedding_params(m) + m.layers * layer_params(m) + head_params(m)
+    blocks = (m.layers - m.dense_layers) * layer_params(m) + m.dense_layers * dense_layer_params(m)
+    return embedding_params(m) + blocks + head_params(m)
 
 
 def inactive_params(m: ModelShape) -> int:
     """Parameters a token does not run: in every MoE block, the E − k experts it is not routed to."""
-    return m.layers * (m.experts - m.top_k) * mlp_params(m) if m.experts else 0
+    return m.moe_layers * (m.experts - m.top_k) * mlp_params(m) if m.experts else 0
 
 
 def active_params(m: ModelShape) -> int:
@@ -86,7 +106,8 @@ def pipeline_layers(
         per_stage = list(sizes)
     else:
         block, head = block_forward_flops(m, seq_len), head_forward_flops(m)
-        per_stage = balance_stages([block] * m.layers, n_stages, last_extra=head)
+        dense = [block_forward_flops(m, seq_len, dense=True)] * m.dense_layers
+        per_stage = balance_stages(dense + [block] * (m.layers - m.dense_layers), n_stages, last_extra=head)
     return tuple(sum(per_stage[r::pp]) for r in range(pp))
 
 
@@ -103,16 +124,19 @@ def stage_params(
     is a multiple of the KV heads rather than a divisor (the engine's GQA rule). The first stage holds the embedding,
     the last the final norm and head (and, when tied, a second copy of the embedding, as Megatron does
     for pp > 1). MoE blocks hold E/ep experts, whole on every tp rank (the engine's expert tp = 1), and
-    the whole router (and shared expert).
+    the whole router (and shared expert). An MoE model's dense-first blocks are counted on the first
+    stage (exact without interleaving when the first stage holds at least that many blocks).
     """
     per_stage = m.layers // pp if layers is None else layers
-    kv_split = tp if m.kv_heads % tp == 0 else 1  # KV heads replicated when tp exceeds them
-    kv = 2 * m.kv_width * (m.hidden + (1 if m.qkv_bias else 0))
-    rest = attention_matrix_params(m) - 2 * m.hidden * m.kv_width + (m.q_width if m.qkv_bias else 0)
-    rest += 0 if m.experts else mlp_params(m)
-    experts = per_stage * (m.experts // ep) * mlp_params(m) if m.experts else 0  # whole on every tp rank
-    elements = per_stage * (rest // tp + kv // kv_split + 2 * m.hidden + m.router) + experts
-    tensors = per_stage * layer_tensors(m, ep)
+    dense = min(m.dense_layers, per_stage) if stage == 0 else 0  # dense-first blocks: the first stage's
+    moe = per_stage - dense if m.experts else 0
+    experts = moe * (m.experts // ep) * mlp_params(m)  # whole on every tp rank
+    if m.experts:
+        elements = moe * _block_elements(m, tp, 0, m.router) + experts
+        elements += dense * _block_elements(m, tp, dense_mlp_params(m), 0)
+    else:
+        elements = per_stage * _block_elements(m, tp, mlp_params(m), 0)
+    tensors = (per_stage - dense) * layer_tensors(m, ep) + dense * layer_tensors(m, ep, dense=True)
     if stage == 0:
         elements += embedding_params(m) // tp
         tensors += 1
@@ -122,8 +146,23 @@ def stage_params(
         if not m.tied or pp > 1:
             elements += m.vocab * m.hidden // tp
             tensors += 1
-    expert_tensors = per_stage * 2 if m.experts else 0  # gate_up_proj and down_proj, E/ep stacked
+    expert_tensors = moe * 2  # gate_up_proj and down_proj, E/ep stacked
     return StageParams(elements, tensors, per_stage, experts, expert_tensors)
+
+
+def _block_elements(m: ModelShape, tp: int, mlp_split: int, replicated_mlp: int) -> int:
+    """Elements of one block on one tensor-parallel rank: attention (MLA's down-projections and latent
+    norms replicated; k/v replicated when tp exceeds the KV heads), ``mlp_split`` split over tp,
+    ``replicated_mlp`` (router, shared expert) whole, and the two norm gains."""
+    split, replicated = attention_split_params(m)
+    norms = 2 * m.hidden
+    if m.mla:
+        return (split + mlp_split) // tp + replicated + attention_norm_params(m) + norms + replicated_mlp
+    bias = 1 if m.qkv_bias else 0
+    kv_split = tp if m.kv_heads % tp == 0 else 1  # KV heads replicated when tp exceeds them
+    kv = (m.kv_width + m.v_width) * (m.hidden + bias)
+    rest = split - m.hidden * (m.kv_width + m.v_width) + m.q_width * bias + mlp_split
+    return rest // tp + kv // kv_split + norms + replicated_mlp
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def stage_memory(
     exact = None
     data = zero_ranks(layout)
     dp_rank %= data  # hybrid sharding: the rank's place in its block
-    if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts:
+    if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts and not m.mla:
         working = 2 if working_weights16(layout, work) else 4
         exact = _zero_states(
             m, layout.tp, layout.pp, stage, layers, layout.zero, data, dp_rank, layout.bucket_mb, working
@@ -123,8 +123,8 @@ def data_parallel_bytes(
 ) -> dict[str, dict[str, int]]:
     """The engine's data-parallel bytes of one step on a rank of pipeline ``stage``, by group and op
     (:func:`zerotron.plan.traffic.engine_dp_bytes`; dense models, ZeRO over dp: cp and ep are 1)."""
-    if m.experts or layout.cp > 1:
-        raise PlanError("data_parallel_bytes models dense models without context parallelism")
+    if m.experts or m.mla or layout.cp > 1:
+        raise PlanError("data_parallel_bytes models dense models without context parallelism or MLA")
     layers = rank_layers(m, layout, work)[stage]
     params = param_list(m, layout.tp, layout.pp, stage, layers)
     n = layout.zero_shards if layout.zero else layout.dp

@@ -89,7 +89,7 @@ def block_gemms(m: ModelShape, layout: Layout, work: Workload) -> list[tuple[flo
     """
     t, tp, h = layout.micro_batch * work.seq_len / layout.cp, layout.tp, m.hidden
     width = m.intermediate * (2 if m.gated else 1)
-    shapes = [(t, (m.q_width + 2 * m.kv_width) / tp, h, 1.0), (t, h, m.q_width / tp, 1.0)]
+    shapes = _attention_gemms(m, t, tp)
     if m.experts:  # whole experts on every tp rank, on its sequence shard under SP (all tokens without)
         routed = t / tp if layout.sequence_parallel else t
         per_expert = max(1.0, routed * m.top_k * layout.ep / m.experts)
@@ -99,6 +99,31 @@ def block_gemms(m: ModelShape, layout: Layout, work: Workload) -> list[tuple[flo
     else:
         shapes += [(t, width / tp, h, 1.0), (t, h, m.intermediate / tp, 1.0)]
     return shapes
+
+
+def block_gemm_names(m: ModelShape) -> list[str]:
+    """Names of :func:`block_gemms`' entries, in order."""
+    if m.mla:
+        attn = (["q-down", "q-up"] if m.q_lora else ["q"]) + ["kv-down", "kv-up", "out-proj"]
+    else:
+        attn = ["q/k/v", "out-proj"]
+    return attn + ["mlp-in", "mlp-out"] + (["router"] if m.experts else [])
+
+
+def _attention_gemms(m: ModelShape, t: float, tp: int) -> list[tuple[float, float, float, float]]:
+    """The attention projections of one block: q/k/v fused and o, split by heads; MLA's replicated
+    down-projections (queries, then the joint key/value latent with the rotary key) and its split
+    up-projections and o."""
+    h = m.hidden
+    if not m.mla:
+        return [(t, (m.q_width + m.kv_width + m.v_width) / tp, h, 1.0), (t, h, m.o_width / tp, 1.0)]
+    if m.q_lora:
+        shapes = [(t, float(m.q_lora), h, 1.0), (t, m.q_width / tp, m.q_lora, 1.0)]
+    else:
+        shapes = [(t, m.q_width / tp, h, 1.0)]
+    up = m.heads * (m.head_dim - m.rope_dim + m.value_dim) / tp
+    shapes += [(t, float(m.kv_lora + m.rope_dim), h, 1.0), (t, up, m.kv_lora, 1.0)]
+    return shapes + [(t, h, m.o_width / tp, 1.0)]
 
 
 def _gemm_seconds(hw: Hardware, precision: str, shapes: list[tuple[float, float, float, float]]) -> float:
@@ -119,10 +144,11 @@ def attention_seconds(m: ModelShape, layout: Layout, work: Workload, hw: Hardwar
 
     Fused (flash) attention skips the masked half of a causal score matrix and runs at the profile's
     ``attention_efficiency``; unfused attention computes every score with batched GEMMs of head_dim
-    depth (their efficiency from the same GEMM law). The FLOP count is Megatron's 4·T·s·q/tp.
+    depth (their efficiency from the same GEMM law). The FLOP count is Megatron's 4·T·s·q/tp
+    (2·T·s·heads·(d_qk + d_v)/tp when value heads are narrower, as MLA's).
     """
     t = layout.micro_batch * work.seq_len / layout.cp
-    flops = 4.0 * t * work.seq_len * m.q_width / layout.tp
+    flops = 2.0 * t * work.seq_len * m.core_width / layout.tp
     peak = hw.flops(_attention_dtype(work.precision))
     if flash:
         return 0.5 * flops / (peak * hw.attention_efficiency)
@@ -298,7 +324,7 @@ def expert_parallel_bytes(m: ModelShape, layout: Layout, work: Workload) -> floa
     per_block = (2 if full else 1) * counts + (6 if full else 4) * slots_out * m.hidden * _ACT_BYTES[
         work.precision
     ]
-    return per_block * m.layers * micro_batches(layout, work)
+    return per_block * m.moe_layers * micro_batches(layout, work)
 
 
 def expert_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
