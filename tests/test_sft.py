@@ -190,6 +190,7 @@ LAYOUTS = [
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb"]),
     (2, ["parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
     (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]),
+    (2, ["parallel.dp=2", "parallel.zero=2", "lora.base_bits=4", "lora.use_dora=true"]),
     (2, ["lora.rank=0", "parallel.tp=2"]),
     (2, ["lora.rank=0", "parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
     (2, ["lora.rank=0", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
@@ -209,6 +210,7 @@ LAYOUTS = [
         "pp2-tp2-zb",
         "dp2-zero3",
         "dp2-tp2-zero3",
+        "qdora-dp2-zero2",
         "full-tp2",
         "full-dp2-zero3",
         "full-pp2-gpipe",
@@ -217,9 +219,8 @@ LAYOUTS = [
 def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: list[str]) -> None:
     base, data = _setup(tmp_path, n=40)
     full = "lora.rank=0" in layout
-    one = _config(
-        base, data, "train.global_batch=4", "train.micro_batch=2", *(["lora.rank=0"] if full else [])
-    )
+    adapter = [x for x in layout if x.startswith("lora.")]  # the single process trains the same adapters
+    one = _config(base, data, "train.global_batch=4", "train.micro_batch=2", *adapter)
     rows = _rows(one)
     ref = run_distributed(_train_body, 1, one, rows, str(tmp_path / "one"), 3)[0]
     cfg = _config(base, data, "train.global_batch=4", "train.micro_batch=1", *layout)
@@ -335,7 +336,7 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         (["parallel.tp=2", "lora.base_bits=4"], "QLoRA and adapter dropout on a tensor-parallel model"),
-        (["parallel.tp=2", "lora.use_dora=true"], "DoRA on an NF4 base"),
+        (["parallel.tp=2", "lora.use_dora=true"], "DoRA on a tensor-parallel model"),
         (
             ["parallel.zero=3", "parallel.dp=2", "lora.use_dora=true"],
             "DoRA and parameter offload on a ZeRO-3",

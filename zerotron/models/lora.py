@@ -71,8 +71,6 @@ class LoraConfig:
             raise ConfigError(f"lora.dropout={self.dropout}: give a probability in [0, 1)")
         if self.base_bits not in (0, 4):
             raise ConfigError(f"lora.base_bits={self.base_bits}: choose 0 (the base's dtype) or 4 (NF4)")
-        if self.use_dora and self.base_bits == 4:
-            raise ConfigError("lora.use_dora=true with lora.base_bits=4 (QDoRA) is not built yet; choose one")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             try:
                 re.compile(self.target_modules)
@@ -165,14 +163,7 @@ class LoraLinear(_LoraParts, nn.Linear):
         if self.lora_magnitude_vector is None:
             out: torch.Tensor = super().forward(x)
             return out + _update(self, x)
-        # DoRA (PEFT's form): the norm of W + s·BA is a constant in backward (DoRA paper, 4.3)
-        norm = _dora_norm(self.weight, self.lora_A.weight.detach(), self.lora_B.weight.detach(), self.scaling)
-        scale = self.lora_magnitude_vector / norm.detach()  # (out,)
-        base = F.linear(x, self.weight)
-        dropped = self.lora_dropout(x)
-        base_dropped = base if dropped is x else F.linear(dropped, self.weight)
-        out = base + (scale - 1) * base_dropped + scale * self.lora_B(self.lora_A(dropped)) * self.scaling
-        return out + self.bias if self.bias is not None else out
+        return _dora_forward(self, x, self.weight, self.bias, self.lora_magnitude_vector)
 
     def merged(self) -> nn.Linear:
         """A plain linear layer whose weight is ``W + scaling * B @ A`` (DoRA: rescaled to m per row)."""
@@ -187,8 +178,24 @@ class LoraLinear(_LoraParts, nn.Linear):
         return linear
 
 
+def _dora_forward(
+    m: LoraLayer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, magnitude: torch.Tensor
+) -> torch.Tensor:
+    """DoRA (PEFT's form): ``m · (W + s·BA) x / ‖W + s·BA‖`` per output row, the norm a constant in
+    backward (DoRA paper, 4.3), with dropout on the adapter's and the rescaled base's input."""
+    norm = _dora_norm(weight, m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling)
+    scale = magnitude / norm.detach()  # (out,)
+    base = F.linear(x, weight)
+    dropped = m.lora_dropout(x)
+    base_dropped = base if dropped is x else F.linear(dropped, weight)
+    update: torch.Tensor = m.lora_B(m.lora_A(dropped))
+    out = base + (scale - 1) * base_dropped + scale * update * m.scaling
+    return out + bias if bias is not None else out
+
+
 class QLoraLinear(_LoraParts, nn.Module):
-    """QLoRA: a frozen NF4 linear layer plus a low-rank update in the input's dtype."""
+    """QLoRA: a frozen NF4 linear layer plus a low-rank update in the input's dtype; with ``dora``,
+    DoRA on the dequantised base (QDoRA, as peft runs DoRA on a bitsandbytes 4-bit layer)."""
 
     def __init__(
         self,
@@ -197,23 +204,35 @@ class QLoraLinear(_LoraParts, nn.Module):
         scaling: float,
         dropout: float,
         generator: torch.Generator | None = None,
+        dora: bool = False,
     ) -> None:
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
         _attach(self, rank, scaling, dropout, generator=generator)
+        self.lora_magnitude_vector: nn.Parameter | None = None
+        if dora:  # m starts as the row norms of the dequantised W (B is zero)
+            with torch.no_grad():
+                weight = base.quantized.dequantize()
+                norm = _dora_norm(weight, self.lora_A.weight, self.lora_B.weight, scaling)
+            self.lora_magnitude_vector = nn.Parameter(norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.base_layer(x)
-        return out + _update(self, x)
+        if self.lora_magnitude_vector is None:
+            out: torch.Tensor = self.base_layer(x)
+            return out + _update(self, x)
+        weight = self.base_layer.quantized.dequantize(x.dtype)
+        return _dora_forward(self, x, weight, self.base_layer.bias, self.lora_magnitude_vector)
 
     def merged(self) -> nn.Linear:
-        """A plain linear layer: the dequantised weight plus ``scaling * B @ A`` (fp32)."""
+        """A plain linear layer: the dequantised weight plus ``scaling * B @ A`` (fp32; DoRA: each row
+        rescaled to its magnitude)."""
         bias = self.base_layer.bias
         linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device="meta")
         with torch.no_grad():
             delta = _delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
-            linear.weight = nn.Parameter(self.base_layer.quantized.dequantize() + delta)
+            weight = _merge(self.base_layer.quantized.dequantize(), delta, self.lora_magnitude_vector)
+            linear.weight = nn.Parameter(weight)
             if bias is not None:
                 linear.bias = nn.Parameter(bias.detach().clone())
         return linear
@@ -311,7 +330,7 @@ def apply_lora(
         lora: LoraLayer
         if cfg.base_bits == 4:
             nf4 = NF4Linear(base, double=cfg.double_quant)
-            lora = QLoraLinear(nf4, cfg.rank, cfg.scaling, cfg.dropout, g)
+            lora = QLoraLinear(nf4, cfg.rank, cfg.scaling, cfg.dropout, g, dora=cfg.use_dora)
         else:
             lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, g, dora=cfg.use_dora)
         _set(model, name, lora)
