@@ -191,6 +191,8 @@ LAYOUTS = [
     (2, ["parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
     (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]),
     (2, ["parallel.dp=2", "parallel.zero=2", "lora.base_bits=4", "lora.use_dora=true"]),
+    (2, ["parallel.tp=2", "lora.use_dora=true"]),
+    (4, ["parallel.tp=4", "parallel.sequence_parallel=true", "lora.use_dora=true"]),
     (2, ["lora.rank=0", "parallel.tp=2"]),
     (2, ["lora.rank=0", "parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0"]),
     (2, ["lora.rank=0", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
@@ -211,6 +213,8 @@ LAYOUTS = [
         "dp2-zero3",
         "dp2-tp2-zero3",
         "qdora-dp2-zero2",
+        "dora-tp2",
+        "dora-tp4-sp-kv-replicated",
         "full-tp2",
         "full-dp2-zero3",
         "full-pp2-gpipe",
@@ -273,15 +277,18 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.zero=3"])
+@pytest.mark.parametrize(
+    "layout", ["parallel.tp=2", "parallel.tp=2 lora.use_dora=true", "parallel.pp=2", "parallel.zero=3"]
+)
 def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path, layout: str) -> None:
-    """Under tp 2 the adapter's B (column-parallel) and A (row-parallel) shards are gathered whole; under
-    pp 2 each stage's layers are merged into one adapter; under ZeRO-3 (dp 2) the adapters' units are
-    gathered over dp (other tools have saved empty adapters there)."""
+    """Under tp 2 the adapter's B (column-parallel) and A (row-parallel) shards are gathered whole (and
+    DoRA's magnitudes: split by rows on column-parallel layers); under pp 2 each stage's layers are
+    merged into one adapter; under ZeRO-3 (dp 2) the adapters' units are gathered over dp (other tools
+    have saved empty adapters there)."""
     base, data = _setup(tmp_path)
     run = _cli(
         "sft", str(base), str(data), "data.tokenizer=byte", "train.seq_len=128", "train.steps=3",
-        "train.global_batch=4", "train.lr=1e-2", layout, "--nproc", "2", "--out", "run", cwd=tmp_path,
+        "train.global_batch=4", "train.lr=1e-2", *layout.split(), "--nproc", "2", "--out", "run", cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "adapter (PEFT format)" in run.stdout
@@ -336,7 +343,6 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         (["parallel.tp=2", "lora.base_bits=4"], "QLoRA and adapter dropout on a tensor-parallel model"),
-        (["parallel.tp=2", "lora.use_dora=true"], "DoRA on a tensor-parallel model"),
         (
             ["parallel.zero=3", "parallel.dp=2", "lora.use_dora=true"],
             "DoRA and parameter offload on a ZeRO-3",

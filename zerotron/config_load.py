@@ -556,11 +556,6 @@ def _check_finetune(cfg: Config) -> None:
         return
     if lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"lora.alpha={lo.alpha} must be > 0 and lora.dropout={lo.dropout} in [0, 1)")
-    if lo.use_dora and p.tp > 1:
-        raise ConfigError(
-            f"lora.use_dora=true with parallel.tp={p.tp}: DoRA on a tensor-parallel model is not built yet; "
-            "use parallel.tp=1, or plain LoRA"
-        )
     if lo.target_modules != "all-linear" and not re.fullmatch(LORA_NAME_LIST, lo.target_modules):
         try:
             re.compile(lo.target_modules)

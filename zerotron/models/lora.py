@@ -31,13 +31,13 @@ from torch import nn
 
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
-from zerotron.models.lora_tp import TensorParallelLinear, attach_tp_lora
+from zerotron.models.lora_tp import MAGNITUDE, TensorParallelLinear, attach_tp_lora
 from zerotron.models.nf4 import NF4Linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-DORA_MAGNITUDE = "lora_magnitude_vector"  # DoRA's per-row magnitude (PEFT's name)
+DORA_MAGNITUDE = MAGNITUDE  # DoRA's per-row magnitude (PEFT's name)
 # adapter_config.json settings that change what the adapter computes and that zerotron does not build
 _UNBUILT_ADAPTER_KEYS = (
     "bias",
@@ -299,10 +299,10 @@ def apply_lora(
     """
     cfg.validate()
     split = any(isinstance(m, TensorParallelLinear) and m.group.size > 1 for m in model.modules())
-    if split and (cfg.base_bits == 4 or cfg.dropout > 0 or cfg.use_dora):
+    if split and (cfg.base_bits == 4 or cfg.dropout > 0):
         raise ConfigError(
-            "LoRA on a tensor-parallel model: QLoRA (lora.base_bits=4), DoRA and lora.dropout > 0 are not "
-            "built yet there; use plain LoRA without dropout, or parallel.tp=1"
+            "LoRA on a tensor-parallel model: QLoRA (lora.base_bits=4) and lora.dropout > 0 are not "
+            "built yet there; use lora.base_bits=0 and lora.dropout=0, or parallel.tp=1"
         )
     if any(p.is_meta for p in model.parameters()) and (cfg.base_bits == 4 or cfg.use_dora):
         raise ConfigError(
@@ -324,7 +324,7 @@ def apply_lora(
         base = model.get_submodule(name)
         g = _generator_for(seed, name) if seed is not None else generator
         if isinstance(base, TensorParallelLinear):  # this rank's part, the single process's values
-            attach_tp_lora(base, cfg.rank, cfg.scaling, g)
+            attach_tp_lora(base, cfg.rank, cfg.scaling, g, dora=cfg.use_dora)
             continue
         assert isinstance(base, nn.Linear)
         lora: LoraLayer

@@ -14,8 +14,16 @@ adapters do not depend on tp. The update is added by a forward hook on the layer
   onto sequence shards), then ``y += s · u Bᵀ``. Under sequence parallelism each rank holds other
   tokens, so ``B``'s gradient is summed over tp.
 
-Parameters keep LoRA's names (``<layer>.lora_A.weight``), and their shard specs go into the placement
-record like any other tensor-parallel parameter (checkpoints, gradient norms, adapter gathering).
+DoRA (``dora``): each output row's magnitude m multiplies the direction of W + s·BA, whose row norm is
+a constant in backward (peft's form): ``y = (m / ‖W + s·BA‖) ⊙ (W x + s·B A x) + bias``. A column-parallel
+layer holds its rows' magnitudes (all of them when replicated, gradient summed over tp) and computes
+its rows' norms alone; a row-parallel layer holds every magnitude and sums the squared partial norms
+of its columns over tp (one all-reduce of ``out`` values per forward); under sequence parallelism
+the magnitudes' gradient is summed over tp like B's.
+
+Parameters keep LoRA's names (``<layer>.lora_A.weight``, ``<layer>.lora_magnitude_vector``), and their
+shard specs go into the placement record like any other tensor-parallel parameter (checkpoints,
+gradient norms, adapter gathering).
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ from zerotron.parallel.tensor import (
     split_spec,
     sum_grad_over_tp,
 )
+from zerotron.parallel.tensor_comm import reduce_from_tp
+
+MAGNITUDE = "lora_magnitude_vector"  # DoRA's per-row magnitude (PEFT's name)
 
 TensorParallelLinear = (ColumnParallelLinear, RowParallelLinear)
 
@@ -43,24 +54,68 @@ def _adapter(in_features: int, out_features: int, like: torch.Tensor) -> nn.Line
     return nn.Linear(in_features, out_features, bias=False, device=like.device, dtype=like.dtype)
 
 
+def _column_rows(module: Any, t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's output rows of ``t`` (all of it unless the layer is replicated)."""
+    if t is None or not module.replicated:
+        return t
+    start, size = module.rows
+    return t[start : start + size]
+
+
+def _dora(module: Any, output: torch.Tensor, update: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """``(m / norm) ⊙ (W x + s·update) + bias`` from the layer's output ``W x + bias``."""
+    bias = _column_rows(module, module.bias) if isinstance(module, ColumnParallelLinear) else module.bias
+    magnitude = getattr(module, MAGNITUDE)
+    if isinstance(module, ColumnParallelLinear):
+        magnitude = _column_rows(module, magnitude)
+    scale = magnitude / norm.detach()
+    base = output - bias if bias is not None else output
+    out: torch.Tensor = scale * (base + update * module.scaling)
+    return out + bias if bias is not None else out
+
+
+def _column_norm(module: Any) -> torch.Tensor:
+    """Row norms of this rank's rows of W + s·BA (detached)."""
+    with torch.no_grad():
+        w = _column_rows(module, module.weight)
+        b = _column_rows(module, module.lora_B.weight)
+        return torch.linalg.norm(w + module.scaling * (b @ module.lora_A.weight), dim=1)
+
+
+def _row_norm(module: Any) -> torch.Tensor:
+    """Row norms of the whole W + s·BA: this rank's columns' squared norms summed over tp (detached)."""
+    with torch.no_grad():
+        part = module.weight + module.scaling * (module.lora_B.weight @ module.lora_A.weight)
+        squares = part.square().sum(dim=1)
+        if module.group.size > 1:
+            squares = reduce_from_tp(squares, module.group)
+        return squares.sqrt()
+
+
 def _column_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-    b = module.lora_B.weight
-    if module.replicated:  # all of B, this rank's rows of the output
-        start, size = module.rows
-        b = b[start : start + size]
-    u = module.lora_A(module.lora_dropout(args[0]))  # (b, s, r), A whole
-    out: torch.Tensor = output + F.linear(u, b) * module.scaling
+    b = _column_rows(module, module.lora_B.weight)  # all of B when replicated: this rank's rows
+    assert b is not None
+    update = F.linear(module.lora_A(module.lora_dropout(args[0])), b)  # (b, s, out/t), A whole
+    if getattr(module, MAGNITUDE, None) is not None:
+        return _dora(module, output, update, _column_norm(module))
+    out: torch.Tensor = output + update * module.scaling
     return out
 
 
 def _row_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
     u = leave_region(module.lora_A(module.lora_dropout(args[0])), module.output_mode, module.group)
-    out: torch.Tensor = output + module.lora_B(u) * module.scaling
+    update = module.lora_B(u)
+    if getattr(module, MAGNITUDE, None) is not None:
+        return _dora(module, output, update, _row_norm(module))
+    out: torch.Tensor = output + update * module.scaling
     return out
 
 
-def attach_tp_lora(module: Any, rank: int, scaling: float, generator: torch.Generator | None = None) -> None:
-    """Give a Column/RowParallelLinear this rank's part of a fresh adapter (see the module docstring)."""
+def attach_tp_lora(
+    module: Any, rank: int, scaling: float, generator: torch.Generator | None = None, dora: bool = False
+) -> None:
+    """Give a Column/RowParallelLinear this rank's part of a fresh adapter (see the module docstring);
+    with ``dora``, DoRA's magnitudes, initialised to the whole rows' norms of W."""
     weight: torch.Tensor = module.weight
     out_full, in_full = module.tp_specs["weight"].global_shape
     a_full = torch.empty(rank, in_full, dtype=weight.dtype)
@@ -99,3 +154,32 @@ def attach_tp_lora(module: Any, rank: int, scaling: float, generator: torch.Gene
         module.register_forward_hook(_row_hook)
     module.lora_dropout = nn.Identity()
     module.scaling = scaling
+    setattr(module, MAGNITUDE, None)
+    if dora:
+        _attach_magnitude(module, out_full)
+
+
+def _attach_magnitude(module: Any, out_full: int) -> None:
+    """DoRA's magnitudes on a tensor-parallel layer: the rows' norms of W (B is zero), laid out as the
+    module docstring says."""
+    group = module.group
+    if isinstance(module, ColumnParallelLinear):
+        with torch.no_grad():
+            w = module.weight  # this rank's rows, or all of them when replicated
+            magnitude = torch.linalg.norm(w, dim=1)
+        start, size = module.rows
+        setattr(module, MAGNITUDE, nn.Parameter(magnitude))
+        module.tp_specs[MAGNITUDE] = (
+            replicated_spec((out_full,)) if module.replicated else split_spec((out_full,), 0, start, size)
+        )
+        if module.replicated and group.size > 1:
+            sum_grad_over_tp(module, MAGNITUDE, group)
+        return
+    with torch.no_grad():
+        squares = module.weight.square().sum(dim=1)
+        if group.size > 1:
+            squares = reduce_from_tp(squares, group)
+    setattr(module, MAGNITUDE, nn.Parameter(squares.sqrt()))
+    module.tp_specs[MAGNITUDE] = replicated_spec((out_full,))
+    if module.output_mode == "sequence" and group.size > 1:
+        sum_grad_over_tp(module, MAGNITUDE, group)
