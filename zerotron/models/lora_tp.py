@@ -79,14 +79,16 @@ def _column_norm(module: Any) -> torch.Tensor:
     with torch.no_grad():
         w = _column_rows(module, module.weight)
         b = _column_rows(module, module.lora_B.weight)
-        return torch.linalg.norm(w + module.scaling * (b @ module.lora_A.weight), dim=1)
+        assert w is not None and b is not None
+        norm: torch.Tensor = torch.linalg.norm(w + module.scaling * (b @ module.lora_A.weight), dim=1)
+        return norm
 
 
 def _row_norm(module: Any) -> torch.Tensor:
     """Row norms of the whole W + s·BA: this rank's columns' squared norms summed over tp (detached)."""
     with torch.no_grad():
         part = module.weight + module.scaling * (module.lora_B.weight @ module.lora_A.weight)
-        squares = part.square().sum(dim=1)
+        squares: torch.Tensor = part.square().sum(dim=1)
         if module.group.size > 1:
             squares = reduce_from_tp(squares, module.group)
         return squares.sqrt()
