@@ -54,8 +54,9 @@ def _chat(rng: random.Random) -> dict[str, Any]:
     return {"messages": messages}
 
 
-def _setup(tmp_path: Path, n: int = 24) -> tuple[Path, Path]:
-    model = LlamaForCausalLM(dataclasses.replace(CFG, vocab_size=300, max_position_embeddings=256))
+def _setup(tmp_path: Path, n: int = 24, **model_changes: Any) -> tuple[Path, Path]:
+    changes = {"vocab_size": 300, "max_position_embeddings": 256, **model_changes}
+    model = LlamaForCausalLM(dataclasses.replace(CFG, **changes))
     model.init_weights(3)
     write_hf_directory(model, tmp_path / "base")
     rng = random.Random(1)
@@ -247,6 +248,45 @@ def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: li
             assert rel <= 5e-5, f"{name}: {rel:.3g}"
 
 
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [
+        (2, ["parallel.tp=2"]),
+        (2, ["parallel.tp=2", "lora.use_dora=true"]),
+        (4, ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true", "parallel.zero=1"]),
+        (2, ["parallel.tp=2", "lora.double_quant=false"]),
+    ],
+    ids=["tp2", "qdora-tp2", "tp2-sp-dp2-zero1", "tp2-single-quant"],
+)
+def test_qlora_under_tp_equals_single_process(tmp_path: Path, world: int, layout: list[str]) -> None:
+    """QLoRA (NF4 base) under tp: each rank quantises its shard, the block scales double-quantised over
+    the whole weight, so the dequantised base, the losses and the adapters are the single process's."""
+    base, data = _setup(tmp_path, n=40, hidden_size=128, intermediate_size=256)
+    adapter = ["lora.base_bits=4", *[x for x in layout if x.startswith("lora.")]]
+    one = _config(base, data, "train.global_batch=4", "train.micro_batch=2", *adapter)
+    rows = _rows(one)
+    ref = run_distributed(_train_body, 1, one, rows, str(tmp_path / "one"), 3)[0]
+    cfg = _config(base, data, "train.global_batch=4", "train.micro_batch=1", "lora.base_bits=4", *layout)
+    validate(cfg, world)
+    results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
+    np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
+    got = {name: w for result in results for name, w in result["weights"].items()}
+    assert sorted(got) == sorted(ref["weights"])
+    for name, weight in ref["weights"].items():
+        rel = ((got[name] - weight).norm() / weight.norm()).item()
+        assert rel <= 5e-5, f"{name}: {rel:.3g}"
+
+
+def test_qlora_under_tp_refuses_shards_across_nf4_blocks(tmp_path: Path) -> None:
+    base, data = _setup(tmp_path, n=4)  # hidden 48: o_proj's 24-column shards cut NF4's 64-value blocks
+    run = _cli(
+        "sft", str(base), str(data), "data.tokenizer=byte", "train.seq_len=128", "train.steps=1",
+        "train.global_batch=2", "lora.base_bits=4", "parallel.tp=2", "--nproc", "2", "--out", "run",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode != 0 and "do not fall on NF4's 64-value blocks" in run.stderr
+
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_sft_bf16_zero_tracks_the_single_process(tmp_path: Path, zero: int) -> None:
     """LoRA under bf16 ZeRO-2/3 (16-bit working adapters and base, fp32 master adapters): the losses
@@ -342,7 +382,7 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.tp=2", "lora.base_bits=4"], "QLoRA and adapter dropout on a tensor-parallel model"),
+        (["parallel.tp=2", "lora.dropout=0.1"], "adapter dropout on a tensor-parallel model"),
         (
             ["parallel.zero=3", "parallel.dp=2", "lora.use_dora=true"],
             "DoRA and parameter offload on a ZeRO-3",

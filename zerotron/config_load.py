@@ -563,11 +563,10 @@ def _check_finetune(cfg: Config) -> None:
             raise ConfigError(
                 f"lora.target_modules={lo.target_modules!r} is not a regular expression: {e}"
             ) from e
-    if p.tp > 1 and (lo.base_bits == 4 or lo.dropout > 0):
+    if p.tp > 1 and lo.dropout > 0:
         raise ConfigError(
-            f"lora.base_bits={lo.base_bits}, lora.dropout={lo.dropout} under parallel.tp={p.tp}: QLoRA and "
-            "adapter dropout on a tensor-parallel model are not built yet; set lora.base_bits=0 and "
-            "lora.dropout=0, or parallel.tp=1"
+            f"lora.dropout={lo.dropout} under parallel.tp={p.tp}: adapter dropout on a tensor-parallel model "
+            "is not built yet; set lora.dropout=0, or parallel.tp=1"
         )
     if p.zero == 3 and (lo.base_bits == 4 or lo.use_dora or p.offload_params != "none"):
         raise ConfigError(

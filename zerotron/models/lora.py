@@ -33,6 +33,7 @@ from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
 from zerotron.models.lora_tp import MAGNITUDE, TensorParallelLinear, attach_tp_lora
 from zerotron.models.nf4 import NF4Linear
+from zerotron.models.nf4_tp import quantize_tp_layer
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -299,10 +300,10 @@ def apply_lora(
     """
     cfg.validate()
     split = any(isinstance(m, TensorParallelLinear) and m.group.size > 1 for m in model.modules())
-    if split and (cfg.base_bits == 4 or cfg.dropout > 0):
+    if split and cfg.dropout > 0:
         raise ConfigError(
-            "LoRA on a tensor-parallel model: QLoRA (lora.base_bits=4) and lora.dropout > 0 are not "
-            "built yet there; use lora.base_bits=0 and lora.dropout=0, or parallel.tp=1"
+            "LoRA on a tensor-parallel model: lora.dropout > 0 is not built yet there; use lora.dropout=0, "
+            "or parallel.tp=1"
         )
     if any(p.is_meta for p in model.parameters()) and (cfg.base_bits == 4 or cfg.use_dora):
         raise ConfigError(
@@ -316,7 +317,9 @@ def apply_lora(
             "name module suffixes such as q_proj,v_proj, or use all-linear"
         )
     others = [
-        n for n, m in model.named_modules() if type(m) is nn.Linear and n not in names and n != "lm_head"
+        n
+        for n, m in model.named_modules()
+        if (type(m) is nn.Linear or isinstance(m, TensorParallelLinear)) and n not in names and n != "lm_head"
     ]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -324,6 +327,8 @@ def apply_lora(
         base = model.get_submodule(name)
         g = _generator_for(seed, name) if seed is not None else generator
         if isinstance(base, TensorParallelLinear):  # this rank's part, the single process's values
+            if cfg.base_bits == 4:
+                quantize_tp_layer(base, name, cfg.double_quant)
             attach_tp_lora(base, cfg.rank, cfg.scaling, g, dora=cfg.use_dora)
             continue
         assert isinstance(base, nn.Linear)
@@ -337,6 +342,9 @@ def apply_lora(
     if cfg.base_bits == 4:
         for name in others:
             linear = model.get_submodule(name)
+            if isinstance(linear, TensorParallelLinear):
+                quantize_tp_layer(linear, name, cfg.double_quant)
+                continue
             assert isinstance(linear, nn.Linear)
             _set(model, name, NF4Linear(linear, double=cfg.double_quant))
     return names

@@ -38,6 +38,7 @@ from torch import nn
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
+    ShardSpec,
     leave_region,
     replicated_spec,
     split_spec,
@@ -48,6 +49,14 @@ from zerotron.parallel.tensor_comm import reduce_from_tp
 MAGNITUDE = "lora_magnitude_vector"  # DoRA's per-row magnitude (PEFT's name)
 
 TensorParallelLinear = (ColumnParallelLinear, RowParallelLinear)
+
+
+def weight_spec(module: Any) -> ShardSpec:
+    """Where a tensor-parallel layer's weight shard lies in the whole weight (an NF4 layer keeps it
+    aside: its weight is no parameter)."""
+    spec: ShardSpec | None = module.tp_specs.get("weight") or getattr(module, "weight_spec", None)
+    assert spec is not None, "a tensor-parallel layer without its weight's shard spec"
+    return spec
 
 
 def _adapter(in_features: int, out_features: int, like: torch.Tensor) -> nn.Linear:
@@ -119,7 +128,7 @@ def attach_tp_lora(
     """Give a Column/RowParallelLinear this rank's part of a fresh adapter (see the module docstring);
     with ``dora``, DoRA's magnitudes, initialised to the whole rows' norms of W."""
     weight: torch.Tensor = module.weight
-    out_full, in_full = module.tp_specs["weight"].global_shape
+    out_full, in_full = weight_spec(module).global_shape
     a_full = torch.empty(rank, in_full, dtype=weight.dtype)
     bound = 1.0 / math.sqrt(in_full)  # PEFT's Kaiming-uniform over the full fan-in
     with torch.no_grad():
@@ -144,7 +153,7 @@ def attach_tp_lora(
         module.register_forward_hook(_column_hook)
     else:
         assert isinstance(module, RowParallelLinear)
-        start, size = module.tp_specs["weight"].offsets[1], module.in_features
+        start, size = weight_spec(module).offsets[1], module.in_features
         module.lora_A = _adapter(size, rank, weight)
         module.lora_A.__dict__["tp_specs"] = {"weight": split_spec((rank, in_full), 1, start, size)}
         module.lora_B = _adapter(rank, out_full, weight)

@@ -61,8 +61,8 @@ class NF4Weight:
         if self.absmax is not None:
             return self.absmax
         assert self.absmax_q is not None and self.absmax_scale is not None
-        q = self.absmax_q.float().view(-1, self.block2) * self.absmax_scale[:, None] / 127.0
-        return q.reshape(-1)[: self.packed.numel() * 2 // self.block] + self.absmax_offset
+        n_blocks = self.packed.numel() * 2 // self.block
+        return _dequantize_scales(self.absmax_q, self.absmax_scale, self.absmax_offset, self.block2, n_blocks)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         idx = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).reshape(-1).long()
@@ -83,11 +83,31 @@ def quantize_nf4(weight: torch.Tensor, block: int = 64, double: bool = True, blo
     packed = (idx[:, 0] << 4) | idx[:, 1]
     if not double:
         return NF4Weight(packed, weight.shape, block, absmax, None, None)
+    q, scale, offset = _quantize_scales(absmax, block2)
+    return NF4Weight(packed, weight.shape, block, None, q, scale, offset, block2)
+
+
+def _quantize_scales(absmax: torch.Tensor, block2: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Double quantisation of the block scales: (int8 codes, fp32 scale per ``block2``, the mean offset)."""
     offset = float(absmax.mean())
     groups, _ = _blocks(absmax - offset, block2)
     scale = groups.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(groups / scale[:, None] * 127.0).clamp(-127, 127).to(torch.int8)
-    return NF4Weight(packed, weight.shape, block, None, q.reshape(-1), scale, offset, block2)
+    return q.reshape(-1), scale, offset
+
+
+def _dequantize_scales(
+    q: torch.Tensor, scale: torch.Tensor, offset: float, block2: int, n_blocks: int
+) -> torch.Tensor:
+    values = q.float().view(-1, block2) * scale[:, None] / 127.0
+    return values.reshape(-1)[:n_blocks] + offset
+
+
+def double_quantized_scales(absmax: torch.Tensor, block2: int = 256) -> torch.Tensor:
+    """The block scales a double-quantised NF4 weight dequantises with (fp32, one per block): what
+    :func:`quantize_nf4` with ``double`` stores for these ``absmax`` values, read back."""
+    q, scale, offset = _quantize_scales(absmax, block2)
+    return _dequantize_scales(q, scale, offset, block2, absmax.numel())
 
 
 class NF4Linear(nn.Module):

@@ -1,0 +1,109 @@
+"""NF4 (QLoRA) base weights on tensor-parallel layers, with the single process's values on any tp.
+
+Each rank quantises its own shard of the frozen weight. NF4 cuts a weight, flattened row-major, into
+blocks of 64 values; a shard's blocks are the single process's blocks when its boundaries fall on
+block boundaries: a column-parallel shard (whole rows) when its first element and its size are
+multiples of the block, a row-parallel shard (a slice of every row) when the full row and the slice are
+— otherwise the layout is refused in one line. Double quantisation quantises the block scales
+themselves in groups of 256 around their mean, over the whole weight: the ranks gather their scales
+over tp (one counted all-gather per layer, at load), put them in the single process's order, double-
+quantise them as it does, and keep their own blocks' resulting values (in fp32: a tp rank stores 4
+bytes of scale per block where the single process stores 1, so 4.5 bits per weight instead of 4.13).
+A replicated layer (a KV head shared by ranks) quantises its whole weight as the single process does.
+
+The layer then has no ``weight`` parameter: ``module.weight`` dequantises the shard to the weight's
+former dtype on each use, so the layer's forward, its LoRA/DoRA hooks and the loss see the single
+process's dequantised values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerotron.config_load import ConfigError
+from zerotron.distributed import collectives
+from zerotron.models.nf4 import NF4Weight, double_quantized_scales, quantize_nf4
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ShardSpec
+
+
+class _NF4Weight:
+    """``module.weight``: the NF4 shard dequantised to the weight's former dtype."""
+
+    def __get__(self, module: Any, owner: type | None = None) -> torch.Tensor:
+        weight: torch.Tensor = module.quantized.dequantize(module.compute_dtype)
+        return weight
+
+
+class NF4ColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel layer whose frozen weight is stored in NF4."""
+
+    weight = _NF4Weight()  # type: ignore[assignment]
+    quantized: NF4Weight
+    compute_dtype: torch.dtype
+    weight_spec: ShardSpec
+
+
+class NF4RowParallelLinear(RowParallelLinear):
+    """A row-parallel layer whose frozen weight is stored in NF4."""
+
+    weight = _NF4Weight()  # type: ignore[assignment]
+    quantized: NF4Weight
+    compute_dtype: torch.dtype
+    weight_spec: ShardSpec
+
+
+def _check_blocks(module: Any, name: str, block: int) -> None:
+    out_full, in_full = module.tp_specs["weight"].global_shape
+    if isinstance(module, ColumnParallelLinear):
+        start, size = module.rows
+        aligned = module.replicated or (start * in_full % block == 0 and size * in_full % block == 0)
+    else:
+        aligned = in_full % block == 0 and module.in_features % block == 0
+    if not aligned:
+        raise ConfigError(
+            f"QLoRA under parallel.tp={module.group.size}: {name}'s shards ({out_full} x {in_full} weight) do "
+            f"not fall on NF4's {block}-value blocks, so its quantisation would depend on tp; use a tp whose "
+            "shards are whole blocks, or parallel.tp=1"
+        )
+
+
+def _own_scales(module: Any, absmax: torch.Tensor) -> torch.Tensor:
+    """This rank's blocks' scales after double quantisation over the whole weight (see the docstring)."""
+    group = module.group
+    gathered = absmax.new_empty((group.size * absmax.numel(),))
+    collectives.all_gather(gathered, absmax.contiguous(), group)
+    parts = gathered.view(group.size, -1)
+    rank = group.rank_in_group
+    if isinstance(module, ColumnParallelLinear):  # whole rows: the shards' blocks follow each other
+        return double_quantized_scales(parts.reshape(-1)).view(group.size, -1)[rank].clone()
+    rows = module.out_features  # a slice of every row: the full order is (row, rank, block)
+    full = parts.view(group.size, rows, -1).transpose(0, 1).reshape(-1)
+    scales = double_quantized_scales(full).view(rows, group.size, -1)
+    return scales[:, rank].reshape(-1).clone()
+
+
+def quantize_tp_layer(module: Any, name: str, double: bool = True, block: int = 64) -> None:
+    """Store a Column/RowParallelLinear's frozen weight in NF4 (in place; collective over tp when
+    ``double``: every tp rank calls it for the same layers in the same order)."""
+    _check_blocks(module, name, block)
+    weight = module.weight.detach()
+    dtype = weight.dtype
+    replicated = isinstance(module, ColumnParallelLinear) and module.replicated
+    if replicated or module.group.size == 1 or not double:
+        quantized = quantize_nf4(weight, block, double)
+    else:
+        single = quantize_nf4(weight, block, double=False)
+        assert single.absmax is not None
+        scales = _own_scales(module, single.absmax)
+        quantized = NF4Weight(single.packed, single.shape, block, scales, None, None)
+    del module._parameters["weight"]
+    module.weight_spec = module.tp_specs.pop("weight")  # the shard's place, for the adapters
+    getattr(module, "tp_grad_sums", {}).pop("weight", None)
+    module.__class__ = (
+        NF4ColumnParallelLinear if isinstance(module, ColumnParallelLinear) else NF4RowParallelLinear
+    )
+    module.quantized, module.compute_dtype = quantized, dtype
+    if module.bias is not None:
+        module.bias.requires_grad_(False)
