@@ -76,14 +76,15 @@ def offload_optimizer(
     otherwise each flat buffer's segments stay on the device and their fp32 master joins the moments.
     """
     rank = engine.layouts[0].rank if engine.layouts else 0  # names the offload files
-    sizes = [layout.shard for layout in engine.layouts]
+    pieces = list(zip(engine.segments, engine.layouts))
+    if isinstance(engine, ZeroStage3):  # a frozen (adapter-trained) base's units get no optimizer state
+        pieces = [(segs, lay) for unit, (segs, lay) in zip(engine.units, pieces) if not unit.frozen]
+    sizes = [layout.shard for _, layout in pieces]
     moments = {key: ShardStore(sizes, key, where, nvme_path, rank) for key in MOMENTS}
     buckets: list[Bucket]
     if isinstance(engine, ZeroStage3) and engine.store is not None:
-        buckets = list(engine.units)
+        buckets = [u for u in engine.units if not u.frozen]
     else:
         master = ShardStore(sizes, "master", where, nvme_path, rank)
-        buckets = [
-            DeviceBucket(segs, n, master, i) for i, (segs, n) in enumerate(zip(engine.segments, sizes))
-        ]
+        buckets = [DeviceBucket(segs, n, master, i) for i, ((segs, _), n) in enumerate(zip(pieces, sizes))]
     return OffloadAdamW(buckets, moments, cfg)

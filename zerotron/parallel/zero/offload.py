@@ -323,8 +323,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- checkpoints and accounting ------------------------------------------------------------------------
     def segment_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """The AdamW state of one segment (its part of each moment, and the step), None before any step."""
-        if self.steps == 0:
+        """The AdamW state of one segment (its part of each moment, and the step), None before any step
+        and for a parameter it does not step (a frozen base's, which has no optimizer state)."""
+        if self.steps == 0 or id(param) not in self._where:
             return None
         i, seg = self._where[id(param)]
         state = {k: self.moments[k].read(i, seg.at, seg.length) for k in MOMENTS}

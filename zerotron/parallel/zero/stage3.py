@@ -111,8 +111,6 @@ class ZeroStage3:
         group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
         per_root, runs = plan_units(model, group_of, persist_numel)
         rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
-        if offload_params != "none" and any(frozen for _, _, frozen in runs):
-            raise ValueError("ZeRO-3 parameter offload of frozen (adapter-trained) models is not built yet")
         self.store = (
             ShardStore([lay.shard for _, lay, _ in runs], "params", offload_params, nvme_path, rank)
             if offload_params != "none"
