@@ -274,8 +274,8 @@ def test_convert_merge_lora_matches_peft_merge(
 def test_tensor_parallel_and_meta_device_models_get_adapters(tmp_path: Path) -> None:
     """A tensor-parallel layer gets its adapter part (tests/test_sft.py runs tp 2 and 4 against the single
     process); a meta-device (ZeRO-3) model gets meta adapters, whose values ZeRO-3's units take from
-    initial_adapter (tests/test_sft.py: ZeRO-3 equals the single process); QLoRA and DoRA, whose initial
-    values need the base's weights, are refused there with one line."""
+    initial_adapter (tests/test_sft.py: ZeRO-3 equals the single process; DoRA's magnitudes come from
+    the weight source's rows); QLoRA, whose NF4 base needs the base's weights, is refused there."""
     from zerotron.distributed.collectives import CommStats
     from zerotron.distributed.mesh import Group
     from zerotron.parallel.tensor import RowParallelLinear
@@ -295,7 +295,7 @@ def test_tensor_parallel_and_meta_device_models_get_adapters(tmp_path: Path) -> 
     with torch.device("meta"):
         meta = LlamaForCausalLM(CFG)
     with pytest.raises(ConfigError, match="meta-device"):
-        apply_lora(meta, LoraConfig(use_dora=True))
+        apply_lora(meta, LoraConfig(base_bits=4))
 
 
 def test_saving_over_an_adapter_replaces_it_whole(tmp_path: Path) -> None:

@@ -218,6 +218,8 @@ LAYOUTS = [
         ],
     ),
     (2, ["parallel.dp=2", "parallel.zero=3", "parallel.offload_optimizer=cpu"]),
+    (2, ["parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0", "lora.use_dora=true"]),
+    (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "lora.use_dora=true"]),
     (2, ["parallel.dp=2", "parallel.zero=2", "lora.base_bits=4", "lora.use_dora=true"]),
     (2, ["parallel.tp=2", "lora.use_dora=true"]),
     (4, ["parallel.tp=4", "parallel.sequence_parallel=true", "lora.use_dora=true"]),
@@ -243,6 +245,8 @@ LAYOUTS = [
         "dp2-zero3-offload-params-cpu",
         "dp2-zero3-offload-nvme",
         "dp2-zero3-offload-optimizer",
+        "dora-dp2-zero3",
+        "dora-dp2-tp2-zero3",
         "qdora-dp2-zero2",
         "dora-tp2",
         "dora-tp4-sp-kv-replicated",
@@ -442,8 +446,8 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
     [
         (["parallel.tp=2", "lora.dropout=0.1"], "adapter dropout on a tensor-parallel model"),
         (
-            ["parallel.zero=3", "parallel.dp=2", "lora.use_dora=true"],
-            "QLoRA and DoRA on a ZeRO-3",
+            ["parallel.zero=3", "parallel.dp=2", "lora.base_bits=4"],
+            "QLoRA on a ZeRO-3-sharded base",
         ),
         (["data.max_length=200"], "longer than train.seq_len=128"),
         (["data.format=yaml"], "choose one of pretrain, auto"),

@@ -568,10 +568,10 @@ def _check_finetune(cfg: Config) -> None:
             f"lora.dropout={lo.dropout} under parallel.tp={p.tp}: adapter dropout on a tensor-parallel model "
             "is not built yet; set lora.dropout=0, or parallel.tp=1"
         )
-    if p.zero == 3 and (lo.base_bits == 4 or lo.use_dora):
+    if p.zero == 3 and lo.base_bits == 4:
         raise ConfigError(
-            f"parallel.zero=3 with lora.base_bits={lo.base_bits}, lora.use_dora={lo.use_dora}: QLoRA and "
-            "DoRA on a ZeRO-3-sharded base are not built yet; use plain LoRA, or parallel.zero=2"
+            "parallel.zero=3 with lora.base_bits=4: QLoRA on a ZeRO-3-sharded base is not built yet; use "
+            "lora.base_bits=0, or parallel.zero=2"
         )
 
 

@@ -273,6 +273,13 @@ def _generator_for(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(to_hf_name(name).encode()))
 
 
+def initial_magnitude(rows: torch.Tensor) -> torch.Tensor:
+    """DoRA's initial magnitudes of a layer's output ``rows`` (of its base weight, any dtype): their norms
+    in fp32 (B starts at zero), for a model built on the meta device (ZeRO-3)."""
+    norm: torch.Tensor = torch.linalg.norm(rows.float(), dim=1)
+    return norm
+
+
 def initial_adapter(name: str, global_shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The whole initial value of adapter parameter ``name`` (``<layer>.lora_A.weight``/``lora_B``) as
     :func:`apply_lora` with ``seed`` draws it: for a model built on the meta device (ZeRO-3), whose
@@ -305,10 +312,10 @@ def apply_lora(
             "LoRA on a tensor-parallel model: lora.dropout > 0 is not built yet there; use lora.dropout=0, "
             "or parallel.tp=1"
         )
-    if any(p.is_meta for p in model.parameters()) and (cfg.base_bits == 4 or cfg.use_dora):
+    if any(p.is_meta for p in model.parameters()) and cfg.base_bits == 4:
         raise ConfigError(
-            "QLoRA or DoRA on an unmaterialised (meta-device, ZeRO-3) model is not built yet: their "
-            "initial values need the base's weights; load them first (use ZeRO-2)"
+            "QLoRA on an unmaterialised (meta-device, ZeRO-3) model is not built yet: the NF4 base needs "
+            "the base's weights; load them first (use ZeRO-2)"
         )
     names = [n for n, m in model.named_modules() if _is_target(n, m, cfg)]
     if not names:

@@ -177,7 +177,7 @@ def _attach_magnitude(module: Any, out_full: int) -> None:
     if isinstance(module, ColumnParallelLinear):
         with torch.no_grad():
             w = module.weight  # this rank's rows, or all of them when replicated
-            magnitude = torch.linalg.norm(w, dim=1)
+            magnitude = torch.linalg.norm(w, dim=1)  # meta on a meta model: ZeRO-3 fills it
         start, size = module.rows
         setattr(module, MAGNITUDE, nn.Parameter(magnitude))
         module.tp_specs[MAGNITUDE] = (
@@ -188,7 +188,7 @@ def _attach_magnitude(module: Any, out_full: int) -> None:
         return
     with torch.no_grad():
         squares = module.weight.square().sum(dim=1)
-        if group.size > 1:
+        if group.size > 1 and not squares.is_meta:  # a meta model's values come from ZeRO-3's fill
             squares = reduce_from_tp(squares, group)
     setattr(module, MAGNITUDE, nn.Parameter(squares.sqrt()))
     module.tp_specs[MAGNITUDE] = replicated_spec((out_full,))

@@ -25,7 +25,8 @@ from zerotron.config import LORA_NAME_LIST, Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
-from zerotron.models.lora import LoraConfig, apply_lora, initial_adapter
+from zerotron.models.lora import LoraConfig, apply_lora, initial_adapter, initial_magnitude
+from zerotron.models.lora_tp import MAGNITUDE
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
 from zerotron.parallel.data import GradientBuckets
@@ -125,7 +126,8 @@ def _fill_from(
     source: WeightSource, records: Mapping[str, Placement], seed: int
 ) -> Callable[[str], torch.Tensor]:
     """ZeRO-3's ``fill``: a parameter's box on this rank, by name, from ``source``; a LoRA adapter's
-    from its initial value (:func:`~zerotron.models.lora.initial_adapter`)."""
+    from its initial value (:func:`~zerotron.models.lora.initial_adapter`), DoRA's magnitudes from the
+    norms of the base weight's rows, read from ``source``."""
 
     def adapter_box(
         name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
@@ -133,7 +135,18 @@ def _fill_from(
         whole = initial_adapter(name, shape, seed)
         return whole[tuple(slice(o, o + n) for o, n in zip(offsets, box))]
 
+    def magnitude_box(
+        name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
+    ) -> torch.Tensor:  # DoRA: the norms of the base weight's rows this box covers, read from the source
+        weight = name.removesuffix(MAGNITUDE) + "weight"
+        record = records[weight]
+        in_full = record.stored_shape[1]
+        rows = source.box(record.source or weight, record.stored_shape, (offsets[0], 0), (box[0], in_full))
+        return initial_magnitude(rows)
+
     def fill(name: str) -> torch.Tensor:
+        if name.endswith(MAGNITUDE):
+            return fill_value(magnitude_box, name, records[name])
         adapter = ".lora_A." in name or ".lora_B." in name
         return fill_value(adapter_box if adapter else source.box, name, records[name])
 
