@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 
 from zerotron.config import ModelConfig
+from zerotron.models.hf_bnb import BnbFormatError, check_quantization, group_keys
+from zerotron.models.hf_bnb import dequantize as dequantize_bnb
 from zerotron.models.hf_moe import MIXTRAL_ROLES, PLAIN_ROLES, fuse_stream, rename_block, split_experts
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -54,6 +56,10 @@ def from_hf_name(name: str) -> str:
 
 
 def _refuse_unsupported(hf: dict[str, Any], arch: str, source: str) -> None:
+    try:
+        check_quantization(hf, source)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: unsupported architecture {arch!r}; zerotron reads {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -286,19 +292,32 @@ def _experts_in(directory: Path) -> int:
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of one safetensors file, one tensor in memory at a time; errors name the file."""
+    """(name, tensor) of one safetensors file, one tensor in memory at a time; errors name the file.
+    A weight saved quantised by bitsandbytes (4-bit) comes out dequantised to fp32, its quantisation
+    state's tensors folded into it (:mod:`zerotron.models.hf_bnb`)."""
     from safetensors import safe_open
 
     try:
         handle = safe_open(str(path), framework="pt")
-        keys = list(handle.keys())
+        keys, states = group_keys(list(handle.keys()))
     except Exception as e:  # safetensors raises its own SafetensorError/OSError for damaged files
         raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
-    for key in keys:
+
+    def get(key: str) -> torch.Tensor:
         try:
-            tensor = handle.get_tensor(key)
+            tensor: torch.Tensor = handle.get_tensor(key)
         except Exception as e:
             raise ModelLoadError(f"{path}: tensor {key} cannot be read ({str(e).splitlines()[0]})") from e
+        return tensor
+
+    for key in keys:
+        tensor = get(key)
+        if key in states:
+            parts = {part: get(k) for part, k in states[key].items()}
+            try:
+                tensor = dequantize_bnb(tensor, parts, f"{path}: {key}")
+            except BnbFormatError as e:
+                raise ModelLoadError(str(e)) from None
         yield key, tensor
 
 

@@ -24,6 +24,8 @@ import torch
 
 from zerotron.config import ModelConfig
 from zerotron.models.hf import ModelLoadError, _weight_files, from_hf_name
+from zerotron.models.hf_bnb import BnbFormatError, group_keys
+from zerotron.models.hf_bnb import dequantize as dequantize_bnb
 from zerotron.models.hf_moe import expert_part
 from zerotron.models.llama import init_parameter
 
@@ -79,12 +81,15 @@ class HFSource:
         self.directory = Path(directory)
         self._where: dict[str, tuple[Path, str]] = {}  # zerotron name -> (file, its key)
         self._parts: dict[str, dict[tuple[int, str], tuple[Path, str]]] = {}  # fused name -> per expert
+        self._bnb: dict[str, dict[str, str]] = {}  # zerotron name -> its bitsandbytes state's keys
         for path in _weight_files(self.directory):
             try:
                 with safe_open(str(path), framework="pt") as handle:
-                    keys = list(handle.keys())
+                    keys, states = group_keys(list(handle.keys()))
             except Exception as e:  # safetensors raises its own errors for damaged files
                 raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
+            for key, parts in states.items():
+                self._bnb[from_hf_name(key)] = parts
             for key in keys:
                 name = from_hf_name(key)
                 part = expert_part(name)
@@ -112,6 +117,14 @@ class HFSource:
 
         path, key = where
         with safe_open(str(path), framework="pt") as handle:
+            if name in self._bnb:  # saved quantised by bitsandbytes: the whole weight, dequantised
+                parts = {part: handle.get_tensor(k) for part, k in self._bnb[name].items()}
+                try:
+                    whole = dequantize_bnb(handle.get_tensor(key), parts, f"{path}: {key}")
+                except BnbFormatError as e:
+                    raise ModelLoadError(str(e)) from None
+                _check_shape(self.directory, key, tuple(whole.shape), want)
+                return whole[index].clone()
             part = handle.get_slice(key)
             _check_shape(self.directory, key, tuple(part.get_shape()), want)
             data: torch.Tensor = part[index]
