@@ -315,6 +315,40 @@ def test_qlora_under_tp_equals_single_process(tmp_path: Path, world: int, layout
         assert rel <= 5e-5, f"{name}: {rel:.3g}"
 
 
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [
+        (2, ["parallel.tp=2"]),
+        (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.recompute=full"]),
+        (4, ["parallel.tp=4", "train.recompute=selective"]),
+    ],
+    ids=["tp2", "tp2-sp-recompute-full", "tp4-kv-replicated-selective"],
+)
+def test_adapter_dropout_under_tp_equals_single_process(
+    tmp_path: Path, world: int, layout: list[str]
+) -> None:
+    """lora.dropout under tp draws the single process's masks (the ranks of a tp group share the default
+    generator; a row-parallel layer keeps its columns of the whole input's mask), recomputation replays
+    them: the same losses and adapters as one process with the same dropout and micro-batches."""
+    base, data = _setup(tmp_path, n=40)
+    common = ["train.global_batch=4", "train.micro_batch=2", "lora.dropout=0.3"]
+    one = _config(base, data, *common)
+    rows = _rows(one)
+    ref = run_distributed(_train_body, 1, one, rows, str(tmp_path / "one"), 3)[0]
+    plain = _config(base, data, "train.global_batch=4", "train.micro_batch=2")
+    without = run_distributed(_train_body, 1, plain, rows, str(tmp_path / "plain"), 3)[0]
+    moved = max(((without["weights"][n] - w).norm() / w.norm()).item() for n, w in ref["weights"].items())
+    assert moved > 1e-2  # the dropout does act on the adapters
+    cfg = _config(base, data, *common, *layout)
+    validate(cfg, world)
+    results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
+    np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
+    got = {name: w for result in results for name, w in result["weights"].items()}
+    for name, weight in ref["weights"].items():
+        rel = ((got[name] - weight).norm() / weight.norm()).item()
+        assert rel <= 5e-5, f"{name}: {rel:.3g}"
+
+
 def test_qlora_under_tp_refuses_shards_across_nf4_blocks(tmp_path: Path) -> None:
     base, data = _setup(tmp_path, n=4)  # hidden 48: o_proj's 24-column shards cut NF4's 64-value blocks
     run = _cli(
@@ -444,7 +478,7 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.tp=2", "lora.dropout=0.1"], "adapter dropout on a tensor-parallel model"),
+        (["parallel.tp=2", "lora.dropout=0.1", "lora.use_dora=true"], "DoRA with adapter dropout"),
         (
             ["parallel.zero=3", "parallel.dp=2", "lora.base_bits=4"],
             "QLoRA on a ZeRO-3-sharded base",

@@ -563,10 +563,10 @@ def _check_finetune(cfg: Config) -> None:
             raise ConfigError(
                 f"lora.target_modules={lo.target_modules!r} is not a regular expression: {e}"
             ) from e
-    if p.tp > 1 and lo.dropout > 0:
+    if p.tp > 1 and lo.dropout > 0 and lo.use_dora:
         raise ConfigError(
-            f"lora.dropout={lo.dropout} under parallel.tp={p.tp}: adapter dropout on a tensor-parallel model "
-            "is not built yet; set lora.dropout=0, or parallel.tp=1"
+            f"lora.dropout={lo.dropout} with lora.use_dora=true under parallel.tp={p.tp}: DoRA with adapter "
+            "dropout on a tensor-parallel model is not built yet; set lora.dropout=0, or parallel.tp=1"
         )
     if p.zero == 3 and lo.base_bits == 4:
         raise ConfigError(

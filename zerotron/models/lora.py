@@ -307,9 +307,9 @@ def apply_lora(
     """
     cfg.validate()
     split = any(isinstance(m, TensorParallelLinear) and m.group.size > 1 for m in model.modules())
-    if split and cfg.dropout > 0:
+    if split and cfg.dropout > 0 and cfg.use_dora:
         raise ConfigError(
-            "LoRA on a tensor-parallel model: lora.dropout > 0 is not built yet there; use lora.dropout=0, "
+            "DoRA with lora.dropout > 0 on a tensor-parallel model is not built yet; use lora.dropout=0, "
             "or parallel.tp=1"
         )
     if any(p.is_meta for p in model.parameters()) and cfg.base_bits == 4:
@@ -336,7 +336,7 @@ def apply_lora(
         if isinstance(base, TensorParallelLinear):  # this rank's part, the single process's values
             if cfg.base_bits == 4:
                 quantize_tp_layer(base, name, cfg.double_quant)
-            attach_tp_lora(base, cfg.rank, cfg.scaling, g, dora=cfg.use_dora)
+            attach_tp_lora(base, cfg.rank, cfg.scaling, g, dora=cfg.use_dora, dropout=cfg.dropout)
             continue
         assert isinstance(base, nn.Linear)
         lora: LoraLayer

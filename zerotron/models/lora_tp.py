@@ -21,6 +21,12 @@ its rows' norms alone; a row-parallel layer holds every magnitude and sums the s
 of its columns over tp (one all-reduce of ``out`` values per forward); under sequence parallelism
 the magnitudes' gradient is summed over tp like B's.
 
+Adapter dropout (``lora.dropout``) draws the single process's masks: the ranks of a tensor-parallel
+group seed the default generator alike (the trainer seeds by the rank's tp group, not the rank), so a
+column-parallel layer's whole input gets the same mask on every rank, and a row-parallel layer draws
+the whole input's mask and keeps its columns — the same draws, in the same order, as one process
+makes; recomputation replays them. (DoRA with dropout under tp is not built.)
+
 Parameters keep LoRA's names (``<layer>.lora_A.weight``, ``<layer>.lora_magnitude_vector``), and their
 shard specs go into the placement record like any other tensor-parallel parameter (checkpoints,
 gradient norms, adapter gathering).
@@ -103,6 +109,19 @@ def _row_norm(module: Any) -> torch.Tensor:
         return squares.sqrt()
 
 
+def _dropout_columns(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """Adapter dropout on a row-parallel layer's input columns: this rank's columns of the mask the
+    single process draws for the whole input (the ranks of a tp group share the default generator's
+    state, so they draw the same whole mask; torch's dropout kernel's draw, replayed by recompute)."""
+    p = module.lora_dropout_p
+    if p == 0 or not module.training:
+        return x
+    start, size = weight_spec(module).offsets[1], module.in_features
+    whole = (*x.shape[:-1], weight_spec(module).global_shape[1])
+    noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    return x * noise[..., start : start + size]
+
+
 def _column_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
     b = _column_rows(module, module.lora_B.weight)  # all of B when replicated: this rank's rows
     assert b is not None
@@ -114,7 +133,7 @@ def _column_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> to
 
 
 def _row_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-    u = leave_region(module.lora_A(module.lora_dropout(args[0])), module.output_mode, module.group)
+    u = leave_region(module.lora_A(_dropout_columns(module, args[0])), module.output_mode, module.group)
     update = module.lora_B(u)
     if getattr(module, MAGNITUDE, None) is not None:
         return _dora(module, output, update, _row_norm(module))
@@ -123,10 +142,16 @@ def _row_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch
 
 
 def attach_tp_lora(
-    module: Any, rank: int, scaling: float, generator: torch.Generator | None = None, dora: bool = False
+    module: Any,
+    rank: int,
+    scaling: float,
+    generator: torch.Generator | None = None,
+    dora: bool = False,
+    dropout: float = 0.0,
 ) -> None:
     """Give a Column/RowParallelLinear this rank's part of a fresh adapter (see the module docstring);
-    with ``dora``, DoRA's magnitudes, initialised to the whole rows' norms of W."""
+    with ``dora``, DoRA's magnitudes, initialised to the whole rows' norms of W; ``dropout`` on the
+    adapter's input (the single process's masks: see the module docstring)."""
     weight: torch.Tensor = module.weight
     out_full, in_full = weight_spec(module).global_shape
     a_full = torch.empty(rank, in_full, dtype=weight.dtype)
@@ -163,7 +188,9 @@ def attach_tp_lora(
         if module.output_mode == "sequence":
             sum_grad_over_tp(module.lora_B, "weight", group)
         module.register_forward_hook(_row_hook)
-    module.lora_dropout = nn.Identity()
+    column = isinstance(module, ColumnParallelLinear)  # its input is whole: the plain dropout module
+    module.lora_dropout = nn.Dropout(dropout) if dropout > 0 and column else nn.Identity()
+    module.lora_dropout_p = dropout
     module.scaling = scaling
     setattr(module, MAGNITUDE, None)
     if dora:

@@ -235,7 +235,7 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        torch.manual_seed(cfg.train.seed + mesh.rank)
+        torch.manual_seed(cfg.train.seed + mesh.rank // mesh.dims.tp)
         with return_freed_host_memory():
             self.model = build_model(cfg, self.device, mesh, materialized=cfg.parallel.zero < 3)
             self.model.train()
@@ -258,6 +258,10 @@ class Trainer:
         self.resumed_layout: dict[str, Any] | None = None
         self.runner = build_step(self.model, mesh, cfg, self.meter, self.buckets)
         self._place_norm(mesh)
+        # The default generator draws adapter dropout from the first step on: seeded again here, past
+        # whatever building the layout drew, and alike on the ranks of a tp group (tp is the innermost
+        # axis), which see the same activations (zerotron/models/lora_tp.py). A resume restores it.
+        torch.manual_seed(cfg.train.seed + mesh.rank // mesh.dims.tp)
         self.flops_per_token = flops_per_token(ModelShape.from_config(cfg.model), cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
         # checkpoint.async_save: a thread writes the files; the gathers stay on this thread.
