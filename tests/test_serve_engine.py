@@ -305,3 +305,46 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
             )
         assert tokens == out[0, len(prompt) :].tolist()
     assert engine.pool.in_use == 0
+
+
+def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+) -> None:
+    """A bf16 model (weights and KV cache in 16 bits; its linears in row chunks of 16 to 32, where the
+    16-bit kernels' arithmetic does not change with the row count): greedy tokens and log-probabilities
+    bit-identical alone, batched under a small token budget and on a prefix-cache hit; the
+    log-probabilities of its tokens within bf16's rounding of the fp32 model's full forward."""
+    _, model = pair
+    half = copy.deepcopy(model).to(torch.bfloat16)
+
+    def make(**kw: object) -> Engine:
+        return Engine(copy.deepcopy(half), None, EngineConfig(**{"num_blocks": 128, **kw}))  # type: ignore[arg-type]
+
+    prompts = _prompts([150, 9, 64, 33, 90], seed=1)
+    engine = make()
+    assert engine.kv.k[0].dtype == torch.bfloat16
+    alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
+    assert _run(make(max_num_batched_tokens=37), prompts, GREEDY) == alone
+    first = _run(engine, prompts[:1], GREEDY)
+    hits = engine.pool.hits
+    assert _run(engine, prompts[:1] + prompts[1:3], GREEDY) == alone[:3] and first == alone[:1]
+    assert engine.pool.hits > hits
+    for prompt, (tokens, logprobs) in zip(prompts, alone):
+        with torch.no_grad():
+            full = torch.log_softmax(model(torch.tensor([prompt + tokens]))[0].float(), -1)
+        expected = torch.tensor([float(full[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)])
+        assert (torch.tensor(logprobs) - expected).abs().max() <= 0.15  # measured: 0.056 at most
+
+
+def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count() -> None:
+    """SmolLM2's output head in bf16 (49152 x 576): a row's logits are the same bits whatever the number
+    of rows in the forward (on this CPU plain F.linear's change from 33 rows up, AMX kernels)."""
+    from zerotron.serve.runner import _chunked_linear
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(49152, 576, generator=g).bfloat16()
+    x = torch.randn(300, 576, generator=g).bfloat16()
+    one = _chunked_linear(weight, None, x[:1])[0]
+    for rows in (2, 16, 17, 32, 33, 40, 64, 100, 300):
+        assert torch.equal(_chunked_linear(weight, None, x[:rows])[0], one), rows
+        assert torch.equal(_chunked_linear(weight, None, x[:rows].view(1, rows, 576))[0, 0], one), rows

@@ -257,3 +257,29 @@ def test_tensor_parallel_serving_equals_one_process(client: object, tmp_path: Pa
         proc.terminate()
         proc.wait(timeout=60)
     assert proc.returncode == 0, log.read_text()
+
+
+def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(tmp_path: Path) -> None:
+    """``zerotron serve --dtype bfloat16``: the chat answer says Paris; 16 concurrent greedy requests
+    each get the tokens they get alone (the 16-bit linears run in row chunks); every block is freed."""
+    log = tmp_path / "bf16.log"
+    proc, base = _start(["--dtype", "bfloat16", "--max-model-len", "512", "--kv-cache-memory", "0.1"], log)
+    try:
+        bf16 = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        chat = bf16.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=24)
+        assert "Paris" in (chat.choices[0].message.content or "")
+        prompts = [f"Item {i}: the number {i * 7} is" for i in range(16)]
+
+        def ask(prompt: str) -> str:
+            out = bf16.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=12)
+            return str(out.choices[0].text)
+
+        alone = [ask(p) for p in prompts]
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(ask, prompts))
+        assert together == alone
+        _wait_idle(base)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, log.read_text()

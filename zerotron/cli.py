@@ -170,6 +170,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for flag, ok in checks:
         if not ok:
             raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
+    if args.dtype != "float32" and nproc > 1:
+        raise ConfigError(
+            f"serve --dtype {args.dtype} with {nproc} ranks: 16-bit tensor-parallel serving is not built yet; "
+            "use --dtype float32 or one rank"
+        )
+    if args.dtype != "float32" and args.matmul == "onednn":
+        raise ConfigError(
+            f"serve --matmul onednn packs fp32 weights; with --dtype {args.dtype} the linears run in row "
+            "chunks through torch's 16-bit kernels: leave --matmul out"
+        )
     config = EngineConfig(
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_cache_memory * 2**30),
@@ -177,7 +187,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
-        onednn=args.matmul == "onednn",
+        onednn=(args.matmul or ("onednn" if args.dtype == "float32" else "mkl")) == "onednn",
+        dtype=args.dtype,
     )
     if nproc == 1 and not under_torchrun():
         run_server(args.model, args.host, args.port, args.served_model_name, config)
@@ -414,8 +425,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--matmul",
         choices=["onednn", "mkl"],
-        default="onednn",
-        help="linear layers through oneDNN on packed weights (forwards of >= 2 rows) or MKL (>= 16 rows)",
+        default=None,
+        help="fp32 linear layers through oneDNN on packed weights (forwards of >= 2 rows; the default) or "
+        "MKL (>= 16 rows)",
+    )
+    srv.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights, activations and KV cache: float32, or bfloat16 (half the memory; AMX/AVX-512 "
+        "kernels; the linears run in row chunks so results do not depend on the batch)",
     )
     srv.add_argument(
         "--nproc",

@@ -212,12 +212,14 @@ async def _stream(
 
 
 def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optional[Group] = None) -> Engine:
-    """The model at ``model_path`` (fp32) in an engine; split over ``tp_group`` when given."""
+    """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; split over
+    ``tp_group`` when given."""
     import torch
 
     from zerotron.serve.generate import load_model, split_for_tensor_parallel
 
-    model, tokenizer = load_model(model_path, dtype=torch.float32, device="cpu")
+    dtype = getattr(torch, (config or EngineConfig()).dtype)
+    model, tokenizer = load_model(model_path, dtype=dtype, device="cpu")
     if tp_group is not None and tp_group.size > 1:
         split_for_tensor_parallel(model, tp_group)
     # The engine owns this model: its linears may be packed for oneDNN (config.onednn, the default here).

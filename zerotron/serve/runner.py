@@ -29,6 +29,9 @@ from zerotron.serve.paged import KVPool, PagedAttention, Piece
 # batch. MKL's (F.linear) settle at 16 rows; oneDNN's (packed linears, :func:`pack_linears`) at 2.
 MIN_ROWS = 16
 MIN_ROWS_ONEDNN = 2
+# 16-bit linears (bf16, fp16; AMX/AVX-512 kernels) change their arithmetic with the row count above 32
+# rows too (the output head's from 33): they run in chunks of 16 to 32 rows (:func:`chunk_linears`).
+CHUNK_ROWS = 32
 
 _PLAN, _IDLE, _STOP = 1, 0, -1
 KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
@@ -128,6 +131,35 @@ def pack_linears(model: nn.Module) -> bool:
     return every
 
 
+def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` in row chunks of 16 to 32 (each chunk's rows padded to 16 at least): a row's result
+    then does not depend on how many rows the forward has."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if MIN_ROWS <= n <= CHUNK_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    outs = []
+    for start in range(0, n, CHUNK_ROWS):
+        chunk = rows[start : start + CHUNK_ROWS]
+        short = MIN_ROWS - chunk.shape[0]
+        if short > 0:
+            chunk = torch.cat([chunk, chunk.new_zeros(short, chunk.shape[1])])
+        outs.append(torch.nn.functional.linear(chunk, weight, bias)[: min(CHUNK_ROWS, n - start)])
+    return torch.cat(outs).view(*x.shape[:-1], weight.shape[0])
+
+
+def chunk_linears(model: nn.Module) -> bool:
+    """Run every ``nn.Linear`` of a 16-bit model in row chunks (:func:`_chunked_linear`). Returns whether
+    every linear of the model is chunked (tensor-parallel linears are not)."""
+    every = True
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            every = False
+        if type(module) is nn.Linear:
+            module.forward = functools.partial(_chunked_linear, module.weight, module.bias)  # type: ignore[method-assign]
+    return every
+
+
 class StepRunner:
     """Runs step plans on this rank's model and KV pool."""
 
@@ -136,7 +168,10 @@ class StepRunner:
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`; the engine then owns the model)."""
         self.model, self.kv = model, kv
-        self.min_rows = MIN_ROWS_ONEDNN if onednn and pack_linears(model) else MIN_ROWS
+        sixteen = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        if sixteen:
+            chunk_linears(model)
+        self.min_rows = MIN_ROWS_ONEDNN if onednn and not sixteen and pack_linears(model) else MIN_ROWS
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = next(model.parameters()).device
         self.last_signal = time.monotonic()
