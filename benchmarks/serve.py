@@ -152,6 +152,8 @@ def serve_zerotron(model_dir: str, port: int, args: argparse.Namespace) -> subpr
         "1024",
         "--max-num-seqs",
         str(args.max_concurrency),
+        "--dtype",
+        args.dtype,
         *args.zerotron_args.split(),
     ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -167,7 +169,7 @@ def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subproces
         "--port",
         str(port),
     ]
-    cmd += ["--served-model-name", "m", "--max-model-len", "1024", "--dtype", "float32"]
+    cmd += ["--served-model-name", "m", "--max-model-len", "1024", "--dtype", args.dtype]
     cmd += ["--max-num-seqs", str(args.max_concurrency)]
     # Both cores for vLLM's compute, as zerotron serve has them (by default vLLM keeps one for its
     # front end and computes on the other).
@@ -232,6 +234,9 @@ def main() -> None:
     p.add_argument("--offline", action="store_true", help="also run the in-process baselines")
     p.add_argument(
         "--zerotron-args", default="", help="extra arguments of zerotron serve, e.g. '--matmul mkl'"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="both servers' weights and cache"
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
