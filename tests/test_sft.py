@@ -277,13 +277,18 @@ def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: li
         if any("offload_optimizer" in x for x in layout):
             assert shards["moments"] == 2 * shards["trained"] and shards["trained"] < shards["numel"] / 4
     if not full:  # the adapters, whole over tp, each pipeline stage's own (full weights: by their losses)
-        got = {name: w for result in results for name, w in result["weights"].items()}
-        assert sorted(got) == sorted(ref["weights"])
-        for name, weight in ref["weights"].items():
-            # B starts at zero, so Adam's sign-sized first steps turn last-bit gradient differences from
-            # another summation order (tp sums) into ~1e-5 of a B; a wrong update is off by O(1)
-            rel = ((got[name] - weight).norm() / weight.norm()).item()
-            assert rel <= 5e-5, f"{name}: {rel:.3g}"
+        _assert_same_adapters(results, ref)
+
+
+def _assert_same_adapters(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    """Every rank's whole adapters (merged over pipeline stages) equal the single process's."""
+    got = {name: w for result in results for name, w in result["weights"].items()}
+    assert sorted(got) == sorted(ref["weights"])
+    for name, weight in ref["weights"].items():
+        # B starts at zero, so Adam's sign-sized first steps turn last-bit gradient differences from
+        # another summation order (tp sums) into ~1e-5 of a B; a wrong update is off by O(1)
+        rel = ((got[name] - weight).norm() / weight.norm()).item()
+        assert rel <= 5e-5, f"{name}: {rel:.3g}"
 
 
 @pytest.mark.parametrize(
@@ -308,11 +313,7 @@ def test_qlora_under_tp_equals_single_process(tmp_path: Path, world: int, layout
     validate(cfg, world)
     results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
     np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
-    got = {name: w for result in results for name, w in result["weights"].items()}
-    assert sorted(got) == sorted(ref["weights"])
-    for name, weight in ref["weights"].items():
-        rel = ((got[name] - weight).norm() / weight.norm()).item()
-        assert rel <= 5e-5, f"{name}: {rel:.3g}"
+    _assert_same_adapters(results, ref)
 
 
 @pytest.mark.parametrize(
@@ -343,10 +344,7 @@ def test_adapter_dropout_under_tp_equals_single_process(
     validate(cfg, world)
     results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
     np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
-    got = {name: w for result in results for name, w in result["weights"].items()}
-    for name, weight in ref["weights"].items():
-        rel = ((got[name] - weight).norm() / weight.norm()).item()
-        assert rel <= 5e-5, f"{name}: {rel:.3g}"
+    _assert_same_adapters(results, ref)
 
 
 def test_qlora_under_tp_refuses_shards_across_nf4_blocks(tmp_path: Path) -> None:
