@@ -153,43 +153,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"zerotron serve needs FastAPI and uvicorn ({err}): pip install 'zerotron[serve]'"
         ) from None
     from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, under_torchrun
-    from zerotron.serve.engine import EngineConfig
+    from zerotron.serve.app import engine_config
 
     nproc = 1 if args.nproc is None else args.nproc
     if adopt_slurm_env() or under_torchrun():  # every process of the job is a tensor-parallel rank
         nproc = job_rank_and_world()[1]
-    checks = [
-        ("--nproc", nproc >= 1),
-        ("--port", 0 < args.port < 65536),
-        ("--block-size", args.block_size in (1, 2, 4, 8, 16, 32, 64, 128)),
-        ("--max-num-seqs", args.max_num_seqs >= 1),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens >= 1),
-        ("--kv-cache-memory", args.kv_cache_memory > 0),
-        ("--max-model-len", args.max_model_len is None or args.max_model_len >= 2),
-    ]
-    for flag, ok in checks:
-        if not ok:
-            raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
-    if args.dtype != "float32" and nproc > 1:
-        raise ConfigError(
-            f"serve --dtype {args.dtype} with {nproc} ranks: 16-bit tensor-parallel serving is not built yet; "
-            "use --dtype float32 or one rank"
-        )
-    if args.dtype != "float32" and args.matmul == "onednn":
-        raise ConfigError(
-            f"serve --matmul onednn packs fp32 weights; with --dtype {args.dtype} the linears run in row "
-            "chunks through torch's 16-bit kernels: leave --matmul out"
-        )
-    config = EngineConfig(
-        block_size=args.block_size,
-        kv_cache_bytes=int(args.kv_cache_memory * 2**30),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        prefix_caching=not args.no_prefix_caching,
-        onednn=(args.matmul or ("onednn" if args.dtype == "float32" else "mkl")) == "onednn",
-        dtype=args.dtype,
-    )
+    config = engine_config(args, nproc)
     if nproc == 1 and not under_torchrun():
         run_server(args.model, args.host, args.port, args.served_model_name, config)
         return 0

@@ -20,6 +20,7 @@ other quantisation methods are refused in one line.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -76,7 +77,7 @@ def dequantize(packed: torch.Tensor, parts: dict[str, torch.Tensor], where: str)
         nested = int(state["nested_blocksize"])
         groups = parts["nested_absmax"].float().repeat_interleave(nested)[: absmax.numel()]
         absmax = parts["nested_quant_map"].float()[absmax.long()] * groups + float(state["nested_offset"])
-    numel = shape[0] * shape[1] if len(shape) == 2 else int(torch.tensor(shape).prod())
+    numel = math.prod(shape)
     blocks = -(-numel // block)
     if absmax.numel() != blocks or index.numel() < numel:
         raise BnbFormatError(f"{where}: the bitsandbytes state does not match a {shape} weight")

@@ -306,12 +306,9 @@ def engine_moe_terms(
         terms.append(Term("moe.router_input_cast", w * t * h, "sp"))
         weights = (e // ep) * mlp_params(m) + m.router
         terms.append(Term("moe.weight_casts", w * weights, "none"))
-    if m.shared:
-        # gate, up and its gate's inputs (autocast's own casts)
+    if m.shared:  # gate, up and its gate's inputs (autocast's own casts)
         casts = 3 * w * t * h if autocast and not weights16 else 0
-        terms += [
-            Term("moe.shared_inner", 4 * w * t * m.shared + casts, "sp"),
-        ]
+        terms.append(Term("moe.shared_inner", 4 * w * t * m.shared + casts, "sp"))
         if m.shared_gate:
             terms.append(Term("moe.shared_gate", 4 * t + 4 * t * h, "sp"))
     return terms

@@ -211,6 +211,42 @@ async def _stream(
     yield "data: [DONE]\n\n"
 
 
+def engine_config(args: Any, nproc: int) -> EngineConfig:
+    """The engine's settings from ``zerotron serve``'s flags, each checked (one line naming the flag)."""
+    checks = [
+        ("--nproc", nproc >= 1),
+        ("--port", 0 < args.port < 65536),
+        ("--block-size", args.block_size in (1, 2, 4, 8, 16, 32, 64, 128)),
+        ("--max-num-seqs", args.max_num_seqs >= 1),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens >= 1),
+        ("--kv-cache-memory", args.kv_cache_memory > 0),
+        ("--max-model-len", args.max_model_len is None or args.max_model_len >= 2),
+    ]
+    for flag, ok in checks:
+        if not ok:
+            raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
+    if args.dtype != "float32" and nproc > 1:
+        raise ConfigError(
+            f"serve --dtype {args.dtype} with {nproc} ranks: 16-bit tensor-parallel serving is not built yet; "
+            "use --dtype float32 or one rank"
+        )
+    if args.dtype != "float32" and args.matmul == "onednn":
+        raise ConfigError(
+            f"serve --matmul onednn packs fp32 weights; with --dtype {args.dtype} the linears run in row "
+            "chunks through torch's 16-bit kernels: leave --matmul out"
+        )
+    return EngineConfig(
+        block_size=args.block_size,
+        kv_cache_bytes=int(args.kv_cache_memory * 2**30),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        prefix_caching=not args.no_prefix_caching,
+        onednn=(args.matmul or ("onednn" if args.dtype == "float32" else "mkl")) == "onednn",
+        dtype=args.dtype,
+    )
+
+
 def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optional[Group] = None) -> Engine:
     """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; split over
     ``tp_group`` when given."""
