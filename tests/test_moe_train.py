@@ -227,6 +227,74 @@ def test_moe_training_matches_transformers(world: int, layout: list[str], tmp_pa
         assert 0 < f["load"]["min"] <= 0.25 <= f["load"]["max"] and f["load"]["cv"] >= 0
 
 
+ETP_LAYOUTS = [
+    (2, ["train.micro_batch=8", "parallel.tp=2", "parallel.etp=2"]),
+    (2, ["train.micro_batch=8", "parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true"]),
+    (4, ["train.micro_batch=4", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2"]),
+    (
+        4,
+        [
+            "train.micro_batch=4",
+            "parallel.tp=2",
+            "parallel.etp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.ep=2",
+            "parallel.zero=3",
+            "parallel.persist_numel=0",
+            "train.recompute=full",
+        ],
+    ),
+    (
+        4,
+        [
+            "train.micro_batch=8",
+            "parallel.pp=2",
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "parallel.etp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.zero=1",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    ETP_LAYOUTS,
+    ids=lambda x: x if isinstance(x, int) else "+".join(v.split(".")[1] for v in x),
+)
+def test_expert_tensor_parallel_training_matches_transformers(
+    world: int, layout: list[str], tmp_path: Path
+) -> None:
+    """Experts split over tp (parallel.etp=tp): each rank holds a slice of every expert's intermediate
+    width (gate and up rows, down columns); losses, aux losses and the saved weights (assembled from the
+    slices each rank wrote) equal transformers' Mixtral trained on the whole batch, and each rank holds
+    1/tp of the expert elements of its ep rank."""
+    tokens = _tokens()
+    overrides = [*MOE, *layout]
+    validate(load_config(None, overrides), world)
+    ref_losses, ref_aux, ref_weights = _reference(overrides, tokens)
+    results = run_distributed(_moe_body, world, overrides, tokens, str(tmp_path), STEPS, None, timeout=300)
+    cfg = load_config(None, overrides)
+    per_rank = cfg.model.num_local_experts // cfg.parallel.ep
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-5)
+        assert r["n_params"] == sum(w.numel() for w in ref_weights.values())
+        for name, w in r["weights"].items():
+            if ".experts." in name and "parallel.zero=3" not in layout:
+                whole = ref_weights[name]
+                assert w.numel() * cfg.parallel.tp == whole.numel() * per_rank // whole.shape[0], name
+    saved = read_model_tensors(store.find_latest(tmp_path / "checkpoints"))
+    for name, ref in ref_weights.items():
+        assert float((saved[name] - ref).norm() / ref.norm()) <= 1e-5, name
+    figures = run_distributed(
+        _aux_body, world, overrides, tokens, str(tmp_path / "aux"), 2, None, timeout=300
+    )
+    for f in figures:
+        np.testing.assert_allclose(f["aux"], ref_aux[:2], rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
@@ -235,6 +303,11 @@ def test_moe_training_matches_transformers(world: int, layout: list[str], tmp_pa
         (["parallel.ep=3"], "ep=3"),
         (["parallel.ep=4"], "parallel.ep=4 does not divide parallel.dp*cp = 2"),
         (["model.mlp=plain"], "MoE experts are SwiGLU"),
+        (["parallel.etp=2"], "parallel.etp=2: the experts are either whole on every tp rank"),
+        (
+            ["parallel.tp=2", "parallel.dp=1", "parallel.etp=2", "model.moe_intermediate_size=3"],
+            "etp=2 does not divide",
+        ),
     ],
 )
 def test_moe_layouts_not_built_are_refused(overrides: list[str], expected: str) -> None:
@@ -270,6 +343,43 @@ def test_checkpoint_saved_at_ep2_resumes_on_another_layout(
     for r in second:
         np.testing.assert_allclose(r["losses"], ref_losses[4:], rtol=1e-5)
     _check_expert_weights(second, ref_weights)
+
+
+@pytest.mark.parametrize(
+    ("first_world", "first", "world", "layout"),
+    [
+        (
+            4,
+            ["train.micro_batch=4", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "parallel.zero=1"],
+            1,
+            ["train.micro_batch=8"],
+        ),
+        (
+            2,
+            ["train.micro_batch=4", "parallel.ep=2"],
+            2,
+            ["train.micro_batch=8", "parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true"],
+        ),
+    ],
+    ids=["etp-to-one", "ep-to-etp"],
+)
+def test_expert_tensor_parallel_checkpoints_reshard(
+    first_world: int, first: list[str], world: int, layout: list[str], tmp_path: Path
+) -> None:
+    """A checkpoint whose experts are split over tp (each rank's slice of the gate rows and of the up
+    rows written as separate pieces) resumes whole on one process, and one saved at ep 2 resumes with
+    the experts split over tp: the trajectory continues as transformers' does."""
+    tokens = _tokens()
+    ref_losses, _, ref_weights = _reference(MOE, tokens)
+    a = run_distributed(_moe_body, first_world, [*MOE, *first], tokens, str(tmp_path), 4, None, timeout=300)
+    np.testing.assert_allclose(a[0]["losses"], ref_losses[:4], rtol=1e-5)
+    ckpt = str(store.find_latest(tmp_path / "checkpoints"))
+    b = run_distributed(_moe_body, world, [*MOE, *layout], tokens, str(tmp_path / "b"), 4, ckpt, timeout=300)
+    for r in b:
+        np.testing.assert_allclose(r["losses"], ref_losses[4:], rtol=1e-5)
+    saved = read_model_tensors(store.find_latest(tmp_path / "b" / "checkpoints"))
+    for name, ref in ref_weights.items():
+        assert float((saved[name] - ref).norm() / ref.norm()) <= 1e-5, name
 
 
 def test_expert_parallel_checkpoint_exports_to_transformers(tmp_path: Path) -> None:

@@ -296,11 +296,22 @@ LAYOUTS_MOE_2 = [
     [*MOE, "parallel.ep=2", "train.recompute=full"],
     [*MOE, "parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16"],
     [*MOE, "parallel.dp=1", "parallel.tp=2", "train.precision=bf16"],
+    [*MOE, "parallel.dp=1", "parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true"],
+    [*MOE, "parallel.dp=1", "parallel.tp=2", "parallel.etp=2", "parallel.zero=3", "parallel.persist_numel=0"],
     [*MOE, "model.shared_expert_intermediate_size=48", "model.norm_topk_prob=false"],
     [*MOE, "model.scoring_func=sigmoid", "train.precision=bf16"],
 ]
 LAYOUTS_MOE_4 = [
     [*MOE, "parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+    [
+        *MOE,
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.etp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.ep=2",
+    ],
+    [*MOE, "parallel.dp=2", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "train.precision=bf16"],
     [*MOE, "parallel.ep=4", "parallel.zero=2", "train.global_batch=8"],
 ]
 

@@ -176,6 +176,11 @@ class ParallelConfig:
     )
     cp_ulysses_size: int = _f(1, "cp_comm=hybrid: ranks of each all-to-all group (divides cp, 1 < size < cp)")
     ep: int = _f(1, "expert-parallel degree, folded over dp*cp")
+    etp: int = _f(
+        1,
+        "expert tensor-parallel degree: 1 keeps every expert whole on each tp rank; tp splits each expert's "
+        "intermediate width over the tp ranks (Megatron's expert_tensor_parallel_size)",
+    )
     zero: int = _f(0, "ZeRO stage over dp: 0 (DDP), 1 (optimizer states), 2 (+grads), 3 (+params)")
     sequence_parallel: bool = _f(False, "shard LayerNorm/dropout activations over tp (Megatron SP)")
     tp_comm_overlap: bool = _f(

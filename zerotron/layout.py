@@ -40,11 +40,13 @@ class LayoutSpec:
     cp_comm: str = "ring"
     cp_ulysses_size: int = 1
     ep: int = 1
+    etp: int = 1
     zero: int = 0
     heads: int = 1
     kv_heads: int = 1
     vocab: int = 1
     intermediate: int = 1
+    expert_intermediate: int = 1
     layers: int = 1
     experts: int = 0
     top_k: int = 0
@@ -78,11 +80,13 @@ def spec_of(cfg: Config, world: int) -> LayoutSpec:
         cp_comm=p.cp_comm,
         cp_ulysses_size=p.cp_ulysses_size,
         ep=p.ep,
+        etp=p.etp,
         zero=p.zero,
         heads=m.num_attention_heads,
         kv_heads=m.kv_heads,
         vocab=m.vocab_size,
         intermediate=m.intermediate_size,
+        expert_intermediate=m.expert_intermediate,
         layers=m.num_hidden_layers,
         experts=m.num_local_experts,
         top_k=m.num_experts_per_tok if m.num_local_experts else 0,
@@ -323,6 +327,21 @@ def _check_experts(spec: LayoutSpec) -> None:
         raise LayoutError(
             f"parallel.ep={spec.ep} does not divide the {spec.experts} experts; choose ep in "
             f"{', '.join(map(str, _divisors(spec.experts)))}"
+        )
+    if spec.etp not in (1, spec.tp):
+        raise LayoutError(
+            f"parallel.etp={spec.etp}: the experts are either whole on every tp rank (etp=1) or split over "
+            f"all of them (etp=tp={spec.tp}); set parallel.etp to 1 or {spec.tp}"
+        )
+    if spec.etp > 1 and not spec.experts:
+        raise LayoutError(
+            f"parallel.etp={spec.etp}: the model has no experts (dense Llama config); set parallel.etp=1"
+        )
+    if spec.etp > 1 and spec.expert_intermediate % spec.etp:
+        raise LayoutError(
+            f"parallel.etp={spec.etp} does not divide the experts' intermediate width "
+            f"{spec.expert_intermediate}; "
+            "choose another tp or set parallel.etp=1"
         )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +120,20 @@ def local_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> t
     return out
 
 
+class ExpertRegion(Protocol):
+    """Expert tensor parallelism's tp region around the routed experts (set by the parallel layer)."""
+
+    def enter(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens, top-k weights and ids -> those every expert slice runs on."""
+        ...
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        """The experts' partial combined outputs -> this rank's tokens' outputs."""
+        ...
+
+
 class SharedExpert(nn.Module):
     """Qwen2-MoE's always-on expert: a SwiGLU MLP scaled by sigmoid(shared_expert_gate(x))."""
 
@@ -150,6 +164,7 @@ class MoEBlock(nn.Module):
             self.shared_expert = SharedExpert(h, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatch: Dispatch = local_dispatch
+        self.tp_region: Optional[ExpertRegion] = None  # expert tensor parallelism's (parallel/expert.py)
         self.stats: Optional[RouterStats] = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,8 +196,11 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, h) -> (b, s, h)."""
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # (n, h)
-        weights, ids = self.route(flat)
+        mine = x.reshape(-1, shape[-1])  # (n, h)
+        weights, ids = self.route(mine)
+        flat = mine  # the tokens the experts see: under expert tensor parallelism, the tp group's
+        if self.tp_region is not None:
+            flat, weights, ids = self.tp_region.enter(mine, weights, ids)
         slot_weight, slot_expert = weights.flatten(), ids.flatten()  # per (token, choice) slot
         slots = torch.arange(slot_expert.numel(), device=x.device)
         if self.capacity_factor:  # the slots each expert keeps, per sequence
@@ -202,8 +220,10 @@ class MoEBlock(nn.Module):
         out_sorted = self.dispatch(rows, counts, self.experts)  # (slots, h)
         out_sorted = out_sorted * slot_weight[sorted_slots, None]
         out = torch.zeros_like(flat).index_add_(0, token, out_sorted.to(flat.dtype))
+        if self.tp_region is not None:
+            out = self.tp_region.leave(out)
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = out + torch.sigmoid(self.shared_expert_gate(mine)) * self.shared_expert(mine)
         return out.reshape(shape)
 
 

@@ -10,7 +10,8 @@
    core replaced by the ``parallel.cp_comm`` one (:mod:`zerotron.parallel.context`).
 4. **Expert parallelism**: each MoE block keeps its ``ep`` rank's E/ep experts, split and reduced as
    the placement record says (``ep``/``edp``), its token slots sent to their experts by all-to-all
-   (:mod:`zerotron.parallel.expert`).
+   (:mod:`zerotron.parallel.expert`); with ``parallel.etp`` = tp each expert's intermediate width is
+   split over tp too.
 5. **Activation recomputation** around the blocks.
 
 Everything happens on the meta device: no rank allocates what it will not hold. The caller then
@@ -51,9 +52,11 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
         groups = context_groups(mesh, cfg.parallel.cp_comm, cfg.parallel.cp_ulysses_size)
         for chunk in chunks:
             apply_context_parallel(chunk, groups)
-    if mesh is not None and mesh.dims.ep > 1:
+    etp = mesh is not None and cfg.parallel.etp > 1
+    if mesh is not None and (mesh.dims.ep > 1 or etp):
+        tp_group = mesh.group("tp") if etp else None
         for chunk in chunks:
-            apply_expert_parallel(chunk, mesh.group("ep"))
+            apply_expert_parallel(chunk, mesh.group("ep"), tp_group, cfg.parallel.sequence_parallel)
     one_stage = mesh is None or mesh.dims.pp == 1
     model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
     apply_recompute(model, cfg.train.recompute)

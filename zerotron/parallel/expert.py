@@ -16,6 +16,18 @@ parallel one. A block's dispatch per step:
 
 The backward of each all-to-all is the all-to-all with the splits swapped. An expert that receives no
 token still takes part in the grouped GEMM with zero rows and gets a zero gradient.
+
+Expert tensor parallelism (``parallel.etp`` = tp, Megatron's ``expert_tensor_parallel_size``) splits
+each expert's intermediate width over the tp ranks as a dense MLP is split: the rows of its gate and of
+its up projection (``gate_up_proj`` keeps the slice of both, recorded as a fused tensor of two parts)
+and the columns of ``down_proj``. Every tp rank then runs its slice of the experts on all the tokens of
+its tp group (:class:`ExpertTensorRegion`): the tokens, their routing weights and expert ids are
+all-gathered over tp under sequence parallelism (each rank routes its own shard; the backward reduce-
+scatters), or entered as a replicated input without it (the backward all-reduces); each rank
+dispatches them over its ``ep`` group (the ranks with the same tp rank), and the partial sums of the
+combined outputs are reduce-scattered (all-reduced without sequence parallelism) back over tp. The
+experts' slices get their whole gradients this way, so they are not summed over tp; they are reduced
+over ``edp`` like any expert. The router and a shared expert stay whole on every tp rank.
 """
 
 from __future__ import annotations
@@ -29,7 +41,13 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.placement import set_grad_axis, set_split
 from zerotron.parallel.tensor import ShardSpec
-from zerotron.parallel.tensor_comm import apply_function
+from zerotron.parallel.tensor_comm import (
+    apply_function,
+    copy_to_tp,
+    gather_from_sequence,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -75,11 +93,44 @@ class ExpertDispatch:
         return apply_function(_AllToAllV, out, send_splits, recv_splits, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, group: Group) -> None:
+class ExpertTensorRegion:
+    """The tp region around a block's routed experts under expert tensor parallelism (module docstring):
+    :meth:`enter` gives every tp rank all the tokens of its tp group with their routing, :meth:`leave`
+    sums the experts' partial outputs over tp and keeps this rank's tokens."""
+
+    def __init__(self, group: Group, sequence_parallel: bool) -> None:
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def enter(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens x (n, h), top-k weights (n, k) and expert ids (n, k) -> the tp group's."""
+        if not self.sequence_parallel:  # every tp rank holds the same tokens
+            return copy_to_tp(x, self.group), copy_to_tp(weights, self.group), ids
+        return (
+            gather_from_sequence(x, self.group, 0),
+            gather_from_sequence(weights, self.group, 0),
+            gather_from_sequence(ids, self.group, 0),
+        )
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        """The partial outputs (tp·n or n, h) -> their sum over tp, this rank's tokens."""
+        if not self.sequence_parallel:
+            return reduce_from_tp(out, self.group)
+        return reduce_scatter_to_sequence(out, self.group, 0)
+
+
+def apply_expert_parallel(
+    model: nn.Module, group: Group, tp_group: Group | None = None, sequence_parallel: bool = False
+) -> None:
     """Keep this rank's E/ep experts of every MoE block (on the model's device: the meta device in the
     one parallelize path), record their split over ``ep`` and their gradient group ``edp``, and route
-    the blocks' slots through :class:`ExpertDispatch`."""
+    the blocks' slots through :class:`ExpertDispatch`. With ``tp_group`` (expert tensor parallelism)
+    keep this tp rank's slice of each expert's intermediate width too, and run the routed experts in
+    an :class:`ExpertTensorRegion`."""
     p, r = group.size, group.rank_in_group
+    t, tr = (tp_group.size, tp_group.rank_in_group) if tp_group is not None else (1, 0)
+    axes = (("ep",) if p > 1 else ()) + (("tp",) if t > 1 else ())
     # the model's MoE blocks, found by what they hold (this layer does not import the models):
     # ``num_experts``, ``experts`` with stacked ``gate_up_proj``/``down_proj``, and a ``dispatch``
     blocks = [m for m in model.modules() if hasattr(m, "dispatch") and hasattr(m, "num_experts")]
@@ -89,16 +140,27 @@ def apply_expert_parallel(model: nn.Module, group: Group) -> None:
             raise ValueError(f"parallel.ep={p} does not divide the {e} experts")
         local = e // p
         experts: nn.Module = getattr(block, "experts")  # noqa: B009
+        inner = int(getattr(experts, "down_proj").shape[2])  # noqa: B009
+        if inner % t:
+            raise ValueError(f"parallel.etp={t} does not divide the experts' intermediate width {inner}")
+        w = inner // t
+        cols = slice(tr * w, (tr + 1) * w)
         for name in ("gate_up_proj", "down_proj"):
             whole: torch.Tensor = getattr(experts, name)
-            part = whole.detach()[r * local : (r + 1) * local].clone()
-            setattr(experts, name, nn.Parameter(part, whole.requires_grad))
+            part = whole.detach()[r * local : (r + 1) * local]
             shape = tuple(whole.shape)
-            set_split(
-                experts,
-                name,
-                "ep",
-                ShardSpec(shape, (r * local, *[0] * (len(shape) - 1)), tuple(part.shape), 0),
-            )
+            if name == "gate_up_proj":  # (E, 2I, h): this slice of the gate rows, then of the up rows
+                part = torch.cat([part[:, cols], part[:, inner + tr * w : inner + (tr + 1) * w]], dim=1)
+                spec = ShardSpec(shape, (r * local, tr * w, 0), (local, 2 * w, shape[2]), 1 if t > 1 else 0)
+            else:  # (E, h, I): this slice of the columns
+                part = part[:, :, cols]
+                spec = ShardSpec(shape, (r * local, 0, tr * w), (local, shape[1], w), 2 if t > 1 else 0)
+            setattr(experts, name, nn.Parameter(part.clone(), whole.requires_grad))
+            set_split(experts, name, axes, spec, parts=2 if name == "gate_up_proj" and t > 1 else 1)
             set_grad_axis(experts, name, "edp")
-        setattr(block, "dispatch", ExpertDispatch(group, local))  # noqa: B010
+            if t > 1:  # each slice's gradient is whole (all the group's tokens): no sum over tp
+                getattr(experts, "tp_grad_sums", {}).pop(name, None)
+        if p > 1:
+            setattr(block, "dispatch", ExpertDispatch(group, local))  # noqa: B010
+        if tp_group is not None and t > 1:
+            setattr(block, "tp_region", ExpertTensorRegion(tp_group, sequence_parallel))  # noqa: B010

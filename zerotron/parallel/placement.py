@@ -22,6 +22,7 @@ pipeline by the caller).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class Placement:
     flat: tuple[int, int] | None = None  # ZeRO: (start, length) of this rank's range of the flat box
     local_shape: tuple[int, ...] = ()  # the box's shape (the tensor this rank holds before ZeRO)
     real_rows: int | None = None  # padded (the vocabulary): rows of dim 0 past this are padding
+    parts: int = 1  # a fused tensor: dimension ``part_dim`` holds this many equal parts, each split alike
+    part_dim: int = 0
 
     @property
     def copy(self) -> bool:
@@ -80,19 +83,28 @@ def set_grad_axis(module: nn.Module, param_name: str, axis: str) -> None:
     axes[param_name] = axis
 
 
-def set_split(module: nn.Module, param_name: str, axis: str, spec: ShardSpec) -> None:
+def set_split(
+    module: nn.Module, param_name: str, axes: tuple[str, ...], spec: ShardSpec, parts: int = 1
+) -> None:
     """Record that ``module.<param_name>`` is this rank's box ``spec`` of a tensor split over mesh
-    ``axis`` (expert parallelism's ``ep``; tensor parallelism keeps its own ``tp_specs``)."""
+    ``axes`` (expert parallelism's ``ep``, and ``tp`` for experts split by expert tensor parallelism;
+    tensor parallelism keeps its own ``tp_specs`` for the dense layers). A fused tensor whose split
+    dimension ``spec.dim`` holds ``parts`` equal parts (SwiGLU's gate rows, then its up rows) split
+    part by part has ``parts`` > 1: ``spec.offsets[spec.dim]`` is then the box's offset within a part,
+    and the rank holds its slice of every part, one after the other (:func:`boxes`)."""
     splits = getattr(module, SPLIT_ATTR, None)
     if splits is None:
         splits = {}
         setattr(module, SPLIT_ATTR, splits)
-    splits[param_name] = (axis, spec)
+    splits[param_name] = (axes, spec, parts)
 
 
-def _splits(model: nn.Module) -> dict[int, tuple[str, ShardSpec]]:
-    """Parameter id -> the (axis, box) an ``apply_*`` other than tensor parallelism recorded for it."""
-    out: dict[int, tuple[str, ShardSpec]] = {}
+Split = tuple[tuple[str, ...], ShardSpec, int]  # (mesh axes, box, parts)
+
+
+def _splits(model: nn.Module) -> dict[int, Split]:
+    """Parameter id -> the (axes, box, parts) an ``apply_*`` other than tensor parallelism recorded."""
+    out: dict[int, Split] = {}
     for module in model.modules():
         for pname, split in getattr(module, SPLIT_ATTR, {}).items():
             out.setdefault(id(getattr(module, pname)), split)
@@ -128,24 +140,28 @@ def placements(
     for name, p in model.named_parameters(remove_duplicate=False):
         spec = specs.get(name)
         split_axes: tuple[str, ...] = ()
+        parts, part_dim = 1, 0
         if id(p) in splits:
-            axis, spec = splits[id(p)]
-            shape, offsets, split_axes = spec.global_shape, spec.offsets, (axis,)
-            sharded = False
+            split_axes, spec, parts = splits[id(p)]
+            shape, offsets = spec.global_shape, spec.offsets
+            part_dim = spec.dim or 0
         elif spec is None:
-            shape, offsets, sharded = tuple(p.shape), (0,) * p.dim(), False
+            shape, offsets = tuple(p.shape), (0,) * p.dim()
         else:
-            shape, offsets, sharded = spec.global_shape, spec.offsets, spec.sharded
+            shape, offsets = spec.global_shape, spec.offsets
+            split_axes = ("tp",) if spec.sharded else ()
         out[name] = Placement(
             global_shape=tuple(shape),
             offsets=tuple(offsets),
-            sharded=("tp",) if sharded else split_axes,
-            replicated=("tp",) if tp > 1 and not sharded else (),
+            sharded=split_axes,
+            replicated=("tp",) if tp > 1 and "tp" not in split_axes else (),
             source=copy[1] if copy is not None and p is copy[0] else None,
             grad_axis=axes.get(id(p), data_axis),
             flat=None if ranges is None else ranges.get(first[id(p)], (0, 0)),
             local_shape=tuple(p.shape),
             real_rows=None if padded is None else padded.get(name),
+            parts=parts,
+            part_dim=part_dim,
         )
     for name, b in persistent_buffers(model).items():  # state outside autograd: whole on every rank
         out[name] = Placement(
@@ -239,6 +255,35 @@ def read_box(
     return out
 
 
+def boxes(record: Placement) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes (offsets, shape) of the global tensor that this rank's tensor holds, in its row-major
+    order, each a contiguous run of it: the one box, or for a fused tensor split part by part
+    (``record.parts`` > 1) one box per index of the dimensions before ``part_dim`` and per part."""
+    if record.parts == 1:
+        return [(record.offsets, record.local_shape)]
+    d, parts = record.part_dim, record.parts
+    part, width = record.global_shape[d] // parts, record.local_shape[d] // parts
+    rest_offsets, rest_shape = record.offsets[d + 1 :], record.local_shape[d + 1 :]
+    out = []
+    for idx in itertools.product(*(range(n) for n in record.local_shape[:d])):
+        lead = tuple(o + i for o, i in zip(record.offsets[:d], idx))
+        for c in range(parts):
+            offsets = (*lead, c * part + record.offsets[d], *rest_offsets)
+            out.append((offsets, (*(1,) * d, width, *rest_shape)))
+    return out
+
+
+def read_local(
+    record: Placement, read: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor]
+) -> torch.Tensor:
+    """This rank's tensor of a parameter (or of one of its optimizer moments), whose stored part
+    ``read(offsets, shape)`` gives: its box, or its boxes one after the other (:func:`boxes`)."""
+    if record.parts == 1:
+        return read_box(record, record.offsets, record.local_shape, read)
+    values = [read(offsets, shape).reshape(-1) for offsets, shape in boxes(record)]
+    return torch.cat(values).reshape(record.local_shape)
+
+
 def fill_value(box: Box, name: str, record: Placement) -> torch.Tensor:
     """The values of this rank's box of parameter ``name`` from a weight source's ``box`` (a copy reads
     its source's; padding rows are zeros)."""
@@ -247,7 +292,7 @@ def fill_value(box: Box, name: str, record: Placement) -> torch.Tensor:
     def read(offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         return box(source, record.stored_shape, offsets, shape)
 
-    return read_box(record, record.offsets, record.local_shape, read)
+    return read_local(record, read)
 
 
 def materialize(

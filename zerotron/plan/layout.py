@@ -30,6 +30,7 @@ class Layout:
     cp_comm: str = "ring"  # ring, ulysses, allgather or hybrid (ulysses in groups of cp_ulysses_size)
     cp_ulysses_size: int = 1
     ep: int = 1
+    etp: int = 1  # expert tensor parallelism: 1 (experts whole on every tp rank) or tp (split over it)
     zero: int = 0
     micro_batch: int = 1
     recompute: str = "none"
@@ -67,6 +68,7 @@ class Layout:
         if self.offload_optimizer != "none" or self.offload_params != "none":
             extra += f" off={self.offload_optimizer}/{self.offload_params}"
         ep = f" ep{self.ep}" if self.ep > 1 else ""
+        ep += f" etp{self.etp}" if self.etp > 1 else ""
         if self.cp > 1 and self.cp_comm != "ring":
             extra += f" cp={self.cp_comm}" + (f"{self.cp_ulysses_size}" if self.cp_comm == "hybrid" else "")
         return (
@@ -112,6 +114,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         cp_comm=p.cp_comm,
         cp_ulysses_size=p.cp_ulysses_size,
         ep=p.ep,
+        etp=p.etp,
         zero=p.zero,
         micro_batch=t.micro_batch,
         recompute=t.recompute,
@@ -206,11 +209,13 @@ def spec(m: ModelShape, layout: Layout, work: Workload) -> shared.LayoutSpec:
         cp_comm=layout.cp_comm,
         cp_ulysses_size=layout.cp_ulysses_size,
         ep=layout.ep,
+        etp=layout.etp,
         zero=layout.zero,
         heads=m.heads,
         kv_heads=m.kv_heads,
         vocab=m.vocab,
         intermediate=m.intermediate,
+        expert_intermediate=m.intermediate,
         layers=m.layers,
         experts=m.experts,
         top_k=m.top_k,

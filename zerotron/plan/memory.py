@@ -263,7 +263,7 @@ def moe_terms(m: ModelShape, b: int, s: int, precision: str) -> list[Term]:
 
 
 def engine_moe_terms(
-    m: ModelShape, b: int, s: int, precision: str, ep: int = 1, weights16: bool = False
+    m: ModelShape, b: int, s: int, precision: str, ep: int = 1, weights16: bool = False, etp: int = 1
 ) -> list[Term]:
     """What the engine's MoE block (:mod:`zerotron.models.moe`) saves for backward beyond its input, for
     balanced routing (each of the ``T·k`` slots on one expert; b micro-batch, s local sequence length).
@@ -279,8 +279,13 @@ def engine_moe_terms(
     Tokens are a rank's own (``sp``: its sequence shard under sequence parallelism); the experts are
     whole on every tp rank (``none``). With 16-bit working weights (``weights16``) nothing is cast:
     the router and the shared expert read the norm's 16-bit output, the experts their own weights, and
-    the slots' weights and weighted outputs are 16-bit like the residual stream."""
+    the slots' weights and weighted outputs are 16-bit like the residual stream.
+
+    Expert tensor parallelism (``etp`` = tp): the router's terms stay the rank's own tokens, but the
+    dispatch runs on all the tokens of the tp group (``none``: whole under sequence parallelism too)
+    through a 1/etp slice of each expert's intermediate width."""
     t, k, h, i, e = b * s, m.top_k, m.hidden, m.intermediate, m.experts
+    routed = "none" if etp > 1 else "sp"  # the tokens the experts see
     autocast = precision != "fp32"
     w = _act_bytes(precision) if autocast else 4
     slots = t * k
@@ -289,22 +294,22 @@ def engine_moe_terms(
         Term("moe.logits_fp32", 4 * t * e, "sp"),
         Term("moe.logsumexp", 4 * t, "sp"),
         Term("moe.ids", 8 * slots, "sp"),
-        Term("moe.slot_indices", 2 * 8 * slots, "sp"),
-        Term("moe.slot_weights", (w if weights16 else 4) * slots, "sp"),
-        Term("moe.tokens", w * slots * h, "sp"),
-        Term("moe.inner", 4 * w * slots * i, "sp"),  # gate|up (2I), SiLU (I), product (I)
-        Term("moe.expert_out", w * slots * h, "sp"),
-        Term("moe.weighted_out", (w if weights16 else 4) * slots * h, "sp"),
+        Term("moe.slot_indices", 2 * 8 * slots, routed),
+        Term("moe.slot_weights", (w if weights16 else 4) * slots, routed),
+        Term("moe.tokens", w * slots * h, routed),
+        Term("moe.inner", 4 * w * slots * i // etp, routed),  # gate|up (2I), SiLU (I), product (I)
+        Term("moe.expert_out", w * slots * h, routed),
+        Term("moe.weighted_out", (w if weights16 else 4) * slots * h, routed),
     ]
     if m.sigmoid:
         terms.append(Term("moe.score_sums", 4 * t, "sp"))
     if m.norm_topk:
         terms += [Term("moe.topk_weights", 4 * slots, "sp"), Term("moe.topk_sums", 4 * t, "sp")]
     if ep > 1:
-        terms.append(Term("moe.regroup", 2 * 8 * slots, "sp"))
+        terms.append(Term("moe.regroup", 2 * 8 * slots, routed))
     if autocast and not weights16:
         terms.append(Term("moe.router_input_cast", w * t * h, "sp"))
-        weights = (e // ep) * mlp_params(m) + m.router
+        weights = (e // ep) * mlp_params(m) // etp + m.router
         terms.append(Term("moe.weight_casts", w * weights, "none"))
     if m.shared:  # gate, up and its gate's inputs (autocast's own casts)
         casts = 3 * w * t * h if autocast and not weights16 else 0
@@ -324,6 +329,7 @@ def engine_layer_terms(
     sp: bool = False,
     ep: int = 1,
     weights16: bool = False,
+    etp: int = 1,
 ) -> list[Term]:
     """Tensors one block of the engine saves for backward (b micro-batch, s local sequence length).
 
@@ -391,7 +397,7 @@ def engine_layer_terms(
         terms.append(Term("attn.logsumexp", 4 * b * m.heads * s, "tp"))
     terms += mla_terms(m, b, s, a)
     if moe:
-        return terms + engine_moe_terms(m, b, s, precision, ep, weights16)
+        return terms + engine_moe_terms(m, b, s, precision, ep, weights16, etp)
     mlp_tensors = 4 if m.gated else 2  # gate, silu, up, product | up, gelu
     terms.append(Term("mlp.inner", mlp_tensors * a * t * i, "tp"))
     return terms

@@ -1,7 +1,8 @@
 """Per-rank parameter counts: what each pipeline stage and tensor/expert-parallel rank holds.
 
 The shapes and whole-model counts are :mod:`zerotron.shapes`' (shared with the engine). Expert
-parallelism (``ep``) gives each rank E/ep experts, whole on every tp rank (the engine's expert tp = 1);
+parallelism (``ep``) gives each rank E/ep experts, whole on every tp rank (expert tp = 1) or split over
+it (``etp`` = tp: each rank a 1/tp slice of every expert's intermediate width);
 the router is replicated. The MoE counts are checked against the published totals and against the
 engine's own (tests/test_plan_engine.py).
 """
@@ -113,7 +114,7 @@ def pipeline_layers(
 
 @functools.lru_cache(maxsize=16384)
 def stage_params(
-    m: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None, ep: int = 1
+    m: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None, ep: int = 1, etp: int = 1
 ) -> StageParams:
     """Parameters on pipeline stage ``stage`` of ``pp`` with tensor parallel degree ``tp``.
 
@@ -123,14 +124,14 @@ def stage_params(
     embedding and head, as Megatron); norm gains are replicated, and so are the k/v projections when tp
     is a multiple of the KV heads rather than a divisor (the engine's GQA rule). The first stage holds the embedding,
     the last the final norm and head (and, when tied, a second copy of the embedding, as Megatron does
-    for pp > 1). MoE blocks hold E/ep experts, whole on every tp rank (the engine's expert tp = 1), and
-    the whole router (and shared expert). An MoE model's dense-first blocks are counted on the first
+    for pp > 1). MoE blocks hold E/ep experts, whole on every tp rank (expert tp = 1) or with 1/etp of
+    their intermediate width (``etp`` = tp), and the whole router (and shared expert). An MoE model's dense-first blocks are counted on the first
     stage (exact without interleaving when the first stage holds at least that many blocks).
     """
     per_stage = m.layers // pp if layers is None else layers
     dense = min(m.dense_layers, per_stage) if stage == 0 else 0  # dense-first blocks: the first stage's
     moe = per_stage - dense if m.experts else 0
-    experts = moe * (m.experts // ep) * mlp_params(m)  # whole on every tp rank
+    experts = moe * (m.experts // ep) * mlp_params(m) // etp  # whole on every tp rank unless etp > 1
     if m.experts:
         elements = moe * _block_elements(m, tp, 0, m.router) + experts
         elements += dense * _block_elements(m, tp, dense_mlp_params(m), 0)

@@ -92,7 +92,7 @@ def stage_memory(
     at shard boundaries differ by a few bytes between data-parallel ranks).
     """
     layers = rank_layers(m, layout, work)[stage]
-    sp = stage_params(m, layout.tp, layout.pp, stage, layers, layout.ep)
+    sp = stage_params(m, layout.tp, layout.pp, stage, layers, layout.ep, layout.etp)
     exact = None
     data = zero_ranks(layout)
     dp_rank %= data  # hybrid sharding: the rank's place in its block
@@ -233,7 +233,7 @@ def _activations(
     tp, sp = layout.tp, layout.sequence_parallel
     w16 = working_weights16(layout, work)
     per_layer = _layer_bytes(
-        m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep, w16
+        m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep, w16, layout.etp
     )
     if convention == "zerotron":
         cp_terms = mem.context_terms(
@@ -262,10 +262,11 @@ def _layer_bytes(
     flash: bool,
     ep: int = 1,
     weights16: bool = False,
+    etp: int = 1,
 ) -> float:
     """Activation bytes of one block on one rank (cached: the search asks for the same ones often)."""
     if convention == "zerotron":
-        terms = mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep, weights16)
+        terms = mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep, weights16, etp)
         return mem.split_bytes(terms, tp, sp)
     return mem.split_bytes(mem.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
 
@@ -398,7 +399,7 @@ def step_times(
         else _ACT_BYTES[work.precision]
     )
     stages = [
-        stage_params(m, layout.tp, layout.pp, r, layers[r], layout.ep)
+        stage_params(m, layout.tp, layout.pp, r, layers[r], layout.ep, layout.etp)
         for r in sorted({0, critical, layout.pp - 1})
     ]
     sp = max(stages, key=lambda st: st.elements)

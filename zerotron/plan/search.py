@@ -9,6 +9,7 @@ is never slower (less recomputed work, no host transfers).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -72,7 +73,8 @@ def candidates(m: ModelShape, work: Workload, hw: Hardware, gpus: int) -> Iterat
     for dp, tp, pp, cp in _degrees(m, work, hw, gpus):
         per_rank = work.global_batch // dp
         eps = [e for e in _divisors(m.experts, m.experts) if (dp * cp) % e == 0] if m.experts else [1]
-        for ep in eps:
+        etps = [1, tp] if m.experts and tp > 1 and m.intermediate % tp == 0 else [1]
+        for ep, etp in itertools.product(eps, etps):
             for mb in _divisors(per_rank, MAX_MICRO_BATCH):
                 for zero in (0, 1, 2, 3) if pp == 1 else (0, 1):
                     for schedule, v in _schedules(m, pp, per_rank // mb):
@@ -82,6 +84,7 @@ def candidates(m: ModelShape, work: Workload, hw: Hardware, gpus: int) -> Iterat
                             pp=pp,
                             cp=cp,
                             ep=ep,
+                            etp=etp,
                             zero=zero,
                             micro_batch=mb,
                             sequence_parallel=tp > 1,

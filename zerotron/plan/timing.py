@@ -85,16 +85,19 @@ def block_gemms(m: ModelShape, layout: Layout, work: Workload) -> list[tuple[flo
     Tokens ``T = b·s/cp``; q/k/v (one fused GEMM) and the output projection split their heads over tp;
     the MLP (gate and up fused) splits its inner width. An MoE block runs E/ep whole experts per rank,
     each on the ``T'·k·ep/E`` tokens routed to it on average (``T' = T/tp`` under sequence parallelism,
-    ``T`` without: every tp rank routes the tokens it holds), plus the router and any shared expert.
+    ``T`` without: every tp rank routes the tokens it holds; with expert tp, a 1/tp slice of each expert
+    on the ``T·k·ep/E`` tokens of the whole tp group), plus the router and any shared expert.
     """
     t, tp, h = layout.micro_batch * work.seq_len / layout.cp, layout.tp, m.hidden
     width = m.intermediate * (2 if m.gated else 1)
     shapes = _attention_gemms(m, t, tp)
     if m.experts:  # whole experts on every tp rank, on its sequence shard under SP (all tokens without)
         routed = t / tp if layout.sequence_parallel else t
-        per_expert = max(1.0, routed * m.top_k * layout.ep / m.experts)
+        etp = layout.etp  # expert tp: a 1/tp slice of every expert on all the tp group's tokens
+        dispatched = t if etp > 1 else routed
+        per_expert = max(1.0, dispatched * m.top_k * layout.ep / m.experts)
         local = m.experts / layout.ep
-        shapes += [(per_expert, width, h, local), (per_expert, h, m.intermediate, local)]
+        shapes += [(per_expert, width / etp, h, local), (per_expert, h, m.intermediate / etp, local)]
         shapes.append((routed, m.router // h, h, 1.0))  # router (and shared expert, as one GEMM)
     else:
         shapes += [(t, width / tp, h, 1.0), (t, h, m.intermediate / tp, 1.0)]
@@ -317,7 +320,7 @@ def expert_parallel_bytes(m: ModelShape, layout: Layout, work: Workload) -> floa
         return 0.0
     ep, full = layout.ep, layout.recompute == "full"
     tokens = layout.micro_batch * work.seq_len / layout.cp
-    if layout.sequence_parallel:
+    if layout.sequence_parallel and layout.etp == 1:  # expert tp dispatches the tp group's tokens
         tokens /= layout.tp
     slots_out = tokens * m.top_k * (ep - 1) / ep
     counts = 8 * m.experts * (ep - 1) // ep
@@ -336,7 +339,7 @@ def expert_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
         return 0.0
     a = _ACT_BYTES[work.precision]
     nbytes = layout.micro_batch * work.seq_len / layout.cp * m.top_k * m.hidden * a
-    if layout.sequence_parallel:  # each tp rank exchanges the tokens of its sequence shard
+    if layout.sequence_parallel and layout.etp == 1:  # each tp rank exchanges its sequence shard's
         nbytes /= layout.tp
     stride = strides(layout)["cp" if layout.cp > 1 else "dp"]
     count = 4 + (2 if layout.recompute == "full" else 0)

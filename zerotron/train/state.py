@@ -33,7 +33,15 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
-from zerotron.parallel.placement import Placement, persistent_buffers, placements, read_box, writes
+from zerotron.parallel.placement import (
+    Placement,
+    boxes,
+    persistent_buffers,
+    placements,
+    read_box,
+    read_local,
+    writes,
+)
 from zerotron.parallel.zero.offload import state_of
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
 
@@ -133,6 +141,11 @@ def _rank_pieces(
             global_shape = record.stored_shape
             if not data.numel():
                 return
+        if record.parts > 1 and data.ndim:  # a fused tensor split part by part: a piece per box
+            for key, piece in _part_pieces(name, kind, record, data, flat):
+                tensors[key] = piece.pop("data")
+                entries.append(piece)
+            return
         tensors[name] = data
         entries.append(sharded.piece(name, kind, global_shape, offsets, box, data, flat))
 
@@ -162,6 +175,25 @@ def _rank_pieces(
             if first_replica(param):
                 add(name, "optimizer", param, t.detach(), tuple(t.shape))
     return tensors, entries
+
+
+def _part_pieces(
+    name: str, kind: str, record: Placement, data: torch.Tensor, flat: tuple[int, int] | None
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The pieces of a tensor that holds several boxes of its global tensor (``placement.boxes``): the
+    part of ``data`` (this rank's whole tensor, or the range ``flat`` of it under ZeRO) in each box, as
+    that box's flat range, under the file key ``name@i``."""
+    values = data.reshape(-1)
+    start, length = flat if flat is not None else (0, values.numel())
+    at = 0
+    for i, (offsets, shape) in enumerate(boxes(record)):
+        n = math.prod(shape)
+        lo, hi = max(at, start), min(at + n, start + length)
+        if lo < hi:
+            part = values[lo - start : hi - start]
+            entry = sharded.piece(name, kind, record.global_shape, offsets, shape, part, (lo - at, hi - lo))
+            yield f"{name}@{i}", {**entry, "key": f"{name}@{i}", "data": part}
+        at += n
 
 
 def _unpadded(
@@ -275,6 +307,8 @@ class _Reader:
             return self.reader.read(src, (), ())
         want, offsets = record.stored_shape, record.offsets  # ``shape`` is the box's in the global tensor
         _check_saved_shape(self.ckpt, src, saved_shape, want)
+        if record.parts > 1:  # a fused tensor split part by part: its boxes, one after the other
+            return read_local(record, lambda o, s: self.reader.read(src, o, s))
         return read_box(record, tuple(offsets), tuple(shape), lambda o, s: self.reader.read(src, o, s))
 
     def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:
