@@ -38,6 +38,7 @@ from zerotron.distributed.watchdog import Watchdog
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
 from zerotron.parallel.context import whole_sequences
+from zerotron.parallel.tensor import sequence_parallel_off
 from zerotron.train import run_dir as run_dir_lock
 from zerotron.train.data import load_supervised, load_tokens, prepare_tokens
 from zerotron.train.fault import RankWatchdog
@@ -427,7 +428,8 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     model = trainer.model
     model.eval()
     tp = mesh.group("tp")
-    with torch.no_grad(), whole_sequences(model):  # every cp rank generates the same whole sequence
+    # every cp rank generates the same whole sequence; sequence parallelism cannot split one token
+    with torch.no_grad(), whole_sequences(model), sequence_parallel_off(model):
         result = generate(
             model,
             tokenizer,
