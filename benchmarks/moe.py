@@ -1,6 +1,6 @@
 """Mixture-of-experts on this machine: the experts' kernel and expert parallelism's step, beside peers.
 
-Run:  python benchmarks/moe.py [--part kernel|train|peers|all] [--steps 8]
+Run:  python benchmarks/moe.py [--part kernel|train|peers|etp|all] [--steps 8]
 
 - kernel: one MoE block's experts (8 experts, top-2, hidden 256, expert width 512, 4096 tokens: 8192
   token slots), forward + backward, as one grouped GEMM (``torch._grouped_mm``) and as the loop over
@@ -10,6 +10,9 @@ Run:  python benchmarks/moe.py [--part kernel|train|peers|all] [--steps 8]
   ep = 2 (each rank holds 4 experts), and on 4 ranks (2 cores: oversubscribed) with ep = 4: median step
   time after the first step, peak memory of rank 0 (``peak_memory_bytes``), model-state bytes per rank
   and the bytes each step sends, by group. The losses of the layouts agree (the tests check 1e-5).
+- etp: the same model on 4 ranks at tp 2 × sequence parallelism × ep 2, the experts whole on each tp
+  rank (``parallel.etp=1``) and split over tp (``parallel.etp=2``): step time, memory, model-state bytes
+  and traffic by group.
 - peers: zerotron at ep = 2 (as in train), then on the same shape, batch and 2 ranks (torchrun, Gloo):
   transformers' native EP (``DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="all_to_all")``)
   and DeepSpeed-MoE (``deepspeed.moe.layer.MoE``, ep 2, dropless) in a Mixtral with its MoE blocks
@@ -67,11 +70,20 @@ def kernel() -> dict[str, float]:
     return out
 
 
-def train(steps: int, peers_only: bool = False) -> list[dict[str, Any]]:
+ETP = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]
+
+
+def train(steps: int, peers_only: bool = False, etp: bool = False) -> list[dict[str, Any]]:
+    runs: list[tuple[int, int, list[str]]] = [(2, 1, []), (2, 2, []), (4, 4, [])]
+    if peers_only:
+        runs = [(2, 2, [])]
+    if etp:  # 4 ranks, tp 2 × SP × ep 2: experts whole on each tp rank, then split over tp
+        runs = [(4, 2, [*ETP, "parallel.etp=1"]), (4, 2, [*ETP, "parallel.etp=2"])]
     rows = []
-    for nproc, ep in ((2, 2),) if peers_only else ((2, 1), (2, 2), (4, 4)):
+    for nproc, ep, extra in runs:
         with tempfile.TemporaryDirectory() as tmp:
-            micro = 8 // nproc
+            tp = 2 if extra else 1
+            micro = 8 * tp // nproc
             cmd = [
                 sys.executable,
                 "-m",
@@ -81,6 +93,7 @@ def train(steps: int, peers_only: bool = False) -> list[dict[str, Any]]:
                 f"train.micro_batch={micro}",
                 f"train.steps={steps}",
                 f"parallel.ep={ep}",
+                *extra,
                 "--nproc",
                 str(nproc),
                 "--out",
@@ -93,6 +106,7 @@ def train(steps: int, peers_only: bool = False) -> list[dict[str, Any]]:
                 {
                     "ranks": nproc,
                     "ep": ep,
+                    "layout": " ".join(extra),
                     "step_s": statistics.median(r["step_time_s"] for r in records[1:]),
                     "peak_memory_mib": records[-1]["peak_memory_bytes"] / 2**20,
                     "model_state_mib": sum(records[-1]["model_state_bytes"].values()) / 2**20,
@@ -258,7 +272,7 @@ def native_ep(steps: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", default="all", choices=["kernel", "train", "peers", "all"])
+    parser.add_argument("--part", default="all", choices=["kernel", "train", "peers", "etp", "all"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a native-EP rank: the model directory
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -276,6 +290,9 @@ def main() -> None:
         print(json.dumps({"kernel": kernel()}))
     if args.part in ("train", "all", "peers"):
         for row in train(args.steps, peers_only=args.part == "peers"):
+            print(json.dumps(row))
+    if args.part in ("etp", "all"):
+        for row in train(args.steps, etp=True):
             print(json.dumps(row))
     if args.part in ("peers", "all"):
         print(json.dumps(native_ep(args.steps)))
