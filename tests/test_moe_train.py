@@ -154,6 +154,18 @@ LAYOUTS = [
     (2, ["train.micro_batch=4", "parallel.ep=2"]),
     (4, ["train.micro_batch=2", "parallel.ep=4"]),
     (4, ["train.micro_batch=2", "parallel.ep=2", "parallel.zero=1"]),
+    (4, ["train.micro_batch=2", "parallel.ep=2", "parallel.zero=2", "parallel.zero_shard_size=1"]),
+    (4, ["train.micro_batch=2", "parallel.ep=4", "parallel.zero=1", "parallel.zero_shard_size=2"]),
+    (
+        4,
+        [
+            "train.micro_batch=2",
+            "parallel.ep=2",
+            "parallel.zero=3",
+            "parallel.zero_shard_size=2",
+            "parallel.persist_numel=0",
+        ],
+    ),
     (2, ["train.micro_batch=4", "parallel.ep=2", "parallel.zero=2"]),
     (4, ["train.micro_batch=2", "parallel.ep=2", "parallel.zero=3", "parallel.persist_numel=0"]),
     (2, ["train.micro_batch=8", "parallel.ep=2", "parallel.cp=2", "train.recompute=full"]),

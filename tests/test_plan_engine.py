@@ -302,6 +302,15 @@ LAYOUTS_MOE_2 = [
     [*MOE, "model.scoring_func=sigmoid", "train.precision=bf16"],
 ]
 LAYOUTS_MOE_4 = [
+    [*MOE, "parallel.ep=2", "parallel.zero=1", "parallel.zero_shard_size=1", "train.global_batch=8"],
+    [
+        *MOE,
+        "parallel.ep=4",
+        "parallel.zero=3",
+        "parallel.zero_shard_size=2",
+        "parallel.persist_numel=0",
+        "train.global_batch=8",
+    ],
     [*MOE, "parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
     [
         *MOE,

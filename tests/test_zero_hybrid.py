@@ -50,13 +50,44 @@ def test_hybrid_sharding_refuses_what_it_cannot_do() -> None:
     for overrides, fragment in (
         (["parallel.dp=4", "parallel.zero=3", "parallel.zero_shard_size=3"], "must divide parallel.dp=4"),
         (["parallel.dp=4", "parallel.zero_shard_size=2"], "needs parallel.zero 1, 2 or 3"),
-        (
-            ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1", "parallel.zero_shard_size=1"],
-            "parallel.cp=2 is not built yet",
-        ),
     ):
         with pytest.raises(ConfigError, match=fragment):
             validate(load_config(None, [*BASE, "train.micro_batch=1", *overrides]), 4)
+    experts = [
+        "model.num_local_experts=4",
+        "parallel.dp=6",
+        "parallel.ep=2",
+        "train.global_batch=12",
+        "train.micro_batch=1",
+    ]
+    with pytest.raises(ConfigError, match="does not hold whole EP groups of parallel.ep=2"):
+        validate(load_config(None, [*BASE, *experts, "parallel.zero=1", "parallel.zero_shard_size=3"]), 6)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_hybrid_sharding_with_context_parallelism(zero: int, tmp_path: Path) -> None:
+    """dp 2 × cp 2 with blocks of one dp rank: ZeRO shards over each dp rank's two cp ranks
+    (``dp_cp_shard``) and the two dp replicas all-reduce the shards (``dp_cp_rep``); equals the single
+    process."""
+    tokens = _tokens()
+    overrides = [
+        *BASE,
+        *ZERO3,
+        "parallel.dp=2",
+        "parallel.cp=2",
+        "parallel.zero_shard_size=1",
+        "train.micro_batch=2",
+        f"parallel.zero={zero}",
+    ]
+    ref_losses, ref_weights = _reference(overrides, tokens)
+    results = run_distributed(_body, 4, overrides, tokens, str(tmp_path), timeout=300)
+    for result in results:
+        _assert_close(result, ref_losses, ref_weights)
+        assert set(result["comm"]["dp_cp_rep"]) == {"all_reduce"}, result["comm"]
+        assert "all_gather" in result["comm"]["dp_cp_shard"], result["comm"]
+    psi = sum(v.numel() for v in ref_weights.values())
+    per_param = {1: 8 + 8 / 2, 3: 16 / 2}[zero]  # 2-way states
+    assert sum(results[0]["states"].values()) == pytest.approx(per_param * psi, rel=0.02)
 
 
 def test_hybrid_sharding_bf16_tracks_fp32(tmp_path: Path) -> None:

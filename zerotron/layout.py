@@ -139,12 +139,13 @@ def _check_hybrid(spec: LayoutSpec) -> None:
         raise LayoutError(
             f"{where}={s} needs parallel.zero 1, 2 or 3 (it shards ZeRO's states); set parallel.zero"
         )
-    for key, value in (("cp", spec.cp), ("ep", spec.ep)):
-        if value > 1:
-            raise LayoutError(
-                f"{where}={s} with parallel.{key}={value} is not built yet (hybrid sharding groups the dp "
-                f"ranks only); set parallel.{key}=1 or {where}=0"
-            )
+    block = s * spec.cp  # the dp*cp ranks of a block; its expert replicas: block / ep
+    if spec.ep > 1 and block > spec.ep and block % spec.ep:
+        raise LayoutError(
+            f"{where}={s}: a block of {s} dp ranks ({block} with their cp ranks) does not hold whole EP "
+            f"groups of parallel.ep={spec.ep}, so the experts' ZeRO states cannot be sharded in it; choose "
+            f"{where} so that {where}*cp is a multiple of ep, or smaller than ep"
+        )
     if spec.offload_params != "none":
         raise LayoutError(
             f"{where}={s} with parallel.offload_params={spec.offload_params} is not built yet; set "

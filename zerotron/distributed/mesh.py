@@ -227,6 +227,7 @@ class Mesh:
         backend = str(dist.get_backend()) if initialised else ""
         self.backend = backend
         self._split: dict[tuple[str, int], tuple[Group, Group]] = {}
+        self._replicas: dict[str, Group] = {}  # shard group label -> its replicas (zero_groups)
         created: dict[tuple[int, ...], Any] = {}
         # Every rank walks the same axes and groups in the same order: new_group is collective.
         for axis in AXES:
@@ -252,11 +253,47 @@ class Mesh:
         self.pp_next = int(grid[c["dp"], c["pp"] + 1, c["cp"], c["tp"]]) if c["pp"] < d.pp - 1 else None
         self.cp_prev = int(grid[c["dp"], c["pp"], (c["cp"] - 1) % d.cp, c["tp"]])
         self.cp_next = int(grid[c["dp"], c["pp"], (c["cp"] + 1) % d.cp, c["tp"]])
+        if d.hybrid:  # hybrid sharding's blocks of the other data axes, made now (collective) in one order
+            for axis in ("dp_cp",) * (d.cp > 1) + ("edp",) * (d.ep > 1):
+                self.zero_groups(axis, self.hybrid_block(axis))
 
     def zero_group(self, axis: str) -> Group:
-        """The group ZeRO shards a parameter with gradient axis ``axis`` over: under hybrid sharding
-        ``dp_shard`` for ``dp`` (the replicas across blocks all-reduce, over ``dp_rep``), else ``axis``'s."""
-        return self.group("dp_shard" if axis == "dp" and self.dims.hybrid else axis)
+        """The group ZeRO shards a parameter with gradient axis ``axis`` over: under hybrid sharding the
+        ranks of ``axis``'s group in a block of ``zero_shard_size`` data-parallel ranks (``dp_shard`` for
+        ``dp``; with their cp ranks for ``dp_cp``; their experts' replicas for ``edp``: the replicas
+        across blocks all-reduce, over :meth:`replica_of`), else ``axis``'s group."""
+        return self.zero_groups(axis, self.hybrid_block(axis))[0]
+
+    def hybrid_block(self, axis: str) -> int:
+        """Ranks of ``axis``'s group in one hybrid-sharding block of ``zero_shard_size`` dp ranks (0: not
+        hybrid): S for ``dp``, S·cp for ``dp_cp``, S·cp/ep for ``edp`` (at least 1: a block smaller
+        than an EP group keeps whole expert states, replicated across the blocks)."""
+        d = self.dims
+        if not d.hybrid:
+            return 0
+        ranks = d.zero_shard_size * (1 if axis == "dp" else d.cp)
+        return max(1, ranks // d.ep) if axis == "edp" else ranks
+
+    def zero_groups(self, axis: str, size: int) -> tuple[Group, Group | None]:
+        """(shard group, replica group) of a parameter whose gradient axis is ``axis`` (``dp``, ``dp_cp``
+        or ``edp``) when its state is sharded over blocks of ``size`` consecutive ranks of that axis's
+        group: the block, and the ranks at the same place of every block, which hold the same shard and
+        all-reduce its gradient (None when the block is the whole group: ``size`` 0 or the axis's size).
+        ``size`` 1 keeps whole replicated states on every rank (data parallelism with fp32 masters).
+        Collective the first time for an (axis, size) (every rank asks in the same order); cached."""
+        whole = self.group(axis)
+        if size == 0 or size >= whole.size:
+            return whole, None
+        if axis == "dp" and self.dims.hybrid and size == self.dims.zero_shard_size:
+            shard, rep = self.group("dp_shard"), self.group("dp_rep")  # built with the mesh
+        else:
+            shard, rep = self.split(axis, size, (f"{axis}_shard", f"{axis}_rep"))
+        self._replicas[shard.label] = rep
+        return shard, rep
+
+    def replica_of(self, shard: Group) -> Group | None:
+        """The replica group of a shard group :meth:`zero_groups` returned (None: not replicated)."""
+        return self._replicas.get(shard.label)
 
     def group(self, axis: str) -> Group:
         """This rank's group on ``axis`` (one of ``AXES``); a size-1 group when the degree is 1."""

@@ -125,8 +125,9 @@ class ShardedEngine(GradientReducer, Protocol):
         """Whole AdamW tensors by parameter name (collective)."""
         ...
 
-    def segment_values(self) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
-        """Each segment this rank owns with a copy of its weights."""
+    def segment_values(self, written: bool = False) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
+        """Each segment this rank owns with a copy of its weights (``written``: only those it writes to
+        a checkpoint: under hybrid sharding, the first block's)."""
         ...
 
     def load_optimizer_tensors(

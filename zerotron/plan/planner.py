@@ -142,7 +142,7 @@ def data_parallel_bytes(
 
 def zero_ranks(layout: Layout) -> int:
     """Ranks ZeRO shards the dense parameters over: :func:`data_ranks`, or one block of them under hybrid
-    sharding (``zero_shard_size``; cp and ep are 1 there)."""
+    sharding (``zero_shard_size`` dp ranks with their cp ranks)."""
     return layout.zero_shards * layout.cp
 
 
@@ -150,6 +150,15 @@ def expert_dp(layout: Layout) -> int:
     """Ranks holding the same experts, over which ZeRO shards them and their gradients are reduced:
     dp·cp/ep (expert parallelism folds over the data- and context-parallel ranks, as in Megatron)."""
     return max(1, layout.dp * layout.cp // layout.ep)
+
+
+def expert_zero_ranks(layout: Layout) -> int:
+    """Ranks ZeRO shards the experts over: :func:`expert_dp`, or under hybrid sharding the experts'
+    replicas in one block of ``zero_shard_size`` dp ranks with their cp ranks (at least 1: a block smaller
+    than an EP group keeps whole expert states), as the engine's mesh cuts them."""
+    if layout.zero_shards == layout.dp:
+        return expert_dp(layout)
+    return max(1, layout.zero_shards * layout.cp // layout.ep)
 
 
 def _model_states(
@@ -178,7 +187,7 @@ def _model_states(
         mem.model_states(
             sp.expert_elements,
             sp.expert_tensors,
-            mem.StateLayout(expert_dp(layout), layout.zero, *offload),
+            mem.StateLayout(expert_zero_ranks(layout), layout.zero, *offload),
             convention,
             work.precision,
             working_bytes=working,
@@ -425,7 +434,9 @@ def step_times(
         )  # fmt: skip
         for key, value in expert_times.items():
             times[key] = times.get(key, 0.0) + value
-        shard += -(-sp.expert_elements // edp) if layout.zero >= 1 else sp.expert_elements
+        shard += (
+            -(-sp.expert_elements // expert_zero_ranks(layout)) if layout.zero >= 1 else sp.expert_elements
+        )
     states = _model_states(m, replace(layout, offload_optimizer="none", offload_params="none"), work,
                            convention, sp)["device"]  # fmt: skip
     times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, pb, ob))

@@ -151,8 +151,8 @@ def _rank_pieces(
 
     covered: set[str] = zero.names if zero is not None else set()  # a rank may own no range of some
     # hybrid sharding: the first block of data-parallel ranks writes the shards, the others hold copies
-    if zero is not None and mesh.group("dp_rep").rank_in_group == 0:
-        for seg, values in zero.segment_values():
+    if zero is not None:
+        for seg, values in zero.segment_values(written=True):
             box, flat = tuple(seg.global_shape), records[seg.name].flat
             add(seg.name, "model", seg.name, values, box, flat)
             state = state_of(optimizer, seg.param)

@@ -323,7 +323,7 @@ class Trainer:
                     self.device,
                     AUTOCAST.get(cfg.train.precision),  # 16-bit working weights, fp32 master shards
                     REDUCE_DTYPE[par.grad_reduce_dtype],
-                    self.mesh.group("dp_rep") if self.mesh.dims.hybrid else None,
+                    self.mesh.replica_of if self.mesh.dims.hybrid else None,
                 )
         buckets: GradientReducer = zero or GradientBuckets(
             self.model, groups, par.bucket_mb, REDUCE_DTYPE[par.grad_reduce_dtype]

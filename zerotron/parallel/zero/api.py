@@ -10,6 +10,7 @@ from torch import nn
 from zerotron.config import TrainConfig
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.engine import ShardedEngine
+from zerotron.parallel.zero.flat import Replicas
 from zerotron.parallel.zero.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
 from zerotron.parallel.zero.stage3 import ZeroStage3
 from zerotron.parallel.zero.stage12 import ZeroStage1, ZeroStage2
@@ -31,7 +32,7 @@ def apply_zero(
     device: torch.device | str = "cpu",
     working_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
-    replica: Group | None = None,
+    replica: Replicas | None = None,
 ) -> ZeroEngine:
     """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3):
     one group for every parameter, or each parameter's by name (the placement record's
@@ -43,8 +44,8 @@ def apply_zero(
     ``engine.after_step()`` after the optimizer step. ``offload_params`` (ZeRO-3 only): where the
     parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``). ``working_dtype``: the 16-bit dtype of the gathered working weights under mixed precision (DESIGN contract 9);
     ``reduce_dtype``: what gradients are reduced in (``parallel.grad_reduce_dtype``). ``replica``: hybrid
-    sharding's ``dp_rep`` group (``group`` then holds the ``dp_shard`` blocks), over which each step's
-    gradient shards are all-reduced.
+    sharding's replica group of each shard group (``dp_rep`` for ``dp_shard`` blocks; ``Mesh.replica_of``),
+    over which each step's gradient shards are all-reduced.
     """
     if stage == 1:
         return ZeroStage1(model, group, bucket_mb, reduce_dtype, working_dtype, replica)

@@ -21,8 +21,9 @@ optimizer state of the segments is :mod:`zerotron.parallel.zero.optim_state`'s.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -145,19 +146,33 @@ def showing(buffers: Iterable[tuple[FlatLayout, torch.Tensor]]) -> Iterator[None
             param.data = data
 
 
-def reduce_replicas(shards: list[torch.Tensor], replica: Group | None, dtype: torch.dtype | None) -> None:
-    """Hybrid sharding: sum each gradient shard in place over the ranks that hold the same shard in the
-    other blocks (``replica``, the ``dp_rep`` group; nothing when it is one rank), in ``dtype``
-    (``parallel.grad_reduce_dtype``; None: the shards' own). All are launched before any is waited on."""
-    if replica is None or replica.size == 1:
+Replicas = Callable[[Group], Optional[Group]]
+"""Hybrid sharding: a shard group -> the ranks holding the same shards in the other blocks (or None)."""
+
+
+def reduce_replicas(
+    shards: list[tuple[torch.Tensor, Group]], replica: Replicas | None, dtype: torch.dtype | None
+) -> None:
+    """Hybrid sharding: sum each gradient shard (with the group that shards it) in place over the ranks
+    that hold the same shard in the other blocks (``replica(group)``: ``dp_rep`` for dense parameters;
+    nothing when None or one rank), in ``dtype`` (``parallel.grad_reduce_dtype``; None: the shards' own).
+    All are launched before any is waited on."""
+    if replica is None:
         return
-    sends = [s if dtype is None or s.dtype == dtype else s.to(dtype) for s in shards]
-    works = [collectives.all_reduce(t, replica, op="sum", async_op=True) for t in sends]
-    for shard, send, work in zip(shards, sends, works):
+    pairs = [(s, rep) for s, g in shards if (rep := replica(g)) is not None and rep.size > 1]
+    sends = [s if dtype is None or s.dtype == dtype else s.to(dtype) for s, _ in pairs]
+    works = [collectives.all_reduce(t, rep, op="sum", async_op=True) for t, (_, rep) in zip(sends, pairs)]
+    for (shard, _), send, work in zip(pairs, sends, works):
         if work is not None:
             work.wait()
         if send is not shard:
             shard.copy_(send)
+
+
+def first_replica(group: Group, replica: Replicas | None) -> bool:
+    """Whether this rank is in the first block of the shard ``group``'s replicas (it writes checkpoints)."""
+    rep = replica(group) if replica is not None else None
+    return rep is None or rep.rank_in_group == 0
 
 
 def tied_copy(model: nn.Module) -> nn.Parameter | None:

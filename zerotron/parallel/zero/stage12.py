@@ -37,8 +37,10 @@ from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import SyncGate, bucketed_by_group, grad_or_zeros, unique_named_params
 from zerotron.parallel.zero.flat import (
     FlatLayout,
+    Replicas,
     ShardSegment,
     Slot,
+    first_replica,
     gather_flat,
     reduce_replicas,
     segment_grads,
@@ -65,7 +67,7 @@ class _ShardedBuckets(SyncGate):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         working_dtype: torch.dtype | None = None,
-        replica: Group | None = None,
+        replica: Replicas | None = None,
     ) -> None:
         self.reduce_dtype = reduce_dtype  # what gradients travel in (parallel.grad_reduce_dtype)
         self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
@@ -196,8 +198,8 @@ class _ShardedBuckets(SyncGate):
                 self._land(i, out)
             self._pending[i] = []
             self._launched[i] = False
-        shards = [self._grad_shard(i) for i in range(len(self.layouts))]
-        reduce_replicas([s for s in shards if s is not None], self.replica, self.reduce_dtype)
+        shards = [(self._grad_shard(i), layout.group) for i, layout in enumerate(self.layouts)]
+        reduce_replicas([(s, g) for s, g in shards if s is not None], self.replica, self.reduce_dtype)
 
     # -- after the optimizer step ------------------------------------------------------------------------
     def after_step(self) -> None:
@@ -277,9 +279,12 @@ class _ShardedBuckets(SyncGate):
         """Whole AdamW tensors by parameter name (collective over dp)."""
         return gather_optimizer_state(self.layouts, self.segments, optimizer)
 
-    def segment_values(self) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
-        """Each segment this rank owns with a copy of its current weights ``(length,)`` (no communication)."""
-        for segs in self.segments:
+    def segment_values(self, written: bool = False) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
+        """Each segment this rank owns with a copy of its current weights ``(length,)`` (no communication);
+        ``written``: only those it writes to a checkpoint (under hybrid sharding, the first block's)."""
+        for layout, segs in zip(self.layouts, self.segments):
+            if written and not first_replica(layout.group, self.replica):
+                continue
             for seg in segs:
                 yield seg, seg.param.detach().clone()
 

@@ -39,7 +39,9 @@ from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.tensor import attach_grad_sums
 from zerotron.parallel.zero.flat import (
     FlatLayout,
+    Replicas,
     ShardSegment,
+    first_replica,
     reduce_replicas,
     segment_grads,
     showing,
@@ -100,7 +102,7 @@ class ZeroStage3:
         device: torch.device | str = "cpu",
         working_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
-        replica: Group | None = None,
+        replica: Replicas | None = None,
     ) -> None:
         self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
         self.working_dtype = working_dtype or torch.float32
@@ -298,7 +300,7 @@ class ZeroStage3:
             if unit.gathering is not None:  # a prefetch on its way would land pre-step weights later
                 unit.wait_gather()
             unit.free()
-        shards = [u.grad_shard for u in self._trained if u.grad_shard is not None]
+        shards = [(u.grad_shard, u.layout.group) for u in self._trained if u.grad_shard is not None]
         reduce_replicas(shards, self.replica, self.reduce_dtype)
         self._in_backward = False
 
@@ -412,10 +414,13 @@ class ZeroStage3:
             unit.write_shard(values)
         self.after_step()
 
-    def segment_values(self) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
+    def segment_values(self, written: bool = False) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
         """Each segment this rank owns with its master weights ``(length,)``, read from wherever the shard
-        lives (device, host memory or NVMe file, one unit in memory at a time); no communication."""
+        lives (device, host memory or NVMe file, one unit in memory at a time); no communication.
+        ``written``: only those it writes to a checkpoint (under hybrid sharding, the first block's)."""
         for unit in self.units:
+            if written and not first_replica(unit.layout.group, self.replica):
+                continue
             shard = unit.load_master() if unit.store is not None else unit.shard
             for seg in unit.segments:
                 yield seg, shard[seg.at : seg.at + seg.length].detach().clone()
