@@ -12,6 +12,7 @@ from tests.harness import run_distributed
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
+from zerotron.train.loss import AUTOCAST
 from zerotron.train.trainer import Trainer
 
 BASE = [
@@ -43,6 +44,7 @@ def _body(run_dir: str) -> dict:
         out[precision] = {
             "losses": [r["loss"] for r in records],
             "dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+            "masters": sorted({str(p.dtype) for p in trainer.params}),  # what the optimizer updates
             "skipped": [r.get("skipped", False) for r in records],
             "state": records[-1]["model_state_bytes"],
         }
@@ -50,6 +52,9 @@ def _body(run_dir: str) -> dict:
 
 
 def test_bf16_and_fp16_track_fp32(tmp_path: Path) -> None:
+    """Data parallelism (ZeRO-0) under bf16/fp16: 16-bit working weights from fp32 masters (DESIGN
+    contract 9), within the precision's spread of the fp32 run; model states 2 + 4 (weights and
+    masters), 4 (fp32 gradient accumulation) and 8 (AdamW) bytes per parameter against fp32's 4, 4, 8."""
     r = run_distributed(_body, 2, str(tmp_path), timeout=300)[0]
     fp32 = np.array(r["fp32"]["losses"])
     assert fp32[-1] < fp32[0]
@@ -58,8 +63,11 @@ def test_bf16_and_fp16_track_fp32(tmp_path: Path) -> None:
         rel = np.abs(got - fp32) / fp32
         assert rel.max() < tolerance, (precision, rel)
         assert rel.max() > 0, f"{precision} gave bit-identical losses: autocast did not run"
-        assert r[precision]["dtypes"] == [str(torch.float32)]  # fp32 master weights
-        assert r[precision]["state"] == r["fp32"]["state"]
+        assert r[precision]["dtypes"] == [str(AUTOCAST[precision])]  # 16-bit working weights
+        assert r[precision]["masters"] == [str(torch.float32)]  # fp32 master weights
+        state, fp32_state = r[precision]["state"], r["fp32"]["state"]
+        assert state["params"] == 1.5 * fp32_state["params"]
+        assert (state["grads"], state["optimizer"]) == (fp32_state["grads"], fp32_state["optimizer"])
     assert not any(r["fp16"]["skipped"])
 
 
@@ -84,6 +92,7 @@ ZERO_VARIANTS = {
     "z2_bf16_accumulate": [*DP2, "parallel.zero=2", "train.precision=bf16", "train.micro_batch=1"],
     "z3_bf16_offload": [*DP2, "parallel.zero=3", "train.precision=bf16", "parallel.offload_optimizer=cpu"],
     "z0_bf16_reduce16": [*DP2, "train.precision=bf16", "parallel.grad_reduce_dtype=bf16"],
+    "z0_bf16": [*DP2, "train.precision=bf16"],
 }
 
 
@@ -132,13 +141,13 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
         assert (np.abs(got - ref) / ref).max() < 1e-3, name
         assert (np.abs(got - fp32) / fp32).max() < 1e-3, name
         assert not np.array_equal(got, fp32), f"{name}: gave fp32's numbers"
-        working = (
-            "torch.float32"
-            if name.startswith("z0")
-            else f"torch.{'float16' if precision == 'fp16' else 'bfloat16'}"
-        )
-        assert run["dtypes"] == [working], name
+        working = f"torch.{'float16' if precision == 'fp16' else 'bfloat16'}"
+        assert run["dtypes"] == [working], name  # every stage, data parallelism (z0) included
     assert not any(runs["z3_fp16"]["skipped"] + runs["z1_fp16"]["skipped"])
+    # the same 16-bit weights from the same fp32 masters: switching between data parallelism and ZeRO-1/2
+    # under bf16 changes only the order of the fp32 gradient sums, not the trajectory
+    for z in (1, 2):
+        np.testing.assert_allclose(runs["z0_bf16"]["losses"], runs[f"z{z}_bf16"]["losses"], rtol=1e-6)
 
     def moved(name: str) -> int:
         return sum(runs[name]["comm"].get(op, 0) for op in ("all_gather", "reduce_scatter"))
@@ -159,10 +168,11 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
     # whole in fp32 (ZeRO-1, 4Ψ) or as the fp32 shard (ZeRO-2, 4Ψ/N).
     psi, n = runs["z3_bf16"]["n_params"], 2
     expected = {1: 2 * psi + 4 * psi + 12 * psi / n, 2: 2 * psi + 16 * psi / n, 3: 16 * psi / n}
+    expected[0] = 2 * psi + 4 * psi + 12 * psi  # DDP: every rank whole (N = 1 in ZeRO-1's formula)
     for z, total in expected.items():
         state = runs[f"z{z}_bf16"]["state"]
         assert sum(state.values()) == pytest.approx(total, rel=0.01), z
-        assert state["grads"] == pytest.approx(4 * psi / (1 if z == 1 else n), rel=0.01), z
+        assert state["grads"] == pytest.approx(4 * psi / (1 if z < 2 else n), rel=0.01), z
 
 
 COMPOSED = ["parallel.dp=2", "model.num_key_value_heads=2", "train.global_batch=8", "train.precision=bf16"]

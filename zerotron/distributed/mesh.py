@@ -286,6 +286,9 @@ class Mesh:
             return whole, None
         if axis == "dp" and self.dims.hybrid and size == self.dims.zero_shard_size:
             shard, rep = self.group("dp_shard"), self.group("dp_rep")  # built with the mesh
+        elif size == 1:  # whole states on every rank: the replicas are the axis's group itself
+            shard = Group(f"{axis}_self", (self.rank,), None, self.stats, self.rank)
+            rep = whole
         else:
             shard, rep = self.split(axis, size, (f"{axis}_shard", f"{axis}_rep"))
         self._replicas[shard.label] = rep

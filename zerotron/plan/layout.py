@@ -164,9 +164,16 @@ def _check_model(m: ModelConfig) -> None:
 
 
 def working_weights16(layout: Layout, work: Workload) -> bool:
-    """Whether the engine's working weights are 16-bit: ZeRO-1/2/3 under bf16/fp16 keep fp32 master
-    shards and 16-bit working weights (DESIGN contract 9); DDP keeps fp32 weights under autocast."""
-    return layout.zero >= 1 and work.precision in ("bf16", "fp16")
+    """Whether the engine's working weights are 16-bit: under bf16/fp16 every stage keeps 16-bit working
+    weights made from fp32 masters (DESIGN contract 9): ZeRO-1/2/3 from master shards, data
+    parallelism from whole masters on every rank (:func:`replicated_masters`)."""
+    return work.precision in ("bf16", "fp16")
+
+
+def replicated_masters(layout: Layout, work: Workload) -> bool:
+    """Whether the engine runs data parallelism (``parallel.zero=0``) as ZeRO-1 with every rank a block
+    of its own: under bf16/fp16, whole fp32 masters and moments on every rank beside the 16-bit weights."""
+    return layout.zero == 0 and working_weights16(layout, work)
 
 
 def micro_batches(layout: Layout, work: Workload) -> int:

@@ -17,7 +17,15 @@ from zerotron.plan import memory as mem
 from zerotron.plan import timing
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
-from zerotron.plan.layout import Layout, Workload, check, from_config, micro_batches, working_weights16
+from zerotron.plan.layout import (
+    Layout,
+    Workload,
+    check,
+    from_config,
+    micro_batches,
+    replicated_masters,
+    working_weights16,
+)
 from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
 from zerotron.plan.traffic import engine_dp_bytes
 from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
@@ -171,7 +179,10 @@ def _model_states(
 ) -> dict[str, dict[str, float]]:
     """Model states of one rank by place; an MoE model's experts are sharded over :func:`expert_dp`."""
     offload = (layout.offload_optimizer, layout.offload_params)
-    dense = mem.StateLayout(zero_ranks(layout), layout.zero, *offload)
+    zero, dense_ranks, expert_ranks = layout.zero, zero_ranks(layout), expert_zero_ranks(layout)
+    if convention == "zerotron" and replicated_masters(layout, work):  # ZeRO-1 of one rank per block
+        zero, dense_ranks, expert_ranks = 1, 1, 1
+    dense = mem.StateLayout(dense_ranks, zero, *offload)
     working = 2 if working_weights16(layout, work) else 4
     if not sp.expert_elements:
         return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact, working)
@@ -187,7 +198,7 @@ def _model_states(
         mem.model_states(
             sp.expert_elements,
             sp.expert_tensors,
-            mem.StateLayout(expert_zero_ranks(layout), layout.zero, *offload),
+            mem.StateLayout(expert_ranks, zero, *offload),
             convention,
             work.precision,
             working_bytes=working,
@@ -314,7 +325,11 @@ def _buffers(
 ) -> tuple[float, dict[str, float]]:
     pb, gb, _ = mem.state_bytes_per_element(convention, work.precision, layout.zero)
     detail: dict[str, float] = {}
-    if data_ranks(layout) > 1 and layout.zero == 0:
+    if data_ranks(layout) > 1 and replicated_masters(layout, work) and convention == "zerotron":
+        # 16-bit data parallelism reduces its fp32 accumulators in place, or through 16-bit copies
+        if layout.grad_reduce_dtype == "bf16":
+            detail["grad_reduce_copies"] = float(elements * 2)
+    elif data_ranks(layout) > 1 and layout.zero == 0:
         # The engine's buckets: every bucket's flat copy lives until the step's reduction finishes.
         detail["grad_buckets"] = float(elements * gb)
     elif data_ranks(layout) > 1 and layout.zero in (1, 2):
