@@ -1,10 +1,13 @@
 """Mixed precision, hybrid sharding and overlapped offload next to DeepSpeed and FSDP2 (BENCHMARKS.md).
 
-Run:  python benchmarks/precision.py [--part bf16|hsdp|nvme|all] [--repeats 2] [--before DIR]
+Run:  python benchmarks/precision.py [--part bf16|ddp16|hsdp|nvme|all] [--repeats 2] [--before DIR]
 
 - ``bf16``: `zerotron bench` of ZeRO-1/2/3 under bf16 on 2 ranks, zerotron vs DeepSpeed's ``bf16`` mode
   vs FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)``, gradients reduced in fp32 and then in bf16
   (``parallel.grad_reduce_dtype``; the peers' ``communication_data_type`` / ``reduce_dtype`` follow it).
+- ``ddp16``: data parallelism (ZeRO-0) under bf16 on 2 ranks, zerotron (16-bit working weights from
+  whole fp32 masters) vs torch DDP under autocast vs DeepSpeed's ``bf16`` mode at stage 0, gradients
+  reduced in fp32 and then in bf16.
 - ``hsdp``: ZeRO-3 on 4 ranks in blocks of 2 (``parallel.zero_shard_size=2``), zerotron vs FSDP2 HSDP
   (2-D mesh) vs DeepSpeed hpZ (``zero_hpz_partition_size: 2``), and plain ZeRO-3 on 4 ranks.
 - ``nvme``: ZeRO-3 with parameters and optimizer on NVMe files (fp32), zerotron vs DeepSpeed
@@ -82,6 +85,20 @@ def bf16(tmp: Path, repeats: int) -> None:
             _rows(f"ZeRO-{zero} bf16, reduce {reduce}", results)
 
 
+def ddp16(tmp: Path, repeats: int, before: str | None) -> None:
+    """Data parallelism (ZeRO-0) under bf16: zerotron's 16-bit working weights from whole fp32 masters
+    vs torch DDP under autocast (fp32 weights) and DeepSpeed's bf16 mode at stage 0; with ``before``,
+    also the zerotron of that checkout (fp32 weights under autocast), in the same session."""
+    print(HEADER)
+    for reduce in ("fp32", "bf16"):
+        args = [*JOB, "parallel.zero=0", "train.precision=bf16", f"parallel.grad_reduce_dtype={reduce}"]
+        results = _bench(args, "zerotron,ddp,deepspeed", 2, repeats, tmp / f"z0{reduce}")
+        _rows(f"ZeRO-0 (DDP) bf16, reduce {reduce}", results)
+        if before:
+            old = _bench(args, "zerotron", 2, repeats, tmp / f"z0{reduce}before", cwd=before)
+            _rows(f"ZeRO-0 bf16, reduce {reduce}, before", old, ours=results["frameworks"]["zerotron"])
+
+
 def hsdp(tmp: Path, repeats: int) -> None:
     print(HEADER)
     job = [*JOB, "train.micro_batch=2", "parallel.zero=3", "train.precision=bf16"]
@@ -134,14 +151,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", choices=("bf16", "hsdp", "nvme", "all"), default="all")
+    parser.add_argument("--part", choices=("bf16", "ddp16", "hsdp", "nvme", "all"), default="all")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--before", help="a checkout of zerotron before overlapped offload (nvme part)")
+    parser.add_argument(
+        "--before",
+        help="a checkout of zerotron from before the change measured: overlapped offload (nvme part), "
+        "16-bit data parallelism (ddp16 part)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.part in ("bf16", "all"):
             bf16(tmp, args.repeats)
+        if args.part in ("ddp16", "all"):
+            ddp16(tmp, args.repeats, args.before)
         if args.part in ("hsdp", "all"):
             hsdp(tmp, args.repeats)
         if args.part in ("nvme", "all"):

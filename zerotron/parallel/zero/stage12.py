@@ -98,9 +98,11 @@ class _ShardedBuckets(SyncGate):
             self.segments.append(layout.segments(master))
         # mixed precision: each bucket's whole gradients accumulate in fp32 here as backward makes them
         self._acc: list[torch.Tensor | None] = [None] * len(self.layouts)
+        self._filled: list[set[int]] = [set() for _ in self.layouts]  # slots of _acc written this step
         self._ready = [0] * len(self.layouts)
         self._pending: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.layouts]
         self._launched = [False] * len(self.layouts)
+        self._direct: set[int] = set()  # buckets all-reduced over their replicas at launch (blocks of one)
         self._reset_grads()
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -141,10 +143,16 @@ class _ShardedBuckets(SyncGate):
         """Mixed precision: add ``param``'s 16-bit gradient into its bucket's fp32 accumulator."""
         assert param.grad is not None
         acc = self._acc[i]
-        if acc is None:
-            acc = self._acc[i] = torch.zeros(self.layouts[i].padded, device=param.grad.device)
+        if acc is None:  # filled slot by slot: a slot's first gradient is copied, later ones added
+            acc = self._acc[i] = torch.empty(self.layouts[i].padded, device=param.grad.device)
+            self._filled[i] = set()
         slot = self._slot_of[id(param)]
-        acc[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        view = acc[slot.offset : slot.offset + slot.numel]
+        if id(param) in self._filled[i]:
+            view.add_(param.grad.reshape(-1))
+        else:
+            view.copy_(param.grad.reshape(-1))
+            self._filled[i].add(id(param))
         param.grad = None
 
     def _launch(self, i: int) -> None:
@@ -155,15 +163,28 @@ class _ShardedBuckets(SyncGate):
                     self._accumulate(i, slot.param)
             acc, self._acc[i] = self._acc[i], None
             flat_grad = acc if acc is not None else torch.zeros(layout.padded, device=self.flats[i].device)
+            if acc is not None:  # zeros where no gradient came (unused parameters) and in the padding
+                for slot in layout.slots:
+                    if id(slot.param) not in self._filled[i]:
+                        acc[slot.offset : slot.offset + slot.numel].zero_()
+                acc[layout.numel :].zero_()
         else:
             flat_grad = layout.flatten([grad_or_zeros(s.param) for s in layout.slots])  # (padded,)
         self._keep_whole_grads(i, flat_grad)
         send = flat_grad  # in parallel.grad_reduce_dtype; the shard lands in the gradients' dtype
         if self.reduce_dtype is not None and send.dtype != self.reduce_dtype:
             send = flat_grad.to(self.reduce_dtype)
-        out = torch.empty(layout.shard, dtype=send.dtype, device=send.device)
-        work = collectives.reduce_scatter(out, send, layout.group, op="sum", async_op=True)
-        self._pending[i].append((work, out))
+        replica = self.replica(layout.group) if self.replica is not None else None
+        if self.stage == 1 and layout.group.size == 1 and replica is not None:
+            # every rank a block of its own (data parallelism with fp32 masters): the whole gradient is
+            # the shard, all-reduced over its replicas now, under the rest of backward (as DDP's buckets)
+            work = collectives.all_reduce(send, replica, op="sum", async_op=True)
+            self._direct.add(i)
+            self._pending[i].append((work, send))
+        else:
+            out = torch.empty(layout.shard, dtype=send.dtype, device=send.device)
+            work = collectives.reduce_scatter(out, send, layout.group, op="sum", async_op=True)
+            self._pending[i].append((work, out))
         self._ready[i], self._launched[i] = 0, True
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
@@ -198,14 +219,23 @@ class _ShardedBuckets(SyncGate):
                 self._land(i, out)
             self._pending[i] = []
             self._launched[i] = False
-        shards = [(self._grad_shard(i), layout.group) for i, layout in enumerate(self.layouts)]
-        reduce_replicas([(s, g) for s, g in shards if s is not None], self.replica, self.reduce_dtype)
+        shards: list[tuple[torch.Tensor, Group]] = []
+        for i, layout in enumerate(self.layouts):
+            shard = self._grad_shard(i)
+            if shard is not None and i not in self._direct:
+                shards.append((shard, layout.group))
+        reduce_replicas(shards, self.replica, self.reduce_dtype)
+        self._direct.clear()
 
     # -- after the optimizer step ------------------------------------------------------------------------
     def after_step(self) -> None:
         """All-gather every bucket so that each rank holds the whole updated model again (its fp32
         master shard cast to the 16-bit working weights under mixed precision)."""
         for layout, flat, master in zip(self.layouts, self.flats, self.masters):
+            if layout.group.size == 1:  # the shard is the whole bucket: cast (or copy) it in one pass
+                if self.mixed:
+                    flat.copy_(master)
+                continue  # without mixed precision the master is a view of the weights themselves
             shard = master.to(flat.dtype) if self.mixed else master.clone()
             collectives.all_gather(flat, shard, layout.group)
 
@@ -317,7 +347,8 @@ class ZeroStage1(_ShardedBuckets):
         layout, flat_grad = self.layouts[i], self.flat_grads[i]
         assert flat_grad is not None
         shard = flat_grad[layout.lo : layout.hi]
-        shard.copy_(out)
+        if out.data_ptr() != shard.data_ptr() or out.dtype != shard.dtype:
+            shard.copy_(out)
         segment_grads(self.segments[i], shard)
 
     def _grad_shard(self, i: int) -> torch.Tensor | None:
