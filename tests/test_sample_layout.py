@@ -48,3 +48,25 @@ def test_sample_under_tp_and_zero3_equals_the_single_process(
     assert tp == single
     assert zero3 == single
     assert _sample(tmp_path, "pp", ["--nproc", "2", "parallel.pp=2"], capfd) is None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "--nproc", "2"],
+        ["lora.rank=4", "train.precision=bf16"],
+        ["lora.rank=4", "lora.base_bits=4", "train.precision=bf16"],
+    ],
+    ids=["tp2-sp", "lora-bf16", "qlora-bf16"],
+)
+def test_sample_under_sequence_parallelism_and_16_bit_adapters(
+    extra: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Runs whose sample once crashed at the end: sequence parallelism (one-token decode steps cannot be
+    scattered over tp) and bf16 adapters on a frozen fp32 or NF4 base (generation runs under training's
+    autocast). Each writes its sample; sequence parallelism's equals the same run without it."""
+    text = _sample(tmp_path, "run", extra, capfd)
+    assert text is not None and len(text) > len("Once upon")
+    if "parallel.sequence_parallel=true" in extra:
+        plain = _sample(tmp_path, "plain", ["parallel.tp=2", "--nproc", "2"], capfd)
+        assert text == plain

@@ -42,6 +42,7 @@ from zerotron.parallel.tensor import sequence_parallel_off
 from zerotron.train import run_dir as run_dir_lock
 from zerotron.train.data import load_supervised, load_tokens, prepare_tokens
 from zerotron.train.fault import RankWatchdog
+from zerotron.train.loss import autocast
 from zerotron.train.metrics import plot_loss, truncate_metrics
 from zerotron.train.trainer import Trainer
 
@@ -428,8 +429,15 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     model = trainer.model
     model.eval()
     tp = mesh.group("tp")
-    # every cp rank generates the same whole sequence; sequence parallelism cannot split one token
-    with torch.no_grad(), whole_sequences(model), sequence_parallel_off(model):
+    # every cp rank generates the same whole sequence; sequence parallelism cannot split one token; under
+    # bf16/fp16 the model runs as in training (autocast: frozen fp32 parts beside 16-bit trained ones)
+    device = next(model.parameters()).device
+    with (
+        torch.no_grad(),
+        whole_sequences(model),
+        sequence_parallel_off(model),
+        autocast(device, cfg.train.precision),
+    ):
         result = generate(
             model,
             tokenizer,
