@@ -228,6 +228,7 @@ class Mesh:
         self.backend = backend
         self._split: dict[tuple[str, int], tuple[Group, Group]] = {}
         self._replicas: dict[str, Group] = {}  # shard group label -> its replicas (zero_groups)
+        self._selves: dict[str, Group] = {}  # blocks of one rank, by axis (zero_groups)
         created: dict[tuple[int, ...], Any] = {}
         # Every rank walks the same axes and groups in the same order: new_group is collective.
         for axis in AXES:
@@ -287,8 +288,9 @@ class Mesh:
         if axis == "dp" and self.dims.hybrid and size == self.dims.zero_shard_size:
             shard, rep = self.group("dp_shard"), self.group("dp_rep")  # built with the mesh
         elif size == 1:  # whole states on every rank: the replicas are the axis's group itself
-            shard = Group(f"{axis}_self", (self.rank,), None, self.stats, self.rank)
-            rep = whole
+            if axis not in self._selves:  # one Group object per axis (engines compare groups by identity)
+                self._selves[axis] = Group(f"{axis}_self", (self.rank,), None, self.stats, self.rank)
+            shard, rep = self._selves[axis], whole
         else:
             shard, rep = self.split(axis, size, (f"{axis}_shard", f"{axis}_rep"))
         self._replicas[shard.label] = rep
