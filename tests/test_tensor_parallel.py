@@ -31,10 +31,10 @@ from zerotron.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_tensors,
-    sequence_parallel_off,
     shard_specs,
 )
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
+from zerotron.parallel.tensor_generate import sequence_parallel_off
 from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 

@@ -125,6 +125,18 @@ def hybrid(dp: int, zero: int, shard_size: int) -> bool:
     return zero > 0 and 0 < shard_size < dp
 
 
+def hybrid_block(axis: str, dp: int, cp: int, ep: int, zero: int, shard_size: int) -> int:
+    """Ranks of gradient axis ``axis``'s group in one hybrid-sharding block of ``shard_size`` dp ranks
+    (0: not hybrid): S for ``dp``, S·cp for ``dp_cp`` (the block's dp ranks with their cp ranks), S·cp/ep
+    for ``edp`` (the block's replicas of the experts; at least 1: a block smaller than an EP group keeps
+    whole expert states, replicated across the blocks). The mesh cuts its groups by it, the planner
+    counts the shards by it."""
+    if not hybrid(dp, zero, shard_size):
+        return 0
+    ranks = shard_size * (1 if axis == "dp" else cp)
+    return max(1, ranks // ep) if axis == "edp" else ranks
+
+
 def _check_hybrid(spec: LayoutSpec) -> None:
     s = spec.zero_shard_size
     if s == 0 or s == spec.dp:

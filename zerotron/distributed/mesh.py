@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from zerotron.distributed.collectives import CommStats
-from zerotron.layout import LayoutError, check_degrees, hybrid
+from zerotron.layout import LayoutError, check_degrees, hybrid, hybrid_block
 
 if TYPE_CHECKING:
     from zerotron.config import ParallelConfig
@@ -266,14 +266,9 @@ class Mesh:
         return self.zero_groups(axis, self.hybrid_block(axis))[0]
 
     def hybrid_block(self, axis: str) -> int:
-        """Ranks of ``axis``'s group in one hybrid-sharding block of ``zero_shard_size`` dp ranks (0: not
-        hybrid): S for ``dp``, S·cp for ``dp_cp``, S·cp/ep for ``edp`` (at least 1: a block smaller
-        than an EP group keeps whole expert states, replicated across the blocks)."""
+        """Ranks of ``axis``'s group in one hybrid-sharding block (:func:`zerotron.layout.hybrid_block`)."""
         d = self.dims
-        if not d.hybrid:
-            return 0
-        ranks = d.zero_shard_size * (1 if axis == "dp" else d.cp)
-        return max(1, ranks // d.ep) if axis == "edp" else ranks
+        return hybrid_block(axis, d.dp, d.cp, d.ep, d.zero, d.zero_shard_size)
 
     def zero_groups(self, axis: str, size: int) -> tuple[Group, Group | None]:
         """(shard group, replica group) of a parameter whose gradient axis is ``axis`` (``dp``, ``dp_cp``

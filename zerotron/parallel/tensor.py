@@ -72,8 +72,6 @@ initialised whole with the global seed (or loaded).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -533,40 +531,6 @@ def apply_tensor_parallel(
         for name in plan.norms:
             _sum_grads_over_tp(_get(model, name), group)
     return model
-
-
-@contextlib.contextmanager
-def sequence_parallel_off(model: nn.Module) -> Iterator[None]:
-    """Run a sequence-parallel model on whole (b, s, h) hidden states for a while (generation, whose
-    steps of one token cannot be split over tp): every place that would scatter the sequence over tp
-    all-reduces instead, every place that would gather it takes it whole (Megatron's f and g), and the
-    MoE blocks' expert tensor-parallel regions (``tp_region``) likewise. Restored on leaving."""
-    changed: list[tuple[Any, str, Any]] = []
-
-    def swap(obj: Any, attr: str, value: Any) -> None:
-        changed.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, value)
-
-    for module in model.modules():
-        if (
-            isinstance(module, (RowParallelLinear, VocabParallelEmbedding))
-            and module.output_mode == "sequence"
-        ):
-            swap(module, "output_mode", "reduce")
-        if isinstance(module, ColumnParallelLinear) and module.input_mode == "sequence":
-            swap(module, "input_mode", "replicated")
-        if getattr(module, "tp_input_mode", None) == "sequence":
-            swap(module, "tp_input_mode", "replicated")
-        region = getattr(module, "tp_region", None)
-        if region is not None and getattr(region, "sequence_parallel", False):
-            swap(region, "sequence_parallel", False)
-        if getattr(module, "sequence_shards", 1) > 1:
-            swap(module, "sequence_shards", 1)
-    try:
-        yield
-    finally:
-        for obj, attr, value in reversed(changed):
-            setattr(obj, attr, value)
 
 
 # -- what the rest of the engine needs to know about shards ---------------------------------------------

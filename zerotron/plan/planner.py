@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zerotron.config import Config
+from zerotron.layout import hybrid_block
 from zerotron.plan import memory as mem
 from zerotron.plan import timing
 from zerotron.plan.errors import PlanError
@@ -151,7 +152,7 @@ def data_parallel_bytes(
 def zero_ranks(layout: Layout) -> int:
     """Ranks ZeRO shards the dense parameters over: :func:`data_ranks`, or one block of them under hybrid
     sharding (``zero_shard_size`` dp ranks with their cp ranks)."""
-    return layout.zero_shards * layout.cp
+    return _hybrid_block(layout, "dp_cp") or data_ranks(layout)
 
 
 def expert_dp(layout: Layout) -> int:
@@ -164,9 +165,12 @@ def expert_zero_ranks(layout: Layout) -> int:
     """Ranks ZeRO shards the experts over: :func:`expert_dp`, or under hybrid sharding the experts'
     replicas in one block of ``zero_shard_size`` dp ranks with their cp ranks (at least 1: a block smaller
     than an EP group keeps whole expert states), as the engine's mesh cuts them."""
-    if layout.zero_shards == layout.dp:
-        return expert_dp(layout)
-    return max(1, layout.zero_shards * layout.cp // layout.ep)
+    return _hybrid_block(layout, "edp") or expert_dp(layout)
+
+
+def _hybrid_block(layout: Layout, axis: str) -> int:
+    """:func:`zerotron.layout.hybrid_block` of ``layout`` (0: not hybrid)."""
+    return hybrid_block(axis, layout.dp, layout.cp, layout.ep, layout.zero, layout.zero_shard_size)
 
 
 def _model_states(

@@ -38,7 +38,7 @@ from zerotron.distributed.watchdog import Watchdog
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
 from zerotron.parallel.context import whole_sequences
-from zerotron.parallel.tensor import sequence_parallel_off
+from zerotron.parallel.tensor_generate import sequence_parallel_off
 from zerotron.train import run_dir as run_dir_lock
 from zerotron.train.data import load_supervised, load_tokens, prepare_tokens
 from zerotron.train.fault import RankWatchdog

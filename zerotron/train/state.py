@@ -38,7 +38,6 @@ from zerotron.parallel.placement import (
     boxes,
     persistent_buffers,
     placements,
-    read_box,
     read_local,
     writes,
 )
@@ -297,19 +296,17 @@ class _Reader:
                 return alias
         return None
 
-    def local(self, name: str, param: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """``name``'s part on this rank: ``param``'s box per the placement record (its tp shard)."""
+    def local(self, name: str, param: str) -> torch.Tensor:
+        """``name``'s part on this rank: ``param``'s box (or boxes) per the placement record (its tp
+        shard, its experts)."""
         src = self.saved(name, param)
         assert src is not None
         record = self.records[param]
         saved_shape = self.reader.shape(src)
         if not saved_shape:  # a scalar (AdamW's step count)
             return self.reader.read(src, (), ())
-        want, offsets = record.stored_shape, record.offsets  # ``shape`` is the box's in the global tensor
-        _check_saved_shape(self.ckpt, src, saved_shape, want)
-        if record.parts > 1:  # a fused tensor split part by part: its boxes, one after the other
-            return read_local(record, lambda o, s: self.reader.read(src, o, s))
-        return read_box(record, tuple(offsets), tuple(shape), lambda o, s: self.reader.read(src, o, s))
+        _check_saved_shape(self.ckpt, src, saved_shape, record.stored_shape)
+        return read_local(record, lambda o, s: self.reader.read(src, o, s))
 
     def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:
         """Every tensor of ``model``'s state dict with its local shape, after checking that the checkpoint
@@ -329,25 +326,23 @@ class _Reader:
     def moments(self, model: nn.Module) -> _Moments:
         """AdamW state by name, this rank's part, read when asked for (empty for a checkpoint saved
         before any step): ZeRO takes one segment's range at a time, never the whole state."""
-        names: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for name, p in model.named_parameters(remove_duplicate=True):
+        names: dict[str, str] = {}  # saved tensor -> its parameter
+        for name, _ in model.named_parameters(remove_duplicate=True):
             if self.saved(f"{name}.exp_avg", name) is None:
                 continue
-            for key in ADAM_KEYS:
-                names[f"{name}.{key}"] = (name, tuple(p.shape))
-            names[f"{name}.step"] = (name, ())
+            for key in (*ADAM_KEYS, "step"):
+                names[f"{name}.{key}"] = name
         return _Moments(self, names)
 
 
 class _Moments(Mapping[str, torch.Tensor]):
     """Saved optimizer tensors by name, each read from the checkpoint when looked up."""
 
-    def __init__(self, view: _Reader, names: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    def __init__(self, view: _Reader, names: dict[str, str]) -> None:
         self.view, self.names = view, names
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        param, shape = self.names[key]
-        return self.view.local(key, param, shape)
+        return self.view.local(key, self.names[key])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -404,9 +399,9 @@ def load_checkpoint(
         view = _Reader(reader, model)
         expected = view.expected(model, partial=mesh.dims.pp > 1)
         if zero is not None:  # ZeRO-3 shards take their ranges, one parameter at a time
-            zero.load_shards(lambda name: view.local(name, name, expected[name]))
+            zero.load_shards(lambda name: view.local(name, name))
             expected = {n: shape for n, shape in expected.items() if n not in zero.names}
-        model.load_state_dict({n: view.local(n, n, shape) for n, shape in expected.items()}, strict=False)
+        model.load_state_dict({n: view.local(n, n) for n in expected}, strict=False)
         moments = view.moments(model)
         if zero is not None:
             zero.load_optimizer_tensors(optimizer, moments)

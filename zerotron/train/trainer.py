@@ -24,7 +24,7 @@ from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.config import LORA_NAME_LIST, Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
-from zerotron.distributed.mesh import Group, Mesh
+from zerotron.distributed.mesh import Mesh
 from zerotron.models.lora import LoraConfig, apply_lora, initial_adapter, initial_magnitude
 from zerotron.models.lora_tp import MAGNITUDE
 from zerotron.models.parallelize import parallelize_llama
@@ -41,8 +41,7 @@ from zerotron.parallel.placement import (
     materialize_buffers,
     norm_axes,
 )
-from zerotron.parallel.zero.api import apply_zero, offload_optimizer
-from zerotron.parallel.zero.flat import Replicas
+from zerotron.parallel.zero.api import apply_zero, offload_optimizer, zero_sharding
 from zerotron.plan.hardware import peak_flops_of_device
 from zerotron.plan.model import inactive_params
 from zerotron.shapes import ModelShape, flops_per_token
@@ -302,7 +301,8 @@ class Trainer:
         optimizer over what this rank updates."""
         par = cfg.parallel
         records = ckpt_state.model_placements(self.model, self.mesh.dims.tp)
-        stage, self.shard_group, replicas = self._sharding(cfg)
+        mixed = cfg.train.precision in AUTOCAST
+        stage, self.shard_group, replicas = zero_sharding(self.mesh, par.zero, mixed)
         groups = grad_groups(records, self.shard_group)
         zero: ShardedEngine | None = None
         if stage > 0:
@@ -336,24 +336,6 @@ class Trainer:
         else:
             optimizer = adamw(*buckets.param_groups(), cfg.train)
         return zero, buckets, optimizer
-
-    def _sharding(self, cfg: Config) -> tuple[int, Callable[[str], Group], Replicas | None]:
-        """(the ZeRO engine's stage (0: none), the group that shards a parameter's state by its gradient
-        axis, the replicas of each shard group (hybrid sharding) or None).
-
-        Data parallelism under bf16/fp16 (``parallel.zero=0``) keeps 16-bit working weights made from
-        fp32 masters (DESIGN contract 9) by running ZeRO-1's engine with every rank a block of its own:
-        whole fp32 masters and AdamW moments on every rank, fp32 gradient accumulation, each step's
-        gradients all-reduced over the parameter's data-parallel group (in ``grad_reduce_dtype``) — the
-        numbers of ZeRO-1/2/3 under the same precision, with data parallelism's memory and traffic."""
-        par, mesh = cfg.parallel, self.mesh
-        if par.zero > 0:
-            return par.zero, mesh.zero_group, mesh.replica_of if mesh.dims.hybrid else None
-        if cfg.train.precision not in AUTOCAST:
-            return 0, mesh.group, None
-        for axis in ("dp", "dp_cp", "edp"):  # blocks of one rank: no new process group is made
-            mesh.zero_groups(axis, 1)
-        return 1, lambda axis: mesh.zero_groups(axis, 1)[0], mesh.replica_of
 
     def _init_fault(self, attempt: int) -> None:
         self.attempt = attempt  # 0, or the number of restarts before this one (--max-restarts)
