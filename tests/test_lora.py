@@ -11,12 +11,14 @@ import peft
 import pytest
 import torch
 import transformers
+from torch import nn
 
 from tests.test_hf_io import CFG
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import to_hf_name, write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
+from zerotron.models.nf4 import NF4Linear, NF4ParamLinear, is_quantized_param, nf4_weight, quantized_bytes
 
 
 def _ids(seed: int) -> torch.Tensor:
@@ -294,8 +296,30 @@ def test_tensor_parallel_and_meta_device_models_get_adapters(tmp_path: Path) -> 
     assert apply_lora(meta, LoraConfig(rank=4), seed=0) and all(p.is_meta for p in meta.parameters())
     with torch.device("meta"):
         meta = LlamaForCausalLM(CFG)
-    with pytest.raises(ConfigError, match="meta-device"):
-        apply_lora(meta, LoraConfig(base_bits=4))
+    apply_lora(meta, LoraConfig(base_bits=4), seed=0)  # QLoRA for ZeRO-3: NF4 bytes as parameters
+    nf4 = {n: p for n, p in meta.named_parameters() if is_quantized_param(n)}
+    assert nf4 and all(p.is_meta and p.dtype == torch.uint8 and not p.requires_grad for p in nf4.values())
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_nf4_parameters_compute_what_the_nf4_layer_computes(double: bool) -> None:
+    """The NF4 form ZeRO-3 shards (codes and fp32 scale bytes as parameters) gives the NF4 layer's
+    dequantised weight and output exactly, for a weight whose size is not a multiple of the block."""
+    torch.manual_seed(0)
+    linear = nn.Linear(40, 30, bias=True)  # 1200 values: 18.75 blocks of 64
+    ref = NF4Linear(linear, double=double)
+    layer = NF4ParamLinear(40, 30, bias=True, device="cpu")
+    codes, scales = quantized_bytes(linear.weight, double=double)
+    with torch.no_grad():
+        layer.weight_nf4.copy_(codes)
+        layer.weight_nf4_scales.copy_(scales)
+        assert layer.bias is not None
+        layer.bias.copy_(linear.bias)
+    assert torch.equal(layer.quantized.dequantize(), ref.quantized.dequantize())
+    x = torch.randn(3, 40)
+    assert torch.equal(layer(x), ref(x))
+    flat = torch.cat([torch.zeros(2, dtype=torch.uint8), scales])  # a view off fp32 alignment
+    assert torch.equal(nf4_weight(codes, flat[2:], 30, 40).dequantize(), ref.quantized.dequantize())
 
 
 def test_saving_over_an_adapter_replaces_it_whole(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import peft
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
@@ -39,6 +41,7 @@ from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.parallel.tensor import gather_tensors, shard_specs
 from zerotron.train.data import DataError, SupervisedDataset
 from zerotron.train.run import resolve_model
+from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer, add_adapters
 
 WORDS = ["cat", "dog", "sun", "sea", "red", "big", "tree", "rain"]
@@ -99,6 +102,7 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
         "numel": sum(u.layout.shard for u in units),
         "frozen": sum(u.frozen for u in units),
         "trained": sum(u.layout.shard for u in units if not u.frozen),
+        "derived": sum(u.layout.shard for u in units if u.derived),  # a QLoRA base's NF4 bytes
         # the host optimizer's moments (ZeRO-Offload): the trained units' only
         "moments": sum(s.numel for s in getattr(trainer.optimizer, "moments", {}).values()),
     }
@@ -221,6 +225,19 @@ LAYOUTS = [
     (2, ["parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0", "lora.use_dora=true"]),
     (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "lora.use_dora=true"]),
     (2, ["parallel.dp=2", "parallel.zero=2", "lora.base_bits=4", "lora.use_dora=true"]),
+    (2, ["parallel.dp=2", "parallel.zero=3", "parallel.persist_numel=0", "lora.base_bits=4"]),
+    (
+        2,
+        [
+            "parallel.dp=2",
+            "parallel.zero=3",
+            "lora.base_bits=4",
+            "lora.use_dora=true",
+            "parallel.offload_params=cpu",
+            "parallel.offload_optimizer=cpu",
+        ],
+    ),
+    (2, ["parallel.dp=2", "parallel.zero=3", "lora.base_bits=4", "lora.double_quant=false"]),
     (2, ["parallel.tp=2", "lora.use_dora=true"]),
     (4, ["parallel.tp=4", "parallel.sequence_parallel=true", "lora.use_dora=true"]),
     (2, ["lora.rank=0", "parallel.tp=2"]),
@@ -248,6 +265,9 @@ LAYOUTS = [
         "dora-dp2-zero3",
         "dora-dp2-tp2-zero3",
         "qdora-dp2-zero2",
+        "qlora-dp2-zero3",
+        "qdora-dp2-zero3-offload",
+        "qlora-dp2-zero3-single-quant",
         "dora-tp2",
         "dora-tp4-sp-kv-replicated",
         "full-tp2",
@@ -269,6 +289,11 @@ def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: li
     results = run_distributed(_train_body, world, cfg, rows, str(tmp_path / "many"), 3)
     np.testing.assert_allclose(results[0]["losses"], ref["losses"], rtol=1e-5)
     assert results[0]["counted"] == ref["counted"]
+    assert results[0]["n_params"] == ref["n_params"]  # a QLoRA base counted as its weights, not its bytes
+    if "lora.base_bits=4" in layout and "parallel.zero=3" in layout:  # the NF4 bytes sharded too
+        codes = ref["n_params"] - results[0]["shards"]["trained"] * 2  # at most: the whole model
+        nf4 = results[0]["shards"]["derived"]  # this rank's codes and fp32 scales: half of 4.5 bits/weight
+        assert 0 < nf4 <= codes * 4.5 / 8 / 2 * 1.05
     if "parallel.zero=3" in layout:  # each rank keeps about 1/dp of its tp part, frozen weights too
         tp = 2 if "parallel.tp=2" in layout else 1
         shards = results[0]["shards"]
@@ -423,20 +448,38 @@ def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path, layout: str) -
         assert export.returncode != 0 and "--merge-lora RUN_DIR/adapter" in export.stderr
 
 
-def test_lora_under_zero3_with_offloaded_parameters_resumes_exactly(tmp_path: Path) -> None:
-    """LoRA on a ZeRO-3-sharded base whose shards and optimizer live on the host: a run stopped at its
-    step-2 checkpoint and resumed gives the uninterrupted run's losses (the frozen base's units hold no
-    optimizer state, which the checkpoint skips)."""
+@pytest.mark.parametrize("bits", [0, 4], ids=["lora", "qlora"])
+def test_lora_under_zero3_with_offloaded_parameters_resumes_exactly(tmp_path: Path, bits: int) -> None:
+    """LoRA (QLoRA: an NF4 base) on a ZeRO-3-sharded base whose shards and optimizer live on the host: a
+    run stopped at its step-2 checkpoint and resumed gives the uninterrupted run's losses (the frozen
+    base's units hold no optimizer state, which the checkpoint skips; the NF4 bytes are not saved but
+    made again from the base). QLoRA: the same checkpoint resumes under ZeRO-2 too, and the adapter
+    the ZeRO-3 run wrote holds whole tensors that peft loads."""
     base, data = _setup(tmp_path)
     common = [
         "sft", str(base), str(data), "data.tokenizer=byte", "train.seq_len=128", "train.global_batch=4",
-        "parallel.zero=3", "parallel.offload_params=cpu", "parallel.offload_optimizer=cpu", "--nproc", "2",
+        f"lora.base_bits={bits}", "--nproc", "2",
     ]  # fmt: skip
+    zero3 = ["parallel.zero=3", "parallel.offload_params=cpu", "parallel.offload_optimizer=cpu"]
     runs = [
-        _cli(*common, "train.steps=4", "--out", "whole", cwd=tmp_path),
-        _cli(*common, "train.steps=2", "--out", "cut", cwd=tmp_path),
-        _cli(*common, "train.steps=4", "--out", "cut", "--resume", "auto", cwd=tmp_path),
+        _cli(*common, *zero3, "train.steps=4", "--out", "whole", cwd=tmp_path),
+        _cli(*common, *zero3, "train.steps=2", "--out", "cut", cwd=tmp_path),
     ]
+    shutil.copytree(tmp_path / "cut", tmp_path / "moved")
+    runs.append(_cli(*common, *zero3, "train.steps=4", "--out", "cut", "--resume", "auto", cwd=tmp_path))
+    if bits:
+        runs.append(
+            _cli(
+                *common,
+                "parallel.zero=2",
+                "train.steps=4",
+                "--out",
+                "moved",
+                "--resume",
+                "auto",
+                cwd=tmp_path,
+            )
+        )
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
 
     def losses(run: str) -> list[float]:
@@ -445,6 +488,17 @@ def test_lora_under_zero3_with_offloaded_parameters_resumes_exactly(tmp_path: Pa
 
     assert len(losses("whole")) == 4
     np.testing.assert_allclose(losses("cut"), losses("whole"), rtol=1e-6)
+    if bits:
+        np.testing.assert_allclose(losses("moved"), losses("whole"), rtol=1e-5)
+        saved = read_model_tensors(next((tmp_path / "whole" / "checkpoints").glob("step_*")))
+        assert saved and not any("nf4" in name for name in saved)
+        adapter = safetensors.torch.load_file(
+            str(tmp_path / "whole" / "adapter" / "adapter_model.safetensors")
+        )
+        assert adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (
+            8,
+            48,
+        )  # whole
 
 
 def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
@@ -478,8 +532,8 @@ def test_bad_rows_fatal_or_skipped_and_counted(tmp_path: Path) -> None:
     [
         (["parallel.tp=2", "lora.dropout=0.1", "lora.use_dora=true"], "DoRA with adapter dropout"),
         (
-            ["parallel.zero=3", "parallel.dp=2", "lora.base_bits=4"],
-            "QLoRA on a ZeRO-3-sharded base",
+            ["parallel.zero=3", "parallel.tp=2", "lora.base_bits=4"],
+            "QLoRA on a ZeRO-3-sharded, tensor-parallel base",
         ),
         (["data.max_length=200"], "longer than train.seq_len=128"),
         (["data.format=yaml"], "choose one of pretrain, auto"),

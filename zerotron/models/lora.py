@@ -32,8 +32,8 @@ from torch import nn
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
 from zerotron.models.lora_tp import MAGNITUDE, TensorParallelLinear, attach_tp_lora
-from zerotron.models.nf4 import NF4Linear
-from zerotron.models.nf4_tp import quantize_tp_layer
+from zerotron.models.nf4 import NF4Linear, NF4ParamLinear, is_quantized_param
+from zerotron.models.nf4_tp import NF4ColumnParallelLinear, NF4RowParallelLinear, quantize_tp_layer
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -88,7 +88,7 @@ def _attach(
     rank: int,
     scaling: float,
     dropout: float,
-    device: torch.device | None = None,
+    device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     generator: torch.Generator | None = None,
 ) -> None:
@@ -200,7 +200,7 @@ class QLoraLinear(_LoraParts, nn.Module):
 
     def __init__(
         self,
-        base: NF4Linear,
+        base: NF4Linear | NF4ParamLinear,
         rank: int,
         scaling: float,
         dropout: float,
@@ -210,9 +210,12 @@ class QLoraLinear(_LoraParts, nn.Module):
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        _attach(self, rank, scaling, dropout, generator=generator)
+        meta = isinstance(base, NF4ParamLinear) and base.weight_nf4.is_meta
+        _attach(self, rank, scaling, dropout, "meta" if meta else None, generator=generator)
         self.lora_magnitude_vector: nn.Parameter | None = None
-        if dora:  # m starts as the row norms of the dequantised W (B is zero)
+        if dora and meta:  # ZeRO-3 fills it (the row norms of the dequantised W)
+            self.lora_magnitude_vector = nn.Parameter(torch.empty(self.out_features, device="meta"))
+        elif dora:  # m starts as the row norms of the dequantised W (B is zero)
             with torch.no_grad():
                 weight = base.quantized.dequantize()
                 norm = _dora_norm(weight, self.lora_A.weight, self.lora_B.weight, scaling)
@@ -312,10 +315,11 @@ def apply_lora(
             "DoRA with lora.dropout > 0 on a tensor-parallel model is not built yet; use lora.dropout=0, "
             "or parallel.tp=1"
         )
-    if any(p.is_meta for p in model.parameters()) and cfg.base_bits == 4:
+    meta = any(p.is_meta for p in model.parameters())
+    if meta and cfg.base_bits == 4 and split:
         raise ConfigError(
-            "QLoRA on an unmaterialised (meta-device, ZeRO-3) model is not built yet: the NF4 base needs "
-            "the base's weights; load them first (use ZeRO-2)"
+            "QLoRA on a ZeRO-3-sharded base under parallel.tp > 1 is not built yet; use parallel.zero=2 "
+            "with tp, or parallel.tp=1 with ZeRO-3"
         )
     names = [n for n, m in model.named_modules() if _is_target(n, m, cfg)]
     if not names:
@@ -341,7 +345,7 @@ def apply_lora(
         assert isinstance(base, nn.Linear)
         lora: LoraLayer
         if cfg.base_bits == 4:
-            nf4 = NF4Linear(base, double=cfg.double_quant)
+            nf4 = _nf4_layer(base, cfg.double_quant, meta)
             lora = QLoraLinear(nf4, cfg.rank, cfg.scaling, cfg.dropout, g, dora=cfg.use_dora)
         else:
             lora = LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, g, dora=cfg.use_dora)
@@ -353,8 +357,31 @@ def apply_lora(
                 quantize_tp_layer(linear, name, cfg.double_quant)
                 continue
             assert isinstance(linear, nn.Linear)
-            _set(model, name, NF4Linear(linear, double=cfg.double_quant))
+            _set(model, name, _nf4_layer(linear, cfg.double_quant, meta))
     return names
+
+
+def _nf4_layer(linear: nn.Linear, double: bool, meta: bool) -> NF4Linear | NF4ParamLinear:
+    """The NF4 form of a frozen linear layer: quantised now, or on a meta-device model (ZeRO-3) codes and
+    scales as parameters that ZeRO-3 shards and fills (:func:`quantized_bytes`)."""
+    if not meta:
+        return NF4Linear(linear, double=double)
+    return NF4ParamLinear(linear.in_features, linear.out_features, linear.bias is not None)
+
+
+def quantized_weight_numel(model: nn.Module) -> int:
+    """Elements of the NF4 base weights ``model`` holds (their global shapes), minus those of the
+    parameters that store them: what a parameter count adds back for a QLoRA base."""
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (NF4Linear, NF4ParamLinear)):
+            total += module.in_features * module.out_features
+        elif isinstance(module, (NF4ColumnParallelLinear, NF4RowParallelLinear)):
+            total += math.prod(module.weight_spec.global_shape)
+        for leaf, p in module.named_parameters(recurse=False):
+            if is_quantized_param(f"{name}.{leaf}"):
+                total -= p.numel()
+    return total
 
 
 def lora_modules(model: nn.Module) -> dict[str, Any]:

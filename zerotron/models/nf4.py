@@ -121,3 +121,71 @@ class NF4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
+
+
+QUANTIZED_SUFFIXES = (".weight_nf4", ".weight_nf4_scales")
+
+
+def is_quantized_param(name: str) -> bool:
+    """Whether parameter ``name`` is an :class:`NF4ParamLinear`'s codes or scales: derived from the base
+    weight in the weight source each time the model is built, so checkpoints do not hold them."""
+    return name.endswith(QUANTIZED_SUFFIXES)
+
+
+def quantized_bytes(
+    weight: torch.Tensor, block: int = 64, double: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an :class:`NF4ParamLinear` holds for ``weight``: its packed NF4 codes and the bytes of its
+    fp32 block scales (after double quantisation when ``double``: the values the single process's
+    :class:`NF4Linear` dequantises with), both uint8."""
+    q = quantize_nf4(weight, block, double)
+    return q.packed, q.scales().float().contiguous().view(torch.uint8)
+
+
+def nf4_weight(
+    codes: torch.Tensor, scale_bytes: torch.Tensor, rows: int, cols: int, block: int = 64
+) -> NF4Weight:
+    """The :class:`NF4Weight` of a ``rows`` x ``cols`` weight from what :func:`quantized_bytes` made."""
+    raw = scale_bytes.detach().reshape(-1)
+    if raw.storage_offset() % 4:  # a view of a flat byte buffer off fp32 alignment
+        raw = raw.clone()
+    return NF4Weight(
+        codes.detach().reshape(-1), torch.Size((rows, cols)), block, raw.view(torch.float32), None, None
+    )
+
+
+class NF4ParamLinear(nn.Module):
+    """A frozen NF4 linear layer whose codes and block scales are frozen uint8 parameters
+    (``weight_nf4``, ``weight_nf4_scales``: the scales' fp32 bytes), so that ZeRO-3 shards them like any
+    parameter and gathers 4-bit codes. Built on the meta device; ZeRO-3's units fill the values from
+    :func:`quantized_bytes` of the base weight. Computes what :class:`NF4Linear` computes for the same
+    weight (the scales after double quantisation kept in fp32: 4.5 bits per weight instead of 4.13)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        block: int = 64,
+        device: torch.device | str = "meta",
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        n_blocks = -(-in_features * out_features // block)
+        self.weight_nf4 = nn.Parameter(
+            torch.empty(n_blocks * block // 2, dtype=torch.uint8, device=device), False
+        )
+        self.weight_nf4_scales = nn.Parameter(
+            torch.empty(n_blocks * 4, dtype=torch.uint8, device=device), False
+        )
+        self.bias = nn.Parameter(torch.empty(out_features, device=device), False) if bias else None
+
+    @property
+    def quantized(self) -> NF4Weight:
+        """The weight as :class:`NF4Weight` (views of the parameters; valid while they hold data)."""
+        return nf4_weight(
+            self.weight_nf4, self.weight_nf4_scales, self.out_features, self.in_features, self.block
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)

@@ -31,6 +31,7 @@ from zerotron.checkpoint import sharded, store
 from zerotron.checkpoint.async_save import CheckpointWriter
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
+from zerotron.models.nf4 import is_quantized_param
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
 from zerotron.parallel.placement import (
@@ -311,8 +312,12 @@ class _Reader:
     def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:
         """Every tensor of ``model``'s state dict with its local shape, after checking that the checkpoint
         has each (and, unless ``partial``, a pipeline stage holding some only, nothing else)."""
-        skip = _tied_names(model)
-        expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in skip}
+        skip = _tied_names(model)  # and a QLoRA base's NF4 bytes under ZeRO-3: made from the source
+        expected = {
+            n: tuple(t.shape)
+            for n, t in model.state_dict().items()
+            if n not in skip and not is_quantized_param(n)
+        }
         missing = [n for n in expected if self.saved(n, n) is None]
         unexpected = [] if partial else [n for n in self.reader.names("model") if n not in expected]
         unexpected = [n for n in unexpected if n not in skip]

@@ -25,8 +25,16 @@ from zerotron.config import LORA_NAME_LIST, Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
-from zerotron.models.lora import LoraConfig, apply_lora, initial_adapter, initial_magnitude
+from zerotron.models.lora import (
+    LoraConfig,
+    QLoraLinear,
+    apply_lora,
+    initial_adapter,
+    initial_magnitude,
+    quantized_weight_numel,
+)
 from zerotron.models.lora_tp import MAGNITUDE
+from zerotron.models.nf4 import NF4ParamLinear, is_quantized_param, nf4_weight, quantized_bytes
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
 from zerotron.parallel.data import GradientBuckets
@@ -122,12 +130,18 @@ def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
     return apply_lora(model, lora_config(cfg), seed=cfg.train.seed)
 
 
+def _unwrapped(name: str) -> str:
+    """The base model's name of a QLoRA layer's tensor (``q_proj.base_layer.bias`` -> ``q_proj.bias``)."""
+    return name.replace(".base_layer.", ".").removesuffix(".base_layer")
+
+
 def _fill_from(
-    source: WeightSource, records: Mapping[str, Placement], seed: int
+    model: nn.Module, source: WeightSource, records: Mapping[str, Placement], seed: int, double_quant: bool
 ) -> Callable[[str], torch.Tensor]:
     """ZeRO-3's ``fill``: a parameter's box on this rank, by name, from ``source``; a LoRA adapter's
     from its initial value (:func:`~zerotron.models.lora.initial_adapter`), DoRA's magnitudes from the
-    norms of the base weight's rows, read from ``source``."""
+    norms of the base weight's rows, read from ``source``; a QLoRA base's NF4 codes and scales from its
+    weight, quantised (``double_quant``: the scales double-quantised)."""
 
     def adapter_box(
         name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
@@ -144,11 +158,33 @@ def _fill_from(
         rows = source.box(record.source or weight, record.stored_shape, (offsets[0], 0), (box[0], in_full))
         return initial_magnitude(rows)
 
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the last base weight's NF4 bytes
+
+    def nf4_bytes(layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A QLoRA base's codes and scale bytes (ZeRO-3): its whole weight, read from the source and
+        quantised as the single process quantises it (kept for the layer's next parameter)."""
+        if layer not in quantized:
+            module = model.get_submodule(layer)
+            assert isinstance(module, NF4ParamLinear)
+            shape = (module.out_features, module.in_features)
+            weight = source.box(_unwrapped(layer) + ".weight", shape, (0, 0), shape)
+            quantized.clear()
+            quantized[layer] = quantized_bytes(weight, module.block, double_quant)
+        return quantized[layer]
+
     def fill(name: str) -> torch.Tensor:
+        layer, _, part = name.rpartition(".")
+        if is_quantized_param(name):
+            return nf4_bytes(layer)[part == "weight_nf4_scales"]
+        qlora = model.get_submodule(layer) if name.endswith(MAGNITUDE) else None
+        if isinstance(qlora, QLoraLinear):  # QDoRA: the norms of the dequantised base's rows
+            codes, scales = nf4_bytes(layer + ".base_layer")
+            weight = nf4_weight(codes, scales, qlora.out_features, qlora.in_features).dequantize()
+            return initial_magnitude(weight)
         if name.endswith(MAGNITUDE):
             return fill_value(magnitude_box, name, records[name])
         adapter = ".lora_A." in name or ".lora_B." in name
-        return fill_value(adapter_box if adapter else source.box, name, records[name])
+        return fill_value(adapter_box if adapter else source.box, _unwrapped(name), records[name])
 
     return fill
 
@@ -287,7 +323,7 @@ class Trainer:
         # (ZeRO's shards are summed over the group that shards them: a block of dp under hybrid sharding)
         group = self.shard_group if self.zero is not None else mesh.group
         self.norm_classes = [(params, [group(a) for a in key]) for key, params in classes.items()]
-        total = torch.tensor([float(local_numel(records, self.model))])
+        total = torch.tensor([float(local_numel(records, self.model) + quantized_weight_numel(self.model))])
         collectives.all_reduce(total, mesh.group("pp"), op="sum")  # every stage holds different blocks
         self.n_params = int(total.item())
         # MoE: what each token runs (the experts it is not routed to left out)
@@ -310,7 +346,7 @@ class Trainer:
                 fill = None
                 if par.zero == 3:  # the model is on the meta device: each unit materialises its range
                     source = stack.enter_context(weight_source(cfg, self.model))
-                    fill = _fill_from(source, records, cfg.train.seed)
+                    fill = _fill_from(self.model, source, records, cfg.train.seed, cfg.lora.double_quant)
                     materialize_buffers(self.model, source.box, self.device, records)  # not ZeRO's
                 zero = apply_zero(
                     self.model,

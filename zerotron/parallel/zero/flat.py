@@ -105,7 +105,13 @@ class FlatLayout:
             view = shard[a - self.lo : b - self.lo]
             out.append(
                 ShardSegment(
-                    s.name, s.shape, a - s.offset, b - a, a - self.lo, nn.Parameter(view), len(s.shape) >= 2
+                    s.name,
+                    s.shape,
+                    a - s.offset,
+                    b - a,
+                    a - self.lo,
+                    nn.Parameter(view, view.is_floating_point()),  # frozen bytes: no gradient
+                    len(s.shape) >= 2,
                 )
             )
         return out

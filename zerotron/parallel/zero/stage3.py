@@ -114,7 +114,7 @@ class ZeroStage3:
         per_root, runs = plan_units(model, group_of, persist_numel)
         rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
         self.store = (
-            ShardStore([lay.shard for _, lay, _ in runs], "params", offload_params, nvme_path, rank)
+            ShardStore([_stored(lay) for _, lay, _ in runs], "params", offload_params, nvme_path, rank)
             if offload_params != "none"
             else None
         )
@@ -406,6 +406,8 @@ class ZeroStage3:
         time, this rank's tp part, whole), with no gather; the persistent unit is re-gathered after
         (collective over dp). A checkpoint load: no rank ever holds more than one parameter whole."""
         for unit in self.units:
+            if unit.derived:  # a QLoRA base's NF4 bytes: made from the weight source, not saved
+                continue
             values = torch.zeros(unit.layout.shard, dtype=torch.float32)
             for seg in unit.segments:
                 values[seg.at : seg.at + seg.length] = whole(seg.name).reshape(-1)[
@@ -419,7 +421,7 @@ class ZeroStage3:
         lives (device, host memory or NVMe file, one unit in memory at a time); no communication.
         ``written``: only those it writes to a checkpoint (under hybrid sharding, the first block's)."""
         for unit in self.units:
-            if written and not first_replica(unit.layout.group, self.replica):
+            if written and (unit.derived or not first_replica(unit.layout.group, self.replica)):
                 continue
             shard = unit.load_master() if unit.store is not None else unit.shard
             for seg in unit.segments:
@@ -431,6 +433,11 @@ class ZeroStage3:
     ) -> None:
         """Each segment takes its part of whole AdamW tensors by name."""
         load_optimizer_state([seg for u in self._trained for seg in u.segments], optimizer, tensors)
+
+
+def _stored(layout: FlatLayout) -> int:
+    """Elements of a unit's shard in a parameter offload store (frozen bytes stay on the device)."""
+    return layout.shard if layout.slots[0].param.is_floating_point() else 0
 
 
 def _flatten(obj: Any) -> list[Any]:

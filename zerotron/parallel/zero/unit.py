@@ -37,16 +37,22 @@ class Unit:
         working: torch.dtype = torch.float32,
     ) -> None:
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
+        # frozen bytes (a QLoRA base's NF4 codes and scales): sharded and gathered as they are, derived
+        # from the weight source when the model is built, never stored elsewhere nor written
+        self.derived = not layout.slots[0].param.is_floating_point()
+        master = torch.uint8 if self.derived else torch.float32
+        if self.derived:
+            working, store = torch.uint8, None
         self.store, self.index = store, index
         with torch.no_grad():
             if fill is None:  # the parameters hold their values
-                flat = layout.flatten([s.param.detach() for s in layout.slots], torch.float32)  # (padded,)
+                flat = layout.flatten([s.param.detach() for s in layout.slots], master)  # (padded,)
                 mine = flat[layout.lo : layout.hi].clone()
-                self.flat = flat if working == torch.float32 else flat.to(working)
+                self.flat = flat if working == master else flat.to(working)
                 del flat
             else:  # parameters on the meta device: only this rank's range is materialised
                 self.flat = torch.empty(layout.padded, dtype=working, device=device)
-                mine = _materialize_range(layout, self.flat, fill, whole=persistent)
+                mine = _materialize_range(layout, self.flat, fill, whole=persistent, dtype=master)
         for slot, view in zip(layout.slots, layout.views(self.flat)):
             if slot.param.is_meta:  # the same Parameter object, now a view of the flat buffer
                 torch.utils.swap_tensors(slot.param, nn.Parameter(view, slot.param.requires_grad))
@@ -183,13 +189,17 @@ class Unit:
             self.shard.untyped_storage().resize_(0)
 
 
-Fill = Callable[[str], torch.Tensor]  # parameter name -> its whole box on this rank (fp32, any device)
+Fill = Callable[
+    [str], torch.Tensor
+]  # parameter name -> its whole box on this rank (fp32 or bytes, any device)
 
 
-def _materialize_range(layout: FlatLayout, flat: torch.Tensor, fill: Fill, whole: bool) -> torch.Tensor:
+def _materialize_range(
+    layout: FlatLayout, flat: torch.Tensor, fill: Fill, whole: bool, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """This rank's ``(shard,)`` range of a unit whose parameters are on the meta device, asking ``fill``
     for one parameter at a time; ``whole`` (the small persistent unit) fills all of ``flat`` too."""
-    shard = torch.zeros(layout.shard, dtype=torch.float32, device=flat.device)  # the fp32 master
+    shard = torch.zeros(layout.shard, dtype=dtype, device=flat.device)  # the fp32 master (or the bytes)
     if whole:
         flat.zero_()
     for slot in layout.slots:

@@ -57,8 +57,9 @@ def plan_units(
     model: nn.Module, group_of: Callable[[str], Group], persist_numel: int
 ) -> tuple[list[list[nn.Module]], list[Run]]:
     """The unit modules per root and the flat layouts in forward order: per module its trainable
-    parameters, then its frozen ones in a unit of their own (gathered for use, never reduced), then
-    the small trainable parameters that stay whole (one persistent unit per group)."""
+    parameters, then its frozen ones in a unit of their own (gathered for use, never reduced; frozen
+    integer tensors, a QLoRA base's NF4 bytes, in one more), then the small trainable parameters that
+    stay whole (one persistent unit per group)."""
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
     taken: set[int] = set()
     small: list[tuple[str, nn.Parameter]] = []
@@ -83,8 +84,13 @@ def plan_units(
                 frozen.append((names[id(p)], p))
             else:
                 (small if p.numel() < persist_numel and p is not tied else named).append((names[id(p)], p))
-        if frozen:
-            runs.insert(0, (module, FlatLayout(frozen, _one_group(frozen, group_of)), True))
+        # frozen bytes (a QLoRA base's NF4 codes and scales) apart: a unit gathers them as they are
+        for kind in (
+            [q for q in frozen if not q[1].is_floating_point()],
+            [q for q in frozen if q[1].is_floating_point()],
+        ):
+            if kind:
+                runs.insert(0, (module, FlatLayout(kind, _one_group(kind, group_of)), True))
         if named:
             runs.insert(0, (module, FlatLayout(named, _one_group(named, group_of)), False))
     by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
