@@ -1,6 +1,7 @@
 """LoRA fine-tuning throughput and memory: `zerotron sft` vs peft + transformers' Trainer vs ms-swift.
 
 Run:  python benchmarks/sft.py MODEL_DIR [--steps 12] [--batch 4] [--seq-len 512] [--swift PYTHON]
+      python benchmarks/sft.py MODEL_DIR --zero-layouts [--precision bf16]   (LoRA/QLoRA x ZeRO-2/3, 2 ranks)
 
 Every framework fine-tunes the same Hugging Face model (SmolLM2-135M-Instruct in BENCHMARKS.md) on the
 same chat data (questions about the Python standard library's functions, answered by their docstrings),
@@ -214,6 +215,44 @@ def run_swift(python: str, model: str, data: Path, args: argparse.Namespace) -> 
     }
 
 
+ZERO_LAYOUTS = [  # (label, overrides): LoRA and QLoRA, ZeRO-2 and ZeRO-3, dp 2
+    ("LoRA, ZeRO-2", ["parallel.zero=2"]),
+    ("LoRA, ZeRO-3", ["parallel.zero=3"]),
+    ("QLoRA, ZeRO-2", ["parallel.zero=2", "lora.base_bits=4"]),
+    ("QLoRA, ZeRO-3", ["parallel.zero=3", "lora.base_bits=4"]),
+]
+
+
+def run_zero_layouts(model: str, data: Path, out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``zerotron sft`` on 2 ranks (dp 2) under each of :data:`ZERO_LAYOUTS`: rank 0's model-state bytes,
+    peak memory, bytes all-gathered per step and step time (the mean after the first step)."""
+    results = []
+    for label, overrides in ZERO_LAYOUTS:
+        run = out / label.replace(", ", "-").replace("-", "_").lower()
+        cmd = [
+            sys.executable, "-m", "zerotron", "sft", model, str(data), f"train.steps={args.steps}",
+            f"train.global_batch={args.batch}", f"train.seq_len={args.seq_len}", "lora.rank=8",
+            "lora.alpha=32", "data.on_error=skip", "data.template=chatml", "log.progress=none",
+            f"train.precision={args.precision}", "parallel.dp=2", *overrides, "--nproc", "2", "--out",
+            str(run), "--overwrite",
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        records = [r for r in records if r.get("rank", 0) == 0 and "loss" in r]
+        last = records[-1]
+        results.append(
+            {
+                "layout": label,
+                "model_state_bytes": sum(last["model_state_bytes"].values()),
+                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
+                "all_gather_bytes": last["comm_bytes"].get("dp", {}).get("all_gather", 0),
+                "step_time_s": sum(r["step_time_s"] for r in records[1:]) / max(1, len(records) - 1),
+                "losses": [r["loss"] for r in records],
+            }
+        )
+    return results
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -240,6 +279,12 @@ def main() -> None:
     parser.add_argument("--swift", help="the Python of a venv with ms-swift installed")
     parser.add_argument("--out", type=Path, default=Path("bench-sft"))
     parser.add_argument("--peer", choices=["peft"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--zero-layouts",
+        action="store_true",
+        help="LoRA and QLoRA under ZeRO-2 and ZeRO-3 on 2 ranks instead",
+    )
+    parser.add_argument("--precision", default="fp32", help="train.precision of --zero-layouts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "chat.jsonl"
@@ -247,6 +292,18 @@ def main() -> None:
         print(json.dumps(run_peft(args.model, data, args)))
         return
     make_data(data, args.samples)
+    if args.zero_layouts:
+        rows = run_zero_layouts(args.model, data, args.out, args)
+        print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, dp 2, {args.precision}, rank 0")
+        print("| layout | model states | peak memory | all-gathered per step | step time |")
+        for r in rows:
+            print(
+                f"| {r['layout']} | {r['model_state_bytes'] / 2**20:.1f} MiB | {r['peak_memory_bytes'] / 2**30:.2f} GiB"
+                f" | {r['all_gather_bytes'] / 2**20:.1f} MiB | {r['step_time_s']:.2f} s |  losses "
+                f"{[round(x, 3) for x in r['losses']]}"
+            )
+        (args.out / "zero_layouts.json").write_text(json.dumps(rows, indent=1))
+        return
     results = [
         run_zerotron(args.model, data, args.out / "zt-packed", args, packing=True),
         run_zerotron(args.model, data, args.out / "zt-unpacked", args, packing=False),

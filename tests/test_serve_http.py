@@ -259,11 +259,26 @@ def test_tensor_parallel_serving_equals_one_process(client: object, tmp_path: Pa
     assert proc.returncode == 0, log.read_text()
 
 
-def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(tmp_path: Path) -> None:
-    """``zerotron serve --dtype bfloat16``: the chat answer says Paris; 16 concurrent greedy requests
-    each get the tokens they get alone (the 16-bit linears run in row chunks); every block is freed."""
+@pytest.mark.parametrize("nproc", [1, 3], ids=["one-rank", "tp3"])
+def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(
+    client: object, tmp_path: Path, nproc: int
+) -> None:
+    """``zerotron serve --dtype bfloat16`` on one rank and tensor-parallel over 3: the chat answer says
+    Paris; 16 concurrent greedy requests each get the tokens they get alone (the 16-bit linears, a tp
+    rank's parts too, run in row chunks); the log-probabilities of its greedy tokens are within bf16's
+    rounding of the fp32 server's for the same tokens; every block is freed."""
     log = tmp_path / "bf16.log"
-    proc, base = _start(["--dtype", "bfloat16", "--max-model-len", "512", "--kv-cache-memory", "0.1"], log)
+    flags = [
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "0.1",
+        "--nproc",
+        str(nproc),
+    ]
+    proc, base = _start(flags, log)
     try:
         bf16 = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         chat = bf16.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=24)
@@ -278,6 +293,21 @@ def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(t
         with ThreadPoolExecutor(16) as pool:
             together = list(pool.map(ask, prompts))
         assert together == alone
+        fp32 = client  # type: ignore[assignment]
+        prompt = "The capital of France is"
+        out = bf16.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=8, logprobs=0)
+        ref = (
+            fp32.completions.create(  # type: ignore[attr-defined]
+                model=NAME, prompt=prompt, temperature=0, max_tokens=8, logprobs=0
+            )
+            .choices[0]
+            .logprobs
+        )
+        got = out.choices[0].logprobs
+        same = next((i for i, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), len(got.tokens))
+        assert same >= 4, (got.tokens, ref.tokens)  # the same greedy tokens, at least at first
+        diffs = [abs(a - b) for a, b in zip(got.token_logprobs[:same], ref.token_logprobs[:same])]
+        assert max(diffs) <= 0.15, diffs
         _wait_idle(base)
     finally:
         proc.terminate()

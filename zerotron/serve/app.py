@@ -225,11 +225,6 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
     for flag, ok in checks:
         if not ok:
             raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
-    if args.dtype != "float32" and nproc > 1:
-        raise ConfigError(
-            f"serve --dtype {args.dtype} with {nproc} ranks: 16-bit tensor-parallel serving is not built yet; "
-            "use --dtype float32 or one rank"
-        )
     if args.dtype != "float32" and args.matmul == "onednn":
         raise ConfigError(
             f"serve --matmul onednn packs fp32 weights; with --dtype {args.dtype} the linears run in row "

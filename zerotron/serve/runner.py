@@ -148,16 +148,36 @@ def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch
     return torch.cat(outs).view(*x.shape[:-1], weight.shape[0])
 
 
-def chunk_linears(model: nn.Module) -> bool:
-    """Run every ``nn.Linear`` of a 16-bit model in row chunks (:func:`_chunked_linear`). Returns whether
-    every linear of the model is chunked (tensor-parallel linears are not)."""
-    every = True
+def _chunked_row_parallel(module: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's forward in 16 bits, batch-invariant: its partial product in row chunks,
+    and the partials summed in rank order in fp32 after an all-gather (a ring all-reduce adds each
+    element's partials in an order that depends on where the element falls in the buffer, so on the
+    number of rows; in 16 bits that changes the result)."""
+    partial = _chunked_linear(module.weight, None, x)
+    group = module.group
+    if module.output_mode != "reduce":
+        raise ValueError("16-bit serving runs row-parallel layers with their outputs all-reduced")
+    gathered = partial.new_empty((group.size, *partial.shape))
+    collectives.all_gather(gathered, partial.contiguous(), group)
+    y = gathered.float().sum(dim=0).to(partial.dtype)
+    return y + module.bias if module.bias is not None else y
+
+
+def chunk_linears(model: nn.Module) -> None:
+    """Run every linear layer of a 16-bit model in row chunks (:func:`_chunked_linear`): plain ones, and a
+    tensor-parallel rank's column- and row-parallel parts (serving: the input replicated over tp)."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            every = False
-        if type(module) is nn.Linear:
+        if isinstance(module, ColumnParallelLinear):
+            if module.input_mode == "sequence":
+                raise ValueError("16-bit serving runs tensor-parallel layers without sequence parallelism")
+            start, size = module.rows if module.replicated else (0, module.out_features)
+            bias = module.bias[start : start + size] if module.bias is not None else None
+            weight = module.weight[start : start + size]
+            module.forward = functools.partial(_chunked_linear, weight, bias)  # type: ignore[method-assign]
+        elif isinstance(module, RowParallelLinear):
+            module.forward = functools.partial(_chunked_row_parallel, module)  # type: ignore[method-assign]
+        elif type(module) is nn.Linear:
             module.forward = functools.partial(_chunked_linear, module.weight, module.bias)  # type: ignore[method-assign]
-    return every
 
 
 class StepRunner:
