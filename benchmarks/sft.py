@@ -224,8 +224,9 @@ ZERO_LAYOUTS = [  # (label, overrides): LoRA and QLoRA, ZeRO-2 and ZeRO-3, dp 2
 
 
 def run_zero_layouts(model: str, data: Path, out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``zerotron sft`` on 2 ranks (dp 2) under each of :data:`ZERO_LAYOUTS`: rank 0's model-state bytes,
-    peak memory, bytes all-gathered per step and step time (the mean after the first step)."""
+    """``zerotron sft`` on 2 ranks (dp 2) under each of :data:`ZERO_LAYOUTS`: rank 0's frozen base bytes,
+    the engine's model-state bytes (ZeRO-3's include its frozen shards), peak memory, bytes all-gathered
+    per step and step time (the mean after the first step)."""
     results = []
     for label, overrides in ZERO_LAYOUTS:
         run = out / label.replace(", ", "-").replace("-", "_").lower()
@@ -243,7 +244,8 @@ def run_zero_layouts(model: str, data: Path, out: Path, args: argparse.Namespace
         results.append(
             {
                 "layout": label,
-                "model_state_bytes": sum(last["model_state_bytes"].values()),
+                "trained_state_bytes": sum(last["model_state_bytes"].values()),
+                "frozen_base_bytes": last["frozen_base_bytes"],
                 "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
                 "all_gather_bytes": last["comm_bytes"].get("dp", {}).get("all_gather", 0),
                 "step_time_s": sum(r["step_time_s"] for r in records[1:]) / max(1, len(records) - 1),
@@ -295,10 +297,11 @@ def main() -> None:
     if args.zero_layouts:
         rows = run_zero_layouts(args.model, data, args.out, args)
         print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, dp 2, {args.precision}, rank 0")
-        print("| layout | model states | peak memory | all-gathered per step | step time |")
+        print("| layout | frozen base | engine's states | peak memory | all-gathered per step | step time |")
         for r in rows:
             print(
-                f"| {r['layout']} | {r['model_state_bytes'] / 2**20:.1f} MiB | {r['peak_memory_bytes'] / 2**30:.2f} GiB"
+                f"| {r['layout']} | {r['frozen_base_bytes'] / 2**20:.1f} MiB | {r['trained_state_bytes'] / 2**20:.1f} MiB"
+                f" | {r['peak_memory_bytes'] / 2**30:.2f} GiB"
                 f" | {r['all_gather_bytes'] / 2**20:.1f} MiB | {r['step_time_s']:.2f} s |  losses "
                 f"{[round(x, 3) for x in r['losses']]}"
             )

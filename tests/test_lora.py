@@ -348,3 +348,20 @@ def test_adapter_settings_not_built_are_refused(tmp_path: Path, setting: dict[st
     path.write_text(json.dumps({**json.loads(path.read_text()), **setting}))
     with pytest.raises(ConfigError, match=f"{next(iter(setting))}=.* is not read yet"):
         load_adapter(model, tmp_path / "adapter")
+
+
+def test_nf4_linear_keeps_no_dequantised_weight_for_backward() -> None:
+    """A QLoRA base layer's forward saves no dequantised copy of its weight for backward (it dequantises
+    again there, as bitsandbytes does); the input's gradient is the plain linear's on that weight."""
+    torch.manual_seed(0)
+    layer = NF4Linear(nn.Linear(256, 512, bias=True))
+    x = torch.randn(4, 256, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(x)
+    assert sum(t.numel() for t in saved) < 256 * 512 // 4  # the 4-bit codes at most, no fp32 copy
+    out.square().sum().backward()
+    ref_x = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(ref_x, layer.quantized.dequantize(), layer.bias).square().sum().backward()
+    assert x.grad is not None and ref_x.grad is not None
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)

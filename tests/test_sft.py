@@ -112,6 +112,7 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
         "weights": weights,
         "shards": shards,
         "n_params": trainer.n_params,
+        "frozen": history[-1].get("frozen_base_bytes", 0),
     }
 
 
@@ -299,6 +300,9 @@ def test_sft_layouts_equal_single_process(tmp_path: Path, world: int, layout: li
         shards = results[0]["shards"]
         assert shards["numel"] <= results[0]["n_params"] / tp / 2 * 1.05
         assert shards["frozen"] > 0 or full
+        if not full:  # the frozen base's bytes on a rank (NF4 under ZeRO-3: 4.5 bits/weight, 4.13 alone)
+            share = 0.6 if "lora.base_bits=4" in layout else 0.51
+            assert 0 < results[0]["frozen"] <= ref["frozen"] * share / tp
         if any("offload_optimizer" in x for x in layout):
             assert shards["moments"] == 2 * shards["trained"] and shards["trained"] < shards["numel"] / 4
     if not full:  # the adapters, whole over tp, each pipeline stage's own (full weights: by their losses)

@@ -384,6 +384,20 @@ def quantized_weight_numel(model: nn.Module) -> int:
     return total
 
 
+def frozen_base_bytes(model: nn.Module, sharded: Mapping[str, int]) -> int:
+    """Bytes of the frozen base this rank holds: each frozen parameter's own (``sharded``: the bytes of
+    this rank's shard, by name, for those an engine shards: ZeRO-3) plus the NF4 weights stored outside
+    parameters (QLoRA's base when not sharded)."""
+    total = 0
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if not p.requires_grad:
+            total += sharded.get(name, p.numel() * p.element_size())
+    for module in model.modules():
+        if isinstance(module, (NF4Linear, NF4ColumnParallelLinear, NF4RowParallelLinear)):
+            total += module.quantized.nbytes
+    return total
+
+
 def lora_modules(model: nn.Module) -> dict[str, Any]:
     """The adapted layers by name: LoRA/QLoRA layers, and tensor-parallel layers with adapters."""
     return {

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,31 @@ def double_quantized_scales(absmax: torch.Tensor, block2: int = 256) -> torch.Te
     return _dequantize_scales(q, scale, offset, block2, absmax.numel())
 
 
+class _NF4LinearFn(torch.autograd.Function):
+    """``x Wᵀ + b`` for a frozen NF4 ``W`` that autograd does not keep dequantised: backward dequantises
+    it again (as bitsandbytes' 4-bit matmul does), so a QLoRA forward holds 4-bit weights, not a
+    16/32-bit copy of every layer until backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: NF4Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.weight = weight
+        dtype = (
+            torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        )
+        return F.linear(x, weight.dequantize(dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad @ ctx.weight.dequantize(grad.dtype), None, None
+
+
+def nf4_linear(x: torch.Tensor, weight: NF4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight.dequantize(...), bias)`` without keeping the dequantised weight for backward
+    (the bias is frozen too: no gradient)."""
+    out: torch.Tensor = _NF4LinearFn.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+    return out
+
+
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is stored in NF4 and dequantised to the input's dtype per call."""
 
@@ -120,7 +145,7 @@ class NF4Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
+        return nf4_linear(x, self.quantized, self.bias)
 
 
 QUANTIZED_SUFFIXES = (".weight_nf4", ".weight_nf4_scales")
@@ -188,4 +213,4 @@ class NF4ParamLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
+        return nf4_linear(x, self.quantized, self.bias)

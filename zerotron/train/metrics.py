@@ -3,7 +3,8 @@
 metrics.jsonl has one JSON object per optimizer step with exactly the keys of DESIGN.md:
 ``step, loss, lr, grad_norm, tokens, n_params, step_time_s, tokens_per_s, mfu, comm_bytes,
 model_state_bytes, activation_bytes, layout, rank`` (plus ``skipped`` and ``loss_scale`` under fp16, and
-for a mixture-of-experts model ``active_params``, ``aux_loss``, ``z_loss`` and ``expert_load``).
+for a mixture-of-experts model ``active_params``, ``aux_loss``, ``z_loss`` and ``expert_load``; for a
+LoRA/QLoRA run ``frozen_base_bytes``).
 """
 
 from __future__ import annotations

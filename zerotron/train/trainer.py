@@ -29,6 +29,7 @@ from zerotron.models.lora import (
     LoraConfig,
     QLoraLinear,
     apply_lora,
+    frozen_base_bytes,
     initial_adapter,
     initial_magnitude,
     quantized_weight_numel,
@@ -435,6 +436,11 @@ class Trainer:
         record.update(self.runner.metrics())  # MoE: aux_loss, z_loss, expert_load
         if self.active_params != self.n_params:  # MoE: the parameters each token runs
             record["active_params"] = self.active_params
+        if self.cfg.lora.rank > 0:  # the frozen base this rank holds: whole, NF4, or its ZeRO-3 shards
+            shards = dict.fromkeys(self.zero.names, 0) if self.zero is not None else {}
+            for seg in (s for segs in self.zero.segments for s in segs) if self.zero is not None else ():
+                shards[seg.name] += seg.length * seg.param.element_size()
+            record["frozen_base_bytes"] = frozen_base_bytes(self.model, shards)
         if offloaded is not None:  # model states off the device (ZeRO offload): {host|nvme: {params, ...}}
             record["offloaded_state_bytes"] = offloaded
         if bad is not None:  # skipped; the data it would have trained on, for the post-mortem
