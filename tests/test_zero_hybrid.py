@@ -46,6 +46,28 @@ def test_hybrid_sharding_matches_the_single_process(zero: int, tmp_path: Path) -
     assert results[0]["states"] == results[2]["states"] and results[1]["states"] == results[3]["states"]
 
 
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_hybrid_sharding_with_parameter_offload(where: str, tmp_path: Path) -> None:
+    """ZeRO-3 hybrid sharding with the shards (and the optimizer) on the host or in NVMe files: the
+    replicas sum their host gradient shards; the single process's numbers, and nothing of the model
+    states left on the device but the persistent unit."""
+    tokens = _tokens()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    offload = [
+        f"parallel.offload_params={where}",
+        f"parallel.offload_optimizer={where}",
+        f"parallel.nvme_path={nvme}",
+    ]
+    overrides = [*HYBRID, "parallel.zero=3", *offload]
+    ref_losses, ref_weights = _reference([*HYBRID, "parallel.zero=3"], tokens)
+    results = run_distributed(_body, 4, overrides, tokens, str(tmp_path), timeout=300)
+    for result in results:
+        _assert_close(result, ref_losses, ref_weights)
+        assert set(result["comm"]["dp_rep"]) == {"all_reduce"}, result["comm"]
+        assert result["states"]["optimizer"] == 0 and result["states"]["grads"] == 0, result["states"]
+
+
 def test_hybrid_sharding_refuses_what_it_cannot_do() -> None:
     for overrides, fragment in (
         (["parallel.dp=4", "parallel.zero=3", "parallel.zero_shard_size=3"], "must divide parallel.dp=4"),

@@ -158,11 +158,6 @@ def _check_hybrid(spec: LayoutSpec) -> None:
             f"groups of parallel.ep={spec.ep}, so the experts' ZeRO states cannot be sharded in it; choose "
             f"{where} so that {where}*cp is a multiple of ep, or smaller than ep"
         )
-    if spec.offload_params != "none":
-        raise LayoutError(
-            f"{where}={s} with parallel.offload_params={spec.offload_params} is not built yet; set "
-            f"parallel.offload_params=none or {where}=0"
-        )
 
 
 def check_degrees(world: int, dp: int, pp: int, cp: int, tp: int, ep: int = 1, zero: int = 0) -> None:

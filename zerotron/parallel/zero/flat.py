@@ -157,16 +157,20 @@ Replicas = Callable[[Group], Optional[Group]]
 
 
 def reduce_replicas(
-    shards: list[tuple[torch.Tensor, Group]], replica: Replicas | None, dtype: torch.dtype | None
+    shards: list[tuple[torch.Tensor, Group]],
+    replica: Replicas | None,
+    dtype: torch.dtype | None,
+    device: torch.device | None = None,
 ) -> None:
     """Hybrid sharding: sum each gradient shard (with the group that shards it) in place over the ranks
     that hold the same shard in the other blocks (``replica(group)``: ``dp_rep`` for dense parameters;
-    nothing when None or one rank), in ``dtype`` (``parallel.grad_reduce_dtype``; None: the shards' own).
-    All are launched before any is waited on."""
+    nothing when None or one rank), in ``dtype`` (``parallel.grad_reduce_dtype``; None: the shards' own),
+    on ``device`` (None: where the shards are; parameter offload's host shards are summed on the device
+    the collectives run on). All are launched before any is waited on."""
     if replica is None:
         return
     pairs = [(s, rep) for s, g in shards if (rep := replica(g)) is not None and rep.size > 1]
-    sends = [s if dtype is None or s.dtype == dtype else s.to(dtype) for s, _ in pairs]
+    sends = [s.to(device=device or s.device, dtype=dtype or s.dtype) for s, _ in pairs]
     works = [collectives.all_reduce(t, rep, op="sum", async_op=True) for t, (_, rep) in zip(sends, pairs)]
     for (shard, _), send, work in zip(pairs, sends, works):
         if work is not None:

@@ -301,7 +301,9 @@ class ZeroStage3:
                 unit.wait_gather()
             unit.free()
         shards = [(u.grad_shard, u.layout.group) for u in self._trained if u.grad_shard is not None]
-        reduce_replicas(shards, self.replica, self.reduce_dtype)
+        reduce_replicas(
+            shards, self.replica, self.reduce_dtype, self.units[0].flat.device if self.units else None
+        )
         self._in_backward = False
 
     def after_step(self) -> None:
