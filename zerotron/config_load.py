@@ -568,11 +568,6 @@ def _check_finetune(cfg: Config) -> None:
             f"lora.dropout={lo.dropout} with lora.use_dora=true under parallel.tp={p.tp}: DoRA with adapter "
             "dropout on a tensor-parallel model is not built yet; set lora.dropout=0, or parallel.tp=1"
         )
-    if p.zero == 3 and lo.base_bits == 4 and p.tp > 1:
-        raise ConfigError(
-            f"parallel.zero=3 with lora.base_bits=4 under parallel.tp={p.tp}: QLoRA on a ZeRO-3-sharded, "
-            "tensor-parallel base is not built yet; use parallel.zero=2 with tp, or parallel.tp=1 with ZeRO-3"
-        )
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -33,7 +33,14 @@ from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
 from zerotron.models.lora_tp import MAGNITUDE, TensorParallelLinear, attach_tp_lora
 from zerotron.models.nf4 import NF4Linear, NF4ParamLinear, is_quantized_param
-from zerotron.models.nf4_tp import NF4ColumnParallelLinear, NF4RowParallelLinear, quantize_tp_layer
+from zerotron.models.nf4_tp import (
+    NF4ColumnParallelLinear,
+    NF4ColumnParallelParamLinear,
+    NF4RowParallelLinear,
+    NF4RowParallelParamLinear,
+    quantize_tp_layer,
+    quantize_tp_layer_params,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -315,12 +322,7 @@ def apply_lora(
             "DoRA with lora.dropout > 0 on a tensor-parallel model is not built yet; use lora.dropout=0, "
             "or parallel.tp=1"
         )
-    meta = any(p.is_meta for p in model.parameters())
-    if meta and cfg.base_bits == 4 and split:
-        raise ConfigError(
-            "QLoRA on a ZeRO-3-sharded base under parallel.tp > 1 is not built yet; use parallel.zero=2 "
-            "with tp, or parallel.tp=1 with ZeRO-3"
-        )
+    meta = any(p.is_meta for p in model.parameters())  # ZeRO-3 fills it: an NF4 base as byte parameters
     names = [n for n, m in model.named_modules() if _is_target(n, m, cfg)]
     if not names:
         raise ConfigError(
@@ -339,7 +341,7 @@ def apply_lora(
         g = _generator_for(seed, name) if seed is not None else generator
         if isinstance(base, TensorParallelLinear):  # this rank's part, the single process's values
             if cfg.base_bits == 4:
-                quantize_tp_layer(base, name, cfg.double_quant)
+                _quantize_tp(base, name, cfg.double_quant, meta)
             attach_tp_lora(base, cfg.rank, cfg.scaling, g, dora=cfg.use_dora, dropout=cfg.dropout)
             continue
         assert isinstance(base, nn.Linear)
@@ -354,11 +356,20 @@ def apply_lora(
         for name in others:
             linear = model.get_submodule(name)
             if isinstance(linear, TensorParallelLinear):
-                quantize_tp_layer(linear, name, cfg.double_quant)
+                _quantize_tp(linear, name, cfg.double_quant, meta)
                 continue
             assert isinstance(linear, nn.Linear)
             _set(model, name, _nf4_layer(linear, cfg.double_quant, meta))
     return names
+
+
+def _quantize_tp(module: Any, name: str, double: bool, meta: bool) -> None:
+    """A tensor-parallel layer's base in NF4: quantised now (collective over tp), or on a meta-device
+    model byte parameters of its shard that ZeRO-3 fills."""
+    if meta:
+        quantize_tp_layer_params(module, name)
+    else:
+        quantize_tp_layer(module, name, double)
 
 
 def _nf4_layer(linear: nn.Linear, double: bool, meta: bool) -> NF4Linear | NF4ParamLinear:
@@ -369,6 +380,14 @@ def _nf4_layer(linear: nn.Linear, double: bool, meta: bool) -> NF4Linear | NF4Pa
     return NF4ParamLinear(linear.in_features, linear.out_features, linear.bias is not None)
 
 
+TP_NF4_LAYERS = (
+    NF4ColumnParallelLinear,
+    NF4RowParallelLinear,
+    NF4ColumnParallelParamLinear,
+    NF4RowParallelParamLinear,
+)
+
+
 def quantized_weight_numel(model: nn.Module) -> int:
     """Elements of the NF4 base weights ``model`` holds (their global shapes), minus those of the
     parameters that store them: what a parameter count adds back for a QLoRA base."""
@@ -376,7 +395,7 @@ def quantized_weight_numel(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if isinstance(module, (NF4Linear, NF4ParamLinear)):
             total += module.in_features * module.out_features
-        elif isinstance(module, (NF4ColumnParallelLinear, NF4RowParallelLinear)):
+        elif isinstance(module, TP_NF4_LAYERS):
             total += math.prod(module.weight_spec.global_shape)
         for leaf, p in module.named_parameters(recurse=False):
             if is_quantized_param(f"{name}.{leaf}"):

@@ -18,13 +18,15 @@ process's dequantised values.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from zerotron.config_load import ConfigError
 from zerotron.distributed import collectives
-from zerotron.models.nf4 import NF4Weight, double_quantized_scales, quantize_nf4
+from zerotron.models.nf4 import NF4Weight, double_quantized_scales, nf4_weight, quantize_nf4
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ShardSpec
 
 
@@ -107,3 +109,81 @@ def quantize_tp_layer(module: Any, name: str, double: bool = True, block: int = 
     module.quantized, module.compute_dtype = quantized, dtype
     if module.bias is not None:
         module.bias.requires_grad_(False)
+
+
+class _NF4ParamWeight:
+    """``module.weight`` of a layer whose NF4 shard is parameters: dequantised, or on the meta device
+    (before ZeRO-3 fills the parameters) an empty tensor of the shard's shape."""
+
+    def __get__(self, module: Any, owner: type | None = None) -> torch.Tensor:
+        if module.weight_nf4.is_meta:
+            return torch.empty(module.weight_spec.shape, dtype=module.compute_dtype, device="meta")
+        rows, cols = module.weight_spec.shape
+        weight: torch.Tensor = nf4_weight(module.weight_nf4, module.weight_nf4_scales, rows, cols).dequantize(
+            module.compute_dtype
+        )
+        return weight
+
+
+class NF4ColumnParallelParamLinear(ColumnParallelLinear):
+    """A column-parallel layer whose NF4 shard is frozen byte parameters (``weight_nf4``,
+    ``weight_nf4_scales``) that ZeRO-3 shards, as :class:`~zerotron.models.nf4.NF4ParamLinear`."""
+
+    weight = _NF4ParamWeight()  # type: ignore[assignment]
+    compute_dtype: torch.dtype
+    weight_spec: ShardSpec
+
+
+class NF4RowParallelParamLinear(RowParallelLinear):
+    """A row-parallel layer whose NF4 shard is frozen byte parameters, as the column-parallel one."""
+
+    weight = _NF4ParamWeight()  # type: ignore[assignment]
+    compute_dtype: torch.dtype
+    weight_spec: ShardSpec
+
+
+def quantize_tp_layer_params(module: Any, name: str, block: int = 64) -> None:
+    """On a meta-device model (ZeRO-3): make a Column/RowParallelLinear's frozen weight NF4 byte
+    parameters of its shard's size, which ZeRO-3 fills from :func:`shard_bytes` (no communication)."""
+    _check_blocks(module, name, block)
+    dtype = module.weight.dtype
+    del module._parameters["weight"]
+    spec = module.weight_spec = module.tp_specs.pop("weight")
+    getattr(module, "tp_grad_sums", {}).pop("weight", None)
+    n_blocks = -(-math.prod(spec.shape) // block)
+    module.weight_nf4 = nn.Parameter(
+        torch.empty(n_blocks * block // 2, dtype=torch.uint8, device="meta"), False
+    )
+    module.weight_nf4_scales = nn.Parameter(
+        torch.empty(n_blocks * 4, dtype=torch.uint8, device="meta"), False
+    )
+    module.__class__ = (
+        NF4ColumnParallelParamLinear
+        if isinstance(module, ColumnParallelLinear)
+        else NF4RowParallelParamLinear
+    )
+    module.compute_dtype = dtype
+    if module.bias is not None:
+        module.bias.requires_grad_(False)
+
+
+def shard_bytes(
+    codes: torch.Tensor, scale_bytes: torch.Tensor, shape: tuple[int, ...], spec: ShardSpec, block: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor-parallel shard's NF4 codes and fp32 scale bytes, cut from the single process's
+    quantisation of the whole ``shape`` weight (:func:`~zerotron.models.nf4.quantized_bytes`: its block
+    scales double-quantised over all of it) at the shard's blocks (whole rows, or a slice of every row:
+    :func:`_check_blocks` made them whole blocks)."""
+    scales = scale_bytes.view(torch.float32)
+    out_full, in_full = shape
+    if spec.dim is None:  # replicated: the whole weight
+        return codes, scale_bytes
+    start, size = spec.offsets[spec.dim], spec.shape[spec.dim]
+    if spec.dim == 0:  # rows start .. start + size: a contiguous run of blocks
+        lo, hi = start * in_full, (start + size) * in_full
+        return codes[lo // 2 : hi // 2].clone(), scales[lo // block : hi // block].clone().view(torch.uint8)
+    rows_codes = codes[: out_full * in_full // 2].view(out_full, in_full // 2)
+    rows_scales = scales[: out_full * in_full // block].view(out_full, in_full // block)
+    mine_codes = rows_codes[:, start // 2 : (start + size) // 2].reshape(-1)
+    mine_scales = rows_scales[:, start // block : (start + size) // block].reshape(-1)
+    return mine_codes.clone(), mine_scales.clone().view(torch.uint8)

@@ -26,6 +26,7 @@ from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.lora import (
+    TP_NF4_LAYERS,
     LoraConfig,
     QLoraLinear,
     apply_lora,
@@ -36,6 +37,7 @@ from zerotron.models.lora import (
 )
 from zerotron.models.lora_tp import MAGNITUDE
 from zerotron.models.nf4 import NF4ParamLinear, is_quantized_param, nf4_weight, quantized_bytes
+from zerotron.models.nf4_tp import shard_bytes
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
 from zerotron.parallel.data import GradientBuckets
@@ -131,6 +133,14 @@ def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
     return apply_lora(model, lora_config(cfg), seed=cfg.train.seed)
 
 
+def _nf4_shape(module: Any) -> tuple[int, int]:
+    """The whole weight's shape of an NF4 layer (one of a tensor-parallel layer's shards, or whole)."""
+    if isinstance(module, NF4ParamLinear):
+        return module.out_features, module.in_features
+    rows, cols = module.weight_spec.global_shape
+    return rows, cols
+
+
 def _unwrapped(name: str) -> str:
     """The base model's name of a QLoRA layer's tensor (``q_proj.base_layer.bias`` -> ``q_proj.bias``)."""
     return name.replace(".base_layer.", ".").removesuffix(".base_layer")
@@ -161,27 +171,32 @@ def _fill_from(
 
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the last base weight's NF4 bytes
 
-    def nf4_bytes(layer: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A QLoRA base's codes and scale bytes (ZeRO-3): its whole weight, read from the source and
-        quantised as the single process quantises it (kept for the layer's next parameter)."""
+    def whole_nf4(layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A QLoRA base's whole weight, read from the source and quantised as the single process
+        quantises it: its codes and fp32 scale bytes (kept for the layer's next parameter)."""
         if layer not in quantized:
-            module = model.get_submodule(layer)
-            assert isinstance(module, NF4ParamLinear)
-            shape = (module.out_features, module.in_features)
+            shape = _nf4_shape(model.get_submodule(layer))
             weight = source.box(_unwrapped(layer) + ".weight", shape, (0, 0), shape)
             quantized.clear()
-            quantized[layer] = quantized_bytes(weight, module.block, double_quant)
+            quantized[layer] = quantized_bytes(weight, 64, double_quant)
         return quantized[layer]
 
     def fill(name: str) -> torch.Tensor:
         layer, _, part = name.rpartition(".")
-        if is_quantized_param(name):
-            return nf4_bytes(layer)[part == "weight_nf4_scales"]
-        qlora = model.get_submodule(layer) if name.endswith(MAGNITUDE) else None
-        if isinstance(qlora, QLoraLinear):  # QDoRA: the norms of the dequantised base's rows
-            codes, scales = nf4_bytes(layer + ".base_layer")
-            weight = nf4_weight(codes, scales, qlora.out_features, qlora.in_features).dequantize()
-            return initial_magnitude(weight)
+        if is_quantized_param(name):  # ZeRO-3's QLoRA base: this rank's part of the NF4 bytes
+            codes, scales = whole_nf4(layer)
+            layer_module: Any = model.get_submodule(layer)
+            if not isinstance(layer_module, NF4ParamLinear):  # a tensor-parallel shard's blocks
+                codes, scales = shard_bytes(codes, scales, _nf4_shape(layer_module), layer_module.weight_spec)
+            return scales if part == "weight_nf4_scales" else codes
+        module = model.get_submodule(layer) if name.endswith(MAGNITUDE) else None
+        base: nn.Module | None = module.base_layer if isinstance(module, QLoraLinear) else module
+        if isinstance(base, (NF4ParamLinear, *TP_NF4_LAYERS)):  # QDoRA: the dequantised rows' norms
+            codes, scales = whole_nf4(base_name := layer + (".base_layer" if base is not module else ""))
+            full = initial_magnitude(
+                nf4_weight(codes, scales, *_nf4_shape(model.get_submodule(base_name))).dequantize()
+            )
+            return fill_value(lambda _s, _g, o, b: full[o[0] : o[0] + b[0]], name, records[name])
         if name.endswith(MAGNITUDE):
             return fill_value(magnitude_box, name, records[name])
         adapter = ".lora_A." in name or ".lora_B." in name
