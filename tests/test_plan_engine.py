@@ -240,12 +240,10 @@ def _check_context_traffic(overrides: list[str], world: int, record: dict) -> No
 def _check_data_parallel_traffic(overrides: list[str], world: int, record: dict) -> None:
     """The dp groups' bytes of one step equal the planner's :func:`data_parallel_bytes` (16-bit
     gathers, the reduce dtype, hybrid blocks), the loss and norm scalars aside; layouts with cp or pp,
-    parameter offload or ``reshard_after_forward=false`` are not modelled by it."""
+    parameter offload are not modelled by it."""
     cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides])
     m, layout, work = from_config(cfg, world)
     if layout.cp > 1 or layout.pp > 1 or layout.dp == 1 or layout.offload_params != "none":
-        return
-    if not cfg.parallel.reshard_after_forward:  # not modelled: units kept from forward to backward
         return
     expected = data_parallel_bytes(m, layout, work)
     measured = {g: ops for g, ops in record["comm_bytes"].items() if g.startswith("dp")}

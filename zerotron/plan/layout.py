@@ -44,6 +44,9 @@ class Layout:
     pp_layers: tuple[int, ...] | None = None
     grad_reduce_dtype: str = "fp32"  # what gradients travel in over the data-parallel group (fp32, bf16)
     zero_shard_size: int = 0  # hybrid sharding: ZeRO over blocks of this many dp ranks (0: all of them)
+    reshard_after_forward: bool = (
+        True  # ZeRO-3: free each unit after its forward (gathered again in backward)
+    )
 
     @property
     def zero_shards(self) -> int:
@@ -128,6 +131,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         pp_layers=tuple(int(n) for n in getattr(p, "pp_layers", None) or ()) or None,
         grad_reduce_dtype=p.grad_reduce_dtype,
         zero_shard_size=p.zero_shard_size,
+        reshard_after_forward=p.reshard_after_forward,
     )
     _check_model(cfg.model)
     return ModelShape.from_config(cfg.model), layout, Workload(t.seq_len, t.global_batch, t.precision)

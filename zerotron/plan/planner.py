@@ -146,6 +146,7 @@ def data_parallel_bytes(
         layout.bucket_mb,
         2 if working_weights16(layout, work) else 4,
         2 if layout.grad_reduce_dtype == "bf16" else 4,
+        reshard_after_forward=layout.reshard_after_forward,
     )
 
 
@@ -343,6 +344,10 @@ def _buffers(
         # 16-bit working copies under bf16/fp16 (zerotron, Megatron, DeepSpeed); fp32 in fp32 training.
         gather_bytes = 2 if working_weights16(layout, work) else pb
         detail["zero3_gathered_params"] = mem.zero3_gather_bytes(m, layout.tp, gather_bytes, layout.ep)
+        if not layout.reshard_after_forward:  # every unit stays gathered from its forward to its backward
+            detail["zero3_gathered_params"] = max(
+                detail["zero3_gathered_params"], float(elements * gather_bytes)
+            )
     if stage == layout.pp - 1:
         # Backward of the loss: d(logits) in fp32 and in the compute dtype, one micro-batch.
         tokens = layout.micro_batch * work.seq_len / layout.cp

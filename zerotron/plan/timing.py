@@ -421,7 +421,7 @@ def _zero_times(
             "dp_param_gather": collective_time("all_gather", params, n, stride, hw),
         }
     per_layer = collective_time("all_gather", params / layers, n, stride, hw)
-    gathers = 2 * layers * per_layer  # forward and backward
+    gathers = (2 if layout.reshard_after_forward else 1) * layers * per_layer  # forward (and backward)
     per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)
     exposed = n_mb * max(0.0, gathers + per_mb_reduce - _cover(hw, t_mb))
     return {"dp_grad_reduce": 0.0, "dp_param_gather": exposed}

@@ -16,6 +16,7 @@ def engine_dp_bytes(
     working_bytes: int,
     reduce_bytes: int,
     persist_numel: int = 4096,
+    reshard_after_forward: bool = True,
 ) -> dict[str, dict[str, int]]:
     """Bytes the engine's data-parallel collectives send in one step, ``{axis: {op: bytes}}``, as
     ``comm_bytes`` counts them (the NCCL bus convention: an all-reduce of B bytes over n ranks counts
@@ -27,9 +28,9 @@ def engine_dp_bytes(
     ``reduce_bytes`` per element, gathers in ``working_bytes`` (16-bit working weights under bf16/fp16).
     DDP all-reduces each bucket once per step; ZeRO-1 reduce-scatters each bucket once per step and
     ZeRO-2 once per micro-batch, both all-gather the updated weights once; ZeRO-3 gathers every
-    sharded unit in forward and again in backward (the default ``reshard_after_forward``; keeping the
-    units gathered is not modelled) and reduce-scatters every unit per micro-batch, and gathers the
-    persistent unit after the step.
+    sharded unit in forward and again in backward (``reshard_after_forward``; without it the units stay
+    gathered from forward to backward: once per micro-batch) and reduce-scatters every unit per
+    micro-batch, and gathers the persistent unit after the step.
     """
     ordered = params.ordered()
 
@@ -57,7 +58,8 @@ def engine_dp_bytes(
         units = _zero3_units(params, persist_numel)
         persistent = units[-1] if units and min(units[-1]) < persist_numel else []
         sharded = units[:-1] if persistent else units
-        gathers = micro_batches * 2 * sum(part(padded(u) * working_bytes, n) for u in sharded)
+        passes = 2 if reshard_after_forward else 1
+        gathers = micro_batches * passes * sum(part(padded(u) * working_bytes, n) for u in sharded)
         if persistent:
             gathers += part(padded(persistent) * working_bytes, n)
         out[dp] = {
