@@ -277,7 +277,7 @@ def test_tensor_parallel_and_meta_device_models_get_adapters(tmp_path: Path) -> 
     """A tensor-parallel layer gets its adapter part (tests/test_sft.py runs tp 2 and 4 against the single
     process); a meta-device (ZeRO-3) model gets meta adapters, whose values ZeRO-3's units take from
     initial_adapter (tests/test_sft.py: ZeRO-3 equals the single process; DoRA's magnitudes come from
-    the weight source's rows); QLoRA, whose NF4 base needs the base's weights, is refused there."""
+    the weight source's rows); QLoRA there gets NF4 byte parameters that ZeRO-3 fills."""
     from zerotron.distributed.collectives import CommStats
     from zerotron.distributed.mesh import Group
     from zerotron.parallel.tensor import RowParallelLinear
@@ -363,5 +363,40 @@ def test_nf4_linear_keeps_no_dequantised_weight_for_backward() -> None:
     out.square().sum().backward()
     ref_x = x.detach().clone().requires_grad_(True)
     torch.nn.functional.linear(ref_x, layer.quantized.dequantize(), layer.bias).square().sum().backward()
+    assert x.grad is not None and ref_x.grad is not None
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_tensor_parallel_nf4_layer_keeps_no_dequantised_weight_for_backward(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor-parallel NF4 layer (one-rank group) saves no dequantised weight for backward either (its
+    weight is dequantised again there); its input gradient is the plain linear's on that weight."""
+    from zerotron.models.nf4 import NF4Weight
+
+    calls = []
+    dequantize = NF4Weight.dequantize
+    monkeypatch.setattr(NF4Weight, "dequantize", lambda self, *a: calls.append(1) or dequantize(self, *a))
+    from zerotron.distributed.collectives import CommStats
+    from zerotron.distributed.mesh import Group
+    from zerotron.models.nf4_tp import quantize_tp_layer
+    from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    group = Group("tp", (0,), None, CommStats(0))
+    linear = nn.Linear(256, 128, bias=False)
+    layer = ColumnParallelLinear(linear, group) if kind == "column" else RowParallelLinear(linear, group)
+    quantize_tp_layer(layer, "layer")
+    x = torch.randn(2, 3, 256, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(x)
+    assert not any(t.numel() >= 256 * 128 for t in saved)  # no whole weight kept (inner hooks replace it)
+    before = len(calls)
+    out.square().sum().backward()
+    assert len(calls) > before  # backward dequantised the weight again
+    ref_x = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(ref_x, layer.weight).square().sum().backward()
     assert x.grad is not None and ref_x.grad is not None
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)

@@ -315,9 +315,10 @@ def _assert_same_adapters(results: list[dict[str, Any]], ref: dict[str, Any]) ->
     assert sorted(got) == sorted(ref["weights"])
     for name, weight in ref["weights"].items():
         # B starts at zero, so Adam's sign-sized first steps turn last-bit gradient differences from
-        # another summation order (tp sums) into ~1e-5 of a B; a wrong update is off by O(1)
+        # another summation order (tp sums; BLAS threading on a loaded machine) into ~1e-5 of a B, once
+        # 1.2e-4 (QLoRA, the 2 cores shared with another test run); a wrong update is off by O(1)
         rel = ((got[name] - weight).norm() / weight.norm()).item()
-        assert rel <= 5e-5, f"{name}: {rel:.3g}"
+        assert rel <= 3e-4, f"{name}: {rel:.3g}"
 
 
 @pytest.mark.parametrize(
@@ -328,6 +329,7 @@ def _assert_same_adapters(results: list[dict[str, Any]], ref: dict[str, Any]) ->
         (4, ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true", "parallel.zero=1"]),
         (2, ["parallel.tp=2", "lora.double_quant=false"]),
         (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero=3"]),
+        (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.recompute=full"]),
         (
             4,
             [
@@ -345,6 +347,7 @@ def _assert_same_adapters(results: list[dict[str, Any]], ref: dict[str, Any]) ->
         "tp2-sp-dp2-zero1",
         "tp2-single-quant",
         "tp2-dp2-zero3",
+        "tp2-sp-recompute-full",
         "qdora-tp2-sp-dp2-zero3",
     ],
 )

@@ -29,16 +29,61 @@ from zerotron.distributed import collectives
 from zerotron.models.nf4 import NF4Weight, double_quantized_scales, nf4_weight, quantize_nf4
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ShardSpec
 
+_AGAIN = "nf4-dequantise-again"  # what autograd keeps in place of a dequantised weight
+
+
+def _made(module: Any, weight: torch.Tensor) -> torch.Tensor:
+    """Note a dequantised weight made during the module's forward (see :class:`_DequantisedInBackward`)."""
+    made = module.__dict__.get("_nf4_made")
+    if made is not None:
+        made.append(weight)
+    return weight
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (itself when it is no view)."""
+    return t if t._base is None else t._base
+
+
+class _DequantisedInBackward:
+    """The forward of a tensor-parallel NF4 layer: autograd keeps no dequantised weight (nor a view of
+    one) for backward but a note to dequantise it again there, as :func:`~zerotron.models.nf4.nf4_linear`
+    does for a whole layer, so a QLoRA forward holds 4-bit weights, not a 16/32-bit copy per layer."""
+
+    weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        made: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> Any:  # the weight, or a view of its storage (its transpose)
+            if any(_root(t) is _root(w) for w in made):
+                return (_AGAIN, t.size(), t.stride(), t.storage_offset())
+            return t
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, tuple) and saved[0] == _AGAIN:  # the same view of a new dequantisation
+                return self.weight.as_strided(saved[1], saved[2], saved[3])
+            out: torch.Tensor = saved
+            return out
+
+        self.__dict__["_nf4_made"] = made
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out: torch.Tensor = super().forward(x)  # type: ignore[misc]
+        finally:
+            self.__dict__["_nf4_made"] = None
+        return out
+
 
 class _NF4Weight:
     """``module.weight``: the NF4 shard dequantised to the weight's former dtype."""
 
     def __get__(self, module: Any, owner: type | None = None) -> torch.Tensor:
         weight: torch.Tensor = module.quantized.dequantize(module.compute_dtype)
-        return weight
+        return _made(module, weight)
 
 
-class NF4ColumnParallelLinear(ColumnParallelLinear):
+class NF4ColumnParallelLinear(_DequantisedInBackward, ColumnParallelLinear):
     """A column-parallel layer whose frozen weight is stored in NF4."""
 
     weight = _NF4Weight()  # type: ignore[assignment]
@@ -47,7 +92,7 @@ class NF4ColumnParallelLinear(ColumnParallelLinear):
     weight_spec: ShardSpec
 
 
-class NF4RowParallelLinear(RowParallelLinear):
+class NF4RowParallelLinear(_DequantisedInBackward, RowParallelLinear):
     """A row-parallel layer whose frozen weight is stored in NF4."""
 
     weight = _NF4Weight()  # type: ignore[assignment]
@@ -122,10 +167,10 @@ class _NF4ParamWeight:
         weight: torch.Tensor = nf4_weight(module.weight_nf4, module.weight_nf4_scales, rows, cols).dequantize(
             module.compute_dtype
         )
-        return weight
+        return _made(module, weight)
 
 
-class NF4ColumnParallelParamLinear(ColumnParallelLinear):
+class NF4ColumnParallelParamLinear(_DequantisedInBackward, ColumnParallelLinear):
     """A column-parallel layer whose NF4 shard is frozen byte parameters (``weight_nf4``,
     ``weight_nf4_scales``) that ZeRO-3 shards, as :class:`~zerotron.models.nf4.NF4ParamLinear`."""
 
@@ -134,7 +179,7 @@ class NF4ColumnParallelParamLinear(ColumnParallelLinear):
     weight_spec: ShardSpec
 
 
-class NF4RowParallelParamLinear(RowParallelLinear):
+class NF4RowParallelParamLinear(_DequantisedInBackward, RowParallelLinear):
     """A row-parallel layer whose NF4 shard is frozen byte parameters, as the column-parallel one."""
 
     weight = _NF4ParamWeight()  # type: ignore[assignment]
