@@ -32,12 +32,8 @@ from torch import nn
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
 from zerotron.models.lora_tp import MAGNITUDE, TensorParallelLinear, attach_tp_lora
-from zerotron.models.nf4 import NF4Linear, NF4ParamLinear, is_quantized_param
+from zerotron.models.nf4 import NF4Linear, NF4ParamLinear
 from zerotron.models.nf4_tp import (
-    NF4ColumnParallelLinear,
-    NF4ColumnParallelParamLinear,
-    NF4RowParallelLinear,
-    NF4RowParallelParamLinear,
     quantize_tp_layer,
     quantize_tp_layer_params,
 )
@@ -378,43 +374,6 @@ def _nf4_layer(linear: nn.Linear, double: bool, meta: bool) -> NF4Linear | NF4Pa
     if not meta:
         return NF4Linear(linear, double=double)
     return NF4ParamLinear(linear.in_features, linear.out_features, linear.bias is not None)
-
-
-TP_NF4_LAYERS = (
-    NF4ColumnParallelLinear,
-    NF4RowParallelLinear,
-    NF4ColumnParallelParamLinear,
-    NF4RowParallelParamLinear,
-)
-
-
-def quantized_weight_numel(model: nn.Module) -> int:
-    """Elements of the NF4 base weights ``model`` holds (their global shapes), minus those of the
-    parameters that store them: what a parameter count adds back for a QLoRA base."""
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, (NF4Linear, NF4ParamLinear)):
-            total += module.in_features * module.out_features
-        elif isinstance(module, TP_NF4_LAYERS):
-            total += math.prod(module.weight_spec.global_shape)
-        for leaf, p in module.named_parameters(recurse=False):
-            if is_quantized_param(f"{name}.{leaf}"):
-                total -= p.numel()
-    return total
-
-
-def frozen_base_bytes(model: nn.Module, sharded: Mapping[str, int]) -> int:
-    """Bytes of the frozen base this rank holds: each frozen parameter's own (``sharded``: the bytes of
-    this rank's shard, by name, for those an engine shards: ZeRO-3) plus the NF4 weights stored outside
-    parameters (QLoRA's base when not sharded)."""
-    total = 0
-    for name, p in model.named_parameters(remove_duplicate=True):
-        if not p.requires_grad:
-            total += sharded.get(name, p.numel() * p.element_size())
-    for module in model.modules():
-        if isinstance(module, (NF4Linear, NF4ColumnParallelLinear, NF4RowParallelLinear)):
-            total += module.quantized.nbytes
-    return total
 
 
 def lora_modules(model: nn.Module) -> dict[str, Any]:

@@ -19,6 +19,7 @@ process's dequantised values.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,7 +27,15 @@ from torch import nn
 
 from zerotron.config_load import ConfigError
 from zerotron.distributed import collectives
-from zerotron.models.nf4 import NF4Weight, double_quantized_scales, nf4_weight, quantize_nf4
+from zerotron.models.nf4 import (
+    NF4Linear,
+    NF4ParamLinear,
+    NF4Weight,
+    double_quantized_scales,
+    is_quantized_param,
+    nf4_weight,
+    quantize_nf4,
+)
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ShardSpec
 
 _AGAIN = "nf4-dequantise-again"  # what autograd keeps in place of a dequantised weight
@@ -232,3 +241,40 @@ def shard_bytes(
     mine_codes = rows_codes[:, start // 2 : (start + size) // 2].reshape(-1)
     mine_scales = rows_scales[:, start // block : (start + size) // block].reshape(-1)
     return mine_codes.clone(), mine_scales.clone().view(torch.uint8)
+
+
+TP_NF4_LAYERS = (
+    NF4ColumnParallelLinear,
+    NF4RowParallelLinear,
+    NF4ColumnParallelParamLinear,
+    NF4RowParallelParamLinear,
+)
+
+
+def quantized_weight_numel(model: nn.Module) -> int:
+    """Elements of the NF4 base weights ``model`` holds (their global shapes), minus those of the
+    parameters that store them: what a parameter count adds back for a QLoRA base."""
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (NF4Linear, NF4ParamLinear)):
+            total += module.in_features * module.out_features
+        elif isinstance(module, TP_NF4_LAYERS):
+            total += math.prod(module.weight_spec.global_shape)
+        for leaf, p in module.named_parameters(recurse=False):
+            if is_quantized_param(f"{name}.{leaf}"):
+                total -= p.numel()
+    return total
+
+
+def frozen_base_bytes(model: nn.Module, sharded: Mapping[str, int]) -> int:
+    """Bytes of the frozen base this rank holds: each frozen parameter's own (``sharded``: the bytes of
+    this rank's shard, by name, for those an engine shards: ZeRO-3) plus the NF4 weights stored outside
+    parameters (QLoRA's base when not sharded)."""
+    total = 0
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if not p.requires_grad:
+            total += sharded.get(name, p.numel() * p.element_size())
+    for module in model.modules():
+        if isinstance(module, (NF4Linear, NF4ColumnParallelLinear, NF4RowParallelLinear)):
+            total += module.quantized.nbytes
+    return total

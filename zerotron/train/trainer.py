@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +25,14 @@ from zerotron.config import LORA_NAME_LIST, Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
-from zerotron.models.lora import (
-    TP_NF4_LAYERS,
-    LoraConfig,
-    QLoraLinear,
-    apply_lora,
-    frozen_base_bytes,
-    initial_adapter,
-    initial_magnitude,
-    quantized_weight_numel,
-)
-from zerotron.models.lora_tp import MAGNITUDE
-from zerotron.models.nf4 import NF4ParamLinear, is_quantized_param, nf4_weight, quantized_bytes
-from zerotron.models.nf4_tp import shard_bytes
+from zerotron.models.lora import LoraConfig, apply_lora
+from zerotron.models.nf4_tp import frozen_base_bytes, quantized_weight_numel
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
 from zerotron.parallel.placement import (
-    Placement,
     counts_in_norm,
-    fill_value,
     grad_groups,
     local_numel,
     materialize,
@@ -59,6 +46,7 @@ from zerotron.shapes import ModelShape, flops_per_token
 from zerotron.train import state as ckpt_state
 from zerotron.train.data import DataLoader, PackedDataset, SupervisedDataset
 from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
+from zerotron.train.fill import fill_from
 from zerotron.train.loss import AUTOCAST, REDUCE_DTYPE
 from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress
 from zerotron.train.optim import (
@@ -103,7 +91,7 @@ def build_model(
         tp = mesh.dims.tp if mesh is not None else 1
         with weight_source(cfg, model) as source:
             materialize(model, source.box, device, ckpt_state.model_placements(model, tp))
-    if cfg.lora.rank > 0:  # on the meta device for ZeRO-3: its units take the initial values (_fill_from)
+    if cfg.lora.rank > 0:  # on the meta device for ZeRO-3: its units take the initial values (fill_from)
         add_adapters(model, cfg)
     return model
 
@@ -129,80 +117,8 @@ def lora_config(cfg: Config) -> LoraConfig:
 def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
     """Freeze ``model`` and put LoRA adapters on it, each initialised from ``train.seed`` and its layer's
     name alone (the same adapters on every rank and layout). On a meta-device model (ZeRO-3) the
-    adapters are on the meta device too and ZeRO-3's units take their values from :func:`_fill_from`."""
+    adapters are on the meta device too and ZeRO-3's units take their values from `zerotron.train.fill.fill_from`."""
     return apply_lora(model, lora_config(cfg), seed=cfg.train.seed)
-
-
-def _nf4_shape(module: Any) -> tuple[int, int]:
-    """The whole weight's shape of an NF4 layer (one of a tensor-parallel layer's shards, or whole)."""
-    if isinstance(module, NF4ParamLinear):
-        return module.out_features, module.in_features
-    rows, cols = module.weight_spec.global_shape
-    return rows, cols
-
-
-def _unwrapped(name: str) -> str:
-    """The base model's name of a QLoRA layer's tensor (``q_proj.base_layer.bias`` -> ``q_proj.bias``)."""
-    return name.replace(".base_layer.", ".").removesuffix(".base_layer")
-
-
-def _fill_from(
-    model: nn.Module, source: WeightSource, records: Mapping[str, Placement], seed: int, double_quant: bool
-) -> Callable[[str], torch.Tensor]:
-    """ZeRO-3's ``fill``: a parameter's box on this rank, by name, from ``source``; a LoRA adapter's
-    from its initial value (:func:`~zerotron.models.lora.initial_adapter`), DoRA's magnitudes from the
-    norms of the base weight's rows, read from ``source``; a QLoRA base's NF4 codes and scales from its
-    weight, quantised (``double_quant``: the scales double-quantised)."""
-
-    def adapter_box(
-        name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
-    ) -> torch.Tensor:
-        whole = initial_adapter(name, shape, seed)
-        return whole[tuple(slice(o, o + n) for o, n in zip(offsets, box))]
-
-    def magnitude_box(
-        name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
-    ) -> torch.Tensor:  # DoRA: the norms of the base weight's rows this box covers, read from the source
-        weight = name.removesuffix(MAGNITUDE) + "weight"
-        record = records[weight]
-        in_full = record.stored_shape[1]
-        rows = source.box(record.source or weight, record.stored_shape, (offsets[0], 0), (box[0], in_full))
-        return initial_magnitude(rows)
-
-    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the last base weight's NF4 bytes
-
-    def whole_nf4(layer: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A QLoRA base's whole weight, read from the source and quantised as the single process
-        quantises it: its codes and fp32 scale bytes (kept for the layer's next parameter)."""
-        if layer not in quantized:
-            shape = _nf4_shape(model.get_submodule(layer))
-            weight = source.box(_unwrapped(layer) + ".weight", shape, (0, 0), shape)
-            quantized.clear()
-            quantized[layer] = quantized_bytes(weight, 64, double_quant)
-        return quantized[layer]
-
-    def fill(name: str) -> torch.Tensor:
-        layer, _, part = name.rpartition(".")
-        if is_quantized_param(name):  # ZeRO-3's QLoRA base: this rank's part of the NF4 bytes
-            codes, scales = whole_nf4(layer)
-            layer_module: Any = model.get_submodule(layer)
-            if not isinstance(layer_module, NF4ParamLinear):  # a tensor-parallel shard's blocks
-                codes, scales = shard_bytes(codes, scales, _nf4_shape(layer_module), layer_module.weight_spec)
-            return scales if part == "weight_nf4_scales" else codes
-        module = model.get_submodule(layer) if name.endswith(MAGNITUDE) else None
-        base: nn.Module | None = module.base_layer if isinstance(module, QLoraLinear) else module
-        if isinstance(base, (NF4ParamLinear, *TP_NF4_LAYERS)):  # QDoRA: the dequantised rows' norms
-            codes, scales = whole_nf4(base_name := layer + (".base_layer" if base is not module else ""))
-            full = initial_magnitude(
-                nf4_weight(codes, scales, *_nf4_shape(model.get_submodule(base_name))).dequantize()
-            )
-            return fill_value(lambda _s, _g, o, b: full[o[0] : o[0] + b[0]], name, records[name])
-        if name.endswith(MAGNITUDE):
-            return fill_value(magnitude_box, name, records[name])
-        adapter = ".lora_A." in name or ".lora_B." in name
-        return fill_value(adapter_box if adapter else source.box, _unwrapped(name), records[name])
-
-    return fill
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -342,6 +258,12 @@ class Trainer:
         total = torch.tensor([float(local_numel(records, self.model) + quantized_weight_numel(self.model))])
         collectives.all_reduce(total, mesh.group("pp"), op="sum")  # every stage holds different blocks
         self.n_params = int(total.item())
+        self.frozen_bytes: int | None = None  # LoRA: the frozen base this rank holds (whole, NF4, shards)
+        if self.cfg.lora.rank > 0:
+            shards = dict.fromkeys(self.zero.names, 0) if self.zero is not None else {}
+            for seg in (s for segs in self.zero.segments for s in segs) if self.zero is not None else ():
+                shards[seg.name] += seg.length * seg.param.element_size()
+            self.frozen_bytes = frozen_base_bytes(self.model, shards)
         # MoE: what each token runs (the experts it is not routed to left out)
         self.active_params = self.n_params - inactive_params(ModelShape.from_config(self.cfg.model))
 
@@ -362,7 +284,7 @@ class Trainer:
                 fill = None
                 if par.zero == 3:  # the model is on the meta device: each unit materialises its range
                     source = stack.enter_context(weight_source(cfg, self.model))
-                    fill = _fill_from(self.model, source, records, cfg.train.seed, cfg.lora.double_quant)
+                    fill = fill_from(self.model, source, records, cfg.train.seed, cfg.lora.double_quant)
                     materialize_buffers(self.model, source.box, self.device, records)  # not ZeRO's
                 zero = apply_zero(
                     self.model,
@@ -451,11 +373,8 @@ class Trainer:
         record.update(self.runner.metrics())  # MoE: aux_loss, z_loss, expert_load
         if self.active_params != self.n_params:  # MoE: the parameters each token runs
             record["active_params"] = self.active_params
-        if self.cfg.lora.rank > 0:  # the frozen base this rank holds: whole, NF4, or its ZeRO-3 shards
-            shards = dict.fromkeys(self.zero.names, 0) if self.zero is not None else {}
-            for seg in (s for segs in self.zero.segments for s in segs) if self.zero is not None else ():
-                shards[seg.name] += seg.length * seg.param.element_size()
-            record["frozen_base_bytes"] = frozen_base_bytes(self.model, shards)
+        if self.frozen_bytes is not None:
+            record["frozen_base_bytes"] = self.frozen_bytes
         if offloaded is not None:  # model states off the device (ZeRO offload): {host|nvme: {params, ...}}
             record["offloaded_state_bytes"] = offloaded
         if bad is not None:  # skipped; the data it would have trained on, for the post-mortem
