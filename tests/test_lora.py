@@ -322,6 +322,53 @@ def test_nf4_parameters_compute_what_the_nf4_layer_computes(double: bool) -> Non
     assert torch.equal(nf4_weight(codes, flat[2:], 30, 40).dequantize(), ref.quantized.dequantize())
 
 
+def _nf4_records_body() -> None:
+    """On each of 2 tp ranks: column-parallel (whole rows), replicated and row-parallel (a slice of every
+    row) layers whose NF4 weights are byte parameters on the meta device (ZeRO-3's QLoRA base)."""
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.models.nf4 import quantize_nf4
+    from zerotron.models.nf4_tp import quantize_tp_layer_params
+    from zerotron.parallel.placement import placements, read_local
+    from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    rank, world = current_rank_and_world()
+    group = ParallelDims(world, dp=1, tp=world).build(rank).group("tp")
+    torch.manual_seed(0)
+    ref = {name: nn.Linear(256, 128, bias=False) for name in ("col", "rep", "row")}
+    model = nn.Module()
+    model.col = ColumnParallelLinear(ref["col"], group)
+    model.rep = ColumnParallelLinear(ref["rep"], group, rows=(0, 128), replicated=True)
+    model.row = RowParallelLinear(ref["row"], group)
+    for name in ref:
+        quantize_tp_layer_params(getattr(model, name), name)
+    records = placements(model, tp=world)
+    for name, linear in ref.items():
+        layer = getattr(model, name)
+        whole = dict(zip(("weight_nf4", "weight_nf4_scales"), quantized_bytes(linear.weight)))
+        for part, values in whole.items():
+            record = records[f"{name}.{part}"]
+            assert record.sharded == (() if name == "rep" else ("tp",)), (name, part, record)
+            assert record.replicated == (("tp",) if name == "rep" else ()), (name, part, record)
+            grid = values.view(record.global_shape)
+            local = read_local(
+                record, lambda o, b, grid=grid: grid[tuple(slice(i, i + n) for i, n in zip(o, b))]
+            )
+            setattr(layer, part, nn.Parameter(local.clone(), False))
+        expected = layer.weight_spec.slice(quantize_nf4(linear.weight.detach()).dequantize())
+        assert torch.equal(layer.weight, expected), name
+
+
+def test_nf4_byte_parameters_are_placed_where_the_shards_bytes_lie() -> None:
+    """A tensor-parallel NF4 layer's byte parameters have placement records (DESIGN contract 5) that say
+    where each rank's bytes lie in the single process's NF4 bytes of the whole weight: reading the
+    records' boxes of those bytes and dequantising gives the rank's shard of the single process's
+    dequantised weight (whole rows: one run of the bytes; a slice of every row: a column box of them)."""
+    from tests.harness import run_distributed
+
+    run_distributed(_nf4_records_body, 2)
+
+
 def test_saving_over_an_adapter_replaces_it_whole(tmp_path: Path) -> None:
     model, base = _base(tmp_path)
     cfg = LoraConfig(rank=4)

@@ -36,7 +36,8 @@ from zerotron.models.nf4 import (
     nf4_weight,
     quantize_nf4,
 )
-from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ShardSpec
+from zerotron.parallel.placement import set_split
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ShardSpec, split_spec
 
 _AGAIN = "nf4-dequantise-again"  # what autograd keeps in place of a dequantised weight
 
@@ -196,21 +197,45 @@ class NF4RowParallelParamLinear(_DequantisedInBackward, RowParallelLinear):
     weight_spec: ShardSpec
 
 
+def byte_specs(spec: ShardSpec, block: int = 64) -> tuple[ShardSpec, ShardSpec]:
+    """Where a tensor-parallel shard's NF4 codes and fp32 scale bytes lie in the whole weight's
+    (:func:`~zerotron.models.nf4.quantized_bytes`, the single process's quantisation): a column-
+    parallel shard's whole rows are one run of the bytes (1-D); a row-parallel shard's slice of every
+    row is a column box of the bytes seen with one row per weight row (2-D: codes ``in // 2`` bytes a
+    row, scales ``in // block * 4``). :func:`_check_blocks` made the shard whole blocks."""
+    out_full, in_full = spec.global_shape
+    if spec.dim == 1:
+        start, size = spec.offsets[1], spec.shape[1]
+        codes = split_spec((out_full, in_full // 2), 1, start // 2, size // 2)
+        per_row = in_full // block * 4
+        return codes, split_spec((out_full, per_row), 1, start // block * 4, size // block * 4)
+    n_blocks = -(-out_full * in_full // block)
+    whole_codes, whole_scales = (n_blocks * block // 2,), (n_blocks * 4,)
+    if spec.dim is None:  # replicated: the whole weight's bytes on every rank
+        return ShardSpec(whole_codes, (0,), whole_codes, None), ShardSpec(
+            whole_scales, (0,), whole_scales, None
+        )
+    start, size = spec.offsets[0] * in_full, spec.shape[0] * in_full  # in values
+    codes = split_spec(whole_codes, 0, start // 2, size // 2)
+    return codes, split_spec(whole_scales, 0, start // block * 4, size // block * 4)
+
+
 def quantize_tp_layer_params(module: Any, name: str, block: int = 64) -> None:
     """On a meta-device model (ZeRO-3): make a Column/RowParallelLinear's frozen weight NF4 byte
-    parameters of its shard's size, which ZeRO-3 fills from :func:`shard_bytes` (no communication)."""
+    parameters of its shard's size, placed over tp where they lie in the single process's NF4 bytes
+    (:func:`byte_specs`, recorded with :func:`~zerotron.parallel.placement.set_split`), so that
+    ZeRO-3's fill reads each rank's box of them as it reads any parameter's (no communication)."""
     _check_blocks(module, name, block)
     dtype = module.weight.dtype
     del module._parameters["weight"]
     spec = module.weight_spec = module.tp_specs.pop("weight")
     getattr(module, "tp_grad_sums", {}).pop("weight", None)
-    n_blocks = -(-math.prod(spec.shape) // block)
-    module.weight_nf4 = nn.Parameter(
-        torch.empty(n_blocks * block // 2, dtype=torch.uint8, device="meta"), False
-    )
-    module.weight_nf4_scales = nn.Parameter(
-        torch.empty(n_blocks * 4, dtype=torch.uint8, device="meta"), False
-    )
+    for pname, place in zip(("weight_nf4", "weight_nf4_scales"), byte_specs(spec, block)):
+        setattr(
+            module, pname, nn.Parameter(torch.empty(place.shape, dtype=torch.uint8, device="meta"), False)
+        )
+        if place.sharded:
+            set_split(module, pname, ("tp",), place)
     module.__class__ = (
         NF4ColumnParallelParamLinear
         if isinstance(module, ColumnParallelLinear)
@@ -221,28 +246,6 @@ def quantize_tp_layer_params(module: Any, name: str, block: int = 64) -> None:
         module.bias.requires_grad_(False)
 
 
-def shard_bytes(
-    codes: torch.Tensor, scale_bytes: torch.Tensor, shape: tuple[int, ...], spec: ShardSpec, block: int = 64
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tensor-parallel shard's NF4 codes and fp32 scale bytes, cut from the single process's
-    quantisation of the whole ``shape`` weight (:func:`~zerotron.models.nf4.quantized_bytes`: its block
-    scales double-quantised over all of it) at the shard's blocks (whole rows, or a slice of every row:
-    :func:`_check_blocks` made them whole blocks)."""
-    scales = scale_bytes.view(torch.float32)
-    out_full, in_full = shape
-    if spec.dim is None:  # replicated: the whole weight
-        return codes, scale_bytes
-    start, size = spec.offsets[spec.dim], spec.shape[spec.dim]
-    if spec.dim == 0:  # rows start .. start + size: a contiguous run of blocks
-        lo, hi = start * in_full, (start + size) * in_full
-        return codes[lo // 2 : hi // 2].clone(), scales[lo // block : hi // block].clone().view(torch.uint8)
-    rows_codes = codes[: out_full * in_full // 2].view(out_full, in_full // 2)
-    rows_scales = scales[: out_full * in_full // block].view(out_full, in_full // block)
-    mine_codes = rows_codes[:, start // 2 : (start + size) // 2].reshape(-1)
-    mine_scales = rows_scales[:, start // block : (start + size) // block].reshape(-1)
-    return mine_codes.clone(), mine_scales.clone().view(torch.uint8)
-
-
 TP_NF4_LAYERS = (
     NF4ColumnParallelLinear,
     NF4RowParallelLinear,
@@ -251,18 +254,19 @@ TP_NF4_LAYERS = (
 )
 
 
-def quantized_weight_numel(model: nn.Module) -> int:
+def quantized_weight_numel(model: nn.Module, stored: Mapping[str, int]) -> int:
     """Elements of the NF4 base weights ``model`` holds (their global shapes), minus those of the
-    parameters that store them: what a parameter count adds back for a QLoRA base."""
+    parameters that store them (``stored``: their global sizes by name, from the placement records):
+    what a parameter count adds back for a QLoRA base."""
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, (NF4Linear, NF4ParamLinear)):
             total += module.in_features * module.out_features
         elif isinstance(module, TP_NF4_LAYERS):
             total += math.prod(module.weight_spec.global_shape)
-        for leaf, p in module.named_parameters(recurse=False):
+        for leaf, _ in module.named_parameters(recurse=False):
             if is_quantized_param(f"{name}.{leaf}"):
-                total -= p.numel()
+                total -= stored[f"{name}.{leaf}"]
     return total
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from zerotron.models.lora import QLoraLinear, initial_adapter, initial_magnitude
 from zerotron.models.lora_tp import MAGNITUDE
 from zerotron.models.nf4 import NF4ParamLinear, is_quantized_param, nf4_weight, quantized_bytes
-from zerotron.models.nf4_tp import TP_NF4_LAYERS, shard_bytes
+from zerotron.models.nf4_tp import TP_NF4_LAYERS
 from zerotron.models.sources import WeightSource
 from zerotron.parallel.placement import Placement, fill_value
 
@@ -23,6 +23,10 @@ def _nf4_shape(module: Any) -> tuple[int, int]:
         return module.out_features, module.in_features
     rows, cols = module.weight_spec.global_shape
     return rows, cols
+
+
+def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
 
 
 def _unwrapped(name: str) -> str:
@@ -41,8 +45,7 @@ def fill_from(
     def adapter_box(
         name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
     ) -> torch.Tensor:
-        whole = initial_adapter(name, shape, seed)
-        return whole[tuple(slice(o, o + n) for o, n in zip(offsets, box))]
+        return initial_adapter(name, shape, seed)[_box(offsets, box)]
 
     def magnitude_box(
         name: str, shape: tuple[int, ...], offsets: tuple[int, ...], box: tuple[int, ...]
@@ -68,11 +71,9 @@ def fill_from(
     def fill(name: str) -> torch.Tensor:
         layer, _, part = name.rpartition(".")
         if is_quantized_param(name):  # ZeRO-3's QLoRA base: this rank's part of the NF4 bytes
-            codes, scales = whole_nf4(layer)
-            layer_module: Any = model.get_submodule(layer)
-            if not isinstance(layer_module, NF4ParamLinear):  # a tensor-parallel shard's blocks
-                codes, scales = shard_bytes(codes, scales, _nf4_shape(layer_module), layer_module.weight_spec)
-            return scales if part == "weight_nf4_scales" else codes
+            codes, scales = whole_nf4(layer)  # the record says where this rank's bytes lie in them
+            whole = (scales if part == "weight_nf4_scales" else codes).view(records[name].global_shape)
+            return fill_value(lambda _n, _s, o, b: whole[_box(o, b)], name, records[name])
         module = model.get_submodule(layer) if name.endswith(MAGNITUDE) else None
         base: nn.Module | None = module.base_layer if isinstance(module, QLoraLinear) else module
         if isinstance(base, (NF4ParamLinear, *TP_NF4_LAYERS)):  # QDoRA: the dequantised rows' norms

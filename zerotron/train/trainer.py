@@ -9,6 +9,7 @@ recomputation), then the engine adds data-parallel gradient buckets or ZeRO last
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -255,7 +256,10 @@ class Trainer:
         # (ZeRO's shards are summed over the group that shards them: a block of dp under hybrid sharding)
         group = self.shard_group if self.zero is not None else mesh.group
         self.norm_classes = [(params, [group(a) for a in key]) for key, params in classes.items()]
-        total = torch.tensor([float(local_numel(records, self.model) + quantized_weight_numel(self.model))])
+        stored = {name: math.prod(record.stored_shape) for name, record in records.items()}
+        total = torch.tensor(
+            [float(local_numel(records, self.model) + quantized_weight_numel(self.model, stored))]
+        )
         collectives.all_reduce(total, mesh.group("pp"), op="sum")  # every stage holds different blocks
         self.n_params = int(total.item())
         self.frozen_bytes: int | None = None  # LoRA: the frozen base this rank holds (whole, NF4, shards)
