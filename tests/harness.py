@@ -1,4 +1,5 @@
-"""Run a test body on N Gloo ranks in subprocesses (built on :func:`zerotron.distributed.launch.spawn`).
+"""Run a test body on N Gloo ranks in subprocesses (built on :func:`zerotron.distributed.launch.spawn`,
+forked from a preloaded server: see ``PRELOAD``).
 
 Usage::
 
@@ -25,12 +26,27 @@ from __future__ import annotations
 
 import functools
 import importlib
+import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
 from zerotron.distributed.launch import spawn
 
 DEFAULT_TIMEOUT_S = 120.0
+
+# The ranks fork from one server process that has imported these once, instead of each rank importing
+# torch, transformers and peft anew (seconds per rank on two cores, for hundreds of multi-rank tests).
+# The command-line tests launch ranks as users do (``spawn``), so that path stays covered.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "transformers",
+    "peft",
+    "safetensors.torch",
+    "zerotron.train.trainer",
+]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 def run_distributed(
@@ -41,7 +57,9 @@ def run_distributed(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` Gloo ranks; return the per-rank results in rank order."""
-    return spawn(fn, world_size, args=args, timeout_s=timeout, env=env, backend="gloo")
+    return spawn(
+        fn, world_size, args=args, timeout_s=timeout, env=env, backend="gloo", start_method="forkserver"
+    )
 
 
 def _call_original(module: str, qualname: str) -> Any:

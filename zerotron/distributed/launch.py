@@ -11,6 +11,7 @@ the ``ZEROTRON_TRACE_DIR`` files that :mod:`zerotron.distributed.collectives` ke
 from __future__ import annotations
 
 import gc
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
@@ -259,6 +260,7 @@ def spawn(
     env: dict[str, str] | None = None,
     backend: str = "auto",
     watchdog: Watchdog | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks and return their results, rank order.
 
@@ -270,7 +272,15 @@ def spawn(
     traceback), when ``timeout_s`` passes, or when ``watchdog`` sees no progress (naming the collective
     each rank is in). SIGTERM, SIGUSR1 and SIGINT to this process are passed to the ranks as SIGTERM
     (:class:`~zerotron.distributed.watchdog.SignalForwarder`) while it waits for their results.
+
+    ``start_method`` is ``"spawn"`` (each rank a fresh interpreter: its output goes where this process's
+    goes) or ``"forkserver"`` (ranks forked from a server process that imported the modules named by
+    ``multiprocessing.set_forkserver_preload`` once: many short launches from one process, as a test
+    suite makes, skip importing torch in every rank; the ranks' output goes where the server's went, and
+    ``env`` reaches them only through ``os.environ`` after start, so it must not be read at import).
     """
+    if start_method not in ("spawn", "forkserver"):
+        raise LaunchError(f"start_method {start_method!r}: use 'spawn' or 'forkserver'")
     if under_torchrun():
         owner = not dist.is_initialized()  # a nested call leaves its caller's process group alone
         init_distributed(backend)
@@ -283,7 +293,11 @@ def spawn(
         raise LaunchError(f"--nproc {nproc}: need at least one process")
     user_trace = (env or {}).get("ZEROTRON_TRACE_DIR") or os.environ.get("ZEROTRON_TRACE_DIR")
     trace_dir = user_trace or tempfile.mkdtemp(prefix="zerotron-trace-")
-    ctx = mp.get_context("spawn")
+    ctx: Any = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Start the server before any rank's environment is set here, so none of it is inherited by the
+        # server and leaks into later launches.
+        multiprocessing.forkserver.ensure_running()
     queue = ctx.SimpleQueue()
     acks = [ctx.Event() for _ in range(nproc)]
     port = free_port()
