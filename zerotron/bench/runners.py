@@ -140,9 +140,11 @@ def _peer_loop(
 
 
 def run_ddp(run_dir: str) -> dict[str, Any]:
-    """torch DDP (ZeRO-0), the same bucket size as zerotron's."""
+    """torch DDP (ZeRO-0), the same bucket size and reduction dtype as zerotron's."""
     cfg, _, loader, device = _setup(run_dir)
-    model = peers.ddp(_model(cfg, device), cfg.parallel.bucket_mb)
+    model = peers.ddp(
+        _model(cfg, device), cfg.parallel.bucket_mb, REDUCE_DTYPE[cfg.parallel.grad_reduce_dtype]
+    )
     optimizer = build_optimizer(model, cfg.train)
     return _peer_loop(cfg, loader, model, optimizer, device, model.no_sync)
 
