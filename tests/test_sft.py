@@ -314,11 +314,12 @@ def _assert_same_adapters(results: list[dict[str, Any]], ref: dict[str, Any]) ->
     got = {name: w for result in results for name, w in result["weights"].items()}
     assert sorted(got) == sorted(ref["weights"])
     for name, weight in ref["weights"].items():
-        # B starts at zero, so Adam's sign-sized first steps turn last-bit gradient differences from
-        # another summation order (tp sums; BLAS threading on a loaded machine) into ~1e-5 of a B, once
-        # 1.2e-4 (QLoRA, the 2 cores shared with another test run); a wrong update is off by O(1)
+        # B starts at zero, so Adam's first steps (g / (|g| + eps)) turn last-bit gradient differences
+        # from another summation order (tp sums, BLAS threading) into ~1e-5 of a B, more where a
+        # gradient element is near eps: seen 1.2e-4 (QLoRA) and 8.1e-4 (DoRA tp 2, k_proj's B, one CI
+        # run of four); a wrong update is off by O(1), and the losses are compared at 1e-5 besides
         rel = ((got[name] - weight).norm() / weight.norm()).item()
-        assert rel <= 3e-4, f"{name}: {rel:.3g}"
+        assert rel <= 2e-3, f"{name}: {rel:.3g}"
 
 
 @pytest.mark.parametrize(
