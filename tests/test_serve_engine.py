@@ -307,22 +307,27 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
     assert engine.pool.in_use == 0
 
 
+@pytest.mark.parametrize("onednn", [False, True])
 def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], onednn: bool
 ) -> None:
-    """A bf16 model (weights and KV cache in 16 bits; its linears in row chunks of 16 to 32, where the
-    16-bit kernels' arithmetic does not change with the row count): greedy tokens and log-probabilities
-    bit-identical alone, batched under a small token budget and on a prefix-cache hit; the
-    log-probabilities of its tokens within bf16's rounding of the fp32 model's full forward."""
+    """A bf16 model (weights and KV cache in 16 bits; its linears in row chunks, where the 16-bit
+    kernels' arithmetic does not change with the row count: torch's F.linear in chunks of 16 to 32
+    rows, or oneDNN on packed weights with q/k/v and gate/up fused in chunks of at most 32): greedy
+    tokens and log-probabilities bit-identical alone, batched under a small token budget and on a
+    prefix-cache hit; the log-probabilities of its tokens within bf16's rounding of the fp32 model's
+    full forward."""
     _, model = pair
     half = copy.deepcopy(model).to(torch.bfloat16)
 
     def make(**kw: object) -> Engine:
-        return Engine(copy.deepcopy(half), None, EngineConfig(**{"num_blocks": 128, **kw}))  # type: ignore[arg-type]
+        cfg = EngineConfig(**{"num_blocks": 128, "onednn": onednn, **kw})  # type: ignore[arg-type]
+        return Engine(copy.deepcopy(half), None, cfg)
 
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     engine = make()
     assert engine.kv.k[0].dtype == torch.bfloat16
+    assert engine.runner.min_rows == (MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     assert _run(make(max_num_batched_tokens=37), prompts, GREEDY) == alone
     first = _run(engine, prompts[:1], GREEDY)
@@ -336,15 +341,53 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
         assert (torch.tensor(logprobs) - expected).abs().max() <= 0.15  # measured: 0.056 at most
 
 
-def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool) -> None:
     """SmolLM2's output head in bf16 (49152 x 576): a row's logits are the same bits whatever the number
-    of rows in the forward (on this CPU plain F.linear's change from 33 rows up, AMX kernels)."""
-    from zerotron.serve.runner import _chunked_linear
+    of rows in the forward (on this CPU plain F.linear's and oneDNN's change from 33 rows up, AMX
+    kernels); through F.linear in chunks, and through oneDNN on the packed weight in chunks."""
+    from zerotron.serve.runner import CHUNK_ROWS, _chunked_linear, _packed_linear
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(49152, 576, generator=g).bfloat16()
     x = torch.randn(300, 576, generator=g).bfloat16()
-    one = _chunked_linear(weight, None, x[:1])[0]
+    if packed:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
+        handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
+        linear = functools.partial(_packed_linear, handle, None, (576, 49152), CHUNK_ROWS)
+        unchunked = functools.partial(_packed_linear, handle, None, (576, 49152), 0)
+        # the chunks are needed: unchunked, some row of a 40-row forward differs from it alone
+        alone = torch.cat([unchunked(x[r : r + 1]) for r in range(40)])
+        assert not torch.equal(unchunked(x[:40]), alone)
+    else:
+        linear = functools.partial(_chunked_linear, weight, None)
+    one = linear(x[:1])[0]
     for rows in (2, 16, 17, 32, 33, 40, 64, 100, 300):
-        assert torch.equal(_chunked_linear(weight, None, x[:rows])[0], one), rows
-        assert torch.equal(_chunked_linear(weight, None, x[:rows].view(1, rows, 576))[0, 0], one), rows
+        assert torch.equal(linear(x[:rows])[0], one), rows
+        assert torch.equal(linear(x[:rows].view(1, rows, 576))[0, 0], one), rows
+    every = linear(x)
+    assert all(torch.equal(every[r], linear(x[r : r + 1])[0]) for r in range(0, 300, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_fused_linears_equal_the_models_own(
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype
+) -> None:
+    """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights) gives the
+    logits of the model's own nn.Linear forward to rounding, and frees the dense weights."""
+    from zerotron.serve.runner import pack_linears
+
+    _, model = pair
+    plain = copy.deepcopy(model).to(dtype).eval()
+    packed = copy.deepcopy(plain)
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
+    assert pack_linears(packed)
+    attn = packed.layers[0].self_attn
+    assert attn.q_proj.weight.numel() == attn.k_proj.weight.numel() == 0
+    ids = torch.tensor([_prompts([40], seed=9)[0]])
+    with torch.no_grad():
+        want, got = plain(ids).float(), packed(ids).float()
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)

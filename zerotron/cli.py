@@ -395,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--matmul",
         choices=["onednn", "mkl"],
         default=None,
-        help="fp32 linear layers through oneDNN on packed weights (forwards of >= 2 rows; the default) or "
-        "MKL (>= 16 rows)",
+        help="linear layers through oneDNN on weights packed once, q/k/v and gate/up fused (the default) "
+        "or through torch's F.linear (MKL in fp32, >= 16 rows; 16-bit in row chunks)",
     )
     srv.add_argument(
         "--dtype",

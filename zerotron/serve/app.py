@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Optional, Union
@@ -20,10 +21,12 @@ from zerotron.serve.sampling import SamplingParams
 from zerotron.serve.server import EngineLoop, error_body, logprobs_entry, new_id, sse, stream_outputs
 
 
-def build_app(engine: Engine, model_name: str) -> FastAPI:
-    """The ASGI app serving ``engine`` under the model name ``model_name``."""
+def build_app(engine: Engine, model_name: str, start_engine: bool = True) -> FastAPI:
+    """The ASGI app serving ``engine`` under the model name ``model_name``; its engine loop
+    (``app.state.engine_loop``) runs in a thread of its own unless ``start_engine`` is False (then the
+    caller runs it)."""
     app = FastAPI(title="zerotron serve")
-    loop_ = EngineLoop(engine)
+    loop_ = EngineLoop(engine, start=start_engine)
     app.state.engine_loop = loop_
     tokenizer = engine.tokenizer
 
@@ -48,8 +51,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        if not loop_.thread.is_alive():
-            raise HTTPException(503, "the engine thread has stopped")
+        if not loop_.alive():
+            raise HTTPException(503, "the engine loop has stopped")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -225,11 +228,6 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
     for flag, ok in checks:
         if not ok:
             raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
-    if args.dtype != "float32" and args.matmul == "onednn":
-        raise ConfigError(
-            f"serve --matmul onednn packs fp32 weights; with --dtype {args.dtype} the linears run in row "
-            "chunks through torch's 16-bit kernels: leave --matmul out"
-        )
     return EngineConfig(
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_cache_memory * 2**30),
@@ -237,7 +235,7 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
-        onednn=(args.matmul or ("onednn" if args.dtype == "float32" else "mkl")) == "onednn",
+        onednn=(args.matmul or "onednn") == "onednn",
         dtype=args.dtype,
     )
 
@@ -261,10 +259,16 @@ def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optio
 
 
 def serve(engine: Engine, name: str, host: str, port: int) -> None:
-    """Serve ``engine`` over HTTP until interrupted, then stop its thread (and its followers)."""
+    """Serve ``engine`` over HTTP until interrupted, then stop its loop (and its followers).
+
+    The engine steps in this thread (the one that loaded the model: one OpenMP team, see
+    :mod:`zerotron.serve.server`); uvicorn serves from a helper thread. SIGINT/SIGTERM make uvicorn
+    shut down gracefully (the engine keeps stepping until the last response is sent), a second one
+    forces it; then the engine loop stops."""
     import uvicorn
 
-    app = build_app(engine, name)
+    app = build_app(engine, name, start_engine=False)
+    loop_: EngineLoop = app.state.engine_loop
     group = engine.runner.group
     print(
         f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
@@ -272,15 +276,35 @@ def serve(engine: Engine, name: str, host: str, port: int) -> None:
         + (f", tensor parallel over {group.size} ranks)" if group is not None else ")"),
         flush=True,
     )
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handler it
-    # found: let that be a no-op, so the engine thread (and the ranks that follow it) stop cleanly.
-    saved = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    failure: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            server.run()  # in a helper thread uvicorn installs no signal handlers
+        except BaseException as err:  # noqa: BLE001 - e.g. SystemExit when the port is taken
+            failure.append(err)
+        finally:
+            loop_.stop()
+
+    def interrupted(*_: Any) -> None:
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    saved = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="zerotron-http", daemon=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        thread.start()
+        loop_.run()
     finally:
-        app.state.engine_loop.stop()
+        server.should_exit = True
+        thread.join(timeout=60)
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+    if failure or not server.started:
+        raise ConfigError(f"serve: could not serve on {host}:{port} (is the port taken?)") from (
+            failure[0] if failure else None
+        )
 
 
 def run_server(

@@ -19,7 +19,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.models.llama import LlamaForCausalLM
+from zerotron.models.llama import MLP, Attention, LlamaForCausalLM
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
@@ -100,35 +100,113 @@ def make_plan(
     return StepPlan(ids, positions, layout, index, len(last_rows), copies)
 
 
-def _onednn_linear(
-    weight: torch.Tensor, bias: Optional[torch.Tensor], features: tuple[int, int], x: torch.Tensor
+def _pointwise(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return y
+
+
+def _packed_linear(
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    features: tuple[int, int],
+    chunk: int,
+    x: torch.Tensor,
 ) -> torch.Tensor:
-    y = torch._C._nn.mkldnn_linear(x.reshape(-1, features[0]).to_mkldnn(), weight, bias).to_dense()
+    """A linear layer through oneDNN on a weight packed once; 16-bit forwards in row chunks of at most
+    ``chunk`` (0: whole), where the kernels' arithmetic does not change with the row count."""
+    rows = x.reshape(-1, features[0])
+    n = rows.shape[0]
+    if chunk and n > chunk:
+        y = torch.cat([_pointwise(rows[s : s + chunk], packed, bias) for s in range(0, n, chunk)])
+    else:
+        y = _pointwise(rows, packed, bias)
     return y.view(*x.shape[:-1], features[1])
 
 
+class _Siblings:
+    """Projections of one input computed as one product (q, k and v; gate and up): the first module's
+    call computes all of them, each module returns its columns. The model calls them in order on the
+    same tensor (:class:`~zerotron.models.llama.Attention`, :class:`~zerotron.models.llama.MLP`)."""
+
+    def __init__(self, linear: functools.partial[torch.Tensor], widths: list[int]) -> None:
+        self.linear = linear
+        edges = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        self.bounds = list(zip(edges[:-1], edges[1:]))
+        self.x: Optional[torch.Tensor] = None
+        self.y: Optional[torch.Tensor] = None
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if index == 0:
+            self.x, self.y = x, self.linear(x)
+        elif x is not self.x or self.y is None:
+            raise RuntimeError("fused projections were called out of order or on different inputs")
+        lo, hi = self.bounds[index]
+        y = self.y[..., lo:hi]
+        if index == len(self.bounds) - 1:
+            self.x = self.y = None
+        return y
+
+
+def _packable(module: nn.Module, dtype: torch.dtype) -> bool:
+    return type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == dtype
+
+
 def pack_linears(model: nn.Module) -> bool:
-    """Run every ``nn.Linear`` of a CPU fp32 model through oneDNN on weights packed once (faster than
-    MKL here, and row results independent of the row count from 2 rows up); the dense weights of
-    untied linears are freed, so the model is the engine's from then on. Returns whether every linear
-    of the model is packed (tensor-parallel linears are not)."""
+    """Run every ``nn.Linear`` of a CPU model through oneDNN on weights packed once (fp32: row results
+    independent of the row count from 2 rows up; bf16/fp16: in row chunks of at most
+    :data:`CHUNK_ROWS`, each row's result then that of the row alone), with the q, k and v projections
+    of each attention and the gate and up projections of each gated MLP fused into one product. The
+    dense weights (but a tied head's, which is the embedding) are freed: the model is the engine's from
+    then on. Returns False, packing nothing, when oneDNN lacks kernels for the model's dtype or the
+    model has tensor-parallel linears (they run :func:`chunk_linears`' way)."""
+    dtype = next(model.parameters()).dtype
+    supported = {
+        torch.float32: True,
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+    }
+    tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
+    if not supported.get(dtype, False) or tp:
+        return False
+    chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     shared = getattr(model, "embed_tokens", None)
-    every = True
+
+    def packed(parts: list[nn.Linear]) -> functools.partial[torch.Tensor]:
+        weight = torch.cat([m.weight.detach() for m in parts])
+        biases = [m.bias for m in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                    for b, m in zip(biases, parts)
+                ]
+            )
+        features = (parts[0].in_features, weight.shape[0])
+        handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
+        for m in parts:
+            if shared is None or m.weight is not shared.weight:  # a tied head keeps the embedding's matrix
+                m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+        return functools.partial(_packed_linear, handle, bias, features, chunk)
+
+    done: set[int] = set()
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            groups = [[module.q_proj, module.k_proj, module.v_proj]]
+        elif isinstance(module, MLP) and module.gated:
+            groups = [[module.gate_proj, module.up_proj]]
+        else:
+            continue
+        for parts in groups:
+            if all(_packable(m, dtype) for m in parts):
+                fused = _Siblings(packed(parts), [m.out_features for m in parts])
+                for i, m in enumerate(parts):
+                    m.forward = functools.partial(fused.part, i)  # type: ignore[method-assign]
+                    done.add(id(m))
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            every = False
-        if type(module) is not nn.Linear:
-            continue
-        w = module.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32:
-            every = False
-            continue
-        bias = module.bias.detach().to_mkldnn() if module.bias is not None else None
-        features = (module.in_features, module.out_features)
-        module.forward = functools.partial(_onednn_linear, w.detach().to_mkldnn(), bias, features)  # type: ignore[method-assign]
-        if shared is None or w is not shared.weight:  # a tied head keeps the embedding's matrix
-            module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-    return every
+        if isinstance(module, nn.Linear) and _packable(module, dtype) and id(module) not in done:
+            module.forward = packed([module])  # type: ignore[method-assign]
+    return True
 
 
 def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -189,9 +267,10 @@ class StepRunner:
         """``onednn``: pack the model's linears (:func:`pack_linears`; the engine then owns the model)."""
         self.model, self.kv = model, kv
         sixteen = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        if sixteen:
+        packed = onednn and pack_linears(model)
+        if sixteen and not packed:
             chunk_linears(model)
-        self.min_rows = MIN_ROWS_ONEDNN if onednn and not sixteen and pack_linears(model) else MIN_ROWS
+        self.min_rows = MIN_ROWS_ONEDNN if packed else MIN_ROWS
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = next(model.parameters()).device
         self.last_signal = time.monotonic()
