@@ -172,9 +172,7 @@ class Piece:
 class _Group:
     """Runs of query rows with the same key window and query length, attended in one SDPA call."""
 
-    src: torch.Tensor  # (B * lq,) row of each query slot (padding slots repeat a real row)
-    keep: torch.Tensor  # (B * lq,) which query slots are real
-    dst: torch.Tensor  # (real,) the rows they fill
+    rows: torch.Tensor  # (B * lq,) the step's row of each query, run after run
     key_slots: torch.Tensor  # (B, window) pool slots of each run's keys (scratch past its end)
     mask: torch.Tensor  # (B, 1, lq, window) causal
 
@@ -185,10 +183,12 @@ class PagedAttention:
     The step's tokens of all sequences are one row each of a (1, N) batch (N padded to at least
     ``min_rows``; padding rows write to the scratch block and get zero attention). Each sequence's
     rows are cut into runs at :data:`Q_ALIGN` boundaries; a run attends to the key window of its
-    :data:`KEY_BUCKET`, masked causally, with at least two query rows (one query takes another CPU
-    kernel). Runs of equal window and length are batched into one SDPA call; a run's numbers do not
-    depend on its batch, so every row's attention is computed the same way in any step as long as
-    chunks start at multiples of :data:`Q_ALIGN` (the scheduler's rule).
+    :data:`KEY_BUCKET`, masked causally. Runs of equal window and length are batched into one SDPA
+    call; a run's numbers do not depend on its batch, so every row's attention is computed the same
+    way in any step as long as chunks start at multiples of :data:`Q_ALIGN` and end at one or at the
+    sequence's end (the scheduler's rule). A run of one query row (a decode, or a prompt's last token
+    after a multiple of :data:`Q_ALIGN`) takes the CPU kernel's one-query path, whose numbers differ
+    in the last bits from a row of a longer run's: such a row is a one-row run in every step.
     """
 
     length = 0  # positions come with the batch; the causal masks are built here
@@ -210,7 +210,7 @@ class PagedAttention:
                 held = keys < hi  # positions past this run's last token point at the scratch slot
                 key_slots = torch.where(held, table[(keys // bs).clamp(max=len(piece.table) - 1)] * bs, 0)
                 key_slots = key_slots + torch.where(held, keys % bs, 0)
-                lq = max(hi - lo, 2)
+                lq = hi - lo
                 runs.setdefault((window, lq), []).append(
                     (piece.row + lo - piece.start, hi - lo, lo, key_slots)
                 )
@@ -220,21 +220,12 @@ class PagedAttention:
 
     @staticmethod
     def _group(window: int, lq: int, members: list[tuple[int, int, int, torch.Tensor]]) -> _Group:
-        src, keep, masks = [], [], []
-        keys = torch.arange(window)
-        for row, n, first, _ in members:
-            offsets = torch.arange(lq)
-            src.append(row + offsets.clamp(max=n - 1))
-            keep.append(offsets < n)
+        rows, masks = [], []
+        keys, offsets = torch.arange(window), torch.arange(lq)
+        for row, _, first, _ in members:
+            rows.append(row + offsets)
             masks.append(keys[None, :] <= (first + offsets)[:, None])  # (lq, window)
-        source, kept = torch.cat(src), torch.cat(keep)
-        return _Group(
-            source,
-            kept,
-            source[kept],
-            torch.stack([m[3] for m in members]),
-            torch.stack(masks)[:, None],
-        )
+        return _Group(torch.cat(rows), torch.stack([m[3] for m in members]), torch.stack(masks)[:, None])
 
     def attend(
         self,
@@ -255,10 +246,10 @@ class PagedAttention:
         for g in self.groups:
             b, window = g.key_slots.shape
             lq = g.mask.shape[2]
-            queries = q[0].index_select(1, g.src).view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
+            queries = q[0].index_select(1, g.rows).view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
             flat = g.key_slots.view(-1)
             keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)
             values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, enable_gqa=gqa)
-            out[0].index_copy_(1, g.dst, o.transpose(0, 1).reshape(heads, b * lq, d)[:, g.keep])
+            out[0].index_copy_(1, g.rows, o.transpose(0, 1).reshape(heads, b * lq, d))
         return out
