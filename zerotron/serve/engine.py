@@ -159,13 +159,14 @@ class Engine:
             self.scheduler.commit(seq, n)
         self.stats["steps"] += 1
         touched: dict[str, Request] = {}
+        best = logits.argmax(-1).tolist()  # greedy requests' tokens, in one call
         for row, seq in enumerate(sampled):
             request = self.requests[seq.request_id]
             family = [seq]
             if not seq.output_ids and seq.index == 0 and request.params.n > 1 and len(request.seqs) == 1:
                 family += self._fork(request, seq)
             for member in family:
-                self._append(request, member, logits[row])
+                self._append(request, member, logits[row], best[row])
             touched[request.request_id] = request
         return [self._output(r) for r in touched.values()]
 
@@ -179,10 +180,10 @@ class Engine:
             children.append(child)
         return children
 
-    def _append(self, request: Request, seq: Sequence, logits: torch.Tensor) -> None:
+    def _append(self, request: Request, seq: Sequence, logits: torch.Tensor, argmax: int) -> None:
         """Sample the sequence's next token; decode; finish it on EOS, a stop, or its length."""
         params = seq.params
-        choice = sample(logits, params, seq.prompt_ids, seq.output_ids, seq.generator)
+        choice = sample(logits, params, seq.prompt_ids, seq.output_ids, seq.generator, argmax)
         seq.output_ids.append(choice.token)
         seq.choices.append(choice)
         now = time.perf_counter()

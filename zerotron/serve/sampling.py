@@ -123,12 +123,14 @@ def sample(
     prompt_ids: list[int],
     output_ids: list[int],
     generator: Optional[torch.Generator],
+    argmax: Optional[int] = None,
 ) -> Choice:
-    """The next token of one sequence from its logits (V,) (float32; padded vocabulary rows -inf)."""
+    """The next token of one sequence from its logits (V,) (float32; padded vocabulary rows -inf).
+    ``argmax``: the logits' argmax when already known (the engine takes a step's in one call)."""
     raw = logits
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if params.temperature == 0.0:
-        token = int(torch.argmax(logits))
+        token = argmax if argmax is not None and logits is raw else int(torch.argmax(logits))
     else:
         probs = torch.softmax(filter_logits(logits, params), dim=-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
