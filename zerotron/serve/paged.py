@@ -196,36 +196,35 @@ class PagedAttention:
     def __init__(self, pool: KVPool, pieces: list[Piece], rows: int) -> None:
         self.pool = pool
         bs = pool.block_size
-        slots = torch.zeros(rows, dtype=torch.long)  # padding rows: slot 0 of the scratch block
-        runs: dict[tuple[int, int], list[tuple[int, int, int, torch.Tensor]]] = {}  # (window, lq) -> runs
+        slots = [0] * rows  # padding rows: slot 0 of the scratch block
+        runs: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}  # (window, lq) -> runs
         for piece in pieces:
-            table = torch.tensor(piece.table, dtype=torch.long)
-            positions = torch.arange(piece.start, piece.start + piece.n)
-            slots[piece.row : piece.row + piece.n] = table[positions // bs] * bs + positions % bs
+            table, end = piece.table, piece.start + piece.n
+            for i, p in enumerate(range(piece.start, end)):
+                slots[piece.row + i] = table[p // bs] * bs + p % bs
             lo = piece.start
-            while lo < piece.start + piece.n:
+            while lo < end:
                 window = (lo // KEY_BUCKET + 1) * KEY_BUCKET
-                hi = min(piece.start + piece.n, (lo // Q_ALIGN + 1) * Q_ALIGN)
-                keys = torch.arange(window)
-                held = keys < hi  # positions past this run's last token point at the scratch slot
-                key_slots = torch.where(held, table[(keys // bs).clamp(max=len(piece.table) - 1)] * bs, 0)
-                key_slots = key_slots + torch.where(held, keys % bs, 0)
-                lq = hi - lo
-                runs.setdefault((window, lq), []).append(
-                    (piece.row + lo - piece.start, hi - lo, lo, key_slots)
-                )
+                hi = min(end, (lo // Q_ALIGN + 1) * Q_ALIGN)
+                runs.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
                 lo = hi
-        self.slots = slots
-        self.groups = [self._group(window, lq, members) for (window, lq), members in runs.items()]
+        self.slots = torch.tensor(slots, dtype=torch.long)
+        self.groups = [self._group(window, lq, members, bs) for (window, lq), members in runs.items()]
 
     @staticmethod
-    def _group(window: int, lq: int, members: list[tuple[int, int, int, torch.Tensor]]) -> _Group:
-        rows, masks = [], []
+    def _group(window: int, lq: int, members: list[tuple[int, int, int, list[int]]], bs: int) -> _Group:
+        """The runs' query rows, key slots (a run's keys past its last token at the scratch slot) and
+        causal masks, built for all runs at once."""
+        blocks = -(-window // bs)
+        tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
+        first = torch.tensor([lo for _, lo, _, _ in members])
+        last = torch.tensor([hi for _, _, hi, _ in members])
+        start = torch.tensor([row for row, _, _, _ in members])
         keys, offsets = torch.arange(window), torch.arange(lq)
-        for row, _, first, _ in members:
-            rows.append(row + offsets)
-            masks.append(keys[None, :] <= (first + offsets)[:, None])  # (lq, window)
-        return _Group(torch.cat(rows), torch.stack([m[3] for m in members]), torch.stack(masks)[:, None])
+        key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
+        key_slots = torch.where(keys[None, :] < last[:, None], key_slots, 0)  # (B, window)
+        mask = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window) causal
+        return _Group((start[:, None] + offsets).view(-1), key_slots, mask[:, None])
 
     def attend(
         self,
