@@ -370,15 +370,23 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool)
     assert all(torch.equal(every[r], linear(x[r : r + 1])[0]) for r in range(0, 300, 7))
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_fused_linears_equal_the_models_own(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype, bias: bool
 ) -> None:
     """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights) gives the
-    logits of the model's own nn.Linear forward to rounding, and frees the dense weights."""
+    logits of the model's own nn.Linear forward to rounding, q/k/v biases (Qwen2) included, and frees
+    the dense weights."""
     from zerotron.serve.runner import pack_linears
 
     _, model = pair
+    if bias:
+        model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 0.2))
     plain = copy.deepcopy(model).to(dtype).eval()
     packed = copy.deepcopy(plain)
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -386,6 +394,7 @@ def test_packed_fused_linears_equal_the_models_own(
     assert pack_linears(packed)
     attn = packed.layers[0].self_attn
     assert attn.q_proj.weight.numel() == attn.k_proj.weight.numel() == 0
+    assert (attn.q_proj.bias is not None) == bias
     ids = torch.tensor([_prompts([40], seed=9)[0]])
     with torch.no_grad():
         want, got = plain(ids).float(), packed(ids).float()
