@@ -210,6 +210,10 @@ class PagedAttention:
                 lo = hi
         self.slots = torch.tensor(slots, dtype=torch.long)
         self.groups = [self._group(window, lq, members, bs) for (window, lq), members in runs.items()]
+        # One group whose runs are the step's rows in order (a step of decodes only): its queries are
+        # the step's rows as they lie, and its output is the step's, without a gather and a scatter.
+        whole = len(self.groups) == 1 and len(self.groups[0].rows) == rows
+        self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
 
     @staticmethod
     def _group(window: int, lq: int, members: list[tuple[int, int, int, list[int]]], bs: int) -> _Group:
@@ -239,16 +243,27 @@ class PagedAttention:
         kp, vp = self.pool.k[layer], self.pool.v[layer]  # (slots, kvh, d)
         kp.index_copy_(0, self.slots, k[0].transpose(0, 1))
         vp.index_copy_(0, self.slots, v[0].transpose(0, 1))
-        out = torch.zeros_like(q)
         heads, d = q.shape[1], q.shape[3]
         gqa = q.shape[1] != k.shape[1]
+        if self.in_order:  # the same queries, laid out as a gather would lay them out
+            g = self.groups[0]
+            o = self._attend_group(g, q[0].contiguous(), kp, vp, gqa)
+            return o.transpose(0, 1).reshape(1, heads, len(g.rows), d)
+        out = torch.zeros_like(q)
         for g in self.groups:
-            b, window = g.key_slots.shape
-            lq = g.mask.shape[2]
-            queries = q[0].index_select(1, g.rows).view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
-            flat = g.key_slots.view(-1)
-            keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)
-            values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, enable_gqa=gqa)
-            out[0].index_copy_(1, g.rows, o.transpose(0, 1).reshape(heads, b * lq, d))
+            o = self._attend_group(g, q[0].index_select(1, g.rows), kp, vp, gqa)
+            out[0].index_copy_(1, g.rows, o.transpose(0, 1).reshape(heads, len(g.rows), d))
         return out
+
+    @staticmethod
+    def _attend_group(
+        g: _Group, queries: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, gqa: bool
+    ) -> torch.Tensor:
+        """SDPA of one group's runs: ``queries`` (h, B * lq, d) contiguous -> (B, h, lq, d)."""
+        heads, d = queries.shape[0], queries.shape[2]
+        b, window = g.key_slots.shape
+        flat = g.key_slots.view(-1)
+        keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)
+        values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)
+        q = queries.view(heads, b, g.mask.shape[2], d).transpose(0, 1)  # (B, h, lq, d)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=g.mask, enable_gqa=gqa)
