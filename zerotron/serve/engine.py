@@ -38,7 +38,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings (at most 8192)
     prefix_caching: bool = True
-    onednn: bool = False  # pack the linears for oneDNN (the engine then owns the model; CPU fp32)
+    onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
 
 
