@@ -159,7 +159,8 @@ class Engine:
             self.scheduler.commit(seq, n)
         self.stats["steps"] += 1
         touched: dict[str, Request] = {}
-        best = logits.argmax(-1).tolist()  # greedy requests' tokens, in one call
+        greedy = any(seq.params.temperature == 0.0 for seq in sampled)
+        best = logits.argmax(-1).tolist() if greedy else [None] * len(sampled)  # in one call
         for row, seq in enumerate(sampled):
             request = self.requests[seq.request_id]
             family = [seq]
@@ -180,7 +181,7 @@ class Engine:
             children.append(child)
         return children
 
-    def _append(self, request: Request, seq: Sequence, logits: torch.Tensor, argmax: int) -> None:
+    def _append(self, request: Request, seq: Sequence, logits: torch.Tensor, argmax: Optional[int]) -> None:
         """Sample the sequence's next token; decode; finish it on EOS, a stop, or its length."""
         params = seq.params
         choice = sample(logits, params, seq.prompt_ids, seq.output_ids, seq.generator, argmax)

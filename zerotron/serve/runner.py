@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypeGuard
 
 import torch
 from torch import nn
@@ -147,7 +147,7 @@ class _Siblings:
         return y
 
 
-def _packable(module: nn.Module, dtype: torch.dtype) -> bool:
+def _packable(module: nn.Module, dtype: torch.dtype) -> TypeGuard[nn.Linear]:
     return type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == dtype
 
 
@@ -173,15 +173,8 @@ def pack_linears(model: nn.Module) -> bool:
 
     def packed(parts: list[nn.Linear]) -> functools.partial[torch.Tensor]:
         weight = torch.cat([m.weight.detach() for m in parts])
-        biases = [m.bias for m in parts]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat(
-                [
-                    b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                    for b, m in zip(biases, parts)
-                ]
-            )
+        biases = [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in parts]
+        bias = torch.cat(biases) if any(m.bias is not None for m in parts) else None
         features = (parts[0].in_features, weight.shape[0])
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
         for m in parts:
@@ -192,19 +185,18 @@ def pack_linears(model: nn.Module) -> bool:
     done: set[int] = set()
     for module in list(model.modules()):
         if isinstance(module, Attention):
-            groups = [[module.q_proj, module.k_proj, module.v_proj]]
+            parts = [module.q_proj, module.k_proj, module.v_proj]
         elif isinstance(module, MLP) and module.gated:
-            groups = [[module.gate_proj, module.up_proj]]
+            parts = [module.gate_proj, module.up_proj]
         else:
             continue
-        for parts in groups:
-            if all(_packable(m, dtype) for m in parts):
-                fused = _Siblings(packed(parts), [m.out_features for m in parts])
-                for i, m in enumerate(parts):
-                    m.forward = functools.partial(fused.part, i)  # type: ignore[method-assign]
-                    done.add(id(m))
+        if all(_packable(m, dtype) for m in parts):
+            fused = _Siblings(packed(parts), [m.out_features for m in parts])
+            for i, m in enumerate(parts):
+                m.forward = functools.partial(fused.part, i)  # type: ignore[method-assign]
+                done.add(id(m))
     for module in model.modules():
-        if isinstance(module, nn.Linear) and _packable(module, dtype) and id(module) not in done:
+        if _packable(module, dtype) and id(module) not in done:
             module.forward = packed([module])  # type: ignore[method-assign]
     return True
 
