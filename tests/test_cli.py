@@ -126,6 +126,7 @@ def test_tensorboard_event_files(tmp_path: Path) -> None:
         (["serve", "model.gguf", "--port", "70000"], "--port"),
         (["serve", "model.gguf", "--max-num-seqs", "0"], "--max-num-seqs"),
         (["serve", "model.gguf", "--block-size", "24"], "--block-size"),
+        (["serve", "model.gguf", "--nproc", "2", "--matmul", "onednn"], "--matmul onednn"),
     ],
 )
 def test_serve_refuses_in_one_line(

@@ -395,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--matmul",
         choices=["onednn", "mkl"],
         default=None,
-        help="linear layers through oneDNN on weights packed once, q/k/v and gate/up fused (the default) "
-        "or through torch's F.linear (MKL in fp32, >= 16 rows; 16-bit in row chunks)",
+        help="linear layers through oneDNN on weights packed once, q/k/v and gate/up fused (the default "
+        "on one rank) or through torch's F.linear (MKL in fp32, >= 16 rows; 16-bit in row chunks; what "
+        "tensor-parallel shards run)",
     )
     srv.add_argument(
         "--dtype",

@@ -214,6 +214,13 @@ async def _stream(
     yield "data: [DONE]\n\n"
 
 
+def bf16_kernels() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (packed bf16 linears need them)."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def engine_config(args: Any, nproc: int) -> EngineConfig:
     """The engine's settings from ``zerotron serve``'s flags, each checked (one line naming the flag)."""
     checks = [
@@ -228,6 +235,16 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
     for flag, ok in checks:
         if not ok:
             raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
+    if args.matmul == "onednn" and nproc > 1:
+        raise ConfigError(
+            "serve --matmul onednn packs whole weights; tensor-parallel shards (--nproc N) run F.linear: "
+            "leave --matmul out"
+        )
+    if args.matmul == "onednn" and args.dtype == "bfloat16" and not bf16_kernels():
+        raise ConfigError(
+            "serve --matmul onednn: this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX): leave "
+            "--matmul out"
+        )
     return EngineConfig(
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_cache_memory * 2**30),
