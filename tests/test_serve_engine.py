@@ -400,3 +400,44 @@ def test_packed_fused_linears_equal_the_models_own(
         want, got = plain(ids).float(), packed(ids).float()
     tol = 1e-4 if dtype == torch.float32 else 0.15
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_layers_give_the_packed_models_own_bits(
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    dtype: torch.dtype,
+    bias: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The serving engine's decoder layers on fused products (q and k rotated in one pass, no module
+    call per projection) compute what the packed model's own layers compute, bit for bit: the whole
+    forward without a cache, and an engine's greedy tokens and log-probabilities through the paged
+    cache (prefill chunks, decodes, one- and several-row runs), with q/k/v biases too."""
+    from zerotron.serve import runner
+
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
+    _, model = pair
+    if bias:
+        model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))
+        g = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 0.2))
+    base = copy.deepcopy(model).to(dtype).eval()
+    own, lean = copy.deepcopy(base), copy.deepcopy(base)
+    assert runner.pack_linears(own, lean=False) and runner.pack_linears(lean)
+    assert all(isinstance(layer.forward, runner._LeanLayer) for layer in lean.layers)
+    assert not any(isinstance(layer.forward, runner._LeanLayer) for layer in own.layers)
+    ids = torch.tensor([_prompts([45], seed=10)[0]])
+    with torch.no_grad():
+        assert torch.equal(lean(ids), own(ids))
+
+    prompts = _prompts([70, 5, 33], seed=11)
+    config = EngineConfig(num_blocks=128, onednn=True, max_num_batched_tokens=40)
+    got = _run(Engine(copy.deepcopy(base), None, config), prompts, GREEDY)
+    monkeypatch.setattr(runner, "pack_linears", functools.partial(runner.pack_linears, lean=False))
+    engine = Engine(copy.deepcopy(base), None, config)
+    assert not isinstance(engine.model.layers[0].forward, runner._LeanLayer)
+    assert got == _run(engine, prompts, GREEDY)

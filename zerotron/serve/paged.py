@@ -28,9 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Keys are gathered in multiples of this many positions: a query at position p attends to a key window
-# of ceil((p + 1) / KEY_BUCKET) * KEY_BUCKET slots, masked past p, whatever else the step holds.
-KEY_BUCKET = 64
+# Keys are gathered in multiples of these many positions, masked past each query: a run of several
+# query rows starting at position p attends to a key window of (p // KEY_BUCKET + 1) * KEY_BUCKET slots
+# (a multiple of Q_ALIGN, so that it covers the run), a one-row run (a decode) at position p to
+# (p // ROW_BUCKET + 1) * ROW_BUCKET: functions of the position alone, whatever else the step holds.
+KEY_BUCKET = 32
+ROW_BUCKET = 16
 # Runs of query rows start at multiples of this (or at a chunk's first row): the CPU attention kernel
 # works on blocks of 32 query rows, and a row's numbers depend on where its block starts. The
 # scheduler starts prefill chunks and prefix-cache hits at multiples of it too.
@@ -174,7 +177,7 @@ class _Group:
 
     rows: torch.Tensor  # (B * lq,) the step's row of each query, run after run
     key_slots: torch.Tensor  # (B, window) pool slots of each run's keys (scratch past its end)
-    mask: torch.Tensor  # (B, 1, lq, window) causal
+    mask: torch.Tensor  # (B, 1, lq, window) causal: 0 where a query sees a key, -inf elsewhere
 
 
 class PagedAttention:
@@ -182,13 +185,15 @@ class PagedAttention:
 
     The step's tokens of all sequences are one row each of a (1, N) batch (N padded to at least
     ``min_rows``; padding rows write to the scratch block and get zero attention). Each sequence's
-    rows are cut into runs at :data:`Q_ALIGN` boundaries; a run attends to the key window of its
-    :data:`KEY_BUCKET`, masked causally. Runs of equal window and length are batched into one SDPA
-    call; a run's numbers do not depend on its batch, so every row's attention is computed the same
-    way in any step as long as chunks start at multiples of :data:`Q_ALIGN` and end at one or at the
-    sequence's end (the scheduler's rule). A run of one query row (a decode, or a prompt's last token
-    after a multiple of :data:`Q_ALIGN`) takes the CPU kernel's one-query path, whose numbers differ
-    in the last bits from a row of a longer run's: such a row is a one-row run in every step.
+    rows are cut into runs at :data:`Q_ALIGN` boundaries; a run attends to the key window of its first
+    position (:data:`KEY_BUCKET`, :data:`ROW_BUCKET` for a one-row run), masked causally. Runs of equal
+    window and length are batched into one SDPA call; a run's numbers do not depend on its batch, so
+    every row's attention is computed the same way in any step as long as chunks start at multiples
+    of :data:`Q_ALIGN` and end at one or at the sequence's end (the scheduler's rule). A run of one
+    query row (a decode, or a prompt's last token after a multiple of :data:`Q_ALIGN`) is attended as
+    the query heads that share a KV head stacked into rows (one SDPA problem per KV head, not per
+    query head), whose numbers differ in the last bits from a row of a longer run's: such a row is a
+    one-row run in every step.
     """
 
     length = 0  # positions come with the batch; the causal masks are built here
@@ -204,19 +209,23 @@ class PagedAttention:
                 slots[piece.row + i] = table[p // bs] * bs + p % bs
             lo = piece.start
             while lo < end:
-                window = (lo // KEY_BUCKET + 1) * KEY_BUCKET
                 hi = min(end, (lo // Q_ALIGN + 1) * Q_ALIGN)
+                bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
+                window = (lo // bucket + 1) * bucket
                 runs.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
                 lo = hi
         self.slots = torch.tensor(slots, dtype=torch.long)
-        self.groups = [self._group(window, lq, members, bs) for (window, lq), members in runs.items()]
+        dtype = pool.k[0].dtype
+        self.groups = [self._group(window, lq, members, bs, dtype) for (window, lq), members in runs.items()]
         # One group whose runs are the step's rows in order (a step of decodes only): its queries are
         # the step's rows as they lie, and its output is the step's, without a gather and a scatter.
         whole = len(self.groups) == 1 and len(self.groups[0].rows) == rows
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
 
     @staticmethod
-    def _group(window: int, lq: int, members: list[tuple[int, int, int, list[int]]], bs: int) -> _Group:
+    def _group(
+        window: int, lq: int, members: list[tuple[int, int, int, list[int]]], bs: int, dtype: torch.dtype
+    ) -> _Group:
         """The runs' query rows, key slots (a run's keys past its last token at the scratch slot) and
         causal masks, built for all runs at once."""
         blocks = -(-window // bs)
@@ -227,7 +236,9 @@ class PagedAttention:
         keys, offsets = torch.arange(window), torch.arange(lq)
         key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
         key_slots = torch.where(keys[None, :] < last[:, None], key_slots, 0)  # (B, window)
-        mask = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window) causal
+        causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
+        # additive, in the cache's dtype: SDPA would convert a boolean mask so in every layer's call
+        mask = torch.zeros(causal.shape, dtype=dtype).masked_fill_(~causal, float("-inf"))
         return _Group((start[:, None] + offsets).view(-1), key_slots, mask[:, None])
 
     def attend(
@@ -265,5 +276,9 @@ class PagedAttention:
         flat = g.key_slots.view(-1)
         keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)
         values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)
-        q = queries.view(heads, b, g.mask.shape[2], d).transpose(0, 1)  # (B, h, lq, d)
+        lq = g.mask.shape[2]
+        q = queries.view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
+        if lq == 1 and gqa:  # one query per head: the heads that share a KV head as rows of one query run
+            rows = q.view(b, keys.shape[1], -1, d)  # (B, kvh, h / kvh, d)
+            return F.scaled_dot_product_attention(rows, keys, values, attn_mask=g.mask).view(b, heads, 1, d)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=g.mask, enable_gqa=gqa)

@@ -15,11 +15,19 @@ from dataclasses import dataclass
 from typing import Optional, TypeGuard
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
-from zerotron.models.llama import MLP, Attention, LlamaForCausalLM
+from zerotron.models.llama import (
+    MLP,
+    Attention,
+    AttentionCache,
+    DecoderLayer,
+    LlamaForCausalLM,
+    apply_rotary,
+)
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
@@ -147,18 +155,60 @@ class _Siblings:
         return y
 
 
+class _LeanLayer:
+    """A Llama decoder layer's forward for the serving engine, on its fused products: the model's own
+    arithmetic (:class:`~zerotron.models.llama.DecoderLayer`), the same kernels on the same values op
+    for op, so the same bits, with q and k rotated in one pass over their adjacent columns of the q/k/v
+    product and without a module call per projection and norm (about 40 fewer dispatches a layer)."""
+
+    def __init__(self, layer: DecoderLayer, qkv: _Siblings, gate_up: _Siblings) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(mlp, MLP)
+        self.norm1, self.norm2 = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.qkv, self.gate_up = qkv.linear, gate_up.linear
+        self.o, self.down = attn.o_proj.forward, mlp.down_proj.forward
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.kv_heads, attn.head_dim
+        self.layer_idx, self.core = attn.layer_idx, attn.core
+        self.gate = mlp.gate_proj.out_features
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: Optional[AttentionCache] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        nh, kvh, d = self.heads, self.kv_heads, self.head_dim
+        y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)
+        qk = y[..., : (nh + kvh) * d].view(b, s, nh + kvh, d)  # q's heads, then k's
+        qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos/sin (b, s, 1, d)
+        q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (b, heads, s, d)
+        v = y[..., (nh + kvh) * d :].view(b, s, kvh, d).transpose(1, 2)
+        if kv_cache is not None:
+            out = kv_cache.attend(self.layer_idx, q, k, v, attn_mask, self.core)
+        else:
+            out = self.core(q, k, v, attn_mask)
+        x = x + self.o(out.transpose(1, 2).reshape(b, s, nh * d))
+        gu = self.gate_up(self.norm2(x))
+        out = x + self.down(F.silu(gu[..., : self.gate]) * gu[..., self.gate :])
+        return out
+
+
 def _packable(module: nn.Module, dtype: torch.dtype) -> TypeGuard[nn.Linear]:
     return type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == dtype
 
 
-def pack_linears(model: nn.Module) -> bool:
+def pack_linears(model: nn.Module, lean: bool = True) -> bool:
     """Run every ``nn.Linear`` of a CPU model through oneDNN on weights packed once (fp32: row results
     independent of the row count from 2 rows up; bf16/fp16: in row chunks of at most
     :data:`CHUNK_ROWS`, each row's result then that of the row alone), with the q, k and v projections
     of each attention and the gate and up projections of each gated MLP fused into one product. The
     dense weights (but a tied head's, which is the embedding) are freed: the model is the engine's from
     then on. Returns False, packing nothing, when oneDNN lacks kernels for the model's dtype or the
-    model has tensor-parallel linears (they run :func:`chunk_linears`' way)."""
+    model has tensor-parallel linears (they run :func:`chunk_linears`' way). ``lean``: decoder layers
+    whose attention and gated MLP were fused (without q/k norms or experts) run :class:`_LeanLayer`."""
     dtype = next(model.parameters()).dtype
     supported = {
         torch.float32: True,
@@ -183,6 +233,7 @@ def pack_linears(model: nn.Module) -> bool:
         return functools.partial(_packed_linear, handle, bias, features, chunk)
 
     done: set[int] = set()
+    fused_of: dict[int, _Siblings] = {}
     for module in list(model.modules()):
         if isinstance(module, Attention):
             parts = [module.q_proj, module.k_proj, module.v_proj]
@@ -191,13 +242,18 @@ def pack_linears(model: nn.Module) -> bool:
         else:
             continue
         if all(_packable(m, dtype) for m in parts):
-            fused = _Siblings(packed(parts), [m.out_features for m in parts])
+            fused = fused_of[id(module)] = _Siblings(packed(parts), [m.out_features for m in parts])
             for i, m in enumerate(parts):
                 m.forward = functools.partial(fused.part, i)  # type: ignore[method-assign]
                 done.add(id(m))
     for module in model.modules():
         if _packable(module, dtype) and id(module) not in done:
             module.forward = packed([module])  # type: ignore[method-assign]
+    for layer in model.modules() if lean else ():
+        if isinstance(layer, DecoderLayer) and layer.self_attn.qk_norm == "none":
+            qkv, gate_up = fused_of.get(id(layer.self_attn)), fused_of.get(id(layer.mlp))
+            if qkv is not None and gate_up is not None:
+                layer.forward = _LeanLayer(layer, qkv, gate_up)  # type: ignore[method-assign]
     return True
 
 
