@@ -384,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    srv.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (vLLM's CPU default)"
+    )
     srv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     srv.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV cache block (a power of two, 1 to 128)"

@@ -35,7 +35,7 @@ class EngineConfig:
     num_blocks: Optional[int] = None  # None: from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048  # tokens per step, decodes and prefill chunks (vLLM's CPU default)
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings (at most 8192)
     prefix_caching: bool = True
     onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
