@@ -370,6 +370,16 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool)
     assert all(torch.equal(every[r], linear(x[r : r + 1])[0]) for r in range(0, 300, 7))
 
 
+def _biased_model(seed: int) -> LlamaForCausalLM:
+    """A random model with q/k/v biases (Qwen2's), its weights drawn from ``seed``."""
+    model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 0.2))
+    return model
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_fused_linears_equal_the_models_own(
@@ -382,11 +392,7 @@ def test_packed_fused_linears_equal_the_models_own(
 
     _, model = pair
     if bias:
-        model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 0.2))
+        model = _biased_model(seed=5)
     plain = copy.deepcopy(model).to(dtype).eval()
     packed = copy.deepcopy(plain)
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -420,11 +426,7 @@ def test_lean_layers_give_the_packed_models_own_bits(
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
     _, model = pair
     if bias:
-        model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))
-        g = torch.Generator().manual_seed(6)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 0.2))
+        model = _biased_model(seed=6)
     base = copy.deepcopy(model).to(dtype).eval()
     own, lean = copy.deepcopy(base), copy.deepcopy(base)
     assert runner.pack_linears(own, lean=False) and runner.pack_linears(lean)

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Optional, Union
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -17,6 +18,7 @@ from zerotron.config_load import ConfigError
 from zerotron.distributed.mesh import Group
 from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
+from zerotron.serve.runner import onednn_kernels
 from zerotron.serve.sampling import SamplingParams
 from zerotron.serve.server import EngineLoop, error_body, logprobs_entry, new_id, sse, stream_outputs
 
@@ -214,13 +216,6 @@ async def _stream(
     yield "data: [DONE]\n\n"
 
 
-def bf16_kernels() -> bool:
-    """Whether oneDNN has bf16 kernels on this CPU (packed bf16 linears need them)."""
-    import torch
-
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def engine_config(args: Any, nproc: int) -> EngineConfig:
     """The engine's settings from ``zerotron serve``'s flags, each checked (one line naming the flag)."""
     checks = [
@@ -240,7 +235,7 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
             "serve --matmul onednn packs whole weights; tensor-parallel shards (--nproc N) run F.linear: "
             "leave --matmul out"
         )
-    if args.matmul == "onednn" and args.dtype == "bfloat16" and not bf16_kernels():
+    if args.matmul == "onednn" and args.dtype == "bfloat16" and not onednn_kernels(torch.bfloat16):
         raise ConfigError(
             "serve --matmul onednn: this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX): leave "
             "--matmul out"
@@ -260,8 +255,6 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
 def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optional[Group] = None) -> Engine:
     """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; split over
     ``tp_group`` when given."""
-    import torch
-
     from zerotron.serve.generate import load_model, split_for_tensor_parallel
 
     dtype = getattr(torch, (config or EngineConfig()).dtype)

@@ -193,12 +193,21 @@ class _LeanLayer:
             out = self.core(q, k, v, attn_mask)
         x = x + self.o(out.transpose(1, 2).reshape(b, s, nh * d))
         gu = self.gate_up(self.norm2(x))
-        out = x + self.down(F.silu(gu[..., : self.gate]) * gu[..., self.gate :])
-        return out
+        return x + self.down(F.silu(gu[..., : self.gate]) * gu[..., self.gate :])
 
 
 def _packable(module: nn.Module, dtype: torch.dtype) -> TypeGuard[nn.Linear]:
     return type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == dtype
+
+
+def onednn_kernels(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has linear kernels for ``dtype`` on this CPU (fp32 always; bf16 and fp16 need
+    AVX-512 BF16/FP16 or AMX)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 def pack_linears(model: nn.Module, lean: bool = True) -> bool:
@@ -211,13 +220,8 @@ def pack_linears(model: nn.Module, lean: bool = True) -> bool:
     model has tensor-parallel linears (they run :func:`chunk_linears`' way). ``lean``: decoder layers
     whose attention and gated MLP were fused (without q/k norms or experts) run :class:`_LeanLayer`."""
     dtype = next(model.parameters()).dtype
-    supported = {
-        torch.float32: True,
-        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
-    }
     tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
-    if not supported.get(dtype, False) or tp:
+    if not onednn_kernels(dtype) or tp:
         return False
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     shared = getattr(model, "embed_tokens", None)
