@@ -25,6 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _fail_and_die() -> None:
     rank, world = current_rank_and_world()
     mesh = ParallelDims(world, dp=world).build(rank)
+    # every rank's groups are connected before one fails and one dies: otherwise a rank still
+    # connecting a group with the dead one fails there, not with its own error (a race seen in CI);
+    # on the default group, outside zerotron's counted collectives, so rank 0's wait is barrier #1
+    torch.distributed.barrier()
     if rank == 1:
         raise ValueError("boom from rank 1")
     if rank == 2:
