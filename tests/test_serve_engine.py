@@ -370,6 +370,34 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool)
     assert all(torch.equal(every[r], linear(x[r : r + 1])[0]) for r in range(0, 300, 7))
 
 
+def test_wide_16_bit_linear_calls_give_each_row_the_chunks_bits() -> None:
+    """A packed bf16 linear of SmolLM2's MLP shape (576 -> 3072) also runs whole at the row counts that
+    wide_rows finds, each checked against 32-row chunks: every row of a forward of any row count (wide
+    calls, chunks and mixes of both) is then the bits of the 32-row chunks, so of the row alone. On an
+    AMX CPU some counts are found (the long prefill's speed-up) and the others really do differ from the
+    chunks (the check is what keeps them out)."""
+    from zerotron.serve.runner import CHUNK_ROWS, WIDE_ROWS, _packed_linear, _pointwise, wide_rows
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(3072, 576, generator=g).bfloat16()
+    handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
+    wide = wide_rows(handle, None, (576, 3072), 2048)
+    assert wide == tuple(sorted(wide, reverse=True)) and all(CHUNK_ROWS < m <= 2048 for m in wide)
+    if torch.cpu._is_amx_tile_supported():
+        assert wide  # measured on this CPU: 2048, 1536, 1024 and 768
+    x = torch.randn(2200, 576, generator=g).bfloat16()
+    chunks = functools.partial(_packed_linear, handle, None, (576, 3072), CHUNK_ROWS)
+    linear = functools.partial(chunks, wide=wide)
+    want = chunks(x)
+    for rows in (1, 33, 100, 767, 768, 800, 1024, 1800, 2048, 2200):
+        assert torch.equal(linear(x[:rows]), want[:rows]), rows
+    assert all(torch.equal(linear(x[r : r + 1])[0], want[r]) for r in range(0, 2200, 97))
+    for m in (m for m in WIDE_ROWS if CHUNK_ROWS < m <= 2048 and m not in wide):
+        assert not torch.equal(_pointwise(x[:m], handle, None), want[:m]), m
+
+
 def _biased_model(seed: int) -> LlamaForCausalLM:
     """A random model with q/k/v biases (Qwen2's), its weights drawn from ``seed``."""
     model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))

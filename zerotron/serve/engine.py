@@ -92,7 +92,7 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         self.max_model_len, self.kv = build_kv_pool(model, cfg)
         self.pool = BlockPool(self.kv.num_blocks, cfg.block_size)
-        self.runner = StepRunner(model, self.kv, tp_group, cfg.onednn)
+        self.runner = StepRunner(model, self.kv, tp_group, cfg.onednn, cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
         )

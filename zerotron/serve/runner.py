@@ -40,6 +40,11 @@ MIN_ROWS_ONEDNN = 2
 # 16-bit linears (bf16, fp16; AMX/AVX-512 kernels) change their arithmetic with the row count above 32
 # rows too (the output head's from 33): they run in chunks of 16 to 32 rows (:func:`chunk_linears`).
 CHUNK_ROWS = 32
+# Wider row counts a packed 16-bit linear may run whole instead (:func:`wide_rows`): those at which its
+# kernel gives every row the bits of the 32-row chunks. oneDNN's AMX kernels change their arithmetic
+# for some row counts above 32 (measured on SmolLM2's shapes: 33 to 300-1900 rows, in holes past that)
+# and not for others; which is a function of the shapes, the thread count and the CPU, not the values.
+WIDE_ROWS = (8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 192, 128, 96, 64)
 
 _PLAN, _IDLE, _STOP = 1, 0, -1
 KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
@@ -113,22 +118,60 @@ def _pointwise(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return y
 
 
+def _row_chunks(n: int, chunk: int, wide: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(start, rows) of the calls for ``n`` rows: as many of each ``wide`` count (largest first) as fit,
+    the rest in chunks of at most ``chunk``."""
+    spans, start = [], 0
+    for m in wide:
+        while n - start >= m:
+            spans.append((start, m))
+            start += m
+    spans += [(s, min(chunk, n - s)) for s in range(start, n, chunk)]
+    return spans
+
+
 def _packed_linear(
     packed: torch.Tensor,
     bias: Optional[torch.Tensor],
     features: tuple[int, int],
     chunk: int,
     x: torch.Tensor,
+    wide: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """A linear layer through oneDNN on a weight packed once; 16-bit forwards in row chunks of at most
-    ``chunk`` (0: whole), where the kernels' arithmetic does not change with the row count."""
+    ``chunk`` (0: whole) and of the ``wide`` counts, where the kernels give each row the same bits."""
     rows = x.reshape(-1, features[0])
     n = rows.shape[0]
     if chunk and n > chunk:
-        y = torch.cat([_pointwise(rows[s : s + chunk], packed, bias) for s in range(0, n, chunk)])
+        spans = _row_chunks(n, chunk, wide)
+        y = torch.cat([_pointwise(rows[s : s + m], packed, bias) for s, m in spans])
     else:
         y = _pointwise(rows, packed, bias)
     return y.view(*x.shape[:-1], features[1])
+
+
+def wide_rows(
+    packed: torch.Tensor, bias: Optional[torch.Tensor], features: tuple[int, int], limit: int
+) -> tuple[int, ...]:
+    """The counts of :data:`WIDE_ROWS` up to ``limit`` at which this packed 16-bit weight's kernel gives
+    every row of random inputs the bits of :data:`CHUNK_ROWS`-row calls (two draws): the kernel's
+    arithmetic at a row count depends on the shapes, threads and CPU only, so a count that differs
+    differs on a share of random rows (measured 1-15% of rows with a changed bit)."""
+    g = torch.Generator().manual_seed(0)
+    dtype = packed.dtype
+    good = []
+    for m in (m for m in WIDE_ROWS if CHUNK_ROWS < m <= limit):
+        same = True
+        for _ in range(2):
+            x = torch.randn(m, features[0], generator=g).to(dtype)
+            whole = _pointwise(x, packed, bias)
+            parts = torch.cat(
+                [_pointwise(x[s : s + CHUNK_ROWS], packed, bias) for s in range(0, m, CHUNK_ROWS)]
+            )
+            same = same and torch.equal(whole, parts)
+        if same:
+            good.append(m)
+    return tuple(good)
 
 
 class _Siblings:
@@ -210,7 +253,7 @@ def onednn_kernels(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def pack_linears(model: nn.Module, lean: bool = True) -> bool:
+def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0) -> bool:
     """Run every ``nn.Linear`` of a CPU model through oneDNN on weights packed once (fp32: row results
     independent of the row count from 2 rows up; bf16/fp16: in row chunks of at most
     :data:`CHUNK_ROWS`, each row's result then that of the row alone), with the q, k and v projections
@@ -218,13 +261,19 @@ def pack_linears(model: nn.Module, lean: bool = True) -> bool:
     dense weights (but a tied head's, which is the embedding) are freed: the model is the engine's from
     then on. Returns False, packing nothing, when oneDNN lacks kernels for the model's dtype or the
     model has tensor-parallel linears (they run :func:`chunk_linears`' way). ``lean``: decoder layers
-    whose attention and gated MLP were fused (without q/k norms or experts) run :class:`_LeanLayer`."""
+    whose attention and gated MLP were fused (without q/k norms or experts) run :class:`_LeanLayer`.
+    ``max_rows`` (16 bits): the most rows a forward will have (the step's token budget); the decoder
+    layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
+    their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
+    chunks for long prefills."""
     dtype = next(model.parameters()).dtype
     tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
     if not onednn_kernels(dtype) or tp:
         return False
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     shared = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)  # sees one row per sampled sequence: 32-row chunks
+    wide_of: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
     def packed(parts: list[nn.Linear]) -> functools.partial[torch.Tensor]:
         weight = torch.cat([m.weight.detach() for m in parts])
@@ -232,10 +281,16 @@ def pack_linears(model: nn.Module, lean: bool = True) -> bool:
         bias = torch.cat(biases) if any(m.bias is not None for m in parts) else None
         features = (parts[0].in_features, weight.shape[0])
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
+        wide: tuple[int, ...] = ()
+        if chunk and max_rows > CHUNK_ROWS and parts[0] is not head:
+            key = (*features, bias is not None)
+            if key not in wide_of:
+                wide_of[key] = wide_rows(handle, bias, features, max_rows)
+            wide = wide_of[key]
         for m in parts:
             if shared is None or m.weight is not shared.weight:  # a tied head keeps the embedding's matrix
                 m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-        return functools.partial(_packed_linear, handle, bias, features, chunk)
+        return functools.partial(_packed_linear, handle, bias, features, chunk, wide=wide)
 
     done: set[int] = set()
     fused_of: dict[int, _Siblings] = {}
@@ -315,12 +370,18 @@ class StepRunner:
     """Runs step plans on this rank's model and KV pool."""
 
     def __init__(
-        self, model: LlamaForCausalLM, kv: KVPool, tp_group: Optional[Group] = None, onednn: bool = False
+        self,
+        model: LlamaForCausalLM,
+        kv: KVPool,
+        tp_group: Optional[Group] = None,
+        onednn: bool = False,
+        max_rows: int = 0,
     ) -> None:
-        """``onednn``: pack the model's linears (:func:`pack_linears`; the engine then owns the model)."""
+        """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
+        rows; the engine then owns the model)."""
         self.model, self.kv = model, kv
         sixteen = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        packed = onednn and pack_linears(model)
+        packed = onednn and pack_linears(model, max_rows=max_rows)
         if sixteen and not packed:
             chunk_linears(model)
         self.min_rows = MIN_ROWS_ONEDNN if packed else MIN_ROWS
