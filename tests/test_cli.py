@@ -118,6 +118,19 @@ def test_tensorboard_event_files(tmp_path: Path) -> None:
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
 
 
+def test_serve_refuses_a_native_attention_it_cannot_build(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the native kernel cannot be built, an explicit --attention native is refused in one line
+    with the reason (left out, the server attends through SDPA)."""
+    from zerotron.serve import kernels
+
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_error", "no C++ compiler found")
+    err = _error(capsys, ["serve", "model.gguf", "--attention", "native"])
+    assert "--attention native" in err and "no C++ compiler found" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -101,13 +101,22 @@ def test_block_pool_counts_shares_and_evicts_least_recently_freed() -> None:
         pool.release(0)
 
 
-@pytest.mark.parametrize("onednn", [False, True])
+def _native_or_skip() -> None:
+    from zerotron.serve import kernels
+
+    if not kernels.available():
+        pytest.skip(f"the native paged-attention kernel could not be built: {kernels.why_unavailable()}")
+
+
+@pytest.mark.parametrize(("onednn", "native"), [(False, False), (True, False), (True, True)])
 def test_greedy_equals_transformers_generate(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], engine_factory: object, onednn: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], engine_factory: object, onednn: bool, native: bool
 ) -> None:
     ref, _ = pair
+    if native:
+        _native_or_skip()
     prompts = _prompts([5, 17, 40, 70, 3, 100])
-    engine = engine_factory(max_num_batched_tokens=48, onednn=onednn)  # type: ignore[operator]
+    engine = engine_factory(max_num_batched_tokens=48, onednn=onednn, native_attention=native)  # type: ignore[operator]
     assert engine.runner.min_rows == (MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
     got = _run(engine, prompts, GREEDY)
     for prompt, (tokens, _) in zip(prompts, got):
@@ -136,13 +145,23 @@ def test_logprobs_equal_the_full_forward(
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("onednn", [False, True])
-def test_batch_invariance_alone_batched_chunked_and_cached(engine_factory: object, onednn: bool) -> None:
+@pytest.mark.parametrize(("onednn", "native"), [(False, False), (True, False), (True, True)])
+def test_batch_invariance_alone_batched_chunked_and_cached(
+    engine_factory: object, onednn: bool, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A greedy request gets bit-identical tokens and log-probabilities alone, in a batch of other
     requests under a small token budget (its prompt cut into chunks), and on a prefix-cache hit; with
-    MKL's linears (forwards of 16 rows or more) and with oneDNN's packed ones (2 rows or more)."""
+    MKL's linears (forwards of 16 rows or more) and with oneDNN's packed ones (2 rows or more), and
+    with decodes through the native paged kernel."""
+    from zerotron.serve import kernels
+
+    if native:
+        _native_or_skip()
+    calls: list[int] = []
+    decode = kernels.paged_decode
+    monkeypatch.setattr(kernels, "paged_decode", lambda q, *a: calls.append(len(q)) or decode(q, *a))
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
-    make = functools.partial(engine_factory, onednn=onednn)  # type: ignore[call-overload]
+    make = functools.partial(engine_factory, onednn=onednn, native_attention=native)  # type: ignore[call-overload]
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     batched = _run(make(max_num_batched_tokens=37), prompts, GREEDY)
     assert batched == alone
@@ -154,13 +173,18 @@ def test_batch_invariance_alone_batched_chunked_and_cached(engine_factory: objec
     assert engine.pool.hits - hits == cached // engine.pool.block_size > 0
     assert first == alone[:1] and again == alone[:3]
     assert MIN_ROWS > 1 and KEY_BUCKET % Q_ALIGN == 0
+    assert (max(calls, default=0) == len(prompts)) == native  # a step's decodes in one kernel call
 
 
-def test_preemption_and_resume_give_the_same_output(engine_factory: object) -> None:
+@pytest.mark.parametrize("native", [False, True])
+def test_preemption_and_resume_give_the_same_output(engine_factory: object, native: bool) -> None:
+    if native:
+        _native_or_skip()
     prompts = _prompts([40, 41, 42, 43, 44, 45], seed=2)
     params = dataclasses.replace(GREEDY, max_tokens=40)
-    ample = _run(engine_factory(), prompts, params)  # type: ignore[operator]
-    tight = engine_factory(num_blocks=14, block_size=16, max_model_len=160)  # type: ignore[operator]
+    make = functools.partial(engine_factory, native_attention=native)  # type: ignore[call-overload]
+    ample = _run(make(), prompts, params)
+    tight = make(num_blocks=14, block_size=16, max_model_len=160)
     resumed = _run(tight, prompts, params)
     assert tight.scheduler.preemptions > 0
     # Same tokens; a recomputed output token's keys come from a prefill run instead of a decode row,
@@ -307,9 +331,9 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
     assert engine.pool.in_use == 0
 
 
-@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize(("onednn", "native"), [(False, False), (True, False), (True, True)])
 def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], onednn: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], onednn: bool, native: bool
 ) -> None:
     """A bf16 model (weights and KV cache in 16 bits; its linears in row chunks, where the 16-bit
     kernels' arithmetic does not change with the row count: torch's F.linear in chunks of 16 to 32
@@ -318,10 +342,12 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
     prefix-cache hit; the log-probabilities of its tokens within bf16's rounding of the fp32 model's
     full forward."""
     _, model = pair
+    if native:
+        _native_or_skip()
     half = copy.deepcopy(model).to(torch.bfloat16)
 
     def make(**kw: object) -> Engine:
-        cfg = EngineConfig(**{"num_blocks": 128, "onednn": onednn, **kw})  # type: ignore[arg-type]
+        cfg = EngineConfig(**{"num_blocks": 128, "onednn": onednn, "native_attention": native, **kw})  # type: ignore[arg-type]
         return Engine(copy.deepcopy(half), None, cfg)
 
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
@@ -396,6 +422,41 @@ def test_wide_16_bit_linear_calls_give_each_row_the_chunks_bits() -> None:
     assert all(torch.equal(linear(x[r : r + 1])[0], want[r]) for r in range(0, 2200, 97))
     for m in (m for m in WIDE_ROWS if CHUNK_ROWS < m <= 2048 and m not in wide):
         assert not torch.equal(_pointwise(x[:m], handle, None), want[:m]), m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 24)])
+def test_native_paged_decode_is_attention_over_each_rows_slots(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    """The native decode kernel against softmax(q k^T / sqrt(d)) v in float64 over each row's own slots
+    (keys scattered over the pool in blocks, rows of different lengths, slot lists wider than the
+    lengths): within float32's rounding, or the output dtype's; each row the same bits alone as in
+    the batch. Covers the AVX-512 code (head size 64 and 128, up to 8 query heads per KV head) and the
+    generic one (head size 24, 12 query heads per KV head, float16)."""
+    from zerotron.serve import kernels
+
+    _native_or_skip()
+    g = torch.Generator().manual_seed(heads * dim)
+    slots_total, rows, width, bs = 200 * 16, 7, 96, 16
+    k_pool = torch.randn(slots_total, kv_heads, dim, generator=g).to(dtype)
+    v_pool = torch.randn(slots_total, kv_heads, dim, generator=g).to(dtype)
+    q = (torch.randn(rows, heads, dim, generator=g) * 2).to(dtype)
+    blocks = torch.randperm(199, generator=g)[: rows * width // bs].view(rows, -1) + 1
+    slots = (blocks[:, :, None] * bs + torch.arange(bs)).view(rows, width).contiguous()
+    lens = torch.tensor([1, 2, 17, 40, 95, 96, 64])
+    out = kernels.paged_decode(q, k_pool, v_pool, slots, lens)
+    assert out.shape == q.shape and out.dtype == dtype
+    for r in range(rows):
+        n, group = int(lens[r]), heads // kv_heads
+        k = k_pool[slots[r, :n]].double().repeat_interleave(group, dim=1)  # (n, heads, dim)
+        v = v_pool[slots[r, :n]].double().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[r].double(), k) / dim**0.5).softmax(-1)
+        want = torch.einsum("hn,nhd->hd", weights, v)
+        tol = 2e-6 if dtype == torch.float32 else (1.6e-2 if dtype == torch.bfloat16 else 2e-3)
+        torch.testing.assert_close(out[r].double(), want, rtol=tol, atol=tol)
+        alone = kernels.paged_decode(q[r : r + 1], k_pool, v_pool, slots[r : r + 1], lens[r : r + 1])
+        assert torch.equal(alone[0], out[r])
 
 
 def _biased_model(seed: int) -> LlamaForCausalLM:

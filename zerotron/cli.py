@@ -402,6 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor-parallel shards run)",
     )
     srv.add_argument(
+        "--attention",
+        choices=["native", "sdpa"],
+        default=None,
+        help="decodes through zerotron's native paged-attention kernel, reading keys and values where "
+        "they lie in the cache (the default where it builds: a C++ compiler, once per machine), or "
+        "through torch's SDPA on gathered keys",
+    )
+    srv.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
         default="float32",

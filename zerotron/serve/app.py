@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from zerotron.config_load import ConfigError
 from zerotron.distributed.mesh import Group
+from zerotron.serve import kernels
 from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
 from zerotron.serve.runner import onednn_kernels
@@ -240,6 +241,11 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
             "serve --matmul onednn: this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX): leave "
             "--matmul out"
         )
+    if args.attention == "native" and not kernels.available():
+        raise ConfigError(
+            f"serve --attention native: the kernel could not be built ({kernels.why_unavailable()}); "
+            "leave --attention out or install a C++ compiler"
+        )
     return EngineConfig(
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_cache_memory * 2**30),
@@ -248,6 +254,7 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
         onednn=(args.matmul or "onednn") == "onednn",
+        native_attention=args.attention == "native" or (args.attention is None and kernels.available()),
         dtype=args.dtype,
     )
 
@@ -282,7 +289,8 @@ def serve(engine: Engine, name: str, host: str, port: int) -> None:
     group = engine.runner.group
     print(
         f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
-        f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}"
+        f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}, decode attention "
+        + ("native" if engine.runner.native else "SDPA")
         + (f", tensor parallel over {group.size} ranks)" if group is not None else ")"),
         flush=True,
     )

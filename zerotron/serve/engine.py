@@ -39,6 +39,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings (at most 8192)
     prefix_caching: bool = True
     onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
+    native_attention: bool = False  # decodes through the native paged kernel (zerotron.serve.kernels)
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
 
 
@@ -92,7 +93,9 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         self.max_model_len, self.kv = build_kv_pool(model, cfg)
         self.pool = BlockPool(self.kv.num_blocks, cfg.block_size)
-        self.runner = StepRunner(model, self.kv, tp_group, cfg.onednn, cfg.max_num_batched_tokens)
+        self.runner = StepRunner(
+            model, self.kv, tp_group, cfg.onednn, cfg.max_num_batched_tokens, cfg.native_attention
+        )
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
         )

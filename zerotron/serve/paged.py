@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotron.serve import kernels
+
 # Keys are gathered in multiples of these many positions, masked past each query: a run of several
 # query rows starting at position p attends to a key window of (p // KEY_BUCKET + 1) * KEY_BUCKET slots
 # (a multiple of Q_ALIGN, so that it covers the run), a one-row run (a decode) at position p to
@@ -178,6 +180,7 @@ class _Group:
     rows: torch.Tensor  # (B * lq,) the step's row of each query, run after run
     key_slots: torch.Tensor  # (B, window) pool slots of each run's keys (scratch past its end)
     mask: torch.Tensor  # (B, 1, lq, window) causal: 0 where a query sees a key, -inf elsewhere
+    keys: torch.Tensor  # (B,) how many keys each run's last row sees (its position + 1)
 
 
 class PagedAttention:
@@ -194,12 +197,16 @@ class PagedAttention:
     the query heads that share a KV head stacked into rows (one SDPA problem per KV head, not per
     query head), whose numbers differ in the last bits from a row of a longer run's: such a row is a
     one-row run in every step.
+
+    ``native``: one-row runs are attended by :func:`zerotron.serve.kernels.paged_decode` instead, all
+    in one call, reading each row's keys and values where they lie in the pool (no gathered copy, no
+    masked window); a row's numbers then depend on its own keys alone, so it too is batch-invariant.
     """
 
     length = 0  # positions come with the batch; the causal masks are built here
 
-    def __init__(self, pool: KVPool, pieces: list[Piece], rows: int) -> None:
-        self.pool = pool
+    def __init__(self, pool: KVPool, pieces: list[Piece], rows: int, native: bool = False) -> None:
+        self.pool, self.native = pool, native
         bs = pool.block_size
         slots = [0] * rows  # padding rows: slot 0 of the scratch block
         runs: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}  # (window, lq) -> runs
@@ -212,11 +219,19 @@ class PagedAttention:
                 hi = min(end, (lo // Q_ALIGN + 1) * Q_ALIGN)
                 bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
                 window = (lo // bucket + 1) * bucket
+                if native and hi - lo == 1:
+                    window = 0  # one group: the kernel reads each row's own keys, whatever their count
                 runs.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
                 lo = hi
         self.slots = torch.tensor(slots, dtype=torch.long)
         dtype = pool.k[0].dtype
-        self.groups = [self._group(window, lq, members, bs, dtype) for (window, lq), members in runs.items()]
+        self.groups = []
+        for (window, lq), members in runs.items():
+            if window == 0:
+                window = max(-(-hi // ROW_BUCKET) * ROW_BUCKET for _, _, hi, _ in members)
+                self.groups.append(self._group(window, lq, members, bs, dtype, mask=False))
+            else:
+                self.groups.append(self._group(window, lq, members, bs, dtype))
         # One group whose runs are the step's rows in order (a step of decodes only): its queries are
         # the step's rows as they lie, and its output is the step's, without a gather and a scatter.
         whole = len(self.groups) == 1 and len(self.groups[0].rows) == rows
@@ -224,10 +239,15 @@ class PagedAttention:
 
     @staticmethod
     def _group(
-        window: int, lq: int, members: list[tuple[int, int, int, list[int]]], bs: int, dtype: torch.dtype
+        window: int,
+        lq: int,
+        members: list[tuple[int, int, int, list[int]]],
+        bs: int,
+        dtype: torch.dtype,
+        mask: bool = True,
     ) -> _Group:
         """The runs' query rows, key slots (a run's keys past its last token at the scratch slot) and
-        causal masks, built for all runs at once."""
+        causal masks (``mask``; else an empty one), built for all runs at once."""
         blocks = -(-window // bs)
         tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
         first = torch.tensor([lo for _, lo, _, _ in members])
@@ -236,10 +256,13 @@ class PagedAttention:
         keys, offsets = torch.arange(window), torch.arange(lq)
         key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
         key_slots = torch.where(keys[None, :] < last[:, None], key_slots, 0)  # (B, window)
+        rows = (start[:, None] + offsets).view(-1)
+        if not mask:
+            return _Group(rows, key_slots, torch.zeros(len(members), 1, lq, 0, dtype=dtype), last)
         causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
         # additive, in the cache's dtype: SDPA would convert a boolean mask so in every layer's call
-        mask = torch.zeros(causal.shape, dtype=dtype).masked_fill_(~causal, float("-inf"))
-        return _Group((start[:, None] + offsets).view(-1), key_slots, mask[:, None])
+        additive = torch.zeros(causal.shape, dtype=dtype).masked_fill_(~causal, float("-inf"))
+        return _Group(rows, key_slots, additive[:, None], last)
 
     def attend(
         self,
@@ -273,6 +296,9 @@ class PagedAttention:
         """SDPA of one group's runs: ``queries`` (h, B * lq, d) contiguous -> (B, h, lq, d)."""
         heads, d = queries.shape[0], queries.shape[2]
         b, window = g.key_slots.shape
+        if g.mask.shape[3] == 0:  # one-row runs for the native kernel
+            out = kernels.paged_decode(queries.transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys)
+            return out.view(b, heads, 1, d)
         flat = g.key_slots.view(-1)
         keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)
         values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)

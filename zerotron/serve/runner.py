@@ -30,6 +30,7 @@ from zerotron.models.llama import (
 )
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
+from zerotron.serve import kernels
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
 
 # Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
@@ -376,10 +377,16 @@ class StepRunner:
         tp_group: Optional[Group] = None,
         onednn: bool = False,
         max_rows: int = 0,
+        native: bool = False,
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
-        rows; the engine then owns the model)."""
-        self.model, self.kv = model, kv
+        rows; the engine then owns the model). ``native``: decodes through the native paged-attention
+        kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built)."""
+        if native and not kernels.available():
+            raise RuntimeError(
+                f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
+            )
+        self.model, self.kv, self.native = model, kv, native
         sixteen = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
         packed = onednn and pack_linears(model, max_rows=max_rows)
         if sixteen and not packed:
@@ -395,7 +402,7 @@ class StepRunner:
         (the whole vocabulary, gathered over the tensor-parallel group)."""
         for src, dst, slots in plan.copies:
             self.kv.copy_block(src, dst, slots)
-        attention = PagedAttention(self.kv, plan.pieces, len(plan.ids))
+        attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native)
         logits = self.model(
             plan.ids[None].to(self.device),
             position_ids=plan.positions[None].to(self.device),

@@ -1,0 +1,310 @@
+"""Native CPU kernels of the serving engine, built on first use with torch's C++ extension loader.
+
+:func:`paged_decode` attends one query row per sequence (a decode) to that sequence's keys and values
+where they lie in the paged pool, through its slot list: no gathered copy of the keys and values, no
+masked tail. A row's numbers depend on its own query, keys and values only (each row and KV head is
+one task, its keys visited in order, fp32 throughout), so a decode gives the same bits in any batch.
+The kernel is compiled once per machine (``-O3 -march=native``, kept in torch's extension cache);
+where no C++ compiler is found it is unavailable (:func:`available`) and the engine attends through
+SDPA as before.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Optional
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <vector>
+
+namespace {
+
+// exp on [-87, 0] (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp), plain
+// arithmetic so that the compiler vectorizes the loops that call it.
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float fx = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float z = x * x;
+  float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
+              + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// Each of ``group`` rows of ``n`` scores replaced by exp(score - max); ``total`` gets the row sums.
+inline void softmax(float* score, float* total, int64_t group, int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = score + g * n;
+    float top = s[0];
+    for (int64_t j = 1; j < n; ++j) top = s[j] > top ? s[j] : top;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = exp_neg(s[j] - top);
+      sum += s[j];
+    }
+    total[g] = sum;
+  }
+}
+
+template <typename T>
+inline float as_float(T x) { return static_cast<float>(x); }
+
+// The generic kernel: any dtype and head size. Per task (a row and a KV head): the scores of the
+// row's query heads that share the KV head against its keys in position order, softmax (fp32),
+// the weighted sum of its values.
+template <typename T>
+void decode_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
+                    T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
+                    float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), vf(dim), score, total(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, kh = task % kv_heads, n = lens[r];
+      const int64_t* slot = slots + r * width;
+      score.assign(group * n, 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qrow = q + (r * heads + kh * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = as_float(qrow[d]) * scale;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const T* k = kp + (slot[j] * kv_heads + kh) * dim;
+        for (int64_t d = 0; d < dim; ++d) kf[d] = as_float(k[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          float dot = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * kf[d];
+          score[g * n + j] = dot;
+        }
+      }
+      softmax(score.data(), total.data(), group, n);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const T* v = vp + (slot[j] * kv_heads + kh) * dim;
+        for (int64_t d = 0; d < dim; ++d) vf[d] = as_float(v[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = score[g * n + j];
+          for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + (r * heads + kh * group + g) * dim;
+        const float inv = 1.0f / total[g];
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// The same arithmetic order on AVX-512 registers, for float and bfloat16 pools, heads of V * 16
+// and groups of G query heads per KV head known when compiling: a key's 16-lane products summed
+// lane-wise, then across lanes; the values accumulated in 16-lane registers.
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+inline void prefetch_slot(const T* p, int64_t elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// One task per row: its keys (then values) visited slot by slot, all KV heads of a slot at once (one
+// contiguous run of the pool), the slot PREFETCH ahead requested meanwhile.
+template <typename T, int V, int G>
+void decode_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
+                   T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width, float scale) {
+  constexpr int64_t dim = V * 16;
+  constexpr int64_t PREFETCH = 4;
+  const int64_t stride = kv_heads * dim;  // a slot's keys (or values), all KV heads
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score, total(heads);
+    std::vector<__m512> qv(heads * V), acc(heads * V);
+    alignas(64) float buffer[dim];
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = lens[r];
+      const int64_t* slot = slots + r * width;
+      score.resize(heads * n);
+      for (int64_t h = 0; h < heads; ++h)
+        for (int v = 0; v < V; ++v)
+          qv[h * V + v] = _mm512_mul_ps(load16<T>(q + (r * heads + h) * dim + 16 * v), _mm512_set1_ps(scale));
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + PREFETCH < n) prefetch_slot(kp + slot[j + PREFETCH] * stride, stride);
+        const T* k = kp + slot[j] * stride;
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+          __m512 kv[V];
+          for (int v = 0; v < V; ++v) kv[v] = load16<T>(k + kh * dim + 16 * v);
+          for (int g = 0; g < G; ++g) {
+            const __m512* qh = qv.data() + (kh * G + g) * V;
+            __m512 dot = _mm512_mul_ps(qh[0], kv[0]);
+            for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(qh[v], kv[v], dot);
+            score[(kh * G + g) * n + j] = _mm512_reduce_add_ps(dot);
+          }
+        }
+      }
+      softmax(score.data(), total.data(), heads, n);
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + PREFETCH < n) prefetch_slot(vp + slot[j + PREFETCH] * stride, stride);
+        const T* val = vp + slot[j] * stride;
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+          __m512 vv[V];
+          for (int v = 0; v < V; ++v) vv[v] = load16<T>(val + kh * dim + 16 * v);
+          for (int g = 0; g < G; ++g) {
+            const int64_t h = kh * G + g;
+            const __m512 p = _mm512_set1_ps(score[h * n + j]);
+            __m512* a = acc.data() + h * V;
+            for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(p, vv[v], a[v]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* o = out + (r * heads + h) * dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / total[h]);
+        for (int v = 0; v < V; ++v) _mm512_store_ps(buffer + 16 * v, _mm512_mul_ps(acc[h * V + v], inv));
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(buffer[d]);
+      }
+    }
+  });
+}
+
+template <typename T, int V>
+bool decode_fixed_group(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
+                        T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width, float scale) {
+  switch (heads / kv_heads) {
+#define ZT_GROUP(G) \
+    case G: decode_avx512<T, V, G>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, width, scale); return true;
+    ZT_GROUP(1) ZT_GROUP(2) ZT_GROUP(3) ZT_GROUP(4) ZT_GROUP(5) ZT_GROUP(6) ZT_GROUP(7) ZT_GROUP(8)
+#undef ZT_GROUP
+    default: return false;
+  }
+}
+#endif
+
+template <typename T>
+void decode(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens, T* out,
+            int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (dim == 64 && decode_fixed_group<T, 4>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, width, scale)) return;
+    if (dim == 128 && decode_fixed_group<T, 8>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, width, scale)) return;
+  }
+#endif
+  decode_generic<T>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, dim, width, scale);
+}
+
+}  // namespace
+
+// q (rows, heads, dim); k_pool, v_pool (slots, kv_heads, dim); slots (rows, width) int64, each row's
+// key slots in position order; lens (rows,) int64, how many of them it attends -> (rows, heads, dim)
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                           torch::Tensor slots, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(slots.is_contiguous() && lens.is_contiguous(), "contiguous slots and lengths");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "one dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "int64 slots");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_pool.size(2) == dim && slots.size(0) == rows, "shapes");
+  TORCH_CHECK(lens.size(0) == rows && (rows == 0 || lens.min().item<int64_t>() >= 1), "lengths");
+  TORCH_CHECK(rows == 0 || lens.max().item<int64_t>() <= slots.size(1), "lengths past the slot lists");
+  auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                     slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                     rows, heads, kv_heads, dim, slots.size(1), s);
+  });
+  return out;
+}
+"""
+
+# Vectorized reductions need reassociation (each build's order is fixed: same bits run to run);
+# -ffast-math itself is avoided: linked into a library it would flush denormals process-wide.
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    # no peeling of loop iterations to align a pointer: a reduction's order then depends on the
+    # data's length alone, never on where the allocator put a buffer
+    "--param=vect-max-peeling-for-alignment=0",
+]
+
+_lock = threading.Lock()
+_module: Optional[Any] = None
+_error: Optional[str] = None
+
+
+def _build() -> Optional[Any]:
+    global _module, _error
+    with _lock:
+        if _module is None and _error is None:
+            if os.environ.get("ZEROTRON_NATIVE_KERNELS", "1") == "0":
+                _error = "turned off by ZEROTRON_NATIVE_KERNELS=0"
+                return None
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _module = load_inline(
+                    name="zerotron_paged_decode_v8",
+                    cpp_sources=[_SOURCE],
+                    functions=["paged_decode"],
+                    extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
+                    verbose=False,
+                )
+            except Exception as err:  # noqa: BLE001 - no compiler, no ninja: the SDPA path serves
+                _error = (
+                    f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+                )
+        return _module
+
+
+def available() -> bool:
+    """Whether the native kernels are built (building them on the first call)."""
+    return _build() is not None
+
+
+def why_unavailable() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True)."""
+    _build()
+    return _error
+
+
+def paged_decode(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one query row per sequence: q (rows, heads, d); k/v pools (slots, kv_heads, d);
+    ``slots`` (rows, width) each row's key slots in position order, ``lens`` (rows,) how many it
+    attends. Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d)."""
+    module = _build()
+    if module is None:
+        raise RuntimeError(f"the native paged-attention kernel is not available ({_error})")
+    out: torch.Tensor = module.paged_decode(q, k_pool, v_pool, slots, lens, q.shape[-1] ** -0.5)
+    return out
