@@ -11,7 +11,9 @@ SDPA as before.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import threading
 from typing import Any, Optional
 
@@ -228,8 +230,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   TORCH_CHECK(slots.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "int64 slots");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && k_pool.size(2) == dim && slots.size(0) == rows, "shapes");
-  TORCH_CHECK(lens.size(0) == rows && (rows == 0 || lens.min().item<int64_t>() >= 1), "lengths");
-  TORCH_CHECK(rows == 0 || lens.max().item<int64_t>() <= slots.size(1), "lengths past the slot lists");
+  TORCH_CHECK(lens.size(0) == rows, "one length per row");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(len[r] >= 1 && len[r] <= slots.size(1), "a row's length outside 1..slot list width");
+    for (int64_t j = 0; j < len[r]; ++j)
+      TORCH_CHECK(slot[r * slots.size(1) + j] >= 0 && slot[r * slots.size(1) + j] < k_pool.size(0),
+                  "slots outside the pool");
+  }
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
@@ -246,7 +255,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 _FLAGS = [
     "-O3",
     "-march=native",
-    "-mprefer-vector-width=512",
+    *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []),
     "-fopenmp",
     "-fassociative-math",
     "-fno-signed-zeros",
@@ -261,6 +270,17 @@ _module: Optional[Any] = None
 _error: Optional[str] = None
 
 
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and feature flags: a build for one CPU (``-march=native``) is
+    never loaded on another from a shared extension cache."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))][:2]
+    except OSError:
+        lines = [platform.processor(), platform.machine()]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
+
+
 def _build() -> Optional[Any]:
     global _module, _error
     with _lock:
@@ -272,7 +292,7 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="zerotron_paged_decode_v8",
+                    name=f"zerotron_paged_decode_v10_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=["paged_decode"],
                     extra_cflags=_FLAGS,
