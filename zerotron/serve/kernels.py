@@ -2,11 +2,11 @@
 
 :func:`paged_decode` attends one query row per sequence (a decode) to that sequence's keys and values
 where they lie in the paged pool, through its slot list: no gathered copy of the keys and values, no
-masked tail. A row's numbers depend on its own query, keys and values only (each row and KV head is
-one task, its keys visited in order, fp32 throughout), so a decode gives the same bits in any batch.
-The kernel is compiled once per machine (``-O3 -march=native``, kept in torch's extension cache);
-where no C++ compiler is found it is unavailable (:func:`available`) and the engine attends through
-SDPA as before.
+masked tail. A row's numbers depend on its own query, keys and values only (each row is one task, its
+keys visited in order, fp32 throughout), so a decode gives the same bits in any batch. The kernel is
+compiled once per machine and CPU (``-O3 -march=native``, kept in torch's extension cache); where no
+C++ compiler is found, or with ``ZEROTRON_NATIVE_KERNELS=0``, it is unavailable (:func:`available`)
+and the engine attends through SDPA.
 """
 
 from __future__ import annotations
