@@ -65,9 +65,6 @@ inline void softmax(float* score, float* total, int64_t group, int64_t n) {
   }
 }
 
-template <typename T>
-inline float as_float(T x) { return static_cast<float>(x); }
-
 // The generic kernel: any dtype and head size. Per task (a row and a KV head): the scores of the
 // row's query heads that share the KV head against its keys in position order, softmax (fp32),
 // the weighted sum of its values.
@@ -84,11 +81,11 @@ void decode_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
       score.assign(group * n, 0.0f);
       for (int64_t g = 0; g < group; ++g) {
         const T* qrow = q + (r * heads + kh * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = as_float(qrow[d]) * scale;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
       }
       for (int64_t j = 0; j < n; ++j) {
         const T* k = kp + (slot[j] * kv_heads + kh) * dim;
-        for (int64_t d = 0; d < dim; ++d) kf[d] = as_float(k[d]);
+        for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<float>(k[d]);
         for (int64_t g = 0; g < group; ++g) {
           float dot = 0.0f;
           for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * kf[d];
@@ -99,7 +96,7 @@ void decode_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         const T* v = vp + (slot[j] * kv_heads + kh) * dim;
-        for (int64_t d = 0; d < dim; ++d) vf[d] = as_float(v[d]);
+        for (int64_t d = 0; d < dim; ++d) vf[d] = static_cast<float>(v[d]);
         for (int64_t g = 0; g < group; ++g) {
           const float p = score[g * n + j];
           for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * vf[d];
@@ -115,8 +112,8 @@ void decode_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
 }
 
 #if defined(__AVX512F__)
-// The same arithmetic order on AVX-512 registers, for float and bfloat16 pools, heads of V * 16
-// and groups of G query heads per KV head known when compiling: a key's 16-lane products summed
+// The same computation on AVX-512 registers, for float and bfloat16 pools, heads of V * 16 and
+// groups of G query heads per KV head known when compiling: a key's 16-lane products summed
 // lane-wise, then across lanes; the values accumulated in 16-lane registers.
 template <typename T>
 inline __m512 load16(const T* p);
@@ -134,14 +131,29 @@ inline void prefetch_slot(const T* p, int64_t elements) {
   for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// One task per row: its keys (then values) visited slot by slot, all KV heads of a slot at once (one
-// contiguous run of the pool), the slot PREFETCH ahead requested meanwhile.
+// Calls visit(j, kh, x) for each of a row's first n slots and each KV head, x the slot's V vectors of
+// that head: slot by slot, all KV heads of a slot at once (one contiguous run of the pool), the slot
+// four ahead requested meanwhile.
+template <typename T, int V, typename Visit>
+inline void for_each_slot(const T* pool, const int64_t* slot, int64_t n, int64_t kv_heads, Visit visit) {
+  constexpr int64_t dim = V * 16, PREFETCH = 4;
+  const int64_t stride = kv_heads * dim;
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + PREFETCH < n) prefetch_slot(pool + slot[j + PREFETCH] * stride, stride);
+    const T* base = pool + slot[j] * stride;
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      __m512 x[V];
+      for (int v = 0; v < V; ++v) x[v] = load16<T>(base + kh * dim + 16 * v);
+      visit(j, kh, x);
+    }
+  }
+}
+
+// One task per row: its keys, then its values, through for_each_slot.
 template <typename T, int V, int G>
 void decode_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
                    T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width, float scale) {
   constexpr int64_t dim = V * 16;
-  constexpr int64_t PREFETCH = 4;
-  const int64_t stride = kv_heads * dim;  // a slot's keys (or values), all KV heads
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> score, total(heads);
     std::vector<__m512> qv(heads * V), acc(heads * V);
@@ -153,36 +165,24 @@ void decode_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, c
       for (int64_t h = 0; h < heads; ++h)
         for (int v = 0; v < V; ++v)
           qv[h * V + v] = _mm512_mul_ps(load16<T>(q + (r * heads + h) * dim + 16 * v), _mm512_set1_ps(scale));
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + PREFETCH < n) prefetch_slot(kp + slot[j + PREFETCH] * stride, stride);
-        const T* k = kp + slot[j] * stride;
-        for (int64_t kh = 0; kh < kv_heads; ++kh) {
-          __m512 kv[V];
-          for (int v = 0; v < V; ++v) kv[v] = load16<T>(k + kh * dim + 16 * v);
-          for (int g = 0; g < G; ++g) {
-            const __m512* qh = qv.data() + (kh * G + g) * V;
-            __m512 dot = _mm512_mul_ps(qh[0], kv[0]);
-            for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(qh[v], kv[v], dot);
-            score[(kh * G + g) * n + j] = _mm512_reduce_add_ps(dot);
-          }
+      for_each_slot<T, V>(kp, slot, n, kv_heads, [&](int64_t j, int64_t kh, const __m512* k) {
+        for (int g = 0; g < G; ++g) {
+          const __m512* qh = qv.data() + (kh * G + g) * V;
+          __m512 dot = _mm512_mul_ps(qh[0], k[0]);
+          for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(qh[v], k[v], dot);
+          score[(kh * G + g) * n + j] = _mm512_reduce_add_ps(dot);
         }
-      }
+      });
       softmax(score.data(), total.data(), heads, n);
       for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + PREFETCH < n) prefetch_slot(vp + slot[j + PREFETCH] * stride, stride);
-        const T* val = vp + slot[j] * stride;
-        for (int64_t kh = 0; kh < kv_heads; ++kh) {
-          __m512 vv[V];
-          for (int v = 0; v < V; ++v) vv[v] = load16<T>(val + kh * dim + 16 * v);
-          for (int g = 0; g < G; ++g) {
-            const int64_t h = kh * G + g;
-            const __m512 p = _mm512_set1_ps(score[h * n + j]);
-            __m512* a = acc.data() + h * V;
-            for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(p, vv[v], a[v]);
-          }
+      for_each_slot<T, V>(vp, slot, n, kv_heads, [&](int64_t j, int64_t kh, const __m512* val) {
+        for (int g = 0; g < G; ++g) {
+          const int64_t h = kh * G + g;
+          const __m512 p = _mm512_set1_ps(score[h * n + j]);
+          __m512* a = acc.data() + h * V;
+          for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(p, val[v], a[v]);
         }
-      }
+      });
       for (int64_t h = 0; h < heads; ++h) {
         T* o = out + (r * heads + h) * dim;
         const __m512 inv = _mm512_set1_ps(1.0f / total[h]);
@@ -292,7 +292,7 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=f"zerotron_paged_decode_v10_{_cpu_tag()}",
+                    name=f"zerotron_paged_decode_v11_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=["paged_decode"],
                     extra_cflags=_FLAGS,

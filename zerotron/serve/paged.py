@@ -179,7 +179,7 @@ class _Group:
 
     rows: torch.Tensor  # (B * lq,) the step's row of each query, run after run
     key_slots: torch.Tensor  # (B, window) pool slots of each run's keys (scratch past its end)
-    mask: torch.Tensor  # (B, 1, lq, window) causal: 0 where a query sees a key, -inf elsewhere
+    mask: Optional[torch.Tensor]  # (B, 1, lq, window) causal, 0 / -inf; None: the native kernel's
     keys: torch.Tensor  # (B,) how many keys each run's last row sees (its position + 1)
 
 
@@ -206,10 +206,11 @@ class PagedAttention:
     length = 0  # positions come with the batch; the causal masks are built here
 
     def __init__(self, pool: KVPool, pieces: list[Piece], rows: int, native: bool = False) -> None:
-        self.pool, self.native = pool, native
+        self.pool = pool
         bs = pool.block_size
         slots = [0] * rows  # padding rows: slot 0 of the scratch block
-        runs: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}  # (window, lq) -> runs
+        # (window, lq) -> runs; window None: one-row runs for the native kernel, all in one group
+        runs: dict[tuple[Optional[int], int], list[tuple[int, int, int, list[int]]]] = {}
         for piece in pieces:
             table, end = piece.table, piece.start + piece.n
             for i, p in enumerate(range(piece.start, end)):
@@ -218,20 +219,12 @@ class PagedAttention:
             while lo < end:
                 hi = min(end, (lo // Q_ALIGN + 1) * Q_ALIGN)
                 bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
-                window = (lo // bucket + 1) * bucket
-                if native and hi - lo == 1:
-                    window = 0  # one group: the kernel reads each row's own keys, whatever their count
+                window = None if native and hi - lo == 1 else (lo // bucket + 1) * bucket
                 runs.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
                 lo = hi
         self.slots = torch.tensor(slots, dtype=torch.long)
         dtype = pool.k[0].dtype
-        self.groups = []
-        for (window, lq), members in runs.items():
-            if window == 0:
-                window = max(-(-hi // ROW_BUCKET) * ROW_BUCKET for _, _, hi, _ in members)
-                self.groups.append(self._group(window, lq, members, bs, dtype, mask=False))
-            else:
-                self.groups.append(self._group(window, lq, members, bs, dtype))
+        self.groups = [self._group(window, lq, members, bs, dtype) for (window, lq), members in runs.items()]
         # One group whose runs are the step's rows in order (a step of decodes only): its queries are
         # the step's rows as they lie, and its output is the step's, without a gather and a scatter.
         whole = len(self.groups) == 1 and len(self.groups[0].rows) == rows
@@ -239,15 +232,18 @@ class PagedAttention:
 
     @staticmethod
     def _group(
-        window: int,
+        window: Optional[int],
         lq: int,
         members: list[tuple[int, int, int, list[int]]],
         bs: int,
         dtype: torch.dtype,
-        mask: bool = True,
     ) -> _Group:
         """The runs' query rows, key slots (a run's keys past its last token at the scratch slot) and
-        causal masks (``mask``; else an empty one), built for all runs at once."""
+        causal masks, built for all runs at once; ``window`` None: one-row runs for the native kernel
+        (slot lists as wide as the longest run needs, no mask)."""
+        native = window is None
+        if window is None:
+            window = max(-(-hi // ROW_BUCKET) * ROW_BUCKET for _, _, hi, _ in members)
         blocks = -(-window // bs)
         tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
         first = torch.tensor([lo for _, lo, _, _ in members])
@@ -257,8 +253,8 @@ class PagedAttention:
         key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
         key_slots = torch.where(keys[None, :] < last[:, None], key_slots, 0)  # (B, window)
         rows = (start[:, None] + offsets).view(-1)
-        if not mask:
-            return _Group(rows, key_slots, torch.zeros(len(members), 1, lq, 0, dtype=dtype), last)
+        if native:
+            return _Group(rows, key_slots, None, last)
         causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
         # additive, in the cache's dtype: SDPA would convert a boolean mask so in every layer's call
         additive = torch.zeros(causal.shape, dtype=dtype).masked_fill_(~causal, float("-inf"))
@@ -296,7 +292,7 @@ class PagedAttention:
         """SDPA of one group's runs: ``queries`` (h, B * lq, d) contiguous -> (B, h, lq, d)."""
         heads, d = queries.shape[0], queries.shape[2]
         b, window = g.key_slots.shape
-        if g.mask.shape[3] == 0:  # one-row runs for the native kernel
+        if g.mask is None:  # one-row runs for the native kernel
             out = kernels.paged_decode(queries.transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys)
             return out.view(b, heads, 1, d)
         flat = g.key_slots.view(-1)
