@@ -18,6 +18,15 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err
 
 
+def test_serve_refuses_a_native_matmul_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """An explicit --matmul native is refused in one line, before any load, where it cannot run: in
+    fp32 (it runs bf16 linears) and under tensor parallelism (it packs whole weights)."""
+    err = _error(capsys, ["serve", "model.gguf", "--matmul", "native"])
+    assert "--matmul native" in err and "--dtype bfloat16" in err
+    err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", "bfloat16", "--nproc", "3"])
+    assert "--matmul native" in err and "tensor-parallel" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

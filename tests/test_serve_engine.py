@@ -331,29 +331,38 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
     assert engine.pool.in_use == 0
 
 
-@pytest.mark.parametrize(("onednn", "native"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    ("onednn", "native", "tiles"),
+    [(False, False, False), (True, False, False), (True, True, False), (False, True, True)],
+    ids=["mkl", "onednn", "onednn-native", "tiles-native"],
+)
 def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], onednn: bool, native: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], onednn: bool, native: bool, tiles: bool
 ) -> None:
     """A bf16 model (weights and KV cache in 16 bits; its linears in row chunks, where the 16-bit
     kernels' arithmetic does not change with the row count: torch's F.linear in chunks of 16 to 32
-    rows, or oneDNN on packed weights with q/k/v and gate/up fused in chunks of at most 32): greedy
+    rows, oneDNN on packed weights with q/k/v and gate/up fused in chunks of at most 32, or whole on
+    AMX tiles through the native kernel, whose rows never depend on the row count): greedy
     tokens and log-probabilities bit-identical alone, batched under a small token budget and on a
     prefix-cache hit; the log-probabilities of its tokens within bf16's rounding of the fp32 model's
     full forward."""
     _, model = pair
     if native:
         _native_or_skip()
+    if tiles:
+        _tiles_or_skip()
     half = copy.deepcopy(model).to(torch.bfloat16)
 
     def make(**kw: object) -> Engine:
-        cfg = EngineConfig(**{"num_blocks": 128, "onednn": onednn, "native_attention": native, **kw})  # type: ignore[arg-type]
+        flags = {"onednn": onednn, "native_attention": native, "native_matmul": tiles}
+        cfg = EngineConfig(**{"num_blocks": 128, **flags, **kw})  # type: ignore[arg-type]
         return Engine(copy.deepcopy(half), None, cfg)
 
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     engine = make()
     assert engine.kv.k[0].dtype == torch.bfloat16
-    assert engine.runner.min_rows == (MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
+    assert engine.runner.min_rows == (MIN_ROWS_ONEDNN if onednn or tiles else MIN_ROWS)
+    assert engine.runner.matmul == ("native tiles" if tiles else "oneDNN" if onednn else "F.linear")
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     assert _run(make(max_num_batched_tokens=37), prompts, GREEDY) == alone
     first = _run(engine, prompts[:1], GREEDY)
@@ -459,6 +468,45 @@ def test_native_paged_decode_is_attention_over_each_rows_slots(
         assert torch.equal(alone[0], out[r])
 
 
+def _tiles_or_skip() -> None:
+    from zerotron.serve import kernels
+
+    if not kernels.tiles_available():
+        pytest.skip(f"no native AMX tile matmul here: {kernels.why_no_tiles()}")
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(960, 576, False), (3072, 576, True), (577, 1000, True), (30, 20, False)]
+)
+def test_native_tile_linear_is_the_product_and_each_row_alone(n: int, k: int, bias: bool) -> None:
+    """The AMX tile kernel's bf16 linear against x w^T + b in float64: within the fp32 sum's rounding
+    and one bf16 rounding of the result (shapes with K not a multiple of 32 and N not of 16 padded by
+    pack_tiles); every row the same bits in forwards of any row count (1 to 300, partial 16- and
+    32-row blocks, several 128-row chunks) and with one thread or two."""
+    from zerotron.serve import kernels
+
+    _tiles_or_skip()
+    g = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(300, k, generator=g).bfloat16()
+    tiled = kernels.pack_tiles(weight)
+    y = kernels.tile_linear(x, tiled, b, n)
+    assert y.shape == (300, n) and y.dtype == torch.bfloat16
+    want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+    scale = x.double().abs() @ weight.double().abs().T  # the sum's own size, for its fp32 rounding
+    assert ((y.double() - want).abs() <= want.abs() * 2**-8 + scale * 2**-20).all()
+    for rows in (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300):
+        assert torch.equal(kernels.tile_linear(x[:rows], tiled, b, n), y[:rows]), rows
+    assert torch.equal(kernels.tile_linear(x[None, 5:40], tiled, b, n)[0], y[5:40])  # any leading shape
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.tile_linear(x, tiled, b, n), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _biased_model(seed: int) -> LlamaForCausalLM:
     """A random model with q/k/v biases (Qwen2's), its weights drawn from ``seed``."""
     model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))
@@ -470,13 +518,15 @@ def _biased_model(seed: int) -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "tiles"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
 def test_packed_fused_linears_equal_the_models_own(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype, bias: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype, bias: bool, tiles: bool
 ) -> None:
-    """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights) gives the
-    logits of the model's own nn.Linear forward to rounding, q/k/v biases (Qwen2) included, and frees
-    the dense weights."""
+    """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights or, bf16,
+    the native kernel on AMX tiles) gives the logits of the model's own nn.Linear forward to rounding,
+    q/k/v biases (Qwen2) included, and frees the dense weights."""
     from zerotron.serve.runner import pack_linears
 
     _, model = pair
@@ -484,9 +534,11 @@ def test_packed_fused_linears_equal_the_models_own(
         model = _biased_model(seed=5)
     plain = copy.deepcopy(model).to(dtype).eval()
     packed = copy.deepcopy(plain)
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if tiles:
+        _tiles_or_skip()
+    elif dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
-    assert pack_linears(packed)
+    assert pack_linears(packed, tiles=tiles)
     attn = packed.layers[0].self_attn
     assert attn.q_proj.weight.numel() == attn.k_proj.weight.numel() == 0
     assert (attn.q_proj.bias is not None) == bias

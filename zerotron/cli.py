@@ -395,11 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     srv.add_argument(
         "--matmul",
-        choices=["onednn", "mkl"],
+        choices=["native", "onednn", "mkl"],
         default=None,
-        help="linear layers through oneDNN on weights packed once, q/k/v and gate/up fused (the default "
-        "on one rank) or through torch's F.linear (MKL in fp32, >= 16 rows; 16-bit in row chunks; what "
-        "tensor-parallel shards run)",
+        help="linear layers on weights packed once, q/k/v and gate/up fused: bf16 ones on AMX tiles "
+        "through zerotron's native kernel (the default on one rank in bf16 where the CPU has AMX), or "
+        "through oneDNN (the default otherwise on one rank); or through torch's F.linear (MKL in fp32, "
+        ">= 16 rows; 16-bit in row chunks; what tensor-parallel shards run)",
     )
     srv.add_argument(
         "--attention",

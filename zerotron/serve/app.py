@@ -241,6 +241,15 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
             "serve --matmul onednn: this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX): leave "
             "--matmul out"
         )
+    if args.matmul == "native" and (nproc > 1 or args.dtype != "bfloat16" or not kernels.tiles_available()):
+        why = (
+            "it packs whole weights; tensor-parallel shards (--nproc N) run F.linear"
+            if nproc > 1
+            else "it runs bf16 linears: add --dtype bfloat16"
+            if args.dtype != "bfloat16"
+            else str(kernels.why_no_tiles())
+        )
+        raise ConfigError(f"serve --matmul native: {why}; leave --matmul out")
     if args.attention == "native" and not kernels.available():
         raise ConfigError(
             f"serve --attention native: the kernel could not be built ({kernels.why_unavailable()}); "
@@ -254,6 +263,8 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
         onednn=(args.matmul or "onednn") == "onednn",
+        native_matmul=args.matmul == "native"
+        or (args.matmul is None and nproc == 1 and args.dtype == "bfloat16" and kernels.tiles_available()),
         native_attention=args.attention == "native" or (args.attention is None and kernels.available()),
         dtype=args.dtype,
     )
@@ -291,6 +302,7 @@ def serve(engine: Engine, name: str, host: str, port: int) -> None:
         f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
         f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}, decode attention "
         + ("native" if engine.runner.native else "SDPA")
+        + f", linears {engine.runner.matmul}"
         + (f", tensor parallel over {group.size} ranks)" if group is not None else ")"),
         flush=True,
     )

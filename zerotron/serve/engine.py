@@ -40,6 +40,7 @@ class EngineConfig:
     prefix_caching: bool = True
     onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
     native_attention: bool = False  # decodes through the native paged kernel (zerotron.serve.kernels)
+    native_matmul: bool = False  # bf16 linears packed for AMX tiles, run by the native tile kernel (CPU)
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
 
 
@@ -94,7 +95,13 @@ class Engine:
         self.max_model_len, self.kv = build_kv_pool(model, cfg)
         self.pool = BlockPool(self.kv.num_blocks, cfg.block_size)
         self.runner = StepRunner(
-            model, self.kv, tp_group, cfg.onednn, cfg.max_num_batched_tokens, cfg.native_attention
+            model,
+            self.kv,
+            tp_group,
+            cfg.onednn,
+            cfg.max_num_batched_tokens,
+            cfg.native_attention,
+            cfg.native_matmul,
         )
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching

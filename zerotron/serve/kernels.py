@@ -3,10 +3,17 @@
 :func:`paged_decode` attends one query row per sequence (a decode) to that sequence's keys and values
 where they lie in the paged pool, through its slot list: no gathered copy of the keys and values, no
 masked tail. A row's numbers depend on its own query, keys and values only (each row is one task, its
-keys visited in order, fp32 throughout), so a decode gives the same bits in any batch. The kernel is
-compiled once per machine and CPU (``-O3 -march=native``, kept in torch's extension cache); where no
-C++ compiler is found, or with ``ZEROTRON_NATIVE_KERNELS=0``, it is unavailable (:func:`available`)
-and the engine attends through SDPA.
+keys visited in order, fp32 throughout), so a decode gives the same bits in any batch.
+
+:func:`tile_linear` is a bf16 linear layer on AMX tiles (x86 CPUs with AMX): the weight packed once
+into tile blocks (:func:`pack_tiles`), each output its row times its column summed in fp32 over 32-deep
+tile products in k order, so a row's result never depends on how many rows the call has: the serving
+engine runs every row count in one call, reading the weight once, where oneDNN's kernels change a
+row's bits with the row count and must run in 32-row chunks.
+
+The kernels are compiled once per machine and CPU (``-O3 -march=native``, kept in torch's extension
+cache); where no C++ compiler is found, or with ``ZEROTRON_NATIVE_KERNELS=0``, they are unavailable
+(:func:`available`) and the engine attends through SDPA and multiplies through oneDNN.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ _SOURCE = r"""
 #include <c10/util/Half.h>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -218,6 +226,106 @@ void decode(const T* q, const T* kp, const T* vp, const int64_t* slots, const in
   decode_generic<T>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, dim, width, scale);
 }
 
+
+// ---- bf16 linear layers on AMX tiles ---------------------------------------------------------------
+// y = x w^T (+ bias) for bf16 x (rows, K) and w packed by pack_tiles: (N/16, K/32, 16, 16, 2), each
+// 16-column, 32-deep block one B tile (pairs of k per row, as TDPBF16PS reads them). An output
+// element is its row of x times its column of w summed over k in 32-deep tile products in k order,
+// in fp32, rounded once to bf16 after the bias: a row's numbers never depend on the other rows or
+// on how the columns are shared among threads.
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define ZT_TILES 1
+#define ZT_TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// One block of MA x 16 rows (A tiles 4, 5: 16 rows each from a0, a1, lda0/lda1 bytes apart) times
+// NB x 16 columns (B tiles 6, 7), summed into C tiles 0-3 over all k, stored to c (32 x 32 fp32).
+template <int MA, int NB>
+ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const uint16_t* a1, int64_t lda1,
+                                      const uint16_t* b0, const uint16_t* b1, int64_t kblocks, float* c) {
+  _tile_zero(0);
+  if (NB == 2) _tile_zero(1);
+  if (MA == 2) _tile_zero(2);
+  if (MA == 2 && NB == 2) _tile_zero(3);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_loadd(4, a0 + kb * 32, lda0);
+    if (MA == 2) _tile_loadd(5, a1 + kb * 32, lda1);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    if (NB == 2) _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if (MA == 2) _tile_dpbf16ps(2, 5, 6);
+    if (MA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  char* cc = reinterpret_cast<char*>(c);
+  _tile_stored(0, cc, 128);
+  if (NB == 2) _tile_stored(1, cc + 64, 128);
+  if (MA == 2) _tile_stored(2, cc + 16 * 128, 128);
+  if (MA == 2 && NB == 2) _tile_stored(3, cc + 16 * 128 + 64, 128);
+}
+
+// A linear's operands: x rows of `ldx` elements (the first `full` rows, a multiple of 16, read in
+// place), tail the rest (under 16) zero-padded to 16 rows of kblocks * 32; y (rows, n).
+struct TileProblem {
+  const uint16_t *x, *tail, *w;
+  const float* bias;
+  uint16_t* y;
+  int64_t ldx, full, rows, n, nblocks, kblocks;
+};
+
+constexpr int64_t MCHUNK = 128;  // rows of x a thread keeps in cache while it walks its columns
+
+// Tasks [begin, end) of one thread: task = (128-row chunk, pair of 16-column blocks), chunk-major.
+ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[32 * 32];
+  const int64_t pairs = (t.nblocks + 1) / 2, kblocks = t.kblocks, rows = t.rows, full = t.full;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % pairs, mc = task / pairs;
+    const int64_t nb = 2 * p, nbs = std::min<int64_t>(2, t.nblocks - nb);
+    const uint16_t* b0 = t.w + nb * kblocks * 512;
+    const uint16_t* b1 = b0 + kblocks * 512;
+    for (int64_t m0 = mc * MCHUNK; m0 < std::min(rows, (mc + 1) * MCHUNK); m0 += 32) {
+      const uint16_t* a0 = m0 < full ? t.x + m0 * t.ldx : t.tail;
+      const uint16_t* a1 = m0 + 16 < full ? t.x + (m0 + 16) * t.ldx : t.tail;
+      const int64_t lda0 = (m0 < full ? t.ldx : kblocks * 32) * 2;
+      const int64_t lda1 = (m0 + 16 < full ? t.ldx : kblocks * 32) * 2;
+      if (rows - m0 > 16 && nbs == 2) tile_block<2, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else if (rows - m0 > 16) tile_block<2, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else if (nbs == 2) tile_block<1, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else tile_block<1, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      const int64_t mr = std::min<int64_t>(32, rows - m0);
+      for (int64_t half = 0; half < nbs; ++half) {
+        const int64_t col = nb * 16 + half * 16;
+        if (col >= t.n) break;
+        const __mmask16 keep = t.n - col >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                               : static_cast<__mmask16>((1u << (t.n - col)) - 1);
+        const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < mr; ++r) {
+          __m512 v = _mm512_loadu_ps(c + r * 32 + half * 16);
+          if (t.bias) v = _mm512_add_ps(v, b);
+          _mm256_mask_storeu_epi16(t.y + (m0 + r) * t.n + col, keep, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+void tile_linear_run(const TileProblem& t) {
+  const int64_t pairs = (t.nblocks + 1) / 2, chunks = (t.rows + MCHUNK - 1) / MCHUNK;
+  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) { tile_tasks(t, begin, end); });
+}
+#endif
 }  // namespace
 
 // q (rows, heads, dim); k_pool, v_pool (slots, kv_heads, dim); slots (rows, width) int64, each row's
@@ -247,6 +355,44 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
                      rows, heads, kv_heads, dim, slots.size(1), s);
   });
   return out;
+}
+
+bool tiles_built() {
+#if defined(ZT_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) bf16 with unit column stride; w from pack_tiles (N/16 blocks of 16 columns, K/32
+// blocks of 32: K rounded up to 32 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
+  TORCH_CHECK(w.dim() == 5 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "packed weight");
+  TORCH_CHECK(w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2 && n <= w.size(0) * 16 && n > w.size(0) * 16 - 16, "packed shape");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0), k = x.size(1), kblocks = w.size(1);
+  TORCH_CHECK(k <= kblocks * 32 && k > kblocks * 32 - 32, "input features");
+  if (rows > 1 && x.stride(0) < k) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_TILES)
+  // rows are read in place when K is a multiple of 32 (else from a zero-padded copy), the last
+  // partial 16 from a zero-padded tile
+  if (k != kblocks * 32) x = torch::constant_pad_nd(x, {0, kblocks * 32 - k});
+  const int64_t full = rows / 16 * 16;
+  auto tail = torch::zeros({16, kblocks * 32}, x.options());
+  if (full < rows) tail.narrow(0, 0, rows - full).copy_(x.narrow(0, full, rows - full));
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),
+                reinterpret_cast<const uint16_t*>(w.data_ptr()), b, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                x.stride(0), full, rows, n, w.size(0), kblocks};
+  tile_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX tile kernels");
+#endif
 }
 """
 
@@ -292,9 +438,9 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=f"zerotron_paged_decode_v11_{_cpu_tag()}",
+                    name=f"zerotron_kernels_v12_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
-                    functions=["paged_decode"],
+                    functions=["paged_decode", "tiles_built", "tile_linear"],
                     extra_cflags=_FLAGS,
                     extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
                     verbose=False,
@@ -328,3 +474,50 @@ def paged_decode(
         raise RuntimeError(f"the native paged-attention kernel is not available ({_error})")
     out: torch.Tensor = module.paged_decode(q, k_pool, v_pool, slots, lens, q.shape[-1] ** -0.5)
     return out
+
+
+def tiles_available() -> bool:
+    """Whether bf16 linears can run on AMX tiles here (:func:`tile_linear`): the kernels built with
+    tile code (x86-64), a CPU with AMX, and the kernel's leave to use its tile registers."""
+    return _tiles_missing() is None
+
+
+def _tiles_missing() -> Optional[str]:
+    module = _build()
+    if module is None:
+        return f"the native kernels are not available ({_error})"
+    if not module.tiles_built():
+        return "this build has no AMX tile code (an x86-64 CPU and GCC 11+ or clang are needed)"
+    if not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
+        return "this CPU has no AMX tiles (or the kernel refuses their use)"
+    return None
+
+
+def why_no_tiles() -> Optional[str]:
+    """Why :func:`tiles_available` is False (None when it is True)."""
+    return _tiles_missing()
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 (N, K) weight as :func:`tile_linear` reads it: (ceil(N/16), ceil(K/32), 16, 16, 2), each
+    16-column, 32-deep block one AMX B tile (16 pairs of k, each pair's two values of 16 columns side
+    by side); N and K padded with zeros."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"pack_tiles takes a 2-D bf16 weight, not {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.detach(), (0, -k % 32, 0, -n % 16))
+    blocks = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 16, 2)
+    return blocks.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` for bf16 rows ``x`` (..., K) on AMX tiles, ``packed`` from
+    :func:`pack_tiles`, ``bias`` fp32 (n,) or None; (..., n) in bf16. Each output is its row times
+    its column summed in fp32 over k in 32-deep tile products in k order, the bias added, rounded once:
+    a row's result is the same in any batch (any row count, any threads)."""
+    module = _build()
+    if module is None:
+        raise RuntimeError(f"the native kernels are not available ({_error})")
+    rows = x.reshape(-1, x.shape[-1])
+    y: torch.Tensor = module.tile_linear(rows, packed, bias, n)
+    return y.view(*x.shape[:-1], n)

@@ -151,6 +151,10 @@ def _packed_linear(
     return y.view(*x.shape[:-1], features[1])
 
 
+def _tile_linear(tiled: torch.Tensor, bias: Optional[torch.Tensor], n: int, x: torch.Tensor) -> torch.Tensor:
+    return kernels.tile_linear(x, tiled, bias, n)
+
+
 def wide_rows(
     packed: torch.Tensor, bias: Optional[torch.Tensor], features: tuple[int, int], limit: int
 ) -> tuple[int, ...]:
@@ -251,7 +255,7 @@ def onednn_kernels(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0) -> bool:
+def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: bool = False) -> bool:
     """Run every ``nn.Linear`` of a CPU model through oneDNN on weights packed once (fp32: row results
     independent of the row count from 2 rows up; bf16/fp16: in row chunks of at most
     :data:`CHUNK_ROWS`, each row's result then that of the row alone), with the q, k and v projections
@@ -263,10 +267,16 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0) -> bool
     ``max_rows`` (16 bits): the most rows a forward will have (the step's token budget); the decoder
     layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
-    chunks for long prefills."""
+    chunks for long prefills. ``tiles`` (bf16): every linear runs on AMX tiles through
+    :func:`~zerotron.serve.kernels.tile_linear` instead, whole at any row count (a row's result
+    depends on the row alone), its weight read once per call."""
     dtype = next(model.parameters()).dtype
     tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
-    if not onednn_kernels(dtype) or tp:
+    if tp:
+        return False
+    if tiles and dtype != torch.bfloat16:
+        raise ValueError(f"the native tile kernel runs bf16 linears, not {dtype}")
+    if not tiles and not onednn_kernels(dtype):
         return False
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     shared = getattr(model, "embed_tokens", None)
@@ -278,6 +288,10 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0) -> bool
         biases = [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in parts]
         bias = torch.cat(biases) if any(m.bias is not None for m in parts) else None
         features = (parts[0].in_features, weight.shape[0])
+        if tiles:
+            tiled = kernels.pack_tiles(weight)
+            _free_dense(parts)
+            return functools.partial(_tile_linear, tiled, None if bias is None else bias.float(), features[1])
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
         wide: tuple[int, ...] = ()
         if chunk and max_rows > CHUNK_ROWS and parts[0] is not head:
@@ -285,10 +299,13 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0) -> bool
             if key not in wide_of:
                 wide_of[key] = wide_rows(handle, bias, features, max_rows)
             wide = wide_of[key]
+        _free_dense(parts)
+        return functools.partial(_packed_linear, handle, bias, features, chunk, wide=wide)
+
+    def _free_dense(parts: list[nn.Linear]) -> None:
         for m in parts:
             if shared is None or m.weight is not shared.weight:  # a tied head keeps the embedding's matrix
                 m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-        return functools.partial(_packed_linear, handle, bias, features, chunk, wide=wide)
 
     done: set[int] = set()
     fused_of: dict[int, _Siblings] = {}
@@ -375,20 +392,30 @@ class StepRunner:
         onednn: bool = False,
         max_rows: int = 0,
         native: bool = False,
+        native_matmul: bool = False,
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
         rows; the engine then owns the model). ``native``: decodes through the native paged-attention
-        kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built)."""
+        kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built). ``native_matmul``
+        (bf16): the linears packed for AMX tiles and run by the native tile kernel
+        (:func:`pack_linears` with ``tiles``; an error where it is not available)."""
         if native and not kernels.available():
             raise RuntimeError(
                 f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
             )
+        if native_matmul and tp_group is not None and tp_group.size > 1:
+            raise ValueError(
+                "the native tile matmul packs whole weights; tensor-parallel shards run F.linear"
+            )
+        if native_matmul and not kernels.tiles_available():
+            raise RuntimeError(f"the native tile matmul is not available: {kernels.why_no_tiles()}")
         self.model, self.kv, self.native = model, kv, native
         sixteen = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        packed = onednn and pack_linears(model, max_rows=max_rows)
+        packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, tiles=native_matmul)
         if sixteen and not packed:
             chunk_linears(model)
         self.min_rows = MIN_ROWS_ONEDNN if packed else MIN_ROWS
+        self.matmul = ("native tiles" if native_matmul else "oneDNN") if packed else "F.linear"
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = next(model.parameters()).device
         self.last_signal = time.monotonic()
