@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -69,8 +71,8 @@ def engine_factory(pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> Iterator[o
     engines: list[Engine] = []
 
     def make(**kw: object) -> Engine:
-        # A packed engine (onednn) owns its model: give it a copy.
-        model = copy.deepcopy(pair[1]) if kw.get("onednn") else pair[1]
+        # A packed engine (onednn, native_matmul) owns its model: give it a copy.
+        model = copy.deepcopy(pair[1]) if kw.get("onednn") or kw.get("native_matmul") else pair[1]
         engines.append(Engine(model, None, EngineConfig(**{"num_blocks": 128, **kw})))  # type: ignore[arg-type]
         return engines[-1]
 
@@ -192,6 +194,45 @@ def test_preemption_and_resume_give_the_same_output(engine_factory: object, nati
     assert [tokens for tokens, _ in resumed] == [tokens for tokens, _ in ample]
     for (_, got), (_, want) in zip(resumed, ample):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
+
+
+def test_an_idle_server_loop_takes_a_burst_into_one_step(
+    engine_factory: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle engine loop that gets a request waits for those arriving with it (until arrivals pause
+    for ARRIVAL_GAP_S) and schedules them together; a steady trickle is cut at ARRIVAL_WAIT_S."""
+    from zerotron.serve import server
+
+    monkeypatch.setattr(server, "ARRIVAL_GAP_S", 0.1)  # wide margins: a loaded machine's jitter
+    monkeypatch.setattr(server, "ARRIVAL_WAIT_S", 0.6)
+    engine = engine_factory()  # type: ignore[operator]
+    loop = server.EngineLoop(engine, start=False)
+    prompts = _prompts([5, 6, 7, 8])
+    names: list[str] = []
+
+    def send(count: int, gap: float) -> None:
+        for i in range(count):
+            time.sleep(gap)
+            names.append(f"b{len(names)}")
+            loop.submit(names[-1], prompts[i % 4], GREEDY, lambda out: None)
+
+    burst = threading.Thread(target=send, args=(4, 0.01))
+    burst.start()
+    assert loop._drain()
+    burst.join()
+    assert len(engine.scheduler.waiting) == 4  # the whole burst, not its first request alone
+    for name in names:
+        engine.abort(name)
+    trickle = threading.Thread(target=send, args=(30, 0.05))
+    start = time.monotonic()
+    trickle.start()
+    assert loop._drain()
+    waited = time.monotonic() - start
+    trickle.join()
+    assert 0.6 <= waited < 1.2 and 5 <= len(engine.scheduler.waiting) < 30
+    loop._drain()  # the rest of the trickle, then every request aborted
+    for name in names:
+        engine.abort(name)
 
 
 def test_parallel_samples_share_the_prompt_and_stay_independent(engine_factory: object) -> None:

@@ -29,6 +29,14 @@ from zerotron.serve.sampling import SamplingParams
 
 Sink = Callable[[Union[RequestOutput, Exception]], None]
 
+# An idle engine that gets a request waits for the requests arriving with it, until arrivals pause
+# for ARRIVAL_GAP_S (at most ARRIVAL_WAIT_S in all), and prefills them in one step: a burst's first
+# request alone in a step would cost everyone a whole step (measured: 32 requests sent at once reach
+# the engine over ~20 ms; the first one's lone step then delayed the other 31, and its TPOT carried
+# their prefill). A lone request waits ARRIVAL_GAP_S; a busy engine never waits.
+ARRIVAL_GAP_S = 0.002
+ARRIVAL_WAIT_S = 0.025
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -91,14 +99,20 @@ class EngineLoop:
         return self.running
 
     def _drain(self) -> bool:
-        """Take queued commands (waiting briefly when idle); False once told to stop."""
-        block = not self.engine.has_unfinished()
+        """Take queued commands (when idle: waiting for one, then for those arriving with it, see
+        ARRIVAL_GAP_S); False once told to stop."""
+        idle = not self.engine.has_unfinished()
+        timeout: Optional[float] = 0.5 if idle else None
+        deadline = 0.0
         while True:
             try:
-                command = self.commands.get(block=block, timeout=0.5 if block else None)
+                command = self.commands.get(block=timeout is not None, timeout=timeout)
             except queue.Empty:
                 return True
-            block = False
+            if idle:  # from the first command on: wait while requests keep arriving
+                now = time.monotonic()
+                deadline = deadline or now + ARRIVAL_WAIT_S
+                timeout = min(ARRIVAL_GAP_S, deadline - now) if deadline > now else None
             if command[0] == "stop":
                 self.engine.runner.publish(None, stop=True)
                 return False
