@@ -382,7 +382,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch:
   // partial 16 from a zero-padded tile
   if (k != kblocks * 32) x = torch::constant_pad_nd(x, {0, kblocks * 32 - k});
   const int64_t full = rows / 16 * 16;
-  auto tail = torch::zeros({16, kblocks * 32}, x.options());
+  auto tail = torch::zeros({full < rows ? 16 : 0, kblocks * 32}, x.options());
   if (full < rows) tail.narrow(0, 0, rows - full).copy_(x.narrow(0, full, rows - full));
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),

@@ -283,6 +283,11 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: 
     head = getattr(model, "lm_head", None)  # sees one row per sampled sequence: 32-row chunks
     wide_of: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
+    def free_dense(parts: list[nn.Linear]) -> None:
+        for m in parts:
+            if shared is None or m.weight is not shared.weight:  # a tied head keeps the embedding's matrix
+                m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+
     def packed(parts: list[nn.Linear]) -> functools.partial[torch.Tensor]:
         weight = torch.cat([m.weight.detach() for m in parts])
         biases = [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in parts]
@@ -290,7 +295,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: 
         features = (parts[0].in_features, weight.shape[0])
         if tiles:
             tiled = kernels.pack_tiles(weight)
-            _free_dense(parts)
+            free_dense(parts)
             return functools.partial(_tile_linear, tiled, None if bias is None else bias.float(), features[1])
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
         wide: tuple[int, ...] = ()
@@ -299,13 +304,8 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: 
             if key not in wide_of:
                 wide_of[key] = wide_rows(handle, bias, features, max_rows)
             wide = wide_of[key]
-        _free_dense(parts)
+        free_dense(parts)
         return functools.partial(_packed_linear, handle, bias, features, chunk, wide=wide)
-
-    def _free_dense(parts: list[nn.Linear]) -> None:
-        for m in parts:
-            if shared is None or m.weight is not shared.weight:  # a tied head keeps the embedding's matrix
-                m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
 
     done: set[int] = set()
     fused_of: dict[int, _Siblings] = {}
