@@ -540,6 +540,12 @@ def test_native_tile_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
     for rows in (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300):
         assert torch.equal(kernels.tile_linear(x[:rows], tiled, b, n), y[:rows]), rows
     assert torch.equal(kernels.tile_linear(x[None, 5:40], tiled, b, n)[0], y[5:40])  # any leading shape
+    strided = torch.randn(k, 300, generator=g).bfloat16().t()  # rows whose k is not contiguous
+    assert torch.equal(
+        kernels.tile_linear(strided, tiled, b, n), kernels.tile_linear(strided.contiguous(), tiled, b, n)
+    )
+    wide = torch.cat([x, x], dim=1)[:, :k]  # rows further apart than k (a column slice)
+    assert torch.equal(kernels.tile_linear(wide, tiled, b, n), y)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -519,5 +519,7 @@ def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
     if module is None:
         raise RuntimeError(f"the native kernels are not available ({_error})")
     rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:  # the kernel reads each row's k in place
+        rows = rows.contiguous()
     y: torch.Tensor = module.tile_linear(rows, packed, bias, n)
     return y.view(*x.shape[:-1], n)
