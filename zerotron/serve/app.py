@@ -241,15 +241,15 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
             "serve --matmul onednn: this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX): leave "
             "--matmul out"
         )
-    if args.matmul == "native" and (nproc > 1 or args.dtype != "bfloat16" or not kernels.tiles_available()):
-        why = (
-            "it packs whole weights; tensor-parallel shards (--nproc N) run F.linear"
-            if nproc > 1
-            else "it runs bf16 linears: add --dtype bfloat16"
-            if args.dtype != "bfloat16"
-            else str(kernels.why_no_tiles())
-        )
-        raise ConfigError(f"serve --matmul native: {why}; leave --matmul out")
+    if args.matmul == "native":
+        if nproc > 1:
+            why: Optional[str] = "it packs whole weights; tensor-parallel shards (--nproc N) run F.linear"
+        elif args.dtype != "bfloat16":
+            why = "it runs bf16 linears: add --dtype bfloat16"
+        else:
+            why = kernels.why_no_tiles()
+        if why is not None:
+            raise ConfigError(f"serve --matmul native: {why}; leave --matmul out")
     if args.attention == "native" and not kernels.available():
         raise ConfigError(
             f"serve --attention native: the kernel could not be built ({kernels.why_unavailable()}); "

@@ -226,7 +226,6 @@ void decode(const T* q, const T* kp, const T* vp, const int64_t* slots, const in
   decode_generic<T>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, dim, width, scale);
 }
 
-
 // ---- bf16 linear layers on AMX tiles ---------------------------------------------------------------
 // y = x w^T (+ bias) for bf16 x (rows, K) and w packed by pack_tiles: (N/16, K/32, 16, 16, 2), each
 // 16-column, 32-deep block one B tile (pairs of k per row, as TDPBF16PS reads them). An output
@@ -452,6 +451,13 @@ def _build() -> Optional[Any]:
         return _module
 
 
+def _built() -> Any:
+    module = _build()
+    if module is None:
+        raise RuntimeError(f"the native kernels are not available ({_error})")
+    return module
+
+
 def available() -> bool:
     """Whether the native kernels are built (building them on the first call)."""
     return _build() is not None
@@ -469,20 +475,18 @@ def paged_decode(
     """Attention of one query row per sequence: q (rows, heads, d); k/v pools (slots, kv_heads, d);
     ``slots`` (rows, width) each row's key slots in position order, ``lens`` (rows,) how many it
     attends. Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d)."""
-    module = _build()
-    if module is None:
-        raise RuntimeError(f"the native paged-attention kernel is not available ({_error})")
-    out: torch.Tensor = module.paged_decode(q, k_pool, v_pool, slots, lens, q.shape[-1] ** -0.5)
+    out: torch.Tensor = _built().paged_decode(q, k_pool, v_pool, slots, lens, q.shape[-1] ** -0.5)
     return out
 
 
 def tiles_available() -> bool:
     """Whether bf16 linears can run on AMX tiles here (:func:`tile_linear`): the kernels built with
     tile code (x86-64), a CPU with AMX, and the kernel's leave to use its tile registers."""
-    return _tiles_missing() is None
+    return why_no_tiles() is None
 
 
-def _tiles_missing() -> Optional[str]:
+def why_no_tiles() -> Optional[str]:
+    """Why :func:`tiles_available` is False (None when it is True)."""
     module = _build()
     if module is None:
         return f"the native kernels are not available ({_error})"
@@ -491,11 +495,6 @@ def _tiles_missing() -> Optional[str]:
     if not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
         return "this CPU has no AMX tiles (or the kernel refuses their use)"
     return None
-
-
-def why_no_tiles() -> Optional[str]:
-    """Why :func:`tiles_available` is False (None when it is True)."""
-    return _tiles_missing()
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -515,11 +514,8 @@ def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
     :func:`pack_tiles`, ``bias`` fp32 (n,) or None; (..., n) in bf16. Each output is its row times
     its column summed in fp32 over k in 32-deep tile products in k order, the bias added, rounded once:
     a row's result is the same in any batch (any row count, any threads)."""
-    module = _build()
-    if module is None:
-        raise RuntimeError(f"the native kernels are not available ({_error})")
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:  # the kernel reads each row's k in place
         rows = rows.contiguous()
-    y: torch.Tensor = module.tile_linear(rows, packed, bias, n)
+    y: torch.Tensor = _built().tile_linear(rows, packed, bias, n)
     return y.view(*x.shape[:-1], n)

@@ -151,10 +151,6 @@ def _packed_linear(
     return y.view(*x.shape[:-1], features[1])
 
 
-def _tile_linear(tiled: torch.Tensor, bias: Optional[torch.Tensor], n: int, x: torch.Tensor) -> torch.Tensor:
-    return kernels.tile_linear(x, tiled, bias, n)
-
-
 def wide_rows(
     packed: torch.Tensor, bias: Optional[torch.Tensor], features: tuple[int, int], limit: int
 ) -> tuple[int, ...]:
@@ -296,7 +292,8 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: 
         if tiles:
             tiled = kernels.pack_tiles(weight)
             free_dense(parts)
-            return functools.partial(_tile_linear, tiled, None if bias is None else bias.float(), features[1])
+            fp32_bias = None if bias is None else bias.float()
+            return functools.partial(kernels.tile_linear, packed=tiled, bias=fp32_bias, n=features[1])
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
         wide: tuple[int, ...] = ()
         if chunk and max_rows > CHUNK_ROWS and parts[0] is not head:
