@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from zerotron.cli import main
 
@@ -18,13 +19,20 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err
 
 
-def test_serve_refuses_a_native_matmul_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
-    """An explicit --matmul native is refused in one line, before any load, where it cannot run: in
-    fp32 (it runs bf16 linears) and under tensor parallelism (it packs whole weights)."""
-    err = _error(capsys, ["serve", "model.gguf", "--matmul", "native"])
-    assert "--matmul native" in err and "--dtype bfloat16" in err
-    err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", "bfloat16", "--nproc", "3"])
-    assert "--matmul native" in err and "tensor-parallel" in err
+def test_serve_refuses_a_native_matmul_it_cannot_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explicit --matmul native is refused in one line, before any load, where it cannot run: under
+    tensor parallelism (it packs whole weights) and on a CPU without the instructions of the dtype's
+    kernel (AVX-512 for fp32, AMX for bf16; such a CPU is simulated here)."""
+    for dtype in ("float32", "bfloat16"):
+        err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", dtype, "--nproc", "3"])
+        assert "--matmul native" in err and "tensor-parallel" in err
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    for dtype, missing in (("float32", "AVX-512"), ("bfloat16", "AMX")):
+        err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", dtype])
+        assert "--matmul native" in err and (missing in err or "not available" in err), err
 
 
 @pytest.mark.parametrize(

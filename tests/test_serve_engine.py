@@ -110,16 +110,29 @@ def _native_or_skip() -> None:
         pytest.skip(f"the native paged-attention kernel could not be built: {kernels.why_unavailable()}")
 
 
-@pytest.mark.parametrize(("onednn", "native"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    ("onednn", "native", "matmul"),
+    [(False, False, False), (True, False, False), (True, True, False), (False, True, True)],
+    ids=["mkl", "onednn", "onednn-native", "avx512-native"],
+)
 def test_greedy_equals_transformers_generate(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], engine_factory: object, onednn: bool, native: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    engine_factory: object,
+    onednn: bool,
+    native: bool,
+    matmul: bool,
 ) -> None:
     ref, _ = pair
     if native:
         _native_or_skip()
+    if matmul:
+        _vec_or_skip()
     prompts = _prompts([5, 17, 40, 70, 3, 100])
-    engine = engine_factory(max_num_batched_tokens=48, onednn=onednn, native_attention=native)  # type: ignore[operator]
-    assert engine.runner.min_rows == (MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
+    engine = engine_factory(  # type: ignore[operator]
+        max_num_batched_tokens=48, onednn=onednn, native_attention=native, native_matmul=matmul
+    )
+    assert engine.runner.min_rows == (1 if matmul else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
+    assert engine.runner.matmul == ("native AVX-512" if matmul else "oneDNN" if onednn else "F.linear")
     got = _run(engine, prompts, GREEDY)
     for prompt, (tokens, _) in zip(prompts, got):
         with torch.no_grad():
@@ -147,23 +160,30 @@ def test_logprobs_equal_the_full_forward(
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(("onednn", "native"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    ("onednn", "native", "matmul"),
+    [(False, False, False), (True, False, False), (True, True, False), (False, True, True)],
+    ids=["mkl", "onednn", "onednn-native", "avx512-native"],
+)
 def test_batch_invariance_alone_batched_chunked_and_cached(
-    engine_factory: object, onednn: bool, native: bool, monkeypatch: pytest.MonkeyPatch
+    engine_factory: object, onednn: bool, native: bool, matmul: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A greedy request gets bit-identical tokens and log-probabilities alone, in a batch of other
     requests under a small token budget (its prompt cut into chunks), and on a prefix-cache hit; with
-    MKL's linears (forwards of 16 rows or more) and with oneDNN's packed ones (2 rows or more), and
-    with decodes through the native paged kernel."""
+    MKL's linears (forwards of 16 rows or more), with oneDNN's packed ones (2 rows or more), with
+    zerotron's own AVX-512 kernel (from one row: a lone decode runs one row), and with decodes through
+    the native paged kernel."""
     from zerotron.serve import kernels
 
     if native:
         _native_or_skip()
+    if matmul:
+        _vec_or_skip()
     calls: list[int] = []
     decode = kernels.paged_decode
     monkeypatch.setattr(kernels, "paged_decode", lambda q, *a: calls.append(len(q)) or decode(q, *a))
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
-    make = functools.partial(engine_factory, onednn=onednn, native_attention=native)  # type: ignore[call-overload]
+    make = functools.partial(engine_factory, onednn=onednn, native_attention=native, native_matmul=matmul)  # type: ignore[call-overload]
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     batched = _run(make(max_num_batched_tokens=37), prompts, GREEDY)
     assert batched == alone
@@ -402,7 +422,7 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     engine = make()
     assert engine.kv.k[0].dtype == torch.bfloat16
-    assert engine.runner.min_rows == (MIN_ROWS_ONEDNN if onednn or tiles else MIN_ROWS)
+    assert engine.runner.min_rows == (1 if tiles else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
     assert engine.runner.matmul == ("native tiles" if tiles else "oneDNN" if onednn else "F.linear")
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     assert _run(make(max_num_batched_tokens=37), prompts, GREEDY) == alone
@@ -554,6 +574,54 @@ def test_native_tile_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
         torch.set_num_threads(threads)
 
 
+def _vec_or_skip() -> None:
+    from zerotron.serve import kernels
+
+    if not kernels.vec_available():
+        pytest.skip(f"no native AVX-512 matmul here: {kernels.why_no_vec()}")
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(960, 576, False), (3072, 576, True), (577, 1000, True), (30, 20, False)]
+)
+def test_native_vec_linear_is_the_product_and_each_row_alone(n: int, k: int, bias: bool) -> None:
+    """The AVX-512 kernel's fp32 linear against x w^T + b in float64: within a k-term fp32 sum's
+    rounding (shapes with N not a multiple of 48 padded by pack_vec); every row the same bits in
+    forwards of any row count (1 to 300: partial 8-row blocks, several 128-row chunks), one row at a
+    time, with rows not contiguous or further apart than k, and with one thread or two."""
+    from zerotron.serve import kernels
+
+    _vec_or_skip()
+    g = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(300, k, generator=g)
+    packed = kernels.pack_vec(weight)
+    y = kernels.vec_linear(x, packed, b, n)
+    assert y.shape == (300, n) and y.dtype == torch.float32
+    want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+    scale = x.double().abs() @ weight.double().abs().T + (b.double().abs() if b is not None else 0)
+    assert ((y.double() - want).abs() <= scale * (k + 1) * 2**-24).all()
+    for rows in (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300):
+        assert torch.equal(kernels.vec_linear(x[:rows], packed, b, n), y[:rows]), rows
+    assert torch.equal(
+        torch.cat([kernels.vec_linear(x[i : i + 1], packed, b, n) for i in range(0, 300, 7)]), y[::7]
+    )
+    assert torch.equal(kernels.vec_linear(x[None, 5:40], packed, b, n)[0], y[5:40])  # any leading shape
+    strided = torch.randn(k, 300, generator=g).t()  # rows whose k is not contiguous
+    assert torch.equal(
+        kernels.vec_linear(strided, packed, b, n), kernels.vec_linear(strided.contiguous(), packed, b, n)
+    )
+    wide = torch.cat([x, x], dim=1)[:, :k]  # rows further apart than k (a column slice)
+    assert torch.equal(kernels.vec_linear(wide, packed, b, n), y)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.vec_linear(x, packed, b, n), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _biased_model(seed: int) -> LlamaForCausalLM:
     """A random model with q/k/v biases (Qwen2's), its weights drawn from ``seed``."""
     model = LlamaForCausalLM(dataclasses.replace(CFG, attention_bias=True))
@@ -566,14 +634,15 @@ def _biased_model(seed: int) -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
-    ("dtype", "tiles"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+    ("dtype", "native"),
+    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)],
 )
 def test_packed_fused_linears_equal_the_models_own(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype, bias: bool, tiles: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype, bias: bool, native: bool
 ) -> None:
-    """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights or, bf16,
-    the native kernel on AMX tiles) gives the logits of the model's own nn.Linear forward to rounding,
-    q/k/v biases (Qwen2) included, and frees the dense weights."""
+    """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights or the
+    native kernels: bf16 on AMX tiles, fp32 on AVX-512) gives the logits of the model's own nn.Linear
+    forward to rounding, q/k/v biases (Qwen2) included, and frees the dense weights."""
     from zerotron.serve.runner import pack_linears
 
     _, model = pair
@@ -581,11 +650,11 @@ def test_packed_fused_linears_equal_the_models_own(
         model = _biased_model(seed=5)
     plain = copy.deepcopy(model).to(dtype).eval()
     packed = copy.deepcopy(plain)
-    if tiles:
-        _tiles_or_skip()
+    if native:
+        _tiles_or_skip() if dtype == torch.bfloat16 else _vec_or_skip()
     elif dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
-    assert pack_linears(packed, tiles=tiles)
+    assert pack_linears(packed, native=native)
     attn = packed.layers[0].self_attn
     assert attn.q_proj.weight.numel() == attn.k_proj.weight.numel() == 0
     assert (attn.q_proj.bias is not None) == bias

@@ -82,6 +82,11 @@ def _start(extra: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
     proc, base = _start(["--max-model-len", "1024", "--kv-cache-memory", "0.25"], log)
+    from zerotron.serve import kernels
+
+    # fp32 on one rank: the linears on zerotron's AVX-512 kernel where the CPU has it (the default)
+    want = "native AVX-512" if kernels.vec_available() else "oneDNN"
+    assert f"linears {want}" in log.read_text(), log.read_text()
     yield base
     proc.terminate()
     proc.wait(timeout=30)
@@ -162,15 +167,22 @@ def test_sixteen_concurrent_requests_complete_and_equal_each_alone(client: objec
     assert ask(prompts[0]) == alone[0]  # a prefix-cache hit on its own earlier blocks
 
 
-def test_greedy_tokens_equal_transformers_generate() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["mkl", "avx512-native"])
+def test_greedy_tokens_equal_transformers_generate(native: bool) -> None:
+    """SmolLM2's greedy tokens from the engine (linears through MKL, or packed for zerotron's AVX-512
+    kernel) equal transformers' generate on the same GGUF."""
     transformers = pytest.importorskip("transformers")
+    from zerotron.serve import kernels
     from zerotron.serve.engine import Engine, EngineConfig
     from zerotron.serve.generate import load_model
     from zerotron.serve.sampling import SamplingParams
 
+    if native and not kernels.vec_available():
+        pytest.skip(f"no native AVX-512 matmul here: {kernels.why_no_vec()}")
     gguf = _smollm2_dir() / GGUF_NAME
     model, tok = load_model(str(gguf), torch.float32, "cpu")
-    engine = Engine(model, tok, EngineConfig(max_model_len=512, kv_cache_bytes=1 << 27))
+    cfg = EngineConfig(max_model_len=512, kv_cache_bytes=1 << 27, native_matmul=native)
+    engine = Engine(model, tok, cfg)
     prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
     got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     reference = transformers.AutoModelForCausalLM.from_pretrained(

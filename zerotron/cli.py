@@ -397,10 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--matmul",
         choices=["native", "onednn", "mkl"],
         default=None,
-        help="linear layers on weights packed once, q/k/v and gate/up fused: bf16 ones on AMX tiles "
-        "through zerotron's native kernel (the default on one rank in bf16 where the CPU has AMX), or "
-        "through oneDNN (the default otherwise on one rank); or through torch's F.linear (MKL in fp32, "
-        ">= 16 rows; 16-bit in row chunks; what tensor-parallel shards run)",
+        help="linear layers on weights packed once, q/k/v and gate/up fused: through zerotron's native "
+        "kernels, bf16 on AMX tiles and fp32 on AVX-512 (the default on one rank where the CPU has "
+        "them), or through oneDNN (the default otherwise on one rank; fp16); or through torch's "
+        "F.linear (MKL in fp32, >= 16 rows; 16-bit in row chunks; what tensor-parallel shards run)",
     )
     srv.add_argument(
         "--attention",

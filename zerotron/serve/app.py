@@ -244,10 +244,8 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
     if args.matmul == "native":
         if nproc > 1:
             why: Optional[str] = "it packs whole weights; tensor-parallel shards (--nproc N) run F.linear"
-        elif args.dtype != "bfloat16":
-            why = "it runs bf16 linears: add --dtype bfloat16"
         else:
-            why = kernels.why_no_tiles()
+            why = kernels.why_no_native_matmul(getattr(torch, args.dtype))
         if why is not None:
             raise ConfigError(f"serve --matmul native: {why}; leave --matmul out")
     if args.attention == "native" and not kernels.available():
@@ -264,7 +262,11 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
         prefix_caching=not args.no_prefix_caching,
         onednn=(args.matmul or "onednn") == "onednn",
         native_matmul=args.matmul == "native"
-        or (args.matmul is None and nproc == 1 and args.dtype == "bfloat16" and kernels.tiles_available()),
+        or (
+            args.matmul is None
+            and nproc == 1
+            and kernels.why_no_native_matmul(getattr(torch, args.dtype)) is None
+        ),
         native_attention=args.attention == "native" or (args.attention is None and kernels.available()),
         dtype=args.dtype,
     )

@@ -40,7 +40,7 @@ class EngineConfig:
     prefix_caching: bool = True
     onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
     native_attention: bool = False  # decodes through the native paged kernel (zerotron.serve.kernels)
-    native_matmul: bool = False  # bf16 linears packed for AMX tiles, run by the native tile kernel (CPU)
+    native_matmul: bool = False  # linears on zerotron's kernels: bf16 on AMX tiles, fp32 on AVX-512 (CPU)
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
 
 

@@ -35,7 +35,8 @@ from zerotron.serve.paged import KVPool, PagedAttention, Piece
 
 # Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
 # kernels change their arithmetic with the row count and a sequence's numbers would depend on its
-# batch. MKL's (F.linear) settle at 16 rows; oneDNN's (packed linears, :func:`pack_linears`) at 2.
+# batch. MKL's (F.linear) settle at 16 rows; oneDNN's (packed linears, :func:`pack_linears`) at 2;
+# zerotron's own (native, :mod:`zerotron.serve.kernels`) never change it: one row is enough.
 MIN_ROWS = 16
 MIN_ROWS_ONEDNN = 2
 # 16-bit linears (bf16, fp16; AMX/AVX-512 kernels) change their arithmetic with the row count above 32
@@ -251,7 +252,7 @@ def onednn_kernels(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: bool = False) -> bool:
+def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native: bool = False) -> bool:
     """Run every ``nn.Linear`` of a CPU model through oneDNN on weights packed once (fp32: row results
     independent of the row count from 2 rows up; bf16/fp16: in row chunks of at most
     :data:`CHUNK_ROWS`, each row's result then that of the row alone), with the q, k and v projections
@@ -263,16 +264,17 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: 
     ``max_rows`` (16 bits): the most rows a forward will have (the step's token budget); the decoder
     layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
-    chunks for long prefills. ``tiles`` (bf16): every linear runs on AMX tiles through
-    :func:`~zerotron.serve.kernels.tile_linear` instead, whole at any row count (a row's result
-    depends on the row alone), its weight read once per call."""
+    chunks for long prefills. ``native``: every linear runs on zerotron's own kernel instead, bf16 on
+    AMX tiles (:func:`~zerotron.serve.kernels.tile_linear`), fp32 on AVX-512
+    (:func:`~zerotron.serve.kernels.vec_linear`), whole at any row count (a row's result depends on the
+    row alone, from one row up), its weight read once per call."""
     dtype = next(model.parameters()).dtype
     tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
     if tp:
         return False
-    if tiles and dtype != torch.bfloat16:
-        raise ValueError(f"the native tile kernel runs bf16 linears, not {dtype}")
-    if not tiles and not onednn_kernels(dtype):
+    if native and dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the native linear kernels run bf16 and fp32 linears, not {dtype}")
+    if not native and not onednn_kernels(dtype):
         return False
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     shared = getattr(model, "embed_tokens", None)
@@ -289,11 +291,16 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, tiles: 
         biases = [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in parts]
         bias = torch.cat(biases) if any(m.bias is not None for m in parts) else None
         features = (parts[0].in_features, weight.shape[0])
-        if tiles:
-            tiled = kernels.pack_tiles(weight)
+        if native:
+            pack, run = (
+                (kernels.pack_tiles, kernels.tile_linear)
+                if dtype == torch.bfloat16
+                else (kernels.pack_vec, kernels.vec_linear)
+            )
+            weights = pack(weight)
             free_dense(parts)
             fp32_bias = None if bias is None else bias.float()
-            return functools.partial(kernels.tile_linear, packed=tiled, bias=fp32_bias, n=features[1])
+            return functools.partial(run, packed=weights, bias=fp32_bias, n=features[1])
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
         wide: tuple[int, ...] = ()
         if chunk and max_rows > CHUNK_ROWS and parts[0] is not head:
@@ -393,26 +400,28 @@ class StepRunner:
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
         rows; the engine then owns the model). ``native``: decodes through the native paged-attention
-        kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built). ``native_matmul``
-        (bf16): the linears packed for AMX tiles and run by the native tile kernel
-        (:func:`pack_linears` with ``tiles``; an error where it is not available)."""
+        kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built). ``native_matmul``:
+        the linears packed for and run by zerotron's own kernel, bf16 on AMX tiles, fp32 on AVX-512
+        (:func:`pack_linears` with ``native``; an error where it is not available); every forward then
+        runs its rows as they are, from one row up."""
         if native and not kernels.available():
             raise RuntimeError(
                 f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
             )
         if native_matmul and tp_group is not None and tp_group.size > 1:
-            raise ValueError(
-                "the native tile matmul packs whole weights; tensor-parallel shards run F.linear"
-            )
-        if native_matmul and not kernels.tiles_available():
-            raise RuntimeError(f"the native tile matmul is not available: {kernels.why_no_tiles()}")
+            raise ValueError("the native matmul packs whole weights; tensor-parallel shards run F.linear")
+        dtype = next(model.parameters()).dtype
+        why = kernels.why_no_native_matmul(dtype) if native_matmul else None
+        if why is not None:
+            raise RuntimeError(f"the native matmul is not available: {why}")
         self.model, self.kv, self.native = model, kv, native
-        sixteen = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, tiles=native_matmul)
+        sixteen = dtype in (torch.bfloat16, torch.float16)
+        packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, native=native_matmul)
         if sixteen and not packed:
             chunk_linears(model)
-        self.min_rows = MIN_ROWS_ONEDNN if packed else MIN_ROWS
-        self.matmul = ("native tiles" if native_matmul else "oneDNN") if packed else "F.linear"
+        self.min_rows = 1 if native_matmul else MIN_ROWS_ONEDNN if packed else MIN_ROWS
+        native_name = "native tiles" if dtype == torch.bfloat16 else "native AVX-512"
+        self.matmul = (native_name if native_matmul else "oneDNN") if packed else "F.linear"
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = next(model.parameters()).device
         self.last_signal = time.monotonic()
