@@ -433,6 +433,10 @@ void vec_linear_run(const VecProblem& t) {
 #endif
 }  // namespace
 
+// The entry points below compute without Python's GIL, as torch's own operators do: a bound C++
+// function keeps it by default, and the serving engine spends most of a step in these kernels, while
+// the HTTP server's thread, which takes in requests and streams tokens, waits for the GIL.
+
 // q (rows, heads, dim); k_pool, v_pool (slots, kv_heads, dim); slots (rows, width) int64, each row's
 // key slots in position order; lens (rows,) int64, how many of them it attends -> (rows, heads, dim)
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
@@ -454,6 +458,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   }
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
+  pybind11::gil_scoped_release no_gil;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
                      slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
@@ -493,6 +498,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch:
   TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),
                 reinterpret_cast<const uint16_t*>(w.data_ptr()), b, reinterpret_cast<uint16_t*>(y.data_ptr()),
                 x.stride(0), full, rows, n, w.size(0), kblocks};
+  pybind11::gil_scoped_release no_gil;
   tile_linear_run(t);
   return y;
 #else
@@ -522,6 +528,7 @@ torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
 #if defined(ZT_VEC)
   VecProblem t{x.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0)};
+  pybind11::gil_scoped_release no_gil;
   vec_linear_run(t);
   return y;
 #else
@@ -572,7 +579,7 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=f"zerotron_kernels_v13_{_cpu_tag()}",
+                    name=f"zerotron_kernels_v14_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=["paged_decode", "tiles_built", "tile_linear", "vec_built", "vec_linear"],
                     extra_cflags=_FLAGS,
