@@ -233,6 +233,14 @@ void decode(const T* q, const T* kp, const T* vp, const int64_t* slots, const in
   decode_generic<T>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, dim, width, scale);
 }
 
+// Rows per chunk: `rows` cut into as few chunks of at most `most` as it takes, of equal size rounded
+// up to `unit`. The threads share tasks chunk-major, so unequal chunks (128 + 20 rows) would leave
+// one thread most of the work.
+inline int64_t even_chunk(int64_t rows, int64_t most, int64_t unit) {
+  const int64_t chunks = (rows + most - 1) / most, per = (rows + chunks - 1) / chunks;
+  return std::min(most, (per + unit - 1) / unit * unit);
+}
+
 // ---- bf16 linear layers on AMX tiles ---------------------------------------------------------------
 // y = x w^T (+ bias) for bf16 x (rows, K) and w packed by pack_tiles: (N/16, K/32, 16, 16, 2), each
 // 16-column, 32-deep block one B tile (pairs of k per row, as TDPBF16PS reads them). An output
@@ -280,12 +288,12 @@ struct TileProblem {
   const uint16_t *x, *tail, *w;
   const float* bias;
   uint16_t* y;
-  int64_t ldx, full, rows, n, nblocks, kblocks;
+  int64_t ldx, full, rows, n, nblocks, kblocks, chunk;
 };
 
-constexpr int64_t MCHUNK = 128;  // rows of x a thread keeps in cache while it walks its columns
+constexpr int64_t MCHUNK = 128;  // most rows of x a thread keeps in cache while it walks its columns
 
-// Tasks [begin, end) of one thread: task = (128-row chunk, pair of 16-column blocks), chunk-major.
+// Tasks [begin, end) of one thread: task = (chunk of rows, pair of 16-column blocks), chunk-major.
 ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
@@ -300,7 +308,7 @@ ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end)
     const int64_t nb = 2 * p, nbs = std::min<int64_t>(2, t.nblocks - nb);
     const uint16_t* b0 = t.w + nb * kblocks * 512;
     const uint16_t* b1 = b0 + kblocks * 512;
-    for (int64_t m0 = mc * MCHUNK; m0 < std::min(rows, (mc + 1) * MCHUNK); m0 += 32) {
+    for (int64_t m0 = mc * t.chunk; m0 < std::min(rows, (mc + 1) * t.chunk); m0 += 32) {
       const uint16_t* a0 = m0 < full ? t.x + m0 * t.ldx : t.tail;
       const uint16_t* a1 = m0 + 16 < full ? t.x + (m0 + 16) * t.ldx : t.tail;
       const int64_t lda0 = (m0 < full ? t.ldx : kblocks * 32) * 2;
@@ -328,7 +336,7 @@ ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end)
 }
 
 void tile_linear_run(const TileProblem& t) {
-  const int64_t pairs = (t.nblocks + 1) / 2, chunks = (t.rows + MCHUNK - 1) / MCHUNK;
+  const int64_t pairs = (t.nblocks + 1) / 2, chunks = (t.rows + t.chunk - 1) / t.chunk;
   at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) { tile_tasks(t, begin, end); });
 }
 #endif
@@ -354,7 +362,7 @@ constexpr int64_t VNR = 48, VMC = 128, VKC = 64;  // panel columns, rows per tas
 struct VecProblem {
   const float *x, *w, *bias;
   float* y;
-  int64_t ldx, rows, n, k, panels;
+  int64_t ldx, rows, n, k, panels, chunk;
 };
 
 // MR rows of x (ldx apart) times one panel over k in [k0, k1), the sums carried in c (48 per row);
@@ -400,12 +408,12 @@ ZT_VEC_TARGET void vec_rows(const float* x, int64_t ldx, const float* w, int64_t
   }
 }
 
-// Tasks [begin, end) of one thread: task = (128-row chunk, panel), chunk-major.
+// Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
 ZT_VEC_TARGET void vec_tasks(const VecProblem& t, int64_t begin, int64_t end) {
   alignas(64) float c[VMC * VNR];
   for (int64_t task = begin; task < end; ++task) {
     const int64_t p = task % t.panels, mc = task / t.panels;
-    const int64_t m0 = mc * VMC, m1 = std::min(t.rows, m0 + VMC);
+    const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
     const float* w = t.w + p * t.k * VNR;
     for (int64_t k0 = 0; k0 < t.k; k0 += VKC) {
       const int64_t k1 = std::min(t.k, k0 + VKC);
@@ -427,7 +435,7 @@ ZT_VEC_TARGET void vec_tasks(const VecProblem& t, int64_t begin, int64_t end) {
 }
 
 void vec_linear_run(const VecProblem& t) {
-  const int64_t chunks = (t.rows + VMC - 1) / VMC;
+  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
   at::parallel_for(0, chunks * t.panels, 1, [&](int64_t begin, int64_t end) { vec_tasks(t, begin, end); });
 }
 #endif
@@ -497,7 +505,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch:
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),
                 reinterpret_cast<const uint16_t*>(w.data_ptr()), b, reinterpret_cast<uint16_t*>(y.data_ptr()),
-                x.stride(0), full, rows, n, w.size(0), kblocks};
+                x.stride(0), full, rows, n, w.size(0), kblocks, even_chunk(rows, MCHUNK, 32)};
   pybind11::gil_scoped_release no_gil;
   tile_linear_run(t);
   return y;
@@ -527,7 +535,7 @@ torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
   if (rows == 0) return y;
 #if defined(ZT_VEC)
   VecProblem t{x.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0)};
+               y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0), even_chunk(rows, VMC, 8)};
   pybind11::gil_scoped_release no_gil;
   vec_linear_run(t);
   return y;
@@ -579,7 +587,7 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=f"zerotron_kernels_v14_{_cpu_tag()}",
+                    name=f"zerotron_kernels_v15_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=["paged_decode", "tiles_built", "tile_linear", "vec_built", "vec_linear"],
                     extra_cflags=_FLAGS,
