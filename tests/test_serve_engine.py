@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -529,6 +529,32 @@ def test_native_paged_decode_is_attention_over_each_rows_slots(
         assert torch.equal(alone[0], out[r])
 
 
+def _each_row_alone(
+    linear: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    counts: tuple[int, ...],
+    g: torch.Generator,
+) -> None:
+    """A native linear's rows are their own: ``linear`` on the first rows of ``x`` for each of
+    ``counts`` gives those rows of ``y`` bit for bit, as do any leading shape, rows whose k is not
+    contiguous, rows further apart than k, and one thread instead of the process's."""
+    k = x.shape[1]
+    for rows in counts:
+        assert torch.equal(linear(x[:rows]), y[:rows]), rows
+    assert torch.equal(linear(x[None, 5:40])[0], y[5:40])  # any leading shape
+    strided = torch.randn(k, 300, generator=g).to(x.dtype).t()  # rows whose k is not contiguous
+    assert torch.equal(linear(strided), linear(strided.contiguous()))
+    wide = torch.cat([x, x], dim=1)[:, :k]  # rows further apart than k (a column slice)
+    assert torch.equal(linear(wide), y)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _tiles_or_skip() -> None:
     from zerotron.serve import kernels
 
@@ -557,21 +583,8 @@ def test_native_tile_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
     want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
     scale = x.double().abs() @ weight.double().abs().T  # the sum's own size, for its fp32 rounding
     assert ((y.double() - want).abs() <= want.abs() * 2**-8 + scale * 2**-20).all()
-    for rows in (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300):
-        assert torch.equal(kernels.tile_linear(x[:rows], tiled, b, n), y[:rows]), rows
-    assert torch.equal(kernels.tile_linear(x[None, 5:40], tiled, b, n)[0], y[5:40])  # any leading shape
-    strided = torch.randn(k, 300, generator=g).bfloat16().t()  # rows whose k is not contiguous
-    assert torch.equal(
-        kernels.tile_linear(strided, tiled, b, n), kernels.tile_linear(strided.contiguous(), tiled, b, n)
-    )
-    wide = torch.cat([x, x], dim=1)[:, :k]  # rows further apart than k (a column slice)
-    assert torch.equal(kernels.tile_linear(wide, tiled, b, n), y)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(kernels.tile_linear(x, tiled, b, n), y)
-    finally:
-        torch.set_num_threads(threads)
+    counts = (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300)
+    _each_row_alone(functools.partial(kernels.tile_linear, packed=tiled, bias=b, n=n), x, y, counts, g)
 
 
 def _vec_or_skip() -> None:
@@ -602,24 +615,9 @@ def test_native_vec_linear_is_the_product_and_each_row_alone(n: int, k: int, bia
     want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
     scale = x.double().abs() @ weight.double().abs().T + (b.double().abs() if b is not None else 0)
     assert ((y.double() - want).abs() <= scale * (k + 1) * 2**-24).all()
-    for rows in (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300):
-        assert torch.equal(kernels.vec_linear(x[:rows], packed, b, n), y[:rows]), rows
-    assert torch.equal(
-        torch.cat([kernels.vec_linear(x[i : i + 1], packed, b, n) for i in range(0, 300, 7)]), y[::7]
-    )
-    assert torch.equal(kernels.vec_linear(x[None, 5:40], packed, b, n)[0], y[5:40])  # any leading shape
-    strided = torch.randn(k, 300, generator=g).t()  # rows whose k is not contiguous
-    assert torch.equal(
-        kernels.vec_linear(strided, packed, b, n), kernels.vec_linear(strided.contiguous(), packed, b, n)
-    )
-    wide = torch.cat([x, x], dim=1)[:, :k]  # rows further apart than k (a column slice)
-    assert torch.equal(kernels.vec_linear(wide, packed, b, n), y)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(kernels.vec_linear(x, packed, b, n), y)
-    finally:
-        torch.set_num_threads(threads)
+    linear = functools.partial(kernels.vec_linear, packed=packed, bias=b, n=n)
+    assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(0, 300, 7)]), y[::7])
+    _each_row_alone(linear, x, y, (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300), g)
 
 
 def _biased_model(seed: int) -> LlamaForCausalLM:

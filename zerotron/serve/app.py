@@ -241,11 +241,13 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
             "serve --matmul onednn: this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX): leave "
             "--matmul out"
         )
+    no_native = kernels.why_no_native_matmul(getattr(torch, args.dtype))  # None: it can run here
     if args.matmul == "native":
-        if nproc > 1:
-            why: Optional[str] = "it packs whole weights; tensor-parallel shards (--nproc N) run F.linear"
-        else:
-            why = kernels.why_no_native_matmul(getattr(torch, args.dtype))
+        why = (
+            "it packs whole weights; tensor-parallel shards (--nproc N) run F.linear"
+            if nproc > 1
+            else no_native
+        )
         if why is not None:
             raise ConfigError(f"serve --matmul native: {why}; leave --matmul out")
     if args.attention == "native" and not kernels.available():
@@ -261,12 +263,7 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
         onednn=(args.matmul or "onednn") == "onednn",
-        native_matmul=args.matmul == "native"
-        or (
-            args.matmul is None
-            and nproc == 1
-            and kernels.why_no_native_matmul(getattr(torch, args.dtype)) is None
-        ),
+        native_matmul=args.matmul == "native" or (args.matmul is None and nproc == 1 and no_native is None),
         native_attention=args.attention == "native" or (args.attention is None and kernels.available()),
         dtype=args.dtype,
     )

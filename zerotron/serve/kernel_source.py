@@ -1,0 +1,514 @@
+"""The C++ source of :mod:`zerotron.serve.kernels` (compiled there on first use; what each kernel
+computes and why is documented there and beside each function below)."""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <vector>
+
+namespace {
+
+// exp on [-87, 0] (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp), plain
+// arithmetic so that the compiler vectorizes the loops that call it.
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float fx = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float z = x * x;
+  float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x
+              + 4.1665795894e-2f) * x + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// Each of ``group`` rows of ``n`` scores replaced by exp(score - max); ``total`` gets the row sums.
+inline void softmax(float* score, float* total, int64_t group, int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = score + g * n;
+    float top = s[0];
+    for (int64_t j = 1; j < n; ++j) top = s[j] > top ? s[j] : top;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = exp_neg(s[j] - top);
+      sum += s[j];
+    }
+    total[g] = sum;
+  }
+}
+
+// The generic kernel: any dtype and head size. Per task (a row and a KV head): the scores of the
+// row's query heads that share the KV head against its keys in position order, softmax (fp32),
+// the weighted sum of its values.
+template <typename T>
+void decode_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
+                    T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
+                    float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), vf(dim), score, total(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, kh = task % kv_heads, n = lens[r];
+      const int64_t* slot = slots + r * width;
+      score.assign(group * n, 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qrow = q + (r * heads + kh * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const T* k = kp + (slot[j] * kv_heads + kh) * dim;
+        for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<float>(k[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          float dot = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * kf[d];
+          score[g * n + j] = dot;
+        }
+      }
+      softmax(score.data(), total.data(), group, n);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const T* v = vp + (slot[j] * kv_heads + kh) * dim;
+        for (int64_t d = 0; d < dim; ++d) vf[d] = static_cast<float>(v[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = score[g * n + j];
+          for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + (r * heads + kh * group + g) * dim;
+        const float inv = 1.0f / total[g];
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// The same computation on AVX-512 registers, for float and bfloat16 pools, heads of V * 16 and
+// groups of G query heads per KV head known when compiling: a key's 16-lane products summed
+// lane-wise, then across lanes; the values accumulated in 16-lane registers.
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+inline void prefetch_slot(const T* p, int64_t elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// Calls visit(j, kh, x) for each of a row's first n slots and each KV head, x the slot's V vectors of
+// that head: slot by slot, all KV heads of a slot at once (one contiguous run of the pool), the slot
+// four ahead requested meanwhile.
+template <typename T, int V, typename Visit>
+inline void for_each_slot(const T* pool, const int64_t* slot, int64_t n, int64_t kv_heads, Visit visit) {
+  constexpr int64_t dim = V * 16, PREFETCH = 4;
+  const int64_t stride = kv_heads * dim;
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + PREFETCH < n) prefetch_slot(pool + slot[j + PREFETCH] * stride, stride);
+    const T* base = pool + slot[j] * stride;
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      __m512 x[V];
+      for (int v = 0; v < V; ++v) x[v] = load16<T>(base + kh * dim + 16 * v);
+      visit(j, kh, x);
+    }
+  }
+}
+
+// One task per row: its keys, then its values, through for_each_slot.
+template <typename T, int V, int G>
+void decode_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
+                   T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width, float scale) {
+  constexpr int64_t dim = V * 16;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score, total(heads);
+    std::vector<__m512> qv(heads * V), acc(heads * V);
+    alignas(64) float buffer[dim];
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = lens[r];
+      const int64_t* slot = slots + r * width;
+      score.resize(heads * n);
+      for (int64_t h = 0; h < heads; ++h)
+        for (int v = 0; v < V; ++v)
+          qv[h * V + v] = _mm512_mul_ps(load16<T>(q + (r * heads + h) * dim + 16 * v), _mm512_set1_ps(scale));
+      for_each_slot<T, V>(kp, slot, n, kv_heads, [&](int64_t j, int64_t kh, const __m512* k) {
+        for (int g = 0; g < G; ++g) {
+          const __m512* qh = qv.data() + (kh * G + g) * V;
+          __m512 dot = _mm512_mul_ps(qh[0], k[0]);
+          for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(qh[v], k[v], dot);
+          score[(kh * G + g) * n + j] = _mm512_reduce_add_ps(dot);
+        }
+      });
+      softmax(score.data(), total.data(), heads, n);
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for_each_slot<T, V>(vp, slot, n, kv_heads, [&](int64_t j, int64_t kh, const __m512* val) {
+        for (int g = 0; g < G; ++g) {
+          const int64_t h = kh * G + g;
+          const __m512 p = _mm512_set1_ps(score[h * n + j]);
+          __m512* a = acc.data() + h * V;
+          for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(p, val[v], a[v]);
+        }
+      });
+      for (int64_t h = 0; h < heads; ++h) {
+        T* o = out + (r * heads + h) * dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / total[h]);
+        for (int v = 0; v < V; ++v) _mm512_store_ps(buffer + 16 * v, _mm512_mul_ps(acc[h * V + v], inv));
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(buffer[d]);
+      }
+    }
+  });
+}
+
+template <typename T, int V>
+bool decode_fixed_group(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
+                        T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width, float scale) {
+  switch (heads / kv_heads) {
+#define ZT_GROUP(G) \
+    case G: decode_avx512<T, V, G>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, width, scale); return true;
+    ZT_GROUP(1) ZT_GROUP(2) ZT_GROUP(3) ZT_GROUP(4) ZT_GROUP(5) ZT_GROUP(6) ZT_GROUP(7) ZT_GROUP(8)
+#undef ZT_GROUP
+    default: return false;
+  }
+}
+#endif
+
+template <typename T>
+void decode(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens, T* out,
+            int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (dim == 64 && decode_fixed_group<T, 4>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, width, scale)) return;
+    if (dim == 128 && decode_fixed_group<T, 8>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, width, scale)) return;
+  }
+#endif
+  decode_generic<T>(q, kp, vp, slots, lens, out, rows, heads, kv_heads, dim, width, scale);
+}
+
+// Rows per chunk: `rows` cut into as few chunks of at most `most` as it takes, of equal size rounded
+// up to `unit`. The threads share tasks chunk-major, so unequal chunks (128 + 20 rows) would leave
+// one thread most of the work.
+inline int64_t even_chunk(int64_t rows, int64_t most, int64_t unit) {
+  const int64_t chunks = (rows + most - 1) / most, per = (rows + chunks - 1) / chunks;
+  return std::min(most, (per + unit - 1) / unit * unit);
+}
+
+// ---- bf16 linear layers on AMX tiles ---------------------------------------------------------------
+// y = x w^T (+ bias) for bf16 x (rows, K) and w packed by pack_tiles: (N/16, K/32, 16, 16, 2), each
+// 16-column, 32-deep block one B tile (pairs of k per row, as TDPBF16PS reads them). An output
+// element is its row of x times its column of w summed over k in 32-deep tile products in k order,
+// in fp32, rounded once to bf16 after the bias: a row's numbers never depend on the other rows or
+// on how the columns are shared among threads.
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define ZT_TILES 1
+#define ZT_TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// One block of MA x 16 rows (A tiles 4, 5: 16 rows each from a0, a1, lda0/lda1 bytes apart) times
+// NB x 16 columns (B tiles 6, 7), summed into C tiles 0-3 over all k, stored to c (32 x 32 fp32).
+template <int MA, int NB>
+ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const uint16_t* a1, int64_t lda1,
+                                      const uint16_t* b0, const uint16_t* b1, int64_t kblocks, float* c) {
+  _tile_zero(0);
+  if (NB == 2) _tile_zero(1);
+  if (MA == 2) _tile_zero(2);
+  if (MA == 2 && NB == 2) _tile_zero(3);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_loadd(4, a0 + kb * 32, lda0);
+    if (MA == 2) _tile_loadd(5, a1 + kb * 32, lda1);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    if (NB == 2) _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if (MA == 2) _tile_dpbf16ps(2, 5, 6);
+    if (MA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  char* cc = reinterpret_cast<char*>(c);
+  _tile_stored(0, cc, 128);
+  if (NB == 2) _tile_stored(1, cc + 64, 128);
+  if (MA == 2) _tile_stored(2, cc + 16 * 128, 128);
+  if (MA == 2 && NB == 2) _tile_stored(3, cc + 16 * 128 + 64, 128);
+}
+
+// A linear's operands: x rows of `ldx` elements (the first `full` rows, a multiple of 16, read in
+// place), tail the rest (under 16) zero-padded to 16 rows of kblocks * 32; y (rows, n).
+struct TileProblem {
+  const uint16_t *x, *tail, *w;
+  const float* bias;
+  uint16_t* y;
+  int64_t ldx, full, rows, n, nblocks, kblocks, chunk;
+};
+
+constexpr int64_t MCHUNK = 128;  // most rows of x a thread keeps in cache while it walks its columns
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, pair of 16-column blocks), chunk-major.
+ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[32 * 32];
+  const int64_t pairs = (t.nblocks + 1) / 2, kblocks = t.kblocks, rows = t.rows, full = t.full;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % pairs, mc = task / pairs;
+    const int64_t nb = 2 * p, nbs = std::min<int64_t>(2, t.nblocks - nb);
+    const uint16_t* b0 = t.w + nb * kblocks * 512;
+    const uint16_t* b1 = b0 + kblocks * 512;
+    for (int64_t m0 = mc * t.chunk; m0 < std::min(rows, (mc + 1) * t.chunk); m0 += 32) {
+      const uint16_t* a0 = m0 < full ? t.x + m0 * t.ldx : t.tail;
+      const uint16_t* a1 = m0 + 16 < full ? t.x + (m0 + 16) * t.ldx : t.tail;
+      const int64_t lda0 = (m0 < full ? t.ldx : kblocks * 32) * 2;
+      const int64_t lda1 = (m0 + 16 < full ? t.ldx : kblocks * 32) * 2;
+      if (rows - m0 > 16 && nbs == 2) tile_block<2, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else if (rows - m0 > 16) tile_block<2, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else if (nbs == 2) tile_block<1, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else tile_block<1, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      const int64_t mr = std::min<int64_t>(32, rows - m0);
+      for (int64_t half = 0; half < nbs; ++half) {
+        const int64_t col = nb * 16 + half * 16;
+        if (col >= t.n) break;
+        const __mmask16 keep = t.n - col >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                               : static_cast<__mmask16>((1u << (t.n - col)) - 1);
+        const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < mr; ++r) {
+          __m512 v = _mm512_loadu_ps(c + r * 32 + half * 16);
+          if (t.bias) v = _mm512_add_ps(v, b);
+          _mm256_mask_storeu_epi16(t.y + (m0 + r) * t.n + col, keep, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+void tile_linear_run(const TileProblem& t) {
+  const int64_t pairs = (t.nblocks + 1) / 2, chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) { tile_tasks(t, begin, end); });
+}
+#endif
+// ---- fp32 linear layers on AVX-512 -----------------------------------------------------------------
+// y = x w^T (+ bias) for fp32 x (rows, K) and w packed by pack_vec: (N/48, K, 48), each 48-column
+// panel k-major. An output element is one fused multiply-add chain over k in order from zero, the
+// bias added after: a row's numbers never depend on the other rows, on the blocking, or on how the
+// panels are shared among threads. Blocks of up to 8 rows x 48 columns keep 24 accumulators in
+// registers; k is walked in 64-deep slices, every row block of a chunk through a slice while it is
+// in L1, the next slice fetched meanwhile, so that few rows cost about one read of the weights and
+// many rows run at the FMA units' rate.
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define ZT_VEC 1
+#if defined(__clang__)
+#define ZT_VEC_TARGET __attribute__((target("avx512f")))
+#define ZT_VEC_ORDER _Pragma("clang fp reassociate(off)")
+#else  // the chains must stay chains: no reassociation here whatever the file's flags
+#define ZT_VEC_TARGET __attribute__((target("avx512f"), optimize("no-associative-math")))
+#define ZT_VEC_ORDER
+#endif
+constexpr int64_t VNR = 48, VMC = 128, VKC = 64;  // panel columns, rows per task, k per slice
+
+struct VecProblem {
+  const float *x, *w, *bias;
+  float* y;
+  int64_t ldx, rows, n, k, panels, chunk;
+};
+
+// MR rows of x (ldx apart) times one panel over k in [k0, k1), the sums carried in c (48 per row);
+// pf: where the next slice starts (prefetched into L1 while this one is multiplied), or null
+template <int MR>
+ZT_VEC_TARGET inline void vec_block(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1,
+                                    float* c, bool first, const float* pf) {
+  ZT_VEC_ORDER
+  __m512 acc[MR][3];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * VNR + j * 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * VNR;
+    const __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32);
+    if (pf) {
+      const char* p = reinterpret_cast<const char*>(pf + (k - k0) * VNR);
+      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(p + 64, _MM_HINT_T0);
+      _mm_prefetch(p + 128, _MM_HINT_T0);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, w2, acc[r][2]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(c + r * VNR + j * 16, acc[r][j]);
+}
+
+ZT_VEC_TARGET void vec_rows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* c,
+                            bool first, const float* pf, int64_t mr) {
+  switch (mr) {
+    case 8: vec_block<8>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 7: vec_block<7>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 6: vec_block<6>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 5: vec_block<5>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 4: vec_block<4>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 3: vec_block<3>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 2: vec_block<2>(x, ldx, w, k0, k1, c, first, pf); break;
+    default: vec_block<1>(x, ldx, w, k0, k1, c, first, pf); break;
+  }
+}
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
+ZT_VEC_TARGET void vec_tasks(const VecProblem& t, int64_t begin, int64_t end) {
+  alignas(64) float c[VMC * VNR];
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % t.panels, mc = task / t.panels;
+    const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
+    const float* w = t.w + p * t.k * VNR;
+    for (int64_t k0 = 0; k0 < t.k; k0 += VKC) {
+      const int64_t k1 = std::min(t.k, k0 + VKC);
+      for (int64_t m = m0; m < m1; m += 8)
+        vec_rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * VNR, k0 == 0,
+                 m == m0 ? w + k1 * VNR : nullptr, std::min<int64_t>(8, m1 - m));
+    }
+    const int64_t col = p * VNR, width = std::min(VNR, t.n - col);
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t j = 0; j < width; j += 16) {
+        const int64_t cnt = std::min<int64_t>(16, width - j);
+        const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
+        __m512 v = _mm512_loadu_ps(c + (m - m0) * VNR + j);
+        if (t.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, t.bias + col + j));
+        _mm512_mask_storeu_ps(t.y + m * t.n + col + j, keep, v);
+      }
+    }
+  }
+}
+
+void vec_linear_run(const VecProblem& t) {
+  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * t.panels, 1, [&](int64_t begin, int64_t end) { vec_tasks(t, begin, end); });
+}
+#endif
+}  // namespace
+
+// The entry points below compute without Python's GIL, as torch's own operators do: a bound C++
+// function keeps it by default, and the serving engine spends most of a step in these kernels, while
+// the HTTP server's thread, which takes in requests and streams tokens, waits for the GIL.
+
+// q (rows, heads, dim); k_pool, v_pool (slots, kv_heads, dim); slots (rows, width) int64, each row's
+// key slots in position order; lens (rows,) int64, how many of them it attends -> (rows, heads, dim)
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                           torch::Tensor slots, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(slots.is_contiguous() && lens.is_contiguous(), "contiguous slots and lengths");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "one dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "int64 slots");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_pool.size(2) == dim && slots.size(0) == rows, "shapes");
+  TORCH_CHECK(lens.size(0) == rows, "one length per row");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(len[r] >= 1 && len[r] <= slots.size(1), "a row's length outside 1..slot list width");
+    for (int64_t j = 0; j < len[r]; ++j)
+      TORCH_CHECK(slot[r * slots.size(1) + j] >= 0 && slot[r * slots.size(1) + j] < k_pool.size(0),
+                  "slots outside the pool");
+  }
+  auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                     slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                     rows, heads, kv_heads, dim, slots.size(1), s);
+  });
+  return out;
+}
+
+bool tiles_built() {
+#if defined(ZT_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) bf16 with unit column stride; w from pack_tiles (N/16 blocks of 16 columns, K/32
+// blocks of 32: K rounded up to 32 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
+  TORCH_CHECK(w.dim() == 5 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "packed weight");
+  TORCH_CHECK(w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2 && n <= w.size(0) * 16 && n > w.size(0) * 16 - 16, "packed shape");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0), k = x.size(1), kblocks = w.size(1);
+  TORCH_CHECK(k <= kblocks * 32 && k > kblocks * 32 - 32, "input features");
+  if (rows > 1 && x.stride(0) < k) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_TILES)
+  // rows are read in place when K is a multiple of 32 (else from a zero-padded copy), the last
+  // partial 16 from a zero-padded tile
+  if (k != kblocks * 32) x = torch::constant_pad_nd(x, {0, kblocks * 32 - k});
+  const int64_t full = rows / 16 * 16;
+  auto tail = torch::zeros({full < rows ? 16 : 0, kblocks * 32}, x.options());
+  if (full < rows) tail.narrow(0, 0, rows - full).copy_(x.narrow(0, full, rows - full));
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),
+                reinterpret_cast<const uint16_t*>(w.data_ptr()), b, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                x.stride(0), full, rows, n, w.size(0), kblocks, even_chunk(rows, MCHUNK, 32)};
+  pybind11::gil_scoped_release no_gil;
+  tile_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX tile kernels");
+#endif
+}
+bool vec_built() {
+#if defined(ZT_VEC)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) fp32 with unit column stride; w from pack_vec (N/48 panels of K x 48, 64-byte aligned;
+// N rounded up to 48 with zero weights); bias (n,) fp32 or empty -> (rows, n) fp32
+torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(2) == 48, "packed weight");
+  TORCH_CHECK(n <= w.size(0) * 48 && n > w.size(0) * 48 - 48 && w.size(1) == x.size(1), "packed shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 64 == 0, "a 64-byte aligned packed weight");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0);
+  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_VEC)
+  VecProblem t{x.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0), even_chunk(rows, VMC, 8)};
+  pybind11::gil_scoped_release no_gil;
+  vec_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX-512 linear kernel");
+#endif
+}
+"""
