@@ -54,6 +54,19 @@ def _check_group(g: Any, rank: int) -> None:
     out = torch.empty(3)
     C.reduce_scatter(out, _x(rank, 3 * n), g, async_op=True).wait()
     assert_close(out, full.sum(0)[3 * me : 3 * me + 3])
+    # a caller done with its input: into a new tensor, and in place (the output is the rank's chunk)
+    for op, ref in [("sum", full.sum(0)), ("avg", full.mean(0))]:
+        out = torch.empty(3)
+        C.reduce_scatter(out, _x(rank, 3 * n), g, op=op, async_op=True, overwrite_input=True).wait()
+        assert_close(out, ref[3 * me : 3 * me + 3], msg=f"reduce_scatter {op} overwriting on {g.label}")
+        x = _x(rank, 3 * n)
+        C.reduce_scatter(x[3 * me : 3 * me + 3], x, g, op=op, overwrite_input=True)
+        assert_close(x[3 * me : 3 * me + 3], ref[3 * me : 3 * me + 3], msg=f"in place, {op}, {g.label}")
+    noisy = torch.randn(3 * n, generator=torch.Generator().manual_seed(rank))  # rounding in the sums
+    kept, overwritten = torch.empty(3), torch.empty(3)
+    C.reduce_scatter(kept, noisy, g)
+    C.reduce_scatter(overwritten, noisy.clone(), g, overwrite_input=True)
+    assert torch.equal(kept, overwritten), f"overwriting the input changed the bits on {g.label}"
 
     gathered = torch.empty(n, 3)  # (n, 3)
     C.all_gather(gathered, _x(rank, 3), g)
@@ -145,7 +158,7 @@ def _expected_bytes(n: int) -> dict[str, int]:
     f = 4  # float32
     return {
         "all_reduce": 5 * (2 * 6 * f * (n - 1) // n),
-        "reduce_scatter": 3 * (3 * n * f * (n - 1) // n),
+        "reduce_scatter": 9 * (3 * n * f * (n - 1) // n),
         "all_gather": 2 * (3 * n * f * (n - 1) // n),
         "all_to_all": 2 * n * f * (n - 1) // n,
         "broadcast": 5 * f,

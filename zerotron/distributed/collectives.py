@@ -233,9 +233,21 @@ def all_reduce(
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    op: str = "sum",
+    async_op: bool = False,
+    overwrite_input: bool = False,
 ) -> Pending | _NoWork | None:
-    """Reduce ``input`` (group.size × output elements, rank-major) and keep this rank's chunk in ``output``."""
+    """Reduce ``input`` (group.size × output elements, rank-major) and keep this rank's chunk in ``output``.
+
+    ``output`` may be this rank's own chunk of ``input`` (reduced in place). ``overwrite_input``: the
+    caller is done with ``input``, whose values are undefined afterwards. Gloo's reduce-scatter is an
+    all-reduce of a copy of the input, keeping the chunk; given the input, the all-reduce runs on it in
+    place and the copy (the whole buffer, each call) is saved, with the same bits. Counted as the
+    reduce-scatter that was asked for, like the fallback below.
+    """
     if op not in ("sum", "avg"):
         raise ValueError(f"reduce_scatter op {op!r} must be 'sum' or 'avg'")
     n = group.size
@@ -247,6 +259,18 @@ def reduce_scatter(
         output.copy_(input.reshape(output.shape))
         return _NoWork() if async_op else None
     entry = _begin(group, "reduce_scatter", (output, input), _nbytes(input) * (n - 1) // n)
+    if overwrite_input and group.backend == "gloo" and input.is_contiguous():
+        mine = input.view(n, -1)[group.rank_in_group].view(output.shape)
+
+        def keep() -> None:
+            if op == "avg":
+                _divide(mine, n)
+            if output.data_ptr() != mine.data_ptr():
+                output.copy_(mine)
+
+        return _run(
+            group, entry, lambda a: dist.all_reduce(input, dist.ReduceOp.SUM, group.pg, a), async_op, keep
+        )
     native = op == "avg" and group.native_avg
     rop = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
     post = (lambda: _divide(output, n)) if op == "avg" and not native else None

@@ -181,14 +181,20 @@ class _ShardedBuckets(SyncGate):
             work = collectives.all_reduce(send, replica, op="sum", async_op=True)
             self._direct.add(i)
             self._pending[i].append((work, send))
-        else:
-            out = torch.empty(layout.shard, dtype=send.dtype, device=send.device)
-            work = collectives.reduce_scatter(out, send, layout.group, op="sum", async_op=True)
+        else:  # ``send`` is this step's own buffer (flattened, accumulated or cast): the reduction may use it
+            out = self._reduce_into(i, send)
+            work = collectives.reduce_scatter(
+                out, send, layout.group, op="sum", async_op=True, overwrite_input=True
+            )
             self._pending[i].append((work, out))
         self._ready[i], self._launched[i] = 0, True
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _reduce_into(self, i: int, send: torch.Tensor) -> torch.Tensor:
+        """Where bucket ``i``'s reduced shard lands: a new ``(shard,)`` tensor in ``send``'s dtype."""
+        return torch.empty(self.layouts[i].shard, dtype=send.dtype, device=send.device)
 
     def reduced_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """After :meth:`finish`: this rank's reduced gradient shard of ``param``, which must be alone in
@@ -342,6 +348,11 @@ class ZeroStage1(_ShardedBuckets):
             for slot, view in zip(self.layouts[i].slots, self.layouts[i].views(flat_grad)):
                 slot.param.grad = view
         self.flat_grads[i] = flat_grad
+
+    def _reduce_into(self, i: int, send: torch.Tensor) -> torch.Tensor:
+        # in place: the shard of the buffer reduced, which is the whole-gradient buffer ZeRO-1 keeps
+        # unless the gradients travel in another dtype (then _land casts the shard into it)
+        return send[self.layouts[i].lo : self.layouts[i].hi]
 
     def _land(self, i: int, out: torch.Tensor) -> None:
         layout, flat_grad = self.layouts[i], self.flat_grads[i]

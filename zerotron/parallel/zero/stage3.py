@@ -247,7 +247,8 @@ class ZeroStage3:
             slot.param.grad = None
         self._land(unit)  # an earlier micro-batch's reduction lands first
         out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)
-        unit.pending.append((collectives.reduce_scatter(out, flat_grad, layout.group, async_op=True), out))
+        work = collectives.reduce_scatter(out, flat_grad, layout.group, async_op=True, overwrite_input=True)
+        unit.pending.append((work, out))  # flat_grad is this call's own buffer: the reduction may use it
         unit.ready, unit.reduced = 0, True
         unit.free()
         # At most two reductions in flight (FSDP2 waits on the previous one too): each holds its unit's
