@@ -48,6 +48,9 @@ def test_bench_every_framework_agrees_with_zerotron(
     assert ran == RUNS[stage], {n: r.get("skipped") or r.get("error") for n, r in rows.items()}
     ours = rows["zerotron"]["losses"]
     assert len(ours) == 4 and ours[-1] < ours[0]
+    for name in ran:  # every step's time is kept; the row's step time is the median after the first
+        (each,) = rows[name]["step_s_each"]
+        assert len(each) == 4 and rows[name]["step_s"] == pytest.approx(sorted(each[1:])[1], abs=1e-6)
     for name in ran - {"zerotron"}:
         assert rows[name]["losses"] == pytest.approx(ours, rel=1e-4), name
         assert rows[name]["loss_agrees"] is True

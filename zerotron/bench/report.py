@@ -19,13 +19,14 @@ def summarise(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
     Step time: the median over steps after ``WARMUP`` of rank 0, the fastest repeat; memory: the largest
     rank's peak in any repeat; losses: rank 0's trajectory of the first repeat (every repeat runs the
-    same deterministic job).
+    same deterministic job); ``step_s_each``: rank 0's time of every step of every repeat.
     """
     medians = [statistics.median(r[0]["step_s"][WARMUP:] or r[0]["step_s"]) for r in runs]
     comm = runs[0][0].get("comm_bytes_per_step")
     return {
         "step_s": min(medians),
         "step_s_repeats": medians,
+        "step_s_each": [[round(t, 6) for t in r[0]["step_s"]] for r in runs],  # rank 0, every step
         "peak_memory_bytes": max(rank["peak_memory_bytes"] for r in runs for rank in r),
         "losses": runs[0][0]["losses"],
         "comm_bytes_per_step": statistics.median(comm) if comm else None,
