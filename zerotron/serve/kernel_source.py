@@ -314,8 +314,9 @@ void tile_linear_run(const TileProblem& t) {
 // bias added after: a row's numbers never depend on the other rows, on the blocking, or on how the
 // panels are shared among threads. Blocks of up to 8 rows x 48 columns keep 24 accumulators in
 // registers; k is walked in 64-deep slices, every row block of a chunk through a slice while it is
-// in L1, the next slice fetched meanwhile, so that few rows cost about one read of the weights and
-// many rows run at the FMA units' rate.
+// in L1, the next slice fetched into L1 and the fifth into L2 meanwhile (the panels of a thread's
+// tasks follow each other in memory, so the fetches run on into its next panel), so that few rows
+// cost about one read of the weights and many rows run at the FMA units' rate.
 #if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
 #define ZT_VEC 1
 #if defined(__clang__)
@@ -326,6 +327,7 @@ void tile_linear_run(const TileProblem& t) {
 #define ZT_VEC_ORDER
 #endif
 constexpr int64_t VNR = 48, VMC = 128, VKC = 64;  // panel columns, rows per task, k per slice
+constexpr int64_t VAHEAD = 4 * VKC * VNR;  // how far ahead (floats) the weights are fetched into L2
 
 struct VecProblem {
   const float *x, *w, *bias;
@@ -334,7 +336,8 @@ struct VecProblem {
 };
 
 // MR rows of x (ldx apart) times one panel over k in [k0, k1), the sums carried in c (48 per row);
-// pf: where the next slice starts (prefetched into L1 while this one is multiplied), or null
+// pf: where the next slice starts (prefetched into L1 while this one is multiplied, and the weights four
+// slices further on into L2: from memory, one slice ahead is too late to keep the FMA units fed), or null
 template <int MR>
 ZT_VEC_TARGET inline void vec_block(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1,
                                     float* c, bool first, const float* pf) {
@@ -350,6 +353,10 @@ ZT_VEC_TARGET inline void vec_block(const float* x, int64_t ldx, const float* w,
       _mm_prefetch(p, _MM_HINT_T0);
       _mm_prefetch(p + 64, _MM_HINT_T0);
       _mm_prefetch(p + 128, _MM_HINT_T0);
+      const char* q = reinterpret_cast<const char*>(pf + (k - k0) * VNR + VAHEAD);
+      _mm_prefetch(q, _MM_HINT_T1);
+      _mm_prefetch(q + 64, _MM_HINT_T1);
+      _mm_prefetch(q + 128, _MM_HINT_T1);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);

@@ -77,7 +77,7 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=f"zerotron_kernels_v15_{_cpu_tag()}",
+                    name=f"zerotron_kernels_v16_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=["paged_decode", "tiles_built", "tile_linear", "vec_built", "vec_linear"],
                     extra_cflags=_FLAGS,
