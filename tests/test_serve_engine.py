@@ -440,8 +440,9 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
 @pytest.mark.parametrize("packed", [False, True])
 def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool) -> None:
     """SmolLM2's output head in bf16 (49152 x 576): a row's logits are the same bits whatever the number
-    of rows in the forward (on this CPU plain F.linear's and oneDNN's change from 33 rows up, AMX
-    kernels); through F.linear in chunks, and through oneDNN on the packed weight in chunks."""
+    of rows in the forward, through F.linear in chunks and through oneDNN on the packed weight in
+    chunks. (Unchunked, on an AMX CPU plain F.linear's and oneDNN's bits change from 33 rows up; on
+    AVX512-BF16 without AMX, oneDNN's did not in a 40-row check, so that is not asserted here.)"""
     from zerotron.serve.runner import CHUNK_ROWS, _chunked_linear, _packed_linear
 
     g = torch.Generator().manual_seed(0)
@@ -452,10 +453,6 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool)
             pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
         linear = functools.partial(_packed_linear, handle, None, (576, 49152), CHUNK_ROWS)
-        unchunked = functools.partial(_packed_linear, handle, None, (576, 49152), 0)
-        # the chunks are needed: unchunked, some row of a 40-row forward differs from it alone
-        alone = torch.cat([unchunked(x[r : r + 1]) for r in range(40)])
-        assert not torch.equal(unchunked(x[:40]), alone)
     else:
         linear = functools.partial(_chunked_linear, weight, None)
     one = linear(x[:1])[0]
