@@ -248,6 +248,12 @@ class TrainConfig:
     loss_scale_init: float = _f(2.0**16, "fp16: initial loss scale")
     loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles")
     recompute: str = _f("none", "activation recomputation: none, selective (attention core) or full")
+    compile: bool = _f(
+        False,
+        "torch.compile each transformer block and the loss (fuses the norms, rotary embedding, activations and "
+        "the fp32 softmax of the logits; the first "
+        "step compiles): dense models under DDP or ZeRO-1/2, without tp, pp, cp, ep, recomputation or adapters",
+    )
     exit_step: int = _f(
         0, "stop after this step (checkpointed) although train.steps is larger; 0: run to the end"
     )

@@ -536,10 +536,41 @@ def _check_built(cfg: Config) -> None:
             "model.first_k_dense_replace > 0 or model.shared_expert_gate=false: the trainer builds every block "
             "alike with a gated shared expert (`zerotron plan` models both); set them to 0 and true"
         )
+    if cfg.train.compile:
+        _check_compile(cfg)
     if cfg.train.sample_every:
         raise ConfigError(
             f"train.sample_every={cfg.train.sample_every}: samples during training are not built; the run "
             "writes one at the end (sample.txt); set train.sample_every=0"
+        )
+
+
+def _check_compile(cfg: Config) -> None:
+    """train.compile: the layouts whose blocks compile whole (no collectives, hooks or checkpoints inside a
+    block) are built; the others are refused in one line."""
+    p, t = cfg.parallel, cfg.train
+    refused = [
+        name
+        for name, on in (
+            (f"parallel.zero={p.zero}", p.zero == 3),
+            (f"parallel.tp={p.tp}", p.tp > 1),
+            (f"parallel.pp={p.pp}", p.pp > 1),
+            (f"parallel.cp={p.cp}", p.cp > 1),
+            (f"parallel.ep={p.ep}", p.ep > 1),
+            (f"model.num_local_experts={cfg.model.num_local_experts}", cfg.model.num_local_experts > 0),
+            (f"train.recompute={t.recompute}", t.recompute != "none"),
+            (f"lora.rank={cfg.lora.rank}", cfg.lora.rank > 0),
+        )
+        if on
+    ]
+    import torch
+
+    if not hasattr(torch.compiler, "set_stance"):
+        raise ConfigError(f"train.compile=true needs torch 2.6 or newer (this is {torch.__version__})")
+    if refused:
+        raise ConfigError(
+            f"train.compile=true is built for dense models under DDP or ZeRO-1/2 on data parallelism alone, "
+            f"not with {', '.join(refused)}; set train.compile=false or drop those settings"
         )
 
 

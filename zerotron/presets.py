@@ -83,6 +83,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=128,
         first_k_dense_replace=3,
     ),
+    # Llama-3.2-1B (its config.json): 1.24 B parameters, the ~1B model of the GPU MFU benchmark.
+    "llama3.2-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        mlp="gated",
+    ),
     "llama3-8b": dict(
         hidden_size=4096,
         num_hidden_layers=32,

@@ -13,6 +13,7 @@
    (:mod:`zerotron.parallel.expert`); with ``parallel.etp`` = tp each expert's intermediate width is
    split over tp too.
 5. **Activation recomputation** around the blocks.
+6. **Compilation** (``train.compile``): each block's forward through ``torch.compile``, in place.
 
 Everything happens on the meta device: no rank allocates what it will not hold. The caller then
 materialises the split model from a weight source (:mod:`zerotron.models.sources`: the layout-independent
@@ -60,6 +61,9 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
     one_stage = mesh is None or mesh.dims.pp == 1
     model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
     apply_recompute(model, cfg.train.recompute)
+    if cfg.train.compile:  # the layouts config_load._check_compile allows: one chunk, no wrapped blocks
+        for block in model.layers:
+            block.compile()  # in place: names, parameters and hooks outside the block are unchanged
     return model
 
 

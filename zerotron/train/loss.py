@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -23,12 +25,29 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager[obj
     return contextlib.nullcontext()
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, tp: Group) -> torch.Tensor:
+def token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, tp: Group, compiled: bool = False
+) -> torch.Tensor:
     """Summed token cross-entropy in fp32 over the labels that are not -100 (``IGNORE``: padding, and
     tokens a supervised loss mask leaves out); vocabulary-parallel under tp (the (mb, s, V/tp) logits
-    stay split)."""
+    stay split).
+
+    ``compiled`` (``train.compile``, tp 1): the same function through ``torch.compile``, which fuses the
+    fp32 upcast into the softmax: the (mb, s, V) fp32 logits and their fp32 gradient are never stored
+    (a quarter of a 1B Llama's step memory at 8 sequences of 2048 tokens)."""
     if tp.size > 1:
         labels = labels.flatten()
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels, tp)
         return torch.where(labels != IGNORE, losses, 0.0).sum()
+    if compiled:
+        return _compiled_loss_sum()(logits, labels)
+    return _loss_sum(logits, labels)
+
+
+def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+@functools.cache
+def _compiled_loss_sum() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return torch.compile(_loss_sum)  # type: ignore[no-any-return]

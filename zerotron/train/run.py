@@ -7,6 +7,7 @@ mesh arithmetic, the tokenizer and the whole data source (tokenised here, once, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -437,6 +438,7 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
         whole_sequences(model),
         sequence_parallel_off(model),
         autocast(device, cfg.train.precision),
+        eager_blocks(cfg.train.compile),
     ):
         result = generate(
             model,
@@ -453,6 +455,14 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
         out["sample"] = prompt + tokenizer.decode(list(result["ids"]))
         (run_dir / "sample.txt").write_text(out["sample"], encoding="utf-8")
     return out
+
+
+def eager_blocks(compiled: bool) -> contextlib.AbstractContextManager[object]:
+    """Run compiled blocks eagerly inside (``train.compile``): generation's growing KV cache would
+    otherwise recompile a block for every new length."""
+    if not compiled:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 def launch_training(

@@ -81,7 +81,7 @@ class MicroBatchStep:
                         if documents is None
                         else self.model(inputs, document_ids=documents)
                     )
-                    loss = token_loss_sum(logits, labels, self.tp)
+                    loss = token_loss_sum(logits, labels, self.tp, self.cfg.train.compile)
                     extra = self.router.add(self.model, self.token_groups, len(micro))  # 0 without experts
                 (loss * (scale / tokens_global) + extra * scale).backward()
             loss_sum += loss.detach()
