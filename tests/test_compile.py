@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -16,6 +18,12 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.train.loss import IGNORE, token_loss_sum
 from zerotron.train.trainer import Trainer
+
+# torch.compile builds C++ kernels on the CPU: without a compiler train.compile is refused (tested in
+# test_config), and these tests cannot run.
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler for torch.compile"
+)
 
 BASE = [
     "model.hidden_size=64",

@@ -563,10 +563,18 @@ def _check_compile(cfg: Config) -> None:
         )
         if on
     ]
+    import os
+    import shutil
+
     import torch
 
     if not hasattr(torch.compiler, "set_stance"):
         raise ConfigError(f"train.compile=true needs torch 2.6 or newer (this is {torch.__version__})")
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+        raise ConfigError(
+            "train.compile=true: torch.compile builds its kernels with a C++ compiler and none was found "
+            "(g++, c++, clang++ or $CXX); install one or set train.compile=false"
+        )
     if refused:
         raise ConfigError(
             f"train.compile=true is built for dense models under DDP or ZeRO-1/2 on data parallelism alone, "

@@ -50,4 +50,4 @@ def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled_loss_sum() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    return torch.compile(_loss_sum)  # type: ignore[no-any-return]
+    return torch.compile(_loss_sum)

@@ -462,7 +462,8 @@ def eager_blocks(compiled: bool) -> contextlib.AbstractContextManager[object]:
     otherwise recompile a block for every new length."""
     if not compiled:
         return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
+    stance: contextlib.AbstractContextManager[object] = torch.compiler.set_stance("force_eager")
+    return stance
 
 
 def launch_training(
