@@ -14,7 +14,8 @@ Run:  python benchmarks/gpu_mfu.py [--steps 14] [--variants eager:4,compile:4,co
    not halved, over the card's dense bf16 peak from the planner's hardware profile).
 3. ``--peer``: the same shapes as a plain PyTorch loop a user would write: transformers'
    ``LlamaForCausalLM`` (SDPA attention) in fp32 under ``torch.autocast(bf16)``, fused AdamW, gradient
-   clipping at 1.0, the same micro-batches and accumulation, its MFU counted with zerotron's formula.
+   clipping at 1.0, the same micro-batches and accumulation, its MFU counted with zerotron's formula;
+   variant ``peerc:MICRO`` runs it with its forward (loss included) through ``torch.compile``.
 4. ``--profile``: the CUDA kernel time of two eager zerotron steps by kind (matrix products, attention,
    the rest), and the top kernels, into ``--out``/profile.txt.
 
@@ -183,8 +184,11 @@ def profile_steps(trainer: Any, path: Path) -> dict[str, float]:
     return kinds
 
 
-def run_peer(micro: int, seq: int, steps: int, flops_per_token: float, peak: float) -> dict[str, Any]:
-    """transformers' Llama in fp32 under autocast(bf16), fused AdamW: the plain PyTorch loop."""
+def run_peer(
+    micro: int, seq: int, steps: int, flops_per_token: float, peak: float, compiled: bool = False
+) -> dict[str, Any]:
+    """transformers' Llama in fp32 under autocast(bf16), fused AdamW: the plain PyTorch loop
+    (``compiled``: its forward, loss included, through ``torch.compile``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from zerotron.presets import PRESETS
@@ -205,6 +209,8 @@ def run_peer(micro: int, seq: int, steps: int, flops_per_token: float, peak: flo
     with torch.device(DEV):
         model = LlamaForCausalLM(config)
     model.train()
+    if compiled:
+        model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
     opt = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEV == "cuda"
     )
@@ -231,7 +237,7 @@ def run_peer(micro: int, seq: int, steps: int, flops_per_token: float, peak: flo
     step_s = statistics.median(times[WARMUP:])
     tokens = 8 * seq
     out = {
-        "framework": "transformers + torch AdamW",
+        "framework": "transformers + torch AdamW" + (" compile" if compiled else ""),
         "micro_batch": micro,
         "first_step_s": times[0],
         "step_s": step_s,
@@ -250,7 +256,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--variants", default="eager:4,compile:4", help="comma-separated eager|compile:MICRO")
+    ap.add_argument(
+        "--variants",
+        default="eager:4,compile:4",
+        help="comma-separated eager|compile|peerc:MICRO (peerc: the peer under torch.compile)",
+    )
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="mfu_out")
@@ -285,12 +295,12 @@ def main() -> int:
         variants.insert(1, "peer:" + variants[0].split(":")[1])
     for variant in variants:
         kind, micro = variant.split(":")
-        if kind == "peer":
+        if kind in ("peer", "peerc"):
             fpt = next((r["flops_per_token"] for r in result["rows"] if "flops_per_token" in r), None)
             if fpt is None:
                 continue
             try:
-                row = run_peer(int(micro), args.seq, args.steps, fpt, peak)
+                row = run_peer(int(micro), args.seq, args.steps, fpt, peak, kind == "peerc")
             except Exception as e:  # noqa: BLE001
                 row = {"framework": "transformers", "micro_batch": int(micro), "error": repr(e)[:300]}
                 _free()

@@ -118,10 +118,28 @@ class ZeroStage3:
             if offload_params != "none"
             else None
         )
+        # Parameter offload on a GPU: the shards' host <-> device copies run on this side stream, beside
+        # the compute (prefetched weights in, reduced gradients out); pending gradient copies are waited
+        # for once, at the end of the step's backward.
+        on_gpu = torch.device(device).type == "cuda"
+        self.copy_stream: Any = (
+            torch.cuda.Stream(torch.device(device)) if self.store is not None and on_gpu else None
+        )
+        self._host_copies: list[Any] = []  # events of gradient copies to the host still on their way
         self.units: list[Unit] = []
         self._units_of_module: dict[int, list[Unit]] = {}
         for i, (owner, layout, frozen) in enumerate(runs):
-            unit = Unit(layout, owner is None, self.store, i, fill, device, frozen, self.working_dtype)
+            unit = Unit(
+                layout,
+                owner is None,
+                self.store,
+                i,
+                fill,
+                device,
+                frozen,
+                self.working_dtype,
+                self.copy_stream,
+            )
             self.units.append(unit)
             if owner is not None:
                 self._units_of_module.setdefault(id(owner), []).append(self.units[-1])
@@ -263,14 +281,37 @@ class ZeroStage3:
         for work, out in unit.pending:
             work.wait()
             if self.store is not None and out.device.type != "cpu":  # the optimizer steps on the host
-                out = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda).copy_(out)
+                out = self._to_host(out)
             if unit.grad_shard is None:
                 unit.grad_shard = out if out.dtype == torch.float32 else out.float()  # fp32 accumulation
             else:
+                self._wait_host_copies()  # accumulation on the host reads the copies
                 unit.grad_shard.add_(out)
         unit.pending = []
         if unit.grad_shard is not None:
             segment_grads(unit.segments, unit.grad_shard)
+
+    def _to_host(self, out: torch.Tensor) -> torch.Tensor:
+        """A reduced gradient shard into pinned host memory, as fp32: on a GPU a copy on the side stream
+        that the compute does not wait for (:meth:`_wait_host_copies` waits before the host reads it)."""
+        host = torch.empty(out.shape, dtype=torch.float32, pin_memory=out.is_cuda)
+        side = self.copy_stream
+        if side is None:
+            return host.copy_(out)
+        src = out.float()  # on the compute stream, after the reduction it waited for
+        side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(side):
+            host.copy_(src, non_blocking=True)
+        src.record_stream(side)  # its memory is not reused by the compute before the copy has read it
+        done = torch.cuda.Event()
+        done.record(side)
+        self._host_copies.append(done)
+        return host
+
+    def _wait_host_copies(self) -> None:
+        for done in self._host_copies:
+            done.synchronize()
+        self._host_copies = []
 
     def reduced_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """After :meth:`finish`: this rank's reduced gradient shard of ``param``, which must be alone in
@@ -301,6 +342,7 @@ class ZeroStage3:
             if unit.gathering is not None:  # a prefetch on its way would land pre-step weights later
                 unit.wait_gather()
             unit.free()
+        self._wait_host_copies()  # the host optimizer, the norm and the replicas' sums read them
         shards = [(u.grad_shard, u.layout.group) for u in self._trained if u.grad_shard is not None]
         reduce_replicas(
             shards, self.replica, self.reduce_dtype, self.units[0].flat.device if self.units else None

@@ -35,8 +35,12 @@ class Unit:
         device: torch.device | str = "cpu",
         frozen: bool = False,
         working: torch.dtype = torch.float32,
+        copy_stream: Any = None,
     ) -> None:
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
+        # parameter offload on a GPU: the side stream of the host -> device copy and the gather
+        self.copy_stream = copy_stream if store is not None else None
+        self.copied: Any = None  # the side stream's event after this unit's copy and gather
         # frozen bytes (a QLoRA base's NF4 codes and scales): sharded and gathered as they are, derived
         # from the weight source when the model is built, never stored elsewhere nor written
         self.derived = not layout.slots[0].param.is_floating_point()
@@ -99,15 +103,30 @@ class Unit:
         """Begin the all-gather of the unit into its buffer (no-op when it is there or on its way)."""
         if self.gathered or self.gathering is not None:
             return
-        self.flat.untyped_storage().resize_(self.nbytes)
-        self.staged = self.working_shard()
-        self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
+        self.flat.untyped_storage().resize_(self.nbytes)  # allocated on the compute stream
+        side = self.copy_stream
+        if side is None:
+            self.staged = self.working_shard()
+            self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
+            return
+        # An offloaded shard on a GPU: the host -> device copy and the gather run on the side stream,
+        # after the compute queued so far (the buffer's memory may be a freed unit's that it still reads)
+        # and beside the compute queued next: the prefetch overlaps the unit computing now.
+        side.wait_stream(torch.cuda.current_stream(self.flat.device))
+        with torch.cuda.stream(side):
+            self.staged = self.working_shard()
+            self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record(side)
 
     def wait_gather(self) -> None:
-        """Make sure the unit is gathered."""
+        """Make sure the unit is gathered (the compute stream waits for it)."""
         self.start_gather()
         if self.gathering is not None:
             self.gathering.wait()
+            if self.copied is not None:  # the side stream's copy (a one-rank gather is a copy there too)
+                torch.cuda.current_stream(self.flat.device).wait_event(self.copied)
+                self.copied = None
             self.gathering = None
             self.gathered = True
             self.staged = None
