@@ -166,3 +166,31 @@ def test_deepspeed_missing_file_from_cli(capsys: pytest.CaptureFixture[str], tmp
     code = main(["train", "--deepspeed", str(tmp_path / "nope.json"), "--out", str(tmp_path / "run")])
     assert code == 2
     assert "nope.json: no such file" in capsys.readouterr().err
+
+
+def test_llama32_1b_preset_has_the_published_parameter_count() -> None:
+    """The preset builds Llama-3.2-1B: transformers' model from the same fields has the same parameters,
+    1,235,814,400 (its model card's 1.24 B, tied embeddings counted once)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from zerotron.models.llama import LlamaForCausalLM
+
+    cfg = load_config(None, ["model.preset=llama3.2-1b"]).model
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+        hf = HFLlama(
+            LlamaConfig(
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_hidden_layers,
+                num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                vocab_size=cfg.vocab_size,
+                tie_word_embeddings=cfg.tie_word_embeddings,
+            )
+        )
+        theirs = sum(p.numel() for p in hf.parameters())
+    assert ours == theirs == 1_235_814_400
