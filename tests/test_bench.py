@@ -109,6 +109,12 @@ def test_bad_frameworks_one_line(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert "choose from zerotron, deepspeed, fsdp2, ddp, torch-tp, torch-pp" in capsys.readouterr().err
 
 
+def test_compiled_job_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["bench", "--out", str(tmp_path / "b"), "train.compile=true"]) == 2
+    err = capsys.readouterr().err
+    assert "zerotron bench runs every framework eagerly" in err and not (tmp_path / "b").exists()
+
+
 def test_bench_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

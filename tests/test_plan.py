@@ -195,6 +195,7 @@ def _cfg(*overrides: str):  # type: ignore[no-untyped-def]
             "to be a multiple of parallel.pp=2",
         ),
         (["parallel.cp=3"], 3, "train.seq_len=4096 is not a multiple of 2*parallel.cp = 6"),
+        (["train.compile=true"], 8, "zerotron plan models eager blocks only"),
     ],
 )
 def test_impossible_layouts_are_explained(overrides: list[str], gpus: int, expected: str) -> None:

@@ -107,6 +107,11 @@ def run_bench(
     if world < 1:
         raise ConfigError(f"--nproc {nproc}: give at least 1 local rank")
     cfg = load_job_config(config_path, overrides, world)
+    if cfg.train.compile:
+        raise ConfigError(
+            "train.compile=true: zerotron bench runs every framework eagerly, so that each row is the same "
+            "job; set train.compile=false (benchmarks/gpu_mfu.py compares compiled runs)"
+        )
     if not job:
         run_dir = _prepare(cfg, Path(out) if out else None)
         rows = _run_all(cfg, frameworks, nproc, repeats, run_dir, world)
