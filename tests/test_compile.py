@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -125,3 +126,15 @@ def test_train_compile_from_the_command_line(tmp_path: Path) -> None:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     assert (out / "sample.txt").read_text().startswith("def ")  # generated eagerly after compiled training
+
+
+def test_train_compile_under_torchrun(tmp_path: Path) -> None:
+    from tests.test_launch_job import _torchrun
+
+    out = tmp_path / "run"
+    args = [*BASE, "train.steps=2", "train.compile=true", "train.precision=bf16", "parallel.zero=1"]
+    done = _torchrun(["-m", "zerotron", "train", *args, "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["layout"]["dp"] for r in records] == [2, 2]
+    assert (out / "sample.txt").exists()

@@ -196,6 +196,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from zerotron.plan import PROFILES, PlanError, get_hardware, plan_config
     from zerotron.plan.calibrate import calibrate_runs, read_metrics
     from zerotron.plan.layout import from_config
+    from zerotron.plan.planner import refuse_compiled
     from zerotron.plan.report import draw_breakdowns, format_calibration, format_plan, format_table
     from zerotron.plan.search import search
 
@@ -235,6 +236,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.search:
         if args.top < 1:
             raise PlanError(f"--top {args.top}: show at least 1 layout")
+        refuse_compiled(cfg)
         model, _, work = from_config(_unplaced(cfg), gpus)
         found = search(model, work, hw, gpus, convention=args.convention, top=args.top, flash=flash)
         if args.json:

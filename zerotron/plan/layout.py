@@ -99,11 +99,6 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: give the number of devices, at least 1")
     p, t = cfg.parallel, cfg.train
-    if t.compile:
-        raise PlanError(
-            "train.compile=true: zerotron plan models eager blocks only (measured on one H100, compiled steps "
-            "of a 1B Llama took 0.70x the eager ones: BENCHMARKS.md); plan with train.compile=false"
-        )
     inner = p.tp * p.pp * p.cp
     if p.dp == -1:
         if gpus % inner:

@@ -77,10 +77,20 @@ class Plan:
         }
 
 
+def refuse_compiled(cfg: Config) -> None:
+    """The planner models eager blocks: a ``train.compile`` job is refused in one line."""
+    if cfg.train.compile:
+        raise PlanError(
+            "train.compile=true: zerotron plan models eager blocks only (measured on one H100, compiled steps "
+            "of a 1B Llama took 0.70x the eager ones: BENCHMARKS.md); plan with train.compile=false"
+        )
+
+
 def plan_config(
     cfg: Config, hw: Hardware, gpus: int, convention: str = "zerotron", flash: bool = True
 ) -> Plan:
     """Plan the layout ``cfg`` describes on ``gpus`` devices of ``hw`` (raises PlanError if impossible)."""
+    refuse_compiled(cfg)
     m, layout, work = from_config(cfg, gpus)
     check(m, layout, work, hw, gpus)
     return plan_layout(m, layout, work, hw, convention, flash)
