@@ -125,8 +125,14 @@ class Unit:
         if self.gathering is not None:
             self.gathering.wait()
             if self.copied is not None:  # the side stream's copy (a one-rank gather is a copy there too)
-                torch.cuda.current_stream(self.flat.device).wait_event(self.copied)
+                compute = torch.cuda.current_stream(self.flat.device)
+                compute.wait_event(self.copied)
                 self.copied = None
+                if self.staged is not None:
+                    # the staged shard's memory is the side stream's: without this, a later copy there
+                    # could reuse it while the gather (on NCCL's stream) still reads it; the compute
+                    # stream has now waited for that gather
+                    self.staged.record_stream(compute)
             self.gathering = None
             self.gathered = True
             self.staged = None
