@@ -84,7 +84,7 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
         (["train.sample_every=5"], 1, "samples during training are not built"),
         (["train.compile=true", "parallel.zero=3"], 2, "not with parallel.zero=3; set train.compile=false"),
         (["train.compile=true", "parallel.tp=2"], 2, "not with parallel.tp=2;"),
-        (["train.compile=true", "train.recompute=full"], 1, "not with train.recompute=full;"),
+        (["train.compile=true", "parallel.pp=2"], 2, "not with parallel.pp=2;"),
         (["train.compile=true", "lora.rank=4"], 1, "not with lora.rank=4;"),
     ],
 )

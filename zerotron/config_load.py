@@ -546,9 +546,9 @@ def _check_built(cfg: Config) -> None:
 
 
 def _check_compile(cfg: Config) -> None:
-    """train.compile: the layouts whose blocks compile whole (no collectives, hooks or checkpoints inside a
-    block) are built; the others are refused in one line."""
-    p, t = cfg.parallel, cfg.train
+    """train.compile: the layouts whose blocks compile whole (no collectives or hooks inside a block;
+    recomputation's checkpoints compile with it) are built; the others are refused in one line."""
+    p = cfg.parallel
     refused = [
         name
         for name, on in (
@@ -558,7 +558,6 @@ def _check_compile(cfg: Config) -> None:
             (f"parallel.cp={p.cp}", p.cp > 1),
             (f"parallel.ep={p.ep}", p.ep > 1),
             (f"model.num_local_experts={cfg.model.num_local_experts}", cfg.model.num_local_experts > 0),
-            (f"train.recompute={t.recompute}", t.recompute != "none"),
             (f"lora.rank={cfg.lora.rank}", cfg.lora.rank > 0),
         )
         if on

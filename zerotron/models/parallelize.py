@@ -61,7 +61,7 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
     one_stage = mesh is None or mesh.dims.pp == 1
     model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
     apply_recompute(model, cfg.train.recompute)
-    if cfg.train.compile:  # the layouts config_load._check_compile allows: one chunk, no wrapped blocks
+    if cfg.train.compile:  # the layouts config_load._check_compile allows: one chunk; a block wrapped for recomputation compiles with its checkpoint
         assert isinstance(model, LlamaForCausalLM)
         for block in model.layers:
             block.compile()  # in place: names, parameters and hooks outside the block are unchanged
