@@ -82,10 +82,14 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
         # not built yet: refused, never accepted and ignored
         (["parallel.cp=2", "parallel.cp_comm=ring2"], 2, "choose one of ring, ulysses, allgather, hybrid"),
         (["train.sample_every=5"], 1, "samples during training are not built"),
-        (["train.compile=true", "parallel.zero=3"], 2, "not with parallel.zero=3; set train.compile=false"),
+        (["train.compile=true", "parallel.cp=2"], 2, "not with parallel.cp=2; set train.compile=false"),
         (["train.compile=true", "parallel.tp=2"], 2, "not with parallel.tp=2;"),
         (["train.compile=true", "parallel.pp=2"], 2, "not with parallel.pp=2;"),
-        (["train.compile=true", "lora.rank=4"], 1, "not with lora.rank=4;"),
+        (
+            ["train.compile=true", "model.num_local_experts=4", "model.moe_intermediate_size=64"],
+            1,
+            "not with model.num_local_experts=4;",
+        ),
     ],
 )
 def test_validate_names_what_to_change(overrides: list[str], world: int, message: str) -> None:

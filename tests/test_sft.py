@@ -444,7 +444,14 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    "layout", ["parallel.tp=2", "parallel.tp=2 lora.use_dora=true", "parallel.pp=2", "parallel.zero=3"]
+    "layout",
+    [
+        "parallel.tp=2",
+        "parallel.tp=2 lora.use_dora=true",
+        "parallel.pp=2",
+        "parallel.zero=3",
+        "parallel.zero=2 train.compile=true",  # packed documents' masks through the compiled blocks
+    ],
 )
 def test_sft_command_writes_an_adapter_peft_loads(tmp_path: Path, layout: str) -> None:
     """Under tp 2 the adapter's B (column-parallel) and A (row-parallel) shards are gathered whole (and

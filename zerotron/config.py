@@ -252,7 +252,7 @@ class TrainConfig:
         False,
         "torch.compile each transformer block and the loss (fuses the norms, rotary embedding, activations and "
         "the fp32 softmax of the logits; the first "
-        "step compiles): dense models under DDP or ZeRO-1/2, without tp, pp, cp, ep or adapters",
+        "step compiles): dense models on data parallelism (DDP, ZeRO-1/2/3), not with tp, pp, cp, ep or experts",
     )
     exit_step: int = _f(
         0, "stop after this step (checkpointed) although train.steps is larger; 0: run to the end"

@@ -546,19 +546,19 @@ def _check_built(cfg: Config) -> None:
 
 
 def _check_compile(cfg: Config) -> None:
-    """train.compile: the layouts whose blocks compile whole (no collectives or hooks inside a block;
-    recomputation's checkpoints compile with it) are built; the others are refused in one line."""
+    """train.compile: the layouts whose blocks hold no collective are built (each block's forward is
+    compiled; ZeRO-3's gathers are module hooks around it, recomputation's checkpoints and LoRA/DoRA/NF4
+    adapters compile with it); tensor, pipeline, context and expert parallelism and MoE blocks are
+    refused in one line."""
     p = cfg.parallel
     refused = [
         name
         for name, on in (
-            (f"parallel.zero={p.zero}", p.zero == 3),
             (f"parallel.tp={p.tp}", p.tp > 1),
             (f"parallel.pp={p.pp}", p.pp > 1),
             (f"parallel.cp={p.cp}", p.cp > 1),
             (f"parallel.ep={p.ep}", p.ep > 1),
             (f"model.num_local_experts={cfg.model.num_local_experts}", cfg.model.num_local_experts > 0),
-            (f"lora.rank={cfg.lora.rank}", cfg.lora.rank > 0),
         )
         if on
     ]
@@ -576,8 +576,9 @@ def _check_compile(cfg: Config) -> None:
         )
     if refused:
         raise ConfigError(
-            f"train.compile=true is built for dense models under DDP or ZeRO-1/2 on data parallelism alone, "
-            f"not with {', '.join(refused)}; set train.compile=false or drop those settings"
+            f"train.compile=true is built for dense models on data parallelism (DDP, ZeRO-1/2/3, offload, "
+            f"adapters, recomputation), not with {', '.join(refused)}; set train.compile=false or drop those "
+            "settings"
         )
 
 

@@ -25,6 +25,7 @@ reduction group from the placement record. A single process is the one-stage, on
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from zerotron.config import Config
@@ -64,7 +65,9 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
     if cfg.train.compile:  # the layouts config_load._check_compile allows: one chunk; a block wrapped for recomputation compiles with its checkpoint
         assert isinstance(model, LlamaForCausalLM)
         for block in model.layers:
-            block.compile()  # in place: names, parameters and hooks outside the block are unchanged
+            # the forward only: module hooks (ZeRO-3's gathers) run eagerly around it; names, parameters
+            # and checkpoints are unchanged
+            block.forward = torch.compile(block.forward)
     return model
 
 
