@@ -250,9 +250,9 @@ class TrainConfig:
     recompute: str = _f("none", "activation recomputation: none, selective (attention core) or full")
     compile: bool = _f(
         False,
-        "torch.compile each transformer block and the loss (fuses the norms, rotary embedding, activations and "
-        "the fp32 softmax of the logits; the first "
-        "step compiles): dense models on data parallelism (DDP, ZeRO-1/2/3), not with tp, pp, cp, ep or experts",
+        "torch.compile each transformer block's forward and the loss (fuses the norms, rotary embedding, "
+        "activations and the logits' fp32 softmax; the first step compiles): dense models on data "
+        "parallelism (DDP, ZeRO-1/2/3, offload, adapters, recomputation), not with tp, pp, cp, ep or experts",
     )
     exit_step: int = _f(
         0, "stop after this step (checkpointed) although train.steps is larger; 0: run to the end"

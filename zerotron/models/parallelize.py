@@ -62,11 +62,11 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
     one_stage = mesh is None or mesh.dims.pp == 1
     model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
     apply_recompute(model, cfg.train.recompute)
-    if cfg.train.compile:  # the layouts config_load._check_compile allows: one chunk; a block wrapped for recomputation compiles with its checkpoint
+    if cfg.train.compile:  # one chunk (config_load._check_compile): no pp, tp, cp or ep
         assert isinstance(model, LlamaForCausalLM)
         for block in model.layers:
-            # the forward only: module hooks (ZeRO-3's gathers) run eagerly around it; names, parameters
-            # and checkpoints are unchanged
+            # The forward only (with recomputation's checkpoint when wrapped): module hooks (ZeRO-3's
+            # gathers) run eagerly around it; names, parameters and checkpoints are unchanged.
             block.forward = torch.compile(block.forward)
     return model
 

@@ -34,7 +34,7 @@ def token_loss_sum(
 
     ``compiled`` (``train.compile``, tp 1): the same function through ``torch.compile``, which fuses the
     fp32 upcast into the softmax: the (mb, s, V) fp32 logits and their fp32 gradient are never stored
-    (a quarter of a 1B Llama's step memory at 8 sequences of 2048 tokens)."""
+    (a 1B Llama at 4 sequences of 2048 tokens per micro-batch, on one H100: 57.7 -> 34.7 GiB peak)."""
     if tp.size > 1:
         labels = labels.flatten()
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels, tp)
