@@ -84,6 +84,7 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
         (["train.sample_every=5"], 1, "samples during training are not built"),
         (["train.compile=true", "parallel.cp=2"], 2, "not with parallel.cp=2; set train.compile=false"),
         (["train.compile=true", "parallel.tp=2"], 2, "not with parallel.tp=2;"),
+        (["lora.rank=99999999999"], 1, "lora.rank=99999999999 exceeds model.hidden_size=128"),
         (["train.compile=true", "parallel.pp=2"], 2, "not with parallel.pp=2;"),
         (
             ["train.compile=true", "model.num_local_experts=4", "model.moe_intermediate_size=64"],

@@ -593,6 +593,12 @@ def _check_finetune(cfg: Config) -> None:
         )
     if lo.rank == 0:
         return
+    if lo.rank > cfg.model.hidden_size:
+        raise ConfigError(
+            f"lora.rank={lo.rank} exceeds model.hidden_size={cfg.model.hidden_size}, the smaller side of the "
+            "largest matrix it could adapt (a rank above it adds nothing); use a rank of at most that "
+            "(8 to 64 is usual)"
+        )
     if lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"lora.alpha={lo.alpha} must be > 0 and lora.dropout={lo.dropout} in [0, 1)")
     if lo.target_modules != "all-linear" and not re.fullmatch(LORA_NAME_LIST, lo.target_modules):
