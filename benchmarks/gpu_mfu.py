@@ -110,9 +110,11 @@ def overrides(micro: int, seq: int, steps: int, compiled: bool) -> list[str]:
     ]
 
 
-def run_zerotron(
-    micro: int, seq: int, steps: int, compiled: bool, profile: Path | None, peak: float
-) -> dict[str, Any]:
+def one_rank_trainer(args: list[str]) -> Any:
+    """zerotron's trainer for the job ``args`` (``key=value`` overrides) as one rank in this process:
+    the run prepared as ``zerotron train`` prepares it, in a fresh temporary run directory."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
+        os.environ.setdefault(k, v)
     from zerotron.distributed.launch import init_distributed
     from zerotron.distributed.mesh import ParallelDims
     from zerotron.train.data import load_tokens
@@ -120,13 +122,19 @@ def run_zerotron(
     from zerotron.train.trainer import Trainer
 
     init_distributed()
-    run_dir = Path(tempfile.mkdtemp(prefix="zerotron_mfu_"))
-    cfg = load_job_config(None, overrides(micro, seq, steps, compiled), 1, report=False)
+    run_dir = Path(tempfile.mkdtemp(prefix="zerotron_bench_"))
+    cfg = load_job_config(None, args, 1, report=False)
     prepare_run(cfg, run_dir)
     mesh = ParallelDims.from_config(cfg.parallel, 1).build(0)
+    return Trainer(cfg, mesh, run_dir, load_tokens(str(run_dir / "tokens.npy")))
+
+
+def run_zerotron(
+    micro: int, seq: int, steps: int, compiled: bool, profile: Path | None, peak: float
+) -> dict[str, Any]:
     _reset_peak()
     built = time.perf_counter()
-    trainer = Trainer(cfg, mesh, run_dir, load_tokens(str(run_dir / "tokens.npy")))
+    trainer = one_rank_trainer(overrides(micro, seq, steps, compiled))
     built = time.perf_counter() - built
     records = [trainer.train_step() for _ in range(steps)]
     times = [r["step_time_s"] for r in records[WARMUP:]]
@@ -272,8 +280,6 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("gpu_mfu.py needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
-        os.environ.setdefault(k, v)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from zerotron.plan.hardware import peak_flops_of_device

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,21 +45,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_offload.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29518"}.items():
-        os.environ.setdefault(k, v)
-    import zerotron
-    from zerotron.distributed.launch import init_distributed
-    from zerotron.distributed.mesh import ParallelDims
-    from zerotron.train.data import load_tokens
-    from zerotron.train.run import load_job_config, prepare_run
-    from zerotron.train.trainer import Trainer
+    from gpu_mfu import one_rank_trainer  # this folder is on sys.path when the script runs
 
-    init_distributed()
-    run_dir = Path(tempfile.mkdtemp(prefix="zerotron_offload_"))
-    cfg = load_job_config(None, [*DEFAULTS, f"train.steps={args.steps}", *args.overrides], 1, report=False)
-    prepare_run(cfg, run_dir)
-    mesh = ParallelDims.from_config(cfg.parallel, 1).build(0)
-    trainer = Trainer(cfg, mesh, run_dir, load_tokens(str(run_dir / "tokens.npy")))
+    import zerotron
+
+    trainer = one_rank_trainer([*DEFAULTS, f"train.steps={args.steps}", *args.overrides])
     torch.cuda.reset_peak_memory_stats()
     records = [trainer.train_step() for _ in range(args.steps)]
     times = [r["step_time_s"] for r in records]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from zerotron.config_load import load_config
+from zerotron.config_load import has_cxx_compiler, load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.train.loss import IGNORE, token_loss_sum
@@ -23,9 +22,7 @@ from zerotron.train.trainer import Trainer
 
 # torch.compile builds C++ kernels on the CPU: without a compiler train.compile is refused (tested in
 # test_config), and these tests cannot run.
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler for torch.compile"
-)
+pytestmark = pytest.mark.skipif(not has_cxx_compiler(), reason="no C++ compiler for torch.compile")
 
 BASE = [
     "model.hidden_size=64",

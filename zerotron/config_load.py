@@ -545,6 +545,14 @@ def _check_built(cfg: Config) -> None:
         )
 
 
+def has_cxx_compiler() -> bool:
+    """Whether a C++ compiler torch.compile can build its CPU kernels with is on the PATH ($CXX first)."""
+    import os
+    import shutil
+
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+
+
 def _check_compile(cfg: Config) -> None:
     """train.compile: the layouts whose blocks hold no collective are built (each block's forward is
     compiled; ZeRO-3's gathers are module hooks around it, recomputation's checkpoints and LoRA/DoRA/NF4
@@ -562,14 +570,11 @@ def _check_compile(cfg: Config) -> None:
         )
         if on
     ]
-    import os
-    import shutil
-
     import torch
 
     if not hasattr(torch.compiler, "set_stance"):
         raise ConfigError(f"train.compile=true needs torch 2.6 or newer (this is {torch.__version__})")
-    if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+    if not has_cxx_compiler():
         raise ConfigError(
             "train.compile=true: torch.compile builds its kernels with a C++ compiler and none was found "
             "(g++, c++, clang++ or $CXX); install one or set train.compile=false"
