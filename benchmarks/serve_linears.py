@@ -7,7 +7,8 @@ stream from memory as in a step); the best of three passes; ms per forward's lin
     python benchmarks/serve_linears.py --dtype float32 --rows 1,2,8,16,32,64,78,256,2048
 
 fp32: :func:`zerotron.serve.kernels.vec_linear` (AVX-512) against oneDNN whole; bf16:
-:func:`~zerotron.serve.kernels.tile_linear` (AMX) against oneDNN in the engine's 32-row chunks.
+:func:`~zerotron.serve.kernels.tile_linear` (AMX) or, without AMX, :func:`~zerotron.serve.kernels.dot_linear`
+(AVX512-BF16) against oneDNN in the engine's 32-row chunks.
 """
 
 from __future__ import annotations
@@ -53,11 +54,7 @@ def main() -> None:
     why = kernels.why_no_native_matmul(dtype)
     if why is not None:
         raise SystemExit(f"no native {args.dtype} linear here: {why}")
-    pack, run = (
-        (kernels.pack_vec, kernels.vec_linear)
-        if dtype == torch.float32
-        else (kernels.pack_tiles, kernels.tile_linear)
-    )
+    pack, run, kernel = kernels.native_linear(dtype)
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     g = torch.Generator().manual_seed(0)
     weights = {
@@ -71,7 +68,7 @@ def main() -> None:
         for name, ws in weights.items()
     }
     native = {name: [pack(w) for w in ws] for name, ws in weights.items()}
-    print(f"{args.dtype}, {torch.get_num_threads()} threads; ms for one forward's linears")
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, {kernel}; ms for one forward's linears")
     print("| rows | oneDNN | native | native / oneDNN |")
     print("|---:|---:|---:|---:|")
     for m in (int(r) for r in args.rows.split(",")):

@@ -393,37 +393,52 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
 
 
 @pytest.mark.parametrize(
-    ("onednn", "native", "tiles"),
-    [(False, False, False), (True, False, False), (True, True, False), (False, True, True)],
-    ids=["mkl", "onednn", "onednn-native", "tiles-native"],
+    ("onednn", "native", "matmul"),
+    [
+        (False, False, ""),
+        (True, False, ""),
+        (True, True, ""),
+        (False, True, "native tiles"),
+        (False, True, "native AVX512-BF16"),
+    ],
+    ids=["mkl", "onednn", "onednn-native", "tiles-native", "avx512bf16-native"],
 )
 def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], onednn: bool, native: bool, tiles: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    onednn: bool,
+    native: bool,
+    matmul: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bf16 model (weights and KV cache in 16 bits; its linears in row chunks, where the 16-bit
     kernels' arithmetic does not change with the row count: torch's F.linear in chunks of 16 to 32
     rows, oneDNN on packed weights with q/k/v and gate/up fused in chunks of at most 32, or whole on
-    AMX tiles through the native kernel, whose rows never depend on the row count): greedy
-    tokens and log-probabilities bit-identical alone, batched under a small token budget and on a
-    prefix-cache hit; the log-probabilities of its tokens within bf16's rounding of the fp32 model's
+    AMX tiles or AVX512-BF16 through the native kernels, whose rows never depend on the row count):
+    greedy tokens and log-probabilities bit-identical alone, batched under a small token budget and on
+    a prefix-cache hit; the log-probabilities of its tokens within bf16's rounding of the fp32 model's
     full forward."""
+    from zerotron.serve import kernels
+
     _, model = pair
     if native:
         _native_or_skip()
-    if tiles:
+    if matmul == "native tiles":
         _tiles_or_skip()
+    if matmul == "native AVX512-BF16":
+        _dot_or_skip()
+        monkeypatch.setattr(kernels, "tiles_available", lambda: False)  # on an AMX CPU too
     half = copy.deepcopy(model).to(torch.bfloat16)
 
     def make(**kw: object) -> Engine:
-        flags = {"onednn": onednn, "native_attention": native, "native_matmul": tiles}
+        flags = {"onednn": onednn, "native_attention": native, "native_matmul": bool(matmul)}
         cfg = EngineConfig(**{"num_blocks": 128, **flags, **kw})  # type: ignore[arg-type]
         return Engine(copy.deepcopy(half), None, cfg)
 
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     engine = make()
     assert engine.kv.k[0].dtype == torch.bfloat16
-    assert engine.runner.min_rows == (1 if tiles else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
-    assert engine.runner.matmul == ("native tiles" if tiles else "oneDNN" if onednn else "F.linear")
+    assert engine.runner.min_rows == (1 if matmul else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
+    assert engine.runner.matmul == (matmul or ("oneDNN" if onednn else "F.linear"))
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     assert _run(make(max_num_batched_tokens=37), prompts, GREEDY) == alone
     first = _run(engine, prompts[:1], GREEDY)
@@ -584,6 +599,41 @@ def test_native_tile_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
     _each_row_alone(functools.partial(kernels.tile_linear, packed=tiled, bias=b, n=n), x, y, counts, g)
 
 
+def _dot_or_skip() -> None:
+    from zerotron.serve import kernels
+
+    if not kernels.dot_available():
+        pytest.skip(f"no native AVX512-BF16 matmul here: {kernels.why_no_dot()}")
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(960, 576, False), (3072, 576, True), (577, 1001, True), (30, 20, False)]
+)
+def test_native_dot_linear_is_the_product_and_each_row_alone(n: int, k: int, bias: bool) -> None:
+    """The AVX512-BF16 kernel's bf16 linear against x w^T + b in float64: within a k-term fp32 sum's
+    rounding and one bf16 rounding of the result (shapes with K odd and N not a multiple of 48 padded
+    by pack_dot); every row the same bits in forwards of any row count (1 to 300: partial 8-row blocks,
+    several 128-row chunks), one row at a time, with rows not contiguous or further apart than k, and
+    with one thread or two."""
+    from zerotron.serve import kernels
+
+    _dot_or_skip()
+    g = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(300, k, generator=g).bfloat16()
+    packed = kernels.pack_dot(weight)
+    assert packed.shape == (-(-n // 48), -(-k // 2), 48, 2)
+    y = kernels.dot_linear(x, packed, b, n)
+    assert y.shape == (300, n) and y.dtype == torch.bfloat16
+    want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+    scale = x.double().abs() @ weight.double().abs().T + (b.double().abs() if b is not None else 0)
+    assert ((y.double() - want).abs() <= want.abs() * 2**-8 + scale * (k + 1) * 2**-24).all()
+    linear = functools.partial(kernels.dot_linear, packed=packed, bias=b, n=n)
+    assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(0, 300, 7)]), y[::7])
+    _each_row_alone(linear, x, y, (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300), g)
+
+
 def _vec_or_skip() -> None:
     from zerotron.serve import kernels
 
@@ -630,14 +680,26 @@ def _biased_model(seed: int) -> LlamaForCausalLM:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
     ("dtype", "native"),
-    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)],
+    [
+        (torch.float32, ""),
+        (torch.float32, "avx512"),
+        (torch.bfloat16, ""),
+        (torch.bfloat16, "tiles"),
+        (torch.bfloat16, "avx512bf16"),
+    ],
 )
 def test_packed_fused_linears_equal_the_models_own(
-    pair: tuple[torch.nn.Module, LlamaForCausalLM], dtype: torch.dtype, bias: bool, native: bool
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    dtype: torch.dtype,
+    bias: bool,
+    native: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights or the
-    native kernels: bf16 on AMX tiles, fp32 on AVX-512) gives the logits of the model's own nn.Linear
-    forward to rounding, q/k/v biases (Qwen2) included, and frees the dense weights."""
+    native kernels: bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512) gives the logits of the
+    model's own nn.Linear forward to rounding, q/k/v biases (Qwen2) included, and frees the dense
+    weights."""
+    from zerotron.serve import kernels
     from zerotron.serve.runner import pack_linears
 
     _, model = pair
@@ -645,11 +707,16 @@ def test_packed_fused_linears_equal_the_models_own(
         model = _biased_model(seed=5)
     plain = copy.deepcopy(model).to(dtype).eval()
     packed = copy.deepcopy(plain)
-    if native:
-        _tiles_or_skip() if dtype == torch.bfloat16 else _vec_or_skip()
+    if native == "tiles":
+        _tiles_or_skip()
+    elif native == "avx512bf16":
+        _dot_or_skip()
+        monkeypatch.setattr(kernels, "tiles_available", lambda: False)  # on an AMX CPU too
+    elif native:
+        _vec_or_skip()
     elif dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
-    assert pack_linears(packed, native=native)
+    assert pack_linears(packed, native=bool(native))
     attn = packed.layers[0].self_attn
     assert attn.q_proj.weight.numel() == attn.k_proj.weight.numel() == 0
     assert (attn.q_proj.bias is not None) == bias

@@ -277,7 +277,7 @@ def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(
 ) -> None:
     """``zerotron serve --dtype bfloat16`` on one rank and tensor-parallel over 3: the chat answer says
     Paris; 16 concurrent greedy requests each get the tokens they get alone (the 16-bit linears on
-    AMX tiles on one rank where the CPU has them, a tp rank's parts in row chunks); the log-probabilities of its greedy tokens are within bf16's
+    AMX tiles or AVX512-BF16 on one rank where the CPU has them, a tp rank's parts in row chunks); the log-probabilities of its greedy tokens are within bf16's
     rounding of the fp32 server's for the same tokens; every block is freed."""
     log = tmp_path / "bf16.log"
     flags = [
@@ -294,13 +294,16 @@ def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(
     try:
         from zerotron.serve import kernels
 
-        # one rank on an AMX CPU: the linears on tiles (the default); tensor-parallel shards: F.linear
+        # one rank: the linears on AMX tiles or AVX512-BF16 where the CPU has them (the default), else
+        # oneDNN; tensor-parallel shards: F.linear
         want = (
-            "native tiles"
-            if nproc == 1 and kernels.tiles_available()
+            "F.linear"
+            if nproc > 1
+            else "native tiles"
+            if kernels.tiles_available()
+            else "native AVX512-BF16"
+            if kernels.dot_available()
             else "oneDNN"
-            if nproc == 1
-            else "F.linear"
         )
         assert f"linears {want}" in log.read_text()
         bf16 = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)

@@ -414,6 +414,117 @@ void vec_linear_run(const VecProblem& t) {
   at::parallel_for(0, chunks * t.panels, 1, [&](int64_t begin, int64_t end) { vec_tasks(t, begin, end); });
 }
 #endif
+
+// ---- bf16 linear layers on AVX512-BF16 -------------------------------------------------------------
+// y = x w^T (+ bias) for bf16 x (rows, K) and w packed by pack_dot: (N/48, K/2, 48, 2), each 48-column
+// panel pair-major (for each pair of k, the 48 columns' two values side by side, as VDPBF16PS reads
+// them). The fp32 kernel's blocking with bf16 operands: an output element is one chain of VDPBF16PS
+// steps over the pairs of k in order from zero (each step adds its pair's two products to the fp32 sum),
+// the bias added after, rounded once to bf16: a row's numbers never depend on the other rows, on the
+// blocking, or on how the panels are shared among threads. A slice is 64 pairs (128 k), the same bytes
+// as the fp32 kernel's; the weights are fetched ahead into L1 and L2 in the same way.
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#define ZT_DOT 1
+#if defined(__clang__)
+#define ZT_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define ZT_DOT_ORDER _Pragma("clang fp reassociate(off)")
+#else
+#define ZT_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), optimize("no-associative-math")))
+#define ZT_DOT_ORDER
+#endif
+constexpr int64_t DNR = 48, DMC = 128, DKC = 64;  // panel columns, rows per task, pairs of k per slice
+constexpr int64_t DAHEAD = 4 * DKC * DNR * 2;  // how far ahead (bf16 values) the weights are fetched into L2
+
+struct DotProblem {
+  const uint16_t* x;
+  const uint16_t* w;
+  const float* bias;
+  uint16_t* y;
+  int64_t ldx, rows, n, pairs, panels, chunk;
+};
+
+// MR rows of x (ldx apart) times one panel over the pairs [k0, k1), the sums carried in c (48 per row);
+// pf: where the next slice starts (fetched into L1 meanwhile, four slices further on into L2), or null
+template <int MR>
+ZT_DOT_TARGET inline void dot_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1,
+                                    float* c, bool first, const uint16_t* pf) {
+  ZT_DOT_ORDER
+  __m512 acc[MR][3];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * DNR + j * 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint16_t* wk = w + k * DNR * 2;
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(wk), w1 = (__m512bh)_mm512_load_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_load_si512(wk + 64);
+    if (pf) {
+      const char* p = reinterpret_cast<const char*>(pf + (k - k0) * DNR * 2);
+      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(p + 64, _MM_HINT_T0);
+      _mm_prefetch(p + 128, _MM_HINT_T0);
+      const char* q = reinterpret_cast<const char*>(pf + (k - k0) * DNR * 2 + DAHEAD);
+      _mm_prefetch(q, _MM_HINT_T1);
+      _mm_prefetch(q + 64, _MM_HINT_T1);
+      _mm_prefetch(q + 128, _MM_HINT_T1);
+    }
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * k, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(c + r * DNR + j * 16, acc[r][j]);
+}
+
+ZT_DOT_TARGET void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1, float* c,
+                            bool first, const uint16_t* pf, int64_t mr) {
+  switch (mr) {
+    case 8: dot_block<8>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 7: dot_block<7>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 6: dot_block<6>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 5: dot_block<5>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 4: dot_block<4>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 3: dot_block<3>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 2: dot_block<2>(x, ldx, w, k0, k1, c, first, pf); break;
+    default: dot_block<1>(x, ldx, w, k0, k1, c, first, pf); break;
+  }
+}
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
+ZT_DOT_TARGET void dot_tasks(const DotProblem& t, int64_t begin, int64_t end) {
+  alignas(64) float c[DMC * DNR];
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % t.panels, mc = task / t.panels;
+    const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
+    const uint16_t* w = t.w + p * t.pairs * DNR * 2;
+    for (int64_t k0 = 0; k0 < t.pairs; k0 += DKC) {
+      const int64_t k1 = std::min(t.pairs, k0 + DKC);
+      for (int64_t m = m0; m < m1; m += 8)
+        dot_rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * DNR, k0 == 0,
+                 m == m0 ? w + k1 * DNR * 2 : nullptr, std::min<int64_t>(8, m1 - m));
+    }
+    const int64_t col = p * DNR, width = std::min(DNR, t.n - col);
+    for (int64_t j = 0; j < width; j += 16) {
+      const int64_t cnt = std::min<int64_t>(16, width - j);
+      const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
+      const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col + j) : _mm512_setzero_ps();
+      for (int64_t m = m0; m < m1; ++m) {
+        __m512 v = _mm512_loadu_ps(c + (m - m0) * DNR + j);
+        if (t.bias) v = _mm512_add_ps(v, b);
+        _mm256_mask_storeu_epi16(t.y + m * t.n + col + j, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+void dot_linear_run(const DotProblem& t) {
+  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * t.panels, 1, [&](int64_t begin, int64_t end) { dot_tasks(t, begin, end); });
+}
+#endif
 }  // namespace
 
 // The entry points below compute without Python's GIL, as torch's own operators do: a bound C++
@@ -516,6 +627,51 @@ torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
   return y;
 #else
   TORCH_CHECK(false, "this build has no AVX-512 linear kernel");
+#endif
+}
+
+bool dot_built() {
+#if defined(ZT_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU runs AVX512-BF16 instructions (VDPBF16PS).
+bool dot_cpu() {
+#if defined(ZT_DOT)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) bf16 with unit column stride; w from pack_dot (N/48 panels of K/2 x 48 x 2, 64-byte
+// aligned; K rounded up to even and N to 48 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
+torch::Tensor dot_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.size(2) == 48 && w.size(3) == 2, "packed weight");
+  TORCH_CHECK(n <= w.size(0) * 48 && n > w.size(0) * 48 - 48, "packed shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 64 == 0, "a 64-byte aligned packed weight");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0), k = x.size(1), pairs = w.size(1);
+  TORCH_CHECK(k == 2 * pairs || k == 2 * pairs - 1, "input features");
+  if (rows > 1 && x.stride(0) < k) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_DOT)
+  if (k != 2 * pairs) x = torch::constant_pad_nd(x, {0, 1});  // the last pair's second value: zero
+  DotProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+               bias ? bias->data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
+               x.stride(0), rows, n, pairs, w.size(0), even_chunk(rows, DMC, 8)};
+  pybind11::gil_scoped_release no_gil;
+  dot_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX512-BF16 linear kernel");
 #endif
 }
 """

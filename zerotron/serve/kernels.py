@@ -18,6 +18,12 @@ weights stream through k-slices that every row block of a call uses while they a
 few rows cost one read of the weights (measured on SmolLM2's shapes: 0.6-0.75x oneDNN's time from 1 to
 78 rows, parity at 256-2048).
 
+:func:`dot_linear` is the bf16 linear for x86 CPUs with AVX512-BF16 but no AMX: :func:`vec_linear`'s
+blocking with bf16 operands (the weight packed by :func:`pack_dot` into 48-column panels of pairs of
+k), each output one chain of VDPBF16PS steps over the pairs of k in order, the bias added, rounded
+once to bf16: a row's result is again its own at any row count, and the weights stream at half the
+fp32 kernel's bytes.
+
 The kernels are compiled once per machine and CPU (``-O3 -march=native``, kept in torch's extension
 cache); where no C++ compiler is found, or with ``ZEROTRON_NATIVE_KERNELS=0``, they are unavailable
 (:func:`available`) and the engine attends through SDPA and multiplies through oneDNN.
@@ -29,6 +35,7 @@ import hashlib
 import os
 import platform
 import threading
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -77,9 +84,18 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=f"zerotron_kernels_v16_{_cpu_tag()}",
+                    name=f"zerotron_kernels_v17_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
-                    functions=["paged_decode", "tiles_built", "tile_linear", "vec_built", "vec_linear"],
+                    functions=[
+                        "paged_decode",
+                        "tiles_built",
+                        "tile_linear",
+                        "vec_built",
+                        "vec_linear",
+                        "dot_built",
+                        "dot_cpu",
+                        "dot_linear",
+                    ],
                     extra_cflags=_FLAGS,
                     extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
                     verbose=False,
@@ -179,14 +195,53 @@ def why_no_vec() -> Optional[str]:
     return None
 
 
+def dot_available() -> bool:
+    """Whether bf16 linears can run on AVX512-BF16 here (:func:`dot_linear`): the kernels built with
+    its code (x86-64, GCC 10+ or clang) and a CPU with AVX512-BF16."""
+    return why_no_dot() is None
+
+
+def why_no_dot() -> Optional[str]:
+    """Why :func:`dot_available` is False (None when it is True)."""
+    module = _build()
+    if module is None:
+        return f"the native kernels are not available ({_error})"
+    if not module.dot_built():
+        return "this build has no AVX512-BF16 linear code (an x86-64 CPU and GCC 10+ or clang are needed)"
+    if not module.dot_cpu():
+        return "this CPU has no AVX512-BF16"
+    return None
+
+
 def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:
     """Why linears of ``dtype`` cannot run on a native kernel here (None when they can): bf16 on AMX
-    tiles (:func:`tile_linear`), fp32 on AVX-512 (:func:`vec_linear`), no other dtype."""
+    tiles (:func:`tile_linear`) or, without AMX, on AVX512-BF16 (:func:`dot_linear`), fp32 on AVX-512
+    (:func:`vec_linear`), no other dtype."""
     if dtype == torch.bfloat16:
-        return why_no_tiles()
+        no_tiles = why_no_tiles()
+        if no_tiles is None:
+            return None
+        no_dot = why_no_dot()
+        return None if no_dot is None else f"{no_tiles}; {no_dot}"
     if dtype == torch.float32:
         return why_no_vec()
-    return f"the native linears are bf16 (AMX) and fp32 (AVX-512), not {dtype}"
+    return f"the native linears are bf16 (AMX or AVX512-BF16) and fp32 (AVX-512), not {dtype}"
+
+
+def native_linear(
+    dtype: torch.dtype,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor], str]:
+    """The native kernel for linears of ``dtype`` here: (pack, run, name), ``pack`` the weight's
+    packing, ``run(x, packed=, bias=, n=)`` the product; bf16 on AMX tiles where the CPU has them,
+    else on AVX512-BF16; fp32 on AVX-512. Raises where :func:`why_no_native_matmul` says why not."""
+    why = why_no_native_matmul(dtype)
+    if why is not None:
+        raise RuntimeError(f"the native matmul is not available: {why}")
+    if dtype == torch.float32:
+        return pack_vec, vec_linear, "native AVX-512"
+    if tiles_available():
+        return pack_tiles, tile_linear, "native tiles"
+    return pack_dot, dot_linear, "native AVX512-BF16"
 
 
 def pack_vec(weight: torch.Tensor) -> torch.Tensor:
@@ -210,4 +265,30 @@ def vec_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tenso
     if rows.stride(-1) != 1:  # the kernel reads each row's k in place
         rows = rows.contiguous()
     y: torch.Tensor = _built().vec_linear(rows, packed, bias, n)
+    return y.view(*x.shape[:-1], n)
+
+
+def pack_dot(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 (N, K) weight as :func:`dot_linear` reads it: (ceil(N/48), ceil(K/2), 48, 2), each
+    48-column panel pair-major (for each pair of k, the two values of each of the 48 columns side by
+    side); N and K padded with zeros."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"pack_dot takes a 2-D bf16 weight, not {weight.dtype} {tuple(weight.shape)}")
+    padded = torch.nn.functional.pad(weight.detach(), (0, -weight.shape[1] % 2, 0, -weight.shape[0] % 48))
+    n, k = padded.shape
+    packed = padded.view(n // 48, 48, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if packed.data_ptr() % 64:  # the kernel loads whole 64-byte lines (torch's CPU allocations are)
+        raise RuntimeError("pack_dot: the allocator returned a weight not 64-byte aligned")
+    return packed
+
+
+def dot_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` for bf16 rows ``x`` (..., K) on AVX512-BF16, ``packed`` from
+    :func:`pack_dot`, ``bias`` fp32 (n,) or None; (..., n) in bf16. Each output is one chain of
+    VDPBF16PS steps over the pairs of k in order (fp32 sums), the bias added, rounded once: a row's
+    result is the same in any batch (any row count, any threads)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:  # the kernel reads each row's k in place
+        rows = rows.contiguous()
+    y: torch.Tensor = _built().dot_linear(rows, packed, bias, n)
     return y.view(*x.shape[:-1], n)

@@ -265,7 +265,8 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
     chunks for long prefills. ``native``: every linear runs on zerotron's own kernel instead, bf16 on
-    AMX tiles (:func:`~zerotron.serve.kernels.tile_linear`), fp32 on AVX-512
+    AMX tiles (:func:`~zerotron.serve.kernels.tile_linear`) or, without AMX, on AVX512-BF16
+    (:func:`~zerotron.serve.kernels.dot_linear`), fp32 on AVX-512
     (:func:`~zerotron.serve.kernels.vec_linear`), whole at any row count (a row's result depends on the
     row alone, from one row up), its weight read once per call."""
     dtype = next(model.parameters()).dtype
@@ -292,11 +293,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
         bias = torch.cat(biases) if any(m.bias is not None for m in parts) else None
         features = (parts[0].in_features, weight.shape[0])
         if native:
-            pack, run = (
-                (kernels.pack_tiles, kernels.tile_linear)
-                if dtype == torch.bfloat16
-                else (kernels.pack_vec, kernels.vec_linear)
-            )
+            pack, run, _ = kernels.native_linear(dtype)
             weights = pack(weight)
             free_dense(parts)
             fp32_bias = None if bias is None else bias.float()
@@ -401,9 +398,9 @@ class StepRunner:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
         rows; the engine then owns the model). ``native``: decodes through the native paged-attention
         kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built). ``native_matmul``:
-        the linears packed for and run by zerotron's own kernel, bf16 on AMX tiles, fp32 on AVX-512
-        (:func:`pack_linears` with ``native``; an error where it is not available); every forward then
-        runs its rows as they are, from one row up."""
+        the linears packed for and run by zerotron's own kernel, bf16 on AMX tiles or AVX512-BF16, fp32
+        on AVX-512 (:func:`pack_linears` with ``native``; an error where it is not available); every
+        forward then runs its rows as they are, from one row up."""
         if native and not kernels.available():
             raise RuntimeError(
                 f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
@@ -420,7 +417,7 @@ class StepRunner:
         if sixteen and not packed:
             chunk_linears(model)
         self.min_rows = 1 if native_matmul else MIN_ROWS_ONEDNN if packed else MIN_ROWS
-        native_name = "native tiles" if dtype == torch.bfloat16 else "native AVX-512"
+        native_name = kernels.native_linear(dtype)[2] if native_matmul else ""
         self.matmul = (native_name if native_matmul else "oneDNN") if packed else "F.linear"
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = next(model.parameters()).device
