@@ -105,6 +105,7 @@ async def run_trace(
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
+    await client.close()  # inside this event loop, before asyncio.run closes it
     if poller is not None:
         poller.cancel()
     ttft = [r["ttft"] for r in results]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from zerotron.config_load import has_cxx_compiler, load_config
+from zerotron.config_check import has_cxx_compiler
+from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.train.loss import IGNORE, token_loss_sum

@@ -8,14 +8,9 @@ from pathlib import Path
 import pytest
 
 from zerotron.cli import main
+from zerotron.config_check import validate
 from zerotron.config_deepspeed import from_deepspeed
-from zerotron.config_load import (
-    ConfigError,
-    describe_fields,
-    load_config,
-    save_config,
-    validate,
-)
+from zerotron.config_load import ConfigError, describe_fields, load_config, save_config
 
 
 def test_yaml_file_then_overrides_win(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ from tests.harness import run_distributed
 from tests.test_train_3d import TINY, _body, _check_weights
 from tests.test_train_dp import _reference, _tokens
 from zerotron.checkpoint import store
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM

@@ -31,6 +31,7 @@ LAYERS = {
     "shapes": 1,
     "layout": 1,
     "config_load": 1,
+    "config_check": 1,
     "config_deepspeed": 1,
     "presets": 1,
     "__init__": 1,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.mesh import MeshError, ParallelDims
 from zerotron.layout import LayoutError, LayoutSpec, check, check_degrees, spec_of
 from zerotron.plan import PROFILES, PlanError, plan_config

@@ -23,7 +23,8 @@ from tests.harness import run_distributed
 from tests.test_train_3d import _body
 from tests.test_train_dp import _tokens
 from zerotron.config import ModelConfig
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.models.moe import MoEBlock, update_router_bias
 
 transformers = pytest.importorskip("transformers")

@@ -23,7 +23,8 @@ from tests.harness import run_distributed
 from tests.test_train_3d import _body
 from tests.test_train_dp import BASE, _tokens, torch_adamw
 from zerotron.checkpoint import store
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.state import read_model_tensors

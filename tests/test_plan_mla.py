@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.plan import PROFILES, PlanError, plan_config
 from zerotron.plan.layout import from_config
 from zerotron.plan.model import dense_layer_params, layer_params, pipeline_layers, stage_params, total_params

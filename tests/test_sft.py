@@ -29,7 +29,8 @@ import transformers
 from tests.harness import run_distributed
 from tests.test_hf_io import CFG
 from zerotron.config import Config
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.finetune.data import encode_conversation

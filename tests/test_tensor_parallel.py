@@ -23,7 +23,8 @@ from torch import nn
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _assert_close, _reference, _tokens
 from zerotron.checkpoint import store
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.parallel.tensor import (

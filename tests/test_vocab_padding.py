@@ -22,7 +22,8 @@ from tests.test_train_3d import _body as _train
 from tests.test_train_dp import BASE, _reference, _tokens
 from zerotron.checkpoint import store
 from zerotron.checkpoint.convert import convert
-from zerotron.config_load import load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM

@@ -25,7 +25,8 @@ import pytest
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _reference, _tokens
 from zerotron.checkpoint import store
-from zerotron.config_load import ConfigError, ZeroSavesNothing, load_config, validate
+from zerotron.config_check import ZeroSavesNothing, validate
+from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import ParallelDims
 from zerotron.models.llama import LlamaForCausalLM

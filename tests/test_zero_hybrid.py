@@ -18,7 +18,8 @@ import pytest
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, _reference, _tokens
 from tests.test_zero import ZERO3, _assert_close, _body
-from zerotron.config_load import ConfigError, load_config, validate
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
 
 HYBRID = [*BASE, *ZERO3, "parallel.dp=4", "parallel.zero_shard_size=2", "train.micro_batch=1"]
 

@@ -163,7 +163,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         run_server(args.model, args.host, args.port, args.served_model_name, config)
         return 0
     from zerotron.config import Config
-    from zerotron.config_load import check_tensor_parallel
+    from zerotron.config_check import check_tensor_parallel
     from zerotron.distributed.launch import spawn
     from zerotron.serve.app import serve_worker
     from zerotron.serve.generate import model_config
@@ -400,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["native", "onednn", "mkl"],
         default=None,
         help="linear layers on weights packed once, q/k/v and gate/up fused: through zerotron's native "
-        "kernels, bf16 on AMX tiles and fp32 on AVX-512 (the default on one rank where the CPU has "
-        "them), or through oneDNN (the default otherwise on one rank; fp16); or through torch's "
+        "kernels, bf16 on AMX tiles or else AVX512-BF16, fp32 on AVX-512 (the default on one rank "
+        "where the CPU has them), or through oneDNN (the default otherwise on one rank; fp16); or through torch's "
         "F.linear (MKL in fp32, >= 16 rows; 16-bit in row chunks; what tensor-parallel shards run)",
     )
     srv.add_argument(

@@ -5,7 +5,7 @@ Every field has a help text (``metadata["help"]``) that ``zerotron train --help-
 ``torch.distributed`` and no torch at all, so ``zerotron plan`` and config checks run anywhere.
 
 Loading (YAML/JSON files, dotted overrides, DeepSpeed ``ds_config.json`` mapping) and validation live
-in :mod:`zerotron.config_load`; this module only declares the tree.
+in :mod:`zerotron.config_load` and :mod:`zerotron.config_check`; this module only declares the tree.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ offload targets match the ZeRO stage. Every failure is a :class:`LayoutError` of
 the fields and says what to change; callers re-raise it as their own error type.
 
 What the trainer has not built yet (context and expert parallelism, FP8, ZeRO-2/3 under pipelines)
-is refused by the trainer alone (``config_load``): the planner models those layouts, so they are
+is refused by the trainer alone (``config_check``): the planner models those layouts, so they are
 well formed here. Hardware limits (tp within a node) are the planner's.
 """
 

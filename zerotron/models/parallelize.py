@@ -62,7 +62,7 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
     one_stage = mesh is None or mesh.dims.pp == 1
     model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
     apply_recompute(model, cfg.train.recompute)
-    if cfg.train.compile:  # one chunk (config_load._check_compile): no pp, tp, cp or ep
+    if cfg.train.compile:  # one chunk (config_check._check_compile): no pp, tp, cp or ep
         assert isinstance(model, LlamaForCausalLM)
         for block in model.layers:
             # The forward only (with recomputation's checkpoint when wrapped): module hooks (ZeRO-3's

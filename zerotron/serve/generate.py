@@ -184,7 +184,8 @@ def model_config(path: str) -> Any:
 def check_options(model_path: str, tp: int, options: dict[str, Any]) -> None:
     """Every generate option in range and ``tp`` able to split the model: one-line errors before any rank."""
     from zerotron.config import Config
-    from zerotron.config_load import ConfigError, check_tensor_parallel
+    from zerotron.config_check import check_tensor_parallel
+    from zerotron.config_load import ConfigError
 
     checks = [
         ("--max-new-tokens", options["max_new_tokens"] >= 1, "at least 1"),

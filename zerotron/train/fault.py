@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerotron.config import FaultConfig
-from zerotron.config_load import parse_injections
+from zerotron.config_check import parse_injections
 from zerotron.distributed import collectives
 
 if TYPE_CHECKING:

@@ -21,8 +21,9 @@ import torch
 
 from zerotron.checkpoint import store
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
+from zerotron.config_check import validate
 from zerotron.config_deepspeed import from_deepspeed
-from zerotron.config_load import ConfigError, load_config, save_config, validate
+from zerotron.config_load import ConfigError, load_config, save_config
 from zerotron.distributed.launch import (
     LaunchError,
     current_rank_and_world,

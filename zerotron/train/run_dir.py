@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 from typing import IO
 
-from zerotron.config_load import ConfigError, check_writable
+from zerotron.config_check import check_writable
+from zerotron.config_load import ConfigError
 
 LOCK_NAME = ".lock"
 # What a run writes into its directory; --overwrite removes exactly these.
