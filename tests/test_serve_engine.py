@@ -634,6 +634,38 @@ def test_native_dot_linear_is_the_product_and_each_row_alone(n: int, k: int, bia
     _each_row_alone(linear, x, y, (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300), g)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_norm_and_gate_are_the_models_and_each_row_alone(dtype: torch.dtype) -> None:
+    """The native RMSNorm and SiLU gate (kernels.rms_norm, kernels.silu_mul, what a native-matmul
+    engine's layers run) against the model's own RMSNorm and ``F.silu(gate) * up``: within one rounding
+    of the dtype (the fp32 statistic and exp differ from torch's by ulps), and every row the same bits
+    alone, in any row count, from rows further apart than the width."""
+    from zerotron.models.llama import RMSNorm
+    from zerotron.serve import kernels
+
+    _native_or_skip()
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+    norm = norm.to(dtype).requires_grad_(False)
+    x = (torch.randn(300, 576, generator=g) * 3).to(dtype)
+    y = kernels.rms_norm(x, norm.weight, norm.eps)
+    want = norm(x)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    assert y.dtype == dtype and ((y.float() - want.float()).abs() <= want.float().abs() * ulp + 1e-6).all()
+    gu = (torch.randn(300, 2 * 1536, generator=g) * 4).to(dtype)  # gates far into both tails
+    z = kernels.silu_mul(gu, 1536)
+    want = torch.nn.functional.silu(gu[:, :1536]) * gu[:, 1536:]
+    assert ((z.float() - want.float()).abs() <= want.float().abs() * 2 * ulp + 1e-6).all()
+    for rows in (1, 2, 7, 9, 33, 300):
+        assert torch.equal(kernels.rms_norm(x[:rows], norm.weight, norm.eps), y[:rows]), rows
+        assert torch.equal(kernels.silu_mul(gu[:rows], 1536), z[:rows]), rows
+    wide = torch.cat([x, x], dim=1)[:, :576]  # rows 1152 apart
+    assert torch.equal(kernels.rms_norm(wide[None, 4:40], norm.weight, norm.eps)[0], y[4:40])
+    assert torch.equal(kernels.silu_mul(torch.cat([gu, gu], dim=1)[:, :3072], 1536), z)
+
+
 def _vec_or_skip() -> None:
     from zerotron.serve import kernels
 

@@ -525,6 +525,52 @@ void dot_linear_run(const DotProblem& t) {
   at::parallel_for(0, chunks * t.panels, 1, [&](int64_t begin, int64_t end) { dot_tasks(t, begin, end); });
 }
 #endif
+
+// ---- the decoder layer's elementwise steps -----------------------------------------------------------
+// RMSNorm and the gated MLP's SiLU(gate) * up, one call per layer step instead of the six and three
+// torch operators (each a dispatch and a pass over the rows) that a decode step of a few rows spends
+// more time calling than computing. Each row is one task whose loop order depends on the row's length
+// alone, so a row's bits never depend on its company; the roundings are the model's own (RMSNorm: the
+// statistic in fp32, the normalised row rounded to the dtype, then times the weight, rounded again;
+// SiLU rounded to the dtype before the product).
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, int64_t ldx, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * ldx;
+      T* yr = y + r * n;
+      float ss = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = static_cast<float>(xr[j]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(n) + eps);
+      for (int64_t j = 0; j < n; ++j) {
+        const T normed = static_cast<T>(static_cast<float>(xr[j]) * inv);
+        yr[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+// silu(g) = g / (1 + e^-g), through exp_neg of -|g| on both sides of zero: g >= 0 as g / (1 + t),
+// g < 0 as g t / (1 + t), t = e^-|g|.
+template <typename T>
+void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t width, int64_t ld) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * ld;
+      const T* u = g + width;
+      T* yr = y + r * width;
+      for (int64_t j = 0; j < width; ++j) {
+        const float a = static_cast<float>(g[j]);
+        const float t = exp_neg(a < 0.0f ? a : -a);
+        const float silu = (a < 0.0f ? a * t : a) / (1.0f + t);
+        yr[j] = static_cast<T>(static_cast<float>(static_cast<T>(silu)) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
 }  // namespace
 
 // The entry points below compute without Python's GIL, as torch's own operators do: a bound C++
@@ -673,5 +719,31 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
 #else
   TORCH_CHECK(false, "this build has no AVX512-BF16 linear kernel");
 #endif
+}
+
+// x (rows, n) with unit column stride, weight (n,) of x's dtype -> (rows, n): RMSNorm of each row
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows with unit column stride");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "a weight per column");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "the weight in the rows' dtype");
+  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+  return y;
+}
+
+// gu (rows, 2 width) with unit column stride, the gate's columns then the up's -> (rows, width):
+// silu(gate) * up
+torch::Tensor silu_mul(torch::Tensor gu, int64_t width) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) == 2 * width, "rows of gate and up columns");
+  auto y = torch::empty({gu.size(0), width}, gu.options());
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), gu.size(0), width, gu.stride(0));
+  });
+  return y;
 }
 """

@@ -84,7 +84,7 @@ def _build() -> Optional[Any]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=f"zerotron_kernels_v17_{_cpu_tag()}",
+                    name=f"zerotron_kernels_v18_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=[
                         "paged_decode",
@@ -95,6 +95,8 @@ def _build() -> Optional[Any]:
                         "dot_built",
                         "dot_cpu",
                         "dot_linear",
+                        "rms_norm",
+                        "silu_mul",
                     ],
                     extra_cflags=_FLAGS,
                     extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
@@ -292,3 +294,25 @@ def dot_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tenso
         rows = rows.contiguous()
     y: torch.Tensor = _built().dot_linear(rows, packed, bias, n)
     return y.view(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dimension of ``x`` (any leading shape; ``weight`` in x's dtype), the model's
+    roundings (:class:`~zerotron.models.llama.RMSNorm`: the statistic in fp32, the normalised row
+    rounded to the dtype, times the weight rounded again) in one pass per row; each row's result is
+    its own in any batch."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y: torch.Tensor = _built().rms_norm(rows, weight, eps)
+    return y.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` (..., 2 width), the gate's columns first: SiLU rounded to the
+    dtype before the product, as the model's ``F.silu(gate) * up``; each row's result is its own."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y: torch.Tensor = _built().silu_mul(rows, width)
+    return y.view(*gate_up.shape[:-1], width)

@@ -26,6 +26,7 @@ from zerotron.models.llama import (
     AttentionCache,
     DecoderLayer,
     LlamaForCausalLM,
+    RMSNorm,
     apply_rotary,
 )
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -204,7 +205,7 @@ class _LeanLayer:
     product (one rotation's kernels instead of two) and without the eleven module calls a layer makes
     for its projections, norms, attention and MLP."""
 
-    def __init__(self, layer: DecoderLayer, qkv: _Siblings, gate_up: _Siblings) -> None:
+    def __init__(self, layer: DecoderLayer, qkv: _Siblings, gate_up: _Siblings, native: bool = False) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         assert isinstance(mlp, MLP)
         self.norm1, self.norm2 = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
@@ -213,6 +214,7 @@ class _LeanLayer:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.kv_heads, attn.head_dim
         self.layer_idx, self.core = attn.layer_idx, attn.core
         self.gate = mlp.gate_proj.out_features
+        self.native = native  # SiLU(gate) * up in one native pass (kernels.silu_mul)
 
     def __call__(
         self,
@@ -235,6 +237,8 @@ class _LeanLayer:
             out = self.core(q, k, v, attn_mask)
         x = x + self.o(out.transpose(1, 2).reshape(b, s, nh * d))
         gu = self.gate_up(self.norm2(x))
+        if self.native:
+            return x + self.down(kernels.silu_mul(gu, self.gate))
         return x + self.down(F.silu(gu[..., : self.gate]) * gu[..., self.gate :])
 
 
@@ -268,7 +272,9 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     AMX tiles (:func:`~zerotron.serve.kernels.tile_linear`) or, without AMX, on AVX512-BF16
     (:func:`~zerotron.serve.kernels.dot_linear`), fp32 on AVX-512
     (:func:`~zerotron.serve.kernels.vec_linear`), whole at any row count (a row's result depends on the
-    row alone, from one row up), its weight read once per call."""
+    row alone, from one row up), its weight read once per call; the RMSNorms and the lean layers' SiLU
+    gates then run on native kernels too (:func:`~zerotron.serve.kernels.rms_norm`,
+    :func:`~zerotron.serve.kernels.silu_mul`: one pass per row instead of several operators)."""
     dtype = next(model.parameters()).dtype
     tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
     if tp:
@@ -325,11 +331,14 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     for module in model.modules():
         if _packable(module, dtype) and id(module) not in done:
             module.forward = packed([module])  # type: ignore[method-assign]
+    for norm in model.modules() if native else ():
+        if type(norm) is RMSNorm:  # one native pass per row instead of six operators
+            norm.forward = functools.partial(kernels.rms_norm, weight=norm.weight.detach(), eps=norm.eps)  # type: ignore[method-assign]
     for layer in model.modules() if lean else ():
         if isinstance(layer, DecoderLayer) and layer.self_attn.qk_norm == "none":
             qkv, gate_up = fused_of.get(id(layer.self_attn)), fused_of.get(id(layer.mlp))
             if qkv is not None and gate_up is not None:
-                layer.forward = _LeanLayer(layer, qkv, gate_up)  # type: ignore[method-assign]
+                layer.forward = _LeanLayer(layer, qkv, gate_up, native)  # type: ignore[method-assign]
     return True
 
 
