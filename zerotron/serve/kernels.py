@@ -24,6 +24,10 @@ k), each output one chain of VDPBF16PS steps over the pairs of k in order, the b
 once to bf16: a row's result is again its own at any row count, and the weights stream at half the
 fp32 kernel's bytes.
 
+:func:`rms_norm` and :func:`silu_mul` are a decoder layer's RMSNorm and SiLU gate in one pass per row
+(the model's roundings), which a native-matmul engine runs instead of the several torch operators
+each costs: at a few rows their dispatch, not their arithmetic, is the time.
+
 The kernels are compiled once per machine and CPU (``-O3 -march=native``, kept in torch's extension
 cache); where no C++ compiler is found, or with ``ZEROTRON_NATIVE_KERNELS=0``, they are unavailable
 (:func:`available`) and the engine attends through SDPA and multiplies through oneDNN.
