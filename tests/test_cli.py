@@ -24,13 +24,16 @@ def test_serve_refuses_a_native_matmul_it_cannot_run(
 ) -> None:
     """An explicit --matmul native is refused in one line, before any load, where it cannot run: under
     tensor parallelism (it packs whole weights) and on a CPU without the instructions of the dtype's
-    kernel (AVX-512 for fp32, AMX for bf16; such a CPU is simulated here)."""
+    kernel (AVX-512 for fp32, AMX or AVX512-BF16 for bf16; such a CPU is simulated here)."""
+    from zerotron.serve import kernels
+
     for dtype in ("float32", "bfloat16"):
         err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", dtype, "--nproc", "3"])
         assert "--matmul native" in err and "tensor-parallel" in err
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    for dtype, missing in (("float32", "AVX-512"), ("bfloat16", "AMX")):
+    monkeypatch.setattr(kernels, "why_no_dot", lambda: "this CPU has no AVX512-BF16")
+    for dtype, missing in (("float32", "AVX-512"), ("bfloat16", "AVX512-BF16")):
         err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", dtype])
         assert "--matmul native" in err and (missing in err or "not available" in err), err
 
