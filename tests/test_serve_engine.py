@@ -567,11 +567,17 @@ def _each_row_alone(
         torch.set_num_threads(threads)
 
 
-def _tiles_or_skip() -> None:
+def _linear_or_skip(what: str, why_not: str) -> None:
+    """Skip where the native linear kernel ``what`` cannot run (``why_not``: its kernels.why_no_* probe)."""
     from zerotron.serve import kernels
 
-    if not kernels.tiles_available():
-        pytest.skip(f"no native AMX tile matmul here: {kernels.why_no_tiles()}")
+    why = getattr(kernels, why_not)()
+    if why is not None:
+        pytest.skip(f"no native {what} matmul here: {why}")
+
+
+def _tiles_or_skip() -> None:
+    _linear_or_skip("AMX tile", "why_no_tiles")
 
 
 @pytest.mark.parametrize(
@@ -600,10 +606,7 @@ def test_native_tile_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
 
 
 def _dot_or_skip() -> None:
-    from zerotron.serve import kernels
-
-    if not kernels.dot_available():
-        pytest.skip(f"no native AVX512-BF16 matmul here: {kernels.why_no_dot()}")
+    _linear_or_skip("AVX512-BF16", "why_no_dot")
 
 
 @pytest.mark.parametrize(
@@ -667,10 +670,7 @@ def test_native_norm_and_gate_are_the_models_and_each_row_alone(dtype: torch.dty
 
 
 def _vec_or_skip() -> None:
-    from zerotron.serve import kernels
-
-    if not kernels.vec_available():
-        pytest.skip(f"no native AVX-512 matmul here: {kernels.why_no_vec()}")
+    _linear_or_skip("AVX-512", "why_no_vec")
 
 
 @pytest.mark.parametrize(

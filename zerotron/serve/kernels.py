@@ -141,6 +141,20 @@ def paged_decode(
     return out
 
 
+def _why_no_kernel(built: str, cpu: Callable[[Any], bool], code: str, instructions: str) -> Optional[str]:
+    """Why a native linear kernel cannot run here (None when it can): the kernels not built, this build
+    without the kernel's ``code`` (``built`` names the module's probe), or ``cpu(module)`` False (the
+    CPU lacks its ``instructions``)."""
+    module = _build()
+    if module is None:
+        return f"the native kernels are not available ({_error})"
+    if not getattr(module, built)():
+        return f"this build has no {code}"
+    if not cpu(module):
+        return instructions
+    return None
+
+
 def tiles_available() -> bool:
     """Whether bf16 linears can run on AMX tiles here (:func:`tile_linear`): the kernels built with
     tile code (x86-64), a CPU with AMX, and the kernel's leave to use its tile registers."""
@@ -149,14 +163,12 @@ def tiles_available() -> bool:
 
 def why_no_tiles() -> Optional[str]:
     """Why :func:`tiles_available` is False (None when it is True)."""
-    module = _build()
-    if module is None:
-        return f"the native kernels are not available ({_error})"
-    if not module.tiles_built():
-        return "this build has no AMX tile code (an x86-64 CPU and GCC 11+ or clang are needed)"
-    if not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
-        return "this CPU has no AMX tiles (or the kernel refuses their use)"
-    return None
+    return _why_no_kernel(
+        "tiles_built",
+        lambda m: bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()),
+        "AMX tile code (an x86-64 CPU and GCC 11+ or clang are needed)",
+        "this CPU has no AMX tiles (or the kernel refuses their use)",
+    )
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -191,14 +203,12 @@ def vec_available() -> bool:
 
 def why_no_vec() -> Optional[str]:
     """Why :func:`vec_available` is False (None when it is True)."""
-    module = _build()
-    if module is None:
-        return f"the native kernels are not available ({_error})"
-    if not module.vec_built():
-        return "this build has no AVX-512 linear code (an x86-64 CPU and GCC or clang are needed)"
-    if not torch.cpu._is_avx512_supported():
-        return "this CPU has no AVX-512"
-    return None
+    return _why_no_kernel(
+        "vec_built",
+        lambda m: bool(torch.cpu._is_avx512_supported()),
+        "AVX-512 linear code (an x86-64 CPU and GCC or clang are needed)",
+        "this CPU has no AVX-512",
+    )
 
 
 def dot_available() -> bool:
@@ -209,14 +219,12 @@ def dot_available() -> bool:
 
 def why_no_dot() -> Optional[str]:
     """Why :func:`dot_available` is False (None when it is True)."""
-    module = _build()
-    if module is None:
-        return f"the native kernels are not available ({_error})"
-    if not module.dot_built():
-        return "this build has no AVX512-BF16 linear code (an x86-64 CPU and GCC 10+ or clang are needed)"
-    if not module.dot_cpu():
-        return "this CPU has no AVX512-BF16"
-    return None
+    return _why_no_kernel(
+        "dot_built",
+        lambda m: bool(m.dot_cpu()),
+        "AVX512-BF16 linear code (an x86-64 CPU and GCC 10+ or clang are needed)",
+        "this CPU has no AVX512-BF16",
+    )
 
 
 def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:

@@ -284,6 +284,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     if not native and not onednn_kernels(dtype):
         return False
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
+    pack, run, _ = kernels.native_linear(dtype) if native else (None, None, "")
     shared = getattr(model, "embed_tokens", None)
     head = getattr(model, "lm_head", None)  # sees one row per sampled sequence: 32-row chunks
     wide_of: dict[tuple[int, int, bool], tuple[int, ...]] = {}
@@ -298,8 +299,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
         biases = [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in parts]
         bias = torch.cat(biases) if any(m.bias is not None for m in parts) else None
         features = (parts[0].in_features, weight.shape[0])
-        if native:
-            pack, run, _ = kernels.native_linear(dtype)
+        if pack is not None and run is not None:  # native
             weights = pack(weight)
             free_dense(parts)
             fp32_bias = None if bias is None else bias.float()
@@ -426,8 +426,9 @@ class StepRunner:
         if sixteen and not packed:
             chunk_linears(model)
         self.min_rows = 1 if native_matmul else MIN_ROWS_ONEDNN if packed else MIN_ROWS
-        native_name = kernels.native_linear(dtype)[2] if native_matmul else ""
-        self.matmul = (native_name if native_matmul else "oneDNN") if packed else "F.linear"
+        self.matmul = (
+            "F.linear" if not packed else kernels.native_linear(dtype)[2] if native_matmul else "oneDNN"
+        )
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = next(model.parameters()).device
         self.last_signal = time.monotonic()

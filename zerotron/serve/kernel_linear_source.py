@@ -1,0 +1,454 @@
+"""The C++ source of the serving engine's linear-layer kernels, part of :data:`zerotron.serve.kernel_source.SOURCE`
+(compiled there into one extension): the AMX tile kernel (bf16), the AVX-512 kernel (fp32) and the
+AVX512-BF16 kernel (bf16). What each computes and why is documented in :mod:`zerotron.serve.kernels`
+and beside each function below.
+
+The fp32 and AVX512-BF16 kernels share their blocking but stay separate functions: each is compiled
+for its own instruction set (a ``target`` attribute), and a shared template would let the compiler use
+AVX512-BF16 instructions in the fp32 kernel, which must run on CPUs without them.
+"""
+
+# Inside the source's anonymous namespace: the kernels.
+KERNELS = r"""// Rows per chunk: `rows` cut into as few chunks of at most `most` as it takes, of equal size rounded
+// up to `unit`. The threads share tasks chunk-major, so unequal chunks (128 + 20 rows) would leave
+// one thread most of the work.
+inline int64_t even_chunk(int64_t rows, int64_t most, int64_t unit) {
+  const int64_t chunks = (rows + most - 1) / most, per = (rows + chunks - 1) / chunks;
+  return std::min(most, (per + unit - 1) / unit * unit);
+}
+
+// ---- bf16 linear layers on AMX tiles ---------------------------------------------------------------
+// y = x w^T (+ bias) for bf16 x (rows, K) and w packed by pack_tiles: (N/16, K/32, 16, 16, 2), each
+// 16-column, 32-deep block one B tile (pairs of k per row, as TDPBF16PS reads them). An output
+// element is its row of x times its column of w summed over k in 32-deep tile products in k order,
+// in fp32, rounded once to bf16 after the bias: a row's numbers never depend on the other rows or
+// on how the columns are shared among threads.
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define ZT_TILES 1
+#define ZT_TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// One block of MA x 16 rows (A tiles 4, 5: 16 rows each from a0, a1, lda0/lda1 bytes apart) times
+// NB x 16 columns (B tiles 6, 7), summed into C tiles 0-3 over all k, stored to c (32 x 32 fp32).
+template <int MA, int NB>
+ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const uint16_t* a1, int64_t lda1,
+                                      const uint16_t* b0, const uint16_t* b1, int64_t kblocks, float* c) {
+  _tile_zero(0);
+  if (NB == 2) _tile_zero(1);
+  if (MA == 2) _tile_zero(2);
+  if (MA == 2 && NB == 2) _tile_zero(3);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_loadd(4, a0 + kb * 32, lda0);
+    if (MA == 2) _tile_loadd(5, a1 + kb * 32, lda1);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    if (NB == 2) _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if (MA == 2) _tile_dpbf16ps(2, 5, 6);
+    if (MA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  char* cc = reinterpret_cast<char*>(c);
+  _tile_stored(0, cc, 128);
+  if (NB == 2) _tile_stored(1, cc + 64, 128);
+  if (MA == 2) _tile_stored(2, cc + 16 * 128, 128);
+  if (MA == 2 && NB == 2) _tile_stored(3, cc + 16 * 128 + 64, 128);
+}
+
+// A linear's operands: x rows of `ldx` elements (the first `full` rows, a multiple of 16, read in
+// place), tail the rest (under 16) zero-padded to 16 rows of kblocks * 32; y (rows, n).
+struct TileProblem {
+  const uint16_t *x, *tail, *w;
+  const float* bias;
+  uint16_t* y;
+  int64_t ldx, full, rows, n, nblocks, kblocks, chunk;
+};
+
+constexpr int64_t MCHUNK = 128;  // most rows of x a thread keeps in cache while it walks its columns
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, pair of 16-column blocks), chunk-major.
+ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[32 * 32];
+  const int64_t pairs = (t.nblocks + 1) / 2, kblocks = t.kblocks, rows = t.rows, full = t.full;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % pairs, mc = task / pairs;
+    const int64_t nb = 2 * p, nbs = std::min<int64_t>(2, t.nblocks - nb);
+    const uint16_t* b0 = t.w + nb * kblocks * 512;
+    const uint16_t* b1 = b0 + kblocks * 512;
+    for (int64_t m0 = mc * t.chunk; m0 < std::min(rows, (mc + 1) * t.chunk); m0 += 32) {
+      const uint16_t* a0 = m0 < full ? t.x + m0 * t.ldx : t.tail;
+      const uint16_t* a1 = m0 + 16 < full ? t.x + (m0 + 16) * t.ldx : t.tail;
+      const int64_t lda0 = (m0 < full ? t.ldx : kblocks * 32) * 2;
+      const int64_t lda1 = (m0 + 16 < full ? t.ldx : kblocks * 32) * 2;
+      if (rows - m0 > 16 && nbs == 2) tile_block<2, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else if (rows - m0 > 16) tile_block<2, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else if (nbs == 2) tile_block<1, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      else tile_block<1, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
+      const int64_t mr = std::min<int64_t>(32, rows - m0);
+      for (int64_t half = 0; half < nbs; ++half) {
+        const int64_t col = nb * 16 + half * 16;
+        if (col >= t.n) break;
+        const __mmask16 keep = t.n - col >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                               : static_cast<__mmask16>((1u << (t.n - col)) - 1);
+        const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < mr; ++r) {
+          __m512 v = _mm512_loadu_ps(c + r * 32 + half * 16);
+          if (t.bias) v = _mm512_add_ps(v, b);
+          _mm256_mask_storeu_epi16(t.y + (m0 + r) * t.n + col, keep, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+void tile_linear_run(const TileProblem& t) {
+  const int64_t pairs = (t.nblocks + 1) / 2, chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) { tile_tasks(t, begin, end); });
+}
+#endif
+// ---- fp32 linear layers on AVX-512 -----------------------------------------------------------------
+// y = x w^T (+ bias) for fp32 x (rows, K) and w packed by pack_vec: (N/48, K, 48), each 48-column
+// panel k-major. An output element is one fused multiply-add chain over k in order from zero, the
+// bias added after: a row's numbers never depend on the other rows, on the blocking, or on how the
+// panels are shared among threads. Blocks of up to 8 rows x 48 columns keep 24 accumulators in
+// registers; k is walked in 64-deep slices, every row block of a chunk through a slice while it is
+// in L1, the next slice fetched into L1 and the fifth into L2 meanwhile (the panels of a thread's
+// tasks follow each other in memory, so the fetches run on into its next panel), so that few rows
+// cost about one read of the weights and many rows run at the FMA units' rate.
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define ZT_VEC 1
+#if defined(__clang__)
+#define ZT_VEC_TARGET __attribute__((target("avx512f")))
+#define ZT_VEC_ORDER _Pragma("clang fp reassociate(off)")
+#else  // the chains must stay chains: no reassociation here whatever the file's flags
+#define ZT_VEC_TARGET __attribute__((target("avx512f"), optimize("no-associative-math")))
+#define ZT_VEC_ORDER
+#endif
+constexpr int64_t VNR = 48, VMC = 128, VKC = 64;  // panel columns, rows per task, k per slice
+constexpr int64_t VAHEAD = 4 * VKC * VNR;  // how far ahead (floats) the weights are fetched into L2
+
+struct VecProblem {
+  const float *x, *w, *bias;
+  float* y;
+  int64_t ldx, rows, n, k, panels, chunk;
+};
+
+// MR rows of x (ldx apart) times one panel over k in [k0, k1), the sums carried in c (48 per row);
+// pf: where the next slice starts (prefetched into L1 while this one is multiplied, and the weights four
+// slices further on into L2: from memory, one slice ahead is too late to keep the FMA units fed), or null
+template <int MR>
+ZT_VEC_TARGET inline void vec_block(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1,
+                                    float* c, bool first, const float* pf) {
+  ZT_VEC_ORDER
+  __m512 acc[MR][3];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * VNR + j * 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * VNR;
+    const __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32);
+    if (pf) {
+      const char* p = reinterpret_cast<const char*>(pf + (k - k0) * VNR);
+      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(p + 64, _MM_HINT_T0);
+      _mm_prefetch(p + 128, _MM_HINT_T0);
+      const char* q = reinterpret_cast<const char*>(pf + (k - k0) * VNR + VAHEAD);
+      _mm_prefetch(q, _MM_HINT_T1);
+      _mm_prefetch(q + 64, _MM_HINT_T1);
+      _mm_prefetch(q + 128, _MM_HINT_T1);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, w2, acc[r][2]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(c + r * VNR + j * 16, acc[r][j]);
+}
+
+ZT_VEC_TARGET void vec_rows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* c,
+                            bool first, const float* pf, int64_t mr) {
+  switch (mr) {
+    case 8: vec_block<8>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 7: vec_block<7>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 6: vec_block<6>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 5: vec_block<5>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 4: vec_block<4>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 3: vec_block<3>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 2: vec_block<2>(x, ldx, w, k0, k1, c, first, pf); break;
+    default: vec_block<1>(x, ldx, w, k0, k1, c, first, pf); break;
+  }
+}
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
+ZT_VEC_TARGET void vec_tasks(const VecProblem& t, int64_t begin, int64_t end) {
+  alignas(64) float c[VMC * VNR];
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % t.panels, mc = task / t.panels;
+    const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
+    const float* w = t.w + p * t.k * VNR;
+    for (int64_t k0 = 0; k0 < t.k; k0 += VKC) {
+      const int64_t k1 = std::min(t.k, k0 + VKC);
+      for (int64_t m = m0; m < m1; m += 8)
+        vec_rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * VNR, k0 == 0,
+                 m == m0 ? w + k1 * VNR : nullptr, std::min<int64_t>(8, m1 - m));
+    }
+    const int64_t col = p * VNR, width = std::min(VNR, t.n - col);
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t j = 0; j < width; j += 16) {
+        const int64_t cnt = std::min<int64_t>(16, width - j);
+        const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
+        __m512 v = _mm512_loadu_ps(c + (m - m0) * VNR + j);
+        if (t.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, t.bias + col + j));
+        _mm512_mask_storeu_ps(t.y + m * t.n + col + j, keep, v);
+      }
+    }
+  }
+}
+
+void vec_linear_run(const VecProblem& t) {
+  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * t.panels, 1, [&](int64_t begin, int64_t end) { vec_tasks(t, begin, end); });
+}
+#endif
+
+// ---- bf16 linear layers on AVX512-BF16 -------------------------------------------------------------
+// y = x w^T (+ bias) for bf16 x (rows, K) and w packed by pack_dot: (N/48, K/2, 48, 2), each 48-column
+// panel pair-major (for each pair of k, the 48 columns' two values side by side, as VDPBF16PS reads
+// them). The fp32 kernel's blocking with bf16 operands: an output element is one chain of VDPBF16PS
+// steps over the pairs of k in order from zero (each step adds its pair's two products to the fp32 sum),
+// the bias added after, rounded once to bf16: a row's numbers never depend on the other rows, on the
+// blocking, or on how the panels are shared among threads. A slice is 64 pairs (128 k), the same bytes
+// as the fp32 kernel's; the weights are fetched ahead into L1 and L2 in the same way.
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#define ZT_DOT 1
+#if defined(__clang__)
+#define ZT_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define ZT_DOT_ORDER _Pragma("clang fp reassociate(off)")
+#else
+#define ZT_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), optimize("no-associative-math")))
+#define ZT_DOT_ORDER
+#endif
+constexpr int64_t DNR = 48, DMC = 128, DKC = 64;  // panel columns, rows per task, pairs of k per slice
+constexpr int64_t DAHEAD = 4 * DKC * DNR * 2;  // how far ahead (bf16 values) the weights are fetched into L2
+
+struct DotProblem {
+  const uint16_t* x;
+  const uint16_t* w;
+  const float* bias;
+  uint16_t* y;
+  int64_t ldx, rows, n, pairs, panels, chunk;
+};
+
+// MR rows of x (ldx apart) times one panel over the pairs [k0, k1), the sums carried in c (48 per row);
+// pf: where the next slice starts (fetched into L1 meanwhile, four slices further on into L2), or null
+template <int MR>
+ZT_DOT_TARGET inline void dot_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1,
+                                    float* c, bool first, const uint16_t* pf) {
+  ZT_DOT_ORDER
+  __m512 acc[MR][3];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * DNR + j * 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint16_t* wk = w + k * DNR * 2;
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(wk), w1 = (__m512bh)_mm512_load_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_load_si512(wk + 64);
+    if (pf) {
+      const char* p = reinterpret_cast<const char*>(pf + (k - k0) * DNR * 2);
+      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(p + 64, _MM_HINT_T0);
+      _mm_prefetch(p + 128, _MM_HINT_T0);
+      const char* q = reinterpret_cast<const char*>(pf + (k - k0) * DNR * 2 + DAHEAD);
+      _mm_prefetch(q, _MM_HINT_T1);
+      _mm_prefetch(q + 64, _MM_HINT_T1);
+      _mm_prefetch(q + 128, _MM_HINT_T1);
+    }
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * k, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(c + r * DNR + j * 16, acc[r][j]);
+}
+
+ZT_DOT_TARGET void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1, float* c,
+                            bool first, const uint16_t* pf, int64_t mr) {
+  switch (mr) {
+    case 8: dot_block<8>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 7: dot_block<7>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 6: dot_block<6>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 5: dot_block<5>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 4: dot_block<4>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 3: dot_block<3>(x, ldx, w, k0, k1, c, first, pf); break;
+    case 2: dot_block<2>(x, ldx, w, k0, k1, c, first, pf); break;
+    default: dot_block<1>(x, ldx, w, k0, k1, c, first, pf); break;
+  }
+}
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
+ZT_DOT_TARGET void dot_tasks(const DotProblem& t, int64_t begin, int64_t end) {
+  alignas(64) float c[DMC * DNR];
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task % t.panels, mc = task / t.panels;
+    const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
+    const uint16_t* w = t.w + p * t.pairs * DNR * 2;
+    for (int64_t k0 = 0; k0 < t.pairs; k0 += DKC) {
+      const int64_t k1 = std::min(t.pairs, k0 + DKC);
+      for (int64_t m = m0; m < m1; m += 8)
+        dot_rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * DNR, k0 == 0,
+                 m == m0 ? w + k1 * DNR * 2 : nullptr, std::min<int64_t>(8, m1 - m));
+    }
+    const int64_t col = p * DNR, width = std::min(DNR, t.n - col);
+    for (int64_t j = 0; j < width; j += 16) {
+      const int64_t cnt = std::min<int64_t>(16, width - j);
+      const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
+      const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col + j) : _mm512_setzero_ps();
+      for (int64_t m = m0; m < m1; ++m) {
+        __m512 v = _mm512_loadu_ps(c + (m - m0) * DNR + j);
+        if (t.bias) v = _mm512_add_ps(v, b);
+        _mm256_mask_storeu_epi16(t.y + m * t.n + col + j, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+void dot_linear_run(const DotProblem& t) {
+  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * t.panels, 1, [&](int64_t begin, int64_t end) { dot_tasks(t, begin, end); });
+}
+#endif
+
+"""
+
+# After it: the entry points (bound by name in zerotron.serve.kernels).
+ENTRIES = r"""bool tiles_built() {
+#if defined(ZT_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) bf16 with unit column stride; w from pack_tiles (N/16 blocks of 16 columns, K/32
+// blocks of 32: K rounded up to 32 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
+  TORCH_CHECK(w.dim() == 5 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "packed weight");
+  TORCH_CHECK(w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2 && n <= w.size(0) * 16 && n > w.size(0) * 16 - 16, "packed shape");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0), k = x.size(1), kblocks = w.size(1);
+  TORCH_CHECK(k <= kblocks * 32 && k > kblocks * 32 - 32, "input features");
+  if (rows > 1 && x.stride(0) < k) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_TILES)
+  // rows are read in place when K is a multiple of 32 (else from a zero-padded copy), the last
+  // partial 16 from a zero-padded tile
+  if (k != kblocks * 32) x = torch::constant_pad_nd(x, {0, kblocks * 32 - k});
+  const int64_t full = rows / 16 * 16;
+  auto tail = torch::zeros({full < rows ? 16 : 0, kblocks * 32}, x.options());
+  if (full < rows) tail.narrow(0, 0, rows - full).copy_(x.narrow(0, full, rows - full));
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),
+                reinterpret_cast<const uint16_t*>(w.data_ptr()), b, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                x.stride(0), full, rows, n, w.size(0), kblocks, even_chunk(rows, MCHUNK, 32)};
+  pybind11::gil_scoped_release no_gil;
+  tile_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX tile kernels");
+#endif
+}
+bool vec_built() {
+#if defined(ZT_VEC)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) fp32 with unit column stride; w from pack_vec (N/48 panels of K x 48, 64-byte aligned;
+// N rounded up to 48 with zero weights); bias (n,) fp32 or empty -> (rows, n) fp32
+torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(2) == 48, "packed weight");
+  TORCH_CHECK(n <= w.size(0) * 48 && n > w.size(0) * 48 - 48 && w.size(1) == x.size(1), "packed shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 64 == 0, "a 64-byte aligned packed weight");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0);
+  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_VEC)
+  VecProblem t{x.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0), even_chunk(rows, VMC, 8)};
+  pybind11::gil_scoped_release no_gil;
+  vec_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX-512 linear kernel");
+#endif
+}
+
+bool dot_built() {
+#if defined(ZT_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU runs AVX512-BF16 instructions (VDPBF16PS).
+bool dot_cpu() {
+#if defined(ZT_DOT)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) bf16 with unit column stride; w from pack_dot (N/48 panels of K/2 x 48 x 2, 64-byte
+// aligned; K rounded up to even and N to 48 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
+torch::Tensor dot_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.size(2) == 48 && w.size(3) == 2, "packed weight");
+  TORCH_CHECK(n <= w.size(0) * 48 && n > w.size(0) * 48 - 48, "packed shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 64 == 0, "a 64-byte aligned packed weight");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0), k = x.size(1), pairs = w.size(1);
+  TORCH_CHECK(k == 2 * pairs || k == 2 * pairs - 1, "input features");
+  if (rows > 1 && x.stride(0) < k) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_DOT)
+  if (k != 2 * pairs) x = torch::constant_pad_nd(x, {0, 1});  // the last pair's second value: zero
+  DotProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+               bias ? bias->data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
+               x.stride(0), rows, n, pairs, w.size(0), even_chunk(rows, DMC, 8)};
+  pybind11::gil_scoped_release no_gil;
+  dot_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX512-BF16 linear kernel");
+#endif
+}
+
+"""
