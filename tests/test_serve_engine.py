@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.test_llama import BASE, _reference, _zerotron_from
 from zerotron.config_load import load_config
@@ -171,8 +172,8 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     """A greedy request gets bit-identical tokens and log-probabilities alone, in a batch of other
     requests under a small token budget (its prompt cut into chunks), and on a prefix-cache hit; with
     MKL's linears (forwards of 16 rows or more), with oneDNN's packed ones (2 rows or more), with
-    zerotron's own AVX-512 kernel (from one row: a lone decode runs one row), and with decodes through
-    the native paged kernel."""
+    zerotron's own AVX-512 kernel (from one row: a lone decode runs one row), and with every row's
+    attention on the native paged kernel (no SDPA call then)."""
     from zerotron.serve import kernels
 
     if native:
@@ -180,8 +181,12 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     if matmul:
         _vec_or_skip()
     calls: list[int] = []
-    decode = kernels.paged_decode
-    monkeypatch.setattr(kernels, "paged_decode", lambda q, *a: calls.append(len(q)) or decode(q, *a))
+    sdpa_calls: list[int] = []
+    attention, sdpa = kernels.paged_attention, F.scaled_dot_product_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda q, *a: calls.append(len(q)) or attention(q, *a))
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda q, *a, **kw: sdpa_calls.append(1) or sdpa(q, *a, **kw)
+    )
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     make = functools.partial(engine_factory, onednn=onednn, native_attention=native, native_matmul=matmul)  # type: ignore[call-overload]
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
@@ -195,23 +200,31 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     assert engine.pool.hits - hits == cached // engine.pool.block_size > 0
     assert first == alone[:1] and again == alone[:3]
     assert MIN_ROWS > 1 and KEY_BUCKET % Q_ALIGN == 0
-    assert (max(calls, default=0) == len(prompts)) == native  # a step's decodes in one kernel call
+    # native: a step's rows (its decodes and prompt chunks) in one kernel call per layer, and no SDPA
+    assert (max(calls, default=0) > len(prompts)) == native and (not sdpa_calls) == native
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_preemption_and_resume_give_the_same_output(engine_factory: object, native: bool) -> None:
+@pytest.mark.parametrize(("native", "matmul"), [(False, False), (True, False), (True, True)])
+def test_preemption_and_resume_give_the_same_output(
+    engine_factory: object, native: bool, matmul: bool
+) -> None:
     if native:
         _native_or_skip()
+    if matmul:
+        _vec_or_skip()
     prompts = _prompts([40, 41, 42, 43, 44, 45], seed=2)
     params = dataclasses.replace(GREEDY, max_tokens=40)
-    make = functools.partial(engine_factory, native_attention=native)  # type: ignore[call-overload]
+    make = functools.partial(engine_factory, native_attention=native, native_matmul=matmul)  # type: ignore[call-overload]
     ample = _run(make(), prompts, params)
     tight = make(num_blocks=14, block_size=16, max_model_len=160)
     resumed = _run(tight, prompts, params)
     assert tight.scheduler.preemptions > 0
-    # Same tokens; a recomputed output token's keys come from a prefill run instead of a decode row,
-    # so log-probabilities after a resume agree to rounding, not bit for bit.
     assert [tokens for tokens, _ in resumed] == [tokens for tokens, _ in ample]
+    if native and matmul:  # every row computed alone, a prompt row as a decode: the same bits
+        assert resumed == ample
+        return
+    # A recomputed output token's keys come from a prefill run instead of a decode row, so
+    # log-probabilities after a resume agree to rounding, not bit for bit.
     for (_, got), (_, want) in zip(resumed, ample):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
 
@@ -508,37 +521,42 @@ def test_wide_16_bit_linear_calls_give_each_row_the_chunks_bits() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 24)])
-def test_native_paged_decode_is_attention_over_each_rows_slots(
+def test_native_paged_attention_is_attention_over_each_rows_slots(
     dtype: torch.dtype, heads: int, kv_heads: int, dim: int
 ) -> None:
-    """The native decode kernel against softmax(q k^T / sqrt(d)) v in float64 over each row's own slots
-    (keys scattered over the pool in blocks, rows of different lengths, slot lists wider than the
-    lengths): within float32's rounding, or the output dtype's; each row the same bits alone as in
-    the batch. Covers the AVX-512 code (head size 64 and 128, up to 8 query heads per KV head) and the
-    generic one (head size 24, 12 query heads per KV head, float16)."""
+    """The native paged-attention kernel against softmax(q k^T / sqrt(d)) v in float64 over each row's
+    own keys (keys scattered over the pool in blocks, rows of different lengths, slot lists wider than
+    the lengths; decodes, each on its own slot list, beside a prompt's rows, positions 1 to 40 of one
+    list): within float32's rounding, or the output dtype's; each row the same bits alone as in the
+    batch. Covers the AVX-512 code (head size 64 and 128, up to 8 query heads per KV head, rows in
+    blocks) and the generic one (head size 24, 12 query heads per KV head, float16)."""
     from zerotron.serve import kernels
 
     _native_or_skip()
     g = torch.Generator().manual_seed(heads * dim)
-    slots_total, rows, width, bs = 200 * 16, 7, 96, 16
+    slots_total, lists, width, bs = 200 * 16, 7, 96, 16
     k_pool = torch.randn(slots_total, kv_heads, dim, generator=g).to(dtype)
     v_pool = torch.randn(slots_total, kv_heads, dim, generator=g).to(dtype)
+    blocks = torch.randperm(199, generator=g)[: lists * width // bs].view(lists, -1) + 1
+    slots = (blocks[:, :, None] * bs + torch.arange(bs)).view(lists, width).contiguous()
+    seq = torch.tensor([0, 1, 2, 3, 5] + [4] * 40 + [6])
+    lens = torch.cat([torch.tensor([1, 2, 17, 40, 96]), torch.arange(1, 41), torch.tensor([64])])
+    rows = len(seq)
     q = (torch.randn(rows, heads, dim, generator=g) * 2).to(dtype)
-    blocks = torch.randperm(199, generator=g)[: rows * width // bs].view(rows, -1) + 1
-    slots = (blocks[:, :, None] * bs + torch.arange(bs)).view(rows, width).contiguous()
-    lens = torch.tensor([1, 2, 17, 40, 95, 96, 64])
-    out = kernels.paged_decode(q, k_pool, v_pool, slots, lens)
+    out = kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq)
     assert out.shape == q.shape and out.dtype == dtype
     for r in range(rows):
-        n, group = int(lens[r]), heads // kv_heads
-        k = k_pool[slots[r, :n]].double().repeat_interleave(group, dim=1)  # (n, heads, dim)
-        v = v_pool[slots[r, :n]].double().repeat_interleave(group, dim=1)
+        n, group, own = int(lens[r]), heads // kv_heads, slots[seq[r]]
+        k = k_pool[own[:n]].double().repeat_interleave(group, dim=1)  # (n, heads, dim)
+        v = v_pool[own[:n]].double().repeat_interleave(group, dim=1)
         weights = (torch.einsum("hd,nhd->hn", q[r].double(), k) / dim**0.5).softmax(-1)
         want = torch.einsum("hn,nhd->hd", weights, v)
         tol = 2e-6 if dtype == torch.float32 else (1.6e-2 if dtype == torch.bfloat16 else 2e-3)
         torch.testing.assert_close(out[r].double(), want, rtol=tol, atol=tol)
-        alone = kernels.paged_decode(q[r : r + 1], k_pool, v_pool, slots[r : r + 1], lens[r : r + 1])
+        alone = kernels.paged_attention(q[r : r + 1], k_pool, v_pool, own[None].contiguous(), lens[r : r + 1])
         assert torch.equal(alone[0], out[r])
+    with pytest.raises(RuntimeError, match="sequence outside"):
+        kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1)
 
 
 def _each_row_alone(

@@ -408,9 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention",
         choices=["native", "sdpa"],
         default=None,
-        help="decodes through zerotron's native paged-attention kernel, reading keys and values where "
-        "they lie in the cache (the default where it builds: a C++ compiler, once per machine), or "
-        "through torch's SDPA on gathered keys",
+        help="every row (decodes and prompt rows) through zerotron's native paged-attention kernel, reading "
+        "keys and values where they lie in the cache (the default where it builds: a C++ compiler, once "
+        "per machine), or through torch's SDPA on gathered keys",
     )
     srv.add_argument(
         "--dtype",

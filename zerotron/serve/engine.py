@@ -39,7 +39,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings (at most 8192)
     prefix_caching: bool = True
     onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
-    native_attention: bool = False  # decodes through the native paged kernel (zerotron.serve.kernels)
+    native_attention: bool = False  # every row through the native paged kernel (zerotron.serve.kernels)
     native_matmul: bool = False  # linears on zerotron's kernels: bf16 on AMX tiles, fp32 on AVX-512 (CPU)
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
 

@@ -1,9 +1,11 @@
 """Native CPU kernels of the serving engine, built on first use with torch's C++ extension loader.
 
-:func:`paged_decode` attends one query row per sequence (a decode) to that sequence's keys and values
-where they lie in the paged pool, through its slot list: no gathered copy of the keys and values, no
-masked tail. A row's numbers depend on its own query, keys and values only (each row is one task, its
-keys visited in order, fp32 throughout), so a decode gives the same bits in any batch.
+:func:`paged_attention` attends each query row (a decode, or one position of a prompt) to its
+sequence's keys and values up to its own position, where they lie in the paged pool, through the
+sequence's slot list: no gathered copy of the keys and values, no mask. A row's numbers depend on its
+own query, keys and values only (each row's keys visited in order, fp32 throughout; consecutive rows of
+a prompt share each key's load, not its arithmetic), so a row gives the same bits in any batch, in any
+chunk of its prompt, and as a decode or a prompt row.
 
 :func:`tile_linear` is a bf16 linear layer on AMX tiles (x86 CPUs with AMX): the weight packed once
 into tile blocks (:func:`pack_tiles`), each output its row times its column summed in fp32 over 32-deep
@@ -91,7 +93,7 @@ def _build() -> Optional[Any]:
                     name=f"zerotron_kernels_v18_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=[
-                        "paged_decode",
+                        "paged_attention",
                         "tiles_built",
                         "tile_linear",
                         "vec_built",
@@ -131,13 +133,21 @@ def why_unavailable() -> Optional[str]:
     return _error
 
 
-def paged_decode(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    seq: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of one query row per sequence: q (rows, heads, d); k/v pools (slots, kv_heads, d);
-    ``slots`` (rows, width) each row's key slots in position order, ``lens`` (rows,) how many it
-    attends. Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d)."""
-    out: torch.Tensor = _built().paged_decode(q, k_pool, v_pool, slots, lens, q.shape[-1] ** -0.5)
+    """Attention of query rows to their sequences' keys: q (rows, heads, d); k/v pools (slots, kv_heads,
+    d); ``slots`` (sequences, width) each sequence's key slots in position order; ``seq`` (rows,) each
+    row's sequence (default: row r reads slot list r); ``lens`` (rows,) how many of its sequence's keys
+    a row attends (its position + 1). Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d)."""
+    if seq is None:
+        seq = torch.arange(q.shape[0])
+    out: torch.Tensor = _built().paged_attention(q, k_pool, v_pool, slots, seq, lens, q.shape[-1] ** -0.5)
     return out
 
 

@@ -180,7 +180,8 @@ class _Group:
     rows: torch.Tensor  # (B * lq,) the step's row of each query, run after run
     key_slots: torch.Tensor  # (B, window) pool slots of each run's keys (scratch past its end)
     mask: Optional[torch.Tensor]  # (B, 1, lq, window) causal, 0 / -inf; None: the native kernel's
-    keys: torch.Tensor  # (B,) how many keys each run's last row sees (its position + 1)
+    keys: torch.Tensor  # (B,) how many keys each run's last row sees (its position + 1); native: per row
+    seq: Optional[torch.Tensor] = None  # native: (rows,) each row's run, whose key slots it reads
 
 
 class PagedAttention:
@@ -198,9 +199,12 @@ class PagedAttention:
     query head), whose numbers differ in the last bits from a row of a longer run's: such a row is a
     one-row run in every step.
 
-    ``native``: one-row runs are attended by :func:`zerotron.serve.kernels.paged_decode` instead, all
-    in one call, reading each row's keys and values where they lie in the pool (no gathered copy, no
-    masked window); a row's numbers then depend on its own keys alone, so it too is batch-invariant.
+    ``native``: every row (decodes and prompt rows alike) is attended by
+    :func:`zerotron.serve.kernels.paged_attention` instead, all in one call per layer, each reading
+    its sequence's keys and values up to its own position where they lie in the pool (no gathered
+    copy, no mask, no runs); a row's numbers then depend on its own query and keys alone, so they are
+    the same in any batch, any chunking of its prompt, and whether it is a prompt row or a decode (a
+    sequence recomputed after preemption gets the bits it had).
     """
 
     length = 0  # positions come with the batch; the causal masks are built here
@@ -209,24 +213,28 @@ class PagedAttention:
         self.pool = pool
         bs = pool.block_size
         slots = [0] * rows  # padding rows: slot 0 of the scratch block
-        # (window, lq) -> runs; window None: one-row runs for the native kernel, all in one group
+        # (window, lq) -> runs; window None: the native kernel's pieces, all in one group
         runs: dict[tuple[Optional[int], int], list[tuple[int, int, int, list[int]]]] = {}
         for piece in pieces:
             table, end = piece.table, piece.start + piece.n
             for i, p in enumerate(range(piece.start, end)):
                 slots[piece.row + i] = table[p // bs] * bs + p % bs
+            if native:  # the piece's rows on the native kernel, one slot list
+                runs.setdefault((None, 0), []).append((piece.row, piece.start, end, table))
+                continue
             lo = piece.start
             while lo < end:
                 hi = min(end, (lo // Q_ALIGN + 1) * Q_ALIGN)
                 bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
-                window = None if native and hi - lo == 1 else (lo // bucket + 1) * bucket
+                window = (lo // bucket + 1) * bucket
                 runs.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
                 lo = hi
         self.slots = torch.tensor(slots, dtype=torch.long)
         dtype = pool.k[0].dtype
         self.groups = [self._group(window, lq, members, bs, dtype) for (window, lq), members in runs.items()]
-        # One group whose runs are the step's rows in order (a step of decodes only): its queries are
-        # the step's rows as they lie, and its output is the step's, without a gather and a scatter.
+        # One group whose runs are the step's rows in order (a step of decodes only, or any step on the
+        # native kernel without padding rows): its queries are the step's rows as they lie, and its
+        # output is the step's, without a gather and a scatter.
         whole = len(self.groups) == 1 and len(self.groups[0].rows) == rows
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
 
@@ -239,11 +247,18 @@ class PagedAttention:
         dtype: torch.dtype,
     ) -> _Group:
         """The runs' query rows, key slots (a run's keys past its last token at the scratch slot) and
-        causal masks, built for all runs at once; ``window`` None: one-row runs for the native kernel
-        (slot lists as wide as the longest run needs, no mask)."""
-        native = window is None
+        causal masks, built for all runs at once; ``window`` None: whole pieces for the native kernel
+        (slot lists as wide as the longest piece needs, each row's run and key count, no mask)."""
         if window is None:
             window = max(-(-hi // ROW_BUCKET) * ROW_BUCKET for _, _, hi, _ in members)
+            blocks = -(-window // bs)
+            tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
+            key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
+            rows = torch.cat([torch.arange(row, row + hi - lo) for row, lo, hi, _ in members])
+            keys = torch.cat([torch.arange(lo + 1, hi + 1) for _, lo, hi, _ in members])
+            sizes = torch.tensor([hi - lo for _, lo, hi, _ in members])
+            seq = torch.repeat_interleave(torch.arange(len(members)), sizes)
+            return _Group(rows, key_slots.contiguous(), None, keys, seq)
         blocks = -(-window // bs)
         tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
         first = torch.tensor([lo for _, lo, _, _ in members])
@@ -253,8 +268,6 @@ class PagedAttention:
         key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
         key_slots = torch.where(keys[None, :] < last[:, None], key_slots, 0)  # (B, window)
         rows = (start[:, None] + offsets).view(-1)
-        if native:
-            return _Group(rows, key_slots, None, last)
         causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
         # additive, in the cache's dtype: SDPA would convert a boolean mask so in every layer's call
         additive = torch.zeros(causal.shape, dtype=dtype).masked_fill_(~causal, float("-inf"))
@@ -277,6 +290,11 @@ class PagedAttention:
         gqa = q.shape[1] != k.shape[1]
         if self.in_order:  # the same queries, laid out as a gather would lay them out
             g = self.groups[0]
+            if g.mask is None:  # the native kernel's: (rows, heads, d) in, (rows, heads, d) out
+                o = kernels.paged_attention(
+                    q[0].transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys, g.seq
+                )
+                return o.transpose(0, 1)[None]
             o = self._attend_group(g, q[0].contiguous(), kp, vp, gqa)
             return o.transpose(0, 1).reshape(1, heads, len(g.rows), d)
         out = torch.zeros_like(q)
@@ -292,9 +310,11 @@ class PagedAttention:
         """SDPA of one group's runs: ``queries`` (h, B * lq, d) contiguous -> (B, h, lq, d)."""
         heads, d = queries.shape[0], queries.shape[2]
         b, window = g.key_slots.shape
-        if g.mask is None:  # one-row runs for the native kernel
-            out = kernels.paged_decode(queries.transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys)
-            return out.view(b, heads, 1, d)
+        if g.mask is None:  # the native kernel's rows
+            out = kernels.paged_attention(
+                queries.transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys, g.seq
+            )
+            return out.view(-1, heads, 1, d)
         flat = g.key_slots.view(-1)
         keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)
         values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)
