@@ -187,6 +187,9 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     monkeypatch.setattr(
         F, "scaled_dot_product_attention", lambda q, *a, **kw: sdpa_calls.append(1) or sdpa(q, *a, **kw)
     )
+    rope_calls: list[int] = []
+    rope = kernels.rope_store
+    monkeypatch.setattr(kernels, "rope_store", lambda y, *a: rope_calls.append(len(y)) or rope(y, *a))
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     make = functools.partial(engine_factory, onednn=onednn, native_attention=native, native_matmul=matmul)  # type: ignore[call-overload]
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
@@ -202,6 +205,7 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     assert MIN_ROWS > 1 and KEY_BUCKET % Q_ALIGN == 0
     # native: a step's rows (its decodes and prompt chunks) in one kernel call per layer, and no SDPA
     assert (max(calls, default=0) > len(prompts)) == native and (not sdpa_calls) == native
+    assert bool(rope_calls) == (native and (onednn or matmul))  # packed linears: the lean layers' fused path
 
 
 @pytest.mark.parametrize(("native", "matmul"), [(False, False), (True, False), (True, True)])
@@ -685,6 +689,54 @@ def test_native_norm_and_gate_are_the_models_and_each_row_alone(dtype: torch.dty
     wide = torch.cat([x, x], dim=1)[:, :576]  # rows 1152 apart
     assert torch.equal(kernels.rms_norm(wide[None, 4:40], norm.weight, norm.eps)[0], y[4:40])
     assert torch.equal(kernels.silu_mul(torch.cat([gu, gu], dim=1)[:, :3072], 1536), z)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rotary_and_store_are_the_models(dtype: torch.dtype) -> None:
+    """kernels.rope_store (what a native-attention engine's layers run on a step's q/k/v product) against
+    the model's apply_rotary on the same columns: the rotated q heads and the k heads written to the
+    pool bit for bit, the v heads copied, nothing else in the pool touched; every row the same alone;
+    rows that share a slot (padding rows) written in row order, the last one's."""
+    from zerotron.models.llama import RotaryEmbedding, apply_rotary
+    from zerotron.serve import kernels
+
+    _native_or_skip()
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, rows = 9, 3, 64, 37
+    y = (torch.randn(rows, (heads + 2 * kv_heads) * d + 5, generator=g) * 3).to(dtype)[
+        :, 5:
+    ]  # row stride > width
+    positions = torch.randint(0, 500, (1, rows), generator=g)
+    cfg = dataclasses.replace(
+        BASE, hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads
+    )
+    cfg = dataclasses.replace(cfg, max_position_embeddings=512)
+    cos, sin = RotaryEmbedding(cfg)(positions, dtype)  # (1, 1, rows, d)
+    cos, sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+    k_pool = torch.randn(256, kv_heads, d, generator=g).to(dtype)
+    v_pool, before_k = torch.randn(256, kv_heads, d, generator=g).to(dtype), k_pool.clone()
+    before_v = v_pool.clone()
+    slots = torch.randperm(255, generator=g)[:rows] + 1
+    q = kernels.rope_store(y, cos, sin, k_pool, v_pool, slots, heads)
+    qk = apply_rotary(
+        y[:, : (heads + kv_heads) * d].view(rows, heads + kv_heads, d), cos[:, None], sin[:, None]
+    )
+    assert torch.equal(q, qk[:, :heads]) and torch.equal(k_pool[slots], qk[:, heads:])
+    assert torch.equal(v_pool[slots], y[:, (heads + kv_heads) * d :].reshape(rows, kv_heads, d))
+    untouched = torch.ones(256, dtype=torch.bool).index_fill_(0, slots, False)
+    assert torch.equal(k_pool[untouched], before_k[untouched]) and torch.equal(
+        v_pool[untouched], before_v[untouched]
+    )
+    for r in (0, 5, rows - 1):
+        alone = kernels.rope_store(
+            y[r : r + 1], cos[r : r + 1], sin[r : r + 1], k_pool, v_pool, slots[r : r + 1], heads
+        )
+        assert torch.equal(alone[0], q[r])
+    shared = torch.zeros(4, dtype=torch.long)  # four padding rows on slot 0
+    kernels.rope_store(y[:4], cos[:4], sin[:4], k_pool, v_pool, shared, heads)
+    assert torch.equal(v_pool[0], y[3, (heads + kv_heads) * d :].reshape(kv_heads, d))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.rope_store(y[:1], cos[:1], sin[:1], k_pool, v_pool, torch.tensor([256]), heads)
 
 
 def _vec_or_skip() -> None:

@@ -399,6 +399,45 @@ void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t width, int64_t ld) {
     }
   });
 }
+
+// Rotary position embedding of a layer's q and k heads and the store of k and v, one pass per row:
+// x cos + rotate_half(x) sin with the model's roundings (each product rounded to the dtype, then the
+// sum: torch's three operators, without contracting them into a fused multiply-add), the rotated q
+// heads to ``q``, the rotated k heads and the v heads to the pools at the row's slot.
+#pragma GCC push_options
+#pragma GCC optimize("-ffp-contract=off")
+template <typename T>
+inline void rotate(const T* x, const T* c, const T* s, T* o, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < dim; ++j) {
+    const float rot = j < half ? -static_cast<float>(x[j + half]) : static_cast<float>(x[j - half]);
+    const float a = static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(c[j])));
+    const float b = static_cast<float>(static_cast<T>(rot * static_cast<float>(s[j])));
+    o[j] = static_cast<T>(a + b);
+  }
+}
+#pragma GCC pop_options
+
+template <typename T>
+void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const int64_t* slots, T* q,
+                     int64_t rows, int64_t ld, int64_t heads, int64_t kv_heads, int64_t dim, bool parallel) {
+  const auto row = [&](int64_t r) {
+    const T* yr = y + r * ld;
+    const T* c = cos + r * dim;
+    const T* s = sin + r * dim;
+    for (int64_t h = 0; h < heads; ++h) rotate<T>(yr + h * dim, c, s, q + (r * heads + h) * dim, dim);
+    T* k = kp + slots[r] * kv_heads * dim;
+    for (int64_t h = 0; h < kv_heads; ++h) rotate<T>(yr + (heads + h) * dim, c, s, k + h * dim, dim);
+    std::memcpy(vp + slots[r] * kv_heads * dim, yr + (heads + kv_heads) * dim, kv_heads * dim * sizeof(T));
+  };
+  if (!parallel) {  // rows sharing a slot (padding rows): written in row order, as index_copy_ would
+    for (int64_t r = 0; r < rows; ++r) row(r);
+    return;
+  }
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row(r);
+  });
+}
 }  // namespace
 
 // The entry points below compute without Python's GIL, as torch's own operators do: a bound C++
@@ -467,6 +506,34 @@ torch::Tensor silu_mul(torch::Tensor gu, int64_t width) {
     silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), gu.size(0), width, gu.stride(0));
   });
   return y;
+}
+// y (rows, (heads + 2 kv_heads) dim) with unit column stride, a layer's q, k and v products; cos, sin
+// (rows, dim) contiguous in y's dtype; k_pool, v_pool (slots, kv_heads, dim); slots (rows,) int64 ->
+// q (rows, heads, dim) rotated; k rotated and v written to the pools at the rows' slots
+torch::Tensor rope_store(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
+                         torch::Tensor v_pool, torch::Tensor slots, int64_t heads) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "rows of q, k and v columns with unit column stride");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(), "pools");
+  const int64_t rows = y.size(0), kv_heads = k_pool.size(1), dim = k_pool.size(2);
+  TORCH_CHECK(dim % 2 == 0 && y.size(1) == (heads + 2 * kv_heads) * dim, "q, k and v columns of the pools' heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows && cos.size(1) == dim &&
+                  sin.sizes() == cos.sizes(), "a cos and sin row per row");
+  TORCH_CHECK(y.scalar_type() == k_pool.scalar_type() && cos.scalar_type() == y.scalar_type() &&
+                  sin.scalar_type() == y.scalar_type() && v_pool.scalar_type() == y.scalar_type(), "one dtype");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.size(0) == rows, "a slot per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<int64_t> seen(slot, slot + rows);
+  for (int64_t v : seen) TORCH_CHECK(v >= 0 && v < k_pool.size(0), "slots outside the pool");
+  std::sort(seen.begin(), seen.end());
+  const bool distinct = std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+  auto q = torch::empty({rows, heads, dim}, y.options());
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "rope_store", [&] {
+    rope_store_rows<scalar_t>(y.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                              k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slot, q.data_ptr<scalar_t>(),
+                              rows, y.stride(0), heads, kv_heads, dim, distinct);
+  });
+  return q;
 }
 """
 )

@@ -103,6 +103,7 @@ def _build() -> Optional[Any]:
                         "dot_linear",
                         "rms_norm",
                         "silu_mul",
+                        "rope_store",
                     ],
                     extra_cflags=_FLAGS,
                     extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
@@ -338,3 +339,21 @@ def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
         rows = rows.contiguous()
     y: torch.Tensor = _built().silu_mul(rows, width)
     return y.view(*gate_up.shape[:-1], width)
+
+
+def rope_store(
+    y: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """A decoder layer's fused q/k/v product ``y`` (rows, (heads + 2 kv_heads) d) -> its q heads rotated,
+    (rows, heads, d), in one pass per row that also rotates the k heads and writes them and the v
+    heads to the pools at ``slots`` (rows,); cos/sin (rows, d). The model's roundings
+    (:func:`~zerotron.models.llama.apply_rotary`: each product rounded to the dtype, then the sum), so
+    the same bits as its torch operators; each row's result is its own."""
+    q: torch.Tensor = _built().rope_store(y, cos, sin, k_pool, v_pool, slots, heads)
+    return q

@@ -237,6 +237,9 @@ class PagedAttention:
         # output is the step's, without a gather and a scatter.
         whole = len(self.groups) == 1 and len(self.groups[0].rows) == rows
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
+        # A step whose rows all go to the native kernel in order can take a layer's q/k/v product
+        # whole (attend_packed): rotary embedding and the store of k and v in one native pass.
+        self.packed = native and self.in_order
 
     @staticmethod
     def _group(
@@ -302,6 +305,18 @@ class PagedAttention:
             o = self._attend_group(g, q[0].index_select(1, g.rows), kp, vp, gqa)
             out[0].index_copy_(1, g.rows, o.transpose(0, 1).reshape(heads, len(g.rows), d))
         return out
+
+    def attend_packed(
+        self, layer: int, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+    ) -> torch.Tensor:
+        """A layer's attention from its fused q/k/v product ``y`` (N, (h + 2 kvh) d) of this step's rows
+        and their cos/sin (N, d), when :attr:`packed`: q and k rotated and k and v stored in one
+        native pass (:func:`~zerotron.serve.kernels.rope_store`, the model's roundings), then every
+        row attended by the native kernel -> (N, h, d)."""
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        q = kernels.rope_store(y, cos, sin, kp, vp, self.slots, heads)
+        g = self.groups[0]
+        return kernels.paged_attention(q, kp, vp, g.key_slots, g.keys, g.seq)
 
     @staticmethod
     def _attend_group(

@@ -203,7 +203,9 @@ class _LeanLayer:
     arithmetic (:class:`~zerotron.models.llama.DecoderLayer`), the same kernels on the same values op
     for op, so the same bits, with q and k rotated in one pass over their adjacent columns of the q/k/v
     product (one rotation's kernels instead of two) and without the eleven module calls a layer makes
-    for its projections, norms, attention and MLP."""
+    for its projections, norms, attention and MLP. On a step whose rows all go to the native attention
+    kernel (:attr:`PagedAttention.packed`) the rotation, the store of k and v and the attention take the
+    q/k/v product whole in two native calls (:meth:`PagedAttention.attend_packed`), the same roundings."""
 
     def __init__(self, layer: DecoderLayer, qkv: _Siblings, gate_up: _Siblings, native: bool = False) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -227,15 +229,19 @@ class _LeanLayer:
         b, s, _ = x.shape
         nh, kvh, d = self.heads, self.kv_heads, self.head_dim
         y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)
-        qk = y[..., : (nh + kvh) * d].view(b, s, nh + kvh, d)  # q's heads, then k's
-        qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos/sin (b, s, 1, d)
-        q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (b, heads, s, d)
-        v = y[..., (nh + kvh) * d :].view(b, s, kvh, d).transpose(1, 2)
-        if kv_cache is not None:
-            out = kv_cache.attend(self.layer_idx, q, k, v, attn_mask, self.core)
+        if isinstance(kv_cache, PagedAttention) and kv_cache.packed:  # rotary, store, attention: native
+            rows = kv_cache.attend_packed(self.layer_idx, y[0], cos[0, 0], sin[0, 0], nh)  # (s, nh, d)
+            x = x + self.o(rows.view(b, s, nh * d))
         else:
-            out = self.core(q, k, v, attn_mask)
-        x = x + self.o(out.transpose(1, 2).reshape(b, s, nh * d))
+            qk = y[..., : (nh + kvh) * d].view(b, s, nh + kvh, d)  # q's heads, then k's
+            qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos/sin (b, s, 1, d)
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (b, heads, s, d)
+            v = y[..., (nh + kvh) * d :].view(b, s, kvh, d).transpose(1, 2)
+            if kv_cache is not None:
+                out = kv_cache.attend(self.layer_idx, q, k, v, attn_mask, self.core)
+            else:
+                out = self.core(q, k, v, attn_mask)
+            x = x + self.o(out.transpose(1, 2).reshape(b, s, nh * d))
         gu = self.gate_up(self.norm2(x))
         if self.native:
             return x + self.down(kernels.silu_mul(gu, self.gate))
