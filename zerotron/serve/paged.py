@@ -13,8 +13,9 @@ evicted first are those unused the longest (LRU).
 
 Batch invariance (:class:`PagedAttention`): each token's attention is computed with shapes that depend
 only on its own position, never on the other tokens of the step, so a greedy request gives the same
-numbers alone, batched, chunked or after a prefix-cache hit. Block 0 is a scratch block that no
-sequence owns: padding rows of a step write there.
+numbers alone, batched, chunked or after a prefix-cache hit; on the native kernel each row is
+attended alone over its own keys, so also the same as a prompt row or a decode. Block 0 is a scratch
+block that no sequence owns: padding rows of a step write there.
 """
 
 from __future__ import annotations
