@@ -299,7 +299,7 @@ def serve(engine: Engine, name: str, host: str, port: int) -> None:
     group = engine.runner.group
     print(
         f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
-        f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}, decode attention "
+        f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}, attention "
         + ("native" if engine.runner.native else "SDPA")
         + f", linears {engine.runner.matmul}"
         + (f", tensor parallel over {group.size} ranks)" if group is not None else ")"),
