@@ -217,6 +217,22 @@ inline std::vector<std::vector<int64_t>> deal(const std::vector<int64_t>& start,
   return share;
 }
 
+// Positions j0 .. j0 + 15 (fewer at the end, n) of a slot list: each slot's vectors of all KV heads
+// converted to fp32 into ``chunk`` (KV head kh, position c at (kh * kChunk + c) * dim), the next
+// chunk's slots requested meanwhile. Returns how many positions it loaded.
+template <typename T, int V>
+inline int64_t load_chunk(const T* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t kv_heads, float* chunk) {
+  constexpr int64_t dim = V * 16;
+  const int64_t cn = std::min<int64_t>(kChunk, n - j0);
+  for (int64_t c = 0; c < cn; ++c) {
+    if (j0 + c + kChunk < n) prefetch_slot(pool + slot[j0 + c + kChunk] * kv_heads * dim, kv_heads * dim);
+    const T* x = pool + slot[j0 + c] * kv_heads * dim;
+    for (int64_t kh = 0; kh < kv_heads; ++kh)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(chunk + (kh * kChunk + c) * dim + 16 * v, load16<T>(x + kh * dim + 16 * v));
+  }
+  return cn;
+}
+
 // One task per block of rows: their keys, then their values, 16 at a time. A row's numbers
 // are those of the same row alone: its scores, softmax and weighted sum in the same order whatever
 // block it is in, and the blocks' threads never share a row.
@@ -230,7 +246,7 @@ void attend_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, c
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
   const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> score, total(kBlock * heads), kbuf(kChunk * kv_heads * dim, 0.0f);
+    std::vector<float> score, total(kBlock * heads), chunk(kChunk * kv_heads * dim, 0.0f);
     std::vector<__m512> qv(kBlock * heads * V), acc(kBlock * heads * V);
     int64_t offset[kBlock + 1];
     alignas(64) float buffer[dim];
@@ -251,24 +267,17 @@ void attend_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, c
             for (int v = 0; v < V; ++v)
               qv[(w * heads + h) * V + v] =
                   _mm512_mul_ps(load16<T>(q + ((r0 + w) * heads + h) * dim + 16 * v), _mm512_set1_ps(scale));
-        // Scores 16 keys at a time: the keys converted to fp32 once (kbuf), each query's 16 dot
+        // Scores 16 keys at a time: the keys converted to fp32 once (load_chunk), each query's 16 dot
         // products reduced together (reduce16: the bits of reducing each alone).
         for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
-          const int64_t cn = std::min<int64_t>(kChunk, n - j0);
-          for (int64_t c = 0; c < cn; ++c) {
-            if (j0 + c + kChunk < n) prefetch_slot(kp + slot[j0 + c + kChunk] * kv_heads * dim, kv_heads * dim);
-            const T* key = kp + slot[j0 + c] * kv_heads * dim;
-            for (int64_t kh = 0; kh < kv_heads; ++kh)
-              for (int v = 0; v < V; ++v)
-                _mm512_storeu_ps(kbuf.data() + (kh * kChunk + c) * dim + 16 * v, load16<T>(key + kh * dim + 16 * v));
-          }
+          load_chunk<T, V>(kp, slot, j0, n, kv_heads, chunk.data());
           for (int64_t w = 0; w < nr; ++w) {
             if (j0 >= len[w]) continue;
             float* s = score.data() + offset[w];
             const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kChunk, len[w] - j0)) - 1u);
             for (int64_t h = 0; h < heads; ++h) {
               const __m512* qh = qv.data() + (w * heads + h) * V;
-              const float* kb = kbuf.data() + (h / G) * kChunk * dim;
+              const float* kb = chunk.data() + (h / G) * kChunk * dim;
               __m512 dot[kChunk];
               for (int i = 0; i < kChunk; ++i) {
                 const float* key = kb + ((i % 4) * 4 + i / 4) * dim;  // reduce16's lane order
@@ -280,24 +289,17 @@ void attend_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, c
           }
         }
         for (int64_t w = 0; w < nr; ++w) softmax16(score.data() + offset[w], total.data() + w * heads, heads, len[w]);
-        // Values 16 keys at a time, converted to fp32 once (vbuf); each query's sums stay in
+        // Values 16 keys at a time, converted to fp32 once (load_chunk); each query's sums stay in
         // registers over the chunk's keys, in key order.
         for (int64_t a = 0; a < nr * heads * V; ++a) acc[a] = _mm512_setzero_ps();
         for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
-          const int64_t cn = std::min<int64_t>(kChunk, n - j0);
-          for (int64_t c = 0; c < cn; ++c) {
-            if (j0 + c + kChunk < n) prefetch_slot(vp + slot[j0 + c + kChunk] * kv_heads * dim, kv_heads * dim);
-            const T* value = vp + slot[j0 + c] * kv_heads * dim;
-            for (int64_t kh = 0; kh < kv_heads; ++kh)
-              for (int v = 0; v < V; ++v)
-                _mm512_storeu_ps(kbuf.data() + (kh * kChunk + c) * dim + 16 * v, load16<T>(value + kh * dim + 16 * v));
-          }
+          const int64_t cn = load_chunk<T, V>(vp, slot, j0, n, kv_heads, chunk.data());
           for (int64_t w = 0; w < nr; ++w) {
             if (j0 >= len[w]) continue;
             const int64_t m = std::min<int64_t>(cn, len[w] - j0);
             const float* s = score.data() + offset[w] + j0;
             for (int64_t h = 0; h < heads; ++h) {
-              const float* vb = kbuf.data() + (h / G) * kChunk * dim;
+              const float* vb = chunk.data() + (h / G) * kChunk * dim;
               const float* p = s + h * len[w];
               __m512* a = acc.data() + (w * heads + h) * V;
               __m512 sum[V];

@@ -253,23 +253,22 @@ class PagedAttention:
         """The runs' query rows, key slots (a run's keys past its last token at the scratch slot) and
         causal masks, built for all runs at once; ``window`` None: whole pieces for the native kernel
         (slot lists as wide as the longest piece needs, each row's run and key count, no mask)."""
+        native = window is None
         if window is None:
             window = max(-(-hi // ROW_BUCKET) * ROW_BUCKET for _, _, hi, _ in members)
-            blocks = -(-window // bs)
-            tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
-            key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
+        blocks = -(-window // bs)
+        tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
+        key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
+        if native:
             rows = torch.cat([torch.arange(row, row + hi - lo) for row, lo, hi, _ in members])
             keys = torch.cat([torch.arange(lo + 1, hi + 1) for _, lo, hi, _ in members])
             sizes = torch.tensor([hi - lo for _, lo, hi, _ in members])
             seq = torch.repeat_interleave(torch.arange(len(members)), sizes)
             return _Group(rows, key_slots.contiguous(), None, keys, seq)
-        blocks = -(-window // bs)
-        tables = torch.tensor([(table + [0] * blocks)[:blocks] for _, _, _, table in members])
         first = torch.tensor([lo for _, lo, _, _ in members])
         last = torch.tensor([hi for _, _, hi, _ in members])
         start = torch.tensor([row for row, _, _, _ in members])
         keys, offsets = torch.arange(window), torch.arange(lq)
-        key_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(members), -1)[:, :window]
         key_slots = torch.where(keys[None, :] < last[:, None], key_slots, 0)  # (B, window)
         rows = (start[:, None] + offsets).view(-1)
         causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
