@@ -1,6 +1,7 @@
 """Mixed precision, hybrid sharding and overlapped offload next to DeepSpeed and FSDP2 (BENCHMARKS.md).
 
 Run:  python benchmarks/precision.py [--part bf16|ddp16|hsdp|nvme|all] [--repeats 2] [--before DIR]
+                                      [--precision fp32|bf16]
 
 - ``bf16``: `zerotron bench` of ZeRO-1/2/3 under bf16 on 2 ranks, zerotron vs DeepSpeed's ``bf16`` mode
   vs FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)``, gradients reduced in fp32 and then in bf16
@@ -10,9 +11,10 @@ Run:  python benchmarks/precision.py [--part bf16|ddp16|hsdp|nvme|all] [--repeat
   reduced in fp32 and then in bf16.
 - ``hsdp``: ZeRO-3 on 4 ranks in blocks of 2 (``parallel.zero_shard_size=2``), zerotron vs FSDP2 HSDP
   (2-D mesh) vs DeepSpeed hpZ (``zero_hpz_partition_size: 2``), and plain ZeRO-3 on 4 ranks.
-- ``nvme``: ZeRO-3 with parameters and optimizer on NVMe files (fp32), zerotron vs DeepSpeed
-  ZeRO-Infinity; with ``--before DIR`` (a checkout of the commit before overlapped offload) also that
-  zerotron, run from DIR in the same session.
+- ``nvme``: ZeRO-3 with parameters and optimizer on NVMe files (``--precision fp32`` or ``bf16``),
+  zerotron vs DeepSpeed ZeRO-Infinity; with ``--before DIR`` (a checkout of an earlier commit: before
+  overlapped offload, before the 16-bit parameter files) also that zerotron, run from DIR in the same
+  session.
 
 Each row group is one `zerotron bench` command; its results.json becomes Markdown rows. Ratios are
 zerotron / peer (below 1: zerotron faster or smaller); bytes are zerotron's ``comm_bytes`` per step.
@@ -127,24 +129,26 @@ NVME_JOB = [  # 104 M parameters, a short step: the optimizer's NVMe traffic is 
 ]
 
 
-def nvme(tmp: Path, repeats: int, before: str | None) -> None:
+def nvme(tmp: Path, repeats: int, before: str | None, precision: str = "fp32") -> None:
     """One rank (the machine's second core is then free for the I/O threads: with two ranks on two
-    cores an overlap has no core to run on)."""
+    cores an overlap has no core to run on). Under ``precision=bf16`` zerotron's parameter files hold
+    a 16-bit copy of the shards (the fp32 master sits with the moments), as DeepSpeed's do."""
     print(HEADER)
     files = tmp / "nvme"
     files.mkdir(exist_ok=True)
     job = [
         *NVME_JOB,
+        f"train.precision={precision}",
         "parallel.zero=3",
         "parallel.offload_params=nvme",
         "parallel.offload_optimizer=nvme",
         f"parallel.nvme_path={files}",
     ]
     results = _bench(job, "zerotron,deepspeed", 1, repeats, tmp / "now")
-    _rows("ZeRO-3 + NVMe (params, optimizer), overlapped", results)
+    _rows(f"ZeRO-3 + NVMe (params, optimizer), {precision}", results)
     if before:
         old = _bench(job, "zerotron", 1, repeats, tmp / "before", cwd=before)
-        _rows("ZeRO-3 + NVMe, before overlap", old, ours=results["frameworks"]["zerotron"])
+        _rows(f"ZeRO-3 + NVMe, {precision}, before", old, ours=results["frameworks"]["zerotron"])
 
 
 def main() -> None:
@@ -153,6 +157,9 @@ def main() -> None:
     )
     parser.add_argument("--part", choices=("bf16", "ddp16", "hsdp", "nvme", "all"), default="all")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16"), default="fp32", help="train.precision of the nvme part"
+    )
     parser.add_argument(
         "--before",
         help="a checkout of zerotron from before the change measured: overlapped offload (nvme part), "
@@ -168,7 +175,7 @@ def main() -> None:
         if args.part in ("hsdp", "all"):
             hsdp(tmp, args.repeats)
         if args.part in ("nvme", "all"):
-            nvme(tmp, args.repeats, args.before)
+            nvme(tmp, args.repeats, args.before, args.precision)
 
 
 if __name__ == "__main__":

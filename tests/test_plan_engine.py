@@ -118,6 +118,13 @@ LAYOUTS_2 += [  # offload: what stays on the device, and the host / NVMe bytes (
     ["parallel.zero=3", "parallel.offload_optimizer=nvme", "train.precision=bf16"],
     ["parallel.zero=3", "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"],
     ["parallel.zero=3", "parallel.offload_optimizer=nvme", "parallel.offload_params=nvme"],
+    # bf16: a 16-bit copy of the shards offloaded, the fp32 master with the moments
+    [
+        "parallel.zero=3",
+        "parallel.offload_optimizer=cpu",
+        "parallel.offload_params=nvme",
+        "train.precision=bf16",
+    ],
 ]
 LAYOUTS_2 += [  # tensor and sequence parallelism
     ["parallel.dp=1", "parallel.tp=2", "model.vocab_size=256"],

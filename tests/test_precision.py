@@ -91,6 +91,14 @@ ZERO_VARIANTS = {
     # gradient accumulation (2 micro-batches per rank) and the optimizer offloaded to the host
     "z2_bf16_accumulate": [*DP2, "parallel.zero=2", "train.precision=bf16", "train.micro_batch=1"],
     "z3_bf16_offload": [*DP2, "parallel.zero=3", "train.precision=bf16", "parallel.offload_optimizer=cpu"],
+    # parameters offloaded too: a 16-bit (here fp16) host copy of the shards, the fp32 master beside it
+    "z3_fp16_offload_params": [
+        *DP2,
+        "parallel.zero=3",
+        "train.precision=fp16",
+        "parallel.offload_optimizer=cpu",
+        "parallel.offload_params=cpu",
+    ],
     "z0_bf16_reduce16": [*DP2, "train.precision=bf16", "parallel.grad_reduce_dtype=bf16"],
     "z0_bf16": [*DP2, "train.precision=bf16"],
 }
@@ -144,6 +152,7 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
         working = f"torch.{'float16' if precision == 'fp16' else 'bfloat16'}"
         assert run["dtypes"] == [working], name  # every stage, data parallelism (z0) included
     assert not any(runs["z3_fp16"]["skipped"] + runs["z1_fp16"]["skipped"])
+    assert not any(runs["z3_fp16_offload_params"]["skipped"])
     # the same 16-bit weights from the same fp32 masters: switching between data parallelism and ZeRO-1/2
     # under bf16 changes only the order of the fp32 gradient sums, not the trajectory
     for z in (1, 2):

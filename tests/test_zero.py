@@ -116,6 +116,8 @@ def _offload_body(
         p.name.split(mine)[-1]: p.stat().st_size for p in Path(nvme).glob("zerotron-*") if mine in p.name
     }
     assert trainer.zero is not None
+    # bytes read from the offloaded parameters' file by the steps (ZeRO-3 parameter offload to NVMe)
+    params_read = getattr(getattr(trainer.zero, "store", None), "bytes_read", 0)
     with trainer.zero.full_params():
         weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     layouts = trainer.zero.layouts
@@ -134,6 +136,7 @@ def _offload_body(
         "files_after_close": sorted(p.name for p in Path(nvme).glob("zerotron-*") if mine in p.name),
         "shards": [layout.shard for layout in layouts],
         "peak_read_bytes": peak,
+        "params_read": params_read,
     }
 
 
@@ -200,6 +203,48 @@ def test_offload_matches_single_process(zero: int, optimizer: str, params: str, 
             pairs = [a + b for a, b in zip(shards, shards[1:])] or shards
             assert result["peak_read_bytes"] == read_kinds * 4 * max(pairs)
             assert len(shards) < 3 or result["peak_read_bytes"] < read_kinds * 4 * sum(shards)
+
+
+def test_zero3_bf16_parameter_offload_keeps_a_16_bit_copy(tmp_path: Path) -> None:
+    """bf16 ZeRO-3 with parameters and optimizer on NVMe: the offloaded parameters are a 16-bit copy of
+    the shards (2Ψ/N bytes, what the gathers read: half the bytes fp32's read), the fp32 master sits with
+    the moments (12Ψ/N: the ZeRO paper's K = 12), and the run equals bf16 ZeRO-3 without offload: the
+    16-bit copy is the master rounded as the on-device gather rounds it."""
+    tokens = _tokens()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = [*BASE, *ZERO3, "parallel.dp=2", "parallel.zero=3", "train.micro_batch=2"]
+    offload = [
+        "parallel.offload_params=nvme",
+        "parallel.offload_optimizer=nvme",
+        f"parallel.nvme_path={nvme}",
+    ]
+    steps = 4
+    runs = {
+        name: run_distributed(
+            _offload_body, 2, overrides, tokens, str(tmp_path / name), str(nvme), steps, timeout=300
+        )
+        for name, overrides in {
+            "device": [*common, "train.precision=bf16"],
+            "bf16": [*common, "train.precision=bf16", *offload],
+            "fp32": [*common, *offload],
+        }.items()
+    }
+    n_params = sum(w.numel() for w in runs["device"][0]["weights"].values())
+    for device, ours, fp32 in zip(runs["device"], runs["bf16"], runs["fp32"]):
+        _assert_close(ours, device["losses"], device["weights"], rtol=1e-6)
+        assert not np.array_equal(ours["losses"], fp32["losses"])  # bf16 did run
+        shard = sum(ours["shards"])
+        kinds = ("master.bin", "exp_avg.bin", "exp_avg_sq.bin")
+        assert ours["files"] == {"params.bin": 2 * shard, **{k: 4 * shard for k in kinds}}
+        assert ours["files_after_close"] == []
+        off = ours["offloaded"]["nvme"]
+        assert off["params"] == pytest.approx(2 * n_params / 2, rel=0.02)
+        assert off["optimizer"] == pytest.approx(12 * n_params / 2, rel=0.02)
+        # the gathers read half the bytes: fp32's file is also the master, which the optimizer reads
+        # once a step; bf16's is read by the gathers alone
+        gathers_fp32 = fp32["params_read"] - 4 * shard * steps
+        assert ours["params_read"] > 0 and 2 * ours["params_read"] == gathers_fp32
 
 
 BUDGET = 2**20  # bytes per rank on the device
@@ -294,15 +339,18 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    ("zero", "offload", "params"), [(2, "cpu", "none"), (3, "none", "none"), (3, "nvme", "nvme")]
+    ("zero", "offload", "params", "precision"),
+    [(2, "cpu", "none", "fp32"), (3, "none", "none", "fp32"), (3, "nvme", "nvme", "bf16")],
 )
 def test_zero_resume_is_exact_and_saves_whole_tensors(
-    zero: int, offload: str, params: str, tmp_path: Path
+    zero: int, offload: str, params: str, precision: str, tmp_path: Path
 ) -> None:
-    """Stop at step 4 and resume under the same layout: the losses equal a straight run's, bit for bit."""
+    """Stop at step 4 and resume under the same layout: the losses equal a straight run's, bit for bit
+    (under bf16 parameter offload the resumed run rebuilds the 16-bit copy from the saved fp32 master)."""
     common = [
         *SMALL,
         "train.steps=8",
+        f"train.precision={precision}",
         f"parallel.zero={zero}",
         f"parallel.offload_optimizer={offload}",
         f"parallel.offload_params={params}",

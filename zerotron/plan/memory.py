@@ -86,7 +86,8 @@ def model_states(
         exact: device bytes counted tensor by tensor (:func:`engine_zero_states`), replacing the
             per-element estimate before offload moves them.
         working_bytes: the ``zerotron`` convention's working weights under ZeRO-1/2 (2: 16-bit, beside
-            the fp32 master shards; ZeRO-3 keeps only the fp32 shard between gathers).
+            the fp32 master shards; ZeRO-3 keeps only the fp32 shard between gathers, and under
+            parameter offload a 16-bit copy of it in the offload target, the master with the moments).
     """
     pb, gb, ob = state_bytes_per_element(convention, precision, layout.zero)
     dp, zero = layout.dp, layout.zero
@@ -107,15 +108,18 @@ def model_states(
     places["nvme"] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     if convention == "zerotron" and layout.offload_optimizer != "none":
         # The engine's OffloadAdamW: AdamW's two fp32 moments per shard element off the device, plus an
-        # fp32 master copy unless the offloaded parameter shard is itself the master (offload_params);
-        # gradients stay on the device unless ZeRO-3 offloads the parameters too (then the
-        # reduce-scattered shards land in host memory). No step scalars: the offloaded step counts once.
+        # fp32 master copy unless the offloaded parameter shard is itself the master (fp32 offload_params;
+        # under bf16/fp16 the offloaded parameters are a 16-bit copy of the shard and the master sits
+        # with the moments); gradients stay on the device unless ZeRO-3 offloads the parameters too (then
+        # the reduce-scattered shards land in host memory). No step scalars: the offloaded step counts once.
         target = "host" if layout.offload_optimizer == "cpu" else "nvme"
-        master = 0.0 if layout.offload_params != "none" else shard_bytes
+        sixteen = working_bytes != 4
+        master = 0.0 if layout.offload_params != "none" and not sixteen else shard_bytes
         places[target]["optimizer"] = 2 * shard_bytes + master
         places["device"]["optimizer"] = 0.0
         if layout.offload_params != "none":
-            places["host" if layout.offload_params == "cpu" else "nvme"]["params"] = shard_bytes
+            stored = shard_bytes * working_bytes / 4  # the fp32 shard, or its 16-bit copy
+            places["host" if layout.offload_params == "cpu" else "nvme"]["params"] = stored
             places["host"]["grads"] = places["device"]["grads"]
             places["device"]["params"], places["device"]["grads"] = persistent_bytes, 0.0
         return places

@@ -304,6 +304,7 @@ class Trainer:
                     AUTOCAST.get(cfg.train.precision),  # 16-bit working weights, fp32 master shards
                     REDUCE_DTYPE[par.grad_reduce_dtype],
                     replicas,
+                    par.offload_optimizer if par.offload_optimizer != "none" else None,
                 )
         buckets: GradientReducer = zero or GradientBuckets(
             self.model, groups, par.bucket_mb, REDUCE_DTYPE[par.grad_reduce_dtype]

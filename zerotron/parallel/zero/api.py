@@ -50,6 +50,7 @@ def apply_zero(
     working_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     replica: Replicas | None = None,
+    master_offload: str | None = None,
 ) -> ZeroEngine:
     """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3):
     one group for every parameter, or each parameter's by name (the placement record's
@@ -62,7 +63,8 @@ def apply_zero(
     parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``). ``working_dtype``: the 16-bit dtype of the gathered working weights under mixed precision (DESIGN contract 9);
     ``reduce_dtype``: what gradients are reduced in (``parallel.grad_reduce_dtype``). ``replica``: hybrid
     sharding's replica group of each shard group (``dp_rep`` for ``dp_shard`` blocks; ``Mesh.replica_of``),
-    over which each step's gradient shards are all-reduced.
+    over which each step's gradient shards are all-reduced. ``master_offload``: where ZeRO-3 keeps the
+    fp32 master shards when it offloads 16-bit parameters (the optimizer's offload target).
     """
     if stage == 1:
         return ZeroStage1(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
@@ -81,6 +83,7 @@ def apply_zero(
             working_dtype,
             reduce_dtype,
             replica,
+            master_offload,
         )
     raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
 

@@ -2,15 +2,16 @@
 
 Two pieces:
 
-- :class:`ShardStore` keeps one fp32 ``(shard,)`` tensor per bucket (a ZeRO-1/2 gradient bucket or a
-  ZeRO-3 unit) either resident in host memory (pinned where a GPU is present) or in one raw file per
-  rank and tensor kind under ``parallel.nvme_path`` (``zerotron-pid{P}-rank{R}-{kind}.bin``), read and
-  written with ``os.preadv``/``os.pwrite`` at each bucket's byte offset: no pickle, no format at all,
-  only little-endian fp32. The files are removed by :meth:`ShardStore.close` (the trainer calls it when
+- :class:`ShardStore` keeps one ``(shard,)`` tensor per bucket (a ZeRO-1/2 gradient bucket or a
+  ZeRO-3 unit), fp32 or (ZeRO-3's working weights under mixed precision) 16-bit, either resident in
+  host memory (pinned where a GPU is present) or in one raw file per rank and tensor kind under
+  ``parallel.nvme_path`` (``zerotron-pid{P}-rank{R}-{kind}.bin``), read and written with
+  ``os.preadv``/``os.pwrite`` at each bucket's byte offset: no pickle, no format at all, only the
+  little-endian elements. The files are removed by :meth:`ShardStore.close` (the trainer calls it when
   ``fit`` ends) or, failing that, when the store is garbage collected or the interpreter exits.
 - :class:`OffloadAdamW` runs AdamW on the host, one bucket at a time: it fetches the bucket's fp32 master
-  (from the device parameters' host master store, or the offloaded ZeRO-3 parameter shard itself), its
-  two moments and its gradients, calls torch's own ``foreach`` AdamW kernel on the bucket's segments
+  (from the device parameters' host master store, or the offloaded ZeRO-3 master shard), its two
+  moments and its gradients (the next bucket's on an I/O thread while this one is updated), calls torch's own ``foreach`` AdamW kernel on the bucket's segments
   (the vectorised CPU Adam, bit-for-bit ``torch.optim.AdamW``) and writes the results back (to the files
   and/or the device segments). With the moments on NVMe, host memory holds one bucket's master and
   moments at a time, never the whole optimizer state (:attr:`OffloadAdamW.peak_read_bytes` counts it).
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from zerotron.parallel.zero.flat import ShardSegment
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-_FP32 = 4
 _DONE: Any = None  # a consumed read's place in the step's list (its tensors are then the loop's)
 
 
@@ -60,18 +60,29 @@ def _remove(fd: int, path: str) -> None:
 
 
 class ShardStore:
-    """fp32 shards of ``sizes`` elements, one per bucket: in host memory, or in one file under ``nvme_dir``.
+    """Shards of ``sizes`` elements, one per bucket: in host memory, or in one file under ``nvme_dir``.
 
     Args:
         sizes: elements of each bucket's shard.
         kind: what the shards are (``params``, ``master``, ``exp_avg``, ``exp_avg_sq``), names the file.
         where: ``cpu`` (host memory) or ``nvme`` (a raw file in ``nvme_dir``).
         rank: the rank that owns the store (names the file).
+        dtype: the elements' dtype (fp32; ZeRO-3's offloaded working weights are 16-bit under mixed
+            precision). What is written is cast to it.
     """
 
-    def __init__(self, sizes: list[int], kind: str, where: str, nvme_dir: str | None, rank: int) -> None:
-        self.sizes, self.kind, self.where = list(sizes), kind, where
-        self.offsets = [sum(self.sizes[:i]) * _FP32 for i in range(len(self.sizes))]
+    def __init__(
+        self,
+        sizes: list[int],
+        kind: str,
+        where: str,
+        nvme_dir: str | None,
+        rank: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.sizes, self.kind, self.where, self.dtype = list(sizes), kind, where, dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.offsets = [sum(self.sizes[:i]) * self.itemsize for i in range(len(self.sizes))]
         self.numel = sum(self.sizes)
         self.path: Path | None = None
         self.tensors: list[torch.Tensor] = []
@@ -81,11 +92,11 @@ class ShardStore:
                 raise ValueError("NVMe offload needs parallel.nvme_path")
             self.path = Path(nvme_dir) / f"zerotron-pid{os.getpid()}-rank{rank}-{kind}.bin"
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(self._fd, self.numel * _FP32)  # sparse zeros until written
+            os.ftruncate(self._fd, self.numel * self.itemsize)  # sparse zeros until written
             self._finalizer = weakref.finalize(self, _remove, self._fd, str(self.path))
         elif where == "cpu":
             pin = torch.cuda.is_available()
-            self.tensors = [torch.zeros(n, dtype=torch.float32, pin_memory=pin) for n in self.sizes]
+            self.tensors = [torch.zeros(n, dtype=dtype, pin_memory=pin) for n in self.sizes]
         else:
             raise ValueError(f"offload target {where!r}: expected cpu or nvme")
 
@@ -96,11 +107,11 @@ class ShardStore:
 
     def host_bytes(self) -> int:
         """Bytes held resident in host memory."""
-        return self.numel * _FP32 if self.resident else 0
+        return self.numel * self.itemsize if self.resident else 0
 
     def nvme_bytes(self) -> int:
         """Bytes held in the file."""
-        return 0 if self.resident else self.numel * _FP32
+        return 0 if self.resident else self.numel * self.itemsize
 
     def tensor(self, i: int) -> torch.Tensor:
         """Bucket ``i``'s resident host tensor (``cpu`` stores only)."""
@@ -113,12 +124,14 @@ class ShardStore:
         return self.tensors[i] if self.resident else self.read(i)
 
     def read_into(self, i: int, out: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Fill the host tensor ``out`` with bucket ``i``'s elements ``[start, start + out.numel())``."""
+        """Fill the host tensor ``out`` (of the store's dtype) with bucket ``i``'s elements
+        ``[start, start + out.numel())``."""
+        assert out.dtype == self.dtype, (out.dtype, self.dtype)
         if self.resident:
             out.copy_(self.tensors[i][start : start + out.numel()])
             return out
         view = _bytes_of(out)
-        offset, done = self.offsets[i] + start * _FP32, 0
+        offset, done = self.offsets[i] + start * self.itemsize, 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], offset + done)
             if got <= 0:
@@ -130,17 +143,19 @@ class ShardStore:
     def read(self, i: int, start: int = 0, length: int | None = None) -> torch.Tensor:
         """A new host tensor with bucket ``i``'s elements ``[start, start + length)``."""
         n = self.sizes[i] - start if length is None else length
-        return self.read_into(i, torch.empty(n, dtype=torch.float32), start)
+        return self.read_into(i, torch.empty(n, dtype=self.dtype), start)
 
     def write(self, i: int, t: torch.Tensor, start: int = 0) -> None:
-        """Store the host tensor ``t`` as bucket ``i``'s elements from ``start`` on."""
+        """Store the host tensor ``t`` as bucket ``i``'s elements from ``start`` on (cast to the store's
+        dtype: rounded to nearest even, as ``Tensor.to`` does)."""
         if self.resident:
             target = self.tensors[i][start : start + t.numel()]
             if target.data_ptr() != t.data_ptr():
                 target.copy_(t)
             return
-        data = _bytes_of(t.detach().contiguous().float())
-        offset, done = self.offsets[i] + start * _FP32, 0
+        held = t.detach().to(self.dtype).contiguous()  # referenced until written: the view is raw
+        data = _bytes_of(held)
+        offset, done = self.offsets[i] + start * self.itemsize, 0
         while done < len(data):
             done += os.pwrite(self._fd, data[done:], offset + done)
 
@@ -233,10 +248,12 @@ class OffloadAdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """One AdamW step over every bucket in turn: fetch, update on the host, write back, overlapped.
 
-        The reads of bucket i+1 (its master and moments, from NVMe files) run on an I/O thread while
-        bucket i is updated, and bucket i's writes on another while bucket i+1 is: the file reads and
-        writes (``os.preadv``/``os.pwrite``) and torch's AdamW kernel release the GIL, so disk and CPU
-        work at once. Host memory holds at most two buckets' states read in plus the one being written.
+        The reads of bucket i+1 (its master and moments, from NVMe files, and its gradients, from the
+        device) run on an I/O thread while bucket i is updated, and bucket i's writes (to the files and
+        the device's working weights) on another while bucket i+1 is: the file reads and writes
+        (``os.preadv``/``os.pwrite``), the device copies and torch's AdamW kernel release the GIL, so
+        disk, link and CPU work at once. Host memory holds at most two buckets' states read in plus the
+        one being written.
         """
         decayed, plain = self.param_groups
         n = len(self.buckets)
@@ -250,14 +267,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         for i, bucket in enumerate(self.buckets):
             if i + 1 < n:
                 reads.append(reader.submit(self._fetch, i + 1))  # prefetch the next bucket
-            master, exp_avg, exp_avg_sq, read = reads[i].result()
+            master, exp_avg, exp_avg_sq, grads, read = reads[i].result()
             reads[i] = _DONE
             self.peak_read_bytes = max(self.peak_read_bytes, held + read, read)
             held = read
             for group, decay in ((decayed, True), (plain, False)):  # the groups are split by seg.decay
-                segs = [s for s in bucket.segments if s.decay == decay and s.param.grad is not None]
-                if segs:
-                    self._adamw(group, segs, master, exp_avg, exp_avg_sq)
+                pairs = [(s, g) for s, g in zip(bucket.segments, grads) if s.decay == decay and g is not None]
+                if pairs:
+                    self._adamw(group, pairs, master, exp_avg, exp_avg_sq)
             if writes:  # one write-back in flight at a time: bounded host memory
                 writes.pop().result()
             writes.append(writer.submit(self._write_back, i, master, exp_avg, exp_avg_sq))
@@ -277,13 +294,21 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         return self._threads
 
-    def _fetch(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """Bucket ``i``'s master and moments on the host, and the bytes read in from files for them (the
-        reader thread is the only one reading during a step, so the counters' difference is its own)."""
+    def _fetch(
+        self, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor | None], int]:
+        """Bucket ``i``'s master, moments and fp32 gradients (per segment, None where it has none) on the
+        host, and the bytes read in from files for them (the reader thread is the only one reading
+        during a step, so the counters' difference is its own)."""
         before = sum(s.bytes_read for s in self._stores)
-        master = self.buckets[i].load_master()  # (numel,) fp32 host
+        bucket = self.buckets[i]
+        master = bucket.load_master()  # (numel,) fp32 host
         exp_avg, exp_avg_sq = (self.moments[k].fetch(i) for k in MOMENTS)
-        return master, exp_avg, exp_avg_sq, sum(s.bytes_read for s in self._stores) - before
+        grads = [
+            None if s.param.grad is None else s.param.grad.detach().to("cpu", torch.float32)
+            for s in bucket.segments
+        ]
+        return master, exp_avg, exp_avg_sq, grads, sum(s.bytes_read for s in self._stores) - before
 
     def _write_back(
         self, i: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
@@ -295,21 +320,22 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _adamw(
         self,
         group: dict[str, Any],
-        segs: list[ShardSegment],
+        pairs: list[tuple[ShardSegment, torch.Tensor]],
         master: torch.Tensor,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
     ) -> None:
-        """torch's foreach AdamW on the host views of ``segs`` (what ``torch.optim.AdamW`` computes)."""
-        cut = [slice(s.at, s.at + s.length) for s in segs]
+        """torch's foreach AdamW on the host views of the segments, with their host gradients (what
+        ``torch.optim.AdamW`` computes)."""
+        cut = [slice(s.at, s.at + s.length) for s, _ in pairs]
         beta1, beta2 = group["betas"]
         adam_kernel(
             [master[c] for c in cut],
-            [s.param.grad.detach().to("cpu", torch.float32) for s in segs],  # type: ignore[union-attr]
+            [g for _, g in pairs],
             [exp_avg[c] for c in cut],
             [exp_avg_sq[c] for c in cut],
             [],
-            [torch.tensor(float(self.steps)) for _ in segs],  # each incremented once by the kernel
+            [torch.tensor(float(self.steps)) for _ in pairs],  # each incremented once by the kernel
             foreach=True,
             decoupled_weight_decay=True,
             amsgrad=False,

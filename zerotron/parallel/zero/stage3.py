@@ -74,7 +74,12 @@ class ZeroStage3:
         offload_params: ``cpu`` or ``nvme`` keeps every unit's shard (the fp32 master) in host memory or
             in a file under ``nvme_path``, copied to the device only for the all-gather; the gradient
             shards land in host memory, and the optimizer must step there
-            (:class:`~zerotron.parallel.zero.offload.OffloadAdamW` over :attr:`units`).
+            (:class:`~zerotron.parallel.zero.offload.OffloadAdamW` over :attr:`units`). Under mixed
+            precision what lives there is a 16-bit copy of the shard (what the gathers read: half
+            the bytes copied and read from files, no cast on the host) and the fp32 master moves
+            to the optimizer's side, ``master_offload``.
+        master_offload: ``cpu`` or ``nvme``: where the fp32 master shards live under mixed precision
+            with offloaded parameters (the optimizer's offload target); None: ``offload_params``.
         fill: for a model built on the meta device, each parameter's values by name (its whole box on
             this rank, from a weight source): every unit materialises only this rank's range, one
             parameter at a time, so the whole model never exists on one rank.
@@ -103,6 +108,7 @@ class ZeroStage3:
         working_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         replica: Replicas | None = None,
+        master_offload: str | None = None,
     ) -> None:
         self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
         self.working_dtype = working_dtype or torch.float32
@@ -113,11 +119,16 @@ class ZeroStage3:
         group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
         per_root, runs = plan_units(model, group_of, persist_numel)
         rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
-        self.store = (
-            ShardStore([_stored(lay) for _, lay, _ in runs], "params", offload_params, nvme_path, rank)
-            if offload_params != "none"
-            else None
-        )
+        sizes = [_stored(lay) for _, lay, _ in runs]
+        # the offloaded parameters (what the gathers copy to the device: 16-bit under mixed precision)
+        # and, under mixed precision, the fp32 master shards beside them
+        self.store: ShardStore | None = None
+        self.master_store: ShardStore | None = None
+        if offload_params != "none":
+            self.store = ShardStore(sizes, "params", offload_params, nvme_path, rank, self.working_dtype)
+            if self.mixed:
+                where = master_offload or offload_params
+                self.master_store = ShardStore(sizes, "master", where, nvme_path, rank)
         # Parameter offload on a GPU: the shards' host <-> device copies run on this side stream, beside
         # the compute (prefetched weights in, reduced gradients out); pending gradient copies are waited
         # for once, at the end of the step's backward.
@@ -132,13 +143,14 @@ class ZeroStage3:
             unit = Unit(
                 layout,
                 owner is None,
-                self.store,
+                self.master_store or self.store,  # where the fp32 master lives
                 i,
                 fill,
                 device,
                 frozen,
                 self.working_dtype,
                 self.copy_stream,
+                self.store if self.master_store is not None else None,  # its 16-bit host copy
             )
             self.units.append(unit)
             if owner is not None:
@@ -421,6 +433,9 @@ class ZeroStage3:
             out["host"]["params"] += self.store.host_bytes()
             out["nvme"]["params"] += self.store.nvme_bytes()
             out["host"]["grads"] += self._grad_bytes()
+        if self.master_store is not None:  # the fp32 master: optimizer state (the ZeRO paper's K)
+            out["host"]["optimizer"] += self.master_store.host_bytes()
+            out["nvme"]["optimizer"] += self.master_store.nvme_bytes()
         return out
 
     def _grad_bytes(self) -> int:
@@ -433,8 +448,9 @@ class ZeroStage3:
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
-        if self.store is not None:
-            self.store.close()
+        for store in (self.store, self.master_store):
+            if store is not None:
+                store.close()
 
     def optimizer_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Whole AdamW tensors by parameter name (collective over dp)."""

@@ -22,7 +22,11 @@ class Unit:
 
     With ``store`` (parameter offload) the shard lives in host memory or in an NVMe file (bucket
     ``index`` of the store) instead of on the device, and the unit is an
-    :class:`~zerotron.parallel.zero.offload.OffloadAdamW` bucket whose master is that shard.
+    :class:`~zerotron.parallel.zero.offload.OffloadAdamW` bucket whose master is that shard. Under mixed
+    precision ``working_store`` keeps a 16-bit host copy of the shard beside it (bucket ``index`` too,
+    rewritten after each optimizer step, as DeepSpeed's offloaded fp16 partitions): the gathers copy
+    and read that, half the bytes, with no cast on the host, and ``store`` holds the fp32 master the
+    optimizer alone reads.
     """
 
     def __init__(
@@ -36,6 +40,7 @@ class Unit:
         frozen: bool = False,
         working: torch.dtype = torch.float32,
         copy_stream: Any = None,
+        working_store: ShardStore | None = None,
     ) -> None:
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
         # parameter offload on a GPU: the side stream of the host -> device copy and the gather
@@ -46,8 +51,10 @@ class Unit:
         self.derived = not layout.slots[0].param.is_floating_point()
         master = torch.uint8 if self.derived else torch.float32
         if self.derived:
-            working, store = torch.uint8, None
-        self.store, self.index = store, index
+            working, store, working_store = torch.uint8, None, None
+        if store is None:
+            working_store = None
+        self.store, self.working_store, self.index = store, working_store, index
         with torch.no_grad():
             if fill is None:  # the parameters hold their values
                 flat = layout.flatten([s.param.detach() for s in layout.slots], master)  # (padded,)
@@ -67,21 +74,27 @@ class Unit:
         # the working copy, in ``working`` (16-bit under bf16/fp16 training: gathers move 16-bit shards).
         if store is None:
             self.shard = mine
-        elif store.resident:
-            self.shard = store.tensor(index)
         else:
-            self.shard = torch.empty(layout.shard, dtype=torch.float32)
-        if store is not None:
+            self.shard = _home(store, index)
             self.shard.copy_(mine)  # device -> host
             store.write(index, self.shard)
+        # the 16-bit host copy (resident, or a window like the master's); None: the master is what
+        # the gathers read
+        self.host_working: torch.Tensor | None = None
+        if working_store is not None:
+            self.host_working = _home(working_store, index)
+            self.host_working.copy_(mine)  # cast as the gathers' own cast would
+            working_store.write(index, self.host_working)
+        del mine
         self.segments: list[ShardSegment] = layout.segments(self.shard)
+        self.reading: Future[None] | None = None  # an NVMe shard's read on the engine's I/O thread
         self.master_on_nvme = store is not None and not store.resident
+        self.working_on_nvme = working_store is not None and not working_store.resident
         self._evict()
         self.gathered = True
         if fill is not None:
             self.free()  # never gathered whole while the model is built
         self.gathering: Any = None
-        self.reading: Future[None] | None = None  # an NVMe shard's read on the engine's I/O thread
         self.staged: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.pending: list[tuple[Any, torch.Tensor]] = []
@@ -157,23 +170,36 @@ class Unit:
         return full
 
     def device_shard(self) -> torch.Tensor:
-        """The shard on the device for the all-gather: itself, or a copy from host memory or NVMe."""
+        """The shard on the device for the all-gather: itself, or a copy from host memory or NVMe (the
+        16-bit host copy where there is one: a plain copy, pinned memory to the device on a GPU)."""
         if self.store is None:
             return self.shard
         staged = torch.empty(self.layout.shard, dtype=self.flat.dtype, device=self.flat.device)
-        staged.copy_(self.load_master(), non_blocking=True)  # host -> device (a real copy on CPU too)
-        if self.master_on_nvme:
+        source = self.load_master() if self.working_store is None else self._load_working()
+        staged.copy_(source, non_blocking=True)  # host -> device (a real copy on CPU too)
+        if self.master_on_nvme or self.working_on_nvme:
             if staged.is_cuda:
                 torch.cuda.current_stream().synchronize()  # the window is read before it is dropped
             self._evict()
         return staged
+
+    def _load_working(self) -> torch.Tensor:
+        """The 16-bit host copy (read in from its file, or by the read :meth:`start_read` began)."""
+        assert self.host_working is not None and self.working_store is not None
+        if self.working_on_nvme:
+            if self.reading is not None:
+                self.reading.result()
+                self.reading = None
+            else:
+                _read_window(self.working_store, self.index, self.host_working)
+        return self.host_working
 
     def load_master(self) -> torch.Tensor:
         """The fp32 master shard on the host (read in from the NVMe file when it lives there, or by the
         read :meth:`start_read` began)."""
         assert self.store is not None
         if self.master_on_nvme:
-            if self.reading is not None:
+            if self.reading is not None and self.working_store is None:  # the prefetch read the master
                 self.reading.result()
                 self.reading = None
             else:
@@ -182,19 +208,31 @@ class Unit:
 
     def _read_window(self) -> None:
         assert self.store is not None
-        self.shard.untyped_storage().resize_(self.layout.shard * 4)
-        self.store.read_into(self.index, self.shard)
+        _read_window(self.store, self.index, self.shard)
 
     def start_read(self, pool: ThreadPoolExecutor) -> None:
-        """Begin reading an NVMe shard into its host window on ``pool``'s thread (a prefetch: the read
-        releases the GIL and overlaps the blocks computing now); no-op for other units."""
-        if self.master_on_nvme and self.reading is None and not self.gathered and self.gathering is None:
+        """Begin reading what the next gather copies from an NVMe file (the 16-bit host copy, else the
+        master shard) into its host window on ``pool``'s thread (a prefetch: the read releases the GIL
+        and overlaps the blocks computing now); no-op for other units."""
+        if self.reading is not None or self.gathered or self.gathering is not None:
+            return
+        if self.working_store is not None:
+            if self.working_on_nvme:
+                assert self.host_working is not None
+                self.reading = pool.submit(_read_window, self.working_store, self.index, self.host_working)
+        elif self.master_on_nvme:
             self.reading = pool.submit(self._read_window)
 
     def store_master(self, master: torch.Tensor) -> None:
-        """After the optimizer step: write the shard back to its file and drop the host window."""
+        """After the optimizer step: write the shard back (and its 16-bit host copy, cast from it) and
+        drop the host windows."""
         assert self.store is not None
+        if self.reading is not None:  # a prefetch of the values before the step: stale now
+            self.reading.result()
+            self.reading = None
         self.store.write(self.index, master)
+        if self.working_store is not None:
+            self.working_store.write(self.index, master)  # cast to 16 bits as it is stored
         self._evict()
 
     def sync_from_device(self) -> None:
@@ -212,6 +250,23 @@ class Unit:
     def _evict(self) -> None:
         if self.master_on_nvme:
             self.shard.untyped_storage().resize_(0)
+        if self.working_on_nvme and self.reading is None:  # a read in flight keeps its window
+            assert self.host_working is not None
+            self.host_working.untyped_storage().resize_(0)
+
+
+def _home(store: ShardStore, index: int) -> torch.Tensor:
+    """Bucket ``index``'s host tensor of ``store``: the resident one, or a window of the store's dtype
+    whose storage exists only while an NVMe shard is read in."""
+    if store.resident:
+        return store.tensor(index)
+    return torch.empty(store.sizes[index], dtype=store.dtype)
+
+
+def _read_window(store: ShardStore, index: int, window: torch.Tensor) -> None:
+    """Give ``window`` its storage back and read bucket ``index`` of ``store`` into it."""
+    window.untyped_storage().resize_(window.numel() * window.element_size())
+    store.read_into(index, window)
 
 
 Fill = Callable[
