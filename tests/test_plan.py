@@ -288,6 +288,23 @@ def test_memory_responds_to_each_technique() -> None:
     assert off.time["offload_transfer"] > 0
 
 
+def test_offloaded_parameters_cross_the_link_in_16_bits_under_bf16() -> None:
+    """ZeRO-3 parameter offload to NVMe: under bf16 the offloaded parameters are the engine's 16-bit
+    copy of the shards, so the plan stores half the parameter bytes there, moves the fp32 master to the
+    optimizer's place, and the parameter fetches take half fp32's time (less of it is exposed)."""
+    hw = PROFILES["h100-sxm"]
+    off = ["parallel.zero=3", "parallel.offload_params=nvme", "parallel.offload_optimizer=cpu"]
+    off += ["train.seq_len=128"]  # little compute to hide the fetches under
+    plans = {p: plan_config(_cfg(*off, f"train.precision={p}"), hw, 8) for p in ("bf16", "fp32")}
+    assert plans["bf16"].nvme_bytes == pytest.approx(plans["fp32"].nvme_bytes / 2, rel=1e-6)
+    # the fp32 master leaves the parameter file (fp32's is the master) for the optimizer's place
+    master = plans["fp32"].nvme_bytes
+    assert plans["bf16"].host_bytes == pytest.approx(plans["fp32"].host_bytes + master, rel=1e-6)
+    assert plans["fp32"].time["param_offload"] > 0
+    # exposed: micro-batches x (fetch - the compute that covers it); the fetch halves
+    assert plans["bf16"].time["param_offload"] < plans["fp32"].time["param_offload"]
+
+
 def test_hybrid_sharding_keeps_zero3_gathers_inside_a_node() -> None:
     """ZeRO-3 over 32 H100s (4 nodes): sharding over each node's 8 GPUs (``zero_shard_size=8``) holds
     8-way states instead of 32-way, and trades the gathers' inter-node traffic for one all-reduce of

@@ -473,6 +473,8 @@ def step_times(
         )
     states = _model_states(m, replace(layout, offload_optimizer="none", offload_params="none"), work,
                            convention, sp)["device"]  # fmt: skip
-    times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, pb, ob))
-    times["param_offload"] = timing.param_offload_time(layout, hw, shard, pb, t_compute, n_mb)
+    # offloaded working weights cross the link in their working dtype (16 bits under bf16/fp16: cast
+    # on the host after the step, and ZeRO-3's offloaded parameters are a 16-bit copy)
+    times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, param_wire, ob))
+    times["param_offload"] = timing.param_offload_time(layout, hw, shard, param_wire, t_compute, n_mb)
     return times
