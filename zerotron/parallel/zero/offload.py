@@ -11,9 +11,10 @@ Two pieces:
   ``fit`` ends) or, failing that, when the store is garbage collected or the interpreter exits.
 - :class:`OffloadAdamW` runs AdamW on the host, one bucket at a time: it fetches the bucket's fp32 master
   (from the device parameters' host master store, or the offloaded ZeRO-3 master shard), its two
-  moments and its gradients (the next bucket's on an I/O thread while this one is updated), calls torch's own ``foreach`` AdamW kernel on the bucket's segments
-  (the vectorised CPU Adam, bit-for-bit ``torch.optim.AdamW``) and writes the results back (to the files
-  and/or the device segments). With the moments on NVMe, host memory holds one bucket's master and
+  moments and its gradients (the next bucket's on an I/O thread while this one is updated), calls
+  torch's own fused AdamW kernel on the bucket's segments (the vectorised CPU Adam of
+  ``torch.optim.AdamW(fused=True)``, what the device optimizer runs too) and writes the results back
+  (to the files and/or the device segments). With the moments on NVMe, host memory holds one bucket's master and
   moments at a time, never the whole optimizer state (:attr:`OffloadAdamW.peak_read_bytes` counts it).
 
 A bucket is anything with ``segments`` (:class:`~zerotron.parallel.zero.flat.ShardSegment`\\ s: the
@@ -325,8 +326,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
     ) -> None:
-        """torch's foreach AdamW on the host views of the segments, with their host gradients (what
-        ``torch.optim.AdamW`` computes)."""
+        """torch's fused AdamW on the host views of the segments, with their host gradients (what
+        ``torch.optim.AdamW(fused=True)`` computes)."""
         cut = [slice(s.at, s.at + s.length) for s, _ in pairs]
         beta1, beta2 = group["betas"]
         adam_kernel(
@@ -336,7 +337,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             [exp_avg_sq[c] for c in cut],
             [],
             [torch.tensor(float(self.steps)) for _ in pairs],  # each incremented once by the kernel
-            foreach=True,
+            fused=True,
+            grad_scale=None,
+            found_inf=None,
             decoupled_weight_decay=True,
             amsgrad=False,
             beta1=beta1,
