@@ -19,6 +19,7 @@ import pytest
 from zerotron.cli import main
 from zerotron.config_load import load_config
 from zerotron.plan import PROFILES, PlanError, get_hardware, plan_config, plan_layout
+from zerotron.plan import activations as act
 from zerotron.plan import memory as mem
 from zerotron.plan.layout import Layout, Workload, check, from_config
 from zerotron.plan.search import search
@@ -71,7 +72,7 @@ def test_korthikanti_table2(t: int) -> None:
     sbh = s * b * h
 
     def got(recompute: str, sp: bool) -> float:
-        return mem.split_bytes(mem.megatron_layer_terms(m, b, s, recompute, flash=False), t, sp)
+        return act.split_bytes(act.megatron_layer_terms(m, b, s, recompute, flash=False), t, sp)
 
     assert got("none", False) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert got("none", True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
@@ -80,17 +81,17 @@ def test_korthikanti_table2(t: int) -> None:
     assert got("full", False) == pytest.approx(2 * sbh)
     if t == 1:
         assert got("none", False) == pytest.approx(sbh * (34 + 5 * a * s / h))
-        flash = mem.split_bytes(mem.megatron_layer_terms(m, b, s, "none", flash=True), t, False)
+        flash = act.split_bytes(act.megatron_layer_terms(m, b, s, "none", flash=True), t, False)
         assert flash == pytest.approx(34 * sbh)
 
 
 def test_pipeline_inflight_microbatches() -> None:
     """1F1B: the first stage holds p micro-batches (L layers' worth); interleaving × (1 + (p−1)/(p·v))."""
     p, v, layers = 8, 4, 96
-    assert mem.inflight_microbatches("1f1b", p, 64, 0, 1) * layers / p == layers
-    assert mem.inflight_microbatches("1f1b", p, 64, p - 1, 1) == 1
-    assert mem.inflight_microbatches("gpipe", p, 64, 0, 1) == 64
-    inter = mem.inflight_microbatches("interleaved", p, 64, 0, v) * layers / p
+    assert act.inflight_microbatches("1f1b", p, 64, 0, 1) * layers / p == layers
+    assert act.inflight_microbatches("1f1b", p, 64, p - 1, 1) == 1
+    assert act.inflight_microbatches("gpipe", p, 64, 0, 1) == 64
+    inter = act.inflight_microbatches("interleaved", p, 64, 0, v) * layers / p
     assert inter == pytest.approx(layers * (1 + (p - 1) / (p * v)))
 
 

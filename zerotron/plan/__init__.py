@@ -4,7 +4,8 @@ Imports the config layer only, never torch: plans run anywhere in milliseconds.
 
 - :mod:`~zerotron.plan.hardware`: device profiles (shipped and user files);
 - :mod:`~zerotron.plan.model`: parameter counts and FLOPs;
-- :mod:`~zerotron.plan.memory`: model states (ZeRO 0–3, offload), activations, buffers;
+- :mod:`~zerotron.plan.memory`: model states (ZeRO 0–3, offload), buffers;
+  :mod:`~zerotron.plan.activations`: what backward saves, micro-batches in flight;
 - :mod:`~zerotron.plan.timing`: compute, α–β collectives, overlap, bubble, offload;
 - :mod:`~zerotron.plan.layout`: the layout, its workload and every validity check;
 - :mod:`~zerotron.plan.planner`: one layout's plan; :mod:`~zerotron.plan.search`: the best layouts;

@@ -14,6 +14,7 @@ from typing import Any
 
 from zerotron.config import Config
 from zerotron.layout import hybrid_block
+from zerotron.plan import activations as act
 from zerotron.plan import memory as mem
 from zerotron.plan import timing
 from zerotron.plan.errors import PlanError
@@ -271,13 +272,13 @@ def _activations(
         m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep, w16, layout.etp
     )
     if convention == "zerotron":
-        cp_terms = mem.context_terms(
+        cp_terms = act.context_terms(
             m, b, s, work.precision, layout.recompute, tp, layout.cp, layout.cp_comm, layout.cp_ulysses_size
         )
-        per_layer += mem.split_bytes(cp_terms, tp, sp)
+        per_layer += act.split_bytes(cp_terms, tp, sp)
     every, first, last = _end_bytes(m, b, s, work.precision, tp, sp, convention, layout.pp, w16)
     v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
-    held = mem.inflight(layout.pp_schedule, layout.pp, micro_batches(layout, work), stage, v)
+    held = act.inflight(layout.pp_schedule, layout.pp, micro_batches(layout, work), stage, v)
     blocks = (per_layer * layers / v + every) * held.chunks
     ends = first * held.first + last * held.last
     detail = {"activations_per_layer": per_layer, "inflight_chunks": held.chunks, "activations_ends": ends}
@@ -301,9 +302,9 @@ def _layer_bytes(
 ) -> float:
     """Activation bytes of one block on one rank (cached: the search asks for the same ones often)."""
     if convention == "zerotron":
-        terms = mem.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep, weights16, etp)
-        return mem.split_bytes(terms, tp, sp)
-    return mem.split_bytes(mem.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
+        terms = act.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep, weights16, etp)
+        return act.split_bytes(terms, tp, sp)
+    return act.split_bytes(act.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -320,14 +321,14 @@ def _end_bytes(
 ) -> tuple[float, float, float]:
     """Activation bytes outside the blocks: per chunk (RoPE tables), first stage, last stage (cached)."""
     if convention == "zerotron":
-        every = mem.split_bytes(mem.engine_stage_terms(m, b, s, 2 if weights16 else 4), tp, sp)
-        first_terms = mem.engine_first_stage_terms(m, b, s, tp)
-        last_terms = mem.engine_last_stage_terms(m, b, s, precision, tp, sp, weights16)
-        first = mem.split_bytes(first_terms, tp, sp)
+        every = act.split_bytes(act.engine_stage_terms(m, b, s, 2 if weights16 else 4), tp, sp)
+        first_terms = act.engine_first_stage_terms(m, b, s, tp)
+        last_terms = act.engine_last_stage_terms(m, b, s, precision, tp, sp, weights16)
+        first = act.split_bytes(first_terms, tp, sp)
         if pp == 1:  # one rank holds both ends: a storage they share is counted once
-            last = mem.split_bytes(mem.unique(first_terms + last_terms), tp, sp) - first
+            last = act.split_bytes(act.unique(first_terms + last_terms), tp, sp) - first
         else:
-            last = mem.split_bytes(last_terms, tp, sp)
+            last = act.split_bytes(last_terms, tp, sp)
     else:
         every = 0.0
         first = 2.0 * b * s * m.hidden / (tp if sp else 1)  # embedding output (dropout mask ignored)
