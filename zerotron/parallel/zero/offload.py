@@ -82,7 +82,7 @@ class ShardStore:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.sizes, self.kind, self.where, self.dtype = list(sizes), kind, where, dtype
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = dtype.itemsize
         self.offsets = [sum(self.sizes[:i]) * self.itemsize for i in range(len(self.sizes))]
         self.numel = sum(self.sizes)
         self.path: Path | None = None

@@ -52,8 +52,6 @@ class Unit:
         master = torch.uint8 if self.derived else torch.float32
         if self.derived:
             working, store, working_store = torch.uint8, None, None
-        if store is None:
-            working_store = None
         self.store, self.working_store, self.index = store, working_store, index
         with torch.no_grad():
             if fill is None:  # the parameters hold their values
@@ -88,8 +86,13 @@ class Unit:
         del mine
         self.segments: list[ShardSegment] = layout.segments(self.shard)
         self.reading: Future[None] | None = None  # an NVMe shard's read on the engine's I/O thread
-        self.master_on_nvme = store is not None and not store.resident
-        self.working_on_nvme = working_store is not None and not working_store.resident
+        # the host tensors that are windows of NVMe files (storage only while read in), and the one the
+        # gathers copy (and the read-ahead reads): the 16-bit copy where there is one, else the master
+        self._windows = [(st, w) for st, w in ((store, self.shard), (working_store, self.host_working))
+                         if st is not None and w is not None and not st.resident]  # fmt: skip
+        self._source = (
+            (working_store, self.host_working) if working_store is not None else (store, self.shard)
+        )
         self._evict()
         self.gathered = True
         if fill is not None:
@@ -175,53 +178,39 @@ class Unit:
         if self.store is None:
             return self.shard
         staged = torch.empty(self.layout.shard, dtype=self.flat.dtype, device=self.flat.device)
-        source = self.load_master() if self.working_store is None else self._load_working()
-        staged.copy_(source, non_blocking=True)  # host -> device (a real copy on CPU too)
-        if self.master_on_nvme or self.working_on_nvme:
+        staged.copy_(self._load(*self._source), non_blocking=True)  # host -> device (a real copy on CPU too)
+        if self._windows:
             if staged.is_cuda:
                 torch.cuda.current_stream().synchronize()  # the window is read before it is dropped
             self._evict()
         return staged
 
-    def _load_working(self) -> torch.Tensor:
-        """The 16-bit host copy (read in from its file, or by the read :meth:`start_read` began)."""
-        assert self.host_working is not None and self.working_store is not None
-        if self.working_on_nvme:
-            if self.reading is not None:
-                self.reading.result()
-                self.reading = None
-            else:
-                _read_window(self.working_store, self.index, self.host_working)
-        return self.host_working
-
     def load_master(self) -> torch.Tensor:
         """The fp32 master shard on the host (read in from the NVMe file when it lives there, or by the
         read :meth:`start_read` began)."""
         assert self.store is not None
-        if self.master_on_nvme:
-            if self.reading is not None and self.working_store is None:  # the prefetch read the master
+        return self._load(self.store, self.shard)
+
+    def _load(self, store: ShardStore | None, window: torch.Tensor | None) -> torch.Tensor:
+        """``window`` (the master, or the 16-bit copy) with its values: resident, read in by the read
+        :meth:`start_read` began (the gathers' source), or read now."""
+        assert store is not None and window is not None
+        if not store.resident:
+            if self.reading is not None and window is self._source[1]:
                 self.reading.result()
                 self.reading = None
             else:
-                self._read_window()
-        return self.shard
-
-    def _read_window(self) -> None:
-        assert self.store is not None
-        _read_window(self.store, self.index, self.shard)
+                _read_window(store, self.index, window)
+        return window
 
     def start_read(self, pool: ThreadPoolExecutor) -> None:
         """Begin reading what the next gather copies from an NVMe file (the 16-bit host copy, else the
         master shard) into its host window on ``pool``'s thread (a prefetch: the read releases the GIL
         and overlaps the blocks computing now); no-op for other units."""
-        if self.reading is not None or self.gathered or self.gathering is not None:
-            return
-        if self.working_store is not None:
-            if self.working_on_nvme:
-                assert self.host_working is not None
-                self.reading = pool.submit(_read_window, self.working_store, self.index, self.host_working)
-        elif self.master_on_nvme:
-            self.reading = pool.submit(self._read_window)
+        store, window = self._source
+        busy = self.reading is not None or self.gathered or self.gathering is not None
+        if store is not None and window is not None and not store.resident and not busy:
+            self.reading = pool.submit(_read_window, store, self.index, window)
 
     def store_master(self, master: torch.Tensor) -> None:
         """After the optimizer step: write the shard back (and its 16-bit host copy, cast from it) and
@@ -248,11 +237,10 @@ class Unit:
         self.store_master(master)
 
     def _evict(self) -> None:
-        if self.master_on_nvme:
-            self.shard.untyped_storage().resize_(0)
-        if self.working_on_nvme and self.reading is None:  # a read in flight keeps its window
-            assert self.host_working is not None
-            self.host_working.untyped_storage().resize_(0)
+        """Drop the NVMe windows' storage (a read in flight keeps the gathers' source)."""
+        for _, window in self._windows:
+            if not (self.reading is not None and window is self._source[1]):
+                window.untyped_storage().resize_(0)
 
 
 def _home(store: ShardStore, index: int) -> torch.Tensor:
