@@ -160,6 +160,8 @@ def test_serve_refuses_a_native_attention_it_cannot_build(
         (["serve", "model.gguf", "--max-num-seqs", "0"], "--max-num-seqs"),
         (["serve", "model.gguf", "--block-size", "24"], "--block-size"),
         (["serve", "model.gguf", "--nproc", "2", "--matmul", "onednn"], "--matmul onednn"),
+        (["serve", "model.gguf", "--device", "xla"], "runs on cpu or cuda"),
+        (["serve", "model.gguf", "--device", "cuda:x"], "not a device"),
     ],
 )
 def test_serve_refuses_in_one_line(
@@ -167,3 +169,40 @@ def test_serve_refuses_in_one_line(
 ) -> None:
     err = _error(capsys, argv)
     assert expected in err and len(err.splitlines()) == 1
+
+
+def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device cuda: refused on a machine without CUDA (this one, or a simulated one); on a simulated
+    one-GPU machine refused beside CPU kernel choices, tensor parallelism (Gloo ranks) and a device
+    index it lacks, and otherwise an engine config on that device (no CPU kernels, fixed 32-row
+    linears by default)."""
+    import argparse
+
+    from zerotron.cli import build_parser
+    from zerotron.serve.app import engine_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in (["serve", "model.gguf"], ["generate", "model.gguf", "--prompt", "hi"]):
+        err = _error(capsys, [*command, "--device", "cuda"])
+        assert "--device cuda" in err and "no CUDA device" in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    refusals = [
+        (["--matmul", "native"], "--matmul native"),
+        (["--attention", "native"], "--attention native"),
+        (["--matmul", "onednn"], "--matmul onednn"),
+        (["--nproc", "2"], "--nproc 2"),
+        (["--device", "cuda:1"], "1 CUDA device"),
+    ]
+    for extra, expected in refusals:
+        argv = ["serve", "model.gguf", "--device", "cuda", *extra]
+        err = _error(capsys, argv)
+        assert expected in err, err
+    args: argparse.Namespace = build_parser().parse_args(["serve", "model.gguf", "--device", "cuda:0"])
+    config = engine_config(args, 1)
+    assert config.device == "cuda:0" and not (
+        config.onednn or config.native_matmul or config.native_attention
+    )
+    assert config.fixed_chunks is None  # the runner's default off the CPU: 32-row calls

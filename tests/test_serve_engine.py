@@ -23,7 +23,7 @@ from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.serve.engine import MIN_ROWS, Engine, EngineConfig, RequestError
 from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, BlockPool, block_hash
-from zerotron.serve.runner import MIN_ROWS_ONEDNN
+from zerotron.serve.runner import CHUNK_ROWS, MIN_ROWS_ONEDNN
 from zerotron.serve.sampling import SamplingError, SamplingParams, apply_penalties, filter_logits
 
 transformers = pytest.importorskip("transformers")
@@ -111,17 +111,25 @@ def _native_or_skip() -> None:
         pytest.skip(f"the native paged-attention kernel could not be built: {kernels.why_unavailable()}")
 
 
-@pytest.mark.parametrize(
-    ("onednn", "native", "matmul"),
-    [(False, False, False), (True, False, False), (True, True, False), (False, True, True)],
-    ids=["mkl", "onednn", "onednn-native", "avx512-native"],
-)
+# (onednn, native attention, native matmul, fixed 32-row linears: what a model on a GPU runs)
+ENGINE_KINDS = [
+    (False, False, False, False),
+    (True, False, False, False),
+    (True, True, False, False),
+    (False, True, True, False),
+    (False, False, False, True),
+]
+ENGINE_IDS = ["mkl", "onednn", "onednn-native", "avx512-native", "fixed-32"]
+
+
+@pytest.mark.parametrize(("onednn", "native", "matmul", "fixed"), ENGINE_KINDS, ids=ENGINE_IDS)
 def test_greedy_equals_transformers_generate(
     pair: tuple[torch.nn.Module, LlamaForCausalLM],
     engine_factory: object,
     onednn: bool,
     native: bool,
     matmul: bool,
+    fixed: bool,
 ) -> None:
     ref, _ = pair
     if native:
@@ -130,10 +138,15 @@ def test_greedy_equals_transformers_generate(
         _vec_or_skip()
     prompts = _prompts([5, 17, 40, 70, 3, 100])
     engine = engine_factory(  # type: ignore[operator]
-        max_num_batched_tokens=48, onednn=onednn, native_attention=native, native_matmul=matmul
+        max_num_batched_tokens=48,
+        onednn=onednn,
+        native_attention=native,
+        native_matmul=matmul,
+        fixed_chunks=fixed,
     )
-    assert engine.runner.min_rows == (1 if matmul else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
-    assert engine.runner.matmul == ("native AVX-512" if matmul else "oneDNN" if onednn else "F.linear")
+    assert engine.runner.min_rows == (1 if matmul or fixed else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
+    kind = "native AVX-512" if matmul else "oneDNN" if onednn else "F.linear"
+    assert engine.runner.matmul == (f"F.linear in {CHUNK_ROWS}-row calls" if fixed else kind)
     got = _run(engine, prompts, GREEDY)
     for prompt, (tokens, _) in zip(prompts, got):
         with torch.no_grad():
@@ -161,19 +174,21 @@ def test_logprobs_equal_the_full_forward(
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("onednn", "native", "matmul"),
-    [(False, False, False), (True, False, False), (True, True, False), (False, True, True)],
-    ids=["mkl", "onednn", "onednn-native", "avx512-native"],
-)
+@pytest.mark.parametrize(("onednn", "native", "matmul", "fixed"), ENGINE_KINDS, ids=ENGINE_IDS)
 def test_batch_invariance_alone_batched_chunked_and_cached(
-    engine_factory: object, onednn: bool, native: bool, matmul: bool, monkeypatch: pytest.MonkeyPatch
+    engine_factory: object,
+    onednn: bool,
+    native: bool,
+    matmul: bool,
+    fixed: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A greedy request gets bit-identical tokens and log-probabilities alone, in a batch of other
     requests under a small token budget (its prompt cut into chunks), and on a prefix-cache hit; with
     MKL's linears (forwards of 16 rows or more), with oneDNN's packed ones (2 rows or more), with
-    zerotron's own AVX-512 kernel (from one row: a lone decode runs one row), and with every row's
-    attention on the native paged kernel (no SDPA call then)."""
+    zerotron's own AVX-512 kernel (from one row: a lone decode runs one row), with every linear in
+    32-row calls (a GPU's way; from one row), and with every row's attention on the native paged
+    kernel (no SDPA call then)."""
     from zerotron.serve import kernels
 
     if native:
@@ -191,7 +206,9 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     rope = kernels.rope_store
     monkeypatch.setattr(kernels, "rope_store", lambda y, *a: rope_calls.append(len(y)) or rope(y, *a))
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
-    make = functools.partial(engine_factory, onednn=onednn, native_attention=native, native_matmul=matmul)  # type: ignore[call-overload]
+    make = functools.partial(  # type: ignore[call-overload]
+        engine_factory, onednn=onednn, native_attention=native, native_matmul=matmul, fixed_chunks=fixed
+    )
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     batched = _run(make(max_num_batched_tokens=37), prompts, GREEDY)
     assert batched == alone
@@ -417,8 +434,9 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
         (True, True, ""),
         (False, True, "native tiles"),
         (False, True, "native AVX512-BF16"),
+        (False, False, "fixed"),
     ],
-    ids=["mkl", "onednn", "onednn-native", "tiles-native", "avx512bf16-native"],
+    ids=["mkl", "onednn", "onednn-native", "tiles-native", "avx512bf16-native", "fixed-32"],
 )
 def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
     pair: tuple[torch.nn.Module, LlamaForCausalLM],
@@ -446,16 +464,19 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
         monkeypatch.setattr(kernels, "tiles_available", lambda: False)  # on an AMX CPU too
     half = copy.deepcopy(model).to(torch.bfloat16)
 
+    fixed = matmul == "fixed"
+
     def make(**kw: object) -> Engine:
-        flags = {"onednn": onednn, "native_attention": native, "native_matmul": bool(matmul)}
-        cfg = EngineConfig(**{"num_blocks": 128, **flags, **kw})  # type: ignore[arg-type]
+        flags = {"onednn": onednn, "native_attention": native, "native_matmul": bool(matmul) and not fixed}
+        cfg = EngineConfig(**{"num_blocks": 128, "fixed_chunks": fixed, **flags, **kw})  # type: ignore[arg-type]
         return Engine(copy.deepcopy(half), None, cfg)
 
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     engine = make()
     assert engine.kv.k[0].dtype == torch.bfloat16
     assert engine.runner.min_rows == (1 if matmul else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
-    assert engine.runner.matmul == (matmul or ("oneDNN" if onednn else "F.linear"))
+    name = f"F.linear in {CHUNK_ROWS}-row calls" if fixed else matmul
+    assert engine.runner.matmul == (name or ("oneDNN" if onednn else "F.linear"))
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     assert _run(make(max_num_batched_tokens=37), prompts, GREEDY) == alone
     first = _run(engine, prompts[:1], GREEDY)
@@ -469,18 +490,22 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
         assert (torch.tensor(logprobs) - expected).abs().max() <= 0.15  # measured: 0.056 at most
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool) -> None:
+@pytest.mark.parametrize("packed", [False, True, "fixed"])
+def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(
+    packed: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SmolLM2's output head in bf16 (49152 x 576): a row's logits are the same bits whatever the number
-    of rows in the forward, through F.linear in chunks and through oneDNN on the packed weight in
-    chunks. (Unchunked, on an AMX CPU plain F.linear's and oneDNN's bits change from 33 rows up; on
+    of rows in the forward, through F.linear in chunks, through F.linear in calls of exactly 32 rows
+    (the engine's linears on a GPU) and through oneDNN on the packed weight in chunks. (Unchunked, on an AMX CPU plain F.linear's and oneDNN's bits change from 33 rows up; on
     AVX512-BF16 without AMX, oneDNN's did not in a 40-row check, so that is not asserted here.)"""
-    from zerotron.serve.runner import CHUNK_ROWS, _chunked_linear, _packed_linear
+    from zerotron.serve.runner import CHUNK_ROWS, _chunked_linear, _fixed_linear, _packed_linear
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(49152, 576, generator=g).bfloat16()
     x = torch.randn(300, 576, generator=g).bfloat16()
-    if packed:
+    if packed == "fixed":
+        linear = functools.partial(_fixed_linear, weight, None)
+    elif packed:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
         handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
@@ -493,6 +518,15 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(packed: bool)
         assert torch.equal(linear(x[:rows].view(1, rows, 576))[0, 0], one), rows
     every = linear(x)
     assert all(torch.equal(every[r], linear(x[r : r + 1])[0]) for r in range(0, 300, 7))
+    if packed == "fixed":  # one shape for every call, so one kernel on any matrix library
+        shapes: list[tuple[int, ...]] = []
+        real = torch.nn.functional.linear
+        monkeypatch.setattr(
+            torch.nn.functional, "linear", lambda a, *r: shapes.append(tuple(a.shape)) or real(a, *r)
+        )
+        for rows in (1, 31, 32, 33, 100):
+            linear(x[:rows])
+        assert set(shapes) == {(CHUNK_ROWS, 576)} and len(shapes) == 1 + 1 + 1 + 2 + 4
 
 
 def test_wide_16_bit_linear_calls_give_each_row_the_chunks_bits() -> None:
@@ -864,3 +898,53 @@ def test_lean_layers_give_the_packed_models_own_bits(
     engine = Engine(copy.deepcopy(base), None, config)
     assert not isinstance(engine.model.layers[0].forward, runner._LeanLayer)
     assert got == _run(engine, prompts, GREEDY)
+
+
+def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> None:
+    """A model on another device (the meta device stands in for a GPU here): the runner refuses the
+    CPU kernels (oneDNN, the native matmul and attention) in one line, and by default runs every
+    linear in 32-row calls from one row up."""
+    from zerotron.serve.paged import KVPool
+    from zerotron.serve.runner import StepRunner
+
+    def meta_model() -> LlamaForCausalLM:
+        with torch.device("meta"):
+            return LlamaForCausalLM(CFG)
+
+    attn = meta_model().layers[0].self_attn
+    kv = KVPool(CFG.num_hidden_layers, 4, 16, attn.kv_heads, attn.head_dim, torch.float32, "meta")
+    for flags, name in (
+        ({"onednn": True}, "onednn"),
+        ({"native": True}, "native attention"),
+        ({"native_matmul": True}, "native matmul"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}: CPU kernels; a model on meta") as err:
+            StepRunner(meta_model(), kv, **flags)  # type: ignore[arg-type]
+        assert len(str(err.value).splitlines()) == 1
+    runner = StepRunner(meta_model(), kv)
+    assert runner.min_rows == 1 and runner.matmul == f"F.linear in {CHUNK_ROWS}-row calls"
+    assert runner.device == torch.device("meta")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["3-rows-per-kv-head", "no-gqa"])
+def test_sdpa_attention_is_batch_invariant_for_one_and_three_query_rows(heads: int, kv_heads: int) -> None:
+    """The SDPA path in fp32 (decodes as one query row per head, or as 3 rows: the query heads that
+    share a KV head, as SmolLM2's 9 over 3): torch's CPU attention gives 1- and 3-row problems
+    different bits in different batches, so the engine pads them to 4 rows; a greedy request's tokens
+    and log-probabilities are then the same alone and batched."""
+    cfg = dataclasses.replace(
+        CFG, hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads
+    )
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(8)
+    prompts = _prompts([150, 9, 64, 33, 90, 5, 17], seed=5)
+    params = dataclasses.replace(GREEDY, max_tokens=16)
+
+    def make(**kw: object) -> Engine:
+        return Engine(model, None, EngineConfig(**{"num_blocks": 128, **kw}))  # type: ignore[arg-type]
+
+    alone = [_run(make(), [p], params)[0] for p in prompts]
+    assert _run(make(), prompts, params) == alone
+    assert _run(make(max_num_batched_tokens=37), prompts, params) == alone

@@ -113,7 +113,7 @@ def _report_run(summary: dict[str, Any] | None) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from zerotron.serve.generate import check_options, generate_worker, run_generate
+    from zerotron.serve.generate import check_device, check_options, generate_worker, run_generate
 
     model, overrides = _split_config_and_overrides(args.items)
     tp = 1
@@ -135,7 +135,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
+    device = str(check_device("generate", args.device, nproc))
     check_options(model, tp, options)
+    options["device"] = device
     if tp == 1:
         run_generate(model, args.prompt, **options)
         return 0
@@ -376,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]; cuda on one rank only")
     gen.set_defaults(fn=_cmd_generate)
 
     srv = sub.add_parser(
@@ -418,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="weights, activations and KV cache: float32, or bfloat16 (half the memory; AMX/AVX-512 "
         "kernels; the linears run in row chunks so results do not depend on the batch)",
+    )
+    srv.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model and KV cache live: cpu (default) or cuda[:N] (one GPU: linears through "
+        "F.linear in 32-row calls, attention through SDPA on gathered keys; no tensor parallelism)",
     )
     srv.add_argument(
         "--nproc",

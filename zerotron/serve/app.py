@@ -231,6 +231,26 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
     for flag, ok in checks:
         if not ok:
             raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
+    from zerotron.serve.generate import check_device
+
+    device = check_device("serve", args.device, nproc)
+    if device.type != "cpu":
+        for flag, value in (("--matmul", args.matmul), ("--attention", args.attention)):
+            if value is not None:
+                raise ConfigError(
+                    f"serve {flag} {value}: a CPU kernel choice; on {device} the engine runs F.linear in "
+                    "32-row calls and SDPA on gathered keys: leave it out"
+                )
+        return EngineConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=int(args.kv_cache_memory * 2**30),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            prefix_caching=not args.no_prefix_caching,
+            dtype=args.dtype,
+            device=str(device),
+        )
     if args.matmul == "onednn" and nproc > 1:
         raise ConfigError(
             "serve --matmul onednn packs whole weights; tensor-parallel shards (--nproc N) run F.linear: "
@@ -275,7 +295,7 @@ def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optio
     from zerotron.serve.generate import load_model, split_for_tensor_parallel
 
     dtype = getattr(torch, (config or EngineConfig()).dtype)
-    model, tokenizer = load_model(model_path, dtype=dtype, device="cpu")
+    model, tokenizer = load_model(model_path, dtype=dtype, device=(config or EngineConfig()).device)
     if tp_group is not None and tp_group.size > 1:
         split_for_tensor_parallel(model, tp_group)
     # The engine owns this model: its linears may be packed for oneDNN (config.onednn, the default here).
@@ -299,7 +319,7 @@ def serve(engine: Engine, name: str, host: str, port: int) -> None:
     group = engine.runner.group
     print(
         f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
-        f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}, attention "
+        f"{engine.pool.block_size} tokens on {engine.runner.device}, max_model_len {engine.max_model_len}, attention "
         + ("native" if engine.runner.native else "SDPA")
         + f", linears {engine.runner.matmul}"
         + (f", tensor parallel over {group.size} ranks)" if group is not None else ")"),

@@ -202,6 +202,33 @@ def check_options(model_path: str, tp: int, options: dict[str, Any]) -> None:
     check_tensor_parallel(cfg)
 
 
+def check_device(command: str, device: str, nproc: int) -> torch.device:
+    """``--device`` of generate/serve as a torch device, or a one-line error: a CUDA device must exist
+    here, and tensor-parallel ranks (``nproc`` > 1, Gloo) run on the CPU."""
+    from zerotron.config_load import ConfigError
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"{command} --device {device!r}: not a device; use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{command} --device {device}: runs on cpu or cuda[:N]")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(
+                f"{command} --device {device}: this machine has no CUDA device; leave --device out"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"{command} --device {device}: this machine has {count} CUDA device(s)")
+        if nproc > 1:
+            raise ConfigError(
+                f"{command} --device {device} with --nproc {nproc}: tensor-parallel ranks run on the CPU "
+                "(Gloo); multi-GPU serving is not built: use --nproc 1 or leave --device out"
+            )
+    return dev
+
+
 def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, Any]:
     """Model and tokenizer from a HF directory, a GGUF file, or a zerotron checkpoint or run directory."""
     from pathlib import Path

@@ -37,6 +37,11 @@ from zerotron.serve import kernels
 # (p // ROW_BUCKET + 1) * ROW_BUCKET: functions of the position alone, whatever else the step holds.
 KEY_BUCKET = 32
 ROW_BUCKET = 16
+# SDPA calls get at least this many query rows (padding rows added, their outputs dropped): torch's
+# CPU attention gives a problem of 1 or 3 query rows (a decode, or the query heads sharing a KV head
+# as rows, e.g. 9 heads over 3) in fp32 different bits in different batches; 2 and 4 to 40 rows the
+# same bits in any batch (measured on 2 threads, head dims 16 and 64, windows 32 and 112).
+MIN_QUERY_ROWS = 4
 # Runs of query rows start at multiples of this (or at a chunk's first row): the CPU attention kernel
 # works on blocks of 32 query rows, and a row's numbers depend on where its block starts. The
 # scheduler starts prefill chunks and prefix-cache hits at multiples of it too.
@@ -184,6 +189,18 @@ class _Group:
     keys: torch.Tensor  # (B,) how many keys each run's last row sees (its position + 1); native: per row
     seq: Optional[torch.Tensor] = None  # native: (rows,) each row's run, whose key slots it reads
 
+    def to(self, device: torch.device) -> _Group:
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device)
+
+        return _Group(
+            self.rows.to(device),
+            self.key_slots.to(device),
+            move(self.mask),
+            self.keys.to(device),
+            move(self.seq),
+        )
+
 
 class PagedAttention:
     """The attention cache of one engine step over a :class:`KVPool` (an ``AttentionCache``).
@@ -241,6 +258,10 @@ class PagedAttention:
         # A step whose rows all go to the native kernel in order can take a layer's q/k/v product
         # whole (attend_packed): rotary embedding and the store of k and v in one native pass.
         self.packed = native and self.in_order
+        device = pool.k[0].device
+        if device.type != "cpu":  # the plan is built on the host; the pool's device reads it
+            self.slots = self.slots.to(device)
+            self.groups = [g.to(device) for g in self.groups]
 
     @staticmethod
     def _group(
@@ -337,5 +358,21 @@ class PagedAttention:
         q = queries.view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
         if lq == 1 and gqa:  # one query per head: the heads that share a KV head as rows of one query run
             rows = q.view(b, keys.shape[1], -1, d)  # (B, kvh, h / kvh, d)
-            return F.scaled_dot_product_attention(rows, keys, values, attn_mask=g.mask).view(b, heads, 1, d)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=g.mask, enable_gqa=gqa)
+            return _sdpa(rows, keys, values, g.mask, False).reshape(b, heads, 1, d)
+        return _sdpa(q, keys, values, g.mask, gqa)
+
+
+def _sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gqa: bool
+) -> torch.Tensor:
+    """SDPA of (B, h, r, d) queries with at least :data:`MIN_QUERY_ROWS` rows: fewer are padded with
+    zero queries under the last row's mask, whose outputs are dropped."""
+    r = q.shape[2]
+    if r >= MIN_QUERY_ROWS:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+    extra = MIN_QUERY_ROWS - r
+    q = torch.cat([q, q.new_zeros(*q.shape[:2], extra, q.shape[3])], dim=2)
+    last = mask[:, :, -1:]
+    mask = torch.cat([mask.expand(-1, -1, r, -1), last.expand(-1, -1, extra, -1)], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+    return out[:, :, :r]

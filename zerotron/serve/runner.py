@@ -365,6 +365,35 @@ def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch
     return torch.cat(outs).view(*x.shape[:-1], weight.shape[0])
 
 
+def _fixed_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` in calls of exactly :data:`CHUNK_ROWS` rows (the last one padded with zeros): every
+    call has one shape, so a GPU library picks one kernel for it whatever the step's row count, and a
+    row's result depends on the row alone (a matrix library's kernel, its tiling and its split of the
+    reduction, is chosen by the call's shape: a whole ``F.linear`` over a step's rows would give a
+    sequence different bits in different batches)."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    full = n - n % CHUNK_ROWS
+    outs = [F.linear(rows[s : s + CHUNK_ROWS], weight, bias) for s in range(0, full, CHUNK_ROWS)]
+    if full < n:
+        tail = rows.new_zeros(CHUNK_ROWS, rows.shape[1])
+        tail[: n - full] = rows[full:]
+        outs.append(F.linear(tail, weight, bias)[: n - full])
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fixed_linears(model: nn.Module) -> None:
+    """Run every linear layer of ``model`` (any dtype, any device) in :data:`CHUNK_ROWS`-row calls
+    (:func:`_fixed_linear`): the engine's linears off the CPU, where no kernel of known row-count
+    behaviour is packed. Tensor-parallel layers are not converted (the engine refuses them here)."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            raise ValueError("fixed-shape linears are for whole weights; tensor-parallel shards run F.linear")
+        if type(module) is nn.Linear:
+            module.forward = functools.partial(_fixed_linear, module.weight, module.bias)  # type: ignore[method-assign]
+
+
 def _chunked_row_parallel(module: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
     """A row-parallel layer's forward in 16 bits, batch-invariant: its partial product in row chunks,
     and the partials summed in rank order in fp32 after an all-gather (a ring all-reduce adds each
@@ -409,13 +438,34 @@ class StepRunner:
         max_rows: int = 0,
         native: bool = False,
         native_matmul: bool = False,
+        fixed_chunks: Optional[bool] = None,
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
         rows; the engine then owns the model). ``native``: decodes through the native paged-attention
         kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built). ``native_matmul``:
         the linears packed for and run by zerotron's own kernel, bf16 on AMX tiles or AVX512-BF16, fp32
         on AVX-512 (:func:`pack_linears` with ``native``; an error where it is not available); every
-        forward then runs its rows as they are, from one row up."""
+        forward then runs its rows as they are, from one row up. ``fixed_chunks``: every linear in
+        calls of exactly :data:`CHUNK_ROWS` rows (:func:`fixed_linears`); None: where the model is not
+        on the CPU (a GPU: the three options before are CPU kernels, refused there)."""
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            cpu_only = [
+                name
+                for name, on in (
+                    ("onednn", onednn),
+                    ("native attention", native),
+                    ("native matmul", native_matmul),
+                )
+                if on
+            ]
+            if cpu_only:
+                raise ValueError(
+                    f"{', '.join(cpu_only)}: CPU kernels; a model on {device} runs F.linear and SDPA"
+                )
+            if tp_group is not None and tp_group.size > 1:
+                raise ValueError(f"tensor-parallel serving runs on the CPU (Gloo); not built on {device}")
+        fixed = device.type != "cpu" if fixed_chunks is None else fixed_chunks
         if native and not kernels.available():
             raise RuntimeError(
                 f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
@@ -429,14 +479,24 @@ class StepRunner:
         self.model, self.kv, self.native = model, kv, native
         sixteen = dtype in (torch.bfloat16, torch.float16)
         packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, native=native_matmul)
-        if sixteen and not packed:
+        if fixed and packed:
+            raise ValueError("fixed-shape linears and packed linears exclude each other")
+        if fixed:
+            fixed_linears(model)
+        elif sixteen and not packed:
             chunk_linears(model)
-        self.min_rows = 1 if native_matmul else MIN_ROWS_ONEDNN if packed else MIN_ROWS
+        self.min_rows = 1 if native_matmul or fixed else MIN_ROWS_ONEDNN if packed else MIN_ROWS
         self.matmul = (
-            "F.linear" if not packed else kernels.native_linear(dtype)[2] if native_matmul else "oneDNN"
+            f"F.linear in {CHUNK_ROWS}-row calls"
+            if fixed
+            else "F.linear"
+            if not packed
+            else kernels.native_linear(dtype)[2]
+            if native_matmul
+            else "oneDNN"
         )
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
-        self.device = next(model.parameters()).device
+        self.device = device
         self.last_signal = time.monotonic()
 
     @torch.inference_mode()
