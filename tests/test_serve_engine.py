@@ -72,14 +72,18 @@ def engine_factory(pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> Iterator[o
     engines: list[Engine] = []
 
     def make(**kw: object) -> Engine:
-        # A packed engine (onednn, native_matmul) owns its model: give it a copy.
-        model = copy.deepcopy(pair[1]) if kw.get("onednn") or kw.get("native_matmul") else pair[1]
+        # A packed engine (onednn, native_matmul) or one of fixed 32-row linears owns its model (it
+        # sets the linears' forwards): give it a copy.
+        owns = kw.get("onednn") or kw.get("native_matmul") or kw.get("fixed_chunks")
+        model = copy.deepcopy(pair[1]) if owns else pair[1]
         engines.append(Engine(model, None, EngineConfig(**{"num_blocks": 128, **kw})))  # type: ignore[arg-type]
         return engines[-1]
 
     yield make
     for e in engines:
         assert e.pool.in_use == 0 and not e.scheduler.running and not e.scheduler.waiting
+    # the shared model runs its own forwards (an engine that sets them got a copy)
+    assert not any("forward" in vars(m) for m in pair[1].modules())
 
 
 def test_block_pool_counts_shares_and_evicts_least_recently_freed() -> None:

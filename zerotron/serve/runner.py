@@ -455,7 +455,8 @@ class StepRunner:
         on AVX-512 (:func:`pack_linears` with ``native``; an error where it is not available); every
         forward then runs its rows as they are, from one row up. ``fixed_chunks``: every linear in
         calls of exactly :data:`CHUNK_ROWS` rows (:func:`fixed_linears`); None: where the model is not
-        on the CPU (a GPU: the three options before are CPU kernels, refused there)."""
+        on the CPU (a GPU: the three options before are CPU kernels, refused there). The runner sets
+        the model's linears' forwards (packed, fixed or chunked): the engine owns the model."""
         device = next(model.parameters()).device
         if device.type != "cpu":
             cpu_only = [
