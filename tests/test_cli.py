@@ -176,7 +176,7 @@ def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
 ) -> None:
     """--device cuda: refused on a machine without CUDA (this one, or a simulated one); on a simulated
     one-GPU machine refused beside CPU kernel choices, tensor parallelism (Gloo ranks) and a device
-    index it lacks, and otherwise an engine config on that device (no CPU kernels, fixed 32-row
+    index it lacks, and otherwise an engine config on that device (no CPU kernels, fixed-shape
     linears by default)."""
     import argparse
 
@@ -205,4 +205,4 @@ def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
     assert config.device == "cuda:0" and not (
         config.onednn or config.native_matmul or config.native_attention
     )
-    assert config.fixed_chunks is None  # the runner's default off the CPU: 32-row calls
+    assert config.fixed_rows is None  # the runner's default off the CPU: FIXED_ROWS-row calls

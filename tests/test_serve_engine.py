@@ -74,7 +74,7 @@ def engine_factory(pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> Iterator[o
     def make(**kw: object) -> Engine:
         # A packed engine (onednn, native_matmul) or one of fixed 32-row linears owns its model (it
         # sets the linears' forwards): give it a copy.
-        owns = kw.get("onednn") or kw.get("native_matmul") or kw.get("fixed_chunks")
+        owns = kw.get("onednn") or kw.get("native_matmul") or kw.get("fixed_rows")
         model = copy.deepcopy(pair[1]) if owns else pair[1]
         engines.append(Engine(model, None, EngineConfig(**{"num_blocks": 128, **kw})))  # type: ignore[arg-type]
         return engines[-1]
@@ -115,7 +115,7 @@ def _native_or_skip() -> None:
         pytest.skip(f"the native paged-attention kernel could not be built: {kernels.why_unavailable()}")
 
 
-# (onednn, native attention, native matmul, fixed 32-row linears: what a model on a GPU runs)
+# (onednn, native attention, native matmul, fixed-shape linears in 32-row calls: what a model on a GPU runs, there in 256-row calls)
 ENGINE_KINDS = [
     (False, False, False, False),
     (True, False, False, False),
@@ -146,7 +146,7 @@ def test_greedy_equals_transformers_generate(
         onednn=onednn,
         native_attention=native,
         native_matmul=matmul,
-        fixed_chunks=fixed,
+        fixed_rows=CHUNK_ROWS if fixed else 0,
     )
     assert engine.runner.min_rows == (1 if matmul or fixed else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
     kind = "native AVX-512" if matmul else "oneDNN" if onednn else "F.linear"
@@ -211,7 +211,11 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     monkeypatch.setattr(kernels, "rope_store", lambda y, *a: rope_calls.append(len(y)) or rope(y, *a))
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     make = functools.partial(  # type: ignore[call-overload]
-        engine_factory, onednn=onednn, native_attention=native, native_matmul=matmul, fixed_chunks=fixed
+        engine_factory,
+        onednn=onednn,
+        native_attention=native,
+        native_matmul=matmul,
+        fixed_rows=CHUNK_ROWS if fixed else 0,
     )
     alone = [_run(make(), [p], GREEDY)[0] for p in prompts]
     batched = _run(make(max_num_batched_tokens=37), prompts, GREEDY)
@@ -472,7 +476,7 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
 
     def make(**kw: object) -> Engine:
         flags = {"onednn": onednn, "native_attention": native, "native_matmul": bool(matmul) and not fixed}
-        cfg = EngineConfig(**{"num_blocks": 128, "fixed_chunks": fixed, **flags, **kw})  # type: ignore[arg-type]
+        cfg = EngineConfig(**{"num_blocks": 128, "fixed_rows": CHUNK_ROWS if fixed else 0, **flags, **kw})  # type: ignore[arg-type]
         return Engine(copy.deepcopy(half), None, cfg)
 
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
@@ -512,7 +516,7 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(
         weight = torch.randn(n, k, generator=g).bfloat16()
         x = torch.randn(300, k, generator=g).bfloat16()
         if packed == "fixed":
-            linear = functools.partial(_fixed_linear, weight, None)
+            linear = functools.partial(_fixed_linear, CHUNK_ROWS, weight, None)
         elif packed:
             handle = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
             linear = functools.partial(_packed_linear, handle, None, (k, n), CHUNK_ROWS)
@@ -530,7 +534,7 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(
         assert all(torch.equal(every[r], pair) for r, pair in zip(range(0, 299, 7), pairs))
     if packed == "fixed":  # one shape for every call, so one kernel on any matrix library
         x = x[:, :576]
-        linear = functools.partial(_fixed_linear, weight[:, :576], None)
+        linear = functools.partial(_fixed_linear, CHUNK_ROWS, weight[:, :576], None)
         shapes: list[tuple[int, ...]] = []
         real = torch.nn.functional.linear
         monkeypatch.setattr(
@@ -915,9 +919,9 @@ def test_lean_layers_give_the_packed_models_own_bits(
 def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> None:
     """A model on another device (the meta device stands in for a GPU here): the runner refuses the
     CPU kernels (oneDNN, the native matmul and attention) in one line, and by default runs every
-    linear in 32-row calls from one row up."""
+    linear in FIXED_ROWS-row calls from one row up."""
     from zerotron.serve.paged import KVPool
-    from zerotron.serve.runner import StepRunner
+    from zerotron.serve.runner import FIXED_ROWS, StepRunner
 
     def meta_model() -> LlamaForCausalLM:
         with torch.device("meta"):
@@ -934,7 +938,7 @@ def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> Non
             StepRunner(meta_model(), kv, **flags)  # type: ignore[arg-type]
         assert len(str(err.value).splitlines()) == 1
     runner = StepRunner(meta_model(), kv)
-    assert runner.min_rows == 1 and runner.matmul == f"F.linear in {CHUNK_ROWS}-row calls"
+    assert runner.min_rows == 1 and runner.matmul == f"F.linear in {FIXED_ROWS}-row calls"
     assert runner.device == torch.device("meta")
 
 

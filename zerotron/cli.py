@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default="cpu",
         help="where the model and KV cache live: cpu (default) or cuda[:N] (one GPU: linears through "
-        "F.linear in 32-row calls, attention through SDPA on gathered keys; no tensor parallelism)",
+        "F.linear in 256-row calls, attention through SDPA on gathered keys; no tensor parallelism)",
     )
     srv.add_argument(
         "--nproc",

@@ -239,7 +239,7 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
             if value is not None:
                 raise ConfigError(
                     f"serve {flag} {value}: a CPU kernel choice; on {device} the engine runs F.linear in "
-                    "32-row calls and SDPA on gathered keys: leave it out"
+                    "fixed-shape calls and SDPA on gathered keys: leave it out"
                 )
         return EngineConfig(
             block_size=args.block_size,

@@ -43,7 +43,7 @@ class EngineConfig:
     native_matmul: bool = False  # linears on zerotron's kernels: bf16 on AMX tiles, fp32 on AVX-512 (CPU)
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
     device: str = "cpu"  # where ``zerotron serve`` loads the model and the KV cache (cpu | cuda[:N])
-    fixed_chunks: Optional[bool] = None  # linears in 32-row calls; None: off the CPU (StepRunner)
+    fixed_rows: Optional[int] = None  # linears in calls of this many rows (0: off); None: 256 off the CPU
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Engine:
             cfg.max_num_batched_tokens,
             cfg.native_attention,
             cfg.native_matmul,
-            cfg.fixed_chunks,
+            cfg.fixed_rows,
         )
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching

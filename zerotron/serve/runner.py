@@ -49,6 +49,11 @@ CHUNK_ROWS = 32
 # and not for others; which is a function of the shapes, the thread count and the CPU, not the values.
 WIDE_ROWS = (8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 192, 128, 96, 64)
 
+# Rows of every linear call of an engine off the CPU (:func:`fixed_linears`): on a GPU a call of 256
+# rows costs about what one of 16 does (the weights' reads bound both), and a 2048-token step's
+# prefill then takes 8 calls per linear, not 64.
+FIXED_ROWS = 256
+
 _PLAN, _IDLE, _STOP = 1, 0, -1
 KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
 
@@ -373,33 +378,35 @@ def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch
     return torch.cat(outs).view(*x.shape[:-1], weight.shape[0])
 
 
-def _fixed_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` in calls of exactly :data:`CHUNK_ROWS` rows (the last one padded with zeros): every
+def _fixed_linear(
+    rows_per_call: int, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
+    """``F.linear`` in calls of exactly ``rows_per_call`` rows (the last one padded with zeros): every
     call has one shape, so a GPU library picks one kernel for it whatever the step's row count, and a
     row's result depends on the row alone (a matrix library's kernel, its tiling and its split of the
     reduction, is chosen by the call's shape: a whole ``F.linear`` over a step's rows would give a
     sequence different bits in different batches)."""
     rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    full = n - n % CHUNK_ROWS
-    outs = [F.linear(rows[s : s + CHUNK_ROWS], weight, bias) for s in range(0, full, CHUNK_ROWS)]
+    n, m = rows.shape[0], rows_per_call
+    full = n - n % m
+    outs = [F.linear(rows[s : s + m], weight, bias) for s in range(0, full, m)]
     if full < n:
-        tail = rows.new_zeros(CHUNK_ROWS, rows.shape[1])
+        tail = rows.new_zeros(m, rows.shape[1])
         tail[: n - full] = rows[full:]
         outs.append(F.linear(tail, weight, bias)[: n - full])
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def fixed_linears(model: nn.Module) -> None:
-    """Run every linear layer of ``model`` (any dtype, any device) in :data:`CHUNK_ROWS`-row calls
+def fixed_linears(model: nn.Module, rows_per_call: int) -> None:
+    """Run every linear layer of ``model`` (any dtype, any device) in calls of ``rows_per_call`` rows
     (:func:`_fixed_linear`): the engine's linears off the CPU, where no kernel of known row-count
-    behaviour is packed. Tensor-parallel layers are not converted (the engine refuses them here)."""
+    behaviour is packed. Tensor-parallel layers are refused (the engine refuses them there)."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             raise ValueError("fixed-shape linears are for whole weights; tensor-parallel shards run F.linear")
         if type(module) is nn.Linear:
-            module.forward = functools.partial(_fixed_linear, module.weight, module.bias)  # type: ignore[method-assign]
+            module.forward = functools.partial(_fixed_linear, rows_per_call, module.weight, module.bias)  # type: ignore[method-assign]
 
 
 def _chunked_row_parallel(module: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
@@ -446,16 +453,17 @@ class StepRunner:
         max_rows: int = 0,
         native: bool = False,
         native_matmul: bool = False,
-        fixed_chunks: Optional[bool] = None,
+        fixed_rows: Optional[int] = None,
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
         rows; the engine then owns the model). ``native``: decodes through the native paged-attention
         kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built). ``native_matmul``:
         the linears packed for and run by zerotron's own kernel, bf16 on AMX tiles or AVX512-BF16, fp32
         on AVX-512 (:func:`pack_linears` with ``native``; an error where it is not available); every
-        forward then runs its rows as they are, from one row up. ``fixed_chunks``: every linear in
-        calls of exactly :data:`CHUNK_ROWS` rows (:func:`fixed_linears`); None: where the model is not
-        on the CPU (a GPU: the three options before are CPU kernels, refused there). The runner sets
+        forward then runs its rows as they are, from one row up. ``fixed_rows``: every linear in
+        calls of exactly that many rows (:func:`fixed_linears`; 0: off); None: :data:`FIXED_ROWS`
+        where the model is not on the CPU (a GPU: the three options before are CPU kernels, refused
+        there), else off. The runner sets
         the model's linears' forwards (packed, fixed or chunked): the engine owns the model."""
         device = next(model.parameters()).device
         if device.type != "cpu":
@@ -474,7 +482,9 @@ class StepRunner:
                 )
             if tp_group is not None and tp_group.size > 1:
                 raise ValueError(f"tensor-parallel serving runs on the CPU (Gloo); not built on {device}")
-        fixed = device.type != "cpu" if fixed_chunks is None else fixed_chunks
+        fixed = (FIXED_ROWS if device.type != "cpu" else 0) if fixed_rows is None else fixed_rows
+        if fixed < 0:
+            raise ValueError(f"fixed_rows {fixed}: a count of rows per call, or 0 for off")
         if native and not kernels.available():
             raise RuntimeError(
                 f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
@@ -491,12 +501,12 @@ class StepRunner:
         if fixed and packed:
             raise ValueError("fixed-shape linears and packed linears exclude each other")
         if fixed:
-            fixed_linears(model)
+            fixed_linears(model, fixed)
         elif sixteen and not packed:
             chunk_linears(model)
         self.min_rows = 1 if native_matmul or fixed else MIN_ROWS_ONEDNN if packed else MIN_ROWS
         self.matmul = (
-            f"F.linear in {CHUNK_ROWS}-row calls"
+            f"F.linear in {fixed}-row calls"
             if fixed
             else "F.linear"
             if not packed
