@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One short GPU session's checks, in one command (about 6-8 minutes on an H100), from the repo root:
+#
+#   bash benchmarks/gpu_session.sh OUT_DIR [BEFORE_DIR]
+#
+# BEFORE_DIR: an earlier zerotron's source tree (its zerotron/ and benchmarks/), for the offload
+# before/after pair; make it with
+#   mkdir -p .gpu_before && git archive COMMIT zerotron benchmarks | tar -x -C .gpu_before
+# (the commit before 1f59e40 for "before the 16-bit host copy and the fused host AdamW").
+#
+# 1. `zerotron serve`'s engine on the GPU (benchmarks/gpu_serve.py): batch invariance, transformers'
+#    tokens, output tokens/s beside transformers' static batch and sequential generate.
+# 2. ZeRO-3 with parameters and optimizer offloaded to host memory (benchmarks/gpu_offload.py,
+#    SmolLM2-135M's shape, bf16, 16 x 2048 tokens a step): this code, and BEFORE_DIR's if given.
+# 3. The same job with ZeRO-3 on the GPU (no offload), eager and with train.compile=true.
+#
+# Each part has its own time limit, so one that hangs cannot take the others' time; every result is a
+# file in OUT_DIR (at most 6) and the log is printed.
+set -u
+out=${1:?usage: gpu_session.sh OUT_DIR [BEFORE_DIR]}
+before=${2:-}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
+echo "== serve engine on the GPU"
+PYTHONPATH=. timeout 240 python3 benchmarks/gpu_serve.py --out "$out" || echo "gpu_serve: rc $?"
+echo "== ZeRO-3 + host offload, this code"
+PYTHONPATH=. timeout 100 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/offload_now.json" ||
+    echo "offload now: rc $?"
+if [ -n "$before" ]; then
+    echo "== ZeRO-3 + host offload, $before"
+    PYTHONPATH="$before" timeout 100 python3 "$before/benchmarks/gpu_offload.py" --steps 6 \
+        --out "$out/offload_before.json" || echo "offload before: rc $?"
+fi
+echo "== ZeRO-3 on the GPU, eager and compiled"
+none="parallel.offload_params=none parallel.offload_optimizer=none"
+# shellcheck disable=SC2086
+PYTHONPATH=. timeout 80 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_eager.json" $none ||
+    echo "zero3 eager: rc $?"
+# shellcheck disable=SC2086
+PYTHONPATH=. timeout 120 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_compile.json" \
+    $none train.compile=true || echo "zero3 compile: rc $?"
+echo "== done"
