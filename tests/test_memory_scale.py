@@ -21,8 +21,10 @@ tp 4: the rank holds its weights (4 bytes an element); its shards are weights, g
 moments (16 bytes an element in all: torch's fused AdamW steps in place, with no temporary). The working set is twice the largest global tensor (drawn whole by the
 layout-independent initialiser, then its box copied).
 
-``SLACK`` (96 MiB) covers what does not scale with the model: the allocator, autograd's temporaries,
-Gloo's buffers. The same runs with the model built whole on every rank while its part is taken (what
+``SLACK`` (128 MiB) covers what does not scale with the model: the allocator, autograd's temporaries,
+Gloo's buffers (measured: 80-101 MiB of the tp 4 run's trained peak is outside the model terms, the
+101 in a CI run of the whole suite; 96 MiB let that run fail by 5 MiB. One more fp32 copy of a tp 4
+rank's weights would add 129 MiB, still over the bound). The same runs with the model built whole on every rank while its part is taken (what
 zerotron did before materialising shard by shard) exceed the first bound.
 """
 
@@ -44,7 +46,7 @@ from zerotron.models.llama import LlamaForCausalLM
 pytestmark = pytest.mark.slow
 
 MIB = 2**20
-SLACK = 96 * MIB
+SLACK = 128 * MIB
 MODEL = [
     "model.hidden_size=1024",
     "model.num_hidden_layers=12",

@@ -940,6 +940,12 @@ def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> Non
     runner = StepRunner(meta_model(), kv)
     assert runner.min_rows == 1 and runner.matmul == f"F.linear in {FIXED_ROWS}-row calls"
     assert runner.device == torch.device("meta")
+    # on the CPU, fixed calls are a choice, exclusive of packed linears (refused before any packing)
+    model = LlamaForCausalLM(CFG)
+    cpu_kv = KVPool(CFG.num_hidden_layers, 4, 16, attn.kv_heads, attn.head_dim, torch.float32)
+    with pytest.raises(ValueError, match="exclude each other"):
+        StepRunner(model, cpu_kv, onednn=True, fixed_rows=CHUNK_ROWS)
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["3-rows-per-kv-head", "no-gqa"])

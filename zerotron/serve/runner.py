@@ -463,8 +463,8 @@ class StepRunner:
         forward then runs its rows as they are, from one row up. ``fixed_rows``: every linear in
         calls of exactly that many rows (:func:`fixed_linears`; 0: off); None: :data:`FIXED_ROWS`
         where the model is not on the CPU (a GPU: the three options before are CPU kernels, refused
-        there), else off. The runner sets
-        the model's linears' forwards (packed, fixed or chunked): the engine owns the model."""
+        there), else off. The runner sets the model's linears' forwards (packed, fixed or chunked):
+        the engine owns the model."""
         device = next(model.parameters()).device
         if device.type != "cpu":
             cpu_only = [
@@ -485,6 +485,10 @@ class StepRunner:
         fixed = (FIXED_ROWS if device.type != "cpu" else 0) if fixed_rows is None else fixed_rows
         if fixed < 0:
             raise ValueError(f"fixed_rows {fixed}: a count of rows per call, or 0 for off")
+        if fixed and (onednn or native_matmul):
+            raise ValueError(
+                "fixed-shape linears and packed linears (onednn, native matmul) exclude each other"
+            )
         if native and not kernels.available():
             raise RuntimeError(
                 f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
@@ -498,8 +502,6 @@ class StepRunner:
         self.model, self.kv, self.native = model, kv, native
         sixteen = dtype in (torch.bfloat16, torch.float16)
         packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, native=native_matmul)
-        if fixed and packed:
-            raise ValueError("fixed-shape linears and packed linears exclude each other")
         if fixed:
             fixed_linears(model, fixed)
         elif sixteen and not packed:
