@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -234,23 +235,24 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
     from zerotron.serve.generate import check_device
 
     device = check_device("serve", args.device, nproc)
-    if device.type != "cpu":
+    base = EngineConfig(
+        block_size=args.block_size,
+        kv_cache_bytes=int(args.kv_cache_memory * 2**30),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        prefix_caching=not args.no_prefix_caching,
+        dtype=args.dtype,
+        device=str(device),
+    )
+    if device.type != "cpu":  # no CPU kernel choice there: the base's F.linear and SDPA
         for flag, value in (("--matmul", args.matmul), ("--attention", args.attention)):
             if value is not None:
                 raise ConfigError(
                     f"serve {flag} {value}: a CPU kernel choice; on {device} the engine runs F.linear in "
                     "fixed-shape calls and SDPA on gathered keys: leave it out"
                 )
-        return EngineConfig(
-            block_size=args.block_size,
-            kv_cache_bytes=int(args.kv_cache_memory * 2**30),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            prefix_caching=not args.no_prefix_caching,
-            dtype=args.dtype,
-            device=str(device),
-        )
+        return base
     if args.matmul == "onednn" and nproc > 1:
         raise ConfigError(
             "serve --matmul onednn packs whole weights; tensor-parallel shards (--nproc N) run F.linear: "
@@ -275,17 +277,11 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
             f"serve --attention native: the kernel could not be built ({kernels.why_unavailable()}); "
             "leave --attention out or install a C++ compiler"
         )
-    return EngineConfig(
-        block_size=args.block_size,
-        kv_cache_bytes=int(args.kv_cache_memory * 2**30),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        prefix_caching=not args.no_prefix_caching,
+    return dataclasses.replace(
+        base,
         onednn=(args.matmul or "onednn") == "onednn",
         native_matmul=args.matmul == "native" or (args.matmul is None and nproc == 1 and no_native is None),
         native_attention=args.attention == "native" or (args.attention is None and kernels.available()),
-        dtype=args.dtype,
     )
 
 
