@@ -11,18 +11,21 @@ Hugging Face directory and loaded by zerotron's loader onto ``--device`` (what `
 1. Batch invariance: 12 greedy requests (prompts of 5-300 tokens, 32 new tokens) alone, all together
    under a 64-token step budget (prompts cut into chunks) and again after the 300-token one's prompt is
    cached (prefix-cache hit): tokens and log-probabilities must be bit-identical (the engine's linears
-   run in 256-row calls off the CPU, ``fixed_rows``; attention is SDPA over gathered keys whose shapes
-   depend on the position alone). Also reported with the linears as plain whole F.linear calls
-   (``fixed_rows=0``), to show what the fixed calls buy.
+   run in 256-row calls off the CPU, ``fixed_rows``; attention is the Triton paged kernel, every row
+   alone over its own keys, the default on a GPU). Also with SDPA over gathered keys whose shapes
+   depend on the position alone (``--attention sdpa``, the fallback without Triton), and with the
+   linears as plain whole F.linear calls (``fixed_rows=0``), to show what the fixed calls buy.
 2. Against transformers' ``generate`` on the same device and weights: the share of requests whose
    greedy tokens are equal, and the largest difference between the engine's log-probabilities and a
    full forward of zerotron's model without a cache.
 3. Speed: 64 requests of 64 prompt and 64 output tokens (random ids, ignore EOS) all at once: output
-   tokens/s and peak GPU memory; with 256-row calls, with 32-row calls and with whole F.linear calls; beside transformers'
+   tokens/s and peak GPU memory; for each setting of 1. and with 32-row calls; beside transformers'
    ``generate`` on the 64 prompts as one padded batch (a static batch, KV cache of its own), and beside
    zerotron's sequential ``generate`` (one request at a time) on 8 of them.
 
-Prints one table and writes results.json into ``--out``.
+Prints each result as it comes and writes results.json into ``--out`` after each. A dry run on a CPU:
+``TRITON_INTERPRET=1 python benchmarks/gpu_serve.py --device cpu --tiny`` (the Triton kernel in its
+interpreter; ``--tiny`` also shortens the prompts and the trace).
 """
 
 from __future__ import annotations
@@ -95,17 +98,17 @@ def run(
     return [got[rid] for rid in ids]
 
 
-def invariance(model: Any, prompts: list[list[int]], fixed: int) -> dict[str, Any]:
-    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=0, ignore_eos=True)
+def invariance(model: Any, prompts: list[list[int]], fixed: int, triton: bool, new: int) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=new, logprobs=0, ignore_eos=True)
 
     def make(**kw: Any) -> Engine:
-        cfg = EngineConfig(**{"num_blocks": 256, "fixed_rows": fixed, **kw})
+        cfg = EngineConfig(**{"num_blocks": 256, "fixed_rows": fixed, "triton_attention": triton, **kw})
         return Engine(model, None, cfg)
 
     alone = [run(make(), [p], params)[0] for p in prompts]
     batched = run(make(max_num_batched_tokens=64), prompts, params)
     engine = make()
-    run(engine, prompts[1:2], params)  # a 300-token prompt: its full blocks are cached
+    run(engine, prompts[1:2], params)  # the longest prompt: its full blocks are cached
     hits = engine.pool.hits
     cached = run(engine, prompts[:4], params)
     return {
@@ -142,9 +145,12 @@ def reference(
     }
 
 
-def speed(model: Any, prompts: list[list[int]], device: torch.device, fixed: int) -> dict[str, Any]:
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    engine = Engine(model, None, EngineConfig(num_blocks=1024, max_num_seqs=64, fixed_rows=fixed))
+def speed(
+    model: Any, prompts: list[list[int]], device: torch.device, fixed: int, triton: bool, new: int
+) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    cfg = EngineConfig(num_blocks=1024, max_num_seqs=64, fixed_rows=fixed, triton_attention=triton)
+    engine = Engine(model, None, cfg)
     run(engine, prompts[:4], params)  # warm-up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -163,7 +169,7 @@ def speed(model: Any, prompts: list[list[int]], device: torch.device, fixed: int
     return row
 
 
-def peers(model: Any, hf: Any, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
+def peers(model: Any, hf: Any, prompts: list[list[int]], device: torch.device, new: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
     with torch.no_grad():
@@ -171,7 +177,7 @@ def peers(model: Any, hf: Any, prompts: list[list[int]], device: torch.device) -
         sync(device)
         t0 = time.perf_counter()
         res = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64, do_sample=False
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
         )
         sync(device)
     wall = time.perf_counter() - t0
@@ -179,29 +185,41 @@ def peers(model: Any, hf: Any, prompts: list[list[int]], device: torch.device) -
         "output_tokens_per_s": (res.shape[1] - ids.shape[1]) * len(prompts) / wall
     }
     t0 = time.perf_counter()
-    new = 0
+    made = 0
     for prompt in prompts[:8]:
-        new += len(generate(model, None, prompt, 64, stop_ids=[])["ids"])
+        made += len(generate(model, None, prompt, new, stop_ids=[])["ids"])
     sync(device)
-    out["zerotron generate, sequential"] = {"output_tokens_per_s": new / (time.perf_counter() - t0)}
+    out["zerotron generate, sequential"] = {"output_tokens_per_s": made / (time.perf_counter() - t0)}
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="2 layers (a dry run on a CPU)")
+    p.add_argument("--tiny", action="store_true", help="2 layers, short prompts (a dry run on a CPU)")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--settings",
+        default="256:triton,256:sdpa,0:triton,32:triton",
+        help="FIXED_ROWS:ATTENTION pairs; the first is checked against transformers, the last only timed",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(0)
     lengths = [5, 300, 17, 64, 100, 33, 250, 9, 128, 47, 190, 70]
+    if args.tiny:
+        lengths = [max(1, n // 6) for n in lengths]
     check = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
-    trace = [torch.randint(0, 49152, (64,), generator=g).tolist() for _ in range(64)]
+    count, new = (8, 8) if args.tiny else (64, 64)
+    trace = [torch.randint(0, 49152, (64,), generator=g).tolist() for _ in range(count)]
+    checked = 8 if args.tiny else 32  # new tokens of the invariance and reference checks
+    settings = [(int(f), a == "triton") for f, a in (x.split(":") for x in args.settings.split(","))]
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     results["torch"] = torch.__version__
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = build(Path(tmp), args.tiny)
         for name in args.dtypes.split(","):
@@ -209,24 +227,24 @@ def main() -> None:
             import transformers
 
             hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-            row: dict[str, Any] = {}
-            for fixed in (256, 0, 32):  # 256: the engine's default off the CPU; 0: whole F.linear calls
+            row: dict[str, Any] = results.setdefault(name, {})
+            for i, (fixed, triton) in enumerate(settings):
+                label = f"fixed_rows={fixed} {'triton' if triton else 'sdpa'}"
                 # an engine sets its model's linears (fixed calls or not): a fresh model for each setting
                 model, _ = load_pretrained(path, dtype=dtype, device=device)
-                if fixed != 32:  # (32-row calls: speed only)
-                    inv = invariance(model, check, fixed)
+                if i < len(settings) - 1 or len(settings) == 1:  # (the last of several: speed only)
+                    inv = invariance(model, check, fixed, triton, checked)
                     alone = inv.pop("alone")
-                    row[f"invariance fixed_rows={fixed}"] = inv
-                    if fixed:
+                    row[f"invariance {label}"] = inv
+                    if i == 0:
                         row["reference"] = reference(hf, model, check, alone, device)
-                row[f"speed fixed_rows={fixed}"] = speed(copy.deepcopy(model), trace, device, fixed)
-                print(name, fixed, json.dumps(row, default=str), flush=True)
+                row[f"speed {label}"] = speed(copy.deepcopy(model), trace, device, fixed, triton, new)
+                print(name, label, json.dumps(row, default=str), flush=True)
+                (out / "results.json").write_text(json.dumps(results, indent=1))
             model, _ = load_pretrained(path, dtype=dtype, device=device)  # as zerotron generate runs it
-            row["peers"] = peers(model, hf, trace, device)
-            results[name] = row
+            row["peers"] = peers(model, hf, trace, device, new)
             del model, hf
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+            (out / "results.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One short GPU session's checks, in one command (about 6-8 minutes on an H100), from the repo root:
+# One short GPU session's checks, in one command (about 7-9 minutes on an H100; give the device call
+# 590 s), from the repo root:
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR [BEFORE_DIR]
 #
@@ -8,8 +9,9 @@
 #   mkdir -p .gpu_before && git archive COMMIT zerotron benchmarks | tar -x -C .gpu_before
 # (the commit before 1f59e40 for "before the 16-bit host copy and the fused host AdamW").
 #
-# 1. `zerotron serve`'s engine on the GPU (benchmarks/gpu_serve.py): batch invariance, transformers'
-#    tokens, output tokens/s beside transformers' static batch and sequential generate.
+# 1. `zerotron serve`'s engine on the GPU (benchmarks/gpu_serve.py; Triton and SDPA attention): batch
+#    invariance, transformers' tokens, output tokens/s beside transformers' static batch and
+#    sequential generate.
 # 2. ZeRO-3 with parameters and optimizer offloaded to host memory (benchmarks/gpu_offload.py,
 #    SmolLM2-135M's shape, bf16, 16 x 2048 tokens a step): this code, and BEFORE_DIR's if given.
 # 3. The same job with ZeRO-3 on the GPU (no offload), eager and with train.compile=true.
@@ -23,7 +25,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
 echo "== serve engine on the GPU"
-PYTHONPATH=. timeout 240 python3 benchmarks/gpu_serve.py --out "$out" || echo "gpu_serve: rc $?"
+PYTHONPATH=. timeout 270 python3 benchmarks/gpu_serve.py --out "$out" || echo "gpu_serve: rc $?"
 echo "== ZeRO-3 + host offload, this code"
 PYTHONPATH=. timeout 100 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/offload_now.json" ||
     echo "offload now: rc $?"

@@ -20,3 +20,12 @@ for _path in (str(TESTS), str(ROOT)):
 _pythonpath = os.environ.get("PYTHONPATH", "").split(os.pathsep)
 if str(ROOT) not in _pythonpath:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), *_pythonpath] if p)
+
+# Without a GPU, the Triton paged-attention kernel (zerotron.serve.triton_attention) is tested in
+# Triton's interpreter, which must be chosen before Triton is first imported. With a CUDA device the
+# kernel compiles as it does in serving.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"

@@ -206,3 +206,18 @@ def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
         config.onednn or config.native_matmul or config.native_attention
     )
     assert config.fixed_rows is None  # the runner's default off the CPU: FIXED_ROWS-row calls
+    # attention on a GPU: Triton's paged kernel where Triton is installed (dev installs it), else SDPA
+    from zerotron.serve import triton_attention
+
+    assert config.triton_attention == triton_attention.available()
+    args = build_parser().parse_args(["serve", "model.gguf", "--device", "cuda", "--attention", "sdpa"])
+    assert not engine_config(args, 1).triton_attention
+    monkeypatch.setattr(triton_attention, "_error", "Triton is not installed")
+    err = _error(capsys, ["serve", "model.gguf", "--device", "cuda", "--attention", "triton"])
+    assert "--attention triton: Triton is not installed" in err and len(err.splitlines()) == 1, err
+    assert not engine_config(
+        build_parser().parse_args(["serve", "model.gguf", "--device", "cuda"]), 1
+    ).triton_attention
+    # on the CPU the Triton kernel is refused (it runs there only in Triton's interpreter)
+    err = _error(capsys, ["serve", "model.gguf", "--attention", "triton"])
+    assert "--attention triton" in err and "CUDA device" in err and len(err.splitlines()) == 1, err

@@ -409,11 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--attention",
-        choices=["native", "sdpa"],
+        choices=["native", "triton", "sdpa"],
         default=None,
-        help="every row (decodes and prompt rows) through zerotron's native paged-attention kernel, reading "
-        "keys and values where they lie in the cache (the default where it builds: a C++ compiler, once "
-        "per machine), or through torch's SDPA on gathered keys",
+        help="every row (decodes and prompt rows) through zerotron's paged-attention kernel, reading "
+        "keys and values where they lie in the cache: native on the CPU (the default there where it "
+        "builds: a C++ compiler, once per machine), triton on a GPU (the default there where Triton is "
+        "installed); or through torch's SDPA on gathered keys",
     )
     srv.add_argument(
         "--dtype",
@@ -426,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default="cpu",
         help="where the model and KV cache live: cpu (default) or cuda[:N] (one GPU: linears through "
-        "F.linear in 256-row calls, attention through SDPA on gathered keys; no tensor parallelism)",
+        "F.linear in 256-row calls, attention through the Triton paged kernel or SDPA; no tensor "
+        "parallelism)",
     )
     srv.add_argument(
         "--nproc",

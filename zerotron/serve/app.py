@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from zerotron.config_load import ConfigError
 from zerotron.distributed.mesh import Group
-from zerotron.serve import kernels
+from zerotron.serve import kernels, triton_attention
 from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
 from zerotron.serve.runner import onednn_kernels
@@ -245,14 +245,24 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
         dtype=args.dtype,
         device=str(device),
     )
-    if device.type != "cpu":  # no CPU kernel choice there: the base's F.linear and SDPA
+    if device.type != "cpu":  # F.linear in fixed-shape calls; Triton's paged kernel (default) or SDPA
         for flag, value in (("--matmul", args.matmul), ("--attention", args.attention)):
-            if value is not None:
+            if value in ("native", "onednn", "mkl"):
                 raise ConfigError(
                     f"serve {flag} {value}: a CPU kernel choice; on {device} the engine runs F.linear in "
-                    "fixed-shape calls and SDPA on gathered keys: leave it out"
+                    "fixed-shape calls and attention through Triton or SDPA: leave it out"
                 )
-        return base
+        if args.attention == "triton" and not triton_attention.available():
+            raise ConfigError(
+                f"serve --attention triton: {triton_attention.why_unavailable()}; or leave --attention out"
+            )
+        triton = args.attention == "triton" or (args.attention is None and triton_attention.available())
+        return dataclasses.replace(base, triton_attention=triton)
+    if args.attention == "triton":
+        raise ConfigError(
+            "serve --attention triton: the Triton kernel runs on a CUDA device (--device cuda); on the CPU "
+            "use native or sdpa, or leave --attention out"
+        )
     if args.matmul == "onednn" and nproc > 1:
         raise ConfigError(
             "serve --matmul onednn packs whole weights; tensor-parallel shards (--nproc N) run F.linear: "

@@ -44,6 +44,9 @@ class EngineConfig:
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
     device: str = "cpu"  # where ``zerotron serve`` loads the model and the KV cache (cpu | cuda[:N])
     fixed_rows: Optional[int] = None  # linears in calls of this many rows (0: off); None: 256 off the CPU
+    triton_attention: bool = (
+        False  # every row through the Triton paged kernel (a GPU's; serve.triton_attention)
+    )
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Engine:
             cfg.native_attention,
             cfg.native_matmul,
             cfg.fixed_rows,
+            cfg.triton_attention,
         )
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching

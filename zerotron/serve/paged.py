@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerotron.serve import kernels
+from zerotron.serve import kernels, triton_attention
 
 # Keys are gathered in multiples of these many positions, masked past each query: a run of several
 # query rows starting at position p attends to a key window of (p // KEY_BUCKET + 1) * KEY_BUCKET slots
@@ -222,13 +223,20 @@ class PagedAttention:
     its sequence's keys and values up to its own position where they lie in the pool (no gathered
     copy, no mask, no runs); a row's numbers then depend on its own query and keys alone, so they are
     the same in any batch, any chunking of its prompt, and whether it is a prompt row or a decode (a
-    sequence recomputed after preemption gets the bits it had).
+    sequence recomputed after preemption gets the bits it had). ``triton``: the same plan with every
+    row through :func:`zerotron.serve.triton_attention.paged_attention` (a GPU's paged kernel, the
+    same contract).
     """
 
     length = 0  # positions come with the batch; the causal masks are built here
 
-    def __init__(self, pool: KVPool, pieces: list[Piece], rows: int, native: bool = False) -> None:
+    def __init__(
+        self, pool: KVPool, pieces: list[Piece], rows: int, native: bool = False, triton: bool = False
+    ) -> None:
         self.pool = pool
+        # the paged kernel of a native plan: zerotron's C++ one, or the Triton one (a GPU's)
+        self.kernel = triton_attention.paged_attention if triton else kernels.paged_attention
+        native = native or triton
         bs = pool.block_size
         slots = [0] * rows  # padding rows: slot 0 of the scratch block
         # (window, lq) -> runs; window None: the native kernel's pieces, all in one group
@@ -257,7 +265,7 @@ class PagedAttention:
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
         # A step whose rows all go to the native kernel in order can take a layer's q/k/v product
         # whole (attend_packed): rotary embedding and the store of k and v in one native pass.
-        self.packed = native and self.in_order
+        self.packed = native and self.in_order and not triton
         device = pool.k[0].device
         if device.type != "cpu":  # the plan is built on the host; the pool's device reads it
             self.slots = self.slots.to(device)
@@ -315,15 +323,13 @@ class PagedAttention:
         if self.in_order:  # the same queries, laid out as a gather would lay them out
             g = self.groups[0]
             if g.mask is None:  # the native kernel's: (rows, heads, d) in, (rows, heads, d) out
-                o = kernels.paged_attention(
-                    q[0].transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys, g.seq
-                )
+                o = self.kernel(q[0].transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys, g.seq)
                 return o.transpose(0, 1)[None]
-            o = self._attend_group(g, q[0].contiguous(), kp, vp, gqa)
+            o = self._attend_group(g, q[0].contiguous(), kp, vp, gqa, self.kernel)
             return o.transpose(0, 1).reshape(1, heads, len(g.rows), d)
         out = torch.zeros_like(q)
         for g in self.groups:
-            o = self._attend_group(g, q[0].index_select(1, g.rows), kp, vp, gqa)
+            o = self._attend_group(g, q[0].index_select(1, g.rows), kp, vp, gqa, self.kernel)
             out[0].index_copy_(1, g.rows, o.transpose(0, 1).reshape(heads, len(g.rows), d))
         return out
 
@@ -341,15 +347,19 @@ class PagedAttention:
 
     @staticmethod
     def _attend_group(
-        g: _Group, queries: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, gqa: bool
+        g: _Group,
+        queries: torch.Tensor,
+        kp: torch.Tensor,
+        vp: torch.Tensor,
+        gqa: bool,
+        kernel: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
-        """SDPA of one group's runs: ``queries`` (h, B * lq, d) contiguous -> (B, h, lq, d)."""
+        """SDPA of one group's runs: ``queries`` (h, B * lq, d) contiguous -> (B, h, lq, d); a native
+        plan's rows through ``kernel`` instead."""
         heads, d = queries.shape[0], queries.shape[2]
         b, window = g.key_slots.shape
         if g.mask is None:  # the native kernel's rows
-            out = kernels.paged_attention(
-                queries.transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys, g.seq
-            )
+            out = kernel(queries.transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys, g.seq)
             return out.view(-1, heads, 1, d)
         flat = g.key_slots.view(-1)
         keys = kp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)  # (B, kvh, window, d)

@@ -32,6 +32,7 @@ from zerotron.models.llama import (
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import kernels
+from zerotron.serve import triton_attention as triton_paged
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
 
 # Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
@@ -454,6 +455,7 @@ class StepRunner:
         native: bool = False,
         native_matmul: bool = False,
         fixed_rows: Optional[int] = None,
+        triton_attention: bool = False,
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
         rows; the engine then owns the model). ``native``: decodes through the native paged-attention
@@ -463,8 +465,10 @@ class StepRunner:
         forward then runs its rows as they are, from one row up. ``fixed_rows``: every linear in
         calls of exactly that many rows (:func:`fixed_linears`; 0: off); None: :data:`FIXED_ROWS`
         where the model is not on the CPU (a GPU: the three options before are CPU kernels, refused
-        there), else off. The runner sets the model's linears' forwards (packed, fixed or chunked):
-        the engine owns the model."""
+        there), else off. ``triton_attention``: every row through the Triton paged-attention kernel
+        (:mod:`zerotron.serve.triton_attention`; compiled on a GPU, on the CPU only under Triton's
+        interpreter, the tests' way). The runner sets the model's linears' forwards (packed, fixed or
+        chunked): the engine owns the model."""
         device = next(model.parameters()).device
         if device.type != "cpu":
             cpu_only = [
@@ -478,7 +482,8 @@ class StepRunner:
             ]
             if cpu_only:
                 raise ValueError(
-                    f"{', '.join(cpu_only)}: CPU kernels; a model on {device} runs F.linear and SDPA"
+                    f"{', '.join(cpu_only)}: CPU kernels; a model on {device} runs F.linear, and SDPA or "
+                    "the Triton paged-attention kernel"
                 )
             if tp_group is not None and tp_group.size > 1:
                 raise ValueError(f"tensor-parallel serving runs on the CPU (Gloo); not built on {device}")
@@ -489,6 +494,18 @@ class StepRunner:
             raise ValueError(
                 "fixed-shape linears and packed linears (onednn, native matmul) exclude each other"
             )
+        if triton_attention:
+            if native:
+                raise ValueError("native attention and Triton attention exclude each other: choose one")
+            if not triton_paged.available():
+                raise RuntimeError(
+                    f"the Triton paged-attention kernel is not available: {triton_paged.why_unavailable()}"
+                )
+            if device.type == "cpu" and not triton_paged.interpreted():
+                raise ValueError(
+                    "the Triton paged-attention kernel runs on CUDA devices (on the CPU only under "
+                    "Triton's interpreter, TRITON_INTERPRET=1): use native attention or SDPA on the CPU"
+                )
         if native and not kernels.available():
             raise RuntimeError(
                 f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
@@ -499,7 +516,7 @@ class StepRunner:
         why = kernels.why_no_native_matmul(dtype) if native_matmul else None
         if why is not None:
             raise RuntimeError(f"the native matmul is not available: {why}")
-        self.model, self.kv, self.native = model, kv, native
+        self.model, self.kv, self.native, self.triton = model, kv, native, triton_attention
         sixteen = dtype in (torch.bfloat16, torch.float16)
         packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, native=native_matmul)
         if fixed:
@@ -526,7 +543,7 @@ class StepRunner:
         (the whole vocabulary, gathered over the tensor-parallel group)."""
         for src, dst, slots in plan.copies:
             self.kv.copy_block(src, dst, slots)
-        attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native)
+        attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native, self.triton)
         logits = self.model(
             plan.ids[None].to(self.device),
             position_ids=plan.positions[None].to(self.device),

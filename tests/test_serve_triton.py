@@ -1,0 +1,189 @@
+"""The Triton paged-attention kernel (a GPU's attention in ``zerotron serve``) against references.
+
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py chooses it before Triton is
+imported); with a CUDA device these tests run it compiled on the GPU. References: attention of each row
+over its own keys written out with torch in fp32, transformers' ``generate``, and the engine's own
+outputs alone vs batched (bit for bit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from tests import test_serve_engine
+from tests.test_serve_engine import GREEDY, _prompts, _run
+from zerotron.serve import triton_attention
+from zerotron.serve.runner import CHUNK_ROWS, StepRunner
+
+if not triton_attention.available():  # the dev install has Triton on x86-64 Linux
+    pytest.skip(f"Triton: {triton_attention.why_unavailable()}", allow_module_level=True)
+pair, engine_factory = test_serve_engine.pair, test_serve_engine.engine_factory  # the engine tests' fixtures
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not triton_attention.interpreted():
+    pytest.skip("no GPU, and Triton was imported before TRITON_INTERPRET=1", allow_module_level=True)
+
+
+def _reference(
+    q: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    seq: torch.Tensor,
+) -> torch.Tensor:
+    """Each row's softmax(q k^T / sqrt(d)) v over its sequence's first ``lens`` keys, in fp64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // kp.shape[1]
+    for r in range(len(q)):
+        take = slots[seq[r], : lens[r]]
+        k = kp[take].double().repeat_interleave(group, dim=1)  # (n, heads, d)
+        v = vp[take].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[r].double(), k) * q.shape[2] ** -0.5
+        out[r] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out
+
+
+def _problem(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, lens: list[int], seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Random pools and queries; rows spread over three sequences whose slots are scattered."""
+    g = torch.Generator().manual_seed(seed)
+    pool_slots, width = 600, max(lens) + 7  # the width is not the longest row's: lists carry slack
+    kp = torch.randn(pool_slots, kv_heads, dim, generator=g).to(dtype)
+    vp = torch.randn(pool_slots, kv_heads, dim, generator=g).to(dtype)
+    slots = torch.randperm(pool_slots, generator=g)[: 3 * width].view(3, width)
+    seq = torch.arange(len(lens)) % 3
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    return q, kp, vp, slots, torch.tensor(lens), seq
+
+
+SHAPES = [(4, 2, 16), (9, 3, 64), (6, 6, 24)]  # GQA 2, SmolLM2's 3 (not a power of two), MHA, d 24
+LENS = [1, 2, 63, 64, 65, 130, 17]  # one key, a block's end, past it, two blocks and a tail
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
+def test_kernel_equals_reference_attention(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    q, kp, vp, slots, lens, seq = _problem(heads, kv_heads, dim, dtype, LENS)
+    args = [t.to(DEVICE) for t in (q, kp, vp, slots, lens, seq)]
+    got = triton_attention.paged_attention(*args).cpu()
+    assert got.dtype == dtype and got.shape == q.shape
+    want = _reference(q, kp, vp, slots, lens, seq)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    else:  # one rounding to bf16 at the end: within a unit in the last place of the exact result
+        ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2**-126)
+        assert bool(((got.double() - want).abs() <= ulp).all())
+
+
+def test_rows_are_batch_invariant() -> None:
+    """A row's bits do not depend on the call: alone, among others, in another order, or with slot
+    lists of another width (a width changes every step; the kernel does not specialise on it)."""
+    q, kp, vp, slots, lens, seq = (t.to(DEVICE) for t in _problem(9, 3, 64, torch.bfloat16, LENS, seed=1))
+    whole = triton_attention.paged_attention(q, kp, vp, slots, lens, seq)
+    order = torch.randperm(len(q), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    permuted = triton_attention.paged_attention(q[order], kp, vp, slots, lens[order], seq[order])
+    assert torch.equal(permuted, whole[order])
+    wider = torch.cat([slots, slots[:, :40]], dim=1)  # 40 more columns, never read
+    for r in range(len(q)):
+        alone = triton_attention.paged_attention(q[r : r + 1], kp, vp, slots, lens[r : r + 1], seq[r : r + 1])
+        assert torch.equal(alone[0], whole[r]), r
+        own = wider[seq[r] : seq[r] + 1]  # its sequence's list only, wider
+        zero = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        assert torch.equal(
+            triton_attention.paged_attention(q[r : r + 1], kp, vp, own, lens[r : r + 1], zero)[0], whole[r]
+        )
+
+
+def test_bad_calls_are_refused() -> None:
+    q, kp, vp, slots, lens, seq = _problem(4, 2, 16, torch.float32, [3, 5])
+    with pytest.raises(ValueError, match="one dtype"):
+        triton_attention.paged_attention(q.double(), kp, vp, slots, lens, seq)
+    with pytest.raises(ValueError, match="shapes"):
+        triton_attention.paged_attention(q[:, :3], kp, vp, slots, lens, seq)
+
+
+# ---- the engine with Triton attention -----------------------------------------------------------------
+# Off the CPU the engine runs fixed-shape linears and the Triton kernel: ``fixed`` is that
+# configuration (32-row calls here, 256 on a GPU); the other case keeps torch's F.linear.
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-32", "F.linear"])
+def test_engine_greedy_equals_transformers_generate(
+    pair: tuple[torch.nn.Module, torch.nn.Module],
+    engine_factory: object,
+    fixed: bool,
+) -> None:
+    ref, _ = pair
+    prompts = _prompts([5, 40, 70], seed=3)
+    engine = engine_factory(  # type: ignore[operator]
+        max_num_batched_tokens=48, triton_attention=True, fixed_rows=CHUNK_ROWS if fixed else 0
+    )
+    got = _run(engine, prompts, dataclasses.replace(GREEDY, max_tokens=12))
+    for prompt, (tokens, _) in zip(prompts, got):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = ref.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_engine_is_batch_invariant_alone_batched_chunked_cached_and_resumed(
+    engine_factory: object,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fixed-shape linears and Triton attention (a GPU's engine): a greedy request's tokens and
+    log-probabilities are bit-identical alone, batched with its prompt in chunks, on a prefix-cache
+    hit, and after preemption and recomputation (every row computed alone: a prompt row as a decode).
+    Every row goes to the Triton kernel: no SDPA call."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    sdpa_calls: list[int] = []
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw)
+    )
+    calls: list[int] = []
+    kernel = triton_attention.paged_attention
+    monkeypatch.setattr(
+        triton_attention, "paged_attention", lambda q, *a: calls.append(len(q)) or kernel(q, *a)
+    )
+    params = dataclasses.replace(GREEDY, max_tokens=10)
+    prompts = _prompts([70, 9, 33], seed=5)
+    make = functools.partial(engine_factory, triton_attention=True, fixed_rows=CHUNK_ROWS)  # type: ignore[call-overload]
+    alone = [_run(make(), [p], params)[0] for p in prompts]
+    assert _run(make(max_num_batched_tokens=23), prompts, params) == alone
+    engine = make()
+    _run(engine, prompts[:1], params)
+    hits = engine.pool.hits
+    assert _run(engine, prompts[:2], params) == alone[:2] and engine.pool.hits > hits
+    shorter, longer = _prompts([20, 21, 22], seed=6), dataclasses.replace(params, max_tokens=30)
+    ample = _run(make(), shorter, longer)
+    tight = make(num_blocks=9, block_size=16, max_model_len=64)  # 8 blocks for three sequences of 4
+    assert _run(tight, shorter, longer) == ample and tight.scheduler.preemptions > 0
+    assert calls and not sdpa_calls
+
+
+def test_runner_refuses_triton_beside_native_and_on_a_cpu_without_the_interpreter(
+    pair: tuple[torch.nn.Module, torch.nn.Module],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from zerotron.serve.engine import EngineConfig, build_kv_pool
+
+    _, model = pair
+    _, kv = build_kv_pool(model, EngineConfig(num_blocks=8, max_model_len=64))
+    with pytest.raises(ValueError, match="exclude each other"):
+        StepRunner(model, kv, native=True, triton_attention=True)  # type: ignore[arg-type]
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(triton_attention, "interpreted", lambda: False)
+        with pytest.raises(ValueError, match="runs on CUDA devices"):
+            StepRunner(model, kv, triton_attention=True)  # type: ignore[arg-type]

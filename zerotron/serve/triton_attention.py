@@ -1,0 +1,195 @@
+"""Paged attention on a GPU: a Triton kernel that reads keys and values through the block tables.
+
+:func:`paged_attention` has the signature and the contract of the native CPU kernel
+(:func:`zerotron.serve.kernels.paged_attention`): each query row (a decode, or one position of a
+prompt) attends to its sequence's keys and values up to its own position, where they lie in the paged
+pool, through the sequence's slot list: no gathered copy of the keys, no mask, no runs.
+
+One program attends one row for the query heads that share one KV head. It visits the row's keys in
+blocks of :data:`BLOCK_KEYS` positions from the first, the scores and the softmax (online: a running
+maximum and sum) and the weighted values in fp32, and rounds once to the query's dtype at the end. What
+a program computes is fixed by its row alone: the grid and the other rows of the call never enter a
+row's arithmetic, and a block of keys past a row's end is never visited (a masked tail inside the last
+block adds exact zeros). So a row gets the same bits in any batch, in any chunk of its prompt, and as a
+prompt row or as a decode; the integer arguments that change from call to call (the slot lists'
+width, the row count) are not specialised on, so every call runs one compiled kernel.
+
+The scores are products summed with ``tl.sum`` over the head dimension, not tensor-core ``tl.dot``
+tiles: a decode row has a handful of query heads per KV head (too few rows for a tile), and a row's
+sum stays its own. A prompt row reads its keys again instead of sharing the load with its neighbours
+(a flash-attention tile would), so long prefills pay more key reads than a tiled kernel.
+
+Where Triton is not installed (:func:`available`), a model on a GPU attends through SDPA on gathered
+keys. On CPU tensors the kernel runs only in Triton's interpreter (numpy, slow; ``TRITON_INTERPRET=1``
+set before Triton is imported): how the tests check it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+BLOCK_KEYS = 64  # key positions per block of a row's loop
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _error: Optional[str] = None
+except ImportError as exc:  # pragma: no cover - exercised where Triton is absent
+    triton = tl = InterpretedFunction = None
+    _error = f"Triton is not installed ({exc}); pip install triton"
+
+
+def available() -> bool:
+    """Whether the kernel can run: Triton importable (on a CUDA device it compiles, on the CPU it is
+    interpreted)."""
+    return _error is None
+
+
+def why_unavailable() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True)."""
+    return _error
+
+
+def _attend(
+    q_ptr: Any,
+    k_ptr: Any,
+    v_ptr: Any,
+    o_ptr: Any,
+    slots_ptr: Any,
+    seq_ptr: Any,
+    lens_ptr: Any,
+    scale: Any,
+    width: Any,
+    q_row: Any,
+    q_head: Any,
+    kv_slot: Any,
+    kv_head: Any,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
+    DIM: tl.constexpr,
+    DIM_P: tl.constexpr,  # DIM rounded up to a power of two
+    BLOCK: tl.constexpr,  # key positions per block
+) -> None:
+    """One program: row ``program_id(0)``, the query heads of KV head ``program_id(1)``."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(lens_ptr + r)
+    s = tl.load(seq_ptr + r)
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, DIM_P)
+    g_in = g < GROUP
+    d_in = d < DIM
+    heads = h * GROUP + g
+    q = tl.load(
+        q_ptr + r * q_row + heads[:, None] * q_head + d[None, :],
+        mask=g_in[:, None] & d_in[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    m = tl.full((GROUP_P,), float("-inf"), tl.float32)
+    total = tl.zeros((GROUP_P,), tl.float32)
+    acc = tl.zeros((GROUP_P, DIM_P), tl.float32)
+    for start in range(0, n, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        j_in = j < n
+        slot = tl.load(slots_ptr + s * width + j, mask=j_in, other=0)
+        where = slot[:, None] * kv_slot + h * kv_head + d[None, :]
+        both = j_in[:, None] & d_in[None, :]
+        k = tl.load(k_ptr + where, mask=both, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + where, mask=both, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (GROUP_P, BLOCK)
+        scores = tl.where(j_in[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = acc / total[:, None]
+    tl.store(
+        o_ptr + r * q_row + heads[:, None] * q_head + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=g_in[:, None] & d_in[None, :],
+    )
+
+
+# Integers that change from call to call are not specialised on (one compiled kernel for every call).
+# With TRITON_INTERPRET=1 set before Triton is imported this is the interpreted kernel (the tests' way
+# on a machine without a GPU: Triton's own helpers are interpreted only then).
+_kernel = triton.jit(_attend, do_not_specialize=["width"]) if triton is not None else None
+
+
+def interpreted() -> bool:
+    """Whether the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when Triton was imported)."""
+    return InterpretedFunction is not None and isinstance(_kernel, InterpretedFunction)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    seq: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of query rows to their sequences' keys: q (rows, heads, d); k/v pools (slots, kv_heads,
+    d); ``slots`` (sequences, width) each sequence's key slots in position order; ``seq`` (rows,) each
+    row's sequence (default: row r reads slot list r); ``lens`` (rows,) how many of its sequence's keys
+    a row attends (its position + 1, at least 1). Returns (rows, heads, d) in q's dtype; softmax scale
+    1/sqrt(d). All tensors on one device: a CUDA device runs the compiled kernel, the CPU Triton's
+    interpreter."""
+    if _error is not None:
+        raise RuntimeError(f"the Triton paged-attention kernel is not available: {_error}")
+    rows, heads, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    if heads % kv_heads or k_pool.shape != v_pool.shape or k_pool.shape[2] != dim:
+        raise ValueError(f"shapes: q {tuple(q.shape)}, pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+    if q.dtype != k_pool.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"one dtype: q {q.dtype}, pools {k_pool.dtype}, {v_pool.dtype}")
+    if seq is None:
+        seq = torch.arange(rows, device=q.device)
+    devices = {t.device for t in (q, k_pool, v_pool, slots, lens, seq)}
+    if len(devices) != 1:
+        raise ValueError(f"one device for every tensor, not {sorted(map(str, devices))}")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("contiguous pools")
+    q = q.contiguous()
+    slots, seq, lens = slots.contiguous(), seq.contiguous(), lens.contiguous()
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    group = heads // kv_heads
+    if q.device.type == "cpu" and not interpreted():
+        raise RuntimeError(
+            "the Triton paged-attention kernel runs on CUDA devices; on the CPU only in Triton's "
+            "interpreter (TRITON_INTERPRET=1 set before Triton is imported)"
+        )
+    assert _kernel is not None
+    _kernel[(rows, kv_heads)](
+        q,
+        k_pool,
+        v_pool,
+        out,
+        slots,
+        seq,
+        lens,
+        dim**-0.5,
+        slots.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        GROUP=group,
+        GROUP_P=_pow2(group),
+        DIM=dim,
+        DIM_P=_pow2(dim),
+        BLOCK=BLOCK_KEYS,
+    )
+    return out
