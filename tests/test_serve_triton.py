@@ -61,7 +61,8 @@ def _problem(
     return q, kp, vp, slots, torch.tensor(lens), seq
 
 
-SHAPES = [(4, 2, 16), (9, 3, 64), (6, 6, 24)]  # GQA 2, SmolLM2's 3 (not a power of two), MHA, d 24
+# GQA 2, SmolLM2's 3 (not a power of two), MHA with d 24, GQA 8 with d 128 (16-position key blocks)
+SHAPES = [(4, 2, 16), (9, 3, 64), (6, 6, 24), (16, 2, 128)]
 LENS = [1, 2, 63, 64, 65, 130, 17]  # one key, a block's end, past it, two blocks and a tail
 
 

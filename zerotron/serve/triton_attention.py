@@ -6,13 +6,13 @@ prompt) attends to its sequence's keys and values up to its own position, where 
 pool, through the sequence's slot list: no gathered copy of the keys, no mask, no runs.
 
 One program attends one row for the query heads that share one KV head. It visits the row's keys in
-blocks of :data:`BLOCK_KEYS` positions from the first, the scores and the softmax (online: a running
-maximum and sum) and the weighted values in fp32, and rounds once to the query's dtype at the end. What
-a program computes is fixed by its row alone: the grid and the other rows of the call never enter a
-row's arithmetic, and a block of keys past a row's end is never visited (a masked tail inside the last
-block adds exact zeros). So a row gets the same bits in any batch, in any chunk of its prompt, and as a
-prompt row or as a decode; the integer arguments that change from call to call (the slot lists'
-width, the row count) are not specialised on, so every call runs one compiled kernel.
+blocks of :data:`BLOCK_KEYS` positions (fewer for many or wide heads, :func:`_block`) from the first:
+the scores, the softmax (online: a running maximum and sum) and the weighted values in fp32, rounded
+once to the query's dtype at the end. What a program computes is fixed by its row alone: the grid and
+the other rows of the call never enter a row's arithmetic, and a block of keys past a row's end is
+never visited (a masked tail inside the last block adds exact zeros). So a row gets the same bits in
+any batch, in any chunk of its prompt, and as a prompt row or as a decode; the slot lists' width,
+which changes from call to call, is not specialised on, so every call runs one compiled kernel.
 
 The scores are products summed with ``tl.sum`` over the head dimension, not tensor-core ``tl.dot``
 tiles: a decode row has a handful of query heads per KV head (too few rows for a tile), and a row's
@@ -30,7 +30,8 @@ from typing import Any, Optional
 
 import torch
 
-BLOCK_KEYS = 64  # key positions per block of a row's loop
+BLOCK_KEYS = 64  # key positions per block of a row's loop (fewer where the heads are many or wide)
+TILE = 64 * 64 * 4  # elements of a block's (query heads, keys, head dim) product: bounds the registers
 
 try:
     import triton
@@ -131,6 +132,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _block(group: int, dim: int) -> int:
+    """Key positions per block for a (query heads, head dim) shape: :data:`BLOCK_KEYS`, halved until the
+    block's product fits :data:`TILE` elements (at least 16). A function of the model's shape alone,
+    so one model's rows all take the same blocks."""
+    block = BLOCK_KEYS
+    while block > 16 and group * block * dim > TILE:
+        block //= 2
+    return block
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -190,6 +201,6 @@ def paged_attention(
         GROUP_P=_pow2(group),
         DIM=dim,
         DIM_P=_pow2(dim),
-        BLOCK=BLOCK_KEYS,
+        BLOCK=_block(_pow2(group), _pow2(dim)),
     )
     return out
