@@ -919,7 +919,9 @@ def test_lean_layers_give_the_packed_models_own_bits(
 def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> None:
     """A model on another device (the meta device stands in for a GPU here): the runner refuses the
     CPU kernels (oneDNN, the native matmul and attention) in one line, and by default runs every
-    linear in FIXED_ROWS-row calls from one row up."""
+    linear in FIXED_ROWS-row calls from one row up and attention through the Triton paged kernel
+    where Triton is installed (SDPA when told so)."""
+    from zerotron.serve import triton_attention
     from zerotron.serve.paged import KVPool
     from zerotron.serve.runner import FIXED_ROWS, StepRunner
 
@@ -940,6 +942,8 @@ def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> Non
     runner = StepRunner(meta_model(), kv)
     assert runner.min_rows == 1 and runner.matmul == f"F.linear in {FIXED_ROWS}-row calls"
     assert runner.device == torch.device("meta")
+    assert runner.triton == triton_attention.available()
+    assert not StepRunner(meta_model(), kv, triton_attention=False).triton
     # on the CPU, fixed calls are a choice, exclusive of packed linears (refused before any packing)
     model = LlamaForCausalLM(CFG)
     cpu_kv = KVPool(CFG.num_hidden_layers, 4, 16, attn.kv_heads, attn.head_dim, torch.float32)

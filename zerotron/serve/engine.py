@@ -44,9 +44,8 @@ class EngineConfig:
     dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
     device: str = "cpu"  # where ``zerotron serve`` loads the model and the KV cache (cpu | cuda[:N])
     fixed_rows: Optional[int] = None  # linears in calls of this many rows (0: off); None: 256 off the CPU
-    triton_attention: bool = (
-        False  # every row through the Triton paged kernel (a GPU's; serve.triton_attention)
-    )
+    # every row through the Triton paged kernel (serve.triton_attention); None: off the CPU where Triton is
+    triton_attention: Optional[bool] = None
 
 
 @dataclass

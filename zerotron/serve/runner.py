@@ -455,7 +455,7 @@ class StepRunner:
         native: bool = False,
         native_matmul: bool = False,
         fixed_rows: Optional[int] = None,
-        triton_attention: bool = False,
+        triton_attention: Optional[bool] = None,
     ) -> None:
         """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
         rows; the engine then owns the model). ``native``: decodes through the native paged-attention
@@ -467,7 +467,8 @@ class StepRunner:
         where the model is not on the CPU (a GPU: the three options before are CPU kernels, refused
         there), else off. ``triton_attention``: every row through the Triton paged-attention kernel
         (:mod:`zerotron.serve.triton_attention`; compiled on a GPU, on the CPU only under Triton's
-        interpreter, the tests' way). The runner sets the model's linears' forwards (packed, fixed or
+        interpreter, the tests' way); None: where the model is not on the CPU and Triton is installed
+        (else SDPA on gathered keys). The runner sets the model's linears' forwards (packed, fixed or
         chunked): the engine owns the model."""
         device = next(model.parameters()).device
         if device.type != "cpu":
@@ -494,6 +495,8 @@ class StepRunner:
             raise ValueError(
                 "fixed-shape linears and packed linears (onednn, native matmul) exclude each other"
             )
+        if triton_attention is None:
+            triton_attention = device.type != "cpu" and triton_paged.available()
         if triton_attention:
             if native:
                 raise ValueError("native attention and Triton attention exclude each other: choose one")
