@@ -8,20 +8,24 @@ outputs alone vs batched (bit for bit).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from tests import test_serve_engine
 from tests.test_serve_engine import GREEDY, _prompts, _run
+from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve import triton_attention
+from zerotron.serve.engine import Engine, EngineConfig
 from zerotron.serve.runner import CHUNK_ROWS, StepRunner
 
 if not triton_attention.available():  # the dev install has Triton on x86-64 Linux
     pytest.skip(f"Triton: {triton_attention.why_unavailable()}", allow_module_level=True)
-pair, engine_factory = test_serve_engine.pair, test_serve_engine.engine_factory  # the engine tests' fixtures
+pair = test_serve_engine.pair  # the engine tests' random Llama and its transformers twin
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not triton_attention.interpreted():
     pytest.skip("no GPU, and Triton was imported before TRITON_INTERPRET=1", allow_module_level=True)
@@ -110,20 +114,34 @@ def test_bad_calls_are_refused() -> None:
 
 # ---- the engine with Triton attention -----------------------------------------------------------------
 # Off the CPU the engine runs fixed-shape linears and the Triton kernel: ``fixed`` is that
-# configuration (32-row calls here, 256 on a GPU); the other case keeps torch's F.linear.
+# configuration (32-row calls here, 256 by default on a GPU); the other case keeps torch's F.linear.
+# The engine's model is a copy on the test's device (a GPU where there is one), which it owns.
 
 
-@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-32", "F.linear"])
+@pytest.fixture
+def engine_factory(pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(**kw: object) -> Engine:
+        model = copy.deepcopy(pair[1]).to(DEVICE)
+        engines.append(
+            Engine(model, None, EngineConfig(**{"num_blocks": 128, "triton_attention": True, **kw}))
+        )  # type: ignore[arg-type]
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        assert e.pool.in_use == 0 and not e.scheduler.running and not e.scheduler.waiting
+
+
 def test_engine_greedy_equals_transformers_generate(
-    pair: tuple[torch.nn.Module, torch.nn.Module],
-    engine_factory: object,
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    engine_factory: Callable[..., Engine],
     fixed: bool,
 ) -> None:
     ref, _ = pair
     prompts = _prompts([5, 40, 70], seed=3)
-    engine = engine_factory(  # type: ignore[operator]
-        max_num_batched_tokens=48, triton_attention=True, fixed_rows=CHUNK_ROWS if fixed else 0
-    )
+    engine = engine_factory(max_num_batched_tokens=48, fixed_rows=CHUNK_ROWS if fixed else 0)
     got = _run(engine, prompts, dataclasses.replace(GREEDY, max_tokens=12))
     for prompt, (tokens, _) in zip(prompts, got):
         with torch.no_grad():
@@ -139,7 +157,7 @@ def test_engine_greedy_equals_transformers_generate(
 
 
 def test_engine_is_batch_invariant_alone_batched_chunked_cached_and_resumed(
-    engine_factory: object,
+    engine_factory: Callable[..., Engine],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fixed-shape linears and Triton attention (a GPU's engine): a greedy request's tokens and
@@ -160,7 +178,7 @@ def test_engine_is_batch_invariant_alone_batched_chunked_cached_and_resumed(
     )
     params = dataclasses.replace(GREEDY, max_tokens=10)
     prompts = _prompts([70, 9, 33], seed=5)
-    make = functools.partial(engine_factory, triton_attention=True, fixed_rows=CHUNK_ROWS)  # type: ignore[call-overload]
+    make = functools.partial(engine_factory, fixed_rows=CHUNK_ROWS)
     alone = [_run(make(), [p], params)[0] for p in prompts]
     assert _run(make(max_num_batched_tokens=23), prompts, params) == alone
     engine = make()
@@ -175,7 +193,7 @@ def test_engine_is_batch_invariant_alone_batched_chunked_cached_and_resumed(
 
 
 def test_runner_refuses_triton_beside_native_and_on_a_cpu_without_the_interpreter(
-    pair: tuple[torch.nn.Module, torch.nn.Module],
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from zerotron.serve.engine import EngineConfig, build_kv_pool
