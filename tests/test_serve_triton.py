@@ -134,6 +134,7 @@ def engine_factory(pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> Iterator[C
         assert e.pool.in_use == 0 and not e.scheduler.running and not e.scheduler.waiting
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-32", "F.linear"])
 def test_engine_greedy_equals_transformers_generate(
     pair: tuple[torch.nn.Module, LlamaForCausalLM],
     engine_factory: Callable[..., Engine],
