@@ -26,7 +26,7 @@ set before Triton is imported): how the tests check it on machines without a GPU
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -55,20 +55,21 @@ def why_unavailable() -> Optional[str]:
     return _error
 
 
-def _attend(
-    q_ptr: Any,
-    k_ptr: Any,
-    v_ptr: Any,
-    o_ptr: Any,
-    slots_ptr: Any,
-    seq_ptr: Any,
-    lens_ptr: Any,
-    scale: Any,
-    width: Any,
-    q_row: Any,
-    q_head: Any,
-    kv_slot: Any,
-    kv_head: Any,
+# No annotations but tl.constexpr: the Triton compiler reads them (``Any`` fails it on a GPU).
+def _attend(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    slots_ptr,
+    seq_ptr,
+    lens_ptr,
+    scale,
+    width,
+    q_row,
+    q_head,
+    kv_slot,
+    kv_head,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
     DIM: tl.constexpr,
