@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short GPU session's checks, in one command (about 7-9 minutes on an H100; give the device call
+# One short GPU session's checks, in one command (about 8-9 minutes on an H100; give the device call
 # 590 s), from the repo root:
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR [BEFORE_DIR]
@@ -9,6 +9,8 @@
 #   mkdir -p .gpu_before && git archive COMMIT zerotron benchmarks | tar -x -C .gpu_before
 # (the commit before 1f59e40 for "before the 16-bit host copy and the fused host AdamW").
 #
+# 0. tests/test_serve_triton.py on the GPU: the Triton kernel compiled, against fp64 attention and
+#    transformers' tokens, batch-invariant (needs pytest and transformers, in the GPU image).
 # 1. `zerotron serve`'s engine on the GPU (benchmarks/gpu_serve.py; Triton and SDPA attention): batch
 #    invariance, transformers' tokens, output tokens/s beside transformers' static batch and
 #    sequential generate.
@@ -17,29 +19,33 @@
 # 3. The same job with ZeRO-3 on the GPU (no offload), eager and with train.compile=true.
 #
 # Each part has its own time limit, so one that hangs cannot take the others' time; every result is a
-# file in OUT_DIR (at most 6) and the log is printed.
+# file in OUT_DIR (at most 7) and the log is printed.
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [BEFORE_DIR]}
 before=${2:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
+echo "== the Triton paged-attention kernel's tests, compiled on the GPU"
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_serve_triton.py >"$out/triton_tests.log" 2>&1
+echo "triton tests: rc $?"
+tail -15 "$out/triton_tests.log"
 echo "== serve engine on the GPU"
-PYTHONPATH=. timeout 270 python3 benchmarks/gpu_serve.py --out "$out" || echo "gpu_serve: rc $?"
+PYTHONPATH=. timeout 230 python3 benchmarks/gpu_serve.py --out "$out" || echo "gpu_serve: rc $?"
 echo "== ZeRO-3 + host offload, this code"
-PYTHONPATH=. timeout 100 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/offload_now.json" ||
+PYTHONPATH=. timeout 90 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/offload_now.json" ||
     echo "offload now: rc $?"
 if [ -n "$before" ]; then
     echo "== ZeRO-3 + host offload, $before"
-    PYTHONPATH="$before" timeout 100 python3 "$before/benchmarks/gpu_offload.py" --steps 6 \
+    PYTHONPATH="$before" timeout 90 python3 "$before/benchmarks/gpu_offload.py" --steps 6 \
         --out "$out/offload_before.json" || echo "offload before: rc $?"
 fi
 echo "== ZeRO-3 on the GPU, eager and compiled"
 none="parallel.offload_params=none parallel.offload_optimizer=none"
 # shellcheck disable=SC2086
-PYTHONPATH=. timeout 80 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_eager.json" $none ||
+PYTHONPATH=. timeout 70 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_eager.json" $none ||
     echo "zero3 eager: rc $?"
 # shellcheck disable=SC2086
-PYTHONPATH=. timeout 120 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_compile.json" \
+PYTHONPATH=. timeout 110 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_compile.json" \
     $none train.compile=true || echo "zero3 compile: rc $?"
 echo "== done"
