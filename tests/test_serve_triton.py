@@ -98,7 +98,7 @@ def test_kernel_equals_reference_attention(heads: int, kv_heads: int, dim: int, 
     assert got.dtype == dtype and got.shape == q.shape
     want = _reference(q, kp, vp, slots, lens, seq)
     if dtype == torch.float32:
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)  # GPU: approximate exp
     else:  # one rounding to bf16 at the end: within a unit in the last place of the exact result
         ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2**-126)
         assert bool(((got.double() - want).abs() <= ulp).all())
