@@ -153,16 +153,18 @@ def test_greedy_equals_transformers_generate(
     assert engine.runner.matmul == (f"F.linear in {CHUNK_ROWS}-row calls" if fixed else kind)
     got = _run(engine, prompts, GREEDY)
     for prompt, (tokens, _) in zip(prompts, got):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])  # an explicit mask: token 0 in a prompt is not padding
-            out = ref.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        assert tokens == out[0, len(prompt) :].tolist()
+        assert tokens == transformers_greedy(ref, prompt, 24)
+
+
+def transformers_greedy(ref: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
+    """transformers' ``generate``: ``new`` greedy tokens after ``prompt`` (no EOS stop)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: token 0 in a prompt is not padding
+        out = ref.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens
 
 
 def test_logprobs_equal_the_full_forward(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests import test_serve_engine
-from tests.test_serve_engine import GREEDY, _prompts, _run
+from tests.test_serve_engine import GREEDY, _prompts, _run, transformers_greedy
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve import triton_attention
 from zerotron.serve.engine import Engine, EngineConfig
@@ -167,16 +167,7 @@ def test_engine_greedy_equals_transformers_generate(
     engine = engine_factory(max_num_batched_tokens=48, fixed_rows=CHUNK_ROWS if fixed else 0)
     got = _run(engine, prompts, dataclasses.replace(GREEDY, max_tokens=12))
     for prompt, (tokens, _) in zip(prompts, got):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            out = ref.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=12,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        assert tokens == out[0, len(prompt) :].tolist()
+        assert tokens == transformers_greedy(ref, prompt, 12)
 
 
 @runs

@@ -151,12 +151,8 @@ def paged_attention(
     lens: torch.Tensor,
     seq: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of query rows to their sequences' keys: q (rows, heads, d); k/v pools (slots, kv_heads,
-    d); ``slots`` (sequences, width) each sequence's key slots in position order; ``seq`` (rows,) each
-    row's sequence (default: row r reads slot list r); ``lens`` (rows,) how many of its sequence's keys
-    a row attends (its position + 1, at least 1). Returns (rows, heads, d) in q's dtype; softmax scale
-    1/sqrt(d). All tensors on one device: a CUDA device runs the compiled kernel, the CPU Triton's
-    interpreter."""
+    """:func:`zerotron.serve.kernels.paged_attention`'s arguments and result, on the Triton kernel. All
+    tensors on one device: a CUDA device runs the compiled kernel, the CPU Triton's interpreter."""
     if _error is not None:
         raise RuntimeError(f"the Triton paged-attention kernel is not available: {_error}")
     rows, heads, dim = q.shape
