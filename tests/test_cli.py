@@ -175,7 +175,7 @@ def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--device cuda: refused on a machine without CUDA (this one, or a simulated one); on a simulated
-    one-GPU machine refused beside CPU kernel choices, tensor parallelism (Gloo ranks) and a device
+    one-GPU machine refused beside CPU kernel choices, more tensor-parallel ranks than GPUs and a device
     index it lacks, and otherwise an engine config on that device (no CPU kernels, fixed-shape
     linears by default)."""
     import argparse
@@ -193,7 +193,7 @@ def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
         (["--matmul", "native"], "--matmul native"),
         (["--attention", "native"], "--attention native"),
         (["--matmul", "onednn"], "--matmul onednn"),
-        (["--nproc", "2"], "--nproc 2"),
+        (["--nproc", "2"], "--nproc 2: this machine has 1 CUDA device(s)"),
         (["--device", "cuda:1"], "1 CUDA device"),
     ]
     for extra, expected in refusals:
@@ -221,3 +221,42 @@ def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
     # on the CPU the Triton kernel is refused (it runs there only in Triton's interpreter)
     err = _error(capsys, ["serve", "model.gguf", "--attention", "triton"])
     assert "--attention triton" in err and "CUDA device" in err and len(err.splitlines()) == 1, err
+
+
+def test_tensor_parallel_ranks_talk_over_gloo_on_the_cpu_and_nccl_on_gpus(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve``/``generate --nproc 2`` on a (simulated) machine with two GPUs: CPU ranks get Gloo (torch's
+    automatic choice there would be NCCL, which moves no host tensors), ``--device cuda`` ranks NCCL,
+    each then on its local rank's GPU; ``--device cuda:N`` is refused beside --nproc, and more ranks
+    than GPUs too, in one line, before anything starts."""
+    from tests.test_llama import BASE
+    from zerotron.distributed import launch
+    from zerotron.models.hf import config_to_hf
+    from zerotron.serve.generate import rank_device
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config_to_hf(BASE)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    spawned: list[tuple[str, int, str]] = []
+
+    def spawn(fn: object, nproc: int, args: tuple[object, ...] = (), **kw: object) -> list[object]:
+        spawned.append((getattr(fn, "__name__", ""), nproc, str(kw.get("backend"))))
+        return []
+
+    monkeypatch.setattr(launch, "spawn", spawn)
+    generate = ["generate", str(model), "parallel.tp=2", "--prompt", "hi"]
+    for argv in (["serve", str(model), "--nproc", "2"], generate):
+        assert main(argv) == 0 and main([*argv, "--device", "cuda"]) == 0
+    assert [(n, b) for _, n, b in spawned] == [(2, "gloo"), (2, "nccl")] * 2
+    assert [name for name, _, _ in spawned] == ["serve_worker"] * 2 + ["generate_worker"] * 2
+    for argv, expected in (
+        (["serve", str(model), "--nproc", "2", "--device", "cuda:1"], "pass --device cuda"),
+        ([*generate, "--device", "cuda:0"], "pass --device cuda"),
+        (["serve", str(model), "--nproc", "3", "--device", "cuda"], "--nproc 3: this machine has 2"),
+    ):
+        assert expected in _error(capsys, argv)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # set from LOCAL_RANK in a rank
+    assert rank_device("cuda") == "cuda:1" and rank_device("cpu") == "cpu"

@@ -409,11 +409,38 @@ def test_sampling_filters_equal_transformers_processors() -> None:
 
 
 @pytest.mark.slow
+def _shards_both_ways(path: str, dtype: str) -> int:
+    """A tensor-parallel rank's model loaded shard by shard (what serve and generate do under tp) is the
+    whole model loaded and then split, parameter for parameter and bit for bit; the same tokenizer."""
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.models.llama import tensor_parallel_plan
+    from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
+    from zerotron.serve.generate import load_model
+
+    rank, world = current_rank_and_world()
+    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    shard, tokenizer = load_model(path, getattr(torch, dtype), "cpu", mesh)
+    whole, whole_tokenizer = load_model(path, getattr(torch, dtype), "cpu")
+    whole.pad_vocabulary(whole.config.padded_vocab(world))
+    plan = TensorParallelPlan.from_dict(tensor_parallel_plan(whole.config))
+    apply_tensor_parallel(whole, plan, mesh.group("tp"))
+    got, want = dict(shard.named_parameters()), dict(whole.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        assert p.dtype == want[name].dtype and torch.equal(p, want[name]), name
+    assert type(tokenizer) is type(whole_tokenizer)
+    return len(got)
+
+
 def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) -> None:
     """A run trained under tp 2 (a sharded checkpoint) is served whole: its greedy tokens are those of
-    transformers' generate on the same checkpoint exported as a HF directory."""
+    transformers' generate on the same checkpoint exported as a HF directory. Loaded shard by shard
+    over 2 ranks (from the run and from the HF directory, fp32 and bf16), each rank's shard is the
+    whole model's split."""
     from pathlib import Path
 
+    from tests.harness import run_distributed
     from zerotron.cli import main
     from zerotron.serve.app import load_engine
 
@@ -434,6 +461,8 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
             )
         assert tokens == out[0, len(prompt) :].tolist()
     assert engine.pool.in_use == 0
+    for source, dtype in ((run, "float32"), (hf, "bfloat16")):
+        assert all(run_distributed(_shards_both_ways, 2, str(source), dtype))
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -266,3 +267,93 @@ def test_kernel_compiles_for_cuda_gpus() -> None:
         [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+# ---- tensor parallelism with the GPU's configuration ---------------------------------------------------
+# ``zerotron serve --device cuda --nproc N``: every rank a shard on its own GPU, fixed-shape linears,
+# Triton attention, plans and activations over NCCL. Here the same engine runs on Gloo ranks of the CPU
+# with the kernel interpreted (on a machine with N GPUs: on them, over NCCL). A model of 6 heads over 3
+# KV heads, so that 3 ranks split it; with 3 ranks the order in which partial sums are added matters.
+TP_CFG = dataclasses.replace(
+    test_serve_engine.CFG, hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96
+)
+TP_PROMPTS = ([70, 9, 33], 5)  # lengths, seed
+
+
+def _tp_pair() -> tuple[torch.nn.Module, LlamaForCausalLM]:
+    """The transformers model and zerotron's twin of TP_CFG (sharpened as the engine tests' pair)."""
+    from tests.test_llama import _reference, _zerotron_from
+
+    ref = _reference(TP_CFG)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.ndim == 2:
+                p.mul_(8)
+    return ref, _zerotron_from(ref, TP_CFG)
+
+
+def _tp_serve(model_dir: str, fixed_rows: int) -> list[list[tuple[list[int], list[float]]]]:
+    """One rank of a tensor-parallel engine (its shard, loaded as ``zerotron serve`` loads it, on its
+    device): the first rank runs the prompts alone, batched in chunks of a 23-token budget, and again
+    on a prefix-cache hit, then stops the others, which follow its plans; returns the first rank's
+    three runs."""
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.serve.generate import load_model, rank_device
+
+    rank, world = current_rank_and_world()
+    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    group = mesh.group("tp")
+    model, _ = load_model(model_dir, torch.float32, rank_device(str(DEVICE)), mesh)
+    config = EngineConfig(num_blocks=128, triton_attention=True, fixed_rows=fixed_rows)
+    budgets = (2048, 23)
+    engines = [
+        Engine(model, None, dataclasses.replace(config, max_num_batched_tokens=b), group) for b in budgets
+    ]
+    order = (0, 1, 0)  # alone, batched, cached: the others follow each engine until the first stops it
+    if group.rank_in_group != 0:
+        for i in order:
+            engines[i].runner.follow()
+        return []
+    params = dataclasses.replace(GREEDY, max_tokens=10)
+    prompts = _prompts(*TP_PROMPTS)
+    alone = [_run(engines[0], [p], params)[0] for p in prompts]
+    engines[0].runner.publish(None, stop=True)
+    batched = _run(engines[1], prompts, params)
+    engines[1].runner.publish(None, stop=True)
+    hits = engines[0].pool.hits
+    cached = _run(engines[0], prompts, params)
+    assert engines[0].pool.hits > hits
+    engines[0].runner.publish(None, stop=True)
+    return [alone, batched, cached]
+
+
+@runs
+@pytest.mark.parametrize("fixed_rows", [CHUNK_ROWS, 0], ids=["fixed-32", "F.linear"])
+def test_tensor_parallel_engine_with_triton_attention(tmp_path: Path, fixed_rows: int) -> None:
+    """3 tensor-parallel ranks with the GPU's configuration (Triton attention; linears in fixed 32-row
+    calls, or torch's F.linear): greedy tokens equal transformers' ``generate``, and tokens and
+    log-probabilities are bit-identical alone, batched and on a prefix-cache hit (the row-parallel
+    partial sums are added in rank order after an all-gather)."""
+    from zerotron.distributed.launch import spawn
+
+    world = 3
+    if DEVICE.type == "cuda" and torch.cuda.device_count() < world:
+        pytest.skip(
+            f"{world} tensor-parallel ranks need {world} GPUs; this machine has {torch.cuda.device_count()}"
+        )
+    ref = _tp_pair()[0]
+    ref.save_pretrained(tmp_path)  # a Hugging Face directory, read shard by shard by every rank
+    backend = "nccl" if DEVICE.type == "cuda" else "gloo"
+    runs_ = spawn(
+        _tp_serve,
+        world,
+        args=(str(tmp_path), fixed_rows),
+        timeout_s=600,
+        backend=backend,
+        start_method="forkserver",
+    )
+    alone, batched, cached = runs_[0]
+    assert batched == alone and cached == alone
+    for prompt, (tokens, _) in zip(_prompts(*TP_PROMPTS), alone):
+        assert tokens == transformers_greedy(ref, prompt, 10)

@@ -380,8 +380,14 @@ def _smollm2_tp_body(gguf: str, prompt_ids: list[int]) -> dict:
     attn = model.layers[0].self_attn
     with torch.no_grad():
         logits = gather_last_dim(model(torch.tensor([prompt_ids])), group)  # (1, s, V)
+    rank, world = current_rank_and_world()
     answer = run_generate(
-        gguf, "What is the capital of France?", chat=True, max_new_tokens=24, stats=None, tp_group=group
+        gguf,
+        "What is the capital of France?",
+        chat=True,
+        max_new_tokens=24,
+        stats=None,
+        mesh=ParallelDims(world, dp=1, tp=world).build(rank),  # each rank loads its shard
     )
     if group.rank_in_group != 0:
         return {}

@@ -113,7 +113,13 @@ def _report_run(summary: dict[str, Any] | None) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from zerotron.serve.generate import check_device, check_options, generate_worker, run_generate
+    from zerotron.serve.generate import (
+        check_device,
+        check_options,
+        generate_worker,
+        rank_backend,
+        run_generate,
+    )
 
     model, overrides = _split_config_and_overrides(args.items)
     tp = 1
@@ -143,7 +149,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 0
     from zerotron.distributed.launch import spawn
 
-    spawn(generate_worker, nproc, args=(model, args.prompt, options))
+    spawn(generate_worker, nproc, args=(model, args.prompt, options), backend=rank_backend(device))
     return 0
 
 
@@ -168,13 +174,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from zerotron.config_check import check_tensor_parallel
     from zerotron.distributed.launch import spawn
     from zerotron.serve.app import serve_worker
-    from zerotron.serve.generate import model_config
+    from zerotron.serve.generate import model_config, rank_backend
 
     cfg = Config(model=model_config(args.model))
     cfg.parallel.tp = nproc  # every rank holds a tensor-parallel shard
     check_tensor_parallel(cfg)
     name = args.served_model_name or args.model
-    spawn(serve_worker, nproc, args=(args.model, name, args.host, args.port, config))
+    spawn(
+        serve_worker,
+        nproc,
+        args=(args.model, name, args.host, args.port, config),
+        backend=rank_backend(config.device),
+    )
     return 0
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from zerotron.config_load import ConfigError
-from zerotron.distributed.mesh import Group
+from zerotron.distributed.mesh import Mesh
 from zerotron.serve import kernels, triton_attention
 from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
@@ -295,18 +295,17 @@ def engine_config(args: Any, nproc: int) -> EngineConfig:
     )
 
 
-def load_engine(model_path: str, config: Optional[EngineConfig], tp_group: Optional[Group] = None) -> Engine:
-    """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; split over
-    ``tp_group`` when given."""
-    from zerotron.serve.generate import load_model, split_for_tensor_parallel
+def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[Mesh] = None) -> Engine:
+    """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; with a ``mesh``
+    of tensor parallelism, this rank's shard (loaded shard by shard) over its tp group."""
+    from zerotron.serve.generate import load_model
 
     dtype = getattr(torch, (config or EngineConfig()).dtype)
-    model, tokenizer = load_model(model_path, dtype=dtype, device=(config or EngineConfig()).device)
-    if tp_group is not None and tp_group.size > 1:
-        split_for_tensor_parallel(model, tp_group)
+    model, tokenizer = load_model(model_path, dtype, (config or EngineConfig()).device, mesh)
+    group = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     # The engine owns this model: its linears may be packed for oneDNN (config.onednn, the default here).
     try:
-        return Engine(model, tokenizer, config or EngineConfig(onednn=True), tp_group)
+        return Engine(model, tokenizer, config or EngineConfig(onednn=True), group)
     except RequestError as err:  # a cache that cannot hold one sequence: the command line's to change
         raise ConfigError(str(err)) from None
 
@@ -375,13 +374,17 @@ def run_server(
 
 def serve_worker(model_path: str, name: str, host: str, port: int, config: EngineConfig) -> dict[str, int]:
     """One rank of ``zerotron serve --nproc N``: all ranks form one tensor-parallel group; the first
-    serves HTTP and schedules, the others run its steps on their shards until it stops."""
+    serves HTTP and schedules, the others run its steps on their shards until it stops (on CUDA each
+    rank on its local rank's device)."""
     from zerotron.distributed.launch import current_rank_and_world
     from zerotron.distributed.mesh import ParallelDims
+    from zerotron.serve.generate import rank_device
 
     rank, world = current_rank_and_world()
-    group = ParallelDims(world, dp=1, tp=world).build(rank).group("tp")
-    engine = load_engine(model_path, config, group)
+    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    group = mesh.group("tp")
+    config = dataclasses.replace(config, device=rank_device(config.device))
+    engine = load_engine(model_path, config, mesh)
     if group.rank_in_group == 0:
         serve(engine, name, host, port)
         return {"steps": engine.stats["steps"]}

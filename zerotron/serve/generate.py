@@ -22,10 +22,9 @@ from typing import Any, Optional, TextIO
 import torch
 
 from zerotron.distributed import collectives
-from zerotron.distributed.mesh import Group
-from zerotron.models.llama import KVCache, LlamaForCausalLM, tensor_parallel_plan
+from zerotron.distributed.mesh import Group, Mesh
+from zerotron.models.llama import KVCache, LlamaForCausalLM
 from zerotron.models.loading import ModelLoadError, load_pretrained
-from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve.sampling import SamplingParams, filter_logits
 
@@ -204,7 +203,11 @@ def check_options(model_path: str, tp: int, options: dict[str, Any]) -> None:
 
 def check_device(command: str, device: str, nproc: int) -> torch.device:
     """``--device`` of generate/serve as a torch device, or a one-line error: a CUDA device must exist
-    here, and tensor-parallel ranks (``nproc`` > 1, Gloo) run on the CPU."""
+    here; with ``nproc`` > 1 tensor-parallel ranks each take one: on the CPU they talk over Gloo, on
+    CUDA over NCCL with rank ``LOCAL_RANK`` on ``cuda:LOCAL_RANK`` (:func:`rank_device`), so the
+    machine needs a device per local rank and ``--device`` names no index."""
+    import os
+
     from zerotron.config_load import ConfigError
 
     try:
@@ -221,32 +224,100 @@ def check_device(command: str, device: str, nproc: int) -> torch.device:
             )
         if dev.index is not None and dev.index >= count:
             raise ConfigError(f"{command} --device {device}: this machine has {count} CUDA device(s)")
-        if nproc > 1:
+        if nproc > 1 and dev.index is not None:
             raise ConfigError(
-                f"{command} --device {device} with --nproc {nproc}: tensor-parallel ranks run on the CPU "
-                "(Gloo); multi-GPU serving is not built: use --nproc 1 or leave --device out"
+                f"{command} --device {device} with --nproc {nproc}: each tensor-parallel rank takes the "
+                "device of its local rank (cuda:LOCAL_RANK); pass --device cuda"
+            )
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))  # a torchrun job's ranks on this node
+        if nproc > 1 and local > count:
+            raise ConfigError(
+                f"{command} --device cuda --nproc {local}: this machine has {count} CUDA device(s) and "
+                f"each tensor-parallel rank needs one of its own; use --nproc {count} or fewer"
             )
     return dev
 
 
-def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, Any]:
-    """Model and tokenizer from a HF directory, a GGUF file, or a zerotron checkpoint or run directory."""
+def rank_backend(device: str) -> str:
+    """The process-group backend of tensor-parallel generate/serve ranks on ``device``: NCCL for CUDA,
+    Gloo for the CPU (also on a machine that has GPUs, where ``auto`` would pick NCCL)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(device: str) -> str:
+    """This rank's device for ``device``: on CUDA the one :func:`~zerotron.distributed.launch.init_distributed`
+    made current (``cuda:LOCAL_RANK``); the CPU as it is."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: str, mesh: Optional[Mesh] = None
+) -> tuple[LlamaForCausalLM, Any]:
+    """Model and tokenizer from a HF directory, a GGUF file, or a zerotron checkpoint or run directory.
+
+    With a ``mesh`` of tensor parallelism this rank's shard only (:func:`load_shard`)."""
     from pathlib import Path
 
     from zerotron.checkpoint.convert import open_source
     from zerotron.models.loading import build_from_state
 
+    if mesh is not None and mesh.dims.tp > 1:
+        return load_shard(path, dtype, device, mesh), load_tokenizer_of(path)
     if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
         cfg, tensors, tokenizer = open_source(Path(path))  # a checkpoint or run: whole tensors by name
         return build_from_state(cfg, dict(tensors), path, dtype, device), tokenizer
     return load_pretrained(path, dtype=dtype, device=device)
 
 
-def split_for_tensor_parallel(model: LlamaForCausalLM, tp_group: Group) -> None:
-    """Split a whole model over ``tp_group`` in place (vocabulary padded so tp splits it evenly)."""
-    model.pad_vocabulary(model.config.padded_vocab(tp_group.size))
-    plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
-    apply_tensor_parallel(model, plan, tp_group)
+def load_shard(path: str, dtype: torch.dtype, device: str, mesh: Mesh) -> LlamaForCausalLM:
+    """This rank's tensor-parallel shard of the model at ``path`` in ``dtype`` on ``device``, laid out
+    by the one parallelize path on the meta device and materialised box by box from its weight source
+    (DESIGN contract 4, as training builds it): a rank reads and holds its shard plus one tensor at a
+    time, never the whole model."""
+    from zerotron.config import Config
+    from zerotron.models.parallelize import parallelize_llama
+    from zerotron.parallel.placement import materialize, persistent_buffers
+    from zerotron.train.run import resolve_model
+    from zerotron.train.state import model_placements
+    from zerotron.train.trainer import weight_source
+
+    cfg = Config()
+    cfg.model.path = path
+    cfg = resolve_model(cfg)
+    cfg.model.path = path
+    cfg.parallel.tp = mesh.dims.tp
+    model = parallelize_llama(cfg, mesh)
+    assert isinstance(model, LlamaForCausalLM)
+    buffers = persistent_buffers(model)  # kept in their own dtype (a router's fp32 bias)
+    model.to(dtype)  # on the meta device: each box is cast as it is materialised
+    for name, b in buffers.items():
+        prefix, _, attr = name.rpartition(".")
+        model.get_submodule(prefix)._buffers[attr] = b
+    with weight_source(cfg, model) as source:
+        materialize(model, source.box, device, model_placements(model, mesh.dims.tp))
+    return model.eval()
+
+
+def load_tokenizer_of(path: str) -> Any:
+    """The tokenizer of the model at ``path`` (None when it has none), without reading its weights."""
+    from pathlib import Path
+
+    from zerotron.checkpoint import store
+    from zerotron.checkpoint.convert import checkpoint_tokenizer
+    from zerotron.models.tokenizer import HFTokenizer
+
+    p = Path(path)
+    ckpt = store.checkpoint_dir(p, hashes=False) if p.is_dir() else None
+    if ckpt is not None:
+        return checkpoint_tokenizer(ckpt)
+    if p.suffix == ".gguf":
+        from zerotron.models.gguf import open_gguf
+
+        reader = open_gguf(p)
+        return HFTokenizer.from_gguf(reader, p) if "tokenizer.ggml.tokens" in reader.fields else None
+    return HFTokenizer.from_file(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
 
 
 def run_generate(
@@ -262,19 +333,19 @@ def run_generate(
     device: str = "cpu",
     out: TextIO = sys.stdout,
     stats: Optional[TextIO] = sys.stderr,
-    tp_group: Optional[Group] = None,
+    mesh: Optional[Mesh] = None,
 ) -> dict[str, Any]:
     """``zerotron generate``: load ``model_path`` (HF directory, GGUF, zerotron checkpoint or run), stream the continuation to ``out``.
 
     With ``chat``, the prompt becomes one user message rendered by the model's chat template. Timings
-    go to ``stats`` (None: silent). Returns :func:`generate`'s dict plus ``"text"``. With ``tp_group``
-    (every rank of it calls this), the model is split over the group and only its first rank prints.
+    go to ``stats`` (None: silent). Returns :func:`generate`'s dict plus ``"text"``. With a ``mesh`` of
+    tensor parallelism (every rank of it calls this), each rank loads its shard (:func:`load_shard`)
+    and only the group's first rank prints.
     """
-    model, tokenizer = load_model(model_path, dtype=dtype, device=device)
-    if tp_group is not None and tp_group.size > 1:
-        split_for_tensor_parallel(model, tp_group)
-        if tp_group.rank_in_group != 0:
-            out, stats = io.StringIO(), None
+    model, tokenizer = load_model(model_path, dtype=dtype, device=device, mesh=mesh)
+    tp_group = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
+    if tp_group is not None and tp_group.rank_in_group != 0:
+        out, stats = io.StringIO(), None
     if tokenizer is None:
         raise ModelLoadError(
             f"{model_path}: the model has no tokenizer (tokenizer.json); cannot encode a prompt"
@@ -311,11 +382,13 @@ def run_generate(
 
 
 def generate_worker(model_path: str, prompt: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Body of one rank of ``zerotron generate --nproc N parallel.tp=N``: all ranks form one TP group."""
+    """Body of one rank of ``zerotron generate --nproc N parallel.tp=N``: all ranks form one TP group
+    (on CUDA each rank on its local rank's device)."""
     from zerotron.distributed.launch import current_rank_and_world
     from zerotron.distributed.mesh import ParallelDims
 
     rank, world = current_rank_and_world()
     mesh = ParallelDims(world, dp=1, tp=world).build(rank)
-    result = run_generate(model_path, prompt, tp_group=mesh.group("tp"), **options)
+    options = {**options, "device": rank_device(options.get("device", "cpu"))}
+    result = run_generate(model_path, prompt, mesh=mesh, **options)
     return {"ids": result["ids"], "text": result["text"]} if rank == 0 else {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, TypeGuard
 
@@ -379,6 +380,10 @@ def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch
     return torch.cat(outs).view(*x.shape[:-1], weight.shape[0])
 
 
+def _linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
 def _fixed_linear(
     rows_per_call: int, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor
 ) -> torch.Tensor:
@@ -402,26 +407,48 @@ def _fixed_linear(
 def fixed_linears(model: nn.Module, rows_per_call: int) -> None:
     """Run every linear layer of ``model`` (any dtype, any device) in calls of ``rows_per_call`` rows
     (:func:`_fixed_linear`): the engine's linears off the CPU, where no kernel of known row-count
-    behaviour is packed. Tensor-parallel layers are refused (the engine refuses them there)."""
+    behaviour is packed. A tensor-parallel rank's column-parallel part runs so on its rows of the
+    weight; a row-parallel part's partial product too, the partials then summed in rank order
+    (:func:`_row_parallel_in_order`)."""
+    linear = functools.partial(_fixed_linear, rows_per_call)
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            raise ValueError("fixed-shape linears are for whole weights; tensor-parallel shards run F.linear")
-        if type(module) is nn.Linear:
-            module.forward = functools.partial(_fixed_linear, rows_per_call, module.weight, module.bias)  # type: ignore[method-assign]
+        if isinstance(module, ColumnParallelLinear):
+            module.forward = functools.partial(linear, *_column_part(module))  # type: ignore[method-assign]
+        elif isinstance(module, RowParallelLinear):
+            module.forward = functools.partial(_row_parallel_in_order, module, linear)  # type: ignore[method-assign]
+        elif type(module) is nn.Linear:
+            module.forward = functools.partial(linear, module.weight, module.bias)  # type: ignore[method-assign]
 
 
-def _chunked_row_parallel(module: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    """A row-parallel layer's forward in 16 bits, batch-invariant: its partial product in row chunks,
-    and the partials summed in rank order in fp32 after an all-gather (a ring all-reduce adds each
-    element's partials in an order that depends on where the element falls in the buffer, so on the
-    number of rows; in 16 bits that changes the result)."""
-    partial = _chunked_linear(module.weight, None, x)
-    group = module.group
+def _column_part(module: ColumnParallelLinear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """This rank's (weight, bias) of a column-parallel layer, whose input is replicated (serving)."""
+    if module.input_mode == "sequence":
+        raise ValueError("serving runs tensor-parallel layers without sequence parallelism")
+    start, size = module.rows if module.replicated else (0, module.out_features)
+    bias = module.bias[start : start + size] if module.bias is not None else None
+    return module.weight[start : start + size], bias
+
+
+def _row_parallel_in_order(
+    module: RowParallelLinear,
+    linear: Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A row-parallel layer's forward, batch-invariant in any dtype and over any backend: its partial
+    product by ``linear``, all-gathered, and the partials added one by one in rank order in fp32 (an
+    all-reduce adds each element's partials in an order that depends on where the element falls in the
+    buffer, so on the number of rows, and a library may change its algorithm with the size: beyond two
+    ranks that changes the result; an all-gather moves values and adds nothing)."""
     if module.output_mode != "reduce":
-        raise ValueError("16-bit serving runs row-parallel layers with their outputs all-reduced")
+        raise ValueError("serving runs row-parallel layers with their outputs all-reduced")
+    partial = linear(module.weight, None, x)
+    group = module.group
     gathered = partial.new_empty((group.size, *partial.shape))
     collectives.all_gather(gathered, partial.contiguous(), group)
-    y = gathered.float().sum(dim=0).to(partial.dtype)
+    total = gathered[0].float()
+    for part in gathered[1:]:
+        total += part  # elementwise, in rank order
+    y = total.to(partial.dtype)
     return y + module.bias if module.bias is not None else y
 
 
@@ -430,14 +457,9 @@ def chunk_linears(model: nn.Module) -> None:
     tensor-parallel rank's column- and row-parallel parts (serving: the input replicated over tp)."""
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear):
-            if module.input_mode == "sequence":
-                raise ValueError("16-bit serving runs tensor-parallel layers without sequence parallelism")
-            start, size = module.rows if module.replicated else (0, module.out_features)
-            bias = module.bias[start : start + size] if module.bias is not None else None
-            weight = module.weight[start : start + size]
-            module.forward = functools.partial(_chunked_linear, weight, bias)  # type: ignore[method-assign]
+            module.forward = functools.partial(_chunked_linear, *_column_part(module))  # type: ignore[method-assign]
         elif isinstance(module, RowParallelLinear):
-            module.forward = functools.partial(_chunked_row_parallel, module)  # type: ignore[method-assign]
+            module.forward = functools.partial(_row_parallel_in_order, module, _chunked_linear)  # type: ignore[method-assign]
         elif type(module) is nn.Linear:
             module.forward = functools.partial(_chunked_linear, module.weight, module.bias)  # type: ignore[method-assign]
 
@@ -486,8 +508,6 @@ class StepRunner:
                     f"{', '.join(cpu_only)}: CPU kernels; a model on {device} runs F.linear, and SDPA or "
                     "the Triton paged-attention kernel"
                 )
-            if tp_group is not None and tp_group.size > 1:
-                raise ValueError(f"tensor-parallel serving runs on the CPU (Gloo); not built on {device}")
         fixed = (FIXED_ROWS if device.type != "cpu" else 0) if fixed_rows is None else fixed_rows
         if fixed < 0:
             raise ValueError(f"fixed_rows {fixed}: a count of rows per call, or 0 for off")
@@ -526,6 +546,10 @@ class StepRunner:
             fixed_linears(model, fixed)
         elif sixteen and not packed:
             chunk_linears(model)
+        else:  # fp32 F.linear: a tensor-parallel rank's row-parallel sums still in rank order
+            for module in model.modules():
+                if isinstance(module, RowParallelLinear):
+                    module.forward = functools.partial(_row_parallel_in_order, module, _linear)  # type: ignore[method-assign]
         self.min_rows = 1 if native_matmul or fixed else MIN_ROWS_ONEDNN if packed else MIN_ROWS
         self.matmul = (
             f"F.linear in {fixed}-row calls"
@@ -538,6 +562,9 @@ class StepRunner:
         )
         self.group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = device
+        # where the plans travel: NCCL moves device tensors only, Gloo host ones
+        nccl = self.group is not None and self.group.backend == "nccl"
+        self.wire = device if nccl else torch.device("cpu")
         self.last_signal = time.monotonic()
 
     @torch.inference_mode()
@@ -563,9 +590,9 @@ class StepRunner:
         """Send a plan (or a keep-alive, or stop) to the other ranks of the group."""
         if self.group is None:
             return
-        body = plan.pack() if plan is not None else torch.zeros(0, dtype=torch.long)
+        body = plan.pack().to(self.wire) if plan is not None else torch.zeros(0, dtype=torch.long)
         kind = _STOP if stop else (_PLAN if plan is not None else _IDLE)
-        head = torch.tensor([kind, len(body)], dtype=torch.long)
+        head = torch.tensor([kind, len(body)], dtype=torch.long, device=self.wire)
         collectives.broadcast(head, self.group.ranks[0], self.group)
         if len(body):
             collectives.broadcast(body, self.group.ranks[0], self.group)
@@ -581,13 +608,13 @@ class StepRunner:
         assert self.group is not None, "follow() is for tensor-parallel ranks"
         steps = 0
         while True:
-            head = torch.zeros(2, dtype=torch.long)
+            head = torch.zeros(2, dtype=torch.long, device=self.wire)
             collectives.broadcast(head, self.group.ranks[0], self.group)
-            kind, length = int(head[0]), int(head[1])
+            kind, length = head.tolist()
             if kind == _STOP:
                 return steps
             if kind == _PLAN:
-                body = torch.zeros(length, dtype=torch.long)
+                body = torch.zeros(length, dtype=torch.long, device=self.wire)
                 collectives.broadcast(body, self.group.ranks[0], self.group)
                 self.run(StepPlan.unpack(body))
                 steps += 1
