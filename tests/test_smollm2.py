@@ -174,3 +174,21 @@ def test_lora_adapter_on_smollm2_loads_in_peft(reference, ours, tmp_path: Path) 
     assert _rel_err(got, want) <= 1e-4  # as the base models agree (test_logits_match_transformers)
     assert _rel_err(got - base, want - ref_base) <= 1e-3  # the adapter's own change, alike
     assert _rel_err(got, base) > 1e-2  # the adapter changed the logits
+
+
+def test_a_gguf_file_is_parsed_once_inside_read_once(gguf_path: Path, tmp_path: Path) -> None:
+    """Inside ``read_once`` every open of the file gets one reader (config, weights and tokenizer of a
+    tensor-parallel load parse it once); outside it, and for another file, each open parses anew, and
+    the shared reader is let go when the block ends."""
+    from zerotron.models.gguf import open_gguf, read_once
+
+    assert open_gguf(gguf_path) is not open_gguf(gguf_path)
+    with read_once(str(gguf_path)):
+        first = open_gguf(gguf_path)
+        assert open_gguf(str(gguf_path)) is first
+        with read_once(gguf_path):  # nested: the outer block's reader stays
+            assert open_gguf(gguf_path) is first
+        assert open_gguf(gguf_path) is first
+        with read_once(tmp_path):  # not a GGUF file: nothing shared
+            pass
+    assert open_gguf(gguf_path) is not first

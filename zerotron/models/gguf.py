@@ -9,6 +9,7 @@ result equals the original Hugging Face weights (up to quantisation).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,27 @@ _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
+# Files whose reader is shared inside a :func:`read_once` block (None until first opened there).
+_SHARED: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def read_once(path: str | Path) -> Iterator[None]:
+    """Inside the block, every :func:`open_gguf` of ``path`` gets one reader, parsed once (a reader
+    parses all metadata, the tokenizer's tens of thousands of entries included: seconds for a small
+    model); the reader, and the file pages it mapped, are let go when the block ends. Any other path
+    (not a GGUF file) is left alone."""
+    key = str(Path(path).resolve())
+    if not key.endswith(".gguf") or key in _SHARED:
+        yield
+        return
+    _SHARED[key] = None
+    try:
+        yield
+    finally:
+        del _SHARED[key]
+
+
 def open_gguf(path: str | Path) -> Any:
     """A :class:`gguf.GGUFReader` of ``path``; a missing, truncated or corrupt file is a ModelLoadError."""
     from gguf import GGUFReader
@@ -44,11 +66,17 @@ def open_gguf(path: str | Path) -> Any:
     p = Path(path)
     if not p.is_file():
         raise ModelLoadError(f"{p}: no such file")
+    key = str(p.resolve())
+    if _SHARED.get(key) is not None:
+        return _SHARED[key]
     try:
-        return GGUFReader(str(p))
+        reader = GGUFReader(str(p))
     except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelLoadError(f"{p}: not a readable GGUF file, truncated or corrupt ({reason})") from e
+    if key in _SHARED:
+        _SHARED[key] = reader
+    return reader
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:

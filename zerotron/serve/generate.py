@@ -264,7 +264,10 @@ def load_model(
     from zerotron.models.loading import build_from_state
 
     if mesh is not None and mesh.dims.tp > 1:
-        return load_shard(path, dtype, device, mesh), load_tokenizer_of(path)
+        from zerotron.models.gguf import read_once
+
+        with read_once(path):  # a GGUF file's metadata parsed once for config, weights and tokenizer
+            return load_shard(path, dtype, device, mesh), load_tokenizer_of(path)
     if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
         cfg, tensors, tokenizer = open_source(Path(path))  # a checkpoint or run: whole tensors by name
         return build_from_state(cfg, dict(tensors), path, dtype, device), tokenizer
