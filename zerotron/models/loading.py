@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from zerotron.config import ModelConfig
 from zerotron.models.hf import ModelLoadError, read_hf_config, read_hf_weights
@@ -68,6 +69,16 @@ def load_state(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     return cfg, weights, tokenizer
 
 
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for its parameters; persistent buffers keep their own dtype (a router's fp32
+    bias). On the meta device this sets the dtype each parameter is later materialised in."""
+    buffers = persistent_buffers(model)
+    model.to(dtype)
+    for name, b in buffers.items():
+        prefix, _, attr = name.rpartition(".")
+        model.get_submodule(prefix)._buffers[attr] = b
+
+
 def build_from_state(
     cfg: ModelConfig,
     weights: dict[str, torch.Tensor],
@@ -78,11 +89,7 @@ def build_from_state(
     """A model on ``device`` in ``dtype`` holding ``weights``; names and shapes are checked first."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-        buffers = persistent_buffers(model)  # kept in their own dtype (a router's fp32 bias)
-        model.to(dtype)
-        for name, b in buffers.items():
-            prefix, _, attr = name.rpartition(".")
-            model.get_submodule(prefix)._buffers[attr] = b
+        cast_parameters(model, dtype)
     expected = dict(model.named_parameters())
     for name, param in expected.items():
         if name not in weights:
@@ -92,7 +99,7 @@ def build_from_state(
                 f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
                 f"the config implies {tuple(param.shape)}"
             )
-    unused = sorted(set(weights) - set(expected) - set(buffers) - {"lm_head.weight"})
+    unused = sorted(set(weights) - set(expected) - set(persistent_buffers(model)) - {"lm_head.weight"})
     if unused:
         raise ModelLoadError(
             f"{source}: unexpected tensor {unused[0]} (and {len(unused) - 1} more); wrong architecture?"

@@ -280,24 +280,21 @@ def load_shard(path: str, dtype: torch.dtype, device: str, mesh: Mesh) -> LlamaF
     (DESIGN contract 4, as training builds it): a rank reads and holds its shard plus one tensor at a
     time, never the whole model."""
     from zerotron.config import Config
+    from zerotron.models.loading import cast_parameters
     from zerotron.models.parallelize import parallelize_llama
-    from zerotron.parallel.placement import materialize, persistent_buffers
+    from zerotron.parallel.placement import materialize
     from zerotron.train.run import resolve_model
     from zerotron.train.state import model_placements
     from zerotron.train.trainer import weight_source
 
     cfg = Config()
     cfg.model.path = path
-    cfg = resolve_model(cfg)
-    cfg.model.path = path
+    cfg = resolve_model(cfg)  # the architecture read from the file or checkpoint
+    cfg.model.path = path  # where the weights come from (a file's config does not name it)
     cfg.parallel.tp = mesh.dims.tp
     model = parallelize_llama(cfg, mesh)
     assert isinstance(model, LlamaForCausalLM)
-    buffers = persistent_buffers(model)  # kept in their own dtype (a router's fp32 bias)
-    model.to(dtype)  # on the meta device: each box is cast as it is materialised
-    for name, b in buffers.items():
-        prefix, _, attr = name.rpartition(".")
-        model.get_submodule(prefix)._buffers[attr] = b
+    cast_parameters(model, dtype)  # on the meta device: each box is cast as it is materialised
     with weight_source(cfg, model) as source:
         materialize(model, source.box, device, model_placements(model, mesh.dims.tp))
     return model.eval()
