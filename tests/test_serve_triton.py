@@ -334,7 +334,10 @@ def test_tensor_parallel_engine_with_triton_attention(tmp_path: Path, fixed_rows
     """3 tensor-parallel ranks with the GPU's configuration (Triton attention; linears in fixed 32-row
     calls, or torch's F.linear): greedy tokens equal transformers' ``generate``, and tokens and
     log-probabilities are bit-identical alone, batched and on a prefix-cache hit (the row-parallel
-    partial sums are added in rank order after an all-gather)."""
+    partial sums are added in rank order after an all-gather). Whole F.linear calls are bit-identical
+    across batches on the CPU (fp32, 16 rows at least), not on a GPU, whose matrix library chooses
+    its kernel by the row count (the reason for the fixed calls there): on GPUs that variant is held
+    to transformers' tokens only."""
     from zerotron.distributed.launch import spawn
 
     world = 3
@@ -354,6 +357,7 @@ def test_tensor_parallel_engine_with_triton_attention(tmp_path: Path, fixed_rows
         start_method="forkserver",
     )
     alone, batched, cached = runs_[0]
-    assert batched == alone and cached == alone
+    if fixed_rows or DEVICE.type == "cpu":
+        assert batched == alone and cached == alone
     for prompt, (tokens, _) in zip(_prompts(*TP_PROMPTS), alone):
         assert tokens == transformers_greedy(ref, prompt, 10)
