@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_llama import BASE, _reference, _zerotron_from
+from zerotron.config import ModelConfig
 from zerotron.config_load import load_config
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
@@ -34,14 +35,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, LlamaForCausalLM]:
-    """A random transformers Llama and zerotron's model with its weights (made sharper: more varied
-    greedy choices than the near-uniform init)."""
-    ref = _reference(CFG)
+    return sharpened_pair(CFG)
+
+
+def sharpened_pair(cfg: ModelConfig) -> tuple[torch.nn.Module, LlamaForCausalLM]:
+    """A random transformers Llama of ``cfg`` and zerotron's model with its weights (made sharper: more
+    varied greedy choices than the near-uniform init)."""
+    ref = _reference(cfg)
     with torch.no_grad():
         for p in ref.parameters():
             if p.ndim == 2:
                 p.mul_(8)
-    return ref, _zerotron_from(ref, CFG)
+    return ref, _zerotron_from(ref, cfg)
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

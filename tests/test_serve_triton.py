@@ -280,18 +280,6 @@ TP_CFG = dataclasses.replace(
 TP_PROMPTS = ([70, 9, 33], 5)  # lengths, seed
 
 
-def _tp_pair() -> tuple[torch.nn.Module, LlamaForCausalLM]:
-    """The transformers model and zerotron's twin of TP_CFG (sharpened as the engine tests' pair)."""
-    from tests.test_llama import _reference, _zerotron_from
-
-    ref = _reference(TP_CFG)
-    with torch.no_grad():
-        for p in ref.parameters():
-            if p.ndim == 2:
-                p.mul_(8)
-    return ref, _zerotron_from(ref, TP_CFG)
-
-
 def _tp_serve(model_dir: str, fixed_rows: int) -> list[list[tuple[list[int], list[float]]]]:
     """One rank of a tensor-parallel engine (its shard, loaded as ``zerotron serve`` loads it, on its
     device): the first rank runs the prompts alone, batched in chunks of a 23-token budget, and again
@@ -345,7 +333,7 @@ def test_tensor_parallel_engine_with_triton_attention(tmp_path: Path, fixed_rows
         pytest.skip(
             f"{world} tensor-parallel ranks need {world} GPUs; this machine has {torch.cuda.device_count()}"
         )
-    ref = _tp_pair()[0]
+    ref = test_serve_engine.sharpened_pair(TP_CFG)[0]
     ref.save_pretrained(tmp_path)  # a Hugging Face directory, read shard by shard by every rank
     backend = "nccl" if DEVICE.type == "cuda" else "gloo"
     runs_ = spawn(

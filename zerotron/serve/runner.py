@@ -404,20 +404,28 @@ def _fixed_linear(
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def fixed_linears(model: nn.Module, rows_per_call: int) -> None:
-    """Run every linear layer of ``model`` (any dtype, any device) in calls of ``rows_per_call`` rows
-    (:func:`_fixed_linear`): the engine's linears off the CPU, where no kernel of known row-count
-    behaviour is packed. A tensor-parallel rank's column-parallel part runs so on its rows of the
-    weight; a row-parallel part's partial product too, the partials then summed in rank order
-    (:func:`_row_parallel_in_order`)."""
-    linear = functools.partial(_fixed_linear, rows_per_call)
+Linear = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def route_linears(model: nn.Module, linear: Linear, whole: bool = True) -> None:
+    """Run ``model``'s linear layers through ``linear(weight, bias, x)``: a tensor-parallel rank's
+    column-parallel part on its rows of the weight, a row-parallel part's partial product with the
+    partials then summed in rank order (:func:`_row_parallel_in_order`), and (``whole``) plain
+    ``nn.Linear`` layers."""
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear):
             module.forward = functools.partial(linear, *_column_part(module))  # type: ignore[method-assign]
         elif isinstance(module, RowParallelLinear):
             module.forward = functools.partial(_row_parallel_in_order, module, linear)  # type: ignore[method-assign]
-        elif type(module) is nn.Linear:
+        elif whole and type(module) is nn.Linear:
             module.forward = functools.partial(linear, module.weight, module.bias)  # type: ignore[method-assign]
+
+
+def fixed_linears(model: nn.Module, rows_per_call: int) -> None:
+    """Run every linear layer of ``model`` (any dtype, any device, whole or a tensor-parallel rank's
+    parts) in calls of ``rows_per_call`` rows (:func:`_fixed_linear`): the engine's linears off the
+    CPU, where no kernel of known row-count behaviour is packed."""
+    route_linears(model, functools.partial(_fixed_linear, rows_per_call))
 
 
 def _column_part(module: ColumnParallelLinear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -431,7 +439,7 @@ def _column_part(module: ColumnParallelLinear) -> tuple[torch.Tensor, Optional[t
 
 def _row_parallel_in_order(
     module: RowParallelLinear,
-    linear: Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor],
+    linear: Linear,
     x: torch.Tensor,
 ) -> torch.Tensor:
     """A row-parallel layer's forward, batch-invariant in any dtype and over any backend: its partial
@@ -455,13 +463,7 @@ def _row_parallel_in_order(
 def chunk_linears(model: nn.Module) -> None:
     """Run every linear layer of a 16-bit model in row chunks (:func:`_chunked_linear`): plain ones, and a
     tensor-parallel rank's column- and row-parallel parts (serving: the input replicated over tp)."""
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear):
-            module.forward = functools.partial(_chunked_linear, *_column_part(module))  # type: ignore[method-assign]
-        elif isinstance(module, RowParallelLinear):
-            module.forward = functools.partial(_row_parallel_in_order, module, _chunked_linear)  # type: ignore[method-assign]
-        elif type(module) is nn.Linear:
-            module.forward = functools.partial(_chunked_linear, module.weight, module.bias)  # type: ignore[method-assign]
+    route_linears(model, _chunked_linear)
 
 
 class StepRunner:
@@ -546,10 +548,8 @@ class StepRunner:
             fixed_linears(model, fixed)
         elif sixteen and not packed:
             chunk_linears(model)
-        else:  # fp32 F.linear: a tensor-parallel rank's row-parallel sums still in rank order
-            for module in model.modules():
-                if isinstance(module, RowParallelLinear):
-                    module.forward = functools.partial(_row_parallel_in_order, module, _linear)  # type: ignore[method-assign]
+        else:  # fp32 F.linear; a tensor-parallel rank's parts too, its row-parallel sums in rank order
+            route_linears(model, _linear, whole=False)  # plain layers keep their own forward
         self.min_rows = 1 if native_matmul or fixed else MIN_ROWS_ONEDNN if packed else MIN_ROWS
         self.matmul = (
             f"F.linear in {fixed}-row calls"
