@@ -389,7 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]; cuda on one rank only")
+    gen.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda[:N]; with --nproc N: cuda, rank r on cuda:LOCAL_RANK over NCCL",
+    )
     gen.set_defaults(fn=_cmd_generate)
 
     srv = sub.add_parser(
@@ -437,15 +441,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--device",
         default="cpu",
-        help="where the model and KV cache live: cpu (default) or cuda[:N] (one GPU: linears through "
-        "F.linear in 256-row calls, attention through the Triton paged kernel or SDPA; no tensor "
-        "parallelism)",
+        help="where the model and KV cache live: cpu (default) or cuda[:N] (linears through F.linear in "
+        "256-row calls, attention through the Triton paged kernel or SDPA); with --nproc N: cuda, one GPU "
+        "per rank (cuda:LOCAL_RANK, NCCL)",
     )
     srv.add_argument(
         "--nproc",
         type=int,
         default=None,
-        help="local ranks: the model is split over them (tensor parallel); under torchrun or srun its ranks",
+        help="local ranks: the model is split over them (tensor parallel, each rank loading only its "
+        "shard); under torchrun or srun its ranks",
     )
     srv.set_defaults(fn=_cmd_serve)
 
