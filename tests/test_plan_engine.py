@@ -91,6 +91,15 @@ LAYOUTS_2 += [  # ZeRO (activations too: the meter leaves out ZeRO-3's gathered 
     ["parallel.zero=1"],
     ["parallel.zero=1", "parallel.bucket_mb=0.05"],
     ["parallel.zero=2", "parallel.bucket_mb=0.03", "train.precision=bf16"],
+    # ZeRO-1 sending whole bf16 gradients (one micro-batch: only the fp32 shard is kept), and with two
+    # micro-batches (whole fp32 accumulators)
+    ["parallel.zero=1", "parallel.bucket_mb=0.05", "train.precision=bf16", "parallel.grad_reduce_dtype=bf16"],
+    [
+        "parallel.zero=1",
+        "train.precision=bf16",
+        "parallel.grad_reduce_dtype=bf16",
+        "train.micro_batch=1",
+    ],
     ["parallel.zero=3"],
     ["parallel.zero=3", "train.recompute=full", "parallel.reshard_after_forward=false"],
     [
@@ -299,6 +308,7 @@ LAYOUTS_MOE_2 = [
     [*MOE],
     [*MOE, "parallel.ep=2", "train.recompute=selective"],
     [*MOE, "parallel.ep=2", "parallel.zero=1", "train.precision=bf16"],
+    [*MOE, "parallel.ep=2", "parallel.zero=1", "train.precision=bf16", "parallel.grad_reduce_dtype=bf16"],
     [*MOE, "parallel.ep=2", "parallel.zero=3", "parallel.persist_numel=0"],
     [*MOE, "parallel.ep=2", "train.recompute=full"],
     [*MOE, "parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,7 @@ ZERO_VARIANTS = {
             "train.precision=bf16",
             "parallel.grad_reduce_dtype=bf16",
         ]
-        for z in (2, 3)
+        for z in (1, 2, 3)
     },
     "z3_fp16": [*DP2, "parallel.zero=3", "train.precision=fp16"],
     "z1_fp16": [*DP2, "parallel.zero=1", "train.precision=fp16"],
@@ -166,7 +167,8 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
     assert runs["z3_bf16"]["comm"]["all_gather"] * 2 == runs["z3_fp32"]["comm"]["all_gather"]
     for z in (1, 2):
         assert moved(f"z{z}_bf16") / moved(f"z{z}_fp32") == pytest.approx(3 / 4, rel=0.02)
-    assert moved("z2_bf16_reduce16") / moved("z2_fp32") == pytest.approx(1 / 2, rel=0.02)
+    for z in (1, 2):
+        assert moved(f"z{z}_bf16_reduce16") / moved(f"z{z}_fp32") == pytest.approx(1 / 2, rel=0.02)
     assert runs["z0_bf16_reduce16"]["comm"]["all_reduce"] == pytest.approx(
         single["fp32"]["n_params"] * 2, rel=0.01
     )  # DDP's all-reduce of 16-bit gradients: 2 bytes x 2(N-1)/N per element at N = 2
@@ -182,6 +184,11 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
         state = runs[f"z{z}_bf16"]["state"]
         assert sum(state.values()) == pytest.approx(total, rel=0.01), z
         assert state["grads"] == pytest.approx(4 * psi / (1 if z < 2 else n), rel=0.01), z
+    # ZeRO-1 sending its whole bf16 gradients as backward made them (one micro-batch, bf16 reduction)
+    # keeps only the reduced fp32 shard at the step: ZeRO-2's bytes
+    state = runs["z1_bf16_reduce16"]["state"]
+    assert sum(state.values()) == pytest.approx(expected[2], rel=0.01)
+    assert state["grads"] == pytest.approx(4 * psi / n, rel=0.01)
 
 
 COMPOSED = ["parallel.dp=2", "model.num_key_value_heads=2", "train.global_batch=8", "train.precision=bf16"]
@@ -222,3 +229,95 @@ def test_zero_mixed_precision_composes_with_pp_tp_cp_ep(tmp_path: Path) -> None:
         got = np.array(run["losses"])
         assert (np.abs(got - want) / want).max() < 1e-3, (name, got, want)
         assert run["dtypes"] == ["torch.bfloat16"], name
+
+
+# -- bf16 gradient reduction under ZeRO-1/2: the bits the ZeRO paper's mixed-precision recipe gives ------
+
+
+def _reduced_bf16_grads(stage: int, micro: int) -> dict:
+    """One step of a small MLP (and a parameter no forward uses, but under ZeRO-2 with two micro-batches) under ZeRO ``stage`` with bf16 working
+    weights and ``reduce_dtype=bf16``; the reference is computed here from a plain bf16 copy of the model:
+    each micro-batch's bf16 gradients, accumulated in fp32 over a step's micro-batches (ZeRO-1) or not
+    (ZeRO-2, which reduces every micro-batch), summed over the two ranks in bf16 and kept in fp32."""
+    import copy
+
+    from zerotron.parallel.zero.api import apply_zero
+
+    rank, world = current_rank_and_world()
+    group = ParallelDims(world_size=world, dp=world).build(rank).group("dp")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.SiLU(), torch.nn.Linear(40, 40), torch.nn.Linear(40, 8)
+    )
+    if stage == 1 or micro == 1:  # (ZeRO-2 reduces a bucket with an unused parameter once, at the step)
+        model.register_parameter("unused", torch.nn.Parameter(torch.randn(7)))
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    engine = apply_zero(
+        model, stage, group, bucket_mb=0.004, working_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+    )
+    inputs = [
+        torch.randn(5, 24, generator=torch.Generator().manual_seed(10 * rank + j)) for j in range(micro)
+    ]
+    for j, x in enumerate(inputs):
+        with engine.no_sync() if j < micro - 1 else contextlib.nullcontext():
+            model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+    engine.finish()
+    got = {}
+    for seg in (seg for segs in engine.segments for seg in segs):
+        got.setdefault(seg.name, []).append((seg.start, seg.param.grad.clone()))
+    names = [n for n, _ in ref.named_parameters()]
+    per_micro = []  # this rank's bf16 gradients of each micro-batch (zeros for the unused parameter)
+    for x in inputs:
+        params = list(ref.parameters())
+        grads = torch.autograd.grad(
+            ref(x.to(torch.bfloat16)).float().pow(2).mean(), params, allow_unused=True
+        )
+        per_micro.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+
+    def summed(local: torch.Tensor) -> torch.Tensor:  # over the ranks, in bf16 (two ranks: a + b rounded)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        torch.distributed.all_gather(parts, local)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
+    expected = {}
+    for k, name in enumerate(names):
+        if stage == 1:  # fp32 accumulation over the micro-batches, then one bf16 reduction
+            acc = sum(g[k].float() for g in per_micro)
+            expected[name] = summed(acc.to(torch.bfloat16)).float()
+        else:  # one bf16 reduction per micro-batch, added into the fp32 shard
+            expected[name] = sum(summed(g[k]).float() for g in per_micro)
+    held = engine.state_bytes(torch.optim.SGD(engine.params, lr=0.0))["grads"]
+    shard_elements = sum(layout.shard for layout in engine.layouts)
+    padded = sum(layout.padded for layout in engine.layouts)
+    mismatched = []
+    for name, parts in got.items():
+        flat = expected[name].reshape(-1)
+        for start, grad in parts:
+            if grad.dtype != torch.float32 or not torch.equal(grad, flat[start : start + grad.numel()]):
+                mismatched.append(name)
+    return {
+        "mismatched": mismatched,
+        "held": held,
+        "shard": shard_elements,
+        "padded": padded,
+        "names": sorted(got),
+    }
+
+
+@pytest.mark.parametrize(("stage", "micro"), [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_bf16_reduction_gives_the_bf16_sums_bit_for_bit(stage: int, micro: int) -> None:
+    """``grad_reduce_dtype=bf16`` under bf16, ZeRO-1/2 on 2 ranks, buckets of several parameters, one
+    parameter without a gradient (but for ZeRO-2 with two micro-batches): every fp32 gradient shard the optimizer sees equals, bit for bit, the
+    bf16 sums of the plain model's bf16 gradients (fp32 accumulation over micro-batches for ZeRO-1). With
+    one micro-batch ZeRO-1 holds only the fp32 shard at the step (it sends the bf16 gradients as they are);
+    with two it holds the whole fp32 accumulators."""
+    results = run_distributed(_reduced_bf16_grads, 2, stage, micro)
+    names = {name for r in results for name in r["names"]}
+    assert len(names) == (6 if stage == 2 and micro == 2 else 7), names
+    for r in results:
+        assert r["mismatched"] == [], r
+        whole = stage == 1 and micro > 1
+        assert r["held"] == 4 * (r["padded"] if whole else r["shard"]), r

@@ -180,6 +180,18 @@ def replicated_masters(layout: Layout, work: Workload) -> bool:
     return layout.zero == 0 and working_weights16(layout, work)
 
 
+def whole_grads_sent_16bit(layout: Layout, work: Workload) -> bool:
+    """Whether the engine's ZeRO-1 sends each bucket's whole bf16 gradients as backward made them (one
+    micro-batch per step, ``grad_reduce_dtype=bf16`` under bf16) and keeps only the reduced fp32 shard at
+    the step, as ZeRO-2 does, instead of whole fp32 accumulators."""
+    return (
+        layout.zero == 1
+        and work.precision == "bf16"
+        and layout.grad_reduce_dtype == "bf16"
+        and micro_batches(layout, work) == 1
+    )
+
+
 def micro_batches(layout: Layout, work: Workload) -> int:
     """Micro-batches per optimizer step on one pipeline (gradient accumulation steps)."""
     return work.global_batch // (layout.dp * layout.micro_batch)

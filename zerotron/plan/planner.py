@@ -26,6 +26,7 @@ from zerotron.plan.layout import (
     from_config,
     micro_batches,
     replicated_masters,
+    whole_grads_sent_16bit,
     working_weights16,
 )
 from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
@@ -118,8 +119,9 @@ def stage_memory(
     dp_rank %= data  # hybrid sharding: the rank's place in its block
     if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts and not m.mla:
         working = 2 if working_weights16(layout, work) else 4
+        zero = 2 if whole_grads_sent_16bit(layout, work) else layout.zero  # the gradients' bytes alike
         exact = _zero_states(
-            m, layout.tp, layout.pp, stage, layers, layout.zero, data, dp_rank, layout.bucket_mb, working
+            m, layout.tp, layout.pp, stage, layers, zero, data, dp_rank, layout.bucket_mb, working
         )
     states = _model_states(m, layout, work, convention, sp, exact)
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
@@ -198,6 +200,8 @@ def _model_states(
     zero, dense_ranks, expert_ranks = layout.zero, zero_ranks(layout), expert_zero_ranks(layout)
     if convention == "zerotron" and replicated_masters(layout, work):  # ZeRO-1 of one rank per block
         zero, dense_ranks, expert_ranks = 1, 1, 1
+    elif convention == "zerotron" and whole_grads_sent_16bit(layout, work):
+        zero = 2  # ZeRO-1 holding only the fp32 gradient shard at the step: ZeRO-2's bytes
     dense = mem.StateLayout(dense_ranks, zero, *offload)
     working = 2 if working_weights16(layout, work) else 4
     if not sp.expert_elements:
@@ -348,6 +352,9 @@ def _buffers(
     elif data_ranks(layout) > 1 and layout.zero == 0:
         # The engine's buckets: every bucket's flat copy lives until the step's reduction finishes.
         detail["grad_buckets"] = float(elements * gb)
+    elif data_ranks(layout) > 1 and convention == "zerotron" and whole_grads_sent_16bit(layout, work):
+        # ZeRO-1's whole bf16 gradients, sent as they are: every bucket's lives until the step lands it
+        detail["grad_whole16"] = float(elements * 2)
     elif data_ranks(layout) > 1 and layout.zero in (1, 2):
         # Two reduce-scatter buckets in flight (one filling, one reducing), at most the whole gradient.
         detail["grad_buckets"] = min(2.0 * layout.bucket_mb * 2**20, float(elements * gb))

@@ -128,9 +128,10 @@ class _ShardedBuckets(SyncGate):
     # -- backward (no_sync: ZeRO-1 defers its reduction; ZeRO-2 ignores it) ----------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         i = self._bucket_of[id(param)]
+        reducing = self._reduces_now()
         if self.mixed:
-            self._accumulate(i, param)
-        if not self._reduces_now():
+            self._accumulate(i, param, reducing)
+        if not reducing:
             return
         self._ready[i] += 1
         if self._ready[i] == len(self.layouts[i].slots):
@@ -139,25 +140,36 @@ class _ShardedBuckets(SyncGate):
     def _reduces_now(self) -> bool:
         return self.sync_enabled
 
-    def _accumulate(self, i: int, param: torch.Tensor) -> None:
-        """Mixed precision: add ``param``'s 16-bit gradient into its bucket's fp32 accumulator."""
+    def _accumulate(self, i: int, param: torch.Tensor, reducing: bool = False) -> None:
+        """Mixed precision: add ``param``'s 16-bit gradient into its bucket's accumulator.
+
+        The accumulator is fp32, except when the bucket's first gradient of a step comes on the pass that
+        reduces it (one micro-batch per step; every micro-batch of ZeRO-2) already in the reduction
+        dtype (``grad_reduce_dtype=bf16`` under bf16): then the buffer is in that dtype and is sent as it
+        is, with the same bits as the fp32 accumulator cast back (bf16 → fp32 → bf16 is exact), without
+        the two whole-bucket casts. A second gradient for a slot turns it into fp32 before adding.
+        """
         assert param.grad is not None
+        grad = param.grad.reshape(-1)
         acc = self._acc[i]
         if acc is None:  # filled slot by slot: a slot's first gradient is copied, later ones added
-            acc = self._acc[i] = torch.empty(self.layouts[i].padded, device=param.grad.device)
+            as_sent = reducing and grad.dtype == self.reduce_dtype
+            dtype = grad.dtype if as_sent else torch.float32
+            acc = self._acc[i] = torch.empty(self.layouts[i].padded, dtype=dtype, device=grad.device)
             self._filled[i] = set()
         slot = self._slot_of[id(param)]
-        view = acc[slot.offset : slot.offset + slot.numel]
         if id(param) in self._filled[i]:
-            view.add_(param.grad.reshape(-1))
+            if acc.dtype != torch.float32:
+                acc = self._acc[i] = acc.float()
+            acc[slot.offset : slot.offset + slot.numel].add_(grad)
         else:
-            view.copy_(param.grad.reshape(-1))
+            acc[slot.offset : slot.offset + slot.numel].copy_(grad)
             self._filled[i].add(id(param))
         param.grad = None
 
     def _launch(self, i: int) -> None:
         layout = self.layouts[i]
-        if self.mixed:  # the fp32 accumulator (zeros where no gradient came, on every rank alike)
+        if self.mixed:  # the accumulator (zeros where no gradient came, on every rank alike)
             for slot in layout.slots:  # gradients written without the hook (zero-bubble's deferred BW)
                 if slot.param.grad is not None:
                     self._accumulate(i, slot.param)
@@ -343,7 +355,7 @@ class ZeroStage1(_ShardedBuckets):
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
         # The whole gradients move into the flat buffer the reduce-scatter reads (no second copy); under
-        # mixed precision that is the fp32 accumulator, which the 16-bit parameters cannot point at.
+        # mixed precision that is the accumulator, which the 16-bit parameters cannot point at.
         if not self.mixed:
             for slot, view in zip(self.layouts[i].slots, self.layouts[i].views(flat_grad)):
                 slot.param.grad = view
@@ -358,13 +370,19 @@ class ZeroStage1(_ShardedBuckets):
         layout, flat_grad = self.layouts[i], self.flat_grads[i]
         assert flat_grad is not None
         shard = flat_grad[layout.lo : layout.hi]
-        if out.data_ptr() != shard.data_ptr() or out.dtype != shard.dtype:
+        if flat_grad.dtype != self.masters[i].dtype:
+            # whole 16-bit gradients sent as they were (one micro-batch, bf16 reduction): keep only the
+            # reduced shard, in the optimizer's fp32; the whole buffer goes
+            self.flat_grads[i] = shard = out.to(self.masters[i].dtype)
+        elif out.data_ptr() != shard.data_ptr() or out.dtype != shard.dtype:
             shard.copy_(out)
         segment_grads(self.segments[i], shard)
 
     def _grad_shard(self, i: int) -> torch.Tensor | None:
         flat_grad, layout = self.flat_grads[i], self.layouts[i]
-        return None if flat_grad is None else flat_grad[layout.lo : layout.hi]
+        if flat_grad is None or flat_grad.numel() != layout.padded:
+            return flat_grad  # None, or the shard alone (see _land)
+        return flat_grad[layout.lo : layout.hi]
 
     def _grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.flat_grads if g is not None)
