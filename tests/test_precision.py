@@ -235,10 +235,12 @@ def test_zero_mixed_precision_composes_with_pp_tp_cp_ep(tmp_path: Path) -> None:
 
 
 def _reduced_bf16_grads(stage: int, micro: int) -> dict:
-    """One step of a small MLP (and a parameter no forward uses, but under ZeRO-2 with two micro-batches) under ZeRO ``stage`` with bf16 working
-    weights and ``reduce_dtype=bf16``; the reference is computed here from a plain bf16 copy of the model:
-    each micro-batch's bf16 gradients, accumulated in fp32 over a step's micro-batches (ZeRO-1) or not
-    (ZeRO-2, which reduces every micro-batch), summed over the two ranks in bf16 and kept in fp32."""
+    """Two steps of a small MLP (and a parameter no forward uses, but under ZeRO-2 with two micro-batches)
+    under ZeRO ``stage`` with bf16 working weights and ``reduce_dtype=bf16``, on fresh inputs each (the
+    second step reuses the first's gradient buffers); the reference is computed here from a plain bf16
+    copy of the model: each micro-batch's bf16 gradients, accumulated in fp32 over a step's micro-batches
+    (ZeRO-1) or not (ZeRO-2, which reduces every micro-batch), summed over the two ranks in bf16 and kept
+    in fp32."""
     import copy
 
     from zerotron.parallel.zero.api import apply_zero
@@ -252,27 +254,10 @@ def _reduced_bf16_grads(stage: int, micro: int) -> dict:
     if stage == 1 or micro == 1:  # (ZeRO-2 reduces a bucket with an unused parameter once, at the step)
         model.register_parameter("unused", torch.nn.Parameter(torch.randn(7)))
     ref = copy.deepcopy(model).to(torch.bfloat16)
+    names = [n for n, _ in ref.named_parameters()]
     engine = apply_zero(
         model, stage, group, bucket_mb=0.004, working_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
     )
-    inputs = [
-        torch.randn(5, 24, generator=torch.Generator().manual_seed(10 * rank + j)) for j in range(micro)
-    ]
-    for j, x in enumerate(inputs):
-        with engine.no_sync() if j < micro - 1 else contextlib.nullcontext():
-            model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
-    engine.finish()
-    got = {}
-    for seg in (seg for segs in engine.segments for seg in segs):
-        got.setdefault(seg.name, []).append((seg.start, seg.param.grad.clone()))
-    names = [n for n, _ in ref.named_parameters()]
-    per_micro = []  # this rank's bf16 gradients of each micro-batch (zeros for the unused parameter)
-    for x in inputs:
-        params = list(ref.parameters())
-        grads = torch.autograd.grad(
-            ref(x.to(torch.bfloat16)).float().pow(2).mean(), params, allow_unused=True
-        )
-        per_micro.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
 
     def summed(local: torch.Tensor) -> torch.Tensor:  # over the ranks, in bf16 (two ranks: a + b rounded)
         parts = [torch.empty_like(local) for _ in range(world)]
@@ -282,42 +267,53 @@ def _reduced_bf16_grads(stage: int, micro: int) -> dict:
             total = total + part
         return total
 
-    expected = {}
-    for k, name in enumerate(names):
-        if stage == 1:  # fp32 accumulation over the micro-batches, then one bf16 reduction
-            acc = sum(g[k].float() for g in per_micro)
-            expected[name] = summed(acc.to(torch.bfloat16)).float()
-        else:  # one bf16 reduction per micro-batch, added into the fp32 shard
-            expected[name] = sum(summed(g[k]).float() for g in per_micro)
-    held = engine.state_bytes(torch.optim.SGD(engine.params, lr=0.0))["grads"]
-    shard_elements = sum(layout.shard for layout in engine.layouts)
-    padded = sum(layout.padded for layout in engine.layouts)
-    mismatched = []
-    for name, parts in got.items():
-        flat = expected[name].reshape(-1)
-        for start, grad in parts:
-            if grad.dtype != torch.float32 or not torch.equal(grad, flat[start : start + grad.numel()]):
-                mismatched.append(name)
+    mismatched, held = [], []
+    for step in range(2):
+        seeds = [100 * step + 10 * rank + j for j in range(micro)]
+        inputs = [torch.randn(5, 24, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+        for j, x in enumerate(inputs):
+            with engine.no_sync() if j < micro - 1 else contextlib.nullcontext():
+                model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+        engine.finish()
+        per_micro = []  # this rank's bf16 gradients of each micro-batch (zeros for the unused parameter)
+        for x in inputs:
+            params = list(ref.parameters())
+            loss = ref(x.to(torch.bfloat16)).float().pow(2).mean()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            per_micro.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+        expected = {}
+        for k, name in enumerate(names):
+            if stage == 1:  # fp32 accumulation over the micro-batches, then one bf16 reduction
+                acc = sum(g[k].float() for g in per_micro)
+                expected[name] = summed(acc.to(torch.bfloat16)).float().reshape(-1)
+            else:  # one bf16 reduction per micro-batch, added into the fp32 shard
+                expected[name] = sum(summed(g[k]).float() for g in per_micro).reshape(-1)
+        for seg in (seg for segs in engine.segments for seg in segs):
+            grad, want = seg.param.grad, expected[seg.name][seg.start : seg.start + seg.length]
+            if grad is None or grad.dtype != torch.float32 or not torch.equal(grad, want):
+                mismatched.append((step, seg.name))
+        held.append(engine.state_bytes(torch.optim.SGD(engine.params, lr=0.0))["grads"])
+        engine.zero_grad()
     return {
         "mismatched": mismatched,
         "held": held,
-        "shard": shard_elements,
-        "padded": padded,
-        "names": sorted(got),
+        "shard": sum(layout.shard for layout in engine.layouts),
+        "padded": sum(layout.padded for layout in engine.layouts),
+        "names": sorted({seg.name for segs in engine.segments for seg in segs}),
     }
 
 
 @pytest.mark.parametrize(("stage", "micro"), [(1, 1), (1, 2), (2, 1), (2, 2)])
 def test_bf16_reduction_gives_the_bf16_sums_bit_for_bit(stage: int, micro: int) -> None:
     """``grad_reduce_dtype=bf16`` under bf16, ZeRO-1/2 on 2 ranks, buckets of several parameters, one
-    parameter without a gradient (but for ZeRO-2 with two micro-batches): every fp32 gradient shard the optimizer sees equals, bit for bit, the
-    bf16 sums of the plain model's bf16 gradients (fp32 accumulation over micro-batches for ZeRO-1). With
-    one micro-batch ZeRO-1 holds only the fp32 shard at the step (it sends the bf16 gradients as they are);
-    with two it holds the whole fp32 accumulators."""
+    parameter without a gradient (but for ZeRO-2 with two micro-batches), two steps: every fp32 gradient
+    shard the optimizer sees equals, bit for bit, the bf16 sums of the plain model's bf16 gradients (fp32
+    accumulation over micro-batches for ZeRO-1). With one micro-batch ZeRO-1 holds only the fp32 shard
+    at the step (it sends the bf16 gradients as they are); with two, the whole fp32 accumulators."""
     results = run_distributed(_reduced_bf16_grads, 2, stage, micro)
     names = {name for r in results for name in r["names"]}
     assert len(names) == (6 if stage == 2 and micro == 2 else 7), names
     for r in results:
         assert r["mismatched"] == [], r
         whole = stage == 1 and micro > 1
-        assert r["held"] == 4 * (r["padded"] if whole else r["shard"]), r
+        assert r["held"] == [4 * (r["padded"] if whole else r["shard"])] * 2, r

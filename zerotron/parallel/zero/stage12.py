@@ -103,6 +103,11 @@ class _ShardedBuckets(SyncGate):
         self._pending: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.layouts]
         self._launched = [False] * len(self.layouts)
         self._direct: set[int] = set()  # buckets all-reduced over their replicas at launch (blocks of one)
+        # ZeRO-1 under mixed precision: gradient buffers of the last step, reused by the next (fresh
+        # multi-megabyte buffers every step cost page faults on first touch), by bucket and (dtype,
+        # elements); at most two buckets' bytes are kept, so a large model's steps hold no more memory
+        self._spare: list[dict[tuple[torch.dtype, int], torch.Tensor]] = [{} for _ in self.layouts]
+        self._spare_budget = int(2 * bucket_mb * 2**20)
         self._reset_grads()
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -155,7 +160,7 @@ class _ShardedBuckets(SyncGate):
         if acc is None:  # filled slot by slot: a slot's first gradient is copied, later ones added
             as_sent = reducing and grad.dtype == self.reduce_dtype
             dtype = grad.dtype if as_sent else torch.float32
-            acc = self._acc[i] = torch.empty(self.layouts[i].padded, dtype=dtype, device=grad.device)
+            acc = self._acc[i] = self._take(i, self.layouts[i].padded, dtype, grad.device)
             self._filled[i] = set()
         slot = self._slot_of[id(param)]
         if id(param) in self._filled[i]:
@@ -166,6 +171,19 @@ class _ShardedBuckets(SyncGate):
             acc[slot.offset : slot.offset + slot.numel].copy_(grad)
             self._filled[i].add(id(param))
         param.grad = None
+
+    def _take(self, i: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``numel`` elements for bucket ``i``: the one given back last step, or a new one."""
+        spare = self._spare[i].pop((dtype, numel), None)
+        return spare if spare is not None else torch.empty(numel, dtype=dtype, device=device)
+
+    def _give(self, i: int, buffer: torch.Tensor | None) -> None:
+        """Keep bucket ``i``'s ``buffer``, which nothing references any more, for the next step."""
+        if buffer is None or buffer._base is not None:
+            return
+        kept = sum(t.numel() * t.element_size() for spare in self._spare for t in spare.values())
+        if kept + buffer.numel() * buffer.element_size() <= self._spare_budget:
+            self._spare[i][(buffer.dtype, buffer.numel())] = buffer
 
     def _launch(self, i: int) -> None:
         layout = self.layouts[i]
@@ -351,6 +369,9 @@ class ZeroStage1(_ShardedBuckets):
     flat_grads: list[torch.Tensor | None]
 
     def _reset_grads(self) -> None:
+        if self.mixed and hasattr(self, "flat_grads"):  # the accumulators or shards: the next step's
+            for i, flat_grad in enumerate(self.flat_grads):
+                self._give(i, flat_grad)
         self.flat_grads = [None] * len(self.layouts)
 
     def _keep_whole_grads(self, i: int, flat_grad: torch.Tensor) -> None:
@@ -372,8 +393,10 @@ class ZeroStage1(_ShardedBuckets):
         shard = flat_grad[layout.lo : layout.hi]
         if flat_grad.dtype != self.masters[i].dtype:
             # whole 16-bit gradients sent as they were (one micro-batch, bf16 reduction): keep only the
-            # reduced shard, in the optimizer's fp32; the whole buffer goes
-            self.flat_grads[i] = shard = out.to(self.masters[i].dtype)
+            # reduced shard, in the optimizer's fp32; the whole buffer is the next step's
+            shard = self._take(i, layout.shard, self.masters[i].dtype, out.device)
+            self.flat_grads[i] = shard.copy_(out)
+            self._give(i, flat_grad)
         elif out.data_ptr() != shard.data_ptr() or out.dtype != shard.dtype:
             shard.copy_(out)
         segment_grads(self.segments[i], shard)
