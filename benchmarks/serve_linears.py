@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from zerotron.serve import kernels
-from zerotron.serve.runner import CHUNK_ROWS, _packed_linear
+from zerotron.serve.linears import CHUNK_ROWS, _packed_linear
 
 SHAPES = {
     "qkv": (576, 960),

@@ -23,8 +23,8 @@ from zerotron.config_load import load_config
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.serve.engine import MIN_ROWS, Engine, EngineConfig, RequestError
+from zerotron.serve.linears import CHUNK_ROWS, MIN_ROWS_ONEDNN
 from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, BlockPool, block_hash
-from zerotron.serve.runner import CHUNK_ROWS, MIN_ROWS_ONEDNN
 from zerotron.serve.sampling import SamplingError, SamplingParams, apply_penalties, filter_logits
 
 transformers = pytest.importorskip("transformers")
@@ -542,7 +542,7 @@ def test_chunked_16_bit_linear_rows_do_not_depend_on_the_row_count(
     of rows in the forward, through F.linear in chunks, through F.linear in calls of exactly 32 rows
     (the engine's linears on a GPU) and through oneDNN on the packed weight in chunks. (Unchunked, on an AMX CPU plain F.linear's and oneDNN's bits change from 33 rows up; on
     AVX512-BF16 without AMX, oneDNN's did not in a 40-row check, so that is not asserted here.)"""
-    from zerotron.serve.runner import CHUNK_ROWS, _chunked_linear, _fixed_linear, _packed_linear
+    from zerotron.serve.linears import CHUNK_ROWS, _chunked_linear, _fixed_linear, _packed_linear
 
     g = torch.Generator().manual_seed(0)
     if packed is True and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -587,7 +587,7 @@ def test_wide_16_bit_linear_calls_give_each_row_the_chunks_bits() -> None:
     calls, chunks and mixes of both) is then the bits of the 32-row chunks, so of the row alone. On an
     AMX CPU some counts are found (the long prefill's speed-up) and the others really do differ from the
     chunks (the check is what keeps them out)."""
-    from zerotron.serve.runner import CHUNK_ROWS, WIDE_ROWS, _packed_linear, _pointwise, wide_rows
+    from zerotron.serve.linears import CHUNK_ROWS, WIDE_ROWS, _packed_linear, _pointwise, wide_rows
 
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
@@ -888,7 +888,7 @@ def test_packed_fused_linears_equal_the_models_own(
     model's own nn.Linear forward to rounding, q/k/v biases (Qwen2) included, and frees the dense
     weights."""
     from zerotron.serve import kernels
-    from zerotron.serve.runner import pack_linears
+    from zerotron.serve.linears import pack_linears
 
     _, model = pair
     if bias:
@@ -927,7 +927,7 @@ def test_lean_layers_give_the_packed_models_own_bits(
     call per projection) compute what the packed model's own layers compute, bit for bit: the whole
     forward without a cache, and an engine's greedy tokens and log-probabilities through the paged
     cache (prefill chunks, decodes, one- and several-row runs), with q/k/v biases too."""
-    from zerotron.serve import runner
+    from zerotron.serve import linears, runner
 
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
@@ -936,9 +936,9 @@ def test_lean_layers_give_the_packed_models_own_bits(
         model = _biased_model(seed=6)
     base = copy.deepcopy(model).to(dtype).eval()
     own, lean = copy.deepcopy(base), copy.deepcopy(base)
-    assert runner.pack_linears(own, lean=False) and runner.pack_linears(lean)
-    assert all(isinstance(layer.forward, runner._LeanLayer) for layer in lean.layers)
-    assert not any(isinstance(layer.forward, runner._LeanLayer) for layer in own.layers)
+    assert linears.pack_linears(own, lean=False) and linears.pack_linears(lean)
+    assert all(isinstance(layer.forward, linears._LeanLayer) for layer in lean.layers)
+    assert not any(isinstance(layer.forward, linears._LeanLayer) for layer in own.layers)
     ids = torch.tensor([_prompts([45], seed=10)[0]])
     with torch.no_grad():
         assert torch.equal(lean(ids), own(ids))
@@ -946,9 +946,9 @@ def test_lean_layers_give_the_packed_models_own_bits(
     prompts = _prompts([70, 5, 33], seed=11)
     config = EngineConfig(num_blocks=128, onednn=True, max_num_batched_tokens=40)
     got = _run(Engine(copy.deepcopy(base), None, config), prompts, GREEDY)
-    monkeypatch.setattr(runner, "pack_linears", functools.partial(runner.pack_linears, lean=False))
+    monkeypatch.setattr(runner, "pack_linears", functools.partial(linears.pack_linears, lean=False))
     engine = Engine(copy.deepcopy(base), None, config)
-    assert not isinstance(engine.model.layers[0].forward, runner._LeanLayer)
+    assert not isinstance(engine.model.layers[0].forward, linears._LeanLayer)
     assert got == _run(engine, prompts, GREEDY)
 
 
@@ -958,8 +958,9 @@ def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> Non
     linear in FIXED_ROWS-row calls from one row up and attention through the Triton paged kernel
     where Triton is installed (SDPA when told so)."""
     from zerotron.serve import triton_attention
+    from zerotron.serve.linears import FIXED_ROWS
     from zerotron.serve.paged import KVPool
-    from zerotron.serve.runner import FIXED_ROWS, StepRunner
+    from zerotron.serve.runner import StepRunner
 
     def meta_model() -> LlamaForCausalLM:
         with torch.device("meta"):

@@ -23,7 +23,8 @@ from tests.test_serve_engine import GREEDY, _prompts, _run, transformers_greedy
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve import triton_attention
 from zerotron.serve.engine import Engine, EngineConfig
-from zerotron.serve.runner import CHUNK_ROWS, StepRunner
+from zerotron.serve.linears import CHUNK_ROWS
+from zerotron.serve.runner import StepRunner
 
 if not triton_attention.available():  # the dev install has Triton on x86-64 Linux
     pytest.skip(f"Triton: {triton_attention.why_unavailable()}", allow_module_level=True)

@@ -19,8 +19,8 @@ from zerotron.config_load import ConfigError
 from zerotron.distributed.mesh import Mesh
 from zerotron.serve import kernels, triton_attention
 from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
+from zerotron.serve.linears import onednn_kernels
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
-from zerotron.serve.runner import onednn_kernels
 from zerotron.serve.sampling import SamplingParams
 from zerotron.serve.server import EngineLoop, error_body, logprobs_entry, new_id, sse, stream_outputs
 

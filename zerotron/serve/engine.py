@@ -17,8 +17,9 @@ import torch
 
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.serve.linears import MIN_ROWS
 from zerotron.serve.paged import BlockPool, KVPool
-from zerotron.serve.runner import MIN_ROWS, StepRunner, make_plan
+from zerotron.serve.runner import StepRunner, make_plan
 from zerotron.serve.sampling import Choice, SamplingParams, sample
 from zerotron.serve.scheduler import Scheduler, Sequence, Status
 
