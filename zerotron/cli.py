@@ -377,6 +377,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_args(sft)
     sft.set_defaults(fn=_cmd_sft)
 
+    _add_generate(sub)
+    _add_serve(sub)
+
+    conv = sub.add_parser(
+        "convert",
+        help="convert a GGUF file, HF directory or zerotron checkpoint into a HF directory or a checkpoint",
+    )
+    conv.add_argument("src", help="a .gguf file, a HF directory, or a zerotron checkpoint or run directory")
+    conv.add_argument("dst", help="a new (or empty) directory")
+    conv.add_argument(
+        "--to",
+        choices=["hf", "checkpoint"],
+        default="hf",
+        help="hf: a HF directory transformers loads; checkpoint: a zerotron run directory whose checkpoint "
+        "loads under any layout (as model.path or with --resume)",
+    )
+    conv.add_argument(
+        "--merge-lora",
+        metavar="ADAPTER_DIR",
+        default=None,
+        help="fold a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into the weights",
+    )
+    conv.set_defaults(fn=_cmd_convert)
+
+    _add_plan(sub)
+
+    _add_bench(sub)
+    return parser
+
+
+def _add_generate(sub: Any) -> None:
+    """``zerotron generate``."""
     gen = sub.add_parser("generate", help="generate text from a model (HF directory or GGUF file)")
     gen.add_argument(
         "items", nargs="+", metavar="MODEL", help="Hugging Face directory or .gguf file [parallel.tp=N]"
@@ -396,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(fn=_cmd_generate)
 
+
+def _add_serve(sub: Any) -> None:
+    """``zerotron serve``."""
     srv = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API (paged KV cache, continuous batching)"
     )
@@ -453,32 +488,6 @@ def build_parser() -> argparse.ArgumentParser:
         "shard); under torchrun or srun its ranks",
     )
     srv.set_defaults(fn=_cmd_serve)
-
-    conv = sub.add_parser(
-        "convert",
-        help="convert a GGUF file, HF directory or zerotron checkpoint into a HF directory or a checkpoint",
-    )
-    conv.add_argument("src", help="a .gguf file, a HF directory, or a zerotron checkpoint or run directory")
-    conv.add_argument("dst", help="a new (or empty) directory")
-    conv.add_argument(
-        "--to",
-        choices=["hf", "checkpoint"],
-        default="hf",
-        help="hf: a HF directory transformers loads; checkpoint: a zerotron run directory whose checkpoint "
-        "loads under any layout (as model.path or with --resume)",
-    )
-    conv.add_argument(
-        "--merge-lora",
-        metavar="ADAPTER_DIR",
-        default=None,
-        help="fold a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into the weights",
-    )
-    conv.set_defaults(fn=_cmd_convert)
-
-    _add_plan(sub)
-
-    _add_bench(sub)
-    return parser
 
 
 def _add_plan(sub: Any) -> None:

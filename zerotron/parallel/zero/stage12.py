@@ -108,6 +108,7 @@ class _ShardedBuckets(SyncGate):
         # elements); at most two buckets' bytes are kept, so a large model's steps hold no more memory
         self._spare: list[dict[tuple[torch.dtype, int], torch.Tensor]] = [{} for _ in self.layouts]
         self._spare_budget = int(2 * bucket_mb * 2**20)
+        self._spare_bytes = 0
         self._reset_grads()
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -175,15 +176,19 @@ class _ShardedBuckets(SyncGate):
     def _take(self, i: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of ``numel`` elements for bucket ``i``: the one given back last step, or a new one."""
         spare = self._spare[i].pop((dtype, numel), None)
-        return spare if spare is not None else torch.empty(numel, dtype=dtype, device=device)
+        if spare is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        self._spare_bytes -= spare.numel() * spare.element_size()
+        return spare
 
     def _give(self, i: int, buffer: torch.Tensor | None) -> None:
         """Keep bucket ``i``'s ``buffer``, which nothing references any more, for the next step."""
         if buffer is None or buffer._base is not None:
             return
-        kept = sum(t.numel() * t.element_size() for spare in self._spare for t in spare.values())
-        if kept + buffer.numel() * buffer.element_size() <= self._spare_budget:
-            self._spare[i][(buffer.dtype, buffer.numel())] = buffer
+        size, key = buffer.numel() * buffer.element_size(), (buffer.dtype, buffer.numel())
+        if key not in self._spare[i] and self._spare_bytes + size <= self._spare_budget:
+            self._spare[i][key] = buffer
+            self._spare_bytes += size
 
     def _launch(self, i: int) -> None:
         layout = self.layouts[i]
