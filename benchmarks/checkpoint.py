@@ -40,10 +40,10 @@ import torch.distributed.checkpoint as dcp
 
 from zerotron.checkpoint import store
 from zerotron.checkpoint.async_save import CheckpointWriter
+from zerotron.components.state import RankState, load_checkpoint, model_tensors, optimizer_tensors
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
-from zerotron.distributed.mesh import ParallelDims
-from zerotron.train.state import load_checkpoint, model_tensors, optimizer_tensors
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train.trainer import Trainer
 
 MODEL = [
@@ -123,13 +123,13 @@ def _rounds(trainer: Trainer, out: Path, reps: int) -> dict[str, list[float]]:
 
 
 def _load_args(trainer: Trainer) -> tuple:
-    return trainer.model, trainer.optimizer, trainer.mesh, trainer.zero
+    return (RankState(trainer.model, trainer.optimizer, trainer.mesh, trainer.zero),)
 
 
 def _body(overrides: list[str], out: str, reps: int) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, size=200_000).astype(np.uint16)
     trainer = Trainer(cfg, mesh, Path(out), tokens)
     trainer.train_step()

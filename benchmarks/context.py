@@ -58,14 +58,14 @@ def _trainer_body(overrides_list: list[list[str]], steps: int, run_dir: str) -> 
     """Train ``steps`` steps for each config; rank 0's records (activations, peak, step times)."""
     from zerotron.config_load import load_config
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.train.trainer import Trainer
 
     rank, world = current_rank_and_world()
     out = []
     for i, overrides in enumerate(overrides_list):
         cfg = load_config(None, [*MODEL, *overrides])
-        mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+        mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
         trainer = Trainer(cfg, mesh, Path(run_dir) / str(i), _tokens())
         records = [trainer.train_step() for _ in range(steps)]
         out.append(
@@ -92,11 +92,11 @@ def _deepspeed_body(seq: int, steps: int) -> dict[str, Any]:
     from deepspeed.sequence.layer import DistributedAttention
     from torch import nn
 
+    from zerotron.components.data import DataLoader, PackedDataset
+    from zerotron.components.optim import lr_at
     from zerotron.config_load import load_config
     from zerotron.distributed.launch import current_rank_and_world
     from zerotron.models.llama import LlamaForCausalLM
-    from zerotron.train.data import DataLoader, PackedDataset
-    from zerotron.train.optim import lr_at
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = current_rank_and_world()

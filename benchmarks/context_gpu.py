@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from zerotron.parallel.context.blocks import block_backward, block_forward, merge
+from zerotron.parallel.context.blocks import Block, block_backward, block_forward, merge
 from zerotron.parallel.context.split import runs_of, shard
 
 DEV = "cuda"
@@ -54,13 +54,13 @@ def correctness(dtype: torch.dtype, heads: int, kvh: int, cp: int, seq: int, d: 
         out = torch.zeros_like(qr, dtype=torch.float32)
         lse = torch.full(qr.shape[:-1], float("-inf"), device=DEV)
         for j in range(cp):
-            o, lb = block_forward(qr, ks[j], vs[j], runs[r], runs[j], None, d**-0.5)
+            o, lb = block_forward(qr, ks[j], vs[j], Block(runs[r], runs[j], None, d**-0.5))
             out, lse = merge(out, lse, o, lb)
         worst["out"] = max(worst["out"], _rel(out, shard(ref.detach(), cp, r, 2)))
         dq = torch.zeros_like(qr, dtype=torch.float32)
         for j in range(cp):
             dq_b, dk_b, dv_b = block_backward(
-                qr, ks[j], vs[j], out.to(dtype), gr, lse, runs[r], runs[j], None, d**-0.5
+                qr, ks[j], vs[j], out.to(dtype), gr, lse, Block(runs[r], runs[j], None, d**-0.5)
             )
             dq += dq_b
             dks[j] += dk_b
@@ -100,12 +100,20 @@ def one_rank(seq: int, cp: int, rank: int, documents: Optional[torch.Tensor], b:
         lse = torch.full(q.shape[:-1], float("-inf"), device=DEV)
         for j in range(cp):
             src = runs[(rank - j) % cp]
-            o, lb = block_forward(q, kv[j % 2], kv[(j + 1) % 2], runs[rank], src, documents, d**-0.5)
+            o, lb = block_forward(q, kv[j % 2], kv[(j + 1) % 2], Block(runs[rank], src, documents, d**-0.5))
             out, lse = merge(out, lse, o, lb)
         dq = torch.zeros_like(q, dtype=torch.float32)
         for j in range(cp):
             src = runs[(rank - j) % cp]
-            args = (q, kv[j % 2], kv[(j + 1) % 2], out.to(dt), grad, lse, runs[rank], src, documents, d**-0.5)
+            args = (
+                q,
+                kv[j % 2],
+                kv[(j + 1) % 2],
+                out.to(dt),
+                grad,
+                lse,
+                Block(runs[rank], src, documents, d**-0.5),
+            )
             dq += block_backward(*args)[0]
 
     run()  # warm-up

@@ -33,7 +33,7 @@ MEASURE = textwrap.dedent(
     """
     import json, resource, sys, time
     import torch, gguf, safetensors  # everything convert imports, so the baseline includes them
-    from zerotron.checkpoint.convert import convert
+    from zerotron.build.convert import convert
     from zerotron.models.loading import load_pretrained
     from zerotron.models.hf import write_hf_directory
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -54,16 +54,16 @@ def _tp3_checkpoint(gguf: str, run_dir: str) -> None:
     """One rank of three: SmolLM2 under tp 3, saved at step 0."""
     import numpy as np
 
+    from zerotron.build.source import resolve_model
     from zerotron.config_load import load_config
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
-    from zerotron.train import run as train_run
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.train.trainer import Trainer
 
     overrides = [f"model.path={gguf}", "parallel.tp=3", "train.seq_len=16", "train.global_batch=1"]
-    cfg = train_run.resolve_model(load_config(None, [*overrides, "train.micro_batch=1"]))
+    cfg = resolve_model(load_config(None, [*overrides, "train.micro_batch=1"]))
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     Trainer(cfg, mesh, Path(run_dir), np.zeros(64, dtype=np.uint16)).save()
 
 

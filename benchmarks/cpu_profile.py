@@ -60,10 +60,10 @@ def _thread_scaling() -> float:
 def _latency_worker() -> None:
     from zerotron.distributed import collectives
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
 
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, world, 1, 1, 1, 1, 0).build(rank)
+    mesh = Mesh(ParallelDims(world, world, 1, 1, 1, 1, 0), rank)
     for numel, repeats in ((4, 300), (128 * 1024, 100), (2 * 1024 * 1024, 20)):
         t = torch.ones(numel)
         times = []

@@ -158,11 +158,11 @@ def _step_time(hang_timeout: float, run: Path) -> float:
 def _agree_body(calls: int) -> float:
     """Seconds per stop agreement (the per-step all-reduce of the fault machinery) on this rank."""
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.train.fault import agree
 
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=world), rank)
     agree(mesh, False)
     start = time.perf_counter()
     for _ in range(calls):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from zerotron.components.generate import GenerateOptions, generate
 from zerotron.models.loading import load_pretrained
-from zerotron.serve.generate import generate
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (
@@ -65,7 +65,7 @@ def main() -> None:
     n = args.new_tokens
 
     def zerotron_run(k: int) -> None:
-        generate(ours, tokenizer, ids, max_new_tokens=k, stop_ids=[])
+        generate(ours, tokenizer, ids, GenerateOptions(max_new_tokens=k, stop_ids=[]))
 
     def hf_run(k: int) -> None:
         with torch.inference_mode():

@@ -115,9 +115,9 @@ def one_rank_trainer(args: list[str]) -> Any:
     the run prepared as ``zerotron train`` prepares it, in a fresh temporary run directory."""
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
         os.environ.setdefault(k, v)
+    from zerotron.components.data import load_tokens
     from zerotron.distributed.launch import init_distributed
-    from zerotron.distributed.mesh import ParallelDims
-    from zerotron.train.data import load_tokens
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.train.run import load_job_config, prepare_run
     from zerotron.train.trainer import Trainer
 
@@ -125,7 +125,7 @@ def one_rank_trainer(args: list[str]) -> Any:
     run_dir = Path(tempfile.mkdtemp(prefix="zerotron_bench_"))
     cfg = load_job_config(None, args, 1, report=False)
     prepare_run(cfg, run_dir)
-    mesh = ParallelDims.from_config(cfg.parallel, 1).build(0)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, 1), 0)
     return Trainer(cfg, mesh, run_dir, load_tokens(str(run_dir / "tokens.npy")))
 
 

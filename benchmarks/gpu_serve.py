@@ -44,10 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from zerotron.components.generate import GenerateOptions, generate  # noqa: E402
+from zerotron.components.sampling import SamplingParams  # noqa: E402
 from zerotron.models.loading import load_pretrained  # noqa: E402
 from zerotron.serve.engine import Engine, EngineConfig  # noqa: E402
-from zerotron.serve.generate import generate  # noqa: E402
-from zerotron.serve.sampling import SamplingParams  # noqa: E402
 
 SCALE = 3.0  # the embedding's (tied head's) scale: sharper logits, not saturated ones
 SMOLLM2 = dict(
@@ -187,7 +187,7 @@ def peers(model: Any, hf: Any, prompts: list[list[int]], device: torch.device, n
     t0 = time.perf_counter()
     made = 0
     for prompt in prompts[:8]:
-        made += len(generate(model, None, prompt, new, stop_ids=[])["ids"])
+        made += len(generate(model, None, prompt, GenerateOptions(max_new_tokens=new, stop_ids=[]))["ids"])
     sync(device)
     out["zerotron generate, sequential"] = {"output_tokens_per_s": made / (time.perf_counter() - t0)}
     return out

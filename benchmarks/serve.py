@@ -189,13 +189,14 @@ def offline_baselines(
     """transformers' continuous batching and sequential zerotron generate: output tokens per second."""
     import torch
 
-    from zerotron.serve.generate import generate, load_model
+    from zerotron.build.builder import load_model
+    from zerotron.components.generate import GenerateOptions, generate
 
     out: dict[str, dict[str, float]] = {}
     model, tok = load_model(model_dir, torch.float32, "cpu")
     t0 = time.perf_counter()
     for prompt in prompts:
-        generate(model, tok, prompt, output_len, stop_ids=[])
+        generate(model, tok, prompt, GenerateOptions(max_new_tokens=output_len, stop_ids=[]))
     wall = time.perf_counter() - t0
     out["zerotron generate (sequential)"] = {
         "output_tokens_per_s": len(prompts) * output_len / wall,

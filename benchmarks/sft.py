@@ -107,8 +107,7 @@ def run_peft(model: str, data: Path, args: argparse.Namespace) -> dict[str, Any]
     import torch
     import transformers
 
-    from zerotron.finetune.data import Row, encode_conversation, to_messages
-    from zerotron.finetune.sft import TEMPLATES
+    from zerotron.components.supervised import TEMPLATES, Row, encode_conversation, to_messages
     from zerotron.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from zerotron.components.data import DataLoader, PackedDataset, prepare_tokens
+from zerotron.components.optim import build_optimizer
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world, spawn
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
-from zerotron.train.data import DataLoader, PackedDataset, prepare_tokens
-from zerotron.train.optim import build_optimizer
 from zerotron.train.trainer import Trainer
 
 WARMUP = 3
@@ -37,7 +37,7 @@ def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
 
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     times = [trainer.train_step()["step_time_s"] for _ in range(cfg.train.steps)]
     return _report(cfg, times)

@@ -25,19 +25,19 @@ from tests.test_train_dp import BASE, _tokens
 from tests.test_train_resume import SMALL, _losses
 from zerotron.checkpoint import store
 from zerotron.checkpoint.async_save import CheckpointWriter
+from zerotron.components.state import read_model_tensors
 from zerotron.config_load import load_config
 from zerotron.distributed import collectives
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train import run as train_run
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 
 def _same_state_sync_and_async(overrides: list[str], run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), _tokens())
     for _ in range(2):
         trainer.train_step()
@@ -93,13 +93,15 @@ def test_async_save_writes_the_bytes_of_a_sync_save(layout: list[str], tmp_path:
 def test_resume_from_async_checkpoints_equals_straight_run(tmp_path: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
     every = [*SMALL, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=2"]
-    train_run.launch_training(None, every, 2, out=str(straight))
+    train_run.launch_training(None, every, 2, train_run.LaunchOptions(out=str(straight)))
     async_run = [*every, "checkpoint.async_save=true"]
-    train_run.launch_training(None, [*async_run, "train.exit_step=5"], 2, out=str(split))
+    train_run.launch_training(
+        None, [*async_run, "train.exit_step=5"], 2, train_run.LaunchOptions(out=str(split))
+    )
     root = split / "checkpoints"
     # Saves at steps 2 and 4 while training went on, and 5 at the exit; keep-last-2 pruned step 2.
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000005"]
-    train_run.launch_training(None, async_run, 2, out=str(split), resume="auto")
+    train_run.launch_training(None, async_run, 2, train_run.LaunchOptions(out=str(split), resume="auto"))
     a, b = _losses(straight), _losses(split)
     assert len(a) == 10 and b == a  # bitwise on CPU fp32: steps 1-5, then 6-10 after the resume
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000008", "step_00000010"]
@@ -114,7 +116,7 @@ def _error_while_writing(overrides: list[str], run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
     trainer = Trainer(
-        cfg, ParallelDims.from_config(cfg.parallel, world).build(rank), Path(run_dir), _tokens()
+        cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), _tokens()
     )
     original = store.write_tensors
 

@@ -16,7 +16,7 @@ from zerotron.checkpoint import store
 from zerotron.cli import main
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train.run import resolve_resume, train_worker
 from zerotron.train.trainer import Trainer
 
@@ -50,7 +50,7 @@ def _rank_model_path(run_dir: str, out: str) -> dict[str, int]:
     counts = _counting()
     rank, world = current_rank_and_world()
     cfg = load_config(None, [*SMALL, f"model.path={run_dir}"])
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     Trainer(cfg, mesh, Path(out), np.arange(4096, dtype=np.int64) % 200)
     return dict(counts)
 

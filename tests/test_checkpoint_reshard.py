@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from zerotron.checkpoint import store
+from zerotron.components.state import read_model_tensors
 from zerotron.train import run as train_run
-from zerotron.train.state import read_model_tensors
 
 SMALL = [
     "model.hidden_size=32",
@@ -58,12 +58,16 @@ def test_continue_under_another_layout(
 ) -> None:
     (na, layout_a), (nb, layout_b) = a, b
     straight, first, second = tmp_path / "straight", tmp_path / "first", tmp_path / "second"
-    train_run.launch_training(None, [*SMALL, *layout_a], na, out=str(straight))
-    train_run.launch_training(None, [*SMALL, *layout_a, "train.exit_step=5"], na, out=str(first))
+    train_run.launch_training(None, [*SMALL, *layout_a], na, train_run.LaunchOptions(out=str(straight)))
+    train_run.launch_training(
+        None, [*SMALL, *layout_a, "train.exit_step=5"], na, train_run.LaunchOptions(out=str(first))
+    )
     ckpt = store.find_latest(first / "checkpoints")
     assert ckpt is not None and ckpt.name == "step_00000005"
     capfd.readouterr()
-    train_run.launch_training(None, [*SMALL, *layout_b], nb, out=str(second), resume=str(ckpt))
+    train_run.launch_training(
+        None, [*SMALL, *layout_b], nb, train_run.LaunchOptions(out=str(second), resume=str(ckpt))
+    )
     assert "resharded from" in capfd.readouterr().out
     ref, got = _losses(straight), _losses(second)
     assert sorted(got) == [6, 7, 8, 9, 10]

@@ -181,7 +181,7 @@ def test_a_cuda_device_is_refused_in_one_line_where_it_cannot_serve(
     import argparse
 
     from zerotron.cli import build_parser
-    from zerotron.serve.app import engine_config
+    from zerotron.serve.command import engine_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for command in (["serve", "model.gguf"], ["generate", "model.gguf", "--prompt", "hi"]):
@@ -233,7 +233,7 @@ def test_tensor_parallel_ranks_talk_over_gloo_on_the_cpu_and_nccl_on_gpus(
     from tests.test_llama import BASE
     from zerotron.distributed import launch
     from zerotron.models.hf import config_to_hf
-    from zerotron.serve.generate import rank_device
+    from zerotron.serve.devices import rank_device
 
     model = tmp_path / "model"
     model.mkdir()

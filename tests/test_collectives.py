@@ -18,7 +18,7 @@ from torch.testing import assert_close
 from tests.harness import run_distributed
 from zerotron.distributed import collectives as C
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 
 WORLD = 4
 AXES = ("tp", "dp", "world", "pp")
@@ -88,7 +88,7 @@ def _check_group(g: Any, rank: int) -> None:
 
 def _body(trace_name: str) -> dict[str, Any]:
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=2, tp=2).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=2, tp=2), rank)
     mesh.stats.reset()
     for axis in AXES:
         _check_group(mesh.group(axis), rank)
@@ -130,7 +130,7 @@ def _body(trace_name: str) -> dict[str, Any]:
     fallback = mesh.stats.snapshot()
 
     # neighbours on a pp=2 x cp=2 mesh, and a CP ring exchange (isend to next, irecv from previous)
-    ring = ParallelDims(world, dp=1, pp=2, cp=2).build(rank)
+    ring = Mesh(ParallelDims(world, dp=1, pp=2, cp=2), rank)
     cp = ring.group("cp")
     got = torch.empty(3)
     sent = C.send(_x(rank, 3), ring.cp_next, cp, async_op=True)

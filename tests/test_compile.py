@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from zerotron.components.loss import IGNORE, token_loss_sum
 from zerotron.config_check import has_cxx_compiler
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
-from zerotron.train.loss import IGNORE, token_loss_sum
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train.trainer import Trainer
 
 # torch.compile builds C++ kernels on the CPU: without a compiler train.compile is refused (tested in
@@ -47,7 +47,7 @@ def _train(run_dir: str, extra: list[str]) -> dict:
     rank, world = current_rank_and_world()
     tokens = np.random.default_rng(7).integers(0, 256, size=8192).astype(np.uint16)
     cfg = load_config(None, [*BASE, *extra])
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     records = [trainer.train_step() for _ in range(3)]
     # ZeRO-3's parameters exist only while gathered: read them inside full_params() (its fp32 masters)
@@ -174,15 +174,21 @@ def test_compiled_run_resumes_exactly_and_checkpoints_equal_eager(tmp_path: Path
     """Checkpoints of a compiled run hold the same names and values as an eager run's, and a resumed
     compiled run continues bit for bit (CPU, fp32)."""
     from zerotron.checkpoint import store
+    from zerotron.components.state import read_model_tensors
     from zerotron.train import run as train_run
-    from zerotron.train.state import read_model_tensors
 
     args = [*BASE, "train.steps=6", "train.lr=1e-2", "data.max_bytes=60000"]
     straight, split, eager = tmp_path / "straight", tmp_path / "split", tmp_path / "eager"
-    train_run.launch_training(None, [*args, "train.compile=true"], 2, out=str(straight))
-    train_run.launch_training(None, [*args, "train.compile=true", "train.exit_step=3"], 2, out=str(split))
-    train_run.launch_training(None, [*args, "train.compile=true"], 2, out=str(split), resume="auto")
-    train_run.launch_training(None, args, 2, out=str(eager))
+    train_run.launch_training(
+        None, [*args, "train.compile=true"], 2, train_run.LaunchOptions(out=str(straight))
+    )
+    train_run.launch_training(
+        None, [*args, "train.compile=true", "train.exit_step=3"], 2, train_run.LaunchOptions(out=str(split))
+    )
+    train_run.launch_training(
+        None, [*args, "train.compile=true"], 2, train_run.LaunchOptions(out=str(split), resume="auto")
+    )
+    train_run.launch_training(None, args, 2, train_run.LaunchOptions(out=str(eager)))
 
     def losses(run: Path) -> list[float]:
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -13,7 +13,7 @@ import torch
 
 from tests.harness import run_distributed
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.parallel.context.attention import context_groups
 from zerotron.parallel.context.blocks import reference_attention
 from zerotron.parallel.context.split import check_split, local_index, runs_of, shard, unshard
@@ -43,7 +43,7 @@ def _inputs(heads: int, kv_heads: int, seq: int, documents: bool) -> tuple[torch
 
 def _body(cases: list[tuple[str, int, int, int]], seq: int, documents: bool) -> list[float]:
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=1, cp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, cp=world), rank)
     errors = []
     for mode, heads, kv_heads, u in cases:
         q, k, v, grad, docs = _inputs(heads, kv_heads, seq, documents)
@@ -115,7 +115,7 @@ def _deepspeed_body(seq: int, heads: int, kv_heads: int) -> dict[str, torch.Tens
     out_ds = attention(*theirs, 1)  # batch dim 1
     out_ds.backward(grad[:, :, rank * part : (rank + 1) * part].permute(2, 0, 1, 3))
 
-    mesh = ParallelDims(world, dp=1, cp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, cp=world), rank)
     mine = [shard(t, world, rank, dim=2).detach().requires_grad_() for t in (q, k, v)]
     runs = [runs_of(seq, world, r) for r in range(world)]
     out = context_groups(mesh, "ulysses").attend(*mine, runs, None, 8**-0.5)

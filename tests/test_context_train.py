@@ -20,14 +20,14 @@ from tests.harness import run_distributed
 from tests.test_train_3d import TINY, _body, _check_weights
 from tests.test_train_dp import _reference, _tokens
 from zerotron.checkpoint import store
+from zerotron.components.data import DataLoader, SupervisedDataset
+from zerotron.components.loss import IGNORE
+from zerotron.components.state import read_model_tensors
 from zerotron.config_check import validate
 from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.train.data import DataLoader, SupervisedDataset
-from zerotron.train.loss import IGNORE
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 STEPS = 8
@@ -134,7 +134,7 @@ def _chat_reference(overrides: list[str], rows: np.ndarray) -> tuple[list[float]
 def _chat_body(overrides: list[str], rows: np.ndarray, run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), SupervisedDataset(rows, packed=True))
     history = [trainer.train_step() for _ in range(STEPS)]
     return {

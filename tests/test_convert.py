@@ -13,16 +13,17 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from zerotron.build.convert import convert
+from zerotron.build.source import resolve_model
 from zerotron.checkpoint import store
-from zerotron.checkpoint.convert import convert
+from zerotron.components.state import read_model_tensors
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.hf import read_hf_weights, write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import ModelLoadError
 from zerotron.train import run as train_run
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 TINY = [
@@ -58,7 +59,7 @@ def test_sharded_output_loads_in_transformers(tmp_path: Path) -> None:
 
 def test_pipeline_checkpoint_to_hf_has_identical_tensors(tmp_path: Path) -> None:
     overrides = [*TINY, "parallel.pp=2", *TWO_STEPS]
-    train_run.launch_training(None, overrides, 2, out=str(tmp_path / "run"))
+    train_run.launch_training(None, overrides, 2, train_run.LaunchOptions(out=str(tmp_path / "run")))
     ckpt = store.find_latest(tmp_path / "run" / "checkpoints")
     assert ckpt is not None and (ckpt / "shard.rank1.safetensors").is_file()  # stage 1 wrote its own
     convert(tmp_path / "run", tmp_path / "hf")  # a run directory: its newest checkpoint
@@ -88,11 +89,13 @@ def test_hf_to_checkpoint_trains_under_a_pipeline_from_the_same_weights(tmp_path
     # The same weights from the HF directory (one process, and each pipeline stage reading only its
     # tensors' slices) and from the converted checkpoint under pp 2: the same losses.
     common = TWO_STEPS
-    train_run.launch_training(None, [*common, f"model.path={tmp_path / 'hf'}"], 1, out=str(tmp_path / "a"))
+    train_run.launch_training(
+        None, [*common, f"model.path={tmp_path / 'hf'}"], 1, train_run.LaunchOptions(out=str(tmp_path / "a"))
+    )
     pp_run = [*common, f"model.path={tmp_path / 'ck'}", "parallel.pp=2"]
-    train_run.launch_training(None, pp_run, 2, out=str(tmp_path / "b"))
+    train_run.launch_training(None, pp_run, 2, train_run.LaunchOptions(out=str(tmp_path / "b")))
     pp_hf = [*common, f"model.path={tmp_path / 'hf'}", "parallel.pp=2"]
-    train_run.launch_training(None, pp_hf, 2, out=str(tmp_path / "c"))
+    train_run.launch_training(None, pp_hf, 2, train_run.LaunchOptions(out=str(tmp_path / "c")))
     losses = [
         [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         for run in ("a", "b", "c")
@@ -118,8 +121,8 @@ MEASURE = textwrap.dedent(
     """
     import json, sys
     import torch, gguf, safetensors  # everything convert imports, so the baseline includes them
-    from zerotron.checkpoint.convert import convert
-    from zerotron.train.trainer import peak_memory_bytes  # VmHWM: not the spawning pytest's ru_maxrss
+    from zerotron.build.convert import convert
+    from zerotron.components.metrics import peak_memory_bytes  # VmHWM: not the spawning pytest's ru_maxrss
     base = peak_memory_bytes(torch.device("cpu"))
     convert(sys.argv[1], sys.argv[2], shard_bytes=64 * 2**20)
     peak = peak_memory_bytes(torch.device("cpu"))
@@ -153,9 +156,9 @@ def test_smollm2_conversion_streams(tmp_path: Path) -> None:
 def _smollm2_tp3_save_load_save(gguf: str, run_dir: str) -> None:
     """SmolLM2 loaded under tp 3, saved, loaded back under tp 3 and saved again (steps 0 and 1)."""
     overrides = [f"model.path={gguf}", "parallel.tp=3", "train.seq_len=16", "train.global_batch=1"]
-    cfg = train_run.resolve_model(load_config(None, [*overrides, "train.micro_batch=1"]))
+    cfg = resolve_model(load_config(None, [*overrides, "train.micro_batch=1"]))
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), np.zeros(64, dtype=np.uint16))
     first = trainer.save()
     trainer.resume(str(first))

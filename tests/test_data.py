@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from zerotron.components.data import DataError, DataLoader, PackedDataset, prepare_tokens, stdlib_files
 from zerotron.config import DataConfig
 from zerotron.models.tokenizer import ByteTokenizer
-from zerotron.train.data import DataError, DataLoader, PackedDataset, prepare_tokens, stdlib_files
 
 EOS = ByteTokenizer.eos_id
 

@@ -48,11 +48,11 @@ import torch.nn.functional as F
 
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _tokens
+from zerotron.components.data import DataLoader, PackedDataset
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.trainer import Trainer
 
 if importlib.util.find_spec("deepspeed") is None:  # a dev dependency: its absence is an error, not a skip
@@ -116,7 +116,7 @@ def _deepspeed_body(
 def _zerotron_body(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build(rank), Path(run_dir), tokens)
+    trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)
     losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
     assert trainer.zero is not None
     with trainer.zero.full_params():

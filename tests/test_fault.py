@@ -214,12 +214,12 @@ def _listening() -> list[str]:
 def _listening_body() -> list[str]:
     from zerotron.distributed import collectives
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
 
     rank, world = current_rank_and_world()
     import torch
 
-    collectives.all_reduce(torch.ones(4), ParallelDims(world, dp=world).build(rank).group("dp"))
+    collectives.all_reduce(torch.ones(4), Mesh(ParallelDims(world, dp=world), rank).group("dp"))
     return _listening()
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
+from zerotron.components.generate import GenerateOptions, TextStream, generate, sample_next
 from zerotron.config_load import load_config
 from zerotron.models.hf import write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
-from zerotron.serve.generate import TextStream, generate, run_generate, sample_next
+from zerotron.serve.generate import GenerateJob, run_generate
 
 CFG = load_config(None, ["model.preset=tiny"]).model
 CFG = dataclasses.replace(CFG, num_hidden_layers=2, hidden_size=64, intermediate_size=128)
@@ -31,7 +32,7 @@ def _model() -> LlamaForCausalLM:
 def test_greedy_equals_brute_force_without_cache() -> None:
     model, tok = _model(), ByteTokenizer()
     prompt = tok.encode("def main():")
-    result = generate(model, tok, prompt, max_new_tokens=20, stop_ids=[])
+    result = generate(model, tok, prompt, GenerateOptions(max_new_tokens=20, stop_ids=[]))
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(20):
@@ -44,12 +45,28 @@ def test_greedy_equals_brute_force_without_cache() -> None:
 def test_sampling_is_seeded_and_limits_apply() -> None:
     model, tok = _model(), ByteTokenizer()
     prompt = tok.encode("x = ")
-    a = generate(model, tok, prompt, 15, temperature=1.0, seed=3, stop_ids=[])
-    b = generate(model, tok, prompt, 15, temperature=1.0, seed=3, stop_ids=[])
+    a = generate(model, tok, prompt, GenerateOptions(max_new_tokens=15, temperature=1.0, seed=3, stop_ids=[]))
+    b = generate(model, tok, prompt, GenerateOptions(max_new_tokens=15, temperature=1.0, seed=3, stop_ids=[]))
     assert a["ids"] == b["ids"]
-    greedy = generate(model, tok, prompt, 15, stop_ids=[])["ids"]
-    assert generate(model, tok, prompt, 15, temperature=0.7, top_k=1, seed=1, stop_ids=[])["ids"] == greedy
-    assert generate(model, tok, prompt, 15, temperature=0.7, top_p=1e-6, seed=1, stop_ids=[])["ids"] == greedy
+    greedy = generate(model, tok, prompt, GenerateOptions(max_new_tokens=15, stop_ids=[]))["ids"]
+    assert (
+        generate(
+            model,
+            tok,
+            prompt,
+            GenerateOptions(max_new_tokens=15, temperature=0.7, top_k=1, seed=1, stop_ids=[]),
+        )["ids"]
+        == greedy
+    )
+    assert (
+        generate(
+            model,
+            tok,
+            prompt,
+            GenerateOptions(max_new_tokens=15, temperature=0.7, top_p=1e-6, seed=1, stop_ids=[]),
+        )["ids"]
+        == greedy
+    )
 
 
 def test_top_k_and_top_p_sample_only_allowed_tokens() -> None:
@@ -66,10 +83,13 @@ def test_top_k_and_top_p_sample_only_allowed_tokens() -> None:
 def test_stops_after_a_stop_id() -> None:
     model, tok = _model(), ByteTokenizer()
     prompt = tok.encode("abc")
-    free = generate(model, tok, prompt, 12, stop_ids=[])["ids"]
+    free = generate(model, tok, prompt, GenerateOptions(max_new_tokens=12, stop_ids=[]))["ids"]
     stop = free[4]
     first = free.index(stop)
-    assert generate(model, tok, prompt, 12, stop_ids=[stop])["ids"] == free[: first + 1]
+    assert (
+        generate(model, tok, prompt, GenerateOptions(max_new_tokens=12, stop_ids=[stop]))["ids"]
+        == free[: first + 1]
+    )
 
 
 def test_stream_prints_whole_characters() -> None:
@@ -100,7 +120,11 @@ def test_run_generate_from_hf_directory(tmp_path: Path) -> None:
     }
     write_hf_directory(_model(), tmp_path, tokenizer_files=files)
     out, stats = io.StringIO(), io.StringIO()
-    result = run_generate(str(tmp_path), "hello", chat=True, max_new_tokens=8, out=out, stats=stats)
+    result = run_generate(
+        GenerateJob(str(tmp_path), "hello", GenerateOptions(max_new_tokens=8), chat=True),
+        out=out,
+        stats=stats,
+    )
     assert out.getvalue() == result["text"] + "\n"
     assert result["new_tokens"] == 8
     assert "decode 8 tokens" in stats.getvalue()

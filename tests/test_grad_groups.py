@@ -22,10 +22,10 @@ from torch import nn
 from tests.harness import run_distributed
 from zerotron.distributed import collectives
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.placement import grad_groups, placements, set_grad_axis
-from zerotron.parallel.zero.api import apply_zero
+from zerotron.parallel.zero.api import ZeroOptions, apply_zero
 
 WORLD, H = 4, 8
 
@@ -50,7 +50,7 @@ class _Net(nn.Module):
 def _body(kind: str) -> dict[str, float]:
     rank, world = current_rank_and_world()
     dims = ParallelDims(world_size=world, dp=world, ep=2)
-    mesh = dims.build(rank)
+    mesh = Mesh(dims, rank)
     model = _Net(expert_seed=mesh.group("ep").rank_in_group)
     reference = copy.deepcopy(model)
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(rank))
@@ -72,7 +72,7 @@ def _body(kind: str) -> dict[str, float]:
         reducer.finish()
         got = {n: p.grad.reshape(-1) for n, p in model.named_parameters()}
         return {n: _rel(got[n], expected[n]) for n in expected}
-    engine = apply_zero(model, int(kind[-1]), groups, bucket_mb=1e-4, persist_numel=H + 1)
+    engine = apply_zero(model, groups, ZeroOptions(int(kind[-1]), bucket_mb=1e-4, persist_numel=H + 1))
     model(x).square().sum().backward()
     engine.finish()
     errors = {}
@@ -104,12 +104,12 @@ def test_zero3_refuses_a_module_whose_parameters_reduce_over_two_groups() -> Non
 
 def _mixed_module() -> str:
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world_size=world, dp=world, ep=2).build(rank)
+    mesh = Mesh(ParallelDims(world_size=world, dp=world, ep=2), rank)
     layer = nn.Linear(H, H)
     set_grad_axis(layer, "bias", "edp")
     model = nn.Sequential(nn.ModuleList([layer]))
     try:
-        apply_zero(model, 3, grad_groups(placements(model), mesh.group), persist_numel=0)
+        apply_zero(model, grad_groups(placements(model), mesh.group), ZeroOptions(3, persist_numel=0))
     except ValueError as e:
         return str(e)
     return "accepted"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zerotron.checkpoint.convert import convert
+from zerotron.build.convert import convert
 from zerotron.config import ModelConfig
 from zerotron.models.hf import to_hf_name, write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM

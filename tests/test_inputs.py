@@ -14,11 +14,11 @@ import pytest
 from tests.harness import run_distributed
 from zerotron.checkpoint import store
 from zerotron.cli import main
+from zerotron.components.optim import lr_at
 from zerotron.config_deepspeed import from_deepspeed
 from zerotron.config_load import ConfigError
 from zerotron.models.tokenizer import ByteTokenizer, HFTokenizer
 from zerotron.train import run_dir as run_dir_lock
-from zerotron.train.optim import lr_at
 
 TINY = [
     "model.num_hidden_layers=2",
@@ -450,11 +450,12 @@ def test_deepspeed_refusals_are_listed_together(tmp_path: Path) -> None:
     assert "\n" not in message
 
 
-def test_readme_plan_example_prints_what_the_planner_prints(capsys: pytest.CaptureFixture[str]) -> None:
-    """Every `$ zerotron plan ...` transcript in the README is the planner's current output."""
+def test_docs_plan_example_prints_what_the_planner_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every `$ zerotron plan ...` transcript in the user guide's planning page is the planner's current
+    output."""
     import shlex
 
-    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text().splitlines()
     transcripts, i = [], 0
     while i < len(lines):
         if lines[i].startswith("$ zerotron plan"):

@@ -17,14 +17,14 @@ import torch
 from tests.harness import distributed, run_distributed
 from zerotron.distributed import collectives as C
 from zerotron.distributed.launch import LaunchError, current_rank_and_world, free_port
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fail_and_die() -> None:
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=world), rank)
     # every rank's groups are connected before one fails and one dies: otherwise a rank still
     # connecting a group with the dead one fails there, not with its own error (a race seen in CI);
     # on the default group, outside zerotron's counted collectives, so rank 0's wait is barrier #1
@@ -51,7 +51,7 @@ def test_failing_and_dying_ranks_are_reported() -> None:
 
 def _hang() -> None:
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
     C.barrier(mesh.group("world"))
     if rank == 0:
         out = torch.empty(2 * world)
@@ -73,7 +73,7 @@ def test_hang_names_the_waiting_collective() -> None:
 def test_decorator_runs_body_on_every_rank() -> None:
     rank, world = current_rank_and_world()
     assert world == 2
-    mesh = ParallelDims(world, dp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=world), rank)
     t = torch.tensor([float(rank + 1)])  # (1,)
     C.all_reduce(t, mesh.group("dp"))
     assert t.item() == 3.0
@@ -85,11 +85,11 @@ def test_spawn_under_torchrun_runs_in_place(tmp_path: Path) -> None:
         textwrap.dedent(
             """
             import json, sys, torch
-            from zerotron.distributed import ParallelDims, collectives, current_rank_and_world, spawn
+            from zerotron.distributed import Mesh, ParallelDims, collectives, current_rank_and_world, spawn
 
             def body(x):
                 rank, world = current_rank_and_world()
-                mesh = ParallelDims(world, dp=world).build(rank)
+                mesh = Mesh(ParallelDims(world, dp=world), rank)
                 t = torch.tensor([float(rank) + x])
                 collectives.all_reduce(t, mesh.group("dp"))
                 return [rank, world, t.item()]

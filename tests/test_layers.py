@@ -1,8 +1,12 @@
 """Imports point down the layers (DESIGN "Layers"), plan stays torch-free, only distributed/ touches torch.distributed.
 
-An AST walk over every ``zerotron/**/*.py``, imports inside functions included. A module may import its
-own layer or a lower one. ``models`` sits above ``parallel``: parallel code is applied to models but
-must not import them.
+An AST walk over every ``zerotron/**/*.py``, imports inside functions included. A module may import a
+lower layer, and its own component; two components of one layer never import each other (training and
+serving share their foundations below them, never reach into each other), except the torch-free
+modules of layer 1, which may import each other without a cycle. ``models`` sits above ``parallel``:
+parallel code is applied to models but must not import them. The applications that compose the
+training loop (``finetune``, ``bench``) sit above ``train``; the model builder (``build``) and the
+parts below the loop (``components``) below every application.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "zerotron"
 
 LAYERS = {
-    "cli": 7,
-    "__main__": 7,  # `python -m zerotron`: the command line
-    "train": 6,
-    "serve": 6,
-    "bench": 6,
-    "finetune": 6,
+    "__main__": 11,  # `python -m zerotron`: the command line's entry
+    "cli": 10,
+    "finetune": 9,  # compose the training loop
+    "bench": 9,
+    "train": 8,  # the applications: the training loop and launcher, the serving engine
+    "serve": 8,
+    "build": 7,  # the one model builder
+    "components": 6,  # reusable parts below the loop
     "checkpoint": 5,
     "plan": 5,
     "models": 4,
@@ -36,7 +42,9 @@ LAYERS = {
     "presets": 1,
     "__init__": 1,
 }
-PLAN_MAY_IMPORT = {"config", "presets", "shapes", "layout", "plan"}
+PLAN_MAY_IMPORT = {"config", "config_load", "presets", "shapes", "layout", "plan"}
+# `zerotron plan model.path=...` reads the model file's architecture there (and only then imports torch)
+PLAN_ALSO = {"zerotron/plan/command.py": "zerotron.models.loading"}
 
 
 def _component(module: str) -> str:
@@ -105,15 +113,50 @@ def _violations() -> list[str]:
                 )
             if other not in LAYERS:
                 problems.append(f"{rel}:{line}: imports {module}, whose component is not in the layer table")
-            elif me == "plan" and other not in PLAN_MAY_IMPORT:
+            elif me == "plan" and other not in PLAN_MAY_IMPORT and not _also(rel, module):
                 problems.append(
                     f"{rel}:{line}: plan imports {module}; plan may import only config/presets/shapes/layout"
+                    "/config_load"
                 )
             elif LAYERS[other] > LAYERS[me]:
                 problems.append(
                     f"{rel}:{line}: {me} (layer {LAYERS[me]}) imports {module} (layer {LAYERS[other]})"
                 )
-    return problems
+            elif other != me and LAYERS[other] == LAYERS[me] > 1:
+                problems.append(f"{rel}:{line}: {me} imports {module}, a component of its own layer")
+    return problems + _cycles()
+
+
+def _also(rel: Path, module: str) -> bool:
+    allowed = PLAN_ALSO.get(rel.as_posix())
+    return allowed is not None and (module == allowed or module.startswith(allowed + "."))
+
+
+def _cycles() -> list[str]:
+    """Each cycle in the graph of components (a package or a top-level module) as one problem."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        me = _component(_module_name(path))
+        for _, module in _imports(path):
+            if module.split(".")[0] == "zerotron" and module != "zerotron":
+                other = _component(module)
+                if other in LAYERS and other != me:
+                    edges.setdefault(me, set()).add(other)
+    found, state = [], dict.fromkeys(edges, 0)  # 0 unseen, 1 on the path, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt, 0) == 1:
+                found.append("import cycle: " + " -> ".join([*path[path.index(nxt) :], nxt]))
+            elif state.get(nxt, 0) == 0:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if state[node] == 0:
+            visit(node, [node])
+    return found
 
 
 def test_imports_point_down() -> None:
@@ -134,6 +177,11 @@ def test_imports_point_down() -> None:
             "plan",
             "plan may import only config/presets/shapes/layout",
         ),
+        ("from zerotron.models import loading\n", "plan", "plan may import only"),
+        ("from zerotron.train import trainer\n", "serve", "a component of its own layer"),
+        ("from zerotron.serve import app\n", "train", "a component of its own layer"),
+        ("from zerotron.finetune import sft\n", "train", "train (layer 8) imports zerotron.finetune"),
+        ("from zerotron import layout\n", "config", "import cycle: config -> layout -> config"),
     ],
 )
 def test_checker_catches(
@@ -142,9 +190,10 @@ def test_checker_catches(
     """The checker itself finds each kind of violation (on a throwaway package tree)."""
     pkg = tmp_path / "zerotron"
     (pkg / me).mkdir(parents=True)
-    for name in ("train", "models", "distributed"):
+    for name in ("train", "models", "distributed", "serve", "finetune"):
         (pkg / name).mkdir(exist_ok=True)
     (pkg / "__init__.py").write_text("")
+    (pkg / "layout.py").write_text("from zerotron import config\n")  # with config importing layout: a cycle
     (pkg / me / "__init__.py").write_text("")
     (pkg / me / "bad.py").write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)

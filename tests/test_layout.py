@@ -89,7 +89,9 @@ def test_models_the_trainer_has_not_built_are_well_formed_layouts() -> None:
     cfg = load_config(None, [*BASE, "parallel.cp=2"])
     check(spec_of(cfg, 8))
     validate(cfg, 8)
-    moe = LayoutSpec(world=8, dp=8, ep=4, heads=4, kv_heads=4, layers=4, experts=8, top_k=2, global_batch=8)
+    moe = LayoutSpec(
+        ParallelDims(8, dp=8, ep=4), heads=4, kv_heads=4, layers=4, experts=8, top_k=2, global_batch=8
+    )
     check(moe)
     with pytest.raises(LayoutError, match="the model has no experts"):
-        check(LayoutSpec(world=8, dp=8, ep=2, heads=4, kv_heads=4, layers=4, global_batch=8))
+        check(LayoutSpec(ParallelDims(8, dp=8, ep=2), heads=4, kv_heads=4, layers=4, global_batch=8))

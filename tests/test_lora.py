@@ -326,14 +326,14 @@ def _nf4_records_body() -> None:
     """On each of 2 tp ranks: column-parallel (whole rows), replicated and row-parallel (a slice of every
     row) layers whose NF4 weights are byte parameters on the meta device (ZeRO-3's QLoRA base)."""
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.nf4 import quantize_nf4
     from zerotron.models.nf4_tp import quantize_tp_layer_params
     from zerotron.parallel.placement import placements, read_local
     from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     rank, world = current_rank_and_world()
-    group = ParallelDims(world, dp=1, tp=world).build(rank).group("tp")
+    group = Mesh(ParallelDims(world, dp=1, tp=world), rank).group("tp")
     torch.manual_seed(0)
     ref = {name: nn.Linear(256, 128, bias=False) for name in ("col", "rep", "row")}
     model = nn.Module()

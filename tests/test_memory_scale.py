@@ -40,7 +40,7 @@ import torch
 from tests.harness import run_distributed
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -66,11 +66,12 @@ def _rss() -> int:
 
 
 def _body(overrides: list[str], run_dir: str, whole: bool) -> dict:
-    from zerotron.train.trainer import Trainer, peak_memory_bytes
+    from zerotron.components.metrics import peak_memory_bytes
+    from zerotron.train.trainer import Trainer
 
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     with torch.device("meta"):  # torch loads its meta kernels on first use (about 75 MiB, once)
         LlamaForCausalLM(load_config(None, []).model)
     base = _rss()

@@ -73,14 +73,14 @@ def _native(path: str, rank: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 def _ours(path: str, rank: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """zerotron at ep 2 × dp 2 from the same directory: logits and this rank's gradients, the dense
     ones summed over the data-parallel ranks (what the engine's reducer does)."""
+    from zerotron.build.builder import build_model
+    from zerotron.build.source import resolve_model
     from zerotron.config_load import load_config
     from zerotron.distributed import collectives
-    from zerotron.distributed.mesh import ParallelDims
-    from zerotron.train.run import resolve_model
-    from zerotron.train.trainer import build_model
+    from zerotron.distributed.mesh import Mesh, ParallelDims
 
     cfg = resolve_model(load_config(None, [f"model.path={path}", "parallel.ep=2", "train.seq_len=16"]))
-    mesh = ParallelDims.from_config(cfg.parallel, 2).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, 2), rank)
     model = build_model(cfg, torch.device("cpu"), mesh)
     ids = _batch()[2 * rank : 2 * rank + 2]
     logits = model(ids)

@@ -228,7 +228,7 @@ def test_balancing_bias_is_saved_and_resumes_on_another_layout(tmp_path: Path) -
     """4 steps at ep 2 with the bias moving, saved, 4 more on one process: the 8 steps of one process
     (the checkpoint holds each router's bias; without it the resumed routing would differ)."""
     from zerotron.checkpoint import store
-    from zerotron.train.state import read_model_tensors
+    from zerotron.components.state import read_model_tensors
 
     tokens = _tokens()
     one = run_distributed(_body, 1, [*VARIANTS, "train.micro_batch=8"], tokens, str(tmp_path / "a"), 8, None)
@@ -238,7 +238,7 @@ def test_balancing_bias_is_saved_and_resumes_on_another_layout(tmp_path: Path) -
     biases = {k: v for k, v in read_model_tensors(ckpt).items() if k.endswith("e_score_correction_bias")}
     layers = load_config(None, VARIANTS).model.num_hidden_layers
     assert len(biases) == layers and any(float(b.abs().max()) > 0 for b in biases.values())
-    from zerotron.serve.generate import load_model
+    from zerotron.build.builder import load_model
 
     served, _ = load_model(str(ckpt), torch.bfloat16, "cpu")  # what generate and serve load: the biases too
     for name, bias in biases.items():

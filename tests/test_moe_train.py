@@ -23,11 +23,11 @@ from tests.harness import run_distributed
 from tests.test_train_3d import _body
 from tests.test_train_dp import BASE, _tokens, torch_adamw
 from zerotron.checkpoint import store
+from zerotron.components.data import DataLoader, PackedDataset
+from zerotron.components.state import read_model_tensors
 from zerotron.config_check import validate
 from zerotron.config_load import ConfigError, load_config
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.train.data import DataLoader, PackedDataset
-from zerotron.train.state import read_model_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,11 +100,11 @@ def _moe_body(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int
     """The shared training body; an expert-parallel rank's expert tensors are reported with the index
     of their first expert (its ``ep`` coordinate times the experts per rank)."""
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
 
     out = _body(overrides, tokens, run_dir, steps, resume)
     rank, world = current_rank_and_world()
-    ep_rank = ParallelDims.from_config(load_config(None, overrides).parallel, world).build(rank).coords["ep"]
+    ep_rank = Mesh(ParallelDims.from_config(load_config(None, overrides).parallel, world), rank).coords["ep"]
     out["first_expert"] = {n: ep_rank * w.shape[0] for n, w in out["weights"].items() if ".experts." in n}
     return out
 
@@ -129,12 +129,12 @@ def _check_expert_weights(results: list[dict], ref_weights: dict[str, torch.Tens
 def _aux_body(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int, resume: str | None) -> dict:
     """The shared training body, plus the router figures of every step."""
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.train.trainer import Trainer
 
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(2)]
     return {
@@ -399,7 +399,7 @@ def test_expert_parallel_checkpoint_exports_to_transformers(tmp_path: Path) -> N
     """A checkpoint trained at ep 2 (ZeRO-3) converts to a Hugging Face Mixtral directory that
     transformers loads (per-expert tensors, as save_pretrained writes), with the logits of
     transformers' own trained model."""
-    from zerotron.checkpoint.convert import convert
+    from zerotron.build.convert import convert
 
     tokens = _tokens()
     overrides = [*MOE, "train.micro_batch=4", "parallel.ep=2", "parallel.zero=3", "parallel.persist_numel=0"]

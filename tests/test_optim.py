@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from zerotron.components.optim import DynamicLossScaler, clip_grads_, global_grad_norm, lr_at
 from zerotron.config import TrainConfig
-from zerotron.train.optim import DynamicLossScaler, clip_grads_, global_grad_norm, lr_at
 
 
 def test_warmup_then_cosine_matches_formula() -> None:

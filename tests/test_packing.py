@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_hf_io import CFG
+from zerotron.components.packing import IGNORE, Sample, pack
 from zerotron.models.llama import LlamaForCausalLM, document_attention
-from zerotron.train.packing import IGNORE, Sample, pack
 
 
 def _samples(seed: int, lengths: list[int], masked: bool) -> list[Sample]:

@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_distributed
+from zerotron.components.metrics import ActivationMeter
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.stages import build_stages, stage_bounds
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
-from zerotron.train.metrics import ActivationMeter
 
 MODEL = [
     "model.hidden_size=32",
@@ -41,7 +41,7 @@ def _batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _pipeline_body(schedule_name: str, v: int, m: int) -> dict:
     rank, world = current_rank_and_world()
     cfg = load_config(None, MODEL).model
-    mesh = ParallelDims(world, dp=1, pp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, pp=world), rank)
     group = mesh.group("pp")
     bounds = stage_bounds(cfg, SEQ, world * v)
     chunks = build_stages(cfg, bounds, rank, world, seed=3)

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from tests.harness import run_distributed
+from zerotron.components.state import model_placements
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.parallel.placement import counts_in_norm
-from zerotron.train.state import model_placements
 from zerotron.train.trainer import Trainer
 
 BASE = [
@@ -40,7 +40,7 @@ MOE = ["model.num_local_experts=4", "model.intermediate_size=32", "train.global_
 def _body(overrides: list[str], run_dir: str) -> dict:
     rank, world = current_rank_and_world()
     cfg = load_config(None, [*BASE, *overrides])
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     tokens = np.arange(4096, dtype=np.int64) % 250
     trainer = Trainer(cfg, mesh, Path(run_dir) / f"r{rank}", tokens)
     records = model_placements(trainer.model, mesh.dims.tp, trainer.zero)

@@ -18,6 +18,7 @@ import pytest
 
 from zerotron.cli import main
 from zerotron.config_load import load_config
+from zerotron.layout import ParallelDims
 from zerotron.plan import PROFILES, PlanError, get_hardware, plan_config, plan_layout
 from zerotron.plan import activations as act
 from zerotron.plan import memory as mem
@@ -132,9 +133,7 @@ def narayanan_plan(row: tuple[int, ...]) -> float:
     dp = gpus // (tp * pp)
     v = next((c for c in (4, 3, 2) if pp > 1 and layers % (pp * c) == 0 and (batch // dp) % pp == 0), 1)
     layout = Layout(
-        dp=dp,
-        tp=tp,
-        pp=pp,
+        ParallelDims.of(dp, tp=tp, pp=pp),
         micro_batch=1,
         recompute="full",
         pp_schedule="interleaved" if v > 1 else "1f1b",
@@ -346,7 +345,7 @@ def test_search_ranks_fitting_layouts(tmp_path: Path) -> None:
         assert p.fits and p.memory["total"] <= hw.memory_bytes
         check(model, p.layout, work, hw, 16)
     # A hand-picked layout that fits can be no faster than the best found.
-    mine = Layout(dp=4, tp=4, zero=1, micro_batch=1, recompute="full", sequence_parallel=True)
+    mine = Layout(ParallelDims.of(4, tp=4, zero=1), micro_batch=1, recompute="full", sequence_parallel=True)
     check(model, mine, work, hw, 16)
     hand = plan_layout(model, mine, work, hw)
     assert hand.fits and hand.tokens_per_s <= result.plans[0].tokens_per_s

@@ -14,6 +14,7 @@ import pytest
 
 from zerotron.cli import main
 from zerotron.config_load import load_config, save_config
+from zerotron.layout import ParallelDims
 from zerotron.plan import PROFILES, PlanError, plan_config, plan_layout, timing
 from zerotron.plan.accuracy import errors, fit_profiles, predict, run_inputs, summary
 from zerotron.plan.layout import Layout, Workload
@@ -84,7 +85,7 @@ def test_gemm_efficiency_rises_with_gemm_size() -> None:
 
 def _llama70b(precision: str, **layout: object) -> float:
     m = ModelShape(8192, 80, 64, 8, 128, 28672, 128256, True, False, False)
-    lay = Layout(dp=2, tp=4, pp=8, micro_batch=1, sequence_parallel=True, **layout)  # type: ignore[arg-type]
+    lay = Layout(ParallelDims.of(2, tp=4, pp=8), micro_batch=1, sequence_parallel=True, **layout)  # type: ignore[arg-type]
     return plan_layout(m, lay, Workload(8192, 128, precision), PROFILES["h100-sxm"], "mixed").step_time_s
 
 
@@ -104,11 +105,12 @@ def test_shared_host_splits_the_node_and_overlaps_nothing() -> None:
     half = cpu.per_rank(2)
     assert half.flops("fp32") == cpu.flops("fp32") / 2 and half.memory_bw == cpu.memory_bw / 2
     assert PROFILES["h100-sxm"].per_rank(8) is PROFILES["h100-sxm"]
-    layout = Layout(dp=2)
+    layout = Layout(ParallelDims.of(2))
+    group = timing.DataGroup.of(layout)
     hidden = timing.data_parallel_time(
-        layout, dataclasses.replace(cpu, shared_host=False), 10**6, 4, 4, 1.0, 1
+        layout, dataclasses.replace(cpu, shared_host=False), group, 4 * 10**6, 4 * 10**6, 1.0, 1
     )
-    exposed = timing.data_parallel_time(layout, cpu, 10**6, 4, 4, 1.0, 1)
+    exposed = timing.data_parallel_time(layout, cpu, group, 4 * 10**6, 4 * 10**6, 1.0, 1)
     assert hidden["dp_grad_reduce"] == 0.0
     assert exposed["dp_grad_reduce"] == pytest.approx(timing.collective_time("all_reduce", 4e6, 2, 1, cpu))
 

@@ -199,7 +199,7 @@ LAYOUTS_CP4 = [
 
 def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.train.trainer import Trainer
 
     rank, world = current_rank_and_world()
@@ -208,7 +208,7 @@ def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
     for i, overrides in enumerate(layouts):
         nvme = [f"parallel.nvme_path={run_dir}"] if "=nvme" in " ".join(overrides) else []
         cfg = load_config(None, [*BASE, f"parallel.dp={world}", *overrides, *nvme])
-        mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+        mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
         trainer = Trainer(cfg, mesh, Path(run_dir) / str(i), tokens)
         peak = [0]  # live bytes of plain data parallelism's gradient buckets (a ZeRO engine has none)
         launch = (

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from zerotron.components.loss import AUTOCAST
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
-from zerotron.train.loss import AUTOCAST
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train.trainer import Trainer
 
 BASE = [
@@ -32,14 +32,14 @@ BASE = [
 
 def _body(run_dir: str) -> dict:
     rank, world = current_rank_and_world()
+    from zerotron.components.data import prepare_tokens
     from zerotron.models.tokenizer import ByteTokenizer
-    from zerotron.train.data import prepare_tokens
 
     tokens = prepare_tokens(load_config(None, ["data.max_bytes=60000"]).data, ByteTokenizer())
     out = {}
     for precision in ("fp32", "bf16", "fp16"):
         cfg = load_config(None, [*BASE, f"train.precision={precision}"])
-        mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+        mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
         trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
         records = [trainer.train_step() for _ in range(8)]
         out[precision] = {
@@ -107,14 +107,14 @@ ZERO_VARIANTS = {
 
 def _runs(run_dir: str, variants: dict[str, list[str]]) -> dict:
     rank, world = current_rank_and_world()
+    from zerotron.components.data import prepare_tokens
     from zerotron.models.tokenizer import ByteTokenizer
-    from zerotron.train.data import prepare_tokens
 
     tokens = prepare_tokens(load_config(None, ["data.max_bytes=60000"]).data, ByteTokenizer())
     out = {}
     for name, overrides in variants.items():
         cfg = load_config(None, [*BASE, *overrides])
-        mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+        mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
         trainer = Trainer(cfg, mesh, Path(run_dir) / name, tokens)
         records = [trainer.train_step() for _ in range(8)]
         out[name] = {
@@ -173,7 +173,7 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
         single["fp32"]["n_params"] * 2, rel=0.01
     )  # DDP's all-reduce of 16-bit gradients: 2 bytes x 2(N-1)/N per element at N = 2
 
-    # Model states per rank (Ψ parameters, N = 2 ranks), as the README documents them: ZeRO-3 holds the
+    # Model states per rank (Ψ parameters, N = 2 ranks), as docs/precision.md documents them: ZeRO-3 holds the
     # fp32 master shard, the fp32 gradient shard and AdamW's two moments, 16Ψ/N (the ZeRO paper's
     # (2 + 2 + 12)Ψ/N); ZeRO-1/2 add the whole 16-bit working weights 2Ψ, and keep the gradients
     # whole in fp32 (ZeRO-1, 4Ψ) or as the fp32 shard (ZeRO-2, 4Ψ/N).
@@ -243,10 +243,10 @@ def _reduced_bf16_grads(stage: int, micro: int) -> dict:
     in fp32."""
     import copy
 
-    from zerotron.parallel.zero.api import apply_zero
+    from zerotron.parallel.zero.api import ZeroOptions, apply_zero
 
     rank, world = current_rank_and_world()
-    group = ParallelDims(world_size=world, dp=world).build(rank).group("dp")
+    group = Mesh(ParallelDims(world_size=world, dp=world), rank).group("dp")
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(24, 40), torch.nn.SiLU(), torch.nn.Linear(40, 40), torch.nn.Linear(40, 8)
@@ -256,7 +256,9 @@ def _reduced_bf16_grads(stage: int, micro: int) -> dict:
     ref = copy.deepcopy(model).to(torch.bfloat16)
     names = [n for n, _ in ref.named_parameters()]
     engine = apply_zero(
-        model, stage, group, bucket_mb=0.004, working_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+        model,
+        group,
+        ZeroOptions(stage, bucket_mb=0.004, working_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
     )
 
     def summed(local: torch.Tensor) -> torch.Tensor:  # over the ranks, in bf16 (two ranks: a + b rounded)

@@ -9,7 +9,7 @@ import numpy as np
 from tests.harness import run_distributed
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train.trainer import Trainer
 
 BASE = [
@@ -31,7 +31,7 @@ def _body(run_dir: str) -> dict:
     out = {}
     for mode in ("none", "selective", "full"):
         cfg = load_config(None, [*BASE, f"train.recompute={mode}"])
-        mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+        mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
         trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
         records = [trainer.train_step() for _ in range(3)]
         out[mode] = {

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_llama import BASE, _reference, _zerotron_from
+from zerotron.components.sampling import SamplingError, SamplingParams, apply_penalties, filter_logits
 from zerotron.config import ModelConfig
 from zerotron.config_load import load_config
 from zerotron.models.llama import LlamaForCausalLM
@@ -25,7 +26,6 @@ from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.serve.engine import MIN_ROWS, Engine, EngineConfig, RequestError
 from zerotron.serve.linears import CHUNK_ROWS, MIN_ROWS_ONEDNN
 from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, BlockPool, block_hash
-from zerotron.serve.sampling import SamplingError, SamplingParams, apply_penalties, filter_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -413,20 +413,34 @@ def test_sampling_filters_equal_transformers_processors() -> None:
         SamplingParams(min_p=2.0).validate()
 
 
+def _load_whole(path: str, dtype: torch.dtype) -> tuple[LlamaForCausalLM, object]:
+    """The whole model through the whole-tensor readers, not the builder: a HF directory by
+    ``load_pretrained``, a checkpoint or run by ``convert``'s stream of whole tensors."""
+    from pathlib import Path
+
+    from zerotron.build.convert import open_source
+    from zerotron.models.loading import build_from_state, load_pretrained
+
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        cfg, tensors, tokenizer = open_source(Path(path))
+        return build_from_state(cfg, dict(tensors), path, dtype, "cpu"), tokenizer
+    return load_pretrained(path, dtype=dtype, device="cpu")
+
+
 @pytest.mark.slow
 def _shards_both_ways(path: str, dtype: str) -> int:
     """A tensor-parallel rank's model loaded shard by shard (what serve and generate do under tp) is the
     whole model loaded and then split, parameter for parameter and bit for bit; the same tokenizer."""
+    from zerotron.build.builder import load_model
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
+    from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.llama import tensor_parallel_plan
     from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
-    from zerotron.serve.generate import load_model
 
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
     shard, tokenizer = load_model(path, getattr(torch, dtype), "cpu", mesh)
-    whole, whole_tokenizer = load_model(path, getattr(torch, dtype), "cpu")
+    whole, whole_tokenizer = _load_whole(path, getattr(torch, dtype))
     whole.pad_vocabulary(whole.config.padded_vocab(world))
     plan = TensorParallelPlan.from_dict(tensor_parallel_plan(whole.config))
     apply_tensor_parallel(whole, plan, mesh.group("tp"))
@@ -970,22 +984,22 @@ def test_a_model_off_the_cpu_runs_fixed_linears_and_refuses_cpu_kernels() -> Non
     kv = KVPool(CFG.num_hidden_layers, 4, 16, attn.kv_heads, attn.head_dim, torch.float32, "meta")
     for flags, name in (
         ({"onednn": True}, "onednn"),
-        ({"native": True}, "native attention"),
+        ({"native_attention": True}, "native attention"),
         ({"native_matmul": True}, "native matmul"),
     ):
         with pytest.raises(ValueError, match=f"^{name}: CPU kernels; a model on meta") as err:
-            StepRunner(meta_model(), kv, **flags)  # type: ignore[arg-type]
+            StepRunner(meta_model(), kv, EngineConfig(**flags))  # type: ignore[arg-type]
         assert len(str(err.value).splitlines()) == 1
     runner = StepRunner(meta_model(), kv)
     assert runner.min_rows == 1 and runner.matmul == f"F.linear in {FIXED_ROWS}-row calls"
     assert runner.device == torch.device("meta")
     assert runner.triton == triton_attention.available()
-    assert not StepRunner(meta_model(), kv, triton_attention=False).triton
+    assert not StepRunner(meta_model(), kv, EngineConfig(triton_attention=False)).triton
     # on the CPU, fixed calls are a choice, exclusive of packed linears (refused before any packing)
     model = LlamaForCausalLM(CFG)
     cpu_kv = KVPool(CFG.num_hidden_layers, 4, 16, attn.kv_heads, attn.head_dim, torch.float32)
     with pytest.raises(ValueError, match="exclude each other"):
-        StepRunner(model, cpu_kv, onednn=True, fixed_rows=CHUNK_ROWS)
+        StepRunner(model, cpu_kv, EngineConfig(onednn=True, fixed_rows=CHUNK_ROWS))
     assert not any("forward" in vars(m) for m in model.modules())
 
 

@@ -177,10 +177,10 @@ def test_greedy_tokens_equal_transformers_generate(native: bool) -> None:
     """SmolLM2's greedy tokens from the engine (linears through MKL, or packed for zerotron's AVX-512
     kernel) equal transformers' generate on the same GGUF."""
     transformers = pytest.importorskip("transformers")
+    from zerotron.build.builder import load_model
+    from zerotron.components.sampling import SamplingParams
     from zerotron.serve import kernels
     from zerotron.serve.engine import Engine, EngineConfig
-    from zerotron.serve.generate import load_model
-    from zerotron.serve.sampling import SamplingParams
 
     if native and not kernels.vec_available():
         pytest.skip(f"no native AVX-512 matmul here: {kernels.why_no_vec()}")

@@ -219,11 +219,11 @@ def test_runner_refuses_triton_beside_native_and_on_a_cpu_without_the_interprete
     _, model = pair
     _, kv = build_kv_pool(model, EngineConfig(num_blocks=8, max_model_len=64))
     with pytest.raises(ValueError, match="exclude each other"):
-        StepRunner(model, kv, native=True, triton_attention=True)  # type: ignore[arg-type]
+        StepRunner(model, kv, EngineConfig(native_attention=True, triton_attention=True))  # type: ignore[arg-type]
     if DEVICE.type == "cpu":
         monkeypatch.setattr(triton_attention, "interpreted", lambda: False)
         with pytest.raises(ValueError, match="runs on CUDA devices"):
-            StepRunner(model, kv, triton_attention=True)  # type: ignore[arg-type]
+            StepRunner(model, kv, EngineConfig(triton_attention=True))  # type: ignore[arg-type]
 
 
 _COMPILE = """
@@ -237,13 +237,11 @@ assert type(kernel).__name__ == "JITFunction", type(kernel)
 shapes = ((3, 64), (1, 128), (8, 128), (4, 24))  # (query heads per KV head, head dim)
 cases = [(90, dtype, group, dim) for dtype in ("fp32", "bf16", "fp16") for group, dim in shapes]
 for arch, dtype, group, dim in cases + [(80, "bf16", 3, 64)]:
-    sig = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), "*" + dtype)
-    sig.update(dict.fromkeys(("slots_ptr", "seq_ptr", "lens_ptr"), "*i64"), scale="fp32")
-    sig.update(dict.fromkeys(("width", "q_row", "q_head", "kv_slot", "kv_head"), "i32"))
-    const = dict(GROUP=group, GROUP_P=ta._pow2(group), DIM=dim, DIM_P=ta._pow2(dim))
-    const["BLOCK"] = ta._block(const["GROUP_P"], const["DIM_P"])
-    sig.update(dict.fromkeys(const, "constexpr"))
-    where = {(kernel.arg_names.index(name),): value for name, value in const.items()}
+    sig = {"tensors": ("*" + dtype,) * 4, "rows": ("*i64",) * 3, "scale": "fp32", "width": "i32"}
+    group_p, dim_p = ta._pow2(group), ta._pow2(dim)
+    shape = (group, group_p, dim, dim_p, ta._block(group_p, dim_p), 2)  # two KV heads
+    sig["SHAPE"] = "constexpr"
+    where = {(kernel.arg_names.index("SHAPE"),): shape}
     done = triton.compile(ASTSource(kernel, sig, where), target=GPUTarget("cuda", arch, 32))
     assert "cubin" in done.asm, (arch, dtype, group, dim)
 print("compiled")
@@ -286,12 +284,13 @@ def _tp_serve(model_dir: str, fixed_rows: int) -> list[list[tuple[list[int], lis
     device): the first rank runs the prompts alone, batched in chunks of a 23-token budget, and again
     on a prefix-cache hit, then stops the others, which follow its plans; returns the first rank's
     three runs."""
+    from zerotron.build.builder import load_model
     from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
-    from zerotron.serve.generate import load_model, rank_device
+    from zerotron.distributed.mesh import Mesh, ParallelDims
+    from zerotron.serve.devices import rank_device
 
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
     group = mesh.group("tp")
     model, _ = load_model(model_dir, torch.float32, rank_device(str(DEVICE)), mesh)
     config = EngineConfig(num_blocks=128, triton_attention=True, fixed_rows=fixed_rows)

@@ -28,22 +28,23 @@ import transformers
 
 from tests.harness import run_distributed
 from tests.test_hf_io import CFG
+from zerotron.build.builder import add_adapters
+from zerotron.build.source import resolve_model
+from zerotron.components.data import DataError, SupervisedDataset
+from zerotron.components.state import read_model_tensors
+from zerotron.components.supervised import encode_conversation, prepare_supervised
 from zerotron.config import Config
 from zerotron.config_check import validate
 from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
-from zerotron.finetune.data import encode_conversation
-from zerotron.finetune.sft import SFT_DEFAULTS, prepare_supervised
+from zerotron.distributed.mesh import Mesh, ParallelDims
+from zerotron.finetune.sft import SFT_DEFAULTS
 from zerotron.models.hf import to_hf_name, write_hf_directory
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.lora import load_adapter, lora_modules
 from zerotron.models.tokenizer import ByteTokenizer
 from zerotron.parallel.tensor import gather_tensors, shard_specs
-from zerotron.train.data import DataError, SupervisedDataset
-from zerotron.train.run import resolve_model
-from zerotron.train.state import read_model_tensors
-from zerotron.train.trainer import Trainer, add_adapters
+from zerotron.train.trainer import Trainer
 
 WORDS = ["cat", "dog", "sun", "sea", "red", "big", "tree", "rain"]
 
@@ -90,7 +91,7 @@ def _rows(cfg: Config) -> np.ndarray:
 
 def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict[str, Any]:
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), SupervisedDataset(rows, cfg.data.packing))
     history = [trainer.train_step() for _ in range(steps)]
     weights = {}  # the whole adapters (ZeRO-3's full-weight shards are not read here)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_smollm2 import GGUF_NAME, _smollm2_dir
-from zerotron.finetune.data import RowError, encode_conversation, read_rows, to_messages
+from zerotron.components.supervised import RowError, encode_conversation, read_rows, to_messages
 from zerotron.models.tokenizer import ByteTokenizer, load_tokenizer
 
 CHAT = [

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotron.checkpoint.convert import convert
+from zerotron.build.convert import convert
+from zerotron.components.generate import GenerateOptions, generate
 from zerotron.models.loading import ModelLoadError, load_pretrained
-from zerotron.serve.generate import generate, run_generate
+from zerotron.serve.generate import GenerateJob, run_generate
 
 pytestmark = pytest.mark.smollm2
 
@@ -97,7 +98,7 @@ def test_kv_cache_greedy_equals_full_forward_greedy(reference, ours) -> None:  #
     ref_model, ref_tok = reference
     model, tok = ours
     prompt = ref_tok("The three primary colours are").input_ids
-    result = generate(model, tok, prompt, max_new_tokens=8, stop_ids=[])
+    result = generate(model, tok, prompt, GenerateOptions(max_new_tokens=8, stop_ids=[]))
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(8):
@@ -108,7 +109,11 @@ def test_kv_cache_greedy_equals_full_forward_greedy(reference, ours) -> None:  #
 def test_generate_chat_says_paris(gguf_path: Path) -> None:
     out = io.StringIO()
     result = run_generate(
-        str(gguf_path), "What is the capital of France?", chat=True, max_new_tokens=24, out=out, stats=None
+        GenerateJob(
+            str(gguf_path), "What is the capital of France?", GenerateOptions(max_new_tokens=24), chat=True
+        ),
+        out=out,
+        stats=None,
     )
     assert "Paris" in out.getvalue()
     assert result["text"].strip() == out.getvalue().strip()

@@ -23,10 +23,11 @@ from torch import nn
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _assert_close, _reference, _tokens
 from zerotron.checkpoint import store
+from zerotron.components.state import read_model_tensors
 from zerotron.config_check import validate
 from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -36,7 +37,6 @@ from zerotron.parallel.tensor import (
 )
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 from zerotron.parallel.tensor_generate import sequence_parallel_off
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 # Clipping at 0.3 is active on every step (the unclipped norm starts at 0.8), so a wrong global norm shows.
@@ -46,7 +46,7 @@ B, S, H, OUT = 2, 8, 12, 16
 
 def _tp_group():  # noqa: ANN202 - a Group
     rank, world = current_rank_and_world()
-    return ParallelDims(world, dp=1, tp=world).build(rank).group("tp")
+    return Mesh(ParallelDims(world, dp=1, tp=world), rank).group("tp")
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
@@ -182,7 +182,7 @@ def _tp_trainer_body(
     """Train; gather every shard to its global tensor by its ShardSpec; report traffic and activations."""
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(steps)]
     if save:
@@ -273,12 +273,12 @@ def _expected_tp_bytes(cfg, micro_batches: int, sequence_parallel: bool) -> floa
 
 def _norm_activation_body(overrides: list[str]) -> dict:
     """Bytes saved for backward inside the norm modules during one forward, by storage."""
+    from zerotron.build.builder import build_model
     from zerotron.models.llama import RMSNorm
-    from zerotron.train.trainer import build_model
 
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     model = build_model(cfg, torch.device("cpu"), mesh)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -368,11 +368,12 @@ def test_bad_tp_layouts_are_refused(overrides: list[str], expected: str) -> None
 
 
 def _smollm2_tp_body(gguf: str, prompt_ids: list[int]) -> dict:
+    from zerotron.components.generate import GenerateOptions
     from zerotron.models.llama import tensor_parallel_plan
     from zerotron.models.loading import load_pretrained
     from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
     from zerotron.parallel.tensor_comm import gather_last_dim
-    from zerotron.serve.generate import run_generate
+    from zerotron.serve.generate import GenerateJob, run_generate
 
     group = _tp_group()
     model, _ = load_pretrained(gguf, dtype=torch.float32)
@@ -382,12 +383,9 @@ def _smollm2_tp_body(gguf: str, prompt_ids: list[int]) -> dict:
         logits = gather_last_dim(model(torch.tensor([prompt_ids])), group)  # (1, s, V)
     rank, world = current_rank_and_world()
     answer = run_generate(
-        gguf,
-        "What is the capital of France?",
-        chat=True,
-        max_new_tokens=24,
+        GenerateJob(gguf, "What is the capital of France?", GenerateOptions(max_new_tokens=24), chat=True),
         stats=None,
-        mesh=ParallelDims(world, dp=1, tp=world).build(rank),  # each rank loads its shard
+        mesh=Mesh(ParallelDims(world, dp=1, tp=world), rank),  # each rank loads its shard
     )
     if group.rank_in_group != 0:
         return {}
@@ -416,7 +414,7 @@ def test_smollm2_tp3_equals_tp1() -> None:
 def _resume_body(overrides: list[str], tokens: np.ndarray, run_dir: str, ckpt: str, steps: int) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     trainer.resume(ckpt)
     losses = [trainer.train_step()["loss"] for _ in range(steps)]
@@ -443,16 +441,18 @@ def test_checkpoint_moves_between_tp_sizes(tmp_path: Path) -> None:
 def _generate_body(overrides: list[str], tokens: np.ndarray, run_dir: str) -> list[int]:
     """Greedy generation from a freshly initialised tp model, sequence parallelism switched off for it
     (what the end-of-run sample does), with its logits on the prompt."""
-    from zerotron.serve.generate import generate
+    from zerotron.components.generate import GenerateOptions, generate
 
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     model = Trainer(cfg, mesh, Path(run_dir), tokens).model
     model.eval()
     tp = mesh.group("tp")
     with torch.no_grad(), sequence_parallel_off(model):
-        result = generate(model, None, [1, 5, 9, 3], max_new_tokens=12, tp_group=tp, agree_group=tp)
+        result = generate(
+            model, None, [1, 5, 9, 3], GenerateOptions(max_new_tokens=12), tp_group=tp, agree_group=tp
+        )
     return [int(t) for t in result["ids"]]
 
 
@@ -473,8 +473,8 @@ def _generate_body(overrides: list[str], tokens: np.ndarray, run_dir: str) -> li
 def test_sequence_parallel_model_generates_like_one_process(extra: list[str], tmp_path: Path) -> None:
     """The end-of-run sample of a sequence-parallel run (one-token decode steps cannot be split over tp):
     greedy tokens equal the single process's from the same initial weights."""
+    from zerotron.components.generate import GenerateOptions, generate
     from zerotron.models.llama import LlamaForCausalLM
-    from zerotron.serve.generate import generate
 
     overrides = [*TINY, *extra, "parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch=4"]
     cfg = load_config(None, [*TINY, *extra])
@@ -482,6 +482,8 @@ def test_sequence_parallel_model_generates_like_one_process(extra: list[str], tm
     ref.init_weights(cfg.train.seed)
     ref.eval()
     with torch.no_grad():
-        expected = [int(t) for t in generate(ref, None, [1, 5, 9, 3], max_new_tokens=12)["ids"]]
+        expected = [
+            int(t) for t in generate(ref, None, [1, 5, 9, 3], GenerateOptions(max_new_tokens=12))["ids"]
+        ]
     results = run_distributed(_generate_body, 2, overrides, _tokens(), str(tmp_path), timeout=300)
     assert results == [expected, expected]

@@ -20,12 +20,12 @@ import torch
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, _assert_close, _reference, _tokens
 from zerotron.checkpoint import store
+from zerotron.components.state import read_model_tensors
 from zerotron.config_check import validate
 from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.parallel.tensor import gather_tensors, shard_specs
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 STEPS = 4
@@ -45,7 +45,7 @@ def _body(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int, re
     """Train (after resuming from ``resume``, if given), save, and report whole tensors by name."""
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     if resume is not None:
         trainer.resume(resume)

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_distributed
+from zerotron.components.data import DataLoader, PackedDataset
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.train.data import DataLoader, PackedDataset
 from zerotron.train.trainer import Trainer
 
 STEPS = 10
@@ -96,7 +96,7 @@ def _reference(
 def _zerotron_body(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(STEPS)]
     return {

@@ -16,7 +16,7 @@ from tests.harness import run_distributed
 from tests.test_train_dp import _reference, _tokens
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train.trainer import Trainer
 
 STEPS = 5
@@ -41,7 +41,7 @@ BASE = [
 def _body(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(STEPS)]
     trainer.save()
@@ -86,7 +86,7 @@ def test_pipeline_training_matches_single_process(world: int, layout: list[str],
     assert seen >= set(ref_weights)
     # The checkpoint's stage files rebuild the whole model.
     from zerotron.checkpoint import store
-    from zerotron.train.state import read_model_tensors
+    from zerotron.components.state import read_model_tensors
 
     saved = read_model_tensors(store.find_latest(tmp_path / "checkpoints"))
     for name, ref in ref_weights.items():
@@ -156,9 +156,9 @@ def test_pipeline_resume_is_bitwise_equal(tmp_path: Path) -> None:
         "train.steps=6",
     ]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_run.launch_training(None, small, 2, out=str(straight))
-    train_run.launch_training(None, [*small, "train.exit_step=3"], 2, out=str(split))
-    train_run.launch_training(None, small, 2, out=str(split), resume="auto")
+    train_run.launch_training(None, small, 2, train_run.LaunchOptions(out=str(straight)))
+    train_run.launch_training(None, [*small, "train.exit_step=3"], 2, train_run.LaunchOptions(out=str(split)))
+    train_run.launch_training(None, small, 2, train_run.LaunchOptions(out=str(split), resume="auto"))
 
     def losses(run: Path) -> list[float]:
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]

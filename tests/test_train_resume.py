@@ -13,11 +13,11 @@ import torch
 
 from tests.harness import run_distributed
 from zerotron.checkpoint import store
+from zerotron.components.state import read_model_tensors
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import LaunchError, current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.train import run as train_run
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 SMALL = [
@@ -43,10 +43,14 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_resume_is_bitwise_equal_to_straight_run(tmp_path: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_run.launch_training(None, [*SMALL, "train.steps=20"], 2, out=str(straight))
-    train_run.launch_training(None, [*SMALL, "train.steps=20", "train.exit_step=10"], 2, out=str(split))
+    train_run.launch_training(None, [*SMALL, "train.steps=20"], 2, train_run.LaunchOptions(out=str(straight)))
+    train_run.launch_training(
+        None, [*SMALL, "train.steps=20", "train.exit_step=10"], 2, train_run.LaunchOptions(out=str(split))
+    )
     assert store.find_latest(split / "checkpoints").name == "step_00000010"
-    train_run.launch_training(None, [*SMALL, "train.steps=20"], 2, out=str(split), resume="auto")
+    train_run.launch_training(
+        None, [*SMALL, "train.steps=20"], 2, train_run.LaunchOptions(out=str(split), resume="auto")
+    )
     a, b = _losses(straight), _losses(split)
     assert len(a) == len(b) == 20
     assert a == b  # bitwise on CPU fp32
@@ -88,7 +92,9 @@ def test_sigkill_while_checkpointing_keeps_previous(tmp_path: Path) -> None:
     assert latest is not None and latest.name == "step_00000004"
     store.verify(latest)  # complete and uncorrupted
     assert (root / ".tmp-step_00000008").exists()  # the half-written one was never published
-    summary = train_run.launch_training(None, overrides, 2, out=str(run_dir), resume="auto")
+    summary = train_run.launch_training(
+        None, overrides, 2, train_run.LaunchOptions(out=str(run_dir), resume="auto")
+    )
     assert (summary["steps"], summary["last_step"], summary["resumed_from_step"]) == (8, 12, 4)
     assert store.find_latest(root).name == "step_00000012"
 
@@ -96,7 +102,7 @@ def test_sigkill_while_checkpointing_keeps_previous(tmp_path: Path) -> None:
 def _fp16_body(overrides: list[str], run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     tokens = np.random.default_rng(0).integers(0, 256, size=4096).astype(np.uint16)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     first = trainer.train_step()

@@ -20,15 +20,16 @@ import torch.nn.functional as F
 from tests.harness import run_distributed
 from tests.test_train_3d import _body as _train
 from tests.test_train_dp import BASE, _reference, _tokens
+from zerotron.build.convert import convert
+from zerotron.build.source import resolve_model
 from zerotron.checkpoint import store
-from zerotron.checkpoint.convert import convert
+from zerotron.components.state import read_model_tensors
 from zerotron.config_check import validate
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import load_pretrained
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 STEPS = 3
@@ -141,11 +142,10 @@ def test_padded_run_exports_the_real_vocabulary(tmp_path: Path) -> None:
 
 
 def _smollm2_steps(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
-    from zerotron.train import run as train_run
 
-    cfg = train_run.resolve_model(load_config(None, overrides))
+    cfg = resolve_model(load_config(None, overrides))
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     rows = [p.shape[0] for n, p in trainer.model.named_parameters() if n == "embed_tokens.weight"]
     history = [trainer.train_step() for _ in range(2)]

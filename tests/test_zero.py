@@ -25,13 +25,13 @@ import pytest
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _reference, _tokens
 from zerotron.checkpoint import store
+from zerotron.components.state import read_model_tensors
 from zerotron.config_check import ZeroSavesNothing, validate
 from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.train import run as train_run
-from zerotron.train.state import read_model_tensors
 from zerotron.train.trainer import Trainer
 
 ZERO3 = ["parallel.persist_numel=100"]  # norm gains (64) stay whole, every matrix is sharded
@@ -40,7 +40,7 @@ ZERO3 = ["parallel.persist_numel=100"]  # norm gains (64) stay whole, every matr
 def _body(overrides: list[str], tokens: np.ndarray, run_dir: str, steps: int = STEPS) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(steps)]
     with trainer.zero.full_params() if trainer.zero else _nothing():
@@ -108,7 +108,7 @@ def _offload_body(
     """``_body`` plus what offload leaves on disk during training and after ``Trainer.close``."""
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(steps)]
     mine = f"-rank{trainer.dp_group.rank_in_group}-"
@@ -357,9 +357,11 @@ def test_zero_resume_is_exact_and_saves_whole_tensors(
         f"parallel.nvme_path={tmp_path}",
     ]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_run.launch_training(None, common, 2, out=str(straight))
-    train_run.launch_training(None, [*common, "train.exit_step=4"], 2, out=str(split))
-    train_run.launch_training(None, common, 2, out=str(split), resume="auto")
+    train_run.launch_training(None, common, 2, train_run.LaunchOptions(out=str(straight)))
+    train_run.launch_training(
+        None, [*common, "train.exit_step=4"], 2, train_run.LaunchOptions(out=str(split))
+    )
+    train_run.launch_training(None, common, 2, train_run.LaunchOptions(out=str(split), resume="auto"))
     assert _losses(straight) == _losses(split)
     assert not list(tmp_path.glob("zerotron-*"))  # the NVMe files are gone once training ends
     ckpt = store.find_latest(straight / "checkpoints")

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from zerotron.components.optim import clip_grads_, global_grad_norm
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
-from zerotron.parallel.zero.api import apply_zero
-from zerotron.train.optim import clip_grads_, global_grad_norm
+from zerotron.distributed.mesh import Mesh, ParallelDims
+from zerotron.parallel.zero.api import ZeroOptions, apply_zero
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,9 +74,9 @@ def _reference(tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _sharded(stage: int, tied: bool, micro: int = 2) -> dict:
     rank, world = current_rank_and_world()
-    group = ParallelDims(world_size=world, dp=world).build(rank).group("dp")
+    group = Mesh(ParallelDims(world_size=world, dp=world), rank).group("dp")
     model = _model(tied)
-    engine = apply_zero(model, stage, group, persist_numel=100)
+    engine = apply_zero(model, group, ZeroOptions(stage, persist_numel=100))
     opt = _adamw(*engine.param_groups())
     losses = []
     for ids in _batches():

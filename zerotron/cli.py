@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import warnings
 from typing import Any, NoReturn, cast
-
-from zerotron.config_load import ConfigError
 
 BENCH_FRAMEWORKS = ("zerotron", "deepspeed", "fsdp2", "ddp", "torch-tp", "torch-pp")  # zerotron.bench.jobs
 
@@ -30,282 +29,22 @@ RUN_DIR/adapter` writes the merged Hugging Face model.
 """
 
 
-def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
-    config = None
-    overrides = []
-    for item in items:
-        if "=" in item:
-            overrides.append(item)
-        elif config is None:
-            config = item
-        else:
-            raise ConfigError(f"more than one config file given ({config!r}, {item!r})")
-    return config, overrides
+# each sub-command's body, in its own package (imported when it runs)
+COMMANDS = {
+    "train": "zerotron.train.command:train_command",
+    "sft": "zerotron.finetune.sft:sft_command",
+    "generate": "zerotron.serve.generate:generate_command",
+    "serve": "zerotron.serve.command:serve_command",
+    "convert": "zerotron.build.convert:convert_command",
+    "plan": "zerotron.plan.command:plan_command",
+    "bench": "zerotron.bench.command:bench_command",
+}
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    if args.show_schedule:
-        from zerotron.train.run import describe_schedule
-
-        config, overrides = _split_config_and_overrides(args.items)
-        print(describe_schedule(config, overrides, args.nproc))
-        return 0
-    if args.help_config:
-        from zerotron.config_load import describe_fields
-
-        print(describe_fields())
-        return 0
-    from zerotron.train.run import launch_training
-
-    config, overrides = _split_config_and_overrides(args.items)
-    return _report_run(launch_training(config, overrides, args.nproc, **_launch_options(args)))
-
-
-def _launch_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        out=args.out,
-        resume=args.resume,
-        deepspeed=args.deepspeed,
-        overwrite=args.overwrite,
-        max_restarts=args.max_restarts,
-    )
-
-
-def _cmd_sft(args: argparse.Namespace) -> int:
-    from zerotron.finetune.sft import SFT_DEFAULTS
-    from zerotron.train.run import launch_training
-
-    config, overrides = _split_config_and_overrides(args.items)
-    defaults = {**SFT_DEFAULTS, "model.path": args.model, "data.source": args.data}
-    summary = launch_training(config, overrides, args.nproc, defaults=defaults, **_launch_options(args))
-    code = _report_run(summary)
-    if summary is not None and summary.get("adapter"):
-        print(
-            f"adapter (PEFT format): {summary['adapter']}; merge it with: zerotron convert "
-            f"{args.model} MERGED --merge-lora {summary['adapter']}"
-        )
-    return code
-
-
-def _report_run(summary: dict[str, Any] | None) -> int:
-    """Print a finished run's summary (rank 0); the exit code."""
-    if summary is None:  # a rank other than 0 of a torchrun/srun job: rank 0 reports
-        return 0
-    if summary.get("stopped"):
-        from zerotron.train.fault import STOPPED_EXIT_CODE
-
-        print(
-            f"stopped by {summary['stopped']} after step {summary['last_step']}; checkpoint written; continue "
-            f"with --resume auto --out {summary['run_dir']}"
-        )
-        return STOPPED_EXIT_CODE
-    ran = f"{summary['steps']} steps"
-    if "resumed_from_step" in summary:
-        ran += f" (steps {summary['resumed_from_step'] + 1}-{summary['last_step']}, after resuming)"
-    if "first_loss" in summary:
-        print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {ran}")
-    else:
-        print(f"nothing to run: the checkpoint is at step {summary['last_step']} (train.steps)")
-    if summary.get("sample"):
-        print("sample:\n" + summary["sample"])
-    print(f"run directory: {summary['run_dir']}")
-    return 0
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from zerotron.serve.generate import (
-        check_device,
-        check_options,
-        generate_worker,
-        rank_backend,
-        run_generate,
-    )
-
-    model, overrides = _split_config_and_overrides(args.items)
-    tp = 1
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key != "parallel.tp" or not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"generate takes only parallel.tp=N (an integer), not {item!r}")
-        tp = int(value)
-    if model is None:
-        raise ConfigError("generate needs a MODEL (Hugging Face directory or .gguf file)")
-    nproc = args.nproc if args.nproc is not None else tp
-    if nproc != tp:
-        raise ConfigError(f"--nproc {nproc} must equal parallel.tp={tp} for generate")
-    options = dict(
-        chat=args.chat,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-    device = str(check_device("generate", args.device, nproc))
-    check_options(model, tp, options)
-    options["device"] = device
-    if tp == 1:
-        run_generate(model, args.prompt, **options)
-        return 0
-    from zerotron.distributed.launch import spawn
-
-    spawn(generate_worker, nproc, args=(model, args.prompt, options), backend=rank_backend(device))
-    return 0
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        from zerotron.serve.app import run_server
-    except ImportError as err:
-        raise ConfigError(
-            f"zerotron serve needs FastAPI and uvicorn ({err}): pip install 'zerotron[serve]'"
-        ) from None
-    from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, under_torchrun
-    from zerotron.serve.app import engine_config
-
-    nproc = 1 if args.nproc is None else args.nproc
-    if adopt_slurm_env() or under_torchrun():  # every process of the job is a tensor-parallel rank
-        nproc = job_rank_and_world()[1]
-    config = engine_config(args, nproc)
-    if nproc == 1 and not under_torchrun():
-        run_server(args.model, args.host, args.port, args.served_model_name, config)
-        return 0
-    from zerotron.config import Config
-    from zerotron.config_check import check_tensor_parallel
-    from zerotron.distributed.launch import spawn
-    from zerotron.serve.app import serve_worker
-    from zerotron.serve.generate import model_config, rank_backend
-
-    cfg = Config(model=model_config(args.model))
-    cfg.parallel.tp = nproc  # every rank holds a tensor-parallel shard
-    check_tensor_parallel(cfg)
-    name = args.served_model_name or args.model
-    spawn(
-        serve_worker,
-        nproc,
-        args=(args.model, name, args.host, args.port, config),
-        backend=rank_backend(config.device),
-    )
-    return 0
-
-
-def _cmd_convert(args: argparse.Namespace) -> int:
-    from zerotron.checkpoint.convert import convert
-
-    convert(args.src, args.dst, to=args.to, merge_lora=args.merge_lora)
-    print(
-        f"wrote {args.dst}"
-        + (" (a run directory: model.path or --resume it)" if args.to == "checkpoint" else "")
-    )
-    return 0
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    """`zerotron plan`: predict memory and step time, search layouts, or calibrate a profile."""
-    import json
-    from pathlib import Path
-
-    from zerotron.config_load import load_config
-    from zerotron.plan import PROFILES, PlanError, get_hardware, plan_config
-    from zerotron.plan.calibrate import calibrate_runs, read_metrics
-    from zerotron.plan.layout import from_config
-    from zerotron.plan.planner import refuse_compiled
-    from zerotron.plan.report import draw_breakdowns, format_calibration, format_plan, format_table
-    from zerotron.plan.search import search
-
-    config, overrides = _split_config_and_overrides(args.items)
-    if args.accuracy:
-        from zerotron.plan.accuracy import accuracy_report
-
-        print(accuracy_report())
-        return 0
-    if args.calibrate:
-        overrides += [item for item in args.calibrate + (args.check or []) if "=" in item]
-
-        def runs_of(items: list[str]) -> list[tuple[Any, list[dict[str, Any]]]]:
-            runs = []
-            for run_dir in (Path(item) for item in items if "=" not in item):
-                records = read_metrics(run_dir)
-                saved = run_dir / "config.yaml"
-                runs.append((load_config(str(saved) if saved.is_file() else config, overrides), records))
-            return runs
-
-        hw = get_hardware(args.hardware or "cpu")
-        result = calibrate_runs(runs_of(args.calibrate), hw, held_out=runs_of(args.check or []))
-        print(json.dumps(result, indent=2) if args.json else format_calibration(result))
-        return 0
-    if args.check:
-        raise PlanError("--check RUN_DIR ... goes with --calibrate: runs to predict with the fitted profile")
-    if not args.hardware:
-        raise PlanError(f"--hardware is required: choose one of {', '.join(PROFILES)} or give a profile file")
-    hw = get_hardware(args.hardware)
-    gpus = args.gpus if args.gpus is not None else hw.gpus_per_node
-    flash = args.attention == "flash"
-    cfg = load_config(config, overrides)
-    if cfg.model.path:  # the architecture is in the HF directory or GGUF file, as for `zerotron train`
-        from zerotron.models.loading import read_model_config
-
-        cfg.model = read_model_config(cfg.model.path)
-    if args.search:
-        if args.top < 1:
-            raise PlanError(f"--top {args.top}: show at least 1 layout")
-        refuse_compiled(cfg)
-        model, _, work = from_config(_unplaced(cfg), gpus)
-        found = search(model, work, hw, gpus, convention=args.convention, top=args.top, flash=flash)
-        if args.json:
-            print(json.dumps([p.to_json() for p in found.plans], indent=2))
-            return 0
-        print(format_table(found))
-        print(f"breakdowns of the best plans: {draw_breakdowns(found, Path(args.png))}")
-        return 0
-    plan = plan_config(cfg, hw, gpus, convention=args.convention, flash=flash)
-    print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
-    if args.explain and not args.json:
-        from zerotron.plan.explain import explain
-
-        print(explain(*from_config(cfg, gpus), hw, plan, flash))
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    """`zerotron bench`: the same job on zerotron and its peers, side by side."""
-    from zerotron.bench import parse_frameworks, run_bench
-
-    config, overrides = _split_config_and_overrides(args.items)
-    results = run_bench(
-        config,
-        overrides,
-        parse_frameworks(args.frameworks),
-        args.nproc,
-        repeats=args.repeats,
-        out=args.out,
-        plan_hardware=args.hardware if args.plan else None,
-    )
-    if results is None:  # a rank other than 0 of a torchrun job
-        return 0
-    print(results["table"])
-    plan = results["frameworks"].get("zerotron", {}).get("plan")
-    if plan and "step_time_s" in plan:
-        error = (
-            f" (measured / predicted - 1 = {plan['step_time_error']:+.1%})"
-            if "step_time_error" in plan
-            else ""
-        )
-        print(
-            f"zerotron plan on {plan['hardware']}: {plan['step_time_s']:.4f} s per step, "
-            f"{plan['memory_bytes'] / 2**20:,.0f} MiB per rank{error}"
-        )
-    elif plan:
-        print(f"zerotron plan on {plan['hardware']}: {plan['error']}")
-    print(f"results: {results['run_dir']}/results.json, {results['run_dir']}/bench.png")
-    return 0
-
-
-def _unplaced(cfg: Any) -> Any:
-    """``cfg`` with ``parallel`` reset to one rank of pure data parallelism (the search picks the layout)."""
-    import dataclasses
-
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=-1, tp=1, pp=1, cp=1))
+def _run(args: argparse.Namespace) -> int:
+    """Dispatch to the sub-command's body."""
+    module, _, name = COMMANDS[args.command].partition(":")
+    return cast(int, getattr(importlib.import_module(module), name)(args))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -358,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the pipeline schedule of this config (each rank's instructions, bubble) and exit",
     )
-    train.set_defaults(fn=_cmd_train)
+    train.set_defaults(fn=_run)
 
     sft = sub.add_parser(
         "sft",
@@ -375,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="as for `zerotron train` (see zerotron train --help-config: lora.*, data.*)",
     )
     _add_launch_args(sft)
-    sft.set_defaults(fn=_cmd_sft)
+    sft.set_defaults(fn=_run)
 
     _add_generate(sub)
     _add_serve(sub)
@@ -399,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fold a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into the weights",
     )
-    conv.set_defaults(fn=_cmd_convert)
+    conv.set_defaults(fn=_run)
 
     _add_plan(sub)
 
@@ -426,7 +165,7 @@ def _add_generate(sub: Any) -> None:
         default="cpu",
         help="cpu (default) or cuda[:N]; with --nproc N: cuda, rank r on cuda:LOCAL_RANK over NCCL",
     )
-    gen.set_defaults(fn=_cmd_generate)
+    gen.set_defaults(fn=_run)
 
 
 def _add_serve(sub: Any) -> None:
@@ -487,7 +226,7 @@ def _add_serve(sub: Any) -> None:
         help="local ranks: the model is split over them (tensor parallel, each rank loading only its "
         "shard); under torchrun or srun its ranks",
     )
-    srv.set_defaults(fn=_cmd_serve)
+    srv.set_defaults(fn=_run)
 
 
 def _add_plan(sub: Any) -> None:
@@ -534,7 +273,7 @@ def _add_plan(sub: Any) -> None:
         help="memory as zerotron's engine holds it, or as Megatron/DeepSpeed do (16-bit params and grads, "
         "Korthikanti activations)",
     )
-    plan.set_defaults(fn=_cmd_plan)
+    plan.set_defaults(fn=_run)
 
 
 def _add_bench(sub: Any) -> None:
@@ -555,7 +294,7 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument(
         "--hardware", default="cpu", help="--plan: hardware profile name or file (default cpu)"
     )
-    bench.set_defaults(fn=_cmd_bench)
+    bench.set_defaults(fn=_run)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -566,7 +305,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("zerotron.distributed.mesh", "MeshError"),
         ("zerotron.distributed.launch", "LaunchError"),
         ("zerotron.models.loading", "ModelLoadError"),
-        ("zerotron.train.data", "DataError"),
+        ("zerotron.components.data", "DataError"),
         ("zerotron.checkpoint.store", "CheckpointError"),
         ("zerotron.plan.errors", "PlanError"),
     ]:

@@ -253,8 +253,10 @@ def _check_zero(cfg: Config, world_size: int) -> None:
         )
     if "nvme" in (p.offload_optimizer, p.offload_params):
         _check_nvme_path(p.nvme_path)
-    inner = p.pp * p.cp * p.tp
-    dp = world_size // inner if p.dp == -1 else p.dp
+    try:
+        dp = layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
+    except layout.LayoutError as e:
+        raise ConfigError(str(e)) from None
     if p.zero > 0 and dp == 1:
         warnings.warn(
             f"parallel.zero={p.zero} with a data-parallel size of 1 shards over one rank and saves no memory; "

@@ -199,3 +199,18 @@ def describe_fields() -> str:
                 f"  {section}.{f.name} ({f.type}, default {value!r})\n      {f.metadata.get('help', '')}"
             )
     return "\n".join(lines)
+
+
+def split_items(items: list[str]) -> tuple[str | None, list[str]]:
+    """A command line's positional items as (the config file or model, if any, and the ``key=value``
+    overrides); a second file is an error."""
+    config = None
+    overrides = []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif config is None:
+            config = item
+        else:
+            raise ConfigError(f"more than one config file given ({config!r}, {item!r})")
+    return config, overrides

@@ -1,4 +1,10 @@
-"""One torch-free layout check, shared by the config loader, the trainer's mesh and the planner.
+"""The parallel degrees and one torch-free layout check, shared by the config loader, the trainer's
+mesh, the planner and the bench.
+
+:class:`ParallelDims` is the one type of the degrees ``dp, pp, cp, tp, ep`` (and the ZeRO stage over
+dp, and hybrid sharding's block size) over a world of ranks: it checks itself on construction, knows
+every axis's groups of global ranks (pure arithmetic; :class:`zerotron.distributed.mesh.Mesh` makes
+them process groups), and :func:`resolve_dp` is the one place ``parallel.dp=-1`` becomes a number.
 
 A layout is well formed for a model and a batch when :func:`check` passes: the degrees multiply to the
 world size, tensor parallelism splits the heads, KV heads (or replicates them), vocabulary and MLP,
@@ -14,11 +20,12 @@ well formed here. Hardware limits (tp within a node) are the planner's.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from zerotron.config import Config
+    from zerotron.config import Config, ParallelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 OFFLOAD = ("none", "cpu", "nvme")
@@ -28,20 +35,194 @@ class LayoutError(ValueError):
     """A layout that cannot run this model and batch (one line: the fields and the fix)."""
 
 
-@dataclass(frozen=True)
-class LayoutSpec:
-    """Everything :func:`check` needs: the model's dimensions, the batch and the parallel layout."""
+class MeshError(LayoutError):
+    """Parallel degrees that cannot form a mesh; the message names the field and what to change."""
 
-    world: int
+
+GRID_AXES = ("dp", "pp", "cp", "tp")
+AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "dp_shard", "dp_rep", "embed", "world")
+
+
+def resolve_dp(dp: int, pp: int, cp: int, tp: int, world: int) -> int:
+    """``parallel.dp``, with -1 (the default) resolved to ``world // (pp*cp*tp)``: the one place it is."""
+    if dp != -1:
+        return dp
+    inner = pp * cp * tp
+    if inner < 1 or world % inner:
+        raise MeshError(
+            f"parallel.pp*cp*tp = {pp}*{cp}*{tp} = {inner} does not divide the world size {world}; "
+            f"choose parallel.tp/pp/cp whose product divides {world}"
+        )
+    return world // inner
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of every parallelism over ``world_size`` ranks, plus the ZeRO stage over dp and hybrid
+    sharding's blocks (``zero_shard_size`` dp ranks; 0: all of them).
+
+    Checked on construction (:func:`check_degrees`, the check the config loader and the planner run
+    too); :meth:`from_config` resolves ``dp=-1``. The rank grid is ``(dp, pp, cp, tp)`` with tp
+    innermost, so a tp group is a block of consecutive ranks and sits inside one node; then cp, then pp,
+    and dp outermost. With ``dp=2, tp=2`` on 4 ranks the tp groups are ``[0, 1]`` and ``[2, 3]`` and
+    the dp groups ``[0, 2]`` and ``[1, 3]``. :meth:`group_ranks` gives every axis's groups:
+
+    - ``dp``, ``pp``, ``cp``, ``tp``: ranks that differ only in that coordinate;
+    - ``dp_cp``: ranks that differ only in (dp, cp), dp-major: the group gradients are reduced over
+      under context parallelism (each cp rank holds a slice of the same rows);
+    - ``ep``: expert parallelism folded over dp×cp: consecutive chunks of ``ep`` ranks of each
+      ``dp_cp`` group, the ranks that split the experts between them; ``edp``: the ranks at the same
+      place of every chunk, which hold the same experts and reduce their gradients together;
+    - ``dp_shard`` / ``dp_rep``: hybrid sharding's blocks of ``zero_shard_size`` consecutive ranks of each
+      dp group (ZeRO shards over a block) and the ranks at the same place of every block (they hold the
+      same shard and all-reduce its gradient); without hybrid sharding ``dp`` and single ranks;
+    - ``embed``: the first and last stage of each pipeline group (a tied embedding's two copies); a
+      middle stage alone;
+    - ``world``: all ranks.
+    """
+
+    world_size: int
     dp: int
-    tp: int = 1
     pp: int = 1
     cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    zero: int = 0
+    zero_shard_size: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            check_degrees(self.world_size, self.dp, self.pp, self.cp, self.tp, self.ep, self.zero)
+        except LayoutError as e:
+            raise MeshError(str(e)) from None
+        s = self.zero_shard_size
+        if s not in (0, self.dp) and (s < 0 or self.dp % s):
+            raise MeshError(
+                f"parallel.zero_shard_size={s} must divide parallel.dp={self.dp} (ZeRO shards over groups of "
+                f"that many data-parallel ranks); choose one of {', '.join(map(str, _divisors(self.dp)))}, "
+                "or 0 for all of them"
+            )
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
+        """The degrees of ``cfg.parallel`` on ``world_size`` ranks (``dp=-1`` resolved)."""
+        p = parallel
+        dp = resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
+        return cls(world_size, dp, p.pp, p.cp, p.tp, p.ep, p.zero, p.zero_shard_size)
+
+    @classmethod
+    def of(
+        cls,
+        dp: int,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        zero: int = 0,
+        zero_shard_size: int = 0,
+    ) -> ParallelDims:
+        """The degrees on the world they make (``dp*pp*cp*tp`` ranks)."""
+        return cls(dp * pp * cp * tp, dp, pp, cp, tp, ep, zero, zero_shard_size)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards over blocks of dp ranks and replicates across them (hybrid sharding)."""
+        return hybrid(self.dp, self.zero, self.zero_shard_size)
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks ZeRO shards over: a block of the data-parallel ranks under hybrid sharding, else all."""
+        return self.zero_shard_size if self.hybrid else self.dp
+
+    def as_layout(self) -> dict[str, int]:
+        """The layout as metrics and checkpoints record it: ``{dp, pp, cp, tp, ep, zero}``."""
+        return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "zero": self.zero}
+
+    def rank_at(self, dp: int, pp: int, cp: int, tp: int) -> int:
+        """The global rank at grid coordinates (dp, pp, cp, tp)."""
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on each grid axis: ``{"dp": .., "pp": .., "cp": .., "tp": ..}``."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        return {
+            "dp": rank // (self.tp * self.cp * self.pp),
+            "pp": rank // (self.tp * self.cp) % self.pp,
+            "cp": rank // self.tp % self.cp,
+            "tp": rank % self.tp,
+        }
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` as a list of global ranks (see the class docstring)."""
+        sizes = {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+        if axis in GRID_AXES:  # the other coordinates in grid order, this one varying inside a group
+            others = [a for a in GRID_AXES if a != axis]
+            groups = []
+            for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+                at = dict(zip(others, fixed))
+                groups.append([self.rank_at(**{**at, axis: i}) for i in range(sizes[axis])])
+            return groups
+        if axis == "world":
+            return [list(range(self.world_size))]
+        if axis in ("dp_shard", "dp_rep"):
+            size = self.zero_shards
+            dp_groups = self.group_ranks("dp")
+            if axis == "dp_shard":
+                return [g[i : i + size] for g in dp_groups for i in range(0, len(g), size)]
+            return [g[j::size] for g in dp_groups for j in range(size)]
+        if axis == "embed":
+            ends = [[g[0], g[-1]] if len(g) > 1 else g for g in self.group_ranks("pp")]
+            return ends + [[r] for g in self.group_ranks("pp") for r in g[1:-1]]
+        return self._data_groups(axis)
+
+    def _data_groups(self, axis: str) -> list[list[int]]:
+        """``dp_cp``, ``ep`` and ``edp`` groups: per (pp, tp) place, its dp×cp ranks, dp-major."""
+        dpcp = [
+            [self.rank_at(d, p, c, t) for d in range(self.dp) for c in range(self.cp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
+        if axis == "dp_cp":
+            return dpcp
+        chunks = [[g[i : i + self.ep] for i in range(0, len(g), self.ep)] for g in dpcp]
+        if axis == "ep":
+            return [chunk for per in chunks for chunk in per]
+        if axis == "edp":
+            return [[chunk[j] for chunk in per] for per in chunks for j in range(self.ep)]
+        raise MeshError(f"unknown mesh axis {axis!r}; choose one of {', '.join(AXES)}")
+
+
+class _Degree:
+    """A :class:`ParallelDims` field read through the ``dims`` of the layout that holds it."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __get__(self, holder: HoldsDims, owner: object = None) -> int:
+        return int(getattr(holder.dims, self.field))
+
+
+class HoldsDims:
+    """The degrees of a layout that holds a :class:`ParallelDims` (``dims``), read as its own fields:
+    ``world`` (ranks), ``dp``, ``tp``, ``pp``, ``cp``, ``ep``, ``zero``, ``zero_shard_size`` and
+    ``zero_shards`` (the ranks ZeRO shards over: a hybrid block, else dp)."""
+
+    dims: ParallelDims
+    world = _Degree("world_size")
+    dp, tp, pp, cp, ep = _Degree("dp"), _Degree("tp"), _Degree("pp"), _Degree("cp"), _Degree("ep")
+    zero, zero_shard_size, zero_shards = _Degree("zero"), _Degree("zero_shard_size"), _Degree("zero_shards")
+
+
+@dataclass(frozen=True)
+class LayoutSpec(HoldsDims):
+    """Everything :func:`check` needs: the parallel degrees, the model's dimensions, the batch and the
+    per-rank choices of the layout."""
+
+    dims: ParallelDims
     cp_comm: str = "ring"
     cp_ulysses_size: int = 1
-    ep: int = 1
     etp: int = 1
-    zero: int = 0
     heads: int = 1
     kv_heads: int = 1
     vocab: int = 1
@@ -59,29 +240,16 @@ class LayoutSpec:
     pp_layers: tuple[int, ...] | None = None
     offload_optimizer: str = "none"
     offload_params: str = "none"
-    zero_shard_size: int = 0
 
 
 def spec_of(cfg: Config, world: int) -> LayoutSpec:
     """The layout ``cfg`` describes on ``world`` ranks (``parallel.dp=-1`` resolved)."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    inner = p.pp * p.cp * p.tp
-    if p.dp == -1 and world % inner:
-        raise LayoutError(
-            f"parallel.pp*cp*tp = {p.pp}*{p.cp}*{p.tp} = {inner} does not divide the world size {world}; "
-            "change parallel.tp/pp/cp or --nproc"
-        )
     return LayoutSpec(
-        world=world,
-        dp=world // inner if p.dp == -1 else p.dp,
-        tp=p.tp,
-        pp=p.pp,
-        cp=p.cp,
+        dims=ParallelDims.from_config(p, world),
         cp_comm=p.cp_comm,
         cp_ulysses_size=p.cp_ulysses_size,
-        ep=p.ep,
         etp=p.etp,
-        zero=p.zero,
         heads=m.num_attention_heads,
         kv_heads=m.kv_heads,
         vocab=m.vocab_size,
@@ -99,7 +267,6 @@ def spec_of(cfg: Config, world: int) -> LayoutSpec:
         pp_layers=tuple(int(n) for n in p.pp_layers) if p.pp_layers else None,
         offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params,
-        zero_shard_size=p.zero_shard_size,
     )
 
 
@@ -108,8 +275,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def check(spec: LayoutSpec) -> None:
-    """Raise :class:`LayoutError` on the first reason ``spec`` cannot run."""
-    check_degrees(spec.world, spec.dp, spec.pp, spec.cp, spec.tp, spec.ep, spec.zero)
+    """Raise :class:`LayoutError` on the first reason ``spec`` cannot run (its degrees are consistent:
+    :class:`ParallelDims` checks itself)."""
     _check_tensor(spec)
     _check_pipeline(spec)
     _check_batch(spec)
@@ -138,15 +305,12 @@ def hybrid_block(axis: str, dp: int, cp: int, ep: int, zero: int, shard_size: in
 
 
 def _check_hybrid(spec: LayoutSpec) -> None:
+    """Hybrid sharding's block against the ZeRO stage and the experts (that it divides dp is
+    :class:`ParallelDims`'s check)."""
     s = spec.zero_shard_size
     if s == 0 or s == spec.dp:
         return
     where = "parallel.zero_shard_size"
-    if s < 0 or spec.dp % s:
-        raise LayoutError(
-            f"{where}={s} must divide parallel.dp={spec.dp} (ZeRO shards over groups of that many data-"
-            f"parallel ranks); choose one of {', '.join(map(str, _divisors(spec.dp)))}, or 0 for all of them"
-        )
     if spec.zero == 0:
         raise LayoutError(
             f"{where}={s} needs parallel.zero 1, 2 or 3 (it shards ZeRO's states); set parallel.zero"

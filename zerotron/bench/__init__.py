@@ -28,6 +28,7 @@ from zerotron.distributed.launch import (
     spawn,
     under_torchrun,
 )
+from zerotron.layout import ParallelDims
 from zerotron.train.run import load_job_config, prepare_run
 
 
@@ -46,13 +47,13 @@ def _run_all(
     """Each runnable framework ``repeats`` times, interleaved; rows by framework."""
     rows: dict[str, dict[str, Any]] = {}
     extras: dict[str, tuple[Any, ...]] = {}
-    inner = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
-    placed = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=world // inner))
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    placed = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dims.dp))
     for name in frameworks:
         reason = why_not(name, placed)
         rows[name] = {"skipped": reason} if reason else {}
         if name == "deepspeed" and not reason:
-            rows[name]["ds_config"] = deepspeed_config(cfg, world // (cfg.parallel.tp * cfg.parallel.pp))
+            rows[name]["ds_config"] = deepspeed_config(cfg, dims.dp * dims.cp)
             extras[name] = (rows[name]["ds_config"],)
     runs: dict[str, list[list[dict[str, Any]]]] = {n: [] for n, r in rows.items() if "skipped" not in r}
     for _ in range(repeats):

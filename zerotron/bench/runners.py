@@ -21,16 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotron.build.builder import build_model
+from zerotron.components.data import DataLoader, PackedDataset
+from zerotron.components.loss import REDUCE_DTYPE
+from zerotron.components.metrics import peak_memory_bytes
+from zerotron.components.optim import build_optimizer, lr_at
 from zerotron.config import Config
 from zerotron.config_load import load_config
 from zerotron.distributed import peers
 from zerotron.distributed.launch import current_rank_and_world
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.train.data import DataLoader, PackedDataset
-from zerotron.train.loss import REDUCE_DTYPE
-from zerotron.train.optim import build_optimizer, lr_at
-from zerotron.train.trainer import Trainer, build_model, peak_memory_bytes
+from zerotron.train.trainer import Trainer
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,7 +83,7 @@ def run_zerotron(run_dir: str) -> dict[str, Any]:
     """zerotron's own trainer on the config's layout."""
     cfg, tokens, _, device = _setup(run_dir)
     rank, world = current_rank_and_world()
-    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build(rank), Path(run_dir), tokens)
+    trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)
     records: list[dict[str, Any]] = []
 
     def step(_: int) -> float:

@@ -1,164 +1,24 @@
-"""The device mesh: parallel degrees, the rank grid and every named process group (DESIGN contract 1).
+"""The device mesh: every named process group of the parallel degrees (DESIGN contract 1).
 
-Layout
-------
-The world's ranks are laid out as ``torch.arange(world).reshape(dp, pp, cp, tp)``: TP is the innermost
-(fastest-varying) axis, so a TP group is a block of consecutive ranks and sits inside one node; then CP,
-then PP, and DP outermost. With ``dp=2, pp=1, cp=1, tp=2`` on 4 ranks the TP groups are ``[0, 1]`` and
-``[2, 3]`` and the DP groups ``[0, 2]`` and ``[1, 3]``.
-
-Axes returned by :meth:`ParallelDims.group_ranks` (every rank belongs to exactly one group per axis):
-
-- ``"dp"``, ``"pp"``, ``"cp"``, ``"tp"``: ranks that differ only in that coordinate.
-- ``"dp_cp"``: ranks that differ only in their (dp, cp) coordinates, ordered dp-major; the group over
-  which gradients are reduced when context parallelism is on (each CP rank holds a different slice of
-  the same sequences, so their gradients are partial sums too).
-- ``"ep"``: expert parallelism folded over dp×cp. Within each ``dp_cp`` group (in its order), consecutive
-  chunks of ``ep`` ranks form the EP groups: the ranks that split the experts between them.
-- ``"edp"``: the expert-data-parallel groups, complementary to ``"ep"`` inside each ``dp_cp`` group:
-  the ranks at the same position of every EP chunk, which hold the same experts and reduce their
-  gradients together.
-- ``"dp_shard"`` and ``"dp_rep"``: hybrid sharding (``zero_shard_size`` S): each dp group cut into blocks
-  of S consecutive ranks, over which ZeRO shards (a node), and the ranks at the same place of every
-  block, which hold the same shard and all-reduce its gradient. Without hybrid sharding ``dp_shard`` is
-  ``dp`` and ``dp_rep`` one rank.
-- ``"embed"``: the first and the last stage of each pipeline group (the two ranks that hold a tied
-  embedding's copies and sum their gradients); a middle stage is a group of its own.
-- ``"world"``: all ranks.
-
-:class:`ParallelDims` validates itself on construction (``__post_init__`` calls :meth:`validate`), so a
-``ParallelDims`` that exists is consistent; :meth:`validate` stays public for callers that want to say
-so explicitly. :meth:`ParallelDims.build` turns it into a :class:`Mesh` once torch.distributed is up.
+The degrees and the rank grid are :class:`zerotron.layout.ParallelDims` (torch-free, shared with the
+config check, the planner, the trainer and the bench): ``(dp, pp, cp, tp)`` with tp innermost, and the
+groups of global ranks of every axis (``dp``, ``pp``, ``cp``, ``tp``, ``dp_cp``, ``ep``, ``edp``,
+``dp_shard``, ``dp_rep``, ``embed``, ``world``; see its docstring). :class:`Mesh` makes them process
+groups once torch.distributed is up (``Mesh(dims, rank)``, collective) and is what every part that
+communicates is handed: no module keeps a process group of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from zerotron.distributed.collectives import CommStats
-from zerotron.layout import LayoutError, check_degrees, hybrid, hybrid_block
+from zerotron.layout import AXES, GRID_AXES, MeshError, ParallelDims, hybrid_block
 
-if TYPE_CHECKING:
-    from zerotron.config import ParallelConfig
-
-GRID_AXES = ("dp", "pp", "cp", "tp")
-AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "dp_shard", "dp_rep", "embed", "world")
-
-
-class MeshError(ValueError):
-    """A parallel layout that cannot be built; the message names the field and what to change."""
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of every parallelism over ``world_size`` ranks, plus the ZeRO stage over dp.
-
-    Validated on construction (see :meth:`validate`); use :meth:`from_config` to resolve ``dp=-1``.
-    """
-
-    world_size: int
-    dp: int
-    pp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    zero: int = 0
-    zero_shard_size: int = 0  # hybrid sharding: ZeRO shards over blocks of this many dp ranks (0: all)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @classmethod
-    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
-        """Degrees from ``cfg.parallel``; ``dp=-1`` becomes ``world_size // (pp*cp*tp)``."""
-        dp = parallel.dp
-        if dp == -1:
-            inner = parallel.pp * parallel.cp * parallel.tp
-            if inner < 1 or world_size % inner:
-                raise MeshError(
-                    f"parallel.pp*cp*tp = {parallel.pp}*{parallel.cp}*{parallel.tp} = {inner} does not divide "
-                    f"the world size {world_size}; choose parallel.tp/pp/cp whose product divides {world_size}"
-                )
-            dp = world_size // inner
-        return cls(
-            world_size,
-            dp,
-            parallel.pp,
-            parallel.cp,
-            parallel.tp,
-            parallel.ep,
-            parallel.zero,
-            parallel.zero_shard_size,
-        )
-
-    def validate(self) -> None:
-        """Raise :class:`MeshError` (one line naming the field and the fix) unless the layout is consistent.
-
-        The checks are :func:`zerotron.layout.check_degrees` (the config loader and the planner run the
-        same): every degree >= 1, ``dp*pp*cp*tp == world_size``, ``ep`` divides ``dp*cp``, ``zero`` in
-        0..3. ``zero > 0`` with ``dp == 1`` is allowed (it then shards over one rank, i.e. nothing).
-        """
-        try:
-            check_degrees(self.world_size, self.dp, self.pp, self.cp, self.tp, self.ep, self.zero)
-        except LayoutError as e:
-            raise MeshError(str(e)) from None
-        if self.zero_shard_size and self.dp % self.zero_shard_size:
-            raise MeshError(
-                f"parallel.zero_shard_size={self.zero_shard_size} must divide parallel.dp={self.dp}"
-            )
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether ZeRO shards over blocks of dp ranks and replicates across them (hybrid sharding)."""
-        return hybrid(self.dp, self.zero, self.zero_shard_size)
-
-    def grid(self) -> torch.Tensor:
-        """The rank grid, shape (dp, pp, cp, tp)."""
-        return torch.arange(self.world_size).reshape(self.dp, self.pp, self.cp, self.tp)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """This rank's coordinate on each grid axis: ``{"dp": .., "pp": .., "cp": .., "tp": ..}``."""
-        if not 0 <= rank < self.world_size:
-            raise MeshError(f"rank {rank} is outside the world of {self.world_size} ranks")
-        idx = (self.grid() == rank).nonzero()[0].tolist()
-        return dict(zip(GRID_AXES, idx))
-
-    def group_ranks(self, axis: str) -> list[list[int]]:
-        """Every group of ``axis`` as a list of global ranks (see the module docstring for the layout)."""
-        g = self.grid()  # (dp, pp, cp, tp)
-        if axis in GRID_AXES:
-            k = GRID_AXES.index(axis)
-            moved = g.movedim(k, -1)  # other axes first, in grid order
-            return moved.reshape(-1, moved.shape[-1]).tolist()
-        if axis == "world":
-            return [list(range(self.world_size))]
-        if axis in ("dp_shard", "dp_rep"):
-            size = self.zero_shard_size if self.hybrid else self.dp
-            dp_groups = self.group_ranks("dp")
-            if axis == "dp_shard":
-                return [g[i : i + size] for g in dp_groups for i in range(0, len(g), size)]
-            return [g[j::size] for g in dp_groups for j in range(size)]
-        if axis == "embed":
-            ends = [[g[0], g[-1]] if len(g) > 1 else g for g in self.group_ranks("pp")]
-            return ends + [[r] for g in self.group_ranks("pp") for r in g[1:-1]]
-        dpcp = g.permute(1, 3, 0, 2).reshape(self.pp * self.tp, self.dp * self.cp)  # (pp*tp, dp*cp)
-        if axis == "dp_cp":
-            return dpcp.tolist()
-        n_chunks = self.dp * self.cp // self.ep
-        chunks = dpcp.reshape(self.pp * self.tp, n_chunks, self.ep)  # (pp*tp, n_chunks, ep)
-        if axis == "ep":
-            return chunks.reshape(-1, self.ep).tolist()
-        if axis == "edp":
-            return chunks.transpose(1, 2).reshape(-1, n_chunks).tolist()
-        raise MeshError(f"unknown mesh axis {axis!r}; choose one of {', '.join(AXES)}")
-
-    def build(self, rank: int) -> Mesh:
-        """Create every process group (collective: all ranks must call it) and return this rank's Mesh."""
-        return Mesh(self, rank)
+__all__ = ["AXES", "GRID_AXES", "Group", "Mesh", "MeshError", "ParallelDims"]
 
 
 @dataclass
@@ -209,6 +69,7 @@ class Mesh:
     """
 
     def __init__(self, dims: ParallelDims, rank: int) -> None:
+        """Create every process group of ``dims`` (collective: all ranks call it) and keep this rank's."""
         self.dims = dims
         self.rank = rank
         self.coords = dims.coords(rank)
@@ -222,7 +83,7 @@ class Mesh:
             )
         if not initialised and dims.world_size > 1:
             raise MeshError(
-                "ParallelDims.build needs torch.distributed initialised (zerotron.distributed.init_distributed)"
+                "a Mesh of several ranks needs torch.distributed initialised (zerotron.distributed.init_distributed)"
             )
         backend = str(dist.get_backend()) if initialised else ""
         self.backend = backend
@@ -249,11 +110,11 @@ class Mesh:
         self.coords["edp"] = self._groups["edp"].rank_in_group
         d = dims
         c = self.coords
-        grid = dims.grid()
-        self.pp_prev = int(grid[c["dp"], c["pp"] - 1, c["cp"], c["tp"]]) if c["pp"] > 0 else None
-        self.pp_next = int(grid[c["dp"], c["pp"] + 1, c["cp"], c["tp"]]) if c["pp"] < d.pp - 1 else None
-        self.cp_prev = int(grid[c["dp"], c["pp"], (c["cp"] - 1) % d.cp, c["tp"]])
-        self.cp_next = int(grid[c["dp"], c["pp"], (c["cp"] + 1) % d.cp, c["tp"]])
+        at = d.rank_at
+        self.pp_prev = at(c["dp"], c["pp"] - 1, c["cp"], c["tp"]) if c["pp"] > 0 else None
+        self.pp_next = at(c["dp"], c["pp"] + 1, c["cp"], c["tp"]) if c["pp"] < d.pp - 1 else None
+        self.cp_prev = at(c["dp"], c["pp"], (c["cp"] - 1) % d.cp, c["tp"])
+        self.cp_next = at(c["dp"], c["pp"], (c["cp"] + 1) % d.cp, c["tp"])
         if d.hybrid:  # hybrid sharding's blocks of the other data axes, made now (collective) in one order
             for axis in ("dp_cp",) * (d.cp > 1) + ("edp",) * (d.ep > 1):
                 self.zero_groups(axis, self.hybrid_block(axis))

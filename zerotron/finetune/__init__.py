@@ -1,1 +1,1 @@
-"""Fine-tuning: supervised data (chat formats, loss masks); adapters live in models/lora.py."""
+"""Fine-tuning: ``zerotron sft`` (supervised fine-tuning composed from the training loop); the data and adapters it uses live below the applications (zerotron.components)."""

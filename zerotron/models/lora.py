@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from zerotron.config import LORA_NAME_LIST, LoraSection
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name, to_hf_name
 from zerotron.models.lora_tp import MAGNITUDE, TensorParallelLinear, attach_tp_lora
@@ -84,6 +85,16 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @classmethod
+    def from_section(cls, lo: LoraSection) -> LoraConfig:
+        """The ``lora.*`` section of a run's config as the adapters' settings (a comma-joined name list
+        becomes a list)."""
+        targets: str | list[str] = lo.target_modules
+        if lo.target_modules != "all-linear" and re.fullmatch(LORA_NAME_LIST, lo.target_modules):
+            targets = lo.target_modules.split(",")
+        same = ("rank", "alpha", "dropout", "use_rslora", "use_dora", "base_bits", "double_quant")
+        return cls(target_modules=targets, **{key: getattr(lo, key) for key in same})
 
 
 def _attach(

@@ -12,20 +12,17 @@
    the placement record says (``ep``/``edp``), its token slots sent to their experts by all-to-all
    (:mod:`zerotron.parallel.expert`); with ``parallel.etp`` = tp each expert's intermediate width is
    split over tp too.
-5. **Activation recomputation** around the blocks.
-6. **Compilation** (``train.compile``): each block's forward through ``torch.compile``, in place.
 
-Everything happens on the meta device: no rank allocates what it will not hold. The caller then
-materialises the split model from a weight source (:mod:`zerotron.models.sources`: the layout-independent
-initial values, a Hugging Face directory, a GGUF file, a zerotron checkpoint), one box of one tensor at
-a time (:func:`zerotron.parallel.placement.materialize`), or hands it to ZeRO-3, which materialises only
-its shards. Data parallelism and ZeRO come last, in the trainer's engine, with each parameter's
-reduction group from the placement record. A single process is the one-stage, one-rank case.
+Everything happens on the meta device: no rank allocates what it will not hold. This is the layout
+step of the one model builder (:func:`zerotron.build.builder.build`), which then materialises the split
+model from a weight source one box of one tensor at a time (or hands it to ZeRO-3, which materialises
+only its shards), attaches adapters, wraps recomputation and compilation, and applies data parallelism
+or ZeRO last, with each parameter's reduction group from the placement record. A single process is
+the one-stage, one-rank case.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from zerotron.config import Config
@@ -34,7 +31,6 @@ from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel, meta_stages, stage_bounds
 from zerotron.parallel.context import apply_context_parallel, context_groups
 from zerotron.parallel.expert import apply_expert_parallel
-from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 
 
@@ -60,15 +56,7 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
         for chunk in chunks:
             apply_expert_parallel(chunk, mesh.group("ep"), tp_group, cfg.parallel.sequence_parallel)
     one_stage = mesh is None or mesh.dims.pp == 1
-    model: nn.Module = chunks[0] if one_stage else StagedModel(cfg.model, chunks)
-    apply_recompute(model, cfg.train.recompute)
-    if cfg.train.compile:  # one chunk (config_check._check_compile): no pp, tp, cp or ep
-        assert isinstance(model, LlamaForCausalLM)
-        for block in model.layers:
-            # The forward only (with recomputation's checkpoint when wrapped): module hooks (ZeRO-3's
-            # gathers) run eagerly around it; names, parameters and checkpoints are unchanged.
-            block.forward = torch.compile(block.forward)
-    return model
+    return chunks[0] if one_stage else StagedModel(cfg.model, chunks)
 
 
 def _split(cfg: Config, mesh: Mesh | None) -> list[LlamaForCausalLM]:

@@ -11,7 +11,7 @@ its peak memory is its shards plus the largest single tensor, never the whole mo
 - :class:`GGUFSource`: a GGUF file; one tensor is dequantised at a time (quantised blocks do not slice)
   and the box is sliced from it.
 
-A zerotron checkpoint is a source too (:class:`zerotron.train.state.CheckpointSource`): it reads each
+A zerotron checkpoint is a source too (:class:`zerotron.components.state.CheckpointSource`): it reads each
 box from the pieces of whatever layout saved it.
 """
 

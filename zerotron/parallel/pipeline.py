@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -90,6 +91,22 @@ class SideChannel(Protocol):
         ...
 
 
+@dataclass
+class _Step:
+    """One step's inputs and what its instructions leave for each other: each micro-batch's (input,
+    output) kept for backward (``saved``), the gradients that came back (``grads_out``), the tensors
+    received and not yet used."""
+
+    inputs: Sequence[torch.Tensor]
+    labels: Sequence[torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    forward_context: Callable[[], Any] | None
+    documents: Sequence[torch.Tensor] | None
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    grads_out: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    received: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+
+
 class PipelineRunner:
     """Executes one rank's instruction list for one optimizer step.
 
@@ -150,10 +167,9 @@ class PipelineRunner:
         ``forward_context`` (e.g. autocast or an activation meter) wraps every forward.
         """
         device = inputs[0].device
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        grads_out: dict[tuple[int, int], torch.Tensor | None] = {}
+        step = _Step(inputs, labels, loss_fn, forward_context, documents)
+        saved, grads_out, received = step.saved, step.grads_out, step.received
         pending: list[Any] = []
-        received: dict[tuple[str, int, int], torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for op in self.schedule.ranks[self.rank]:
             stage = self.schedule.stage(self.rank, op.chunk)
@@ -167,10 +183,7 @@ class PipelineRunner:
                     collectives.recv(payload, self._peer(op.peer), self.group)
                     self.side.incoming(key, "act" if op.kind == "RECV_ACT" else "grad", payload)
             elif op.kind == "F":
-                document_ids = documents[op.mb] if documents is not None else None
-                loss_sum += self._forward(
-                    op, stage, inputs, labels, loss_fn, received, saved, forward_context, document_ids
-                )
+                loss_sum += self._forward(op, stage, step)
             elif op.kind in ("SEND_ACT", "SEND_GRAD"):
                 tensor = saved[key][1].detach() if op.kind == "SEND_ACT" else saved[key][0].grad
                 if tensor is None:
@@ -194,23 +207,13 @@ class PipelineRunner:
             work.wait()
         return loss_sum
 
-    def _forward(
-        self,
-        op: Op,
-        stage: int,
-        inputs: Sequence[torch.Tensor],
-        labels: Sequence[torch.Tensor],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        received: dict[tuple[str, int, int], torch.Tensor],
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
-        forward_context: Callable[[], Any] | None,
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _forward(self, op: Op, stage: int, step: _Step) -> torch.Tensor:
         if stage == 0:
-            x = inputs[op.mb]  # (mb, s) token ids
+            x = step.inputs[op.mb]  # (mb, s) token ids
         else:
-            x = received.pop(("RECV_ACT", op.mb, op.chunk)).requires_grad_()  # (mb, s, h)
-        context = forward_context() if forward_context is not None else contextlib.nullcontext()
+            x = step.received.pop(("RECV_ACT", op.mb, op.chunk)).requires_grad_()  # (mb, s, h)
+        document_ids = step.documents[op.mb] if step.documents is not None else None
+        context = step.forward_context() if step.forward_context is not None else contextlib.nullcontext()
         with context:
             chunk = self.chunks[op.chunk]
             out = chunk(x) if document_ids is None else chunk(x, document_ids=document_ids)
@@ -218,12 +221,12 @@ class PipelineRunner:
             if self.side is not None:
                 out = self.side.after_forward((op.mb, op.chunk), out, last)
             if last:
-                out = loss_fn(out, labels[op.mb])  # scalar
+                out = step.loss_fn(out, step.labels[op.mb])  # scalar
                 value = out.detach().float()
                 extra = self.side.extra_loss((op.mb, op.chunk)) if self.side is not None else None
                 if extra is not None:  # in the backward, not in the reported loss
                     out = out + extra
-        saved[(op.mb, op.chunk)] = (x, out)
+        step.saved[(op.mb, op.chunk)] = (x, out)
         return value if last else torch.zeros((), device=out.device)
 
     def _backward(

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from zerotron.layout import ParallelDims
 from zerotron.plan.hardware import PROFILES, Hardware
 from zerotron.plan.layout import Layout, Workload, check
 from zerotron.plan.planner import plan_layout
@@ -38,10 +39,7 @@ def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:
     )
     dp = run.gpus // (run.tp * run.pp)
     layout = Layout(
-        dp=dp,
-        tp=run.tp,
-        pp=run.pp,
-        zero=run.zero,
+        ParallelDims.of(dp, run.tp, run.pp, zero=run.zero),
         micro_batch=run.micro_batch,
         recompute=run.recompute,
         sequence_parallel=run.sequence_parallel,

@@ -3,7 +3,7 @@ pipeline schedule holds at once.
 
 Activations are lists of :class:`Term` — one per tensor saved for backward — under two conventions:
 ``zerotron`` (exactly what the engine's autograd graph saves, read from
-:mod:`zerotron.models.llama` under its :class:`~zerotron.train.metrics.ActivationMeter`) and
+:mod:`zerotron.models.llama` under its :class:`~zerotron.components.metrics.ActivationMeter`) and
 ``megatron`` (Korthikanti et al. 2022, 16-bit activations with 1-byte dropout masks, GQA/SwiGLU
 adapted). Each term says how it splits: over ``tp`` always (head- or FFN-split), only under sequence
 parallelism (``sp``: the b·s·h tensors around norms, dropout and the linear inputs), or not at all.
@@ -134,19 +134,29 @@ def engine_moe_terms(
     return terms
 
 
-def engine_layer_terms(
-    m: ModelShape,
-    b: int,
-    s: int,
-    precision: str,
-    recompute: str,
-    tp: int = 1,
-    sp: bool = False,
-    ep: int = 1,
-    weights16: bool = False,
-    etp: int = 1,
-) -> list[Term]:
-    """Tensors one block of the engine saves for backward (b micro-batch, s local sequence length).
+@dataclass(frozen=True)
+class RankBlock:
+    """How one rank runs a block, what its saved tensors depend on: the micro-batch ``b``, the local
+    sequence length ``s``, the compute precision and recompute mode, the tensor (+ sequence), expert and
+    context splits, and whether the working weights are 16-bit (``weights16``)."""
+
+    b: int
+    s: int
+    precision: str
+    recompute: str = "none"
+    tp: int = 1
+    sp: bool = False
+    ep: int = 1
+    etp: int = 1
+    weights16: bool = False
+    cp: int = 1
+    cp_comm: str = "ring"
+    ulysses: int = 1
+
+
+def engine_layer_terms(m: ModelShape, rb: RankBlock) -> list[Term]:
+    """Tensors one block of the engine saves for backward (``rb.b`` micro-batch, ``rb.s`` local sequence
+    length).
 
     fp32: each RMSNorm saves its input, 1/rms (b·s) and the normalised value, and the gain's product
     (the linear input); autocast (bf16/fp16) instead saves a 16-bit copy of the linear input per
@@ -168,6 +178,8 @@ def engine_layer_terms(
     the normalised value and its 16-bit result, the one input all projections that read it save (no casts, no weight copies: the
     gathered weights are not activations); RoPE's q/k and the checkpointed block input are 16-bit.
     """
+    b, s, precision, recompute, tp, sp = rb.b, rb.s, rb.precision, rb.recompute, rb.tp, rb.sp
+    ep, weights16, etp = rb.ep, rb.weights16, rb.etp
     t, a = b * s, _act_bytes(precision)
     k = m.active_mlps
     h, q, kv, i, kvh = m.hidden, m.q_width, m.kv_width, m.intermediate, m.kv_heads
@@ -218,28 +230,19 @@ def engine_layer_terms(
     return terms
 
 
-def context_terms(
-    m: ModelShape,
-    b: int,
-    s: int,
-    precision: str,
-    recompute: str,
-    tp: int,
-    cp: int,
-    cp_comm: str,
-    ulysses: int,
-) -> list[Term]:
+def context_terms(m: ModelShape, rb: RankBlock) -> list[Term]:
     """What context-parallel attention saves beyond the one-device core's q, k, v, output and
-    log-sum-exp (b micro-batch, s local tokens): ``ulysses``/``hybrid`` keep the output in head-split
-    form besides the output projection's input (and K/V repeated per query head when the all-to-all
-    group does not divide this tp rank's KV heads); ``allgather`` keeps the other cp − 1 ranks' K/V.
-    Nothing when the core is recomputed (its inputs are what is kept)."""
-    if cp == 1 or recompute != "none":
+    log-sum-exp (``rb.b`` micro-batch, ``rb.s`` local tokens): ``ulysses``/``hybrid`` keep the output
+    in head-split form besides the output projection's input (and K/V repeated per query head when the
+    all-to-all group does not divide this tp rank's KV heads); ``allgather`` keeps the other cp − 1
+    ranks' K/V. Nothing when the core is recomputed (its inputs are what is kept)."""
+    cp, cp_comm, tp = rb.cp, rb.cp_comm, rb.tp
+    if cp == 1 or rb.recompute != "none":
         return []
-    t, a = b * s, _act_bytes(precision)
+    t, a = rb.b * rb.s, _act_bytes(rb.precision)
     if cp_comm == "allgather":
         return [Term("cp.gathered_kv", 2 * (cp - 1) * a * t * m.kv_width, "tp", m.kv_heads)]
-    u = ulysses_size(cp_comm, cp, ulysses)
+    u = ulysses_size(cp_comm, cp, rb.ulysses)
     if u == 1:
         return []
     terms = [Term("cp.out_heads", a * t * m.q_width, "tp")]

@@ -1,7 +1,7 @@
 """A parallel layout and its workload, read from a :class:`~zerotron.config.Config`, and checked.
 
 Every check raises :class:`~zerotron.plan.errors.PlanError` with one line that says what to change.
-The rank grid is the engine's (:class:`zerotron.distributed.mesh.ParallelDims`): ``(dp, pp, cp, tp)`` with tp
+The degrees and rank grid are the engine's (:class:`zerotron.layout.ParallelDims`): ``(dp, pp, cp, tp)`` with tp
 innermost, so a tp group is ``tp`` consecutive ranks and must fit in one node.
 """
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from zerotron import layout as shared
 from zerotron.config import Config, ModelConfig
+from zerotron.layout import ParallelDims
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.shapes import ModelShape
@@ -20,18 +21,14 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Degrees of parallelism and the per-rank choices that change memory and time."""
+class Layout(shared.HoldsDims):
+    """The parallel degrees (:class:`zerotron.layout.ParallelDims`, the engine's own type) and the
+    per-rank choices that change memory and time."""
 
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+    dims: ParallelDims
     cp_comm: str = "ring"  # ring, ulysses, allgather or hybrid (ulysses in groups of cp_ulysses_size)
     cp_ulysses_size: int = 1
-    ep: int = 1
     etp: int = 1  # expert tensor parallelism: 1 (experts whole on every tp rank) or tp (split over it)
-    zero: int = 0
     micro_batch: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
@@ -43,24 +40,16 @@ class Layout:
     bucket_mb: float = 25.0
     pp_layers: tuple[int, ...] | None = None
     grad_reduce_dtype: str = "fp32"  # what gradients travel in over the data-parallel group (fp32, bf16)
-    zero_shard_size: int = 0  # hybrid sharding: ZeRO over blocks of this many dp ranks (0: all of them)
     reshard_after_forward: bool = (
         True  # ZeRO-3: free each unit after its forward (gathered again in backward)
     )
 
-    @property
-    def zero_shards(self) -> int:
-        """Ranks ZeRO shards over: a block of the data-parallel ranks under hybrid sharding, else all."""
-        return self.zero_shard_size if shared.hybrid(self.dp, self.zero, self.zero_shard_size) else self.dp
-
-    @property
-    def world(self) -> int:
-        """Ranks the layout needs."""
-        return self.dp * self.tp * self.pp * self.cp
-
     def as_dict(self) -> dict[str, object]:
-        """The layout as plain data."""
-        return dict(self.__dict__)
+        """The layout as plain data: the degrees and the choices."""
+        d = self.dims
+        choices = {k: v for k, v in self.__dict__.items() if k != "dims"}
+        degrees = {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "zero": d.zero}
+        return {**degrees, **choices, "zero_shard_size": d.zero_shard_size}
 
     def short(self) -> str:
         """A compact one-line description (search tables)."""
@@ -99,26 +88,16 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: give the number of devices, at least 1")
     p, t = cfg.parallel, cfg.train
-    inner = p.tp * p.pp * p.cp
-    if p.dp == -1:
-        if gpus % inner:
-            raise PlanError(
-                f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {inner} does not divide --gpus {gpus}; "
-                f"choose degrees whose product divides {gpus}"
-            )
-        dp = gpus // inner
-    else:
-        dp = p.dp
+    try:
+        dp = shared.resolve_dp(p.dp, p.pp, p.cp, p.tp, gpus)
+        dims = shared.ParallelDims.of(dp, p.tp, p.pp, p.cp, p.ep, p.zero, p.zero_shard_size)
+    except shared.LayoutError as e:
+        raise PlanError(str(e).replace("the world size", "--gpus")) from None
     layout = Layout(
-        dp=dp,
-        tp=p.tp,
-        pp=p.pp,
-        cp=p.cp,
+        dims=dims,
         cp_comm=p.cp_comm,
         cp_ulysses_size=p.cp_ulysses_size,
-        ep=p.ep,
         etp=p.etp,
-        zero=p.zero,
         micro_batch=t.micro_batch,
         recompute=t.recompute,
         sequence_parallel=p.sequence_parallel,
@@ -130,7 +109,6 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         bucket_mb=p.bucket_mb,
         pp_layers=tuple(int(n) for n in getattr(p, "pp_layers", None) or ()) or None,
         grad_reduce_dtype=p.grad_reduce_dtype,
-        zero_shard_size=p.zero_shard_size,
         reshard_after_forward=p.reshard_after_forward,
     )
     _check_model(cfg.model)
@@ -224,16 +202,10 @@ def check(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, gpus: int
 def spec(m: ModelShape, layout: Layout, work: Workload) -> shared.LayoutSpec:
     """The shared check's view of a planned layout."""
     return shared.LayoutSpec(
-        world=layout.world,
-        dp=layout.dp,
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
+        dims=layout.dims,
         cp_comm=layout.cp_comm,
         cp_ulysses_size=layout.cp_ulysses_size,
-        ep=layout.ep,
         etp=layout.etp,
-        zero=layout.zero,
         heads=m.heads,
         kv_heads=m.kv_heads,
         vocab=m.vocab,
@@ -251,7 +223,6 @@ def spec(m: ModelShape, layout: Layout, work: Workload) -> shared.LayoutSpec:
         pp_layers=layout.pp_layers,
         offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params,
-        zero_shard_size=layout.zero_shard_size,
     )
 
 

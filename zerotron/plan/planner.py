@@ -120,9 +120,8 @@ def stage_memory(
     if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts and not m.mla:
         working = 2 if working_weights16(layout, work) else 4
         zero = 2 if whole_grads_sent_16bit(layout, work) else layout.zero  # the gradients' bytes alike
-        exact = _zero_states(
-            m, layout.tp, layout.pp, stage, layers, zero, data, dp_rank, layout.bucket_mb, working
-        )
+        part = (layout.tp, layout.pp, stage, layers)
+        exact = _zero_states(m, part, zero, data, dp_rank, layout.bucket_mb, working)
     states = _model_states(m, layout, work, convention, sp, exact)
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
     buffers, buf_detail = _buffers(m, layout, work, convention, stage, sp.elements)
@@ -149,17 +148,12 @@ def data_parallel_bytes(
         raise PlanError("data_parallel_bytes models dense models without context parallelism or MLA")
     layers = rank_layers(m, layout, work)[stage]
     params = param_list(m, layout.tp, layout.pp, stage, layers)
-    n = layout.zero_shards if layout.zero else layout.dp
     return engine_dp_bytes(
         params,
-        layout.zero,
-        n,
-        layout.dp // n,
+        layout,
         micro_batches(layout, work),
-        layout.bucket_mb,
         2 if working_weights16(layout, work) else 4,
         2 if layout.grad_reduce_dtype == "bf16" else 4,
-        reshard_after_forward=layout.reshard_after_forward,
     )
 
 
@@ -233,18 +227,17 @@ def _model_states(
 @functools.lru_cache(maxsize=4096)
 def _zero_states(
     m: ModelShape,
-    tp: int,
-    pp: int,
-    stage: int,
-    layers: int,
+    part: tuple[int, int, int, int],
     zero: int,
     dp: int,
     rank: int,
     bucket_mb: float,
     working_bytes: int = 4,
 ) -> dict[str, float]:
-    """The engine's ZeRO state bytes of one rank (cached on small keys: the search repeats them)."""
-    params = param_list(m, tp, pp, stage, layers)
+    """The engine's ZeRO state bytes of one rank holding ``part`` = (tp, pp, stage, layers): its
+    tensor-parallel share of pipeline stage ``stage``'s ``layers`` blocks (cached on small keys: the
+    search repeats them)."""
+    params = param_list(m, *part)
     return mem.engine_zero_states(params, zero, dp, rank, bucket_mb, working_bytes=working_bytes)
 
 
@@ -269,18 +262,25 @@ def _peak_candidates(layers: tuple[int, ...]) -> tuple[int, ...]:
 def _activations(
     m: ModelShape, layout: Layout, work: Workload, convention: str, stage: int, layers: int, flash: bool
 ) -> tuple[float, dict[str, float]]:
-    b, s = layout.micro_batch, work.seq_len // layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
-    w16 = working_weights16(layout, work)
-    per_layer = _layer_bytes(
-        m, b, s, work.precision, layout.recompute, tp, sp, convention, flash, layout.ep, w16, layout.etp
+    rb = act.RankBlock(
+        b=layout.micro_batch,
+        s=work.seq_len // layout.cp,
+        precision=work.precision,
+        recompute=layout.recompute,
+        tp=tp,
+        sp=sp,
+        ep=layout.ep,
+        etp=layout.etp,
+        weights16=working_weights16(layout, work),
+        cp=layout.cp,
+        cp_comm=layout.cp_comm,
+        ulysses=layout.cp_ulysses_size,
     )
+    per_layer = _layer_bytes(m, rb, convention, flash)
     if convention == "zerotron":
-        cp_terms = act.context_terms(
-            m, b, s, work.precision, layout.recompute, tp, layout.cp, layout.cp_comm, layout.cp_ulysses_size
-        )
-        per_layer += act.split_bytes(cp_terms, tp, sp)
-    every, first, last = _end_bytes(m, b, s, work.precision, tp, sp, convention, layout.pp, w16)
+        per_layer += act.split_bytes(act.context_terms(m, rb), tp, sp)
+    every, first, last = _end_bytes(m, rb, convention, layout.pp)
     v = layout.virtual_stages if layout.pp_schedule == "interleaved" else 1
     held = act.inflight(layout.pp_schedule, layout.pp, micro_batches(layout, work), stage, v)
     blocks = (per_layer * layers / v + every) * held.chunks
@@ -290,40 +290,17 @@ def _activations(
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_bytes(
-    m: ModelShape,
-    b: int,
-    s: int,
-    precision: str,
-    recompute: str,
-    tp: int,
-    sp: bool,
-    convention: str,
-    flash: bool,
-    ep: int = 1,
-    weights16: bool = False,
-    etp: int = 1,
-) -> float:
+def _layer_bytes(m: ModelShape, rb: act.RankBlock, convention: str, flash: bool) -> float:
     """Activation bytes of one block on one rank (cached: the search asks for the same ones often)."""
     if convention == "zerotron":
-        terms = act.engine_layer_terms(m, b, s, precision, recompute, tp, sp, ep, weights16, etp)
-        return act.split_bytes(terms, tp, sp)
-    return act.split_bytes(act.megatron_layer_terms(m, b, s, recompute, flash), tp, sp)
+        return act.split_bytes(act.engine_layer_terms(m, rb), rb.tp, rb.sp)
+    return act.split_bytes(act.megatron_layer_terms(m, rb.b, rb.s, rb.recompute, flash), rb.tp, rb.sp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _end_bytes(
-    m: ModelShape,
-    b: int,
-    s: int,
-    precision: str,
-    tp: int,
-    sp: bool,
-    convention: str,
-    pp: int,
-    weights16: bool = False,
-) -> tuple[float, float, float]:
+def _end_bytes(m: ModelShape, rb: act.RankBlock, convention: str, pp: int) -> tuple[float, float, float]:
     """Activation bytes outside the blocks: per chunk (RoPE tables), first stage, last stage (cached)."""
+    b, s, precision, tp, sp, weights16 = rb.b, rb.s, rb.precision, rb.tp, rb.sp, rb.weights16
     if convention == "zerotron":
         every = act.split_bytes(act.engine_stage_terms(m, b, s, 2 if weights16 else 4), tp, sp)
         first_terms = act.engine_first_stage_terms(m, b, s, tp)
@@ -455,25 +432,18 @@ def step_times(
     ]
     sp = max(stages, key=lambda st: st.elements)
     dense = sp.elements - sp.expert_elements
-    times.update(
-        timing.data_parallel_time(  # cp folded into the data-parallel group (dp·cp ranks)
-            replace(layout, dp=data_ranks(layout), cp=1),
-            hw,
-            dense,
-            grad_wire,
-            param_wire,
-            t_compute,
-            n_mb,
-            max(1, sp.layers),
-        )  # fmt: skip
-    )
+    # cp folded into the data-parallel group: the dp·cp ranks of a (pp, tp) place
+    folded = timing.DataGroup.of(layout, data_ranks(layout), layout.tp * layout.pp)
+    grads, params = dense * grad_wire, dense * param_wire
+    layers_ = max(1, sp.layers)
+    times.update(timing.data_parallel_time(layout, hw, folded, grads, params, t_compute, n_mb, layers_))
     shard = -(-dense // zero_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
-        edp = expert_dp(layout)
+        replicas = timing.DataGroup.of(layout, expert_dp(layout))
+        grads, params = sp.expert_elements * grad_wire, sp.expert_elements * param_wire
         expert_times = timing.data_parallel_time(
-            replace(layout, dp=edp), hw, sp.expert_elements, grad_wire, param_wire, t_compute, n_mb,
-            max(1, sp.layers),
-        )  # fmt: skip
+            layout, hw, replicas, grads, params, t_compute, n_mb, layers_
+        )
         for key, value in expert_times.items():
             times[key] = times.get(key, 0.0) + value
         shard += (

@@ -101,17 +101,12 @@ def _interleave(layers: int, pp: int, batch_per_dp: int) -> int:
 
 
 def _megatron(
-    name: str,
-    source: str,
-    heads: int,
-    h: int,
-    layers: int,
-    tp: int,
-    pp: int,
-    gpus: int,
-    batch: int,
-    **kw: object,
+    name: str, source: str, shape: tuple[int, int, int], split: tuple[int, int, int, int], **kw: object
 ) -> PublishedRun:
+    """A Megatron-LM GPT run on A100s: ``shape`` = (heads, hidden, layers), ``split`` = (tp, pp, GPUs,
+    global batch)."""
+    heads, h, layers = shape
+    tp, pp, gpus, batch = split
     v = _interleave(layers, pp, batch // (gpus // (tp * pp)))
     kw.setdefault("schedule", "interleaved" if v > 1 else "1f1b")
     kw.setdefault("virtual_stages", v)
@@ -177,20 +172,18 @@ def _nemo(
     name: str,
     source: str,
     shape: tuple[int, int, int, int, int, int, bool, bool],
-    gpus: int,
-    batch: int,
-    seq: int,
-    micro_batch: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    v: int = 1,
-    zero: int = 1,
-    published: float = 0.0,
+    run: tuple[int, int, int],
+    published: float,
+    **split: int,
 ) -> PublishedRun:
     """A Megatron-Core FP8 run on DGX-H100: distributed optimizer (ZeRO-1) unless FSDP, flash attention,
     tensor-parallel communication overlap (the H100 recipes enable it), no recomputation (assumed: the
-    recipes fit in memory without it), tokens/s per GPU."""
+    recipes fit in memory without it), tokens/s per GPU. ``run`` = (GPUs, global batch, sequence);
+    ``split``: ``micro_batch``, ``tp``, ``pp``, ``v`` (interleaved chunks), ``zero`` (default 1)."""
     h, layers, heads, kv, ffn, vocab, gated, tied = shape
+    gpus, batch, seq = run
+    micro_batch, tp, pp = split.get("micro_batch", 1), split.get("tp", 1), split.get("pp", 1)
+    v, zero = split.get("v", 1), split.get("zero", 1)
     return PublishedRun(
         name=name, source=source, hardware="h100-sxm", gpus=gpus, hidden=h, layers=layers, heads=heads,
         kv_heads=kv, ffn=ffn, vocab=vocab, gated=gated, tied=tied, seq_len=seq, global_batch=batch,
@@ -202,16 +195,16 @@ def _nemo(
 
 
 CALIBRATION: tuple[PublishedRun, ...] = (
-    _megatron("gpt-1.7b", _N1, 24, 2304, 24, 1, 1, 32, 512, published=137, unit="tflops"),
-    _megatron("gpt-3.6b", _N1, 32, 3072, 30, 2, 1, 64, 512, published=138, unit="tflops"),
-    _megatron("gpt-7.5b", _N1, 32, 4096, 36, 4, 1, 128, 512, published=142, unit="tflops"),
-    _megatron("gpt-18b", _N1, 48, 6144, 40, 8, 1, 256, 1024, published=135, unit="tflops"),
-    _megatron("gpt-39b", _N1, 64, 8192, 48, 8, 2, 512, 1536, published=138, unit="tflops"),
-    _megatron("gpt-76b", _N1, 80, 10240, 60, 8, 4, 1024, 1792, published=140, unit="tflops"),
-    _megatron("gpt-145b", _N1, 96, 12288, 80, 8, 8, 1536, 2304, published=148, unit="tflops"),
-    _megatron("gpt-310b", _N1, 128, 16384, 96, 8, 16, 1920, 2160, published=155, unit="tflops"),
-    _megatron("gpt-530b", _N1, 128, 20480, 105, 8, 35, 2520, 2520, published=163, unit="tflops"),
-    _megatron("gpt-1t", _N1, 160, 25600, 128, 8, 64, 3072, 3072, published=163, unit="tflops"),
+    _megatron("gpt-1.7b", _N1, (24, 2304, 24), (1, 1, 32, 512), published=137, unit="tflops"),
+    _megatron("gpt-3.6b", _N1, (32, 3072, 30), (2, 1, 64, 512), published=138, unit="tflops"),
+    _megatron("gpt-7.5b", _N1, (32, 4096, 36), (4, 1, 128, 512), published=142, unit="tflops"),
+    _megatron("gpt-18b", _N1, (48, 6144, 40), (8, 1, 256, 1024), published=135, unit="tflops"),
+    _megatron("gpt-39b", _N1, (64, 8192, 48), (8, 2, 512, 1536), published=138, unit="tflops"),
+    _megatron("gpt-76b", _N1, (80, 10240, 60), (8, 4, 1024, 1792), published=140, unit="tflops"),
+    _megatron("gpt-145b", _N1, (96, 12288, 80), (8, 8, 1536, 2304), published=148, unit="tflops"),
+    _megatron("gpt-310b", _N1, (128, 16384, 96), (8, 16, 1920, 2160), published=155, unit="tflops"),
+    _megatron("gpt-530b", _N1, (128, 20480, 105), (8, 35, 2520, 2520), published=163, unit="tflops"),
+    _megatron("gpt-1t", _N1, (160, 25600, 128), (8, 64, 3072, 3072), published=163, unit="tflops"),
     # llm-foundry, one node (8 GPUs), sequence 2,048.
     _mpt("h100", "1b", 2048, 8, 14, 1, False, 363645),
     _mpt("h100", "7b", 2048, 8, 6, 1, False, 85144),
@@ -227,38 +220,38 @@ CALIBRATION: tuple[PublishedRun, ...] = (
     _mpt("h100", "1b", 8192, 8, 3, 4, False, 233256),
     _mpt("a100", "1b", 8192, 8, 3, 4, False, 110516),
     # FP8 on H100 (Transformer Engine, current scaling): one run per model family.
-    _nemo("llama3-8b fp8", _MB, _LLAMA3_8B, 8, 128, 8192, zero=3, published=14079),
-    _nemo("gpt3-175b fp8", _NEMO, _GPT3, 512, 2048, 2048, micro_batch=2, tp=4, pp=8, v=6, published=866),
+    _nemo("llama3-8b fp8", _MB, _LLAMA3_8B, (8, 128, 8192), 14079, zero=3),
+    _nemo("gpt3-175b fp8", _NEMO, _GPT3, (512, 2048, 2048), 866, micro_batch=2, tp=4, pp=8, v=6),
 )
 
 VALIDATION: tuple[PublishedRun, ...] = (
-    _nemo("llama3-70b fp8 gbs128", _MB, _LLAMA3_70B, 64, 128, 8192, tp=4, pp=8, v=5, published=1619),
-    _nemo("llama3-70b fp8 gbs256", _MBA, _LLAMA3_70B, 64, 256, 8192, tp=4, pp=8, v=5, published=1621),
-    _megatron("gpt-175b 384 gpus", _N2, 96, 12288, 96, 8, 12, 384, 1536, published=153, unit="tflops"),
-    _megatron("gpt-175b 768 gpus", _N2, 96, 12288, 96, 8, 12, 768, 1536, published=149, unit="tflops"),
-    _megatron("gpt-175b 1536 gpus", _N2, 96, 12288, 96, 8, 12, 1536, 1536, published=141, unit="tflops"),
-    _megatron("gpt-530b 560 gpus", _N2, 128, 20480, 105, 8, 35, 560, 2240, published=171, unit="tflops"),
-    _megatron("gpt-530b 1120 gpus", _N2, 128, 20480, 105, 8, 35, 1120, 2240, published=167, unit="tflops"),
-    _megatron("gpt-530b 2240 gpus", _N2, 128, 20480, 105, 8, 35, 2240, 2240, published=159, unit="tflops"),
+    _nemo("llama3-70b fp8 gbs128", _MB, _LLAMA3_70B, (64, 128, 8192), 1619, tp=4, pp=8, v=5),
+    _nemo("llama3-70b fp8 gbs256", _MBA, _LLAMA3_70B, (64, 256, 8192), 1621, tp=4, pp=8, v=5),
+    _megatron("gpt-175b 384 gpus", _N2, (96, 12288, 96), (8, 12, 384, 1536), published=153, unit="tflops"),
+    _megatron("gpt-175b 768 gpus", _N2, (96, 12288, 96), (8, 12, 768, 1536), published=149, unit="tflops"),
+    _megatron("gpt-175b 1536 gpus", _N2, (96, 12288, 96), (8, 12, 1536, 1536), published=141, unit="tflops"),
+    _megatron("gpt-530b 560 gpus", _N2, (128, 20480, 105), (8, 35, 560, 2240), published=171, unit="tflops"),
+    _megatron("gpt-530b 1120 gpus", _N2, (128, 20480, 105), (8, 35, 1120, 2240), published=167, unit="tflops"),
+    _megatron("gpt-530b 2240 gpus", _N2, (128, 20480, 105), (8, 35, 2240, 2240), published=159, unit="tflops"),
     # Korthikanti et al.: iteration times of Table 5 (the MFU column agrees with them).
-    _megatron("gpt-22b sel+sp", _K, 64, 6144, 48, 8, 1, 8, 4, recompute="selective", sequence_parallel=True,
+    _megatron("gpt-22b sel+sp", _K, (64, 6144, 48), (8, 1, 8, 4), recompute="selective", sequence_parallel=True,
               published=1.10),
-    _megatron("gpt-175b sel+sp", _K, 96, 12288, 96, 8, 8, 64, 64, recompute="selective",
+    _megatron("gpt-175b sel+sp", _K, (96, 12288, 96), (8, 8, 64, 64), recompute="selective",
               sequence_parallel=True, published=13.75),
-    _megatron("gpt-530b sel+sp", _K, 128, 20480, 105, 8, 35, 280, 280, recompute="selective",
+    _megatron("gpt-530b sel+sp", _K, (128, 20480, 105), (8, 35, 280, 280), recompute="selective",
               sequence_parallel=True, published=37.83),
-    _megatron("gpt-1t sel+sp", _K, 160, 25600, 128, 8, 64, 512, 512, recompute="selective",
+    _megatron("gpt-1t sel+sp", _K, (160, 25600, 128), (8, 64, 512, 512), recompute="selective",
               sequence_parallel=True, published=71.49),
-    _megatron("gpt-22b full", _K, 64, 6144, 48, 8, 1, 8, 4, published=1.42),
-    _megatron("gpt-175b full", _K, 96, 12288, 96, 8, 8, 64, 64, published=18.13),
-    _megatron("gpt-530b full", _K, 128, 20480, 105, 8, 35, 280, 280, published=49.05),
-    _megatron("gpt-1t full", _K, 160, 25600, 128, 8, 64, 512, 512, published=94.42),
+    _megatron("gpt-22b full", _K, (64, 6144, 48), (8, 1, 8, 4), published=1.42),
+    _megatron("gpt-175b full", _K, (96, 12288, 96), (8, 8, 64, 64), published=18.13),
+    _megatron("gpt-530b full", _K, (128, 20480, 105), (8, 35, 280, 280), published=49.05),
+    _megatron("gpt-1t full", _K, (160, 25600, 128), (8, 64, 512, 512), published=94.42),
     # MT-NLG: DeepSpeed's pipeline (1F1B, no interleaving), ZeRO-1, batch 1920.
-    _megatron("mt-nlg-530b 2240 gpus", _MT, 128, 20480, 105, 8, 35, 2240, 1920, zero=1, schedule="1f1b",
+    _megatron("mt-nlg-530b 2240 gpus", _MT, (128, 20480, 105), (8, 35, 2240, 1920), zero=1, schedule="1f1b",
               virtual_stages=1, published=60.1),
-    _megatron("mt-nlg-530b 2800 gpus", _MT, 128, 20480, 105, 8, 35, 2800, 1920, zero=1, schedule="1f1b",
+    _megatron("mt-nlg-530b 2800 gpus", _MT, (128, 20480, 105), (8, 35, 2800, 1920), zero=1, schedule="1f1b",
               virtual_stages=1, published=50.2),
-    _megatron("mt-nlg-530b 3360 gpus", _MT, 128, 20480, 105, 8, 35, 3360, 1920, zero=1, schedule="1f1b",
+    _megatron("mt-nlg-530b 3360 gpus", _MT, (128, 20480, 105), (8, 35, 3360, 1920), zero=1, schedule="1f1b",
               virtual_stages=1, published=44.4),
     # llm-foundry: several nodes, or one node at longer sequences.
     _mpt("h100", "70b", 2048, 64, 8, 4, True, 66523),

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from zerotron.layout import ParallelDims
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, check
@@ -79,13 +80,8 @@ def candidates(m: ModelShape, work: Workload, hw: Hardware, gpus: int) -> Iterat
                 for zero in (0, 1, 2, 3) if pp == 1 else (0, 1):
                     for schedule, v in _schedules(m, pp, per_rank // mb):
                         yield Layout(
-                            dp=dp,
-                            tp=tp,
-                            pp=pp,
-                            cp=cp,
-                            ep=ep,
+                            ParallelDims.of(dp, tp, pp, cp, ep, zero),
                             etp=etp,
-                            zero=zero,
                             micro_batch=mb,
                             sequence_parallel=tp > 1,
                             pp_schedule=schedule,

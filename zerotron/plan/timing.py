@@ -22,9 +22,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
-from zerotron.layout import ulysses_size
+from zerotron.layout import hybrid, ulysses_size
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
 from zerotron.shapes import ModelShape
@@ -364,31 +365,56 @@ def pipeline_times(
     return {"pipeline_bubble": bubble, "pipeline_p2p": 2 * v * n_mb * send}
 
 
+@dataclass(frozen=True)
+class DataGroup:
+    """The ranks one class of parameters reduces its gradients over: ``ranks`` of them, ``stride``
+    apart in the rank grid, ZeRO sharding over blocks of ``shards`` consecutive ones (``ranks``
+    without hybrid sharding)."""
+
+    ranks: int
+    shards: int
+    stride: int
+
+    @classmethod
+    def of(cls, layout: Layout, ranks: int | None = None, stride: int | None = None) -> DataGroup:
+        """The data-parallel group of ``layout`` (or ``ranks`` of them, ``stride`` apart: the dp·cp
+        ranks of dense parameters, the dp·cp/ep replicas of experts), hybrid sharding's blocks of
+        ``zero_shard_size`` ranks where they are smaller."""
+        ranks = layout.dp if ranks is None else ranks
+        blocks = hybrid(ranks, layout.zero, layout.zero_shard_size)
+        return cls(
+            ranks,
+            layout.zero_shard_size if blocks else ranks,
+            strides(layout)["dp"] if stride is None else stride,
+        )
+
+
 def data_parallel_time(
     layout: Layout,
     hw: Hardware,
-    stage_elements: int,
-    grad_bytes: int,
-    param_bytes: int,
+    group: DataGroup,
+    grads: float,
+    params: float,
     t_mb: float,
     n_mb: int,
     layers: int = 1,
 ) -> dict[str, float]:
-    """Exposed data-parallel traffic of one step for the ZeRO stage (ZeRO paper: 2Ψ, or 3Ψ at stage 3).
+    """Exposed data-parallel traffic of one step for the ZeRO stage (ZeRO paper: 2Ψ, or 3Ψ at stage 3)
+    over ``group``, of ``grads`` and ``params`` bytes (a stage's elements in the gradients' and the
+    gathered weights' wire dtypes).
 
     ZeRO-3 gathers and reduce-scatters module by module: ``layers`` collectives per pass, each paying
-    the ring's latency. Hybrid sharding (``zero_shard_size`` S < dp): ZeRO's collectives run inside
+    the ring's latency. Hybrid sharding (blocks of S < the group's ranks): ZeRO's collectives run inside
     blocks of S consecutive ranks, and each step's gradient shard (1/S of the gradients) is all-reduced
-    across the dp/S blocks after backward, on the link that spans them (exposed).
+    across the blocks after backward, on the link that spans them (exposed).
     """
-    if layout.dp == 1:
+    if group.ranks == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
-    stride, n = strides(layout)["dp"], layout.zero_shards
-    grads, params = stage_elements * grad_bytes, stage_elements * param_bytes
+    stride, n = group.stride, group.shards
     across = 0.0
-    if n < layout.dp:
-        across = collective_time("all_reduce", grads / n, layout.dp // n, stride * n, hw)
-    times = _zero_times(layout, hw, grads, params, n, stride, t_mb, n_mb, layers)
+    if n < group.ranks:
+        across = collective_time("all_reduce", grads / n, group.ranks // n, stride * n, hw)
+    times = _zero_times(layout, hw, DataGroup(n, n, stride), grads, params, t_mb, n_mb, layers)
     times["dp_grad_reduce"] += across
     return times
 
@@ -396,15 +422,15 @@ def data_parallel_time(
 def _zero_times(
     layout: Layout,
     hw: Hardware,
+    block: DataGroup,
     grads: float,
     params: float,
-    n: int,
-    stride: int,
     t_mb: float,
     n_mb: int,
     layers: int,
 ) -> dict[str, float]:
-    """:func:`data_parallel_time` over ``n`` ranks ``stride`` apart (the whole dp group, or a block)."""
+    """:func:`data_parallel_time` over one ``block`` of ranks (the whole group, or a hybrid block)."""
+    n, stride = block.ranks, block.stride
     if n == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
     backward = _cover(hw, t_mb * 2.0 / 3.0)

@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
+from zerotron.plan.layout import Layout
 from zerotron.plan.memory import _buckets, _zero3_units
 from zerotron.plan.model import ParamList
 
 
 def engine_dp_bytes(
     params: ParamList,
-    zero: int,
-    n: int,
-    replicas: int,
+    layout: Layout,
     micro_batches: int,
-    bucket_mb: float,
     working_bytes: int,
     reduce_bytes: int,
     persist_numel: int = 4096,
-    reshard_after_forward: bool = True,
 ) -> dict[str, dict[str, int]]:
     """Bytes the engine's data-parallel collectives send in one step, ``{axis: {op: bytes}}``, as
     ``comm_bytes`` counts them (the NCCL bus convention: an all-reduce of B bytes over n ranks counts
     2B(n-1)/n, a reduce-scatter or all-gather of a B-byte buffer B(n-1)/n), the loss and norm scalars
     left out.
 
-    ``n``: the ranks ZeRO shards over (``dp_shard``'s under hybrid sharding, whose ``replicas`` blocks
-    all-reduce each gradient shard once per step over ``dp_rep``). Gradients travel in
+    The ranks ZeRO shards over are ``layout``'s (``dp_shard``'s under hybrid sharding, whose blocks
+    all-reduce each gradient shard once per step over ``dp_rep``); data parallelism all-reduces over
+    ``dp``. Gradients travel in
     ``reduce_bytes`` per element, gathers in ``working_bytes`` (16-bit working weights under bf16/fp16).
     DDP all-reduces each bucket once per step; ZeRO-1 reduce-scatters each bucket once per step and
     ZeRO-2 once per micro-batch, both all-gather the updated weights once; ZeRO-3 gathers every
@@ -33,6 +31,9 @@ def engine_dp_bytes(
     micro-batch, and gathers the persistent unit after the step.
     """
     ordered = params.ordered()
+    zero, bucket_mb, reshard_after_forward = layout.zero, layout.bucket_mb, layout.reshard_after_forward
+    n = layout.zero_shards if zero else layout.dp
+    replicas = layout.dp // n
 
     def part(nbytes: int, k: int) -> int:  # one collective's count, as the engine floors it
         return nbytes * (k - 1) // k

@@ -15,13 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from zerotron.build.builder import load_model
+from zerotron.components.sampling import SamplingParams
 from zerotron.config_load import ConfigError
-from zerotron.distributed.mesh import Mesh
-from zerotron.serve import kernels, triton_attention
-from zerotron.serve.engine import Engine, EngineConfig, RequestError, RequestOutput
-from zerotron.serve.linears import onednn_kernels
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import Mesh, ParallelDims
+from zerotron.serve.config import EngineConfig
+from zerotron.serve.devices import rank_device
+from zerotron.serve.engine import Engine, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
-from zerotron.serve.sampling import SamplingParams
 from zerotron.serve.server import EngineLoop, error_body, logprobs_entry, new_id, sse, stream_outputs
 
 
@@ -37,21 +39,7 @@ def build_app(engine: Engine, model_name: str, start_engine: bool = True) -> Fas
     def bad(message: str, status: int = 400, param: Any = None) -> JSONResponse:
         return JSONResponse(error_body(message, status, param=param), status_code=status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        if first.get("type") == "json_invalid":
-            return bad(f"the request body is not valid JSON: {first.get('msg')}")
-        return bad(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None)
-
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {exc}", 500, "server_error"), status_code=500)
+    _answer_errors(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -111,6 +99,30 @@ def build_app(engine: Engine, model_name: str, start_engine: bool = True) -> Fas
         return await respond(request, body)
 
     return app
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every error as OpenAI's error body: a malformed request a 400 naming the field, an HTTP error its
+    status, anything else a 500 (the server keeps serving)."""
+
+    def bad(message: str, status: int = 400, param: Any = None) -> JSONResponse:
+        return JSONResponse(error_body(message, status, param=param), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            return bad(f"the request body is not valid JSON: {first.get('msg')}")
+        return bad(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {exc}", 500, "server_error"), status_code=500)
 
 
 def _usage(out: Optional[RequestOutput]) -> dict[str, int]:
@@ -218,90 +230,11 @@ async def _stream(
     yield "data: [DONE]\n\n"
 
 
-def engine_config(args: Any, nproc: int) -> EngineConfig:
-    """The engine's settings from ``zerotron serve``'s flags, each checked (one line naming the flag)."""
-    checks = [
-        ("--nproc", nproc >= 1),
-        ("--port", 0 < args.port < 65536),
-        ("--block-size", args.block_size in (1, 2, 4, 8, 16, 32, 64, 128)),
-        ("--max-num-seqs", args.max_num_seqs >= 1),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens >= 1),
-        ("--kv-cache-memory", args.kv_cache_memory > 0),
-        ("--max-model-len", args.max_model_len is None or args.max_model_len >= 2),
-    ]
-    for flag, ok in checks:
-        if not ok:
-            raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
-    from zerotron.serve.generate import check_device
-
-    device = check_device("serve", args.device, nproc)
-    base = EngineConfig(
-        block_size=args.block_size,
-        kv_cache_bytes=int(args.kv_cache_memory * 2**30),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        prefix_caching=not args.no_prefix_caching,
-        dtype=args.dtype,
-        device=str(device),
-    )
-    if device.type != "cpu":  # F.linear in fixed-shape calls; Triton's paged kernel (default) or SDPA
-        for flag, value in (("--matmul", args.matmul), ("--attention", args.attention)):
-            if value in ("native", "onednn", "mkl"):
-                raise ConfigError(
-                    f"serve {flag} {value}: a CPU kernel choice; on {device} the engine runs F.linear in "
-                    "fixed-shape calls and attention through Triton or SDPA: leave it out"
-                )
-        if args.attention == "triton" and not triton_attention.available():
-            raise ConfigError(
-                f"serve --attention triton: {triton_attention.why_unavailable()}; or leave --attention out"
-            )
-        triton = args.attention == "triton" or (args.attention is None and triton_attention.available())
-        return dataclasses.replace(base, triton_attention=triton)
-    if args.attention == "triton":
-        raise ConfigError(
-            "serve --attention triton: the Triton kernel runs on a CUDA device (--device cuda); on the CPU "
-            "use native or sdpa, or leave --attention out"
-        )
-    if args.matmul == "onednn" and nproc > 1:
-        raise ConfigError(
-            "serve --matmul onednn packs whole weights; tensor-parallel shards (--nproc N) run F.linear: "
-            "leave --matmul out"
-        )
-    if args.matmul == "onednn" and args.dtype == "bfloat16" and not onednn_kernels(torch.bfloat16):
-        raise ConfigError(
-            "serve --matmul onednn: this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX): leave "
-            "--matmul out"
-        )
-    no_native = kernels.why_no_native_matmul(getattr(torch, args.dtype))  # None: it can run here
-    if args.matmul == "native":
-        why = (
-            "it packs whole weights; tensor-parallel shards (--nproc N) run F.linear"
-            if nproc > 1
-            else no_native
-        )
-        if why is not None:
-            raise ConfigError(f"serve --matmul native: {why}; leave --matmul out")
-    if args.attention == "native" and not kernels.available():
-        raise ConfigError(
-            f"serve --attention native: the kernel could not be built ({kernels.why_unavailable()}); "
-            "leave --attention out or install a C++ compiler"
-        )
-    return dataclasses.replace(
-        base,
-        onednn=(args.matmul or "onednn") == "onednn",
-        native_matmul=args.matmul == "native" or (args.matmul is None and nproc == 1 and no_native is None),
-        native_attention=args.attention == "native" or (args.attention is None and kernels.available()),
-    )
-
-
 def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[Mesh] = None) -> Engine:
     """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; with a ``mesh``
     of tensor parallelism, this rank's shard (loaded shard by shard) over its tp group."""
-    from zerotron.serve.generate import load_model
-
-    dtype = getattr(torch, (config or EngineConfig()).dtype)
-    model, tokenizer = load_model(model_path, dtype, (config or EngineConfig()).device, mesh)
+    dtype = getattr(torch, (config or EngineConfig()).dtype or "float32")
+    model, tokenizer = load_model(model_path, dtype, (config or EngineConfig()).device or "cpu", mesh)
     group = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     # The engine owns this model: its linears may be packed for oneDNN (config.onednn, the default here).
     try:
@@ -376,14 +309,10 @@ def serve_worker(model_path: str, name: str, host: str, port: int, config: Engin
     """One rank of ``zerotron serve --nproc N``: all ranks form one tensor-parallel group; the first
     serves HTTP and schedules, the others run its steps on their shards until it stops (on CUDA each
     rank on its local rank's device)."""
-    from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import ParallelDims
-    from zerotron.serve.generate import rank_device
-
     rank, world = current_rank_and_world()
-    mesh = ParallelDims(world, dp=1, tp=world).build(rank)
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
     group = mesh.group("tp")
-    config = dataclasses.replace(config, device=rank_device(config.device))
+    config = dataclasses.replace(config, device=rank_device(config.device or "cpu"))
     engine = load_engine(model_path, config, mesh)
     if group.rank_in_group == 0:
         serve(engine, name, host, port)

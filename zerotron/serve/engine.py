@@ -15,12 +15,13 @@ from typing import Any, Optional
 
 import torch
 
+from zerotron.components.sampling import Choice, SamplingParams, sample
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.serve.config import EngineConfig
 from zerotron.serve.linears import MIN_ROWS
 from zerotron.serve.paged import BlockPool, KVPool
 from zerotron.serve.runner import StepRunner, make_plan
-from zerotron.serve.sampling import Choice, SamplingParams, sample
 from zerotron.serve.scheduler import Scheduler, Sequence, Status
 
 __all__ = ["MIN_ROWS", "Engine", "EngineConfig", "RequestError", "RequestOutput", "build_kv_pool"]
@@ -28,25 +29,6 @@ __all__ = ["MIN_ROWS", "Engine", "EngineConfig", "RequestError", "RequestOutput"
 
 class RequestError(ValueError):
     """A request the engine cannot take (prompt too long, bad parameters); the server answers 400."""
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: Optional[int] = None  # None: from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # tokens per step, decodes and prefill chunks (vLLM's CPU default)
-    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings (at most 8192)
-    prefix_caching: bool = True
-    onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
-    native_attention: bool = False  # every row through the native paged kernel (zerotron.serve.kernels)
-    native_matmul: bool = False  # linears on zerotron's kernels: bf16 on AMX tiles, fp32 on AVX-512 (CPU)
-    dtype: str = "float32"  # what ``zerotron serve`` loads the model in (float32 | bfloat16)
-    device: str = "cpu"  # where ``zerotron serve`` loads the model and the KV cache (cpu | cuda[:N])
-    fixed_rows: Optional[int] = None  # linears in calls of this many rows (0: off); None: 256 off the CPU
-    # every row through the Triton paged kernel (serve.triton_attention); None: off the CPU where Triton is
-    triton_attention: Optional[bool] = None
 
 
 @dataclass
@@ -99,17 +81,8 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         self.max_model_len, self.kv = build_kv_pool(model, cfg)
         self.pool = BlockPool(self.kv.num_blocks, cfg.block_size)
-        self.runner = StepRunner(
-            model,
-            self.kv,
-            tp_group,
-            cfg.onednn,
-            cfg.max_num_batched_tokens,
-            cfg.native_attention,
-            cfg.native_matmul,
-            cfg.fixed_rows,
-            cfg.triton_attention,
-        )
+        self.runner = StepRunner(model, self.kv, cfg, tp_group)
+        self.config = self.runner.config  # filled in for the model's device, dtype and split
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
         )
@@ -282,8 +255,6 @@ def build_kv_pool(model: LlamaForCausalLM, cfg: EngineConfig) -> tuple[int, KVPo
     per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype)
     num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // (per_token * cfg.block_size))
     max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
-    if cfg.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-        raise RequestError(f"block size {cfg.block_size}: choose a power of two from 1 to 128")
     if (num_blocks - 1) * cfg.block_size < max_model_len + cfg.block_size:
         raise RequestError(
             f"the KV cache holds {(num_blocks - 1) * cfg.block_size} tokens, less than one sequence of "

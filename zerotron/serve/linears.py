@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Optional, TypeGuard
+from typing import Any, Optional, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +259,23 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
         free_dense(parts)
         return functools.partial(_packed_linear, handle, bias, features, chunk, wide=wide)
 
+    fused_of = _pack_all(model, dtype, packed)
+    for norm in model.modules() if native else ():
+        if type(norm) is RMSNorm:  # one native pass per row instead of six operators
+            norm.forward = functools.partial(kernels.rms_norm, weight=norm.weight.detach(), eps=norm.eps)  # type: ignore[method-assign]
+    for layer in model.modules() if lean else ():
+        if isinstance(layer, DecoderLayer) and layer.self_attn.qk_norm == "none":
+            qkv, gate_up = fused_of.get(id(layer.self_attn)), fused_of.get(id(layer.mlp))
+            if qkv is not None and gate_up is not None:
+                layer.forward = _LeanLayer(layer, qkv, gate_up, native)  # type: ignore[method-assign]
+    return True
+
+
+def _pack_all(
+    model: nn.Module, dtype: torch.dtype, packed: Callable[[list[nn.Linear]], Any]
+) -> dict[int, _Siblings]:
+    """Every packable linear of ``model`` run through ``packed``: each attention's q/k/v and each gated
+    MLP's gate/up fused into one product (returned by the id of their module), the others alone."""
     done: set[int] = set()
     fused_of: dict[int, _Siblings] = {}
     for module in list(model.modules()):
@@ -276,15 +293,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     for module in model.modules():
         if _packable(module, dtype) and id(module) not in done:
             module.forward = packed([module])  # type: ignore[method-assign]
-    for norm in model.modules() if native else ():
-        if type(norm) is RMSNorm:  # one native pass per row instead of six operators
-            norm.forward = functools.partial(kernels.rms_norm, weight=norm.weight.detach(), eps=norm.eps)  # type: ignore[method-assign]
-    for layer in model.modules() if lean else ():
-        if isinstance(layer, DecoderLayer) and layer.self_attn.qk_norm == "none":
-            qkv, gate_up = fused_of.get(id(layer.self_attn)), fused_of.get(id(layer.mlp))
-            if qkv is not None and gate_up is not None:
-                layer.forward = _LeanLayer(layer, qkv, gate_up, native)  # type: ignore[method-assign]
-    return True
+    return fused_of
 
 
 def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:

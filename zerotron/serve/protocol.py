@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from zerotron.serve.sampling import SamplingParams
+from zerotron.components.sampling import SamplingParams
 
 
 class NotSupported(ValueError):

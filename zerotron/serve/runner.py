@@ -20,9 +20,8 @@ from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import kernels
-from zerotron.serve import triton_attention as triton_paged
+from zerotron.serve.config import EngineConfig
 from zerotron.serve.linears import (
-    FIXED_ROWS,
     MIN_ROWS,
     MIN_ROWS_ONEDNN,
     chunk_linears,
@@ -107,74 +106,31 @@ class StepRunner:
         self,
         model: LlamaForCausalLM,
         kv: KVPool,
+        config: EngineConfig | None = None,
         tp_group: Optional[Group] = None,
-        onednn: bool = False,
-        max_rows: int = 0,
-        native: bool = False,
-        native_matmul: bool = False,
-        fixed_rows: Optional[int] = None,
-        triton_attention: Optional[bool] = None,
     ) -> None:
-        """``onednn``: pack the model's linears (:func:`pack_linears`, for forwards of up to ``max_rows``
-        rows; the engine then owns the model). ``native``: decodes through the native paged-attention
-        kernel (:mod:`zerotron.serve.kernels`; an error where it cannot be built). ``native_matmul``:
-        the linears packed for and run by zerotron's own kernel, bf16 on AMX tiles or AVX512-BF16, fp32
-        on AVX-512 (:func:`pack_linears` with ``native``; an error where it is not available); every
-        forward then runs its rows as they are, from one row up. ``fixed_rows``: every linear in
-        calls of exactly that many rows (:func:`fixed_linears`; 0: off); None: :data:`FIXED_ROWS`
-        where the model is not on the CPU (a GPU: the three options before are CPU kernels, refused
-        there), else off. ``triton_attention``: every row through the Triton paged-attention kernel
+        """Run plans on ``model`` (this rank's shard over ``tp_group``) and ``kv`` with the kernels
+        ``config`` names (:class:`~zerotron.serve.config.EngineConfig`, filled in and checked for the
+        model's device, dtype and split by :meth:`~zerotron.serve.config.EngineConfig.for_model`):
+        ``onednn``: the linears packed for oneDNN (:func:`pack_linears`, for forwards of up to
+        ``max_num_batched_tokens`` rows). ``native_attention``: every row through the native
+        paged-attention kernel (:mod:`zerotron.serve.kernels`). ``native_matmul``: the linears packed
+        for and run by zerotron's own kernel, bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512; every
+        forward then runs its rows as they are, from one row up. ``fixed_rows``: every linear in calls
+        of exactly that many rows (:func:`fixed_linears`; 0: off; by default :data:`FIXED_ROWS` off
+        the CPU). ``triton_attention``: every row through the Triton paged-attention kernel
         (:mod:`zerotron.serve.triton_attention`; compiled on a GPU, on the CPU only under Triton's
-        interpreter, the tests' way); None: where the model is not on the CPU and Triton is installed
-        (else SDPA on gathered keys). The runner sets the model's linears' forwards (packed, fixed or
-        chunked): the engine owns the model."""
+        interpreter, the tests' way; by default off the CPU where Triton is installed), else SDPA on
+        gathered keys. The runner sets the model's linears' forwards (packed, fixed or chunked): the
+        engine owns the model."""
         device = next(model.parameters()).device
-        if device.type != "cpu":
-            cpu_only = [
-                name
-                for name, on in (
-                    ("onednn", onednn),
-                    ("native attention", native),
-                    ("native matmul", native_matmul),
-                )
-                if on
-            ]
-            if cpu_only:
-                raise ValueError(
-                    f"{', '.join(cpu_only)}: CPU kernels; a model on {device} runs F.linear, and SDPA or "
-                    "the Triton paged-attention kernel"
-                )
-        fixed = (FIXED_ROWS if device.type != "cpu" else 0) if fixed_rows is None else fixed_rows
-        if fixed < 0:
-            raise ValueError(f"fixed_rows {fixed}: a count of rows per call, or 0 for off")
-        if fixed and (onednn or native_matmul):
-            raise ValueError(
-                "fixed-shape linears and packed linears (onednn, native matmul) exclude each other"
-            )
-        if triton_attention is None:
-            triton_attention = device.type != "cpu" and triton_paged.available()
-        if triton_attention:
-            if native:
-                raise ValueError("native attention and Triton attention exclude each other: choose one")
-            if not triton_paged.available():
-                raise RuntimeError(
-                    f"the Triton paged-attention kernel is not available: {triton_paged.why_unavailable()}"
-                )
-            if device.type == "cpu" and not triton_paged.interpreted():
-                raise ValueError(
-                    "the Triton paged-attention kernel runs on CUDA devices (on the CPU only under "
-                    "Triton's interpreter, TRITON_INTERPRET=1): use native attention or SDPA on the CPU"
-                )
-        if native and not kernels.available():
-            raise RuntimeError(
-                f"the native paged-attention kernel is not available: {kernels.why_unavailable()}"
-            )
-        if native_matmul and tp_group is not None and tp_group.size > 1:
-            raise ValueError("the native matmul packs whole weights; tensor-parallel shards run F.linear")
         dtype = next(model.parameters()).dtype
-        why = kernels.why_no_native_matmul(dtype) if native_matmul else None
-        if why is not None:
-            raise RuntimeError(f"the native matmul is not available: {why}")
+        tp = tp_group.size if tp_group is not None else 1
+        self.config = cfg = (config or EngineConfig()).for_model(device, dtype, tp)
+        onednn, native_matmul, fixed = cfg.onednn, cfg.native_matmul, cfg.fixed_rows
+        native, triton_attention = cfg.native_attention, bool(cfg.triton_attention)
+        max_rows = cfg.max_num_batched_tokens
+        assert fixed is not None  # for_model fills it
         self.model, self.kv, self.native, self.triton = model, kv, native, triton_attention
         sixteen = dtype in (torch.bfloat16, torch.float16)
         packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, native=native_matmul)

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
+from zerotron.components.sampling import Choice, SamplingParams
 from zerotron.serve.paged import Q_ALIGN, BlockPool, block_hash
-from zerotron.serve.sampling import Choice, SamplingParams
 
 
 class Status(enum.Enum):

@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Optional, Union
 
+from zerotron.components.sampling import SamplingParams
 from zerotron.serve.engine import Engine, RequestOutput
-from zerotron.serve.sampling import SamplingParams
 
 Sink = Callable[[Union[RequestOutput, Exception]], None]
 

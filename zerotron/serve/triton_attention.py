@@ -55,28 +55,25 @@ def why_unavailable() -> Optional[str]:
     return _error
 
 
-# No annotations but tl.constexpr: the Triton compiler reads them (``Any`` fails it on a GPU).
-def _attend(  # type: ignore[no-untyped-def]
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    slots_ptr,
-    seq_ptr,
-    lens_ptr,
-    scale,
-    width,
-    q_row,
-    q_head,
-    kv_slot,
-    kv_head,
-    GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
-    DIM: tl.constexpr,
-    DIM_P: tl.constexpr,  # DIM rounded up to a power of two
-    BLOCK: tl.constexpr,  # key positions per block
-) -> None:
+# No annotations but tl.constexpr: the Triton compiler reads them (``Any`` fails it on a GPU). The
+# pointers travel in tuples (Triton's tuple arguments): ``tensors`` = (q, k pool, v pool, output),
+# ``rows`` = (slots, seq, lens); every tensor is contiguous, so the strides follow from ``SHAPE`` =
+# (GROUP query heads per KV head, GROUP_P: GROUP rounded up to a power of two, DIM, DIM_P: DIM rounded
+# up likewise, BLOCK key positions per block, KV_HEADS).
+def _attend(tensors, rows, scale, width, SHAPE: tl.constexpr) -> None:  # type: ignore[no-untyped-def]
     """One program: row ``program_id(0)``, the query heads of KV head ``program_id(1)``."""
+    q_ptr, k_ptr, v_ptr, o_ptr = tensors
+    slots_ptr, seq_ptr, lens_ptr = rows
+    GROUP: tl.constexpr = SHAPE[0]
+    GROUP_P: tl.constexpr = SHAPE[1]
+    DIM: tl.constexpr = SHAPE[2]
+    DIM_P: tl.constexpr = SHAPE[3]
+    BLOCK: tl.constexpr = SHAPE[4]
+    KV_HEADS: tl.constexpr = SHAPE[5]
+    q_head: tl.constexpr = DIM  # q and the output: (rows, KV_HEADS * GROUP, DIM)
+    q_row: tl.constexpr = KV_HEADS * GROUP * DIM
+    kv_head: tl.constexpr = DIM  # the pools: (slots, KV_HEADS, DIM)
+    kv_slot: tl.constexpr = KV_HEADS * DIM
     r = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(lens_ptr + r)
@@ -180,24 +177,7 @@ def paged_attention(
             "interpreter (TRITON_INTERPRET=1 set before Triton is imported)"
         )
     assert _kernel is not None
-    _kernel[(rows, kv_heads)](
-        q,
-        k_pool,
-        v_pool,
-        out,
-        slots,
-        seq,
-        lens,
-        dim**-0.5,
-        slots.shape[1],
-        q.stride(0),
-        q.stride(1),
-        k_pool.stride(0),
-        k_pool.stride(1),
-        GROUP=group,
-        GROUP_P=_pow2(group),
-        DIM=dim,
-        DIM_P=_pow2(dim),
-        BLOCK=_block(_pow2(group), _pow2(dim)),
-    )
+    group_p, dim_p = _pow2(group), _pow2(dim)
+    shape = (group, group_p, dim, dim_p, _block(group_p, dim_p), kv_heads)
+    _kernel[(rows, kv_heads)]((q, k_pool, v_pool, out), (slots, seq, lens), dim**-0.5, slots.shape[1], shape)
     return out

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from zerotron.components.loss import autocast, token_loss_sum
+from zerotron.components.metrics import ActivationMeter
 from zerotron.config import Config
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
@@ -29,8 +31,6 @@ from zerotron.parallel.context import shard_batch
 from zerotron.parallel.engine import GradientReducer
 from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
-from zerotron.train.loss import autocast, token_loss_sum
-from zerotron.train.metrics import ActivationMeter
 from zerotron.train.router import PipelineRouter
 
 

@@ -13,13 +13,21 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from zerotron.build.source import make_tokenizer, resolve_model, saved_model_config
 from zerotron.checkpoint import store
+from zerotron.components.adapters import save_run_adapter
+from zerotron.components.data import load_supervised, load_tokens, prepare_tokens
+from zerotron.components.generate import GenerateOptions, generate
+from zerotron.components.loss import autocast
+from zerotron.components.metrics import plot_loss, truncate_metrics
+from zerotron.components.supervised import prepare_supervised, use_template
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_check import validate
 from zerotron.config_deepspeed import from_deepspeed
@@ -35,81 +43,15 @@ from zerotron.distributed.launch import (
     spawn,
     under_torchrun,
 )
-from zerotron.distributed.mesh import ParallelDims
+from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.distributed.watchdog import Watchdog
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.models.tokenizer import ByteTokenizer, Tokenizer
+from zerotron.models.tokenizer import Tokenizer
 from zerotron.parallel.context import whole_sequences
 from zerotron.parallel.tensor_generate import sequence_parallel_off
 from zerotron.train import run_dir as run_dir_lock
-from zerotron.train.data import load_supervised, load_tokens, prepare_tokens
 from zerotron.train.fault import RankWatchdog
-from zerotron.train.loss import autocast
-from zerotron.train.metrics import plot_loss, truncate_metrics
 from zerotron.train.trainer import Trainer
-
-
-def make_tokenizer(cfg: Config) -> Tokenizer:
-    """The tokenizer named by ``data.tokenizer``: ``byte``, ``model`` (that of model.path) or a tokenizer.json."""
-    name = cfg.data.tokenizer
-    if name == "byte":
-        return ByteTokenizer()
-    from zerotron.models.tokenizer import load_tokenizer
-
-    if name == "model":
-        if not cfg.model.path:
-            raise ConfigError("data.tokenizer=model needs model.path (a Hugging Face directory or GGUF file)")
-        source = cfg.model.path
-        ckpt = store.checkpoint_dir(Path(source))
-        if ckpt is not None:  # the model the checkpoint's run (or conversion) started from
-            source = _saved_model_config(ckpt).get("path") or ""
-            if not source:
-                raise ConfigError(
-                    f"{ckpt}: the checkpoint records no model file to take a tokenizer from; "
-                    "set data.tokenizer to a tokenizer.json or to byte"
-                )
-        return load_tokenizer(source)
-    return load_tokenizer(name)
-
-
-def _saved_model_config(ckpt: Path) -> dict[str, Any]:
-    saved = store.read_json(ckpt / "trainer.json").get("config", {}).get("model")
-    if not isinstance(saved, dict):
-        raise store.CheckpointError(f"{ckpt / 'trainer.json'}: no config.model section")
-    return saved
-
-
-def resolve_model(cfg: Config) -> Config:
-    """Fill the model section from ``model.path`` (architecture read from the file), if one is given.
-
-    ``model.path`` may name a HF directory, a GGUF file, or a zerotron checkpoint or run directory (the
-    architecture it was saved with).
-    """
-    path = cfg.model.path
-    if path:
-        from zerotron.models.loading import read_model_config
-
-        pad = cfg.model.pad_vocab_to_multiple_of  # a layout choice of this run, not the file's
-        ckpt = store.checkpoint_dir(Path(path))
-        if ckpt is not None:
-            _refuse_adapter_checkpoint(ckpt)
-            cfg.model = ModelConfig(**{**_saved_model_config(ckpt), "path": path})
-        else:
-            cfg.model = read_model_config(path)
-        cfg.model.pad_vocab_to_multiple_of = pad
-    return cfg
-
-
-def _refuse_adapter_checkpoint(ckpt: Path) -> None:
-    """A LoRA run's checkpoint as ``model.path`` would lose its trained adapters: say what to do instead."""
-    saved = store.read_json(ckpt / "trainer.json").get("config", {}).get("lora", {})
-    if isinstance(saved, dict) and saved.get("rank", 0):
-        run = ckpt.parent.parent
-        raise ConfigError(
-            f"model.path {ckpt} holds LoRA adapters on a frozen base: continue that run with --resume auto "
-            f"--out {run}, or merge its adapter first (zerotron convert BASE MERGED --merge-lora "
-            f"{run / 'adapter'}) and start from MERGED"
-        )
 
 
 def default_run_dir() -> Path:
@@ -211,7 +153,7 @@ def _absolute(path: str) -> str:
 
 def _check_resume_model(ckpt: Path, cfg: Config) -> None:
     """The checkpoint holds the same architecture as the config (else one line naming the field)."""
-    saved = ModelConfig(**_saved_model_config(ckpt))
+    saved = ModelConfig(**saved_model_config(ckpt))
     for name in ARCHITECTURE_FIELDS:
         ours, theirs = getattr(cfg.model, name), getattr(saved, name)
         if theirs != ours:
@@ -312,8 +254,6 @@ def _prepare_pretraining(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> in
 def _prepare_supervised(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int:
     """Supervised samples packed into ``sft.npy`` (see :mod:`zerotron.finetune.sft`), the chat template
     they were rendered with kept for the exported tokenizer; return the tokens the loss counts."""
-    from zerotron.finetune.sft import prepare_supervised
-
     pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
     data = prepare_supervised(cfg.data, tokenizer, cfg.train.seq_len, pad)
     print(f"zerotron: data {cfg.data.source}: {data.summary()}", flush=True)
@@ -358,7 +298,7 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     rd = Path(run_dir)
     cfg = load_config(str(rd / "config.yaml"), [])
     rank, world = current_rank_and_world()
-    mesh = ParallelDims.from_config(cfg.parallel, world).build(rank)
+    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
     data = (
         load_tokens(str(rd / "tokens.npy"))
         if cfg.data.format == "pretrain"
@@ -404,9 +344,7 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     if mesh.rank == 0 and metrics.exists() and metrics.stat().st_size > 0:
         plot_loss(metrics, run_dir / "loss.png")
     if cfg.lora.rank > 0:
-        from zerotron.finetune.sft import save_run_adapter
-
-        adapter = save_run_adapter(trainer, run_dir / "adapter")
+        adapter = save_run_adapter(trainer.model, mesh, trainer.zero, cfg, run_dir / "adapter")
         if adapter is not None:
             out["adapter"] = str(adapter)
     if not isinstance(trainer.model, LlamaForCausalLM):  # this rank holds pipeline stages
@@ -417,13 +355,9 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
                 flush=True,
             )
         return out
-    from zerotron.serve.generate import generate
-
     tokenizer = make_tokenizer(cfg)
     prompt = cfg.train.sample_prompt
     if cfg.data.format != "pretrain":  # a fine-tuned chat model: the prompt is a user turn
-        from zerotron.finetune.sft import use_template
-
         use_template(tokenizer, cfg.data.template)
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
@@ -445,10 +379,7 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
             model,
             tokenizer,
             tokenizer.encode(prompt),
-            max_new_tokens=120,
-            temperature=0.8,
-            top_k=40,
-            seed=cfg.train.seed,
+            GenerateOptions(max_new_tokens=120, temperature=0.8, top_k=40, seed=cfg.train.seed),
             tp_group=tp if tp.size > 1 else None,
             agree_group=mesh.group("world"),
         )
@@ -467,32 +398,51 @@ def eager_blocks(compiled: bool) -> contextlib.AbstractContextManager[object]:
     return stance
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a training job is launched (the flags every training command shares), checked on
+    construction: the run directory (``--out``; default ``runs/<timestamp>``), what to resume (``auto``
+    or a checkpoint folder), a DeepSpeed config to map, whether to start over in a directory that
+    holds a run, and how many times a failed job is restarted from its newest checkpoint."""
+
+    out: str | None = None
+    resume: str | None = None
+    deepspeed: str | None = None
+    overwrite: bool = False
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: give 0 or more")
+
+
 def launch_training(
     config_path: str | None,
     overrides: list[str],
     nproc: int,
-    out: str | None = None,
-    resume: str | None = None,
-    deepspeed: str | None = None,
-    overwrite: bool = False,
-    max_restarts: int = 0,
+    options: LaunchOptions | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Check, prepare and run a training job on ``nproc`` local ranks, or as one rank of a torchrun job.
 
-    With ``max_restarts``, a job that fails (a rank crashes or dies, a hang, too many bad steps) is torn
-    down and started again from the newest complete checkpoint, at most that many times; each restart
-    and its cause go into ``restarts.jsonl``. ``defaults``: dotted keys in place of the tree's defaults
-    (``zerotron sft``'s). Returns rank 0's summary; under torchrun the other ranks
-    return None (rank 0 reports for the job).
+    With ``options.max_restarts``, a job that fails (a rank crashes or dies, a hang, too many bad steps)
+    is torn down and started again from the newest complete checkpoint, at most that many times; each
+    restart and its cause go into ``restarts.jsonl``. ``defaults``: dotted keys in place of the tree's
+    defaults (``zerotron sft``'s). Returns rank 0's summary; under torchrun the other ranks return None
+    (rank 0 reports for the job).
     """
-    if max_restarts < 0:
-        raise ConfigError(f"--max-restarts {max_restarts}: give 0 or more")
+    options = options or LaunchOptions()
+    out, resume, overwrite, max_restarts = (
+        options.out,
+        options.resume,
+        options.overwrite,
+        options.max_restarts,
+    )
     if under_torchrun():
-        return _run_as_job_rank(config_path, overrides, out, resume, deepspeed, overwrite, defaults)
+        return _run_as_job_rank(config_path, overrides, options, defaults)
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give at least 1 local rank")
-    cfg = load_job_config(config_path, overrides, nproc, deepspeed, defaults=defaults)
+    cfg = load_job_config(config_path, overrides, nproc, options.deepspeed, defaults=defaults)
     run_dir = Path(out) if out else default_run_dir()
     lock = run_dir_lock.claim(run_dir, resume, overwrite)  # held until this process ends
     try:
@@ -544,15 +494,13 @@ def _report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 def _run_as_job_rank(
     config_path: str | None,
     overrides: list[str],
-    out: str | None,
-    resume: str | None,
-    deepspeed: str | None,
-    overwrite: bool,
+    options: LaunchOptions,
     defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """This process is one rank of a torchrun/SLURM job (DESIGN contract 10): every rank checks the
     config (pure), rank 0 alone claims the run directory and writes the shared files while the others
     wait for its word, then every rank trains; rank 0 reports."""
+    out, resume, deepspeed, overwrite = options.out, options.resume, options.deepspeed, options.overwrite
     rank, world = job_rank_and_world()
     die_with_parent()  # a rank never outlives its torchrun agent (or srun step)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

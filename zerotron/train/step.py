@@ -5,7 +5,7 @@ A :class:`Step` runs a rank's micro-batches and returns its summed token loss; t
 from the model alone: a :class:`~zerotron.models.stages.StagedModel` (this rank holds pipeline stages)
 runs a pipeline schedule (:class:`~zerotron.train.pipeline_step.PipelineStep`); any other model is the
 one-stage case, its micro-batches in turn (:class:`MicroBatchStep`). Both use the one loss and the one
-autocast rule of :mod:`zerotron.train.loss`.
+autocast rule of :mod:`zerotron.components.loss`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from zerotron.components.loss import autocast, token_loss_sum
+from zerotron.components.metrics import ActivationMeter
 from zerotron.config import Config
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.context import shard_batch
 from zerotron.parallel.engine import GradientReducer
-from zerotron.train.loss import autocast, token_loss_sum
-from zerotron.train.metrics import ActivationMeter
 from zerotron.train.pipeline_step import PipelineStep
 from zerotron.train.router import RouterMeter
 

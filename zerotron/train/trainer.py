@@ -1,187 +1,53 @@
 """The training loop of one rank: micro-batches, gradient accumulation, data-parallel reduction,
 precision, clipping, the optimizer step, metrics and checkpoints.
 
-Parallelism is applied in DESIGN.md's order: :func:`build_model` runs the one parallelize path
-(pipeline split → tensor/sequence parallel → context parallel → expert parallel → activation
-recomputation), then the engine adds data-parallel gradient buckets or ZeRO last.
+The model and its data-parallel engine (ZeRO, or gradient buckets) come from the one model builder
+(:func:`zerotron.build.builder.build`), which applies parallelism in DESIGN.md's order; the trainer
+composes the parts below the loop (:mod:`zerotron.components`: data, optimizer and schedule, loss,
+metrics, checkpoint state).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
+from zerotron.build.builder import build
 from zerotron.checkpoint import store
 from zerotron.checkpoint.async_save import CheckpointWriter
-from zerotron.config import LORA_NAME_LIST, Config
+from zerotron.components import state as ckpt_state
+from zerotron.components.data import DataLoader, PackedDataset, SupervisedDataset
+from zerotron.components.metrics import (
+    ActivationMeter,
+    MetricsWriter,
+    Progress,
+    peak_flops,
+    peak_memory_bytes,
+    return_freed_host_memory,
+)
+from zerotron.components.optim import (
+    DynamicLossScaler,
+    clip_grads_,
+    lr_at,
+    optimizer_for,
+    sharded_grad_norm,
+)
+from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
-from zerotron.models.lora import LoraConfig, apply_lora
 from zerotron.models.nf4_tp import frozen_base_bytes, quantized_weight_numel
-from zerotron.models.parallelize import parallelize_llama
-from zerotron.models.sources import InitSource, WeightSource, open_pretrained
-from zerotron.parallel.data import GradientBuckets
-from zerotron.parallel.engine import GradientReducer, ShardedEngine
-from zerotron.parallel.placement import (
-    counts_in_norm,
-    grad_groups,
-    local_numel,
-    materialize,
-    materialize_buffers,
-    norm_axes,
-)
-from zerotron.parallel.zero.api import apply_zero, offload_optimizer, zero_sharding
-from zerotron.plan.hardware import peak_flops_of_device
+from zerotron.parallel.placement import counts_in_norm, local_numel, norm_axes
 from zerotron.plan.model import inactive_params
 from zerotron.shapes import ModelShape, flops_per_token
-from zerotron.train import state as ckpt_state
-from zerotron.train.data import DataLoader, PackedDataset, SupervisedDataset
 from zerotron.train.fault import BadStepGuard, Injector, StopRequest, agree
-from zerotron.train.fill import fill_from
-from zerotron.train.loss import AUTOCAST, REDUCE_DTYPE
-from zerotron.train.metrics import ActivationMeter, MetricsWriter, Progress
-from zerotron.train.optim import (
-    DynamicLossScaler,
-    adamw,
-    clip_grads_,
-    lr_at,
-    sharded_grad_norm,
-)
 from zerotron.train.step import build_step
-
-
-@contextlib.contextmanager
-def weight_source(cfg: Config, model: nn.Module) -> Iterator[WeightSource]:
-    """Where ``model``'s weights come from: a zerotron checkpoint (or run) named by ``model.path`` (each
-    rank picks the run's newest checkpoint by file sizes and hashes only the files it reads), a Hugging
-    Face directory or GGUF file named by it, or the layout-independent initial values."""
-    ckpt = store.checkpoint_dir(Path(cfg.model.path), hashes=False) if cfg.model.path else None
-    source: WeightSource
-    if ckpt is not None:
-        source = ckpt_state.CheckpointSource(ckpt, model)
-    elif cfg.model.path:
-        source = open_pretrained(cfg.model.path, cfg.model)
-    else:
-        source = InitSource(cfg.model, cfg.train.seed)
-    try:
-        yield source
-    finally:
-        source.close()
-
-
-def build_model(
-    cfg: Config, device: torch.device, mesh: Mesh | None = None, materialized: bool = True
-) -> nn.Module:
-    """This rank's part of the model, laid out over ``mesh`` by the one parallelize path
-    (:func:`zerotron.models.parallelize.parallelize_llama`) on the meta device, then materialised on
-    ``device`` box by box from its weight source (:func:`weight_source`): the whole model never exists
-    on one rank. ``materialized=False`` leaves it on the meta device for ZeRO-3, which materialises only
-    its shards."""
-    model = parallelize_llama(cfg, mesh)
-    if materialized:
-        tp = mesh.dims.tp if mesh is not None else 1
-        with weight_source(cfg, model) as source:
-            materialize(model, source.box, device, ckpt_state.model_placements(model, tp))
-    if cfg.lora.rank > 0:  # on the meta device for ZeRO-3: its units take the initial values (fill_from)
-        add_adapters(model, cfg)
-    return model
-
-
-def lora_config(cfg: Config) -> LoraConfig:
-    """The ``lora.*`` section as the adapters' settings (a comma-joined name list becomes a list)."""
-    lo = cfg.lora
-    targets: str | list[str] = lo.target_modules
-    if lo.target_modules != "all-linear" and re.fullmatch(LORA_NAME_LIST, lo.target_modules):
-        targets = lo.target_modules.split(",")
-    return LoraConfig(
-        rank=lo.rank,
-        alpha=lo.alpha,
-        dropout=lo.dropout,
-        target_modules=targets,
-        use_rslora=lo.use_rslora,
-        use_dora=lo.use_dora,
-        base_bits=lo.base_bits,
-        double_quant=lo.double_quant,
-    )
-
-
-def add_adapters(model: nn.Module, cfg: Config) -> list[str]:
-    """Freeze ``model`` and put LoRA adapters on it, each initialised from ``train.seed`` and its layer's
-    name alone (the same adapters on every rank and layout). On a meta-device model (ZeRO-3) the
-    adapters are on the meta device too and ZeRO-3's units take their values from `zerotron.train.fill.fill_from`."""
-    return apply_lora(model, lora_config(cfg), seed=cfg.train.seed)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """This rank's peak memory so far: CUDA's max allocated bytes, or on CPU the process's peak RSS.
-
-    On Linux the peak is ``VmHWM`` of /proc/self/status, this process image's own: ``ru_maxrss`` also
-    keeps the RSS of the process that spawned it (Linux carries it over fork and exec), so a rank
-    started by a large parent (a test runner, a notebook) would report the parent's size."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    from pathlib import Path
-
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-@contextlib.contextmanager
-def return_freed_host_memory() -> Iterator[None]:
-    """While the model is materialised, have glibc give freed tensors back to the OS at once.
-
-    By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB) and
-    serves later tensors below it from heap arenas, which fragment and are not returned: materialising
-    a model one global tensor at a time then grows the RSS by a good part of the model (measured: +190
-    to +280 MiB for 345 MiB of fp32 weights under ZeRO-3, none of it held). Inside, the threshold is
-    1 MiB; on leaving, the heap is trimmed (``malloc_trim``) and the threshold set to 4 MiB for
-    training: 1 MiB there (every tensor of 1 MiB or more mapped afresh) cost about 30% more CPU time per
-    step on benchmarks/zero.py's model, and 32 MiB (glibc's ceiling) let ZeRO-3's working set fragment
-    the heap by 180 MiB in tests/test_memory_scale.py. An explicit ``MALLOC_MMAP_THRESHOLD_`` in the
-    environment is left alone; elsewhere than glibc this does nothing.
-    """
-    import ctypes
-    import os
-    import sys
-
-    libc: Any = None
-    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        try:
-            libc = ctypes.CDLL(None)
-            libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc has both (musl has neither)
-        except (OSError, AttributeError):
-            libc = None
-    if libc is not None:
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    try:
-        yield
-    finally:
-        if libc is not None:
-            libc.malloc_trim(0)
-            libc.mallopt(-3, 4 << 20)
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Peak dense bf16 FLOP/s of one device, when known."""
-    if device.type != "cuda":
-        return None
-    return peak_flops_of_device(torch.cuda.get_device_name(device))
 
 
 class Trainer:
@@ -206,10 +72,13 @@ class Trainer:
         )
         torch.manual_seed(cfg.train.seed + mesh.rank // mesh.dims.tp)
         with return_freed_host_memory():
-            self.model = build_model(cfg, self.device, mesh, materialized=cfg.parallel.zero < 3)
+            built = build(cfg, self.device, mesh, train=True)
+            assert built.data_parallel is not None
+            self.model, dp = built.model, built.data_parallel
             self.model.train()
             self.dp_group = mesh.group("dp")
-            self.zero, self.buckets, self.optimizer = self._build_engine(cfg)
+            self.zero, self.buckets, self.shard_group = dp.zero, dp.reducer, dp.shard_group
+            self.optimizer = optimizer_for(self.buckets, self.zero, cfg)
         self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
         dataset = (
             tokens if isinstance(tokens, SupervisedDataset) else PackedDataset(tokens, cfg.train.seq_len)
@@ -270,51 +139,6 @@ class Trainer:
             self.frozen_bytes = frozen_base_bytes(self.model, shards)
         # MoE: what each token runs (the experts it is not routed to left out)
         self.active_params = self.n_params - inactive_params(ModelShape.from_config(self.cfg.model))
-
-    def _build_engine(
-        self, cfg: Config
-    ) -> tuple[ShardedEngine | None, GradientReducer, torch.optim.Optimizer]:
-        """ZeRO (which replaces the gradient buckets and owns the optimizer's params) or plain data
-        parallelism's buckets, each reducing a parameter over the group its placement names, and the
-        optimizer over what this rank updates."""
-        par = cfg.parallel
-        records = ckpt_state.model_placements(self.model, self.mesh.dims.tp)
-        mixed = cfg.train.precision in AUTOCAST
-        stage, self.shard_group, replicas = zero_sharding(self.mesh, par.zero, mixed)
-        groups = grad_groups(records, self.shard_group)
-        zero: ShardedEngine | None = None
-        if stage > 0:
-            with contextlib.ExitStack() as stack:
-                fill = None
-                if par.zero == 3:  # the model is on the meta device: each unit materialises its range
-                    source = stack.enter_context(weight_source(cfg, self.model))
-                    fill = fill_from(self.model, source, records, cfg.train.seed, cfg.lora.double_quant)
-                    materialize_buffers(self.model, source.box, self.device, records)  # not ZeRO's
-                zero = apply_zero(
-                    self.model,
-                    stage,
-                    groups,
-                    par.bucket_mb,
-                    par.persist_numel,
-                    par.reshard_after_forward,
-                    par.offload_params,
-                    par.nvme_path,
-                    fill,
-                    self.device,
-                    AUTOCAST.get(cfg.train.precision),  # 16-bit working weights, fp32 master shards
-                    REDUCE_DTYPE[par.grad_reduce_dtype],
-                    replicas,
-                    par.offload_optimizer if par.offload_optimizer != "none" else None,
-                )
-        buckets: GradientReducer = zero or GradientBuckets(
-            self.model, groups, par.bucket_mb, REDUCE_DTYPE[par.grad_reduce_dtype]
-        )
-        optimizer: torch.optim.Optimizer
-        if zero is not None and par.offload_optimizer != "none":  # ZeRO-Offload: the step on the host
-            optimizer = offload_optimizer(zero, cfg.train, par.offload_optimizer, par.nvme_path)
-        else:
-            optimizer = adamw(*buckets.param_groups(), cfg.train)
-        return zero, buckets, optimizer
 
     def _init_fault(self, attempt: int) -> None:
         self.attempt = attempt  # 0, or the number of restarts before this one (--max-restarts)
@@ -430,8 +254,7 @@ class Trainer:
 
     def layout(self) -> dict[str, int]:
         """The parallel layout as written into metrics and checkpoints."""
-        d = self.mesh.dims
-        return {"dp": d.dp, "pp": d.pp, "cp": d.cp, "tp": d.tp, "ep": d.ep, "zero": d.zero}
+        return self.mesh.dims.as_layout()
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -448,16 +271,11 @@ class Trainer:
             "config": to_dict(self.cfg),
         }
         return ckpt_state.save_checkpoint(
-            self.ckpt_root,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.mesh,
-            trainer_state,
-            self.cfg.checkpoint.keep,
-            self.zero,
-            self.ckpt_writer,
+            self.ckpt_root, self.step, self._held(), trainer_state, self.cfg.checkpoint.keep, self.ckpt_writer
         )
+
+    def _held(self) -> ckpt_state.RankState:
+        return ckpt_state.RankState(self.model, self.optimizer, self.mesh, self.zero)
 
     def _save_checked(self) -> None:
         """Save, then let ``fault.inject`` corrupt the published checkpoint (drills; rank 0)."""
@@ -484,7 +302,7 @@ class Trainer:
             if not ckpt.is_dir():
                 raise store.CheckpointError(f"--resume {spec}: no such checkpoint folder")
         # Build optimizer state tensors before loading so the restored ones replace them.
-        state = ckpt_state.load_checkpoint(ckpt, self.model, self.optimizer, self.mesh, self.zero, verified)
+        state = ckpt_state.load_checkpoint(ckpt, self._held(), verified)
         self.step = int(state["step"])
         if "scaler" in state:  # absent from a converted model (`zerotron convert --to checkpoint`)
             self.scaler.load_state_dict(state["scaler"])

@@ -20,6 +20,7 @@ Every transfer goes through :mod:`zerotron.distributed.collectives` (counted und
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -29,7 +30,7 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.layout import CP_COMM
 from zerotron.layout import ulysses_size as layout_ulysses_size
-from zerotron.parallel.context.blocks import block_backward, block_forward, merge
+from zerotron.parallel.context.blocks import Block, block_backward, block_forward, merge
 from zerotron.parallel.context.split import Runs, positions
 from zerotron.parallel.tensor_comm import apply_function, gather_from_sequence
 
@@ -53,21 +54,29 @@ def _pass_on(t: torch.Tensor, ring: Group) -> Callable[[], torch.Tensor]:
     return wait
 
 
+@dataclass(frozen=True)
+class Ring:
+    """A ring attention's members: the ``ring`` group (None: the keys are all here), the positions this
+    rank's queries hold (``q_runs``) and every member's keys (``kv_runs``, in ring order), the whole
+    rows' document ids and the softmax scale."""
+
+    ring: Optional[Group]
+    q_runs: Runs
+    kv_runs: Sequence[Runs]
+    documents: Optional[torch.Tensor]
+    scale: float
+
+    def block(self, member: int) -> Block:
+        """The block of member ``member``'s keys."""
+        return Block(self.q_runs, self.kv_runs[member], self.documents, self.scale)
+
+
 class _RingAttention(torch.autograd.Function):
     """Attention of local queries to the K/V of every ring member, passed round the ring."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ring: Optional[Group],
-        q_runs: Runs,
-        kv_runs: Sequence[Runs],
-        documents: Optional[torch.Tensor],
-        scale: float,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ring) -> torch.Tensor:
+        ring = plan.ring
         n = 1 if ring is None else ring.size
         me = 0 if ring is None else ring.rank_in_group
         # kernels in the inputs' dtype, merges in fp32; K/V travel in their own dtype
@@ -77,20 +86,20 @@ class _RingAttention(torch.autograd.Function):
             kv = torch.stack([k, v]).contiguous()
             for step in range(n):
                 wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None  # overlapped
-                src = kv_runs[(me - step) % n]
-                o, lb = block_forward(q, kv[0], kv[1], q_runs, src, documents, scale)
+                o, lb = block_forward(q, kv[0], kv[1], plan.block((me - step) % n))
                 out, lse = merge(out, lse, o, lb)
                 if wait is not None:
                     kv = wait()
             out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.q_runs, ctx.kv_runs, ctx.documents, ctx.scale = ring, q_runs, kv_runs, documents, scale
+        ctx.plan = plan
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring: Optional[Group] = ctx.ring
+        plan: Ring = ctx.plan
+        ring = plan.ring
         n = 1 if ring is None else ring.size
         me = 0 if ring is None else ring.rank_in_group
         with torch.autocast(q.device.type, enabled=False):
@@ -99,10 +108,8 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv, dtype=torch.float32)  # fp32 accumulators travel with their block
             for step in range(n):
                 wait = _pass_on(kv, ring) if ring is not None and step < n - 1 else None
-                src = ctx.kv_runs[(me - step) % n]
-                dq_b, dk_b, dv_b = block_backward(
-                    q, kv[0], kv[1], out, grad_out, lse, ctx.q_runs, src, ctx.documents, ctx.scale
-                )
+                block = plan.block((me - step) % n)
+                dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], out, grad_out, lse, block)
                 dq += dq_b
                 dkv[0] += dk_b
                 dkv[1] += dv_b
@@ -110,7 +117,7 @@ class _RingAttention(torch.autograd.Function):
                     dkv = _pass_on(dkv, ring)()  # after n passes a block's gradient is back with its owner
                 if wait is not None:
                     kv = wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
 class _UlyssesAllToAll(torch.autograd.Function):
@@ -199,7 +206,7 @@ class ContextGroups:
             v = gather_from_sequence(v, self.cp_group, dim=2)
             every = (sum(runs, ()),)
             out: torch.Tensor = apply_function(
-                _RingAttention, q, k, v, None, runs[me], every, documents, scale
+                _RingAttention, q, k, v, Ring(None, runs[me], every, documents, scale)
             )
             return out
         u, heads = self.ulysses.size, q.shape[1]
@@ -214,7 +221,7 @@ class ContextGroups:
         if ring is None and documents is None:  # Ulysses: the whole sequence here, one causal kernel
             out = _whole_sequence(q, k, v, mine, scale)
         else:
-            out = apply_function(_RingAttention, q, k, v, ring, mine, members, documents, scale)
+            out = apply_function(_RingAttention, q, k, v, Ring(ring, mine, members, documents, scale))
         return apply_function(_UlyssesAllToAll, out, self.ulysses, False) if u > 1 else out
 
 

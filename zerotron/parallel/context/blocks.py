@@ -19,6 +19,7 @@ Grouped-query attention: query head ``i`` uses key/value head ``i // (h / kv_h)`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -30,6 +31,18 @@ NEG_INF = float("-inf")
 
 
 Pair = tuple[slice, tuple[int, int], slice, tuple[int, int], str]
+
+
+@dataclass(frozen=True)
+class Block:
+    """Which keys one block of queries attends to: the global positions the queries (``q_runs``) and
+    the keys (``k_runs``) hold, the whole rows' document ids (None: one document per row) and the
+    softmax scale."""
+
+    q_runs: Runs
+    k_runs: Runs
+    documents: Optional[torch.Tensor]
+    scale: float
 
 
 def _pairs(q_runs: Runs, k_runs: Runs) -> list[Pair]:
@@ -172,13 +185,7 @@ def _add_columns(x: torch.Tensor, cols: slice | torch.Tensor, part: torch.Tensor
 
 
 def block_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_runs: Runs,
-    k_runs: Runs,
-    documents: Optional[torch.Tensor],
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (b, h, n, d) to one block k/v (b, kv_h, m, d): the output normalised within the
     block (b, h, n, d) and the row log-sum-exp (b, h, n) (``-inf`` where a row sees no key here).
@@ -186,9 +193,10 @@ def block_forward(
     Full and diagonal run pairs without documents run on a fused kernel that returns the log-sum-exp
     (:mod:`.kernels`), in the inputs' dtype; other pairs on plain fp32 matrix products under their
     mask. The output and log-sum-exp are fp32."""
+    documents, scale = block.documents, block.scale
     out = torch.zeros_like(q, dtype=torch.float32)  # q's strides (see attention.py)
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
-    flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
+    flash, masked = _split(_pairs(block.q_runs, block.k_runs), documents, q.device)
     for rows, cols, causal in _fused(flash, q.device):
         o, lb = kernels.forward(q[:, :, rows], _columns(k, cols), _columns(v, cols), causal, scale)
         out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), lb)
@@ -216,15 +224,13 @@ def block_backward(
     out: torch.Tensor,
     grad_out: torch.Tensor,
     lse: torch.Tensor,
-    q_runs: Runs,
-    k_runs: Runs,
-    documents: Optional[torch.Tensor],
-    scale: float,
+    block: Block,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of (dQ, dK, dV) (fp32) given the final output ``out`` and ``lse`` (b, h, n)."""
+    documents, scale = block.documents, block.scale
     dq = torch.zeros_like(q, dtype=torch.float32)
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
-    flash, masked = _split(_pairs(q_runs, k_runs), documents, q.device)
+    flash, masked = _split(_pairs(block.q_runs, block.k_runs), documents, q.device)
     for rows, cols, causal in _fused(flash, q.device):
         dq_p, dk_p, dv_p = kernels.backward(
             grad_out[:, :, rows], q[:, :, rows], _columns(k, cols), _columns(v, cols),
@@ -266,4 +272,4 @@ def reference_attention(
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-__all__ = ["block_forward", "block_backward", "merge", "reference_attention"]
+__all__ = ["Block", "block_forward", "block_backward", "merge", "reference_attention"]

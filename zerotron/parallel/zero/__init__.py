@@ -6,5 +6,6 @@ shards' optimizer state (:mod:`.optim_state`), and CPU/NVMe offload of the optim
 """
 
 from zerotron.parallel.zero.api import ZeroEngine, apply_zero, offload_optimizer
+from zerotron.parallel.zero.options import ZeroOptions
 
-__all__ = ["ZeroEngine", "apply_zero", "offload_optimizer"]
+__all__ = ["ZeroEngine", "ZeroOptions", "apply_zero", "offload_optimizer"]

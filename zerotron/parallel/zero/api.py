@@ -12,6 +12,7 @@ from zerotron.distributed.mesh import Group, Mesh
 from zerotron.parallel.engine import ShardedEngine
 from zerotron.parallel.zero.flat import Replicas
 from zerotron.parallel.zero.offload import MOMENTS, Bucket, DeviceBucket, OffloadAdamW, ShardStore
+from zerotron.parallel.zero.options import ZeroOptions
 from zerotron.parallel.zero.stage3 import ZeroStage3
 from zerotron.parallel.zero.stage12 import ZeroStage1, ZeroStage2
 from zerotron.parallel.zero.unit import Fill
@@ -38,54 +39,31 @@ def zero_sharding(mesh: Mesh, zero: int, mixed: bool) -> tuple[int, Callable[[st
 
 def apply_zero(
     model: nn.Module,
-    stage: int,
     group: Group | Mapping[str, Group],
-    bucket_mb: float = 25.0,
-    persist_numel: int = 4096,
-    reshard_after_forward: bool = True,
-    offload_params: str = "none",
-    nvme_path: str | None = None,
+    options: ZeroOptions,
     fill: Fill | None = None,
     device: torch.device | str = "cpu",
-    working_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
     replica: Replicas | None = None,
-    master_offload: str | None = None,
 ) -> ZeroEngine:
-    """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``stage`` (1, 2 or 3):
-    one group for every parameter, or each parameter's by name (the placement record's
+    """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``options.stage`` (1,
+    2 or 3): one group for every parameter, or each parameter's by name (the placement record's
     :func:`~zerotron.parallel.placement.grad_groups`).
 
     The last step of DESIGN.md's order: apply it to the finished (recomputation-wrapped) model. The
     returned engine replaces the data-parallel gradient buckets: the trainer's optimizer works on
     ``engine.params`` (this rank's shard segments), calls ``engine.finish()`` after backward and
-    ``engine.after_step()`` after the optimizer step. ``offload_params`` (ZeRO-3 only): where the
-    parameter shards live (``none``, ``cpu``, ``nvme`` under ``nvme_path``). ``working_dtype``: the 16-bit dtype of the gathered working weights under mixed precision (DESIGN contract 9);
-    ``reduce_dtype``: what gradients are reduced in (``parallel.grad_reduce_dtype``). ``replica``: hybrid
-    sharding's replica group of each shard group (``dp_rep`` for ``dp_shard`` blocks; ``Mesh.replica_of``),
-    over which each step's gradient shards are all-reduced. ``master_offload``: where ZeRO-3 keeps the
-    fp32 master shards when it offloads 16-bit parameters (the optimizer's offload target).
+    ``engine.after_step()`` after the optimizer step. ``options`` (:class:`ZeroOptions`) says where
+    ZeRO-3's parameter shards live, the 16-bit dtype of the working weights under mixed precision
+    (DESIGN contract 9) and what gradients are reduced in. ``fill`` and ``device``: ZeRO-3 on a model
+    built on the meta device materialises only this rank's ranges there. ``replica``: hybrid
+    sharding's replica group of each shard group (``dp_rep`` for ``dp_shard`` blocks;
+    ``Mesh.replica_of``), over which each step's gradient shards are all-reduced.
     """
-    if stage == 1:
-        return ZeroStage1(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
-    if stage == 2:
-        return ZeroStage2(model, group, bucket_mb, reduce_dtype, working_dtype, replica)
-    if stage == 3:
-        return ZeroStage3(
-            model,
-            group,
-            persist_numel,
-            reshard_after_forward,
-            offload_params,
-            nvme_path,
-            fill,
-            device,
-            working_dtype,
-            reduce_dtype,
-            replica,
-            master_offload,
-        )
-    raise ValueError(f"parallel.zero={stage}: ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)")
+    if options.stage == 1:
+        return ZeroStage1(model, group, options, replica)
+    if options.stage == 2:
+        return ZeroStage2(model, group, options, replica)
+    return ZeroStage3(model, group, options, fill, device, replica)
 
 
 def offload_optimizer(

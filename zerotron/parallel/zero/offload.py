@@ -222,7 +222,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     """AdamW on the host, bucket by bucket, moments in ``moments`` (host memory or NVMe).
 
     The optimizer's parameters (what ``zero_grad``, the learning-rate schedule and clipping see) are the
-    buckets' segments, in a weight-decayed and a non-decayed group like :func:`~zerotron.train.optim.adamw`.
+    buckets' segments, in a weight-decayed and a non-decayed group like :func:`~zerotron.components.optim.adamw`.
     """
 
     def __init__(self, buckets: list[Bucket], moments: dict[str, ShardStore], cfg: TrainConfig) -> None:

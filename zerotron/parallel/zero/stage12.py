@@ -53,6 +53,7 @@ from zerotron.parallel.zero.optim_state import (
     offloaded_optimizer_bytes,
     optimizer_state_bytes,
 )
+from zerotron.parallel.zero.options import ZeroOptions
 
 
 class _ShardedBuckets(SyncGate):
@@ -64,13 +65,12 @@ class _ShardedBuckets(SyncGate):
         self,
         model: nn.Module,
         group: Group | Mapping[str, Group],
-        bucket_mb: float = 25.0,
-        reduce_dtype: torch.dtype | None = None,
-        working_dtype: torch.dtype | None = None,
+        options: ZeroOptions,
         replica: Replicas | None = None,
     ) -> None:
-        self.reduce_dtype = reduce_dtype  # what gradients travel in (parallel.grad_reduce_dtype)
+        self.reduce_dtype = options.reduce_dtype  # what gradients travel in (parallel.grad_reduce_dtype)
         self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
+        working_dtype, bucket_mb = options.working_dtype, options.bucket_mb
         self.mixed = working_dtype is not None and working_dtype != torch.float32
         named = unique_named_params(model)
         tied = tied_copy(model)  # alone in its layout: the two stages' copies shard alike

@@ -53,7 +53,8 @@ from zerotron.parallel.zero.optim_state import (
     offloaded_optimizer_bytes,
     optimizer_state_bytes,
 )
-from zerotron.parallel.zero.unit import Fill, Unit
+from zerotron.parallel.zero.options import ZeroOptions
+from zerotron.parallel.zero.unit import Fill, Unit, UnitHome
 from zerotron.parallel.zero.units import plan_units
 
 _MAX_IN_FLIGHT = 2  # gradient reduce-scatters on their way at once (see ZeroStage3._reduce)
@@ -68,27 +69,25 @@ class ZeroStage3:
             placement record's :func:`~zerotron.parallel.placement.grad_groups`). A unit is sharded
             over its parameters' group: the parameters of one module must share one (experts live in
             modules of their own), the small persistent ones form one unit per group.
-        persist_numel: parameters with fewer elements stay whole on every rank.
-        reshard_after_forward: free each unit after its forward (re-gathered for backward); False keeps
-            the units gathered from forward to backward, trading memory for one all-gather.
-        offload_params: ``cpu`` or ``nvme`` keeps every unit's shard (the fp32 master) in host memory or
-            in a file under ``nvme_path``, copied to the device only for the all-gather; the gradient
-            shards land in host memory, and the optimizer must step there
+        options: ZeRO's settings. ``persist_numel``: parameters with fewer elements stay whole on every
+            rank. ``reshard_after_forward``: free each unit after its forward (re-gathered for
+            backward); False keeps the units gathered from forward to backward, trading memory for one
+            all-gather. ``offload_params``: ``cpu`` or ``nvme`` keeps every unit's shard (the fp32
+            master) in host memory or in a file under ``nvme_path``, copied to the device only for the
+            all-gather; the gradient shards land in host memory, and the optimizer must step there
             (:class:`~zerotron.parallel.zero.offload.OffloadAdamW` over :attr:`units`). Under mixed
-            precision what lives there is a 16-bit copy of the shard (what the gathers read: half
-            the bytes copied and read from files, no cast on the host) and the fp32 master moves
-            to the optimizer's side, ``master_offload``.
-        master_offload: ``cpu`` or ``nvme``: where the fp32 master shards live under mixed precision
-            with offloaded parameters (the optimizer's offload target); None: ``offload_params``.
+            precision what lives there is a 16-bit copy of the shard (what the gathers read: half the
+            bytes copied and read from files, no cast on the host) and the fp32 master moves to the
+            optimizer's side (``offload_optimizer``). ``working_dtype``: the dtype of the gathered
+            working weights (DESIGN contract 9: bf16/fp16 under mixed precision, so every all-gather
+            moves 16-bit shards; the shards themselves stay the fp32 master weights the optimizer
+            updates). ``reduce_dtype``: the dtype gradients are reduce-scattered in
+            (``parallel.grad_reduce_dtype``); None: the gradients' own. The reduced shards accumulate in
+            fp32 either way.
         fill: for a model built on the meta device, each parameter's values by name (its whole box on
             this rank, from a weight source): every unit materialises only this rank's range, one
             parameter at a time, so the whole model never exists on one rank.
         device: where the units live when ``fill`` materialises them.
-        working_dtype: the dtype of the gathered working weights (DESIGN contract 9: bf16/fp16 under
-            mixed precision, so every all-gather moves 16-bit shards; the shards themselves stay the fp32
-            master weights the optimizer updates). None: fp32.
-        reduce_dtype: the dtype gradients are reduce-scattered in (``parallel.grad_reduce_dtype``);
-            None: the gradients' own. The reduced shards accumulate in fp32 either way.
         replica: hybrid sharding (``group`` is a block of the dp ranks): the ranks that hold the same
             shards in the other blocks; each step's accumulated gradient shards are all-reduced over it.
     """
@@ -99,25 +98,19 @@ class ZeroStage3:
         self,
         model: nn.Module,
         group: Group | Mapping[str, Group],
-        persist_numel: int = 4096,
-        reshard_after_forward: bool = True,
-        offload_params: str = "none",
-        nvme_path: str | None = None,
+        options: ZeroOptions,
         fill: Fill | None = None,
         device: torch.device | str = "cpu",
-        working_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
         replica: Replicas | None = None,
-        master_offload: str | None = None,
     ) -> None:
         self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
-        self.working_dtype = working_dtype or torch.float32
+        self.working_dtype = options.working_dtype or torch.float32
         self.mixed = self.working_dtype != torch.float32
-        self.reduce_dtype = reduce_dtype
-        self.reshard_after_forward = reshard_after_forward
-        self.offload_params = offload_params
+        self.reduce_dtype = options.reduce_dtype
+        self.reshard_after_forward = options.reshard_after_forward
+        offload_params = self.offload_params = options.offload_params
         group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
-        per_root, runs = plan_units(model, group_of, persist_numel)
+        per_root, runs = plan_units(model, group_of, options.persist_numel)
         rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
         sizes = [_stored(lay) for _, lay, _ in runs]
         # the offloaded parameters (what the gathers copy to the device: 16-bit under mixed precision)
@@ -125,10 +118,11 @@ class ZeroStage3:
         self.store: ShardStore | None = None
         self.master_store: ShardStore | None = None
         if offload_params != "none":
-            self.store = ShardStore(sizes, "params", offload_params, nvme_path, rank, self.working_dtype)
+            nvme = options.nvme_path
+            self.store = ShardStore(sizes, "params", offload_params, nvme, rank, self.working_dtype)
             if self.mixed:
-                where = master_offload or offload_params
-                self.master_store = ShardStore(sizes, "master", where, nvme_path, rank)
+                where = options.master_offload or offload_params
+                self.master_store = ShardStore(sizes, "master", where, nvme, rank)
         # Parameter offload on a GPU: the shards' host <-> device copies run on this side stream, beside
         # the compute (prefetched weights in, reduced gradients out); pending gradient copies are waited
         # for once, at the end of the step's backward.
@@ -139,19 +133,16 @@ class ZeroStage3:
         self._host_copies: list[Any] = []  # events of gradient copies to the host still on their way
         self.units: list[Unit] = []
         self._units_of_module: dict[int, list[Unit]] = {}
+        home = UnitHome(
+            fill,
+            device,
+            self.working_dtype,
+            self.master_store or self.store,  # where the fp32 master lives
+            self.store if self.master_store is not None else None,  # its 16-bit host copy
+            self.copy_stream,
+        )
         for i, (owner, layout, frozen) in enumerate(runs):
-            unit = Unit(
-                layout,
-                owner is None,
-                self.master_store or self.store,  # where the fp32 master lives
-                i,
-                fill,
-                device,
-                frozen,
-                self.working_dtype,
-                self.copy_stream,
-                self.store if self.master_store is not None else None,  # its 16-bit host copy
-            )
+            unit = Unit(layout, owner is None, i, frozen, home)
             self.units.append(unit)
             if owner is not None:
                 self._units_of_module.setdefault(id(owner), []).append(self.units[-1])

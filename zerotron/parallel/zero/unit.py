@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,22 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat
 from zerotron.parallel.zero.offload import ShardStore
+
+
+@dataclass(frozen=True)
+class UnitHome:
+    """What every unit of a ZeRO-3 engine shares: ``fill`` (the values of a meta-device model's
+    parameters, by name; None: the parameters hold theirs), the ``device`` of the gathered buffers, the
+    ``working`` dtype they hold, and under parameter offload the ``store`` of the fp32 master shards,
+    the ``working_store`` of their 16-bit host copies (mixed precision) and the side stream the host
+    copies run on (``copy_stream``, on a GPU)."""
+
+    fill: Fill | None = None
+    device: torch.device | str = "cpu"
+    working: torch.dtype = torch.float32
+    store: ShardStore | None = None
+    working_store: ShardStore | None = None
+    copy_stream: Any = None
 
 
 class Unit:
@@ -30,18 +47,12 @@ class Unit:
     """
 
     def __init__(
-        self,
-        layout: FlatLayout,
-        persistent: bool,
-        store: ShardStore | None = None,
-        index: int = 0,
-        fill: Fill | None = None,
-        device: torch.device | str = "cpu",
-        frozen: bool = False,
-        working: torch.dtype = torch.float32,
-        copy_stream: Any = None,
-        working_store: ShardStore | None = None,
+        self, layout: FlatLayout, persistent: bool, index: int, frozen: bool, home: UnitHome
     ) -> None:
+        """``index``: the unit's bucket in the engine's stores; ``frozen``: no gradient (a frozen base
+        under adapters); ``home``: what every unit of the engine shares (see :class:`UnitHome`)."""
+        store, fill, device = home.store, home.fill, home.device
+        working, copy_stream, working_store = home.working, home.copy_stream, home.working_store
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
         # parameter offload on a GPU: the side stream of the host -> device copy and the gather
         self.copy_stream = copy_stream if store is not None else None

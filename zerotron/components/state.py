@@ -21,6 +21,7 @@ import copy
 import math
 import shutil
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -106,9 +107,18 @@ def model_placements(
     return placements(model, tp, copy, ranges, padded_rows() if padded_rows is not None else None)
 
 
-def _rank_pieces(
-    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, zero: ShardedEngine | None
-) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+@dataclass
+class RankState:
+    """What one rank holds of a training run: its model (shards), the optimizer over what it updates,
+    its mesh, and ZeRO's engine when the states are sharded."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    mesh: Mesh
+    zero: ShardedEngine | None = None
+
+
+def _rank_pieces(held: RankState) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """What this rank writes: its tensors by key and their index entries (no communication).
 
     Under ZeRO every data-parallel rank writes its segments (weights and AdamW moments, the ``flat``
@@ -120,6 +130,7 @@ def _rank_pieces(
     under context parallelism: cp ranks > 0 write nothing) for dense parameters, ``edp`` for the
     experts an expert-parallel rank holds (every EP rank writes its own experts).
     """
+    model, optimizer, mesh, zero = held.model, held.optimizer, held.mesh, held.zero
     tensors: dict[str, torch.Tensor] = {}
     entries: list[dict[str, Any]] = []
     records = model_placements(model, mesh.dims.tp, zero)
@@ -212,12 +223,9 @@ def _unpadded(
 def save_checkpoint(
     root: Path,
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    mesh: Mesh,
+    held: RankState,
     trainer_state: dict[str, Any],
     keep: int,
-    zero: ShardedEngine | None = None,
     writer: CheckpointWriter | None = None,
 ) -> Path:
     """Write and publish the checkpoint of ``step`` from every rank (collective over the world).
@@ -232,7 +240,8 @@ def save_checkpoint(
     """
     if writer is not None:
         writer.wait()  # one write in flight: the previous folder is published before this one starts
-    tensors, entries = _rank_pieces(model, optimizer, mesh, zero)
+    mesh = held.mesh
+    tensors, entries = _rank_pieces(held)
     tmp = store.temp_dir(root, step)
     if mesh.rank == 0:
         if tmp.exists():
@@ -379,14 +388,7 @@ class CheckpointSource:
         self.reader.close()
 
 
-def load_checkpoint(
-    ckpt: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    mesh: Mesh,
-    zero: ShardedEngine | None = None,
-    verified: bool = False,
-) -> dict[str, Any]:
+def load_checkpoint(ckpt: Path, held: RankState, verified: bool = False) -> dict[str, Any]:
     """Restore model, optimizer and (same world size) this rank's RNG from ``ckpt``; return the trainer state.
 
     Whatever layout saved it, each rank reads the box of every tensor it holds (its tp shard, whole
@@ -395,6 +397,7 @@ def load_checkpoint(
     layout hashes its part of the checkpoint, not all of it), unless the caller ``verified`` them all
     (the launcher that chose the checkpoint): each file is hashed once per resume.
     """
+    model, optimizer, mesh, zero = held.model, held.optimizer, held.mesh, held.zero
     manifest = store.verify(ckpt, hashes=False)
     check = None if verified else manifest  # what the readers hash
     if check is not None:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from zerotron.train.loss import IGNORE
+from zerotron.components.loss import IGNORE
 
 
 @dataclass(frozen=True)

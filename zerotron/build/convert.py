@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from zerotron.build.source import checkpoint_tokenizer
 from zerotron.checkpoint import store
 from zerotron.checkpoint.sharded import ShardedCheckpoint, piece
 from zerotron.config import ModelConfig
@@ -33,25 +34,6 @@ from zerotron.models.tokenizer import HFTokenizer
 from zerotron.parallel.placement import persistent_buffers
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
-
-
-def checkpoint_tokenizer(ckpt: Path) -> Any:
-    """The tokenizer a checkpoint was trained with (None if it records none): ``data.tokenizer`` of its
-    config (``byte``, a tokenizer.json, or ``model``: that of ``model.path``, followed through further
-    checkpoints), or, for a converted model, the tokenizer of the file it was converted from."""
-    from zerotron.models.tokenizer import ByteTokenizer, load_tokenizer
-
-    config = store.read_json(ckpt / "trainer.json").get("config", {})
-    name = (config.get("data") or {}).get("tokenizer", "model")
-    if name == "byte":
-        return ByteTokenizer()
-    if name != "model":
-        return load_tokenizer(name)
-    source = (config.get("model") or {}).get("path") or ""
-    if not source:
-        return None
-    inner = store.checkpoint_dir(Path(source))
-    return checkpoint_tokenizer(inner) if inner is not None else load_tokenizer(source)
 
 
 def _from_checkpoint(ckpt: Path) -> tuple[ModelConfig, Tensors, Any]:
@@ -212,3 +194,13 @@ def convert(
 
 def _checkpoint_source(src: Path) -> bool:
     return src.is_dir() and store.checkpoint_dir(src) is not None
+
+
+def convert_command(args: Any) -> int:
+    """``zerotron convert SRC DST [--to hf|checkpoint] [--merge-lora ADAPTER]``."""
+    convert(args.src, args.dst, to=args.to, merge_lora=args.merge_lora)
+    print(
+        f"wrote {args.dst}"
+        + (" (a run directory: model.path or --resume it)" if args.to == "checkpoint" else "")
+    )
+    return 0

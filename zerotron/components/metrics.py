@@ -9,6 +9,7 @@ LoRA/QLoRA run ``frozen_base_bytes``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from zerotron.plan.hardware import peak_flops_of_device
 
 
 class _Saved:
@@ -204,3 +207,65 @@ def plot_loss(metrics_path: Path, out_path: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_path)
     plt.close(fig)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: CUDA's max allocated bytes, or on CPU the process's peak RSS.
+
+    On Linux the peak is ``VmHWM`` of /proc/self/status, this process image's own: ``ru_maxrss`` also
+    keeps the RSS of the process that spawned it (Linux carries it over fork and exec), so a rank
+    started by a large parent (a test runner, a notebook) would report the parent's size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    from pathlib import Path
+
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+@contextlib.contextmanager
+def return_freed_host_memory() -> Iterator[None]:
+    """While the model is materialised, have glibc give freed tensors back to the OS at once.
+
+    By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB) and
+    serves later tensors below it from heap arenas, which fragment and are not returned: materialising
+    a model one global tensor at a time then grows the RSS by a good part of the model (measured: +190
+    to +280 MiB for 345 MiB of fp32 weights under ZeRO-3, none of it held). Inside, the threshold is
+    1 MiB; on leaving, the heap is trimmed (``malloc_trim``) and the threshold set to 4 MiB for
+    training: 1 MiB there (every tensor of 1 MiB or more mapped afresh) cost about 30% more CPU time per
+    step on benchmarks/zero.py's model, and 32 MiB (glibc's ceiling) let ZeRO-3's working set fragment
+    the heap by 180 MiB in tests/test_memory_scale.py. An explicit ``MALLOC_MMAP_THRESHOLD_`` in the
+    environment is left alone; elsewhere than glibc this does nothing.
+    """
+    import ctypes
+    import os
+    import sys
+
+    libc: Any = None
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        try:
+            libc = ctypes.CDLL(None)
+            libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc has both (musl has neither)
+        except (OSError, AttributeError):
+            libc = None
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.malloc_trim(0)
+            libc.mallopt(-3, 4 << 20)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of one device, when known."""
+    if device.type != "cuda":
+        return None
+    return peak_flops_of_device(torch.cuda.get_device_name(device))

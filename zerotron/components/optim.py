@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.config import TrainConfig
+from zerotron.config import Config, TrainConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.parallel.engine import GradientReducer, ShardedEngine
+from zerotron.parallel.zero.api import offload_optimizer
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -29,6 +31,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         seen.add(id(p))
         (decay if p.ndim >= 2 else no_decay).append(p)
     return adamw(decay, no_decay, cfg)
+
+
+def optimizer_for(reducer: GradientReducer, zero: ShardedEngine | None, cfg: Config) -> torch.optim.Optimizer:
+    """The optimizer over what this rank updates (``reducer``'s parameter groups: whole parameters, or
+    ZeRO's shard segments); under ZeRO-Offload (``parallel.offload_optimizer``) AdamW on the host, its
+    moments in host memory or NVMe files."""
+    par = cfg.parallel
+    if zero is not None and par.offload_optimizer != "none":
+        return offload_optimizer(zero, cfg.train, par.offload_optimizer, par.nvme_path)
+    return adamw(*reducer.param_groups(), cfg.train)
 
 
 def adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:

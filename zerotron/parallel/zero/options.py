@@ -1,0 +1,69 @@
+"""What ZeRO is asked to do, as one object that checks itself (DESIGN contract 11): the stage, bucket
+and unit sizes, where parameters and optimizer state live, and the dtypes of the working weights and
+of the gradient reduction. Every engine (:mod:`.stage12`, :mod:`.stage3`) reads its fields from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerotron.config import ParallelConfig
+from zerotron.config_load import ConfigError
+
+OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """ZeRO's settings (the ``parallel.*`` keys of the same names), checked on construction."""
+
+    stage: int = 1
+    bucket_mb: float = 25.0  # ZeRO-1/2: the reduce-scatter buckets' size in MiB
+    persist_numel: int = 4096  # ZeRO-3: parameters smaller than this stay whole on every rank
+    reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward
+    offload_params: str = "none"  # ZeRO-3: where the parameter shards live (none, cpu, nvme)
+    offload_optimizer: str = "none"  # where the optimizer's fp32 masters and moments live
+    nvme_path: str | None = None  # the directory of NVMe offload files
+    working_dtype: torch.dtype | None = None  # 16-bit working weights under mixed precision (None: fp32)
+    reduce_dtype: torch.dtype | None = None  # what gradients are reduced in (None: their own)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("zero", self.stage in (1, 2, 3), "ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)"),
+            ("bucket_mb", self.bucket_mb >= 0, "give a bucket size of 0 MiB or more"),
+            ("persist_numel", self.persist_numel >= 0, "give 0 or more elements"),
+            ("offload_params", self.offload_params in OFFLOAD_TARGETS, "choose none, cpu or nvme"),
+            ("offload_optimizer", self.offload_optimizer in OFFLOAD_TARGETS, "choose none, cpu or nvme"),
+            (
+                "offload_params",
+                self.offload_params == "none" or self.stage == 3,
+                "parameters are offloaded as ZeRO-3 shards: set parallel.zero=3",
+            ),
+        ]
+        for key, ok, fix in checks:
+            if not ok:
+                raise ConfigError(f"parallel.{key}={getattr(self, _FIELD.get(key, key))!r}: {fix}")
+
+    @property
+    def master_offload(self) -> str | None:
+        """Where ZeRO-3 keeps the fp32 master shards when it offloads 16-bit parameters: the optimizer's
+        offload target (None: beside the parameters)."""
+        return None if self.offload_optimizer == "none" else self.offload_optimizer
+
+    @classmethod
+    def from_config(
+        cls,
+        parallel: ParallelConfig,
+        stage: int,
+        working_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+    ) -> ZeroOptions:
+        """The options of ``cfg.parallel`` for ``stage`` (ZeRO-1's engine also runs 16-bit data
+        parallelism, see :func:`~zerotron.parallel.zero.api.zero_sharding`)."""
+        same = ("bucket_mb", "persist_numel", "reshard_after_forward", "offload_params", "offload_optimizer")
+        named = {key: getattr(parallel, key) for key in (*same, "nvme_path")}
+        return cls(stage=stage, working_dtype=working_dtype, reduce_dtype=reduce_dtype, **named)
+
+
+_FIELD = {"zero": "stage"}

@@ -1,0 +1,111 @@
+"""``zerotron serve``: the command line's flags into an :class:`~zerotron.serve.config.EngineConfig`
+(checked there, reported under the flags' names), then one process, or one tensor-parallel rank per
+``--nproc`` (or per rank of a torchrun/srun job)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from zerotron.config_load import ConfigError
+from zerotron.distributed import launch
+from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, under_torchrun
+from zerotron.serve import kernels, triton_attention
+from zerotron.serve.config import EngineConfig, EngineConfigError
+from zerotron.serve.devices import check_device, rank_backend
+from zerotron.serve.generate import check_split
+from zerotron.serve.linears import onednn_kernels
+
+# the flag that sets each EngineConfig field (what an EngineConfigError is reported under)
+FLAGS = {
+    "onednn": "--matmul onednn",
+    "native_matmul": "--matmul native",
+    "native_attention": "--attention native",
+    "triton_attention": "--attention triton",
+    "block_size": "--block-size",
+    "kv_cache_bytes": "--kv-cache-memory",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "dtype": "--dtype",
+    "device": "--device",
+    "tp": "--nproc",
+}
+
+
+def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
+    """The engine's settings from ``zerotron serve``'s flags: each default chosen for this machine and
+    device, the whole checked once by :class:`EngineConfig` (one line naming the flag)."""
+    memory = args.kv_cache_memory  # GiB, as bytes below: a number first
+    for flag, ok in (
+        ("--nproc", nproc >= 1),
+        ("--port", 0 < args.port < 65536),
+        ("--kv-cache-memory", 0 < memory < float("inf")),
+    ):
+        if not ok:
+            raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
+    device = check_device("serve", args.device, nproc)
+    if args.attention == "triton" and device.type == "cpu":  # (its interpreter is the tests' CPU device)
+        raise ConfigError(
+            "serve --attention triton: the Triton kernel runs on a CUDA device (--device cuda); on the CPU "
+            "use native or sdpa, or leave --attention out"
+        )
+    kinds = {
+        "onednn": args.matmul == "onednn",
+        "native_matmul": args.matmul == "native",
+        "native_attention": args.attention == "native",
+        "triton_attention": args.attention == "triton",
+    }
+    if device.type == "cpu" and args.matmul is None and nproc == 1:  # packed linears where they run
+        dtype = getattr(torch, args.dtype)
+        kinds["native_matmul"] = kernels.why_no_native_matmul(dtype) is None
+        kinds["onednn"] = not kinds["native_matmul"] and onednn_kernels(dtype)
+    if args.attention is None:  # the paged kernel of the device where it builds, else SDPA
+        on_cpu = device.type == "cpu"
+        kinds["native_attention"] = on_cpu and kernels.available()
+        kinds["triton_attention"] = not on_cpu and triton_attention.available()
+    try:
+        return EngineConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=int(memory * 2**30),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            prefix_caching=not args.no_prefix_caching,
+            dtype=args.dtype,
+            device=str(device),
+            tp=nproc,
+            **kinds,
+        )
+    except EngineConfigError as err:
+        raise ConfigError(
+            f"serve {FLAGS.get(err.key, err.key)}: {err.reason}; leave it out or change it"
+        ) from None
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """``zerotron serve MODEL``: one process, or ``--nproc`` tensor-parallel ranks (the first serves
+    HTTP and schedules, each holds its shard)."""
+    try:
+        from zerotron.serve.app import run_server, serve_worker
+    except ImportError as err:
+        raise ConfigError(
+            f"zerotron serve needs FastAPI and uvicorn ({err}): pip install 'zerotron[serve]'"
+        ) from None
+    nproc = 1 if args.nproc is None else args.nproc
+    if adopt_slurm_env() or under_torchrun():  # every process of the job is a tensor-parallel rank
+        nproc = job_rank_and_world()[1]
+    config = engine_config(args, nproc)
+    if nproc == 1 and not under_torchrun():
+        run_server(args.model, args.host, args.port, args.served_model_name, config)
+        return 0
+    check_split(args.model, nproc)  # every rank holds a tensor-parallel shard
+    name = args.served_model_name or args.model
+    launch.spawn(
+        serve_worker,
+        nproc,
+        args=(args.model, name, args.host, args.port, config),
+        backend=rank_backend(config.device or "cpu"),
+    )
+    return 0

@@ -1,0 +1,53 @@
+// x (rows, n) with unit column stride, weight (n,) of x's dtype -> (rows, n): RMSNorm of each row
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows with unit column stride");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "a weight per column");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "the weight in the rows' dtype");
+  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+  return y;
+}
+
+// gu (rows, 2 width) with unit column stride, the gate's columns then the up's -> (rows, width):
+// silu(gate) * up
+torch::Tensor silu_mul(torch::Tensor gu, int64_t width) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) == 2 * width, "rows of gate and up columns");
+  auto y = torch::empty({gu.size(0), width}, gu.options());
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), gu.size(0), width, gu.stride(0));
+  });
+  return y;
+}
+// y (rows, (heads + 2 kv_heads) dim) with unit column stride, a layer's q, k and v products; cos, sin
+// (rows, dim) contiguous in y's dtype; k_pool, v_pool (slots, kv_heads, dim); slots (rows,) int64 ->
+// q (rows, heads, dim) rotated; k rotated and v written to the pools at the rows' slots
+torch::Tensor rope_store(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
+                         torch::Tensor v_pool, torch::Tensor slots, int64_t heads) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "rows of q, k and v columns with unit column stride");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(), "pools");
+  const int64_t rows = y.size(0), kv_heads = k_pool.size(1), dim = k_pool.size(2);
+  TORCH_CHECK(dim % 2 == 0 && y.size(1) == (heads + 2 * kv_heads) * dim, "q, k and v columns of the pools' heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows && cos.size(1) == dim &&
+                  sin.sizes() == cos.sizes(), "a cos and sin row per row");
+  TORCH_CHECK(y.scalar_type() == k_pool.scalar_type() && cos.scalar_type() == y.scalar_type() &&
+                  sin.scalar_type() == y.scalar_type() && v_pool.scalar_type() == y.scalar_type(), "one dtype");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.size(0) == rows, "a slot per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<int64_t> seen(slot, slot + rows);
+  for (int64_t v : seen) TORCH_CHECK(v >= 0 && v < k_pool.size(0), "slots outside the pool");
+  std::sort(seen.begin(), seen.end());
+  const bool distinct = std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+  auto q = torch::empty({rows, heads, dim}, y.options());
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "rope_store", [&] {
+    rope_store_rows<scalar_t>(y.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                              k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slot, q.data_ptr<scalar_t>(),
+                              rows, y.stride(0), heads, kv_heads, dim, distinct);
+  });
+  return q;
+}

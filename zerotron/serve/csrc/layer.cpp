@@ -1,0 +1,126 @@
+// ---- the decoder layer's elementwise steps -----------------------------------------------------------
+// RMSNorm and the gated MLP's SiLU(gate) * up, one call per layer step instead of the six and three
+// torch operators (each a dispatch and a pass over the rows) that a decode step of a few rows spends
+// more time calling than computing. Each row is one task whose loop order depends on the row's length
+// alone, so a row's bits never depend on its company; the roundings are the model's own (RMSNorm: the
+// statistic in fp32, the normalised row rounded to the dtype, then times the weight, rounded again;
+// SiLU rounded to the dtype before the product).
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, int64_t ldx, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * ldx;
+      T* yr = y + r * n;
+      float ss = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = static_cast<float>(xr[j]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(n) + eps);
+      for (int64_t j = 0; j < n; ++j) {
+        const T normed = static_cast<T>(static_cast<float>(xr[j]) * inv);
+        yr[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+// silu(g) = g / (1 + e^-g), through exp_neg of -|g| on both sides of zero: g >= 0 as g / (1 + t),
+// g < 0 as g t / (1 + t), t = e^-|g|.
+template <typename T>
+void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t width, int64_t ld) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * ld;
+      const T* u = g + width;
+      T* yr = y + r * width;
+      for (int64_t j = 0; j < width; ++j) {
+        const float a = static_cast<float>(g[j]);
+        const float t = exp_neg(a < 0.0f ? a : -a);
+        const float silu = (a < 0.0f ? a * t : a) / (1.0f + t);
+        yr[j] = static_cast<T>(static_cast<float>(static_cast<T>(silu)) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+// Rotary position embedding of a layer's q and k heads and the store of k and v, one pass per row:
+// x cos + rotate_half(x) sin with the model's roundings (each product rounded to the dtype, then the
+// sum: torch's three operators, without contracting them into a fused multiply-add), the rotated q
+// heads to ``q``, the rotated k heads and the v heads to the pools at the row's slot.
+#pragma GCC push_options
+#pragma GCC optimize("-ffp-contract=off")
+template <typename T>
+inline void rotate(const T* x, const T* c, const T* s, T* o, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < dim; ++j) {
+    const float rot = j < half ? -static_cast<float>(x[j + half]) : static_cast<float>(x[j - half]);
+    const float a = static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(c[j])));
+    const float b = static_cast<float>(static_cast<T>(rot * static_cast<float>(s[j])));
+    o[j] = static_cast<T>(a + b);
+  }
+}
+#pragma GCC pop_options
+
+template <typename T>
+void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const int64_t* slots, T* q,
+                     int64_t rows, int64_t ld, int64_t heads, int64_t kv_heads, int64_t dim, bool parallel) {
+  const auto row = [&](int64_t r) {
+    const T* yr = y + r * ld;
+    const T* c = cos + r * dim;
+    const T* s = sin + r * dim;
+    for (int64_t h = 0; h < heads; ++h) rotate<T>(yr + h * dim, c, s, q + (r * heads + h) * dim, dim);
+    T* k = kp + slots[r] * kv_heads * dim;
+    for (int64_t h = 0; h < kv_heads; ++h) rotate<T>(yr + (heads + h) * dim, c, s, k + h * dim, dim);
+    std::memcpy(vp + slots[r] * kv_heads * dim, yr + (heads + kv_heads) * dim, kv_heads * dim * sizeof(T));
+  };
+  if (!parallel) {  // rows sharing a slot (padding rows): written in row order, as index_copy_ would
+    for (int64_t r = 0; r < rows; ++r) row(r);
+    return;
+  }
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row(r);
+  });
+}
+}  // namespace
+
+// The entry points below compute without Python's GIL, as torch's own operators do: a bound C++
+// function keeps it by default, and the serving engine spends most of a step in these kernels, while
+// the HTTP server's thread, which takes in requests and streams tokens, waits for the GIL.
+
+// q (rows, heads, dim); k_pool, v_pool (slots, kv_heads, dim); slots (sequences, width) int64, each
+// sequence's key slots in position order; seq (rows,) int64, each row's sequence; lens (rows,) int64,
+// how many of its sequence's keys a row attends -> (rows, heads, dim)
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
+                              torch::Tensor seq, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(slots.is_contiguous() && seq.is_contiguous() && lens.is_contiguous(), "contiguous slots and lengths");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "one dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && seq.scalar_type() == torch::kLong &&
+                  lens.scalar_type() == torch::kLong, "int64 slots, sequences and lengths");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
+  const int64_t sequences = slots.size(0), width = slots.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_pool.size(2) == dim && v_pool.sizes() == k_pool.sizes(), "shapes");
+  TORCH_CHECK(seq.size(0) == rows && lens.size(0) == rows, "one sequence and one length per row");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* which = seq.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<int64_t> longest(sequences, 0);  // the most keys any row reads of each slot list
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(which[r] >= 0 && which[r] < sequences, "a row's sequence outside the slot lists");
+    TORCH_CHECK(len[r] >= 1 && len[r] <= width, "a row's length outside 1..slot list width");
+    longest[which[r]] = std::max(longest[which[r]], len[r]);
+  }
+  for (int64_t s = 0; s < sequences; ++s)
+    for (int64_t j = 0; j < longest[s]; ++j)
+      TORCH_CHECK(slot[s * width + j] >= 0 && slot[s * width + j] < k_pool.size(0), "slots outside the pool");
+  auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attend<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slot, which,
+                     len, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, width, s);
+  });
+  return out;
+}
+

@@ -1,0 +1,114 @@
+bool tiles_built() {
+#if defined(ZT_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) bf16 with unit column stride; w from pack_tiles (N/16 blocks of 16 columns, K/32
+// blocks of 32: K rounded up to 32 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
+  TORCH_CHECK(w.dim() == 5 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "packed weight");
+  TORCH_CHECK(w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2 && n <= w.size(0) * 16 && n > w.size(0) * 16 - 16, "packed shape");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0), k = x.size(1), kblocks = w.size(1);
+  TORCH_CHECK(k <= kblocks * 32 && k > kblocks * 32 - 32, "input features");
+  if (rows > 1 && x.stride(0) < k) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_TILES)
+  // rows are read in place when K is a multiple of 32 (else from a zero-padded copy), the last
+  // partial 16 from a zero-padded tile
+  if (k != kblocks * 32) x = torch::constant_pad_nd(x, {0, kblocks * 32 - k});
+  const int64_t full = rows / 16 * 16;
+  auto tail = torch::zeros({full < rows ? 16 : 0, kblocks * 32}, x.options());
+  if (full < rows) tail.narrow(0, 0, rows - full).copy_(x.narrow(0, full, rows - full));
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),
+                reinterpret_cast<const uint16_t*>(w.data_ptr()), b, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                x.stride(0), full, rows, n, w.size(0), kblocks, even_chunk(rows, MCHUNK, 32)};
+  pybind11::gil_scoped_release no_gil;
+  tile_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AMX tile kernels");
+#endif
+}
+bool vec_built() {
+#if defined(ZT_VEC)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) fp32 with unit column stride; w from pack_vec (N/48 panels of K x 48, 64-byte aligned;
+// N rounded up to 48 with zero weights); bias (n,) fp32 or empty -> (rows, n) fp32
+torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(2) == 48, "packed weight");
+  TORCH_CHECK(n <= w.size(0) * 48 && n > w.size(0) * 48 - 48 && w.size(1) == x.size(1), "packed shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 64 == 0, "a 64-byte aligned packed weight");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0);
+  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_VEC)
+  VecProblem t{x.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0), even_chunk(rows, VMC, 8)};
+  pybind11::gil_scoped_release no_gil;
+  vec_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX-512 linear kernel");
+#endif
+}
+
+bool dot_built() {
+#if defined(ZT_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU runs AVX512-BF16 instructions (VDPBF16PS).
+bool dot_cpu() {
+#if defined(ZT_DOT)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// x (rows, K) bf16 with unit column stride; w from pack_dot (N/48 panels of K/2 x 48 x 2, 64-byte
+// aligned; K rounded up to even and N to 48 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
+torch::Tensor dot_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.size(2) == 48 && w.size(3) == 2, "packed weight");
+  TORCH_CHECK(n <= w.size(0) * 48 && n > w.size(0) * 48 - 48, "packed shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 64 == 0, "a 64-byte aligned packed weight");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  const int64_t rows = x.size(0), k = x.size(1), pairs = w.size(1);
+  TORCH_CHECK(k == 2 * pairs || k == 2 * pairs - 1, "input features");
+  if (rows > 1 && x.stride(0) < k) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if defined(ZT_DOT)
+  if (k != 2 * pairs) x = torch::constant_pad_nd(x, {0, 1});  // the last pair's second value: zero
+  DotProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+               bias ? bias->data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
+               x.stride(0), rows, n, pairs, w.size(0), even_chunk(rows, DMC, 8)};
+  pybind11::gil_scoped_release no_gil;
+  dot_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no AVX512-BF16 linear kernel");
+#endif
+}
+
