@@ -176,7 +176,12 @@ def _add_serve(sub: Any) -> None:
     srv.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: MODEL's name, not its path)",
+    )
+    _add_serve_edge(srv)
     srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     srv.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (vLLM's CPU default)"
@@ -227,6 +232,31 @@ def _add_serve(sub: Any) -> None:
         "shard); under torchrun or srun its ranks",
     )
     srv.set_defaults(fn=_run)
+
+
+def _add_serve_edge(srv: Any) -> None:
+    """``zerotron serve``'s flags of the server's edge: keys and limits."""
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="/v1/* needs the header 'Authorization: Bearer KEY' (default: $ZEROTRON_API_KEY, else none)",
+    )
+    srv.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
+    srv.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests that may wait beyond the --max-num-seqs running; past that a 503 with Retry-After",
+    )
+    srv.add_argument(
+        "--max-request-bytes", type=int, default=4 << 20, help="a larger request body is refused (413)"
+    )
+    srv.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a request may take before it is aborted (504; 0: no limit)",
+    )
 
 
 def _add_plan(sub: Any) -> None:

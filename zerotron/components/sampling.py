@@ -20,6 +20,11 @@ class SamplingError(ValueError):
     """A sampling parameter out of range; the message names it and the allowed values."""
 
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes (a negative seed is its 64-bit twin)
+MAX_STOP_CHARS = 1024  # one stop string's length
+MAX_STOP_TOKEN_IDS = 256
+
+
 @dataclass
 class SamplingParams:
     """What one request asks of generation (OpenAI / vLLM names)."""
@@ -52,6 +57,11 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "in [0, 20]"),
+            (
+                "seed",
+                self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+                "in [-2**63, 2**64 - 1]",
+            ),
         ]
         for name, ok, allowed in checks:
             value = getattr(self, name)
@@ -59,14 +69,19 @@ class SamplingParams:
                 raise SamplingError(f"{name}={value!r}: must be {allowed}")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise SamplingError("stop: at most 16 non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise SamplingError(f"stop: each string at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
+            raise SamplingError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, none negative")
 
     def generator(self, index: int) -> Optional[torch.Generator]:
-        """The random source of parallel sample ``index`` (seeded ``seed + index`` when seeded)."""
+        """The random source of parallel sample ``index`` (seeded ``seed + index`` when seeded, modulo
+        2**64: a generator's seed is 64 bits)."""
         if self.temperature == 0.0:
             return None
         gen = torch.Generator(device="cpu")
         if self.seed is not None:
-            gen.manual_seed(self.seed + index)
+            gen.manual_seed((self.seed + index) % 2**64)
         else:
             gen.seed()
         return gen

@@ -1,12 +1,19 @@
-"""The FastAPI application of ``zerotron serve`` and its command-line entry (:func:`run_server`)."""
+"""The FastAPI application of ``zerotron serve`` and its command-line entry (:func:`run_server`).
+
+Every request passes the edge first (:mod:`zerotron.serve.edge`: API key, body size, access log); its
+body is parsed, templated and tokenised off the event loop, checked by the engine, admitted while the
+queue has room (else a 503 with ``Retry-After``), and answered whole or streamed
+(:mod:`zerotron.serve.responses`). Any error is an OpenAI error body and the server keeps serving.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -22,43 +29,38 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
+from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, parse
 from zerotron.serve.engine import Engine, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
-from zerotron.serve.server import EngineLoop, error_body, logprobs_entry, new_id, sse, stream_outputs
+from zerotron.serve.responses import Reply, collect, stream
+from zerotron.serve.server import EngineLoop, new_id, stream_outputs
+
+Body = Union[CompletionRequest, ChatCompletionRequest]
 
 
-def build_app(engine: Engine, model_name: str, start_engine: bool = True) -> FastAPI:
-    """The ASGI app serving ``engine`` under the model name ``model_name``; its engine loop
-    (``app.state.engine_loop``) runs in a thread of its own unless ``start_engine`` is False (then the
-    caller runs it)."""
-    app = FastAPI(title="zerotron serve")
-    loop_ = EngineLoop(engine, start=start_engine)
-    app.state.engine_loop = loop_
-    tokenizer = engine.tokenizer
+class ServerWarning(UserWarning):
+    """A server setting that works but exposes it (shown as one ``zerotron: warning:`` line)."""
 
-    def bad(message: str, status: int = 400, param: Any = None) -> JSONResponse:
-        return JSONResponse(error_body(message, status, param=param), status_code=status)
 
-    _answer_errors(app)
+def _bad(
+    message: str, status: int = 400, param: Any = None, headers: Optional[dict[str, str]] = None
+) -> JSONResponse:
+    kind = {503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
+    return JSONResponse(error_body(message, status, kind, param=param), status_code=status, headers=headers)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        if not loop_.alive():
-            raise HTTPException(503, "the engine loop has stopped")
-        return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(loop_.metrics(), media_type="text/plain; version=0.0.4")
+class _Api:
+    """The completion endpoints over one engine loop: parse, prepare, admit, answer."""
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "zerotron"}
-        return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
+    def __init__(self, engine: Engine, loop_: EngineLoop, options: ServerOptions) -> None:
+        self.engine, self.loop, self.options = engine, loop_, options
+        self.active = 0  # requests admitted and not yet ended (the event loop's thread alone counts)
 
-    def prepare(body: Union[CompletionRequest, ChatCompletionRequest]) -> tuple[list[int], SamplingParams]:
-        if body.model != model_name:
-            raise NotSupported(f"model {body.model!r} is not served here; this server serves {model_name!r}")
+    def prepare(self, body: Body) -> tuple[list[int], SamplingParams]:
+        """Prompt ids and sampling parameters of ``body`` (templating and tokenising: run off the loop)."""
+        name, tokenizer = self.options.name, self.engine.tokenizer
+        if body.model != name:
+            raise NotSupported(f"model {body.model!r} is not served here; this server serves {name!r}")
         params = body.sampling()
         if isinstance(body, ChatCompletionRequest):
             if tokenizer is None:
@@ -73,30 +75,79 @@ def build_app(engine: Engine, model_name: str, start_engine: bool = True) -> Fas
                 prompt_ids = tokenizer.encode(prompt)
             else:
                 prompt_ids = list(prompt)
-        engine.check(prompt_ids, params)
+        self.engine.check(prompt_ids, params)
         return prompt_ids, params
 
-    async def respond(request: Request, body: Union[CompletionRequest, ChatCompletionRequest]) -> Any:
+    async def respond(self, request: Request, kind: type[Body]) -> Any:
         try:
-            prompt_ids, params = prepare(body)
+            body = await parse(kind, await request.body())
+            prompt_ids, params = await asyncio.to_thread(self.prepare, body)
+        except BadRequest as err:
+            return _bad(str(err), err.status, err.param)
         except (NotSupported, RequestError, ValueError) as err:
-            return bad(str(err))
+            return _bad(str(err))
+        if self.active >= self.engine.config.max_num_seqs + self.options.max_queued_requests:
+            message = f"the server is busy ({self.active} requests in flight); retry later"
+            return _bad(message, 503, headers={"Retry-After": "1"})
         chat = isinstance(body, ChatCompletionRequest)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        head = {"id": rid, "created": int(time.time()), "model": model_name}
-        outputs = stream_outputs(loop_, rid, prompt_ids, params)
+        self.active += 1
+        request.state.usage = (rid, len(prompt_ids), 0)
+        timeout = self.options.request_timeout_s
+        reply = Reply(
+            outputs=stream_outputs(self.loop, rid, prompt_ids, params),
+            head={"id": rid, "created": int(time.time()), "model": self.options.name},
+            chat=chat,
+            n=params.n,
+            tokenizer=self.engine.tokenizer,
+            abort=lambda: self.loop.abort(rid),
+            deadline=asyncio.get_running_loop().time() + timeout if timeout > 0 else None,
+            done=lambda out: self._ended(request, rid, out),
+        )
         if body.stream:
-            events = _stream(outputs, head, chat, params.n, body.include_usage, tokenizer)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await _collect(request, outputs, head, chat, params.n, tokenizer, lambda: loop_.abort(rid))
+            return StreamingResponse(stream(reply, body.include_usage), media_type="text/event-stream")
+        return await collect(reply, request.receive)
+
+    def _ended(self, request: Request, rid: str, out: Optional[RequestOutput]) -> None:
+        self.active -= 1
+        if out is not None:
+            request.state.usage = (rid, out.prompt_tokens, out.completion_tokens)
+
+
+def build_app(engine: Engine, options: ServerOptions, start_engine: bool = True) -> FastAPI:
+    """The ASGI app serving ``engine`` as ``options.name`` behind the edge; its engine loop
+    (``app.state.engine_loop``) runs in a thread of its own unless ``start_engine`` is False (then the
+    caller runs it)."""
+    app = FastAPI(title="zerotron serve")
+    loop_ = EngineLoop(engine, start=start_engine)
+    app.state.engine_loop = loop_
+    api = _Api(engine, loop_, options)
+    app.state.api = api
+    _answer_errors(app)
+    app.add_middleware(Edge, options=options)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if not loop_.alive():
+            raise HTTPException(503, "the engine loop has stopped")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(loop_.metrics(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": options.name, "object": "model", "created": int(time.time()), "owned_by": "zerotron"}
+        return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Any:
-        return await respond(request, body)
+    async def completions(request: Request) -> Any:
+        return await api.respond(request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Any:
-        return await respond(request, body)
+    async def chat_completions(request: Request) -> Any:
+        return await api.respond(request, ChatCompletionRequest)
 
     return app
 
@@ -105,16 +156,11 @@ def _answer_errors(app: FastAPI) -> None:
     """Every error as OpenAI's error body: a malformed request a 400 naming the field, an HTTP error its
     status, anything else a 500 (the server keeps serving)."""
 
-    def bad(message: str, status: int = 400, param: Any = None) -> JSONResponse:
-        return JSONResponse(error_body(message, status, param=param), status_code=status)
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        if first.get("type") == "json_invalid":
-            return bad(f"the request body is not valid JSON: {first.get('msg')}")
-        return bad(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None)
+        return _bad(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
@@ -122,112 +168,7 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {exc}", 500, "server_error"), status_code=500)
-
-
-def _usage(out: Optional[RequestOutput]) -> dict[str, int]:
-    prompt, completion = (out.prompt_tokens, out.completion_tokens) if out is not None else (0, 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def _collect(
-    request: Any,
-    outputs: AsyncIterator[RequestOutput],
-    head: dict[str, Any],
-    chat: bool,
-    n: int,
-    tokenizer: Any,
-    abort: Any,
-) -> Any:
-    """Wait for the whole answer (abort if the client leaves first) and build the response body."""
-    import asyncio
-
-    texts: list[str] = [""] * n
-    reasons: list[Optional[str]] = [None] * n
-    choices: list[list[Any]] = [[] for _ in range(n)]
-    last: Optional[RequestOutput] = None
-    iterator = outputs.__aiter__()
-    while last is None or not last.finished:
-        step = asyncio.ensure_future(iterator.__anext__())
-        while not step.done():
-            await asyncio.wait([step], timeout=1.0)
-            if not step.done() and await request.is_disconnected():
-                step.cancel()
-                abort()
-                return None
-        try:
-            last = step.result()
-        except RuntimeError as err:
-            return JSONResponse(error_body(str(err), 500, "server_error"), status_code=500)
-        for o in last.outputs:
-            texts[o.index] += o.text
-            choices[o.index] += o.choices
-            reasons[o.index] = o.finish_reason
-    if chat:
-        body: list[dict[str, Any]] = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": logprobs_entry(tokenizer, choices[i], True),
-                "finish_reason": reasons[i],
-            }
-            for i in range(n)
-        ]
-        return {**head, "object": "chat.completion", "choices": body, "usage": _usage(last)}
-    body = [
-        {
-            "index": i,
-            "text": texts[i],
-            "logprobs": logprobs_entry(tokenizer, choices[i], False),
-            "finish_reason": reasons[i],
-        }
-        for i in range(n)
-    ]
-    return {**head, "object": "text_completion", "choices": body, "usage": _usage(last)}
-
-
-async def _stream(
-    outputs: AsyncIterator[RequestOutput],
-    head: dict[str, Any],
-    chat: bool,
-    n: int,
-    include_usage: bool,
-    tokenizer: Any,
-) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per sequence per step, then the usage chunk (if asked) and [DONE]."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    last: Optional[RequestOutput] = None
-    if chat:
-        for i in range(n):
-            delta = {"role": "assistant", "content": ""}
-            yield sse(
-                {
-                    **head,
-                    "object": kind,
-                    "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                }
-            )
-    try:
-        async for last in outputs:
-            for o in last.outputs:
-                choice: dict[str, Any] = {
-                    "index": o.index,
-                    "logprobs": logprobs_entry(tokenizer, o.choices, chat),
-                }
-                choice["finish_reason"] = o.finish_reason
-                if chat:
-                    choice["delta"] = {"content": o.text} if o.text else {}
-                else:
-                    choice["text"] = o.text
-                chunk: dict[str, Any] = {**head, "object": kind, "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-    except RuntimeError as err:
-        yield sse(error_body(str(err), 500, "server_error"))
-    if include_usage:
-        yield sse({**head, "object": kind, "choices": [], "usage": _usage(last)})
-    yield "data: [DONE]\n\n"
+        return _bad(f"internal error: {exc}", 500)
 
 
 def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[Mesh] = None) -> Engine:
@@ -243,7 +184,7 @@ def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[
         raise ConfigError(str(err)) from None
 
 
-def serve(engine: Engine, name: str, host: str, port: int) -> None:
+def serve(engine: Engine, options: ServerOptions) -> None:
     """Serve ``engine`` over HTTP until interrupted, then stop its loop (and its followers).
 
     The engine steps in this thread (the one that loaded the model: one OpenMP team, see
@@ -252,7 +193,11 @@ def serve(engine: Engine, name: str, host: str, port: int) -> None:
     forces it; then the engine loop stops."""
     import uvicorn
 
-    app = build_app(engine, name, start_engine=False)
+    name, host, port = options.name, options.host, options.port
+    exposed = exposure_warning(options)
+    if exposed is not None:
+        warnings.warn(exposed, ServerWarning, stacklevel=2)
+    app = build_app(engine, options, start_engine=False)
     loop_: EngineLoop = app.state.engine_loop
     group = engine.runner.group
     print(
@@ -294,18 +239,22 @@ def serve(engine: Engine, name: str, host: str, port: int) -> None:
         )
 
 
-def run_server(
-    model_path: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    served_model_name: Optional[str] = None,
-    config: Optional[EngineConfig] = None,
-) -> None:
+def exposure_warning(options: ServerOptions) -> Optional[str]:
+    """The warning due when the server listens beyond this machine without an API key (else None)."""
+    if options.loopback or options.api_key is not None:
+        return None
+    return (
+        f"serving on {options.host}, beyond this machine, without --api-key: anyone who reaches the port "
+        "can use the model"
+    )
+
+
+def run_server(model_path: str, options: ServerOptions, config: Optional[EngineConfig] = None) -> None:
     """``zerotron serve`` on one process: load the model, build the engine and serve until interrupted."""
-    serve(load_engine(model_path, config), served_model_name or model_path, host, port)
+    serve(load_engine(model_path, config), options)
 
 
-def serve_worker(model_path: str, name: str, host: str, port: int, config: EngineConfig) -> dict[str, int]:
+def serve_worker(model_path: str, options: ServerOptions, config: EngineConfig) -> dict[str, int]:
     """One rank of ``zerotron serve --nproc N``: all ranks form one tensor-parallel group; the first
     serves HTTP and schedules, the others run its steps on their shards until it stops (on CUDA each
     rank on its local rank's device)."""
@@ -315,7 +264,7 @@ def serve_worker(model_path: str, name: str, host: str, port: int, config: Engin
     config = dataclasses.replace(config, device=rank_device(config.device or "cpu"))
     engine = load_engine(model_path, config, mesh)
     if group.rank_in_group == 0:
-        serve(engine, name, host, port)
+        serve(engine, options)
         return {"steps": engine.stats["steps"]}
     # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -14,6 +15,7 @@ from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, und
 from zerotron.serve import kernels, triton_attention
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.devices import check_device, rank_backend
+from zerotron.serve.edge import ServerOptions, default_name
 from zerotron.serve.generate import check_split
 from zerotron.serve.linears import onednn_kernels
 
@@ -38,11 +40,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
     """The engine's settings from ``zerotron serve``'s flags: each default chosen for this machine and
     device, the whole checked once by :class:`EngineConfig` (one line naming the flag)."""
     memory = args.kv_cache_memory  # GiB, as bytes below: a number first
-    for flag, ok in (
-        ("--nproc", nproc >= 1),
-        ("--port", 0 < args.port < 65536),
-        ("--kv-cache-memory", 0 < memory < float("inf")),
-    ):
+    for flag, ok in (("--nproc", nproc >= 1), ("--kv-cache-memory", 0 < memory < float("inf"))):
         if not ok:
             raise ConfigError(f"serve {flag}: out of range; see zerotron serve --help")
     device = check_device("serve", args.device, nproc)
@@ -84,6 +82,21 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         ) from None
 
 
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """The server's own settings from ``zerotron serve``'s flags (the API key also from
+    ``ZEROTRON_API_KEY``), checked."""
+    return ServerOptions(
+        name=args.served_model_name or default_name(args.model),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("ZEROTRON_API_KEY") or None,
+        protect_metrics=args.protect_metrics,
+        max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout_s=args.request_timeout,
+    )
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """``zerotron serve MODEL``: one process, or ``--nproc`` tensor-parallel ranks (the first serves
     HTTP and schedules, each holds its shard)."""
@@ -96,16 +109,16 @@ def serve_command(args: argparse.Namespace) -> int:
     nproc = 1 if args.nproc is None else args.nproc
     if adopt_slurm_env() or under_torchrun():  # every process of the job is a tensor-parallel rank
         nproc = job_rank_and_world()[1]
+    options = server_options(args)
     config = engine_config(args, nproc)
     if nproc == 1 and not under_torchrun():
-        run_server(args.model, args.host, args.port, args.served_model_name, config)
+        run_server(args.model, options, config)
         return 0
     check_split(args.model, nproc)  # every rank holds a tensor-parallel shard
-    name = args.served_model_name or args.model
     launch.spawn(
         serve_worker,
         nproc,
-        args=(args.model, name, args.host, args.port, config),
+        args=(args.model, options, config),
         backend=rank_backend(config.device or "cpu"),
     )
     return 0

@@ -52,6 +52,7 @@ class RequestOutput:
     arrival: float = 0.0  # perf_counter times: request added, first and latest token
     first_token: Optional[float] = None
     last_token: Optional[float] = None
+    error: Optional[str] = None  # the request failed alone (its other fields as far as it got)
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self.eos = set(getattr(tokenizer, "stop_ids", None) or [])
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0, "failed": 0}
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -119,6 +120,15 @@ class Engine:
             params.validate()
         except ValueError as err:
             raise RequestError(str(err)) from None
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise RequestError(f"stop_token_ids must lie in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > room:  # vLLM's answer, word for word
+            raise RequestError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. This model's "
+                f"maximum context length is {self.max_model_len} tokens and your request has "
+                f"{len(prompt_ids)} input tokens ({params.max_tokens} > {self.max_model_len} - {len(prompt_ids)})."
+            )
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a client went away) and free its blocks; unknown ids are ignored."""
@@ -152,15 +162,37 @@ class Engine:
         greedy = any(seq.params.temperature == 0.0 for seq in sampled)
         # in one call; max's index is argmax's (the first largest), at a third of its time on the CPU
         best = logits.max(-1).indices.tolist() if greedy else [None] * len(sampled)
+        failed: list[RequestOutput] = []
         for row, seq in enumerate(sampled):
-            request = self.requests[seq.request_id]
-            family = [seq]
-            if not seq.output_ids and seq.index == 0 and request.params.n > 1 and len(request.seqs) == 1:
-                family += self._fork(request, seq)
-            for member in family:
-                self._append(request, member, logits[row], best[row])
-            touched[request.request_id] = request
-        return [self._output(r) for r in touched.values()]
+            request = self.requests.get(seq.request_id)
+            if request is None:  # it failed on an earlier row of this step
+                continue
+            try:
+                family = [seq]
+                if not seq.output_ids and seq.index == 0 and request.params.n > 1 and len(request.seqs) == 1:
+                    family += self._fork(request, seq)
+                for member in family:
+                    self._append(request, member, logits[row], best[row])
+                touched[request.request_id] = request
+            except Exception as err:  # noqa: BLE001 - a request that cannot go on fails alone
+                touched.pop(request.request_id, None)
+                failed.append(self._fail(request, err))
+        return [self._output(r) for r in touched.values()] + failed
+
+    def _fail(self, request: Request, err: Exception) -> RequestOutput:
+        """End ``request`` with an error (its blocks freed); the others in the step go on."""
+        self.abort(request.request_id)
+        self.stats["failed"] += 1
+        completion = sum(len(s.output_ids) for s in request.seqs)
+        return RequestOutput(
+            request.request_id,
+            [],
+            True,
+            len(request.prompt_ids),
+            completion,
+            request.arrival,
+            error=f"{type(err).__name__}: {err}",
+        )
 
     def _fork(self, request: Request, seq: Sequence) -> list[Sequence]:
         """The other n - 1 parallel samples of a prompt whose prefill just ended, sharing its blocks."""

@@ -155,6 +155,11 @@ class EngineLoop:
                 self.recent.popleft()
             for out in outputs:
                 waiting = self.sinks.get(out.request_id)
+                if out.error is not None:  # this request failed alone; the others go on
+                    self.sinks.pop(out.request_id, None)
+                    if waiting is not None:
+                        waiting(RuntimeError(f"the request failed: {out.error}"))
+                    continue
                 if out.finished:
                     self.sinks.pop(out.request_id, None)
                     self._observe(out)
@@ -187,6 +192,7 @@ class EngineLoop:
             ("generation_tokens_total", "counter", "tokens generated", e.stats["generation_tokens"]),
             ("request_success_total", "counter", "requests finished", e.stats["finished"]),
             ("engine_errors_total", "counter", "engine steps that failed", self.errors),
+            ("request_failure_total", "counter", "requests that failed alone", e.stats["failed"]),
             ("generation_tokens_per_second", "gauge", "tokens generated per second (last 10 s)", rate),
         ]
         lines = []
@@ -194,13 +200,6 @@ class EngineLoop:
             lines += [f"# HELP zerotron_{name} {help_text}", f"# TYPE zerotron_{name} {kind}"]
             lines.append(f"zerotron_{name} {value}")
         return "\n".join([*lines, *self.ttft.render(), *self.tpot.render(), *self.step_time.render()]) + "\n"
-
-
-def error_body(
-    message: str, status: int, kind: str = "invalid_request_error", param: Any = None
-) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def new_id(prefix: str) -> str:
