@@ -226,6 +226,52 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: str, client: 
     assert ok.choices[0].text
 
 
+def test_smollm2_answers_in_json_and_refuses_tools_its_template_does_not_render(client: object) -> None:
+    """A real model under a grammar: json_object and a JSON schema (an object with an enum, a bounded
+    integer and a bounded string), greedy and sampled, each output valid (strict JSON, and the schema
+    by jsonschema); SmolLM2's template renders no tools, so a request with tools is a 400."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client  # type: ignore[assignment]
+    ask = [
+        {
+            "role": "user",
+            "content": "Describe Paris as a JSON object with a city, a country and a population.",
+        }
+    ]
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "continent": {"enum": ["Europe", "Asia", "Africa", "America", "Oceania"]},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
+        "required": ["city", "continent", "rank"],
+        "additionalProperties": False,
+    }
+    formats = [
+        ({"type": "json_object"}, None),
+        ({"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}, schema),
+    ]
+    for response_format, expected in formats:
+        for temperature, seed in ((0.0, None), (0.8, 1), (0.8, 2)):
+            answer = c.chat.completions.create(
+                model=NAME,
+                messages=ask,
+                response_format=response_format,
+                temperature=temperature,
+                seed=seed,
+                max_tokens=300,
+            )
+            assert answer.choices[0].finish_reason == "stop", answer
+            value = json.loads(answer.choices[0].message.content)
+            assert isinstance(value, dict)
+            if expected is not None:
+                jsonschema.validate(value, expected)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        c.chat.completions.create(model=NAME, messages=ask, tools=[tool])
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(server: str, client: object) -> None:
     body = {
         "model": NAME,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -43,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: Optional[int] = None
     logprobs: Optional[int] = None  # number of top alternatives per token (0: just the chosen one)
+    grammar: Any = None  # a compiled grammar the tokens must follow (zerotron.serve.structured)
 
     def validate(self) -> None:
         """Raise :class:`SamplingError` for a value no sampler accepts."""

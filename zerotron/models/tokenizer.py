@@ -15,7 +15,7 @@ from zerotron.models.hf import ModelLoadError
 
 
 def render_chat_template(
-    template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **extra: Any
+    template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any
 ) -> str:
     """Render a HF-style chat template in a sandbox, with HF's options and helper functions."""
     from jinja2.ext import loopcontrols
@@ -136,8 +136,14 @@ class Tokenizer:
         """Text of ``ids`` (invalid UTF-8 shown as U+FFFD)."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a list of ``{"role", "content"}`` messages."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Optional[list[Any]] = None,
+    ) -> str:
+        """The prompt text for a list of ``{"role", "content"}`` messages (and ``tools``, the OpenAI
+        function definitions, for a template that renders them, as Hugging Face passes them)."""
         if not self.chat_template:
             raise ValueError(
                 f"{type(self).__name__}: this tokenizer has no chat template; prompt without --chat"
@@ -148,7 +154,13 @@ class Tokenizer:
             add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            tools=tools,
         )
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (reads a ``tools`` variable)."""
+        return bool(self.chat_template) and "tools" in str(self.chat_template)
 
     @property
     def stop_ids(self) -> list[int]:

@@ -34,6 +34,7 @@ from zerotron.serve.engine import Engine, RequestError, RequestOutput
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
 from zerotron.serve.responses import Reply, collect, stream
 from zerotron.serve.server import EngineLoop, new_id, stream_outputs
+from zerotron.serve.tools import Tools
 
 Body = Union[CompletionRequest, ChatCompletionRequest]
 
@@ -56,16 +57,35 @@ class _Api:
         self.engine, self.loop, self.options = engine, loop_, options
         self.active = 0  # requests admitted and not yet ended (the event loop's thread alone counts)
 
-    def prepare(self, body: Body) -> tuple[list[int], SamplingParams]:
-        """Prompt ids and sampling parameters of ``body`` (templating and tokenising: run off the loop)."""
+    def prepare(self, body: Body) -> tuple[list[int], SamplingParams, Optional[Tools]]:
+        """Prompt ids, sampling parameters and tools of ``body`` (templating, tokenising and compiling a
+        grammar: run off the loop)."""
         name, tokenizer = self.options.name, self.engine.tokenizer
         if body.model != name:
             raise NotSupported(f"model {body.model!r} is not served here; this server serves {name!r}")
         params = body.sampling()
+        tools = body.tool_spec() if isinstance(body, ChatCompletionRequest) else None
+        structure, forced = body.structure(), tools.structure() if tools is not None else None
+        if structure is not None and forced is not None:
+            raise NotSupported("a forced tool call (tool_choice) and a response format exclude each other")
+        if (structure or forced) is not None:
+            try:
+                params.grammar = self.engine.grammars().compile(structure or forced)
+            except ImportError as err:
+                raise NotSupported(
+                    f"structured output needs xgrammar ({err}): pip install 'zerotron[serve]'"
+                ) from None
         if isinstance(body, ChatCompletionRequest):
             if tokenizer is None:
                 raise NotSupported("this model has no tokenizer: use /v1/completions with token ids")
-            text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True)
+            if tools is not None and not tokenizer.renders_tools:
+                raise NotSupported(
+                    "this model's chat template does not render tools: send the request without tools"
+                )
+            rendered = tools.for_template() if tools is not None else None
+            text = tokenizer.apply_chat_template(
+                body.conversation(), add_generation_prompt=True, tools=rendered
+            )
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             prompt = body.single_prompt()
@@ -76,12 +96,12 @@ class _Api:
             else:
                 prompt_ids = list(prompt)
         self.engine.check(prompt_ids, params)
-        return prompt_ids, params
+        return prompt_ids, params, tools
 
     async def respond(self, request: Request, kind: type[Body]) -> Any:
         try:
             body = await parse(kind, await request.body())
-            prompt_ids, params = await asyncio.to_thread(self.prepare, body)
+            prompt_ids, params, tools = await asyncio.to_thread(self.prepare, body)
         except BadRequest as err:
             return _bad(str(err), err.status, err.param)
         except (NotSupported, RequestError, ValueError) as err:
@@ -103,6 +123,7 @@ class _Api:
             abort=lambda: self.loop.abort(rid),
             deadline=asyncio.get_running_loop().time() + timeout if timeout > 0 else None,
             done=lambda out: self._ended(request, rid, out),
+            tools=tools,
         )
         if body.stream:
             return StreamingResponse(stream(reply, body.include_usage), media_type="text/event-stream")

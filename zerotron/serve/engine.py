@@ -9,6 +9,7 @@ from one thread (:mod:`zerotron.serve.server`).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -88,6 +89,8 @@ class Engine:
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
         )
         self.requests: dict[str, Request] = {}
+        self._grammars: Any = None
+        self._grammars_lock = threading.Lock()
         self.eos = set(getattr(tokenizer, "stop_ids", None) or [])
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0, "failed": 0}
 
@@ -99,10 +102,20 @@ class Engine:
         self.check(prompt_ids, params)
         request = Request(request_id, list(prompt_ids), params)
         seq = Sequence(request_id, 0, request.prompt_ids, params, params.generator(0))
+        seq.matcher = self.grammars().matcher(params.grammar) if params.grammar is not None else None
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
+
+    def grammars(self) -> Any:
+        """The structured-output grammars of this model's vocabulary (made on first use)."""
+        with self._grammars_lock:  # the request threads of the server may ask at once
+            if self._grammars is None:
+                from zerotron.serve.structured import Grammars
+
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise :class:`RequestError` for a request this engine cannot run (safe from any thread)."""
@@ -199,6 +212,8 @@ class Engine:
         children = []
         for index in range(1, request.params.n):
             child = Sequence(seq.request_id, index, seq.prompt_ids, seq.params, seq.params.generator(index))
+            if seq.params.grammar is not None:
+                child.matcher = self.grammars().matcher(seq.params.grammar)
             self.scheduler.fork(seq, child)
             request.seqs.append(child)
             children.append(child)
@@ -207,7 +222,11 @@ class Engine:
     def _append(self, request: Request, seq: Sequence, logits: torch.Tensor, argmax: Optional[int]) -> None:
         """Sample the sequence's next token; decode; finish it on EOS, a stop, or its length."""
         params = seq.params
-        choice = sample(logits, params, seq.prompt_ids, seq.output_ids, seq.generator, argmax)
+        if seq.matcher is not None:  # structured output: this row's disallowed tokens at -inf
+            choice = sample(seq.matcher.mask(logits), params, seq.prompt_ids, seq.output_ids, seq.generator)
+            seq.matcher.accept(choice.token)
+        else:
+            choice = sample(logits, params, seq.prompt_ids, seq.output_ids, seq.generator, argmax)
         seq.output_ids.append(choice.token)
         seq.choices.append(choice)
         now = time.perf_counter()
@@ -216,6 +235,8 @@ class Engine:
         self.stats["generation_tokens"] += 1
         reason = None
         if choice.token in params.stop_token_ids or (choice.token in self.eos and not params.ignore_eos):
+            reason = "stop"
+        if seq.matcher is not None and seq.matcher.done:
             reason = "stop"
         if self.tokenizer is not None:  # an engine without tokenizer works in token ids only
             seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)

@@ -1,18 +1,24 @@
 """The OpenAI request bodies ``zerotron serve`` accepts, and their translation to sampling parameters.
 
 Unknown fields are refused (400 naming the field), as are OpenAI features the engine does not have
-(``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, tools, structured output): a
-request is never accepted and partly ignored. vLLM's extra sampling fields (``top_k``, ``min_p``,
+(``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``): a request is never accepted
+and partly ignored. Structured output (``response_format``, vLLM's ``guided_*``) is compiled by
+:mod:`zerotron.serve.structured`. vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``) are accepted as vLLM accepts them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from zerotron.components.sampling import SamplingParams
+from zerotron.serve.structured import Structure, structure_of
+from zerotron.serve.tools import Tools, tools_of
+
+_STRUCTURE_FIELDS = {"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 
 
 class NotSupported(ValueError):
@@ -40,6 +46,15 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's structured-output extras (one at most; chat also takes response_format)
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def structure(self) -> Optional[Structure]:
+        """The structure the output must follow (None: free text)."""
+        return structure_of(self.model_dump(include=_STRUCTURE_FIELDS))
 
     def _common(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         if self.logit_bias:
@@ -101,9 +116,34 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it: a call's JSON arguments as an object (vLLM's way)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        raise NotSupported(
+                            f"tool_calls: the arguments of {fn.get('name')!r} are not JSON"
+                        ) from None
+                calls.append({**call, "function": fn})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -130,19 +170,16 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
 
+    def tool_spec(self) -> Optional[Tools]:
+        """The request's tools and tool choice (None: none asked, or tool_choice none)."""
+        return tools_of(self.tools, self.tool_choice)
+
     def sampling(self) -> SamplingParams:
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise NotSupported("tools are not supported by zerotron serve; remove tools/tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise NotSupported("response_format: only {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise NotSupported("top_logprobs needs logprobs: true")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._common(limit, logprobs)
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.as_template_message() for m in self.messages]

@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse
 from zerotron.serve.edge import error_body
 from zerotron.serve.engine import RequestOutput
 from zerotron.serve.server import logprobs_entry, sse
+from zerotron.serve.tools import CallStream, Tools
+from zerotron.serve.tools import parse as parse_calls
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Reply:
     abort: Callable[[], None]
     deadline: Optional[float] = None
     done: Callable[[Optional[RequestOutput]], None] = lambda _: None
+    tools: Optional[Tools] = None  # chat with tools: calls parsed out of the text
 
 
 def usage(out: Optional[RequestOutput]) -> dict[str, int]:
@@ -101,15 +104,16 @@ def _whole(
 ) -> dict[str, Any]:
     tok, n = reply.tokenizer, reply.n
     if reply.chat:
-        body: list[dict[str, Any]] = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": logprobs_entry(tok, choices[i], True),
-                "finish_reason": reasons[i],
-            }
-            for i in range(n)
-        ]
+        body: list[dict[str, Any]] = []
+        for i in range(n):
+            message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+            reason = reasons[i]
+            if reply.tools is not None:
+                message["content"], calls = parse_calls(texts[i])
+                if calls:
+                    message["tool_calls"], reason = calls, "tool_calls"
+            logprobs = logprobs_entry(tok, choices[i], True)
+            body.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return {**reply.head, "object": "chat.completion", "choices": body, "usage": usage(last)}
     body = [
         {
@@ -138,6 +142,7 @@ async def stream(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
             }
             yield sse({**head, "object": kind, "choices": [first]})
     iterator = reply.outputs.__aiter__()
+    calls = [CallStream() for _ in range(reply.n)] if reply.tools is not None else None
     try:
         while last is None or not last.finished:
             try:
@@ -145,19 +150,8 @@ async def stream(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
             except StopAsyncIteration:
                 break
             for o in last.outputs:
-                choice: dict[str, Any] = {
-                    "index": o.index,
-                    "logprobs": logprobs_entry(reply.tokenizer, o.choices, chat),
-                }
-                choice["finish_reason"] = o.finish_reason
-                if chat:
-                    choice["delta"] = {"content": o.text} if o.text else {}
-                else:
-                    choice["text"] = o.text
-                chunk: dict[str, Any] = {**head, "object": kind, "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
+                for chunk in _chunks(reply, o, calls, kind, include_usage):
+                    yield sse(chunk)
     except RuntimeError as err:
         yield sse(error_body(str(err), 500, "server_error"))
     except asyncio.TimeoutError:
@@ -170,3 +164,34 @@ async def stream(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     if include_usage:
         yield sse({**head, "object": kind, "choices": [], "usage": usage(last)})
     yield "data: [DONE]\n\n"
+
+
+def _chunks(
+    reply: Reply, o: Any, calls: Optional[list[CallStream]], kind: str, include_usage: bool
+) -> list[dict[str, Any]]:
+    """The chunks of one sequence's news in a step: its text (content, and under tools each completed
+    call as a tool-call delta), its finish reason."""
+    chat, head = reply.chat, reply.head
+    logprobs = logprobs_entry(reply.tokenizer, o.choices, chat)
+    if calls is None:
+        deltas: list[dict[str, Any]] = [{"content": o.text} if o.text else {}]
+    else:
+        stream_ = calls[o.index]
+        deltas = stream_.feed(o.text) + (stream_.finish() if o.finish_reason else [])
+        deltas = deltas or [{}]
+    reason = o.finish_reason
+    if calls is not None and reason is not None and calls[o.index].calls:
+        reason = "tool_calls"
+    out = []
+    for k, delta in enumerate(deltas):
+        choice: dict[str, Any] = {"index": o.index, "logprobs": logprobs if k == 0 else None}
+        choice["finish_reason"] = reason if k == len(deltas) - 1 else None
+        if chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = o.text
+        chunk: dict[str, Any] = {**head, "object": kind, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        out.append(chunk)
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -47,6 +47,7 @@ class Sequence:
     text: str = ""  # decoded output (stop strings cut)
     sent: int = 0  # characters of ``text`` already returned
     reported: int = 0  # output tokens already returned
+    matcher: Any = None  # structured output: the sequence's place in its grammar (serve.structured)
 
     @property
     def tokens(self) -> list[int]:
