@@ -150,7 +150,7 @@ def serve_zerotron(model_dir: str, port: int, args: argparse.Namespace) -> subpr
     ]
     cmd += [
         "--max-model-len",
-        "1024",
+        str(args.max_model_len),
         "--max-num-seqs",
         str(args.max_concurrency),
         "--dtype",
@@ -170,7 +170,7 @@ def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subproces
         "--port",
         str(port),
     ]
-    cmd += ["--served-model-name", "m", "--max-model-len", "1024", "--dtype", args.dtype]
+    cmd += ["--served-model-name", "m", "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
     cmd += ["--max-num-seqs", str(args.max_concurrency)]
     # Both cores for vLLM's compute, as zerotron serve has them (by default vLLM keeps one for its
     # front end and computes on the other).
@@ -240,6 +240,7 @@ def main() -> None:
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="both servers' weights and cache"
     )
+    p.add_argument("--max-model-len", type=int, default=1024, help="both servers' context length")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:

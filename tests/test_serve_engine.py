@@ -623,20 +623,33 @@ def test_wide_16_bit_linear_calls_give_each_row_the_chunks_bits() -> None:
         assert not torch.equal(_pointwise(x[:m], handle, None), want[:m]), m
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 24)])
+_ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 24)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "dim", "tiles"),
+    [
+        (dt, *shape, False)
+        for dt in (torch.float32, torch.bfloat16, torch.float16)
+        for shape in _ATTENTION_SHAPES
+    ]
+    + [(torch.bfloat16, *shape, True) for shape in _ATTENTION_SHAPES[:3]],
+)
 def test_native_paged_attention_is_attention_over_each_rows_slots(
-    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, tiles: bool
 ) -> None:
     """The native paged-attention kernel against softmax(q k^T / sqrt(d)) v in float64 over each row's
     own keys (keys scattered over the pool in blocks, rows of different lengths, slot lists wider than
     the lengths; decodes, each on its own slot list, beside a prompt's rows, positions 1 to 40 of one
     list): within float32's rounding, or the output dtype's; each row the same bits alone as in the
     batch. Covers the AVX-512 code (head size 64 and 128, up to 8 query heads per KV head, rows in
-    blocks) and the generic one (head size 24, 12 query heads per KV head, float16)."""
+    blocks), the generic one (head size 24, 12 query heads per KV head, float16) and, where the CPU has
+    AMX, the tile code (bf16, head size 64 and 128: scores and weighted sums as tile products)."""
     from zerotron.serve import kernels
 
     _native_or_skip()
+    if tiles and not kernels.tiles_available():
+        pytest.skip(f"the tile attention needs AMX: {kernels.why_no_tiles()}")
     g = torch.Generator().manual_seed(heads * dim)
     slots_total, lists, width, bs = 200 * 16, 7, 96, 16
     k_pool = torch.randn(slots_total, kv_heads, dim, generator=g).to(dtype)
@@ -647,7 +660,7 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
     lens = torch.cat([torch.tensor([1, 2, 17, 40, 96]), torch.arange(1, 41), torch.tensor([64])])
     rows = len(seq)
     q = (torch.randn(rows, heads, dim, generator=g) * 2).to(dtype)
-    out = kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq)
+    out = kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq, tiles=tiles)
     assert out.shape == q.shape and out.dtype == dtype
     for r in range(rows):
         n, group, own = int(lens[r]), heads // kv_heads, slots[seq[r]]
@@ -657,10 +670,12 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
         want = torch.einsum("hn,nhd->hd", weights, v)
         tol = 2e-6 if dtype == torch.float32 else (1.6e-2 if dtype == torch.bfloat16 else 2e-3)
         torch.testing.assert_close(out[r].double(), want, rtol=tol, atol=tol)
-        alone = kernels.paged_attention(q[r : r + 1], k_pool, v_pool, own[None].contiguous(), lens[r : r + 1])
+        alone = kernels.paged_attention(
+            q[r : r + 1], k_pool, v_pool, own[None].contiguous(), lens[r : r + 1], tiles=tiles
+        )
         assert torch.equal(alone[0], out[r])
     with pytest.raises(RuntimeError, match="sequence outside"):
-        kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1)
+        kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1, tiles=tiles)
 
 
 def _each_row_alone(

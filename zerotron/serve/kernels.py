@@ -5,7 +5,12 @@ sequence's keys and values up to its own position, where they lie in the paged p
 sequence's slot list: no gathered copy of the keys and values, no mask. A row's numbers depend on its
 own query, keys and values only (each row's keys visited in order, fp32 throughout; consecutive rows of
 a prompt share each key's load, not its arithmetic), so a row gives the same bits in any batch, in any
-chunk of its prompt, and as a decode or a prompt row.
+chunk of its prompt, and as a decode or a prompt row. On CPUs with AMX, bf16 rows with heads of 64 or
+128 attend on tiles (``csrc/attention_tiles.cpp``): per block of rows and KV head the scores are one
+tile product Q K^T, each row's softmax runs over its own keys in fp32 with the probabilities rounded
+to bf16 (as flash attention rounds them), and P V is a tile product summed in key order from key 0,
+each element still one row's own arithmetic: the same invariances at about 0.4x the AVX-512 kernel's
+time on a 2048-token prompt.
 
 :func:`tile_linear` is a bf16 linear layer on AMX tiles (x86 CPUs with AMX): the weight packed once
 into tile blocks (:func:`pack_tiles`), each output its row times its column summed in fp32 over 32-deep
@@ -37,6 +42,7 @@ cache); where no C++ compiler is found, or with ``ZEROTRON_NATIVE_KERNELS=0``, t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -141,15 +147,31 @@ def paged_attention(
     slots: torch.Tensor,
     lens: torch.Tensor,
     seq: Optional[torch.Tensor] = None,
+    tiles: Optional[bool] = None,
 ) -> torch.Tensor:
     """Attention of query rows to their sequences' keys: q (rows, heads, d); k/v pools (slots, kv_heads,
     d); ``slots`` (sequences, width) each sequence's key slots in position order; ``seq`` (rows,) each
     row's sequence (default: row r reads slot list r); ``lens`` (rows,) how many of its sequence's keys
-    a row attends (its position + 1). Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d)."""
+    a row attends (its position + 1). Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d).
+
+    ``tiles`` (default: where :func:`tiles_available`): bf16 rows with heads of 64 or 128 on AMX tiles,
+    the scores and the weighted sums as tile products (the probabilities rounded to bf16, as flash
+    attention rounds them); otherwise on AVX-512 (fp32 arithmetic) or the generic loop. Either way a
+    row's numbers are its own: the same alone, beside other rows, as a prompt row or as a decode."""
     if seq is None:
         seq = torch.arange(q.shape[0])
-    out: torch.Tensor = _built().paged_attention(q, k_pool, v_pool, slots, seq, lens, q.shape[-1] ** -0.5)
+    if tiles is None:
+        tiles = q.dtype == torch.bfloat16 and _tiles_here()
+    elif tiles and not _tiles_here():  # the check also asks the kernel for the tile registers
+        raise RuntimeError(f"no AMX tiles: {why_no_tiles()}")
+    scale = q.shape[-1] ** -0.5
+    out: torch.Tensor = _built().paged_attention(q, k_pool, v_pool, slots, seq, lens, scale, tiles)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _tiles_here() -> bool:
+    return tiles_available()
 
 
 def _why_no_kernel(built: str, cpu: Callable[[Any], bool], code: str, instructions: str) -> Optional[str]:

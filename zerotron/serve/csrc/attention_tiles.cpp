@@ -1,0 +1,256 @@
+// ---- bf16 paged attention on AMX tiles -------------------------------------------------------------
+// The rows in the blocks of the AVX-512 kernel (consecutive rows of one slot list, at most kBlock),
+// per block and KV head a matrix problem: the block's query rows of the heads that share the KV head
+// (M = rows x group) times the keys, S = Q K^T, in 16-key tiles; each row's softmax over its own
+// keys (fp32, the probabilities rounded once to bf16); O = P V in 32-key tiles summed in key order
+// from key 0. An element of S is one query row times one key (TDPBF16PS over the head's dims in
+// order), an element of O one row of P times one column of V: a row's numbers depend on its own
+// query, keys and values alone, never on the block it is in, the other rows, or how a prompt is cut
+// into chunks, and a decode is computed as a prompt row is (positions past a row's keys enter O as
+// zero probabilities times finite values, or zeros past the sequence's end).
+#if defined(ZT_TILES) && defined(__AVX512F__)
+#define ZT_TILE_ATTENTION 1
+// A 16 x 16 matrix of 32-bit elements, row i in r[i], transposed in place (r[i] becomes column i).
+ZT_TILE_TARGET inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Keys j0 .. j0 + 15 of KV head kh as B tiles of S = Q K^T, one per 32 dims (pairs of dims down, the
+// 16 keys across): out[h * 256 + k * 16 + c] = dims (32h + 2k, 32h + 2k + 1) of key j0 + c; zeros for
+// keys at or past n.
+ZT_TILE_TARGET inline void pack_keys(const uint16_t* kp, const int64_t* slot, int64_t j0, int64_t n,
+                                     int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
+  for (int64_t h = 0; h < dim / 32; ++h) {
+    __m512i r[16];
+    for (int64_t c = 0; c < 16; ++c)
+      r[c] = j0 + c < n ? _mm512_loadu_si512(kp + (slot[j0 + c] * kv_heads + kh) * dim + 32 * h) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int k = 0; k < 16; ++k) _mm512_storeu_si512(out + h * 256 + k * 16, r[k]);
+  }
+}
+
+// Values j0 .. j0 + 31 of KV head kh as B tiles of O = P V, one per 16 dims (pairs of keys down, the
+// 16 dims across): out[t * 256 + k * 16 + d] = dim 16t + d of keys j0 + 2k (low half) and j0 + 2k + 1
+// (high half); zeros for keys at or past n.
+ZT_TILE_TARGET inline void pack_values(const uint16_t* vp, const int64_t* slot, int64_t j0, int64_t n,
+                                       int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
+  for (int64_t k = 0; k < 16; ++k) {
+    const int64_t a = j0 + 2 * k, b = a + 1;
+    const uint16_t* va = a < n ? vp + (slot[a] * kv_heads + kh) * dim : nullptr;
+    const uint16_t* vb = b < n ? vp + (slot[b] * kv_heads + kh) * dim : nullptr;
+    for (int64_t t = 0; t < dim / 16; ++t) {
+      const __m512i lo = va ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 16 * t)))
+                            : _mm512_setzero_si512();
+      const __m512i hi = vb ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + 16 * t)))
+                            : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + t * 256 + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// 2^t for t <= 0 on 16 lanes: t = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor
+// polynomial of degree 5 (relative error under 2e-6, far below the bf16 rounding that follows), times
+// 2^n by scalef (0 far below).
+ZT_TILE_TARGET inline __m512 exp2_neg16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3333558e-3f), f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's softmax: its first len scores -> probabilities exp(scale (s - max)) rounded to bf16 in p
+// (zeros from len to width); the sum of the unrounded ones (16 running sums over j % 16, then added
+// as _mm512_reduce_add_ps adds) returned.
+ZT_TILE_TARGET inline float softmax_row(const float* s, int64_t len, float scale, uint16_t* p, int64_t width) {
+  const int64_t full = len / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1u);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + full));
+  const float c = scale * 1.44269504088896341f;  // exp(scale x) = 2^(c x)
+  const __m512 mul = _mm512_set1_ps(c), off = _mm512_set1_ps(-_mm512_reduce_max_ps(top) * c);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), mul, off));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_neg16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, s + full), mul, off)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + full), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  for (int64_t j = full + (tail ? 16 : 0); j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm256_setzero_si256());
+  return _mm512_reduce_add_ps(sum);
+}
+
+// A thread's buffers for one block and KV head: the query rows (M rounded up to 16, zeros past M),
+// the block's key tiles, the scores, the probabilities, the block's value tiles, a tile row of O.
+struct TileAttention {
+  std::vector<uint16_t> q, p;
+  std::vector<uint32_t> keys, values;
+  std::vector<float> s, o, total;
+};
+
+// S = Q K^T for the block's query rows (mp of them, a multiple of 16) against keys 0 .. width (a
+// multiple of 64; keys from n on are zeros) in 16-key tiles, four at a time (four independent tile
+// sums in flight): s (mp, width).
+ZT_TILE_TARGET inline void tile_scores(TileAttention& b, int64_t dim, int64_t mp, int64_t width, int64_t ls) {
+  const int64_t halves = dim / 32;
+  for (int64_t m0 = 0; m0 < mp; m0 += 16) {
+    for (int64_t j0 = 0; j0 < width; j0 += 64) {
+      const uint32_t* k = b.keys.data() + j0 / 16 * halves * 256;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t h = 0; h < halves; ++h) {
+        _tile_loadd(4, b.q.data() + m0 * dim + 32 * h, dim * 2);
+        _tile_loadd(5, k + h * 256, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, k + (halves + h) * 256, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, k + (2 * halves + h) * 256, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, k + (3 * halves + h) * 256, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      char* s = reinterpret_cast<char*>(b.s.data() + m0 * ls + j0);
+      _tile_stored(0, s, ls * 4);
+      _tile_stored(1, s + 64, ls * 4);
+      _tile_stored(2, s + 128, ls * 4);
+      _tile_stored(3, s + 192, ls * 4);
+    }
+  }
+}
+
+// O = P V for query rows m0 .. m0 + 15, dims 16 t0 .. 16 t0 + 63, over keys 0 .. n32 in 32-key
+// chunks (key order): into b.o (16, dim).
+ZT_TILE_TARGET inline void tile_values(TileAttention& b, int64_t m0, int64_t t0, int64_t dim, int64_t n32,
+                                       int64_t lp) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint32_t* v = b.values.data();
+  for (int64_t c = 0; c < n32 / 32; ++c) {
+    _tile_loadd(4, b.p.data() + m0 * lp + 32 * c, lp * 2);
+    const uint32_t* vc = v + (c * (dim / 16) + t0) * 256;
+    _tile_loadd(5, vc, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, vc + 256, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, vc + 512, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, vc + 768, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  char* o = reinterpret_cast<char*>(b.o.data() + 16 * t0);
+  _tile_stored(0, o, dim * 4);
+  _tile_stored(1, o + 64, dim * 4);
+  _tile_stored(2, o + 128, dim * 4);
+  _tile_stored(3, o + 192, dim * 4);
+}
+
+// What every block of one call shares: the queries, the pools, the output, the shapes.
+struct AttentionProblem {
+  const uint16_t *q, *kp, *vp;
+  uint16_t* out;
+  int64_t heads, kv_heads, dim;
+  float scale;
+};
+
+// One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, written to the output.
+ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* slot, const int64_t* len,
+                                    int64_t r0, int64_t nr, int64_t kh) {
+  const uint16_t *q = pr.q, *kp = pr.kp, *vp = pr.vp;
+  uint16_t* out = pr.out;
+  const int64_t heads = pr.heads, kv_heads = pr.kv_heads, dim = pr.dim;
+  const float scale = pr.scale;
+  const int64_t group = heads / kv_heads, m = nr * group, mp = (m + 15) / 16 * 16;
+  int64_t n = 0;
+  for (int64_t w = 0; w < nr; ++w) n = std::max(n, len[w]);
+  const int64_t n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+  b.q.assign(mp * dim, 0);
+  for (int64_t i = 0; i < m; ++i)
+    std::memcpy(b.q.data() + i * dim, q + ((r0 + i / group) * heads + kh * group + i % group) * dim, dim * 2);
+  b.keys.resize(n64 / 16 * (dim / 32) * 256);
+  for (int64_t j0 = 0; j0 < n64; j0 += 16)
+    pack_keys(kp, slot, j0, n, kv_heads, kh, dim, b.keys.data() + j0 / 16 * (dim / 32) * 256);
+  const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
+  b.s.resize(mp * ls);
+  tile_scores(b, dim, mp, n64, ls);
+  b.p.assign(mp * lp, 0);
+  b.total.resize(mp);
+  for (int64_t i = 0; i < m; ++i)
+    b.total[i] = softmax_row(b.s.data() + i * ls, len[i / group], scale, b.p.data() + i * lp, n32);
+  b.values.resize(n32 / 32 * (dim / 16) * 256);
+  for (int64_t j0 = 0; j0 < n32; j0 += 32)
+    pack_values(vp, slot, j0, n, kv_heads, kh, dim, b.values.data() + j0 / 32 * (dim / 16) * 256);
+  b.o.resize(16 * dim);
+  for (int64_t m0 = 0; m0 < mp; m0 += 16) {
+    for (int64_t t0 = 0; t0 < dim / 16; t0 += 4) tile_values(b, m0, t0, dim, n32, lp);
+    for (int64_t i = m0; i < std::min(m, m0 + 16); ++i) {
+      uint16_t* o = out + ((r0 + i / group) * heads + kh * group + i % group) * dim;
+      const __m512 inv = _mm512_set1_ps(1.0f / b.total[i]);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(b.o.data() + (i - m0) * dim + d), inv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(x));
+      }
+    }
+  }
+}
+
+// The blocks of attend_avx512, dealt to the threads by their work the same way, on tiles.
+ZT_TILE_TARGET void attend_tiles(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp,
+                                 const int64_t* slots, const int64_t* seq, const int64_t* lens, c10::BFloat16* out,
+                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
+                                 float scale) {
+  const std::vector<int64_t> start = row_blocks(seq, rows);
+  const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
+  const AttentionProblem pr{reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(kp),
+                       reinterpret_cast<const uint16_t*>(vp), reinterpret_cast<uint16_t*>(out), heads, kv_heads,
+                       dim, scale};
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) {
+      cfg.rows[i] = 16;
+      cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    TileAttention b;
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t blk : share[t]) {
+        const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
+        for (int64_t kh = 0; kh < kv_heads; ++kh)
+          tile_block_head(b, pr, slots + seq[r0] * width, lens + r0, r0, nr, kh);
+      }
+    _tile_release();
+  });
+}
+#endif
