@@ -37,8 +37,9 @@ FLAGS = {
 
 
 def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
-    """The engine's settings from ``zerotron serve``'s flags: each default chosen for this machine and
-    device, the whole checked once by :class:`EngineConfig` (one line naming the flag)."""
+    """The engine's settings from ``zerotron serve``'s flags, checked by :class:`EngineConfig` (one line
+    naming the flag): the flags as given first, so that a bad one is refused before any kernel is built
+    to probe this machine, then with each default chosen for this machine and device."""
     memory = args.kv_cache_memory  # GiB, as bytes below: a number first
     for flag, ok in (("--nproc", nproc >= 1), ("--kv-cache-memory", 0 < memory < float("inf"))):
         if not ok:
@@ -49,33 +50,40 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
             "serve --attention triton: the Triton kernel runs on a CUDA device (--device cuda); on the CPU "
             "use native or sdpa, or leave --attention out"
         )
-    kinds = {
+    explicit = {
         "onednn": args.matmul == "onednn",
         "native_matmul": args.matmul == "native",
         "native_attention": args.attention == "native",
         "triton_attention": args.attention == "triton",
     }
+    fields = {
+        "block_size": args.block_size,
+        "kv_cache_bytes": int(memory * 2**30),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "prefix_caching": not args.no_prefix_caching,
+        "dtype": args.dtype,
+        "device": str(device),
+        "tp": nproc,
+    }
+    config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
+    chosen = dict(explicit)
     if device.type == "cpu" and args.matmul is None and nproc == 1:  # packed linears where they run
         dtype = getattr(torch, args.dtype)
-        kinds["native_matmul"] = kernels.why_no_native_matmul(dtype) is None
-        kinds["onednn"] = not kinds["native_matmul"] and onednn_kernels(dtype)
+        chosen["native_matmul"] = kernels.why_no_native_matmul(dtype) is None
+        chosen["onednn"] = not chosen["native_matmul"] and onednn_kernels(dtype)
     if args.attention is None:  # the paged kernel of the device where it builds, else SDPA
         on_cpu = device.type == "cpu"
-        kinds["native_attention"] = on_cpu and kernels.available()
-        kinds["triton_attention"] = not on_cpu and triton_attention.available()
+        chosen["native_attention"] = on_cpu and kernels.available()
+        chosen["triton_attention"] = not on_cpu and triton_attention.available()
+    return config if chosen == explicit else _checked(fields | chosen)
+
+
+def _checked(fields: dict[str, object]) -> EngineConfig:
+    """An :class:`EngineConfig` of these fields, its refusal reported under the flag's name."""
     try:
-        return EngineConfig(
-            block_size=args.block_size,
-            kv_cache_bytes=int(memory * 2**30),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            prefix_caching=not args.no_prefix_caching,
-            dtype=args.dtype,
-            device=str(device),
-            tp=nproc,
-            **kinds,
-        )
+        return EngineConfig(**fields)  # type: ignore[arg-type]
     except EngineConfigError as err:
         raise ConfigError(
             f"serve {FLAGS.get(err.key, err.key)}: {err.reason}; leave it out or change it"

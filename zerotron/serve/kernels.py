@@ -46,6 +46,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import threading
 from collections.abc import Callable
 from typing import Any, Optional
@@ -91,6 +92,10 @@ def _build() -> Optional[Any]:
         if _module is None and _error is None:
             if os.environ.get("ZEROTRON_NATIVE_KERNELS", "1") == "0":
                 _error = "turned off by ZEROTRON_NATIVE_KERNELS=0"
+                return None
+            compiler = os.environ.get("CXX") or "c++"  # what torch's extension loader runs
+            if shutil.which(compiler) is None:
+                _error = f"no C++ compiler found ({compiler!r} is not on the PATH; install g++ or set CXX)"
                 return None
             try:
                 from torch.utils.cpp_extension import load_inline
