@@ -29,3 +29,36 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_sessionstart(session: object) -> None:
+    """Build the serving engine's native kernels once, before the first test, outside every test's
+    timeout: the first build takes a minute or more, and a test that times out in the middle of it
+    would leave the build to the next test. The build runs in a child process; should it not finish in
+    ``ZEROTRON_TEST_BUILD_S`` seconds (default 1200), the session runs without the kernels
+    (ZEROTRON_NATIVE_KERNELS=0: the tests of the kernels skip, each saying why) rather than have every
+    test that needs them wait out its timeout. The outcome and its time are printed here."""
+    import signal
+    import subprocess
+    import time
+
+    if os.environ.get("ZEROTRON_NATIVE_KERNELS", "1") == "0":
+        return
+    code = "from zerotron.serve import kernels; print(kernels.why_unavailable() or 'built')"
+    start = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out = child.communicate(timeout=float(os.environ.get("ZEROTRON_TEST_BUILD_S", "1200")))[0].strip()
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # the compiler with it
+        child.communicate()
+        os.environ["ZEROTRON_NATIVE_KERNELS"] = "0"
+        out = "the build did not finish in time: the session runs without them"
+    last = out.splitlines()[-1] if out else f"exit code {child.returncode}"
+    print(f"\nzerotron native kernels: {last} ({time.perf_counter() - start:.0f} s)", flush=True)

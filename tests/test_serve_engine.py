@@ -678,6 +678,32 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
         kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1, tiles=tiles)
 
 
+def test_a_build_lock_left_by_a_killed_builder_is_not_waited_on() -> None:
+    """torch's extension build lock is a file; a builder killed mid-build leaves it, and torch waits on
+    it forever (loading a built module included). A new process must load the kernels anyway, and
+    remove the dead builder's lock."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from zerotron.serve import kernels
+
+    _native_or_skip()
+    name = f"{kernels._NAME}_{kernels._cpu_tag()}"
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    lock.touch()  # as a builder killed mid-build leaves it
+    code = "from zerotron.serve import kernels; print(kernels.available())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    finally:
+        left = lock.exists()
+        lock.unlink(missing_ok=True)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout + out.stderr
+    assert not left
+
+
 def _each_row_alone(
     linear: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,

@@ -86,6 +86,53 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
+_NAME = "zerotron_kernels_v19"
+_FUNCTIONS = [
+    "paged_attention",
+    "tiles_built",
+    "tile_linear",
+    "vec_built",
+    "vec_linear",
+    "dot_built",
+    "dot_cpu",
+    "dot_linear",
+    "rms_norm",
+    "silu_mul",
+    "rope_store",
+]
+
+
+def _load() -> Any:
+    """Build (or load from torch's extension cache) the module. torch's own build lock is a file that
+    a builder killed mid-build (a Ctrl-C during the first ``zerotron serve``, a test's timeout) leaves
+    behind, and every later build then waits on it forever; so builds here also take an advisory lock
+    (``flock``, which the system releases with its holder) and, holding it, remove a torch lock that
+    no live builder can own."""
+    from torch.utils import cpp_extension
+
+    name = f"{_NAME}_{_cpu_tag()}"
+    build_dir = cpp_extension._get_build_directory(name, verbose=False)
+    with open(os.path.join(build_dir, "zerotron.flock"), "w") as held:
+        try:
+            import fcntl
+
+            fcntl.flock(held, fcntl.LOCK_EX)  # waits on a live builder only
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+        except ImportError:  # no flock on this system: torch's lock alone
+            pass
+        return cpp_extension.load_inline(
+            name=name,
+            cpp_sources=[_SOURCE],
+            functions=_FUNCTIONS,
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
+            build_directory=build_dir,
+            verbose=False,
+        )
+
+
 def _build() -> Optional[Any]:
     global _module, _error
     with _lock:
@@ -98,28 +145,7 @@ def _build() -> Optional[Any]:
                 _error = f"no C++ compiler found ({compiler!r} is not on the PATH; install g++ or set CXX)"
                 return None
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name=f"zerotron_kernels_v18_{_cpu_tag()}",
-                    cpp_sources=[_SOURCE],
-                    functions=[
-                        "paged_attention",
-                        "tiles_built",
-                        "tile_linear",
-                        "vec_built",
-                        "vec_linear",
-                        "dot_built",
-                        "dot_cpu",
-                        "dot_linear",
-                        "rms_norm",
-                        "silu_mul",
-                        "rope_store",
-                    ],
-                    extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
-                    verbose=False,
-                )
+                _module = _load()
             except Exception as err:  # noqa: BLE001 - no compiler, no ninja: the SDPA path serves
                 _error = (
                     f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
