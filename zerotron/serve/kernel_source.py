@@ -7,7 +7,7 @@ order, byte for byte:
 - ``linear.cpp``: the linear layers' kernels (AMX tiles for bf16, AVX-512 for fp32, AVX512-BF16 for
   bf16), inside the namespace;
 - ``attention_tiles.cpp``: the paged attention of bf16 rows on AMX tiles (it uses the tile helpers of
-  ``linear.cpp`` and the blocks and exponentials of ``attention.cpp``);
+  ``linear.cpp`` and the row blocks and their dealing to threads of ``attention.cpp``);
 - ``layer.cpp``: the decoder layer's elementwise steps (RMSNorm, SiLU(gate)·up, RoPE and the cache
   store), the namespace's end, the attention entry point;
 - ``linear_entries.cpp``: the linear kernels' entry points;

@@ -193,6 +193,10 @@ def paged_attention(
         seq = torch.arange(q.shape[0])
     if tiles is None:
         tiles = q.dtype == torch.bfloat16 and _tiles_here()
+    elif tiles and not (q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)):
+        raise ValueError(
+            f"tiles=True: the tile attention takes bf16 heads of 64 or 128, not {q.dtype} of {q.shape[-1]}"
+        )
     elif tiles and not _tiles_here():  # the check also asks the kernel for the tile registers
         raise RuntimeError(f"no AMX tiles: {why_no_tiles()}")
     scale = q.shape[-1] ** -0.5

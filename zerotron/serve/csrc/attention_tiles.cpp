@@ -69,7 +69,8 @@ ZT_TILE_TARGET inline void pack_values(const uint16_t* vp, const int64_t* slot, 
 
 // 2^t for t <= 0 on 16 lanes: t = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor
 // polynomial of degree 5 (relative error under 2e-6, far below the bf16 rounding that follows), times
-// 2^n by scalef (0 far below).
+// 2^n by scalef (0 far below). Not attention.cpp's exp_neg16: its fp32 probabilities are kept, these
+// are rounded to bf16 at once, so one polynomial degree and the clamp less suffice.
 ZT_TILE_TARGET inline __m512 exp2_neg16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
