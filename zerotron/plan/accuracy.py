@@ -8,6 +8,7 @@ calibration set alone (``python -m zerotron.plan.accuracy --fit``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -16,13 +17,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from zerotron.layout import ParallelDims
-from zerotron.plan.hardware import PROFILES, Hardware
+from zerotron.plan.hardware import MEASURED, PROFILES, Hardware
 from zerotron.plan.layout import Layout, Workload, check
-from zerotron.plan.planner import plan_layout
+from zerotron.plan.planner import step_times
 from zerotron.plan.published import CALIBRATION, OUT_OF_MODEL, VALIDATION, PublishedRun
 from zerotron.shapes import ModelShape
 
 
+@functools.lru_cache(maxsize=None)
 def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:
     """The planner's inputs for a published run."""
     m = ModelShape(
@@ -46,6 +48,8 @@ def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:
         tp_comm_overlap=run.tp_comm_overlap,
         pp_schedule=run.schedule,
         virtual_stages=run.virtual_stages,
+        kernels=run.kernels,
+        pp_scatter_gather=run.pp_scatter_gather,
     )
     return m, layout, Workload(run.seq_len, run.global_batch, run.precision)
 
@@ -55,7 +59,8 @@ def predict(run: PublishedRun, hw: Hardware | None = None) -> float:
     hw = hw or PROFILES[run.hardware]
     m, layout, work = run_inputs(run)
     check(m, layout, work, hw, run.gpus)
-    return plan_layout(m, layout, work, hw, "mixed", flash=run.flash).step_time_s
+    # plan_layout's step time without its memory model (the fit calls this thousands of times)
+    return sum(step_times(m, layout, work, hw.per_rank(layout.world), "mixed", flash=run.flash).values())
 
 
 def errors(runs: Iterable[PublishedRun], profiles: dict[str, Hardware] | None = None) -> list[dict[str, Any]]:
@@ -115,13 +120,23 @@ def accuracy_report(profiles: dict[str, Hardware] | None = None) -> str:
 # -- fitting the shipped constants to the calibration set ------------------------------------------------
 
 FIT_GRID: dict[str, tuple[float, ...]] = {
-    "gemm_efficiency": tuple(round(0.50 + 0.02 * i, 2) for i in range(21)),
-    "gemm_knee": (0.0, 128.0, 256.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 3072.0, 4096.0),
-    "attention_efficiency": tuple(round(0.1 + 0.025 * i, 3) for i in range(17)),
+    "gemm_efficiency": tuple(round(0.50 + 0.02 * i, 2) for i in range(24)),
+    "gemm_knee": (0.0, 64.0, 128.0, 256.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 3072.0, 4096.0),
+    "attention_efficiency": tuple(round(0.1 + 0.025 * i, 3) for i in range(21)),
+    "overlap_contention": tuple(round(0.1 * i, 1) for i in range(11)),
+    "eager_elementwise": tuple(round(1.0 + 0.5 * i, 1) for i in range(13)),
+    "fp8_efficiency": tuple(round(0.40 + 0.01 * i, 2) for i in range(61)),
 }
+"""The values each fitted constant may take."""
 
-
-FP8_GRID: tuple[float, ...] = tuple(round(0.40 + 0.01 * i, 2) for i in range(61))
+_START: dict[str, float] = dict(
+    gemm_efficiency=0.7,
+    gemm_knee=512.0,
+    attention_efficiency=0.3,
+    overlap_contention=0.0,
+    eager_elementwise=1.0,
+    fp8_efficiency=0.6,
+)
 
 
 def _loss(hw: Hardware, runs: Sequence[PublishedRun]) -> float:
@@ -135,35 +150,43 @@ def _with(hw: Hardware, values: dict[str, float]) -> Hardware:
     return dataclasses.replace(hw, **values)  # type: ignore[arg-type]
 
 
-def fit_profiles(runs: Sequence[PublishedRun] = CALIBRATION) -> dict[str, dict[str, float]]:
-    """Per hardware kind in ``runs``: the constants of :data:`FIT_GRID` (and ``fp8_efficiency`` on
-    :data:`FP8_GRID` when the kind has FP8 runs) with the least :func:`_loss` over all that kind's runs.
+def free_constants(kind: str, runs: Sequence[PublishedRun]) -> list[str]:
+    """The constants a fit on ``runs`` of hardware ``kind`` chooses: those of :data:`FIT_GRID` that the
+    runs exercise (FP8 runs for ``fp8_efficiency``, ZeRO-3 runs for ``overlap_contention``, eager runs
+    for ``eager_elementwise``), less those the kind has from microbenchmarks
+    (:data:`~zerotron.plan.hardware.MEASURED`)."""
+    used = {
+        "fp8_efficiency": any(r.precision == "fp8" for r in runs),
+        "overlap_contention": any(r.zero == 3 for r in runs),
+        "eager_elementwise": any(r.kernels == "eager" for r in runs),
+    }
+    return [k for k in FIT_GRID if used.get(k, True) and k not in MEASURED.get(kind, {})]
 
-    For each (knee, attention efficiency) of the grid, ``gemm_efficiency`` is the best on the 16-bit
-    runs and ``fp8_efficiency`` the best on the FP8 runs given it; the point with the least loss over
-    every run wins (the attention core and the GEMM shapes are shared by both precisions).
+
+def fit_profiles(runs: Sequence[PublishedRun] = CALIBRATION) -> dict[str, dict[str, float]]:
+    """Per hardware kind in ``runs``: the values of its free constants (:func:`free_constants`), each
+    on its :data:`FIT_GRID`, with the least :func:`_loss` over all that kind's runs.
+
+    Coordinate descent from :data:`_START`: each constant in turn takes its best grid value with the
+    others held, until a full round changes nothing (a local minimum of the grid; the start and the
+    order are fixed, so the fit is reproducible). Constants a kind has from microbenchmarks are kept.
     """
     fitted: dict[str, dict[str, float]] = {}
     for kind in sorted({r.hardware for r in runs}):
         mine = [r for r in runs if r.hardware == kind]
-        wide = [r for r in mine if r.precision != "fp8"]
-        fp8 = [r for r in mine if r.precision == "fp8"]
-        best: tuple[float, dict[str, float]] | None = None
-        for knee, attention in itertools.product(FIT_GRID["gemm_knee"], FIT_GRID["attention_efficiency"]):
-            hw = _with(PROFILES[kind], {"gemm_knee": knee, "attention_efficiency": attention})
-            e = min(FIT_GRID["gemm_efficiency"], key=lambda v: _loss(_with(hw, {"gemm_efficiency": v}), wide))
-            values = {"gemm_efficiency": e, "gemm_knee": knee, "attention_efficiency": attention}
-            hw = _with(hw, {"gemm_efficiency": e})
-            if fp8:
-                values["fp8_efficiency"] = min(
-                    FP8_GRID, key=lambda v: _loss(_with(hw, {"fp8_efficiency": v}), fp8)
-                )
-                hw = _with(hw, {"fp8_efficiency": values["fp8_efficiency"]})
-            loss = _loss(hw, mine)
-            if best is None or loss < best[0]:
-                best = (loss, values)
-        assert best is not None
-        fitted[kind] = best[1]
+        free = free_constants(kind, mine)
+        values = {k: _START[k] for k in free}
+        hw = _with(PROFILES[kind], {**MEASURED.get(kind, {}), **values})
+        for _ in range(20):
+            changed = False
+            for key in free:
+                best = min(FIT_GRID[key], key=lambda v, key=key: _loss(_with(hw, {key: v}), mine))
+                if best != values[key]:
+                    values[key], changed = best, True
+                    hw = _with(hw, {key: best})
+            if not changed:
+                break
+        fitted[kind] = values
     return fitted
 
 

@@ -66,6 +66,15 @@ class Hardware:
     """Fraction of peak a fused (flash) attention kernel reaches on the unmasked half of causal scores."""
     comm_efficiency: float = 0.9
     """Fraction of link bandwidth a collective reaches (NCCL bus bandwidth / link bandwidth)."""
+    eager_elementwise: float = 5.0
+    """Time of an eager block's element-wise kernels (one kernel per operation: an RMSNorm in fp32 is six
+    of them, rotary embedding, casts, layout copies for attention) as a multiple of a fused block's
+    bytes at ``memory_bw``. Measured on an H100 (BENCHMARKS.md, "bf16 MFU of a ~1B Llama"): 133-144 ms
+    of such kernels per step against 25.6 ms modelled for the fused block: 5.2-5.6, taken as 5 (part of
+    that time is per-parameter traffic the model counts elsewhere)."""
+    overlap_contention: float = 0.0
+    """Fraction of a ZeRO-3 collective's time that lengthens the step even when compute could hide it:
+    the collective kernels take SMs and memory bandwidth from the kernels they run beside."""
     shared_host: bool = False
     """Ranks on a node share one host's peak FLOP/s and memory bandwidth (CPU processes): the profile
     gives the node's figures and each rank gets 1/(ranks on the node) of them."""
@@ -116,10 +125,23 @@ def _gpu(
 # :func:`zerotron.plan.accuracy.fit_profiles` (``python -m zerotron.plan.accuracy --fit``): A100 runs
 # (Narayanan Table 1, llm-foundry on one node) and H100 runs (llm-foundry on one node). H200 and H100
 # PCIe share the H100's chip; the other GPUs carry the A100 fit until calibrated (``--calibrate``).
-_A100_FIT: dict[str, float] = dict(gemm_efficiency=0.74, gemm_knee=768.0, attention_efficiency=0.25)
-_H100_FIT: dict[str, float] = dict(
-    gemm_efficiency=0.68, gemm_knee=4096.0, attention_efficiency=0.2, fp8_efficiency=0.91
+_A100_FIT: dict[str, float] = dict(
+    gemm_efficiency=0.72, gemm_knee=512.0, attention_efficiency=0.25, overlap_contention=0.0,
+    eager_elementwise=1.0,
 )
+_H100_FIT: dict[str, float] = dict(attention_efficiency=0.225, fp8_efficiency=0.65, overlap_contention=1.0)
+
+# Measured, not fitted: the H100 SXM's bf16 GEMM law e·g/(g + knee) from microbenchmarks. The maximum
+# achievable matmul FLOP/s is 792 TFLOP/s (80.1% of 989) at 6144x17920x2816 (Bekman, ml-engineering,
+# "Maximum Achievable Matmul FLOPS comparison table", CUDA 12.1), and 787-793 TFLOP/s for 8192^3 on the
+# H100 lent to this project (BENCHMARKS.md); the profile of an eager 1B Llama step on that card put its
+# GEMMs (8192-token micro-batches, g of 2,000-6,000) at ~80% of peak: 152 ms for 1.2e14 FLOPs. A fit of
+# end-to-end runs had put the knee at 4096 (GEMMs at 40-50%), absorbing the eager element-wise traffic
+# and the ZeRO-3 contention of its calibration runs (docs/planning.md, "What the H100 runs taught").
+MEASURED: dict[str, dict[str, float]] = {
+    "h100-sxm": dict(gemm_efficiency=0.82, gemm_knee=128.0, eager_elementwise=5.0)
+}
+_H100_FIT.update(MEASURED["h100-sxm"])
 
 # The ``cpu`` profile's collective constants and attention efficiency are measured by
 # benchmarks/cpu_profile.py on a 2-core machine: Gloo all-reduces of 0.5 and 8 MB through zerotron's
@@ -288,11 +310,14 @@ def _check(hw: Hardware, source: str) -> None:
         "attention_efficiency",
         "fp8_efficiency",
         "comm_efficiency",
+        "eager_elementwise",
     ):
         if not float(getattr(hw, key)) > 0:
             raise PlanError(f"{source}: {key} must be > 0")
     if hw.gpus_per_node < 1:
         raise PlanError(f"{source}: gpus_per_node must be >= 1")
+    if not 0 <= hw.overlap_contention <= 1:
+        raise PlanError(f"{source}: overlap_contention is a fraction (0 to 1)")
     if max(hw.gemm_efficiency, hw.attention_efficiency, hw.fp8_efficiency, hw.comm_efficiency) > 1:
         raise PlanError(
             f"{source}: gemm_efficiency, attention_efficiency, fp8_efficiency and comm_efficiency are fractions "

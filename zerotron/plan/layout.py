@@ -43,6 +43,8 @@ class Layout(shared.HoldsDims):
     reshard_after_forward: bool = (
         True  # ZeRO-3: free each unit after its forward (gathered again in backward)
     )
+    kernels: str = "fused"  # element-wise kernels: "fused" (Megatron, TE) or "eager" (one per operation)
+    pp_scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Megatron), or all of it
 
     def as_dict(self) -> dict[str, object]:
         """The layout as plain data: the degrees and the choices."""
@@ -110,6 +112,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         pp_layers=tuple(int(n) for n in getattr(p, "pp_layers", None) or ()) or None,
         grad_reduce_dtype=p.grad_reduce_dtype,
         reshard_after_forward=p.reshard_after_forward,
+        kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)
     )
     _check_model(cfg.model)
     return ModelShape.from_config(cfg.model), layout, Workload(t.seq_len, t.global_batch, t.precision)

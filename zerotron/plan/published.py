@@ -64,6 +64,8 @@ class PublishedRun:
     kv_heads: int = 0  # 0: as many as query heads
     gated: bool = False  # SwiGLU MLP (Llama)
     precision: str = "bf16"
+    kernels: str = "fused"  # element-wise kernels: fused (Megatron, NeMo) or eager (llm-foundry's MPT)
+    pp_scatter_gather: bool = True  # False: every tp rank sends a stage's whole output (DeepSpeed)
     published: float = 0.0
     unit: str = "step_s"  # step_s | tflops | tflops_selective | tokens_per_s
 
@@ -154,6 +156,7 @@ def _mpt(
         zero=3,
         recompute="full" if ckpt else "none",
         flash=True,
+        kernels="eager",
         published=tok_s,
         unit="tokens_per_s",
     )
@@ -246,13 +249,14 @@ VALIDATION: tuple[PublishedRun, ...] = (
     _megatron("gpt-175b full", _K, (96, 12288, 96), (8, 8, 64, 64), published=18.13),
     _megatron("gpt-530b full", _K, (128, 20480, 105), (8, 35, 280, 280), published=49.05),
     _megatron("gpt-1t full", _K, (160, 25600, 128), (8, 64, 512, 512), published=94.42),
-    # MT-NLG: DeepSpeed's pipeline (1F1B, no interleaving), ZeRO-1, batch 1920.
+    # MT-NLG: DeepSpeed's pipeline (1F1B, no interleaving, each tp rank sends the whole activation to
+    # the next stage: no scatter/gather), ZeRO-1, batch 1920.
     _megatron("mt-nlg-530b 2240 gpus", _MT, (128, 20480, 105), (8, 35, 2240, 1920), zero=1, schedule="1f1b",
-              virtual_stages=1, published=60.1),
+              virtual_stages=1, pp_scatter_gather=False, published=60.1),
     _megatron("mt-nlg-530b 2800 gpus", _MT, (128, 20480, 105), (8, 35, 2800, 1920), zero=1, schedule="1f1b",
-              virtual_stages=1, published=50.2),
+              virtual_stages=1, pp_scatter_gather=False, published=50.2),
     _megatron("mt-nlg-530b 3360 gpus", _MT, (128, 20480, 105), (8, 35, 3360, 1920), zero=1, schedule="1f1b",
-              virtual_stages=1, published=44.4),
+              virtual_stages=1, pp_scatter_gather=False, published=44.4),
     # llm-foundry: several nodes, or one node at longer sequences.
     _mpt("h100", "70b", 2048, 64, 8, 4, True, 66523),
     _mpt("h100", "70b", 2048, 32, 2, 16, True, 28242),

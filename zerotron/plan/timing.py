@@ -4,7 +4,8 @@
   ``peak × gemm_efficiency(shape)``, which rises with the geometric mean of the GEMM's dimensions
   (:func:`gemm_efficiency`); the attention core at the profile's ``attention_efficiency`` (fused,
   causal: half the scores) or as batched GEMMs (unfused); FP8 GEMMs at the FP8 peak and
-  ``fp8_efficiency``; element-wise kernels memory-bound. Recomputation repeats the forward.
+  ``fp8_efficiency``; element-wise kernels memory-bound, fused (Megatron, Transformer Engine) or eager
+  (one kernel per operation: the profile's ``eager_elementwise`` times the fused block's time). Recomputation repeats the forward.
 - A collective over n ranks moving S bytes costs ``α·steps + bus_bytes / (bw·comm_efficiency)`` with
   NCCL's bus convention (all-reduce 2S(n−1)/n, all-gather and reduce-scatter S(n−1)/n). Its link is the
   node's (``intra_bw``) when the group fits in a node, else the network: ``k × inter_bw`` for k group
@@ -12,8 +13,11 @@
 - Overlap: tensor-parallel collectives are exposed unless ``tp_comm_overlap`` (then only what the
   block's GEMMs cannot cover); data-parallel gradient reduction runs under the backward of the last
   micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter all-gathers are prefetched under each
-  micro-batch's compute; context-parallel K/V exchange under the attention core; pipeline sends are
+  micro-batch's compute, but still lengthen it by ``overlap_contention`` of their time (the collective
+  kernels take SMs and memory bandwidth from the compute they hide under); context-parallel K/V exchange under the attention core; pipeline sends are
   exposed. On a ``shared_host`` (CPU ranks) nothing overlaps: the same cores run both.
+- Pipeline sends: a stage's output, split over its tp ranks (Megatron's scatter/gather) unless
+  ``pp_scatter_gather`` is off (DeepSpeed's pipeline engine: every tp rank sends all of it).
 - Pipeline bubble: ``(p − 1)/m`` of the stage time for GPipe and 1F1B, ``(p − 1)/(v·m)`` interleaved,
   a third of 1F1B's for the zero-bubble schedule (ZB-H1).
 - Optimizer step: memory-bound on the device (reads and writes every state byte once), or the host's
@@ -179,31 +183,41 @@ def microbatch_compute(
     seconds = block * layers
     if head:
         seconds += 3.0 * _gemm_seconds(hw, work.precision, [(tokens, m.vocab / layout.tp, m.hidden, 1.0)])
-    mem_bytes = elementwise_bytes_per_token(m, layout, work, flash) * tokens * layers
+        # the loss's fp32 log-softmax over the logits, forward and backward
+        seconds += tokens * m.vocab / layout.tp * LOSS_BYTES_PER_LOGIT / hw.memory_bw
+    mem_bytes = elementwise_bytes_per_token(m, layout, work, flash, hw.eager_elementwise) * tokens * layers
     return seconds + mem_bytes / hw.memory_bw
 
 
 # Passes (reads + writes) over activation tensors per layer and token, forward + backward, of the
-# memory-bound kernels of a fused Megatron/zerotron block: two norms, two residual adds, dropout and
-# bias adds over h; the MLP activation over the FFN width; scale-mask-softmax and dropout over the
-# scores when attention is not fused (flash).
+# memory-bound kernels of a fused Megatron block: two norms, two residual adds, dropout and bias adds
+# over h; the MLP activation over the FFN width; scale-mask-softmax and dropout over the scores when
+# attention is not fused (flash).
 HIDDEN_PASSES = 40.0
+# Bytes per logit of the loss (the 16-bit logits cast to fp32, max, exponentials, sums, the softmax's
+# gradient, cast back): 22 ms for 8 x 2,048 x 128,256 logits on one H100 (BENCHMARKS.md, "bf16 MFU of a
+# ~1B Llama") at the data-sheet 3.35 TB/s is 35 bytes. Megatron's vocab-parallel cross entropy runs
+# the same fp32 operations one kernel each on a rank's vocab/tp slice, so the figure holds for both.
+LOSS_BYTES_PER_LOGIT = 35.0
 FFN_PASSES = 5.0
 SCORE_PASSES = 10.0
 
 
-def elementwise_bytes_per_token(m: ModelShape, layout: Layout, work: Workload, flash: bool = True) -> float:
+def elementwise_bytes_per_token(
+    m: ModelShape, layout: Layout, work: Workload, flash: bool = True, eager: float = 1.0
+) -> float:
     """Bytes of memory traffic per token and layer of the element-wise kernels on one rank.
 
     The h-sized tensors are replicated on every tensor-parallel rank unless sequence parallelism
-    splits them; full recomputation repeats the forward third.
+    splits them; full recomputation repeats the forward third; eager blocks (``layout.kernels``) take
+    the profile's ``eager_elementwise`` times the fused block's time.
     """
     a = _ACT_BYTES[work.precision]
     hidden = HIDDEN_PASSES * m.hidden / (layout.tp if layout.sequence_parallel else 1)
     ffn = FFN_PASSES * m.intermediate * (2 if m.gated else 1) * m.active_mlps / layout.tp
     scores = 0.0 if flash else SCORE_PASSES * m.heads / layout.tp * work.seq_len
     repeat = 4.0 / 3.0 if layout.recompute == "full" else 1.0
-    return (hidden + ffn + scores) * a * repeat
+    return (hidden + ffn + scores) * a * repeat * (eager if layout.kernels == "eager" else 1.0)
 
 
 def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
@@ -359,7 +373,7 @@ def pipeline_times(
     if layout.pp_schedule == "zb":
         bubble /= 3.0
     nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * _ACT_BYTES[work.precision]
-    if layout.sequence_parallel or layout.tp > 1:
+    if layout.tp > 1 and (layout.sequence_parallel or layout.pp_scatter_gather):
         nbytes /= layout.tp  # Megatron's scatter/gather: each tp rank sends its slice
     send = collective_time("send", nbytes, layout.pp, strides(layout)["pp"], hw)
     return {"pipeline_bubble": bubble, "pipeline_p2p": 2 * v * n_mb * send}
@@ -449,8 +463,9 @@ def _zero_times(
     per_layer = collective_time("all_gather", params / layers, n, stride, hw)
     gathers = (2 if layout.reshard_after_forward else 1) * layers * per_layer  # forward (and backward)
     per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)
-    exposed = n_mb * max(0.0, gathers + per_mb_reduce - _cover(hw, t_mb))
-    return {"dp_grad_reduce": 0.0, "dp_param_gather": exposed}
+    traffic = gathers + per_mb_reduce
+    exposed = max(traffic - _cover(hw, t_mb), hw.overlap_contention * traffic)
+    return {"dp_grad_reduce": 0.0, "dp_param_gather": n_mb * max(0.0, exposed)}
 
 
 def optimizer_time(
