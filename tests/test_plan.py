@@ -246,7 +246,15 @@ def test_user_profile_file(tmp_path: Path) -> None:
 def test_json_schema() -> None:
     plan = plan_config(_cfg("parallel.zero=1", "train.recompute=selective"), PROFILES["h100-sxm"], 8)
     out = json.loads(json.dumps(plan.to_json()))
-    assert set(out) == {"memory_bytes", "step_time_s", "tokens_per_s", "mfu", "breakdown"}
+    assert set(out) == {
+        "memory_bytes",
+        "step_time_s",
+        "step_time_range_s",
+        "step_time_range_basis",
+        "tokens_per_s",
+        "mfu",
+        "breakdown",
+    }
     assert set(out["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     parts = sum(v for k, v in out["memory_bytes"].items() if k != "total")
     assert out["memory_bytes"]["total"] == pytest.approx(parts)

@@ -70,12 +70,20 @@ def _run_all(
 
 def _prediction(cfg: Config, world: int, hardware: str, row: dict[str, Any]) -> dict[str, Any]:
     from zerotron.plan import PlanError, get_hardware, plan_config
+    from zerotron.plan.interval import step_range
 
     try:
-        plan = plan_config(cfg, get_hardware(hardware), world)
+        hw = get_hardware(hardware)
+        plan = plan_config(cfg, hw, world)
     except PlanError as e:
         return {"hardware": hardware, "error": str(e)}
-    predicted = {"hardware": hardware, "step_time_s": plan.step_time_s, "memory_bytes": plan.memory["total"]}
+    predicted = {
+        "hardware": hardware,
+        "step_time_s": plan.step_time_s,
+        "step_time_range": step_range(hw.name, plan.layout, plan.step_time_s),
+        "memory_bytes": plan.memory["total"],
+        "breakdown_s": dict(plan.time),
+    }
     if "step_s" in row:
         predicted["step_time_error"] = row["step_s"] / plan.step_time_s - 1.0
     return predicted

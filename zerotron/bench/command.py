@@ -30,8 +30,14 @@ def bench_command(args: argparse.Namespace) -> int:
             if "step_time_error" in plan
             else ""
         )
+        span = plan.get("step_time_range")
+        within = (
+            f", range {span['low_s']:.4f}-{span['high_s']:.4f} s from {span['basis']}"
+            if span
+            else ", no range (no published run on this chip)"
+        )
         print(
-            f"zerotron plan on {plan['hardware']}: {plan['step_time_s']:.4f} s per step, "
+            f"zerotron plan on {plan['hardware']}: {plan['step_time_s']:.4f} s per step{within}, "
             f"{plan['memory_bytes'] / 2**20:,.0f} MiB per rank{error}"
         )
     elif plan:

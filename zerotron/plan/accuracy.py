@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import statistics
 import sys
@@ -24,7 +23,7 @@ from zerotron.plan.published import CALIBRATION, OUT_OF_MODEL, VALIDATION, Publi
 from zerotron.shapes import ModelShape
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:
     """The planner's inputs for a published run."""
     m = ModelShape(
@@ -114,6 +113,12 @@ def accuracy_report(profiles: dict[str, Hardware] | None = None) -> str:
                 f"| {r['predicted_s']:.4g} | {100 * r['error']:+.1f}% |"
             )
         out.append("")
+        out.append("| source | runs | mean \\|error\\| | worst |")
+        out.append("|---|---:|---:|---:|")
+        for source in dict.fromkeys(r["source"] for r in rows):
+            by = summary([r for r in rows if r["source"] == source])
+            out.append(f"| {source} | {by['runs']} | {100 * by['mean']:.1f}% | {100 * by['worst']:.1f}% |")
+        out.append("")
     return "\n".join(out)
 
 
@@ -180,7 +185,8 @@ def fit_profiles(runs: Sequence[PublishedRun] = CALIBRATION) -> dict[str, dict[s
         for _ in range(20):
             changed = False
             for key in free:
-                best = min(FIT_GRID[key], key=lambda v, key=key: _loss(_with(hw, {key: v}), mine))
+                losses = {v: _loss(_with(hw, {key: v}), mine) for v in FIT_GRID[key]}
+                best = min(losses, key=losses.__getitem__)
                 if best != values[key]:
                     values[key], changed = best, True
                     hw = _with(hw, {key: best})

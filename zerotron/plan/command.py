@@ -15,6 +15,7 @@ from zerotron.plan import PROFILES, PlanError, get_hardware, plan_config
 from zerotron.plan.accuracy import accuracy_report
 from zerotron.plan.calibrate import calibrate_runs, read_metrics
 from zerotron.plan.explain import explain
+from zerotron.plan.interval import step_range
 from zerotron.plan.layout import from_config
 from zerotron.plan.planner import refuse_compiled
 from zerotron.plan.report import draw_breakdowns, format_calibration, format_plan, format_table
@@ -44,9 +45,10 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.search:
         return _search(args, cfg, gpus, hw, flash)
     plan = plan_config(cfg, hw, gpus, convention=args.convention, flash=flash)
+    plan.interval = step_range(hw.name, plan.layout, plan.step_time_s)
     print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
     if args.explain and not args.json:
-        print(explain(*from_config(cfg, gpus), hw, plan, flash))
+        print(explain(*from_config(cfg, gpus), hw, plan, flash, args.convention))
     return 0
 
 

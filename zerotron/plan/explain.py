@@ -7,10 +7,12 @@ terms printed here add up to the plan's step time).
 
 from __future__ import annotations
 
+import dataclasses
+
 from zerotron.plan import timing
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import Layout, Workload, micro_batches
-from zerotron.plan.planner import Plan, rank_layers
+from zerotron.plan.planner import Plan, rank_layers, step_times
 from zerotron.shapes import ModelShape
 
 
@@ -28,8 +30,55 @@ def _gemms(m: ModelShape, layout: Layout, work: Workload, hw: Hardware) -> list[
     return lines
 
 
+# How far each constant may be off, either way (docs/planning.md): relative for efficiencies and
+# factors, absolute for the contention fraction.
+UNCERTAINTY: dict[str, tuple[float, bool]] = {
+    "gemm_efficiency": (0.08, False),  # MAMF shapes vs a model's; the H100 profile check holds to 8%
+    "attention_efficiency": (0.25, False),  # cuDNN measured 0.26 on an H100; fits 0.2-0.275 by kernel
+    "eager_elementwise": (0.2, False),  # measured 5.2-5.6 on one eager implementation
+    "comm_efficiency": (0.15, False),  # NCCL bus bandwidth by message size and topology
+    "overlap_contention": (0.5, True),  # 0 for Megatron's FSDP, 1 fitted on torch FSDP (H100)
+}
+
+
+def _moves(value: float, amount: float, absolute: bool, fraction: bool) -> list[tuple[str, float]]:
+    if absolute:
+        return [
+            (f"{sign}{amount:g}", min(1.0, max(0.0, value + k * amount))) for sign, k in (("-", -1), ("+", 1))
+        ]
+    cap = 1.0 if fraction else float("inf")
+    return [(f"{sign}{amount:.0%}", min(cap, value * (1 + k * amount))) for sign, k in (("-", -1), ("+", 1))]
+
+
+def uncertainty(
+    m: ModelShape, layout: Layout, work: Workload, hw: Hardware, convention: str, flash: bool = True
+) -> list[tuple[str, str, float]]:
+    """Each constant of :data:`UNCERTAINTY` moved by its stated amount either way, the others held:
+    (constant, the move that changes the step most, the seconds it adds or takes), largest change
+    first; a constant the plan does not use changes nothing."""
+    hw = hw.per_rank(layout.world)
+    base = sum(step_times(m, layout, work, hw, convention, flash).values())
+    out = []
+    for key, (amount, absolute) in UNCERTAINTY.items():
+        fraction = key != "eager_elementwise"
+        best = ("", 0.0)
+        for label, moved in _moves(getattr(hw, key), amount, absolute, fraction):
+            changed = dataclasses.replace(hw, **{key: moved})  # type: ignore[arg-type]
+            delta = sum(step_times(m, layout, work, changed, convention, flash).values()) - base
+            if abs(delta) > abs(best[1]) or not best[0]:
+                best = (label, delta)
+        out.append((key, best[0], best[1]))
+    return sorted(out, key=lambda x: -abs(x[2]))
+
+
 def explain(
-    m: ModelShape, layout: Layout, work: Workload, hw: Hardware, plan: Plan, flash: bool = True
+    m: ModelShape,
+    layout: Layout,
+    work: Workload,
+    hw: Hardware,
+    plan: Plan,
+    flash: bool = True,
+    convention: str = "zerotron",
 ) -> str:
     """Each term of ``plan.time`` with the formula and the inputs behind it."""
     n_mb = micro_batches(layout, work)
@@ -81,4 +130,23 @@ def explain(
         if key != "compute" and value > 0:
             lines.append(f"{key:<16} {value:.4g} s = {formulas.get(key, key)}")
     lines.append(f"total    {plan.step_time_s:.4g} s per step = the sum of the terms above")
+    moves = uncertainty(m, layout, work, hw, convention, flash)
+    lines.append("uncertainty  the step if one constant were off by its stated amount (docs/planning.md):")
+    for key, label, added in moves:
+        lines.append(f"    {key:<21} {label:>5}: {added:+.4g} s ({added / plan.step_time_s:+.1%})")
+    top_key, _, top_change = moves[0]
+    lines.append(
+        f"    dominant: {top_key} (the {_TERM.get(top_key, top_key)})"
+        if top_change != 0
+        else "    dominant: none of the stated constants moves this step"
+    )
     return "\n".join(lines)
+
+
+_TERM = {
+    "gemm_efficiency": "matrix multiplies of the compute term",
+    "attention_efficiency": "attention core of the compute term",
+    "eager_elementwise": "eager element-wise kernels of the compute term",
+    "comm_efficiency": "collectives' bandwidth",
+    "overlap_contention": "ZeRO-3 collectives under compute",
+}

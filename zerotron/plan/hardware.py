@@ -126,7 +126,10 @@ def _gpu(
 # (Narayanan Table 1, llm-foundry on one node) and H100 runs (llm-foundry on one node). H200 and H100
 # PCIe share the H100's chip; the other GPUs carry the A100 fit until calibrated (``--calibrate``).
 _A100_FIT: dict[str, float] = dict(
-    gemm_efficiency=0.72, gemm_knee=512.0, attention_efficiency=0.25, overlap_contention=0.0,
+    gemm_efficiency=0.72,
+    gemm_knee=512.0,
+    attention_efficiency=0.25,
+    overlap_contention=0.0,
     eager_elementwise=1.0,
 )
 _H100_FIT: dict[str, float] = dict(attention_efficiency=0.225, fp8_efficiency=0.65, overlap_contention=1.0)

@@ -54,6 +54,8 @@ class Plan:
     fits: bool
     memory_limit: float
     detail: dict[str, Any] = field(default_factory=dict)
+    interval: dict[str, Any] | None = None
+    """The step time's range from similar validation runs (:mod:`zerotron.plan.interval`), when set."""
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object: memory_bytes, step_time_s, tokens_per_s, mfu, breakdown."""
@@ -62,6 +64,10 @@ class Plan:
                 k: self.memory[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "total")
             },
             "step_time_s": self.step_time_s,
+            "step_time_range_s": (
+                [self.interval["low_s"], self.interval["high_s"]] if self.interval else None
+            ),
+            "step_time_range_basis": self.interval["basis"] if self.interval else None,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
             "breakdown": {

@@ -28,6 +28,13 @@ def format_plan(plan: Plan) -> str:
         )
     parts = "  ".join(f"{k} {v:.3g}" for k, v in plan.time.items() if v > 0)
     lines.append(f"time     {plan.step_time_s:.4g} s per step: {parts}")
+    if plan.interval:
+        lines.append(
+            f"range    {plan.interval['low_s']:.4g} to {plan.interval['high_s']:.4g} s per step (the errors of "
+            f"{plan.interval['basis']}: zerotron plan --accuracy)"
+        )
+    else:
+        lines.append(f"range    none: no published run on {plan.hardware}'s chip to draw it from")
     lines.append(
         f"speed    {plan.tokens_per_s:,.0f} tokens/s  MFU {plan.mfu:.1%}  {plan.tflops_per_gpu:.1f} TFLOP/s per GPU"
     )
