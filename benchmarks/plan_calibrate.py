@@ -5,8 +5,11 @@ Run:  python benchmarks/plan_calibrate.py [--steps 8] [--out DIR] [key=value ...
 Fits the ``cpu`` profile's GEMM and communication efficiency to dp 1 and dp 2 runs of `zerotron train`
 (``zerotron plan --calibrate``), then predicts ZeRO-3 over dp 2, tp 2, pp 2 and dp 1 at twice the
 sequence length with the fitted profile (``--check``: runs the fit never saw) and prints the measured
-and predicted median step times and their errors. The runs are real `zerotron train` jobs on this
-machine's cores (Gloo); nothing here is timed by the tests.
+and predicted median step times and their errors. With ``--bench`` it then runs ``zerotron bench
+--frameworks zerotron --plan`` on the same layouts, once with the fitted profile and once with the
+shipped ``cpu`` one, and prints the bench's measured step beside each prediction. The runs are real
+`zerotron train` / `zerotron bench` jobs on this machine's cores (Gloo); nothing here is timed by the
+tests.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> int:
     """Train the runs, calibrate on two, check the other four; print a Markdown table and the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--bench", action="store_true", help="also run zerotron bench --plan on each layout")
     parser.add_argument("--out", default=None, help="directory for the run directories (default: a temp dir)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -80,7 +84,32 @@ def main() -> int:
         )
     c = result["check"]
     print(f"held-out mean |error| {c['mean_abs_error']:.1%}, worst {c['worst']:.1%}")
+    if args.bench:
+        profile = out / "fitted.json"
+        profile.write_text(json.dumps(result["profile"]))
+        _bench(out, profile, args.steps)
     return 0
+
+
+def _bench(out: Path, profile: Path, steps: int) -> None:
+    """``zerotron bench --plan`` on every layout with the fitted and the shipped profile: a table."""
+    print("| layout | profile | bench step s | predicted s | measured / predicted - 1 | range |")
+    print("|---|---|---:|---:|---:|---|")
+    for name, (nproc, extra) in {**FIT, **CHECK}.items():
+        for hardware in (str(profile), "cpu"):
+            bench_dir = out / f"bench-{name}-{Path(hardware).stem}"
+            cmd = [sys.executable, "-m", "zerotron", "bench", *MODEL, *extra, f"train.steps={steps}"]
+            cmd += ["--frameworks", "zerotron", "--nproc", str(nproc), "--plan", "--hardware", hardware]
+            subprocess.run(cmd + ["--out", str(bench_dir)], check=True, stdout=subprocess.DEVNULL)
+            row = json.loads((bench_dir / "results.json").read_text())["frameworks"]["zerotron"]
+            plan = row["plan"]
+            span = plan.get("step_time_range")
+            shown = f"{span['low_s']:.4g}-{span['high_s']:.4g}" if span else "none (no published run)"
+            label = "fitted" if hardware != "cpu" else "cpu (shipped)"
+            print(
+                f"| {name} | {label} | {row['step_s']:.4g} | {plan['step_time_s']:.4g} "
+                f"| {plan['step_time_error']:+.1%} | {shown} |"
+            )
 
 
 if __name__ == "__main__":

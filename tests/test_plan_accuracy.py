@@ -33,12 +33,12 @@ def test_validation_error_under_10_percent_mean_20_worst() -> None:
 
 
 def test_calibration_set_is_fitted() -> None:
-    """The calibration set, reported beside the validation set, is fitted to the same mean. Its worst
-    run (Megatron-Bridge's FP8 Llama-3-8B under Megatron's FSDP, +22%) is the one ZeRO-3 run whose
+    """The calibration set, reported beside the validation set, is fitted to the same standard. Its worst
+    run (Megatron-Bridge's FP8 Llama-3-8B under Megatron's FSDP, +15%) is the one ZeRO-3 run whose
     collectives do not show the contention fitted on llm-foundry's FSDP runs: docs/planning.md."""
     s = summary(errors(CALIBRATION))
     assert s["mean"] < 0.10, s
-    assert s["worst"] < 0.25, s
+    assert s["worst"] < 0.20, s
 
 
 def test_shipped_constants_are_the_fit_of_the_calibration_set() -> None:
@@ -148,16 +148,25 @@ def test_overlap_contention_exposes_zero3_collectives() -> None:
     ] == pytest.approx(full / 2)
 
 
-def _llama70b(precision: str, **layout: object) -> float:
+def _llama70b(precision: str, hw: object = None, **layout: object) -> float:
     m = ModelShape(8192, 80, 64, 8, 128, 28672, 128256, True, False, False)
     lay = Layout(ParallelDims.of(2, tp=4, pp=8), micro_batch=1, sequence_parallel=True, **layout)  # type: ignore[arg-type]
-    return plan_layout(m, lay, Workload(8192, 128, precision), PROFILES["h100-sxm"], "mixed").step_time_s
+    profile = hw or PROFILES["h100-sxm"]
+    return plan_layout(m, lay, Workload(8192, 128, precision), profile, "mixed").step_time_s  # type: ignore[arg-type]
 
 
 def test_fp8_and_tp_comm_overlap() -> None:
-    """FP8 GEMMs make a step faster; overlapping tp collectives hides part of tp_comm; no FP8 on A100."""
+    """FP8 GEMMs make a step faster; overlapping tp collectives hides what the profile's contention
+    lets it hide (all of it at 0, none at 1: the H100's fitted value); no FP8 on A100."""
     assert _llama70b("fp8") < 0.8 * _llama70b("bf16")
-    assert _llama70b("bf16", tp_comm_overlap=True) < _llama70b("bf16")
+    h100 = PROFILES["h100-sxm"]
+    assert _llama70b("bf16", tp_comm_overlap=True) <= _llama70b("bf16")
+    free = dataclasses.replace(h100, overlap_contention=0.0)
+    half = dataclasses.replace(h100, overlap_contention=0.5)
+    hidden = _llama70b("bf16", free) - _llama70b("bf16", free, tp_comm_overlap=True)
+    assert hidden > 0
+    half_hidden = _llama70b("bf16", half) - _llama70b("bf16", half, tp_comm_overlap=True)
+    assert half_hidden == pytest.approx(hidden / 2, rel=0.01)
     run = next(r for r in VALIDATION if r.precision == "fp8")
     with pytest.raises(PlanError, match="no peak FLOP/s for fp8"):
         predict(run, PROFILES["a100-80g"])

@@ -87,6 +87,7 @@ def explain(
     passes = 4 if layout.recompute == "full" else 3
     top = hw.fp8_efficiency if work.precision == "fp8" else hw.gemm_efficiency
     attn = timing.attention_seconds(m, layout, work, hw, flash)
+    ew = timing.elementwise_bytes_per_token(m, layout, work, flash, hw.eager_elementwise)
     lines = [
         f"inputs   {layout.short()} on {layout.world} x {hw.name}; {work.global_batch} x {work.seq_len} tokens "
         f"per step, {n_mb} micro-batches of {layout.micro_batch} per pipeline; blocks per stage {list(layers)}",
@@ -106,8 +107,13 @@ def explain(
             if flash
             else f"unfused: every score, GEMMs of depth head_dim -> {attn * 1e3:.4g} ms"
         ),
-        f"    element-wise {timing.elementwise_bytes_per_token(m, layout, work, flash):,.0f} bytes per token and"
-        " block (norms, activations, residuals) / memory bandwidth",
+        f"    element-wise {ew:,.0f} bytes per token and block (norms, activations, residuals"
+        + (
+            f"; eager blocks: {hw.eager_elementwise:g} x the fused block's"
+            if layout.kernels == "eager"
+            else ""
+        )
+        + f") / memory bandwidth; the loss {timing.LOSS_BYTES_PER_LOGIT:g} bytes per logit",
     ]
     formulas = {
         "tp_comm": "micro-batches x blocks x (4, or 6 with full recompute) all-reduces of b*s/cp*h*bytes over "

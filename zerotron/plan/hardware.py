@@ -73,8 +73,11 @@ class Hardware:
     of such kernels per step against 25.6 ms modelled for the fused block: 5.2-5.6, taken as 5 (part of
     that time is per-parameter traffic the model counts elsewhere)."""
     overlap_contention: float = 0.0
-    """Fraction of a ZeRO-3 collective's time that lengthens the step even when compute could hide it:
-    the collective kernels take SMs and memory bandwidth from the kernels they run beside."""
+    """Fraction of an overlapped collective's time (tensor-parallel overlap, data-parallel reduction under
+    backward, ZeRO-3's per-block traffic, ring attention) that lengthens the step even when compute
+    could hide it: the collective kernels take SMs and memory bandwidth from the kernels they run
+    beside. Fitted per chip on the calibration runs (host-to-device copies run on copy engines and are
+    not affected)."""
     shared_host: bool = False
     """Ranks on a node share one host's peak FLOP/s and memory bandwidth (CPU processes): the profile
     gives the node's figures and each rank gets 1/(ranks on the node) of them."""
@@ -132,7 +135,7 @@ _A100_FIT: dict[str, float] = dict(
     overlap_contention=0.0,
     eager_elementwise=1.0,
 )
-_H100_FIT: dict[str, float] = dict(attention_efficiency=0.225, fp8_efficiency=0.65, overlap_contention=1.0)
+_H100_FIT: dict[str, float] = dict(attention_efficiency=0.2, fp8_efficiency=0.8, overlap_contention=1.0)
 
 # Measured, not fitted: the H100 SXM's bf16 GEMM law e·g/(g + knee) from microbenchmarks. The maximum
 # achievable matmul FLOP/s is 792 TFLOP/s (80.1% of 989) at 6144x17920x2816 (Bekman, ml-engineering,
@@ -140,7 +143,7 @@ _H100_FIT: dict[str, float] = dict(attention_efficiency=0.225, fp8_efficiency=0.
 # H100 lent to this project (BENCHMARKS.md); the profile of an eager 1B Llama step on that card put its
 # GEMMs (8192-token micro-batches, g of 2,000-6,000) at ~80% of peak: 152 ms for 1.2e14 FLOPs. A fit of
 # end-to-end runs had put the knee at 4096 (GEMMs at 40-50%), absorbing the eager element-wise traffic
-# and the ZeRO-3 contention of its calibration runs (docs/planning.md, "What the H100 runs taught").
+# and the collectives' contention of its calibration runs (docs/planning.md, "What the H100 runs taught").
 MEASURED: dict[str, dict[str, float]] = {
     "h100-sxm": dict(gemm_efficiency=0.82, gemm_knee=128.0, eager_elementwise=5.0)
 }

@@ -59,8 +59,12 @@ def _rows() -> tuple[_Row, ...]:
 
 
 def chip_of(hardware: str) -> str | None:
-    """The chip of a shipped profile, or of a user profile based on one (``h100-sxm+mine``)."""
-    return CHIPS.get(hardware.split("+", 1)[0])
+    """The chip of a shipped profile, or of a user profile based on one (``h100-sxm+mine``, or
+    ``h100-sxm-calibrated`` from ``zerotron plan --calibrate``)."""
+    for name, chip in CHIPS.items():
+        if hardware == name or hardware.startswith((name + "+", name + "-")):
+            return chip
+    return None
 
 
 def step_range(hardware: str, layout: Layout, step_s: float) -> dict[str, Any] | None:

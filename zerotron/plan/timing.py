@@ -13,8 +13,9 @@
 - Overlap: tensor-parallel collectives are exposed unless ``tp_comm_overlap`` (then only what the
   block's GEMMs cannot cover); data-parallel gradient reduction runs under the backward of the last
   micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter all-gathers are prefetched under each
-  micro-batch's compute, but still lengthen it by ``overlap_contention`` of their time (the collective
-  kernels take SMs and memory bandwidth from the compute they hide under); context-parallel K/V exchange under the attention core; pipeline sends are
+  micro-batch's compute; every such overlapped collective still lengthens the step by at least
+  ``overlap_contention`` of its time (:func:`_exposed`: its kernels take SMs and memory bandwidth from
+  the compute they hide under); context-parallel K/V exchange under the attention core; pipeline sends are
   exposed. On a ``shared_host`` (CPU ranks) nothing overlaps: the same cores run both.
 - Pipeline sends: a stage's output, split over its tp ranks (Megatron's scatter/gather) unless
   ``pp_scatter_gather`` is off (DeepSpeed's pipeline engine: every tp rank sends all of it).
@@ -51,6 +52,13 @@ def _cover(hw: Hardware, seconds: float) -> float:
     """Compute time a collective can hide under: none on a ``shared_host`` (CPU ranks: the same cores
     run the collective and the kernels, with no copy engine to overlap them)."""
     return 0.0 if hw.shared_host else seconds
+
+
+def _exposed(hw: Hardware, traffic: float, compute: float) -> float:
+    """Seconds a collective of ``traffic`` seconds adds to a step when it runs under ``compute`` seconds
+    of kernels: what the compute cannot cover, and at least ``overlap_contention`` of it (its kernels
+    take SMs and memory bandwidth from the ones it hides under)."""
+    return max(0.0, traffic - _cover(hw, compute), hw.overlap_contention * traffic)
 
 
 def members_per_node(stride: int, size: int, hw: Hardware) -> int:
@@ -235,8 +243,8 @@ def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
     count = 4 + (2 if layout.recompute == "full" else 0)
     if layout.tp_comm_overlap:
         passes = 4.0 if layout.recompute == "full" else 3.0
-        gemms = _cover(hw, passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work)))
-        return max(0.0, count * per - gemms) * layers
+        gemms = passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work))
+        return _exposed(hw, count * per, gemms) * layers
     return count * per * layers
 
 
@@ -313,8 +321,8 @@ def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Har
             other_s += all_to_all_time(nbytes, size, stride, hw)
         else:
             other_s += collective_time(op, nbytes, size, stride, hw)
-    attn = _cover(hw, 3.0 * attention_seconds(m, layout, work, hw, flash=True))
-    return (max(0.0, ring_s - attn) + other_s) * layers
+    attn = 3.0 * attention_seconds(m, layout, work, hw, flash=True)
+    return (_exposed(hw, ring_s, attn) + other_s) * layers
 
 
 def all_to_all_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
@@ -447,15 +455,15 @@ def _zero_times(
     n, stride = block.ranks, block.stride
     if n == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
-    backward = _cover(hw, t_mb * 2.0 / 3.0)
+    backward = t_mb * 2.0 / 3.0
     if layout.zero <= 1:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = max(0.0, collective_time(op, grads, n, stride, hw) - backward)
+        reduce = _exposed(hw, collective_time(op, grads, n, stride, hw), backward)
         gather = collective_time("all_gather", params, n, stride, hw) if layout.zero == 1 else 0.0
         return {"dp_grad_reduce": reduce, "dp_param_gather": gather}
     per_mb_reduce = collective_time("reduce_scatter", grads, n, stride, hw)
     if layout.zero == 2:
-        reduce = n_mb * max(0.0, per_mb_reduce - backward)
+        reduce = n_mb * _exposed(hw, per_mb_reduce, backward)
         return {
             "dp_grad_reduce": reduce,
             "dp_param_gather": collective_time("all_gather", params, n, stride, hw),
@@ -463,9 +471,7 @@ def _zero_times(
     per_layer = collective_time("all_gather", params / layers, n, stride, hw)
     gathers = (2 if layout.reshard_after_forward else 1) * layers * per_layer  # forward (and backward)
     per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)
-    traffic = gathers + per_mb_reduce
-    exposed = max(traffic - _cover(hw, t_mb), hw.overlap_contention * traffic)
-    return {"dp_grad_reduce": 0.0, "dp_param_gather": n_mb * max(0.0, exposed)}
+    return {"dp_grad_reduce": 0.0, "dp_param_gather": n_mb * _exposed(hw, gathers + per_mb_reduce, t_mb)}
 
 
 def optimizer_time(
