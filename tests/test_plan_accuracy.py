@@ -148,6 +148,23 @@ def test_overlap_contention_exposes_zero3_collectives() -> None:
     ] == pytest.approx(full / 2)
 
 
+def test_deepspeed_pipeline_sends_whole_activations() -> None:
+    """Megatron's pipeline sends 1/tp of a stage's output from each tp rank (scatter/gather); DeepSpeed's
+    engine (MT-NLG) sends all of it from each: tp times the bytes, the same link."""
+    m = ModelShape(20480, 105, 128, 128, 160, 81920, 51200, False, True, False)
+    split = Layout(ParallelDims.of(8, tp=8, pp=35), recompute="full")
+    whole = dataclasses.replace(split, pp_scatter_gather=False)
+    work = Workload(2048, 1920, "bf16")
+    hw = PROFILES["a100-80g"]
+    sends = [timing.pipeline_times(m, lay, work, hw, 1.0)["pipeline_p2p"] for lay in (split, whole)]
+    n_mb = 1920 // 8
+    nbytes = 2048 * 20480 * 2
+    per = [timing.collective_time("send", b, 35, 8, hw) for b in (nbytes / 8, nbytes)]
+    assert sends == pytest.approx([2 * n_mb * per[0], 2 * n_mb * per[1]])
+    run = next(r for r in VALIDATION if r.name.startswith("mt-nlg"))
+    assert not run.pp_scatter_gather and not run_inputs(run)[1].pp_scatter_gather
+
+
 def _llama70b(precision: str, hw: object = None, **layout: object) -> float:
     m = ModelShape(8192, 80, 64, 8, 128, 28672, 128256, True, False, False)
     lay = Layout(ParallelDims.of(2, tp=4, pp=8), micro_batch=1, sequence_parallel=True, **layout)  # type: ignore[arg-type]
