@@ -154,5 +154,5 @@ _TERM = {
     "attention_efficiency": "attention core of the compute term",
     "eager_elementwise": "eager element-wise kernels of the compute term",
     "comm_efficiency": "collectives' bandwidth",
-    "overlap_contention": "ZeRO-3 collectives under compute",
+    "overlap_contention": "collectives overlapped with compute",
 }

@@ -128,6 +128,7 @@ def _gpu(
 # :func:`zerotron.plan.accuracy.fit_profiles` (``python -m zerotron.plan.accuracy --fit``): A100 runs
 # (Narayanan Table 1, llm-foundry on one node) and H100 runs (llm-foundry on one node). H200 and H100
 # PCIe share the H100's chip; the other GPUs carry the A100 fit until calibrated (``--calibrate``).
+# ``_H100_FIT`` (below) joins its fitted constants to the measured ones.
 _A100_FIT: dict[str, float] = dict(
     gemm_efficiency=0.72,
     gemm_knee=512.0,
@@ -135,7 +136,6 @@ _A100_FIT: dict[str, float] = dict(
     overlap_contention=0.0,
     eager_elementwise=1.0,
 )
-_H100_FIT: dict[str, float] = dict(attention_efficiency=0.2, fp8_efficiency=0.8, overlap_contention=1.0)
 
 # Measured, not fitted: the H100 SXM's bf16 GEMM law e·g/(g + knee) from microbenchmarks. The maximum
 # achievable matmul FLOP/s is 792 TFLOP/s (80.1% of 989) at 6144x17920x2816 (Bekman, ml-engineering,
@@ -147,7 +147,9 @@ _H100_FIT: dict[str, float] = dict(attention_efficiency=0.2, fp8_efficiency=0.8,
 MEASURED: dict[str, dict[str, float]] = {
     "h100-sxm": dict(gemm_efficiency=0.82, gemm_knee=128.0, eager_elementwise=5.0)
 }
-_H100_FIT.update(MEASURED["h100-sxm"])
+_H100_FIT: dict[str, float] = dict(
+    attention_efficiency=0.2, fp8_efficiency=0.8, overlap_contention=1.0, **MEASURED["h100-sxm"]
+)
 
 # The ``cpu`` profile's collective constants and attention efficiency are measured by
 # benchmarks/cpu_profile.py on a 2-core machine: Gloo all-reduces of 0.5 and 8 MB through zerotron's

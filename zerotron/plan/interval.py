@@ -35,7 +35,6 @@ def _pp_class(pp: int) -> str:
 
 @dataclass(frozen=True)
 class _Row:
-    name: str
     chip: str
     tp: str
     pp: str
@@ -44,18 +43,10 @@ class _Row:
 
 @functools.lru_cache(maxsize=1)
 def _rows() -> tuple[_Row, ...]:
-    rows = []
-    for run, row in zip(VALIDATION, errors(VALIDATION)):
-        rows.append(
-            _Row(
-                run.name,
-                CHIPS[run.hardware],
-                _tp_class(run.tp),
-                _pp_class(run.pp),
-                1.0 / (1.0 + row["error"]),
-            )
-        )
-    return tuple(rows)
+    return tuple(
+        _Row(CHIPS[run.hardware], _tp_class(run.tp), _pp_class(run.pp), 1.0 / (1.0 + row["error"]))
+        for run, row in zip(VALIDATION, errors(VALIDATION))
+    )
 
 
 def chip_of(hardware: str) -> str | None:

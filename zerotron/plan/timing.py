@@ -5,7 +5,8 @@
   (:func:`gemm_efficiency`); the attention core at the profile's ``attention_efficiency`` (fused,
   causal: half the scores) or as batched GEMMs (unfused); FP8 GEMMs at the FP8 peak and
   ``fp8_efficiency``; element-wise kernels memory-bound, fused (Megatron, Transformer Engine) or eager
-  (one kernel per operation: the profile's ``eager_elementwise`` times the fused block's time). Recomputation repeats the forward.
+  (one kernel per operation: the profile's ``eager_elementwise`` times the fused block's time); the
+  loss's fp32 log-softmax at :data:`LOSS_BYTES_PER_LOGIT`. Recomputation repeats the forward.
 - A collective over n ranks moving S bytes costs ``α·steps + bus_bytes / (bw·comm_efficiency)`` with
   NCCL's bus convention (all-reduce 2S(n−1)/n, all-gather and reduce-scatter S(n−1)/n). Its link is the
   node's (``intra_bw``) when the group fits in a node, else the network: ``k × inter_bw`` for k group
@@ -13,10 +14,10 @@
 - Overlap: tensor-parallel collectives are exposed unless ``tp_comm_overlap`` (then only what the
   block's GEMMs cannot cover); data-parallel gradient reduction runs under the backward of the last
   micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter all-gathers are prefetched under each
-  micro-batch's compute; every such overlapped collective still lengthens the step by at least
-  ``overlap_contention`` of its time (:func:`_exposed`: its kernels take SMs and memory bandwidth from
-  the compute they hide under); context-parallel K/V exchange under the attention core; pipeline sends are
-  exposed. On a ``shared_host`` (CPU ranks) nothing overlaps: the same cores run both.
+  micro-batch's compute; context-parallel K/V exchange under the attention core; every such
+  overlapped collective still lengthens the step by at least ``overlap_contention`` of its time
+  (:func:`_exposed`: its kernels take SMs and memory bandwidth from the compute they hide under);
+  pipeline sends are exposed. On a ``shared_host`` (CPU ranks) nothing overlaps: the same cores run both.
 - Pipeline sends: a stage's output, split over its tp ranks (Megatron's scatter/gather) unless
   ``pp_scatter_gather`` is off (DeepSpeed's pipeline engine: every tp rank sends all of it).
 - Pipeline bubble: ``(p − 1)/m`` of the stage time for GPipe and 1F1B, ``(p − 1)/(v·m)`` interleaved,
@@ -202,13 +203,13 @@ def microbatch_compute(
 # over h; the MLP activation over the FFN width; scale-mask-softmax and dropout over the scores when
 # attention is not fused (flash).
 HIDDEN_PASSES = 40.0
+FFN_PASSES = 5.0
+SCORE_PASSES = 10.0
 # Bytes per logit of the loss (the 16-bit logits cast to fp32, max, exponentials, sums, the softmax's
 # gradient, cast back): 22 ms for 8 x 2,048 x 128,256 logits on one H100 (BENCHMARKS.md, "bf16 MFU of a
 # ~1B Llama") at the data-sheet 3.35 TB/s is 35 bytes. Megatron's vocab-parallel cross entropy runs
 # the same fp32 operations one kernel each on a rank's vocab/tp slice, so the figure holds for both.
 LOSS_BYTES_PER_LOGIT = 35.0
-FFN_PASSES = 5.0
-SCORE_PASSES = 10.0
 
 
 def elementwise_bytes_per_token(
