@@ -112,9 +112,7 @@ def _offload_body(
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(steps)]
     mine = f"-rank{trainer.dp_group.rank_in_group}-"
-    files = {
-        p.name.split(mine)[-1]: p.stat().st_size for p in Path(nvme).glob("zerotron-*") if mine in p.name
-    }
+    files = {p.name: p.stat().st_size for p in Path(nvme).glob("zerotron-*/*.bin") if mine in p.parent.name}
     assert trainer.zero is not None
     # bytes read from the offloaded parameters' file by the steps (ZeRO-3 parameter offload to NVMe)
     params_read = getattr(getattr(trainer.zero, "store", None), "bytes_read", 0)

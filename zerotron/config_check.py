@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotron import layout
-from zerotron.config import LORA_NAME_LIST, SECTIONS, Config
+from zerotron.config import LORA_NAME_LIST, SECTIONS, Config, ModelConfig
 from zerotron.config_load import ConfigError
 
 _CHOICES = {
@@ -47,14 +47,17 @@ _CHOICES = {
     "lora.base_bits": (0, 4),
     "log.progress": ("auto", "bar", "lines", "none"),
 }
+_MODEL_POSITIVE = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "pad_vocab_to_multiple_of",
+    "max_position_embeddings",
+    "num_experts_per_tok",
+)
 _POSITIVE = (
-    "model.hidden_size",
-    "model.num_hidden_layers",
-    "model.num_attention_heads",
-    "model.intermediate_size",
-    "model.vocab_size",
-    "model.pad_vocab_to_multiple_of",
-    "model.max_position_embeddings",
     "train.steps",
     "train.global_batch",
     "train.micro_batch",
@@ -65,7 +68,6 @@ _POSITIVE = (
     "parallel.cp_ulysses_size",
     "parallel.ep",
     "parallel.virtual_stages",
-    "model.num_experts_per_tok",
     "log.every",
 )
 _NON_NEGATIVE = (
@@ -109,11 +111,33 @@ def _check_finite(cfg: Config) -> None:
                 raise ConfigError(f"{section}.{f.name}={value} must be a finite number")
 
 
+def check_architecture(m: ModelConfig) -> None:
+    """The ranges and divisibility an architecture must have whatever the run (counts of at least one,
+    heads that divide the hidden size and group the KV heads). Run on every config a model file or
+    checkpoint states too, so that a crafted one (zero heads) is one line, not a traceback."""
+    for name in _MODEL_POSITIVE:
+        value = getattr(m, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"model.{name}={value} must be >= 1")
+    for name in ("head_dim", "num_key_value_heads", "moe_intermediate_size"):
+        value = getattr(m, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"model.{name}={value} must be >= 1 (or null for the default)")
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; change one or set model.head_dim"
+        )
+    if m.num_attention_heads % m.kv_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+            f"model.num_key_value_heads={m.kv_heads}"
+        )
+
+
 def _check_ranges(cfg: Config) -> None:
     _check_finite(cfg)
-    for key in ("model.head_dim", "model.num_key_value_heads", "model.moe_intermediate_size"):
-        if _get(cfg, key) is not None and _get(cfg, key) < 1:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1 (or null for the default)")
+    check_architecture(cfg.model)
     if cfg.parallel.bucket_mb <= 0:
         raise ConfigError(
             f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be > 0 (MiB per gradient bucket)"
@@ -147,16 +171,6 @@ def _check_ranges(cfg: Config) -> None:
 
 def _check_model(cfg: Config) -> None:
     m = cfg.model
-    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-            f"{m.num_attention_heads}; change one or set model.head_dim"
-        )
-    if m.num_attention_heads % m.kv_heads:
-        raise ConfigError(
-            f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
-            f"model.num_key_value_heads={m.kv_heads}"
-        )
     if cfg.train.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} is above model.max_position_embeddings="

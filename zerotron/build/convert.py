@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from zerotron.build.source import checkpoint_tokenizer
+from zerotron.build.source import checkpoint_tokenizer, saved_architecture
 from zerotron.checkpoint import store
 from zerotron.checkpoint.sharded import ShardedCheckpoint, piece
 from zerotron.config import ModelConfig
@@ -38,8 +38,9 @@ Tensors = Iterator[tuple[str, torch.Tensor]]
 
 def _from_checkpoint(ckpt: Path) -> tuple[ModelConfig, Tensors, Any]:
     store.verify(ckpt)
-    model_cfg = ModelConfig(**store.read_json(ckpt / "trainer.json")["config"]["model"])
+    model_cfg = saved_architecture(ckpt)
     reader = ShardedCheckpoint(ckpt)  # names the problem now if the index is missing
+    _check_saved_shapes(reader, model_cfg, ckpt)  # before any tensor is read or allocated
 
     def tensors() -> Tensors:
         with reader:  # one tensor at a time, assembled from every rank's pieces
@@ -75,12 +76,33 @@ def open_source(src: Path) -> tuple[ModelConfig, Tensors, Any]:
     raise ModelLoadError(f"{src}: not a model (a HF directory, a .gguf file or a zerotron checkpoint)")
 
 
-def _checked(cfg: ModelConfig, tensors: Tensors, src: Path) -> Tensors:
-    """Pass the tensors on, checking names and shapes; a tied head's second copy is dropped."""
+def _expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The architecture's parameters and its optional persistent buffers (routers' biases), by shape."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
         expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        optional = {n: tuple(b.shape) for n, b in persistent_buffers(model).items()}  # routers' biases
+        optional = {n: tuple(b.shape) for n, b in persistent_buffers(model).items()}
+    return expected, optional
+
+
+def _check_saved_shapes(reader: ShardedCheckpoint, cfg: ModelConfig, ckpt: Path) -> None:
+    """Every model tensor the index lists has the architecture's shape, checked before any is read: a
+    crafted index cannot make the reader allocate what the model does not hold."""
+    expected, optional = _expected_shapes(cfg)
+    shapes = {**optional, **expected}
+    for name in reader.names("model"):
+        if name in shapes and reader.shape(name) != shapes[name]:
+            raise ModelLoadError(
+                f"{ckpt}: tensor {name} has shape {list(reader.shape(name))} in index.json, the config "
+                f"implies {list(shapes[name])}"
+            )
+        if name not in shapes and ".lora_" not in name:
+            raise ModelLoadError(f"{ckpt}: unexpected tensor {name} in index.json; wrong architecture?")
+
+
+def _checked(cfg: ModelConfig, tensors: Tensors, src: Path) -> Tensors:
+    """Pass the tensors on, checking names and shapes; a tied head's second copy is dropped."""
+    expected, optional = _expected_shapes(cfg)
     seen: set[str] = set()
     for name, tensor in tensors:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -24,17 +24,44 @@ from zerotron.checkpoint import store
 from zerotron.components.state import CheckpointSource
 from zerotron.config import Config, ModelConfig
 from zerotron.config_load import ConfigError
+from zerotron.models.hf import checked_architecture
 from zerotron.models.loading import ModelLoadError, read_model_config
 from zerotron.models.sources import InitSource, WeightSource, open_pretrained
 from zerotron.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
+def saved_config(ckpt: Path) -> dict[str, Any]:
+    """The resolved config a checkpoint was saved with (its ``trainer.json``, checked against the
+    manifest first)."""
+    state = store.read_checked_json(ckpt, "trainer.json")
+    config = state.get("config") if isinstance(state, dict) else None
+    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+        raise store.CheckpointError(f"{ckpt / 'trainer.json'}: no config table of sections")
+    return config
+
+
 def saved_model_config(ckpt: Path) -> dict[str, Any]:
     """The ``model`` section a checkpoint was saved with (its ``trainer.json``)."""
-    saved = store.read_json(ckpt / "trainer.json").get("config", {}).get("model")
+    saved = saved_config(ckpt).get("model")
     if not isinstance(saved, dict):
         raise store.CheckpointError(f"{ckpt / 'trainer.json'}: no config.model section")
     return saved
+
+
+def saved_architecture(ckpt: Path, path: str | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` a checkpoint was saved with (``path`` replacing its model path when
+    given), refused in one line when the section does not make a buildable architecture."""
+    fields = {**saved_model_config(ckpt), **({"path": path} if path is not None else {})}
+    try:
+        cfg = ModelConfig(**fields)
+    except TypeError as e:
+        raise store.CheckpointError(
+            f"{ckpt / 'trainer.json'}: config.model is not a model section ({e})"
+        ) from None
+    try:
+        return checked_architecture(cfg, ckpt / "trainer.json")
+    except ModelLoadError as e:
+        raise store.CheckpointError(str(e)) from None
 
 
 def checkpoint_of(path: str | Path, hashes: bool = True) -> Path | None:
@@ -54,7 +81,7 @@ def read_architecture(path: str | Path) -> ModelConfig:
     ckpt = checkpoint_of(path)
     if ckpt is None:
         return read_model_config(path)
-    return ModelConfig(**saved_model_config(ckpt))
+    return saved_architecture(ckpt)
 
 
 def resolve_model(cfg: Config) -> Config:
@@ -71,7 +98,7 @@ def resolve_model(cfg: Config) -> Config:
         ckpt = store.checkpoint_dir(Path(path))
         if ckpt is not None:
             refuse_adapter_checkpoint(ckpt)
-            cfg.model = ModelConfig(**{**saved_model_config(ckpt), "path": path})
+            cfg.model = saved_architecture(ckpt, path)
         else:
             cfg.model = read_model_config(path)
         cfg.model.pad_vocab_to_multiple_of = pad
@@ -80,7 +107,7 @@ def resolve_model(cfg: Config) -> Config:
 
 def refuse_adapter_checkpoint(ckpt: Path) -> None:
     """A LoRA run's checkpoint as ``model.path`` would lose its trained adapters: say what to do instead."""
-    saved = store.read_json(ckpt / "trainer.json").get("config", {}).get("lora", {})
+    saved = saved_config(ckpt).get("lora", {})
     if isinstance(saved, dict) and saved.get("rank", 0):
         run = ckpt.parent.parent
         raise ConfigError(
@@ -109,21 +136,28 @@ def weight_source(cfg: Config, model: nn.Module) -> Iterator[WeightSource]:
         source.close()
 
 
-def checkpoint_tokenizer(ckpt: Path) -> Any:
+def checkpoint_tokenizer(ckpt: Path, seen: tuple[Path, ...] = ()) -> Any:
     """The tokenizer a checkpoint was trained with (None if it records none): ``data.tokenizer`` of its
     config (``byte``, a tokenizer.json, or ``model``: that of ``model.path``, followed through further
-    checkpoints), or, for a converted model, the tokenizer of the file it was converted from."""
-    config = store.read_json(ckpt / "trainer.json").get("config", {})
-    name = (config.get("data") or {}).get("tokenizer", "model")
+    checkpoints, a loop refused), or, for a converted model, the tokenizer of the file it was converted
+    from."""
+    if ckpt.resolve() in seen:
+        raise store.CheckpointError(
+            f"{seen[-1] / 'trainer.json'}: config.model.path leads back to {ckpt} (a loop of checkpoints)"
+        )
+    config = saved_config(ckpt)
+    name = config.get("data", {}).get("tokenizer", "model")
     if name == "byte":
         return ByteTokenizer()
     if name != "model":
         return load_tokenizer(name)
-    source = (config.get("model") or {}).get("path") or ""
+    source = config.get("model", {}).get("path") or ""
     if not source:
         return None
     inner = store.checkpoint_dir(Path(source))
-    return checkpoint_tokenizer(inner) if inner is not None else load_tokenizer(source)
+    return (
+        checkpoint_tokenizer(inner, (*seen, ckpt.resolve())) if inner is not None else load_tokenizer(source)
+    )
 
 
 def model_tokenizer(path: str | Path) -> Any:

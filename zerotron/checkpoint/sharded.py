@@ -28,7 +28,17 @@ from typing import Any, cast
 import torch
 from safetensors import SafetensorError, safe_open
 
-from zerotron.checkpoint.store import INDEX, INDEX_FORMAT, CheckpointError, check_file, read_json
+from zerotron.checkpoint.store import (
+    INDEX,
+    INDEX_FORMAT,
+    CheckpointError,
+    check_file,
+    inside,
+    read_json,
+    read_manifest,
+)
+
+_KINDS = ("model", "optimizer")
 
 
 def piece(
@@ -53,19 +63,63 @@ def piece(
     }
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in {INDEX}")
     return dtype
 
 
+def _ints(value: Any, size: int | None = None) -> bool:
+    ok = isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    )
+    return ok and (size is None or len(value) == size)
+
+
+def _checked_piece(where: str, shape: list[int], p: Any, ckpt: Path) -> None:
+    """One piece of an index entry: its file inside the folder, its box inside the tensor, its flat
+    range inside its box."""
+    if not isinstance(p, dict) or not isinstance(p.get("key"), str):
+        raise CheckpointError(f"{where}: a piece needs 'file', 'key', 'offsets', 'box' and 'flat'")
+    inside(ckpt, p.get("file"), where)
+    offsets, box, flat = p.get("offsets") or [], p.get("box") or [], p.get("flat")
+    if not _ints(offsets, len(shape)) or not _ints(box, len(shape)):
+        raise CheckpointError(f"{where}: a piece's offsets and box must be {len(shape)} integers >= 0")
+    if any(o + b > d for o, b, d in zip(offsets, box, shape)):
+        raise CheckpointError(f"{where}: a piece's box {box} at {offsets} lies outside the shape {shape}")
+    if flat is not None and (not _ints(flat, 2) or flat[0] + flat[1] > math.prod(box)):
+        raise CheckpointError(f"{where}: a piece's flat range {flat} lies outside its box {box}")
+
+
+def _checked_tensors(ckpt: Path, tensors: Any) -> dict[str, dict[str, Any]]:
+    """The index's ``tensors`` table, every entry's shape checked before anything is read or allocated:
+    kind, dtype, a shape of integers and pieces that lie inside it (see :func:`_checked_piece`)."""
+    where = str(ckpt / INDEX)
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"{where}: 'tensors' must map tensor names to their entries")
+    for name, meta in tensors.items():
+        at = f"{where}: {name!r}"
+        if not isinstance(meta, dict) or meta.get("kind") not in _KINDS or not _ints(meta.get("shape")):
+            raise CheckpointError(f"{at} needs a kind (model or optimizer) and a shape of integers >= 0")
+        _dtype(meta.get("dtype"))
+        if not isinstance(meta.get("pieces"), list):
+            raise CheckpointError(f"{at} has no list of pieces")
+        for p in meta["pieces"]:
+            _checked_piece(at, meta["shape"], p, ckpt)
+    return tensors
+
+
 class ShardedCheckpoint:
     """Reader of one checkpoint folder's tensors by global name (see the module docstring)."""
 
-    def __init__(self, ckpt: Path, manifest: dict[str, Any] | None = None) -> None:
+    def __init__(self, ckpt: Path, manifest: dict[str, Any] | None = None, verified: bool = False) -> None:
         """``manifest`` (from :func:`store.verify` without hashes): check each file's sha256 before its
-        first use, so that a rank hashes only what it reads."""
+        first use, so that a rank hashes only what it reads. Without one, the folder's own
+        ``manifest.json`` is read when there is one: no file is read that it does not vouch for, unless
+        the caller ``verified`` every file already (the launcher that chose the checkpoint)."""
+        if manifest is None and not verified and (ckpt / "manifest.json").is_file():
+            manifest = read_manifest(ckpt / "manifest.json")
         self.ckpt, self.manifest = ckpt, manifest
         self._checked: set[str] = set()
         path = ckpt / INDEX
@@ -78,10 +132,14 @@ class ShardedCheckpoint:
         index = read_json(path)
         if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or "tensors" not in index:
             raise CheckpointError(f"{path}: not a zerotron checkpoint index of format {INDEX_FORMAT}")
-        self.tensors: dict[str, dict[str, Any]] = index["tensors"]
+        self.tensors: dict[str, dict[str, Any]] = _checked_tensors(ckpt, index["tensors"])
 
     def _check(self, name: str) -> None:
-        if self.manifest is not None and name not in self._checked and (self.ckpt / name).is_file():
+        if (
+            self.manifest is not None
+            and name not in self._checked
+            and inside(self.ckpt, name, INDEX).is_file()
+        ):
             check_file(self.ckpt, name, self.manifest)
             self._checked.add(name)
 
@@ -110,10 +168,17 @@ class ShardedCheckpoint:
         so the pages of a large checkpoint do not stay mapped (and counted in RSS) while others are read."""
         path = self.ckpt / piece["file"]
         self._check(piece["file"])
+        want = [piece["flat"][1]] if piece["flat"] is not None else piece["box"]
         try:
             with safe_open(str(path), framework="pt") as f:
+                stored = f.get_slice(piece["key"])
+                got = list(stored.get_shape())
+                if math.prod(got) != math.prod(want) or (piece["flat"] is None and got != list(want)):
+                    raise CheckpointError(
+                        f"{path}: {piece['key']!r} has shape {got} where {INDEX} says {want}"
+                    )
                 if part:
-                    return cast("torch.Tensor", f.get_slice(piece["key"])[part].clone())
+                    return cast("torch.Tensor", stored[part].clone())
                 return cast("torch.Tensor", f.get_tensor(piece["key"]).clone())
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e

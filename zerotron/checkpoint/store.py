@@ -36,6 +36,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from zerotron.models.hf import path_inside
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 INDEX = "index.json"  # where every saved tensor's pieces lie (zerotron.checkpoint.sharded)
 INDEX_FORMAT = 1
@@ -91,12 +93,35 @@ def write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def inside(folder: Path, name: Any, listed_in: str) -> Path:
+    """``folder / name`` for a file name read from ``listed_in`` (a manifest, an index), refused in one
+    line unless it stays inside ``folder`` (:func:`~zerotron.models.hf.path_inside`): a crafted index
+    must not make a reader open, or a checksum vouch for, a file elsewhere."""
+    path = path_inside(folder, name)
+    if path is None:
+        raise CheckpointError(f"{listed_in}: file {name!r} lies outside {folder} (or is not a file name)")
+    return path
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime) -> sha256, this process
+
+
+def _digest(path: Path) -> str:
+    """The sha256 of ``path``, hashed once per process while the file is unchanged (same inode, size and
+    modification time): several readers of one file (architecture, tokenizer, weights) cost one hash."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = _sha256(path)
+    return _DIGESTS[key]
 
 
 def publish(root: Path, step: int, keep: int) -> Path:
@@ -221,12 +246,12 @@ def _prune(root: Path, keep: int) -> None:
 def check_file(ckpt: Path, name: str, manifest: dict[str, Any]) -> None:
     """Check one file of ``ckpt`` against ``manifest`` (size and sha256), naming it if it differs."""
     meta = manifest["files"].get(name)
-    path = ckpt / name
+    path = inside(ckpt, name, str(ckpt / "manifest.json"))
     if meta is None:
         raise CheckpointError(f"{path}: not listed in manifest.json")
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (listed in manifest.json)")
-    if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+    if path.stat().st_size != meta["bytes"] or _digest(path) != meta["sha256"]:
         raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt")
 
 
@@ -238,19 +263,43 @@ def verify(ckpt: Path, hashes: bool = True) -> dict[str, Any]:
     manifest_path = ckpt / "manifest.json"
     if not manifest_path.is_file():
         raise CheckpointError(f"{ckpt}: no manifest.json — the checkpoint is incomplete")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from e
+    manifest = read_manifest(manifest_path)
     for name, meta in manifest["files"].items():
-        path = ckpt / name
+        path = inside(ckpt, name, str(manifest_path))
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (listed in manifest.json)")
         if path.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt (size differs)")
-        if hashes and _sha256(path) != meta["sha256"]:
+        if hashes and _digest(path) != meta["sha256"]:
             raise CheckpointError(f"{path}: checksum mismatch — the file is corrupt")
+    return manifest
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A ``manifest.json``, its shape checked: ``files`` maps each file name to its ``bytes`` (an integer)
+    and ``sha256`` (64 hex digits). Anything else is one line naming the file."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: no 'files' table — not a zerotron checkpoint manifest")
+    for name, meta in files.items():
+        ok = isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and meta["bytes"] >= 0
+        if not ok or not re.fullmatch(r"[0-9a-f]{64}", str(meta.get("sha256"))):
+            raise CheckpointError(
+                f"{path}: entry {name!r} needs 'bytes' (>= 0) and a 'sha256' of 64 hex digits"
+            )
     return cast(dict[str, Any], manifest)
+
+
+def read_checked_json(ckpt: Path, name: str) -> Any:
+    """A JSON file of checkpoint folder ``ckpt``, checked against the folder's manifest first when it has
+    one (a reader never trusts a file the manifest does not vouch for)."""
+    if (ckpt / "manifest.json").is_file():
+        check_file(ckpt, name, read_manifest(ckpt / "manifest.json"))
+    return read_json(ckpt / name)
 
 
 def scan(root: Path, hashes: bool = True) -> tuple[Path | None, list[str]]:

@@ -209,12 +209,11 @@ def plot_loss(metrics_path: Path, out_path: Path) -> None:
     plt.close(fig)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """This rank's peak memory so far: CUDA's max allocated bytes, or on CPU the process's peak RSS.
+_EARLIER_PEAK = 0  # the high-water mark before the last reset (MemoryPhases): the process's peak so far
 
-    On Linux the peak is ``VmHWM`` of /proc/self/status, this process image's own: ``ru_maxrss`` also
-    keeps the RSS of the process that spawned it (Linux carries it over fork and exec), so a rank
-    started by a large parent (a test runner, a notebook) would report the parent's size."""
+
+def _high_water(device: torch.device) -> int:
+    """The peak since the last reset: CUDA's max allocated bytes, or the process's peak RSS."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     from pathlib import Path
@@ -227,6 +226,62 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: CUDA's max allocated bytes, or on CPU the process's peak RSS.
+
+    On Linux the peak is ``VmHWM`` of /proc/self/status, this process image's own: ``ru_maxrss`` also
+    keeps the RSS of the process that spawned it (Linux carries it over fork and exec), so a rank
+    started by a large parent (a test runner, a notebook) would report the parent's size. Resets of the
+    high-water mark by :class:`MemoryPhases` do not lower it: the peak before a reset is kept."""
+    return max(_EARLIER_PEAK, _high_water(device))
+
+
+def _reset_high_water(device: torch.device) -> bool:
+    """Start a new high-water mark (keeping the old one in ``_EARLIER_PEAK``); False where the system
+    cannot (the peak then stays the process's)."""
+    global _EARLIER_PEAK
+    _EARLIER_PEAK = peak_memory_bytes(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:  # Linux >= 4.0: "5" resets VmHWM
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class MemoryPhases:
+    """Peak memory per phase of a run (``materialise``, ``steps``, ``save``, ``sample``): the high-water
+    mark is reset when a phase begins and read when it ends, so each phase's figure is its own peak
+    (what was resident when it began included), not the run's so far. Where the system cannot reset
+    it (no ``/proc/self/clear_refs``), :attr:`exact` is False and each figure is the peak so far."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peaks: dict[str, int] = {}
+        self.exact = True
+
+    def begin(self) -> None:
+        """A phase begins now."""
+        self.exact = _reset_high_water(self.device) and self.exact
+
+    def end(self, name: str) -> int:
+        """Phase ``name`` ends now; its peak (the largest of its occurrences so far) is returned."""
+        self.peaks[name] = max(self.peaks.get(name, 0), _high_water(self.device))
+        return self.peaks[name]
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Measure the body as (one occurrence of) phase ``name``."""
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end(name)
 
 
 @contextlib.contextmanager

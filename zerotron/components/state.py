@@ -403,7 +403,7 @@ def load_checkpoint(ckpt: Path, held: RankState, verified: bool = False) -> dict
     if check is not None:
         store.check_file(ckpt, "trainer.json", check)
     state = store.read_json(ckpt / "trainer.json")
-    with sharded.ShardedCheckpoint(ckpt, check) as reader:
+    with sharded.ShardedCheckpoint(ckpt, check, verified) as reader:
         view = _Reader(reader, model)
         expected = view.expected(model, partial=mesh.dims.pp > 1)
         if zero is not None:  # ZeRO-3 shards take their ranges, one parameter at a time

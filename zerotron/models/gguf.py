@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from zerotron.config import ModelConfig
-from zerotron.models.hf import ModelLoadError
+from zerotron.models.hf import ModelLoadError, checked_architecture
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -122,13 +122,13 @@ def config_from_gguf(reader: Any, path: str | Path) -> ModelConfig:
         raise ModelLoadError(
             f"{path}: GGUF rope scaling {field(reader, f'{arch}.rope.scaling.type')!r} is not supported"
         )
-    return ModelConfig(
+    cfg = ModelConfig(
         preset=None,
         hidden_size=hidden,
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
+        head_dim=int(head_dim) if head_dim and heads and int(head_dim) != hidden // heads else None,
         intermediate_size=int(need("feed_forward_length")),
         vocab_size=int(vocab),
         max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
@@ -141,6 +141,7 @@ def config_from_gguf(reader: Any, path: str | Path) -> ModelConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    return checked_architecture(cfg, path)
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 
 from zerotron.config import ModelConfig
+from zerotron.config_check import check_architecture
+from zerotron.config_load import ConfigError
 from zerotron.models.hf_bnb import BnbFormatError, check_quantization, group_keys
 from zerotron.models.hf_bnb import dequantize as dequantize_bnb
 from zerotron.models.hf_moe import MIXTRAL_ROLES, PLAIN_ROLES, fuse_stream, rename_block, split_experts
@@ -39,6 +41,17 @@ _ARCH_OF_TYPE = {t: a for a, t in _MODEL_TYPE.items()} | {"mistral": "MistralFor
 
 class ModelLoadError(ValueError):
     """A model file or directory that cannot be read: the message names the file and what is wrong."""
+
+
+def checked_architecture(cfg: ModelConfig, where: object) -> ModelConfig:
+    """``cfg`` as read from ``where`` (a config.json, a GGUF file, a checkpoint's trainer.json), refused
+    in one line naming the file when its architecture cannot be built (zero heads, heads that do not
+    divide the hidden size...)."""
+    try:
+        check_architecture(cfg)
+    except ConfigError as e:
+        raise ModelLoadError(f"{where}: {e}") from None
+    return cfg
 
 
 def to_hf_name(name: str, arch: str = "LlamaForCausalLM") -> str:
@@ -230,9 +243,12 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
     try:
-        return config_from_hf(hf, str(path))
+        cfg = config_from_hf(hf, str(path))
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing field {e.args[0]!r}") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"{path}: not a usable model config ({e})") from e
+    return checked_architecture(cfg, path)
 
 
 def _name_shards(out: Path, shards: list[dict[str, str]], total: int) -> None:
@@ -249,6 +265,29 @@ def _name_shards(out: Path, shards: list[dict[str, str]], total: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
+def path_inside(folder: Path, name: Any) -> Path | None:
+    """``folder / name`` for a file name read from a file of ``folder`` (an index, a manifest), or None
+    unless it is a relative path that stays inside ``folder``, symbolic links followed: a crafted index
+    must not make a reader open a file elsewhere."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return None
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return None
+    try:
+        (folder / name).resolve().relative_to(folder.resolve())
+    except ValueError:
+        return None
+    return folder / name
+
+
+def _shard_inside(directory: Path, name: Any, index: Path) -> Path:
+    """A shard file named by the index, refused unless it lies inside the model's directory."""
+    path = path_inside(directory, name)
+    if path is None:
+        raise ModelLoadError(f"{index}: shard {name!r} lies outside {directory}")
+    return path
+
+
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
@@ -257,9 +296,10 @@ def _weight_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"{index}: not a safetensors index ({e})") from e
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        files = [_shard_inside(directory, name, index) for name in names]
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"{f}: no such file (listed in {index.name})")

@@ -15,7 +15,7 @@ import dataclasses
 import io
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, TextIO
+from typing import Any, Optional, TextIO, Union
 
 import torch
 
@@ -47,14 +47,16 @@ class GenerateJob:
 
 def run_generate(
     job: GenerateJob,
-    out: TextIO = sys.stdout,
-    stats: Optional[TextIO] = sys.stderr,
+    out: Optional[TextIO] = None,
+    stats: Union[TextIO, str, None] = "stderr",
     mesh: Optional[Mesh] = None,
 ) -> dict[str, Any]:
-    """Load ``job.model`` and stream its continuation of the prompt to ``out``; timings go to ``stats``
-    (None: silent). Returns :func:`~zerotron.components.generate.generate`'s dict plus ``"text"``.
+    """Load ``job.model`` and stream its continuation of the prompt to ``out`` (default: the standard
+    output at the time of the call); timings go to ``stats`` (default the standard error; None: silent). Returns :func:`~zerotron.components.generate.generate`'s dict plus ``"text"``.
     With a ``mesh`` of tensor parallelism (every rank of it calls this), each rank loads its shard and
     only the group's first rank prints."""
+    out = sys.stdout if out is None else out
+    stats = sys.stderr if isinstance(stats, str) else stats
     model, tokenizer = load_model(job.model, job.dtype, job.device, mesh)
     tp_group = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     if tp_group is not None and tp_group.rank_in_group != 0:

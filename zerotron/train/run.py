@@ -328,6 +328,7 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
             summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
         if not trainer.stopped:
             summary.update(_finish(trainer, rd))
+        summary["phase_peak_memory_bytes"] = dict(trainer.memory.peaks)
     finally:
         trainer.close()
     return summary
@@ -369,6 +370,7 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
     # bf16/fp16 the model runs as in training (autocast: frozen fp32 parts beside 16-bit trained ones)
     device = next(model.parameters()).device
     with (
+        trainer.memory.phase("sample"),
         torch.no_grad(),
         whole_sequences(model),
         sequence_parallel_off(model),

@@ -25,6 +25,7 @@ from zerotron.components import state as ckpt_state
 from zerotron.components.data import DataLoader, PackedDataset, SupervisedDataset
 from zerotron.components.metrics import (
     ActivationMeter,
+    MemoryPhases,
     MetricsWriter,
     Progress,
     peak_flops,
@@ -71,6 +72,8 @@ class Trainer:
             else torch.device("cpu")
         )
         torch.manual_seed(cfg.train.seed + mesh.rank // mesh.dims.tp)
+        self.memory = MemoryPhases(self.device)  # peak memory per phase: materialise, steps, save, sample
+        self.memory.begin()
         with return_freed_host_memory():
             built = build(cfg, self.device, mesh, train=True)
             assert built.data_parallel is not None
@@ -106,6 +109,7 @@ class Trainer:
         self.ckpt_writer = (
             CheckpointWriter(mesh.rank, mesh.dims.world_size) if cfg.checkpoint.async_save else None
         )
+        self.memory.end("materialise")
 
     def _place_norm(self, mesh: Mesh) -> None:
         """From the placement record: the gradients this rank adds to the global norm (each element
@@ -279,7 +283,8 @@ class Trainer:
 
     def _save_checked(self) -> None:
         """Save, then let ``fault.inject`` corrupt the published checkpoint (drills; rank 0)."""
-        path = self.save()
+        with self.memory.phase("save"):
+            path = self.save()
         if self.ckpt_writer is None and self.mesh.rank == 0:
             self.injector.after_save(self.step, path)
 
@@ -302,7 +307,8 @@ class Trainer:
             if not ckpt.is_dir():
                 raise store.CheckpointError(f"--resume {spec}: no such checkpoint folder")
         # Build optimizer state tensors before loading so the restored ones replace them.
-        state = ckpt_state.load_checkpoint(ckpt, self._held(), verified)
+        with self.memory.phase("load"):
+            state = ckpt_state.load_checkpoint(ckpt, self._held(), verified)
         self.step = int(state["step"])
         if "scaler" in state:  # absent from a converted model (`zerotron convert --to checkpoint`)
             self.scaler.load_state_dict(state["scaler"])
@@ -340,7 +346,9 @@ class Trainer:
         try:
             last = cfg.train.steps if cfg.train.exit_step <= 0 else min(cfg.train.steps, cfg.train.exit_step)
             while self.step < last:
-                record = self.train_step()
+                with self.memory.phase("steps"):
+                    record = self.train_step()
+                record["phase_peak_memory_bytes"] = dict(self.memory.peaks)
                 history.append(record)
                 writer.write(record)
                 progress.update(record)

@@ -5,7 +5,10 @@ Two pieces:
 - :class:`ShardStore` keeps one ``(shard,)`` tensor per bucket (a ZeRO-1/2 gradient bucket or a
   ZeRO-3 unit), fp32 or (ZeRO-3's working weights under mixed precision) 16-bit, either resident in
   host memory (pinned where a GPU is present) or in one raw file per rank and tensor kind under
-  ``parallel.nvme_path`` (``zerotron-pid{P}-rank{R}-{kind}.bin``), read and written with
+  ``parallel.nvme_path`` (``zerotron-pid{P}-rank{R}-{kind}-XXXXXXXX/{kind}.bin``: a private folder,
+  mode 0700 with an unguessable name, made by ``mkdtemp``; the file created in it with
+  ``O_EXCL|O_NOFOLLOW``, so that nobody else sharing the NVMe folder can plant a link where the rank
+  writes, or read its shards), read and written with
   ``os.preadv``/``os.pwrite`` at each bucket's byte offset: no pickle, no format at all, only the
   little-endian elements. The files are removed by :meth:`ShardStore.close` (the trainer calls it when
   ``fit`` ends) or, failing that, when the store is garbage collected or the interpreter exits.
@@ -28,8 +31,10 @@ ZeRO's gather and load functions read a segment's part from wherever it lives.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +63,16 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 def _remove(fd: int, path: str) -> None:
     os.close(fd)
     Path(path).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        Path(path).parent.rmdir()
+
+
+def _private_file(nvme_dir: str, rank: int, kind: str) -> tuple[Path, int]:
+    """A new file ``{kind}.bin`` in a new private folder under ``nvme_dir``, opened read-write."""
+    folder = tempfile.mkdtemp(prefix=f"zerotron-pid{os.getpid()}-rank{rank}-{kind}-", dir=nvme_dir)
+    path = Path(folder) / f"{kind}.bin"
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return path, os.open(path, flags, 0o600)
 
 
 class ShardStore:
@@ -91,8 +106,7 @@ class ShardStore:
         if where == "nvme":
             if not nvme_dir:
                 raise ValueError("NVMe offload needs parallel.nvme_path")
-            self.path = Path(nvme_dir) / f"zerotron-pid{os.getpid()}-rank{rank}-{kind}.bin"
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            self.path, self._fd = _private_file(nvme_dir, rank, kind)
             os.ftruncate(self._fd, self.numel * self.itemsize)  # sparse zeros until written
             self._finalizer = weakref.finalize(self, _remove, self._fd, str(self.path))
         elif where == "cpu":

@@ -1,0 +1,53 @@
+"""Peak memory per phase of a run (materialise, steps, save, sample): each phase's figure is its own
+peak, not the run's so far, while ``peak_memory_bytes`` keeps the process's peak."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_inputs import TINY
+from zerotron.cli import main
+from zerotron.components.metrics import MemoryPhases, peak_memory_bytes
+
+MIB = 1 << 20
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_each_phase_reports_its_own_peak() -> None:
+    cpu = torch.device("cpu")
+    phases = MemoryPhases(cpu)
+    with phases.phase("big"):
+        big = torch.ones(256 * MIB // 4)  # 256 MiB, every page touched
+        del big
+    with phases.phase("small"):
+        small = torch.ones(8 * MIB // 4)
+        del small
+    assert phases.exact
+    # the small phase does not inherit the big one's peak (it would without the reset)
+    assert phases.peaks["small"] < phases.peaks["big"] - 200 * MIB, phases.peaks
+    assert peak_memory_bytes(cpu) >= phases.peaks["big"]  # the process's peak survives the reset
+    first = phases.peaks["small"]
+    with phases.phase("small"):  # a phase seen twice keeps its largest occurrence
+        pass
+    assert phases.peaks["small"] >= first
+
+
+def test_a_run_records_every_phase(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    argv = ["train", *TINY, "train.steps=3", "checkpoint.every=2", "--nproc", "1", "--out", str(run)]
+    assert main(argv) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["phase_peak_memory_bytes"]) == {"materialise", "steps", "save", "sample"}
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert set(records[0]["phase_peak_memory_bytes"]) == {"materialise", "steps"}
+    assert set(records[-1]["phase_peak_memory_bytes"]) == {"materialise", "steps", "save"}  # saved at 2
+    for r in records:
+        assert all(0 < v <= r["peak_memory_bytes"] for v in r["phase_peak_memory_bytes"].values())
+    # a resume is a phase of its own
+    again = ["train", *TINY, "train.steps=4", "--resume", "auto", "--nproc", "1", "--out", str(run)]
+    assert main(again) == 0
+    assert "load" in json.loads((run / "summary.json").read_text())["phase_peak_memory_bytes"]
