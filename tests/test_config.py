@@ -76,7 +76,11 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
         (["parallel.ep=2"], 2, "expert parallelism needs an MoE model"),
         # not built yet: refused, never accepted and ignored
         (["parallel.cp=2", "parallel.cp_comm=ring2"], 2, "choose one of ring, ulysses, allgather, hybrid"),
-        (["train.sample_every=5"], 1, "samples during training are not built"),
+        (
+            ["train.sample_every=5", "parallel.pp=2", "model.num_hidden_layers=2"],
+            2,
+            "generation under pipeline parallelism is not built",
+        ),
         (["train.compile=true", "parallel.cp=2"], 2, "not with parallel.cp=2; set train.compile=false"),
         (["train.compile=true", "parallel.tp=2"], 2, "not with parallel.tp=2;"),
         (["lora.rank=99999999999"], 1, "lora.rank=99999999999 exceeds model.hidden_size=128"),

@@ -258,7 +258,10 @@ class TrainConfig:
         0, "stop after this step (checkpointed) although train.steps is larger; 0: run to the end"
     )
     seed: int = _f(1234, "seed for weights, data order and dropout; same weights on any layout")
-    sample_every: int = _f(0, "not built yet: must stay 0 (one sample is written at the end of the run)")
+    sample_every: int = _f(0, "a sample every N steps into samples.jsonl (0: only sample.txt at the end)")
+    sample_max_steps: float = _f(
+        2.0, "a sample may take at most this many mean steps' time, then stops early (0: no limit)"
+    )
     sample_prompt: str = _f("def ", "prompt of the generated sample")
 
 

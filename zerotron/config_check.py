@@ -79,6 +79,7 @@ _NON_NEGATIVE = (
     "train.grad_clip",
     "train.exit_step",
     "train.sample_every",
+    "train.sample_max_steps",
     "checkpoint.every",
     "data.max_files",
     "data.max_bytes",
@@ -373,10 +374,10 @@ def _check_built(cfg: Config) -> None:
         )
     if cfg.train.compile:
         _check_compile(cfg)
-    if cfg.train.sample_every:
+    if cfg.train.sample_every and cfg.parallel.pp > 1:
         raise ConfigError(
-            f"train.sample_every={cfg.train.sample_every}: samples during training are not built; the run "
-            "writes one at the end (sample.txt); set train.sample_every=0"
+            f"train.sample_every={cfg.train.sample_every}: generation under pipeline parallelism is not "
+            "built; set train.sample_every=0 (export the run and use zerotron generate)"
         )
 
 

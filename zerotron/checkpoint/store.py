@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from zerotron.models.hf import path_inside
 
@@ -75,14 +77,93 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a safetensors file and fsync it, naming it in the error if it cannot be written."""
+class Deferred:
+    """A flat tensor of ``numel`` elements of ``dtype`` that is produced only when it is written: a
+    range of an offloaded shard or moment, read from host memory or the NVMe file then. A save made of
+    them (:func:`write_tensors`) holds one of them in memory at a time, never the rank's whole state.
+    Slicing (``d[lo:hi]``) gives another one that reads the same and keeps the range."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, produce: Callable[[], torch.Tensor]) -> None:
+        self.shape, self.dtype, self.produce, self.ndim = (numel,), dtype, produce, 1
+
+    def numel(self) -> int:
+        """Elements it will hold."""
+        return self.shape[0]
+
+    def reshape(self, *shape: int) -> Deferred:
+        """Itself (it is flat already): only ``reshape(-1)``."""
+        assert shape in ((-1,), (self.shape[0],)), shape
+        return self
+
+    def __getitem__(self, index: slice) -> Deferred:
+        lo, hi, step = index.indices(self.shape[0])
+        assert step == 1
+        return Deferred(max(hi - lo, 0), self.dtype, lambda: self.produce().reshape(-1)[lo:hi])
+
+    def materialize(self) -> torch.Tensor:
+        """The tensor, checked against the promised shape and dtype."""
+        t = self.produce().reshape(-1)
+        if t.numel() != self.shape[0] or t.dtype != self.dtype:
+            raise CheckpointError(
+                f"a deferred tensor gave {t.dtype} x {t.numel()}, not {self.dtype} x {self.shape[0]}"
+            )
+        return t
+
+
+Storable = torch.Tensor | Deferred
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_tensors(path: Path, tensors: Mapping[str, Storable]) -> None:
+    """Write a safetensors file and fsync it, naming it in the error if it cannot be written.
+
+    The header (names, dtypes, shapes, offsets) is known before any data, so the file is streamed: each
+    tensor is produced (a :class:`Deferred` is read only now), written and dropped before the next, and
+    the write holds one tensor in memory, never the file's worth. The format is safetensors' own (a
+    little-endian header length, the JSON header padded with spaces to 8 bytes, the tensors' bytes in
+    header order); ``safetensors`` reads it like one of its own files."""
+    header: dict[str, Any] = {}
+    at = 0
+    for key in sorted(tensors):
+        t = tensors[key]
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: {key} has dtype {t.dtype}, which safetensors does not store")
+        nbytes = math.prod(t.shape) * t.dtype.itemsize
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [at, at + nbytes],
+        }
+        at += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-    except (SafetensorError, OSError) as e:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for key in sorted(tensors):
+                t = tensors[key]
+                data = t.materialize() if isinstance(t, Deferred) else t.detach()
+                flat = data.reshape(-1).contiguous().cpu()
+                if flat.numel():
+                    f.write(flat.view(torch.uint8).numpy().data)
+                del data, flat
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
         raise CheckpointError(f"{path}: cannot write safetensors ({e})") from e
     os.chmod(path, _FILE_MODE)
-    _fsync_file(path)
 
 
 def write_json(path: Path, data: Any) -> None:

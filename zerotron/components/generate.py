@@ -50,6 +50,7 @@ class GenerateOptions:
     top_p: float = 1.0
     seed: Optional[int] = None  # seeds the sampling generator (None: nondeterministic)
     stop_ids: Optional[list[int]] = None  # ends after emitting one of these (None: the tokenizer's EOS)
+    time_limit_s: Optional[float] = None  # ends after the token that passes this time (None: no limit)
 
     def __post_init__(self) -> None:
         checks = [
@@ -57,6 +58,7 @@ class GenerateOptions:
             ("--temperature", self.temperature, self.temperature >= 0, ">= 0 (0 is greedy)"),
             ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 keeps every token)"),
             ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1 keeps every token)"),
+            ("time limit", self.time_limit_s, self.time_limit_s is None or self.time_limit_s > 0, "> 0 s"),
         ]
         for flag, value, ok, what in checks:
             if not ok or value != value:  # NaN fails every comparison
@@ -87,8 +89,9 @@ def generate(
 
     Returns:
         ``{"ids": new ids (stop id included), "prompt_tokens", "new_tokens", "prefill_s", "decode_s",
-        "prefill_tokens_per_s", "decode_tokens_per_s"}``. Decode covers the steps after the first new
-        token (the prefill produces that one).
+        "prefill_tokens_per_s", "decode_tokens_per_s", "cut"}``. Decode covers the steps after the
+        first new token (the prefill produces that one). ``cut``: the time limit ended it (the group's
+        first rank's clock decides, so every rank stops at the same token).
     """
     max_new_tokens, temperature, top_k, top_p = (
         options.max_new_tokens,
@@ -119,15 +122,17 @@ def generate(
     logits = _whole_logits(model(ids, kv_cache=cache, logits_to_keep=1)[0, -1], tp_group)  # (V,)
     out: list[int] = []
     t1 = time.perf_counter()
+    limit, cut = options.time_limit_s, False
     for _ in range(max_new_tokens):
         token = sample_next(
             logits.cpu() if generator is not None else logits, temperature, top_k, top_p, generator
         )
-        token = _agree(token, agree_group or tp_group, param.device)
+        late = limit is not None and time.perf_counter() - t0 > limit
+        token, cut = _agree(token, late, agree_group or tp_group, param.device)
         out.append(token)
         if on_token is not None:
             on_token(token)
-        if token in stops or len(out) == max_new_tokens:
+        if token in stops or len(out) == max_new_tokens or cut:
             break
         step_input.fill_(token)
         logits = _whole_logits(model(step_input, kv_cache=cache)[0, -1], tp_group)  # (V,)
@@ -142,6 +147,7 @@ def generate(
         "decode_s": decode_s,
         "prefill_tokens_per_s": len(prompt_ids) / prefill_s if prefill_s > 0 else float("inf"),
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 and steps else 0.0,
+        "cut": cut and len(out) < max_new_tokens and out[-1] not in stops,
     }
 
 
@@ -150,13 +156,14 @@ def _whole_logits(logits: torch.Tensor, tp_group: Optional[Group]) -> torch.Tens
     return logits if tp_group is None else gather_last_dim(logits, tp_group)
 
 
-def _agree(token: int, tp_group: Optional[Group], device: torch.device) -> int:
-    """The token chosen by the group's first rank (sampling may differ between ranks)."""
-    if tp_group is None or tp_group.size == 1:
-        return token
-    t = torch.tensor([token], dtype=torch.long, device=device)
-    collectives.broadcast(t, tp_group.ranks[0], tp_group)
-    return int(t)
+def _agree(token: int, late: bool, group: Optional[Group], device: torch.device) -> tuple[int, bool]:
+    """The token chosen by the group's first rank (sampling may differ between ranks) and whether its
+    clock passed the time limit, in one broadcast."""
+    if group is None or group.size == 1:
+        return token, late
+    t = torch.tensor([token, int(late)], dtype=torch.long, device=device)
+    collectives.broadcast(t, group.ranks[0], group)
+    return int(t[0]), bool(t[1])
 
 
 class TextStream:

@@ -94,9 +94,9 @@ class ActivationMeter:
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop the records after ``step`` from ``metrics.jsonl`` (and per-rank files): a resume from the
+    """Drop the records after ``step`` from ``metrics.jsonl`` (and per-rank files, and ``samples.jsonl``): a resume from the
     checkpoint of ``step`` runs the later steps again and their new records replace the abandoned ones."""
-    for path in [run_dir / "metrics.jsonl", *run_dir.glob("metrics.rank*.jsonl")]:
+    for path in [run_dir / "metrics.jsonl", *run_dir.glob("metrics.rank*.jsonl"), run_dir / "samples.jsonl"]:
         if not path.is_file():
             continue
         kept = []

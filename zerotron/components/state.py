@@ -43,7 +43,7 @@ from zerotron.parallel.placement import (
     read_local,
     writes,
 )
-from zerotron.parallel.zero.offload import state_of
+from zerotron.parallel.zero.offload import state_readers
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
 
 
@@ -118,7 +118,7 @@ class RankState:
     zero: ShardedEngine | None = None
 
 
-def _rank_pieces(held: RankState) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+def _rank_pieces(held: RankState) -> tuple[dict[str, store.Storable], list[dict[str, Any]]]:
     """What this rank writes: its tensors by key and their index entries (no communication).
 
     Under ZeRO every data-parallel rank writes its segments (weights and AdamW moments, the ``flat``
@@ -131,13 +131,13 @@ def _rank_pieces(held: RankState) -> tuple[dict[str, torch.Tensor], list[dict[st
     experts an expert-parallel rank holds (every EP rank writes its own experts).
     """
     model, optimizer, mesh, zero = held.model, held.optimizer, held.mesh, held.zero
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, store.Storable] = {}
     entries: list[dict[str, Any]] = []
     records = model_placements(model, mesh.dims.tp, zero)
 
     def add(
-        name: str, kind: str, param: str, data: torch.Tensor, box: tuple[int, ...], flat: Any = None
-    ) -> None:
+        name: str, kind: str, param: str, data: Any, box: tuple[int, ...], flat: Any = None
+    ) -> None:  # data: a tensor, or a store.Deferred read when written
         record = records[param]
         if not writes(record, mesh.coords):
             return
@@ -162,17 +162,19 @@ def _rank_pieces(held: RankState) -> tuple[dict[str, torch.Tensor], list[dict[st
 
     covered: set[str] = zero.names if zero is not None else set()  # a rank may own no range of some
     # hybrid sharding: the first block of data-parallel ranks writes the shards, the others hold copies
-    if zero is not None:
+    if zero is not None:  # each segment's values and moments are read when written, one at a time
         for seg, values in zero.segment_values(written=True):
             box, flat = tuple(seg.global_shape), records[seg.name].flat
-            add(seg.name, "model", seg.name, values, box, flat)
-            state = state_of(optimizer, seg.param)
+            dtype = seg.param.dtype  # the master's, which AdamW's moments share
+            add(seg.name, "model", seg.name, store.Deferred(seg.length, dtype, values), box, flat)
+            state = state_readers(optimizer, seg.param)
             if not state:
                 continue
             for key in ADAM_KEYS:
-                add(f"{seg.name}.{key}", "optimizer", seg.name, state[key].detach().reshape(-1), box, flat)
+                moment = store.Deferred(seg.length, dtype, state[key])
+                add(f"{seg.name}.{key}", "optimizer", seg.name, moment, box, flat)
             if seg.start == 0:
-                add(f"{seg.name}.step", "optimizer", seg.name, torch.as_tensor(state["step"]).float(), ())
+                add(f"{seg.name}.step", "optimizer", seg.name, torch.as_tensor(state["step"]()).float(), ())
 
     def first_replica(param: str) -> bool:  # of the ranks that sum its gradient (dp, dp_cp; edp)
         return mesh.group(records[param].grad_axis).rank_in_group == 0
@@ -249,7 +251,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     world = mesh.group("world")
     collectives.barrier(world)
-    files = {f"rng.rank{mesh.rank}.safetensors": rng_tensors()}  # file name -> tensors
+    files: dict[str, Mapping[str, store.Storable]] = {f"rng.rank{mesh.rank}.safetensors": rng_tensors()}
     json_files: dict[str, Any] = {}
     if tensors:
         shard = f"shard.rank{mesh.rank}.safetensors"
@@ -273,9 +275,13 @@ def save_checkpoint(
     return final
 
 
-def _host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached host copies that training cannot change."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+def _host_copies(tensors: Mapping[str, store.Storable]) -> dict[str, torch.Tensor]:
+    """Detached host copies that training cannot change (a deferred tensor is read now: an asynchronous
+    save holds the rank's pieces in host memory until its thread has written them)."""
+    return {
+        k: (v.materialize() if isinstance(v, store.Deferred) else v.detach()).to("cpu", copy=True)
+        for k, v in tensors.items()
+    }
 
 
 def _check_saved_shape(ckpt: Path, name: str, saved: tuple[int, ...], want: tuple[int, ...]) -> None:

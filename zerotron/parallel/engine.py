@@ -125,9 +125,12 @@ class ShardedEngine(GradientReducer, Protocol):
         """Whole AdamW tensors by parameter name (collective)."""
         ...
 
-    def segment_values(self, written: bool = False) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
-        """Each segment this rank owns with a copy of its weights (``written``: only those it writes to
-        a checkpoint: under hybrid sharding, the first block's)."""
+    def segment_values(
+        self, written: bool = False
+    ) -> Iterator[tuple[ShardSegment, Callable[[], torch.Tensor]]]:
+        """Each segment this rank owns with a reader of a copy of its weights, called when they are
+        wanted (``written``: only those it writes to a checkpoint: under hybrid sharding, the first
+        block's)."""
         ...
 
     def load_optimizer_tensors(

@@ -7,7 +7,6 @@ mesh arithmetic, the tokenizer and the whole data source (tokenised here, once, 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -24,10 +23,8 @@ from zerotron.build.source import make_tokenizer, resolve_model, saved_model_con
 from zerotron.checkpoint import store
 from zerotron.components.adapters import save_run_adapter
 from zerotron.components.data import load_supervised, load_tokens, prepare_tokens
-from zerotron.components.generate import GenerateOptions, generate
-from zerotron.components.loss import autocast
 from zerotron.components.metrics import plot_loss, truncate_metrics
-from zerotron.components.supervised import prepare_supervised, use_template
+from zerotron.components.supervised import prepare_supervised
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_check import validate
 from zerotron.config_deepspeed import from_deepspeed
@@ -45,12 +42,10 @@ from zerotron.distributed.launch import (
 )
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.distributed.watchdog import Watchdog
-from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import Tokenizer
-from zerotron.parallel.context import whole_sequences
-from zerotron.parallel.tensor_generate import sequence_parallel_off
 from zerotron.train import run_dir as run_dir_lock
 from zerotron.train.fault import RankWatchdog
+from zerotron.train.sample import SampleEvery, mean_step_s, write_sample
 from zerotron.train.trainer import Trainer
 
 
@@ -317,7 +312,8 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
         )
         print(f"resumed from {resumed} at step {trainer.step}{moved}", flush=True)
     start = trainer.step
-    history = trainer.fit(keep_open=True)  # the sample runs under the training layout, offload included
+    # the samples run under the training layout, offload included
+    history = trainer.fit(on_step=SampleEvery(rd) if trainer.cfg.train.sample_every else None, keep_open=True)
     try:
         summary: dict[str, Any] = {"rank": rank, "steps": trainer.step - start, "last_step": trainer.step}
         if trainer.stopped:
@@ -327,18 +323,16 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
         if history:
             summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
         if not trainer.stopped:
-            summary.update(_finish(trainer, rd))
+            summary.update(_finish(trainer, rd, history))
         summary["phase_peak_memory_bytes"] = dict(trainer.memory.peaks)
     finally:
         trainer.close()
     return summary
 
 
-def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
-    """Loss plot (rank 0) and a short generated sample, under the training layout (every rank runs it:
-    tensor-parallel shards and ZeRO-3 units gather as in training; nothing is rebuilt whole on one rank).
-    Under pipeline parallelism the sample is skipped with one line (generation across stages is not
-    built)."""
+def _finish(trainer: Trainer, run_dir: Path, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Loss plot (rank 0), the LoRA adapter, and the end-of-run sample under the training layout
+    (:mod:`zerotron.train.sample`, at most ``train.sample_max_steps`` of the run's steps' time)."""
     out: dict[str, Any] = {}
     mesh, cfg = trainer.mesh, trainer.cfg
     metrics = run_dir / "metrics.jsonl"
@@ -348,56 +342,10 @@ def _finish(trainer: Trainer, run_dir: Path) -> dict[str, Any]:
         adapter = save_run_adapter(trainer.model, mesh, trainer.zero, cfg, run_dir / "adapter")
         if adapter is not None:
             out["adapter"] = str(adapter)
-    if not isinstance(trainer.model, LlamaForCausalLM):  # this rank holds pipeline stages
-        if mesh.rank == 0:
-            print(
-                "zerotron: no sample.txt: generation under pipeline parallelism is not built; export the "
-                f"run (zerotron convert {run_dir} OUT) and run zerotron generate OUT",
-                flush=True,
-            )
-        return out
-    tokenizer = make_tokenizer(cfg)
-    prompt = cfg.train.sample_prompt
-    if cfg.data.format != "pretrain":  # a fine-tuned chat model: the prompt is a user turn
-        use_template(tokenizer, cfg.data.template)
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
-    model = trainer.model
-    model.eval()
-    tp = mesh.group("tp")
-    # every cp rank generates the same whole sequence; sequence parallelism cannot split one token; under
-    # bf16/fp16 the model runs as in training (autocast: frozen fp32 parts beside 16-bit trained ones)
-    device = next(model.parameters()).device
-    with (
-        trainer.memory.phase("sample"),
-        torch.no_grad(),
-        whole_sequences(model),
-        sequence_parallel_off(model),
-        autocast(device, cfg.train.precision),
-        eager_blocks(cfg.train.compile),
-    ):
-        result = generate(
-            model,
-            tokenizer,
-            tokenizer.encode(prompt),
-            GenerateOptions(max_new_tokens=120, temperature=0.8, top_k=40, seed=cfg.train.seed),
-            tp_group=tp if tp.size > 1 else None,
-            agree_group=mesh.group("world"),
-        )
-    if mesh.rank == 0:
-        out["sample"] = prompt + tokenizer.decode(list(result["ids"]))
-        (run_dir / "sample.txt").write_text(out["sample"], encoding="utf-8")
+    text = write_sample(trainer, run_dir, mean_step_s(history))
+    if text is not None and mesh.rank == 0:
+        out["sample"] = text
     return out
-
-
-def eager_blocks(compiled: bool) -> contextlib.AbstractContextManager[object]:
-    """Run compiled blocks eagerly inside (``train.compile``): generation's growing KV cache would
-    otherwise recompile a block for every new length."""
-    if not compiled:
-        return contextlib.nullcontext()
-    stance: contextlib.AbstractContextManager[object] = torch.compiler.set_stance("force_eager")
-    return stance
 
 
 @dataclass(frozen=True)

@@ -375,6 +375,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         state["step"] = torch.tensor(float(self.steps))
         return state
 
+    def segment_readers(self, param: torch.Tensor) -> dict[str, Any] | None:
+        """:meth:`segment_state` as readers, each moment's part read when its reader is called."""
+        if self.steps == 0 or id(param) not in self._where:
+            return None
+        i, seg = self._where[id(param)]
+        readers: dict[str, Any] = {
+            k: (lambda k=k: self.moments[k].read(i, seg.at, seg.length)) for k in MOMENTS
+        }
+        readers["step"] = lambda steps=self.steps: torch.tensor(float(steps))
+        return readers
+
     def set_segment_state(self, param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Store one segment's part of each moment and the step count (checkpoint load)."""
         i, seg = self._where[id(param)]
@@ -409,6 +420,17 @@ def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str,
     if isinstance(optimizer, OffloadAdamW):
         return optimizer.segment_state(param)
     return optimizer.state.get(param)
+
+
+def state_readers(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any] | None:
+    """``param``'s AdamW state as readers called when the values are wanted (each moment's part read
+    alone from host memory or the NVMe file under optimizer offload); None before the first step."""
+    if isinstance(optimizer, OffloadAdamW):
+        return optimizer.segment_readers(param)
+    state = optimizer.state.get(param)
+    if not state:
+        return None
+    return {k: (lambda v=v: v) for k, v in state.items()}
 
 
 def set_state_of(optimizer: torch.optim.Optimizer, param: nn.Parameter, state: dict[str, Any]) -> None:

@@ -350,14 +350,17 @@ class _ShardedBuckets(SyncGate):
         """Whole AdamW tensors by parameter name (collective over dp)."""
         return gather_optimizer_state(self.layouts, self.segments, optimizer)
 
-    def segment_values(self, written: bool = False) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
-        """Each segment this rank owns with a copy of its current weights ``(length,)`` (no communication);
-        ``written``: only those it writes to a checkpoint (under hybrid sharding, the first block's)."""
+    def segment_values(
+        self, written: bool = False
+    ) -> Iterator[tuple[ShardSegment, Callable[[], torch.Tensor]]]:
+        """Each segment this rank owns with a reader of a copy of its current weights ``(length,)``
+        (no communication); ``written``: only those it writes to a checkpoint (under hybrid sharding,
+        the first block's)."""
         for layout, segs in zip(self.layouts, self.segments):
             if written and not first_replica(layout.group, self.replica):
                 continue
             for seg in segs:
-                yield seg, seg.param.detach().clone()
+                yield seg, _copy_reader(seg.param)
 
     def load_optimizer_tensors(
         self, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]
@@ -459,3 +462,8 @@ class ZeroStage2(_ShardedBuckets):
 
     def _grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grad_shards if g is not None)
+
+
+def _copy_reader(param: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A reader of a copy of ``param``'s values at the time it is called."""
+    return lambda: param.detach().clone()

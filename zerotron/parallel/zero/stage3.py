@@ -468,17 +468,19 @@ class ZeroStage3:
             unit.write_shard(values)
         self.after_step()
 
-    def segment_values(self, written: bool = False) -> Iterator[tuple[ShardSegment, torch.Tensor]]:
-        """Each segment this rank owns with its master weights ``(length,)``, read from wherever the shard
-        lives (device, host memory or NVMe file, one unit in memory at a time); no communication.
-        ``written``: only those it writes to a checkpoint (under hybrid sharding, the first block's)."""
+    def segment_values(
+        self, written: bool = False
+    ) -> Iterator[tuple[ShardSegment, Callable[[], torch.Tensor]]]:
+        """Each segment this rank owns with a reader of its master weights ``(length,)``, called when the
+        values are wanted: it reads the segment's range alone from wherever the shard lives (device, host
+        memory or NVMe file), so a checkpoint written segment by segment holds one segment in memory at
+        a time; no communication. ``written``: only those it writes to a checkpoint (under hybrid
+        sharding, the first block's)."""
         for unit in self.units:
             if written and (unit.derived or not first_replica(unit.layout.group, self.replica)):
                 continue
-            shard = unit.load_master() if unit.store is not None else unit.shard
             for seg in unit.segments:
-                yield seg, shard[seg.at : seg.at + seg.length].detach().clone()
-            unit._evict()
+                yield seg, _segment_reader(unit, seg)
 
     def load_optimizer_tensors(
         self, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]
@@ -498,3 +500,11 @@ def _flatten(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
         return [x for item in obj.values() for x in _flatten(item)]
     return [obj]
+
+
+def _segment_reader(unit: Any, seg: ShardSegment) -> Callable[[], torch.Tensor]:
+    """A reader of ``seg``'s master values: its range of the offloaded master (read alone from host
+    memory or the NVMe file), or a copy of its range of the device shard."""
+    if unit.store is not None:
+        return lambda: unit.store.read(unit.index, seg.at, seg.length)
+    return lambda: unit.shard[seg.at : seg.at + seg.length].detach().clone()
