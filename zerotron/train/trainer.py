@@ -74,7 +74,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + mesh.rank // mesh.dims.tp)
         self.memory = MemoryPhases(self.device)  # peak memory per phase: materialise, steps, save, sample
         self.memory.begin()
-        with return_freed_host_memory():
+        offloaded = cfg.parallel.offload_params != "none" or cfg.parallel.offload_optimizer != "none"
+        with return_freed_host_memory(offloaded):
             built = build(cfg, self.device, mesh, train=True)
             assert built.data_parallel is not None
             self.model, dp = built.model, built.data_parallel
