@@ -238,6 +238,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     return max(_EARLIER_PEAK, _high_water(device))
 
 
+def _resident(device: torch.device) -> int:
+    """What the process holds now: CUDA's allocated bytes, or its resident set (``VmRSS``)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _reset_high_water(device: torch.device) -> bool:
     """Start a new high-water mark (keeping the old one in ``_EARLIER_PEAK``); False where the system
     cannot (the peak then stays the process's)."""
@@ -264,6 +276,7 @@ class MemoryPhases:
         self.device = device
         self.peaks: dict[str, int] = {}
         self.exact = True
+        self.at_start = _resident(device)  # what the process held before the run's first phase
 
     def begin(self) -> None:
         """A phase begins now."""
@@ -285,7 +298,7 @@ class MemoryPhases:
 
 
 @contextlib.contextmanager
-def return_freed_host_memory(offloaded: bool = False) -> Iterator[None]:
+def return_freed_host_memory(nvme: bool = False) -> Iterator[None]:
     """While the model is materialised, have glibc give freed tensors back to the OS at once.
 
     By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB) and
@@ -295,14 +308,15 @@ def return_freed_host_memory(offloaded: bool = False) -> Iterator[None]:
     1 MiB; on leaving, the heap is trimmed (``malloc_trim``) and the threshold set to 4 MiB for
     training: 1 MiB there (every tensor of 1 MiB or more mapped afresh) cost about 30% more CPU time per
     step on benchmarks/zero.py's model, and 32 MiB (glibc's ceiling) let ZeRO-3's working set fragment
-    the heap by 180 MiB in tests/test_memory_scale.py. ``offloaded`` (ZeRO offload to host memory or
-    NVMe): training keeps 1 MiB, and heap tops above 1 MiB are trimmed, as I/O threads read and free
-    segment-sized windows (1-4 MiB) in arenas of their own: at 4 MiB a ZeRO-3 + NVMe run at dp 2 grew
-    its step peak by 1045 MiB from 2 to 24 layers of hidden 1024 (0.97x the added fp32 weights), its
-    save peak by 564 MiB and its sample's by 525 MiB; at 1 MiB by 528, -30 and -32 MiB (BENCHMARKS.md).
-    Offloaded steps wait on copies and disk far longer than on the page faults of fresh mappings. An
-    explicit ``MALLOC_MMAP_THRESHOLD_`` in the environment is left alone; elsewhere than glibc this
-    does nothing.
+    the heap by 180 MiB in tests/test_memory_scale.py. ``nvme`` (ZeRO offload to NVMe): training keeps
+    64 KiB, and heap tops above 1 MiB are trimmed: I/O threads read and free segment-sized windows (a
+    few KiB to a few MiB) in arenas of their own, which fragment. At 4 MiB a ZeRO-3 + NVMe run at dp 2
+    grew its step peak by 0.97x the added fp32 weights from 2 to 24 layers of hidden 1024 (its save
+    peak by 0.52x, its sample's by 0.49x); at 1 MiB by 0.54x, flat, flat, but at hidden 512 (smaller
+    segments) by 0.87x, 0.47x, 0.48x from 4 to 24 layers; at 64 KiB see BENCHMARKS.md. The steps,
+    waiting on the disk, were not slower (14.4-17.0 s against 16.5-17.5 s at 1 MiB). Offload to host
+    memory keeps 4 MiB (its steps are not measured at 64 KiB). An explicit ``MALLOC_MMAP_THRESHOLD_``
+    in the environment is left alone; elsewhere than glibc this does nothing.
     """
     import ctypes
     import os
@@ -322,8 +336,8 @@ def return_freed_host_memory(offloaded: bool = False) -> Iterator[None]:
     finally:
         if libc is not None:
             libc.malloc_trim(0)
-            libc.mallopt(-3, (1 if offloaded else 4) << 20)  # M_MMAP_THRESHOLD
-            if offloaded:
+            libc.mallopt(-3, 64 << 10 if nvme else 4 << 20)  # M_MMAP_THRESHOLD
+            if nvme:
                 libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
 
 

@@ -325,6 +325,7 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
         if not trainer.stopped:
             summary.update(_finish(trainer, rd, history))
         summary["phase_peak_memory_bytes"] = dict(trainer.memory.peaks)
+        summary["memory_at_start_bytes"] = trainer.memory.at_start
     finally:
         trainer.close()
     return summary

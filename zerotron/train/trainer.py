@@ -74,8 +74,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + mesh.rank // mesh.dims.tp)
         self.memory = MemoryPhases(self.device)  # peak memory per phase: materialise, steps, save, sample
         self.memory.begin()
-        offloaded = cfg.parallel.offload_params != "none" or cfg.parallel.offload_optimizer != "none"
-        with return_freed_host_memory(offloaded):
+        nvme = "nvme" in (cfg.parallel.offload_params, cfg.parallel.offload_optimizer)
+        with return_freed_host_memory(nvme):
             built = build(cfg, self.device, mesh, train=True)
             assert built.data_parallel is not None
             self.model, dp = built.model, built.data_parallel
@@ -350,6 +350,7 @@ class Trainer:
                 with self.memory.phase("steps"):
                     record = self.train_step()
                 record["phase_peak_memory_bytes"] = dict(self.memory.peaks)
+                record["peak_memory_bytes"] = peak_memory_bytes(self.device)  # the step's end included
                 history.append(record)
                 writer.write(record)
                 progress.update(record)
