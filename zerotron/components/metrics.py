@@ -310,10 +310,10 @@ def return_freed_host_memory(nvme: bool = False) -> Iterator[None]:
     step on benchmarks/zero.py's model, and 32 MiB (glibc's ceiling) let ZeRO-3's working set fragment
     the heap by 180 MiB in tests/test_memory_scale.py. ``nvme`` (ZeRO offload to NVMe): training keeps
     64 KiB, and heap tops above 1 MiB are trimmed: I/O threads read and free segment-sized windows (a
-    few KiB to a few MiB) in arenas of their own, which fragment. At 4 MiB a ZeRO-3 + NVMe run at dp 2
-    grew its step peak by 0.97x the added fp32 weights from 2 to 24 layers of hidden 1024 (its save
-    peak by 0.52x, its sample's by 0.49x); at 1 MiB by 0.54x, flat, flat, but at hidden 512 (smaller
-    segments) by 0.87x, 0.47x, 0.48x from 4 to 24 layers; at 64 KiB see BENCHMARKS.md. The steps,
+    few KiB to a few MiB) in arenas of their own, which fragment. At 4 MiB (and before saves streamed)
+    a ZeRO-3 + NVMe run at dp 2 grew its step peak by 1.13x the added fp32 weights from 2 to 24 layers
+    of hidden 1024; at 1 MiB by 0.63x, but at hidden 512 (smaller segments) by 0.87x from 4 to 24
+    layers; at 64 KiB by 0.61x at hidden 1024 and within 0.6x at hidden 512 (BENCHMARKS.md). The steps,
     waiting on the disk, were not slower (14.4-17.0 s against 16.5-17.5 s at 1 MiB). Offload to host
     memory keeps 4 MiB (its steps are not measured at 64 KiB). An explicit ``MALLOC_MMAP_THRESHOLD_``
     in the environment is left alone; elsewhere than glibc this does nothing.
