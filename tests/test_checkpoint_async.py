@@ -34,6 +34,14 @@ from zerotron.train import run as train_run
 from zerotron.train.trainer import Trainer
 
 
+def _values(trainer: Trainer) -> list[torch.Tensor]:
+    """What this rank updates (ZeRO: its segments, read from wherever they live: an offloaded
+    segment's parameter has no storage between uses)."""
+    if trainer.zero is not None:
+        return [read() for _, read in trainer.zero.segment_values()]
+    return [p.detach().clone() for p in trainer.params]
+
+
 def _same_state_sync_and_async(overrides: list[str], run_dir: str) -> dict:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
@@ -43,7 +51,7 @@ def _same_state_sync_and_async(overrides: list[str], run_dir: str) -> dict:
         trainer.train_step()
     trainer.ckpt_root = Path(run_dir) / "sync"
     trainer.save()
-    before = [p.detach().clone() for p in trainer.params]  # what this rank updates (ZeRO: its shard)
+    before = _values(trainer)
 
     # Hold every file write of the thread back until the next step has changed weights and moments.
     gate, original = threading.Event(), store.write_tensors
@@ -58,7 +66,7 @@ def _same_state_sync_and_async(overrides: list[str], run_dir: str) -> dict:
     trainer.ckpt_writer = CheckpointWriter(rank, world)
     trainer.save()
     trainer.train_step()
-    moved = any(not torch.equal(p, old) for p, old in zip(trainer.params, before))
+    moved = any(not torch.equal(now, old) for now, old in zip(_values(trainer), before))
     gate.set()
     trainer.wait_for_checkpoint()
     collectives.barrier(mesh.group("world"))
@@ -74,11 +82,26 @@ def _same_state_sync_and_async(overrides: list[str], run_dir: str) -> dict:
     }
 
 
+NVME = ["parallel.zero=3", "parallel.offload_params=nvme", "parallel.offload_optimizer=nvme"]
+
+
 @pytest.mark.parametrize(
-    "layout", [["parallel.dp=2"], ["parallel.dp=2", "parallel.zero=3"]], ids=["dp2", "dp2-zero3"]
+    "layout",
+    [["parallel.dp=2"], ["parallel.dp=2", "parallel.zero=3"], ["parallel.dp=2", *NVME]],
+    ids=["dp2", "dp2-zero3", "dp2-zero3-nvme"],
 )
 def test_async_save_writes_the_bytes_of_a_sync_save(layout: list[str], tmp_path: Path) -> None:
-    overrides = [*BASE, "train.micro_batch=2", "parallel.persist_numel=64", *layout]
+    """Under NVMe offload the thread reads snapshots of the offload files, which the held-back write
+    reads after the next step has rewritten the live files."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    overrides = [
+        *BASE,
+        "train.micro_batch=2",
+        "parallel.persist_numel=64",
+        *layout,
+        f"parallel.nvme_path={nvme}",
+    ]
     results = run_distributed(_same_state_sync_and_async, 2, overrides, str(tmp_path), timeout=240)
     assert all(r["moved"] for r in results), "the step after the save must change the weights"
     r = results[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_inputs import TINY
+from tests.test_inputs import TINY, _one_line_error
+from zerotron.build.builder import load_model
 from zerotron.checkpoint import store
 from zerotron.cli import main
+from zerotron.models.loading import ModelLoadError
 from zerotron.parallel.zero import offload
 
 
@@ -32,14 +35,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt = run / "checkpoints" / "step_00000002"
     assert main(["convert", str(ckpt), str(root / "hf")]) == 0
     return ckpt
-
-
-def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
 
 
 def _rehash(ckpt: Path) -> None:
@@ -71,12 +66,22 @@ def _readers(ckpt: Path, tmp_path: Path) -> list[list[str]]:
     ]
 
 
+def _refused(path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], expected: str) -> None:
+    """Every reader refuses ``path`` in one line containing ``expected``: the command lines, and the
+    loader ``zerotron serve`` builds its engine from."""
+    for argv in _readers(path, tmp_path):
+        assert expected in _one_line_error(capsys, argv)
+    with pytest.raises((store.CheckpointError, ModelLoadError), match=re.escape(expected)):
+        load_model(str(path), torch.float32, "cpu")
+
+
 def _point_pieces_at(ckpt: Path, name: str) -> None:
+    """Every piece of the one-rank checkpoint lies in ``name`` (it was all in shard.rank0)."""
+
     def edit(index: Any) -> None:
         for meta in index["tensors"].values():
             for p in meta["pieces"]:
-                if p["file"] == "shard.rank0.safetensors":
-                    p["file"] = name
+                p["file"] = name
 
     _edit_json(ckpt / "index.json", edit)
 
@@ -88,12 +93,10 @@ def test_index_pieces_must_stay_inside_the_folder(
     shutil.copy(ckpt / "shard.rank0.safetensors", tmp_path / "elsewhere.safetensors")
     _point_pieces_at(ckpt, "../elsewhere.safetensors")
     _rehash(ckpt)  # the index is vouched for; the file it names is not in the folder
-    for argv in _readers(ckpt, tmp_path):
-        assert "'../elsewhere.safetensors' lies outside" in _one_line_error(capsys, argv)
+    _refused(ckpt, tmp_path, capsys, "'../elsewhere.safetensors' lies outside")
     _point_pieces_at(ckpt, str(tmp_path / "elsewhere.safetensors"))  # an absolute path
     _rehash(ckpt)
-    for argv in _readers(ckpt, tmp_path):
-        assert "lies outside" in _one_line_error(capsys, argv)
+    _refused(ckpt, tmp_path, capsys, "lies outside")
 
 
 def test_a_manifest_cannot_vouch_for_a_file_outside_the_folder(
@@ -101,23 +104,17 @@ def test_a_manifest_cannot_vouch_for_a_file_outside_the_folder(
 ) -> None:
     ckpt = _copy(saved, tmp_path)
     os.replace(ckpt / "shard.rank0.safetensors", tmp_path / "elsewhere.safetensors")
-    _point_pieces_at(ckpt, "../elsewhere.safetensors")
-    _edit_json(
-        ckpt / "manifest.json",
-        lambda m: m["files"].update({"../elsewhere.safetensors": m["files"].pop("shard.rank0.safetensors")}),
-    )
-    _rehash(ckpt)  # every checksum right: only the path gives it away
-    for argv in _readers(ckpt, tmp_path):
-        assert "'../elsewhere.safetensors' lies outside" in _one_line_error(capsys, argv)
     (ckpt / "link.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")  # a link out
-    _point_pieces_at(ckpt, "link.safetensors")
-    _edit_json(
-        ckpt / "manifest.json",
-        lambda m: m["files"].update({"link.safetensors": m["files"].pop("../elsewhere.safetensors")}),
-    )
-    _rehash(ckpt)
-    for argv in _readers(ckpt, tmp_path):
-        assert "'link.safetensors' lies outside" in _one_line_error(capsys, argv)
+    listed = "shard.rank0.safetensors"
+    for name in ("../elsewhere.safetensors", "link.safetensors"):
+        _point_pieces_at(ckpt, name)
+        _edit_json(
+            ckpt / "manifest.json",
+            lambda m, name=name, old=listed: m["files"].update({name: m["files"].pop(old)}),
+        )
+        listed = name
+        _rehash(ckpt)  # every checksum right: only the path gives it away
+        _refused(ckpt, tmp_path, capsys, f"'{name}' lies outside")
 
 
 def test_hf_index_shards_must_stay_inside_the_directory(
@@ -135,8 +132,7 @@ def test_hf_index_shards_must_stay_inside_the_directory(
         keys = list(f.keys())
     index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "../elsewhere.safetensors")}
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
-    for argv in _readers(model, tmp_path):
-        assert "shard '../elsewhere.safetensors' lies outside" in _one_line_error(capsys, argv)
+    _refused(model, tmp_path, capsys, "shard '../elsewhere.safetensors' lies outside")
 
 
 def test_every_file_a_reader_opens_is_checked_against_the_manifest(
@@ -146,8 +142,7 @@ def test_every_file_a_reader_opens_is_checked_against_the_manifest(
     text = (ckpt / "trainer.json").read_text()
     assert '"step": 2' in text
     (ckpt / "trainer.json").write_text(text.replace('"step": 2', '"step": 3'))  # same size, other bytes
-    for argv in _readers(ckpt, tmp_path):
-        assert "trainer.json: checksum mismatch" in _one_line_error(capsys, argv)
+    _refused(ckpt, tmp_path, capsys, "trainer.json: checksum mismatch")
     shutil.copy(saved / "trainer.json", ckpt / "trainer.json")
     data = bytearray((ckpt / "shard.rank0.safetensors").read_bytes())
     data[-1] ^= 1  # the last byte of the last tensor: the file still parses
@@ -156,8 +151,7 @@ def test_every_file_a_reader_opens_is_checked_against_the_manifest(
 
     with pytest.raises(store.CheckpointError, match=r"shard.rank0.safetensors: checksum mismatch"):
         read_model_tensors(ckpt)  # a reader given no manifest reads the folder's own
-    for argv in _readers(ckpt, tmp_path):
-        assert "shard.rank0.safetensors: checksum mismatch" in _one_line_error(capsys, argv)
+    _refused(ckpt, tmp_path, capsys, "shard.rank0.safetensors: checksum mismatch")
 
 
 def test_shapes_are_checked_before_anything_is_allocated(
@@ -179,10 +173,7 @@ def test_shapes_are_checked_before_anything_is_allocated(
 
     _edit_json(ckpt / "index.json", shift)
     _rehash(ckpt)
-    for argv in _readers(ckpt, tmp_path):
-        assert "'norm.weight': a piece's box [32] at [1099511627776] lies outside" in _one_line_error(
-            capsys, argv
-        )
+    _refused(ckpt, tmp_path, capsys, "'norm.weight': a piece's box [32] at [1099511627776] lies outside")
 
 
 def _self_source(trainer: Any, ckpt: Path) -> None:
@@ -224,8 +215,7 @@ def test_malformed_metadata_is_one_line(
     _edit_json(path, edit)
     if path.name != "manifest.json":
         _rehash(ckpt)
-    for argv in _readers(ckpt, tmp_path):
-        assert expected in _one_line_error(capsys, argv)
+    _refused(ckpt, tmp_path, capsys, expected)
 
 
 def test_hf_config_with_zero_heads_is_one_line(

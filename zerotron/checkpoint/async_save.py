@@ -1,7 +1,9 @@
 """Asynchronous checkpoint writing (``checkpoint.async_save=true``): files on a thread, training goes on.
 
 The training step is blocked only while the state is gathered (collectives, on the main thread) and
-copied into host memory; a :class:`CheckpointWriter` then writes this rank's files into the temporary
+copied into host memory (offloaded NVMe state is not: each store's file is snapshotted on disk by the
+kernel and the thread reads its ranges from the snapshot, one at a time); a :class:`CheckpointWriter`
+then writes this rank's files into the temporary
 folder on a background thread, with the same fsyncs as a synchronous save. No collective runs on the
 thread: instead of the barrier of a synchronous save, each rank leaves a marker file when its files are
 on disk (:func:`zerotron.checkpoint.store.mark_written`), and the thread of the publishing rank (rank 0)
@@ -18,10 +20,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from zerotron.checkpoint import store
 
@@ -47,12 +48,15 @@ class CheckpointWriter:
         self,
         root: Path,
         step: int,
-        tensors: dict[str, dict[str, torch.Tensor]],
+        tensors: Mapping[str, Mapping[str, store.Storable]],
         json_files: dict[str, Any],
         keep: int,
+        cleanup: Sequence[Callable[[], None]] = (),
     ) -> None:
-        """Write ``tensors`` (file name -> host tensors that nobody changes any more) and ``json_files``
-        into the temporary folder of ``step`` on a thread; rank 0 then publishes it, keeping ``keep``.
+        """Write ``tensors`` (file name -> host tensors, or deferred reads of snapshots, that nobody
+        changes any more) and ``json_files`` into the temporary folder of ``step`` on a thread; rank 0
+        then publishes it, keeping ``keep``. ``cleanup`` runs on the thread once the files are written
+        (removing the snapshots they were read from), whether or not the write succeeded.
 
         The folder must exist (created before a barrier on the main thread). Waits for the previous write.
         """
@@ -60,7 +64,7 @@ class CheckpointWriter:
         self._give_up_at = time.monotonic() + PUBLISH_TIMEOUT_S
         self._thread = threading.Thread(
             target=self._write,
-            args=(root, step, tensors, json_files, keep),
+            args=(root, step, tensors, json_files, keep, cleanup),
             name=f"zerotron-checkpoint-{step}",
             daemon=True,  # a killed run leaves an unpublished folder, never a half-published one
         )
@@ -70,14 +74,19 @@ class CheckpointWriter:
         self,
         root: Path,
         step: int,
-        tensors: dict[str, dict[str, torch.Tensor]],
+        tensors: Mapping[str, Mapping[str, store.Storable]],
         json_files: dict[str, Any],
         keep: int,
+        cleanup: Sequence[Callable[[], None]],
     ) -> None:
         try:
             tmp = store.temp_dir(root, step)
-            for name, named in tensors.items():
-                store.write_tensors(tmp / name, named)
+            try:
+                for name, named in tensors.items():
+                    store.write_tensors(tmp / name, named)
+            finally:
+                for release in cleanup:
+                    release()
             for name, data in json_files.items():
                 store.write_json(tmp / name, data)
             store.record_checksums(tmp, self.rank, [*tensors, *json_files])

@@ -81,10 +81,15 @@ class Deferred:
     """A flat tensor of ``numel`` elements of ``dtype`` that is produced only when it is written: a
     range of an offloaded shard or moment, read from host memory or the NVMe file then. A save made of
     them (:func:`write_tensors`) holds one of them in memory at a time, never the rank's whole state.
-    Slicing (``d[lo:hi]``) gives another one that reads the same and keeps the range."""
+    Slicing (``d[lo:hi]``) gives another one that reads the same and keeps the range (a reader with
+    ``narrow``, a :class:`~zerotron.parallel.zero.offload.StoreRange`, reads only that range).
+    ``stable``: what it reads does not change any more (a snapshot), so an asynchronous save may read
+    it on its thread."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, produce: Callable[[], torch.Tensor]) -> None:
-        self.shape, self.dtype, self.produce, self.ndim = (numel,), dtype, produce, 1
+    def __init__(
+        self, numel: int, dtype: torch.dtype, produce: Callable[[], torch.Tensor], stable: bool = False
+    ) -> None:
+        self.shape, self.dtype, self.produce, self.ndim, self.stable = (numel,), dtype, produce, 1, stable
 
     def numel(self) -> int:
         """Elements it will hold."""
@@ -98,7 +103,10 @@ class Deferred:
     def __getitem__(self, index: slice) -> Deferred:
         lo, hi, step = index.indices(self.shape[0])
         assert step == 1
-        return Deferred(max(hi - lo, 0), self.dtype, lambda: self.produce().reshape(-1)[lo:hi])
+        hi = max(hi, lo)
+        narrow = getattr(self.produce, "narrow", None)
+        produce = narrow(lo, hi) if narrow is not None else (lambda: self.produce().reshape(-1)[lo:hi])
+        return Deferred(hi - lo, self.dtype, produce, self.stable)
 
     def materialize(self) -> torch.Tensor:
         """The tensor, checked against the promised shape and dtype."""

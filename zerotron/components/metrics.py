@@ -212,17 +212,23 @@ def plot_loss(metrics_path: Path, out_path: Path) -> None:
 _EARLIER_PEAK = 0  # the high-water mark before the last reset (MemoryPhases): the process's peak so far
 
 
+def _status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (``VmHWM``, ``VmRSS``) in bytes; None off Linux."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def _high_water(device: torch.device) -> int:
     """The peak since the last reset: CUDA's max allocated bytes, or the process's peak RSS."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    from pathlib import Path
-
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
@@ -242,12 +248,7 @@ def _resident(device: torch.device) -> int:
     """What the process holds now: CUDA's allocated bytes, or its resident set (``VmRSS``)."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS") or 0
 
 
 def _reset_high_water(device: torch.device) -> bool:

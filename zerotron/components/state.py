@@ -43,7 +43,7 @@ from zerotron.parallel.placement import (
     read_local,
     writes,
 )
-from zerotron.parallel.zero.offload import state_readers
+from zerotron.parallel.zero.offload import ShardStore, StoreRange, state_readers
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
 
 
@@ -261,7 +261,10 @@ def save_checkpoint(
         json_files["trainer.json"] = copy.deepcopy(trainer_state)
     final = root / store.step_dir_name(step)
     if writer is not None:
-        writer.submit(root, step, {n: _host_copies(t) for n, t in files.items()}, json_files, keep)
+        snapshots: dict[int, ShardStore] = {}
+        held_files = {n: _held_for_thread(t, snapshots) for n, t in files.items()}
+        cleanup = [snap.close for snap in snapshots.values()]
+        writer.submit(root, step, held_files, json_files, keep, cleanup)
         return final
     for name, named in files.items():
         store.write_tensors(tmp / name, named)
@@ -275,13 +278,25 @@ def save_checkpoint(
     return final
 
 
-def _host_copies(tensors: Mapping[str, store.Storable]) -> dict[str, torch.Tensor]:
-    """Detached host copies that training cannot change (a deferred tensor is read now: an asynchronous
-    save holds the rank's pieces in host memory until its thread has written them)."""
-    return {
-        k: (v.materialize() if isinstance(v, store.Deferred) else v.detach()).to("cpu", copy=True)
-        for k, v in tensors.items()
-    }
+def _held_for_thread(
+    tensors: Mapping[str, store.Storable], snapshots: dict[int, ShardStore]
+) -> dict[str, store.Storable]:
+    """What an asynchronous save's thread may read while training goes on: detached host copies, and
+    for ranges of NVMe stores (offloaded shards and moments) the same ranges of a snapshot of each
+    store's file (one per store, copied on disk by the kernel, in ``snapshots``), so that the rank's
+    offloaded state never passes through host memory whole."""
+    out: dict[str, store.Storable] = {}
+    for k, v in tensors.items():
+        source = v.produce if isinstance(v, store.Deferred) else None
+        if isinstance(v, store.Deferred) and isinstance(source, StoreRange) and not source.store.resident:
+            if id(source.store) not in snapshots:
+                snapshots[id(source.store)] = source.store.snapshot()
+            out[k] = store.Deferred(v.numel(), v.dtype, source.on(snapshots[id(source.store)]), stable=True)
+        elif isinstance(v, store.Deferred):
+            out[k] = v.materialize().to("cpu", copy=True)
+        else:
+            out[k] = v.detach().to("cpu", copy=True)
+    return out
 
 
 def _check_saved_shape(ckpt: Path, name: str, saved: tuple[int, ...], want: tuple[int, ...]) -> None:

@@ -96,7 +96,7 @@ class ShardStore:
         rank: int,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.sizes, self.kind, self.where, self.dtype = list(sizes), kind, where, dtype
+        self.sizes, self.kind, self.where, self.dtype, self.rank = list(sizes), kind, where, dtype, rank
         self.itemsize = dtype.itemsize
         self.offsets = [sum(self.sizes[:i]) * self.itemsize for i in range(len(self.sizes))]
         self.numel = sum(self.sizes)
@@ -174,11 +174,48 @@ class ShardStore:
         while done < len(data):
             done += os.pwrite(self._fd, data[done:], offset + done)
 
+    def snapshot(self) -> ShardStore:
+        """A copy of an NVMe store's file as it is now, in a private file beside it, read like the store
+        (an asynchronous checkpoint reads it on its thread while training changes the store); the copy
+        is made by the kernel (``copy_file_range``), not through host memory. :meth:`close` removes it."""
+        assert self.path is not None, "only an NVMe store has a file to snapshot"
+        copy = object.__new__(ShardStore)
+        copy.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
+        copy.tensors, copy.bytes_read = [], 0
+        copy.path, copy._fd = _private_file(str(self.path.parent.parent), self.rank, f"{self.kind}-snapshot")
+        total, done = self.numel * self.itemsize, 0
+        while done < total:
+            sent = os.copy_file_range(self._fd, copy._fd, total - done, done, done)
+            if sent <= 0:
+                raise OSError(f"{self.path}: short copy at byte {done}")
+            done += sent
+        copy._finalizer = weakref.finalize(copy, _remove, copy._fd, str(copy.path))
+        return copy
+
     def close(self) -> None:
         """Remove the file (NVMe) or drop the host tensors."""
         if self.path is not None:
             self._finalizer()
         self.tensors = []
+
+
+class StoreRange:
+    """A reader of elements ``[start, start + length)`` of bucket ``index`` of a :class:`ShardStore`,
+    called when the values are wanted (a checkpoint's writer); :meth:`on` points it at a snapshot."""
+
+    def __init__(self, store: ShardStore, index: int, start: int, length: int) -> None:
+        self.store, self.index, self.start, self.length = store, index, start, length
+
+    def __call__(self) -> torch.Tensor:
+        return self.store.read(self.index, self.start, self.length)
+
+    def narrow(self, lo: int, hi: int) -> StoreRange:
+        """The reader of elements ``[lo, hi)`` of this range."""
+        return StoreRange(self.store, self.index, self.start + lo, hi - lo)
+
+    def on(self, store: ShardStore) -> StoreRange:
+        """The same range of another store of the same layout (a snapshot)."""
+        return StoreRange(store, self.index, self.start, self.length)
 
 
 class Bucket(Protocol):
@@ -380,9 +417,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self.steps == 0 or id(param) not in self._where:
             return None
         i, seg = self._where[id(param)]
-        readers: dict[str, Any] = {
-            k: (lambda k=k: self.moments[k].read(i, seg.at, seg.length)) for k in MOMENTS
-        }
+        readers: dict[str, Any] = {k: StoreRange(self.moments[k], i, seg.at, seg.length) for k in MOMENTS}
         readers["step"] = lambda steps=self.steps: torch.tensor(float(steps))
         return readers
 

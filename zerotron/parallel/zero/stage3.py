@@ -46,7 +46,7 @@ from zerotron.parallel.zero.flat import (
     segment_grads,
     showing,
 )
-from zerotron.parallel.zero.offload import ShardStore
+from zerotron.parallel.zero.offload import ShardStore, StoreRange
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
     load_optimizer_state,
@@ -506,5 +506,5 @@ def _segment_reader(unit: Any, seg: ShardSegment) -> Callable[[], torch.Tensor]:
     """A reader of ``seg``'s master values: its range of the offloaded master (read alone from host
     memory or the NVMe file), or a copy of its range of the device shard."""
     if unit.store is not None:
-        return lambda: unit.store.read(unit.index, seg.at, seg.length)
+        return StoreRange(unit.store, unit.index, seg.at, seg.length)
     return lambda: unit.shard[seg.at : seg.at + seg.length].detach().clone()
