@@ -260,9 +260,11 @@ class TrainConfig:
     seed: int = _f(1234, "seed for weights, data order and dropout; same weights on any layout")
     sample_every: int = _f(0, "a sample every N steps into samples.jsonl (0: only sample.txt at the end)")
     sample_max_steps: float = _f(
-        2.0, "a sample may take at most this many mean steps' time, then stops early (0: no limit)"
+        -1.0,
+        "a sample may take at most this many mean steps' time, then stops early (0: no limit; -1: 2 when "
+        "parallel.offload_params is set, where each new token reads every layer from its store, else none)",
     )
-    sample_prompt: str = _f("def ", "prompt of the generated sample")
+    sample_prompt: str = _f("def ", "prompt of the generated sample (not empty)")
 
 
 @dataclass

@@ -79,7 +79,6 @@ _NON_NEGATIVE = (
     "train.grad_clip",
     "train.exit_step",
     "train.sample_every",
-    "train.sample_max_steps",
     "checkpoint.every",
     "data.max_files",
     "data.max_bytes",
@@ -374,6 +373,12 @@ def _check_built(cfg: Config) -> None:
         )
     if cfg.train.compile:
         _check_compile(cfg)
+    if cfg.train.sample_max_steps < 0 and cfg.train.sample_max_steps != -1:
+        raise ConfigError(
+            f"train.sample_max_steps={cfg.train.sample_max_steps} must be >= 0 (0: no limit), or -1 for the default"
+        )
+    if not cfg.train.sample_prompt:
+        raise ConfigError("train.sample_prompt is empty: a sample needs at least one character to continue")
     if cfg.train.sample_every and cfg.parallel.pp > 1:
         raise ConfigError(
             f"train.sample_every={cfg.train.sample_every}: generation under pipeline parallelism is not "

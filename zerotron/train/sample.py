@@ -4,8 +4,9 @@ with ``train.sample_every``, one every N steps into ``samples.jsonl``.
 Every rank runs the sample: tensor-parallel shards and ZeRO-3 units gather as in training (under
 parameter offload each unit is read once for the whole prompt, whose KV is cached, and once per new
 token); nothing is rebuilt whole on one rank. A sample may cost at most ``train.sample_max_steps``
-times the run's mean step time: past it, generation ends after the token in flight (every rank at the
-same token, on the first rank's clock) and one line says so. Under pipeline parallelism there is no
+times the run's mean step time (by default 2 under parameter offload, unbounded otherwise): past it,
+generation ends after the token in flight (every rank at the same token, on the first rank's clock)
+and one line says so. Under pipeline parallelism there is no
 sample (generation across stages is not built), said in one line.
 """
 
@@ -37,6 +38,20 @@ def mean_step_s(history: list[dict[str, Any]]) -> float | None:
     return sum(times) / len(times) if times else None
 
 
+def allowed_steps(max_steps: float, offload_params: str) -> float:
+    """``train.sample_max_steps`` resolved: -1 is 2 under parameter offload (where every new token reads
+    every layer from its store), else 0 (no limit)."""
+    if max_steps < 0:
+        return 2.0 if offload_params != "none" else 0.0
+    return max_steps
+
+
+def sample_limit_s(max_steps: float, offload_params: str, step_s: float | None) -> float | None:
+    """Seconds a sample may take (:func:`allowed_steps` mean steps), None for no limit or no steps."""
+    steps = allowed_steps(max_steps, offload_params)
+    return steps * step_s if steps and step_s else None
+
+
 def can_sample(trainer: Trainer) -> bool:
     """Whether this rank holds a whole model to generate with (not pipeline stages)."""
     return isinstance(trainer.model, LlamaForCausalLM)
@@ -44,7 +59,7 @@ def can_sample(trainer: Trainer) -> bool:
 
 def sample(trainer: Trainer, step_s: float | None) -> tuple[str, dict[str, Any]]:
     """The prompt and its continuation under the training layout, and :func:`generate`'s result; at
-    most ``train.sample_max_steps * step_s`` seconds (no limit when either is 0 or None)."""
+    most :func:`sample_limit_s` seconds."""
     cfg, mesh = trainer.cfg, trainer.mesh
     tokenizer = make_tokenizer(cfg)
     prompt = cfg.train.sample_prompt
@@ -53,7 +68,7 @@ def sample(trainer: Trainer, step_s: float | None) -> tuple[str, dict[str, Any]]
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
-    limit = cfg.train.sample_max_steps * step_s if cfg.train.sample_max_steps and step_s else None
+    limit = sample_limit_s(cfg.train.sample_max_steps, cfg.parallel.offload_params, step_s)
     model = trainer.model
     assert isinstance(model, LlamaForCausalLM)  # can_sample: not pipeline stages
     was_training = model.training
@@ -89,10 +104,14 @@ def sample(trainer: Trainer, step_s: float | None) -> tuple[str, dict[str, Any]]
         model.train(was_training)
     if result["cut"] and mesh.rank == 0:
         per_token = (result["prefill_s"] + result["decode_s"]) / max(result["new_tokens"], 1)
+        why = (
+            "; under parameter offload each token reads every layer"
+            if cfg.parallel.offload_params != "none"
+            else ""
+        )
         print(
             f"zerotron: sample cut at {result['new_tokens']} of {SAMPLE_TOKENS} tokens: it reached "
-            f"train.sample_max_steps={cfg.train.sample_max_steps:g} steps' time ({per_token:.2f} s a token; "
-            "under parameter offload each token reads every layer)",
+            f"{allowed_steps(cfg.train.sample_max_steps, cfg.parallel.offload_params):g} mean steps' time (train.sample_max_steps; {per_token:.2f} s a token{why})",
             flush=True,
         )
     return prompt + tokenizer.decode(list(result["ids"])), result
