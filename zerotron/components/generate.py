@@ -93,12 +93,8 @@ def generate(
         first new token (the prefill produces that one). ``cut``: the time limit ended it (the group's
         first rank's clock decides, so every rank stops at the same token).
     """
-    max_new_tokens, temperature, top_k, top_p = (
-        options.max_new_tokens,
-        options.temperature,
-        options.top_k,
-        options.top_p,
-    )
+    max_new_tokens, temperature = options.max_new_tokens, options.temperature
+    top_k, top_p = options.top_k, options.top_p
     seed, stop_ids = options.seed, options.stop_ids
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty; give at least one token (e.g. BOS)")
