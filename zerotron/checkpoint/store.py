@@ -82,14 +82,10 @@ class Deferred:
     range of an offloaded shard or moment, read from host memory or the NVMe file then. A save made of
     them (:func:`write_tensors`) holds one of them in memory at a time, never the rank's whole state.
     Slicing (``d[lo:hi]``) gives another one that reads the same and keeps the range (a reader with
-    ``narrow``, a :class:`~zerotron.parallel.zero.offload.StoreRange`, reads only that range).
-    ``stable``: what it reads does not change any more (a snapshot), so an asynchronous save may read
-    it on its thread."""
+    ``narrow``, a :class:`~zerotron.parallel.zero.offload.StoreRange`, reads only that range)."""
 
-    def __init__(
-        self, numel: int, dtype: torch.dtype, produce: Callable[[], torch.Tensor], stable: bool = False
-    ) -> None:
-        self.shape, self.dtype, self.produce, self.ndim, self.stable = (numel,), dtype, produce, 1, stable
+    def __init__(self, numel: int, dtype: torch.dtype, produce: Callable[[], torch.Tensor]) -> None:
+        self.shape, self.dtype, self.produce, self.ndim = (numel,), dtype, produce, 1
 
     def numel(self) -> int:
         """Elements it will hold."""
@@ -106,7 +102,7 @@ class Deferred:
         hi = max(hi, lo)
         narrow = getattr(self.produce, "narrow", None)
         produce = narrow(lo, hi) if narrow is not None else (lambda: self.produce().reshape(-1)[lo:hi])
-        return Deferred(hi - lo, self.dtype, produce, self.stable)
+        return Deferred(hi - lo, self.dtype, produce)
 
     def materialize(self) -> torch.Tensor:
         """The tensor, checked against the promised shape and dtype."""

@@ -287,15 +287,16 @@ def _held_for_thread(
     offloaded state never passes through host memory whole."""
     out: dict[str, store.Storable] = {}
     for k, v in tensors.items():
-        source = v.produce if isinstance(v, store.Deferred) else None
-        if isinstance(v, store.Deferred) and isinstance(source, StoreRange) and not source.store.resident:
+        if not isinstance(v, store.Deferred):
+            out[k] = v.detach().to("cpu", copy=True)
+            continue
+        source = v.produce
+        if isinstance(source, StoreRange) and not source.store.resident:
             if id(source.store) not in snapshots:
                 snapshots[id(source.store)] = source.store.snapshot()
-            out[k] = store.Deferred(v.numel(), v.dtype, source.on(snapshots[id(source.store)]), stable=True)
-        elif isinstance(v, store.Deferred):
-            out[k] = v.materialize().to("cpu", copy=True)
+            out[k] = store.Deferred(v.numel(), v.dtype, source.on(snapshots[id(source.store)]))
         else:
-            out[k] = v.detach().to("cpu", copy=True)
+            out[k] = v.materialize().to("cpu", copy=True)
     return out
 
 

@@ -6,8 +6,8 @@ parameter offload each unit is read once for the whole prompt, whose KV is cache
 token); nothing is rebuilt whole on one rank. A sample may cost at most ``train.sample_max_steps``
 times the run's mean step time (by default 2 under parameter offload, unbounded otherwise): past it,
 generation ends after the token in flight (every rank at the same token, on the first rank's clock)
-and one line says so. Under pipeline parallelism there is no
-sample (generation across stages is not built), said in one line.
+and one line says so. Under pipeline parallelism there is no sample (generation across stages is not
+built), said in one line.
 """
 
 from __future__ import annotations

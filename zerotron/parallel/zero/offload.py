@@ -405,12 +405,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def segment_state(self, param: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The AdamW state of one segment (its part of each moment, and the step), None before any step
         and for a parameter it does not step (a frozen base's, which has no optimizer state)."""
-        if self.steps == 0 or id(param) not in self._where:
-            return None
-        i, seg = self._where[id(param)]
-        state = {k: self.moments[k].read(i, seg.at, seg.length) for k in MOMENTS}
-        state["step"] = torch.tensor(float(self.steps))
-        return state
+        readers = self.segment_readers(param)
+        return None if readers is None else {k: read() for k, read in readers.items()}
 
     def segment_readers(self, param: torch.Tensor) -> dict[str, Any] | None:
         """:meth:`segment_state` as readers, each moment's part read when its reader is called."""
