@@ -121,6 +121,26 @@ LAYOUTS_2 += [  # ZeRO-3 under mixed precision: 16-bit working weights (a 16-bit
     ["parallel.zero=3", "train.precision=fp16", "train.recompute=full", "model.mlp=plain"],
     ["parallel.zero=3", "train.precision=bf16", "model.tie_word_embeddings=false"],
 ]
+LAYOUTS_2 += [  # ZeRO++'s quantised collectives (short blocks: several per shard, the last one partial)
+    ["parallel.zero=3", "parallel.zero_quantized_weights=true", "parallel.zero_quantized_weight_block=128"],
+    [
+        "parallel.zero=3",
+        "train.precision=bf16",
+        "parallel.zero_quantized_weights=true",
+        "parallel.zero_quantized_gradients=true",
+        "parallel.zero_quantized_gradient_bits=4",
+        "parallel.zero_quantized_weight_block=100",
+        "parallel.zero_quantized_gradient_block=50",
+    ],
+    ["parallel.zero=1", "parallel.zero_quantized_gradients=true", "parallel.bucket_mb=0.05"],
+    [
+        "parallel.zero=2",
+        "parallel.zero_quantized_gradients=true",
+        "parallel.zero_quantized_gradient_bits=4",
+        "train.precision=bf16",
+        "parallel.zero_quantized_gradient_block=333",
+    ],
+]
 LAYOUTS_2 += [  # offload: what stays on the device, and the host / NVMe bytes (offloaded_state_bytes)
     ["parallel.zero=1", "parallel.offload_optimizer=cpu"],
     ["parallel.zero=2", "parallel.offload_optimizer=cpu", "parallel.bucket_mb=0.03"],

@@ -212,6 +212,24 @@ class ParallelConfig:
         "dtype gradients are reduced in over the data-parallel group: fp32, or bf16 (half the bytes; "
         "ZeRO-2/3 still accumulate the reduced shards in fp32)",
     )
+    zero_quantized_weights: bool = _f(
+        False,
+        "ZeRO-3 (ZeRO++'s qwZ): all-gathers send the working weights as block int8 (one fp32 maximum per "
+        "zero_quantized_weight_block elements), about a quarter of fp32's bytes; the masters stay exact",
+    )
+    zero_quantized_gradients: bool = _f(
+        False,
+        "ZeRO-1/2/3 (ZeRO++'s qgZ): gradient reduce-scatters send block-quantised gradients by all-to-all "
+        "(zero_quantized_gradient_bits, one fp32 maximum per zero_quantized_gradient_block elements), "
+        "dequantised and summed in fp32 by the receiving rank",
+    )
+    zero_quantized_gradient_bits: int = _f(8, "zero_quantized_gradients: 8 (int8) or 4 (int4) bits")
+    zero_quantized_weight_block: int = _f(2048, "zero_quantized_weights: elements per int8 block")
+    zero_quantized_gradient_block: int = _f(
+        128,
+        "zero_quantized_gradients: elements per block (gradients are heavy-tailed: long blocks round their "
+        "small values to zero; 2048 cost the default job 1.5% of loss at int8, 128 none)",
+    )
     backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
 
 

@@ -45,6 +45,7 @@ _CHOICES = {
     "data.truncation": ("delete", "left", "right"),
     "data.on_error": ("fatal", "skip"),
     "lora.base_bits": (0, 4),
+    "parallel.zero_quantized_gradient_bits": (8, 4),
     "log.progress": ("auto", "bar", "lines", "none"),
 }
 _MODEL_POSITIVE = (
@@ -267,6 +268,19 @@ def _check_zero(cfg: Config, world_size: int) -> None:
         )
     if "nvme" in (p.offload_optimizer, p.offload_params):
         _check_nvme_path(p.nvme_path)
+    if p.zero_quantized_weights and p.zero != 3:
+        raise ConfigError(
+            f"parallel.zero_quantized_weights=true quantises ZeRO-3's weight all-gathers (qwZ), and "
+            f"parallel.zero={p.zero} gathers no weights per step: set parallel.zero=3 or turn it off"
+        )
+    if p.zero_quantized_gradients and p.zero == 0:
+        raise ConfigError(
+            "parallel.zero_quantized_gradients=true quantises ZeRO's gradient reduce-scatters (qgZ); "
+            "data parallelism (parallel.zero=0) all-reduces them: set parallel.zero to 1, 2 or 3"
+        )
+    for key in ("zero_quantized_weight_block", "zero_quantized_gradient_block"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)}: give 1 element or more (e.g. 128)")
     try:
         dp = layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
     except layout.LayoutError as e:

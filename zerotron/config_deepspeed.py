@@ -331,6 +331,11 @@ def _map_zero(ds: dict[str, Any], m: _Mapper) -> None:
             m.no_effect(ds_key, value, "a partition of 1 is plain ZeRO-3")
         elif key in ("zero_quantized_weights", "zero_quantized_gradients") and value is False:
             m.no_effect(ds_key, value, "off")
+        elif key == "zero_quantized_weights" and value is True:
+            m.set(ds_key, value, "parallel.zero_quantized_weights", True, " (qwZ: int8 blocks)")
+        elif key == "zero_quantized_gradients" and value is True:
+            m.set(ds_key, value, "parallel.zero_quantized_gradients", True)
+            m.set(ds_key, value, "parallel.zero_quantized_gradient_bits", 4, " (qgZ sends int4 gradients)")
         else:
             m.refused.append(f"{ds_key}={value!r}")
 

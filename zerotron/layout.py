@@ -286,6 +286,19 @@ def check(spec: LayoutSpec) -> None:
     _check_hybrid(spec)
 
 
+def quantized_bytes(numel: int, block: int, bits: int) -> int:
+    """Bytes a quantised collective sends for ``numel`` values (ZeRO++'s qwZ/qgZ wire format,
+    :mod:`zerotron.distributed.quantize`): one fp32 maximum per block of ``block`` values and the codes,
+    a byte each at 8 bits, two to a byte at 4."""
+    codes = numel if bits == 8 else -(-numel // 2)
+    return 4 * -(-numel // block) + codes
+
+
+def quantized_wire(block: int, bits: int) -> float:
+    """Bytes per value of a quantised collective on a long buffer (:func:`quantized_bytes` per value)."""
+    return bits / 8 + 4 / block
+
+
 def hybrid(dp: int, zero: int, shard_size: int) -> bool:
     """Whether ZeRO shards over groups of ``shard_size`` data-parallel ranks and replicates across them
     (hybrid sharding: ``parallel.zero_shard_size`` set, smaller than dp)."""

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from zerotron.distributed import quantize
+
 if TYPE_CHECKING:
     from zerotron.distributed.mesh import Group
 
@@ -333,6 +335,103 @@ def all_gather(
     return _run(
         group, entry, lambda a: dist.all_gather(targets, input.reshape(-1), group.pg, a), async_op, finish
     )
+
+
+class _Then:
+    """A handle that runs ``then`` once ``inner`` is done (the dequantisation of a compressed op)."""
+
+    def __init__(self, group: Group, inner: Pending | _NoWork | None, then: Any) -> None:
+        self.group, self.inner, self.then, self.done = group, inner, then, False
+
+    def wait(self) -> bool:
+        """Wait for the collective, then dequantise what arrived."""
+        if not self.done:
+            if self.inner is not None:
+                self.inner.wait()
+            self.then()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (the dequantisation runs on :meth:`wait`)."""
+        return self.done or self.inner is None or self.inner.is_completed()
+
+
+def all_gather_quantized(
+    output: torch.Tensor, input: torch.Tensor, group: Group, block: int, async_op: bool = False
+) -> _Then | _NoWork | None:
+    """:func:`all_gather` of block-quantised int8 values (ZeRO++'s qwZ): each rank sends its ``input``
+    as :func:`~zerotron.distributed.quantize.pack` makes it (one fp32 maximum per ``block`` elements,
+    counted from the start of its shard, and one byte per element), and ``output`` receives every rank's
+    values dequantised into its dtype. Counted as the all-gather of those bytes. A group of one rank
+    sends nothing and quantises nothing."""
+    n = group.size
+    if output.numel() != n * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()}")
+    if n == 1:
+        output.copy_(input.reshape(output.shape))
+        return _NoWork() if async_op else None
+    numel = input.numel()
+    record = quantize.pack(input.reshape(-1), block, 8)
+    arrived = torch.empty(n * record.numel(), dtype=torch.uint8, device=input.device)
+    inner = all_gather(arrived, record, group, async_op=async_op)
+
+    def then() -> None:
+        rows = arrived.view(n, -1)
+        parts = output.view(n, numel)
+        for r in range(n):
+            parts[r].copy_(quantize.unpack(rows[r], numel, block, 8))
+
+    handle = _Then(group, inner, then)
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
+
+
+def reduce_scatter_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    block: int,
+    bits: int,
+    op: str = "sum",
+    async_op: bool = False,
+) -> _Then | _NoWork | None:
+    """:func:`reduce_scatter` as ZeRO++'s qgZ does it: each rank block-quantises the chunk of ``input``
+    meant for each rank (int8 or int4, ``bits``; blocks counted from each chunk's start), sends it by
+    :func:`all_to_all`, and sums what arrives dequantised, in fp32 and rank order, into ``output``.
+    One level (every rank to every rank): the hierarchical form that first reduces inside a node is not
+    built. Counted as the all-to-all of the quantised bytes. ``output`` may be a view of ``input``."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter op {op!r} must be 'sum' or 'avg'")
+    n = group.size
+    if input.numel() != n * output.numel():
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}"
+        )
+    if n == 1:
+        output.copy_(input.reshape(output.shape))
+        return _NoWork() if async_op else None
+    numel = output.numel()
+    chunks = input.reshape(n, numel)
+    send = torch.stack([quantize.pack(chunks[r], block, bits) for r in range(n)])
+    arrived = torch.empty_like(send)
+    inner = all_to_all(arrived, send, group, async_op=async_op)
+
+    def then() -> None:
+        total = torch.zeros(numel, dtype=torch.float32, device=output.device)
+        for r in range(n):
+            total.add_(quantize.unpack(arrived[r], numel, block, bits))
+        if op == "avg":
+            total.div_(n)
+        output.copy_(total.view(output.shape))
+
+    handle = _Then(group, inner, then)
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
 
 
 def _is_unsupported(cause: BaseException | None) -> bool:

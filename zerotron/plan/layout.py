@@ -43,6 +43,11 @@ class Layout(shared.HoldsDims):
     reshard_after_forward: bool = (
         True  # ZeRO-3: free each unit after its forward (gathered again in backward)
     )
+    zero_quantized_weights: bool = False  # ZeRO-3's gathers send block int8 weights (qwZ)
+    zero_quantized_gradients: bool = False  # gradient reduce-scatters send block-quantised values (qgZ)
+    zero_quantized_gradient_bits: int = 8
+    zero_quantized_weight_block: int = 2048
+    zero_quantized_gradient_block: int = 128
     kernels: str = "fused"  # element-wise kernels: "fused" (Megatron, TE) or "eager" (one per operation)
     pp_scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Megatron), or all of it
 
@@ -112,6 +117,11 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         pp_layers=tuple(int(n) for n in getattr(p, "pp_layers", None) or ()) or None,
         grad_reduce_dtype=p.grad_reduce_dtype,
         reshard_after_forward=p.reshard_after_forward,
+        zero_quantized_weights=p.zero_quantized_weights,
+        zero_quantized_gradients=p.zero_quantized_gradients,
+        zero_quantized_gradient_bits=p.zero_quantized_gradient_bits,
+        zero_quantized_weight_block=p.zero_quantized_weight_block,
+        zero_quantized_gradient_block=p.zero_quantized_gradient_block,
         kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)
     )
     _check_model(cfg.model)

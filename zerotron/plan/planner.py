@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zerotron.config import Config
-from zerotron.layout import hybrid_block
+from zerotron.layout import hybrid_block, quantized_wire
 from zerotron.plan import activations as act
 from zerotron.plan import memory as mem
 from zerotron.plan import timing
@@ -440,13 +440,22 @@ def step_times(
     dense = sp.elements - sp.expert_elements
     # cp folded into the data-parallel group: the dp·cp ranks of a (pp, tp) place
     folded = timing.DataGroup.of(layout, data_ranks(layout), layout.tp * layout.pp)
-    grads, params = dense * grad_wire, dense * param_wire
+    # ZeRO++: quantised gathers (ZeRO-3) and gradient reductions send int8/int4 blocks
+    gather_wire: float = param_wire
+    reduce_wire: float = grad_wire
+    if layout.zero_quantized_weights and layout.zero == 3:
+        gather_wire = quantized_wire(layout.zero_quantized_weight_block, 8)
+    if layout.zero_quantized_gradients and layout.zero >= 1:
+        reduce_wire = quantized_wire(
+            layout.zero_quantized_gradient_block, layout.zero_quantized_gradient_bits
+        )
+    grads, params = dense * reduce_wire, dense * gather_wire
     layers_ = max(1, sp.layers)
     times.update(timing.data_parallel_time(layout, hw, folded, grads, params, t_compute, n_mb, layers_))
     shard = -(-dense // zero_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
         replicas = timing.DataGroup.of(layout, expert_dp(layout))
-        grads, params = sp.expert_elements * grad_wire, sp.expert_elements * param_wire
+        grads, params = sp.expert_elements * reduce_wire, sp.expert_elements * gather_wire
         expert_times = timing.data_parallel_time(
             layout, hw, replicas, grads, params, t_compute, n_mb, layers_
         )

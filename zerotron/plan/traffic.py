@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zerotron.layout import quantized_bytes
 from zerotron.plan.layout import Layout
 from zerotron.plan.memory import _buckets, _zero3_units
 from zerotron.plan.model import ParamList
@@ -29,6 +30,11 @@ def engine_dp_bytes(
     sharded unit in forward and again in backward (``reshard_after_forward``; without it the units stay
     gathered from forward to backward: once per micro-batch) and reduce-scatters every unit per
     micro-batch, and gathers the persistent unit after the step.
+
+    ZeRO++ (``layout.zero_quantized_*``): a quantised gather sends each rank's shard as
+    :func:`~zerotron.layout.quantized_bytes` (int8 plus one fp32 maximum per block; the persistent
+    unit's gather after the step too), a quantised gradient reduction sends each
+    rank's chunk for every other rank the same way at ``bits``, counted as an all-to-all.
     """
     ordered = params.ordered()
     zero, bucket_mb, reshard_after_forward = layout.zero, layout.bucket_mb, layout.reshard_after_forward
@@ -41,6 +47,20 @@ def engine_dp_bytes(
     def padded(numels: list[int]) -> int:
         return -(-sum(numels) // n) * n
 
+    block, bits = layout.zero_quantized_gradient_block, layout.zero_quantized_gradient_bits
+
+    def gather(u: list[int]) -> int:  # a sharded unit's all-gather (int8 blocks under qwZ)
+        if layout.zero_quantized_weights:
+            return part(n * quantized_bytes(padded(u) // n, layout.zero_quantized_weight_block, 8), n)
+        return part(padded(u) * working_bytes, n)
+
+    def reduce(u: list[int]) -> int:  # a gradient reduction (an all-to-all of blocks under qgZ)
+        if layout.zero_quantized_gradients:
+            return part(n * quantized_bytes(padded(u) // n, block, bits), n)
+        return part(padded(u) * reduce_bytes, n)
+
+    reduce_op = "all_to_all" if layout.zero_quantized_gradients else "reduce_scatter"
+
     if n == 1 and replicas == 1:
         return {}
     out: dict[str, dict[str, int]] = {}
@@ -52,7 +72,7 @@ def engine_dp_bytes(
         units = _buckets(ordered, 4, bucket_mb)
         reduces = 1 if zero == 1 else micro_batches
         out[dp] = {
-            "reduce_scatter": reduces * sum(part(padded(u) * reduce_bytes, n) for u in units),
+            reduce_op: reduces * sum(reduce(u) for u in units),
             "all_gather": sum(part(padded(u) * working_bytes, n) for u in units),
         }
     else:
@@ -60,13 +80,10 @@ def engine_dp_bytes(
         persistent = units[-1] if units and min(units[-1]) < persist_numel else []
         sharded = units[:-1] if persistent else units
         passes = 2 if reshard_after_forward else 1
-        gathers = micro_batches * passes * sum(part(padded(u) * working_bytes, n) for u in sharded)
+        gathers = micro_batches * passes * sum(gather(u) for u in sharded)
         if persistent:
-            gathers += part(padded(persistent) * working_bytes, n)
-        out[dp] = {
-            "all_gather": gathers,
-            "reduce_scatter": micro_batches * sum(part(padded(u) * reduce_bytes, n) for u in units),
-        }
+            gathers += gather(persistent)
+        out[dp] = {"all_gather": gathers, reduce_op: micro_batches * sum(reduce(u) for u in units)}
     if replicas > 1:
         shards = sum(padded(u) // n for u in units)
         out["dp_rep"] = {"all_reduce": 2 * part(shards * reduce_bytes, replicas)}

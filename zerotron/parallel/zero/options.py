@@ -27,6 +27,11 @@ class ZeroOptions:
     nvme_path: str | None = None  # the directory of NVMe offload files
     working_dtype: torch.dtype | None = None  # 16-bit working weights under mixed precision (None: fp32)
     reduce_dtype: torch.dtype | None = None  # what gradients are reduced in (None: their own)
+    quantized_weights: bool = False  # ZeRO-3: all-gathers send block int8 weights (ZeRO++'s qwZ)
+    quantized_gradients: bool = False  # reduce-scatters send block int8/int4 gradients (qgZ)
+    gradient_bits: int = 8  # qgZ: 8 or 4
+    weight_block: int = 2048  # qwZ: elements per int8 block (one fp32 maximum each)
+    gradient_block: int = 128  # qgZ: elements per block
 
     def __post_init__(self) -> None:
         checks = [
@@ -40,6 +45,14 @@ class ZeroOptions:
                 self.offload_params == "none" or self.stage == 3,
                 "parameters are offloaded as ZeRO-3 shards: set parallel.zero=3",
             ),
+            (
+                "zero_quantized_weights",
+                not self.quantized_weights or self.stage == 3,
+                "quantised weight gathers are ZeRO-3's (qwZ): set parallel.zero=3",
+            ),
+            ("zero_quantized_gradient_bits", self.gradient_bits in (4, 8), "choose 8 or 4"),
+            ("zero_quantized_weight_block", self.weight_block >= 1, "give 1 element or more"),
+            ("zero_quantized_gradient_block", self.gradient_block >= 1, "give 1 element or more"),
         ]
         for key, ok, fix in checks:
             if not ok:
@@ -63,7 +76,23 @@ class ZeroOptions:
         parallelism, see :func:`~zerotron.parallel.zero.api.zero_sharding`)."""
         same = ("bucket_mb", "persist_numel", "reshard_after_forward", "offload_params", "offload_optimizer")
         named = {key: getattr(parallel, key) for key in (*same, "nvme_path")}
-        return cls(stage=stage, working_dtype=working_dtype, reduce_dtype=reduce_dtype, **named)
+        return cls(
+            stage=stage,
+            working_dtype=working_dtype,
+            reduce_dtype=reduce_dtype,
+            quantized_weights=parallel.zero_quantized_weights,
+            quantized_gradients=parallel.zero_quantized_gradients,
+            gradient_bits=parallel.zero_quantized_gradient_bits,
+            weight_block=parallel.zero_quantized_weight_block,
+            gradient_block=parallel.zero_quantized_gradient_block,
+            **named,
+        )
 
 
-_FIELD = {"zero": "stage"}
+_FIELD = {
+    "zero": "stage",
+    "zero_quantized_weights": "quantized_weights",
+    "zero_quantized_gradient_bits": "gradient_bits",
+    "zero_quantized_weight_block": "weight_block",
+    "zero_quantized_gradient_block": "gradient_block",
+}

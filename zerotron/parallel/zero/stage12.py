@@ -35,6 +35,7 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import SyncGate, bucketed_by_group, grad_or_zeros, unique_named_params
+from zerotron.parallel.zero.compress import reduce_grads
 from zerotron.parallel.zero.flat import (
     FlatLayout,
     Replicas,
@@ -69,6 +70,7 @@ class _ShardedBuckets(SyncGate):
         replica: Replicas | None = None,
     ) -> None:
         self.reduce_dtype = options.reduce_dtype  # what gradients travel in (parallel.grad_reduce_dtype)
+        self.options = options
         self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
         working_dtype, bucket_mb = options.working_dtype, options.bucket_mb
         self.mixed = working_dtype is not None and working_dtype != torch.float32
@@ -218,9 +220,7 @@ class _ShardedBuckets(SyncGate):
             self._pending[i].append((work, send))
         else:  # ``send`` is this step's own buffer (flattened, accumulated or cast): the reduction may use it
             out = self._reduce_into(i, send)
-            work = collectives.reduce_scatter(
-                out, send, layout.group, op="sum", async_op=True, overwrite_input=True
-            )
+            work = reduce_grads(out, send, layout.group, self.options)
             self._pending[i].append((work, out))
         self._ready[i], self._launched[i] = 0, True
 

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.tensor import attach_grad_sums
+from zerotron.parallel.zero.compress import gather_weights, reduce_grads
 from zerotron.parallel.zero.flat import (
     FlatLayout,
     Replicas,
@@ -140,7 +140,9 @@ class ZeroStage3:
             self.master_store or self.store,  # where the fp32 master lives
             self.store if self.master_store is not None else None,  # its 16-bit host copy
             self.copy_stream,
+            options.weight_block if options.quantized_weights else 0,
         )
+        self.options = options
         for i, (owner, layout, frozen) in enumerate(runs):
             unit = Unit(layout, owner is None, i, frozen, home)
             self.units.append(unit)
@@ -166,6 +168,8 @@ class ZeroStage3:
         attach_grad_sums(model)  # a model materialised here: its tensor-parallel gradient sums
         for unit in self.order:
             unit.free()
+        if options.quantized_weights:  # the persistent unit's working weights as its gathers make them
+            self.after_step()
 
     # -- what the trainer's optimizer sees ---------------------------------------------------------------
     @property
@@ -268,7 +272,7 @@ class ZeroStage3:
             slot.param.grad = None
         self._land(unit)  # an earlier micro-batch's reduction lands first
         out = torch.empty(layout.shard, dtype=flat_grad.dtype, device=flat_grad.device)
-        work = collectives.reduce_scatter(out, flat_grad, layout.group, async_op=True, overwrite_input=True)
+        work = reduce_grads(out, flat_grad, layout.group, self.options)
         unit.pending.append((work, out))  # flat_grad is this call's own buffer: the reduction may use it
         unit.ready, unit.reduced = 0, True
         unit.free()
@@ -353,10 +357,11 @@ class ZeroStage3:
         self._in_backward = False
 
     def after_step(self) -> None:
-        """The persistent unit is gathered again from its updated shard; sharded units wait for use."""
+        """The persistent unit is gathered again from its updated shard (in int8 blocks under qwZ, as
+        every gather of weights); sharded units wait for use."""
         for unit in self.units:
             if unit.persistent:
-                collectives.all_gather(unit.flat, unit.working_shard(), unit.layout.group)
+                gather_weights(unit.flat, unit.working_shard(), unit.layout.group, unit.quant_block)
 
     def zero_grad(self) -> None:
         """Drop every gradient."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.distributed import collectives
+from zerotron.parallel.zero.compress import gather_weights
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat
 from zerotron.parallel.zero.offload import ShardStore
 
@@ -23,8 +23,9 @@ class UnitHome:
     """What every unit of a ZeRO-3 engine shares: ``fill`` (the values of a meta-device model's
     parameters, by name; None: the parameters hold theirs), the ``device`` of the gathered buffers, the
     ``working`` dtype they hold, and under parameter offload the ``store`` of the fp32 master shards,
-    the ``working_store`` of their 16-bit host copies (mixed precision) and the side stream the host
-    copies run on (``copy_stream``, on a GPU)."""
+    the ``working_store`` of their 16-bit host copies (mixed precision), the side stream the host
+    copies run on (``copy_stream``, on a GPU) and, under qwZ, the ``quant_block`` of the gathers'
+    int8 blocks (:mod:`zerotron.parallel.zero.compress`)."""
 
     fill: Fill | None = None
     device: torch.device | str = "cpu"
@@ -32,6 +33,7 @@ class UnitHome:
     store: ShardStore | None = None
     working_store: ShardStore | None = None
     copy_stream: Any = None
+    quant_block: int = 0  # qwZ: the gathers send block int8 weights (0: as they are)
 
 
 class Unit:
@@ -54,6 +56,7 @@ class Unit:
         store, fill, device = home.store, home.fill, home.device
         working, copy_stream, working_store = home.working, home.copy_stream, home.working_store
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
+        self.quant_block = home.quant_block
         # parameter offload on a GPU: the side stream of the host -> device copy and the gather
         self.copy_stream = copy_stream if store is not None else None
         self.copied: Any = None  # the side stream's event after this unit's copy and gather
@@ -134,7 +137,7 @@ class Unit:
         side = self.copy_stream
         if side is None:
             self.staged = self.working_shard()
-            self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
+            self.gathering = self._gather(self.staged)
             return
         # An offloaded shard on a GPU: the host -> device copy and the gather run on the side stream,
         # after the compute queued so far (the buffer's memory may be a freed unit's that it still reads)
@@ -142,9 +145,12 @@ class Unit:
         side.wait_stream(torch.cuda.current_stream(self.flat.device))
         with torch.cuda.stream(side):
             self.staged = self.working_shard()
-            self.gathering = collectives.all_gather(self.flat, self.staged, self.layout.group, async_op=True)
+            self.gathering = self._gather(self.staged)
             self.copied = torch.cuda.Event()
             self.copied.record(side)
+
+    def _gather(self, shard: torch.Tensor) -> Any:
+        return gather_weights(self.flat, shard, self.layout.group, self.quant_block, async_op=True)
 
     def wait_gather(self) -> None:
         """Make sure the unit is gathered (the compute stream waits for it)."""

@@ -1,0 +1,160 @@
+"""ZeRO++'s compressed collectives (qwZ, qgZ) beside the uncompressed run (BENCHMARKS.md).
+
+Run:  python benchmarks/zero_compressed.py [--part train|plan|all] [--steps 200] [--out DIR]
+
+- ``train``: the default job (``zerotron train`` with no arguments: the tiny preset, 2 ranks) under
+  ZeRO-3 (and ZeRO-2 for qgZ), uncompressed and with each technique, ``--steps`` steps each. Prints
+  bytes per step by op (``metrics.jsonl``'s ``comm_bytes``, the last step), the ratio to the
+  uncompressed run's data-parallel bytes, mean step time past the first 5 steps, and the last loss and
+  its relative difference; writes ``zero_compressed.png`` (the loss curves) into ``--out``.
+- ``plan``: ``zerotron plan`` of a 70B Llama on 64 H100s (8 nodes), ZeRO-3 over all 64, sequence
+  4096, global batch 512, bf16, over a 100 Gb/s and a 400 Gb/s network per GPU, with and without each
+  technique: the predicted step time and the ratio to ZeRO-3's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS = [
+    ("ZeRO-3", ["parallel.zero=3"]),
+    ("ZeRO-3 + qwZ", ["parallel.zero=3", "parallel.zero_quantized_weights=true"]),
+    ("ZeRO-3 + qgZ int8", ["parallel.zero=3", "parallel.zero_quantized_gradients=true"]),
+    (
+        "ZeRO-3 + qgZ int4",
+        [
+            "parallel.zero=3",
+            "parallel.zero_quantized_gradients=true",
+            "parallel.zero_quantized_gradient_bits=4",
+        ],
+    ),
+    (
+        "ZeRO-3 + qwZ + qgZ int4",
+        [
+            "parallel.zero=3",
+            "parallel.zero_quantized_weights=true",
+            "parallel.zero_quantized_gradients=true",
+            "parallel.zero_quantized_gradient_bits=4",
+        ],
+    ),
+    ("ZeRO-2", ["parallel.zero=2"]),
+    ("ZeRO-2 + qgZ int8", ["parallel.zero=2", "parallel.zero_quantized_gradients=true"]),
+]
+
+
+def _run(label: str, overrides: list[str], steps: int, out: Path) -> dict:
+    run = out / label.replace(" ", "_").replace("+", "p")
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerotron",
+        "train",
+        *overrides,
+        f"train.steps={steps}",
+        "checkpoint.every=0",
+    ]
+    cmd += ["log.progress=none", "train.sample_every=0", "--out", str(run), "--overwrite"]
+    print("<!--", " ".join(cmd[1:]), "-->", flush=True)
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps_s = [r["step_time_s"] for r in records[5:]] or [r["step_time_s"] for r in records]
+    return {
+        "losses": [r["loss"] for r in records],
+        "comm_bytes": records[-1]["comm_bytes"],
+        "step_s": sum(steps_s) / len(steps_s),
+    }
+
+
+def _dp_bytes(comm: dict) -> int:
+    return sum(n for op, n in comm.get("dp", {}).items() if op != "all_reduce")
+
+
+def train(steps: int, out: Path) -> None:
+    results = {label: _run(label, overrides, steps, out) for label, overrides in VARIANTS}
+    (out / "zero_compressed.json").write_text(json.dumps(results, indent=1))
+    print("| job | bytes / step by op | bytes vs uncompressed | step (s) | step vs uncompressed | last loss "
+          "| loss vs uncompressed |\n|---|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    for label, r in results.items():
+        base = results["ZeRO-2" if label.startswith("ZeRO-2") else "ZeRO-3"]
+        ops = ", ".join(f"{op} {n / 1e6:.3f} MB" for op, n in sorted(r["comm_bytes"].get("dp", {}).items()))
+        ratio = _dp_bytes(r["comm_bytes"]) / _dp_bytes(base["comm_bytes"])
+        loss, base_loss = r["losses"][-1], base["losses"][-1]
+        print(
+            f"| {label} | {ops} | {ratio:.3f}× | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f}× | "
+            f"{loss:.4f} | {100 * (loss - base_loss) / base_loss:+.2f}% |"
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, r in results.items():
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("The default job on 2 ranks: ZeRO++ compression vs none")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "zero_compressed.png", dpi=110)
+
+
+PLAN = [
+    "model.preset=llama3-70b",
+    "train.seq_len=4096",
+    "train.global_batch=512",
+    "train.micro_batch=1",
+    "train.precision=bf16",
+    "train.recompute=full",
+    "parallel.zero=3",
+    "parallel.grad_reduce_dtype=bf16",
+]
+PLAN_VARIANTS = [
+    ("ZeRO-3", []),
+    ("+ qwZ", ["parallel.zero_quantized_weights=true"]),
+    ("+ qgZ int4", ["parallel.zero_quantized_gradients=true", "parallel.zero_quantized_gradient_bits=4"]),
+    (
+        "+ qwZ + qgZ int4",
+        [
+            "parallel.zero_quantized_weights=true",
+            "parallel.zero_quantized_gradients=true",
+            "parallel.zero_quantized_gradient_bits=4",
+        ],
+    ),
+]
+
+
+def plan(out: Path) -> None:
+    print("| network per GPU | layout | predicted step (s) | speed-up over ZeRO-3 |\n|---|---|---:|---:|")
+    for gbits in (100, 400):
+        profile = out / f"h100_{gbits}g.json"
+        profile.write_text(json.dumps({"base": "h100-sxm", "inter_bw": gbits / 8 * 1e9}))
+        base = None
+        for label, extra in PLAN_VARIANTS:
+            cmd = [sys.executable, "-m", "zerotron", "plan", *PLAN, *extra, "--hardware", str(profile)]
+            cmd += ["--gpus", "64", "--json"]
+            report = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            step = float(report["step_time_s"])
+            base = base or step
+            print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("train", "plan", "all"), default="all")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("runs/zero_compressed"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.part in ("plan", "all"):
+        plan(args.out)
+    if args.part in ("train", "all"):
+        train(args.steps, args.out)
+
+
+if __name__ == "__main__":
+    main()
