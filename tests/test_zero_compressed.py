@@ -10,6 +10,7 @@ losses close to it but not equal to it); and the settings that cannot work, refu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -270,8 +271,6 @@ def test_refused_settings(overrides: list[str], message: str) -> None:
 def test_deepspeed_zeropp_keys(tmp_path: Path) -> None:
     """DeepSpeed's ZeRO++ keys as DeepSpeed means them (qgZ sends int4); hpZ's secondary partition is
     not built and is refused in one line."""
-    import json
-
     from zerotron.config_deepspeed import from_deepspeed
 
     zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
@@ -286,3 +285,28 @@ def test_deepspeed_zeropp_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="zero_hpz_partition_size") as e:
         from_deepspeed(str(path), None, [], world_size=4)
     assert "\n" not in str(e.value)
+
+
+def test_bench_sets_the_compressed_job_beside_the_uncompressed_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from zerotron.bench.jobs import deepspeed_config, why_not
+    from zerotron.cli import main
+
+    job = [*TINY, "train.steps=3", "data.max_bytes=100000", "parallel.zero=3", *QWZ, *QGZ4]
+    out = tmp_path / "bench"
+    frameworks = "zerotron,zerotron-uncompressed,fsdp2"
+    assert main(["bench", *job, "--frameworks", frameworks, "--nproc", "2", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["frameworks"]
+    ours, plain = rows["zerotron"], rows["zerotron-uncompressed"]
+    assert len(ours["losses"]) == len(plain["losses"]) == 3
+    assert ours["losses"] != plain["losses"]
+    assert ours["comm_bytes_per_step"] < 0.3 * plain["comm_bytes_per_step"]
+    assert "quantised collectives" in rows["fsdp2"]["skipped"]
+    assert "zerotron-uncompressed" in capsys.readouterr().out
+    cfg = load_config(None, job)
+    assert why_not("zerotron-uncompressed", load_config(None, TINY)) is not None
+    zero = deepspeed_config(cfg, 2)["zero_optimization"]
+    assert zero["zero_quantized_weights"] and zero["zero_quantized_gradients"]
+    bits8 = load_config(None, [*job, "parallel.zero_quantized_gradient_bits=8"])
+    assert "int4" in (why_not("deepspeed", bits8) or "")

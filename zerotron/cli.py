@@ -315,7 +315,8 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument(
         "--frameworks",
         default=",".join(BENCH_FRAMEWORKS),
-        help=f"comma-separated, from: {', '.join(BENCH_FRAMEWORKS)} (default: all)",
+        help=f"comma-separated, from: {', '.join(BENCH_FRAMEWORKS)}, zerotron-uncompressed (the same job "
+        "without ZeRO++'s compression) (default: all but zerotron-uncompressed)",
     )
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each framework, interleaved")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotron.bench import report
-from zerotron.bench.jobs import FRAMEWORKS, deepspeed_config, why_not
+from zerotron.bench.jobs import EXTRA_FRAMEWORKS, FRAMEWORKS, deepspeed_config, why_not
 from zerotron.bench.runners import rank_entry
 from zerotron.config import Config
 from zerotron.config_load import ConfigError, to_dict
@@ -35,9 +35,11 @@ from zerotron.train.run import load_job_config, prepare_run
 def parse_frameworks(text: str) -> list[str]:
     """``zerotron,deepspeed`` -> the list, checked against the known frameworks."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FRAMEWORKS]
+    unknown = [n for n in names if n not in (*FRAMEWORKS, *EXTRA_FRAMEWORKS)]
     if unknown or not names:
-        raise ConfigError(f"--frameworks {text!r}: choose from {', '.join(FRAMEWORKS)} (comma-separated)")
+        raise ConfigError(
+            f"--frameworks {text!r}: choose from {', '.join((*FRAMEWORKS, *EXTRA_FRAMEWORKS))} (comma-separated)"
+        )
     return names
 
 

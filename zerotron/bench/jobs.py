@@ -13,6 +13,20 @@ from typing import Any
 from zerotron.config import Config
 
 FRAMEWORKS = ("zerotron", "deepspeed", "fsdp2", "ddp", "torch-tp", "torch-pp")
+# on request only (--frameworks): the same zerotron job with ZeRO++'s compression turned off
+EXTRA_FRAMEWORKS = ("zerotron-uncompressed",)
+COMPRESSION = ("zero_quantized_weights", "zero_quantized_gradients")
+
+
+def compressed(cfg: Config) -> bool:
+    """Whether ``cfg`` turns on one of ZeRO++'s quantised collectives."""
+    return any(getattr(cfg.parallel, key) for key in COMPRESSION)
+
+
+def _uncompressed(cfg: Config) -> str | None:
+    return None if compressed(cfg) else "nothing is compressed in this config (parallel.zero_quantized_*)"
+
+
 INSTALL = {"deepspeed": "pip install 'zerotron[bench]' (DeepSpeed)"}
 
 
@@ -63,6 +77,8 @@ def _torch_pp(cfg: Config) -> str | None:
 
 def _deepspeed(cfg: Config) -> str | None:
     p = cfg.parallel
+    if p.zero_quantized_gradients and p.zero_quantized_gradient_bits != 4:
+        return "DeepSpeed's qgZ sends int4 gradients only (set parallel.zero_quantized_gradient_bits=4)"
     if p.offload_params != "none" and p.offload_optimizer == "none":
         return "DeepSpeed offloads parameters only together with the optimizer"
     if 0 < p.zero_shard_size < p.dp and p.zero != 3:
@@ -72,6 +88,8 @@ def _deepspeed(cfg: Config) -> str | None:
 
 def _fsdp2(cfg: Config) -> str | None:
     p = cfg.parallel
+    if compressed(cfg):
+        return "FSDP2 has no quantised collectives (ZeRO++'s qwZ/qgZ)"
     if p.zero < 2:
         return f"parallel.zero={p.zero}: FSDP2 shards gradients and parameters (ZeRO-2/3), not less"
     if cfg.train.precision == "fp16":
@@ -104,6 +122,7 @@ def why_not(framework: str, cfg: Config) -> str | None:
             return common
     checks = {
         "zerotron": lambda c: None,
+        "zerotron-uncompressed": _uncompressed,
         "deepspeed": _deepspeed,
         "fsdp2": _fsdp2,
         "ddp": _ddp,
@@ -133,6 +152,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         zero["stage3_param_persistence_threshold"] = p.persist_numel
         if 0 < p.zero_shard_size < world_size:  # hybrid sharding: ZeRO++ hpZ's secondary partition
             zero["zero_hpz_partition_size"] = p.zero_shard_size
+    for key in COMPRESSION:  # ZeRO++'s qwZ / qgZ, as DeepSpeed names them
+        if getattr(p, key):
+            zero[key] = True
     ds: dict[str, Any] = {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.micro_batch,

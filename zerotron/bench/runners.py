@@ -11,6 +11,7 @@ wall time of every step, the peak memory and (zerotron) the bytes it communicate
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,9 +80,13 @@ def _timed(steps: int, device: torch.device, step: Callable[[int], float]) -> di
     return {"losses": losses, "step_s": times, "peak_memory_bytes": peak_memory_bytes(device)}
 
 
-def run_zerotron(run_dir: str) -> dict[str, Any]:
-    """zerotron's own trainer on the config's layout."""
+def run_zerotron(run_dir: str, uncompressed: bool = False) -> dict[str, Any]:
+    """zerotron's own trainer on the config's layout (``uncompressed``: with ZeRO++'s quantised
+    collectives turned off, the job to set a compressed one beside)."""
     cfg, tokens, _, device = _setup(run_dir)
+    if uncompressed:
+        plain = dataclasses.replace(cfg.parallel, zero_quantized_weights=False, zero_quantized_gradients=False)
+        cfg = dataclasses.replace(cfg, parallel=plain)
     rank, world = current_rank_and_world()
     trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)
     records: list[dict[str, Any]] = []
@@ -296,6 +301,7 @@ def run_torch_pp(run_dir: str) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "zerotron": run_zerotron,
+    "zerotron-uncompressed": lambda run_dir: run_zerotron(run_dir, uncompressed=True),
     "deepspeed": run_deepspeed,
     "fsdp2": run_fsdp2,
     "ddp": run_ddp,
