@@ -440,12 +440,12 @@ def test_deepspeed_refusals_are_listed_together(tmp_path: Path) -> None:
         "optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1, "amsgrad": True}},
         "scheduler": {"type": "OneCycle", "params": {}},
         "fp16": {"enabled": True, "loss_scale": 128},
-        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
+        "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True},
     }
     with pytest.raises(ConfigError) as info:
         from_deepspeed(_write(tmp_path, "bad", ds), None, [], world_size=2)
     message = str(info.value)
-    for part in ("adam_w_mode", "amsgrad", "OneCycle", "fp16.loss_scale=128", "zero_hpz_partition_size"):
+    for part in ("adam_w_mode", "amsgrad", "OneCycle", "fp16.loss_scale=128", "zero_quantized_nontrainable"):
         assert part in message, part
     assert "\n" not in message
 

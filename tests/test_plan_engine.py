@@ -191,6 +191,18 @@ LAYOUTS_CP4 = [
     ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "model.vocab_size=256", "train.precision=bf16"],
     ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1", "train.micro_batch=1"],  # ZeRO shards over dp x cp
     ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_comm=allgather"],
+    # hpZ: backward gathers the second copy inside blocks of 2 of the 4 dp ranks (with qwZ forward)
+    ["parallel.dp=4", "parallel.cp=1", "parallel.zero=3", "parallel.zero_hpz_size=2", "train.micro_batch=1"],
+    [
+        "parallel.dp=4",
+        "parallel.cp=1",
+        "parallel.zero=3",
+        "parallel.zero_hpz_size=2",
+        "parallel.zero_quantized_weights=true",
+        "train.precision=bf16",
+        "train.micro_batch=1",
+        "train.global_batch=8",
+    ],
     # hybrid sharding: ZeRO over blocks of 2 of the 4 dp ranks (the states are 2-way, whatever dp is)
     [
         "parallel.dp=4",

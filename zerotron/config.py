@@ -203,7 +203,7 @@ class ParallelConfig:
     )
     zero_shard_size: int = _f(
         0,
-        "hybrid sharding (FSDP's HSDP, DeepSpeed's hpZ): ZeRO shards over groups of this many consecutive "
+        "hybrid sharding (FSDP's HSDP, DeepSpeed's MiCS; hpZ is zero_hpz_size): ZeRO shards over groups of this many consecutive "
         "data-parallel ranks (a node) and replicates across the groups, whose gradients are all-reduced; "
         "0: shard over all dp ranks",
     )
@@ -229,6 +229,12 @@ class ParallelConfig:
         128,
         "zero_quantized_gradients: elements per block (gradients are heavy-tailed: long blocks round their "
         "small values to zero; 2048 cost the default job 1.5% of loss at int8, 128 none)",
+    )
+    zero_hpz_size: int = _f(
+        1,
+        "ZeRO-3 (ZeRO++'s hpZ, DeepSpeed's zero_hpz_partition_size): after each unit's forward gather, "
+        "keep a second copy of its working weights split over blocks of this many consecutive dp ranks "
+        "(a node), so backward's gather stays inside the block; 1: off",
     )
     backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
 

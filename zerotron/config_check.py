@@ -278,6 +278,8 @@ def _check_zero(cfg: Config, world_size: int) -> None:
             "parallel.zero_quantized_gradients=true quantises ZeRO's gradient reduce-scatters (qgZ); "
             "data parallelism (parallel.zero=0) all-reduces them: set parallel.zero to 1, 2 or 3"
         )
+    if p.zero_hpz_size != 1:
+        _check_hpz(cfg, world_size)
     for key in ("zero_quantized_weight_block", "zero_quantized_gradient_block"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: give 1 element or more (e.g. 128)")
@@ -292,6 +294,31 @@ def _check_zero(cfg: Config, world_size: int) -> None:
             ZeroSavesNothing,
             stacklevel=3,
         )
+
+
+def _check_hpz(cfg: Config, world_size: int) -> None:
+    """hpZ (``parallel.zero_hpz_size``): ZeRO-3 over the dp ranks alone, in blocks that divide them."""
+    p = cfg.parallel
+    size = p.zero_hpz_size
+    try:
+        dp = layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
+    except layout.LayoutError as e:
+        raise ConfigError(str(e)) from None
+    problems = [
+        (
+            p.zero != 3,
+            f"hpZ's second copy is of ZeRO-3's gathered weights: set parallel.zero=3 (not {p.zero})",
+        ),
+        (size < 1 or dp % size, f"it must divide the data-parallel size {dp}"),
+        (size >= dp, f"a block of all {dp} dp ranks is plain ZeRO-3: choose a divisor below {dp}, or 1"),
+        (not p.reshard_after_forward, "with parallel.reshard_after_forward=false backward gathers nothing"),
+        (p.zero_shard_size not in (0, dp), "it is not built with hybrid sharding (parallel.zero_shard_size)"),
+        (p.cp > 1 or p.ep > 1, "it is not built with context or expert parallelism yet"),
+        (p.offload_params != "none", "it is not built with parameter offload yet"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(f"parallel.zero_hpz_size={size}: {why}")
 
 
 def _check_nvme_path(path: str | None) -> None:

@@ -329,6 +329,8 @@ def _map_zero(ds: dict[str, Any], m: _Mapper) -> None:
             m.no_effect(ds_key, value, _ZERO_NO_EFFECT[key])
         elif key == "zero_hpz_partition_size" and value in (1, None):
             m.no_effect(ds_key, value, "a partition of 1 is plain ZeRO-3")
+        elif key == "zero_hpz_partition_size" and isinstance(value, int) and value > 1:
+            m.set(ds_key, value, "parallel.zero_hpz_size", value, " (hpZ: backward gathers inside the block)")
         elif key in ("zero_quantized_weights", "zero_quantized_gradients") and value is False:
             m.no_effect(ds_key, value, "off")
         elif key == "zero_quantized_weights" and value is True:

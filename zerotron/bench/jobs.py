@@ -152,6 +152,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         zero["stage3_param_persistence_threshold"] = p.persist_numel
         if 0 < p.zero_shard_size < world_size:  # hybrid sharding: ZeRO++ hpZ's secondary partition
             zero["zero_hpz_partition_size"] = p.zero_shard_size
+    if p.zero == 3 and p.zero_hpz_size > 1:  # hpZ itself
+        zero["zero_hpz_partition_size"] = p.zero_hpz_size
     for key in COMPRESSION:  # ZeRO++'s qwZ / qgZ, as DeepSpeed names them
         if getattr(p, key):
             zero[key] = True

@@ -85,7 +85,9 @@ def run_zerotron(run_dir: str, uncompressed: bool = False) -> dict[str, Any]:
     collectives turned off, the job to set a compressed one beside)."""
     cfg, tokens, _, device = _setup(run_dir)
     if uncompressed:
-        plain = dataclasses.replace(cfg.parallel, zero_quantized_weights=False, zero_quantized_gradients=False)
+        plain = dataclasses.replace(
+            cfg.parallel, zero_quantized_weights=False, zero_quantized_gradients=False
+        )
         cfg = dataclasses.replace(cfg, parallel=plain)
     rank, world = current_rank_and_world()
     trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)

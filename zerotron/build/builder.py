@@ -142,7 +142,13 @@ def data_parallel(
             source = stack.enter_context(weight_source(cfg, model))
             fill = fill_from(model, source, records, cfg.train.seed, cfg.lora.double_quant)
             materialize_buffers(model, source.box, device, records)  # not ZeRO's
-        zero = apply_zero(model, groups, options, fill, device, replicas)
+        # hpZ: blocks of zero_hpz_size consecutive dp ranks hold the second copy of the working weights
+        secondary = (
+            mesh.split("dp", par.zero_hpz_size, ("dp_hpz", "dp_hpz_rep"))[0]
+            if par.zero_hpz_size > 1
+            else None
+        )
+        zero = apply_zero(model, groups, options, fill, device, replicas, secondary)
     return DataParallel(zero, zero, shard_group)
 
 

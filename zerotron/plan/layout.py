@@ -48,6 +48,7 @@ class Layout(shared.HoldsDims):
     zero_quantized_gradient_bits: int = 8
     zero_quantized_weight_block: int = 2048
     zero_quantized_gradient_block: int = 128
+    zero_hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers inside blocks of this many dp ranks
     kernels: str = "fused"  # element-wise kernels: "fused" (Megatron, TE) or "eager" (one per operation)
     pp_scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Megatron), or all of it
 
@@ -122,6 +123,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         zero_quantized_gradient_bits=p.zero_quantized_gradient_bits,
         zero_quantized_weight_block=p.zero_quantized_weight_block,
         zero_quantized_gradient_block=p.zero_quantized_gradient_block,
+        zero_hpz_size=p.zero_hpz_size,
         kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)
     )
     _check_model(cfg.model)

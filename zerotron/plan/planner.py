@@ -345,6 +345,8 @@ def _buffers(
         # 16-bit working copies under bf16/fp16 (zerotron, Megatron, DeepSpeed); fp32 in fp32 training.
         gather_bytes = 2 if working_weights16(layout, work) else pb
         detail["zero3_gathered_params"] = mem.zero3_gather_bytes(m, layout.tp, gather_bytes, layout.ep)
+        if layout.zero_hpz_size > 1:  # hpZ: each unit's second copy, held from its forward to its backward
+            detail["hpz_secondary"] = float(elements * gather_bytes / layout.zero_hpz_size)
         if not layout.reshard_after_forward:  # every unit stays gathered from its forward to its backward
             detail["zero3_gathered_params"] = max(
                 detail["zero3_gathered_params"], float(elements * gather_bytes)
@@ -451,7 +453,10 @@ def step_times(
         )
     grads, params = dense * reduce_wire, dense * gather_wire
     layers_ = max(1, sp.layers)
-    times.update(timing.data_parallel_time(layout, hw, folded, grads, params, t_compute, n_mb, layers_))
+    secondary = dense * param_wire if layout.zero == 3 and layout.zero_hpz_size > 1 else 0.0
+    times.update(
+        timing.data_parallel_time(layout, hw, folded, grads, params, t_compute, n_mb, layers_, secondary)
+    )
     shard = -(-dense // zero_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
         replicas = timing.DataGroup.of(layout, expert_dp(layout))

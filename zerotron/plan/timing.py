@@ -421,6 +421,7 @@ def data_parallel_time(
     t_mb: float,
     n_mb: int,
     layers: int = 1,
+    secondary: float = 0.0,
 ) -> dict[str, float]:
     """Exposed data-parallel traffic of one step for the ZeRO stage (ZeRO paper: 2Ψ, or 3Ψ at stage 3)
     over ``group``, of ``grads`` and ``params`` bytes (a stage's elements in the gradients' and the
@@ -429,7 +430,9 @@ def data_parallel_time(
     ZeRO-3 gathers and reduce-scatters module by module: ``layers`` collectives per pass, each paying
     the ring's latency. Hybrid sharding (blocks of S < the group's ranks): ZeRO's collectives run inside
     blocks of S consecutive ranks, and each step's gradient shard (1/S of the gradients) is all-reduced
-    across the blocks after backward, on the link that spans them (exposed).
+    across the blocks after backward, on the link that spans them (exposed). hpZ (``secondary`` bytes
+    of working weights, ``layout.zero_hpz_size`` > 1): backward's gathers run inside blocks of that
+    many consecutive ranks instead of over the whole group.
     """
     if group.ranks == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
@@ -437,7 +440,7 @@ def data_parallel_time(
     across = 0.0
     if n < group.ranks:
         across = collective_time("all_reduce", grads / n, group.ranks // n, stride * n, hw)
-    times = _zero_times(layout, hw, DataGroup(n, n, stride), grads, params, t_mb, n_mb, layers)
+    times = _zero_times(layout, hw, DataGroup(n, n, stride), grads, params, t_mb, n_mb, layers, secondary)
     times["dp_grad_reduce"] += across
     return times
 
@@ -451,6 +454,7 @@ def _zero_times(
     t_mb: float,
     n_mb: int,
     layers: int,
+    secondary: float = 0.0,
 ) -> dict[str, float]:
     """:func:`data_parallel_time` over one ``block`` of ranks (the whole group, or a hybrid block)."""
     n, stride = block.ranks, block.stride
@@ -471,6 +475,9 @@ def _zero_times(
         }
     per_layer = collective_time("all_gather", params / layers, n, stride, hw)
     gathers = (2 if layout.reshard_after_forward else 1) * layers * per_layer  # forward (and backward)
+    if secondary and layout.zero_hpz_size > 1:  # hpZ: backward's gathers inside blocks of that many ranks
+        inside = collective_time("all_gather", secondary / layers, layout.zero_hpz_size, stride, hw)
+        gathers = layers * per_layer + layers * inside
     per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)
     return {"dp_grad_reduce": 0.0, "dp_param_gather": n_mb * _exposed(hw, gathers + per_mb_reduce, t_mb)}
 

@@ -34,7 +34,9 @@ def engine_dp_bytes(
     ZeRO++ (``layout.zero_quantized_*``): a quantised gather sends each rank's shard as
     :func:`~zerotron.layout.quantized_bytes` (int8 plus one fp32 maximum per block; the persistent
     unit's gather after the step too), a quantised gradient reduction sends each
-    rank's chunk for every other rank the same way at ``bits``, counted as an all-to-all.
+    rank's chunk for every other rank the same way at ``bits``, counted as an all-to-all. hpZ
+    (``layout.zero_hpz_size`` > 1): backward's gather of every sharded unit runs on the ``dp_hpz``
+    block, from the second copy the forward kept (working dtype, never quantised).
     """
     ordered = params.ordered()
     zero, bucket_mb, reshard_after_forward = layout.zero, layout.bucket_mb, layout.reshard_after_forward
@@ -79,11 +81,16 @@ def engine_dp_bytes(
         units = _zero3_units(params, persist_numel)
         persistent = units[-1] if units and min(units[-1]) < persist_numel else []
         sharded = units[:-1] if persistent else units
-        passes = 2 if reshard_after_forward else 1
+        hpz = layout.zero_hpz_size
+        passes = 2 if reshard_after_forward and hpz == 1 else 1
         gathers = micro_batches * passes * sum(gather(u) for u in sharded)
         if persistent:
             gathers += gather(persistent)
         out[dp] = {"all_gather": gathers, reduce_op: micro_batches * sum(reduce(u) for u in units)}
+        if hpz > 1:  # backward gathers the second copy inside blocks of hpz ranks, in the working dtype
+            out["dp_hpz"] = {
+                "all_gather": micro_batches * sum(part(padded(u) * working_bytes, hpz) for u in sharded)
+            }
     if replicas > 1:
         shards = sum(padded(u) // n for u in units)
         out["dp_rep"] = {"all_reduce": 2 * part(shards * reduce_bytes, replicas)}

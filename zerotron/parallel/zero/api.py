@@ -44,6 +44,7 @@ def apply_zero(
     fill: Fill | None = None,
     device: torch.device | str = "cpu",
     replica: Replicas | None = None,
+    secondary: Group | None = None,
 ) -> ZeroEngine:
     """Shard ``model``'s training state over the data-parallel ``group`` with ZeRO ``options.stage`` (1,
     2 or 3): one group for every parameter, or each parameter's by name (the placement record's
@@ -57,13 +58,15 @@ def apply_zero(
     (DESIGN contract 9) and what gradients are reduced in. ``fill`` and ``device``: ZeRO-3 on a model
     built on the meta device materialises only this rank's ranges there. ``replica``: hybrid
     sharding's replica group of each shard group (``dp_rep`` for ``dp_shard`` blocks;
-    ``Mesh.replica_of``), over which each step's gradient shards are all-reduced.
+    ``Mesh.replica_of``), over which each step's gradient shards are all-reduced. ``secondary``
+    (ZeRO-3, ``options.hpz_size`` > 1): the block of ranks that keeps hpZ's second copy of the dense
+    units' working weights from forward to backward.
     """
     if options.stage == 1:
         return ZeroStage1(model, group, options, replica)
     if options.stage == 2:
         return ZeroStage2(model, group, options, replica)
-    return ZeroStage3(model, group, options, fill, device, replica)
+    return ZeroStage3(model, group, options, fill, device, replica, secondary)
 
 
 def offload_optimizer(

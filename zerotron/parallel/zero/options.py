@@ -32,6 +32,7 @@ class ZeroOptions:
     gradient_bits: int = 8  # qgZ: 8 or 4
     weight_block: int = 2048  # qwZ: elements per int8 block (one fp32 maximum each)
     gradient_block: int = 128  # qgZ: elements per block
+    hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers from a secondary copy inside blocks of this many ranks
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,6 +52,7 @@ class ZeroOptions:
                 "quantised weight gathers are ZeRO-3's (qwZ): set parallel.zero=3",
             ),
             ("zero_quantized_gradient_bits", self.gradient_bits in (4, 8), "choose 8 or 4"),
+            ("zero_hpz_size", self.hpz_size == 1 or self.stage == 3, "hpZ is ZeRO-3's: set parallel.zero=3"),
             ("zero_quantized_weight_block", self.weight_block >= 1, "give 1 element or more"),
             ("zero_quantized_gradient_block", self.gradient_block >= 1, "give 1 element or more"),
         ]
@@ -85,6 +87,7 @@ class ZeroOptions:
             gradient_bits=parallel.zero_quantized_gradient_bits,
             weight_block=parallel.zero_quantized_weight_block,
             gradient_block=parallel.zero_quantized_gradient_block,
+            hpz_size=parallel.zero_hpz_size,
             **named,
         )
 
@@ -95,4 +98,5 @@ _FIELD = {
     "zero_quantized_gradient_bits": "gradient_bits",
     "zero_quantized_weight_block": "weight_block",
     "zero_quantized_gradient_block": "gradient_block",
+    "zero_hpz_size": "hpz_size",
 }

@@ -102,6 +102,7 @@ class ZeroStage3:
         fill: Fill | None = None,
         device: torch.device | str = "cpu",
         replica: Replicas | None = None,
+        secondary: Group | None = None,
     ) -> None:
         self.replica = replica  # hybrid sharding: the ranks holding the same shards in other blocks
         self.working_dtype = options.working_dtype or torch.float32
@@ -143,8 +144,12 @@ class ZeroStage3:
             options.weight_block if options.quantized_weights else 0,
         )
         self.options = options
+        self.secondary = secondary
+        self.peak_secondary_bytes = 0  # hpZ: the second copies held at the end of a forward, at most
         for i, (owner, layout, frozen) in enumerate(runs):
             unit = Unit(layout, owner is None, i, frozen, home)
+            if secondary is not None and owner is not None and set(secondary.ranks) < set(layout.group.ranks):
+                unit.hpz = secondary  # a block of the unit's own group (the dense parameters')
             self.units.append(unit)
             if owner is not None:
                 self._units_of_module.setdefault(id(owner), []).append(self.units[-1])
@@ -215,7 +220,11 @@ class ZeroStage3:
                     t.register_hook(lambda g, units=units: self._pre_backward(units))
         if self.reshard_after_forward or not torch.is_grad_enabled():
             for unit in units:
+                if torch.is_grad_enabled():
+                    unit.keep_secondary()  # hpZ: backward gathers it inside the block
                 unit.free()
+            held = sum(u.secondary.numel() * u.secondary.element_size() for u in self.units if u.secondary is not None)  # fmt: skip
+            self.peak_secondary_bytes = max(self.peak_secondary_bytes, held)
         return output
 
     def _pre_backward(self, units: list[Unit]) -> None:
@@ -257,6 +266,8 @@ class ZeroStage3:
     def _end_backward(self) -> None:
         self._in_backward = False
         self._free_frozen()
+        for unit in self.units:  # hpZ: a copy backward did not use must never serve a later forward
+            unit.secondary = None
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         unit = self._unit_of_param[id(param)]

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.parallel.zero.compress import gather_weights
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat
 from zerotron.parallel.zero.offload import ShardStore
@@ -57,6 +59,10 @@ class Unit:
         working, copy_stream, working_store = home.working, home.copy_stream, home.working_store
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
         self.quant_block = home.quant_block
+        # hpZ: the block of ranks that holds a second copy of the working weights from the unit's forward
+        # to its backward (``secondary``, this rank's part of it), and gathers it back inside the block
+        self.hpz: Group | None = None
+        self.secondary: torch.Tensor | None = None
         # parameter offload on a GPU: the side stream of the host -> device copy and the gather
         self.copy_stream = copy_stream if store is not None else None
         self.copied: Any = None  # the side stream's event after this unit's copy and gather
@@ -134,6 +140,10 @@ class Unit:
         if self.gathered or self.gathering is not None:
             return
         self.flat.untyped_storage().resize_(self.nbytes)  # allocated on the compute stream
+        if self.secondary is not None and self.hpz is not None:  # backward: inside the block (hpZ)
+            self.staged, self.secondary = self.secondary, None
+            self.gathering = collectives.all_gather(self.flat, self.staged, self.hpz, async_op=True)
+            return
         side = self.copy_stream
         if side is None:
             self.staged = self.working_shard()
@@ -148,6 +158,12 @@ class Unit:
             self.gathering = self._gather(self.staged)
             self.copied = torch.cuda.Event()
             self.copied.record(side)
+
+    def keep_secondary(self) -> None:
+        """hpZ, after the forward that gathered the unit: keep this rank's part of its working weights
+        for the block's gather in backward (a copy: the buffer is freed next)."""
+        if self.hpz is not None and self.gathered:
+            self.secondary = self.flat.view(self.hpz.size, -1)[self.hpz.rank_in_group].clone()
 
     def _gather(self, shard: torch.Tensor) -> Any:
         return gather_weights(self.flat, shard, self.layout.group, self.quant_block, async_op=True)
