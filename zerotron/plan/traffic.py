@@ -33,7 +33,7 @@ def engine_dp_bytes(
 
     ZeRO++ (``layout.zero_quantized_*``): a quantised gather sends each rank's shard as
     :func:`~zerotron.layout.quantized_bytes` (int8 plus one fp32 maximum per block; the persistent
-    unit's gather after the step too), a quantised gradient reduction sends each
+    unit's gather after the step excepted), a quantised gradient reduction sends each
     rank's chunk for every other rank the same way at ``bits``, counted as an all-to-all. hpZ
     (``layout.zero_hpz_size`` > 1): backward's gather of every sharded unit runs on the ``dp_hpz``
     block, from the second copy the forward kept (working dtype, never quantised).
@@ -84,8 +84,8 @@ def engine_dp_bytes(
         hpz = layout.zero_hpz_size
         passes = 2 if reshard_after_forward and hpz == 1 else 1
         gathers = micro_batches * passes * sum(gather(u) for u in sharded)
-        if persistent:
-            gathers += gather(persistent)
+        if persistent:  # after the step, never quantised
+            gathers += part(padded(persistent) * working_bytes, n)
         out[dp] = {"all_gather": gathers, reduce_op: micro_batches * sum(reduce(u) for u in units)}
         if hpz > 1:  # backward gathers the second copy inside blocks of hpz ranks, in the working dtype
             out["dp_hpz"] = {

@@ -33,10 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.tensor import attach_grad_sums
-from zerotron.parallel.zero.compress import gather_weights, reduce_grads
+from zerotron.parallel.zero.compress import reduce_grads
 from zerotron.parallel.zero.flat import (
     FlatLayout,
     Replicas,
@@ -173,8 +174,6 @@ class ZeroStage3:
         attach_grad_sums(model)  # a model materialised here: its tensor-parallel gradient sums
         for unit in self.order:
             unit.free()
-        if options.quantized_weights:  # the persistent unit's working weights as its gathers make them
-            self.after_step()
 
     # -- what the trainer's optimizer sees ---------------------------------------------------------------
     @property
@@ -368,11 +367,12 @@ class ZeroStage3:
         self._in_backward = False
 
     def after_step(self) -> None:
-        """The persistent unit is gathered again from its updated shard (in int8 blocks under qwZ, as
-        every gather of weights); sharded units wait for use."""
+        """The persistent unit is gathered again from its updated shard (never quantised: its small
+        parameters, norm gains above all, cost little to send and much to round); sharded units wait
+        for use."""
         for unit in self.units:
             if unit.persistent:
-                gather_weights(unit.flat, unit.working_shard(), unit.layout.group, unit.quant_block)
+                collectives.all_gather(unit.flat, unit.working_shard(), unit.layout.group)
 
     def zero_grad(self) -> None:
         """Drop every gradient."""

@@ -35,7 +35,7 @@ class UnitHome:
     store: ShardStore | None = None
     working_store: ShardStore | None = None
     copy_stream: Any = None
-    quant_block: int = 0  # qwZ: the gathers send block int8 weights (0: as they are)
+    quant_block: int = 0  # qwZ: the sharded units' gathers send block int8 weights (0: as they are)
 
 
 class Unit:
@@ -58,7 +58,7 @@ class Unit:
         store, fill, device = home.store, home.fill, home.device
         working, copy_stream, working_store = home.working, home.copy_stream, home.working_store
         self.layout, self.persistent, self.frozen = layout, persistent, frozen
-        self.quant_block = home.quant_block
+        self.quant_block = 0 if persistent else home.quant_block
         # hpZ: the block of ranks that holds a second copy of the working weights from the unit's forward
         # to its backward (``secondary``, this rank's part of it), and gathers it back inside the block
         self.hpz: Group | None = None
