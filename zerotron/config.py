@@ -260,6 +260,15 @@ class TrainConfig:
         "warmup_min_lr, and warm-up counts at least 2 steps) — set by --deepspeed",
     )
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases)")
+    optimizer: str = _f(
+        "adamw",
+        "adamw, or onebit_adam (1-bit Adam, data parallelism in fp32 without clipping: AdamW for "
+        "train.onebit_freeze_step steps, then the variance frozen and the momentum averaged over dp as one "
+        "bit per value)",
+    )
+    onebit_freeze_step: int = _f(
+        100, "onebit_adam: full-precision AdamW steps before the variance freezes (DeepSpeed's freeze_step)"
+    )
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")

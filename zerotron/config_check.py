@@ -45,6 +45,7 @@ _CHOICES = {
     "data.truncation": ("delete", "left", "right"),
     "data.on_error": ("fatal", "skip"),
     "lora.base_bits": (0, 4),
+    "train.optimizer": ("adamw", "onebit_adam"),
     "parallel.zero_quantized_gradient_bits": (8, 4),
     "log.progress": ("auto", "bar", "lines", "none"),
 }
@@ -296,6 +297,28 @@ def _check_zero(cfg: Config, world_size: int) -> None:
         )
 
 
+def _check_onebit(cfg: Config) -> None:
+    """1-bit Adam is built for plain data parallelism in fp32."""
+    p, t = cfg.parallel, cfg.train
+    problems = [
+        (p.zero != 0, f"it is built for data parallelism (parallel.zero=0), not ZeRO-{p.zero} yet"),
+        (max(p.tp, p.pp, p.cp, p.ep) > 1, "it is built for data parallelism alone, not tp, pp, cp or ep yet"),
+        (t.precision != "fp32", f"it is built in fp32, not {t.precision} yet"),
+        (
+            t.onebit_freeze_step < 1,
+            "train.onebit_freeze_step must be at least 1 (the variance needs a warm-up)",
+        ),
+        (
+            t.grad_clip > 0,
+            "set train.grad_clip=0: after the warm-up no rank holds the whole gradient to clip (the one it "
+            "is given back carries the compression's noise, ten times the momentum's)",
+        ),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(f"train.optimizer=onebit_adam: {why}")
+
+
 def _check_hpz(cfg: Config, world_size: int) -> None:
     """hpZ (``parallel.zero_hpz_size``): ZeRO-3 over the dp ranks alone, in blocks that divide them."""
     p = cfg.parallel
@@ -414,6 +437,8 @@ def _check_built(cfg: Config) -> None:
         )
     if cfg.train.compile:
         _check_compile(cfg)
+    if cfg.train.optimizer == "onebit_adam":
+        _check_onebit(cfg)
     if cfg.train.sample_max_steps < 0 and cfg.train.sample_max_steps != -1:
         raise ConfigError(
             f"train.sample_max_steps={cfg.train.sample_max_steps} must be >= 0 (0: no limit), or -1 for the default"

@@ -163,10 +163,25 @@ def _map_optimizer(ds: dict[str, Any], m: _Mapper) -> None:
         m.rows.append(("optimizer (not given)", "zerotron's AdamW with the train.* settings"))
         return
     kind = str(opt.get("type", ""))
-    if kind.lower() not in ("adamw", "adam"):
-        m.refused.append(f"optimizer.type={kind!r} (zerotron trains with AdamW; use type AdamW)")
-        return
     params = dict(opt.get("params", {}))
+    if kind.lower() == "onebitadam":  # 1-bit Adam: AdamW with a warm-up, then 1-bit momenta
+        m.set("optimizer.type", kind, "train.optimizer", "onebit_adam")
+        if "freeze_step" in params:
+            m.set(
+                "optimizer.params.freeze_step",
+                params["freeze_step"],
+                "train.onebit_freeze_step",
+                params.pop("freeze_step"),
+            )
+        for key in ("cuda_aware", "comm_backend_name"):
+            if key in params:
+                m.no_effect(
+                    f"optimizer.params.{key}", params.pop(key), "zerotron's collectives choose the backend"
+                )
+    elif kind.lower() not in ("adamw", "adam"):
+        why = "0/1 Adam is not built; OneBitAdam is" if kind.lower() == "zerooneadam" else "use type AdamW"
+        m.refused.append(f"optimizer.type={kind!r} (zerotron trains with AdamW or 1-bit Adam; {why})")
+        return
     w_mode = params.pop("adam_w_mode", True)
     if kind.lower() == "adam" and w_mode is False:
         m.refused.append(

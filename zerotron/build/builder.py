@@ -44,6 +44,7 @@ from zerotron.models.lora import LoraConfig, apply_lora
 from zerotron.models.parallelize import parallelize_llama
 from zerotron.parallel.data import GradientBuckets
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
+from zerotron.parallel.onebit import OneBitBuckets
 from zerotron.parallel.placement import Placement, grad_groups, materialize, materialize_buffers
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.zero.api import apply_zero, zero_sharding
@@ -132,6 +133,10 @@ def data_parallel(
     stage, shard_group, replicas = zero_sharding(mesh, par.zero, mixed)
     groups = grad_groups(records, shard_group)
     reduce_dtype = REDUCE_DTYPE[par.grad_reduce_dtype]
+    if stage == 0 and cfg.train.optimizer == "onebit_adam":  # data parallelism sending 1-bit momenta
+        t = cfg.train
+        onebit = OneBitBuckets(model, mesh.group("dp"), t.onebit_freeze_step, t.beta1, par.bucket_mb)
+        return DataParallel(onebit, None, shard_group)
     if stage == 0:
         return DataParallel(GradientBuckets(model, groups, par.bucket_mb, reduce_dtype), None, shard_group)
     # 16-bit working weights from fp32 master shards under mixed precision (DESIGN contract 9)

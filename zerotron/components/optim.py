@@ -13,6 +13,7 @@ from zerotron.config import Config, TrainConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
+from zerotron.parallel.onebit import OneBitAdam, OneBitBuckets
 from zerotron.parallel.zero.api import offload_optimizer
 
 
@@ -37,10 +38,19 @@ def optimizer_for(reducer: GradientReducer, zero: ShardedEngine | None, cfg: Con
     """The optimizer over what this rank updates (``reducer``'s parameter groups: whole parameters, or
     ZeRO's shard segments); under ZeRO-Offload (``parallel.offload_optimizer``) AdamW on the host, its
     moments in host memory or NVMe files."""
-    par = cfg.parallel
+    par, t = cfg.parallel, cfg.train
     if zero is not None and par.offload_optimizer != "none":
-        return offload_optimizer(zero, cfg.train, par.offload_optimizer, par.nvme_path)
-    return adamw(*reducer.param_groups(), cfg.train)
+        return offload_optimizer(zero, t, par.offload_optimizer, par.nvme_path)
+    if isinstance(reducer, OneBitBuckets):  # 1-bit Adam: AdamW whose variance freezes after the warm-up
+        decay, no_decay = reducer.param_groups()
+        groups = [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        onebit = OneBitAdam(groups, t.lr, (t.beta1, t.beta2), t.eps, t.onebit_freeze_step)
+        reducer.attach(onebit)
+        return onebit
+    return adamw(*reducer.param_groups(), t)
 
 
 def adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:

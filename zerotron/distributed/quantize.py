@@ -87,3 +87,22 @@ def unpack(data: torch.Tensor, numel: int, block: int, bits: int) -> torch.Tenso
     else:
         codes = body.view(torch.int8)
     return dequantize(codes, absmax, block, bits)
+
+
+def sign_compress(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit compression of the 1-D ``x`` (1-bit Adam): ``(signs, scales)``, the signs as bits (uint8,
+    ``numel / 8``; a bit set for ``x >= 0``, least significant first) and one fp32 scale per block, the
+    block's mean absolute value (the scale that makes ``scale * sign`` closest to the block in L2).
+    ``numel`` must be a multiple of ``block``, and ``block`` of 8."""
+    rows = x.reshape(-1, block)
+    scales = rows.abs().mean(dim=1)
+    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=x.device)
+    return bits.sum(dim=1, dtype=torch.uint8), scales
+
+
+def sign_decompress(bits: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """The fp32 values of :func:`sign_compress`'s output: ``+scale`` where a bit is set, ``-scale`` else."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    signs = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1, block).float() * 2 - 1
+    out: torch.Tensor = (signs * scales.unsqueeze(1)).reshape(-1)
+    return out

@@ -1,0 +1,214 @@
+"""1-bit Adam: the compressed all-reduce against a reference written here in numpy (worker and server
+compression with error feedback, on 3 Gloo ranks), error feedback's promise (the average of many
+compressed averages converges to the true average), the optimizer's warm-up against torch's AdamW,
+training on 2 ranks beside AdamW (the same losses through the warm-up, 1/20 of the bytes after it, the
+replicas equal bit for bit, the loss close to AdamW's), and the settings it is not built for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from zerotron.config_check import validate
+from zerotron.config_load import ConfigError, load_config
+from zerotron.distributed import collectives as C
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import Mesh, ParallelDims
+from zerotron.parallel.onebit import OneBitAdam
+
+WORLD, BLOCK, NUMEL = 3, 16, 3 * 16 * 5
+
+
+def _compress(x: np.ndarray, block: int) -> np.ndarray:
+    """What 1-bit compression makes of ``x``: per block, its mean |x| with each value's sign (+ for 0)."""
+    out = np.empty_like(x)
+    for lo in range(0, len(x), block):
+        b = x[lo : lo + block]
+        out[lo : lo + block] = np.where(b >= 0, 1.0, -1.0).astype(np.float32) * np.float32(np.abs(b).mean())
+    return out
+
+
+def _reference(inputs: list[np.ndarray], workers: list[np.ndarray], servers: list[np.ndarray]) -> tuple:
+    """Every rank's output and new errors, from every rank's input and errors (Tang et al.'s two-sided
+    error feedback: compress on the worker, average each chunk on its server, compress again)."""
+    n, chunk = len(inputs), len(inputs[0]) // len(inputs)
+    sent = [_compress(x + e, BLOCK) for x, e in zip(inputs, workers)]
+    new_workers = [x + e - s for x, e, s in zip(inputs, workers, sent)]
+    served, new_servers = [], []
+    for j in range(n):
+        mean = sum(s[j * chunk : (j + 1) * chunk] for s in sent) / np.float32(n) + servers[j]
+        served.append(_compress(mean, BLOCK))
+        new_servers.append(mean - served[-1])
+    return np.concatenate(served), new_workers, new_servers
+
+
+def _allreduce_body() -> dict[str, Any]:
+    rank, world = current_rank_and_world()
+    group = Mesh(ParallelDims(world, dp=world), rank).group("dp")
+    rng = [np.random.default_rng(r) for r in range(world)]
+    workers = [np.zeros(NUMEL, np.float32) for _ in range(world)]
+    servers = [np.zeros(NUMEL // world, np.float32) for _ in range(world)]
+    worker, server = torch.zeros(NUMEL), torch.zeros(NUMEL // world)
+    group.stats.reset()
+    for _ in range(3):  # the errors carry from call to call
+        inputs = [g.standard_normal(NUMEL).astype(np.float32) * 3 for g in rng]
+        t = torch.from_numpy(inputs[rank].copy())
+        C.all_reduce_onebit(t, worker, server, group, BLOCK)
+        expect, workers, servers = _reference(inputs, workers, servers)
+        np.testing.assert_allclose(t.numpy(), expect, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(worker.numpy(), workers[rank], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(server.numpy(), servers[rank], rtol=1e-5, atol=1e-6)
+    counted = group.stats.snapshot()
+    # error feedback: the average of many compressed averages of the same values is their average
+    fixed = [
+        torch.from_numpy(np.random.default_rng(10 + r).standard_normal(NUMEL).astype(np.float32))
+        for r in range(world)
+    ]
+    truth = sum(fixed) / world
+    worker.zero_()
+    server.zero_()
+    outputs = []
+    for _ in range(200):
+        t = fixed[rank].clone()
+        C.all_reduce_onebit(t, worker, server, group, BLOCK)
+        outputs.append(t)
+    once = float((outputs[0] - truth).norm() / truth.norm())
+    many = float((torch.stack(outputs).mean(0) - truth).norm() / truth.norm())
+    return {"counted": counted, "once": once, "many": many}
+
+
+def test_onebit_allreduce_matches_the_reference() -> None:
+    for r in run_distributed(_allreduce_body, WORLD):
+        chunk = NUMEL // WORLD
+        record = 4 * chunk // BLOCK + chunk // 8  # a chunk's scales and bits
+        sent = WORLD * record * (WORLD - 1) // WORLD
+        assert r["counted"] == {"dp": {"all_to_all": 3 * sent, "all_gather": 3 * sent}}
+        assert r["once"] > 0.3  # one compressed average is far from the truth
+        assert r["many"] < 0.05  # the errors fed back make up for it over many
+
+
+def test_optimizer_is_adamw_until_the_freeze_then_keeps_the_variance() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(7, 5, generator=g))
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = OneBitAdam([{"params": [a], "weight_decay": 0.1}], 1e-2, (0.9, 0.95), 1e-8, freeze_step=3)
+    ref = torch.optim.AdamW([b], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    for step in range(5):
+        grad = torch.randn(7, 5, generator=g)
+        a.grad, b.grad = grad.clone(), grad.clone()
+        frozen = ours.state[a]["exp_avg_sq"].clone() if step >= 3 else None
+        ours.step()
+        ref.step()
+        if step < 3:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(ours.state[a]["exp_avg_sq"], frozen)  # frozen after the warm-up
+            assert not torch.allclose(a, b, rtol=1e-6, atol=1e-7)  # AdamW's variance moved on
+    # the momentum follows the gradients in both
+    torch.testing.assert_close(ours.state[a]["exp_avg"], ref.state[b]["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+TINY = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.intermediate_size=96",
+    "train.seq_len=32",
+    "train.global_batch=16",
+    "train.micro_batch=4",
+    "train.lr=3e-3",
+    "train.warmup_steps=0",
+    "train.schedule=constant",
+    "train.grad_clip=0",
+    "log.progress=none",
+]
+FREEZE, STEPS = 10, 40
+
+
+def _tokens() -> np.ndarray:
+    """Byte-level text: a few standard-library modules' source."""
+    import argparse
+    import os
+    import typing
+
+    data = b"".join(Path(m.__file__).read_bytes() for m in (os, json, argparse, typing))[:300_000]
+    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+
+def _train_body(tmp: str) -> dict[str, Any]:
+    from zerotron.train.trainer import Trainer
+
+    rank, world = current_rank_and_world()
+    out: dict[str, Any] = {}
+    runs = {"adamw": [], "onebit": ["train.optimizer=onebit_adam", f"train.onebit_freeze_step={FREEZE}"]}
+    for name, overrides in runs.items():
+        cfg = load_config(None, [*TINY, *overrides])
+        trainer = Trainer(
+            cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(tmp, name), _tokens()
+        )
+        history = [trainer.train_step() for _ in range(STEPS)]
+        out[name] = {
+            "losses": [r["loss"] for r in history],
+            "comm": [r["comm_bytes"]["dp"] for r in history],
+            "weights": {k: v.detach().clone() for k, v in trainer.model.named_parameters()},
+        }
+        trainer.close()
+    return out
+
+
+def test_training_beside_adamw(tmp_path: Path) -> None:
+    ranks = run_distributed(_train_body, 2, str(tmp_path), timeout=600)
+    adamw, onebit = ranks[0]["adamw"], ranks[0]["onebit"]
+    # the warm-up is AdamW (zerotron's is torch's fused AdamW: the same update, other rounding)
+    np.testing.assert_allclose(onebit["losses"][:FREEZE], adamw["losses"][:FREEZE], rtol=1e-5)
+    # after it: about 1/32 of the gradient all-reduce's bytes (1/20 asked), none of them an all-reduce
+    # but the loss's own scalar
+    full = adamw["comm"][-1]["all_reduce"]
+    for comm in onebit["comm"][FREEZE:]:
+        sent = comm["all_to_all"] + comm["all_gather"]
+        assert sent <= full / 20 and comm.get("all_reduce", 0) <= 16
+    # the replicas stay equal: every rank applies the same averaged momentum
+    for key, w in ranks[0]["onebit"]["weights"].items():
+        assert torch.equal(ranks[1]["onebit"]["weights"][key], w), key
+    assert onebit["losses"] != adamw["losses"]
+    assert adamw["losses"][-1] < 0.7 * adamw["losses"][0]
+    assert abs(onebit["losses"][-1] - adamw["losses"][-1]) <= 0.02 * adamw["losses"][-1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.zero=1"], "not ZeRO-1"),
+        (["parallel.tp=2", "parallel.dp=1"], "not tp, pp, cp or ep"),
+        (["train.precision=bf16"], "not bf16"),
+        (["train.grad_clip=1.0"], "train.grad_clip=0"),
+        (["train.onebit_freeze_step=0"], "at least 1"),
+        (["train.optimizer=zero_one_adam"], "adamw, onebit_adam"),
+    ],
+)
+def test_refused_settings(overrides: list[str], message: str) -> None:
+    cfg = load_config(None, [*TINY, "train.optimizer=onebit_adam", *overrides])
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(cfg, 2)
+    assert "\n" not in str(e.value)
+
+
+def test_deepspeed_onebit_adam(tmp_path: Path) -> None:
+    from zerotron.config_deepspeed import from_deepspeed
+
+    path = tmp_path / "ds.json"
+    opt = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 400, "cuda_aware": False}}
+    path.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": opt}))
+    t = from_deepspeed(str(path), None, [], world_size=2).config.train
+    assert (t.optimizer, t.onebit_freeze_step, t.lr) == ("onebit_adam", 400, 1e-3)
+    path.write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "ZeroOneAdam", "params": {}}}))
+    with pytest.raises(ConfigError, match="0/1 Adam is not built") as e:
+        from_deepspeed(str(path), None, [], world_size=2)
+    assert "\n" not in str(e.value)
