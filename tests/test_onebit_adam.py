@@ -212,3 +212,21 @@ def test_deepspeed_onebit_adam(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="0/1 Adam is not built") as e:
         from_deepspeed(str(path), None, [], world_size=2)
     assert "\n" not in str(e.value)
+
+
+def test_resume_restores_each_ranks_errors(tmp_path: Path) -> None:
+    """A run resumed after the warm-up (at the same world size) gives the uninterrupted run's losses
+    bit for bit: each rank's worker and server errors come back from its own file."""
+    from zerotron.cli import main
+
+    job = [*TINY, "train.optimizer=onebit_adam", "train.onebit_freeze_step=2", "checkpoint.every=2"]
+    job += ["data.max_bytes=100000", "train.sample_every=0"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert main(["train", *job, "train.steps=7", "--nproc", "2", "--out", str(whole)]) == 0
+    assert main(["train", *job, "train.steps=4", "--nproc", "2", "--out", str(cut)]) == 0
+    assert main(["train", *job, "train.steps=7", "--nproc", "2", "--out", str(cut), "--resume", "auto"]) == 0
+
+    def losses(run: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(cut) == losses(whole) and len(losses(whole)) == 7

@@ -7,7 +7,8 @@ Files inside one checkpoint folder (see :mod:`zerotron.checkpoint.store` for pub
   AdamW moment (``{name}.exp_avg``, ``{name}.exp_avg_sq``, ``{name}.step``), and under ZeRO only its
   flat range of that box; without ZeRO the first data-parallel replica of each (pp, tp) place writes;
 - ``index.json``: every tensor's global shape, dtype, kind and pieces (file, box offsets, flat range);
-- ``rng.rank{R}.safetensors``: each rank's torch CPU (and CUDA) generator state;
+- ``rng.rank{R}.safetensors``: each rank's torch CPU (and CUDA) generator state, and under 1-bit Adam
+  the rank's own compression errors (``onebit_worker``, ``onebit_server``);
 - ``trainer.json``: step, loss scaler, data-loader position, layout and the resolved config.
 
 Saving gathers nothing; loading reads, for every tensor a rank holds under its own layout, the box it
@@ -35,6 +36,7 @@ from zerotron.distributed.mesh import Mesh
 from zerotron.models.nf4 import is_quantized_param
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.engine import ShardedEngine
+from zerotron.parallel.onebit import OneBitAdam
 from zerotron.parallel.placement import (
     Placement,
     boxes,
@@ -86,6 +88,15 @@ def load_optimizer_tensors(
             state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             if state:
                 optimizer.state[p] = {k: v.to(p.device) if v.ndim else v for k, v in state.items()}
+
+
+def rank_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """What the optimizer holds for this rank alone (1-bit Adam's compression errors): saved beside the
+    rank's generator state, restored when the same world size resumes (another layout starts them at
+    zero)."""
+    if isinstance(optimizer, OneBitAdam):
+        return {f"onebit_{k}": v.detach().cpu() for k, v in optimizer.errors.items()}
+    return {}
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
@@ -251,7 +262,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     world = mesh.group("world")
     collectives.barrier(world)
-    files: dict[str, Mapping[str, store.Storable]] = {f"rng.rank{mesh.rank}.safetensors": rng_tensors()}
+    own = {**rng_tensors(), **rank_optimizer_tensors(held.optimizer)}  # this rank's alone
+    files: dict[str, Mapping[str, store.Storable]] = {f"rng.rank{mesh.rank}.safetensors": own}
     json_files: dict[str, Any] = {}
     if tensors:
         shard = f"shard.rank{mesh.rank}.safetensors"
@@ -445,6 +457,10 @@ def load_checkpoint(ckpt: Path, held: RankState, verified: bool = False) -> dict
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+        if isinstance(optimizer, OneBitAdam):
+            optimizer.errors = {
+                k[len("onebit_") :]: v.clone() for k, v in rng.items() if k.startswith("onebit_")
+            }
     return cast(dict[str, Any], state)
 
 

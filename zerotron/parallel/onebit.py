@@ -22,8 +22,9 @@ guard and the optimizer see one gradient everywhere, and the optimizer's momentu
 *comm* part: the compressed all-reduce lives in :mod:`zerotron.distributed.collectives`, which counts
 its bytes (an all-to-all and an all-gather of bits and scales: about 1/32 of the fp32 all-reduce).
 
-What is not kept: the worker and server errors are each rank's own, and a checkpoint (which saves the
-replicated optimizer state once) does not hold them; a resumed run starts them at zero.
+The worker and server errors are each rank's own: a checkpoint keeps them beside the rank's generator
+state, and a resume at the same world size restores them (the losses of the uninterrupted run); under
+another world size they start at zero.
 """
 
 from __future__ import annotations
@@ -62,8 +63,6 @@ class OneBitBuckets(GradientBuckets):
         self.optimizer: torch.optim.Optimizer | None = None
         n, numel = group.size, sum(p.numel() for _, p in self._named)
         self.padded = -(-numel // (n * BLOCK)) * n * BLOCK
-        self.worker_error = torch.zeros(0)
-        self.server_error = torch.zeros(0)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose momentum (``exp_avg``) the compressed phase averages."""
@@ -95,9 +94,11 @@ class OneBitBuckets(GradientBuckets):
             return
         params = [p for _, p in self._named]
         device = params[0].device
-        if self.worker_error.numel() != self.padded:  # the first compressed step
-            self.worker_error = torch.zeros(self.padded, device=device)
-            self.server_error = torch.zeros(self.padded // self.dp.size, device=device)
+        assert isinstance(self.optimizer, OneBitAdam), "attach the OneBitAdam optimizer first"
+        errors = self.optimizer.errors  # this rank's own (a checkpoint keeps them per rank)
+        if errors.get("worker") is None or errors["worker"].numel() != self.padded:  # the first such step
+            errors["worker"] = torch.zeros(self.padded, device=device)
+            errors["server"] = torch.zeros(self.padded // self.dp.size, device=device)
         momentum = self._state(params, "exp_avg", 0.0)  # (padded,) the optimizer's m
         scale = self._denominator(params)  # (padded,) the frozen sqrt(v) + eps every rank shares
         local = torch.zeros(self.padded, device=device)
@@ -105,7 +106,7 @@ class OneBitBuckets(GradientBuckets):
         b1, n = self.beta1, self.dp.size
         # in the units of the step it makes: the same average, with no value inflated past its own scale
         mine = (momentum * b1 + local * ((1 - b1) * n)) / scale
-        collectives.all_reduce_onebit(mine, self.worker_error, self.server_error, self.dp, BLOCK)
+        collectives.all_reduce_onebit(mine, errors["worker"], errors["server"], self.dp, BLOCK)
         common = (mine * scale - momentum * b1) / (1 - b1)
         offset = 0
         for p in params:
@@ -160,6 +161,9 @@ class OneBitAdam(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.freeze_step = freeze_step
+        # this rank's compression errors (worker: the whole flat momentum, server: its chunk), set by
+        # OneBitBuckets: saved with the rank's own state, not with the replicated moments
+        self.errors: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
