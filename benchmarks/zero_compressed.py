@@ -1,15 +1,20 @@
 """ZeRO++'s compressed collectives (qwZ, qgZ) beside the uncompressed run (BENCHMARKS.md).
 
-Run:  python benchmarks/zero_compressed.py [--part train|plan|all] [--steps 200] [--out DIR]
+Run:  python benchmarks/zero_compressed.py [--part train|onebit|plan|all] [--steps 200] [--out DIR]
 
 - ``train``: the default job (``zerotron train`` with no arguments: the tiny preset, 2 ranks) under
   ZeRO-3 (and ZeRO-2 for qgZ), uncompressed and with each technique, ``--steps`` steps each. Prints
   bytes per step by op (``metrics.jsonl``'s ``comm_bytes``, the last step), the ratio to the
   uncompressed run's data-parallel bytes, mean step time past the first 5 steps, and the last loss and
   its relative difference; writes ``zero_compressed.png`` (the loss curves) into ``--out``.
+- ``onebit``: the default job on 2 ranks with AdamW and with 1-bit Adam (warm-up of 40 steps, a fifth
+  of the run as the paper's), both without clipping: bytes per step after the warm-up, step time, the
+  loss (mean of the last 20 steps); ``onebit.png`` the curves.
 - ``plan``: ``zerotron plan`` of a 70B Llama on 64 H100s (8 nodes), ZeRO-3 over all 64, sequence
   4096, global batch 512, bf16, over a 100 Gb/s and a 400 Gb/s network per GPU, with and without each
-  technique: the predicted step time and the ratio to ZeRO-3's.
+  technique: the predicted step time and the ratio to ZeRO-3's; and of Llama-3.2-1B under data
+  parallelism on the same 64 GPUs (one 4096-token sequence per GPU and step), AdamW against 1-bit
+  Adam after its warm-up.
 """
 
 from __future__ import annotations
@@ -69,8 +74,13 @@ def _run(label: str, overrides: list[str], steps: int, out: Path) -> dict:
     }
 
 
-def _dp_bytes(comm: dict) -> int:
-    return sum(n for op, n in comm.get("dp", {}).items() if op != "all_reduce")
+def _dp_bytes(comm: dict, scalars_out: bool = False) -> int:
+    """The dp group's data bytes: ZeRO's gathers and reductions (``scalars_out``: every op, the loss
+    and norm scalars' all-reduce of a few bytes taken out)."""
+    ops = comm.get("dp", {})
+    if scalars_out:
+        return sum(n for n in ops.values() if n > 64)
+    return sum(n for op, n in ops.items() if op != "all_reduce")
 
 
 def train(steps: int, out: Path) -> None:
@@ -101,6 +111,49 @@ def train(steps: int, out: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "zero_compressed.png", dpi=110)
+
+
+def onebit(steps: int, out: Path) -> None:
+    import statistics
+
+    runs = {
+        "AdamW": ["train.grad_clip=0"],
+        "1-bit Adam": [
+            "train.grad_clip=0",
+            "train.optimizer=onebit_adam",
+            f"train.onebit_freeze_step={steps // 5}",
+        ],
+    }
+    results = {label: _run(label, overrides, steps, out) for label, overrides in runs.items()}
+    (out / "onebit.json").write_text(json.dumps(results, indent=1))
+    base = results["AdamW"]
+    print(
+        "| job | bytes / step (after warm-up) | bytes vs AdamW | step (s) | loss, last 20 steps | vs AdamW |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for label, r in results.items():
+        ops = ", ".join(f"{op} {n / 1e6:.3f} MB" for op, n in sorted(r["comm_bytes"].get("dp", {}).items()))
+        loss, base_loss = statistics.mean(r["losses"][-20:]), statistics.mean(base["losses"][-20:])
+        ratio = _dp_bytes(r["comm_bytes"], True) / _dp_bytes(base["comm_bytes"], True)
+        print(
+            f"| {label} | {ops} | {ratio:.4f}× | {r['step_s']:.3f} | {loss:.4f} | "
+            f"{100 * (loss - base_loss) / base_loss:+.2f}% |"
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, r in results.items():
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
+    ax.axvline(steps // 5, color="grey", linestyle=":", label="1-bit Adam's warm-up ends")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("The default job on 2 ranks: 1-bit Adam vs AdamW")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "onebit.png", dpi=110)
 
 
 PLAN = [
@@ -141,11 +194,28 @@ def plan(out: Path) -> None:
             step = float(report["step_time_s"])
             base = base or step
             print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× |")
+        dp_only = ["model.preset=llama3.2-1b", "train.seq_len=4096", "train.global_batch=64"]
+        dp_only += [
+            "train.micro_batch=1",
+            "train.precision=fp32",
+            "train.recompute=full",
+            "train.grad_clip=0",
+        ]
+        base = None
+        for label, extra in [
+            ("Llama-3.2-1B, DP, AdamW", []),
+            ("Llama-3.2-1B, DP, 1-bit Adam", ["train.optimizer=onebit_adam"]),
+        ]:
+            cmd = [sys.executable, "-m", "zerotron", "plan", *dp_only, *extra, "--hardware", str(profile)]
+            run = subprocess.run([*cmd, "--gpus", "64", "--json"], check=True, capture_output=True, text=True)
+            step = float(json.loads(run.stdout)["step_time_s"])
+            base = base or step
+            print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("train", "plan", "all"), default="all")
+    parser.add_argument("--part", choices=("train", "onebit", "plan", "all"), default="all")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("runs/zero_compressed"))
     args = parser.parse_args()
@@ -154,6 +224,8 @@ def main() -> None:
         plan(args.out)
     if args.part in ("train", "all"):
         train(args.steps, args.out)
+    if args.part in ("onebit", "all"):
+        onebit(args.steps, args.out)
 
 
 if __name__ == "__main__":

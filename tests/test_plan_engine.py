@@ -121,6 +121,10 @@ LAYOUTS_2 += [  # ZeRO-3 under mixed precision: 16-bit working weights (a 16-bit
     ["parallel.zero=3", "train.precision=fp16", "train.recompute=full", "model.mlp=plain"],
     ["parallel.zero=3", "train.precision=bf16", "model.tie_word_embeddings=false"],
 ]
+LAYOUTS_2 += [  # 1-bit Adam after its warm-up (the second step): momenta as bits, errors as state
+    ["train.optimizer=onebit_adam", "train.onebit_freeze_step=1", "train.grad_clip=0"],
+    ["train.optimizer=onebit_adam", "train.onebit_freeze_step=1", "train.grad_clip=0", "model.mlp=plain"],
+]
 LAYOUTS_2 += [  # ZeRO++'s quantised collectives (short blocks: several per shard, the last one partial)
     ["parallel.zero=3", "parallel.zero_quantized_weights=true", "parallel.zero_quantized_weight_block=128"],
     [

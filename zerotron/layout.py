@@ -299,6 +299,19 @@ def quantized_wire(block: int, bits: int) -> float:
     return bits / 8 + 4 / block
 
 
+# 1-bit Adam: values per fp32 scale of the compressed momentum. On byte-level text 64 kept the loss
+# within 1% of AdamW's and 2048 within 2.5%; 64 sends 1/21 of the fp32 all-reduce's bytes
+ONEBIT_BLOCK = 64
+
+
+def onebit_sizes(numel: int, ranks: int) -> tuple[int, int]:
+    """1-bit Adam over ``ranks`` data-parallel ranks: (the flat momentum's padded length, a multiple of
+    ``ranks * ONEBIT_BLOCK``; the bytes of one rank's chunk as sent: its scales and bits)."""
+    padded = -(-numel // (ranks * ONEBIT_BLOCK)) * ranks * ONEBIT_BLOCK
+    chunk = padded // ranks
+    return padded, 4 * chunk // ONEBIT_BLOCK + chunk // 8
+
+
 def hybrid(dp: int, zero: int, shard_size: int) -> bool:
     """Whether ZeRO shards over groups of ``shard_size`` data-parallel ranks and replicates across them
     (hybrid sharding: ``parallel.zero_shard_size`` set, smaller than dp)."""

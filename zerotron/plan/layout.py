@@ -49,6 +49,7 @@ class Layout(shared.HoldsDims):
     zero_quantized_weight_block: int = 2048
     zero_quantized_gradient_block: int = 128
     zero_hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers inside blocks of this many dp ranks
+    onebit_adam: bool = False  # 1-bit Adam (data parallelism): momenta sent as bits, after the warm-up
     kernels: str = "fused"  # element-wise kernels: "fused" (Megatron, TE) or "eager" (one per operation)
     pp_scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Megatron), or all of it
 
@@ -124,6 +125,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         zero_quantized_weight_block=p.zero_quantized_weight_block,
         zero_quantized_gradient_block=p.zero_quantized_gradient_block,
         zero_hpz_size=p.zero_hpz_size,
+        onebit_adam=t.optimizer == "onebit_adam",
         kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)
     )
     _check_model(cfg.model)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zerotron.config import Config
-from zerotron.layout import hybrid_block, quantized_wire
+from zerotron.layout import ONEBIT_BLOCK, hybrid_block, onebit_sizes, quantized_wire
 from zerotron.plan import activations as act
 from zerotron.plan import memory as mem
 from zerotron.plan import timing
@@ -205,7 +205,12 @@ def _model_states(
     dense = mem.StateLayout(dense_ranks, zero, *offload)
     working = 2 if working_weights16(layout, work) else 4
     if not sp.expert_elements:
-        return mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact, working)
+        states = mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact, working)
+        if layout.onebit_adam and convention == "zerotron" and data_ranks(layout) > 1:
+            # 1-bit Adam's errors: the worker's over the padded momentum, the server's over its chunk
+            padded, _ = onebit_sizes(sp.elements, data_ranks(layout))
+            states["device"]["optimizer"] += 4.0 * (padded + padded // data_ranks(layout))
+        return states
     parts = [
         mem.model_states(
             sp.elements - sp.expert_elements,
@@ -447,6 +452,8 @@ def step_times(
     reduce_wire: float = grad_wire
     if layout.zero_quantized_weights and layout.zero == 3:
         gather_wire = quantized_wire(layout.zero_quantized_weight_block, 8)
+    if layout.onebit_adam and layout.zero == 0:  # 1-bit Adam after the warm-up: bits and a scale per block
+        reduce_wire = 1 / 8 + 4 / ONEBIT_BLOCK
     if layout.zero_quantized_gradients and layout.zero >= 1:
         reduce_wire = quantized_wire(
             layout.zero_quantized_gradient_block, layout.zero_quantized_gradient_bits

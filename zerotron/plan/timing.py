@@ -463,7 +463,9 @@ def _zero_times(
     backward = t_mb * 2.0 / 3.0
     if layout.zero <= 1:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = _exposed(hw, collective_time(op, grads, n, stride, hw), backward)
+        reduce = collective_time(op, grads, n, stride, hw)
+        if not layout.onebit_adam:  # 1-bit Adam averages the momentum after backward, not under it
+            reduce = _exposed(hw, reduce, backward)
         gather = collective_time("all_gather", params, n, stride, hw) if layout.zero == 1 else 0.0
         return {"dp_grad_reduce": reduce, "dp_param_gather": gather}
     per_mb_reduce = collective_time("reduce_scatter", grads, n, stride, hw)

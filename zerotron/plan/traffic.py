@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zerotron.layout import quantized_bytes
+from zerotron.layout import onebit_sizes, quantized_bytes
 from zerotron.plan.layout import Layout
 from zerotron.plan.memory import _buckets, _zero3_units
 from zerotron.plan.model import ParamList
@@ -36,7 +36,9 @@ def engine_dp_bytes(
     unit's gather after the step excepted), a quantised gradient reduction sends each
     rank's chunk for every other rank the same way at ``bits``, counted as an all-to-all. hpZ
     (``layout.zero_hpz_size`` > 1): backward's gather of every sharded unit runs on the ``dp_hpz``
-    block, from the second copy the forward kept (working dtype, never quantised).
+    block, from the second copy the forward kept (working dtype, never quantised). 1-bit Adam
+    (``layout.onebit_adam``, data parallelism): the steps after the warm-up, whose momentum goes as an
+    all-to-all and an all-gather of bits and scales (:func:`~zerotron.layout.onebit_sizes`).
     """
     ordered = params.ordered()
     zero, bucket_mb, reshard_after_forward = layout.zero, layout.bucket_mb, layout.reshard_after_forward
@@ -67,6 +69,9 @@ def engine_dp_bytes(
         return {}
     out: dict[str, dict[str, int]] = {}
     dp = "dp" if replicas == 1 else "dp_shard"
+    if zero == 0 and layout.onebit_adam:  # after the warm-up: the momentum's bits, two ways
+        _, record = onebit_sizes(sum(sum(b) for b in _buckets(ordered, 4, bucket_mb)), n)
+        return {"dp": {"all_to_all": part(n * record, n), "all_gather": part(n * record, n)}}
     if zero == 0:
         buckets = _buckets(ordered, 4, bucket_mb)
         return {"dp": {"all_reduce": sum(2 * part(sum(b) * reduce_bytes, n) for b in buckets)}}
