@@ -1,15 +1,18 @@
 """ZeRO++'s compressed collectives (qwZ, qgZ) beside the uncompressed run (BENCHMARKS.md).
 
-Run:  python benchmarks/zero_compressed.py [--part train|onebit|plan|all] [--steps 200] [--out DIR]
+Run:  python benchmarks/zero_compressed.py [--part train|onebit|ranks|plan|all] [--steps 200] [--out DIR]
 
 - ``train``: the default job (``zerotron train`` with no arguments: the tiny preset, 2 ranks) under
   ZeRO-3 (and ZeRO-2 for qgZ), uncompressed and with each technique, ``--steps`` steps each. Prints
   bytes per step by op (``metrics.jsonl``'s ``comm_bytes``, the last step), the ratio to the
   uncompressed run's data-parallel bytes, mean step time past the first 5 steps, and the last loss and
   its relative difference; writes ``zero_compressed.png`` (the loss curves) into ``--out``.
-- ``onebit``: the default job on 2 ranks with AdamW and with 1-bit Adam (warm-up of 40 steps, a fifth
-  of the run as the paper's), both without clipping: bytes per step after the warm-up, step time, the
-  loss (mean of the last 20 steps); ``onebit.png`` the curves.
+- ``onebit``: the default job on 2 ranks with AdamW and with 1-bit Adam (warm-ups of a fifth of the
+  run, as the paper's 15-25%, and of half of it), all without clipping: bytes per step after the
+  warm-up, step time, the loss (mean of the last 20 steps); ``onebit.png`` the curves.
+- ``ranks``: 2, 4 and 8 ranks, 20 steps of the default job (global batch 8 sequences): ZeRO-3 against
+  ZeRO-3 with qwZ, qgZ int4 and (4 and 8 ranks) hpZ in blocks of 2; AdamW against 1-bit Adam (warm-up
+  of 5 steps); bytes per step by group (the last step) and mean step time past the first 5.
 - ``plan``: ``zerotron plan`` of a 70B Llama on 64 H100s (8 nodes), ZeRO-3 over all 64, sequence
   4096, global batch 512, bf16, over a 100 Gb/s and a 400 Gb/s network per GPU, with and without each
   technique: the predicted step time and the ratio to ZeRO-3's; and of Llama-3.2-1B under data
@@ -116,13 +119,11 @@ def train(steps: int, out: Path) -> None:
 def onebit(steps: int, out: Path) -> None:
     import statistics
 
+    onebit_adam = ["train.grad_clip=0", "train.optimizer=onebit_adam"]
     runs = {
         "AdamW": ["train.grad_clip=0"],
-        "1-bit Adam": [
-            "train.grad_clip=0",
-            "train.optimizer=onebit_adam",
-            f"train.onebit_freeze_step={steps // 5}",
-        ],
+        "1-bit Adam, warm-up 1/5": [*onebit_adam, f"train.onebit_freeze_step={steps // 5}"],
+        "1-bit Adam, warm-up 1/2": [*onebit_adam, f"train.onebit_freeze_step={steps // 2}"],
     }
     results = {label: _run(label, overrides, steps, out) for label, overrides in runs.items()}
     (out / "onebit.json").write_text(json.dumps(results, indent=1))
@@ -147,13 +148,57 @@ def onebit(steps: int, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, r in results.items():
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
-    ax.axvline(steps // 5, color="grey", linestyle=":", label="1-bit Adam's warm-up ends")
+    for end in (steps // 5, steps // 2):
+        ax.axvline(end, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("The default job on 2 ranks: 1-bit Adam vs AdamW")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "onebit.png", dpi=110)
+
+
+def ranks(out: Path) -> None:
+    print("| ranks | job | bytes / step by group | bytes vs uncompressed | step (s) | step vs uncompressed |")
+    print("|---:|---|---|---:|---:|---:|")
+    for n in (2, 4, 8):
+        zeropp = [
+            "parallel.zero=3",
+            "parallel.zero_quantized_weights=true",
+            "parallel.zero_quantized_gradients=true",
+        ]
+        zeropp += ["parallel.zero_quantized_gradient_bits=4"] + (
+            ["parallel.zero_hpz_size=2"] if n > 2 else []
+        )
+        pairs = [
+            (
+                "ZeRO-3",
+                ["parallel.zero=3"],
+                "ZeRO-3 + qwZ + qgZ int4" + (" + hpZ 2" if n > 2 else ""),
+                zeropp,
+            ),
+            (
+                "AdamW",
+                ["train.grad_clip=0"],
+                "1-bit Adam",
+                ["train.grad_clip=0", "train.optimizer=onebit_adam", "train.onebit_freeze_step=5"],
+            ),
+        ]
+        for base_label, base_args, label, args in pairs:
+            common = ["train.global_batch=8", "train.micro_batch=1", f"--nproc={n}"]
+            base = _run(f"{base_label} {n}", [*base_args, *common], 20, out)
+            ours = _run(f"{label} {n}", [*args, *common], 20, out)
+            for name, r in ((base_label, base), (label, ours)):
+                groups = ", ".join(
+                    f"{g} {sum(v for v in ops.values() if v > 64) / 1e6:.3f} MB"
+                    for g, ops in sorted(r["comm_bytes"].items())
+                )
+                total = sum(v for ops in r["comm_bytes"].values() for v in ops.values() if v > 64)
+                total_base = sum(v for ops in base["comm_bytes"].values() for v in ops.values() if v > 64)
+                print(
+                    f"| {n} | {name} | {groups} | {total / total_base:.3f}× | {r['step_s']:.3f} | "
+                    f"{r['step_s'] / base['step_s']:.2f}× |"
+                )
 
 
 PLAN = [
@@ -215,7 +260,7 @@ def plan(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("train", "onebit", "plan", "all"), default="all")
+    parser.add_argument("--part", choices=("train", "onebit", "ranks", "plan", "all"), default="all")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("runs/zero_compressed"))
     args = parser.parse_args()
@@ -226,6 +271,8 @@ def main() -> None:
         train(args.steps, args.out)
     if args.part in ("onebit", "all"):
         onebit(args.steps, args.out)
+    if args.part in ("ranks", "all"):
+        ranks(args.out)
 
 
 if __name__ == "__main__":
