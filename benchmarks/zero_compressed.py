@@ -55,7 +55,7 @@ VARIANTS = [
 
 
 def _run(label: str, overrides: list[str], steps: int, out: Path) -> dict:
-    run = out / label.replace(" ", "_").replace("+", "p")
+    run = out / label.replace(" ", "_").replace("+", "p").replace("/", "-")
     cmd = [
         sys.executable,
         "-m",
@@ -86,6 +86,26 @@ def _dp_bytes(comm: dict, scalars_out: bool = False) -> int:
     return sum(n for op, n in ops.items() if op != "all_reduce")
 
 
+def _plot(results: dict, title: str, path: Path, marks: tuple[int, ...] = ()) -> None:
+    """The loss curves of ``results`` (vertical lines at ``marks``) into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, r in results.items():
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
+    for step in marks:
+        ax.axvline(step, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def train(steps: int, out: Path) -> None:
     results = {label: _run(label, overrides, steps, out) for label, overrides in VARIANTS}
     (out / "zero_compressed.json").write_text(json.dumps(results, indent=1))
@@ -100,20 +120,7 @@ def train(steps: int, out: Path) -> None:
             f"| {label} | {ops} | {ratio:.3f}× | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f}× | "
             f"{loss:.4f} | {100 * (loss - base_loss) / base_loss:+.2f}% |"
         )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, r in results.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("The default job on 2 ranks: ZeRO++ compression vs none")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "zero_compressed.png", dpi=110)
+    _plot(results, "The default job on 2 ranks: ZeRO++ compression vs none", out / "zero_compressed.png")
 
 
 def onebit(steps: int, out: Path) -> None:
@@ -140,22 +147,8 @@ def onebit(steps: int, out: Path) -> None:
             f"| {label} | {ops} | {ratio:.4f}× | {r['step_s']:.3f} | {loss:.4f} | "
             f"{100 * (loss - base_loss) / base_loss:+.2f}% |"
         )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, r in results.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
-    for end in (steps // 5, steps // 2):
-        ax.axvline(end, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("The default job on 2 ranks: 1-bit Adam vs AdamW")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "onebit.png", dpi=110)
+    title = "The default job on 2 ranks: 1-bit Adam vs AdamW"
+    _plot(results, title, out / "onebit.png", marks=(steps // 5, steps // 2))
 
 
 def ranks(out: Path) -> None:
@@ -211,23 +204,25 @@ PLAN = [
     "parallel.zero=3",
     "parallel.grad_reduce_dtype=bf16",
 ]
+QWZ_QGZ4 = [
+    "parallel.zero_quantized_weights=true",
+    "parallel.zero_quantized_gradients=true",
+    "parallel.zero_quantized_gradient_bits=4",
+]
 PLAN_VARIANTS = [
     ("ZeRO-3", []),
     ("+ qwZ", ["parallel.zero_quantized_weights=true"]),
-    ("+ qgZ int4", ["parallel.zero_quantized_gradients=true", "parallel.zero_quantized_gradient_bits=4"]),
-    (
-        "+ qwZ + qgZ int4",
-        [
-            "parallel.zero_quantized_weights=true",
-            "parallel.zero_quantized_gradients=true",
-            "parallel.zero_quantized_gradient_bits=4",
-        ],
-    ),
+    ("+ qgZ int4", QWZ_QGZ4[1:]),
+    ("+ hpZ (blocks of 8: a node)", ["parallel.zero_hpz_size=8"]),
+    ("+ qwZ + qgZ int4", QWZ_QGZ4),
+    ("+ qwZ + qgZ int4 + hpZ", [*QWZ_QGZ4, "parallel.zero_hpz_size=8"]),
 ]
 
 
 def plan(out: Path) -> None:
-    print("| network per GPU | layout | predicted step (s) | speed-up over ZeRO-3 |\n|---|---|---:|---:|")
+    print(
+        "| network per GPU | job | predicted step (s) | speed-up | memory / GPU (GiB) |\n|---|---|---:|---:|---:|"
+    )
     for gbits in (100, 400):
         profile = out / f"h100_{gbits}g.json"
         profile.write_text(json.dumps({"base": "h100-sxm", "inter_bw": gbits / 8 * 1e9}))
@@ -236,9 +231,9 @@ def plan(out: Path) -> None:
             cmd = [sys.executable, "-m", "zerotron", "plan", *PLAN, *extra, "--hardware", str(profile)]
             cmd += ["--gpus", "64", "--json"]
             report = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            step = float(report["step_time_s"])
+            step, memory = float(report["step_time_s"]), report["memory_bytes"]["total"] / 2**30
             base = base or step
-            print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× |")
+            print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× | {memory:.1f} |")
         dp_only = ["model.preset=llama3.2-1b", "train.seq_len=4096", "train.global_batch=64"]
         dp_only += [
             "train.micro_batch=1",
@@ -253,9 +248,10 @@ def plan(out: Path) -> None:
         ]:
             cmd = [sys.executable, "-m", "zerotron", "plan", *dp_only, *extra, "--hardware", str(profile)]
             run = subprocess.run([*cmd, "--gpus", "64", "--json"], check=True, capture_output=True, text=True)
-            step = float(json.loads(run.stdout)["step_time_s"])
+            report = json.loads(run.stdout)
+            step, memory = float(report["step_time_s"]), report["memory_bytes"]["total"] / 2**30
             base = base or step
-            print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× |")
+            print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× | {memory:.1f} |")
 
 
 def main() -> None:

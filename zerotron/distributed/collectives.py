@@ -234,6 +234,29 @@ def all_reduce(
     return _run(group, entry, lambda a: dist.all_reduce(t, rop, group.pg, a), async_op, finish)
 
 
+def _checked_scatter(output: torch.Tensor, input: torch.Tensor, n: int, op: str) -> bool:
+    """A reduce-scatter's arguments checked; True when the group is one rank (the output then holds
+    the input: nothing to send)."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter op {op!r} must be 'sum' or 'avg'")
+    if input.numel() != n * output.numel():
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}"
+        )
+    if n == 1:
+        output.copy_(input.reshape(output.shape))
+    return n == 1
+
+
+def _checked_gather(output: torch.Tensor, input: torch.Tensor, n: int) -> bool:
+    """An all-gather's arguments checked; True when the group is one rank (output = input)."""
+    if output.numel() != n * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()}")
+    if n == 1:
+        output.copy_(input.reshape(output.shape))
+    return n == 1
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -250,15 +273,8 @@ def reduce_scatter(
     place and the copy (the whole buffer, each call) is saved, with the same bits. Counted as the
     reduce-scatter that was asked for, like the fallback below.
     """
-    if op not in ("sum", "avg"):
-        raise ValueError(f"reduce_scatter op {op!r} must be 'sum' or 'avg'")
     n = group.size
-    if input.numel() != n * output.numel():
-        raise ValueError(
-            f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}"
-        )
-    if n == 1:
-        output.copy_(input.reshape(output.shape))
+    if _checked_scatter(output, input, n, op):
         return _NoWork() if async_op else None
     entry = _begin(group, "reduce_scatter", (output, input), _nbytes(input) * (n - 1) // n)
     if overwrite_input and group.backend == "gloo" and input.is_contiguous():
@@ -306,10 +322,7 @@ def all_gather(
 ) -> Pending | _NoWork | None:
     """Gather every rank's ``input`` into ``output`` (group.size × input elements, rank-major)."""
     n = group.size
-    if output.numel() != n * input.numel():
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()}")
-    if n == 1:
-        output.copy_(input.reshape(output.shape))
+    if _checked_gather(output, input, n):
         return _NoWork() if async_op else None
     entry = _begin(group, "all_gather", (output, input), _nbytes(output) * (n - 1) // n)
     key = (group.backend, "all_gather")
@@ -366,10 +379,7 @@ def all_gather_quantized(
     values dequantised into its dtype. Counted as the all-gather of those bytes. A group of one rank
     sends nothing and quantises nothing."""
     n = group.size
-    if output.numel() != n * input.numel():
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()}")
-    if n == 1:
-        output.copy_(input.reshape(output.shape))
+    if _checked_gather(output, input, n):
         return _NoWork() if async_op else None
     numel = input.numel()
     record = quantize.pack(input.reshape(-1), block, 8)
@@ -403,15 +413,8 @@ def reduce_scatter_quantized(
     :func:`all_to_all`, and sums what arrives dequantised, in fp32 and rank order, into ``output``.
     One level (every rank to every rank): the hierarchical form that first reduces inside a node is not
     built. Counted as the all-to-all of the quantised bytes. ``output`` may be a view of ``input``."""
-    if op not in ("sum", "avg"):
-        raise ValueError(f"reduce_scatter op {op!r} must be 'sum' or 'avg'")
     n = group.size
-    if input.numel() != n * output.numel():
-        raise ValueError(
-            f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}"
-        )
-    if n == 1:
-        output.copy_(input.reshape(output.shape))
+    if _checked_scatter(output, input, n, op):
         return _NoWork() if async_op else None
     numel = output.numel()
     chunks = input.reshape(n, numel)
