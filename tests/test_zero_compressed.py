@@ -335,6 +335,13 @@ def test_refused_settings(overrides: list[str], message: str) -> None:
     assert "\n" not in str(e.value)
 
 
+def test_hpz_refused_under_a_pipeline() -> None:
+    cfg = load_config(None, [*TINY, "parallel.zero=3", "parallel.zero_hpz_size=2", "parallel.pp=2"])
+    with pytest.raises(ConfigError, match="pipeline parallelism") as e:
+        validate(cfg, 8)  # dp 4 in blocks of 2, two stages
+    assert "\n" not in str(e.value)
+
+
 def test_deepspeed_zeropp_keys(tmp_path: Path) -> None:
     """DeepSpeed's ZeRO++ keys as DeepSpeed means them (qgZ sends int4; hpZ's partition size)."""
     from zerotron.config_deepspeed import from_deepspeed

@@ -336,7 +336,10 @@ def _check_hpz(cfg: Config, world_size: int) -> None:
         (size >= dp, f"a block of all {dp} dp ranks is plain ZeRO-3: choose a divisor below {dp}, or 1"),
         (not p.reshard_after_forward, "with parallel.reshard_after_forward=false backward gathers nothing"),
         (p.zero_shard_size not in (0, dp), "it is not built with hybrid sharding (parallel.zero_shard_size)"),
-        (p.cp > 1 or p.ep > 1, "it is not built with context or expert parallelism yet"),
+        (
+            p.cp > 1 or p.ep > 1 or p.pp > 1,
+            "it is not built with context, expert or pipeline parallelism yet",
+        ),
         (p.offload_params != "none", "it is not built with parameter offload yet"),
     ]
     for bad, why in problems:
