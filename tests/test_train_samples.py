@@ -77,3 +77,20 @@ def test_bounded_samples_under_zero3_nvme_stop_every_rank_at_the_same_token(tmp_
     assert all(s["new_tokens"] >= 1 for s in samples)
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["phase_peak_memory_bytes"]) == {"materialise", "steps", "save", "sample"}
+
+
+def test_a_diverged_run_ends_without_a_sample(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A learning rate that sends the weights to inf: the run still ends (its metrics written), and the
+    end-of-run sample, whose probabilities are NaN, is one line instead of a traceback."""
+    import torch
+
+    from zerotron.components.generate import NonFiniteLogits, sample_next
+
+    with pytest.raises(NonFiniteLogits, match="NaN or inf"):
+        sample_next(torch.tensor([0.0, float("nan"), 1.0]), 0.8, 0, 1.0, None)
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "train.steps=3", "train.warmup_min_lr=99999999999", "model.bos_token_id=0"]
+    assert main([*argv, "--nproc", "1", "--out", str(out)]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert not (out / "sample.txt").exists()
+    assert "no sample.txt: the model's next-token probabilities are NaN or inf" in capfd.readouterr().out

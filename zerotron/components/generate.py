@@ -28,14 +28,21 @@ from zerotron.models.llama import KVCache, LlamaForCausalLM
 from zerotron.parallel.tensor_comm import gather_last_dim
 
 
+class NonFiniteLogits(ValueError):
+    """The model's next-token distribution holds NaN or inf: its weights or activations overflowed."""
+
+
 def sample_next(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: Optional[torch.Generator]
 ) -> int:
-    """One token id from logits (V,): greedy at temperature 0, else top-k / nucleus (top-p) sampling."""
+    """One token id from logits (V,): greedy at temperature 0, else top-k / nucleus (top-p) sampling.
+    :class:`NonFiniteLogits` when the distribution is not finite (a diverged model)."""
     if temperature <= 0.0:
         return int(torch.argmax(logits))
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     probs = torch.softmax(filter_logits(logits.float(), params), dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise NonFiniteLogits("the model's next-token probabilities are NaN or inf: its weights diverged")
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from zerotron.build.source import make_tokenizer
-from zerotron.components.generate import GenerateOptions, generate
+from zerotron.components.generate import GenerateOptions, NonFiniteLogits, generate
 from zerotron.components.loss import autocast
 from zerotron.components.supervised import use_template
 from zerotron.models.llama import LlamaForCausalLM
@@ -127,7 +127,12 @@ def write_sample(trainer: Trainer, run_dir: Path, step_s: float | None) -> str |
                 flush=True,
             )
         return None
-    text, _ = sample(trainer, step_s)
+    try:
+        text, _ = sample(trainer, step_s)
+    except NonFiniteLogits as e:  # every rank sees the same logits: all land here together
+        if trainer.mesh.rank == 0:
+            print(f"zerotron: no sample.txt: {e} (see the losses in metrics.jsonl)", flush=True)
+        return None
     if trainer.mesh.rank == 0:
         (run_dir / "sample.txt").write_text(text, encoding="utf-8")
     return text
@@ -147,7 +152,12 @@ class SampleEvery:
         every = trainer.cfg.train.sample_every
         if not every or trainer.step % every:
             return
-        text, result = sample(trainer, mean_step_s(self.history))
+        try:
+            text, result = sample(trainer, mean_step_s(self.history))
+        except NonFiniteLogits as e:
+            if trainer.mesh.rank == 0:
+                print(f"zerotron: no sample at step {trainer.step}: {e}", flush=True)
+            return
         if trainer.mesh.rank == 0:
             line = {
                 "step": trainer.step,
