@@ -460,10 +460,8 @@ def step_times(
         )
     grads, params = dense * reduce_wire, dense * gather_wire
     layers_ = max(1, sp.layers)
-    secondary = dense * param_wire if layout.zero == 3 and layout.zero_hpz_size > 1 else 0.0
-    times.update(
-        timing.data_parallel_time(layout, hw, folded, grads, params, t_compute, n_mb, layers_, secondary)
-    )
+    gathered = (params, dense * param_wire) if layout.zero == 3 and layout.zero_hpz_size > 1 else params
+    times.update(timing.data_parallel_time(layout, hw, folded, grads, gathered, t_compute, n_mb, layers_))
     shard = -(-dense // zero_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
         replicas = timing.DataGroup.of(layout, expert_dp(layout))

@@ -417,22 +417,22 @@ def data_parallel_time(
     hw: Hardware,
     group: DataGroup,
     grads: float,
-    params: float,
+    params: float | tuple[float, float],
     t_mb: float,
     n_mb: int,
     layers: int = 1,
-    secondary: float = 0.0,
 ) -> dict[str, float]:
     """Exposed data-parallel traffic of one step for the ZeRO stage (ZeRO paper: 2Ψ, or 3Ψ at stage 3)
     over ``group``, of ``grads`` and ``params`` bytes (a stage's elements in the gradients' and the
-    gathered weights' wire dtypes).
+    gathered weights' wire dtypes; ``params`` as (forward, backward) when backward gathers other bytes:
+    hpZ's second copy, in the working dtype however the forward's gathers are quantised).
 
     ZeRO-3 gathers and reduce-scatters module by module: ``layers`` collectives per pass, each paying
     the ring's latency. Hybrid sharding (blocks of S < the group's ranks): ZeRO's collectives run inside
     blocks of S consecutive ranks, and each step's gradient shard (1/S of the gradients) is all-reduced
-    across the blocks after backward, on the link that spans them (exposed). hpZ (``secondary`` bytes
-    of working weights, ``layout.zero_hpz_size`` > 1): backward's gathers run inside blocks of that
-    many consecutive ranks instead of over the whole group.
+    across the blocks after backward, on the link that spans them (exposed). hpZ (``layout.zero_hpz_size`` > 1):
+    backward's gathers run inside blocks of that many consecutive ranks instead of over the whole
+    group.
     """
     if group.ranks == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
@@ -440,7 +440,8 @@ def data_parallel_time(
     across = 0.0
     if n < group.ranks:
         across = collective_time("all_reduce", grads / n, group.ranks // n, stride * n, hw)
-    times = _zero_times(layout, hw, DataGroup(n, n, stride), grads, params, t_mb, n_mb, layers, secondary)
+    forward, backward = params if isinstance(params, tuple) else (params, params)
+    times = _zero_times(layout, hw, DataGroup(n, n, stride), grads, (forward, backward), t_mb, n_mb, layers)
     times["dp_grad_reduce"] += across
     return times
 
@@ -450,14 +451,15 @@ def _zero_times(
     hw: Hardware,
     block: DataGroup,
     grads: float,
-    params: float,
+    both: tuple[float, float],
     t_mb: float,
     n_mb: int,
     layers: int,
-    secondary: float = 0.0,
 ) -> dict[str, float]:
-    """:func:`data_parallel_time` over one ``block`` of ranks (the whole group, or a hybrid block)."""
+    """:func:`data_parallel_time` over one ``block`` of ranks (the whole group, or a hybrid block);
+    ``both``: the forward's and the backward's gathered bytes."""
     n, stride = block.ranks, block.stride
+    params, secondary = both
     if n == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
     backward = t_mb * 2.0 / 3.0
@@ -477,7 +479,7 @@ def _zero_times(
         }
     per_layer = collective_time("all_gather", params / layers, n, stride, hw)
     gathers = (2 if layout.reshard_after_forward else 1) * layers * per_layer  # forward (and backward)
-    if secondary and layout.zero_hpz_size > 1:  # hpZ: backward's gathers inside blocks of that many ranks
+    if layout.zero_hpz_size > 1:  # hpZ: backward's gathers inside blocks of that many ranks
         inside = collective_time("all_gather", secondary / layers, layout.zero_hpz_size, stride, hw)
         gathers = layers * per_layer + layers * inside
     per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)

@@ -31,14 +31,9 @@ def engine_dp_bytes(
     gathered from forward to backward: once per micro-batch) and reduce-scatters every unit per
     micro-batch, and gathers the persistent unit after the step.
 
-    ZeRO++ (``layout.zero_quantized_*``): a quantised gather sends each rank's shard as
-    :func:`~zerotron.layout.quantized_bytes` (int8 plus one fp32 maximum per block; the persistent
-    unit's gather after the step excepted), a quantised gradient reduction sends each
-    rank's chunk for every other rank the same way at ``bits``, counted as an all-to-all. hpZ
-    (``layout.zero_hpz_size`` > 1): backward's gather of every sharded unit runs on the ``dp_hpz``
-    block, from the second copy the forward kept (working dtype, never quantised). 1-bit Adam
-    (``layout.onebit_adam``, data parallelism): the steps after the warm-up, whose momentum goes as an
-    all-to-all and an all-gather of bits and scales (:func:`~zerotron.layout.onebit_sizes`).
+    ZeRO++: quantised gathers and reductions as :func:`_wire` counts them (qgZ's as an all-to-all; the
+    persistent unit's gather stays plain); hpZ's backward gathers on ``dp_hpz``; 1-bit Adam's steps
+    after the warm-up as an all-to-all and an all-gather (:func:`~zerotron.layout.onebit_sizes`).
     """
     ordered = params.ordered()
     zero, bucket_mb, reshard_after_forward = layout.zero, layout.bucket_mb, layout.reshard_after_forward
@@ -51,17 +46,11 @@ def engine_dp_bytes(
     def padded(numels: list[int]) -> int:
         return -(-sum(numels) // n) * n
 
-    block, bits = layout.zero_quantized_gradient_block, layout.zero_quantized_gradient_bits
-
     def gather(u: list[int]) -> int:  # a sharded unit's all-gather (int8 blocks under qwZ)
-        if layout.zero_quantized_weights:
-            return part(n * quantized_bytes(padded(u) // n, layout.zero_quantized_weight_block, 8), n)
-        return part(padded(u) * working_bytes, n)
+        return part(_wire(layout, padded(u), n, working_bytes, weights=True), n)
 
     def reduce(u: list[int]) -> int:  # a gradient reduction (an all-to-all of blocks under qgZ)
-        if layout.zero_quantized_gradients:
-            return part(n * quantized_bytes(padded(u) // n, block, bits), n)
-        return part(padded(u) * reduce_bytes, n)
+        return part(_wire(layout, padded(u), n, reduce_bytes, weights=False), n)
 
     reduce_op = "all_to_all" if layout.zero_quantized_gradients else "reduce_scatter"
 
@@ -93,10 +82,21 @@ def engine_dp_bytes(
             gathers += part(padded(persistent) * working_bytes, n)
         out[dp] = {"all_gather": gathers, reduce_op: micro_batches * sum(reduce(u) for u in units)}
         if hpz > 1:  # backward gathers the second copy inside blocks of hpz ranks, in the working dtype
-            out["dp_hpz"] = {
-                "all_gather": micro_batches * sum(part(padded(u) * working_bytes, hpz) for u in sharded)
-            }
+            inside = micro_batches * sum(part(padded(u) * working_bytes, hpz) for u in sharded)
+            out["dp_hpz"] = {"all_gather": inside}
     if replicas > 1:
         shards = sum(padded(u) // n for u in units)
         out["dp_rep"] = {"all_reduce": 2 * part(shards * reduce_bytes, replicas)}
     return out
+
+
+def _wire(layout: Layout, padded: int, n: int, plain_bytes: int, weights: bool) -> int:
+    """Bytes of one gather (``weights``) or gradient reduction of a ``padded``-element buffer over
+    ``n`` ranks before the bus factor: ``plain_bytes`` per element, or every rank's shard quantised
+    (qwZ's int8 blocks, qgZ's int8/int4 ones)."""
+    if weights and layout.zero_quantized_weights:
+        return n * quantized_bytes(padded // n, layout.zero_quantized_weight_block, 8)
+    if not weights and layout.zero_quantized_gradients:
+        bits = layout.zero_quantized_gradient_bits
+        return n * quantized_bytes(padded // n, layout.zero_quantized_gradient_block, bits)
+    return padded * plain_bytes
