@@ -15,7 +15,7 @@ a value whose gradient has stayed near zero its block's mean magnitude, which it
 denominator turns into a huge step (byte-level text diverged that way at blocks of 128; divided first,
 no value's step exceeds its block's mean step). The step's gradient is then written
 back as the one that turns the optimizer's momentum into that average,
-``g = (m_avg - b1 * m) / (1 - b1)``: the same on every rank, so the gradient norm, clipping, the loss
+``g = (m_avg - b1 * m) / (1 - b1)``: the same on every rank, so the gradient norm, the loss
 guard and the optimizer see one gradient everywhere, and the optimizer's momentum update reproduces
 ``m_avg`` (to fp32 rounding).
 
@@ -100,7 +100,9 @@ class OneBitBuckets(GradientBuckets):
         momentum = self._state(params, "exp_avg", 0.0)  # (padded,) the optimizer's m
         scale = self._denominator(params)  # (padded,) the frozen sqrt(v) + eps every rank shares
         local = torch.zeros(self.padded, device=device)
-        local[: _numel(params)] = torch.cat([grad_or_zeros(p).reshape(-1).float() for p in params])
+        local[: sum(p.numel() for p in params)] = torch.cat(
+            [grad_or_zeros(p).reshape(-1).float() for p in params]
+        )
         b1, n = self.beta1, self.dp.size
         # in the units of the step it makes: the same average, with no value inflated past its own scale
         mine = (momentum * b1 + local * ((1 - b1) * n)) / scale
@@ -144,10 +146,6 @@ class OneBitBuckets(GradientBuckets):
         variance = self._state(params, "exp_avg_sq", float("nan"))
         out: torch.Tensor = (variance / (1 - b2**self.freeze_step)).sqrt_().add_(eps).nan_to_num_(1.0)
         return out
-
-
-def _numel(params: Iterable[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)
 
 
 class OneBitAdam(torch.optim.Optimizer):
