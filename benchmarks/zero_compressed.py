@@ -161,13 +161,13 @@ def ranks(out: Path) -> None:
             "parallel.zero_quantized_gradients=true",
         ]
         zeropp += ["parallel.zero_quantized_gradient_bits=4"] + (
-            ["parallel.zero_hpz_size=2"] if n > 2 else []
+            ["parallel.zero_hpz_size=2", "parallel.zero_quantized_gradient_node=2"] if n > 2 else []
         )
         pairs = [
             (
                 "ZeRO-3",
                 ["parallel.zero=3"],
-                "ZeRO-3 + qwZ + qgZ int4" + (" + hpZ 2" if n > 2 else ""),
+                "ZeRO-3 + qwZ + qgZ int4" + (" + hpZ 2, qgZ in nodes of 2" if n > 2 else ""),
                 zeropp,
             ),
             (
@@ -216,6 +216,11 @@ PLAN_VARIANTS = [
     ("+ hpZ (blocks of 8: a node)", ["parallel.zero_hpz_size=8"]),
     ("+ qwZ + qgZ int4", QWZ_QGZ4),
     ("+ qwZ + qgZ int4 + hpZ", [*QWZ_QGZ4, "parallel.zero_hpz_size=8"]),
+    ("+ qgZ int4 in two levels (nodes of 8)", [*QWZ_QGZ4[1:], "parallel.zero_quantized_gradient_node=8"]),
+    (
+        "+ qwZ + qgZ int4 in two levels + hpZ",
+        [*QWZ_QGZ4, "parallel.zero_hpz_size=8", "parallel.zero_quantized_gradient_node=8"],
+    ),
 ]
 
 

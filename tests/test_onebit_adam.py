@@ -18,7 +18,7 @@ from tests.harness import run_distributed
 from tests.test_zero_compressed import TINY as ZERO_TINY
 from zerotron.config_check import validate
 from zerotron.config_load import ConfigError, load_config
-from zerotron.distributed import collectives as C
+from zerotron.distributed import compressed as Q
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.parallel.onebit import OneBitAdam
@@ -60,7 +60,7 @@ def _allreduce_body() -> dict[str, Any]:
     for _ in range(3):  # the errors carry from call to call
         inputs = [g.standard_normal(NUMEL).astype(np.float32) * 3 for g in rng]
         t = torch.from_numpy(inputs[rank].copy())
-        C.all_reduce_onebit(t, worker, server, group, BLOCK)
+        Q.all_reduce_onebit(t, worker, server, group, BLOCK)
         expect, workers, servers = _reference(inputs, workers, servers)
         np.testing.assert_allclose(t.numpy(), expect, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(worker.numpy(), workers[rank], rtol=1e-5, atol=1e-6)
@@ -77,7 +77,7 @@ def _allreduce_body() -> dict[str, Any]:
     outputs = []
     for _ in range(200):
         t = fixed[rank].clone()
-        C.all_reduce_onebit(t, worker, server, group, BLOCK)
+        Q.all_reduce_onebit(t, worker, server, group, BLOCK)
         outputs.append(t)
     once = float((outputs[0] - truth).norm() / truth.norm())
     many = float((torch.stack(outputs).mean(0) - truth).norm() / truth.norm())

@@ -195,6 +195,18 @@ LAYOUTS_CP4 = [
     ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "model.vocab_size=256", "train.precision=bf16"],
     ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1", "train.micro_batch=1"],  # ZeRO shards over dp x cp
     ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_comm=allgather"],
+    # qgZ in two levels: nodes of 2 of the 4 dp ranks (ZeRO-2 per micro-batch)
+    [
+        "parallel.dp=4",
+        "parallel.cp=1",
+        "parallel.zero=2",
+        "parallel.zero_quantized_gradients=true",
+        "parallel.zero_quantized_gradient_node=2",
+        "parallel.zero_quantized_gradient_bits=4",
+        "parallel.bucket_mb=0.05",
+        "train.micro_batch=1",
+        "train.global_batch=8",
+    ],
     # hpZ: backward gathers the second copy inside blocks of 2 of the 4 dp ranks (with qwZ forward)
     ["parallel.dp=4", "parallel.cp=1", "parallel.zero=3", "parallel.zero_hpz_size=2", "train.micro_batch=1"],
     [

@@ -230,6 +230,13 @@ class ParallelConfig:
         "zero_quantized_gradients: elements per block (gradients are heavy-tailed: long blocks round their "
         "small values to zero; 2048 cost the default job 1.5% of loss at int8, 128 none)",
     )
+    zero_quantized_gradient_node: int = _f(
+        1,
+        "zero_quantized_gradients: ranks per node (the GPUs of one machine). Above 1 the reduction runs in "
+        "two levels, as ZeRO++'s qgZ does: an all-to-all inside each block of this many consecutive dp "
+        "ranks, summed, quantised again, then one across the blocks, so 1/this of the bytes cross "
+        "nodes; 1: one level (every rank to every rank)",
+    )
     zero_hpz_size: int = _f(
         1,
         "ZeRO-3 (ZeRO++'s hpZ, DeepSpeed's zero_hpz_partition_size): after each unit's forward gather, "

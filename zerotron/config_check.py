@@ -281,6 +281,8 @@ def _check_zero(cfg: Config, world_size: int) -> None:
         )
     if p.zero_hpz_size != 1:
         _check_hpz(cfg, world_size)
+    if p.zero_quantized_gradient_node != 1:
+        _check_qgz_node(cfg, world_size)
     for key in ("zero_quantized_weight_block", "zero_quantized_gradient_block"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: give 1 element or more (e.g. 128)")
@@ -345,6 +347,29 @@ def _check_hpz(cfg: Config, world_size: int) -> None:
     for bad, why in problems:
         if bad:
             raise ConfigError(f"parallel.zero_hpz_size={size}: {why}")
+
+
+def _check_qgz_node(cfg: Config, world_size: int) -> None:
+    """qgZ in two levels (``parallel.zero_quantized_gradient_node``): over the dp ranks alone, in nodes
+    that divide them."""
+    p = cfg.parallel
+    size = p.zero_quantized_gradient_node
+    try:
+        dp = layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
+    except layout.LayoutError as e:
+        raise ConfigError(str(e)) from None
+    problems = [
+        (
+            not p.zero_quantized_gradients,
+            "it splits qgZ's quantised reduction: set parallel.zero_quantized_gradients=true, or 1",
+        ),
+        (size < 1 or dp % size, f"it must divide the data-parallel size {dp}"),
+        (p.zero_shard_size not in (0, dp), "it is not built with hybrid sharding (parallel.zero_shard_size)"),
+        (p.cp > 1 or p.ep > 1, "it is not built with context or expert parallelism yet"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(f"parallel.zero_quantized_gradient_node={size}: {why}")
 
 
 def _check_nvme_path(path: str | None) -> None:

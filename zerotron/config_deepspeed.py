@@ -352,7 +352,11 @@ def _map_zero(ds: dict[str, Any], m: _Mapper) -> None:
             m.set(ds_key, value, "parallel.zero_quantized_weights", True, " (qwZ: int8 blocks)")
         elif key == "zero_quantized_gradients" and value is True:
             m.set(ds_key, value, "parallel.zero_quantized_gradients", True)
-            m.set(ds_key, value, "parallel.zero_quantized_gradient_bits", 4, " (qgZ sends int4 gradients)")
+            why = (
+                " (qgZ sends int4 gradients; DeepSpeed reduces inside each node first: add "
+                "parallel.zero_quantized_gradient_node=<GPUs per node> across nodes)"
+            )
+            m.set(ds_key, value, "parallel.zero_quantized_gradient_bits", 4, why)
         else:
             m.refused.append(f"{ds_key}={value!r}")
 

@@ -153,6 +153,9 @@ def data_parallel(
             if par.zero_hpz_size > 1
             else None
         )
+        if par.zero_quantized_gradient_node > 1:  # qgZ in two levels: inside each node, then across
+            dense = shard_group("dp")
+            dense.levels = mesh.split("dp", par.zero_quantized_gradient_node, ("dp_node", "dp_nodes"))
         zero = apply_zero(model, groups, options, fill, device, replicas, secondary)
     return DataParallel(zero, zero, shard_group)
 

@@ -37,6 +37,9 @@ class Group:
     rank: int = 0
     backend: str = ""
     seq: int = field(default=0, compare=False)
+    # this group split into nodes (blocks of consecutive ranks, and the ranks at one place of every
+    # block), for collectives in two levels: qgZ's (set by the builder from Mesh.split)
+    levels: tuple[Group, Group] | None = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -87,7 +90,7 @@ class Mesh:
             )
         backend = str(dist.get_backend()) if initialised else ""
         self.backend = backend
-        self._split: dict[tuple[str, int], tuple[Group, Group]] = {}
+        self._split: dict[tuple[str, int, tuple[str, str]], tuple[Group, Group]] = {}
         self._replicas: dict[str, Group] = {}  # shard group label -> its replicas (zero_groups)
         self._selves: dict[str, Group] = {}  # blocks of one rank, by axis (zero_groups)
         created: dict[tuple[int, ...], Any] = {}
@@ -168,7 +171,7 @@ class Mesh:
         returned, named ``names[0]``) and the ranks at the same place of each block (the second, named
         ``names[1]``): context parallelism's Ulysses groups inside a node and its ring across nodes.
         Collective the first time (every rank calls it with the same arguments); cached after."""
-        key = (axis, inner)
+        key = (axis, inner, names)
         if key in self._split:
             return self._split[key]
         whole = self.dims.group_ranks(axis)

@@ -7,7 +7,7 @@ parallelism does, and the optimizer (:class:`OneBitAdam`) is AdamW. After them t
 AdamW's variance, and the buckets stop reducing gradients during backward: in :meth:`finish` each rank
 forms its own momentum from its local gradient, ``m_r = b1 * m + (1 - b1) * n * g_r`` (the ranks' local
 gradients sum to the global one, so the ranks' ``m_r`` average to the momentum Adam would have), and
-the ranks average it by :func:`~zerotron.distributed.collectives.all_reduce_onebit` (signs and one scale
+the ranks average it by :func:`~zerotron.distributed.compressed.all_reduce_onebit` (signs and one scale
 per block of 64, error feedback on the worker and on the server side). One change from the paper: what
 is compressed is the momentum in the units of the step it makes, ``m_r / d`` with ``d`` the frozen
 ``sqrt(v) + eps`` that every rank shares, so the average is the same; compressing ``m_r`` itself gives
@@ -19,7 +19,7 @@ back as the one that turns the optimizer's momentum into that average,
 guard and the optimizer see one gradient everywhere, and the optimizer's momentum update reproduces
 ``m_avg`` (to fp32 rounding).
 
-*comm* part: the compressed all-reduce lives in :mod:`zerotron.distributed.collectives`, which counts
+*comm* part: the compressed all-reduce lives in :mod:`zerotron.distributed.compressed`, which counts
 its bytes (an all-to-all and an all-gather of bits and scales: about 1/32 of the fp32 all-reduce).
 
 The worker and server errors are each rank's own: a checkpoint keeps them beside the rank's generator
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.distributed import collectives
+from zerotron.distributed import compressed
 from zerotron.distributed.mesh import Group
 from zerotron.layout import ONEBIT_BLOCK, onebit_sizes
 from zerotron.parallel.data import GradientBuckets, grad_or_zeros
@@ -106,7 +106,7 @@ class OneBitBuckets(GradientBuckets):
         b1, n = self.beta1, self.dp.size
         # in the units of the step it makes: the same average, with no value inflated past its own scale
         mine = (momentum * b1 + local * ((1 - b1) * n)) / scale
-        collectives.all_reduce_onebit(mine, errors["worker"], errors["server"], self.dp, BLOCK)
+        compressed.all_reduce_onebit(mine, errors["worker"], errors["server"], self.dp, BLOCK)
         common = (mine * scale - momentum * b1) / (1 - b1)
         offset = 0
         for p in params:

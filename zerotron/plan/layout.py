@@ -48,6 +48,7 @@ class Layout(shared.HoldsDims):
     zero_quantized_gradient_bits: int = 8
     zero_quantized_weight_block: int = 2048
     zero_quantized_gradient_block: int = 128
+    zero_quantized_gradient_node: int = 1  # qgZ: ranks per node of its two-level reduction (1: one level)
     zero_hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers inside blocks of this many dp ranks
     onebit_adam: bool = False  # 1-bit Adam (data parallelism): momenta sent as bits, after the warm-up
     kernels: str = "fused"  # element-wise kernels: "fused" (Megatron, TE) or "eager" (one per operation)
@@ -124,6 +125,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         zero_quantized_gradient_bits=p.zero_quantized_gradient_bits,
         zero_quantized_weight_block=p.zero_quantized_weight_block,
         zero_quantized_gradient_block=p.zero_quantized_gradient_block,
+        zero_quantized_gradient_node=p.zero_quantized_gradient_node,
         zero_hpz_size=p.zero_hpz_size,
         onebit_adam=t.optimizer == "onebit_adam",
         kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)

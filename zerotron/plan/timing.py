@@ -84,8 +84,24 @@ def collective_time(op: str, nbytes: float, size: int, stride: int, hw: Hardware
     bw, alpha = link(stride, size, hw)
     if op == "send":
         return alpha + nbytes / bw
+    if op == "all_to_all":  # every rank to every rank directly: no ring that crosses a node once
+        return (size - 1) * alpha + _all_to_all_wire(nbytes, size, stride, hw)
     factor = 2.0 if op == "all_reduce" else 1.0
     return factor * (size - 1) * alpha + factor * nbytes * (size - 1) / size / bw
+
+
+def _all_to_all_wire(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
+    """Seconds on the wire of an all-to-all of ``nbytes`` per rank: of the ``(size-1)/size`` that leave
+    a rank, the part for ranks on other nodes goes out through the rank's own network link
+    (``inter_bw``) while the part for its node's ranks crosses the node's fabric, at the same time. A
+    ring collective over nodes crosses each node boundary once, on all of a node's links (:func:`link`:
+    ``k * inter_bw``); an all-to-all sends ``(size-k)/size`` of every rank's bytes across, which is why
+    ZeRO++'s qgZ reduces inside a node first."""
+    k = members_per_node(stride, size, hw)
+    inside = nbytes * (min(k, size) - 1) / size / (hw.intra_bw * hw.comm_efficiency)
+    if k >= size:
+        return inside
+    return max(inside, nbytes * (size - k) / size / (hw.inter_bw * hw.comm_efficiency))
 
 
 def strides(layout: Layout) -> dict[str, int]:
@@ -464,13 +480,18 @@ def _zero_times(
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
     backward = t_mb * 2.0 / 3.0
     if layout.zero <= 1:
-        op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = collective_time(op, grads, n, stride, hw)
+        if layout.zero == 0 and layout.onebit_adam:  # the bits: an all-to-all, then an all-gather
+            reduce = collective_time("all_to_all", grads, n, stride, hw)
+            reduce += collective_time("all_gather", grads, n, stride, hw)
+        elif layout.zero == 0:
+            reduce = collective_time("all_reduce", grads, n, stride, hw)
+        else:
+            reduce = _reduce_scatter(layout, grads, n, stride, hw)
         if not layout.onebit_adam:  # 1-bit Adam averages the momentum after backward, not under it
             reduce = _exposed(hw, reduce, backward)
         gather = collective_time("all_gather", params, n, stride, hw) if layout.zero == 1 else 0.0
         return {"dp_grad_reduce": reduce, "dp_param_gather": gather}
-    per_mb_reduce = collective_time("reduce_scatter", grads, n, stride, hw)
+    per_mb_reduce = _reduce_scatter(layout, grads, n, stride, hw)
     if layout.zero == 2:
         reduce = n_mb * _exposed(hw, per_mb_reduce, backward)
         return {
@@ -482,8 +503,22 @@ def _zero_times(
     if layout.zero_hpz_size > 1:  # hpZ: backward's gathers inside blocks of that many ranks
         inside = collective_time("all_gather", secondary / layers, layout.zero_hpz_size, stride, hw)
         gathers = layers * per_layer + layers * inside
-    per_mb_reduce = layers * collective_time("reduce_scatter", grads / layers, n, stride, hw)
+    per_mb_reduce = layers * _reduce_scatter(layout, grads / layers, n, stride, hw)
     return {"dp_grad_reduce": 0.0, "dp_param_gather": n_mb * _exposed(hw, gathers + per_mb_reduce, t_mb)}
+
+
+def _reduce_scatter(layout: Layout, grads: float, n: int, stride: int, hw: Hardware) -> float:
+    """One gradient reduction of ``grads`` bytes over ``n`` ranks: a ring reduce-scatter, or qgZ's
+    all-to-all of quantised blocks (:func:`collective_time`'s ``all_to_all``), in two levels under
+    ``zero_quantized_gradient_node`` (the whole buffer inside each node, then 1/node of it across the
+    nodes, one rank per node in each group)."""
+    node = layout.zero_quantized_gradient_node
+    if not layout.zero_quantized_gradients:
+        return collective_time("reduce_scatter", grads, n, stride, hw)
+    if node <= 1 or node >= n or n % node:
+        return collective_time("all_to_all", grads, n, stride, hw)
+    inside = collective_time("all_to_all", grads, node, stride, hw)
+    return inside + collective_time("all_to_all", grads / node, n // node, stride * node, hw)
 
 
 def optimizer_time(

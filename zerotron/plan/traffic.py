@@ -1,4 +1,11 @@
-"""The engine's data-parallel traffic per step, as ``comm_bytes`` counts it (no torch)."""
+"""The engine's data-parallel traffic per step, as ``comm_bytes`` counts it (no torch).
+
+Compressed communication: ZeRO++'s quantised gathers and reductions as :func:`_wire` counts them
+(qgZ's as an all-to-all, in two levels on ``dp_node`` and ``dp_nodes`` with
+``zero_quantized_gradient_node``: :func:`_two_levels`; the persistent unit's gather stays plain); hpZ's
+backward gathers on ``dp_hpz``; 1-bit Adam's steps after the warm-up as an all-to-all and an all-gather
+(:func:`~zerotron.layout.onebit_sizes`).
+"""
 
 from __future__ import annotations
 
@@ -23,18 +30,12 @@ def engine_dp_bytes(
 
     The ranks ZeRO shards over are ``layout``'s (``dp_shard``'s under hybrid sharding, whose blocks
     all-reduce each gradient shard once per step over ``dp_rep``); data parallelism all-reduces over
-    ``dp``. Gradients travel in
-    ``reduce_bytes`` per element, gathers in ``working_bytes`` (16-bit working weights under bf16/fp16).
+    ``dp``. Gradients travel in ``reduce_bytes`` per element, gathers in ``working_bytes``.
     DDP all-reduces each bucket once per step; ZeRO-1 reduce-scatters each bucket once per step and
     ZeRO-2 once per micro-batch, both all-gather the updated weights once; ZeRO-3 gathers every
     sharded unit in forward and again in backward (``reshard_after_forward``; without it the units stay
     gathered from forward to backward: once per micro-batch) and reduce-scatters every unit per
-    micro-batch, and gathers the persistent unit after the step.
-
-    ZeRO++: quantised gathers and reductions as :func:`_wire` counts them (qgZ's as an all-to-all; the
-    persistent unit's gather stays plain); hpZ's backward gathers on ``dp_hpz``; 1-bit Adam's steps
-    after the warm-up as an all-to-all and an all-gather (:func:`~zerotron.layout.onebit_sizes`).
-    """
+    micro-batch, and gathers the persistent unit after the step. Compressed: the module docstring."""
     ordered = params.ordered()
     zero, bucket_mb, reshard_after_forward = layout.zero, layout.bucket_mb, layout.reshard_after_forward
     n = layout.zero_shards if zero else layout.dp
@@ -84,9 +85,27 @@ def engine_dp_bytes(
         if hpz > 1:  # backward gathers the second copy inside blocks of hpz ranks, in the working dtype
             inside = micro_batches * sum(part(padded(u) * working_bytes, hpz) for u in sharded)
             out["dp_hpz"] = {"all_gather": inside}
+    node = layout.zero_quantized_gradient_node
+    if layout.zero_quantized_gradients and node > 1:  # qgZ in two levels: inside nodes, then across
+        count = 1 if zero == 1 else micro_batches
+        wires = [_wire(layout, padded(u), n, reduce_bytes, weights=False) for u in units]
+        out.update(_two_levels(wires, n, node, count))
+        del out[dp][reduce_op]
     if replicas > 1:
         shards = sum(padded(u) // n for u in units)
         out["dp_rep"] = {"all_reduce": 2 * part(shards * reduce_bytes, replicas)}
+    return out
+
+
+def _two_levels(wires: list[int], n: int, node: int, count: int) -> dict[str, dict[str, int]]:
+    """qgZ's two-level reductions of buffers whose one-level quantised bytes are ``wires`` (every
+    rank's chunk), ``count`` times a step, over ``n`` ranks in nodes of ``node``: inside a node each
+    rank sends its peers their chunks of every node; across nodes, one node sum (a chunk) to each other
+    node."""
+    out = {"dp_node": {"all_to_all": count * sum(w * (node - 1) // node for w in wires)}}
+    nodes = n // node
+    if nodes > 1:
+        out["dp_nodes"] = {"all_to_all": count * sum(w // node * (nodes - 1) // nodes for w in wires)}
     return out
 
 

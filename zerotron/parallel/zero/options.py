@@ -32,6 +32,7 @@ class ZeroOptions:
     gradient_bits: int = 8  # qgZ: 8 or 4
     weight_block: int = 2048  # qwZ: elements per int8 block (one fp32 maximum each)
     gradient_block: int = 128  # qgZ: elements per block
+    gradient_node: int = 1  # qgZ: ranks per node (above 1: reduce inside the node, then across nodes)
     hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers from a secondary copy inside blocks of this many ranks
 
     def __post_init__(self) -> None:
@@ -55,6 +56,11 @@ class ZeroOptions:
             ("zero_hpz_size", self.hpz_size == 1 or self.stage == 3, "hpZ is ZeRO-3's: set parallel.zero=3"),
             ("zero_quantized_weight_block", self.weight_block >= 1, "give 1 element or more"),
             ("zero_quantized_gradient_block", self.gradient_block >= 1, "give 1 element or more"),
+            (
+                "zero_quantized_gradient_node",
+                self.gradient_node == 1 or (self.gradient_node > 1 and self.quantized_gradients),
+                "the two-level reduction is qgZ's: set parallel.zero_quantized_gradients=true, or 1",
+            ),
         ]
         for key, ok, fix in checks:
             if not ok:
@@ -87,6 +93,7 @@ class ZeroOptions:
             gradient_bits=parallel.zero_quantized_gradient_bits,
             weight_block=parallel.zero_quantized_weight_block,
             gradient_block=parallel.zero_quantized_gradient_block,
+            gradient_node=parallel.zero_quantized_gradient_node,
             hpz_size=parallel.zero_hpz_size,
             **named,
         )
@@ -99,4 +106,5 @@ _FIELD = {
     "zero_quantized_weight_block": "weight_block",
     "zero_quantized_gradient_block": "gradient_block",
     "zero_hpz_size": "hpz_size",
+    "zero_quantized_gradient_node": "gradient_node",
 }
