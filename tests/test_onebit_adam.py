@@ -178,7 +178,7 @@ def test_training_beside_adamw(tmp_path: Path) -> None:
         (["train.precision=bf16"], "not bf16"),
         (["train.grad_clip=1.0"], "train.grad_clip=0"),
         (["train.onebit_freeze_step=0"], "at least 1"),
-        (["train.optimizer=zero_one_adam"], "adamw, onebit_adam"),
+        (["train.optimizer=lamb"], "adamw, onebit_adam, zero_one_adam"),
     ],
 )
 def test_refused_settings(overrides: list[str], message: str) -> None:
@@ -196,8 +196,8 @@ def test_deepspeed_onebit_adam(tmp_path: Path) -> None:
     path.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": opt}))
     t = from_deepspeed(str(path), None, [], world_size=2).config.train
     assert (t.optimizer, t.onebit_freeze_step, t.lr) == ("onebit_adam", 400, 1e-3)
-    path.write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "ZeroOneAdam", "params": {}}}))
-    with pytest.raises(ConfigError, match="0/1 Adam is not built") as e:
+    path.write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "OneBitLamb", "params": {}}}))
+    with pytest.raises(ConfigError, match="OneBitLamb") as e:
         from_deepspeed(str(path), None, [], world_size=2)
     assert "\n" not in str(e.value)
 

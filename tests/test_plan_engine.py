@@ -125,6 +125,14 @@ LAYOUTS_2 += [  # 1-bit Adam after its warm-up (the second step): momenta as bit
     ["train.optimizer=onebit_adam", "train.onebit_freeze_step=1", "train.grad_clip=0"],
     ["train.optimizer=onebit_adam", "train.onebit_freeze_step=1", "train.grad_clip=0", "model.mlp=plain"],
 ]
+LAYOUTS_2 += [  # 0/1 Adam's second step: past a freeze at 1, a local step that synchronises
+    [
+        "train.optimizer=zero_one_adam",
+        "train.zero_one_var_freeze_step=1",
+        "train.grad_clip=0",
+        "model.mlp=plain",
+    ],
+]
 LAYOUTS_2 += [  # ZeRO++'s quantised collectives (short blocks: several per shard, the last one partial)
     ["parallel.zero=3", "parallel.zero_quantized_weights=true", "parallel.zero_quantized_weight_block=128"],
     [

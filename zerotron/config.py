@@ -271,7 +271,22 @@ class TrainConfig:
         "adamw",
         "adamw, or onebit_adam (1-bit Adam, data parallelism in fp32 without clipping: AdamW for "
         "train.onebit_freeze_step steps, then the variance frozen and the momentum averaged over dp as one "
-        "bit per value)",
+        "bit per value), or zero_one_adam (0/1 Adam, the same layouts: the variance updated on ever "
+        "sparser steps, the other steps' gradients averaged as bits; after train.zero_one_var_freeze_step "
+        "local steps with the weights' change averaged as bits every few steps)",
+    )
+    zero_one_var_freeze_step: int = _f(
+        100, "zero_one_adam: the last step that may update the variance (DeepSpeed's var_freeze_step)"
+    )
+    zero_one_var_update_scaler: int = _f(
+        16, "zero_one_adam: variance updates between doublings of their interval (var_update_scaler)"
+    )
+    zero_one_local_step_scaler: int = _f(
+        32678,
+        "zero_one_adam: local steps between doublings of the synchronisation interval (local_step_scaler)",
+    )
+    zero_one_local_step_clipper: int = _f(
+        16, "zero_one_adam: the longest synchronisation interval, in steps (local_step_clipper)"
     )
     onebit_freeze_step: int = _f(
         100, "onebit_adam: full-precision AdamW steps before the variance freezes (DeepSpeed's freeze_step)"

@@ -45,7 +45,7 @@ _CHOICES = {
     "data.truncation": ("delete", "left", "right"),
     "data.on_error": ("fatal", "skip"),
     "lora.base_bits": (0, 4),
-    "train.optimizer": ("adamw", "onebit_adam"),
+    "train.optimizer": ("adamw", "onebit_adam", "zero_one_adam"),
     "parallel.zero_quantized_gradient_bits": (8, 4),
     "log.progress": ("auto", "bar", "lines", "none"),
 }
@@ -300,14 +300,24 @@ def _check_zero(cfg: Config, world_size: int) -> None:
 
 
 def _check_onebit(cfg: Config) -> None:
-    """1-bit Adam is built for plain data parallelism in fp32."""
+    """1-bit Adam and 0/1 Adam are built for plain data parallelism in fp32."""
     p, t = cfg.parallel, cfg.train
+    zero_one = t.optimizer == "zero_one_adam"
+    schedule = {
+        "zero_one_var_freeze_step": t.zero_one_var_freeze_step,
+        "zero_one_var_update_scaler": t.zero_one_var_update_scaler,
+        "zero_one_local_step_scaler": t.zero_one_local_step_scaler,
+        "zero_one_local_step_clipper": t.zero_one_local_step_clipper,
+    }
+    for key, value in schedule.items():
+        if zero_one and value < 1:
+            raise ConfigError(f"train.{key}={value}: give 1 or more")
     problems = [
         (p.zero != 0, f"it is built for data parallelism (parallel.zero=0), not ZeRO-{p.zero} yet"),
         (max(p.tp, p.pp, p.cp, p.ep) > 1, "it is built for data parallelism alone, not tp, pp, cp or ep yet"),
         (t.precision != "fp32", f"it is built in fp32, not {t.precision} yet"),
         (
-            t.onebit_freeze_step < 1,
+            t.onebit_freeze_step < 1 and not zero_one,
             "train.onebit_freeze_step must be at least 1 (the variance needs a warm-up)",
         ),
         (
@@ -318,7 +328,7 @@ def _check_onebit(cfg: Config) -> None:
     ]
     for bad, why in problems:
         if bad:
-            raise ConfigError(f"train.optimizer=onebit_adam: {why}")
+            raise ConfigError(f"train.optimizer={t.optimizer}: {why}")
 
 
 def _check_hpz(cfg: Config, world_size: int) -> None:
@@ -465,7 +475,7 @@ def _check_built(cfg: Config) -> None:
         )
     if cfg.train.compile:
         _check_compile(cfg)
-    if cfg.train.optimizer == "onebit_adam":
+    if cfg.train.optimizer in ("onebit_adam", "zero_one_adam"):
         _check_onebit(cfg)
     if cfg.train.sample_max_steps < 0 and cfg.train.sample_max_steps != -1:
         raise ConfigError(

@@ -173,15 +173,26 @@ def _map_optimizer(ds: dict[str, Any], m: _Mapper) -> None:
                 "train.onebit_freeze_step",
                 params.pop("freeze_step"),
             )
+    elif kind.lower() == "zerooneadam":  # 0/1 Adam: the variance on a schedule, then local steps
+        m.set("optimizer.type", kind, "train.optimizer", "zero_one_adam")
+        defaults = {"var_freeze_step": 100000, "var_update_scaler": 16, "local_step_scaler": 32678}
+        for key, default in {**defaults, "local_step_clipper": 16}.items():
+            target = f"train.zero_one_{key}"
+            if key in params:
+                m.set(f"optimizer.params.{key}", params[key], target, params.pop(key))
+            else:
+                m.default(f"optimizer.params.{key}", target, default, "DeepSpeed's ZeroOneAdam default")
+    elif kind.lower() not in ("adamw", "adam"):
+        m.refused.append(
+            f"optimizer.type={kind!r} (zerotron trains with AdamW, 1-bit or 0/1 Adam; use AdamW)"
+        )
+        return
+    if kind.lower() in ("onebitadam", "zerooneadam"):
         for key in ("cuda_aware", "comm_backend_name"):
             if key in params:
                 m.no_effect(
                     f"optimizer.params.{key}", params.pop(key), "zerotron's collectives choose the backend"
                 )
-    elif kind.lower() not in ("adamw", "adam"):
-        why = "0/1 Adam is not built; OneBitAdam is" if kind.lower() == "zerooneadam" else "use type AdamW"
-        m.refused.append(f"optimizer.type={kind!r} (zerotron trains with AdamW or 1-bit Adam; {why})")
-        return
     w_mode = params.pop("adam_w_mode", True)
     if kind.lower() == "adam" and w_mode is False:
         m.refused.append(

@@ -49,6 +49,7 @@ from zerotron.parallel.placement import Placement, grad_groups, materialize, mat
 from zerotron.parallel.recompute import apply_recompute
 from zerotron.parallel.zero.api import apply_zero, zero_sharding
 from zerotron.parallel.zero.options import ZeroOptions
+from zerotron.parallel.zero_one import ZeroOneBuckets, zero_one_schedule
 
 
 @dataclass
@@ -137,6 +138,9 @@ def data_parallel(
         t = cfg.train
         onebit = OneBitBuckets(model, mesh.group("dp"), t.onebit_freeze_step, t.beta1, par.bucket_mb)
         return DataParallel(onebit, None, shard_group)
+    if stage == 0 and cfg.train.optimizer == "zero_one_adam":  # 0/1 Adam: bits, then local steps
+        zero_one = ZeroOneBuckets(model, mesh.group("dp"), zero_one_schedule(cfg.train), cfg.train.beta1)
+        return DataParallel(zero_one, None, shard_group)
     if stage == 0:
         return DataParallel(GradientBuckets(model, groups, par.bucket_mb, reduce_dtype), None, shard_group)
     # 16-bit working weights from fp32 master shards under mixed precision (DESIGN contract 9)

@@ -15,6 +15,7 @@ from zerotron.distributed.mesh import Group
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
 from zerotron.parallel.onebit import OneBitAdam, OneBitBuckets
 from zerotron.parallel.zero.api import offload_optimizer
+from zerotron.parallel.zero_one import ZeroOneAdam, ZeroOneBuckets
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -41,6 +42,15 @@ def optimizer_for(reducer: GradientReducer, zero: ShardedEngine | None, cfg: Con
     par, t = cfg.parallel, cfg.train
     if zero is not None and par.offload_optimizer != "none":
         return offload_optimizer(zero, t, par.offload_optimizer, par.nvme_path)
+    if isinstance(reducer, ZeroOneBuckets):  # 0/1 Adam: the variance on a schedule, then local steps
+        decay, no_decay = reducer.param_groups()
+        groups = [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        zero_one = ZeroOneAdam(groups, t.lr, (t.beta1, t.beta2), t.eps, reducer.schedule, reducer.dp)
+        reducer.attach(zero_one)
+        return zero_one
     if isinstance(reducer, OneBitBuckets):  # 1-bit Adam: AdamW whose variance freezes after the warm-up
         decay, no_decay = reducer.param_groups()
         groups = [

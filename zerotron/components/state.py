@@ -8,7 +8,7 @@ Files inside one checkpoint folder (see :mod:`zerotron.checkpoint.store` for pub
   flat range of that box; without ZeRO the first data-parallel replica of each (pp, tp) place writes;
 - ``index.json``: every tensor's global shape, dtype, kind and pieces (file, box offsets, flat range);
 - ``rng.rank{R}.safetensors``: each rank's torch CPU (and CUDA) generator state, and under 1-bit Adam
-  the rank's own compression errors (``onebit_worker``, ``onebit_server``);
+  and 0/1 Adam the rank's own compression errors (``onebit_worker``, ``onebit_server``);
 - ``trainer.json``: step, loss scaler, data-loader position, layout and the resolved config.
 
 Saving gathers nothing; loading reads, for every tensor a rank holds under its own layout, the box it
@@ -47,6 +47,7 @@ from zerotron.parallel.placement import (
 )
 from zerotron.parallel.zero.offload import ShardStore, StoreRange, state_readers
 from zerotron.parallel.zero.optim_state import ADAM_KEYS
+from zerotron.parallel.zero_one import ZeroOneAdam
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -94,7 +95,7 @@ def rank_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.
     """What the optimizer holds for this rank alone (1-bit Adam's compression errors): saved beside the
     rank's generator state, restored when the same world size resumes (another layout starts them at
     zero)."""
-    if isinstance(optimizer, OneBitAdam):
+    if isinstance(optimizer, (OneBitAdam, ZeroOneAdam)):
         return {f"onebit_{k}": v.detach().cpu() for k, v in optimizer.errors.items()}
     return {}
 
@@ -254,6 +255,8 @@ def save_checkpoint(
     if writer is not None:
         writer.wait()  # one write in flight: the previous folder is published before this one starts
     mesh = held.mesh
+    if isinstance(held.optimizer, ZeroOneAdam):  # 0/1 Adam's local steps: one set of weights first
+        held.optimizer.synchronize()
     tensors, entries = _rank_pieces(held)
     tmp = store.temp_dir(root, step)
     if mesh.rank == 0:
@@ -457,7 +460,7 @@ def load_checkpoint(ckpt: Path, held: RankState, verified: bool = False) -> dict
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        if isinstance(optimizer, OneBitAdam):
+        if isinstance(optimizer, (OneBitAdam, ZeroOneAdam)):
             optimizer.errors = {
                 k[len("onebit_") :]: v.clone() for k, v in rng.items() if k.startswith("onebit_")
             }

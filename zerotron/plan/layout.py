@@ -51,6 +51,8 @@ class Layout(shared.HoldsDims):
     zero_quantized_gradient_node: int = 1  # qgZ: ranks per node of its two-level reduction (1: one level)
     zero_hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers inside blocks of this many dp ranks
     onebit_adam: bool = False  # 1-bit Adam (data parallelism): momenta sent as bits, after the warm-up
+    # 0/1 Adam (with onebit_adam): its long-run synchronisation interval (local_step_clipper); 0: not it
+    zero_one_interval: int = 0
     kernels: str = "fused"  # element-wise kernels: "fused" (Megatron, TE) or "eager" (one per operation)
     pp_scatter_gather: bool = True  # each tp rank sends 1/tp of a stage's output (Megatron), or all of it
 
@@ -127,7 +129,8 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         zero_quantized_gradient_block=p.zero_quantized_gradient_block,
         zero_quantized_gradient_node=p.zero_quantized_gradient_node,
         zero_hpz_size=p.zero_hpz_size,
-        onebit_adam=t.optimizer == "onebit_adam",
+        onebit_adam=t.optimizer in ("onebit_adam", "zero_one_adam"),
+        zero_one_interval=t.zero_one_local_step_clipper if t.optimizer == "zero_one_adam" else 0,
         kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)
     )
     _check_model(cfg.model)

@@ -210,6 +210,8 @@ def _model_states(
             # 1-bit Adam's errors: the worker's over the padded momentum, the server's over its chunk
             padded, _ = onebit_sizes(sp.elements, data_ranks(layout))
             states["device"]["optimizer"] += 4.0 * (padded + padded // data_ranks(layout))
+            if layout.zero_one_interval:  # 0/1 Adam: the weights of the last synchronisation
+                states["device"]["optimizer"] += 4.0 * sp.elements
         return states
     parts = [
         mem.model_states(

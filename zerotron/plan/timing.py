@@ -483,6 +483,7 @@ def _zero_times(
         if layout.zero == 0 and layout.onebit_adam:  # the bits: an all-to-all, then an all-gather
             reduce = collective_time("all_to_all", grads, n, stride, hw)
             reduce += collective_time("all_gather", grads, n, stride, hw)
+            reduce /= max(1, layout.zero_one_interval)  # 0/1 Adam: once every H local steps
         elif layout.zero == 0:
             reduce = collective_time("all_reduce", grads, n, stride, hw)
         else:

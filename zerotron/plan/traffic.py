@@ -4,7 +4,8 @@ Compressed communication: ZeRO++'s quantised gathers and reductions as :func:`_w
 (qgZ's as an all-to-all, in two levels on ``dp_node`` and ``dp_nodes`` with
 ``zero_quantized_gradient_node``: :func:`_two_levels`; the persistent unit's gather stays plain); hpZ's
 backward gathers on ``dp_hpz``; 1-bit Adam's steps after the warm-up as an all-to-all and an all-gather
-(:func:`~zerotron.layout.onebit_sizes`).
+(:func:`~zerotron.layout.onebit_sizes`), and 0/1 Adam's synchronising local steps the same plus a
+one-value all-reduce.
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ def engine_dp_bytes(
     out: dict[str, dict[str, int]] = {}
     dp = "dp" if replicas == 1 else "dp_shard"
     if zero == 0 and layout.onebit_adam:  # after the warm-up: the momentum's bits, two ways
-        _, record = onebit_sizes(sum(sum(b) for b in _buckets(ordered, 4, bucket_mb)), n)
-        return {"dp": {"all_to_all": part(n * record, n), "all_gather": part(n * record, n)}}
+        return {"dp": _onebit(layout, sum(sum(b) for b in _buckets(ordered, 4, bucket_mb)), n)}
     if zero == 0:
         buckets = _buckets(ordered, 4, bucket_mb)
         return {"dp": {"all_reduce": sum(2 * part(sum(b) * reduce_bytes, n) for b in buckets)}}
@@ -95,6 +95,17 @@ def engine_dp_bytes(
         shards = sum(padded(u) // n for u in units)
         out["dp_rep"] = {"all_reduce": 2 * part(shards * reduce_bytes, replicas)}
     return out
+
+
+def _onebit(layout: Layout, numel: int, n: int) -> dict[str, int]:
+    """1-bit Adam's step after the warm-up over ``n`` ranks (0/1 Adam's synchronising local step, with
+    its one-value finiteness flag): the bits and scales of ``numel`` values, an all-to-all and an
+    all-gather."""
+    _, record = onebit_sizes(numel, n)
+    bits = {"all_to_all": n * record * (n - 1) // n, "all_gather": n * record * (n - 1) // n}
+    if layout.zero_one_interval:
+        bits["all_reduce"] = 2 * 4 * (n - 1) // n
+    return bits
 
 
 def _two_levels(wires: list[int], n: int, node: int, count: int) -> dict[str, dict[str, int]]:
