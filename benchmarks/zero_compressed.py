@@ -1,6 +1,7 @@
 """ZeRO++'s compressed collectives (qwZ, qgZ) beside the uncompressed run (BENCHMARKS.md).
 
-Run:  python benchmarks/zero_compressed.py [--part train|onebit|ranks|plan|all] [--steps 200] [--out DIR]
+Run:  python benchmarks/zero_compressed.py [--part train|onebit|zero_one|ranks|plan|all] [--steps 200]
+      [--out DIR]
 
 - ``train``: the default job (``zerotron train`` with no arguments: the tiny preset, 2 ranks) under
   ZeRO-3 (and ZeRO-2 for qgZ), uncompressed and with each technique, ``--steps`` steps each. Prints
@@ -10,6 +11,10 @@ Run:  python benchmarks/zero_compressed.py [--part train|onebit|ranks|plan|all] 
 - ``onebit``: the default job on 2 ranks with AdamW and with 1-bit Adam (warm-ups of a fifth of the
   run, as the paper's 15-25%, and of half of it), all without clipping: bytes per step after the
   warm-up, step time, the loss (mean of the last 20 steps); ``onebit.png`` the curves.
+- ``zero_one``: the default job on 2 ranks with AdamW, 1-bit Adam (warm-up 1/2) and 0/1 Adam (the
+  variance frozen at 1/2; synchronising every step as DeepSpeed's defaults do in a run this short, and
+  with intervals that grow to 4 and to 16 steps): the data-parallel bytes of the whole run, step time,
+  the loss (mean of the last 20 steps); ``zero_one.png`` the curves.
 - ``ranks``: 2, 4 and 8 ranks, 20 steps of the default job (global batch 8 sequences): ZeRO-3 against
   ZeRO-3 with qwZ, qgZ int4 and (4 and 8 ranks) hpZ in blocks of 2; AdamW against 1-bit Adam (warm-up
   of 5 steps); bytes per step by group (the last step) and mean step time past the first 5.
@@ -74,6 +79,8 @@ def _run(label: str, overrides: list[str], steps: int, out: Path) -> dict:
         "losses": [r["loss"] for r in records],
         "comm_bytes": records[-1]["comm_bytes"],
         "step_s": sum(steps_s) / len(steps_s),
+        # every step's data bytes over dp, the loss's few-byte scalars left out
+        "run_dp_bytes": sum(_dp_bytes(r["comm_bytes"], True) for r in records),
     }
 
 
@@ -149,6 +156,53 @@ def onebit(steps: int, out: Path) -> None:
         )
     title = "The default job on 2 ranks: 1-bit Adam vs AdamW"
     _plot(results, title, out / "onebit.png", marks=(steps // 5, steps // 2))
+
+
+def zero_one(steps: int, out: Path) -> None:
+    import statistics
+
+    common = ["train.grad_clip=0"]
+    zero_one_adam = [*common, "train.optimizer=zero_one_adam", f"train.zero_one_var_freeze_step={steps // 2}"]
+    runs = {
+        "AdamW": common,
+        "1-bit Adam, warm-up 1/2": [
+            *common,
+            "train.optimizer=onebit_adam",
+            f"train.onebit_freeze_step={steps // 2}",
+        ],
+        "0/1 Adam, freeze 1/2, H = 1": zero_one_adam,
+        "0/1 Adam, freeze 1/2, variance every step for 50 updates, H = 1": [
+            *zero_one_adam,
+            f"train.zero_one_var_update_scaler={steps // 4}",
+        ],
+        "0/1 Adam, freeze 1/2, H up to 4": [
+            *zero_one_adam,
+            f"train.zero_one_local_step_scaler={steps // 8}",
+            "train.zero_one_local_step_clipper=4",
+        ],
+        "0/1 Adam, freeze 1/2, H up to 16": [
+            *zero_one_adam,
+            f"train.zero_one_local_step_scaler={steps // 20}",
+            "train.zero_one_local_step_clipper=16",
+        ],
+    }
+    results = {label: _run(label, overrides, steps, out) for label, overrides in runs.items()}
+    (out / "zero_one.json").write_text(json.dumps(results, indent=1))
+    base = results["AdamW"]
+    print("| job | dp bytes over the run | vs AdamW | step (s) | loss, last 20 steps | vs AdamW |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, r in results.items():
+        loss, base_loss = statistics.mean(r["losses"][-20:]), statistics.mean(base["losses"][-20:])
+        print(
+            f"| {label} | {r['run_dp_bytes'] / 1e6:.1f} MB | {r['run_dp_bytes'] / base['run_dp_bytes']:.3f}× | "
+            f"{r['step_s']:.3f} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.2f}% |"
+        )
+    _plot(
+        results,
+        "The default job on 2 ranks: 0/1 Adam vs 1-bit Adam and AdamW",
+        out / "zero_one.png",
+        (steps // 2,),
+    )
 
 
 def ranks(out: Path) -> None:
@@ -250,6 +304,7 @@ def plan(out: Path) -> None:
         for label, extra in [
             ("Llama-3.2-1B, DP, AdamW", []),
             ("Llama-3.2-1B, DP, 1-bit Adam", ["train.optimizer=onebit_adam"]),
+            ("Llama-3.2-1B, DP, 0/1 Adam (H = 16)", ["train.optimizer=zero_one_adam"]),
         ]:
             cmd = [sys.executable, "-m", "zerotron", "plan", *dp_only, *extra, "--hardware", str(profile)]
             run = subprocess.run([*cmd, "--gpus", "64", "--json"], check=True, capture_output=True, text=True)
@@ -261,7 +316,9 @@ def plan(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("train", "onebit", "ranks", "plan", "all"), default="all")
+    parser.add_argument(
+        "--part", choices=("train", "onebit", "zero_one", "ranks", "plan", "all"), default="all"
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("runs/zero_compressed"))
     args = parser.parse_args()
@@ -272,6 +329,8 @@ def main() -> None:
         train(args.steps, args.out)
     if args.part in ("onebit", "all"):
         onebit(args.steps, args.out)
+    if args.part in ("zero_one", "all"):
+        zero_one(args.steps, args.out)
     if args.part in ("ranks", "all"):
         ranks(args.out)
 

@@ -94,6 +94,44 @@ def test_onebit_allreduce_matches_the_reference() -> None:
         assert r["many"] < 0.05  # the errors fed back make up for it over many
 
 
+SHARD = 70  # not a whole number of blocks: each rank's chunk is padded to 80 values (5 blocks of 16)
+
+
+def _scatter_body() -> dict[str, Any]:
+    rank, world = current_rank_and_world()
+    group = Mesh(ParallelDims(world, dp=world), rank).group("dp")
+    chunk = -(-SHARD // BLOCK) * BLOCK
+    workers = [np.zeros((world, chunk), np.float32) for _ in range(world)]
+    worker = torch.zeros(world * chunk)
+    group.stats.reset()
+    rng = [np.random.default_rng(r) for r in range(world)]
+    for _ in range(3):  # the errors carry from call to call
+        inputs = [g.standard_normal(world * SHARD).astype(np.float32) for g in rng]
+        sent = []
+        for r in range(world):  # each rank's whole input and errors, compressed chunk by chunk
+            x = workers[r].copy()
+            x[:, :SHARD] += inputs[r].reshape(world, SHARD)
+            out = _compress(x.reshape(-1), BLOCK).reshape(world, chunk)
+            workers[r] = x - out
+            workers[r][:, SHARD:] = 0
+            sent.append(out)
+        expect = sum(s[rank] for s in sent)[:SHARD] / np.float32(world)
+        got = torch.empty(SHARD)
+        Q.reduce_scatter_onebit(got, torch.from_numpy(inputs[rank].copy()), worker, group, BLOCK)
+        np.testing.assert_allclose(got.numpy(), expect, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(worker.numpy(), workers[rank].reshape(-1), rtol=1e-5, atol=1e-6)
+    return group.stats.snapshot()
+
+
+def test_onebit_reduce_scatter_matches_the_reference() -> None:
+    """1-bit Adam under ZeRO's reduce-scatter: each rank's shard is the average of every rank's
+    sign-compressed chunk (worker errors fed back, the chunk padded to whole blocks)."""
+    for counted in run_distributed(_scatter_body, WORLD):
+        chunk = -(-SHARD // BLOCK) * BLOCK
+        record = 4 * chunk // BLOCK + chunk // 8
+        assert counted == {"dp": {"all_to_all": 3 * (WORLD * record * (WORLD - 1) // WORLD)}}
+
+
 def test_optimizer_is_adamw_until_the_freeze_then_keeps_the_variance() -> None:
     g = torch.Generator().manual_seed(0)
     a = torch.nn.Parameter(torch.randn(7, 5, generator=g))
@@ -170,10 +208,59 @@ def test_training_beside_adamw(tmp_path: Path) -> None:
     assert abs(onebit["losses"][-1] - adamw["losses"][-1]) <= 0.02 * adamw["losses"][-1]
 
 
+ZERO_RUNS = {
+    "z1": ["parallel.zero=1"],
+    "z1_onebit": ["parallel.zero=1", "train.optimizer=onebit_adam", f"train.onebit_freeze_step={FREEZE}"],
+    "z2_bf16": ["parallel.zero=2", "train.precision=bf16", "train.micro_batch=2"],
+    "z2_bf16_onebit": [
+        "parallel.zero=2",
+        "train.precision=bf16",
+        "train.micro_batch=2",
+        "train.optimizer=onebit_adam",
+        f"train.onebit_freeze_step={FREEZE}",
+    ],
+}
+
+
+def _zero_body(tmp: str) -> dict[str, Any]:
+    from zerotron.train.trainer import Trainer
+
+    rank, world = current_rank_and_world()
+    out: dict[str, Any] = {}
+    for name, overrides in ZERO_RUNS.items():
+        cfg = load_config(None, [*TINY, *overrides])
+        trainer = Trainer(
+            cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(tmp, name), _tokens()
+        )
+        history = [trainer.train_step() for _ in range(STEPS)]
+        out[name] = {"losses": [r["loss"] for r in history], "comm": [r["comm_bytes"]["dp"] for r in history]}
+        trainer.close()
+    return out
+
+
+def test_training_under_zero_beside_adamw(tmp_path: Path) -> None:
+    """1-bit Adam under ZeRO-1 (fp32) and ZeRO-2 (bf16, two micro-batches per rank): ZeRO's own AdamW
+    through the warm-up, then reduce-scatters of signs (1/20 of the bytes or less), the loss within
+    2% of AdamW's under the same layout."""
+    runs = run_distributed(_zero_body, 2, str(tmp_path), timeout=600)[0]
+    # (under bf16 one fp32 rounding of the master, torch's fused AdamW or ours, can flip a bf16 one)
+    for base, name, rtol in (("z1", "z1_onebit", 1e-5), ("z2_bf16", "z2_bf16_onebit", 3e-4)):
+        adamw, onebit = runs[base], runs[name]
+        np.testing.assert_allclose(onebit["losses"][:FREEZE], adamw["losses"][:FREEZE], rtol=rtol)
+        full = adamw["comm"][-1]["reduce_scatter"]
+        for comm in onebit["comm"][FREEZE + 1 :]:  # (the step that ends the warm-up gathers the variance)
+            assert "reduce_scatter" not in comm and 0 < comm["all_to_all"] <= full / 20, name
+            assert comm["all_gather"] == adamw["comm"][-1]["all_gather"]  # ZeRO's gather of the weights
+        assert onebit["losses"] != adamw["losses"]
+        assert abs(onebit["losses"][-1] - adamw["losses"][-1]) <= 0.02 * adamw["losses"][-1], name
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.zero=1"], "not ZeRO-1"),
+        (["parallel.zero=3"], "not ZeRO-3"),
+        (["parallel.zero=1", "parallel.offload_optimizer=cpu"], "offloaded optimizer"),
+        (["parallel.zero=2", "parallel.zero_quantized_gradients=true"], "turn qgZ off"),
         (["parallel.tp=2", "parallel.dp=1"], "not tp, pp, cp or ep"),
         (["train.precision=bf16"], "not bf16"),
         (["train.grad_clip=1.0"], "train.grad_clip=0"),
@@ -202,12 +289,14 @@ def test_deepspeed_onebit_adam(tmp_path: Path) -> None:
     assert "\n" not in str(e.value)
 
 
-def test_resume_restores_each_ranks_errors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [[], ["parallel.zero=2"]], ids=["dp", "zero2"])
+def test_resume_restores_each_ranks_errors(tmp_path: Path, layout: list[str]) -> None:
     """A run resumed after the warm-up (at the same world size) gives the uninterrupted run's losses
-    bit for bit: each rank's worker and server errors come back from its own file."""
+    bit for bit: each rank's worker and server errors (under ZeRO-2 each bucket's worker errors) come
+    back from its own file, and ZeRO's frozen denominators are gathered again from the variance."""
     from zerotron.cli import main
 
-    job = [*TINY, "train.optimizer=onebit_adam", "train.onebit_freeze_step=2", "checkpoint.every=2"]
+    job = [*TINY, *layout, "train.optimizer=onebit_adam", "train.onebit_freeze_step=2", "checkpoint.every=2"]
     job += ["data.max_bytes=100000", "train.sample_every=0"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert main(["train", *job, "train.steps=7", "--nproc", "2", "--out", str(whole)]) == 0

@@ -125,6 +125,22 @@ LAYOUTS_2 += [  # 1-bit Adam after its warm-up (the second step): momenta as bit
     ["train.optimizer=onebit_adam", "train.onebit_freeze_step=1", "train.grad_clip=0"],
     ["train.optimizer=onebit_adam", "train.onebit_freeze_step=1", "train.grad_clip=0", "model.mlp=plain"],
 ]
+LAYOUTS_2 += [  # 1-bit Adam under ZeRO-1/2 past its warm-up: reduce-scatters of signs, bucket by bucket
+    [
+        "parallel.zero=1",
+        "train.optimizer=onebit_adam",
+        "train.onebit_freeze_step=1",
+        "train.grad_clip=0",
+        "parallel.bucket_mb=0.05",
+    ],
+    [
+        "parallel.zero=2",
+        "train.optimizer=onebit_adam",
+        "train.onebit_freeze_step=1",
+        "train.grad_clip=0",
+        "train.precision=bf16",
+    ],
+]
 LAYOUTS_2 += [  # 0/1 Adam's second step: past a freeze at 1, a local step that synchronises
     [
         "train.optimizer=zero_one_adam",

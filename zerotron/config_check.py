@@ -312,10 +312,21 @@ def _check_onebit(cfg: Config) -> None:
     for key, value in schedule.items():
         if zero_one and value < 1:
             raise ConfigError(f"train.{key}={value}: give 1 or more")
+    sharded = p.zero in (1, 2) and not zero_one  # 1-bit Adam under ZeRO-1/2
     problems = [
-        (p.zero != 0, f"it is built for data parallelism (parallel.zero=0), not ZeRO-{p.zero} yet"),
+        (
+            p.zero != 0 and not sharded,
+            f"it is built for data parallelism{'' if zero_one else ' and ZeRO-1/2'}, not ZeRO-{p.zero} yet",
+        ),
         (max(p.tp, p.pp, p.cp, p.ep) > 1, "it is built for data parallelism alone, not tp, pp, cp or ep yet"),
-        (t.precision != "fp32", f"it is built in fp32, not {t.precision} yet"),
+        (
+            t.precision != "fp32" and not sharded,
+            f"it is built in fp32{'' if zero_one else ' (and under ZeRO-1/2 in any precision)'}, not "
+            f"{t.precision} yet",
+        ),
+        (sharded and p.offload_optimizer != "none", "it is not built with an offloaded optimizer yet"),
+        (sharded and p.zero_quantized_gradients, "its reductions are 1-bit already: turn qgZ off"),
+        (sharded and p.zero_shard_size not in (0, p.dp), "it is not built with hybrid sharding yet"),
         (
             t.onebit_freeze_step < 1 and not zero_one,
             "train.onebit_freeze_step must be at least 1 (the variance needs a warm-up)",

@@ -312,6 +312,15 @@ def onebit_sizes(numel: int, ranks: int) -> tuple[int, int]:
     return padded, 4 * chunk // ONEBIT_BLOCK + chunk // 8
 
 
+def onebit_shard_sizes(padded: int, ranks: int) -> tuple[int, int]:
+    """1-bit Adam under ZeRO-1/2, one bucket of ``padded`` elements (a multiple of ``ranks``): (each
+    rank's chunk as compressed, its shard rounded up to whole ``ONEBIT_BLOCK`` blocks; the bytes of one
+    chunk as sent: its scales and bits)."""
+    shard = padded // ranks
+    chunk = -(-shard // ONEBIT_BLOCK) * ONEBIT_BLOCK
+    return chunk, 4 * chunk // ONEBIT_BLOCK + chunk // 8
+
+
 def hybrid(dp: int, zero: int, shard_size: int) -> bool:
     """Whether ZeRO shards over groups of ``shard_size`` data-parallel ranks and replicates across them
     (hybrid sharding: ``parallel.zero_shard_size`` set, smaller than dp)."""

@@ -24,6 +24,7 @@ the one-stage, one-rank case of the same path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,8 @@ def data_parallel(
         return DataParallel(GradientBuckets(model, groups, par.bucket_mb, reduce_dtype), None, shard_group)
     # 16-bit working weights from fp32 master shards under mixed precision (DESIGN contract 9)
     options = ZeroOptions.from_config(par, stage, AUTOCAST.get(cfg.train.precision), reduce_dtype)
+    if cfg.train.optimizer == "onebit_adam":  # ZeRO-1/2: reduce-scatters of bits after the warm-up
+        options = dataclasses.replace(options, onebit_freeze=cfg.train.onebit_freeze_step)
     with contextlib.ExitStack() as stack:
         fill = None
         if par.zero == 3:

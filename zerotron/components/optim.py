@@ -42,6 +42,16 @@ def optimizer_for(reducer: GradientReducer, zero: ShardedEngine | None, cfg: Con
     par, t = cfg.parallel, cfg.train
     if zero is not None and par.offload_optimizer != "none":
         return offload_optimizer(zero, t, par.offload_optimizer, par.nvme_path)
+    onebit_shards = getattr(zero, "onebit", None)
+    if onebit_shards is not None:  # 1-bit Adam under ZeRO-1/2: over the shard segments
+        decay, no_decay = reducer.param_groups()
+        groups = [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        sharded = OneBitAdam(groups, t.lr, (t.beta1, t.beta2), t.eps, t.onebit_freeze_step)
+        onebit_shards.attach(sharded)
+        return sharded
     if isinstance(reducer, ZeroOneBuckets):  # 0/1 Adam: the variance on a schedule, then local steps
         decay, no_decay = reducer.param_groups()
         groups = [

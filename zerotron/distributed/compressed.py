@@ -211,3 +211,44 @@ def all_reduce_onebit(
         t[r * chunk : (r + 1) * chunk] = quantize.sign_decompress(
             rows[r, head:], rows[r, :head].clone().view(torch.float32), block
         )
+
+
+def reduce_scatter_onebit(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    worker_error: torch.Tensor,
+    group: Group,
+    block: int,
+    async_op: bool = False,
+) -> _NoWork | None:
+    """The first half of :func:`all_reduce_onebit`, as a reduce-scatter (1-bit Adam under ZeRO-1/2):
+    ``output`` ``(shard,)`` becomes the average over ``group`` of every rank's chunk of ``input``
+    ``(size * shard,)`` (the chunk this rank owns), each value sent as its sign with one fp32 scale per
+    ``block`` values. Each rank adds its ``worker_error`` ``(size * chunk,)`` (``chunk``: ``shard``
+    rounded up to whole blocks, the padding compressed as zeros) and keeps what the compression lost as
+    the new one. No server side: the receiver keeps the average in fp32 (ZeRO updates its shard and
+    gathers the weights, not the average). Sent: one all-to-all of the bits and scales. Returns a done
+    handle when ``async_op``."""
+    n, shard = group.size, output.numel()
+    chunk = worker_error.numel() // n
+    if input.numel() != n * shard or chunk % block or block % 8 or chunk < shard:
+        raise ValueError(
+            f"reduce_scatter_onebit: {input.numel()} values, a shard of {shard}, errors of {n} x {chunk} "
+            f"and blocks of {block} do not fit"
+        )
+    x = worker_error.view(n, chunk).clone()
+    x[:, :shard].add_(input.reshape(n, shard))
+    bits, scales = quantize.sign_compress(x.reshape(-1), block)
+    worker_error.copy_(x.reshape(-1) - quantize.sign_decompress(bits, scales, block))
+    worker_error.view(n, chunk)[:, shard:].zero_()  # the padding carries nothing to the next step
+    send = torch.cat([scales.view(n, -1).view(torch.uint8), bits.view(n, -1)], dim=1)  # (n, record)
+    arrived = torch.empty_like(send)
+    all_to_all(arrived, send, group)
+    head = 4 * chunk // block
+    total = torch.zeros(chunk, dtype=torch.float32, device=output.device)
+    for r in range(n):  # in rank order
+        total.add_(
+            quantize.sign_decompress(arrived[r, head:], arrived[r, :head].clone().view(torch.float32), block)
+        )
+    output.copy_(total[:shard].div_(n).view(output.shape))
+    return _NoWork() if async_op else None

@@ -30,7 +30,7 @@ from zerotron.plan.layout import (
     working_weights16,
 )
 from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
-from zerotron.plan.traffic import engine_dp_bytes
+from zerotron.plan.traffic import engine_dp_bytes, onebit_zero_state_bytes
 from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
 
 _ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
@@ -129,6 +129,9 @@ def stage_memory(
         part = (layout.tp, layout.pp, stage, layers)
         exact = _zero_states(m, part, zero, data, dp_rank, layout.bucket_mb, working)
     states = _model_states(m, layout, work, convention, sp, exact)
+    if exact is not None and layout.onebit_adam:  # 1-bit Adam under ZeRO-1/2: errors, denominators
+        params = param_list(m, layout.tp, layout.pp, stage, layers)
+        states["device"]["optimizer"] += float(onebit_zero_state_bytes(params, data, layout.bucket_mb))
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
     buffers, buf_detail = _buffers(m, layout, work, convention, stage, sp.elements)
     detail.update(buf_detail)
@@ -206,7 +209,7 @@ def _model_states(
     working = 2 if working_weights16(layout, work) else 4
     if not sp.expert_elements:
         states = mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact, working)
-        if layout.onebit_adam and convention == "zerotron" and data_ranks(layout) > 1:
+        if layout.onebit_adam and layout.zero == 0 and convention == "zerotron" and data_ranks(layout) > 1:
             # 1-bit Adam's errors: the worker's over the padded momentum, the server's over its chunk
             padded, _ = onebit_sizes(sp.elements, data_ranks(layout))
             states["device"]["optimizer"] += 4.0 * (padded + padded // data_ranks(layout))
@@ -454,7 +457,7 @@ def step_times(
     reduce_wire: float = grad_wire
     if layout.zero_quantized_weights and layout.zero == 3:
         gather_wire = quantized_wire(layout.zero_quantized_weight_block, 8)
-    if layout.onebit_adam and layout.zero == 0:  # 1-bit Adam after the warm-up: bits and a scale per block
+    if layout.onebit_adam and layout.zero < 3:  # 1-bit Adam after the warm-up: bits and a scale per block
         reduce_wire = 1 / 8 + 4 / ONEBIT_BLOCK
     if layout.zero_quantized_gradients and layout.zero >= 1:
         reduce_wire = quantized_wire(

@@ -514,6 +514,8 @@ def _reduce_scatter(layout: Layout, grads: float, n: int, stride: int, hw: Hardw
     ``zero_quantized_gradient_node`` (the whole buffer inside each node, then 1/node of it across the
     nodes, one rank per node in each group)."""
     node = layout.zero_quantized_gradient_node
+    if layout.onebit_adam:  # 1-bit Adam under ZeRO-1/2: the signs by one all-to-all
+        return collective_time("all_to_all", grads, n, stride, hw)
     if not layout.zero_quantized_gradients:
         return collective_time("reduce_scatter", grads, n, stride, hw)
     if node <= 1 or node >= n or n % node:

@@ -10,7 +10,7 @@ one-value all-reduce.
 
 from __future__ import annotations
 
-from zerotron.layout import onebit_sizes, quantized_bytes
+from zerotron.layout import onebit_shard_sizes, onebit_sizes, quantized_bytes
 from zerotron.plan.layout import Layout
 from zerotron.plan.memory import _buckets, _zero3_units
 from zerotron.plan.model import ParamList
@@ -54,7 +54,8 @@ def engine_dp_bytes(
     def reduce(u: list[int]) -> int:  # a gradient reduction (an all-to-all of blocks under qgZ)
         return part(_wire(layout, padded(u), n, reduce_bytes, weights=False), n)
 
-    reduce_op = "all_to_all" if layout.zero_quantized_gradients else "reduce_scatter"
+    bits = layout.zero_quantized_gradients or (layout.onebit_adam and zero in (1, 2))
+    reduce_op = "all_to_all" if bits else "reduce_scatter"
 
     if n == 1 and replicas == 1:
         return {}
@@ -126,7 +127,20 @@ def _wire(layout: Layout, padded: int, n: int, plain_bytes: int, weights: bool) 
     (qwZ's int8 blocks, qgZ's int8/int4 ones)."""
     if weights and layout.zero_quantized_weights:
         return n * quantized_bytes(padded // n, layout.zero_quantized_weight_block, 8)
+    if not weights and layout.onebit_adam and layout.zero in (1, 2):  # 1-bit Adam's signs and scales
+        return n * onebit_shard_sizes(padded, n)[1]
     if not weights and layout.zero_quantized_gradients:
         bits = layout.zero_quantized_gradient_bits
         return n * quantized_bytes(padded // n, layout.zero_quantized_gradient_block, bits)
     return padded * plain_bytes
+
+
+def onebit_zero_state_bytes(params: ParamList, n: int, bucket_mb: float) -> int:
+    """1-bit Adam under ZeRO-1/2 over ``n`` ranks: the state one rank adds, per bucket its worker
+    errors (every rank's chunk, padded to whole blocks) and the whole frozen denominators."""
+    total = 0
+    for bucket in _buckets(params.ordered(), 4, bucket_mb):
+        padded = -(-sum(bucket) // n) * n
+        chunk, _ = onebit_shard_sizes(padded, n)
+        total += 4 * (n * chunk + padded)
+    return total

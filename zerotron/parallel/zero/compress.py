@@ -23,6 +23,8 @@ import torch
 
 from zerotron.distributed import collectives, compressed
 from zerotron.distributed.mesh import Group
+from zerotron.layout import ONEBIT_BLOCK, onebit_shard_sizes
+from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat
 from zerotron.parallel.zero.options import ZeroOptions
 
 
@@ -53,3 +55,83 @@ def reduce_grads(out: torch.Tensor, send: torch.Tensor, group: Group, options: Z
             out, send, group, options.gradient_block, options.gradient_bits, async_op=True
         )
     return collectives.reduce_scatter(out, send, group, op="sum", async_op=True, overwrite_input=True)
+
+
+class OneBitShards:
+    """1-bit Adam under ZeRO-1/2 (``train.optimizer=onebit_adam``, ``parallel.zero`` 1 or 2): after the
+    warm-up (``freeze_step`` optimizer steps of ZeRO's own reduce-scatters and AdamW), each bucket's
+    reduce-scatter becomes :func:`~zerotron.distributed.compressed.reduce_scatter_onebit` of the
+    gradient in the units of the step it makes: every rank divides its whole bucket gradient (times
+    the ranks) by the frozen denominator ``sqrt(v) + eps`` of the whole bucket, sends it as signs and
+    one scale per 64 values with worker error feedback, and the owner of each shard multiplies the
+    average back. The owner then updates its shard's momentum with it (:class:`~zerotron.parallel.
+    onebit.OneBitAdam`, variance frozen) and ZeRO gathers the weights as always.
+
+    What differs from 1-bit Adam under data parallelism, and why: the momentum lives in shards, so a
+    rank cannot form its own whole momentum; it sends its gradient's part of it (the momentum's common
+    part, ``b1 * m``, is the same on every rank), and with no second compression there is no server
+    error. Each rank keeps its worker errors (``optimizer.errors["worker{bucket}"]``, saved with its
+    generator state) and the whole frozen denominators of every bucket (all-gathered once when the
+    warm-up ends)."""
+
+    def __init__(self, freeze_step: int) -> None:
+        self.freeze_step = freeze_step
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.denominators: dict[int, torch.Tensor] = {}  # bucket -> (padded,) frozen sqrt(v) + eps
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer (a ``OneBitAdam`` over ZeRO's shard segments) whose state this reads."""
+        self.optimizer = optimizer
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken so far (a resumed run's too)."""
+        for state in (self.optimizer.state if self.optimizer is not None else {}).values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
+
+    def compressing(self, group: Group) -> bool:
+        """Whether this step's reductions over ``group`` send bits (the warm-up is over)."""
+        return group.size > 1 and self.optimizer is not None and self.steps >= self.freeze_step
+
+    def reduce(
+        self, i: int, out: torch.Tensor, send: torch.Tensor, layout: FlatLayout, segs: list[ShardSegment]
+    ) -> Any:
+        """Bucket ``i``'s summed gradient shard into ``out`` from the whole ``send``, compressed."""
+        assert self.optimizer is not None
+        denominator = self.denominator(i, layout, segs, send.device)
+        chunk, _ = onebit_shard_sizes(layout.padded, layout.n)
+        errors = getattr(self.optimizer, "errors", {})
+        key = f"worker{i}"
+        if errors.get(key) is None or errors[key].numel() != layout.n * chunk:
+            errors[key] = torch.zeros(layout.n * chunk, device=send.device)
+        mean = torch.empty(layout.shard, device=send.device)
+        scaled = send.to(torch.float32, copy=True).mul_(layout.n).div_(denominator)
+        work = compressed.reduce_scatter_onebit(mean, scaled, errors[key], layout.group, ONEBIT_BLOCK, True)
+        out.copy_(mean.mul_(denominator[layout.lo : layout.hi]))
+        return work
+
+    def denominator(
+        self, i: int, layout: FlatLayout, segs: list[ShardSegment], device: torch.device
+    ) -> torch.Tensor:
+        """Bucket ``i``'s whole frozen ``sqrt(v / (1 - b2^freeze)) + eps`` (1 where there is none),
+        all-gathered from the shards the first time (collective over the bucket's group)."""
+        if i not in self.denominators:
+            assert self.optimizer is not None
+            group = self.optimizer.param_groups[0]
+            b2, eps = group["betas"][1], group["eps"]
+            variance = torch.full((layout.shard,), float("nan"), device=device)
+            for seg in segs:
+                value = self.optimizer.state.get(seg.param, {}).get("exp_avg_sq")
+                if value is not None:
+                    variance[seg.at : seg.at + seg.length] = value.reshape(-1)
+            whole = gather_flat(layout, variance)
+            self.denominators[i] = whole.div_(1 - b2**self.freeze_step).sqrt_().add_(eps).nan_to_num_(1.0)
+        return self.denominators[i]
+
+    def state_bytes(self) -> int:
+        """The worker errors and the whole denominators this rank holds."""
+        errors = getattr(self.optimizer, "errors", {}).values()
+        held = [*errors, *self.denominators.values()]
+        return sum(t.numel() * t.element_size() for t in held)

@@ -34,6 +34,7 @@ class ZeroOptions:
     gradient_block: int = 128  # qgZ: elements per block
     gradient_node: int = 1  # qgZ: ranks per node (above 1: reduce inside the node, then across nodes)
     hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers from a secondary copy inside blocks of this many ranks
+    onebit_freeze: int = 0  # ZeRO-1/2 under 1-bit Adam: steps before reductions send bits (0: never)
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,6 +55,7 @@ class ZeroOptions:
             ),
             ("zero_quantized_gradient_bits", self.gradient_bits in (4, 8), "choose 8 or 4"),
             ("zero_hpz_size", self.hpz_size == 1 or self.stage == 3, "hpZ is ZeRO-3's: set parallel.zero=3"),
+            ("zero", self.onebit_freeze == 0 or self.stage < 3, "1-bit Adam is built under ZeRO-1/2"),
             ("zero_quantized_weight_block", self.weight_block >= 1, "give 1 element or more"),
             ("zero_quantized_gradient_block", self.gradient_block >= 1, "give 1 element or more"),
             (

@@ -35,7 +35,7 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import SyncGate, bucketed_by_group, grad_or_zeros, unique_named_params
-from zerotron.parallel.zero.compress import reduce_grads
+from zerotron.parallel.zero.compress import OneBitShards, reduce_grads
 from zerotron.parallel.zero.flat import (
     FlatLayout,
     Replicas,
@@ -111,6 +111,8 @@ class _ShardedBuckets(SyncGate):
         self._spare: list[dict[tuple[torch.dtype, int], torch.Tensor]] = [{} for _ in self.layouts]
         self._spare_budget = int(2 * bucket_mb * 2**20)
         self._spare_bytes = 0
+        # 1-bit Adam: after its warm-up the reduce-scatters send bits
+        self.onebit = OneBitShards(options.onebit_freeze) if options.onebit_freeze else None
         self._reset_grads()
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -220,7 +222,10 @@ class _ShardedBuckets(SyncGate):
             self._pending[i].append((work, send))
         else:  # ``send`` is this step's own buffer (flattened, accumulated or cast): the reduction may use it
             out = self._reduce_into(i, send)
-            work = reduce_grads(out, send, layout.group, self.options)
+            if self.onebit is not None and self.onebit.compressing(layout.group):
+                work = self.onebit.reduce(i, out, send, layout, self.segments[i])
+            else:
+                work = reduce_grads(out, send, layout.group, self.options)
             self._pending[i].append((work, out))
         self._ready[i], self._launched[i] = 0, True
 
@@ -271,7 +276,12 @@ class _ShardedBuckets(SyncGate):
     # -- after the optimizer step ------------------------------------------------------------------------
     def after_step(self) -> None:
         """All-gather every bucket so that each rank holds the whole updated model again (its fp32
-        master shard cast to the 16-bit working weights under mixed precision)."""
+        master shard cast to the 16-bit working weights under mixed precision); at the end of 1-bit
+        Adam's warm-up, each bucket's whole frozen denominators too."""
+        if self.onebit is not None and self.onebit.steps == self.onebit.freeze_step:
+            for i, layout in enumerate(self.layouts):
+                if layout.group.size > 1:
+                    self.onebit.denominator(i, layout, self.segments[i], self.flats[i].device)
         for layout, flat, master in zip(self.layouts, self.flats, self.masters):
             if layout.group.size == 1:  # the shard is the whole bucket: cast (or copy) it in one pass
                 if self.mixed:
@@ -330,7 +340,7 @@ class _ShardedBuckets(SyncGate):
     # -- accounting and checkpoints ----------------------------------------------------------------------
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Parameters, gradients and optimizer states this rank holds, counted from its buffers."""
-        opt = optimizer_state_bytes(optimizer)
+        opt = optimizer_state_bytes(optimizer) + (self.onebit.state_bytes() if self.onebit else 0)
         params = sum(f.numel() * f.element_size() for f in self.flats)
         if self.mixed:  # + the fp32 master shards (the ZeRO paper's K counts them as optimizer state)
             params += sum(m.numel() * m.element_size() for m in self.masters)
