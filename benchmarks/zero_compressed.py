@@ -1,7 +1,7 @@
 """ZeRO++'s compressed collectives (qwZ, qgZ) beside the uncompressed run (BENCHMARKS.md).
 
-Run:  python benchmarks/zero_compressed.py [--part train|onebit|zero_one|ranks|plan|all] [--steps 200]
-      [--out DIR]
+Run:  python benchmarks/zero_compressed.py [--part train|onebit|onebit_zero|zero_one|ranks|plan|all]
+      [--steps 200] [--out DIR]
 
 - ``train``: the default job (``zerotron train`` with no arguments: the tiny preset, 2 ranks) under
   ZeRO-3 (and ZeRO-2 for qgZ), uncompressed and with each technique, ``--steps`` steps each. Prints
@@ -11,6 +11,9 @@ Run:  python benchmarks/zero_compressed.py [--part train|onebit|zero_one|ranks|p
 - ``onebit``: the default job on 2 ranks with AdamW and with 1-bit Adam (warm-ups of a fifth of the
   run, as the paper's 15-25%, and of half of it), all without clipping: bytes per step after the
   warm-up, step time, the loss (mean of the last 20 steps); ``onebit.png`` the curves.
+- ``onebit_zero``: the default job on 2 ranks under ZeRO-2 (fp32 and bf16), AdamW against 1-bit Adam
+  (warm-up of half the run): bytes per step after the warm-up, the gradient bytes' ratio, step time,
+  the loss (mean of the last 20 steps).
 - ``zero_one``: the default job on 2 ranks with AdamW, 1-bit Adam (warm-up 1/2) and 0/1 Adam (the
   variance frozen at 1/2; synchronising every step as DeepSpeed's defaults do in a run this short, and
   with intervals that grow to 4 and to 16 steps): the data-parallel bytes of the whole run, step time,
@@ -156,6 +159,38 @@ def onebit(steps: int, out: Path) -> None:
         )
     title = "The default job on 2 ranks: 1-bit Adam vs AdamW"
     _plot(results, title, out / "onebit.png", marks=(steps // 5, steps // 2))
+
+
+def onebit_zero(steps: int, out: Path) -> None:
+    import statistics
+
+    onebit_adam = [
+        "train.grad_clip=0",
+        "train.optimizer=onebit_adam",
+        f"train.onebit_freeze_step={steps // 2}",
+    ]
+    pairs = {
+        "ZeRO-2": ["train.grad_clip=0", "parallel.zero=2"],
+        "ZeRO-2, bf16": ["train.grad_clip=0", "parallel.zero=2", "train.precision=bf16"],
+    }
+    print("| layout | job | bytes / step after the warm-up | gradient bytes vs AdamW | step (s) | loss, last 20 "
+          "steps | vs AdamW |\n|---|---|---|---:|---:|---:|---:|")  # fmt: skip
+    for layout, args in pairs.items():
+        base = _run(f"{layout} AdamW", args, steps, out)
+        ours = _run(f"{layout} 1-bit Adam", [*args, *onebit_adam[1:]], steps, out)
+        base_loss = statistics.mean(base["losses"][-20:])
+        full = base["comm_bytes"]["dp"]["reduce_scatter"]
+        for label, r in (("AdamW", base), ("1-bit Adam, warm-up 1/2", ours)):
+            ops = ", ".join(
+                f"{op} {n / 1e6:.3f} MB" for op, n in sorted(r["comm_bytes"]["dp"].items()) if n > 64
+            )
+            dp = r["comm_bytes"]["dp"]
+            grads = dp.get("reduce_scatter", 0) + dp.get("all_to_all", 0)
+            loss = statistics.mean(r["losses"][-20:])
+            print(
+                f"| {layout} | {label} | {ops} | {grads / full:.4f}× | {r['step_s']:.3f} | {loss:.4f} | "
+                f"{100 * (loss - base_loss) / base_loss:+.2f}% |"
+            )
 
 
 def zero_one(steps: int, out: Path) -> None:
@@ -317,7 +352,9 @@ def plan(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--part", choices=("train", "onebit", "zero_one", "ranks", "plan", "all"), default="all"
+        "--part",
+        choices=("train", "onebit", "onebit_zero", "zero_one", "ranks", "plan", "all"),
+        default="all",
     )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("runs/zero_compressed"))
@@ -329,6 +366,8 @@ def main() -> None:
         train(args.steps, args.out)
     if args.part in ("onebit", "all"):
         onebit(args.steps, args.out)
+    if args.part in ("onebit_zero", "all"):
+        onebit_zero(args.steps, args.out)
     if args.part in ("zero_one", "all"):
         zero_one(args.steps, args.out)
     if args.part in ("ranks", "all"):

@@ -1,5 +1,5 @@
-"""0/1 Adam (Lu et al., ICML 2022; DeepSpeed's ``ZeroOneAdam``): 1-bit Adam's compressed momentum
-without its fixed warm-up, and with steps that send nothing at all.
+"""0/1 Adam (Lu et al., ICLR 2023, arXiv 2202.06009; DeepSpeed's ``ZeroOneAdam``): 1-bit Adam's
+compressed averages without its fixed warm-up, and with steps that send nothing at all.
 
 Two phases, both on a schedule that is a function of the step alone (:class:`ZeroOneSchedule`):
 
