@@ -478,3 +478,8 @@ def test_bench_sets_the_compressed_job_beside_the_uncompressed_one(
     assert zero["zero_quantized_weights"] and zero["zero_quantized_gradients"]
     bits8 = load_config(None, [*job, "parallel.zero_quantized_gradient_bits=8"])
     assert "int4" in (why_not("deepspeed", bits8) or "")
+    onebit = load_config(None, [*TINY, "train.optimizer=onebit_adam", "train.grad_clip=0"])
+    onebit.parallel.dp = 2
+    assert why_not("zerotron-uncompressed", onebit) is None  # AdamW beside it
+    for peer in ("ddp", "fsdp2"):  # the peers run AdamW: refused, not run as something else
+        assert "train.optimizer=onebit_adam" in (why_not(peer, onebit) or ""), peer

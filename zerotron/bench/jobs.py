@@ -19,12 +19,24 @@ COMPRESSION = ("zero_quantized_weights", "zero_quantized_gradients")
 
 
 def compressed(cfg: Config) -> bool:
-    """Whether ``cfg`` turns on one of ZeRO++'s quantised collectives."""
-    return any(getattr(cfg.parallel, key) for key in COMPRESSION)
+    """Whether ``cfg`` turns on one of ZeRO++'s quantised collectives or a 1-bit optimizer."""
+    return any(getattr(cfg.parallel, key) for key in COMPRESSION) or cfg.train.optimizer != "adamw"
 
 
 def _uncompressed(cfg: Config) -> str | None:
-    return None if compressed(cfg) else "nothing is compressed in this config (parallel.zero_quantized_*)"
+    if compressed(cfg):
+        return None
+    return "nothing is compressed in this config (parallel.zero_quantized_*, train.optimizer)"
+
+
+def _one_bit(cfg: Config) -> str | None:
+    """Why a peer cannot run ``cfg``'s optimizer (the peers run zerotron's AdamW)."""
+    if cfg.train.optimizer == "adamw":
+        return None
+    return (
+        f"train.optimizer={cfg.train.optimizer}: the peers run AdamW (DeepSpeed removed OneBitAdam and "
+        "ZeroOneAdam in September 2026); compare with zerotron-uncompressed"
+    )
 
 
 INSTALL = {"deepspeed": "pip install 'zerotron[bench]' (DeepSpeed)"}
@@ -117,7 +129,7 @@ def why_not(framework: str, cfg: Config) -> str | None:
     if framework == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         return f"not installed: {INSTALL['deepspeed']}"
     if framework in ("deepspeed", "fsdp2", "ddp"):
-        common = _common(cfg)
+        common = _common(cfg) or _one_bit(cfg)
         if common:
             return common
     checks = {

@@ -82,13 +82,16 @@ def _timed(steps: int, device: torch.device, step: Callable[[int], float]) -> di
 
 def run_zerotron(run_dir: str, uncompressed: bool = False) -> dict[str, Any]:
     """zerotron's own trainer on the config's layout (``uncompressed``: with ZeRO++'s quantised
-    collectives turned off, the job to set a compressed one beside)."""
+    collectives turned off and AdamW for a 1-bit optimizer, the job to set a compressed one beside)."""
     cfg, tokens, _, device = _setup(run_dir)
     if uncompressed:
         plain = dataclasses.replace(
-            cfg.parallel, zero_quantized_weights=False, zero_quantized_gradients=False
+            cfg.parallel,
+            zero_quantized_weights=False,
+            zero_quantized_gradients=False,
+            zero_quantized_gradient_node=1,
         )
-        cfg = dataclasses.replace(cfg, parallel=plain)
+        cfg = dataclasses.replace(cfg, parallel=plain, train=dataclasses.replace(cfg.train, optimizer="adamw"))
     rank, world = current_rank_and_world()
     trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)
     records: list[dict[str, Any]] = []
