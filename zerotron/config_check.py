@@ -319,7 +319,10 @@ def _check_onebit(cfg: Config) -> None:
             "it is built for data parallelism (parallel.zero=0): its local steps update the whole model "
             "on every rank, with the whole optimizer state that ZeRO shards",
         ),
-        (p.zero != 0 and not sharded, f"it is built for data parallelism and ZeRO-1/2, not ZeRO-{p.zero} yet"),
+        (
+            p.zero != 0 and not sharded,
+            f"it is built for data parallelism and ZeRO-1/2, not ZeRO-{p.zero} yet",
+        ),
         (max(p.tp, p.pp, p.cp, p.ep) > 1, "it is built for data parallelism alone, not tp, pp, cp or ep yet"),
         (
             t.precision != "fp32" and not sharded,

@@ -91,7 +91,9 @@ def run_zerotron(run_dir: str, uncompressed: bool = False) -> dict[str, Any]:
             zero_quantized_gradients=False,
             zero_quantized_gradient_node=1,
         )
-        cfg = dataclasses.replace(cfg, parallel=plain, train=dataclasses.replace(cfg.train, optimizer="adamw"))
+        cfg = dataclasses.replace(
+            cfg, parallel=plain, train=dataclasses.replace(cfg.train, optimizer="adamw")
+        )
     rank, world = current_rank_and_world()
     trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)
     records: list[dict[str, Any]] = []
