@@ -219,6 +219,13 @@ ZERO_RUNS = {
         "train.optimizer=onebit_adam",
         f"train.onebit_freeze_step={FREEZE}",
     ],
+    # 16-bit data parallelism: whole fp32 masters and moments on every rank (ZeRO-1's blocks of one)
+    "dp_fp16": ["train.precision=fp16"],
+    "dp_fp16_onebit": [
+        "train.precision=fp16",
+        "train.optimizer=onebit_adam",
+        f"train.onebit_freeze_step={FREEZE}",
+    ],
 }
 
 
@@ -234,6 +241,7 @@ def _zero_body(tmp: str) -> dict[str, Any]:
         )
         history = [trainer.train_step() for _ in range(STEPS)]
         out[name] = {"losses": [r["loss"] for r in history], "comm": [r["comm_bytes"]["dp"] for r in history]}
+        out[name]["weights"] = [p.detach().clone() for p in trainer.model.parameters()]
         trainer.close()
     return out
 
@@ -241,8 +249,19 @@ def _zero_body(tmp: str) -> dict[str, Any]:
 def test_training_under_zero_beside_adamw(tmp_path: Path) -> None:
     """1-bit Adam under ZeRO-1 (fp32) and ZeRO-2 (bf16, two micro-batches per rank): ZeRO's own AdamW
     through the warm-up, then reduce-scatters of signs (1/20 of the bytes or less), the loss within
-    2% of AdamW's under the same layout."""
-    runs = run_distributed(_zero_body, 2, str(tmp_path), timeout=600)[0]
+    2% of AdamW's under the same layout; and under fp16 data parallelism (loss scaling, fp32 masters
+    on every rank), DeepSpeed's own setting for it, its momenta's bits with equal replicas."""
+    ranks = run_distributed(_zero_body, 2, str(tmp_path), timeout=600)
+    runs = ranks[0]
+    # 16-bit data parallelism: 1-bit Adam's all-to-all and all-gather of the momenta; equal replicas
+    adamw, onebit = runs["dp_fp16"], runs["dp_fp16_onebit"]
+    np.testing.assert_allclose(onebit["losses"][:FREEZE], adamw["losses"][:FREEZE], rtol=3e-4)
+    full = adamw["comm"][-1]["all_reduce"]
+    for comm in onebit["comm"][FREEZE:]:
+        assert comm["all_to_all"] + comm["all_gather"] <= full / 20 and comm.get("all_reduce", 0) <= 16
+    for mine, other in zip(onebit["weights"], ranks[1]["dp_fp16_onebit"]["weights"]):
+        assert torch.equal(mine, other)
+    assert abs(onebit["losses"][-1] - adamw["losses"][-1]) <= 0.02 * adamw["losses"][-1]
     # (under bf16 one fp32 rounding of the master, torch's fused AdamW or ours, can flip a bf16 one)
     for base, name, rtol in (("z1", "z1_onebit", 1e-5), ("z2_bf16", "z2_bf16_onebit", 3e-4)):
         adamw, onebit = runs[base], runs[name]
@@ -262,7 +281,7 @@ def test_training_under_zero_beside_adamw(tmp_path: Path) -> None:
         (["parallel.zero=1", "parallel.offload_optimizer=cpu"], "offloaded optimizer"),
         (["parallel.zero=2", "parallel.zero_quantized_gradients=true"], "turn qgZ off"),
         (["parallel.tp=2", "parallel.dp=1"], "not tp, pp, cp or ep"),
-        (["train.precision=bf16"], "not bf16"),
+        (["train.precision=bf16", "parallel.grad_reduce_dtype=bf16"], "grad_reduce_dtype=fp32"),
         (["train.grad_clip=1.0"], "train.grad_clip=0"),
         (["train.onebit_freeze_step=0"], "at least 1"),
         (["train.optimizer=lamb"], "adamw, onebit_adam, zero_one_adam"),

@@ -141,6 +141,15 @@ LAYOUTS_2 += [  # 1-bit Adam under ZeRO-1/2 past its warm-up: reduce-scatters of
         "train.precision=bf16",
     ],
 ]
+LAYOUTS_2 += [  # 1-bit Adam under 16-bit data parallelism (fp32 masters on every rank), bucket by bucket
+    [
+        "train.optimizer=onebit_adam",
+        "train.onebit_freeze_step=1",
+        "train.grad_clip=0",
+        "train.precision=bf16",
+        "parallel.bucket_mb=0.05",
+    ],
+]
 LAYOUTS_2 += [  # 0/1 Adam's second step: past a freeze at 1, a local step that synchronises
     [
         "train.optimizer=zero_one_adam",

@@ -269,7 +269,7 @@ class TrainConfig:
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases)")
     optimizer: str = _f(
         "adamw",
-        "adamw, or onebit_adam (1-bit Adam without clipping, data parallelism in fp32 or ZeRO-1/2 in any "
+        "adamw, or onebit_adam (1-bit Adam without clipping, data parallelism or ZeRO-1/2, in any "
         "precision: AdamW for train.onebit_freeze_step steps, then the variance frozen and the momentum "
         "(ZeRO: the gradient) averaged over dp as one bit per value), or zero_one_adam (0/1 Adam, data "
         "parallelism in fp32: the variance updated on ever sparser steps, the other steps' gradients "

@@ -324,10 +324,10 @@ def _check_onebit(cfg: Config) -> None:
             f"it is built for data parallelism and ZeRO-1/2, not ZeRO-{p.zero} yet",
         ),
         (max(p.tp, p.pp, p.cp, p.ep) > 1, "it is built for data parallelism alone, not tp, pp, cp or ep yet"),
+        (t.precision != "fp32" and zero_one, f"it is built in fp32, not {t.precision} yet"),
         (
-            t.precision != "fp32" and not sharded,
-            f"it is built in fp32{'' if zero_one else ' (and under ZeRO-1/2 in any precision)'}, not "
-            f"{t.precision} yet",
+            p.grad_reduce_dtype != "fp32",
+            "its reductions send bits: leave parallel.grad_reduce_dtype=fp32",
         ),
         (sharded and p.offload_optimizer != "none", "it is not built with an offloaded optimizer yet"),
         (sharded and p.zero_quantized_gradients, "its reductions are 1-bit already: turn qgZ off"),

@@ -146,7 +146,7 @@ def data_parallel(
         return DataParallel(GradientBuckets(model, groups, par.bucket_mb, reduce_dtype), None, shard_group)
     # 16-bit working weights from fp32 master shards under mixed precision (DESIGN contract 9)
     options = ZeroOptions.from_config(par, stage, AUTOCAST.get(cfg.train.precision), reduce_dtype)
-    if cfg.train.optimizer == "onebit_adam":  # ZeRO-1/2: reduce-scatters of bits after the warm-up
+    if cfg.train.optimizer == "onebit_adam":  # ZeRO-1/2 (16-bit dp: ZeRO-1's blocks of one): bits
         options = dataclasses.replace(options, onebit_freeze=cfg.train.onebit_freeze_step)
     with contextlib.ExitStack() as stack:
         fill = None

@@ -181,6 +181,11 @@ class _NoWork:
         return True
 
 
+def done() -> _NoWork:
+    """A handle of work already finished (a collective run synchronously where a handle is expected)."""
+    return _NoWork()
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -190,6 +190,7 @@ def all_reduce_onebit(
     worker = t + worker_error
     bits, scales = quantize.sign_compress(worker, block)
     worker_error.copy_(worker - quantize.sign_decompress(bits, scales, block))
+    worker_error.nan_to_num_(0.0, 0.0, 0.0)  # an fp16 overflow's blocks: NaN arrives, no error stays
     # to rank j: the scales and bits of chunk j
     send = torch.cat([scales.view(n, -1).view(torch.uint8), bits.view(n, -1)], dim=1)  # (n, record)
     arrived = torch.empty_like(send)
@@ -203,6 +204,7 @@ def all_reduce_onebit(
     served = total.div_(n).add_(server_error)
     bits, scales = quantize.sign_compress(served, block)
     server_error.copy_(served - quantize.sign_decompress(bits, scales, block))
+    server_error.nan_to_num_(0.0, 0.0, 0.0)
     mine = torch.cat([scales.view(torch.uint8), bits])
     gathered = torch.empty(n * mine.numel(), dtype=torch.uint8, device=t.device)
     all_gather(gathered, mine, group)
@@ -241,6 +243,7 @@ def reduce_scatter_onebit(
     bits, scales = quantize.sign_compress(x.reshape(-1), block)
     worker_error.copy_(x.reshape(-1) - quantize.sign_decompress(bits, scales, block))
     worker_error.view(n, chunk)[:, shard:].zero_()  # the padding carries nothing to the next step
+    worker_error.nan_to_num_(0.0, 0.0, 0.0)  # an fp16 overflow's blocks: NaN arrives, no error stays
     send = torch.cat([scales.view(n, -1).view(torch.uint8), bits.view(n, -1)], dim=1)  # (n, record)
     arrived = torch.empty_like(send)
     all_to_all(arrived, send, group)

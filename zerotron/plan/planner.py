@@ -129,9 +129,13 @@ def stage_memory(
         part = (layout.tp, layout.pp, stage, layers)
         exact = _zero_states(m, part, zero, data, dp_rank, layout.bucket_mb, working)
     states = _model_states(m, layout, work, convention, sp, exact)
-    if exact is not None and layout.onebit_adam:  # 1-bit Adam under ZeRO-1/2: errors, denominators
+    replicated = replicated_masters(layout, work) and data_ranks(layout) > 1
+    if layout.onebit_adam and convention == "zerotron" and (exact is not None or replicated):
+        # 1-bit Adam in ZeRO's engine (ZeRO-1/2, or 16-bit data parallelism): errors, denominators
         params = param_list(m, layout.tp, layout.pp, stage, layers)
-        states["device"]["optimizer"] += float(onebit_zero_state_bytes(params, data, layout.bucket_mb))
+        ranks = data_ranks(layout) if replicated else data
+        extra = onebit_zero_state_bytes(params, ranks, layout.bucket_mb, replicated)
+        states["device"]["optimizer"] += float(extra)
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
     buffers, buf_detail = _buffers(m, layout, work, convention, stage, sp.elements)
     detail.update(buf_detail)
@@ -209,7 +213,8 @@ def _model_states(
     working = 2 if working_weights16(layout, work) else 4
     if not sp.expert_elements:
         states = mem.model_states(sp.elements, sp.tensors, dense, convention, work.precision, exact, working)
-        if layout.onebit_adam and layout.zero == 0 and convention == "zerotron" and data_ranks(layout) > 1:
+        fp32_dp = layout.zero == 0 and not replicated_masters(layout, work)
+        if layout.onebit_adam and fp32_dp and convention == "zerotron" and data_ranks(layout) > 1:
             # 1-bit Adam's errors: the worker's over the padded momentum, the server's over its chunk
             padded, _ = onebit_sizes(sp.elements, data_ranks(layout))
             states["device"]["optimizer"] += 4.0 * (padded + padded // data_ranks(layout))

@@ -27,9 +27,7 @@ def engine_dp_bytes(
     """Bytes the engine's data-parallel collectives send in one step, ``{axis: {op: bytes}}``, as
     ``comm_bytes`` counts them (the NCCL bus convention: an all-reduce of B bytes over n ranks counts
     2B(n-1)/n, a reduce-scatter or all-gather of a B-byte buffer B(n-1)/n), the loss and norm scalars
-    left out.
-
-    The ranks ZeRO shards over are ``layout``'s (``dp_shard``'s under hybrid sharding, whose blocks
+    left out. The ranks ZeRO shards over are ``layout``'s (``dp_shard``'s under hybrid sharding, whose blocks
     all-reduce each gradient shard once per step over ``dp_rep``); data parallelism all-reduces over
     ``dp``. Gradients travel in ``reduce_bytes`` per element, gathers in ``working_bytes``.
     DDP all-reduces each bucket once per step; ZeRO-1 reduce-scatters each bucket once per step and
@@ -61,8 +59,9 @@ def engine_dp_bytes(
         return {}
     out: dict[str, dict[str, int]] = {}
     dp = "dp" if replicas == 1 else "dp_shard"
-    if zero == 0 and layout.onebit_adam:  # after the warm-up: the momentum's bits, two ways
-        return {"dp": _onebit(layout, sum(sum(b) for b in _buckets(ordered, 4, bucket_mb)), n)}
+    if zero == 0 and layout.onebit_adam:  # the momenta's bits, fp32: one flat, 16-bit: per bucket
+        sizes = [sum(b) for b in _buckets(ordered, 4, bucket_mb)]
+        return {"dp": _onebit(layout, sizes if working_bytes == 2 else [sum(sizes)], n)}
     if zero == 0:
         buckets = _buckets(ordered, 4, bucket_mb)
         return {"dp": {"all_reduce": sum(2 * part(sum(b) * reduce_bytes, n) for b in buckets)}}
@@ -98,12 +97,12 @@ def engine_dp_bytes(
     return out
 
 
-def _onebit(layout: Layout, numel: int, n: int) -> dict[str, int]:
+def _onebit(layout: Layout, numels: list[int], n: int) -> dict[str, int]:
     """1-bit Adam's step after the warm-up over ``n`` ranks (0/1 Adam's synchronising local step, with
-    its one-value finiteness flag): the bits and scales of ``numel`` values, an all-to-all and an
-    all-gather."""
-    _, record = onebit_sizes(numel, n)
-    bits = {"all_to_all": n * record * (n - 1) // n, "all_gather": n * record * (n - 1) // n}
+    its one-value finiteness flag): the bits and scales of each of ``numels``' values, an all-to-all and
+    an all-gather each."""
+    sent = sum(n * onebit_sizes(numel, n)[1] * (n - 1) // n for numel in numels)
+    bits = {"all_to_all": sent, "all_gather": sent}
     if layout.zero_one_interval:
         bits["all_reduce"] = 2 * 4 * (n - 1) // n
     return bits
@@ -135,11 +134,17 @@ def _wire(layout: Layout, padded: int, n: int, plain_bytes: int, weights: bool) 
     return padded * plain_bytes
 
 
-def onebit_zero_state_bytes(params: ParamList, n: int, bucket_mb: float) -> int:
-    """1-bit Adam under ZeRO-1/2 over ``n`` ranks: the state one rank adds, per bucket its worker
-    errors (every rank's chunk, padded to whole blocks) and the whole frozen denominators."""
+def onebit_zero_state_bytes(params: ParamList, n: int, bucket_mb: float, replicated: bool = False) -> int:
+    """1-bit Adam in ZeRO's engine over ``n`` ranks: the state one rank adds, per bucket its worker
+    errors (every rank's chunk, padded to whole blocks) and the whole frozen denominators; ``replicated``
+    (16-bit data parallelism, every rank a block of its own): per bucket the worker's errors over the
+    padded bucket and the server's over its chunk, as under fp32 data parallelism."""
     total = 0
     for bucket in _buckets(params.ordered(), 4, bucket_mb):
+        if replicated:
+            padded, _ = onebit_sizes(sum(bucket), n)
+            total += 4 * (padded + padded // n)
+            continue
         padded = -(-sum(bucket) // n) * n
         chunk, _ = onebit_shard_sizes(padded, n)
         total += 4 * (n * chunk + padded)

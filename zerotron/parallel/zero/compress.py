@@ -23,7 +23,7 @@ import torch
 
 from zerotron.distributed import collectives, compressed
 from zerotron.distributed.mesh import Group
-from zerotron.layout import ONEBIT_BLOCK, onebit_shard_sizes
+from zerotron.layout import ONEBIT_BLOCK, onebit_shard_sizes, onebit_sizes
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat
 from zerotron.parallel.zero.options import ZeroOptions
 
@@ -112,12 +112,45 @@ class OneBitShards:
         out.copy_(mean.mul_(denominator[layout.lo : layout.hi]))
         return work
 
+    def reduce_replicas(
+        self, i: int, send: torch.Tensor, layout: FlatLayout, segs: list[ShardSegment], replicas: Group
+    ) -> Any:
+        """16-bit data parallelism (every rank a block of its own, whole fp32 masters and moments on
+        each): bucket ``i``'s whole gradient ``send`` averaged over ``replicas`` as 1-bit Adam under
+        data parallelism averages it (:class:`~zerotron.parallel.onebit.OneBitBuckets`: each rank's
+        momentum in step units, worker and server errors), written back into ``send`` as the gradient
+        that turns every rank's momentum into that average."""
+        assert self.optimizer is not None
+        n, device = replicas.size, send.device
+        padded, _ = onebit_sizes(layout.padded, n)
+        errors = getattr(self.optimizer, "errors", {})
+        worker, server = f"worker{i}", f"server{i}"
+        if errors.get(worker) is None or errors[worker].numel() != padded:
+            errors[worker] = torch.zeros(padded, device=device)
+            errors[server] = torch.zeros(padded // n, device=device)
+        scale = torch.ones(padded, device=device)
+        momentum = torch.zeros(padded, device=device)
+        scale[: layout.padded] = self.denominator(i, layout, segs, device, keep=False)
+        for seg in segs:
+            value = self.optimizer.state.get(seg.param, {}).get("exp_avg")
+            if value is not None:
+                momentum[seg.at : seg.at + seg.length] = value.reshape(-1)
+        b1 = self.optimizer.param_groups[0]["betas"][0]
+        mine = torch.zeros(padded, device=device)
+        mine[: layout.padded] = send.float()
+        mine = (momentum * b1 + mine * ((1 - b1) * n)) / scale
+        compressed.all_reduce_onebit(mine, errors[worker], errors[server], replicas, ONEBIT_BLOCK)
+        common = (mine * scale - momentum * b1) / (1 - b1)
+        send.copy_(common[: layout.padded])
+        return collectives.done()
+
     def denominator(
-        self, i: int, layout: FlatLayout, segs: list[ShardSegment], device: torch.device
+        self, i: int, layout: FlatLayout, segs: list[ShardSegment], device: torch.device, keep: bool = True
     ) -> torch.Tensor:
         """Bucket ``i``'s whole frozen ``sqrt(v / (1 - b2^freeze)) + eps`` (1 where there is none),
-        all-gathered from the shards the first time (collective over the bucket's group)."""
-        if i not in self.denominators:
+        all-gathered from the shards the first time (collective over the bucket's group); ``keep``:
+        held for the next steps (not for a block of one rank, which has the whole variance anyway)."""
+        if i not in self.denominators or not keep:
             assert self.optimizer is not None
             group = self.optimizer.param_groups[0]
             b2, eps = group["betas"][1], group["eps"]
@@ -127,7 +160,10 @@ class OneBitShards:
                 if value is not None:
                     variance[seg.at : seg.at + seg.length] = value.reshape(-1)
             whole = gather_flat(layout, variance)
-            self.denominators[i] = whole.div_(1 - b2**self.freeze_step).sqrt_().add_(eps).nan_to_num_(1.0)
+            value = whole.div_(1 - b2**self.freeze_step).sqrt_().add_(eps).nan_to_num_(1.0)
+            if not keep:
+                return value
+            self.denominators[i] = value
         return self.denominators[i]
 
     def state_bytes(self) -> int:

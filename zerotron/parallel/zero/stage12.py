@@ -217,7 +217,10 @@ class _ShardedBuckets(SyncGate):
         if self.stage == 1 and layout.group.size == 1 and replica is not None:
             # every rank a block of its own (data parallelism with fp32 masters): the whole gradient is
             # the shard, all-reduced over its replicas now, under the rest of backward (as DDP's buckets)
-            work = collectives.all_reduce(send, replica, op="sum", async_op=True)
+            if self.onebit is not None and self.onebit.compressing(replica):  # 1-bit Adam, 16-bit
+                work = self.onebit.reduce_replicas(i, send, layout, self.segments[i], replica)
+            else:
+                work = collectives.all_reduce(send, replica, op="sum", async_op=True)
             self._direct.add(i)
             self._pending[i].append((work, send))
         else:  # ``send`` is this step's own buffer (flattened, accumulated or cast): the reduction may use it
@@ -280,7 +283,7 @@ class _ShardedBuckets(SyncGate):
         Adam's warm-up, each bucket's whole frozen denominators too."""
         if self.onebit is not None and self.onebit.steps == self.onebit.freeze_step:
             for i, layout in enumerate(self.layouts):
-                if layout.group.size > 1:
+                if layout.group.size > 1:  # (a block of one rank reads its whole variance each step)
                     self.onebit.denominator(i, layout, self.segments[i], self.flats[i].device)
         for layout, flat, master in zip(self.layouts, self.flats, self.masters):
             if layout.group.size == 1:  # the shard is the whole bucket: cast (or copy) it in one pass
