@@ -286,10 +286,7 @@ def _check_zero(cfg: Config, world_size: int) -> None:
     for key in ("zero_quantized_weight_block", "zero_quantized_gradient_block"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: give 1 element or more (e.g. 128)")
-    try:
-        dp = layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
-    except layout.LayoutError as e:
-        raise ConfigError(str(e)) from None
+    dp = _resolved_dp(cfg, world_size)
     if p.zero > 0 and dp == 1:
         warnings.warn(
             f"parallel.zero={p.zero} with a data-parallel size of 1 shards over one rank and saves no memory; "
@@ -347,14 +344,20 @@ def _check_onebit(cfg: Config) -> None:
             raise ConfigError(f"train.optimizer={t.optimizer}: {why}")
 
 
+def _resolved_dp(cfg: Config, world_size: int) -> int:
+    """The data-parallel size ``cfg`` gives on ``world_size`` ranks (its error as a ConfigError)."""
+    p = cfg.parallel
+    try:
+        return layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
+    except layout.LayoutError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_hpz(cfg: Config, world_size: int) -> None:
     """hpZ (``parallel.zero_hpz_size``): ZeRO-3 over the dp ranks alone, in blocks that divide them."""
     p = cfg.parallel
     size = p.zero_hpz_size
-    try:
-        dp = layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
-    except layout.LayoutError as e:
-        raise ConfigError(str(e)) from None
+    dp = _resolved_dp(cfg, world_size)
     problems = [
         (
             p.zero != 3,
@@ -380,10 +383,7 @@ def _check_qgz_node(cfg: Config, world_size: int) -> None:
     that divide them."""
     p = cfg.parallel
     size = p.zero_quantized_gradient_node
-    try:
-        dp = layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
-    except layout.LayoutError as e:
-        raise ConfigError(str(e)) from None
+    dp = _resolved_dp(cfg, world_size)
     problems = [
         (
             not p.zero_quantized_gradients,

@@ -15,6 +15,7 @@ from zerotron.distributed.mesh import Group
 from zerotron.parallel.engine import GradientReducer, ShardedEngine
 from zerotron.parallel.onebit import OneBitAdam, OneBitBuckets
 from zerotron.parallel.zero.api import offload_optimizer
+from zerotron.parallel.zero.compress import OneBitShards
 from zerotron.parallel.zero_one import ZeroOneAdam, ZeroOneBuckets
 
 
@@ -42,35 +43,21 @@ def optimizer_for(reducer: GradientReducer, zero: ShardedEngine | None, cfg: Con
     par, t = cfg.parallel, cfg.train
     if zero is not None and par.offload_optimizer != "none":
         return offload_optimizer(zero, t, par.offload_optimizer, par.nvme_path)
-    onebit_shards = getattr(zero, "onebit", None)
-    if onebit_shards is not None:  # 1-bit Adam under ZeRO-1/2: over the shard segments
-        decay, no_decay = reducer.param_groups()
-        groups = [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        sharded = OneBitAdam(groups, t.lr, (t.beta1, t.beta2), t.eps, t.onebit_freeze_step)
-        onebit_shards.attach(sharded)
-        return sharded
+    if t.optimizer == "adamw":
+        return adamw(*reducer.param_groups(), t)
+    decay, no_decay = reducer.param_groups()
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas = (t.beta1, t.beta2)
     if isinstance(reducer, ZeroOneBuckets):  # 0/1 Adam: the variance on a schedule, then local steps
-        decay, no_decay = reducer.param_groups()
-        groups = [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        zero_one = ZeroOneAdam(groups, t.lr, (t.beta1, t.beta2), t.eps, reducer.schedule, reducer.dp)
+        zero_one = ZeroOneAdam(groups, t.lr, betas, t.eps, reducer.schedule, reducer.dp)
         reducer.attach(zero_one)
         return zero_one
-    if isinstance(reducer, OneBitBuckets):  # 1-bit Adam: AdamW whose variance freezes after the warm-up
-        decay, no_decay = reducer.param_groups()
-        groups = [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        onebit = OneBitAdam(groups, t.lr, (t.beta1, t.beta2), t.eps, t.onebit_freeze_step)
-        reducer.attach(onebit)
-        return onebit
-    return adamw(*reducer.param_groups(), t)
+    # 1-bit Adam: AdamW whose variance freezes after the warm-up (under ZeRO over the shard segments)
+    onebit = OneBitAdam(groups, t.lr, betas, t.eps, t.onebit_freeze_step)
+    attach = getattr(zero, "onebit", None) or reducer
+    assert isinstance(attach, (OneBitBuckets, OneBitShards)), "1-bit Adam needs its reducer"
+    attach.attach(onebit)
+    return onebit
 
 
 def adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:

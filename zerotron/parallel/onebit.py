@@ -148,6 +148,16 @@ class OneBitBuckets(GradientBuckets):
         return out
 
 
+def adamw_state(states: Any, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``p``'s state in ``states`` as torch's AdamW names it, made (zeros, step 0) at first use."""
+    state: dict[str, torch.Tensor] = states[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
 class OneBitAdam(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected) whose variance freezes after ``freeze_step``
     steps: from then on ``exp_avg_sq`` and its bias correction stay as they were, and only the momentum
@@ -177,11 +187,7 @@ class OneBitAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state = adamw_state(self.state, p)
                 state["step"] += 1
                 t = int(state["step"])
                 g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]

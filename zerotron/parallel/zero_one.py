@@ -39,7 +39,7 @@ from zerotron.distributed import collectives, compressed
 from zerotron.distributed.mesh import Group
 from zerotron.layout import ONEBIT_BLOCK, onebit_sizes
 from zerotron.parallel.data import GradientBuckets, grad_or_zeros
-from zerotron.parallel.onebit import OneBitBuckets
+from zerotron.parallel.onebit import OneBitBuckets, adamw_state
 
 
 @dataclass(frozen=True)
@@ -244,11 +244,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state = adamw_state(self.state, p)
                 state["step"] += 1
                 g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
                 p.mul_(1 - lr * wd)
