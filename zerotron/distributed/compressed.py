@@ -87,35 +87,14 @@ def reduce_scatter_quantized(
     One level (every rank to every rank; :func:`reduce_scatter_quantized_hierarchical` reduces inside a
     node first). Counted as the all-to-all of the quantised bytes. ``output`` may be a view of
     ``input``."""
-    n = group.size
-    if _checked_scatter(output, input, n, op):
-        return _NoWork() if async_op else None
-    numel = output.numel()
-    chunks = input.reshape(n, numel)
-    send = torch.stack([quantize.pack(chunks[r], block, bits) for r in range(n)])
-    arrived = torch.empty_like(send)
-    inner = all_to_all(arrived, send, group, async_op=async_op)
-
-    def then() -> None:
-        total = torch.zeros(numel, dtype=torch.float32, device=output.device)
-        for r in range(n):
-            total.add_(quantize.unpack(arrived[r], numel, block, bits))
-        if op == "avg":
-            total.div_(n)
-        output.copy_(total.view(output.shape))
-
-    handle = _Then(group, inner, then)
-    if not async_op:
-        handle.wait()
-        return None
-    return handle
+    return reduce_scatter_quantized_hierarchical(output, input, group, None, block, bits, op, async_op)
 
 
 def reduce_scatter_quantized_hierarchical(
     output: torch.Tensor,
     input: torch.Tensor,
     inside: Group,
-    across: Group,
+    across: Group | None,
     block: int,
     bits: int,
     op: str = "sum",
@@ -130,8 +109,9 @@ def reduce_scatter_quantized_hierarchical(
     again and sends the one meant for node i to its i-th peer across nodes, and sums what arrives
     there into ``output``. Only 1/``inside.size`` of the one-level bytes cross nodes; the values are
     quantised twice. Counted as the all-to-all of each level's quantised bytes, on each level's group.
-    ``output`` may be a view of ``input``; the second level runs when the handle is waited on."""
-    b, a = inside.size, across.size
+    ``output`` may be a view of ``input``; the second level runs when the handle is waited on. Without
+    ``across`` (one node) this is the one-level reduction over ``inside``."""
+    b, a = inside.size, across.size if across is not None else 1
     if _checked_scatter(output, input, a * b, op):
         return _NoWork() if async_op else None
     numel = output.numel()
@@ -148,7 +128,7 @@ def reduce_scatter_quantized_hierarchical(
             for i in range(a):
                 nodes[i].add_(quantize.unpack(arrived[j, i], numel, block, bits))
         total = nodes[0]
-        if a > 1:
+        if across is not None and a > 1:
             second = torch.stack([quantize.pack(nodes[i], block, bits) for i in range(a)])
             there = torch.empty_like(second)
             all_to_all(there, second, across)
@@ -187,21 +167,7 @@ def all_reduce_onebit(
             f"all_reduce_onebit: {numel} values do not split into {n} chunks of {block}-value blocks"
         )
     chunk = numel // n
-    worker = t + worker_error
-    bits, scales = quantize.sign_compress(worker, block)
-    worker_error.copy_(worker - quantize.sign_decompress(bits, scales, block))
-    worker_error.nan_to_num_(0.0, 0.0, 0.0)  # an fp16 overflow's blocks: NaN arrives, no error stays
-    # to rank j: the scales and bits of chunk j
-    send = torch.cat([scales.view(n, -1).view(torch.uint8), bits.view(n, -1)], dim=1)  # (n, record)
-    arrived = torch.empty_like(send)
-    all_to_all(arrived, send, group)
-    head = 4 * chunk // block
-    total = torch.zeros(chunk, dtype=torch.float32, device=t.device)
-    for r in range(n):  # in rank order
-        total.add_(
-            quantize.sign_decompress(arrived[r, head:], arrived[r, :head].clone().view(torch.float32), block)
-        )
-    served = total.div_(n).add_(server_error)
+    served = _sign_scatter(t + worker_error, worker_error, group, block).add_(server_error)
     bits, scales = quantize.sign_compress(served, block)
     server_error.copy_(served - quantize.sign_decompress(bits, scales, block))
     server_error.nan_to_num_(0.0, 0.0, 0.0)
@@ -210,9 +176,7 @@ def all_reduce_onebit(
     all_gather(gathered, mine, group)
     rows = gathered.view(n, -1)
     for r in range(n):
-        t[r * chunk : (r + 1) * chunk] = quantize.sign_decompress(
-            rows[r, head:], rows[r, :head].clone().view(torch.float32), block
-        )
+        t[r * chunk : (r + 1) * chunk] = _sign_record(rows[r], chunk, block)
 
 
 def reduce_scatter_onebit(
@@ -221,16 +185,14 @@ def reduce_scatter_onebit(
     worker_error: torch.Tensor,
     group: Group,
     block: int,
-    async_op: bool = False,
-) -> _NoWork | None:
+) -> None:
     """The first half of :func:`all_reduce_onebit`, as a reduce-scatter (1-bit Adam under ZeRO-1/2):
     ``output`` ``(shard,)`` becomes the average over ``group`` of every rank's chunk of ``input``
     ``(size * shard,)`` (the chunk this rank owns), each value sent as its sign with one fp32 scale per
     ``block`` values. Each rank adds its ``worker_error`` ``(size * chunk,)`` (``chunk``: ``shard``
     rounded up to whole blocks, the padding compressed as zeros) and keeps what the compression lost as
     the new one. No server side: the receiver keeps the average in fp32 (ZeRO updates its shard and
-    gathers the weights, not the average). Sent: one all-to-all of the bits and scales. Returns a done
-    handle when ``async_op``."""
+    gathers the weights, not the average). Sent: one all-to-all of the bits and scales."""
     n, shard = group.size, output.numel()
     chunk = worker_error.numel() // n
     if input.numel() != n * shard or chunk % block or block % 8 or chunk < shard:
@@ -240,18 +202,30 @@ def reduce_scatter_onebit(
         )
     x = worker_error.view(n, chunk).clone()
     x[:, :shard].add_(input.reshape(n, shard))
-    bits, scales = quantize.sign_compress(x.reshape(-1), block)
-    worker_error.copy_(x.reshape(-1) - quantize.sign_decompress(bits, scales, block))
+    mean = _sign_scatter(x.reshape(-1), worker_error, group, block)
     worker_error.view(n, chunk)[:, shard:].zero_()  # the padding carries nothing to the next step
+    output.copy_(mean[:shard].view(output.shape))
+
+
+def _sign_scatter(x: torch.Tensor, worker_error: torch.Tensor, group: Group, block: int) -> torch.Tensor:
+    """The worker side of the 1-bit collectives: ``x`` (this rank's values plus its errors, ``size``
+    chunks) sign-compressed, what that lost kept in ``worker_error``, chunk j sent to rank j by one
+    all-to-all; returns the fp32 average of the chunks that arrive (in rank order)."""
+    n = group.size
+    chunk = x.numel() // n
+    bits, scales = quantize.sign_compress(x, block)
+    worker_error.copy_(x - quantize.sign_decompress(bits, scales, block))
     worker_error.nan_to_num_(0.0, 0.0, 0.0)  # an fp16 overflow's blocks: NaN arrives, no error stays
     send = torch.cat([scales.view(n, -1).view(torch.uint8), bits.view(n, -1)], dim=1)  # (n, record)
     arrived = torch.empty_like(send)
     all_to_all(arrived, send, group)
-    head = 4 * chunk // block
-    total = torch.zeros(chunk, dtype=torch.float32, device=output.device)
+    total = torch.zeros(chunk, dtype=torch.float32, device=x.device)
     for r in range(n):  # in rank order
-        total.add_(
-            quantize.sign_decompress(arrived[r, head:], arrived[r, :head].clone().view(torch.float32), block)
-        )
-    output.copy_(total[:shard].div_(n).view(output.shape))
-    return _NoWork() if async_op else None
+        total.add_(_sign_record(arrived[r], chunk, block))
+    return total.div_(n)
+
+
+def _sign_record(record: torch.Tensor, numel: int, block: int) -> torch.Tensor:
+    """The fp32 values of one record of ``numel`` sign-compressed values: its scales, then its bits."""
+    head = 4 * numel // block
+    return quantize.sign_decompress(record[head:], record[:head].clone().view(torch.float32), block)

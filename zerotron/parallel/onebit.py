@@ -29,7 +29,7 @@ another world size they start at zero.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -69,11 +69,7 @@ class OneBitBuckets(GradientBuckets):
     @property
     def steps(self) -> int:
         """Optimizer steps taken so far, as the optimizer's state counts them (a resumed run's too)."""
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                if "step" in state:
-                    return int(state["step"])
-        return 0
+        return optimizer_steps(self.optimizer)
 
     @property
     def compressing(self) -> bool:
@@ -93,30 +89,15 @@ class OneBitBuckets(GradientBuckets):
         params = [p for _, p in self._named]
         device = params[0].device
         assert isinstance(self.optimizer, OneBitAdam), "attach the OneBitAdam optimizer first"
-        errors = self.optimizer.errors  # this rank's own (a checkpoint keeps them per rank)
-        if errors.get("worker") is None or errors["worker"].numel() != self.padded:  # the first such step
-            errors["worker"] = torch.zeros(self.padded, device=device)
-            errors["server"] = torch.zeros(self.padded // self.dp.size, device=device)
-        momentum = self._state(params, "exp_avg", 0.0)  # (padded,) the optimizer's m
-        scale = self._denominator(params)  # (padded,) the frozen sqrt(v) + eps every rank shares
-        local = torch.zeros(self.padded, device=device)
-        local[: sum(p.numel() for p in params)] = torch.cat(
-            [grad_or_zeros(p).reshape(-1).float() for p in params]
-        )
-        b1, n = self.beta1, self.dp.size
-        # in the units of the step it makes: the same average, with no value inflated past its own scale
-        mine = (momentum * b1 + local * ((1 - b1) * n)) / scale
-        compressed.all_reduce_onebit(mine, errors["worker"], errors["server"], self.dp, BLOCK)
-        common = (mine * scale - momentum * b1) / (1 - b1)
-        offset = 0
-        for p in params:
-            k = p.numel()
-            value = common[offset : offset + k].view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = value
-            else:
-                p.grad.copy_(value)
-            offset += k
+        # this rank's own (a checkpoint keeps them per rank), made on the first such step
+        errors = ensure_errors(self.optimizer.errors, self.padded, self.dp.size, device)
+        places = packed(params)
+        momentum = flat_state(self.optimizer, places, "exp_avg", 0.0, self.padded)  # the optimizer's m
+        variance = flat_state(self.optimizer, places, "exp_avg_sq", float("nan"), self.padded)
+        group = self.optimizer.param_groups[0]
+        scale = adam_denominator(variance, group["betas"][1], group["eps"], self.freeze_step)
+        local = flat_grads(params, self.padded)
+        write_grads(average_momenta(local, momentum, scale, errors, self.dp, self.beta1), params)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Data parallelism's, the rank's compression errors counted with the optimizer's state."""
@@ -125,27 +106,126 @@ class OneBitBuckets(GradientBuckets):
         states["optimizer"] += sum(e.numel() * e.element_size() for e in errors)
         return states
 
-    def _state(self, params: list[nn.Parameter], key: str, fill: float) -> torch.Tensor:
-        """The optimizer's ``key`` state of every parameter, flat ``(padded,)`` (``fill`` where none)."""
-        out = torch.full((self.padded,), fill, device=params[0].device)
-        state = self.optimizer.state if self.optimizer is not None else {}
-        offset = 0
-        for p in params:
-            value = state.get(p, {}).get(key)
-            if value is not None:
-                out[offset : offset + p.numel()] = value.reshape(-1)
-            offset += p.numel()
-        return out
 
-    def _denominator(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """AdamW's frozen denominator ``sqrt(v / (1 - b2^freeze)) + eps`` (1 where there is none)."""
-        opt = self.optimizer
-        if not isinstance(opt, OneBitAdam) or not opt.param_groups:
-            return torch.ones(self.padded, device=params[0].device)
-        b2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
-        variance = self._state(params, "exp_avg_sq", float("nan"))
-        out: torch.Tensor = (variance / (1 - b2**self.freeze_step)).sqrt_().add_(eps).nan_to_num_(1.0)
-        return out
+def packed(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int]]:
+    """Each parameter with its offset when they are laid end to end (a flat momentum's order)."""
+    offsets = [0]
+    for p in params[:-1]:
+        offsets.append(offsets[-1] + p.numel())
+    return list(zip(params, offsets))
+
+
+def ensure_errors(
+    errors: dict[str, torch.Tensor], padded: int, ranks: int, device: torch.device, suffix: str = ""
+) -> dict[str, torch.Tensor]:
+    """The worker's ``(padded,)`` and the server's ``(padded / ranks,)`` compression errors of one
+    compressed all-reduce, kept in ``errors`` under ``worker{suffix}`` and ``server{suffix}``: zeros
+    the first time, or when the sizes changed (another world size)."""
+    worker, server = f"worker{suffix}", f"server{suffix}"
+    if errors.get(worker) is None or errors[worker].numel() != padded:
+        errors[worker] = torch.zeros(padded, device=device)
+        errors[server] = torch.zeros(padded // ranks, device=device)
+    return {"worker": errors[worker], "server": errors[server]}
+
+
+def flat_grads(params: list[nn.Parameter], padded: int) -> torch.Tensor:
+    """The parameters' gradients (zeros where none) laid end to end in an fp32 ``(padded,)`` tensor."""
+    local = torch.zeros(padded, device=params[0].device)
+    local[: sum(p.numel() for p in params)] = torch.cat(
+        [grad_or_zeros(p).reshape(-1).float() for p in params]
+    )
+    return local
+
+
+def write_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """Each parameter's gradient from ``flat``'s leading values, laid end to end (views where it had
+    none, copied into the one it had)."""
+    offset = 0
+    for p in params:
+        value = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = value
+        else:
+            p.grad.copy_(value)
+        offset += p.numel()
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer | None) -> int:
+    """Optimizer steps taken so far, as an AdamW-like optimizer's state counts them (0 before any)."""
+    for state in (optimizer.state if optimizer is not None else {}).values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def flat_state(
+    optimizer: torch.optim.Optimizer | None,
+    places: Sequence[tuple[torch.Tensor, int]],
+    key: str,
+    fill: float,
+    numel: int,
+) -> torch.Tensor:
+    """The optimizer's ``key`` state of each parameter placed at its offset in a flat ``(numel,)``
+    fp32 tensor (``fill`` where a parameter has none, and past them)."""
+    device = places[0][0].device if places else "cpu"
+    out = torch.full((numel,), fill, device=device)
+    state = optimizer.state if optimizer is not None else {}
+    for p, at in places:
+        value = state.get(p, {}).get(key)
+        if value is not None:
+            out[at : at + p.numel()] = value.reshape(-1)
+    return out
+
+
+def adam_denominator(variance: torch.Tensor, beta2: float, eps: float, updates: int) -> torch.Tensor:
+    """AdamW's ``sqrt(v / (1 - b2^updates)) + eps`` of a flat variance, in place (1 where it is NaN:
+    no state)."""
+    bias = 1 - beta2**updates if updates > 0 else 1.0
+    out: torch.Tensor = variance.div_(bias).sqrt_().add_(eps).nan_to_num_(1.0)
+    return out
+
+
+def average_momenta(
+    local: torch.Tensor,
+    momentum: torch.Tensor,
+    scale: torch.Tensor,
+    errors: dict[str, torch.Tensor],
+    group: Group,
+    beta1: float,
+) -> torch.Tensor:
+    """1-bit Adam's compressed step over ``group`` (flat, padded tensors): each rank's momentum
+    ``b1 * m + (1 - b1) * n * g`` from its ``local`` gradient, in the units of the step it makes
+    (divided by the shared ``scale``: the same average, with no value inflated past its own scale),
+    averaged by :func:`~zerotron.distributed.compressed.all_reduce_onebit` with ``errors["worker"]``
+    and ``errors["server"]``; returned as the gradient that turns ``momentum`` into that average."""
+    mine = (momentum * beta1 + local * ((1 - beta1) * group.size)) / scale
+    compressed.all_reduce_onebit(mine, errors["worker"], errors["server"], group, BLOCK)
+    return (mine * scale - momentum * beta1) / (1 - beta1)
+
+
+def frozen_variance_step(
+    optimizer: torch.optim.Optimizer, variance: Callable[[int], tuple[bool, int]]
+) -> None:
+    """One AdamW step (decoupled weight decay, bias corrections) of every parameter with a gradient,
+    whose variance moves only where ``variance(t)`` says so: ``(update it at step t, the updates up
+    to and including t)``, the count its bias correction uses."""
+    for group in optimizer.param_groups:
+        b1, b2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = adamw_state(optimizer.state, p)
+            state["step"] += 1
+            t = int(state["step"])
+            updates, count = variance(t)
+            g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
+            p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - b1)
+            if updates:
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v / (1 - b2**count if count > 0 else 1.0)).sqrt_().add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
 
 
 def adamw_state(states: Any, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -181,20 +261,5 @@ class OneBitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One AdamW step; past ``freeze_step`` the variance is left as it is."""
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = adamw_state(self.state, p)
-                state["step"] += 1
-                t = int(state["step"])
-                g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
-                p.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - b1)
-                if t <= self.freeze_step:
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                bias2 = 1 - b2 ** min(t, self.freeze_step) if self.freeze_step > 0 else 1.0
-                denom = (v / bias2).sqrt_().add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+        freeze = self.freeze_step
+        frozen_variance_step(self, lambda t: (t <= freeze, min(t, freeze)))

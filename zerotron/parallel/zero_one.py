@@ -38,8 +38,18 @@ from torch import nn
 from zerotron.distributed import collectives, compressed
 from zerotron.distributed.mesh import Group
 from zerotron.layout import ONEBIT_BLOCK, onebit_sizes
-from zerotron.parallel.data import GradientBuckets, grad_or_zeros
-from zerotron.parallel.onebit import OneBitBuckets, adamw_state
+from zerotron.parallel.data import GradientBuckets
+from zerotron.parallel.onebit import (
+    OneBitBuckets,
+    adam_denominator,
+    ensure_errors,
+    flat_grads,
+    flat_state,
+    frozen_variance_step,
+    optimizer_steps,
+    packed,
+    write_grads,
+)
 
 
 @dataclass(frozen=True)
@@ -121,12 +131,8 @@ class ZeroOneBuckets(OneBitBuckets):
             return
         params = [p for _, p in self._named]
         if mode == "local":
-            finite = torch.ones(1, device=params[0].device)
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(self.dp.size)
-                    if not bool(torch.isfinite(p.grad).all()):
-                        finite.zero_()
+            grads = [p.grad.mul_(self.dp.size) for p in params if p.grad is not None]
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all().float().reshape(1)
             collectives.all_reduce(finite, self.dp, op="min")
             if not bool(finite.item()):  # another rank overflowed: every rank skips this step
                 for p in params:
@@ -139,15 +145,12 @@ class ZeroOneBuckets(OneBitBuckets):
         current denominator every rank shares), written back as every rank's gradient."""
         optimizer = self.optimizer
         assert isinstance(optimizer, ZeroOneAdam), "attach the ZeroOneAdam optimizer first"
-        errors = optimizer.flat_errors(params[0].device, self.padded)
+        errors = ensure_errors(optimizer.errors, self.padded, self.dp.size, params[0].device)
         scale = optimizer.denominator(params, self.padded, self.steps + 1)
-        local = torch.zeros(self.padded, device=params[0].device)
-        local[: sum(p.numel() for p in params)] = torch.cat(
-            [grad_or_zeros(p).reshape(-1).float() for p in params]
-        )
+        local = flat_grads(params, self.padded)
         mine = local.mul_(self.dp.size).div_(scale)
         compressed.all_reduce_onebit(mine, errors["worker"], errors["server"], self.dp, ONEBIT_BLOCK)
-        _scatter(mine.mul_(scale), params)
+        write_grads(mine.mul_(scale), params)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """1-bit Adam's, the weights of the last synchronisation counted with the optimizer's state."""
@@ -155,18 +158,6 @@ class ZeroOneBuckets(OneBitBuckets):
         anchor = getattr(optimizer, "anchor", None) or []
         states["optimizer"] += sum(a.numel() * a.element_size() for a in anchor)
         return states
-
-
-def _scatter(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
-    """Copy ``flat``'s leading values into each parameter's gradient."""
-    offset = 0
-    for p in params:
-        value = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
-        if p.grad is None:
-            p.grad = value.clone()
-        else:
-            p.grad.copy_(value)
-        offset += p.numel()
 
 
 class ZeroOneAdam(torch.optim.Optimizer):
@@ -194,42 +185,18 @@ class ZeroOneAdam(torch.optim.Optimizer):
     def _params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken so far (a resumed run's too)."""
-        for state in self.state.values():
-            if "step" in state:
-                return int(state["step"])
-        return 0
-
-    def flat_errors(self, device: torch.device, padded: int) -> dict[str, torch.Tensor]:
-        """The worker's (``padded``) and the server's (its chunk) compression errors, made at first use."""
-        if self.errors.get("worker") is None or self.errors["worker"].numel() != padded:
-            self.errors = {
-                "worker": torch.zeros(padded, device=device),
-                "server": torch.zeros(padded // self.group.size, device=device),
-            }
-        return self.errors
-
     def denominator(self, params: list[nn.Parameter], padded: int, t: int) -> torch.Tensor:
         """``sqrt(v / (1 - b2^k)) + eps`` at step ``t`` (k: the variance's updates so far), flat
         ``(padded,)``, 1 where there is no state yet or past the parameters."""
         b2, eps = self.param_groups[0]["betas"][1], self.param_groups[0]["eps"]
-        count = max(1, self.schedule.variance(t)[1])
-        out = torch.ones(padded, device=params[0].device)
-        offset = 0
-        for p in params:
-            v = self.state.get(p, {}).get("exp_avg_sq")
-            if v is not None:
-                out[offset : offset + p.numel()] = (v.reshape(-1) / (1 - b2**count)).sqrt() + eps
-            offset += p.numel()
-        return out
+        variance = flat_state(self, packed(params), "exp_avg_sq", float("nan"), padded)
+        return adam_denominator(variance, b2, eps, self.schedule.variance(t)[1])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One step: AdamW's update with the variance on the schedule; in the second phase a local step,
         then a synchronisation when the schedule says."""
-        t = self.step_count + 1
+        t = optimizer_steps(self) + 1
         updates_variance, count = self.schedule.variance(t)
         local = self.schedule.local(t) and self.group.size > 1
         if local and self.anchor is None:  # the weights every rank shares, before its first local step
@@ -238,24 +205,10 @@ class ZeroOneAdam(torch.optim.Optimizer):
             if t == self.schedule.var_freeze_step + 1 and self.errors:  # the errors now measure steps
                 for e in self.errors.values():
                     e.zero_()
-        for index, group in enumerate(self.param_groups):
-            b1, b2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = adamw_state(self.state, p)
-                state["step"] += 1
-                g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
-                p.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - b1)
-                if updates_variance:
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (v / (1 - b2 ** max(1, count))).sqrt_().add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
-            if local:
-                self.decays[index] *= 1 - lr * wd
+        frozen_variance_step(self, lambda _: (updates_variance, count))  # the step's, for every tensor
         if local:
+            for index, group in enumerate(self.param_groups):
+                self.decays[index] *= 1 - group["lr"] * group["weight_decay"]
             self.lrs += self.param_groups[0]["lr"]
             if self.schedule.synchronizes(t):
                 self.synchronize()
@@ -270,13 +223,13 @@ class ZeroOneAdam(torch.optim.Optimizer):
         params = self._params()
         total = sum(p.numel() for p in params)
         padded, _ = onebit_sizes(total, self.group.size)
-        errors = self.flat_errors(params[0].device, padded)
+        errors = ensure_errors(self.errors, padded, self.group.size, params[0].device)
         decay_of = {id(p): self.decays[i] for i, g in enumerate(self.param_groups) for p in g["params"]}
         base = [a * decay_of[id(p)] for p, a in zip(params, self.anchor)]
         change = torch.zeros(padded, device=params[0].device)
         change[:total] = torch.cat([(p.detach() - b).reshape(-1).float() for p, b in zip(params, base)])
         compressed.all_reduce_onebit(change, errors["worker"], errors["server"], self.group, ONEBIT_BLOCK)
-        t = self.step_count
+        t = optimizer_steps(self)
         scale = self.denominator(params, padded, t)
         b1 = self.param_groups[0]["betas"][0]
         momentum = change * scale * (-(1 - b1**t) / self.lrs)

@@ -24,6 +24,14 @@ import torch
 from zerotron.distributed import collectives, compressed
 from zerotron.distributed.mesh import Group
 from zerotron.layout import ONEBIT_BLOCK, onebit_shard_sizes, onebit_sizes
+from zerotron.parallel.onebit import (
+    OneBitAdam,
+    adam_denominator,
+    average_momenta,
+    ensure_errors,
+    flat_state,
+    optimizer_steps,
+)
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat
 from zerotron.parallel.zero.options import ZeroOptions
 
@@ -43,16 +51,15 @@ def reduce_grads(out: torch.Tensor, send: torch.Tensor, group: Group, options: Z
     (``options.quantized_gradients``, to ``options.gradient_bits``; in two levels, inside a node then
     across nodes, over ``group.levels`` when ``options.gradient_node`` > 1), else the plain collective,
     which may use ``send`` as its buffer."""
-    if options.quantized_gradients and options.gradient_node > 1 and group.size > 1:
-        if group.levels is None:
-            raise RuntimeError(f"qgZ's two levels were not set up for group {group.label}")
-        inside, across = group.levels
-        return compressed.reduce_scatter_quantized_hierarchical(
-            out, send, inside, across, options.gradient_block, options.gradient_bits, async_op=True
-        )
     if options.quantized_gradients:
-        return compressed.reduce_scatter_quantized(
-            out, send, group, options.gradient_block, options.gradient_bits, async_op=True
+        levels: tuple[Group, Group | None] = (group, None)
+        if options.gradient_node > 1 and group.size > 1:
+            if group.levels is None:
+                raise RuntimeError(f"qgZ's two levels were not set up for group {group.label}")
+            levels = group.levels
+        block, bits = options.gradient_block, options.gradient_bits
+        return compressed.reduce_scatter_quantized_hierarchical(
+            out, send, *levels, block, bits, async_op=True
         )
     return collectives.reduce_scatter(out, send, group, op="sum", async_op=True, overwrite_input=True)
 
@@ -86,10 +93,7 @@ class OneBitShards:
     @property
     def steps(self) -> int:
         """Optimizer steps taken so far (a resumed run's too)."""
-        for state in (self.optimizer.state if self.optimizer is not None else {}).values():
-            if "step" in state:
-                return int(state["step"])
-        return 0
+        return optimizer_steps(self.optimizer)
 
     def compressing(self, group: Group) -> bool:
         """Whether this step's reductions over ``group`` send bits (the warm-up is over)."""
@@ -108,63 +112,45 @@ class OneBitShards:
             errors[key] = torch.zeros(layout.n * chunk, device=send.device)
         mean = torch.empty(layout.shard, device=send.device)
         scaled = send.to(torch.float32, copy=True).mul_(layout.n).div_(denominator)
-        work = compressed.reduce_scatter_onebit(mean, scaled, errors[key], layout.group, ONEBIT_BLOCK, True)
+        compressed.reduce_scatter_onebit(mean, scaled, errors[key], layout.group, ONEBIT_BLOCK)
         out.copy_(mean.mul_(denominator[layout.lo : layout.hi]))
-        return work
+        return collectives.done()
 
     def reduce_replicas(
         self, i: int, send: torch.Tensor, layout: FlatLayout, segs: list[ShardSegment], replicas: Group
     ) -> Any:
         """16-bit data parallelism (every rank a block of its own, whole fp32 masters and moments on
         each): bucket ``i``'s whole gradient ``send`` averaged over ``replicas`` as 1-bit Adam under
-        data parallelism averages it (:class:`~zerotron.parallel.onebit.OneBitBuckets`: each rank's
-        momentum in step units, worker and server errors), written back into ``send`` as the gradient
-        that turns every rank's momentum into that average."""
-        assert self.optimizer is not None
-        n, device = replicas.size, send.device
-        padded, _ = onebit_sizes(layout.padded, n)
-        errors = getattr(self.optimizer, "errors", {})
-        worker, server = f"worker{i}", f"server{i}"
-        if errors.get(worker) is None or errors[worker].numel() != padded:
-            errors[worker] = torch.zeros(padded, device=device)
-            errors[server] = torch.zeros(padded // n, device=device)
-        scale = torch.ones(padded, device=device)
-        momentum = torch.zeros(padded, device=device)
-        scale[: layout.padded] = self.denominator(i, layout, segs, device, keep=False)
-        for seg in segs:
-            value = self.optimizer.state.get(seg.param, {}).get("exp_avg")
-            if value is not None:
-                momentum[seg.at : seg.at + seg.length] = value.reshape(-1)
+        data parallelism averages it (:func:`~zerotron.parallel.onebit.average_momenta`), written back
+        into ``send`` as the gradient that turns every rank's momentum into that average."""
+        assert isinstance(self.optimizer, OneBitAdam), "attach the OneBitAdam optimizer first"
+        padded, _ = onebit_sizes(layout.padded, replicas.size)
+        errors = ensure_errors(self.optimizer.errors, padded, replicas.size, send.device, str(i))
+        places = [(seg.param, seg.at) for seg in segs]
+        momentum = flat_state(self.optimizer, places, "exp_avg", 0.0, padded)
+        scale = self._frozen(flat_state(self.optimizer, places, "exp_avg_sq", float("nan"), padded))
+        local = torch.zeros(padded, device=send.device)
+        local[: layout.padded] = send.float()
         b1 = self.optimizer.param_groups[0]["betas"][0]
-        mine = torch.zeros(padded, device=device)
-        mine[: layout.padded] = send.float()
-        mine = (momentum * b1 + mine * ((1 - b1) * n)) / scale
-        compressed.all_reduce_onebit(mine, errors[worker], errors[server], replicas, ONEBIT_BLOCK)
-        common = (mine * scale - momentum * b1) / (1 - b1)
-        send.copy_(common[: layout.padded])
+        send.copy_(average_momenta(local, momentum, scale, errors, replicas, b1)[: layout.padded])
         return collectives.done()
 
     def denominator(
-        self, i: int, layout: FlatLayout, segs: list[ShardSegment], device: torch.device, keep: bool = True
+        self, i: int, layout: FlatLayout, segs: list[ShardSegment], device: torch.device
     ) -> torch.Tensor:
         """Bucket ``i``'s whole frozen ``sqrt(v / (1 - b2^freeze)) + eps`` (1 where there is none),
-        all-gathered from the shards the first time (collective over the bucket's group); ``keep``:
-        held for the next steps (not for a block of one rank, which has the whole variance anyway)."""
-        if i not in self.denominators or not keep:
-            assert self.optimizer is not None
-            group = self.optimizer.param_groups[0]
-            b2, eps = group["betas"][1], group["eps"]
-            variance = torch.full((layout.shard,), float("nan"), device=device)
-            for seg in segs:
-                value = self.optimizer.state.get(seg.param, {}).get("exp_avg_sq")
-                if value is not None:
-                    variance[seg.at : seg.at + seg.length] = value.reshape(-1)
-            whole = gather_flat(layout, variance)
-            value = whole.div_(1 - b2**self.freeze_step).sqrt_().add_(eps).nan_to_num_(1.0)
-            if not keep:
-                return value
-            self.denominators[i] = value
+        all-gathered from the shards the first time (collective over the bucket's group)."""
+        if i not in self.denominators:
+            places = [(seg.param, seg.at) for seg in segs]
+            variance = flat_state(self.optimizer, places, "exp_avg_sq", float("nan"), layout.shard)
+            self.denominators[i] = self._frozen(gather_flat(layout, variance.to(device)))
         return self.denominators[i]
+
+    def _frozen(self, variance: torch.Tensor) -> torch.Tensor:
+        """AdamW's frozen denominator of a flat variance, in place."""
+        assert self.optimizer is not None
+        group = self.optimizer.param_groups[0]
+        return adam_denominator(variance, group["betas"][1], group["eps"], self.freeze_step)
 
     def state_bytes(self) -> int:
         """The worker errors and the whole denominators this rank holds."""
