@@ -161,6 +161,13 @@ def test_refused_settings(overrides: list[str], message: str) -> None:
     assert "\n" not in str(e.value)
 
 
+def test_schedule_keys_without_zero_one_adam_are_refused() -> None:
+    cfg = load_config(None, [*TINY, "train.zero_one_local_step_clipper=8"])
+    with pytest.raises(ConfigError, match="set train.optimizer=zero_one_adam") as e:
+        validate(cfg, 2)
+    assert "\n" not in str(e.value)
+
+
 def test_deepspeed_zero_one_adam(tmp_path: Path) -> None:
     from zerotron.config_deepspeed import from_deepspeed
 

@@ -23,6 +23,13 @@ from typing import Any
 
 from zerotron import layout
 from zerotron.config import LORA_NAME_LIST, SECTIONS, Config, ModelConfig
+from zerotron.config_check_compressed import (
+    check_hpz,
+    check_onebit,
+    check_qgz_node,
+    check_unused_zero_one,
+    resolved_dp,
+)
 from zerotron.config_load import ConfigError
 
 _CHOICES = {
@@ -280,13 +287,13 @@ def _check_zero(cfg: Config, world_size: int) -> None:
             "data parallelism (parallel.zero=0) all-reduces them: set parallel.zero to 1, 2 or 3"
         )
     if p.zero_hpz_size != 1:
-        _check_hpz(cfg, world_size)
+        check_hpz(cfg, world_size)
     if p.zero_quantized_gradient_node != 1:
-        _check_qgz_node(cfg, world_size)
+        check_qgz_node(cfg, world_size)
     for key in ("zero_quantized_weight_block", "zero_quantized_gradient_block"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: give 1 element or more (e.g. 128)")
-    dp = _resolved_dp(cfg, world_size)
+    dp = resolved_dp(cfg, world_size)
     if p.zero > 0 and dp == 1:
         warnings.warn(
             f"parallel.zero={p.zero} with a data-parallel size of 1 shards over one rank and saves no memory; "
@@ -294,108 +301,6 @@ def _check_zero(cfg: Config, world_size: int) -> None:
             ZeroSavesNothing,
             stacklevel=3,
         )
-
-
-def _check_onebit(cfg: Config) -> None:
-    """1-bit Adam and 0/1 Adam are built for plain data parallelism in fp32."""
-    p, t = cfg.parallel, cfg.train
-    zero_one = t.optimizer == "zero_one_adam"
-    schedule = {
-        "zero_one_var_freeze_step": t.zero_one_var_freeze_step,
-        "zero_one_var_update_scaler": t.zero_one_var_update_scaler,
-        "zero_one_local_step_scaler": t.zero_one_local_step_scaler,
-        "zero_one_local_step_clipper": t.zero_one_local_step_clipper,
-    }
-    for key, value in schedule.items():
-        if zero_one and value < 1:
-            raise ConfigError(f"train.{key}={value}: give 1 or more")
-    sharded = p.zero in (1, 2) and not zero_one  # 1-bit Adam under ZeRO-1/2
-    problems = [
-        (
-            p.zero != 0 and zero_one,
-            "it is built for data parallelism (parallel.zero=0): its local steps update the whole model "
-            "on every rank, with the whole optimizer state that ZeRO shards",
-        ),
-        (
-            p.zero != 0 and not sharded,
-            f"it is built for data parallelism and ZeRO-1/2, not ZeRO-{p.zero} yet",
-        ),
-        (max(p.tp, p.pp, p.cp, p.ep) > 1, "it is built for data parallelism alone, not tp, pp, cp or ep yet"),
-        (t.precision != "fp32" and zero_one, f"it is built in fp32, not {t.precision} yet"),
-        (
-            p.grad_reduce_dtype != "fp32",
-            "its reductions send bits: leave parallel.grad_reduce_dtype=fp32",
-        ),
-        (sharded and p.offload_optimizer != "none", "it is not built with an offloaded optimizer yet"),
-        (sharded and p.zero_quantized_gradients, "its reductions are 1-bit already: turn qgZ off"),
-        (sharded and p.zero_shard_size not in (0, p.dp), "it is not built with hybrid sharding yet"),
-        (
-            t.onebit_freeze_step < 1 and not zero_one,
-            "train.onebit_freeze_step must be at least 1 (the variance needs a warm-up)",
-        ),
-        (
-            t.grad_clip > 0,
-            "set train.grad_clip=0: after the warm-up no rank holds the whole gradient to clip (the one it "
-            "is given back carries the compression's noise, ten times the momentum's)",
-        ),
-    ]
-    for bad, why in problems:
-        if bad:
-            raise ConfigError(f"train.optimizer={t.optimizer}: {why}")
-
-
-def _resolved_dp(cfg: Config, world_size: int) -> int:
-    """The data-parallel size ``cfg`` gives on ``world_size`` ranks (its error as a ConfigError)."""
-    p = cfg.parallel
-    try:
-        return layout.resolve_dp(p.dp, p.pp, p.cp, p.tp, world_size)
-    except layout.LayoutError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _check_hpz(cfg: Config, world_size: int) -> None:
-    """hpZ (``parallel.zero_hpz_size``): ZeRO-3 over the dp ranks alone, in blocks that divide them."""
-    p = cfg.parallel
-    size = p.zero_hpz_size
-    dp = _resolved_dp(cfg, world_size)
-    problems = [
-        (
-            p.zero != 3,
-            f"hpZ's second copy is of ZeRO-3's gathered weights: set parallel.zero=3 (not {p.zero})",
-        ),
-        (size < 1 or dp % size, f"it must divide the data-parallel size {dp}"),
-        (size >= dp, f"a block of all {dp} dp ranks is plain ZeRO-3: choose a divisor below {dp}, or 1"),
-        (not p.reshard_after_forward, "with parallel.reshard_after_forward=false backward gathers nothing"),
-        (p.zero_shard_size not in (0, dp), "it is not built with hybrid sharding (parallel.zero_shard_size)"),
-        (
-            p.cp > 1 or p.ep > 1 or p.pp > 1,
-            "it is not built with context, expert or pipeline parallelism yet",
-        ),
-        (p.offload_params != "none", "it is not built with parameter offload yet"),
-    ]
-    for bad, why in problems:
-        if bad:
-            raise ConfigError(f"parallel.zero_hpz_size={size}: {why}")
-
-
-def _check_qgz_node(cfg: Config, world_size: int) -> None:
-    """qgZ in two levels (``parallel.zero_quantized_gradient_node``): over the dp ranks alone, in nodes
-    that divide them."""
-    p = cfg.parallel
-    size = p.zero_quantized_gradient_node
-    dp = _resolved_dp(cfg, world_size)
-    problems = [
-        (
-            not p.zero_quantized_gradients,
-            "it splits qgZ's quantised reduction: set parallel.zero_quantized_gradients=true, or 1",
-        ),
-        (size < 1 or dp % size, f"it must divide the data-parallel size {dp}"),
-        (p.zero_shard_size not in (0, dp), "it is not built with hybrid sharding (parallel.zero_shard_size)"),
-        (p.cp > 1 or p.ep > 1, "it is not built with context or expert parallelism yet"),
-    ]
-    for bad, why in problems:
-        if bad:
-            raise ConfigError(f"parallel.zero_quantized_gradient_node={size}: {why}")
 
 
 def _check_nvme_path(path: str | None) -> None:
@@ -492,7 +397,9 @@ def _check_built(cfg: Config) -> None:
     if cfg.train.compile:
         _check_compile(cfg)
     if cfg.train.optimizer in ("onebit_adam", "zero_one_adam"):
-        _check_onebit(cfg)
+        check_onebit(cfg)
+    else:
+        check_unused_zero_one(cfg)
     if cfg.train.sample_max_steps < 0 and cfg.train.sample_max_steps != -1:
         raise ConfigError(
             f"train.sample_max_steps={cfg.train.sample_max_steps} must be >= 0 (0: no limit), or -1 for the default"
