@@ -38,6 +38,7 @@ LAYERS = {
     "layout": 1,
     "config_load": 1,
     "config_check": 1,
+    "config_check_compressed": 1,
     "config_deepspeed": 1,
     "presets": 1,
     "__init__": 1,
