@@ -28,11 +28,23 @@ The adapter is written to RUN_DIR/adapter (PEFT's files); `zerotron convert MODE
 RUN_DIR/adapter` writes the merged Hugging Face model.
 """
 
+EPILOG_DPO = """Preference pairs {prompt|messages, chosen, rejected} (TRL's format) or {messages,
+rejected_response} (ms-swift's); DPO (preference.loss=sigmoid, preference.beta=0.1), IPO (ipo) or SimPO
+(simpo, no reference model); LoRA rank 8 as zerotron sft, lr 5e-5, 8 pairs per step. The reference is
+the model as loaded (under LoRA, its base), its log-probs computed once before step 1 on the same layout.
+examples:
+  zerotron dpo HuggingFaceTB/SmolLM2-135M-Instruct pairs.jsonl --nproc 1
+  zerotron dpo model_dir pairs.jsonl preference.loss=ipo preference.beta=0.5 --nproc 2
+  zerotron dpo model_dir pairs.jsonl lora.rank=0 train.lr=1e-6 parallel.zero=3 --nproc 4
+  torchrun --nproc-per-node 4 -m zerotron dpo model_dir pairs.jsonl
+"""
+
 
 # each sub-command's body, in its own package (imported when it runs)
 COMMANDS = {
     "train": "zerotron.train.command:train_command",
     "sft": "zerotron.finetune.sft:sft_command",
+    "dpo": "zerotron.finetune.dpo:dpo_command",
     "generate": "zerotron.serve.generate:generate_command",
     "serve": "zerotron.serve.command:serve_command",
     "convert": "zerotron.build.convert:convert_command",
@@ -115,6 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_launch_args(sft)
     sft.set_defaults(fn=_run)
+
+    dpo = sub.add_parser(
+        "dpo",
+        help="preference-tune a model on chosen/rejected pairs (DPO, IPO, SimPO; LoRA)",
+        epilog=EPILOG_DPO,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dpo.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
+    dpo.add_argument("data", metavar="DATA", help=".jsonl/.json/.csv/.parquet file or a directory of them")
+    dpo.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG] [key=value ...]",
+        help="as for `zerotron train` (see zerotron train --help-config: preference.*, lora.*, data.*)",
+    )
+    _add_launch_args(dpo)
+    dpo.set_defaults(fn=_run)
 
     _add_generate(sub)
     _add_serve(sub)

@@ -1,6 +1,7 @@
 """Typed configuration tree for zerotron (DESIGN contract 6).
 
-Sections: ``model``, ``parallel``, ``train``, ``data``, ``lora``, ``checkpoint``, ``log``, ``fault``.
+Sections: ``model``, ``parallel``, ``train``, ``data``, ``lora``, ``preference``, ``checkpoint``, ``log``,
+``fault``.
 Every field has a help text (``metadata["help"]``) that ``zerotron train --help-config`` prints. This module imports no
 ``torch.distributed`` and no torch at all, so ``zerotron plan`` and config checks run anywhere.
 
@@ -340,7 +341,8 @@ class DataConfig:
     format: str = _f(
         "pretrain",
         "pretrain (documents concatenated into windows, every token counted), or supervised samples one "
-        "per row of .jsonl/.json/.csv: auto (detected per row), messages, sharegpt, alpaca, query, text",
+        "per row of .jsonl/.json/.csv: auto (detected per row), messages, sharegpt, alpaca, query, text; or "
+        "preference: {prompt|messages, chosen, rejected} pairs trained with preference.loss (zerotron dpo)",
     )
     loss_on: str = _f(
         "assistant",
@@ -390,6 +392,21 @@ class LoraSection:
     )
     base_bits: int = _f(0, "0: the frozen base in the training dtype; 4: NF4 (QLoRA)")
     double_quant: bool = _f(True, "NF4 base: quantise the block scales to 8 bits too")
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference optimisation (``data.format=preference``, ``zerotron dpo``): the loss over each pair."""
+
+    loss: str = _f(
+        "sigmoid",
+        "sigmoid (DPO), ipo (IPO, per-token log-ratios as TRL), or simpo (SimPO: length-normalised, no "
+        "reference model)",
+    )
+    beta: float = _f(
+        0.1, "how far the policy may move from the reference (DPO's beta, IPO's tau, SimPO's beta)"
+    )
+    simpo_gamma: float = _f(0.5, "SimPO: the target reward margin gamma")
 
 
 @dataclass
@@ -456,6 +473,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -467,6 +485,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "data": DataConfig,
     "lora": LoraSection,
+    "preference": PreferenceConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "fault": FaultConfig,

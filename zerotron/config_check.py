@@ -30,6 +30,7 @@ from zerotron.config_check_compressed import (
     check_unused_zero_one,
     resolved_dp,
 )
+from zerotron.config_check_preference import check_preference
 from zerotron.config_load import ConfigError
 
 _CHOICES = {
@@ -46,7 +47,8 @@ _CHOICES = {
     "model.mlp": ("gated", "plain"),
     "model.scoring_func": ("softmax", "sigmoid"),
     "data.token_dtype": ("uint16", "uint32", "int32", "int64"),
-    "data.format": ("pretrain", "auto", "messages", "sharegpt", "alpaca", "query", "text"),
+    "data.format": ("pretrain", "auto", "messages", "sharegpt", "alpaca", "query", "text", "preference"),
+    "preference.loss": ("sigmoid", "ipo", "simpo"),
     "data.loss_on": ("assistant", "last_turn", "all"),
     "data.template": ("model", "chatml", "llama3"),
     "data.truncation": ("delete", "left", "right"),
@@ -458,6 +460,7 @@ def _check_compile(cfg: Config) -> None:
 def _check_finetune(cfg: Config) -> None:
     """Supervised data and LoRA: ranges, and the layouts they are not built for yet (one line each)."""
     lo, d, p = cfg.lora, cfg.data, cfg.parallel
+    check_preference(cfg)
     supervised = d.format != "pretrain"
     if supervised and d.max_length > cfg.train.seq_len:
         raise ConfigError(

@@ -22,7 +22,7 @@ import json
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -258,6 +258,22 @@ def load_supervised(path: str | Path, packed: bool) -> SupervisedDataset:
     return SupervisedDataset(rows, packed)
 
 
+class Samples(Protocol):
+    """What the loader draws from: a packed corpus, supervised rows or preference pairs."""
+
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """The tensors of the samples ``indices`` (inputs and labels first)."""
+        ...
+
+    def counted(self, indices: np.ndarray) -> int:
+        """What the loss averages over in the samples ``indices`` (tokens, or pairs)."""
+        ...
+
+
 class DataLoader:
     """Deterministic global batches, sliced for one data-parallel rank and cut into micro-batches.
 
@@ -268,7 +284,7 @@ class DataLoader:
 
     def __init__(
         self,
-        dataset: PackedDataset | SupervisedDataset,
+        dataset: Samples,
         global_batch: int,
         micro_batch: int,
         dp_rank: int,

@@ -40,8 +40,14 @@ SFT_DEFAULTS: dict[str, Any] = {
 def sft_command(args: argparse.Namespace) -> int:
     """``zerotron sft MODEL DATA [CONFIG] [key=value ...]``: the training job with :data:`SFT_DEFAULTS`
     under the config; prints how to merge the adapter it writes."""
+    return finetune_command(args, SFT_DEFAULTS)
+
+
+def finetune_command(args: argparse.Namespace, job_defaults: dict[str, Any]) -> int:
+    """A fine-tuning job (``sft``, ``dpo``) on ``args.model`` and ``args.data``: the training job with
+    ``job_defaults`` under the config; prints how to merge the adapter it writes."""
     config, overrides = split_items(args.items)
-    defaults = {**SFT_DEFAULTS, "model.path": args.model, "data.source": args.data}
+    defaults = {**job_defaults, "model.path": args.model, "data.source": args.data}
     summary = launch_training(config, overrides, args.nproc, launch_options(args), defaults)
     code = report_run(summary)
     if summary is not None and summary.get("adapter"):

@@ -22,8 +22,10 @@ import torch
 from zerotron.build.source import make_tokenizer, resolve_model, saved_model_config
 from zerotron.checkpoint import store
 from zerotron.components.adapters import save_run_adapter
-from zerotron.components.data import load_supervised, load_tokens, prepare_tokens
+from zerotron.components.data import SupervisedDataset, load_supervised, load_tokens, prepare_tokens
 from zerotron.components.metrics import plot_loss, truncate_metrics
+from zerotron.components.preference import reference_logps
+from zerotron.components.preference_data import PreferenceDataset, prepare_preference
 from zerotron.components.supervised import prepare_supervised
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_check import validate
@@ -201,7 +203,9 @@ def prepare_run(cfg: Config, run_dir: Path) -> int:
             f"data.tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
             f"set model.vocab_size>={tokenizer.vocab_size}"
         )
-    if cfg.data.format != "pretrain":
+    if cfg.data.format == "preference":
+        n_tokens = _prepare_preference(cfg, tokenizer, run_dir)
+    elif cfg.data.format != "pretrain":
         n_tokens = _prepare_supervised(cfg, tokenizer, run_dir)
     else:
         n_tokens = _prepare_pretraining(cfg, tokenizer, run_dir)
@@ -265,6 +269,52 @@ def _prepare_supervised(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int
     return data.loss_tokens
 
 
+def _prepare_preference(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int:
+    """Preference pairs into ``dpo.npy`` (two rows each, see :mod:`zerotron.finetune.dpo`); return the
+    answer tokens the loss counts."""
+    pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    data = prepare_preference(cfg.data, tokenizer, cfg.train.seq_len, pad)
+    print(f"zerotron: data {cfg.data.source}: {data.summary()}", flush=True)
+    if data.pairs < cfg.train.global_batch:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r} holds {data.pairs} preference pairs, fewer than one global batch "
+            f"({cfg.train.global_batch} pairs); add data or lower train.global_batch"
+        )
+    _check_vocab(cfg, int(data.rows[0].max()))
+    if data.skipped:
+        (run_dir / "skipped_rows.txt").write_text("\n".join(data.skipped) + "\n", encoding="utf-8")
+    _atomic_save_npy(run_dir / "dpo.npy", data.rows)
+    return data.loss_tokens
+
+
+def _load_data(cfg: Config, rd: Path) -> np.ndarray | SupervisedDataset | PreferenceDataset:
+    if cfg.data.format == "pretrain":
+        return load_tokens(str(rd / "tokens.npy"))
+    if cfg.data.format == "preference":
+        return PreferenceDataset(np.load(rd / "dpo.npy", mmap_mode="r", allow_pickle=False))
+    return load_supervised(rd / "sft.npy", cfg.data.packing)
+
+
+def _reference(trainer: Trainer, data: PreferenceDataset, rd: Path) -> np.ndarray:
+    """The reference log-probs of every pair: computed by the model as built (the run's step 0, before
+    any checkpoint is loaded) and kept in ``reference_logps.npy``, which a resumed run reads instead."""
+    path = rd / "reference_logps.npy"
+    if path.exists():
+        saved: np.ndarray = np.load(path, allow_pickle=False)
+        if saved.shape == (2 * len(data),):
+            return saved
+    started = time.perf_counter()
+    values = reference_logps(trainer.model, data, trainer.mesh, trainer.cfg, trainer.device)
+    trainer.mesh.stats.reset()  # the pass's traffic is not the first step's
+    if trainer.mesh.rank == 0:
+        _atomic_save_npy(path, values)
+        print(
+            f"zerotron: reference log-probs of {len(data):,} pairs in {time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
+    return values
+
+
 def banner(cfg: Config, world: int, n_tokens: int, run_dir: Path) -> str:
     """One line before step 1: model size, layout, data, tokens per step, run directory."""
     from zerotron.plan.layout import from_config
@@ -294,12 +344,10 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     cfg = load_config(str(rd / "config.yaml"), [])
     rank, world = current_rank_and_world()
     mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
-    data = (
-        load_tokens(str(rd / "tokens.npy"))
-        if cfg.data.format == "pretrain"
-        else load_supervised(rd / "sft.npy", cfg.data.packing)
-    )
+    data = _load_data(cfg, rd)
     trainer = Trainer(cfg, mesh, rd, data, attempt=attempt)
+    if isinstance(data, PreferenceDataset) and cfg.preference.loss != "simpo":
+        data.reference = _reference(trainer, data, rd)  # before a checkpoint replaces the weights
     if not os.environ.get("ZEROTRON_TRACE_DIR"):  # no zerotron launcher watching: watch ourselves
         RankWatchdog(mesh, trainer, cfg.fault.hang_timeout_s, cfg.fault.first_step_timeout_s)
     resumed = trainer.resume(resume, verified=True) if resume else None  # hashed once, by the launcher

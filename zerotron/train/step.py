@@ -18,6 +18,7 @@ from torch import nn
 
 from zerotron.components.loss import autocast, token_loss_sum
 from zerotron.components.metrics import ActivationMeter
+from zerotron.components.preference import PreferenceObjective
 from zerotron.config import Config
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
@@ -60,6 +61,10 @@ class MicroBatchStep:
         sp = mesh.dims.tp > 1 and cfg.parallel.sequence_parallel
         self.token_groups = [self.data, self.tp] if sp else [self.data]
         self.router = RouterMeter(cfg.model)  # MoE: the step's router losses and expert load
+        # data.format=preference: the loss is over pairs of rows (chosen, rejected), not over tokens
+        self.preference = (
+            PreferenceObjective(cfg.preference, self.tp) if cfg.data.format == "preference" else None
+        )
 
     def forward_backward(
         self, micro: MicroBatches, scale: float, device: torch.device, tokens: int | None = None
@@ -67,11 +72,15 @@ class MicroBatchStep:
         """See :class:`Step`."""
         tokens_global = tokens or self.cfg.train.global_batch * self.cfg.train.seq_len
         self.router.reset()
+        if self.preference is not None:
+            self.preference.reset()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
             batch = shard_batch(batch, self.cp.size, self.cp.rank_in_group)  # this rank's tokens under cp
             inputs, labels = batch[0].to(device), batch[1].to(device)
-            documents = batch[2].to(device) if len(batch) > 2 else None
+            # packed samples' document ids, or a preference batch's reference log-probs
+            third = batch[2].to(device) if len(batch) > 2 else None
+            documents = third if self.preference is None else None
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.reducer.no_sync():
                 with self.meter.forward(), autocast(device, self.cfg.train.precision):
@@ -81,17 +90,24 @@ class MicroBatchStep:
                         if documents is None
                         else self.model(inputs, document_ids=documents)
                     )
-                    loss = token_loss_sum(logits, labels, self.tp, self.cfg.train.compile)
+                    loss = (
+                        token_loss_sum(logits, labels, self.tp, self.cfg.train.compile)
+                        if self.preference is None
+                        else self.preference(logits, labels, third)
+                    )
                     extra = self.router.add(self.model, self.token_groups, len(micro))  # 0 without experts
                 (loss * (scale / tokens_global) + extra * scale).backward()
             loss_sum += loss.detach()
         self.router.finish(self.model, self.token_groups)  # aux-loss-free balancing: the routers' biases
+        if self.preference is not None:
+            self.preference.finish(self.data)
         self.reducer.finish()
         return loss_sum
 
     def metrics(self) -> dict[str, Any]:
         """See :class:`Step`."""
-        return self.router.metrics()
+        figures = self.router.metrics()
+        return figures if self.preference is None else {**figures, **self.preference.metrics()}
 
 
 def build_step(

@@ -39,6 +39,7 @@ from zerotron.components.optim import (
     optimizer_for,
     sharded_grad_norm,
 )
+from zerotron.components.preference_data import PreferenceDataset
 from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
@@ -59,11 +60,11 @@ class Trainer:
         cfg: Config,
         mesh: Mesh,
         run_dir: Path,
-        tokens: np.ndarray | SupervisedDataset,
+        tokens: np.ndarray | SupervisedDataset | PreferenceDataset,
         attempt: int = 0,
     ) -> None:
-        """``tokens``: the token array of pre-training data (cut into windows here) or the supervised
-        rows of ``zerotron sft``."""
+        """``tokens``: the token array of pre-training data (cut into windows here), the supervised
+        rows of ``zerotron sft`` or the preference pairs of ``zerotron dpo``."""
         self.cfg, self.mesh, self.run_dir = cfg, mesh, run_dir
         self._init_fault(attempt)
         self.device = (
@@ -84,9 +85,7 @@ class Trainer:
             self.zero, self.buckets, self.shard_group = dp.zero, dp.reducer, dp.shard_group
             self.optimizer = optimizer_for(self.buckets, self.zero, cfg)
         self.scaler = DynamicLossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_window)
-        dataset = (
-            tokens if isinstance(tokens, SupervisedDataset) else PackedDataset(tokens, cfg.train.seq_len)
-        )
+        dataset = tokens if not isinstance(tokens, np.ndarray) else PackedDataset(tokens, cfg.train.seq_len)
         self.loader = DataLoader(
             dataset,
             global_batch=cfg.train.global_batch,
@@ -227,7 +226,8 @@ class Trainer:
         skipped: bool,
     ) -> dict[str, Any]:
         cfg = self.cfg.train
-        tokens = cfg.global_batch * cfg.seq_len
+        # a preference pair is two rows
+        tokens = cfg.global_batch * cfg.seq_len * getattr(self.loader.dataset, "rows_per_sample", 1)
         elapsed = time.perf_counter() - started
         tokens_per_s = tokens / elapsed
         peak = peak_flops(self.device)

@@ -1,0 +1,142 @@
+"""Preference losses (``preference.loss``) over pairs of rows, and the reference model's log-probs.
+
+A pair's two rows (chosen, rejected; :mod:`zerotron.components.preference_data`) give the policy's
+summed log-prob of each answer, ``log π(y|x)``, in fp32 (vocabulary-parallel under tp, the logits staying
+split). With the reference's ``log π_ref(y|x)`` and β:
+
+- ``sigmoid`` (DPO): ``-log σ(β·((π_c - ref_c) - (π_r - ref_r)))``;
+- ``ipo`` (IPO, as TRL: each log-ratio divided by its answer's token count):
+  ``((π_c - ref_c)/n_c - (π_r - ref_r)/n_r - 1/(2β))²``;
+- ``simpo`` (SimPO, no reference): ``-log σ(β·(π_c/n_c - π_r/n_r) - γ)``.
+
+The loss of a step is the mean over the global batch's pairs, on every layout (the trainer divides each
+rank's summed pair losses by the global pair count). The reference log-probs are computed once, before
+the first step, by the run's own model on its own layout (:func:`reference_logps`): the model at step 0
+is the reference (under LoRA, the base: new adapters start at zero), so no second model is held.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotron.components.loss import IGNORE, autocast
+from zerotron.components.preference_data import PreferenceDataset
+from zerotron.config import Config, PreferenceConfig
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group, Mesh
+from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
+
+LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+def sequence_logps(
+    logits: torch.Tensor, labels: torch.Tensor, tp: Group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-prob of its counted labels (fp32, (rows,)) and how many it counts.
+
+    ``logits``: (rows, s, V) [(rows, s, V/tp) under tp]; ``labels``: (rows, s), -100 not counted."""
+    flat = labels.flatten()
+    per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), flat, tp)
+    per_token = torch.where(flat != IGNORE, per_token, 0.0).view(labels.shape)
+    return -per_token.sum(dim=1), (labels != IGNORE).sum(dim=1)
+
+
+def pair_losses(
+    logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None, cfg: PreferenceConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each pair's loss and the two implicit rewards (chosen, rejected), from the rows' log-probs in
+    pair order (chosen, rejected, chosen, ...)."""
+    chosen, rejected = logps.view(-1, 2).unbind(1)
+    n_c, n_r = counts.view(-1, 2).clamp(min=1).to(logps.dtype).unbind(1)
+    beta = cfg.beta
+    if cfg.loss == "simpo":
+        reward_c, reward_r = beta * chosen / n_c, beta * rejected / n_r
+        return -F.logsigmoid(reward_c - reward_r - cfg.simpo_gamma), reward_c, reward_r
+    if reference is None:
+        raise ValueError(f"preference.loss={cfg.loss} needs the reference log-probs, and none were computed")
+    ref_c, ref_r = reference.view(-1, 2).unbind(1)
+    ratio_c, ratio_r = chosen - ref_c, rejected - ref_r
+    if cfg.loss == "ipo":
+        losses = (ratio_c / n_c - ratio_r / n_r - 1 / (2 * beta)) ** 2
+    else:
+        losses = -F.logsigmoid(beta * (ratio_c - ratio_r))
+    return losses, beta * ratio_c.detach(), beta * ratio_r.detach()
+
+
+class PreferenceObjective:
+    """The step's preference loss over its micro-batches, and its figures for the metrics record:
+    ``rewards_chosen``, ``rewards_rejected``, ``reward_margin`` (means over the global batch's pairs),
+    ``reward_accuracy`` (the fraction whose chosen reward is the higher)."""
+
+    def __init__(self, cfg: PreferenceConfig, tp: Group) -> None:
+        self.cfg, self.tp = cfg, tp
+        self.sums = torch.zeros(4, dtype=torch.float64)
+
+    def reset(self) -> None:
+        """Start a step."""
+        self.sums = torch.zeros(4, dtype=torch.float64)
+
+    def __call__(
+        self, logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The summed loss of this micro-batch's pairs (fp32 scalar, with its graph)."""
+        logps, counts = sequence_logps(logits, labels, self.tp)
+        losses, reward_c, reward_r = pair_losses(logps, counts, reference, self.cfg)
+        with torch.no_grad():  # kept on the device: no sync per micro-batch
+            right = (reward_c > reward_r).to(reward_c.dtype)
+            figures = torch.stack([reward_c.sum(), reward_r.sum(), right.sum(), torch.ones_like(right).sum()])
+            self.sums = self.sums.to(figures.device) + figures.double()
+        return losses.sum()
+
+    def finish(self, data: Group) -> None:
+        """Sum the step's figures over the data-parallel ranks (the tp ranks of a row agree already)."""
+        collectives.all_reduce(self.sums, data, op="sum")
+
+    def metrics(self) -> dict[str, Any]:
+        """The step's figures (see the class docstring)."""
+        chosen, rejected, right, pairs = self.sums.tolist()
+        if pairs == 0:
+            return {}
+        return {
+            "rewards_chosen": chosen / pairs,
+            "rewards_rejected": rejected / pairs,
+            "reward_margin": (chosen - rejected) / pairs,
+            "reward_accuracy": right / pairs,
+        }
+
+
+def reference_logps(
+    model: nn.Module, dataset: PreferenceDataset, mesh: Mesh, cfg: Config, device: torch.device
+) -> np.ndarray:
+    """The model's summed answer log-probs of every row of ``dataset`` (2·pairs,) fp32, the same on
+    every rank: each data-parallel rank runs every dp-th pair, ``train.micro_batch`` pairs at a time
+    under the run's precision, with no gradient; one all-reduce then gives every rank all of them.
+
+    Every rank runs the same number of forwards (ZeRO-3 gathers each layer on all ranks at once): a
+    rank with fewer pairs runs its first pair again and drops the result."""
+    dp, tp = mesh.group("dp"), mesh.group("tp")
+    pairs = len(dataset)
+    mine = np.arange(dp.rank_in_group, pairs, dp.size)
+    micro = cfg.train.micro_batch
+    rounds = math.ceil(math.ceil(pairs / dp.size) / micro)
+    out = torch.zeros(2 * pairs, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for k in range(rounds):
+            chunk = mine[k * micro : (k + 1) * micro]
+            batch = dataset.batch(chunk if len(chunk) else np.zeros(1, dtype=np.int64))
+            with autocast(device, cfg.train.precision):
+                logits = model(batch[0].to(device))
+                logps, _ = sequence_logps(logits, batch[1].to(device), tp)
+            if len(chunk):
+                out[torch.from_numpy(dataset.row_indices(chunk))] = logps.double().cpu()
+    model.train(was_training)
+    collectives.all_reduce(out, dp, op="sum")
+    return out.numpy().astype(np.float32)
