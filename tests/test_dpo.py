@@ -54,7 +54,7 @@ def _model_dir(path: Path, seed: int) -> Path:
 def _pairs(n: int, seed: int = 0, kind: str = "messages") -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
-    for k in range(n):
+    for _ in range(n):
         q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4)))
         good, bad = q.upper(), " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5)))
         if kind == "plain-text":

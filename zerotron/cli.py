@@ -85,6 +85,23 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_finetune(sub: Any, name: str, summary: str, epilog: str) -> None:
+    """``zerotron sft|dpo MODEL DATA [CONFIG] [key=value ...]``."""
+    p = sub.add_parser(
+        name, help=summary, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
+    p.add_argument("data", metavar="DATA", help=".jsonl/.json/.csv/.parquet file or a directory of them")
+    p.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG] [key=value ...]",
+        help="as for `zerotron train` (see zerotron train --help-config: lora.*, data.*, preference.*)",
+    )
+    _add_launch_args(p)
+    p.set_defaults(fn=_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = _Parser(prog="zerotron", description="Train, convert and run transformer models.")
@@ -111,39 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(fn=_run)
 
-    sft = sub.add_parser(
-        "sft",
-        help="fine-tune a model on chat data (LoRA, assistant-only loss, packing)",
-        epilog=EPILOG_SFT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    _add_finetune(
+        sub, "sft", "fine-tune a model on chat data (LoRA, assistant-only loss, packing)", EPILOG_SFT
     )
-    sft.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
-    sft.add_argument("data", metavar="DATA", help=".jsonl/.json/.csv/.parquet file or a directory of them")
-    sft.add_argument(
-        "items",
-        nargs="*",
-        metavar="[CONFIG] [key=value ...]",
-        help="as for `zerotron train` (see zerotron train --help-config: lora.*, data.*)",
+    _add_finetune(
+        sub, "dpo", "preference-tune a model on chosen/rejected pairs (DPO, IPO, SimPO; LoRA)", EPILOG_DPO
     )
-    _add_launch_args(sft)
-    sft.set_defaults(fn=_run)
-
-    dpo = sub.add_parser(
-        "dpo",
-        help="preference-tune a model on chosen/rejected pairs (DPO, IPO, SimPO; LoRA)",
-        epilog=EPILOG_DPO,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    dpo.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
-    dpo.add_argument("data", metavar="DATA", help=".jsonl/.json/.csv/.parquet file or a directory of them")
-    dpo.add_argument(
-        "items",
-        nargs="*",
-        metavar="[CONFIG] [key=value ...]",
-        help="as for `zerotron train` (see zerotron train --help-config: preference.*, lora.*, data.*)",
-    )
-    _add_launch_args(dpo)
-    dpo.set_defaults(fn=_run)
 
     _add_generate(sub)
     _add_serve(sub)
