@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotron.components.loss import IGNORE, autocast
-from zerotron.components.preference_data import PreferenceDataset
+from zerotron.components.preference_data import PreferenceDataset, trim_padding
 from zerotron.config import Config, PreferenceConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group, Mesh
@@ -74,13 +74,17 @@ class PreferenceObjective:
     ``rewards_chosen``, ``rewards_rejected``, ``reward_margin`` (means over the global batch's pairs),
     ``reward_accuracy`` (the fraction whose chosen reward is the higher)."""
 
-    def __init__(self, cfg: PreferenceConfig, tp: Group) -> None:
-        self.cfg, self.tp = cfg, tp
+    def __init__(self, cfg: PreferenceConfig, tp: Group, multiple: int = 1) -> None:
+        self.cfg, self.tp, self.multiple = cfg, tp, multiple  # multiple: see trim_padding
         self.sums = torch.zeros(4, dtype=torch.float64)
 
     def reset(self) -> None:
         """Start a step."""
         self.sums = torch.zeros(4, dtype=torch.float64)
+
+    def trim(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The micro-batch cut to its longest pair (:func:`trim_padding`)."""
+        return trim_padding(batch, self.multiple)
 
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor | None
@@ -111,6 +115,12 @@ class PreferenceObjective:
         }
 
 
+def row_multiple(cfg: Config) -> int:
+    """What a trimmed row's length must divide by: tp under sequence parallelism (each rank holds
+    a 1/tp slice of the sequence), else 1."""
+    return cfg.parallel.tp if cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel else 1
+
+
 def reference_logps(
     model: nn.Module, dataset: PreferenceDataset, mesh: Mesh, cfg: Config, device: torch.device
 ) -> np.ndarray:
@@ -132,6 +142,7 @@ def reference_logps(
         for k in range(rounds):
             chunk = mine[k * micro : (k + 1) * micro]
             batch = dataset.batch(chunk if len(chunk) else np.zeros(1, dtype=np.int64))
+            batch = trim_padding(batch, row_multiple(cfg))
             with autocast(device, cfg.train.precision):
                 logits = model(batch[0].to(device))
                 logps, _ = sequence_logps(logits, batch[1].to(device), tp)

@@ -176,6 +176,18 @@ def prepare_preference(
     return PreferenceData(array, len(samples) // 2, int((packed.labels != -100).sum()), skipped)
 
 
+def trim_padding(batch: tuple[torch.Tensor, ...], multiple: int = 1) -> tuple[torch.Tensor, ...]:
+    """A micro-batch's (inputs, labels) cut after the last position any row's loss counts, rounded up
+    to a multiple of ``multiple`` (tp under sequence parallelism); the rest passes as is. The rows are
+    padded at their end and attention is causal, so what is cut changes no counted log-prob: a batch
+    runs at its longest pair, as TRL's collator pads it, not at ``train.seq_len``."""
+    inputs, labels, *rest = batch
+    counted = (labels != -100).any(dim=0).nonzero()
+    keep = int(counted.max()) + 1 if len(counted) else 1
+    keep = min(labels.shape[1], -(-keep // multiple) * multiple)
+    return (inputs[:, :keep].contiguous(), labels[:, :keep].contiguous(), *rest)
+
+
 class PreferenceDataset:
     """The pairs of :class:`PreferenceData` for the loader: one sample is a pair (two rows), and
     ``reference`` (2·pairs,) the reference model's summed answer log-probs once computed

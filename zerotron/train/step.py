@@ -18,7 +18,7 @@ from torch import nn
 
 from zerotron.components.loss import autocast, token_loss_sum
 from zerotron.components.metrics import ActivationMeter
-from zerotron.components.preference import PreferenceObjective
+from zerotron.components.preference import PreferenceObjective, row_multiple
 from zerotron.config import Config
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
@@ -63,7 +63,9 @@ class MicroBatchStep:
         self.router = RouterMeter(cfg.model)  # MoE: the step's router losses and expert load
         # data.format=preference: the loss is over pairs of rows (chosen, rejected), not over tokens
         self.preference = (
-            PreferenceObjective(cfg.preference, self.tp) if cfg.data.format == "preference" else None
+            PreferenceObjective(cfg.preference, self.tp, row_multiple(cfg))
+            if cfg.data.format == "preference"
+            else None
         )
 
     def forward_backward(
@@ -77,6 +79,8 @@ class MicroBatchStep:
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
             batch = shard_batch(batch, self.cp.size, self.cp.rank_in_group)  # this rank's tokens under cp
+            if self.preference is not None:  # pairs: run at the longest pair, not at train.seq_len
+                batch = self.preference.trim(batch)
             inputs, labels = batch[0].to(device), batch[1].to(device)
             # packed samples' document ids, or a preference batch's reference log-probs
             third = batch[2].to(device) if len(batch) > 2 else None
