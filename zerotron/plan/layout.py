@@ -100,6 +100,8 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: give the number of devices, at least 1")
     p, t = cfg.parallel, cfg.train
+    # a preference pair (zerotron dpo) is two rows of at most train.seq_len: planned at their bound
+    rows = 2 if cfg.data.format == "preference" else 1
     try:
         dp = shared.resolve_dp(p.dp, p.pp, p.cp, p.tp, gpus)
         dims = shared.ParallelDims.of(dp, p.tp, p.pp, p.cp, p.ep, p.zero, p.zero_shard_size)
@@ -110,7 +112,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         cp_comm=p.cp_comm,
         cp_ulysses_size=p.cp_ulysses_size,
         etp=p.etp,
-        micro_batch=t.micro_batch,
+        micro_batch=t.micro_batch * rows,
         recompute=t.recompute,
         sequence_parallel=p.sequence_parallel,
         tp_comm_overlap=p.tp_comm_overlap,
@@ -134,7 +136,8 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)
     )
     _check_model(cfg.model)
-    return ModelShape.from_config(cfg.model), layout, Workload(t.seq_len, t.global_batch, t.precision)
+    work = Workload(t.seq_len, t.global_batch * rows, t.precision)
+    return ModelShape.from_config(cfg.model), layout, work
 
 
 def _check_model(m: ModelConfig) -> None:
