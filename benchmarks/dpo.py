@@ -107,7 +107,7 @@ def run_trl(model: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     times: list[float] = []
-    logs: list[dict[str, float]] = []
+    history: list[dict[str, float]] = []
 
     class Clock(transformers.TrainerCallback):
         def on_step_begin(self, *a: Any, **k: Any) -> None:
@@ -116,9 +116,9 @@ def run_trl(model: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             times.append(time.perf_counter() - self.t)
 
-        def on_log(self, _a: Any, _s: Any, _c: Any, logs_: dict[str, float] | None = None, **k: Any) -> None:
-            if logs_ and "loss" in logs_:
-                logs.append(logs_)
+        def on_log(self, _a: Any, _s: Any, _c: Any, logs: dict[str, float] | None = None, **k: Any) -> None:
+            if logs and "loss" in logs:
+                history.append(logs)
 
     config = DPOConfig(
         output_dir=str(args.out / "trl"), per_device_train_batch_size=args.batch, max_steps=args.steps,
@@ -144,8 +144,8 @@ def run_trl(model: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
         "train_s": sum(times),
         "wall_s": time.perf_counter() - started,
         "peak_rss_bytes": peak_rss(),
-        "losses": [float(x["loss"]) for x in logs],
-        "accuracy": [float(x.get("rewards/accuracies", float("nan"))) for x in logs],
+        "losses": [float(x["loss"]) for x in history],
+        "accuracy": [float(x.get("rewards/accuracies", float("nan"))) for x in history],
     }
 
 

@@ -29,11 +29,6 @@ def check_preference(cfg: Config) -> None:
             f"{pref.simpo_gamma} a finite one (TRL's defaults: 0.1 and 0.5)"
         )
     problems = [
-        (
-            p.pp > 1,
-            "pipeline parallelism (parallel.pp): the reference pass before step 1 runs the whole model on "
-            "each rank",
-        ),
         (p.cp > 1, "context parallelism (parallel.cp): an answer's log-prob would be split over cp ranks"),
         (d.packing, "packed rows (data.packing=true): each answer is its own row; set data.packing=false"),
     ]

@@ -18,6 +18,7 @@ is the reference (under LoRA, the base: new adapters start at zero), so no secon
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ from zerotron.components.preference_data import PreferenceDataset, trim_padding
 from zerotron.config import Config, PreferenceConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group, Mesh
+from zerotron.models.stages import StagedModel
+from zerotron.parallel.pipeline import forward_only
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 
 LOSSES = ("sigmoid", "ipo", "simpo")
@@ -78,9 +81,9 @@ class PreferenceObjective:
         self.cfg, self.tp, self.multiple = cfg, tp, multiple  # multiple: see trim_padding
         self.sums = torch.zeros(4, dtype=torch.float64)
 
-    def reset(self) -> None:
-        """Start a step."""
-        self.sums = torch.zeros(4, dtype=torch.float64)
+    def reset(self, device: torch.device | None = None) -> None:
+        """Start a step (the figures kept on ``device``: no sync per micro-batch)."""
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
 
     def trim(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The micro-batch cut to its longest pair (:func:`trim_padding`)."""
@@ -98,9 +101,11 @@ class PreferenceObjective:
             self.sums = self.sums.to(figures.device) + figures.double()
         return losses.sum()
 
-    def finish(self, data: Group) -> None:
-        """Sum the step's figures over the data-parallel ranks (the tp ranks of a row agree already)."""
-        collectives.all_reduce(self.sums, data, op="sum")
+    def finish(self, *groups: Group) -> None:
+        """Sum the step's figures over ``groups``: the data-parallel ranks (the tp ranks of a row agree
+        already) and, under pp, the pipeline ranks (the last stage alone computed them)."""
+        for group in groups:
+            collectives.all_reduce(self.sums, group, op="sum")
 
     def metrics(self) -> dict[str, Any]:
         """The step's figures (see the class docstring)."""
@@ -126,11 +131,12 @@ def reference_logps(
 ) -> np.ndarray:
     """The model's summed answer log-probs of every row of ``dataset`` (2·pairs,) fp32, the same on
     every rank: each data-parallel rank runs every dp-th pair, ``train.micro_batch`` pairs at a time
-    under the run's precision, with no gradient; one all-reduce then gives every rank all of them.
+    under the run's precision, with no gradient (under pp, stage after stage: the last one holds the
+    log-probs); all-reduces over pp and dp then give every rank all of them.
 
     Every rank runs the same number of forwards (ZeRO-3 gathers each layer on all ranks at once): a
     rank with fewer pairs runs its first pair again and drops the result."""
-    dp, tp = mesh.group("dp"), mesh.group("tp")
+    dp = mesh.group("dp")
     pairs = len(dataset)
     mine = np.arange(dp.rank_in_group, pairs, dp.size)
     micro = cfg.train.micro_batch
@@ -138,16 +144,37 @@ def reference_logps(
     out = torch.zeros(2 * pairs, dtype=torch.float64)
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        for k in range(rounds):
-            chunk = mine[k * micro : (k + 1) * micro]
-            batch = dataset.batch(chunk if len(chunk) else np.zeros(1, dtype=np.int64))
-            batch = trim_padding(batch, row_multiple(cfg))
-            with autocast(device, cfg.train.precision):
-                logits = model(batch[0].to(device))
-                logps, _ = sequence_logps(logits, batch[1].to(device), tp)
-            if len(chunk):
-                out[torch.from_numpy(dataset.row_indices(chunk))] = logps.double().cpu()
+    for k in range(rounds):
+        chunk = mine[k * micro : (k + 1) * micro]
+        batch = dataset.batch(chunk if len(chunk) else np.zeros(1, dtype=np.int64))
+        logps = _forward_logps(model, trim_padding(batch, row_multiple(cfg)), mesh, cfg, device)
+        if len(chunk) and logps is not None:
+            out[torch.from_numpy(dataset.row_indices(chunk))] = logps.double().cpu()
     model.train(was_training)
+    collectives.all_reduce(out, mesh.group("pp"), op="sum")  # only the last stage held them
     collectives.all_reduce(out, dp, op="sum")
     return out.numpy().astype(np.float32)
+
+
+def _forward_logps(
+    model: nn.Module, batch: tuple[torch.Tensor, ...], mesh: Mesh, cfg: Config, device: torch.device
+) -> torch.Tensor | None:
+    """The rows' summed answer log-probs (None on a pipeline rank without the last stage)."""
+    inputs, labels = batch[0].to(device), batch[1].to(device)
+    tp = mesh.group("tp")
+    with torch.no_grad():
+        if isinstance(model, StagedModel):
+            shards = tp.size if cfg.parallel.sequence_parallel else 1
+            shape = (inputs.shape[0], inputs.shape[1] // shards, cfg.model.hidden_size)
+            dtype = next(model.parameters()).dtype  # the residual stream's, as the schedule passes it
+
+            def context() -> AbstractContextManager[object]:
+                return autocast(device, cfg.train.precision)
+
+            logits = forward_only(model.chunks, mesh.group("pp"), inputs, shape, dtype, context)
+            if logits is None:
+                return None
+        else:
+            with autocast(device, cfg.train.precision):
+                logits = model(inputs)
+        return sequence_logps(logits, labels, tp)[0]

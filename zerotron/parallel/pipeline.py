@@ -348,3 +348,39 @@ def sum_tied_grads(grad: torch.Tensor | None, group: Group) -> None:
     if grad is None or group.size == 1:
         return
     collectives.all_reduce(grad, group, op="sum")
+
+
+def forward_only(
+    chunks: Sequence[nn.Module],
+    group: Group,
+    tokens: torch.Tensor,
+    act_shape: tuple[int, ...],
+    act_dtype: torch.dtype,
+    forward_context: Callable[[], Any] | None = None,
+) -> torch.Tensor | None:
+    """One micro-batch of ``tokens`` (b, s) through every virtual stage in turn, without gradients or
+    a schedule (a pass before training, e.g. a reference model's log-probs): stage ``k`` is chunk
+    ``k // p`` of pipeline rank ``k % p``, as in :meth:`Schedule.stage`. Returns the last stage's
+    output on the rank holding it, None on the others. ``act_shape``: the (b, s[/t], h) hidden states
+    passed between stages."""
+    p, rank = group.size, group.rank_in_group
+    last = p * len(chunks) - 1
+    pending: list[tuple[Any, torch.Tensor]] = []
+    out = None
+    for stage in range(rank, last + 1, p):  # this rank's stages, in order
+        if stage == 0:
+            x = tokens
+        else:
+            x = torch.empty(act_shape, dtype=act_dtype, device=tokens.device)
+            collectives.recv(x, group.ranks[(stage - 1) % p], group)
+        context = forward_context() if forward_context is not None else contextlib.nullcontext()
+        with torch.no_grad(), context:
+            y = chunks[stage // p](x)
+        if stage == last:
+            out = y
+        else:
+            y = y.to(act_dtype).contiguous()
+            pending.append((collectives.send(y, group.ranks[(stage + 1) % p], group, async_op=True), y))
+    for work, _ in pending:
+        work.wait()
+    return out

@@ -23,6 +23,7 @@ import torch
 
 from zerotron.components.loss import autocast, token_loss_sum
 from zerotron.components.metrics import ActivationMeter
+from zerotron.components.preference import PreferenceObjective
 from zerotron.config import Config
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
@@ -52,7 +53,12 @@ class PipelineStep:
         schedule = build_schedule(cfg.parallel.pp_schedule, mesh.dims.pp, m, cfg.parallel.virtual_stages)
         self.cp = mesh.group("cp")
         shards = (self.tp.size if cfg.parallel.sequence_parallel else 1) * self.cp.size
-        shape = (cfg.train.micro_batch, cfg.train.seq_len // shards, cfg.model.hidden_size)  # (b, s[/t/c], h)
+        # zerotron dpo: a micro-batch holds two rows per pair (at train.seq_len: the buffers have one shape)
+        self.preference = (
+            PreferenceObjective(cfg.preference, self.tp) if cfg.data.format == "preference" else None
+        )
+        rows = cfg.train.micro_batch * (2 if self.preference is not None else 1)
+        shape = (rows, cfg.train.seq_len // shards, cfg.model.hidden_size)  # (b, s[/t/c], h)
         # The residual stream stays in the parameters' dtype under autocast (fp32 embedding + fp16 branches).
         dtype = next(model.parameters()).dtype
         self.router = None  # MoE: the router losses pooled over every stage
@@ -84,7 +90,18 @@ class PipelineStep:
         t = self.cfg.train
         tokens_global = tokens or t.global_batch * t.seq_len
 
+        micro = [shard_batch(batch, self.cp.size, self.cp.rank_in_group) for batch in micro]  # under cp
+        inputs = [batch[0].to(device) for batch in micro]
+        labels = [batch[1].to(device) for batch in micro]
+        third = [batch[2].to(device) for batch in micro] if micro and len(micro[0]) > 2 else None
+        # packed samples' document ids go to every stage; a preference batch's reference log-probs to
+        # the last stage's pair loss, found by the labels tensor the runner gives it
+        documents = third if self.preference is None else None
+        references = {id(y): r for y, r in zip(labels, third or [], strict=False)}
+
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            if self.preference is not None:
+                return self.preference(logits, labels, references.get(id(labels))) * (scale / tokens_global)
             return token_loss_sum(logits, labels, self.tp) * (scale / tokens_global)
 
         @contextlib.contextmanager
@@ -92,16 +109,16 @@ class PipelineStep:
             with self.meter.forward(), autocast(device, t.precision):
                 yield
 
-        micro = [shard_batch(batch, self.cp.size, self.cp.rank_in_group) for batch in micro]  # under cp
-        inputs = [batch[0].to(device) for batch in micro]
-        labels = [batch[1].to(device) for batch in micro]
-        documents = [batch[2].to(device) for batch in micro] if micro and len(micro[0]) > 2 else None
+        if self.preference is not None:
+            self.preference.reset(device)
         if self.router is not None:
             self.router.begin(scale, self.n_micro)
         with self.buckets.hold():  # one reduction after the last backward (ZeRO-3: per micro-batch)
             scaled = self.runner.run(inputs, labels, loss_fn, forward_context, documents)
         if self.router is not None:
             self.router.finish(self.group)
+        if self.preference is not None:  # the last stage's figures, on every rank
+            self.preference.finish(self.group, self.mesh.group("dp"))
         self.buckets.finish()
         tied = self.model.tied_weight()  # after the dp reduction: both copies' shards line up (ZeRO)
         sum_tied_grads(self.buckets.reduced_grad(tied) if tied is not None else None, self.embed)
@@ -110,5 +127,7 @@ class PipelineStep:
         return loss_sum
 
     def metrics(self) -> dict[str, Any]:
-        """The router figures of an MoE model (every pipeline rank reports the last stage's)."""
-        return self.router.metrics() if self.router is not None else {}
+        """The router figures of an MoE model and a preference run's rewards (every pipeline rank
+        reports the last stage's)."""
+        figures = self.router.metrics() if self.router is not None else {}
+        return figures if self.preference is None else {**figures, **self.preference.metrics()}

@@ -75,7 +75,7 @@ class MicroBatchStep:
         tokens_global = tokens or self.cfg.train.global_batch * self.cfg.train.seq_len
         self.router.reset()
         if self.preference is not None:
-            self.preference.reset()
+            self.preference.reset(device)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
             batch = shard_batch(batch, self.cp.size, self.cp.rank_in_group)  # this rank's tokens under cp
