@@ -406,6 +406,48 @@ def test_quantised_gradients_in_two_levels_train(tmp_path: Path) -> None:
         assert abs(r[name]["losses"][-1] - reference[-1]) <= 0.02 * reference[-1], (name, r[name]["losses"])
 
 
+def _auto_body(tmp: str) -> dict[str, Any]:
+    from zerotron.train.trainer import Trainer
+
+    rank, world = current_rank_and_world()
+    out: dict[str, Any] = {}
+    for name, extra in (("auto", []), ("by_hand", NODE2)):
+        cfg = load_config(None, [*TINY, "train.micro_batch=1", "parallel.zero=2", *QGZ8, *extra])
+        mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
+        trainer = Trainer(cfg, mesh, Path(tmp, name), _tokens())
+        history = [trainer.train_step() for _ in range(2)]
+        out[name] = {"losses": [r["loss"] for r in history], "comm": history[-1]["comm_bytes"]}
+        trainer.close()
+    return out
+
+
+def test_two_levels_by_default_across_nodes(tmp_path: Path) -> None:
+    """qgZ's node size left at 0 (auto): a launcher with 2 ranks per node (LOCAL_WORLD_SIZE, as
+    torchrun sets it) at dp 4 reduces in two levels, to the bit as nodes of 2 set by hand; the
+    planner resolves it from the hardware's GPUs per node alike (DeepSpeed's default)."""
+    runs = run_distributed(_auto_body, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": "2"}, timeout=300)
+    for r in runs:
+        assert r["auto"] == r["by_hand"]
+        assert set(r["auto"]["comm"]["dp_nodes"]) == {"all_to_all"}
+    from zerotron.layout import qgz_node
+    from zerotron.plan.hardware import get_hardware
+    from zerotron.plan.planner import plan_config
+
+    assert qgz_node(0, True, 64, 8, 1, True) == 8  # 8 nodes of 8 GPUs, dp 64
+    assert qgz_node(0, True, 8, 8, 1, True) == 1  # one node: one level
+    assert qgz_node(0, True, 16, 8, 2, True) == 4  # tp 2: 4 dp ranks a node
+    assert qgz_node(0, True, 16, 8, 16, True) == 1  # a replica spans two nodes
+    assert qgz_node(0, False, 64, 8, 1, True) == 1 and qgz_node(0, True, 64, 8, 1, False) == 1
+    assert qgz_node(2, True, 64, 8, 1, True) == 2  # set by hand: kept
+    job = ["model.preset=llama3-8b", "train.global_batch=256", "parallel.zero=3", *QGZ4]
+    hw = get_hardware("h100-sxm")
+    auto = plan_config(load_config(None, job), hw, 64)
+    by_hand = plan_config(load_config(None, [*job, "parallel.zero_quantized_gradient_node=8"]), hw, 64)
+    assert auto.step_time_s == by_hand.step_time_s
+    one = plan_config(load_config(None, [*job, "parallel.zero_quantized_gradient_node=1"]), hw, 64)
+    assert one.step_time_s != auto.step_time_s
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -232,11 +232,12 @@ class ParallelConfig:
         "small values to zero; 2048 cost the default job 1.5% of loss at int8, 128 none)",
     )
     zero_quantized_gradient_node: int = _f(
-        1,
+        0,
         "zero_quantized_gradients: ranks per node (the GPUs of one machine). Above 1 the reduction runs in "
         "two levels, as ZeRO++'s qgZ does: an all-to-all inside each block of this many consecutive dp "
         "ranks, summed, quantised again, then one across the blocks, so 1/this of the bytes cross "
-        "nodes; 1: one level (every rank to every rank)",
+        "nodes; 1: one level (every rank to every rank); 0 (auto): the launcher's ranks per node "
+        "(LOCAL_WORLD_SIZE; zerotron plan: the hardware's GPUs per node) when dp spans several nodes",
     )
     zero_hpz_size: int = _f(
         1,

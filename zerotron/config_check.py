@@ -290,7 +290,7 @@ def _check_zero(cfg: Config, world_size: int) -> None:
         )
     if p.zero_hpz_size != 1:
         check_hpz(cfg, world_size)
-    if p.zero_quantized_gradient_node != 1:
+    if p.zero_quantized_gradient_node not in (0, 1):  # 0: resolved where the ranks per node are known
         check_qgz_node(cfg, world_size)
     for key in ("zero_quantized_weight_block", "zero_quantized_gradient_block"):
         if getattr(p, key) < 1:

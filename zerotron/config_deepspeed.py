@@ -364,8 +364,8 @@ def _map_zero(ds: dict[str, Any], m: _Mapper) -> None:
         elif key == "zero_quantized_gradients" and value is True:
             m.set(ds_key, value, "parallel.zero_quantized_gradients", True)
             why = (
-                " (qgZ sends int4 gradients; DeepSpeed reduces inside each node first: add "
-                "parallel.zero_quantized_gradient_node=<GPUs per node> across nodes)"
+                " (qgZ sends int4 gradients; inside each node first across nodes, as DeepSpeed does: "
+                "parallel.zero_quantized_gradient_node=0, auto)"
             )
             m.set(ds_key, value, "parallel.zero_quantized_gradient_bits", 4, why)
         else:

@@ -321,6 +321,23 @@ def onebit_shard_sizes(padded: int, ranks: int) -> tuple[int, int]:
     return chunk, 4 * chunk // ONEBIT_BLOCK + chunk // 8
 
 
+def qgz_node(value: int, quantized: bool, dp: int, local: int, inner: int, levels_built: bool) -> int:
+    """``parallel.zero_quantized_gradient_node`` resolved to the dp ranks per node of qgZ's reduction.
+
+    0 (auto, the default) is DeepSpeed's choice: with qgZ on and the dp ranks spread over several nodes,
+    two levels — inside each node, then across. A node of ``local`` ranks holds ``local / inner`` dp
+    ranks (dp is the outermost mesh axis; ``inner`` = pp·cp·tp ranks per dp rank). One level where qgZ
+    is off, everything is on one node, a replica spans nodes, the node's dp ranks do not divide dp, or
+    the layout is one the two levels are not built for (``levels_built`` false). A value set by hand is
+    kept (checked elsewhere)."""
+    if value != 0:
+        return value
+    per_node = local // inner if local % inner == 0 else 1
+    if quantized and levels_built and 1 < per_node < dp and dp % per_node == 0:
+        return per_node
+    return 1
+
+
 def hybrid(dp: int, zero: int, shard_size: int) -> bool:
     """Whether ZeRO shards over groups of ``shard_size`` data-parallel ranks and replicates across them
     (hybrid sharding: ``parallel.zero_shard_size`` set, smaller than dp)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotron import layout
 from zerotron.build.fill import fill_from
 from zerotron.build.source import model_tokenizer, resolve_model, weight_source
 from zerotron.components.loss import AUTOCAST, REDUCE_DTYPE
 from zerotron.components.state import model_placements
-from zerotron.config import Config
+from zerotron.config import Config, ParallelConfig
 from zerotron.distributed.mesh import Group, Mesh
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import cast_parameters
@@ -124,13 +126,24 @@ def compile_blocks(model: nn.Module, compiled: bool) -> None:
         block.forward = torch.compile(block.forward)
 
 
+def qgz_resolved(cfg: Config, dp: int, local: int) -> ParallelConfig:
+    """``cfg.parallel`` with qgZ's ranks per node resolved (:func:`zerotron.layout.qgz_node`) from
+    ``local``, the launcher's ranks per node (0: unknown, one node)."""
+    p = cfg.parallel
+    node = layout.qgz_node(
+        p.zero_quantized_gradient_node, p.zero_quantized_gradients, dp, local or dp * p.pp * p.cp * p.tp,
+        p.pp * p.cp * p.tp, p.zero_shard_size in (0, dp) and p.cp == 1 and p.ep == 1,
+    )  # fmt: skip
+    return dataclasses.replace(p, zero_quantized_gradient_node=node)
+
+
 def data_parallel(
     model: nn.Module, records: dict[str, Placement], cfg: Config, mesh: Mesh, device: torch.device
 ) -> DataParallel:
     """ZeRO (which replaces the gradient buckets and owns what the optimizer updates) or plain data
     parallelism's buckets, each parameter reduced over the group its placement names. Under ZeRO-3
     the model is still on the meta device: each unit materialises its range from the weight source."""
-    par = cfg.parallel
+    par = qgz_resolved(cfg, mesh.group("dp").size, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
     mixed = cfg.train.precision in AUTOCAST
     stage, shard_group, replicas = zero_sharding(mesh, par.zero, mixed)
     groups = grad_groups(records, shard_group)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zerotron.config import Config
-from zerotron.layout import ONEBIT_BLOCK, hybrid_block, onebit_sizes, quantized_wire
+from zerotron.layout import ONEBIT_BLOCK, hybrid_block, onebit_sizes, qgz_node, quantized_wire
 from zerotron.plan import activations as act
 from zerotron.plan import memory as mem
 from zerotron.plan import timing
@@ -373,6 +373,18 @@ def _buffers(
     return sum(detail.values()), detail
 
 
+def resolve_qgz_node(layout: Layout, gpus_per_node: int) -> Layout:
+    """``zero_quantized_gradient_node=0`` (auto) resolved as the trainer resolves it from its launcher's
+    ranks per node (:func:`zerotron.layout.qgz_node`), from the hardware's GPUs per node."""
+    d = layout.dims
+    built = d.zero_shard_size in (0, d.dp) and d.cp == 1 and d.ep == 1
+    node = qgz_node(
+        layout.zero_quantized_gradient_node, layout.zero_quantized_gradients, d.dp, gpus_per_node,
+        d.pp * d.cp * d.tp, built,
+    )  # fmt: skip
+    return replace(layout, zero_quantized_gradient_node=node)
+
+
 def plan_layout(
     m: ModelShape,
     layout: Layout,
@@ -386,6 +398,7 @@ def plan_layout(
     ``flash=False`` models attention that materialises the scores (Megatron 2021): their memory (in the
     ``megatron`` convention) and the softmax's memory traffic.
     """
+    layout = resolve_qgz_node(layout, hw.gpus_per_node)
     stages = memory_stages(m, layout, work)
     per_stage = [stage_memory(m, layout, work, convention, st, flash) for st in stages]
     worst = max(range(len(stages)), key=lambda i: per_stage[i][0]["total"])
