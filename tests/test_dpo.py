@@ -225,6 +225,8 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
         (2, ["parallel.pp=2", "lora.rank=0", "parallel.pp_schedule=gpipe"]),
         (4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb"]),
         (4, ["parallel.pp=2", "parallel.zero=1", "train.global_batch=8"]),
+        (2, ["parallel.cp=2", "lora.rank=0"]),
+        (4, ["parallel.cp=2", "parallel.zero=2", "parallel.cp_comm=allgather"]),
     ],
     ids=[
         "dp2-zero3-full",
@@ -234,6 +236,8 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
         "pp2-gpipe-full",
         "pp2-tp2-zb-lora",
         "dp2-pp2-zero1-lora",
+        "cp2-ring-full",
+        "dp2-cp2-allgather-zero2-lora",
     ],
 )
 def test_dpo_layouts_equal_single_process(tmp_path: Path, world: int, layout: list[str]) -> None:
@@ -328,7 +332,6 @@ def test_bad_pairs_are_named_or_skipped_and_counted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.cp=2"], "not built with context parallelism"),
         (["data.packing=true"], "set data.packing=false"),
         (["preference.loss=kto"], "preference.loss"),
         (["preference.beta=0"], "preference.beta=0.0 must be a positive number"),

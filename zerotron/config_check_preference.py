@@ -11,9 +11,9 @@ from zerotron.config_load import ConfigError
 
 
 def check_preference(cfg: Config) -> None:
-    """The preference settings' ranges, the layouts the pair loss is not built for, and preference keys
-    set for another kind of data (refused rather than ignored)."""
-    pref, p, d = cfg.preference, cfg.parallel, cfg.data
+    """The preference settings' ranges, packed rows (not built), and preference keys set for another
+    kind of data (refused rather than ignored)."""
+    pref, d = cfg.preference, cfg.data
     if d.format != "preference":
         defaults = PreferenceConfig()
         for key in ("loss", "beta", "simpo_gamma"):
@@ -28,10 +28,8 @@ def check_preference(cfg: Config) -> None:
             f"preference.beta={pref.beta} must be a positive number and preference.simpo_gamma="
             f"{pref.simpo_gamma} a finite one (TRL's defaults: 0.1 and 0.5)"
         )
-    problems = [
-        (p.cp > 1, "context parallelism (parallel.cp): an answer's log-prob would be split over cp ranks"),
-        (d.packing, "packed rows (data.packing=true): each answer is its own row; set data.packing=false"),
-    ]
-    for refused, why in problems:
-        if refused:
-            raise ConfigError(f"data.format=preference is not built with {why}")
+    if d.packing:
+        raise ConfigError(
+            "data.format=preference is not built with packed rows (data.packing=true): each answer is its "
+            "own row; set data.packing=false"
+        )

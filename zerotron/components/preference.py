@@ -32,22 +32,29 @@ from zerotron.config import Config, PreferenceConfig
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group, Mesh
 from zerotron.models.stages import StagedModel
+from zerotron.parallel.context import shard_batch
 from zerotron.parallel.pipeline import forward_only
-from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
+from zerotron.parallel.tensor_comm import reduce_from_tp, vocab_parallel_cross_entropy
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 
 
 def sequence_logps(
-    logits: torch.Tensor, labels: torch.Tensor, tp: Group
+    logits: torch.Tensor, labels: torch.Tensor, tp: Group, cp: Group | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's summed log-prob of its counted labels (fp32, (rows,)) and how many it counts.
 
-    ``logits``: (rows, s, V) [(rows, s, V/tp) under tp]; ``labels``: (rows, s), -100 not counted."""
+    ``logits``: (rows, s, V) [(rows, s, V/tp) under tp]; ``labels``: (rows, s), -100 not counted.
+    Under cp (``cp``: its group) each rank holds part of each row's tokens: the sums are summed over
+    the group (identity backward, so each rank's tokens get the gradient of the whole row's log-prob)."""
     flat = labels.flatten()
     per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), flat, tp)
     per_token = torch.where(flat != IGNORE, per_token, 0.0).view(labels.shape)
-    return -per_token.sum(dim=1), (labels != IGNORE).sum(dim=1)
+    logps, counts = -per_token.sum(dim=1), (labels != IGNORE).sum(dim=1)
+    if cp is not None and cp.size > 1:
+        logps = reduce_from_tp(logps, cp)
+        collectives.all_reduce(counts, cp, op="sum")
+    return logps, counts
 
 
 def pair_losses(
@@ -77,8 +84,8 @@ class PreferenceObjective:
     ``rewards_chosen``, ``rewards_rejected``, ``reward_margin`` (means over the global batch's pairs),
     ``reward_accuracy`` (the fraction whose chosen reward is the higher)."""
 
-    def __init__(self, cfg: PreferenceConfig, tp: Group, multiple: int = 1) -> None:
-        self.cfg, self.tp, self.multiple = cfg, tp, multiple  # multiple: see trim_padding
+    def __init__(self, cfg: PreferenceConfig, tp: Group, multiple: int = 1, cp: Group | None = None) -> None:
+        self.cfg, self.tp, self.cp, self.multiple = cfg, tp, cp, multiple  # multiple: see trim_padding
         self.sums = torch.zeros(4, dtype=torch.float64)
 
     def reset(self, device: torch.device | None = None) -> None:
@@ -93,7 +100,7 @@ class PreferenceObjective:
         self, logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor | None
     ) -> torch.Tensor:
         """The summed loss of this micro-batch's pairs (fp32 scalar, with its graph)."""
-        logps, counts = sequence_logps(logits, labels, self.tp)
+        logps, counts = sequence_logps(logits, labels, self.tp, self.cp)
         losses, reward_c, reward_r = pair_losses(logps, counts, reference, self.cfg)
         with torch.no_grad():  # kept on the device: no sync per micro-batch
             right = (reward_c > reward_r).to(reward_c.dtype)
@@ -122,8 +129,10 @@ class PreferenceObjective:
 
 def row_multiple(cfg: Config) -> int:
     """What a trimmed row's length must divide by: tp under sequence parallelism (each rank holds
-    a 1/tp slice of the sequence), else 1."""
-    return cfg.parallel.tp if cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel else 1
+    a 1/tp slice of the sequence), times 2·cp under context parallelism (its zig-zag split)."""
+    p = cfg.parallel
+    multiple = p.tp if p.tp > 1 and p.sequence_parallel else 1
+    return multiple * (2 * p.cp if p.cp > 1 else 1)
 
 
 def reference_logps(
@@ -132,7 +141,8 @@ def reference_logps(
     """The model's summed answer log-probs of every row of ``dataset`` (2·pairs,) fp32, the same on
     every rank: each data-parallel rank runs every dp-th pair, ``train.micro_batch`` pairs at a time
     under the run's precision, with no gradient (under pp, stage after stage: the last one holds the
-    log-probs); all-reduces over pp and dp then give every rank all of them.
+    log-probs; under cp each rank runs its part of the tokens and the parts are summed); all-reduces
+    over pp and dp then give every rank all of them.
 
     Every rank runs the same number of forwards (ZeRO-3 gathers each layer on all ranks at once): a
     rank with fewer pairs runs its first pair again and drops the result."""
@@ -147,7 +157,9 @@ def reference_logps(
     for k in range(rounds):
         chunk = mine[k * micro : (k + 1) * micro]
         batch = dataset.batch(chunk if len(chunk) else np.zeros(1, dtype=np.int64))
-        logps = _forward_logps(model, trim_padding(batch, row_multiple(cfg)), mesh, cfg, device)
+        batch = trim_padding(batch, row_multiple(cfg))
+        cp = mesh.group("cp")
+        logps = _forward_logps(model, shard_batch(batch, cp.size, cp.rank_in_group), mesh, cfg, device)
         if len(chunk) and logps is not None:
             out[torch.from_numpy(dataset.row_indices(chunk))] = logps.double().cpu()
     model.train(was_training)
@@ -177,4 +189,4 @@ def _forward_logps(
         else:
             with autocast(device, cfg.train.precision):
                 logits = model(inputs)
-        return sequence_logps(logits, labels, tp)[0]
+        return sequence_logps(logits, labels, tp, mesh.group("cp"))[0]

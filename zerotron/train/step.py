@@ -57,13 +57,14 @@ class MicroBatchStep:
         self.model, self.cfg, self.meter, self.reducer = model, cfg, meter, reducer
         self.tp, self.cp = mesh.group("tp"), mesh.group("cp")
         self.data = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")  # the ranks holding other tokens
+        self.data_only = mesh.group("dp")  # ... other rows
         # ... and, under sequence parallelism, the tp ranks holding the other sequence shards
         sp = mesh.dims.tp > 1 and cfg.parallel.sequence_parallel
         self.token_groups = [self.data, self.tp] if sp else [self.data]
         self.router = RouterMeter(cfg.model)  # MoE: the step's router losses and expert load
         # data.format=preference: the loss is over pairs of rows (chosen, rejected), not over tokens
         self.preference = (
-            PreferenceObjective(cfg.preference, self.tp, row_multiple(cfg))
+            PreferenceObjective(cfg.preference, self.tp, row_multiple(cfg), self.cp)
             if cfg.data.format == "preference"
             else None
         )
@@ -78,9 +79,9 @@ class MicroBatchStep:
             self.preference.reset(device)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
-            batch = shard_batch(batch, self.cp.size, self.cp.rank_in_group)  # this rank's tokens under cp
             if self.preference is not None:  # pairs: run at the longest pair, not at train.seq_len
                 batch = self.preference.trim(batch)
+            batch = shard_batch(batch, self.cp.size, self.cp.rank_in_group)  # this rank's tokens under cp
             inputs, labels = batch[0].to(device), batch[1].to(device)
             # packed samples' document ids, or a preference batch's reference log-probs
             third = batch[2].to(device) if len(batch) > 2 else None
@@ -101,10 +102,11 @@ class MicroBatchStep:
                     )
                     extra = self.router.add(self.model, self.token_groups, len(micro))  # 0 without experts
                 (loss * (scale / tokens_global) + extra * scale).backward()
-            loss_sum += loss.detach()
+            # a pair loss is whole on every cp rank (the token loss is each rank's part of it)
+            loss_sum += loss.detach() if self.preference is None else loss.detach() / self.cp.size
         self.router.finish(self.model, self.token_groups)  # aux-loss-free balancing: the routers' biases
         if self.preference is not None:
-            self.preference.finish(self.data)
+            self.preference.finish(self.data_only)  # the cp ranks of a pair agree already
         self.reducer.finish()
         return loss_sum
 
