@@ -298,13 +298,14 @@ QWZ_QGZ4 = [
     "parallel.zero_quantized_gradients=true",
     "parallel.zero_quantized_gradient_bits=4",
 ]
+ONE_LEVEL = ["parallel.zero_quantized_gradient_node=1"]  # the default (auto) would take nodes of 8
 PLAN_VARIANTS = [
     ("ZeRO-3", []),
     ("+ qwZ", ["parallel.zero_quantized_weights=true"]),
-    ("+ qgZ int4", QWZ_QGZ4[1:]),
+    ("+ qgZ int4, one level", [*QWZ_QGZ4[1:], *ONE_LEVEL]),
     ("+ hpZ (blocks of 8: a node)", ["parallel.zero_hpz_size=8"]),
-    ("+ qwZ + qgZ int4", QWZ_QGZ4),
-    ("+ qwZ + qgZ int4 + hpZ", [*QWZ_QGZ4, "parallel.zero_hpz_size=8"]),
+    ("+ qwZ + qgZ int4, one level", [*QWZ_QGZ4, *ONE_LEVEL]),
+    ("+ qwZ + qgZ int4, one level + hpZ", [*QWZ_QGZ4, "parallel.zero_hpz_size=8", *ONE_LEVEL]),
     ("+ qgZ int4 in two levels (nodes of 8)", [*QWZ_QGZ4[1:], "parallel.zero_quantized_gradient_node=8"]),
     (
         "+ qwZ + qgZ int4 in two levels + hpZ",
