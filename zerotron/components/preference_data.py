@@ -23,15 +23,7 @@ import torch
 
 from zerotron.components.data import DataError
 from zerotron.components.packing import Sample, pack
-from zerotron.components.supervised import (
-    _SHOWN_ERRORS,
-    Row,
-    RowError,
-    _fit,
-    _text,
-    read_rows,
-    use_template,
-)
+from zerotron.components.supervised import _SHOWN_ERRORS, Row, RowError, _fit, _text, encode_rows
 from zerotron.config import DataConfig
 from zerotron.models.tokenizer import Tokenizer
 
@@ -151,26 +143,14 @@ def prepare_preference(
 ) -> PreferenceData:
     """Every row of ``cfg.source`` as a pair of rows (see the module docstring). A bad row raises
     :class:`DataError` naming it, or with ``data.on_error=skip`` is counted and left out."""
-    use_template(tokenizer, cfg.template)
     max_length = cfg.max_length or seq_len
-    samples: list[Sample] = []
-    skipped: list[str] = []
-    try:
-        rows = list(read_rows(cfg.source))
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.source: {e}") from None
-    for row in rows:
-        try:
-            if isinstance(row, RowError):
-                raise row
-            pair = encode_pair(row, tokenizer)
-            samples += [_fit(s, max_length, cfg.truncation, row.where) for s in pair]
-        except RowError as e:
-            if cfg.on_error == "fatal":
-                raise DataError(f"{e} (data.on_error=skip skips and counts such rows)") from None
-            skipped.append(str(e))
-    if not samples:
-        raise DataError(f"data.source {cfg.source}: no usable preference pair ({len(skipped)} bad rows)")
+
+    def encode(row: Row | RowError) -> list[Sample]:
+        if isinstance(row, RowError):
+            raise row
+        return [_fit(s, max_length, cfg.truncation, row.where) for s in encode_pair(row, tokenizer)]
+
+    samples, skipped = encode_rows(cfg, tokenizer, encode, "preference pair")
     packed = pack(samples, seq_len, pad_id, packing=False)  # in order: chosen, rejected, chosen, ...
     array = np.stack([packed.input_ids.numpy(), packed.labels.numpy()]).astype(np.int32)
     return PreferenceData(array, len(samples) // 2, int((packed.labels != -100).sum()), skipped)
@@ -178,9 +158,10 @@ def prepare_preference(
 
 def trim_padding(batch: tuple[torch.Tensor, ...], multiple: int = 1) -> tuple[torch.Tensor, ...]:
     """A micro-batch's (inputs, labels) cut after the last position any row's loss counts, rounded up
-    to a multiple of ``multiple`` (tp under sequence parallelism); the rest passes as is. The rows are
-    padded at their end and attention is causal, so what is cut changes no counted log-prob: a batch
-    runs at its longest pair, as TRL's collator pads it, not at ``train.seq_len``."""
+    to a multiple of ``multiple`` (:func:`~zerotron.components.preference.row_multiple`); the rest
+    passes as is. The rows are padded at their end and attention is causal, so what is cut changes no
+    counted log-prob: a batch runs at its longest pair, as TRL's collator pads it, not at
+    ``train.seq_len``."""
     inputs, labels, *rest = batch
     counted = (labels != -100).any(dim=0).nonzero()
     keep = int(counted.max()) + 1 if len(counted) else 1

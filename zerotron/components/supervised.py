@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,13 +319,13 @@ def _encode_row(row: Any, cfg: DataConfig, tokenizer: Tokenizer, max_length: int
     return _fit(sample, max_length, cfg.truncation, row.where)
 
 
-def prepare_supervised(
-    cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, pad_id: int = 0
-) -> SupervisedData:
-    """Every row of ``cfg.source`` as packed rows (see the module docstring). A bad row raises
-    :class:`DataError` naming it, or with ``data.on_error=skip`` is counted and left out."""
+def encode_rows(
+    cfg: DataConfig, tokenizer: Tokenizer, encode: Callable[[Row | RowError], list[Sample]], what: str
+) -> tuple[list[Sample], list[str]]:
+    """Every row of ``cfg.source`` through ``encode`` (one or more samples a row), with ``data.template``
+    applied first; a bad row raises :class:`DataError` naming it, or with ``data.on_error=skip`` is
+    counted and left out. Returns the samples and the skipped rows' "file:line: why"."""
     use_template(tokenizer, cfg.template)
-    max_length = cfg.max_length or seq_len
     samples: list[Sample] = []
     skipped: list[str] = []
     try:
@@ -334,13 +334,25 @@ def prepare_supervised(
         raise DataError(f"data.source: {e}") from None
     for row in rows:
         try:
-            samples.append(_encode_row(row, cfg, tokenizer, max_length))
+            samples += encode(row)
         except RowError as e:
             if cfg.on_error == "fatal":
                 raise DataError(f"{e} (data.on_error=skip skips and counts such rows)") from None
             skipped.append(str(e))
     if not samples:
-        raise DataError(f"data.source {cfg.source}: no usable sample ({len(skipped)} bad rows)")
+        raise DataError(f"data.source {cfg.source}: no usable {what} ({len(skipped)} bad rows)")
+    return samples, skipped
+
+
+def prepare_supervised(
+    cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, pad_id: int = 0
+) -> SupervisedData:
+    """Every row of ``cfg.source`` as packed rows (see the module docstring). A bad row raises
+    :class:`DataError` naming it, or with ``data.on_error=skip`` is counted and left out."""
+    max_length = cfg.max_length or seq_len
+    samples, skipped = encode_rows(
+        cfg, tokenizer, lambda row: [_encode_row(row, cfg, tokenizer, max_length)], "sample"
+    )
     packed = pack(samples, seq_len, pad_id, packing=cfg.packing)
     array = np.stack([packed.input_ids.numpy(), packed.labels.numpy(), packed.document_ids.numpy()])
     return SupervisedData(
