@@ -155,9 +155,11 @@ def test_zero_mixed_precision_keeps_16_bit_weights_and_tracks_the_single_process
     assert not any(runs["z3_fp16"]["skipped"] + runs["z1_fp16"]["skipped"])
     assert not any(runs["z3_fp16_offload_params"]["skipped"])
     # the same 16-bit weights from the same fp32 masters: switching between data parallelism and ZeRO-1/2
-    # under bf16 changes only the order of the fp32 gradient sums, not the trajectory
+    # under bf16 changes only the order of the fp32 gradient sums, not the trajectory (within 1e-6 on
+    # the Intel machines CI ran on, 1.3e-6 after 8 steps on an AMD EPYC without AVX-512; the bf16 runs
+    # themselves are 1e-3 from fp32)
     for z in (1, 2):
-        np.testing.assert_allclose(runs["z0_bf16"]["losses"], runs[f"z{z}_bf16"]["losses"], rtol=1e-6)
+        np.testing.assert_allclose(runs["z0_bf16"]["losses"], runs[f"z{z}_bf16"]["losses"], rtol=1e-5)
 
     def moved(name: str) -> int:
         return sum(runs[name]["comm"].get(op, 0) for op in ("all_gather", "reduce_scatter"))
