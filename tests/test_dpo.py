@@ -227,6 +227,7 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
         (4, ["parallel.pp=2", "parallel.zero=1", "train.global_batch=8"]),
         (2, ["parallel.cp=2", "lora.rank=0"]),
         (4, ["parallel.cp=2", "parallel.zero=2", "parallel.cp_comm=allgather"]),
+        (4, ["parallel.pp=2", "parallel.cp=2", "lora.rank=0"]),
     ],
     ids=[
         "dp2-zero3-full",
@@ -238,6 +239,7 @@ def _train_body(cfg: Config, rows: np.ndarray, run_dir: str, steps: int) -> dict
         "dp2-pp2-zero1-lora",
         "cp2-ring-full",
         "dp2-cp2-allgather-zero2-lora",
+        "pp2-cp2-full",
     ],
 )
 def test_dpo_layouts_equal_single_process(tmp_path: Path, world: int, layout: list[str]) -> None:

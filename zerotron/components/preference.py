@@ -33,10 +33,8 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group, Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.context import shard_batch
-from zerotron.parallel.pipeline import forward_only
+from zerotron.parallel.pipeline import forward_only, stage_activation_shape
 from zerotron.parallel.tensor_comm import reduce_from_tp, vocab_parallel_cross_entropy
-
-LOSSES = ("sigmoid", "ipo", "simpo")
 
 
 def sequence_logps(
@@ -51,9 +49,9 @@ def sequence_logps(
     per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), flat, tp)
     per_token = torch.where(flat != IGNORE, per_token, 0.0).view(labels.shape)
     logps, counts = -per_token.sum(dim=1), (labels != IGNORE).sum(dim=1)
-    if cp is not None and cp.size > 1:
-        logps = reduce_from_tp(logps, cp)
-        collectives.all_reduce(counts, cp, op="sum")
+    if cp is not None and cp.size > 1:  # one all-reduce for both (the counts ride along, exact in fp32)
+        both = reduce_from_tp(torch.cat([logps, counts.to(logps.dtype)]), cp)
+        logps, counts = both[: len(counts)], both[len(counts) :].detach().round().long()
     return logps, counts
 
 
@@ -86,7 +84,7 @@ class PreferenceObjective:
 
     def __init__(self, cfg: PreferenceConfig, tp: Group, multiple: int = 1, cp: Group | None = None) -> None:
         self.cfg, self.tp, self.cp, self.multiple = cfg, tp, cp, multiple  # multiple: see trim_padding
-        self.sums = torch.zeros(4, dtype=torch.float64)
+        self.reset()
 
     def reset(self, device: torch.device | None = None) -> None:
         """Start a step (the figures kept on ``device``: no sync per micro-batch)."""
@@ -107,6 +105,11 @@ class PreferenceObjective:
             figures = torch.stack([reward_c.sum(), reward_r.sum(), right.sum(), torch.ones_like(right).sum()])
             self.sums = self.sums.to(figures.device) + figures.double()
         return losses.sum()
+
+    def share(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the step's summed pair losses, for the loss the trainer sums over the
+        data ranks: under cp every rank of the group computed the whole pair losses, so 1/cp each."""
+        return loss_sum if self.cp is None else loss_sum / self.cp.size
 
     def finish(self, *groups: Group) -> None:
         """Sum the step's figures over ``groups``: the data-parallel ranks (the tp ranks of a row agree
@@ -152,13 +155,13 @@ def reference_logps(
     micro = cfg.train.micro_batch
     rounds = math.ceil(math.ceil(pairs / dp.size) / micro)
     out = torch.zeros(2 * pairs, dtype=torch.float64)
+    cp = mesh.group("cp")
     was_training = model.training
     model.eval()
     for k in range(rounds):
         chunk = mine[k * micro : (k + 1) * micro]
         batch = dataset.batch(chunk if len(chunk) else np.zeros(1, dtype=np.int64))
         batch = trim_padding(batch, row_multiple(cfg))
-        cp = mesh.group("cp")
         logps = _forward_logps(model, shard_batch(batch, cp.size, cp.rank_in_group), mesh, cfg, device)
         if len(chunk) and logps is not None:
             out[torch.from_numpy(dataset.row_indices(chunk))] = logps.double().cpu()
@@ -176,8 +179,8 @@ def _forward_logps(
     tp = mesh.group("tp")
     with torch.no_grad():
         if isinstance(model, StagedModel):
-            shards = tp.size if cfg.parallel.sequence_parallel else 1
-            shape = (inputs.shape[0], inputs.shape[1] // shards, cfg.model.hidden_size)
+            sp = tp.size if cfg.parallel.sequence_parallel else 1
+            shape = stage_activation_shape(inputs.shape, cfg.model.hidden_size, sp)  # cp: sharded already
             dtype = next(model.parameters()).dtype  # the residual stream's, as the schedule passes it
 
             def context() -> AbstractContextManager[object]:

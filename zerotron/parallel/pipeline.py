@@ -350,6 +350,12 @@ def sum_tied_grads(grad: torch.Tensor | None, group: Group) -> None:
     collectives.all_reduce(grad, group, op="sum")
 
 
+def stage_activation_shape(tokens: Sequence[int], hidden: int, shards: int) -> tuple[int, int, int]:
+    """The (b, s/shards, h) hidden states passed between stages for a micro-batch of ``tokens``
+    (b, s) ids (``shards``: the sequence's split, tp under sequence parallelism times cp)."""
+    return (tokens[0], tokens[1] // shards, hidden)
+
+
 def forward_only(
     chunks: Sequence[nn.Module],
     group: Group,

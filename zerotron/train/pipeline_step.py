@@ -30,7 +30,7 @@ from zerotron.distributed.mesh import Mesh
 from zerotron.models.stages import StagedModel
 from zerotron.parallel.context import shard_batch
 from zerotron.parallel.engine import GradientReducer
-from zerotron.parallel.pipeline import PipelineRunner, sum_tied_grads
+from zerotron.parallel.pipeline import PipelineRunner, stage_activation_shape, sum_tied_grads
 from zerotron.parallel.pipeline_schedule import build_schedule
 from zerotron.train.router import PipelineRouter
 
@@ -55,10 +55,12 @@ class PipelineStep:
         shards = (self.tp.size if cfg.parallel.sequence_parallel else 1) * self.cp.size
         # zerotron dpo: a micro-batch holds two rows per pair (at train.seq_len: the buffers have one shape)
         self.preference = (
-            PreferenceObjective(cfg.preference, self.tp) if cfg.data.format == "preference" else None
+            PreferenceObjective(cfg.preference, self.tp, cp=self.cp)
+            if cfg.data.format == "preference"
+            else None
         )
         rows = cfg.train.micro_batch * (2 if self.preference is not None else 1)
-        shape = (rows, cfg.train.seq_len // shards, cfg.model.hidden_size)  # (b, s[/t/c], h)
+        shape = stage_activation_shape((rows, cfg.train.seq_len), cfg.model.hidden_size, shards)
         # The residual stream stays in the parameters' dtype under autocast (fp32 embedding + fp16 branches).
         dtype = next(model.parameters()).dtype
         self.router = None  # MoE: the router losses pooled over every stage
@@ -123,6 +125,8 @@ class PipelineStep:
         tied = self.model.tied_weight()  # after the dp reduction: both copies' shards line up (ZeRO)
         sum_tied_grads(self.buckets.reduced_grad(tied) if tied is not None else None, self.embed)
         loss_sum = scaled * (tokens_global / scale)  # back to the summed token loss
+        if self.preference is not None:
+            loss_sum = self.preference.share(loss_sum)
         collectives.all_reduce(loss_sum, self.group, op="sum")
         return loss_sum
 

@@ -102,11 +102,11 @@ class MicroBatchStep:
                     )
                     extra = self.router.add(self.model, self.token_groups, len(micro))  # 0 without experts
                 (loss * (scale / tokens_global) + extra * scale).backward()
-            # a pair loss is whole on every cp rank (the token loss is each rank's part of it)
-            loss_sum += loss.detach() if self.preference is None else loss.detach() / self.cp.size
+            loss_sum += loss.detach()
         self.router.finish(self.model, self.token_groups)  # aux-loss-free balancing: the routers' biases
         if self.preference is not None:
             self.preference.finish(self.data_only)  # the cp ranks of a pair agree already
+            loss_sum = self.preference.share(loss_sum)
         self.reducer.finish()
         return loss_sum
 
