@@ -335,6 +335,7 @@ def test_bad_pairs_are_named_or_skipped_and_counted(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         (["data.packing=true"], "set data.packing=false"),
+        (["data.loss_on=all"], "leave data.loss_on out"),
         (["preference.loss=kto"], "preference.loss"),
         (["preference.beta=0"], "preference.beta=0.0 must be a positive number"),
     ],

@@ -28,6 +28,11 @@ def check_preference(cfg: Config) -> None:
             f"preference.beta={pref.beta} must be a positive number and preference.simpo_gamma="
             f"{pref.simpo_gamma} a finite one (TRL's defaults: 0.1 and 0.5)"
         )
+    if d.loss_on != "assistant":
+        raise ConfigError(
+            f"data.loss_on={d.loss_on} chooses supervised tokens; a preference pair's loss counts each "
+            "answer's tokens: leave data.loss_on out"
+        )
     if d.packing:
         raise ConfigError(
             "data.format=preference is not built with packed rows (data.packing=true): each answer is its "
