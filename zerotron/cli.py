@@ -39,12 +39,26 @@ examples:
   torchrun --nproc-per-node 4 -m zerotron dpo model_dir pairs.jsonl
 """
 
+EPILOG_GRPO = """Prompt rows {prompt|messages, ...} (any other field, e.g. answer, goes to the rewards). Each step:
+grpo.group_size completions per prompt from zerotron's serving engine on the training ranks' own
+weights, rewards summed, group-normalised advantages, the clipped policy loss (grpo.loss=dapo, TRL's
+default; grpo, dr_grpo), one optimizer step, a prefix-cache reset as the weight sync. The engine's and
+the trainer's log-probs agree bit for bit (metrics.jsonl: logprob_max_abs_delta). Full fp32 fine-tuning
+under data parallelism and ZeRO-1/2.
+examples:
+  zerotron grpo model_dir sums.jsonl --reward exact_match --nproc 1
+  zerotron grpo model_dir sums.jsonl --reward exact_match --reward format grpo.group_size=8 --nproc 2
+  zerotron grpo model_dir prompts.jsonl --reward my_rewards:score grpo.beta=0.04 parallel.zero=2
+  torchrun --nproc-per-node 2 -m zerotron grpo model_dir sums.jsonl --reward exact_match
+"""
+
 
 # each sub-command's body, in its own package (imported when it runs)
 COMMANDS = {
     "train": "zerotron.train.command:train_command",
     "sft": "zerotron.finetune.sft:sft_command",
     "dpo": "zerotron.finetune.dpo:dpo_command",
+    "grpo": "zerotron.finetune.grpo:grpo_command",
     "generate": "zerotron.serve.generate:generate_command",
     "serve": "zerotron.serve.command:serve_command",
     "convert": "zerotron.build.convert:convert_command",
@@ -85,8 +99,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_finetune(sub: Any, name: str, summary: str, epilog: str) -> None:
-    """``zerotron sft|dpo MODEL DATA [CONFIG] [key=value ...]``."""
+def _add_finetune(sub: Any, name: str, summary: str, epilog: str) -> argparse.ArgumentParser:
+    """``zerotron sft|dpo|grpo MODEL DATA [CONFIG] [key=value ...]``."""
     p = sub.add_parser(
         name, help=summary, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -96,10 +110,11 @@ def _add_finetune(sub: Any, name: str, summary: str, epilog: str) -> None:
         "items",
         nargs="*",
         metavar="[CONFIG] [key=value ...]",
-        help="as for `zerotron train` (see zerotron train --help-config: lora.*, data.*, preference.*)",
+        help="as for `zerotron train` (see zerotron train --help-config: lora.*, data.*, preference.*, grpo.*)",
     )
     _add_launch_args(p)
     p.set_defaults(fn=_run)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_finetune(
         sub, "dpo", "preference-tune a model on chosen/rejected pairs (DPO, IPO, SimPO; LoRA)", EPILOG_DPO
+    )
+    grpo = _add_finetune(
+        sub, "grpo", "reinforce a model on prompts and rewards (online GRPO, DAPO; rollouts by the engine)", EPILOG_GRPO
+    )
+    grpo.add_argument(
+        "--reward",
+        action="append",
+        metavar="NAME",
+        help="a reward: exact_match, format, length or module:function (repeat to sum several; grpo.rewards)",
     )
 
     _add_generate(sub)

@@ -343,7 +343,8 @@ class DataConfig:
         "pretrain",
         "pretrain (documents concatenated into windows, every token counted), or supervised samples one "
         "per row of .jsonl/.json/.csv: auto (detected per row), messages, sharegpt, alpaca, query, text; or "
-        "preference: {prompt|messages, chosen, rejected} pairs trained with preference.loss (zerotron dpo)",
+        "preference: {prompt|messages, chosen, rejected} pairs trained with preference.loss (zerotron dpo); or "
+        "prompts: {prompt|messages, ...} rows answered and rewarded online (zerotron grpo)",
     )
     loss_on: str = _f(
         "assistant",
@@ -411,6 +412,39 @@ class PreferenceConfig:
 
 
 @dataclass
+class GrpoConfig:
+    """Online GRPO (``data.format=prompts``, ``zerotron grpo``): rollouts by the serving engine on the
+    training ranks, rewards, group-normalised advantages and the clipped policy loss (TRL's names)."""
+
+    group_size: int = _f(4, "completions sampled per prompt (G; TRL's num_generations)")
+    max_new_tokens: int = _f(16, "the longest completion, in tokens (TRL's max_completion_length)")
+    temperature: float = _f(1.0, "sampling temperature of the rollouts; log-probs are of logits / temperature")
+    rewards: str = _f(
+        "exact_match",
+        "comma-separated reward functions, summed: exact_match (the row's answer field), format (grpo."
+        "format_regex), length (minus the completion's share of grpo.max_new_tokens), or module:function "
+        "called as f(prompt, completion, row) -> float",
+    )
+    answer_field: str = _f("answer", "the prompt row's field exact_match compares the completion with")
+    format_regex: str = _f(r"^\s*\d+\s*$", "the pattern the format reward asks the whole completion to match")
+    loss: str = _f(
+        "dapo",
+        "dapo (token-level: every completion token of the global batch weighs the same), grpo (each "
+        "completion's token mean, then the mean), or dr_grpo (token sum over rows x max_new_tokens)",
+    )
+    scale_rewards: str = _f("group", "advantages divided by the reward std of: group, batch, or none")
+    epsilon: float = _f(0.2, "the ratio's clip range below 1 (and above, unless grpo.epsilon_high)")
+    epsilon_high: float = _f(0.0, "the clip range above 1 (DAPO's clip-higher, e.g. 0.28); 0: grpo.epsilon")
+    beta: float = _f(0.0, "weight of the KL penalty to the reference model (the weights at step 0); 0: none")
+    importance_correction: str = _f(
+        "none",
+        "none, or tis: each token's loss times min(exp(trainer - engine log-prob), grpo.importance_cap) "
+        "(for layouts whose engine and trainer log-probs differ; exact ones give 1)",
+    )
+    importance_cap: float = _f(2.0, "the cap of the tis importance weight")
+
+
+@dataclass
 class CheckpointConfig:
     """When and how many checkpoints are written."""
 
@@ -475,6 +509,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -487,6 +522,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "lora": LoraSection,
     "preference": PreferenceConfig,
+    "grpo": GrpoConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "fault": FaultConfig,

@@ -30,7 +30,7 @@ from zerotron.config_check_compressed import (
     check_unused_zero_one,
     resolved_dp,
 )
-from zerotron.config_check_preference import check_preference
+from zerotron.config_check_preference import check_grpo, check_preference
 from zerotron.config_load import ConfigError
 
 _CHOICES = {
@@ -47,8 +47,11 @@ _CHOICES = {
     "model.mlp": ("gated", "plain"),
     "model.scoring_func": ("softmax", "sigmoid"),
     "data.token_dtype": ("uint16", "uint32", "int32", "int64"),
-    "data.format": ("pretrain", "auto", "messages", "sharegpt", "alpaca", "query", "text", "preference"),
+    "data.format": ("pretrain", "auto", "messages", "sharegpt", "alpaca", "query", "text", "preference", "prompts"),
     "preference.loss": ("sigmoid", "ipo", "simpo"),
+    "grpo.loss": ("dapo", "grpo", "dr_grpo"),
+    "grpo.scale_rewards": ("group", "batch", "none"),
+    "grpo.importance_correction": ("none", "tis"),
     "data.loss_on": ("assistant", "last_turn", "all"),
     "data.template": ("model", "chatml", "llama3"),
     "data.truncation": ("delete", "left", "right"),
@@ -461,6 +464,7 @@ def _check_finetune(cfg: Config) -> None:
     """Supervised data and LoRA: ranges, and the layouts they are not built for yet (one line each)."""
     lo, d, p = cfg.lora, cfg.data, cfg.parallel
     check_preference(cfg)
+    check_grpo(cfg)
     supervised = d.format != "pretrain"
     if supervised and d.max_length > cfg.train.seq_len:
         raise ConfigError(

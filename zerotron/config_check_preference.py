@@ -1,4 +1,5 @@
-"""Checks of preference optimisation (``data.format=preference``, ``zerotron dpo``), each a one-line
+"""Checks of preference optimisation (``data.format=preference``, ``zerotron dpo``) and of online GRPO
+(``data.format=prompts``, ``zerotron grpo``), each a one-line
 :class:`~zerotron.config_load.ConfigError` before anything is spawned; :func:`zerotron.config_check.validate`
 calls them."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from zerotron.config import Config, PreferenceConfig
+from zerotron.config import Config, GrpoConfig, PreferenceConfig
 from zerotron.config_load import ConfigError
 
 
@@ -38,3 +39,55 @@ def check_preference(cfg: Config) -> None:
             "data.format=preference is not built with packed rows (data.packing=true): each answer is its "
             "own row; set data.packing=false"
         )
+
+
+def check_grpo(cfg: Config) -> None:
+    """The GRPO settings' ranges, grpo keys set for another kind of data, and the layouts GRPO is not
+    built for (its rollouts run on the trainer's own weights in place: whole replicas in fp32)."""
+    g, d, p = cfg.grpo, cfg.data, cfg.parallel
+    if d.format != "prompts":
+        defaults = GrpoConfig()
+        for key in defaults.__dataclass_fields__:
+            if getattr(g, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"grpo.{key}={getattr(g, key)} sets online GRPO, and data.format={d.format}: train on "
+                    "prompts (data.format=prompts, or zerotron grpo), or leave it out"
+                )
+        return
+    ranges = [
+        ("group_size", g.group_size >= 2, "at least 2 completions per prompt (advantages are within a group)"),
+        ("max_new_tokens", g.max_new_tokens >= 1, "at least 1 token"),
+        ("temperature", 0 < g.temperature <= 100, "in (0, 100]: GRPO samples (greedy rollouts give a group no spread)"),
+        ("epsilon", 0 < g.epsilon < 1, "in (0, 1)"),
+        ("epsilon_high", g.epsilon_high >= 0, "0 (grpo.epsilon) or a positive clip range"),
+        ("beta", math.isfinite(g.beta) and g.beta >= 0, "0 (no KL penalty) or a positive weight"),
+        ("importance_cap", g.importance_cap >= 1, "at least 1"),
+    ]
+    for key, ok, fix in ranges:
+        if not ok:
+            raise ConfigError(f"grpo.{key}={getattr(g, key)} is out of range: {fix}")
+    if g.max_new_tokens >= cfg.train.seq_len:
+        raise ConfigError(
+            f"grpo.max_new_tokens={g.max_new_tokens} leaves no room for a prompt in train.seq_len="
+            f"{cfg.train.seq_len}: raise train.seq_len or lower grpo.max_new_tokens"
+        )
+    refused = [
+        ("parallel.tp", p.tp > 1),
+        ("parallel.pp", p.pp > 1),
+        ("parallel.cp", p.cp > 1),
+        ("parallel.zero=3", p.zero == 3),
+        ("parallel.offload_params", p.offload_params != "none"),
+        ("parallel.offload_optimizer", p.offload_optimizer != "none"),
+        ("model.num_local_experts", cfg.model.num_local_experts > 0),
+        (f"train.precision={cfg.train.precision}", cfg.train.precision != "fp32"),
+        ("train.compile", cfg.train.compile),
+        ("lora.rank", cfg.lora.rank > 0),
+    ]
+    named = [name for name, on in refused if on]
+    if named:
+        raise ConfigError(
+            f"zerotron grpo is built for full fp32 fine-tuning under data parallelism and ZeRO-1/2 (the "
+            f"rollout engine reads whole replicas in place), not with {', '.join(named)}: drop those settings"
+        )
+    if d.packing:
+        raise ConfigError("data.format=prompts is not built with packed rows: set data.packing=false")

@@ -43,6 +43,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: Optional[int] = None
     logprobs: Optional[int] = None  # number of top alternatives per token (0: just the chosen one)
+    # raw: log-probs of the model's logits (vLLM's default); processed: of logits / temperature, the
+    # distribution sampled from (vLLM's processed_logprobs; penalties and top-k/p/min-p left out)
+    logprobs_mode: str = "raw"
     grammar: Any = None  # a compiled grammar the tokens must follow (zerotron.serve.structured)
 
     def validate(self) -> None:
@@ -58,6 +61,7 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "in [0, 20]"),
+            ("logprobs_mode", self.logprobs_mode in ("raw", "processed"), "raw or processed"),
             (
                 "seed",
                 self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
@@ -152,7 +156,8 @@ def sample(
         token = int(torch.multinomial(probs, 1, generator=generator))
     if params.logprobs is None:
         return Choice(token)
-    logp = torch.log_softmax(raw, dim=-1)
+    scaled = raw / params.temperature if params.logprobs_mode == "processed" and params.temperature else raw
+    logp = torch.log_softmax(scaled, dim=-1)
     top: list[tuple[int, float]] = []
     if params.logprobs > 0:
         values, ids = torch.topk(logp, params.logprobs)

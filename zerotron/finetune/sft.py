@@ -13,7 +13,7 @@ from typing import Any
 
 from zerotron.config_load import split_items
 from zerotron.train.command import launch_options, report_run
-from zerotron.train.run import launch_training
+from zerotron.train.run import Worker, launch_training
 
 # `zerotron sft MODEL DATA`: these replace the tree's defaults; a config file and key=value win.
 SFT_DEFAULTS: dict[str, Any] = {
@@ -43,12 +43,15 @@ def sft_command(args: argparse.Namespace) -> int:
     return finetune_command(args, SFT_DEFAULTS)
 
 
-def finetune_command(args: argparse.Namespace, job_defaults: dict[str, Any]) -> int:
-    """A fine-tuning job (``sft``, ``dpo``) on ``args.model`` and ``args.data``: the training job with
-    ``job_defaults`` under the config; prints how to merge the adapter it writes."""
+def finetune_command(
+    args: argparse.Namespace, job_defaults: dict[str, Any], worker: Worker | None = None
+) -> int:
+    """A fine-tuning job (``sft``, ``dpo``, ``grpo``) on ``args.model`` and ``args.data``: the training job
+    with ``job_defaults`` under the config (each rank running ``worker``, by default the training loop);
+    prints how to merge the adapter it writes."""
     config, overrides = split_items(args.items)
     defaults = {**job_defaults, "model.path": args.model, "data.source": args.data}
-    summary = launch_training(config, overrides, args.nproc, launch_options(args), defaults)
+    summary = launch_training(config, overrides, args.nproc, launch_options(args), defaults, worker)
     code = report_run(summary)
     if summary is not None and summary.get("adapter"):
         print(

@@ -155,6 +155,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix: the model's weights were changed in place (``zerotron grpo``'s
+        weight sync, which is this and nothing else). Only between requests; returns the blocks dropped."""
+        if self.requests:
+            raise RuntimeError("the prefix cache is reset between requests, not while some are running")
+        return self.pool.forget()
+
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:

@@ -133,6 +133,14 @@ class BlockPool:
         self.share(block)
         return block
 
+    def forget(self) -> int:
+        """Drop every prefix-cache name (the weights changed: cached keys and values are stale); returns
+        how many were dropped."""
+        dropped = len(self.by_hash)
+        self.by_hash.clear()
+        self.hash_of.clear()
+        return dropped
+
     def register(self, block: int, digest: bytes) -> None:
         """Name a full block for prefix caching (the first block with a given name keeps it)."""
         if digest not in self.by_hash and block not in self.hash_of:

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,8 @@ from zerotron.components.data import SupervisedDataset, load_supervised, load_to
 from zerotron.components.metrics import plot_loss, truncate_metrics
 from zerotron.components.preference import reference_logps
 from zerotron.components.preference_data import PreferenceDataset, prepare_preference
+from zerotron.components.prompt_data import PromptSet, prepare_prompts, write_prompts
+from zerotron.components.rewards import RewardError, load_rewards
 from zerotron.components.supervised import prepare_supervised
 from zerotron.config import ARCHITECTURE_FIELDS, Config, ModelConfig
 from zerotron.config_check import validate
@@ -205,6 +207,8 @@ def prepare_run(cfg: Config, run_dir: Path) -> int:
         )
     if cfg.data.format == "preference":
         n_tokens = _prepare_preference(cfg, tokenizer, run_dir)
+    elif cfg.data.format == "prompts":
+        n_tokens = _prepare_prompts(cfg, tokenizer, run_dir)
     elif cfg.data.format != "pretrain":
         n_tokens = _prepare_supervised(cfg, tokenizer, run_dir)
     else:
@@ -287,7 +291,30 @@ def _prepare_preference(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int
     return data.loss_tokens
 
 
-def _load_data(cfg: Config, rd: Path) -> np.ndarray | SupervisedDataset | PreferenceDataset:
+def _prepare_prompts(cfg: Config, tokenizer: Tokenizer, run_dir: Path) -> int:
+    """Prompt rows into ``prompts.jsonl`` (see :mod:`zerotron.finetune.grpo`); return their tokens."""
+    try:
+        load_rewards(cfg.grpo)  # a reward that cannot be found is said before anything runs
+    except RewardError as e:
+        raise ConfigError(str(e)) from None
+    data = prepare_prompts(cfg.data, tokenizer, cfg.train.seq_len - cfg.grpo.max_new_tokens)
+    print(f"zerotron: data {cfg.data.source}: {data.summary()}", flush=True)
+    if len(data.lines) < cfg.train.global_batch:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r} holds {len(data.lines)} prompts, fewer than one global batch "
+            f"({cfg.train.global_batch} prompts); add data or lower train.global_batch"
+        )
+    _check_vocab(cfg, max(max(line["ids"]) for line in data.lines))
+    if data.skipped:
+        (run_dir / "skipped_rows.txt").write_text("\n".join(data.skipped) + "\n", encoding="utf-8")
+    write_prompts(run_dir / "prompts.jsonl", data)
+    return sum(len(line["ids"]) for line in data.lines)
+
+
+def load_data(cfg: Config, rd: Path) -> np.ndarray | SupervisedDataset | PreferenceDataset | PromptSet:
+    """The run's prepared data, as the trainer takes it."""
+    if cfg.data.format == "prompts":
+        return PromptSet(rd / "prompts.jsonl", cfg.train.seq_len)
     if cfg.data.format == "pretrain":
         return load_tokens(str(rd / "tokens.npy"))
     if cfg.data.format == "preference":
@@ -344,7 +371,7 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     cfg = load_config(str(rd / "config.yaml"), [])
     rank, world = current_rank_and_world()
     mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
-    data = _load_data(cfg, rd)
+    data = load_data(cfg, rd)
     trainer = Trainer(cfg, mesh, rd, data, attempt=attempt)
     if isinstance(data, PreferenceDataset) and cfg.preference.loss != "simpo":
         data.reference = _reference(trainer, data, rd)  # before a checkpoint replaces the weights
@@ -397,6 +424,10 @@ def _finish(trainer: Trainer, run_dir: Path, history: list[dict[str, Any]]) -> d
     return out
 
 
+# a rank's body: (run directory, checkpoint to resume or None, restart attempt) -> its summary
+Worker = Callable[[str, "str | None", int], dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class LaunchOptions:
     """How a training job is launched (the flags every training command shares), checked on
@@ -421,6 +452,7 @@ def launch_training(
     nproc: int,
     options: LaunchOptions | None = None,
     defaults: Mapping[str, Any] | None = None,
+    worker: Worker | None = None,
 ) -> dict[str, Any] | None:
     """Check, prepare and run a training job on ``nproc`` local ranks, or as one rank of a torchrun job.
 
@@ -428,9 +460,11 @@ def launch_training(
     is torn down and started again from the newest complete checkpoint, at most that many times; each
     restart and its cause go into ``restarts.jsonl``. ``defaults``: dotted keys in place of the tree's
     defaults (``zerotron sft``'s). Returns rank 0's summary; under torchrun the other ranks return None
-    (rank 0 reports for the job).
+    (rank 0 reports for the job). ``worker``: each rank's body in place of :func:`train_worker` (an
+    application's own loop around the trainer: ``zerotron grpo``'s), called the same way.
     """
     options = options or LaunchOptions()
+    worker = worker or train_worker
     out, resume, overwrite, max_restarts = (
         options.out,
         options.resume,
@@ -438,7 +472,7 @@ def launch_training(
         options.max_restarts,
     )
     if under_torchrun():
-        return _run_as_job_rank(config_path, overrides, options, defaults)
+        return _run_as_job_rank(config_path, overrides, options, defaults, worker)
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give at least 1 local rank")
     cfg = load_job_config(config_path, overrides, nproc, options.deepspeed, defaults=defaults)
@@ -453,7 +487,7 @@ def launch_training(
             ckpt = str(checkpoint) if checkpoint else None
             try:
                 results = spawn(
-                    train_worker,
+                    worker,
                     nproc,
                     args=(str(run_dir), ckpt, attempt),
                     backend=cfg.parallel.backend,
@@ -495,6 +529,7 @@ def _run_as_job_rank(
     overrides: list[str],
     options: LaunchOptions,
     defaults: Mapping[str, Any] | None = None,
+    worker: Worker | None = None,
 ) -> dict[str, Any] | None:
     """This process is one rank of a torchrun/SLURM job (DESIGN contract 10): every rank checks the
     config (pure), rank 0 alone claims the run directory and writes the shared files while the others
@@ -526,7 +561,7 @@ def _run_as_job_rank(
         message = json.loads(share_from_rank0(word))
         if "error" in message:
             raise ConfigError(f"rank 0 could not prepare the run: {message['error']}")
-        summary = train_worker(message["run_dir"], message["resume"], attempt)
+        summary = (worker or train_worker)(message["run_dir"], message["resume"], attempt)
         return _report(summary, Path(message["run_dir"])) if rank == 0 else None
     finally:
         destroy_distributed()

@@ -47,6 +47,24 @@ class Step(Protocol):
         ...
 
 
+class Objective(Protocol):
+    """A loss an application computes itself from the model (``zerotron grpo``'s policy loss): it runs
+    the forward of a micro-batch and returns its summed loss; the step scales, backpropagates and
+    reduces as for any other."""
+
+    def reset(self, device: torch.device) -> None:
+        """Before a step's first micro-batch."""
+        ...
+
+    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
+        """The micro-batch's summed loss (fp32 scalar, with its graph)."""
+        ...
+
+    def metrics(self) -> dict[str, Any]:
+        """The step's figures for the metrics record."""
+        ...
+
+
 class MicroBatchStep:
     """The one-stage step: each micro-batch's forward and backward in turn, gradients accumulating
     locally until the last, whose backward the reducer overlaps with its reduction."""
@@ -68,12 +86,15 @@ class MicroBatchStep:
             if cfg.data.format == "preference"
             else None
         )
+        self.objective: Objective | None = None  # set by an application (zerotron grpo)
 
     def forward_backward(
         self, micro: MicroBatches, scale: float, device: torch.device, tokens: int | None = None
     ) -> torch.Tensor:
         """See :class:`Step`."""
         tokens_global = tokens or self.cfg.train.global_batch * self.cfg.train.seq_len
+        if self.objective is not None:
+            return self._objective_steps(micro, scale / tokens_global, device)
         self.router.reset()
         if self.preference is not None:
             self.preference.reset(device)
@@ -110,8 +131,25 @@ class MicroBatchStep:
         self.reducer.finish()
         return loss_sum
 
+    def _objective_steps(self, micro: MicroBatches, factor: float, device: torch.device) -> torch.Tensor:
+        """The micro-batches through :attr:`objective`, each loss times ``factor`` backpropagated."""
+        assert self.objective is not None
+        self.objective.reset(device)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for i, batch in enumerate(micro):
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else self.reducer.no_sync():
+                with self.meter.forward(), autocast(device, self.cfg.train.precision):
+                    loss = self.objective(self.model, batch, device)
+                (loss * factor).backward()
+            loss_sum += loss.detach()
+        self.reducer.finish()
+        return loss_sum
+
     def metrics(self) -> dict[str, Any]:
         """See :class:`Step`."""
+        if self.objective is not None:
+            return self.objective.metrics()
         figures = self.router.metrics()
         return figures if self.preference is None else {**figures, **self.preference.metrics()}
 

@@ -40,6 +40,7 @@ from zerotron.components.optim import (
     sharded_grad_norm,
 )
 from zerotron.components.preference_data import PreferenceDataset
+from zerotron.components.prompt_data import PromptSet
 from zerotron.config import Config
 from zerotron.config_load import to_dict
 from zerotron.distributed import collectives
@@ -60,11 +61,11 @@ class Trainer:
         cfg: Config,
         mesh: Mesh,
         run_dir: Path,
-        tokens: np.ndarray | SupervisedDataset | PreferenceDataset,
+        tokens: np.ndarray | SupervisedDataset | PreferenceDataset | PromptSet,
         attempt: int = 0,
     ) -> None:
         """``tokens``: the token array of pre-training data (cut into windows here), the supervised
-        rows of ``zerotron sft`` or the preference pairs of ``zerotron dpo``."""
+        rows of ``zerotron sft``, the preference pairs of ``zerotron dpo`` or the prompts of ``zerotron grpo``."""
         self.cfg, self.mesh, self.run_dir = cfg, mesh, run_dir
         self._init_fault(attempt)
         self.device = (
@@ -151,9 +152,11 @@ class Trainer:
         self.stopped: str | None = None  # the signal that stopped fit() early, agreed by every rank
 
     # -- one optimizer step ------------------------------------------------------------------------
-    def train_step(self, micro: list[tuple[torch.Tensor, ...]] | None = None) -> dict[str, Any]:
+    def train_step(
+        self, micro: list[tuple[torch.Tensor, ...]] | None = None, counted: int | None = None
+    ) -> dict[str, Any]:
         """Run one optimizer step (on the loader's next batches unless ``micro`` is given; its loss is
-        then normalised by ``global_batch * seq_len``).
+        then normalised by ``counted``, by default ``global_batch * seq_len``).
 
         The loss is the mean over the tokens the loss counts in the whole global batch (labels other
         than -100), on every layout: each rank scales its micro-batches' summed loss by that global
@@ -162,7 +165,7 @@ class Trainer:
         started = time.perf_counter()
         self.injector.before_step(self.step + 1)
         position = self.loader.state_dict()
-        counted = cfg.global_batch * cfg.seq_len
+        counted = counted or cfg.global_batch * cfg.seq_len
         if micro is None:
             micro = self.loader.next_step()
             counted = self.loader.global_tokens
@@ -319,8 +322,12 @@ class Trainer:
         return ckpt
 
     # -- the loop ------------------------------------------------------------------------------------------
-    def fit(self, on_step: Any = None, keep_open: bool = False) -> list[dict[str, Any]]:
+    def fit(
+        self, on_step: Any = None, keep_open: bool = False, step_fn: Any = None
+    ) -> list[dict[str, Any]]:
         """Train until ``train.steps``; checkpoint every ``checkpoint.every`` steps and at the end.
+        ``step_fn``: what runs a step and returns its record, in place of :meth:`train_step` (an
+        application's step around it: ``zerotron grpo``'s rollouts, rewards, then ``train_step``).
 
         ``keep_open``: leave the engine's offload files in place after a run that ends normally (the
         caller generates the end-of-run sample under the training layout, then calls :meth:`close`)."""
@@ -330,6 +337,7 @@ class Trainer:
         show = self.mesh.rank == 0
         progress = Progress(cfg.train.steps, self.step, cfg.log.progress if show else "none", cfg.log.every)
         history: list[dict[str, Any]] = []
+        self._step_fn = step_fn or self.train_step
         with StopRequest() as stop:
             return self._fit_loop(cfg, writer, progress, show, history, stop, on_step)
 
@@ -348,7 +356,7 @@ class Trainer:
             last = cfg.train.steps if cfg.train.exit_step <= 0 else min(cfg.train.steps, cfg.train.exit_step)
             while self.step < last:
                 with self.memory.phase("steps"):
-                    record = self.train_step()
+                    record = self._step_fn()
                 record["phase_peak_memory_bytes"] = dict(self.memory.peaks)
                 record["peak_memory_bytes"] = peak_memory_bytes(self.device)  # the step's end included
                 history.append(record)

@@ -1,0 +1,204 @@
+"""Rollouts for ``zerotron grpo``: zerotron's serving engine on the trainer's own model, and the
+training forward that computes what the engine computed, bit for bit.
+
+:class:`RolloutEngine` builds a :class:`~zerotron.serve.engine.Engine` over the trainer's model on every
+rank (colocated: generate, then train, on the same ranks): paged KV cache, continuous batching, a
+group's G samples as one request of ``n=G`` sharing the prompt's blocks. Its linears run as
+``F.linear`` in calls of :data:`ROWS` rows read from the model's own parameters (``fixed_rows``): the
+optimizer's in-place update is what the next rollout reads, and the weight sync is a prefix-cache
+reset (:meth:`RolloutEngine.sync`) and nothing else: no copy, no file, no process.
+
+The engine's numbers depend on how it cuts a sequence into attention runs
+(:class:`~zerotron.serve.paged.PagedAttention`): a prompt in runs of up to ``Q_ALIGN`` rows, each new
+token alone. :class:`RunAttention` is the trainer's attention with that discipline: for each row of a
+training batch it attends the prompt's runs and each completion position as one-row runs, with the
+engine's key windows, masks, GQA layout and SDPA calls, on the batch's keys and values instead of the
+pool's. With the linears of both in the same fixed-row calls, the trainer's log-prob of every sampled
+token equals the engine's bit for bit (the importance ratio of the first update is exactly 1);
+``RunAttention`` left out (the trainer's plain causal SDPA over the whole row) is the negative control.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotron.components.sampling import SamplingParams
+from zerotron.models.llama import LlamaForCausalLM
+from zerotron.serve.config import EngineConfig
+from zerotron.serve.engine import Engine
+from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, ROW_BUCKET, _sdpa
+
+ROWS = 16  # rows of every linear call, in the engine and in the trainer's forward
+
+
+def runs_of(prompt_len: int, length: int) -> list[tuple[int, int]]:
+    """The attention runs ``[lo, hi)`` the engine computes a sequence of ``length`` tokens in: the
+    prompt's cut at multiples of ``Q_ALIGN``, then each generated token alone (the last one is never
+    fed back; it is given a one-row run too, its outputs unused)."""
+    runs, lo = [], 0
+    while lo < prompt_len:
+        hi = min(prompt_len, (lo // Q_ALIGN + 1) * Q_ALIGN)
+        runs.append((lo, hi))
+        lo = hi
+    runs += [(p, p + 1) for p in range(prompt_len, length)]
+    return runs
+
+
+class RunAttention:
+    """An ``AttentionCache`` for a training forward over rows of (prompt, completion): each row's
+    attention in the engine's runs (see the module docstring). ``prompt_lens`` and ``lengths``: each
+    row's prompt and whole length (padding after it gets zero attention output)."""
+
+    length = 0  # the forward starts at position 0
+
+    def __init__(self, prompt_lens: list[int], lengths: list[int], seq_len: int) -> None:
+        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for b, (p, n) in enumerate(zip(prompt_lens, lengths, strict=True)):
+            for lo, hi in runs_of(p, n):
+                bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
+                groups.setdefault(((lo // bucket + 1) * bucket, hi - lo), []).append((b, lo))
+        self.seq_len = seq_len
+        self.window = max(window for window, _ in groups) if groups else 0
+        self.groups = []
+        for (window, lq), members in groups.items():
+            rows = torch.tensor([b * seq_len + lo + i for b, lo in members for i in range(lq)])
+            batch = torch.tensor([b for b, _ in members])
+            first = torch.tensor([lo for _, lo in members])
+            keys, offsets = torch.arange(window), torch.arange(lq)
+            causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
+            self.groups.append((window, lq, rows, batch, causal))
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor],
+        core: nn.Module,
+    ) -> torch.Tensor:
+        """q (b, h, s, d), k/v (b, kvh, s, d) -> (b, h, s, d), each run as the engine attends it."""
+        b, heads, s, d = q.shape
+        gqa = heads != k.shape[1]
+        pad = max(0, self.window - s)
+        # keys and values laid out as the engine's pool gathers them: (b, positions, kvh, d)
+        kt = F.pad(k.transpose(1, 2), (0, 0, 0, 0, 0, pad))
+        vt = F.pad(v.transpose(1, 2), (0, 0, 0, 0, 0, pad))
+        flat_q = q.transpose(0, 1).reshape(heads, b * s, d)  # (h, rows, d)
+        outs, where = [], []
+        for window, lq, rows, batch, causal in self.groups:
+            mask = torch.zeros(causal.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~causal.to(q.device), float("-inf")
+            )[:, None]
+            n = len(batch)
+            keys = kt[batch.to(q.device), :window].transpose(1, 2)  # (n, kvh, window, d)
+            values = vt[batch.to(q.device), :window].transpose(1, 2)
+            queries = flat_q.index_select(1, rows.to(q.device))  # (h, n * lq, d)
+            qs = queries.view(heads, n, lq, d).transpose(0, 1)  # (n, h, lq, d)
+            if lq == 1 and gqa:  # the engine's one-row GQA layout: a KV head's query heads as rows
+                o = _sdpa(qs.reshape(n, keys.shape[1], -1, d), keys, values, mask, False).reshape(n, heads, 1, d)
+            else:
+                o = _sdpa(qs, keys, values, mask, gqa)
+            outs.append(o.transpose(1, 2).reshape(n * lq, heads, d))
+            where.append(rows)
+        out = q.new_zeros(b * s, heads, d).index_put((torch.cat(where).to(q.device),), torch.cat(outs))
+        return out.view(b, s, heads, d).transpose(1, 2)
+
+
+@dataclass
+class Rollouts:
+    """A rank's completions: G per prompt in turn, with the engine's log-prob of each sampled token."""
+
+    prompts: list[int]  # the prompt (its index in prompts.jsonl) of each completion
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]] = field(default_factory=list)
+    logps: list[list[float]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+
+class RolloutEngine:
+    """The serving engine over the trainer's model (see the module docstring)."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Any, seq_len: int, max_seqs: int) -> None:
+        block = 16
+        blocks = max_seqs * math.ceil(seq_len / block) + 2
+        self.engine = Engine(
+            model,
+            tokenizer,
+            EngineConfig(
+                block_size=block,
+                num_blocks=blocks,
+                max_num_seqs=max_seqs,
+                max_num_batched_tokens=max(2048, seq_len),
+                max_model_len=seq_len,
+                fixed_rows=ROWS,
+            ),
+        )
+        self.model = model
+        model.train()  # the engine set eval(); generation runs under inference mode either way
+        self.preempted = 0
+
+    def generate(
+        self,
+        prompts: list[int],
+        prompt_ids: list[list[int]],
+        seeds: list[int],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+    ) -> Rollouts:
+        """``group_size`` completions of each prompt (seeded by ``seeds``, one per prompt, so that a
+        prompt's completions are the same whichever rank draws it)."""
+        started = time.perf_counter()
+        out = Rollouts([], [])
+        ids = [f"rollout-{i}" for i in range(len(prompts))]
+        for rid, ids_, seed in zip(ids, prompt_ids, seeds, strict=True):
+            params = SamplingParams(
+                n=group_size,
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed,
+                logprobs=0,
+                logprobs_mode="processed",
+            )
+            self.engine.add_request(rid, ids_, params)
+        got: dict[str, dict[int, tuple[list[int], list[float]]]] = {rid: {} for rid in ids}
+        while self.engine.has_unfinished():
+            for result in self.engine.step():
+                if result.error is not None:
+                    raise RuntimeError(f"rollout {result.request_id} failed: {result.error}")
+                for o in result.outputs:
+                    tokens, logps = got[result.request_id].setdefault(o.index, ([], []))
+                    tokens += o.token_ids
+                    logps += [float(c.logprob) for c in o.choices if c.logprob is not None]
+        self.model.train()
+        for rid, prompt, ids_ in zip(ids, prompts, prompt_ids, strict=True):
+            for g in range(group_size):
+                tokens, logps = got[rid][g]
+                out.prompts.append(prompt)
+                out.prompt_ids.append(list(ids_))
+                out.completion_ids.append(tokens)
+                out.logps.append(logps)
+                tok = self.engine.tokenizer
+                out.texts.append(tok.decode(tokens, skip_special_tokens=True) if tok is not None else "")
+        out.seconds = time.perf_counter() - started
+        return out
+
+    def sync(self) -> float:
+        """The weight sync after an optimizer step: the engine already reads the updated parameters; the
+        prefix cache (keys and values of the old weights) is dropped. Returns its seconds."""
+        started = time.perf_counter()
+        self.engine.reset_prefix_cache()
+        return time.perf_counter() - started
