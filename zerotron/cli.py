@@ -101,7 +101,7 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 
 def _add_finetune(sub: Any, name: str, summary: str, epilog: str) -> argparse.ArgumentParser:
     """``zerotron sft|dpo|grpo MODEL DATA [CONFIG] [key=value ...]``."""
-    p = sub.add_parser(
+    p: argparse.ArgumentParser = sub.add_parser(
         name, help=summary, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or zerotron checkpoint/run")
@@ -150,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "dpo", "preference-tune a model on chosen/rejected pairs (DPO, IPO, SimPO; LoRA)", EPILOG_DPO
     )
     grpo = _add_finetune(
-        sub, "grpo", "reinforce a model on prompts and rewards (online GRPO, DAPO; rollouts by the engine)", EPILOG_GRPO
+        sub,
+        "grpo",
+        "reinforce a model on prompts and rewards (online GRPO, DAPO; rollouts by the engine)",
+        EPILOG_GRPO,
     )
     grpo.add_argument(
         "--reward",

@@ -418,7 +418,9 @@ class GrpoConfig:
 
     group_size: int = _f(4, "completions sampled per prompt (G; TRL's num_generations)")
     max_new_tokens: int = _f(16, "the longest completion, in tokens (TRL's max_completion_length)")
-    temperature: float = _f(1.0, "sampling temperature of the rollouts; log-probs are of logits / temperature")
+    temperature: float = _f(
+        1.0, "sampling temperature of the rollouts; log-probs are of logits / temperature"
+    )
     rewards: str = _f(
         "exact_match",
         "comma-separated reward functions, summed: exact_match (the row's answer field), format (grpo."
@@ -436,6 +438,11 @@ class GrpoConfig:
     epsilon: float = _f(0.2, "the ratio's clip range below 1 (and above, unless grpo.epsilon_high)")
     epsilon_high: float = _f(0.0, "the clip range above 1 (DAPO's clip-higher, e.g. 0.28); 0: grpo.epsilon")
     beta: float = _f(0.0, "weight of the KL penalty to the reference model (the weights at step 0); 0: none")
+    kl_bias_correction: bool = _f(
+        True,
+        "the KL term times the (differentiable) importance ratio, for the unbiased reverse-KL gradient "
+        "(DeepSeek-V3.2; TRL's use_bias_correction_kl)",
+    )
     importance_correction: str = _f(
         "none",
         "none, or tis: each token's loss times min(exp(trainer - engine log-prob), grpo.importance_cap) "

@@ -55,9 +55,17 @@ def check_grpo(cfg: Config) -> None:
                 )
         return
     ranges = [
-        ("group_size", g.group_size >= 2, "at least 2 completions per prompt (advantages are within a group)"),
+        (
+            "group_size",
+            g.group_size >= 2,
+            "at least 2 completions per prompt (advantages are within a group)",
+        ),
         ("max_new_tokens", g.max_new_tokens >= 1, "at least 1 token"),
-        ("temperature", 0 < g.temperature <= 100, "in (0, 100]: GRPO samples (greedy rollouts give a group no spread)"),
+        (
+            "temperature",
+            0 < g.temperature <= 100,
+            "in (0, 100]: GRPO samples (greedy rollouts give a group no spread)",
+        ),
         ("epsilon", 0 < g.epsilon < 1, "in (0, 1)"),
         ("epsilon_high", g.epsilon_high >= 0, "0 (grpo.epsilon) or a positive clip range"),
         ("beta", math.isfinite(g.beta) and g.beta >= 0, "0 (no KL penalty) or a positive weight"),

@@ -9,7 +9,8 @@ tests share them:
   returned NaN) is left out of its group's statistics and gets advantage 0;
 - the per-token loss (:func:`token_losses`): ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)`` with
   ``r = exp(logp - logp_old)``, plus ``beta`` times the k3 estimate of KL to the reference,
-  ``exp(ref - logp) - (ref - logp) - 1``;
+  ``exp(ref - logp) - (ref - logp) - 1``, by default times ``r`` (``grpo.kl_bias_correction``: the
+  unbiased reverse-KL gradient of DeepSeek-V3.2, TRL's default);
 - its sum (:func:`loss_sum`) over what the loss averages: every completion token of the global batch
   (``dapo``), each completion's token mean then the rows (``grpo``), or rows x ``max_new_tokens``
   (``dr_grpo``); :func:`loss_count` is the matching denominator for the whole global batch.
@@ -84,7 +85,7 @@ def token_losses(
         assert ref_logps is not None, "grpo.beta > 0 needs the reference log-probs"
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
-        loss = loss + cfg.beta * kl
+        loss = loss + cfg.beta * (kl * ratio if cfg.kl_bias_correction else kl)
     return TokenLosses(loss, clipped.detach(), kl.detach())
 
 

@@ -19,13 +19,14 @@ Metrics per step (``metrics.jsonl``): ``reward_mean``, ``reward_std``, each rewa
 ``grpo.beta``), ``clip_fraction``, ``entropy``, ``completion_tokens_mean``, ``rollout_tokens_per_s``,
 ``train_tokens_per_s``, ``weight_sync_s``, ``logprob_max_abs_delta`` (engine against trainer: 0 when
 they agree bit for bit) and ``reward_failures`` (completions whose reward raised or was not a finite
-number; each is named in ``reward_failures.txt``).
+number; each row and reason is named in ``reward_failures.txt``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,9 @@ class GrpoObjective:
         self.last_full = full
         return full.gather(-1, labels.to(device).clamp(min=0)[..., None])[..., 0]
 
-    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
+    def __call__(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device
+    ) -> torch.Tensor:
         """The micro-batch's summed loss (see :func:`~zerotron.components.grpo.loss_sum`)."""
         g = self.cfg.grpo
         labels, old, adv = batch[1].to(device), batch[2].to(device), batch[3].to(device)
@@ -168,7 +171,7 @@ def micro_batches(
     advantages, prompt lengths, lengths[, reference log-probs]); ``labels`` hold each completion token
     at the position that predicts it (-100 elsewhere), as do the log-probs. ``reference``: a function
     of the first six that gives the reference log-probs (grpo.beta)."""
-    out = []
+    out: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, len(ro.prompt_ids), per_micro):
         rows = range(start, min(start + per_micro, len(ro.prompt_ids)))
         width = max(len(ro.prompt_ids[i]) + len(ro.completion_ids[i]) for i in rows)
@@ -183,7 +186,14 @@ def micro_batches(
             old[r, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(ro.logps[i], dtype=torch.float32)
             plens.append(len(p))
             lens.append(len(p) + len(c))
-        batch = (ids, labels, old, advantages[list(rows)], torch.tensor(plens), torch.tensor(lens))
+        batch: tuple[torch.Tensor, ...] = (
+            ids,
+            labels,
+            old,
+            advantages[list(rows)],
+            torch.tensor(plens),
+            torch.tensor(lens),
+        )
         if reference is not None:
             batch = (*batch, reference(batch))
         out.append(batch)
@@ -193,7 +203,9 @@ def micro_batches(
 class GrpoStep:
     """One GRPO step of a rank (the trainer's ``step_fn``; see the module docstring)."""
 
-    def __init__(self, trainer: Trainer, data: PromptSet, rewards: list[tuple[str, Reward]], run_dir: Path) -> None:
+    def __init__(
+        self, trainer: Trainer, data: PromptSet, rewards: list[tuple[str, Reward]], run_dir: Path
+    ) -> None:
         cfg, mesh = trainer.cfg, trainer.mesh
         self.trainer, self.cfg, self.data, self.rewards, self.run_dir = trainer, cfg, data, rewards, run_dir
         self.dp = mesh.group("dp")
@@ -204,7 +216,9 @@ class GrpoStep:
         trainer.runner.objective = self.objective
         per_rank = cfg.train.global_batch // self.dp.size
         self.rows_per_micro = cfg.train.micro_batch * cfg.grpo.group_size
-        self.engine = RolloutEngine(model, make_tokenizer(cfg), cfg.train.seq_len, per_rank * cfg.grpo.group_size)
+        self.engine = RolloutEngine(
+            model, make_tokenizer(cfg), cfg.train.seq_len, per_rank * cfg.grpo.group_size
+        )
         # grpo.beta: the reference is the model as built (step 0), kept beside the trained weights
         self.params = [p for p in model.parameters()]
         self.reference = [p.detach().clone() for p in self.params] if cfg.grpo.beta else None
@@ -236,7 +250,10 @@ class GrpoStep:
             self.rewards,
             [r["prompt"] for r in rows],
             ro.texts,
-            [{**r["row"], "_completion_tokens": len(c)} for r, c in zip(rows, ro.completion_ids, strict=True)],
+            [
+                {**r["row"], "_completion_tokens": len(c)}
+                for r, c in zip(rows, ro.completion_ids, strict=True)
+            ],
             [r["where"] for r in rows],
         )
         everything = self._gather(torch.tensor(scores.rewards, dtype=torch.float64))
@@ -285,8 +302,9 @@ class GrpoStep:
         """The global count of failed rewards; each rank appends its own to ``reward_failures.txt``."""
         if failures:
             with open(self.run_dir / "reward_failures.txt", "a", encoding="utf-8") as f:
-                for line in failures:
-                    f.write(f"step {self.trainer.step + 1}: {line}\n")
+                for line, n in Counter(failures).items():  # a group's completions often fail alike
+                    times = f" ({n} completions)" if n > 1 else ""
+                    f.write(f"step {self.trainer.step + 1}: {line}{times}\n")
         count = torch.tensor([len(failures)], dtype=torch.float64)
         collectives.all_reduce(count, self.dp, op="sum")
         return int(count.item())

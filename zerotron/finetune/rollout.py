@@ -103,7 +103,9 @@ class RunAttention:
             queries = flat_q.index_select(1, rows.to(q.device))  # (h, n * lq, d)
             qs = queries.view(heads, n, lq, d).transpose(0, 1)  # (n, h, lq, d)
             if lq == 1 and gqa:  # the engine's one-row GQA layout: a KV head's query heads as rows
-                o = _sdpa(qs.reshape(n, keys.shape[1], -1, d), keys, values, mask, False).reshape(n, heads, 1, d)
+                o = _sdpa(qs.reshape(n, keys.shape[1], -1, d), keys, values, mask, False).reshape(
+                    n, heads, 1, d
+                )
             else:
                 o = _sdpa(qs, keys, values, mask, gqa)
             outs.append(o.transpose(1, 2).reshape(n * lq, heads, d))

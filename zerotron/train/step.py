@@ -56,7 +56,9 @@ class Objective(Protocol):
         """Before a step's first micro-batch."""
         ...
 
-    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
+    def __call__(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device
+    ) -> torch.Tensor:
         """The micro-batch's summed loss (fp32 scalar, with its graph)."""
         ...
 

@@ -322,9 +322,7 @@ class Trainer:
         return ckpt
 
     # -- the loop ------------------------------------------------------------------------------------------
-    def fit(
-        self, on_step: Any = None, keep_open: bool = False, step_fn: Any = None
-    ) -> list[dict[str, Any]]:
+    def fit(self, on_step: Any = None, keep_open: bool = False, step_fn: Any = None) -> list[dict[str, Any]]:
         """Train until ``train.steps``; checkpoint every ``checkpoint.every`` steps and at the end.
         ``step_fn``: what runs a step and returns its record, in place of :meth:`train_step` (an
         application's step around it: ``zerotron grpo``'s rollouts, rewards, then ``train_step``).
