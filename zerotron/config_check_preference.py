@@ -87,15 +87,20 @@ def check_grpo(cfg: Config) -> None:
         ("parallel.offload_params", p.offload_params != "none"),
         ("parallel.offload_optimizer", p.offload_optimizer != "none"),
         ("model.num_local_experts", cfg.model.num_local_experts > 0),
-        (f"train.precision={cfg.train.precision}", cfg.train.precision != "fp32"),
+        (f"train.precision={cfg.train.precision}", cfg.train.precision == "fp16"),
         ("train.compile", cfg.train.compile),
         ("lora.rank", cfg.lora.rank > 0),
     ]
     named = [name for name, on in refused if on]
     if named:
         raise ConfigError(
-            f"zerotron grpo is built for full fp32 fine-tuning under data parallelism and ZeRO-1/2 (the "
-            f"rollout engine reads whole replicas in place), not with {', '.join(named)}: drop those settings"
+            f"zerotron grpo is built for full fine-tuning in fp32 or bf16 under data parallelism and ZeRO-1/2 "
+            f"(the rollout engine reads whole replicas in place), not with {', '.join(named)}: drop those settings"
+        )
+    if cfg.train.precision == "bf16" and p.zero == 0:
+        raise ConfigError(
+            "zerotron grpo in bf16 runs on bf16 working weights, which ZeRO keeps (plain data parallelism keeps "
+            "fp32 weights under autocast, which the engine does not serve): set parallel.zero=1 or 2"
         )
     if d.packing:
         raise ConfigError("data.format=prompts is not built with packed rows: set data.packing=false")

@@ -217,7 +217,7 @@ class GrpoStep:
         per_rank = cfg.train.global_batch // self.dp.size
         self.rows_per_micro = cfg.train.micro_batch * cfg.grpo.group_size
         self.engine = RolloutEngine(
-            model, make_tokenizer(cfg), cfg.train.seq_len, per_rank * cfg.grpo.group_size
+            model, make_tokenizer(cfg), cfg.train.seq_len, per_rank * cfg.grpo.group_size, cfg.train.precision
         )
         # grpo.beta: the reference is the model as built (step 0), kept beside the trained weights
         self.params = [p for p in model.parameters()]

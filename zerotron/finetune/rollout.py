@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotron.components.loss import autocast
 from zerotron.components.sampling import SamplingParams
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve.config import EngineConfig
@@ -133,7 +134,11 @@ class Rollouts:
 class RolloutEngine:
     """The serving engine over the trainer's model (see the module docstring)."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Any, seq_len: int, max_seqs: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, tokenizer: Any, seq_len: int, max_seqs: int, precision: str = "fp32"
+    ) -> None:
+        """``precision``: the training's (``train.precision``); generation runs under its autocast, as
+        the trainer's forward does."""
         block = 16
         blocks = max_seqs * math.ceil(seq_len / block) + 2
         self.engine = Engine(
@@ -148,7 +153,7 @@ class RolloutEngine:
                 fixed_rows=ROWS,
             ),
         )
-        self.model = model
+        self.model, self.precision = model, precision
         model.train()  # the engine set eval(); generation runs under inference mode either way
         self.preempted = 0
 
@@ -177,8 +182,11 @@ class RolloutEngine:
             )
             self.engine.add_request(rid, ids_, params)
         got: dict[str, dict[int, tuple[list[int], list[float]]]] = {rid: {} for rid in ids}
+        device = next(self.model.parameters()).device
         while self.engine.has_unfinished():
-            for result in self.engine.step():
+            with autocast(device, self.precision):
+                results = self.engine.step()
+            for result in results:
                 if result.error is not None:
                     raise RuntimeError(f"rollout {result.request_id} failed: {result.error}")
                 for o in result.outputs:
