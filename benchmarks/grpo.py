@@ -2,6 +2,7 @@
 log-prob check on a real model.
 
 Run:  python benchmarks/grpo.py [--model HF_DIR] [--steps 30] [--prompts 8] [--group 8] [--new 1]
+      python benchmarks/grpo.py --model SMOL_HF_DIR --chat --new 16 --steps 4 --lr 1e-6
       python benchmarks/grpo.py --logprobs SMOL_HF_DIR   (engine vs trainer log-probs, SmolLM2)
 
 The task: "a+b=" (a + b <= 9), rewards exact_match (the sum) + format (the completion is digits), each
@@ -14,6 +15,9 @@ without vLLM): no weight sync. zerotron generates with its serving engine on the
 place: the sync is a prefix-cache reset. Each framework runs in its own process, one after the other.
 Reported: seconds per step after the first, the reward per step (``grpo_reward.png``), zerotron's
 sync time and engine-vs-trainer max |delta log-prob|.
+
+``--chat``: the same task as a user turn ("What is a+b? Answer with the number only.") in the model's
+chat template and tokenizer (SmolLM2-135M-Instruct in BENCHMARKS.md): a real model's time per step.
 
 ``--logprobs``: SmolLM2's completions of 8 prompts (4 samples each, 32 new tokens) by zerotron's engine,
 their log-probs recomputed by the trainer's forward with the engine's attention runs, and with the
@@ -35,13 +39,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def make_task(path: Path, n: int) -> None:
+def make_task(path: Path, n: int, chat: bool) -> None:
+    """``n`` rows "a+b=" (or, ``chat``, a user turn asking for the sum) with their answer."""
     rng = random.Random(0)
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(n):
             a = rng.randint(0, 9)
             b = rng.randint(0, 9 - a)
-            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+            text = f"What is {a}+{b}? Answer with the number only."
+            prompt: Any = [{"role": "user", "content": text}] if chat else f"{a}+{b}="
+            f.write(json.dumps({"prompt": prompt, "answer": str(a + b)}) + "\n")
 
 
 def make_model(path: Path) -> None:
@@ -69,8 +76,8 @@ def run_zerotron(model: Path, data: Path, out: Path, args: argparse.Namespace) -
         "--reward", "format", f"grpo.group_size={args.group}", f"grpo.max_new_tokens={args.new}",
         f"train.global_batch={args.prompts}", f"train.micro_batch={args.prompts}", f"train.steps={args.steps}",
         f"train.lr={args.lr}", f"train.min_lr={args.lr}", "train.warmup_steps=0", "train.weight_decay=0.0",
-        "train.seq_len=32", "data.tokenizer=byte", "log.progress=none", "--nproc", "1", "--out", str(out),
-        "--overwrite",
+        f"train.seq_len={args.new + 64}", f"data.tokenizer={'model' if args.chat else 'byte'}",
+        "log.progress=none", "--nproc", "1", "--out", str(out), "--overwrite",
     ]  # fmt: skip
     started = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=HERE.parent, capture_output=True, text=True)
@@ -95,13 +102,16 @@ def run_trl(model: Path, data: Path, out: Path, args: argparse.Namespace) -> dic
     torch.manual_seed(0)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
 
-    def exact_match(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
-        return [float(c.strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+    def text(c: Any) -> str:  # a conversational completion is a list of messages
+        return str(c[0]["content"]) if isinstance(c, list) else str(c)
 
-    def format_reward(completions: list[str], **_: Any) -> list[float]:
+    def exact_match(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        return [float(text(c).strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+
+    def format_reward(completions: list[Any], **_: Any) -> list[float]:
         import re
 
-        return [float(re.fullmatch(r"\s*\d+\s*", c) is not None) for c in completions]
+        return [float(re.fullmatch(r"\s*\d+\s*", text(c)) is not None) for c in completions]
 
     times: list[float] = []
 
@@ -201,6 +211,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-2)
+    p.add_argument("--chat", action="store_true", help="prompts as user turns, the model's own tokenizer")
     p.add_argument("--work", default="/tmp/grpo_bench")
     p.add_argument("--trl-child", action="store_true")
     p.add_argument("--logprobs", metavar="HF_DIR")
@@ -215,14 +226,14 @@ def main() -> None:
     if args.trl_child:
         print("RESULT " + json.dumps(run_trl(model, data, work / "trl", args)))
         return
-    make_task(data, 256)
+    make_task(data, 256, args.chat)
     if not args.model:
         make_model(model)
     z = run_zerotron(model, data, work / "zerotron", args)
     child = subprocess.run(
         [sys.executable, __file__, "--trl-child", "--work", str(work), "--model", str(model),
          f"--steps={args.steps}", f"--prompts={args.prompts}", f"--group={args.group}", f"--new={args.new}",
-         f"--lr={args.lr}"],
+         f"--lr={args.lr}", *(["--chat"] if args.chat else [])],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     t = json.loads(child.stdout.split("RESULT ", 1)[1])

@@ -353,6 +353,19 @@ def test_grpo_resumes_after_a_crash_with_the_same_rollouts(tmp_path: Path) -> No
     np.testing.assert_allclose([r["kl"] for r in b], [r["kl"] for r in a], rtol=1e-5)
 
 
+def test_lora_under_zero2_keeps_the_log_probs_equal_and_writes_the_adapter(tmp_path: Path) -> None:
+    base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
+    run = _cli("grpo", str(base), str(data), *TASK, "train.steps=3", "lora.rank=4",
+               "grpo.beta=0.04", "parallel.zero=2", "--nproc", "2", "--out", str(tmp_path / "l"),
+               cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = _records(tmp_path / "l")
+    assert all(r["logprob_max_abs_delta"] == 0.0 and r["ratio_mean"] == 1.0 for r in records)
+    assert records[-1]["kl"] > 0  # the adapters moved away from the base, the reference
+    assert (tmp_path / "l" / "adapter" / "adapter_model.safetensors").exists()
+    assert "merge it with" in run.stdout
+
+
 def test_failing_rewards_are_named_and_skipped(tmp_path: Path) -> None:
     base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 16)
     (tmp_path / "my_rewards.py").write_text(
@@ -392,7 +405,8 @@ def _cfg(*overrides: str) -> Config:
         (["parallel.zero=3"], "not with parallel.zero=3"),
         (["train.precision=fp16"], "not with train.precision=fp16"),
         (["train.precision=bf16"], "set parallel.zero=1 or 2"),
-        (["lora.rank=8"], "not with lora.rank"),
+        (["lora.rank=8", "lora.use_dora=true"], "not with lora.use_dora"),
+        (["lora.rank=8", "lora.dropout=0.1"], "not with lora.dropout"),
         (["grpo.group_size=1"], "grpo.group_size=1 is out of range"),
         (["grpo.max_new_tokens=300"], "leaves no room for a prompt"),
         (["grpo.loss=ppo"], "grpo.loss"),

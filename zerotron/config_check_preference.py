@@ -89,13 +89,16 @@ def check_grpo(cfg: Config) -> None:
         ("model.num_local_experts", cfg.model.num_local_experts > 0),
         (f"train.precision={cfg.train.precision}", cfg.train.precision == "fp16"),
         ("train.compile", cfg.train.compile),
-        ("lora.rank", cfg.lora.rank > 0),
+        ("lora.use_dora", cfg.lora.rank > 0 and cfg.lora.use_dora),
+        ("lora.base_bits=4 (QLoRA)", cfg.lora.rank > 0 and cfg.lora.base_bits == 4),
+        ("lora.dropout", cfg.lora.rank > 0 and cfg.lora.dropout > 0),
     ]
     named = [name for name, on in refused if on]
     if named:
         raise ConfigError(
-            f"zerotron grpo is built for full fine-tuning in fp32 or bf16 under data parallelism and ZeRO-1/2 "
-            f"(the rollout engine reads whole replicas in place), not with {', '.join(named)}: drop those settings"
+            f"zerotron grpo is built for full fine-tuning and LoRA (no dropout) in fp32 or bf16 under data "
+            f"parallelism and ZeRO-1/2 (the rollout engine reads whole replicas in place), not with "
+            f"{', '.join(named)}: drop those settings"
         )
     if cfg.train.precision == "bf16" and p.zero == 0:
         raise ConfigError(

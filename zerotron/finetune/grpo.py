@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from zerotron.build.source import make_tokenizer
+from zerotron.components.adapters import save_run_adapter
 from zerotron.components.grpo import group_advantages, loss_count, loss_sum, token_losses
 from zerotron.components.prompt_data import PromptSet
 from zerotron.components.rewards import Reward, load_rewards, score
@@ -219,8 +220,9 @@ class GrpoStep:
         self.engine = RolloutEngine(
             model, make_tokenizer(cfg), cfg.train.seq_len, per_rank * cfg.grpo.group_size, cfg.train.precision
         )
-        # grpo.beta: the reference is the model as built (step 0), kept beside the trained weights
-        self.params = [p for p in model.parameters()]
+        # grpo.beta: the reference is the model as built (step 0): its trained parameters are kept (under
+        # LoRA the adapters only; the frozen base is the reference's own)
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.reference = [p.detach().clone() for p in self.params] if cfg.grpo.beta else None
 
     def _reference_logps(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -325,10 +327,17 @@ def grpo_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str,
     if resumed is not None and rank == 0:
         print(f"resumed from {resumed} at step {trainer.step}", flush=True)
     start = trainer.step
-    history = trainer.fit(step_fn=step)
+    history = trainer.fit(step_fn=step, keep_open=True)
     summary: dict[str, Any] = {"rank": rank, "steps": trainer.step - start, "last_step": trainer.step}
-    if trainer.stopped:
-        summary["stopped"] = trainer.stopped
+    try:
+        if trainer.stopped:
+            summary["stopped"] = trainer.stopped
+        elif cfg.lora.rank > 0:  # the adapter in PEFT's files, as zerotron sft writes it
+            adapter = save_run_adapter(trainer.model, mesh, trainer.zero, cfg, rd / "adapter")
+            if adapter is not None:
+                summary["adapter"] = str(adapter)
+    finally:
+        trainer.close()
     if history:
         summary.update(
             first_loss=history[0]["loss"],

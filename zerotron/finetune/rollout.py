@@ -3,17 +3,20 @@ training forward that computes what the engine computed, bit for bit.
 
 :class:`RolloutEngine` builds a :class:`~zerotron.serve.engine.Engine` over the trainer's model on every
 rank (colocated: generate, then train, on the same ranks): paged KV cache, continuous batching, a
-group's G samples as one request of ``n=G`` sharing the prompt's blocks. Its linears run as
-``F.linear`` in calls of :data:`ROWS` rows read from the model's own parameters (``fixed_rows``): the
+group's G samples as one request of ``n=G`` sharing the prompt's blocks. The engine routes the model's
+linear layers through its batch-invariant calls (:mod:`zerotron.serve.linears`: fp32 on the CPU
+``F.linear`` itself, whose per-row arithmetic is fixed from 16 rows up; 16-bit ones in row chunks of
+16 to 32; off the CPU, calls of a fixed row count), reading the model's own parameters: the
 optimizer's in-place update is what the next rollout reads, and the weight sync is a prefix-cache
-reset (:meth:`RolloutEngine.sync`) and nothing else: no copy, no file, no process.
+reset (:meth:`RolloutEngine.sync`) and nothing else: no copy, no file, no process. The trainer's
+forward runs through the same routed layers, so its linears compute what the engine's did.
 
 The engine's numbers depend on how it cuts a sequence into attention runs
 (:class:`~zerotron.serve.paged.PagedAttention`): a prompt in runs of up to ``Q_ALIGN`` rows, each new
 token alone. :class:`RunAttention` is the trainer's attention with that discipline: for each row of a
 training batch it attends the prompt's runs and each completion position as one-row runs, with the
 engine's key windows, masks, GQA layout and SDPA calls, on the batch's keys and values instead of the
-pool's. With the linears of both in the same fixed-row calls, the trainer's log-prob of every sampled
+pool's. With the linears of both routed alike, the trainer's log-prob of every sampled
 token equals the engine's bit for bit (the importance ratio of the first update is exactly 1);
 ``RunAttention`` left out (the trainer's plain causal SDPA over the whole row) is the negative control.
 """
@@ -35,8 +38,6 @@ from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.engine import Engine
 from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, ROW_BUCKET, _sdpa
-
-ROWS = 16  # rows of every linear call, in the engine and in the trainer's forward
 
 
 def runs_of(prompt_len: int, length: int) -> list[tuple[int, int]]:
@@ -150,7 +151,6 @@ class RolloutEngine:
                 max_num_seqs=max_seqs,
                 max_num_batched_tokens=max(2048, seq_len),
                 max_model_len=seq_len,
-                fixed_rows=ROWS,
             ),
         )
         self.model, self.precision = model, precision

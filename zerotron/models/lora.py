@@ -134,7 +134,7 @@ def _merge(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor | 
     return merged * rows.unsqueeze(1)
 
 
-def _update(m: LoraLayer, x: torch.Tensor) -> torch.Tensor:
+def lora_update(m: LoraLayer, x: torch.Tensor) -> torch.Tensor:
     """``scaling * B(A(dropout(x)))``."""
     update: torch.Tensor = m.lora_B(m.lora_A(m.lora_dropout(x)))
     return update * m.scaling
@@ -177,7 +177,7 @@ class LoraLinear(_LoraParts, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_magnitude_vector is None:
             out: torch.Tensor = super().forward(x)
-            return out + _update(self, x)
+            return out + lora_update(self, x)
         return _dora_forward(self, x, self.weight, self.bias, self.lora_magnitude_vector)
 
     def merged(self) -> nn.Linear:
@@ -238,7 +238,7 @@ class QLoraLinear(_LoraParts, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_magnitude_vector is None:
             out: torch.Tensor = self.base_layer(x)
-            return out + _update(self, x)
+            return out + lora_update(self, x)
         weight = self.base_layer.quantized.dequantize(x.dtype)
         return _dora_forward(self, x, weight, self.base_layer.bias, self.lora_magnitude_vector)
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.models.llama import MLP, Attention, AttentionCache, DecoderLayer, RMSNorm, apply_rotary
+from zerotron.models.lora import LoraLinear, lora_update
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.serve import kernels
 from zerotron.serve.paged import PagedAttention
@@ -303,14 +304,12 @@ def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch
     n = rows.shape[0]
     if MIN_ROWS <= n <= CHUNK_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
-    outs = []
-    for start in range(0, n, CHUNK_ROWS):
-        chunk = rows[start : start + CHUNK_ROWS]
-        short = MIN_ROWS - chunk.shape[0]
-        if short > 0:
-            chunk = torch.cat([chunk, chunk.new_zeros(short, chunk.shape[1])])
-        outs.append(torch.nn.functional.linear(chunk, weight, bias)[: min(CHUNK_ROWS, n - start)])
-    return torch.cat(outs).view(*x.shape[:-1], weight.shape[0])
+    tail = n % CHUNK_ROWS
+    if 0 < tail < MIN_ROWS:  # the last chunk padded with zeros to MIN_ROWS
+        rows = F.pad(rows, (0, 0, 0, MIN_ROWS - tail))
+    # one split, not a slice per chunk (under autograd, a trainer's forward: one concatenation back)
+    outs = [torch.nn.functional.linear(chunk, weight, bias) for chunk in rows.split(CHUNK_ROWS)]
+    return torch.cat(outs)[:n].view(*x.shape[:-1], weight.shape[0])
 
 
 def plain_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -328,26 +327,33 @@ def _fixed_linear(
     sequence different bits in different batches)."""
     rows = x.reshape(-1, x.shape[-1])
     n, m = rows.shape[0], rows_per_call
-    full = n - n % m
-    outs = [F.linear(rows[s : s + m], weight, bias) for s in range(0, full, m)]
-    if full < n:
-        tail = rows.new_zeros(m, rows.shape[1])
-        tail[: n - full] = rows[full:]
-        outs.append(F.linear(tail, weight, bias)[: n - full])
+    if n % m:  # the last call's rows padded with zeros
+        rows = F.pad(rows, (0, 0, 0, m - n % m))
+    # one split (not a slice per call): under autograd its backward is one concatenation, where n / m
+    # slices would each write a zero gradient of all n rows (a trainer's forward: zerotron grpo's)
+    outs = [F.linear(chunk, weight, bias) for chunk in rows.split(m)]
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y[:n].view(*x.shape[:-1], weight.shape[0])
 
 
 Linear = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _lora_routed(module: LoraLinear, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """A LoRA layer's forward with its frozen base through ``linear`` (its ``lora_A`` and ``lora_B``,
+    plain linears, are routed themselves)."""
+    return linear(module.weight, module.bias, x) + lora_update(module, x)
 
 
 def route_linears(model: nn.Module, linear: Linear, whole: bool = True) -> None:
     """Run ``model``'s linear layers through ``linear(weight, bias, x)``: a tensor-parallel rank's
     column-parallel part on its rows of the weight, a row-parallel part's partial product with the
     partials then summed in rank order (:func:`_row_parallel_in_order`), and (``whole``) plain
-    ``nn.Linear`` layers."""
+    ``nn.Linear`` layers and LoRA layers' bases (not DoRA's, whose base is rescaled)."""
     for module in model.modules():
-        if isinstance(module, ColumnParallelLinear):
+        if whole and isinstance(module, LoraLinear) and module.lora_magnitude_vector is None:
+            module.forward = functools.partial(_lora_routed, module, linear)  # type: ignore[method-assign]
+        elif isinstance(module, ColumnParallelLinear):
             module.forward = functools.partial(linear, *_column_part(module))  # type: ignore[method-assign]
         elif isinstance(module, RowParallelLinear):
             module.forward = functools.partial(_row_parallel_in_order, module, linear)  # type: ignore[method-assign]
