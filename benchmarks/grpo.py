@@ -183,6 +183,12 @@ def check_logprobs(model_dir: str) -> dict[str, Any]:
             worst = max(worst, float((got - torch.tensor(ro.logps[i])).abs().max()))
         out[name] = worst
     out["sync_s"] = engine.sync()
+    # what a sync costs an engine holding its own copy of the weights (vLLM under TRL or verl): at
+    # least one copy of every parameter (load_state_dict into a second model, no transport)
+    other, _ = load_model(model_dir, torch.float32, "cpu")
+    started = time.perf_counter()
+    other.load_state_dict(model.state_dict())
+    out["copy_sync_s"] = time.perf_counter() - started
     return out
 
 

@@ -311,9 +311,9 @@ def test_reward_rises_and_dp2_zero2_gives_the_single_process_run(tmp_path: Path)
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.5, rewards
     assert [r["reward_mean"] for r in b] == rewards
     np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], atol=1e-7)
-    # the gradient norms agree while the policy is spread out; later Adam turns rounding-level gradient
+    # the gradient norms agree over the first steps; later Adam (lr 2e-2) turns rounding-level gradient
     # differences of nearly settled tokens into whole steps, and the norms part by up to 1%
-    np.testing.assert_allclose([r["grad_norm"] for r in b[:8]], [r["grad_norm"] for r in a[:8]], rtol=1e-3)
+    np.testing.assert_allclose([r["grad_norm"] for r in b[:3]], [r["grad_norm"] for r in a[:3]], rtol=1e-5)
     for r in a + b:
         assert r["logprob_max_abs_delta"] == 0.0 and r["ratio_mean"] == 1.0 and r["clip_fraction"] == 0.0
         assert {
@@ -364,6 +364,26 @@ def test_lora_under_zero2_keeps_the_log_probs_equal_and_writes_the_adapter(tmp_p
     assert records[-1]["kl"] > 0  # the adapters moved away from the base, the reference
     assert (tmp_path / "l" / "adapter" / "adapter_model.safetensors").exists()
     assert "merge it with" in run.stdout
+
+
+def test_grpo_under_torchrun_gives_the_single_process_rewards(tmp_path: Path) -> None:
+    import os
+
+    base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
+    args = ["grpo", str(base), str(data), *TASK, "train.steps=3"]
+    one = _cli(*args, "--nproc", "1", "--out", str(tmp_path / "one"), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "zerotron", *args, "parallel.zero=1", "--out", str(tmp_path / "tr")]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = _records(tmp_path / "one"), _records(tmp_path / "tr")
+    assert [r["reward_mean"] for r in b] == [r["reward_mean"] for r in a]
+    assert b[0]["layout"]["dp"] == 2 and all(r["logprob_max_abs_delta"] == 0.0 for r in b)
 
 
 def test_failing_rewards_are_named_and_skipped(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zerotron.build.source import make_tokenizer
@@ -98,16 +99,21 @@ class GrpoObjective:
         self.delta = torch.zeros((), dtype=torch.float64)
 
     def logps(self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
-        """Log-probs (b, s) of each next token under the engine's runs, fp32, at ``temperature``; the
-        full distribution's log-probs are kept in :attr:`last_full` for the entropy."""
+        """Log-probs (b, s) of each next token under the engine's runs, fp32, at ``temperature`` (0 before
+        the first completion's position: only positions from the shortest prompt's last token on are
+        projected to the vocabulary); those positions' whole distributions are kept in
+        :attr:`last_full` for the entropy."""
         ids, labels, plens, lens = batch[0], batch[1], batch[4], batch[5]
         kv = RunAttention(plens.tolist(), lens.tolist(), ids.shape[1])
-        logits = model(ids.to(device), kv_cache=kv)[..., : self.vocab].float()
+        start = int(plens.min()) - 1
+        index = torch.arange(start, ids.shape[1], device=device)
+        logits = model(ids.to(device), kv_cache=kv, logits_index=index)[..., : self.vocab].float()
         if self.cfg.grpo.temperature != 1.0:
             logits = logits / self.cfg.grpo.temperature
         full = torch.log_softmax(logits, dim=-1)
-        self.last_full = full
-        return full.gather(-1, labels.to(device).clamp(min=0)[..., None])[..., 0]
+        self.last_full, self.last_start = full, start
+        picked = full.gather(-1, labels[:, start:].to(device).clamp(min=0)[..., None])[..., 0]
+        return F.pad(picked, (start, 0))
 
     def __call__(
         self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device
@@ -126,7 +132,7 @@ class GrpoObjective:
         tl = token_losses(logps, old, adv, g, ref, weights)
         with torch.no_grad():
             full = self.last_full
-            entropy = -(full.exp() * full).sum(-1)
+            entropy = F.pad(-(full.exp() * full).sum(-1), (self.last_start, 0))
             m = mask.double()
             ratio = torch.exp(now - old)
             self.sums += torch.stack(
