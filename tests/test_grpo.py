@@ -326,14 +326,21 @@ def test_reward_rises_and_dp2_zero2_gives_the_single_process_run(tmp_path: Path)
     assert b[0]["layout"]["zero"] == 2 and b[0]["layout"]["dp"] == 2
 
 
-def test_bf16_under_zero1_keeps_the_engine_and_trainer_log_probs_equal(tmp_path: Path) -> None:
+def _exact_run(
+    tmp_path: Path, *overrides: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """3 steps on 2 ranks with ``overrides``; every step's engine and trainer log-probs equal."""
     base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
-    run = _cli("grpo", str(base), str(data), *TASK, "grpo.max_new_tokens=6", "train.steps=3",
-               "train.precision=bf16", "parallel.zero=1", "--nproc", "2", "--out", str(tmp_path / "bf"),
-               cwd=tmp_path)  # fmt: skip
+    run = _cli("grpo", str(base), str(data), *TASK, "train.steps=3", *overrides, "--nproc", "2", "--out",
+               str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    records = _records(tmp_path / "bf")
+    records = _records(tmp_path / "run")
     assert all(r["logprob_max_abs_delta"] == 0.0 and r["ratio_mean"] == 1.0 for r in records)
+    return run, records
+
+
+def test_bf16_under_zero1_keeps_the_engine_and_trainer_log_probs_equal(tmp_path: Path) -> None:
+    _, records = _exact_run(tmp_path, "grpo.max_new_tokens=6", "train.precision=bf16", "parallel.zero=1")
     assert sum(r["tokens"] for r in records) > 3 * 64 * 3  # completions of several tokens
 
 
@@ -354,15 +361,9 @@ def test_grpo_resumes_after_a_crash_with_the_same_rollouts(tmp_path: Path) -> No
 
 
 def test_lora_under_zero2_keeps_the_log_probs_equal_and_writes_the_adapter(tmp_path: Path) -> None:
-    base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
-    run = _cli("grpo", str(base), str(data), *TASK, "train.steps=3", "lora.rank=4",
-               "grpo.beta=0.04", "parallel.zero=2", "--nproc", "2", "--out", str(tmp_path / "l"),
-               cwd=tmp_path)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    records = _records(tmp_path / "l")
-    assert all(r["logprob_max_abs_delta"] == 0.0 and r["ratio_mean"] == 1.0 for r in records)
+    run, records = _exact_run(tmp_path, "lora.rank=4", "grpo.beta=0.04", "parallel.zero=2")
     assert records[-1]["kl"] > 0  # the adapters moved away from the base, the reference
-    assert (tmp_path / "l" / "adapter" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
     assert "merge it with" in run.stdout
 
 
@@ -376,7 +377,9 @@ def test_grpo_under_torchrun_gives_the_single_process_rewards(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")) if p
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "zerotron", *args, "parallel.zero=1", "--out", str(tmp_path / "tr")]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
