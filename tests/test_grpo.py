@@ -367,6 +367,26 @@ def test_lora_under_zero2_keeps_the_log_probs_equal_and_writes_the_adapter(tmp_p
     assert "merge it with" in run.stdout
 
 
+def test_tp2_keeps_the_log_probs_equal_and_starts_as_the_single_process(tmp_path: Path) -> None:
+    base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
+    one = _cli("grpo", str(base), str(data), *TASK, "train.steps=3", "--nproc", "1", "--out",
+               str(tmp_path / "one"), cwd=tmp_path)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    tp = _cli("grpo", str(base), str(data), *TASK, "train.steps=3", "parallel.tp=2", "--nproc", "2", "--out",
+              str(tmp_path / "tp"), cwd=tmp_path)  # fmt: skip
+    assert tp.returncode == 0, tp.stderr[-3000:]
+    a, b = _records(tmp_path / "one"), _records(tmp_path / "tp")
+    assert b[0]["layout"]["tp"] == 2 and all(r["logprob_max_abs_delta"] == 0.0 for r in b)
+    assert [r["reward_mean"] for r in b] == [r["reward_mean"] for r in a]
+    # the tp forward adds the row-parallel partials in another order than one matrix product: the same
+    # gradient at step 1 to rounding, then weights that differ in the last bits
+    assert b[0]["grad_norm"] == pytest.approx(a[0]["grad_norm"], rel=1e-5)
+    # decodes under tp (several tokens per completion), bf16 on ZeRO-1's working weights
+    _, records = _exact_run(tmp_path / "bf", "grpo.max_new_tokens=5", "parallel.tp=2", "train.precision=bf16",
+                            "parallel.zero=1")  # fmt: skip
+    assert records[0]["layout"]["tp"] == 2
+
+
 def test_grpo_under_torchrun_gives_the_single_process_rewards(tmp_path: Path) -> None:
     import os
 
@@ -424,7 +444,9 @@ def _cfg(*overrides: str) -> Config:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.tp=2"], "not with parallel.tp"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], "not with parallel.sequence_parallel"),
+        (["parallel.pp=2"], "not with parallel.pp"),
+        (["lora.rank=8", "train.precision=bf16", "parallel.zero=1"], "LoRA is built in fp32"),
         (["parallel.zero=3"], "not with parallel.zero=3"),
         (["train.precision=fp16"], "not with train.precision=fp16"),
         (["train.precision=bf16"], "set parallel.zero=1 or 2"),

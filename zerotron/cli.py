@@ -44,7 +44,7 @@ grpo.group_size completions per prompt from zerotron's serving engine on the tra
 weights, rewards summed, group-normalised advantages, the clipped policy loss (grpo.loss=dapo, TRL's
 default; grpo, dr_grpo), one optimizer step, a prefix-cache reset as the weight sync. The engine's and
 the trainer's log-probs agree bit for bit (metrics.jsonl: logprob_max_abs_delta). Full weights or LoRA
-(lora.rank), fp32 under data parallelism and ZeRO-1/2, bf16 under ZeRO-1/2.
+(lora.rank), fp32 under data and tensor parallelism and ZeRO-1/2, bf16 under ZeRO-1/2.
 examples:
   zerotron grpo model_dir sums.jsonl --reward exact_match --nproc 1
   zerotron grpo model_dir sums.jsonl --reward exact_match --reward format grpo.group_size=8 --nproc 2

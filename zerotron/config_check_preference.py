@@ -80,7 +80,7 @@ def check_grpo(cfg: Config) -> None:
             f"{cfg.train.seq_len}: raise train.seq_len or lower grpo.max_new_tokens"
         )
     refused = [
-        ("parallel.tp", p.tp > 1),
+        ("parallel.sequence_parallel", p.tp > 1 and p.sequence_parallel),
         ("parallel.pp", p.pp > 1),
         ("parallel.cp", p.cp > 1),
         ("parallel.zero=3", p.zero == 3),
@@ -97,8 +97,13 @@ def check_grpo(cfg: Config) -> None:
     if named:
         raise ConfigError(
             f"zerotron grpo is built for full fine-tuning and LoRA (no dropout) in fp32 or bf16 under data "
-            f"parallelism and ZeRO-1/2 (the rollout engine reads whole replicas in place), not with "
+            f"and tensor parallelism and ZeRO-1/2 (the rollout engine reads the trained weights in place), not with "
             f"{', '.join(named)}: drop those settings"
+        )
+    if cfg.train.precision == "bf16" and cfg.lora.rank > 0:
+        raise ConfigError(
+            "zerotron grpo with LoRA is built in fp32 (in bf16 the frozen base stays fp32 under autocast, "
+            "which the engine does not serve): set train.precision=fp32"
         )
     if cfg.train.precision == "bf16" and p.zero == 0:
         raise ConfigError(

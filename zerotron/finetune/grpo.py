@@ -47,6 +47,7 @@ from zerotron.distributed.mesh import Group, Mesh, ParallelDims
 from zerotron.finetune.rollout import RolloutEngine, Rollouts, RunAttention
 from zerotron.finetune.sft import finetune_command
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.parallel.tensor_comm import gather_vocab
 from zerotron.train.run import load_data
 from zerotron.train.step import MicroBatchStep
 from zerotron.train.trainer import Trainer
@@ -88,8 +89,10 @@ class GrpoObjective:
     ``batch`` is (ids, labels, engine log-probs, advantages, prompt lengths, lengths[, reference
     log-probs]) as :func:`micro_batches` builds it."""
 
-    def __init__(self, cfg: Config, group: Group) -> None:
-        self.cfg, self.group = cfg, group
+    def __init__(self, cfg: Config, group: Group, tp: Group | None = None) -> None:
+        """``group``: the data-parallel ranks the figures are summed over; ``tp``: the tensor-parallel
+        group whose vocabulary-split logits are gathered (as the engine gathers them)."""
+        self.cfg, self.group, self.tp = cfg, group, tp
         self.vocab = cfg.model.vocab_size
         self.reset(torch.device("cpu"))
 
@@ -107,7 +110,10 @@ class GrpoObjective:
         kv = RunAttention(plens.tolist(), lens.tolist(), ids.shape[1])
         start = int(plens.min()) - 1
         index = torch.arange(start, ids.shape[1], device=device)
-        logits = model(ids.to(device), kv_cache=kv, logits_index=index)[..., : self.vocab].float()
+        logits = model(ids.to(device), kv_cache=kv, logits_index=index)
+        if self.tp is not None:
+            logits = gather_vocab(logits, self.tp)
+        logits = logits[..., : self.vocab].float()
         if self.cfg.grpo.temperature != 1.0:
             logits = logits / self.cfg.grpo.temperature
         full = torch.log_softmax(logits, dim=-1)
@@ -219,12 +225,18 @@ class GrpoStep:
         model = trainer.model
         assert isinstance(model, LlamaForCausalLM)  # check_grpo: no pipeline stages
         assert isinstance(trainer.runner, MicroBatchStep)
-        self.objective = GrpoObjective(cfg, self.dp)
+        self.tp = mesh.group("tp")
+        self.objective = GrpoObjective(cfg, self.dp, self.tp)
         trainer.runner.objective = self.objective
         per_rank = cfg.train.global_batch // self.dp.size
         self.rows_per_micro = cfg.train.micro_batch * cfg.grpo.group_size
         self.engine = RolloutEngine(
-            model, make_tokenizer(cfg), cfg.train.seq_len, per_rank * cfg.grpo.group_size, cfg.train.precision
+            model,
+            make_tokenizer(cfg),
+            cfg.train.seq_len,
+            per_rank * cfg.grpo.group_size,
+            cfg.train.precision,
+            self.tp,
         )
         # grpo.beta: the reference is the model as built (step 0): its trained parameters are kept (under
         # LoRA the adapters only; the frozen base is the reference's own)
@@ -308,7 +320,7 @@ class GrpoStep:
 
     def _failures(self, failures: list[str]) -> int:
         """The global count of failed rewards; each rank appends its own to ``reward_failures.txt``."""
-        if failures:
+        if failures and self.tp.rank_in_group == 0:  # the tp ranks score the same completions
             with open(self.run_dir / "reward_failures.txt", "a", encoding="utf-8") as f:
                 for line, n in Counter(failures).items():  # a group's completions often fail alike
                     times = f" ({n} completions)" if n > 1 else ""

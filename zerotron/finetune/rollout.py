@@ -34,6 +34,8 @@ from torch import nn
 
 from zerotron.components.loss import autocast
 from zerotron.components.sampling import SamplingParams
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.engine import Engine
@@ -136,10 +138,19 @@ class RolloutEngine:
     """The serving engine over the trainer's model (see the module docstring)."""
 
     def __init__(
-        self, model: LlamaForCausalLM, tokenizer: Any, seq_len: int, max_seqs: int, precision: str = "fp32"
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Any,
+        seq_len: int,
+        max_seqs: int,
+        precision: str = "fp32",
+        tp_group: Optional[Group] = None,
     ) -> None:
         """``precision``: the training's (``train.precision``); generation runs under its autocast, as
-        the trainer's forward does."""
+        the trainer's forward does. ``tp_group``: ``model`` is this rank's tensor-parallel shard; the
+        group's first rank schedules and samples, the others run its steps on their shards
+        (:meth:`~zerotron.serve.runner.StepRunner.follow`) and receive the rollouts."""
+        self.tp = tp_group if tp_group is not None and tp_group.size > 1 else None
         block = 16
         blocks = max_seqs * math.ceil(seq_len / block) + 2
         self.engine = Engine(
@@ -152,6 +163,7 @@ class RolloutEngine:
                 max_num_batched_tokens=max(2048, seq_len),
                 max_model_len=seq_len,
             ),
+            tp_group=self.tp,
         )
         self.model, self.precision = model, precision
         model.train()  # the engine set eval(); generation runs under inference mode either way
@@ -169,6 +181,13 @@ class RolloutEngine:
         """``group_size`` completions of each prompt (seeded by ``seeds``, one per prompt, so that a
         prompt's completions are the same whichever rank draws it)."""
         started = time.perf_counter()
+        device = next(self.model.parameters()).device
+        if self.tp is not None and self.tp.rank_in_group > 0:  # a follower: the first rank's steps
+            with autocast(device, self.precision):
+                self.engine.runner.follow()
+            out = self._receive(prompts, prompt_ids, group_size)
+            out.seconds = time.perf_counter() - started
+            return out
         out = Rollouts([], [])
         ids = [f"rollout-{i}" for i in range(len(prompts))]
         for rid, ids_, seed in zip(ids, prompt_ids, seeds, strict=True):
@@ -182,7 +201,6 @@ class RolloutEngine:
             )
             self.engine.add_request(rid, ids_, params)
         got: dict[str, dict[int, tuple[list[int], list[float]]]] = {rid: {} for rid in ids}
-        device = next(self.model.parameters()).device
         while self.engine.has_unfinished():
             with autocast(device, self.precision):
                 results = self.engine.step()
@@ -194,21 +212,64 @@ class RolloutEngine:
                     tokens += o.token_ids
                     logps += [float(c.logprob) for c in o.choices if c.logprob is not None]
         self.model.train()
-        for rid, prompt, ids_ in zip(ids, prompts, prompt_ids, strict=True):
-            for g in range(group_size):
-                tokens, logps = got[rid][g]
-                out.prompts.append(prompt)
-                out.prompt_ids.append(list(ids_))
-                out.completion_ids.append(tokens)
-                out.logps.append(logps)
-                tok = self.engine.tokenizer
-                out.texts.append(tok.decode(tokens, skip_special_tokens=True) if tok is not None else "")
+        completions = [got[rid][g] for rid in ids for g in range(group_size)]
+        if self.tp is not None:
+            self.engine.runner.publish(None, stop=True)
+            self._send(completions)
+        self._fill(out, prompts, prompt_ids, group_size, completions)
         out.seconds = time.perf_counter() - started
+        return out
+
+    def _fill(
+        self,
+        out: Rollouts,
+        prompts: list[int],
+        prompt_ids: list[list[int]],
+        group_size: int,
+        completions: list[tuple[list[int], list[float]]],
+    ) -> None:
+        """``out`` with the completions (``group_size`` per prompt in turn) and their texts."""
+        tok = self.engine.tokenizer
+        for k, (tokens, logps) in enumerate(completions):
+            out.prompts.append(prompts[k // group_size])
+            out.prompt_ids.append(list(prompt_ids[k // group_size]))
+            out.completion_ids.append(tokens)
+            out.logps.append(logps)
+            out.texts.append(tok.decode(tokens, skip_special_tokens=True) if tok is not None else "")
+
+    def _send(self, completions: list[tuple[list[int], list[float]]]) -> None:
+        """The first rank's completions to the group's other ranks: lengths, then tokens and log-probs."""
+        assert self.tp is not None
+        lengths = torch.tensor([len(t) for t, _ in completions], dtype=torch.long)
+        tokens = torch.tensor([x for t, _ in completions for x in t], dtype=torch.long)
+        logps = torch.tensor([x for _, lp in completions for x in lp], dtype=torch.float32)
+        leader = self.tp.ranks[0]
+        for t in (lengths, tokens, logps):
+            collectives.broadcast(t, leader, self.tp)
+
+    def _receive(self, prompts: list[int], prompt_ids: list[list[int]], group_size: int) -> Rollouts:
+        assert self.tp is not None
+        leader = self.tp.ranks[0]
+        lengths = torch.zeros(len(prompts) * group_size, dtype=torch.long)
+        collectives.broadcast(lengths, leader, self.tp)
+        total = int(lengths.sum())
+        tokens = torch.zeros(total, dtype=torch.long)
+        logps = torch.zeros(total, dtype=torch.float32)
+        collectives.broadcast(tokens, leader, self.tp)
+        collectives.broadcast(logps, leader, self.tp)
+        completions, at = [], 0
+        for n in lengths.tolist():
+            completions.append((tokens[at : at + n].tolist(), logps[at : at + n].tolist()))
+            at += n
+        out = Rollouts([], [])
+        self._fill(out, prompts, prompt_ids, group_size, completions)
+        self.model.train()
         return out
 
     def sync(self) -> float:
         """The weight sync after an optimizer step: the engine already reads the updated parameters; the
-        prefix cache (keys and values of the old weights) is dropped. Returns its seconds."""
+        prefix cache (keys and values of the old weights) is dropped (the first rank's, which schedules).
+        Returns its seconds."""
         started = time.perf_counter()
         self.engine.reset_prefix_cache()
         return time.perf_counter() - started

@@ -147,6 +147,12 @@ def _enter(x: torch.Tensor, mode: str, group: Group) -> torch.Tensor:
     return x
 
 
+def enter_region(x: torch.Tensor, mode: str, group: Group) -> torch.Tensor:
+    """A column-parallel input into the region: ``replicated`` through f (identity; the gradient
+    all-reduced), ``sequence`` all-gathered from sequence shards, ``none`` as it is."""
+    return _enter(x, mode, group)
+
+
 def leave_region(y: torch.Tensor, mode: str, group: Group) -> torch.Tensor:
     """A row-parallel output's partial sums out of the region: all-reduced (``reduce``),
     reduce-scattered onto sequence shards (``sequence``) or left as they are (``none``)."""

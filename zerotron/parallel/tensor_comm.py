@@ -199,6 +199,25 @@ def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _all_gather_dim(x, group, x.dim() - 1)
 
 
+class _GatherVocab(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group, ctx.width = group, x.shape[-1]
+        return _all_gather_dim(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        start = ctx.group.rank_in_group * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+def gather_vocab(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Vocabulary-split logits made whole on every rank (all-gather along the last dimension, as
+    :func:`gather_last_dim`); backward each rank keeps its columns' gradient, the whole gradient being
+    the same on every rank (each computes the same loss from the same whole logits)."""
+    return x if group.size == 1 else apply_function(_GatherVocab, x, group)
+
+
 class SequenceGather:
     """One TP region's entry under sequence parallelism, shared by the region's column-parallel layers.
 

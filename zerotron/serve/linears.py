@@ -23,7 +23,8 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.models.llama import MLP, Attention, AttentionCache, DecoderLayer, RMSNorm, apply_rotary
 from zerotron.models.lora import LoraLinear, lora_update
-from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_region
+from zerotron.parallel.tensor_comm import apply_function
 from zerotron.serve import kernels
 from zerotron.serve.paged import PagedAttention
 
@@ -354,7 +355,7 @@ def route_linears(model: nn.Module, linear: Linear, whole: bool = True) -> None:
         if whole and isinstance(module, LoraLinear) and module.lora_magnitude_vector is None:
             module.forward = functools.partial(_lora_routed, module, linear)  # type: ignore[method-assign]
         elif isinstance(module, ColumnParallelLinear):
-            module.forward = functools.partial(linear, *_column_part(module))  # type: ignore[method-assign]
+            module.forward = functools.partial(_column_parallel, module, linear)  # type: ignore[method-assign]
         elif isinstance(module, RowParallelLinear):
             module.forward = functools.partial(_row_parallel_in_order, module, linear)  # type: ignore[method-assign]
         elif whole and type(module) is nn.Linear:
@@ -366,6 +367,13 @@ def fixed_linears(model: nn.Module, rows_per_call: int) -> None:
     parts) in calls of ``rows_per_call`` rows (:func:`_fixed_linear`): the engine's linears off the
     CPU, where no kernel of known row-count behaviour is packed."""
     route_linears(model, functools.partial(_fixed_linear, rows_per_call))
+
+
+def _column_parallel(module: ColumnParallelLinear, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """A column-parallel layer's forward through ``linear``: its input into the region as the layer's
+    own forward takes it (identity forward; under autograd, a trainer's forward, the input's gradient
+    all-reduced over the group) and this rank's rows of the weight."""
+    return linear(*_column_part(module), enter_region(x, module.input_mode, module.group))
 
 
 def _column_part(module: ColumnParallelLinear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -390,14 +398,27 @@ def _row_parallel_in_order(
     if module.output_mode != "reduce":
         raise ValueError("serving runs row-parallel layers with their outputs all-reduced")
     partial = linear(module.weight, None, x)
-    group = module.group
-    gathered = partial.new_empty((group.size, *partial.shape))
-    collectives.all_gather(gathered, partial.contiguous(), group)
-    total = gathered[0].float()
-    for part in gathered[1:]:
-        total += part  # elementwise, in rank order
-    y = total.to(partial.dtype)
+    y = apply_function(_SumInRankOrder, partial, module.group)
     return y + module.bias if module.bias is not None else y
+
+
+class _SumInRankOrder(torch.autograd.Function):
+    """Every rank's partial product, all-gathered and added one by one in rank order in fp32; backward
+    the identity (as the all-reduce it replaces: every rank's output, and so its gradient, is the
+    same)."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
+        gathered = partial.new_empty((group.size, *partial.shape))
+        collectives.all_gather(gathered, partial.contiguous(), group)
+        total = gathered[0].float()
+        for part in gathered[1:]:
+            total += part  # elementwise, in rank order
+        return total.to(partial.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def chunk_linears(model: nn.Module) -> None:
