@@ -103,9 +103,14 @@ class GrpoObjective:
 
     def logps(self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
         """Log-probs (b, s) of each next token under the engine's runs, fp32, at ``temperature`` (0 before
-        the first completion's position: only positions from the shortest prompt's last token on are
-        projected to the vocabulary); those positions' whole distributions are kept in
-        :attr:`last_full` for the entropy."""
+        the first completion's position)."""
+        return self._forward(model, batch, device)[0]
+
+    def _forward(
+        self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`logps`, the whole distributions' log-probs of the positions projected to the
+        vocabulary (from the shortest prompt's last token on), and that first position."""
         ids, labels, plens, lens = batch[0], batch[1], batch[4], batch[5]
         kv = RunAttention(plens.tolist(), lens.tolist(), ids.shape[1])
         start = int(plens.min()) - 1
@@ -117,9 +122,8 @@ class GrpoObjective:
         if self.cfg.grpo.temperature != 1.0:
             logits = logits / self.cfg.grpo.temperature
         full = torch.log_softmax(logits, dim=-1)
-        self.last_full, self.last_start = full, start
         picked = full.gather(-1, labels[:, start:].to(device).clamp(min=0)[..., None])[..., 0]
-        return F.pad(picked, (start, 0))
+        return F.pad(picked, (start, 0)), full, start
 
     def __call__(
         self, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device
@@ -127,7 +131,7 @@ class GrpoObjective:
         """The micro-batch's summed loss (see :func:`~zerotron.components.grpo.loss_sum`)."""
         g = self.cfg.grpo
         labels, old, adv = batch[1].to(device), batch[2].to(device), batch[3].to(device)
-        logps = self.logps(model, batch, device)
+        logps, full, start = self._forward(model, batch, device)
         mask = labels != -100
         now = logps.detach()
         old = torch.where(mask, old, now)  # padding: a ratio of 1, nothing to overflow
@@ -137,8 +141,7 @@ class GrpoObjective:
             weights = torch.clamp(torch.exp(now - old), max=g.importance_cap)
         tl = token_losses(logps, old, adv, g, ref, weights)
         with torch.no_grad():
-            full = self.last_full
-            entropy = F.pad(-(full.exp() * full).sum(-1), (self.last_start, 0))
+            entropy = F.pad(-(full.exp() * full).sum(-1), (start, 0))
             m = mask.double()
             ratio = torch.exp(now - old)
             self.sums += torch.stack(
@@ -152,7 +155,6 @@ class GrpoObjective:
             ).cpu()
             if mask.any():
                 self.delta = torch.maximum(self.delta, (now - old)[mask].abs().max().double().cpu())
-        del self.last_full
         return loss_sum(tl.loss, mask.float(), g.loss)
 
     def metrics(self) -> dict[str, Any]:
@@ -251,7 +253,6 @@ class GrpoStep:
                 return self.objective.logps(self.trainer.model, batch, self.trainer.device).cpu()
         finally:
             _swap(self.params, current)
-            del self.objective.last_full
 
     def __call__(self) -> dict[str, Any]:
         """Rollouts, rewards, the optimizer step and the weight sync; the step's record."""
@@ -263,9 +264,7 @@ class GrpoStep:
         ro = self.engine.generate(
             indices, [line["ids"] for line in lines], seeds, g.group_size, g.max_new_tokens, g.temperature
         )
-        rows = []
-        for i in ro.prompts:
-            rows.append(self.data.lines[i])
+        rows = [self.data.lines[i] for i in ro.prompts]
         scores = score(
             self.rewards,
             [r["prompt"] for r in rows],

@@ -39,20 +39,14 @@ from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.engine import Engine
-from zerotron.serve.paged import KEY_BUCKET, Q_ALIGN, ROW_BUCKET, _sdpa
+from zerotron.serve.paged import attend_runs, causal_mask, runs
 
 
-def runs_of(prompt_len: int, length: int) -> list[tuple[int, int]]:
-    """The attention runs ``[lo, hi)`` the engine computes a sequence of ``length`` tokens in: the
-    prompt's cut at multiples of ``Q_ALIGN``, then each generated token alone (the last one is never
-    fed back; it is given a one-row run too, its outputs unused)."""
-    runs, lo = [], 0
-    while lo < prompt_len:
-        hi = min(prompt_len, (lo // Q_ALIGN + 1) * Q_ALIGN)
-        runs.append((lo, hi))
-        lo = hi
-    runs += [(p, p + 1) for p in range(prompt_len, length)]
-    return runs
+def sequence_runs(prompt_len: int, length: int) -> list[tuple[int, int, int]]:
+    """The attention runs ``(lo, hi, window)`` the engine computes a sequence of ``length`` tokens in:
+    the prompt's (:func:`~zerotron.serve.paged.runs`), then each generated token alone (the last one is
+    never fed back; it is given a one-row run too, its outputs unused)."""
+    return runs(0, prompt_len) + [run for p in range(prompt_len, length) for run in runs(p, p + 1)]
 
 
 class RunAttention:
@@ -65,19 +59,24 @@ class RunAttention:
     def __init__(self, prompt_lens: list[int], lengths: list[int], seq_len: int) -> None:
         groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for b, (p, n) in enumerate(zip(prompt_lens, lengths, strict=True)):
-            for lo, hi in runs_of(p, n):
-                bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
-                groups.setdefault(((lo // bucket + 1) * bucket, hi - lo), []).append((b, lo))
-        self.seq_len = seq_len
+            for lo, hi, window in sequence_runs(p, n):
+                groups.setdefault((window, hi - lo), []).append((b, lo))
         self.window = max(window for window, _ in groups) if groups else 0
         self.groups = []
         for (window, lq), members in groups.items():
             rows = torch.tensor([b * seq_len + lo + i for b, lo in members for i in range(lq)])
             batch = torch.tensor([b for b, _ in members])
             first = torch.tensor([lo for _, lo in members])
-            keys, offsets = torch.arange(window), torch.arange(lq)
-            causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
-            self.groups.append((window, lq, rows, batch, causal))
+            self.groups.append((window, lq, rows, batch, first))
+        self.masks: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def _masks(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """The groups' causal masks, built once per forward (every layer attends the same runs)."""
+        if (dtype, device) not in self.masks:
+            self.masks[dtype, device] = [
+                causal_mask(first, lq, window, dtype).to(device) for window, lq, _, _, first in self.groups
+            ]
+        return self.masks[dtype, device]
 
     def attend(
         self,
@@ -97,24 +96,18 @@ class RunAttention:
         vt = F.pad(v.transpose(1, 2), (0, 0, 0, 0, 0, pad))
         flat_q = q.transpose(0, 1).reshape(heads, b * s, d)  # (h, rows, d)
         outs, where = [], []
-        for window, lq, rows, batch, causal in self.groups:
-            mask = torch.zeros(causal.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                ~causal.to(q.device), float("-inf")
-            )[:, None]
-            n = len(batch)
-            keys = kt[batch.to(q.device), :window].transpose(1, 2)  # (n, kvh, window, d)
-            values = vt[batch.to(q.device), :window].transpose(1, 2)
-            queries = flat_q.index_select(1, rows.to(q.device))  # (h, n * lq, d)
-            qs = queries.view(heads, n, lq, d).transpose(0, 1)  # (n, h, lq, d)
-            if lq == 1 and gqa:  # the engine's one-row GQA layout: a KV head's query heads as rows
-                o = _sdpa(qs.reshape(n, keys.shape[1], -1, d), keys, values, mask, False).reshape(
-                    n, heads, 1, d
-                )
-            else:
-                o = _sdpa(qs, keys, values, mask, gqa)
-            outs.append(o.transpose(1, 2).reshape(n * lq, heads, d))
+        for (window, lq, rows, batch, _), mask in zip(
+            self.groups, self._masks(q.dtype, q.device), strict=True
+        ):
+            n, batch, rows = len(batch), batch.to(q.device), rows.to(q.device)
+            keys = kt[batch, :window].transpose(1, 2)  # (n, kvh, window, d)
+            values = vt[batch, :window].transpose(1, 2)
+            queries = flat_q.index_select(1, rows).view(heads, n, lq, d).transpose(0, 1)  # (n, h, lq, d)
+            outs.append(
+                attend_runs(queries, keys, values, mask, gqa).transpose(1, 2).reshape(n * lq, heads, d)
+            )
             where.append(rows)
-        out = q.new_zeros(b * s, heads, d).index_put((torch.cat(where).to(q.device),), torch.cat(outs))
+        out = q.new_zeros(b * s, heads, d).index_put((torch.cat(where),), torch.cat(outs))
         return out.view(b, s, heads, d).transpose(1, 2)
 
 

@@ -49,6 +49,40 @@ MIN_QUERY_ROWS = 4
 Q_ALIGN = 32
 
 
+def runs(start: int, end: int) -> list[tuple[int, int, int]]:
+    """The attention runs ``(lo, hi, window)`` of positions ``[start, end)`` of one sequence: cut at
+    multiples of :data:`Q_ALIGN`; each attends to the key window of its first position
+    (:data:`ROW_BUCKET` for a one-row run, else :data:`KEY_BUCKET`)."""
+    out, lo = [], start
+    while lo < end:
+        hi = min(end, (lo // Q_ALIGN + 1) * Q_ALIGN)
+        bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
+        out.append((lo, hi, (lo // bucket + 1) * bucket))
+        lo = hi
+    return out
+
+
+def causal_mask(first: torch.Tensor, lq: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, lq, window) additive causal masks (0 / -inf, in ``dtype``: SDPA would convert a boolean
+    one so in every layer's call) of runs of ``lq`` rows starting at positions ``first`` (B,)."""
+    keys, offsets = torch.arange(window), torch.arange(lq)
+    causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
+    return torch.zeros(causal.shape, dtype=dtype).masked_fill_(~causal, float("-inf"))[:, None]
+
+
+def attend_runs(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gqa: bool
+) -> torch.Tensor:
+    """SDPA of runs of equal window and length: q (B, h, lq, d), keys/values (B, kvh, window, d) ->
+    (B, h, lq, d). A one-row run under GQA is attended as the query heads that share a KV head stacked
+    into rows (one SDPA problem per KV head)."""
+    b, heads, lq, d = q.shape
+    if lq == 1 and gqa:
+        rows = q.reshape(b, keys.shape[1], -1, d)  # (B, kvh, h / kvh, d)
+        return _sdpa(rows, keys, values, mask, False).reshape(b, heads, 1, d)
+    return _sdpa(q, keys, values, mask, gqa)
+
+
 def block_hash(parent: Optional[bytes], tokens: list[int]) -> bytes:
     """The prefix-cache name of a full block: its tokens chained with its parent block's hash."""
     digest = hashlib.sha256(parent or b"root")
@@ -248,24 +282,21 @@ class PagedAttention:
         bs = pool.block_size
         slots = [0] * rows  # padding rows: slot 0 of the scratch block
         # (window, lq) -> runs; window None: the native kernel's pieces, all in one group
-        runs: dict[tuple[Optional[int], int], list[tuple[int, int, int, list[int]]]] = {}
+        groups: dict[tuple[Optional[int], int], list[tuple[int, int, int, list[int]]]] = {}
         for piece in pieces:
             table, end = piece.table, piece.start + piece.n
             for i, p in enumerate(range(piece.start, end)):
                 slots[piece.row + i] = table[p // bs] * bs + p % bs
             if native:  # the piece's rows on the native kernel, one slot list
-                runs.setdefault((None, 0), []).append((piece.row, piece.start, end, table))
+                groups.setdefault((None, 0), []).append((piece.row, piece.start, end, table))
                 continue
-            lo = piece.start
-            while lo < end:
-                hi = min(end, (lo // Q_ALIGN + 1) * Q_ALIGN)
-                bucket = ROW_BUCKET if hi - lo == 1 else KEY_BUCKET
-                window = (lo // bucket + 1) * bucket
-                runs.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
-                lo = hi
+            for lo, hi, window in runs(piece.start, end):
+                groups.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
         self.slots = torch.tensor(slots, dtype=torch.long)
         dtype = pool.k[0].dtype
-        self.groups = [self._group(window, lq, members, bs, dtype) for (window, lq), members in runs.items()]
+        self.groups = [
+            self._group(window, lq, members, bs, dtype) for (window, lq), members in groups.items()
+        ]
         # One group whose runs are the step's rows in order (a step of decodes only, or any step on the
         # native kernel without padding rows): its queries are the step's rows as they lie, and its
         # output is the step's, without a gather and a scatter.
@@ -305,13 +336,9 @@ class PagedAttention:
         first = torch.tensor([lo for _, lo, _, _ in members])
         last = torch.tensor([hi for _, _, hi, _ in members])
         start = torch.tensor([row for row, _, _, _ in members])
-        keys, offsets = torch.arange(window), torch.arange(lq)
-        key_slots = torch.where(keys[None, :] < last[:, None], key_slots, 0)  # (B, window)
-        rows = (start[:, None] + offsets).view(-1)
-        causal = keys[None, None, :] <= (first[:, None] + offsets)[:, :, None]  # (B, lq, window)
-        # additive, in the cache's dtype: SDPA would convert a boolean mask so in every layer's call
-        additive = torch.zeros(causal.shape, dtype=dtype).masked_fill_(~causal, float("-inf"))
-        return _Group(rows, key_slots, additive[:, None], last)
+        key_slots = torch.where(torch.arange(window)[None, :] < last[:, None], key_slots, 0)  # (B, window)
+        rows = (start[:, None] + torch.arange(lq)).view(-1)
+        return _Group(rows, key_slots, causal_mask(first, lq, window, dtype), last)
 
     def attend(
         self,
@@ -374,10 +401,7 @@ class PagedAttention:
         values = vp.index_select(0, flat).view(b, window, -1, d).transpose(1, 2)
         lq = g.mask.shape[2]
         q = queries.view(heads, b, lq, d).transpose(0, 1)  # (B, h, lq, d)
-        if lq == 1 and gqa:  # one query per head: the heads that share a KV head as rows of one query run
-            rows = q.view(b, keys.shape[1], -1, d)  # (B, kvh, h / kvh, d)
-            return _sdpa(rows, keys, values, g.mask, False).reshape(b, heads, 1, d)
-        return _sdpa(q, keys, values, g.mask, gqa)
+        return attend_runs(q, keys, values, g.mask, gqa)
 
 
 def _sdpa(
