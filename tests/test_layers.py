@@ -40,6 +40,7 @@ LAYERS = {
     "config_check": 1,
     "config_check_compressed": 1,
     "config_check_preference": 1,
+    "config_check_fp8": 1,
     "config_deepspeed": 1,
     "presets": 1,
     "__init__": 1,

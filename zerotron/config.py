@@ -300,8 +300,18 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 disables")
     precision: str = _f(
         "fp32",
-        "fp32, bf16 (fp32 master weights) or fp16 (dynamic loss scaling); fp8 is modelled by `zerotron plan` "
-        "and refused by the trainer",
+        "fp32, bf16 (fp32 master weights), fp16 (dynamic loss scaling) or fp8 (the blocks' linears in float8 "
+        "through torchao, everything else as bf16; docs/precision.md)",
+    )
+    fp8_recipe: str = _f(
+        "tensorwise",
+        "train.precision=fp8: tensorwise (e4m3 forward, e5m2 gradients, one dynamic scale per tensor) or rowwise "
+        "(e4m3, one power-of-two scale per row); torchao's recipes",
+    )
+    fp8_skip: str = _f(
+        "",
+        "train.precision=fp8: comma-separated fnmatch patterns of block linears kept in bf16 (e.g. "
+        "'layers.0.*,*.down_proj'); the embedding, head, routers and routed experts always are",
     )
     loss_scale_init: float = _f(2.0**16, "fp16: initial loss scale")
     loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles")

@@ -30,6 +30,7 @@ from zerotron.config_check_compressed import (
     check_unused_zero_one,
     resolved_dp,
 )
+from zerotron.config_check_fp8 import check_fp8
 from zerotron.config_check_preference import check_grpo, check_preference
 from zerotron.config_load import ConfigError
 
@@ -40,6 +41,7 @@ _CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.grad_reduce_dtype": ("fp32", "bf16"),
     "train.precision": ("fp32", "bf16", "fp16", "fp8"),
+    "train.fp8_recipe": ("tensorwise", "rowwise"),
     "train.recompute": ("none", "selective", "full"),
     "train.schedule": ("cosine", "linear", "constant"),
     "train.warmup_type": ("linear", "log"),
@@ -393,11 +395,6 @@ def _check_built(cfg: Config) -> None:
             "parallel.tp_comm_overlap=true: the trainer does not overlap tensor-parallel collectives with "
             "GEMMs yet (`zerotron plan` models it); set parallel.tp_comm_overlap=false"
         )
-    if cfg.train.precision == "fp8":
-        raise ConfigError(
-            "train.precision=fp8: the trainer has no FP8 matrix multiplies yet (`zerotron plan` models them); "
-            "set train.precision=bf16"
-        )
     m = cfg.model
     if m.kv_lora_rank or m.q_lora_rank or m.qk_rope_head_dim or m.qk_nope_head_dim or m.v_head_dim:
         raise ConfigError(
@@ -473,6 +470,7 @@ def _check_compile(cfg: Config) -> None:
 def _check_finetune(cfg: Config) -> None:
     """Supervised data and LoRA: ranges, and the layouts they are not built for yet (one line each)."""
     lo, d, p = cfg.lora, cfg.data, cfg.parallel
+    check_fp8(cfg)
     check_preference(cfg)
     check_grpo(cfg)
     supervised = d.format != "pretrain"

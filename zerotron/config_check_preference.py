@@ -87,7 +87,7 @@ def check_grpo(cfg: Config) -> None:
         ("parallel.offload_params", p.offload_params != "none"),
         ("parallel.offload_optimizer", p.offload_optimizer != "none"),
         ("model.num_local_experts", cfg.model.num_local_experts > 0),
-        (f"train.precision={cfg.train.precision}", cfg.train.precision == "fp16"),
+        (f"train.precision={cfg.train.precision}", cfg.train.precision in ("fp16", "fp8")),
         ("train.compile", cfg.train.compile),
         ("lora.use_dora", cfg.lora.rank > 0 and cfg.lora.use_dora),
         ("lora.base_bits=4 (QLoRA)", cfg.lora.rank > 0 and cfg.lora.base_bits == 4),

@@ -86,7 +86,7 @@ def build(
     ``device``, built in the module docstring's order. ``dtype``: the parameters' dtype (default
     fp32). ``train``: add step 6 (needs ``mesh``); under ZeRO-3 no rank ever holds more than its
     shards plus one tensor."""
-    model = parallelize_llama(cfg, mesh)  # 1. layout
+    model = parallelize_llama(cfg, mesh, device)  # 1. layout
     if dtype is not None:
         cast_parameters(model, dtype)  # on the meta device: each box is cast as it is materialised
     tp = mesh.dims.tp if mesh is not None else 1

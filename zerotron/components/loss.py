@@ -14,7 +14,11 @@ from zerotron.distributed.mesh import Group
 from zerotron.parallel.tensor_comm import vocab_parallel_cross_entropy
 
 IGNORE = -100  # a label the loss does not count (F.cross_entropy's ignore_index)
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}  # fp8: bf16 around the fp8 GEMMs
 REDUCE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
 
 

@@ -12,6 +12,8 @@
    the placement record says (``ep``/``edp``), its token slots sent to their experts by all-to-all
    (:mod:`zerotron.parallel.expert`); with ``parallel.etp`` = tp each expert's intermediate width is
    split over tp too.
+5. **FP8** (``train.precision=fp8``): the blocks' projections multiply in float8, each scale reduced
+   over the tp and cp ranks that hold the rest of its tensor (:mod:`zerotron.parallel.float8`).
 
 Everything happens on the meta device: no rank allocates what it will not hold. This is the layout
 step of the one model builder (:func:`zerotron.build.builder.build`), which then materialises the split
@@ -23,6 +25,7 @@ the one-stage, one-rank case.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from zerotron.config import Config
@@ -31,11 +34,13 @@ from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel, meta_stages, stage_bounds
 from zerotron.parallel.context import apply_context_parallel, context_groups
 from zerotron.parallel.expert import apply_expert_parallel
+from zerotron.parallel.float8 import apply_float8, device_has_float8_gemm
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 
 
-def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
-    """This rank's part of the model laid out over ``mesh`` (None: one process), on the meta device.
+def parallelize_llama(cfg: Config, mesh: Mesh | None = None, device: torch.device | str = "cpu") -> nn.Module:
+    """This rank's part of the model laid out over ``mesh`` (None: one process), on the meta device;
+    ``device``: where it will compute (float8 GEMMs run natively or emulated).
 
     Returns the model itself with one pipeline stage, else a :class:`StagedModel` of this rank's chunks.
     """
@@ -55,6 +60,8 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None) -> nn.Module:
         tp_group = mesh.group("tp") if etp else None
         for chunk in chunks:
             apply_expert_parallel(chunk, mesh.group("ep"), tp_group, cfg.parallel.sequence_parallel)
+    if cfg.train.precision == "fp8":
+        _float8(cfg, chunks, mesh, torch.device(device))
     one_stage = mesh is None or mesh.dims.pp == 1
     return chunks[0] if one_stage else StagedModel(cfg.model, chunks)
 
@@ -67,3 +74,13 @@ def _split(cfg: Config, mesh: Mesh | None) -> list[LlamaForCausalLM]:
     p, v = mesh.dims.pp, cfg.parallel.virtual_stages
     bounds = stage_bounds(cfg.model, cfg.train.seq_len, p * v, cfg.parallel.pp_layers)
     return meta_stages(cfg.model, bounds, mesh.coords["pp"], p, rows)
+
+
+def _float8(cfg: Config, chunks: list[LlamaForCausalLM], mesh: Mesh | None, device: torch.device) -> None:
+    """Step 5: each chunk's block projections in float8 (one notice when routed experts stay bf16)."""
+    tp = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
+    cp = mesh.group("cp") if mesh is not None and mesh.dims.cp > 1 else None
+    skip = tuple(p.strip() for p in cfg.train.fp8_skip.split(",") if p.strip())
+    emulate = not device_has_float8_gemm(device)
+    for chunk in chunks:
+        apply_float8(chunk, cfg.train.fp8_recipe, skip, emulate, tp, cp)

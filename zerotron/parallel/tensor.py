@@ -81,6 +81,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.parallel.float8 import Float8Spec, float8_linear
 from zerotron.parallel.tensor_comm import (
     SequenceGather,
     all_reduce_grad_hook,
@@ -194,6 +195,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features, self.rows = inp, size, (start, size)
         # Under sequence parallelism inside a region: the region's entry, whose shard is what we save.
         self.region_gather: _GatherSlot | None = None
+        self.float8: Float8Spec | None = None  # train.precision=fp8 (zerotron.parallel.float8)
         self.tp_specs: dict[str, ShardSpec] = {}
         keep = (slice(None) if replicated else slice(start, start + size),)
         self.weight = nn.Parameter(linear.weight.detach()[keep].clone())  # (out/t, in) or (out, in)
@@ -223,6 +225,8 @@ class ColumnParallelLinear(nn.Module):
             start, size = self.rows
             w = w[start : start + size]
             b = b[start : start + size] if b is not None else None
+        if self.float8 is not None:
+            return float8_linear(x, w, b, self.float8)  # saves the gathered input
         if gather is not None and gather.full is x:
             return linear_saving_shard(x, w, b, gather)  # saves (b, s/t, in), gathers again in backward
         return F.linear(x, w, b)
@@ -255,6 +259,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = size, out
         self.weight = nn.Parameter(linear.weight.detach()[:, start : start + size].clone())  # (out, in/t)
         self.tp_specs = {"weight": split_spec((out, inp), 1, start, size)}
+        self.float8: Float8Spec | None = None  # train.precision=fp8 (zerotron.parallel.float8)
         self.bias = None
         if linear.bias is not None:
             self.bias = nn.Parameter(linear.bias.detach().clone())  # replicated, added after the sum
@@ -263,7 +268,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, in/t) -> (b, s, out) [(b, s/t, out) with output_mode=sequence]."""
-        y = leave_region(F.linear(x, self.weight), self.output_mode, self.group)
+        y = (
+            F.linear(x, self.weight)
+            if self.float8 is None
+            else float8_linear(x, self.weight, None, self.float8)
+        )
+        y = leave_region(y, self.output_mode, self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -1,0 +1,88 @@
+"""Checks of FP8 training (``train.precision=fp8``), each a one-line
+:class:`~zerotron.config_load.ConfigError` before anything is spawned;
+:func:`zerotron.config_check.validate` calls them."""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import warnings
+
+from zerotron.config import Config, TrainConfig
+from zerotron.config_load import ConfigError
+
+MULTIPLE = 16  # float8 GEMMs take dimensions that are multiples of 16 (zerotron.parallel.float8)
+
+
+class ExpertsStayBf16(UserWarning):
+    """fp8 with MoE blocks: the routed experts compute in bf16 (grouped float8 GEMMs are not built)."""
+
+
+def fp8_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
+    """Each float8 candidate of block 0 (``self_attn.q_proj``, ``mlp.up_proj``, ...) and the (in, out)
+    dimensions of the GEMM one rank computes under ``parallel.tp`` (column-parallel layers split
+    ``out``, row-parallel ones ``in``)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    h, hd = m.hidden_size, m.dim_per_head
+    q = m.num_attention_heads * hd
+    kv = m.kv_heads * hd // tp if m.kv_heads >= tp else hd  # fewer KV heads than tp: one head per rank
+    shapes = {
+        "self_attn.q_proj": (h, q // tp),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q // tp, h),
+    }
+    if m.num_local_experts > 0:
+        prefix, inner = "mlp.shared_expert.", m.shared_expert_intermediate_size
+    else:
+        prefix, inner = "mlp.", m.intermediate_size
+    if inner:
+        for name in ("gate_proj", "up_proj"):
+            shapes[prefix + name] = (h, inner // tp)
+        shapes[prefix + "down_proj"] = (inner // tp, h)
+    return shapes
+
+
+def check_fp8(cfg: Config) -> None:
+    """fp8's package, recipe, what it is not built with yet, and shapes float8 cannot take."""
+    t, p = cfg.train, cfg.parallel
+    if t.precision != "fp8":
+        defaults = TrainConfig()
+        for key in ("fp8_recipe", "fp8_skip"):
+            if getattr(t, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"train.{key}={getattr(t, key)!r} applies to train.precision=fp8, and this run is "
+                    f"{t.precision}: set train.precision=fp8 or leave it out"
+                )
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("train.precision=fp8 computes with torchao's float8: pip install 'zerotron[fp8]'")
+    refused = [
+        ("lora.rank (LoRA/QLoRA)", cfg.lora.rank > 0),
+        ("train.compile", t.compile),
+        ("parallel.pp_schedule=zb", p.pp > 1 and p.pp_schedule == "zb"),
+    ]
+    named = [name for name, on in refused if on]
+    if named:
+        raise ConfigError(
+            f"train.precision=fp8 is not built with {', '.join(named)} yet: drop those settings, or use "
+            "train.precision=bf16"
+        )
+    if cfg.model.num_local_experts > 0:
+        warnings.warn(
+            "train.precision=fp8: the routed experts compute in bf16 (grouped float8 GEMMs are not built); "
+            "attention and the shared expert in float8",
+            ExpertsStayBf16,
+            stacklevel=2,
+        )
+    skip = [s.strip() for s in t.fp8_skip.split(",") if s.strip()]
+    for name, dims in fp8_shapes(cfg).items():
+        names = [f"layers.{i}.{name}" for i in range(cfg.model.num_hidden_layers)]
+        if all(any(fnmatch.fnmatchcase(n, s) for s in skip) for n in names):
+            continue  # kept in bf16 in every block
+        if any(d % MULTIPLE for d in dims):
+            raise ConfigError(
+                f"train.precision=fp8: {name} multiplies ({dims[0]} in, {dims[1]} out) on each rank at "
+                f"parallel.tp={p.tp}, and float8 GEMMs take multiples of {MULTIPLE}: keep it in bf16 with "
+                f"train.fp8_skip='*.{name.rpartition('.')[2]}', or change the model or tp"
+            )

@@ -1,0 +1,236 @@
+"""FP8 training (``train.precision=fp8``): the blocks' linears multiply in float8, with the single
+process's scales on every layout.
+
+The casts and GEMMs are torchao's (``torchao.float8``: ``Float8LinearConfig.from_recipe_name``, its
+float8 tensor and ``torch._scaled_mm`` on GPUs that have float8 GEMMs, its fp32 emulation elsewhere),
+recipe ``tensorwise`` (e4m3 forward, e5m2 gradients, one dynamic scale per tensor) or ``rowwise``
+(e4m3 throughout, one power-of-two scale per row of the contracted axis). Everything else computes in
+bf16 under autocast; the fp32 masters and AdamW moments are unchanged (DESIGN contract 9). Layers
+converted: the attention and MLP projections of the transformer blocks (``q/k/v/o_proj``,
+``gate/up/down_proj``, a MoE block's shared expert included); the embedding, the head, routers and
+norms stay bf16, and so do the routed experts (grouped float8 GEMMs are not built: one notice).
+``train.fp8_skip`` keeps more of them in bf16 (``fnmatch`` patterns on module names).
+
+**An fp8 scale belongs to the whole tensor of one micro-batch, not to a shard** (layout invariance):
+torchao computes each amax on the tensor it sees; here each of the three operands of a linear names
+which of its axes other ranks hold pieces of —
+
+- ``x`` (tokens, in) and the output gradient (tokens, out): the tokens of one micro-batch are split
+  over context parallelism;
+- the weight (in, out): a row-parallel layer splits ``in`` over tensor parallelism, a column-parallel
+  one ``out`` (as do its input gradient's ``out`` and its output gradient's);
+
+and the amax behind a scale is all-reduced (max, through :mod:`zerotron.distributed.collectives`) over
+the groups that split the axes it is taken over: every axis for a tensorwise scale, the contracted axis
+for a rowwise one. So tensor parallelism, sequence parallelism, context parallelism, pipelines, ZeRO-3
+(which gathers whole weights) and data parallelism (one micro-batch per forward, as in the single
+process with accumulation) all multiply with the single process's scales. What differs is only the
+summation order of the split GEMMs, as in bf16.
+
+Casts start from the autocast dtype (the bf16 working weights ZeRO-3 gathers are the fp32 masters
+rounded once), so a single process with fp32 parameters and a ZeRO-3 rank with bf16 working copies cast
+the same bits.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from zerotron.distributed import collectives
+from zerotron.distributed.mesh import Group
+
+RECIPES = ("tensorwise", "rowwise")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MULTIPLE = 16  # float8 GEMMs (torch._scaled_mm) take dimensions that are multiples of 16
+REDUCE_AMAX = True  # False only in the negative control of tests/test_fp8.py: per-shard scales
+
+# the three operands' axes, by name: which groups split each
+X_AXES, W_AXES, G_AXES = ("tokens", "in"), ("in", "out"), ("tokens", "out")
+
+
+def torchao_float8() -> Any:
+    """torchao's float8 package (imported on first use; its notices about CUDA-only kernels silenced)."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    import torchao.float8 as float8
+
+    return float8
+
+
+def device_has_float8_gemm(device: torch.device) -> bool:
+    """Whether ``device`` multiplies float8 natively (CUDA compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@dataclass(frozen=True)
+class Float8Spec:
+    """One linear's float8 recipe and the groups that split its axes.
+
+    ``config``: torchao's ``Float8LinearConfig``; ``mm``: its ``LinearMMConfig`` (emulated or not);
+    ``tokens`` / ``inner`` / ``outer``: the groups holding other pieces of the token, in-feature and
+    out-feature axes."""
+
+    config: Any
+    mm: Any
+    tokens: tuple[Group, ...] = ()
+    inner: tuple[Group, ...] = ()
+    outer: tuple[Group, ...] = ()
+
+    @classmethod
+    def create(cls, recipe: str, emulate: bool, **groups: tuple[Group, ...]) -> Float8Spec:
+        """The spec of ``recipe`` (``tensorwise`` or ``rowwise``); ``emulate``: fp32 GEMMs on the
+        float8 values (CPUs, GPUs without float8 GEMMs)."""
+        if recipe not in RECIPES:
+            raise ValueError(f"train.fp8_recipe={recipe!r}: use one of {', '.join(RECIPES)}")
+        f8 = torchao_float8()
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        config = f8.Float8LinearConfig.from_recipe_name(recipe)
+        gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+        mm = LinearMMConfig(
+            *(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms)
+        )
+        return cls(config, mm, **groups)
+
+    def groups(self, axes: tuple[str, ...]) -> list[Group]:
+        """The groups splitting any of ``axes`` (``tokens``, ``in``, ``out``)."""
+        by_axis = {"tokens": self.tokens, "in": self.inner, "out": self.outer}
+        return [g for axis in axes for g in by_axis[axis] if g.size > 1]
+
+
+def _cast(t: torch.Tensor, axes: tuple[str, str], how: Any, role: Any, dim: int, spec: Float8Spec) -> Any:
+    """``t`` (2-D) as torchao's float8 tensor for GEMM ``role``, its amax taken over the whole tensor
+    (tensorwise) or along ``dim`` (rowwise) and reduced over the ranks holding the rest of it; ``t``
+    itself when the recipe keeps this operand in high precision."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    if how.scaling_type is ScalingType.DISABLED:
+        return t
+    axis: int | None
+    if how.scaling_granularity is ScalingGranularity.TENSORWISE:
+        amax, axis, groups = torch.max(torch.abs(t)), None, spec.groups(axes)
+    else:
+        amax, axis = torch.amax(torch.abs(t), dim=dim, keepdim=True), dim
+        groups = spec.groups((axes[dim],))
+    if REDUCE_AMAX:
+        for group in groups:
+            collectives.all_reduce(amax, group, "max")
+    scale = amax_to_scale(amax, how.target_dtype, spec.config.round_scales_to_power_of_2)
+    return hp_tensor_and_scale_to_float8(t, scale, how.target_dtype, spec.mm, role, axis)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """``x @ w_t`` (2-D) with torchao's three float8 GEMMs (forward, input gradient, weight gradient),
+    each operand cast with its whole tensor's scale."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Float8Spec) -> torch.Tensor:
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        ctx.save_for_backward(x, w_t)
+        ctx.spec = spec
+        c = spec.config
+        x8 = _cast(x, X_AXES, c.cast_config_input, GemmInputRole.INPUT, -1, spec)
+        w8 = _cast(w_t, W_AXES, c.cast_config_weight, GemmInputRole.WEIGHT, 0, spec)
+        return torch.mm(x8, w8)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        x, w_t = ctx.saved_tensors
+        spec: Float8Spec = ctx.spec
+        c = spec.config
+        grad = grad.contiguous()
+        g8 = _cast(grad, G_AXES, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, spec)
+        w8 = _cast(w_t, W_AXES, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, spec)
+        grad_x = torch.mm(g8, w8.t())
+        g8 = _cast(
+            grad, G_AXES, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, spec
+        )
+        x8 = _cast(x, X_AXES, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, spec)
+        grad_w = torch.mm(g8.t(), x8)
+        return grad_x, grad_w.t(), None
+
+
+def float8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8Spec
+) -> torch.Tensor:
+    """``F.linear`` in float8: ``x`` and ``weight`` first in the autocast dtype (bf16 under
+    ``train.precision=fp8``), the output in that dtype."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):
+        flat = x.to(dtype).reshape(-1, x.shape[-1])
+        y = cast(torch.Tensor, _Float8Matmul.apply(flat, weight.to(dtype).t(), spec))  # type: ignore[no-untyped-call]
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, names and state dict) whose forward is :func:`float8_linear`."""
+
+    float8: Float8Spec
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: Float8Spec) -> Float8Linear:
+        """``linear``'s own parameters (any device, the meta device included) in a float8 layer."""
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        new.float8 = spec
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float8_linear(x, self.weight, self.bias, self.float8)
+
+
+def is_target(name: str, skip: tuple[str, ...]) -> bool:
+    """Whether the module ``name`` (e.g. ``layers.3.mlp.up_proj``) computes in float8: a block's
+    projection not matched by a ``train.fp8_skip`` pattern."""
+    leaf = name.rpartition(".")[2]
+    in_block = name.startswith("layers.") or ".layers." in name
+    return in_block and leaf in TARGETS and not any(fnmatch.fnmatchcase(name, p) for p in skip)
+
+
+def apply_float8(
+    model: nn.Module,
+    recipe: str,
+    skip: tuple[str, ...],
+    emulate: bool,
+    tp: Group | None = None,
+    cp: Group | None = None,
+) -> list[str]:
+    """Make ``model``'s target linears (:func:`is_target`) compute in float8, in place, on any device
+    (the meta device included); ``tp`` / ``cp``: the groups splitting weights and tokens. Returns the
+    converted names."""
+    from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    tokens = (cp,) if cp is not None else ()
+    split = (tp,) if tp is not None else ()
+    done = []
+    for name, module in list(model.named_modules()):
+        if not is_target(name, skip):
+            continue
+        if isinstance(module, ColumnParallelLinear):
+            module.float8 = Float8Spec.create(recipe, emulate, tokens=tokens, outer=split)
+        elif isinstance(module, RowParallelLinear):
+            module.float8 = Float8Spec.create(recipe, emulate, tokens=tokens, inner=split)
+        elif type(module) is nn.Linear:
+            parent, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(
+                owner,
+                leaf,
+                Float8Linear.from_linear(module, Float8Spec.create(recipe, emulate, tokens=tokens)),
+            )
+        else:
+            continue
+        done.append(name)
+    return done
