@@ -321,3 +321,17 @@ def test_fp8_under_torchrun_saves_fp32_masters_that_resume_in_bf16_and_back(tmp_
     assert back.returncode == 0, back.stderr[-3000:]
     assert "at step 4" in back.stdout
     assert _steps(run) == [1, 2, 3, 4, 5]
+
+
+def test_deepspeed_fp8_keys_point_to_train_precision(tmp_path: Path) -> None:
+    """DeepSpeed has no fp8 section (Transformer Engine's fp8 is switched on in model code): a config
+    that carries one is refused in one line naming zerotron's key."""
+    import json
+
+    from zerotron.config_deepspeed import from_deepspeed
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "bf16": {"enabled": True}, "fp8": {"enabled": True}}))
+    with pytest.raises(ConfigError, match=r"fp8 \(DeepSpeed has no fp8 section.*train.precision=fp8") as info:
+        from_deepspeed(str(path), None, [], world_size=2)
+    assert "\n" not in str(info.value)

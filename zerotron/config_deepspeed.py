@@ -390,6 +390,11 @@ def _map_rest(ds: dict[str, Any], m: _Mapper) -> None:
             m.no_effect(key, value, str(_NO_EFFECT[key]))
         elif key == "communication_data_type" and value in ("fp32", None):
             m.no_effect(key, value, "zerotron reduces gradients in fp32")
+        elif key in ("fp8", "transformer_engine", "fp8_autocast"):
+            # DeepSpeed has no such section: its FP8 is Transformer Engine's, switched on in model code
+            m.refused.append(
+                f"{key} (DeepSpeed has no fp8 section; Transformer Engine's fp8 is set in model code: use train.precision=fp8)"
+            )
         else:
             m.refused.append(f"{key}")
     if "gradient_clipping" not in ds:

@@ -132,6 +132,8 @@ def why_not(framework: str, cfg: Config) -> str | None:
         common = _common(cfg) or _one_bit(cfg)
         if common:
             return common
+    if cfg.train.precision == "fp8" and framework not in ("zerotron", "fsdp2"):
+        return "fp8: torchao's float8 with FSDP2 is the fp8 peer (DeepSpeed's fp8 is Transformer Engine model code)"
     checks = {
         "zerotron": lambda c: None,
         "zerotron-uncompressed": _uncompressed,

@@ -33,9 +33,14 @@ from zerotron.distributed import peers
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.parallel import float8
 from zerotron.train.trainer import Trainer
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}  # fp8: bf16 around float8 GEMMs
 
 
 def _device() -> torch.device:
@@ -163,10 +168,26 @@ def run_ddp(run_dir: str) -> dict[str, Any]:
     return _peer_loop(cfg, loader, model, optimizer, device, model.no_sync)
 
 
+def torchao_float8(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """torchao's own float8 training on ``model`` (``convert_to_float8_training``, as torchtitan applies it
+    before FSDP2): the blocks' projections that ``train.fp8_skip`` leaves, ``train.fp8_recipe``'s
+    config, emulated where the device has no float8 GEMMs."""
+    f8 = float8.torchao_float8()
+    config = f8.Float8LinearConfig.from_recipe_name(cfg.train.fp8_recipe)
+    config = dataclasses.replace(config, emulate=not float8.device_has_float8_gemm(device))
+    skip = tuple(p.strip() for p in cfg.train.fp8_skip.split(",") if p.strip())
+    f8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda _, name: float8.is_target(name, skip)
+    )
+
+
 def run_fsdp2(run_dir: str) -> dict[str, Any]:
-    """FSDP2: ZeRO-3 with ``reshard_after_forward=True``, ZeRO-2 with False; bf16 by its policy."""
+    """FSDP2: ZeRO-3 with ``reshard_after_forward=True``, ZeRO-2 with False; bf16 by its policy; under
+    ``train.precision=fp8`` torchao's float8 linears (torchtitan's recipe)."""
     cfg, _, loader, device = _setup(run_dir)
     model = _model(cfg, device)
+    if cfg.train.precision == "fp8":
+        torchao_float8(model, cfg, device)
     p = cfg.parallel
     peers.fsdp2(
         model,

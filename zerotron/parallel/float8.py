@@ -57,6 +57,7 @@ X_AXES, W_AXES, G_AXES = ("tokens", "in"), ("in", "out"), ("tokens", "out")
 def torchao_float8() -> Any:
     """torchao's float8 package (imported on first use; its notices about CUDA-only kernels silenced)."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao registers enums the old way
     import torchao.float8 as float8
 
     return float8
