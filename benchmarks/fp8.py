@@ -87,11 +87,12 @@ def bench(repeats: int, work: Path) -> None:
                 rows = json.loads((out / "results.json").read_text())["frameworks"]
                 ours, peer = rows["zerotron"], rows["fsdp2"]
                 agree = peer.get("loss_max_rel_diff")
+                losses = f"max rel diff {agree:.1e}" if agree is not None else ""
                 print(
                     f"| {label} | {precision} | {zero} | {ours['step_s']:.3f} | {peer['step_s']:.3f} | "
                     f"{ours['step_s'] / peer['step_s']:.2f}x | "
                     f"{ours['peak_memory_bytes'] / peer['peak_memory_bytes']:.2f}x | "
-                    f"{'max rel diff %.1e' % agree if agree is not None else ''} |",
+                    f"{losses} |",
                     flush=True,
                 )
 
