@@ -17,9 +17,11 @@
 # 2. ZeRO-3 with parameters and optimizer offloaded to host memory (benchmarks/gpu_offload.py,
 #    SmolLM2-135M's shape, bf16, 16 x 2048 tokens a step): this code, and BEFORE_DIR's if given.
 # 3. The same job with ZeRO-3 on the GPU (no offload), eager and with train.compile=true.
+# 4. That eager job in fp8 (train.precision=fp8: torchao's float8 GEMMs), beside part 3's bf16 eager
+#    (needs torchao in the GPU image: `pip install --no-deps torchao-*.whl` if it is not there).
 #
 # Each part has its own time limit, so one that hangs cannot take the others' time; every result is a
-# file in OUT_DIR (at most 7) and the log is printed.
+# file in OUT_DIR (at most 8) and the log is printed.
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [BEFORE_DIR]}
 before=${2:-}
@@ -48,4 +50,12 @@ PYTHONPATH=. timeout 70 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/
 # shellcheck disable=SC2086
 PYTHONPATH=. timeout 110 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_compile.json" \
     $none train.compile=true || echo "zero3 compile: rc $?"
+echo "== FP8 on the GPU: the ZeRO-3 eager job in float8 (bf16: zero3_eager above)"
+if python3 -c "import torchao.float8" 2>/dev/null; then
+    # shellcheck disable=SC2086
+    PYTHONPATH=. timeout 80 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_fp8.json" $none \
+        train.precision=fp8 || echo "zero3 fp8: rc $?"
+else
+    echo "torchao is not installed here: the fp8 part is not run"
+fi
 echo "== done"

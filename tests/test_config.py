@@ -65,7 +65,11 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
     ("overrides", "world", "message"),
     [
         (["train.precision=fp4"], 2, "train.precision='fp4': choose one of fp32, bf16, fp16, fp8"),
-        (["train.precision=fp8", "lora.rank=4"], 2, "train.precision=fp8 is not built with lora.rank"),
+        (
+            ["train.precision=fp8", "lora.rank=4", "lora.use_dora=true"],
+            2,
+            "fp8 is not built with lora.use_dora",
+        ),
         (["parallel.tp_comm_overlap=true"], 1, "does not overlap tensor-parallel collectives"),
         (["train.global_batch=15"], 2, "not divisible by the data-parallel size 2"),
         (["train.global_batch=16", "train.micro_batch=3"], 2, "not a multiple of train.micro_batch=3"),

@@ -56,6 +56,7 @@ STEPS = 6
 RTOL = 2e-4
 MOE_RTOL = 5e-4  # routing is discrete: see the module docstring
 FP8 = [*BASE, f"train.steps={STEPS}", "train.precision=fp8"]
+LORA = ["lora.rank=4", "lora.target_modules=all-linear", "train.lr=3e-3"]
 MOE = ["model.num_local_experts=4", "model.shared_expert_intermediate_size=64"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -165,6 +166,7 @@ LAYOUTS = [
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fp8_recipe=rowwise"]),
     (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zb"]),
     (
         2,
         [
@@ -179,6 +181,8 @@ LAYOUTS = [
     (2, ["parallel.tp=2", "train.recompute=full"]),
     (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3"]),
     (4, ["parallel.dp=4", "parallel.zero=3", "parallel.zero_shard_size=2"]),
+    (2, ["parallel.dp=2", "parallel.zero=2", *LORA]),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", *LORA]),
     (2, ["parallel.ep=2", *MOE]),
     (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *MOE]),
 ]
@@ -271,7 +275,8 @@ def test_split_linears_scale_as_the_whole_tensor(kind: str, recipe: str) -> None
         (["train.precision=bf16", "train.fp8_recipe=rowwise"], "applies to train.precision=fp8"),
         (["model.hidden_size=72", "model.num_attention_heads=4"], "multiples of 16"),
         (["parallel.tp=4", "model.intermediate_size=96"], r"gate_proj multiplies \(64 in, 24 out\)"),
-        (["lora.rank=8"], "not built with lora.rank"),
+        (["lora.rank=8", "lora.base_bits=4"], "not built with lora.base_bits=4"),
+        (["train.compile=true"], "not built with train.compile"),
     ],
 )
 def test_bad_fp8_settings_are_one_line(overrides: list[str], message: str) -> None:
@@ -335,3 +340,23 @@ def test_deepspeed_fp8_keys_point_to_train_precision(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"fp8 \(DeepSpeed has no fp8 section.*train.precision=fp8") as info:
         from_deepspeed(str(path), None, [], world_size=2)
     assert "\n" not in str(info.value)
+
+
+def test_lora_keeps_an_fp8_base_in_float8() -> None:
+    """LoRA on an fp8 model: the frozen base's projections still multiply in float8 (at initialisation B
+    is zero, so the adapted model's logits equal the fp8 model's exactly and differ from bf16's)."""
+    from zerotron.build.builder import build
+    from zerotron.models.lora import LoraLinear
+
+    tokens = torch.from_numpy(_tokens()[: 2 * 32].astype(np.int64)).reshape(2, 32)
+    logits = {}
+    for name, extra in {"fp8": [], "lora": LORA, "bf16": ["train.precision=bf16"]}.items():
+        cfg = load_config(None, [*FP8, *extra])
+        model = build(cfg, "cpu").model
+        if name == "lora":
+            adapted = [m for m in model.modules() if isinstance(m, LoraLinear)]
+            assert adapted and all(m.float8 is not None for m in adapted)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits[name] = model(tokens).float()
+    assert torch.equal(logits["lora"], logits["fp8"])
+    assert not torch.equal(logits["fp8"], logits["bf16"])

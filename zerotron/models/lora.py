@@ -38,6 +38,7 @@ from zerotron.models.nf4_tp import (
     quantize_tp_layer,
     quantize_tp_layer_params,
 )
+from zerotron.parallel.float8 import Float8Linear, Float8Spec, float8_linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -167,6 +168,7 @@ class LoraLinear(_LoraParts, nn.Linear):
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
+        self.float8: Float8Spec | None = getattr(base, "float8", None)  # an fp8 base stays float8
         _attach(self, rank, scaling, dropout, base.weight.device, base.weight.dtype, generator)
         self.lora_magnitude_vector: nn.Parameter | None = None
         if dora:  # DoRA: m starts as the row norms of W + s·BA (= W's: B is zero)
@@ -176,6 +178,8 @@ class LoraLinear(_LoraParts, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_magnitude_vector is None:
+            if self.float8 is not None:
+                return float8_linear(x, self.weight, self.bias, self.float8) + lora_update(self, x)
             out: torch.Tensor = super().forward(x)
             return out + lora_update(self, x)
         return _dora_forward(self, x, self.weight, self.bias, self.lora_magnitude_vector)
@@ -270,7 +274,7 @@ def _init_lora(a: nn.Linear, b: nn.Linear, fan_in: int, generator: torch.Generat
 
 
 def _is_target(name: str, module: nn.Module, cfg: LoraConfig) -> bool:
-    if type(module) is not nn.Linear and not isinstance(module, TensorParallelLinear):
+    if type(module) not in (nn.Linear, Float8Linear) and not isinstance(module, TensorParallelLinear):
         return False
     if cfg.target_modules == "all-linear":  # as PEFT: every linear layer but the output head
         return name != "lm_head"

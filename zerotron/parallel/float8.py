@@ -143,7 +143,7 @@ class _Float8Matmul(torch.autograd.Function):
         return torch.mm(x8, w8)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         from torchao.float8.float8_training_tensor import GemmInputRole
 
         x, w_t = ctx.saved_tensors
@@ -153,12 +153,27 @@ class _Float8Matmul(torch.autograd.Function):
         g8 = _cast(grad, G_AXES, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, spec)
         w8 = _cast(w_t, W_AXES, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, spec)
         grad_x = torch.mm(g8, w8.t())
-        g8 = _cast(
-            grad, G_AXES, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, spec
-        )
-        x8 = _cast(x, X_AXES, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, spec)
-        grad_w = torch.mm(g8.t(), x8)
-        return grad_x, grad_w.t(), None
+        if not ctx.needs_input_grad[1]:  # a frozen base (LoRA)
+            return grad_x, None, None
+        return grad_x, _weight_grad(x, grad, spec).t(), None
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, spec: Float8Spec) -> torch.Tensor:
+    """The weight gradient GEMM ``gradᵀ x`` (2-D operands) in float8: (out, in)."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    c = spec.config
+    g8 = _cast(grad, G_AXES, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, spec)
+    x8 = _cast(x, X_AXES, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, spec)
+    return torch.mm(g8.t(), x8)
+
+
+def float8_weight_grad(x: torch.Tensor, grad: torch.Tensor, spec: Float8Spec) -> torch.Tensor:
+    """The weight gradient :func:`float8_linear`'s backward computes, from the layer's input ``x`` and
+    its output gradient ``grad`` (any leading dims), for a schedule that defers it (zero-bubble's BW)."""
+    with torch.autocast(x.device.type, enabled=False):
+        flat_g = grad.reshape(-1, grad.shape[-1]).contiguous()
+        return _weight_grad(x.to(grad.dtype).reshape(-1, x.shape[-1]), flat_g, spec)
 
 
 def float8_linear(

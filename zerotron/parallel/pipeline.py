@@ -30,6 +30,7 @@ from torch import nn
 from zerotron import shapes
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.parallel.float8 import float8_weight_grad
 from zerotron.parallel.pipeline_schedule import Op, Schedule
 
 
@@ -331,7 +332,10 @@ class WeightGradStash:
             w = module.weight
             g2 = g.reshape(-1, g.shape[-1]).to(w.dtype)  # (tokens, out)
             x2 = inp.reshape(-1, inp.shape[-1]).to(w.dtype)  # (tokens, in)
-            _accumulate([w], [g2.t() @ x2])
+            spec = getattr(module, "float8", None)  # train.precision=fp8: the float8 GEMM of its backward
+            _accumulate(
+                [w], [float8_weight_grad(inp, g, spec).to(w.dtype) if spec is not None else g2.t() @ x2]
+            )
             if module.bias is not None:
                 _accumulate([module.bias], [g2.sum(0)])
 
