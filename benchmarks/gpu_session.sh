@@ -17,17 +17,20 @@
 # 2. ZeRO-3 with parameters and optimizer offloaded to host memory (benchmarks/gpu_offload.py,
 #    SmolLM2-135M's shape, bf16, 16 x 2048 tokens a step): this code, and BEFORE_DIR's if given.
 # 3. The same job with ZeRO-3 on the GPU (no offload), eager and with train.compile=true.
-# 4. That eager job in fp8 (train.precision=fp8: torchao's float8 GEMMs), beside part 3's bf16 eager
-#    (needs torchao in the GPU image: `pip install --no-deps torchao-*.whl` if it is not there).
+# 4. That job in fp8 (train.precision=fp8: torchao's float8 GEMMs), eager and compiled, beside part 3's
+#    bf16 (needs torchao in the GPU image: `pip install --no-deps torchao-*.whl` if it is not there).
+#    With FP8_ONLY=1 only this part runs (the whole session is over 10 minutes with it).
 #
 # Each part has its own time limit, so one that hangs cannot take the others' time; every result is a
-# file in OUT_DIR (at most 8) and the log is printed.
+# file in OUT_DIR (at most 9) and the log is printed.
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [BEFORE_DIR]}
 before=${2:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
+none="parallel.offload_params=none parallel.offload_optimizer=none"
+if [ "${FP8_ONLY:-0}" != 1 ]; then
 echo "== the Triton paged-attention kernel's tests, compiled on the GPU"
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_serve_triton.py >"$out/triton_tests.log" 2>&1
 echo "triton tests: rc $?"
@@ -43,18 +46,21 @@ if [ -n "$before" ]; then
         --out "$out/offload_before.json" || echo "offload before: rc $?"
 fi
 echo "== ZeRO-3 on the GPU, eager and compiled"
-none="parallel.offload_params=none parallel.offload_optimizer=none"
 # shellcheck disable=SC2086
 PYTHONPATH=. timeout 70 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_eager.json" $none ||
     echo "zero3 eager: rc $?"
 # shellcheck disable=SC2086
 PYTHONPATH=. timeout 110 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_compile.json" \
     $none train.compile=true || echo "zero3 compile: rc $?"
-echo "== FP8 on the GPU: the ZeRO-3 eager job in float8 (bf16: zero3_eager above)"
+fi
+echo "== FP8 on the GPU: the ZeRO-3 job in float8, eager and compiled (bf16: zero3_eager, zero3_compile)"
 if python3 -c "import torchao.float8" 2>/dev/null; then
     # shellcheck disable=SC2086
     PYTHONPATH=. timeout 80 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_fp8.json" $none \
         train.precision=fp8 || echo "zero3 fp8: rc $?"
+    # shellcheck disable=SC2086
+    PYTHONPATH=. timeout 120 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_fp8_compile.json" \
+        $none train.precision=fp8 train.compile=true || echo "zero3 fp8 compile: rc $?"
 else
     echo "torchao is not installed here: the fp8 part is not run"
 fi

@@ -60,7 +60,6 @@ def check_fp8(cfg: Config) -> None:
     refused = [
         ("lora.use_dora (DoRA)", cfg.lora.rank > 0 and cfg.lora.use_dora),
         ("lora.base_bits=4 (QLoRA)", cfg.lora.rank > 0 and cfg.lora.base_bits == 4),
-        ("train.compile", t.compile),
     ]
     named = [name for name, on in refused if on]
     if named:
