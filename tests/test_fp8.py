@@ -183,6 +183,7 @@ LAYOUTS = [
     (4, ["parallel.dp=4", "parallel.zero=3", "parallel.zero_shard_size=2"]),
     (2, ["parallel.dp=2", "parallel.zero=2", *LORA]),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", *LORA]),
+    (2, ["parallel.tp=2", *LORA, "lora.use_dora=true"]),
     (2, ["parallel.ep=2", *MOE]),
     (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *MOE]),
 ]
@@ -276,6 +277,7 @@ def test_split_linears_scale_as_the_whole_tensor(kind: str, recipe: str) -> None
         (["model.hidden_size=72", "model.num_attention_heads=4"], "multiples of 16"),
         (["parallel.tp=4", "model.intermediate_size=96"], r"gate_proj multiplies \(64 in, 24 out\)"),
         (["lora.rank=8", "lora.base_bits=4"], "not built with lora.base_bits=4"),
+        (["train.precision=fp16", "train.fp8_skip=*.q_proj"], "applies to train.precision=fp8"),
     ],
 )
 def test_bad_fp8_settings_are_one_line(overrides: list[str], message: str) -> None:
@@ -341,22 +343,31 @@ def test_deepspeed_fp8_keys_point_to_train_precision(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_lora_keeps_an_fp8_base_in_float8() -> None:
-    """LoRA on an fp8 model: the frozen base's projections still multiply in float8 (at initialisation B
-    is zero, so the adapted model's logits equal the fp8 model's exactly and differ from bf16's)."""
+def test_lora_keeps_an_fp8_base_in_float8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA and DoRA on an fp8 model: the frozen base's projections still multiply in float8 (each
+    forward casts the same operands as the fp8 model's; at initialisation LoRA's B is zero, so its
+    logits equal the fp8 model's exactly, and differ from bf16's)."""
     from zerotron.build.builder import build
     from zerotron.models.lora import LoraLinear
+    from zerotron.parallel import float8
 
+    casts: list[int] = []
+    real = float8._cast
+    monkeypatch.setattr(float8, "_cast", lambda *a: casts.append(1) or real(*a))
     tokens = torch.from_numpy(_tokens()[: 2 * 32].astype(np.int64)).reshape(2, 32)
-    logits = {}
-    for name, extra in {"fp8": [], "lora": LORA, "bf16": ["train.precision=bf16"]}.items():
+    logits, counts = {}, {}
+    cases = {"fp8": [], "lora": LORA, "dora": [*LORA, "lora.use_dora=true"], "bf16": ["train.precision=bf16"]}
+    for name, extra in cases.items():
         cfg = load_config(None, [*FP8, *extra])
         model = build(cfg, "cpu").model
-        if name == "lora":
+        if name in ("lora", "dora"):
             adapted = [m for m in model.modules() if isinstance(m, LoraLinear)]
             assert adapted and all(m.float8 is not None for m in adapted)
+        casts.clear()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logits[name] = model(tokens).float()
+        counts[name] = len(casts)
+    assert counts == {"fp8": 2 * 7 * 2, "lora": 2 * 7 * 2, "dora": 2 * 7 * 2, "bf16": 0}  # 2 blocks x 7
     assert torch.equal(logits["lora"], logits["fp8"])
     assert not torch.equal(logits["fp8"], logits["bf16"])
 

@@ -58,7 +58,6 @@ def check_fp8(cfg: Config) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("train.precision=fp8 computes with torchao's float8: pip install 'zerotron[fp8]'")
     refused = [
-        ("lora.use_dora (DoRA)", cfg.lora.rank > 0 and cfg.lora.use_dora),
         ("lora.base_bits=4 (QLoRA)", cfg.lora.rank > 0 and cfg.lora.base_bits == 4),
     ]
     named = [name for name, on in refused if on]

@@ -204,9 +204,14 @@ def _dora_forward(
     backward (DoRA paper, 4.3), with dropout on the adapter's and the rescaled base's input."""
     norm = _dora_norm(weight, m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling)
     scale = magnitude / norm.detach()  # (out,)
-    base = F.linear(x, weight)
+    spec: Float8Spec | None = getattr(m, "float8", None)  # an fp8 base: its products in float8
+
+    def linear(a: torch.Tensor) -> torch.Tensor:
+        return F.linear(a, weight) if spec is None else float8_linear(a, weight, None, spec)
+
+    base = linear(x)
     dropped = m.lora_dropout(x)
-    base_dropped = base if dropped is x else F.linear(dropped, weight)
+    base_dropped = base if dropped is x else linear(dropped)
     update: torch.Tensor = m.lora_B(m.lora_A(dropped))
     out = base + (scale - 1) * base_dropped + scale * update * m.scaling
     return out + bias if bias is not None else out
