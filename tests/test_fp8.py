@@ -48,9 +48,10 @@ from zerotron.config_load import ConfigError, load_config
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.parallel import float8
 from zerotron.train.trainer import Trainer
 
-torchao_float8 = pytest.importorskip("torchao.float8")
+torchao_float8 = float8.torchao_float8()  # a dev dependency: missing, these tests fail rather than skip
 
 STEPS = 6
 RTOL = 2e-4
@@ -118,8 +119,6 @@ def _torchao_reference(overrides: list[str], tokens: np.ndarray, recipe: str) ->
 
 def _run(overrides: list[str], tokens: np.ndarray, run_dir: str, per_shard: bool = False) -> list[float]:
     if per_shard:
-        from zerotron.parallel import float8
-
         float8.REDUCE_AMAX = False  # the negative control: each rank scales its own piece
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
@@ -205,7 +204,6 @@ def _split_linear_body(kind: str, recipe: str, reduce: bool) -> float:
     context parallelism's token split) against the whole linear in one process, fp32 operands: the
     largest relative error (norm-wise) of the output, the weight gradient and the input gradient."""
     from zerotron.distributed import collectives
-    from zerotron.parallel import float8
     from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     float8.REDUCE_AMAX = reduce
@@ -349,7 +347,6 @@ def test_lora_keeps_an_fp8_base_in_float8(monkeypatch: pytest.MonkeyPatch) -> No
     logits equal the fp8 model's exactly, and differ from bf16's)."""
     from zerotron.build.builder import build
     from zerotron.models.lora import LoraLinear
-    from zerotron.parallel import float8
 
     casts: list[int] = []
     real = float8._cast
