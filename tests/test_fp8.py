@@ -284,6 +284,14 @@ def test_bad_fp8_settings_are_one_line(overrides: list[str], message: str) -> No
         validate(cfg, cfg.parallel.tp)
 
 
+def test_moe_models_say_their_experts_stay_bf16() -> None:
+    from zerotron.config_check_fp8 import ExpertsStayBf16
+
+    cfg = load_config(None, [*FP8, *MOE])
+    with pytest.warns(ExpertsStayBf16, match="routed experts compute in bf16"):
+        validate(cfg, 1)
+
+
 def test_skipped_shapes_are_allowed_and_stay_bf16() -> None:
     from zerotron.models.parallelize import parallelize_llama
     from zerotron.parallel.float8 import Float8Linear

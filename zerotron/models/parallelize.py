@@ -77,7 +77,7 @@ def _split(cfg: Config, mesh: Mesh | None) -> list[LlamaForCausalLM]:
 
 
 def _float8(cfg: Config, chunks: list[LlamaForCausalLM], mesh: Mesh | None, device: torch.device) -> None:
-    """Step 5: each chunk's block projections in float8 (one notice when routed experts stay bf16)."""
+    """Step 5: each chunk's block projections in float8 (routed experts stay bf16: config_check says so)."""
     tp = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     cp = mesh.group("cp") if mesh is not None and mesh.dims.cp > 1 else None
     skip = tuple(p.strip() for p in cfg.train.fp8_skip.split(",") if p.strip())
