@@ -54,6 +54,8 @@ LAYOUTS_1 = [
     ["model.mlp=plain", "model.num_key_value_heads=4", "model.tie_word_embeddings=false"],
     ["model.attention_bias=true", "model.num_key_value_heads=1", "train.precision=bf16"],
     ["model.hidden_size=128", "model.num_attention_heads=8", "train.seq_len=64", "train.micro_batch=1"],
+    ["train.precision=fp8"],  # bf16 around float8 GEMMs: the same states, bytes and saved activations
+    ["train.precision=fp8", "train.recompute=selective"],
 ]
 LAYOUTS_2 = [
     ["train.precision=fp32"],
@@ -112,6 +114,8 @@ LAYOUTS_2 += [  # ZeRO (activations too: the meter leaves out ZeRO-3's gathered 
 ]
 LAYOUTS_2 += [  # ZeRO-3 under mixed precision: 16-bit working weights (a 16-bit residual stream)
     ["parallel.zero=3", "train.precision=bf16"],
+    ["parallel.zero=3", "train.precision=fp8"],
+    ["parallel.zero=2", "train.precision=fp8", "train.recompute=full"],
     [
         "parallel.zero=3",
         "train.precision=bf16",
@@ -373,7 +377,9 @@ def test_plan_matches_engine(world: int, layouts: list[list[str]], tmp_path: Pat
             _check_context_traffic(overrides, world, record)
             _check_data_parallel_traffic(overrides, world, record)
             joined = " ".join(overrides)
-            if "parallel.zero" not in joined and "precision=bf16" not in joined and "fp16" not in joined:
+            if "parallel.zero" not in joined and not any(
+                f"precision={p}" in joined for p in ("bf16", "fp16", "fp8")
+            ):
                 # The gradient buckets' flat copies alive at once (the planner's "grad_buckets" buffer;
                 # under bf16/fp16 data parallelism runs ZeRO-1's engine, which has none).
                 assert record["bucket_bytes"] == buckets, overrides

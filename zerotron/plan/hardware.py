@@ -186,12 +186,13 @@ PROFILES: dict[str, Hardware] = {
         _gpu("mi250x-gcd", 191.5, 47.9, 47.9, 64 * GiB, 1.6e12, gpus_per_node=8, intra_bw=50 * GB,
              inter_bw=12.5 * GB, host_memory_bytes=512 * GiB, pcie_bw=36 * GB, nvme_bw=2 * GB,
              **_A100_FIT, notes="one GCD of an MI250X (Frontier node: 8 GCDs, 4x200 Gb/s Slingshot)"),
-        Hardware(name="cpu", peak_flops={"fp32": 1.0e12, "tf32": 1.0e12, "bf16": 1.0e12, "fp16": 0.5e12},
+        Hardware(name="cpu", peak_flops={"fp32": 1.0e12, "tf32": 1.0e12, "bf16": 1.0e12, "fp16": 0.5e12,
+                                         "fp8": 1.0e12},  # fp8: emulated, fp32 GEMMs on float8 values
                  memory_bytes=256 * GiB, memory_bw=100 * GB, gpus_per_node=8, intra_bw=2 * GB,
                  inter_bw=1.25 * GB, intra_latency_s=1.4e-3, inter_latency_s=2e-3,
                  host_memory_bytes=256 * GiB, pcie_bw=100 * GB, nvme_bw=2 * GB,
                  cpu_adam_params_per_s=0.2e9, gemm_efficiency=0.3, gemm_knee=64.0, comm_efficiency=0.5,
-                 attention_efficiency=0.1, eager_elementwise=1.0, shared_host=True,
+                 attention_efficiency=0.1, fp8_efficiency=0.3, eager_elementwise=1.0, shared_host=True,
                  notes="a generic many-core server; ranks are processes sharing its cores and memory (Gloo)"),
     )
 }  # fmt: skip

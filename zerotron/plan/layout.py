@@ -173,8 +173,9 @@ def _check_model(m: ModelConfig) -> None:
 def working_weights16(layout: Layout, work: Workload) -> bool:
     """Whether the engine's working weights are 16-bit: under bf16/fp16 every stage keeps 16-bit working
     weights made from fp32 masters (DESIGN contract 9): ZeRO-1/2/3 from master shards, data
-    parallelism from whole masters on every rank (:func:`replicated_masters`)."""
-    return work.precision in ("bf16", "fp16")
+    parallelism from whole masters on every rank (:func:`replicated_masters`); fp8 is bf16 around its
+    float8 GEMMs (the float8 copies are made per GEMM from the 16-bit weights)."""
+    return work.precision in ("bf16", "fp16", "fp8")
 
 
 def replicated_masters(layout: Layout, work: Workload) -> bool:
