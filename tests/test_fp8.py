@@ -389,3 +389,50 @@ def test_compiled_fp8_equals_eager(tmp_path: Path) -> None:
         _run, 1, [*overrides, "train.compile=true"], tokens, str(tmp_path / "c"), timeout=600
     )
     assert _rel(compiled[0], eager) <= RTOL
+
+
+def test_dpo_in_fp8_keeps_the_single_process_numbers(tmp_path: Path) -> None:
+    """``zerotron dpo``'s step in fp8 (LoRA on a Hugging Face model, its reference pass in fp8 too):
+    the policy starts as its reference (loss log 2), and dp 2 × ZeRO-2 gives the single process's
+    reference log-probs and losses at the same micro-batch size."""
+    from tests.test_dpo import _config, _model_dir, _pairs, _train_body, _write
+    from zerotron.components.preference_data import prepare_preference
+    from zerotron.models.tokenizer import ByteTokenizer
+
+    base = _model_dir(tmp_path / "base", 3)  # hidden 48, 2 KV heads of 12: k/v_proj (24 out) stay bf16
+    data = _write(tmp_path / "pairs.jsonl", _pairs(16))
+    fp8 = [
+        "train.precision=fp8",
+        "train.fp8_skip=*.k_proj,*.v_proj",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+    ]
+    one = _config(base, data, *fp8)
+    validate(one, 1)
+    rows = prepare_preference(one.data, ByteTokenizer(), one.train.seq_len, pad_id=257).rows
+    ref = run_distributed(_train_body, 1, one, rows, str(tmp_path / "one"), 3)[0]
+    many = _config(base, data, *fp8, "parallel.zero=2")
+    validate(many, 2)
+    got = run_distributed(_train_body, 2, many, rows, str(tmp_path / "many"), 3)[0]
+    assert ref["losses"][0] == pytest.approx(np.log(2), abs=1e-6)
+    np.testing.assert_allclose(got["reference"], ref["reference"], rtol=1e-6)
+    assert _rel(got["losses"], ref["losses"]) <= RTOL
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+def test_zero3_nvme_offload_in_fp8(tmp_path: Path) -> None:
+    """ZeRO-3 with parameters and optimizer in NVMe files (16-bit working copies written beside the
+    fp32 masters) gives the single process's fp8 losses."""
+    tokens = _tokens()
+    (tmp_path / "nvme").mkdir()
+    nvme = [
+        "parallel.offload_params=nvme",
+        "parallel.offload_optimizer=nvme",
+        f"parallel.nvme_path={tmp_path / 'nvme'}",
+    ]
+    overrides = [*FP8, "train.micro_batch=2"]
+    ref = run_distributed(_run, 1, overrides, tokens, str(tmp_path / "ref"))[0]
+    layout = [*overrides, "parallel.dp=2", "parallel.zero=3", *nvme]
+    ours = run_distributed(_run, 2, layout, tokens, str(tmp_path / "run"), timeout=300)
+    for losses in ours:
+        assert _rel(losses, ref) <= RTOL, (losses, ref)
