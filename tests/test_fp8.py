@@ -117,9 +117,7 @@ def _torchao_reference(overrides: list[str], tokens: np.ndarray, recipe: str) ->
     return losses
 
 
-def _run(overrides: list[str], tokens: np.ndarray, run_dir: str, per_shard: bool = False) -> list[float]:
-    if per_shard:
-        float8.REDUCE_AMAX = False  # the negative control: each rank scales its own piece
+def _run(overrides: list[str], tokens: np.ndarray, run_dir: str) -> list[float]:
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
     mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
@@ -206,9 +204,9 @@ def _split_linear_body(kind: str, recipe: str, reduce: bool) -> float:
     from zerotron.distributed import collectives
     from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
-    float8.REDUCE_AMAX = reduce
     rank, world = current_rank_and_world()
     group = Mesh(ParallelDims(world, dp=1, tp=world), rank).group("tp")
+    split = (group,) if reduce else ()  # without: the negative control, each rank scales its own piece
     k = group.rank_in_group
     gen = torch.Generator().manual_seed(5)
     full = torch.nn.Linear(32, 64, bias=False)
@@ -229,13 +227,13 @@ def _split_linear_body(kind: str, recipe: str, reduce: bool) -> float:
     )
     if kind == "column":
         layer: torch.nn.Module = ColumnParallelLinear(full, group)
-        layer.float8 = float8.Float8Spec.create(recipe, True, outer=(group,))
+        layer.float8 = float8.Float8Spec.create(recipe, True, outer=split)
         xin, want = x.clone().requires_grad_(), (y_ref[..., out_rows], w_ref[out_rows], x_ref.grad)
         y = layer(xin)
         (y * r[..., out_rows]).sum().backward()
     elif kind == "row":
         layer = RowParallelLinear(full, group)
-        layer.float8 = float8.Float8Spec.create(recipe, True, inner=(group,))
+        layer.float8 = float8.Float8Spec.create(recipe, True, inner=split)
         xin, want = (
             x[..., in_cols].clone().requires_grad_(),
             (y_ref, w_ref[:, in_cols], x_ref.grad[..., in_cols]),
@@ -243,7 +241,7 @@ def _split_linear_body(kind: str, recipe: str, reduce: bool) -> float:
         y = layer(xin)
         (y * r).sum().backward()
     else:
-        layer = float8.Float8Linear.from_linear(full, float8.Float8Spec.create(recipe, True, tokens=(group,)))
+        layer = float8.Float8Linear.from_linear(full, float8.Float8Spec.create(recipe, True, tokens=split))
         xin, want = x[:, toks].clone().requires_grad_(), (y_ref[:, toks], w_ref, x_ref.grad[:, toks])
         y = layer(xin)
         (y * r[:, toks]).sum().backward()

@@ -334,6 +334,11 @@ class TrainConfig:
     )
     sample_prompt: str = _f("def ", "prompt of the generated sample (not empty)")
 
+    @property
+    def fp8_skip_patterns(self) -> tuple[str, ...]:
+        """``fp8_skip`` as its patterns (empty entries dropped)."""
+        return tuple(p.strip() for p in self.fp8_skip.split(",") if p.strip())
+
 
 @dataclass
 class DataConfig:

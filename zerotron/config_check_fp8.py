@@ -73,7 +73,7 @@ def check_fp8(cfg: Config) -> None:
             ExpertsStayBf16,
             stacklevel=2,
         )
-    skip = [s.strip() for s in t.fp8_skip.split(",") if s.strip()]
+    skip = t.fp8_skip_patterns
     for name, dims in fp8_shapes(cfg).items():
         names = [f"layers.{i}.{name}" for i in range(cfg.model.num_hidden_layers)]
         if all(any(fnmatch.fnmatchcase(n, s) for s in skip) for n in names):

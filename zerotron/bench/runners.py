@@ -175,7 +175,7 @@ def torchao_float8(model: nn.Module, cfg: Config, device: torch.device) -> None:
     f8 = float8.torchao_float8()
     config = f8.Float8LinearConfig.from_recipe_name(cfg.train.fp8_recipe)
     config = dataclasses.replace(config, emulate=not float8.device_has_float8_gemm(device))
-    skip = tuple(p.strip() for p in cfg.train.fp8_skip.split(",") if p.strip())
+    skip = cfg.train.fp8_skip_patterns
     f8.convert_to_float8_training(
         model, config=config, module_filter_fn=lambda _, name: float8.is_target(name, skip)
     )

@@ -80,7 +80,6 @@ def _float8(cfg: Config, chunks: list[LlamaForCausalLM], mesh: Mesh | None, devi
     """Step 5: each chunk's block projections in float8 (routed experts stay bf16: config_check says so)."""
     tp = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     cp = mesh.group("cp") if mesh is not None and mesh.dims.cp > 1 else None
-    skip = tuple(p.strip() for p in cfg.train.fp8_skip.split(",") if p.strip())
     emulate = not device_has_float8_gemm(device)
     for chunk in chunks:
-        apply_float8(chunk, cfg.train.fp8_recipe, skip, emulate, tp, cp)
+        apply_float8(chunk, cfg.train.fp8_recipe, cfg.train.fp8_skip_patterns, emulate, tp, cp)

@@ -35,8 +35,10 @@ the same bits.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -47,11 +49,26 @@ from zerotron.distributed.mesh import Group
 
 RECIPES = ("tensorwise", "rowwise")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MULTIPLE = 16  # float8 GEMMs (torch._scaled_mm) take dimensions that are multiples of 16
-REDUCE_AMAX = True  # False only in the negative control of tests/test_fp8.py: per-shard scales
 
 # the three operands' axes, by name: which groups split each
 X_AXES, W_AXES, G_AXES = ("tokens", "in"), ("in", "out"), ("tokens", "out")
+
+
+@functools.cache
+def _ao() -> SimpleNamespace:
+    """torchao's pieces the casts use, resolved once (the casts run on the training step's hot path)."""
+    torchao_float8()
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    tensorwise = ScalingGranularity.TENSORWISE
+    return SimpleNamespace(
+        role=GemmInputRole,
+        tensorwise=tensorwise,
+        to_float8=hp_tensor_and_scale_to_float8,
+        scale=amax_to_scale,
+    )
 
 
 def torchao_float8() -> Any:
@@ -106,25 +123,18 @@ class Float8Spec:
 
 def _cast(t: torch.Tensor, axes: tuple[str, str], how: Any, role: Any, dim: int, spec: Float8Spec) -> Any:
     """``t`` (2-D) as torchao's float8 tensor for GEMM ``role``, its amax taken over the whole tensor
-    (tensorwise) or along ``dim`` (rowwise) and reduced over the ranks holding the rest of it; ``t``
-    itself when the recipe keeps this operand in high precision."""
-    from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
-    from torchao.float8.float8_utils import amax_to_scale
-
-    if how.scaling_type is ScalingType.DISABLED:
-        return t
+    (tensorwise) or along ``dim`` (rowwise) and reduced over the ranks holding the rest of it."""
+    ao = _ao()
     axis: int | None
-    if how.scaling_granularity is ScalingGranularity.TENSORWISE:
+    if how.scaling_granularity is ao.tensorwise:
         amax, axis, groups = torch.max(torch.abs(t)), None, spec.groups(axes)
     else:
         amax, axis = torch.amax(torch.abs(t), dim=dim, keepdim=True), dim
         groups = spec.groups((axes[dim],))
-    if REDUCE_AMAX:
-        for group in groups:
-            collectives.all_reduce(amax, group, "max")
-    scale = amax_to_scale(amax, how.target_dtype, spec.config.round_scales_to_power_of_2)
-    return hp_tensor_and_scale_to_float8(t, scale, how.target_dtype, spec.mm, role, axis)
+    for group in groups:
+        collectives.all_reduce(amax, group, "max")
+    scale = ao.scale(amax, how.target_dtype, spec.config.round_scales_to_power_of_2)
+    return ao.to_float8(t, scale, how.target_dtype, spec.mm, role, axis)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -133,38 +143,37 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Float8Spec) -> torch.Tensor:
-        from torchao.float8.float8_training_tensor import GemmInputRole
-
+        role, c = _ao().role, spec.config
         ctx.save_for_backward(x, w_t)
         ctx.spec = spec
-        c = spec.config
-        x8 = _cast(x, X_AXES, c.cast_config_input, GemmInputRole.INPUT, -1, spec)
-        w8 = _cast(w_t, W_AXES, c.cast_config_weight, GemmInputRole.WEIGHT, 0, spec)
+        x8 = _cast(x, X_AXES, c.cast_config_input, role.INPUT, -1, spec)
+        w8 = _cast(w_t, W_AXES, c.cast_config_weight, role.WEIGHT, 0, spec)
         return torch.mm(x8, w8)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        from torchao.float8.float8_training_tensor import GemmInputRole
-
+        role, c = _ao().role, ctx.spec.config
         x, w_t = ctx.saved_tensors
         spec: Float8Spec = ctx.spec
-        c = spec.config
         grad = grad.contiguous()
-        g8 = _cast(grad, G_AXES, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, spec)
-        w8 = _cast(w_t, W_AXES, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, spec)
+        g8 = _cast(grad, G_AXES, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, spec)
+        w8 = _cast(w_t, W_AXES, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec)
         grad_x = torch.mm(g8, w8.t())
         if not ctx.needs_input_grad[1]:  # a frozen base (LoRA)
             return grad_x, None, None
-        return grad_x, _weight_grad(x, grad, spec).t(), None
+        # tensorwise: both GEMMs take the same cast of the output gradient (one amax reduction, not two)
+        same = c.cast_config_grad_output_for_grad_weight == c.cast_config_grad_output
+        reuse = g8 if same and c.cast_config_grad_output.scaling_granularity is _ao().tensorwise else None
+        return grad_x, _weight_grad(x, grad, spec, reuse).t(), None
 
 
-def _weight_grad(x: torch.Tensor, grad: torch.Tensor, spec: Float8Spec) -> torch.Tensor:
-    """The weight gradient GEMM ``gradᵀ x`` (2-D operands) in float8: (out, in)."""
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
-    c = spec.config
-    g8 = _cast(grad, G_AXES, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, spec)
-    x8 = _cast(x, X_AXES, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, spec)
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, spec: Float8Spec, g8: Any = None) -> torch.Tensor:
+    """The weight gradient GEMM ``gradᵀ x`` (2-D operands) in float8: (out, in); ``g8``: the output
+    gradient already cast as this GEMM casts it."""
+    role, c = _ao().role, spec.config
+    if g8 is None:
+        g8 = _cast(grad, G_AXES, c.cast_config_grad_output_for_grad_weight, role.GRAD_OUTPUT, 0, spec)
+    x8 = _cast(x, X_AXES, c.cast_config_input_for_grad_weight, role.INPUT, 0, spec)
     return torch.mm(g8.t(), x8)
 
 
@@ -230,22 +239,21 @@ def apply_float8(
 
     tokens = (cp,) if cp is not None else ()
     split = (tp,) if tp is not None else ()
+    whole = Float8Spec.create(recipe, emulate, tokens=tokens)
+    kinds = {
+        ColumnParallelLinear: replace(whole, outer=split),
+        RowParallelLinear: replace(whole, inner=split),
+    }
     done = []
     for name, module in list(model.named_modules()):
         if not is_target(name, skip):
             continue
-        if isinstance(module, ColumnParallelLinear):
-            module.float8 = Float8Spec.create(recipe, emulate, tokens=tokens, outer=split)
-        elif isinstance(module, RowParallelLinear):
-            module.float8 = Float8Spec.create(recipe, emulate, tokens=tokens, inner=split)
+        if type(module) in kinds:
+            module.float8 = kinds[type(module)]
         elif type(module) is nn.Linear:
             parent, _, leaf = name.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
-            setattr(
-                owner,
-                leaf,
-                Float8Linear.from_linear(module, Float8Spec.create(recipe, emulate, tokens=tokens)),
-            )
+            setattr(owner, leaf, Float8Linear.from_linear(module, whole))
         else:
             continue
         done.append(name)

@@ -331,11 +331,12 @@ class WeightGradStash:
         for module, inp, g in self.entries.pop(key, []):
             w = module.weight
             g2 = g.reshape(-1, g.shape[-1]).to(w.dtype)  # (tokens, out)
-            x2 = inp.reshape(-1, inp.shape[-1]).to(w.dtype)  # (tokens, in)
             spec = getattr(module, "float8", None)  # train.precision=fp8: the float8 GEMM of its backward
-            _accumulate(
-                [w], [float8_weight_grad(inp, g, spec).to(w.dtype) if spec is not None else g2.t() @ x2]
-            )
+            if spec is not None:
+                dw = float8_weight_grad(inp, g, spec).to(w.dtype)
+            else:
+                dw = g2.t() @ inp.reshape(-1, inp.shape[-1]).to(w.dtype)  # (out, tokens) @ (tokens, in)
+            _accumulate([w], [dw])
             if module.bias is not None:
                 _accumulate([module.bias], [g2.sum(0)])
 
