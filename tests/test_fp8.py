@@ -274,6 +274,7 @@ def test_split_linears_scale_as_the_whole_tensor(kind: str, recipe: str) -> None
         (["parallel.tp=4", "model.intermediate_size=96"], r"gate_proj multiplies \(64 in, 24 out\)"),
         (["lora.rank=8", "lora.base_bits=4"], "not built with lora.base_bits=4"),
         (["train.precision=fp16", "train.fp8_skip=*.q_proj"], "applies to train.precision=fp8"),
+        (["train.fp8_skip=*.qproj"], "pattern '\\*.qproj' matches no float8 layer"),
     ],
 )
 def test_bad_fp8_settings_are_one_line(overrides: list[str], message: str) -> None:

@@ -74,7 +74,15 @@ def check_fp8(cfg: Config) -> None:
             stacklevel=2,
         )
     skip = t.fp8_skip_patterns
-    for name, dims in fp8_shapes(cfg).items():
+    shapes = fp8_shapes(cfg)
+    every = [f"layers.{i}.{name}" for i in range(cfg.model.num_hidden_layers) for name in shapes]
+    for pattern in skip:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in every):
+            raise ConfigError(
+                f"train.fp8_skip pattern {pattern!r} matches no float8 layer (their names look like "
+                f"{every[0]}); fix the pattern or leave it out"
+            )
+    for name, dims in shapes.items():
         names = [f"layers.{i}.{name}" for i in range(cfg.model.num_hidden_layers)]
         if all(any(fnmatch.fnmatchcase(n, s) for s in skip) for n in names):
             continue  # kept in bf16 in every block
