@@ -162,6 +162,13 @@ def test_serve_refuses_a_native_attention_it_cannot_build(
         (["serve", "model.gguf", "--nproc", "2", "--matmul", "onednn"], "--matmul onednn"),
         (["serve", "model.gguf", "--device", "xla"], "runs on cpu or cuda"),
         (["serve", "model.gguf", "--device", "cuda:x"], "not a device"),
+        (["serve", "model.gguf", "--lora-modules", "noequals"], "name=path"),
+        (["serve", "model.gguf", "--lora-modules", "a=/nowhere/adapter"], "adapter_config.json"),
+        (["serve", "model.gguf", "--lora-modules", "a=/x", "a=/y"], "named twice"),
+        (["serve", "model.gguf", "--lora-modules", "model=/x"], "rename the adapter"),
+        (["serve", "model.gguf", "--max-loras", "0"], "--max-loras"),
+        (["serve", "model.gguf", "--lora-modules", "a=/x", "b=/y", "--max-loras", "1"], "raise --max-loras"),
+        (["serve", "model.gguf", "--nproc", "2", "--enable-lora"], "tensor-parallel adapters"),
     ],
 )
 def test_serve_refuses_in_one_line(

@@ -228,6 +228,7 @@ def _add_serve(sub: Any) -> None:
         help="the model id clients send (default: MODEL's name, not its path)",
     )
     _add_serve_edge(srv)
+    _add_serve_lora(srv)
     srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     srv.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (vLLM's CPU default)"
@@ -302,6 +303,29 @@ def _add_serve_edge(srv: Any) -> None:
         type=float,
         default=0.0,
         help="seconds a request may take before it is aborted (504; 0: no limit)",
+    )
+
+
+def _add_serve_lora(srv: Any) -> None:
+    """``zerotron serve``'s multi-LoRA flags (vLLM's names)."""
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served over the model (PEFT directories: zerotron sft's or peft's); a request "
+        "picks one by its model field",
+    )
+    srv.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)"
+    )
+    srv.add_argument(
+        "--max-loras", type=int, default=None, help="adapters loaded at once (default 4 with adapters)"
+    )
+    srv.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (they read the server's files)",
     )
 
 

@@ -30,7 +30,7 @@ from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
 from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, parse
-from zerotron.serve.engine import Engine, RequestError, RequestOutput
+from zerotron.serve.engine import Engine, LoraError, RequestError, RequestOutput, UnknownModel
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
 from zerotron.serve.responses import Reply, collect, stream
 from zerotron.serve.server import EngineLoop, new_id, stream_outputs
@@ -46,7 +46,9 @@ class ServerWarning(UserWarning):
 def _bad(
     message: str, status: int = 400, param: Any = None, headers: Optional[dict[str, str]] = None
 ) -> JSONResponse:
-    kind = {503: "server_busy", 500: "server_error"}.get(status, "invalid_request_error")
+    kind = {503: "server_busy", 500: "server_error", 404: "NotFoundError"}.get(
+        status, "invalid_request_error"
+    )
     return JSONResponse(error_body(message, status, kind, param=param), status_code=status, headers=headers)
 
 
@@ -57,12 +59,11 @@ class _Api:
         self.engine, self.loop, self.options = engine, loop_, options
         self.active = 0  # requests admitted and not yet ended (the event loop's thread alone counts)
 
-    def prepare(self, body: Body) -> tuple[list[int], SamplingParams, Optional[Tools]]:
-        """Prompt ids, sampling parameters and tools of ``body`` (templating, tokenising and compiling a
-        grammar: run off the loop)."""
-        name, tokenizer = self.options.name, self.engine.tokenizer
-        if body.model != name:
-            raise NotSupported(f"model {body.model!r} is not served here; this server serves {name!r}")
+    def prepare(self, body: Body) -> tuple[list[int], SamplingParams, Optional[Tools], Optional[str]]:
+        """Prompt ids, sampling parameters, tools and adapter (None: the base model) of ``body``
+        (templating, tokenising and compiling a grammar: run off the loop)."""
+        tokenizer = self.engine.tokenizer
+        lora = None if body.model == self.options.name else self.engine.adapter(body.model).name
         params = body.sampling()
         tools = body.tool_spec() if isinstance(body, ChatCompletionRequest) else None
         structure, forced = body.structure(), tools.structure() if tools is not None else None
@@ -96,14 +97,16 @@ class _Api:
             else:
                 prompt_ids = list(prompt)
         self.engine.check(prompt_ids, params)
-        return prompt_ids, params, tools
+        return prompt_ids, params, tools, lora
 
     async def respond(self, request: Request, kind: type[Body]) -> Any:
         try:
             body = await parse(kind, await request.body())
-            prompt_ids, params, tools = await asyncio.to_thread(self.prepare, body)
+            prompt_ids, params, tools, lora = await asyncio.to_thread(self.prepare, body)
         except BadRequest as err:
             return _bad(str(err), err.status, err.param)
+        except UnknownModel as err:
+            return _bad(str(err), 404, param="model")
         except (NotSupported, RequestError, ValueError) as err:
             return _bad(str(err))
         if self.active >= self.engine.config.max_num_seqs + self.options.max_queued_requests:
@@ -115,8 +118,8 @@ class _Api:
         request.state.usage = (rid, len(prompt_ids), 0)
         timeout = self.options.request_timeout_s
         reply = Reply(
-            outputs=stream_outputs(self.loop, rid, prompt_ids, params),
-            head={"id": rid, "created": int(time.time()), "model": self.options.name},
+            outputs=stream_outputs(self.loop, rid, prompt_ids, params, lora),
+            head={"id": rid, "created": int(time.time()), "model": body.model},
             chat=chat,
             n=params.n,
             tokenizer=self.engine.tokenizer,
@@ -159,8 +162,19 @@ def build_app(engine: Engine, options: ServerOptions, start_engine: bool = True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": options.name, "object": "model", "created": int(time.time()), "owned_by": "zerotron"}
-        return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
+        card = {"object": "model", "created": int(time.time()), "owned_by": "zerotron"}
+        base = {**card, "id": options.name, "root": options.name, "parent": None}
+        adapters = [
+            {**card, "id": a.name, "root": a.path, "parent": options.name}
+            for a in (engine.lora.names() if engine.lora is not None else [])
+        ]
+        return {
+            "object": "list",
+            "data": [{**m, "max_model_len": engine.max_model_len} for m in [base, *adapters]],
+        }
+
+    if engine.lora is not None and options.runtime_lora:
+        _lora_endpoints(app, engine, options)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -171,6 +185,43 @@ def build_app(engine: Engine, options: ServerOptions, start_engine: bool = True)
         return await api.respond(request, ChatCompletionRequest)
 
     return app
+
+
+def _lora_endpoints(app: FastAPI, engine: Engine, options: ServerOptions) -> None:
+    """vLLM's runtime adapter endpoints: ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``
+    and ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` (only with --allow-runtime-lora-updating:
+    they read the server's files)."""
+
+    async def body_of(request: Request, keys: tuple[str, ...]) -> dict[str, str]:
+        try:
+            raw = await request.json()
+        except ValueError:
+            raise LoraError("the body is not JSON") from None
+        if not isinstance(raw, dict) or any(not isinstance(raw.get(k), str) or not raw[k] for k in keys):
+            raise LoraError(f"give {' and '.join(keys)} as strings")
+        return raw
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Any:
+        try:
+            raw = await body_of(request, ("lora_name", "lora_path"))
+            name = raw["lora_name"]
+            adapter = await asyncio.to_thread(engine.lora.read, name, raw["lora_path"])  # type: ignore[union-attr]
+            engine.lora.add(adapter, reserved=(options.name,))  # type: ignore[union-attr]
+        except LoraError as err:
+            return _bad(str(err))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Any:
+        try:
+            name = (await body_of(request, ("lora_name",)))["lora_name"]
+            engine.unload_lora(name)
+        except UnknownModel as err:
+            return _bad(str(err), 404, param="lora_name")
+        except LoraError as err:
+            return _bad(str(err))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 def _answer_errors(app: FastAPI) -> None:
@@ -215,6 +266,13 @@ def serve(engine: Engine, options: ServerOptions) -> None:
     import uvicorn
 
     name, host, port = options.name, options.host, options.port
+    for adapter, path in options.lora_modules:
+        if engine.lora is None:
+            raise ConfigError("serve --lora-modules: this engine serves no adapters (max_loras 0)")
+        try:
+            engine.lora.load(adapter, path, reserved=(name,))
+        except LoraError as err:
+            raise ConfigError(f"serve --lora-modules {adapter}={path}: {err}") from None
     exposed = exposure_warning(options)
     if exposed is not None:
         warnings.warn(exposed, ServerWarning, stacklevel=2)
@@ -226,7 +284,13 @@ def serve(engine: Engine, options: ServerOptions) -> None:
         f"{engine.pool.block_size} tokens on {engine.runner.device}, max_model_len {engine.max_model_len}, attention "
         + ("native" if engine.runner.native else "SDPA")
         + f", linears {engine.runner.matmul}"
-        + (f", tensor parallel over {group.size} ranks)" if group is not None else ")"),
+        + (f", tensor parallel over {group.size} ranks" if group is not None else "")
+        + (
+            f", {len(engine.lora.loaded)} of at most {engine.lora.max_loras} LoRA adapters"
+            if engine.lora
+            else ""
+        )
+        + ")",
         flush=True,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))

@@ -12,12 +12,14 @@ import torch
 from zerotron.config_load import ConfigError
 from zerotron.distributed import launch
 from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, under_torchrun
+from zerotron.models.lora import read_adapter_config
 from zerotron.serve import kernels, triton_attention
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.devices import check_device, rank_backend
 from zerotron.serve.edge import ServerOptions, default_name
 from zerotron.serve.generate import check_split
 from zerotron.serve.linears import onednn_kernels
+from zerotron.serve.lora import parse_lora_modules
 
 # the flag that sets each EngineConfig field (what an EngineConfigError is reported under)
 FLAGS = {
@@ -33,7 +35,9 @@ FLAGS = {
     "dtype": "--dtype",
     "device": "--device",
     "tp": "--nproc",
+    "max_loras": "--max-loras",
 }
+DEFAULT_MAX_LORAS = 4
 
 
 def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
@@ -66,6 +70,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "dtype": args.dtype,
         "device": str(device),
         "tp": nproc,
+        "max_loras": max_loras(args),
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)
@@ -78,6 +83,39 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         chosen["native_attention"] = on_cpu and kernels.available()
         chosen["triton_attention"] = not on_cpu and triton_attention.available()
     return config if chosen == explicit else _checked(fields | chosen)
+
+
+def max_loras(args: argparse.Namespace) -> int:
+    """Adapters the engine holds at once: --max-loras, else 4 when adapters are served, else 0 (off)."""
+    wanted = bool(args.lora_modules) or args.enable_lora or args.allow_runtime_lora_updating
+    if args.max_loras is not None:
+        if args.max_loras < 1:
+            raise ConfigError("serve --max-loras: give at least 1 (or leave it out to serve no adapters)")
+        if len(args.lora_modules) > args.max_loras:
+            raise ConfigError(
+                f"serve --lora-modules names {len(args.lora_modules)} adapters, more than --max-loras "
+                f"{args.max_loras}: raise --max-loras"
+            )
+        return int(args.max_loras)
+    return max(DEFAULT_MAX_LORAS, len(args.lora_modules)) if wanted else 0
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """--lora-modules as (name, path) pairs, each adapter's config read (a bad one refused before the
+    model loads)."""
+    pairs = parse_lora_modules(args.lora_modules)
+    max_loras(args)  # the counts first: no file read for a command refused anyway
+    served = args.served_model_name or default_name(args.model)
+    for name, path in pairs:
+        if name == served:
+            raise ConfigError(
+                f"serve --lora-modules {name}={path}: the model is served as {name!r}; rename the adapter"
+            )
+        try:
+            read_adapter_config(path)
+        except ConfigError as err:
+            raise ConfigError(f"serve --lora-modules {name}={path}: {err}") from None
+    return tuple(pairs)
 
 
 def _checked(fields: dict[str, object]) -> EngineConfig:
@@ -102,6 +140,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         request_timeout_s=args.request_timeout,
+        runtime_lora=args.allow_runtime_lora_updating,
+        lora_modules=lora_modules(args),
     )
 
 

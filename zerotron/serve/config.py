@@ -60,6 +60,7 @@ class EngineConfig:
     # every row through the Triton paged kernel (serve.triton_attention); None: off the CPU where Triton is
     triton_attention: Optional[bool] = None
     tp: int = 1  # tensor-parallel ranks the model is split over
+    max_loras: int = 0  # LoRA adapters served at once over the model (serve.lora); 0: multi-LoRA off
 
     def __post_init__(self) -> None:
         self._check_limits()
@@ -76,6 +77,7 @@ class EngineConfig:
             ("fixed_rows", self.fixed_rows is None or self.fixed_rows >= 0, "rows per call, or 0 for off"),
             ("dtype", self.dtype is None or self.dtype in DTYPES, f"choose one of {', '.join(DTYPES)}"),
             ("tp", self.tp >= 1, "at least 1 rank"),
+            ("max_loras", self.max_loras >= 0, "0 (no adapters) or more"),
         ]
         for key, ok, fix in limits:
             if not ok:
@@ -119,6 +121,10 @@ class EngineConfig:
             raise EngineConfigError("native_matmul", f"not available: {why}")
         if self.onednn and self.tp > 1:
             raise EngineConfigError("onednn", packs)
+        if self.max_loras and self.tp > 1:
+            raise EngineConfigError(
+                "max_loras", "multi-LoRA serving runs on one rank; tensor-parallel adapters are not built"
+            )
         if self.onednn and dtype == torch.bfloat16 and not onednn_kernels(dtype):
             raise EngineConfigError("onednn", "this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
 

@@ -57,6 +57,9 @@ class ServerOptions:
     max_request_bytes: int = 4 << 20  # a request body beyond this: 413
     request_timeout_s: float = 0.0  # a request not finished by then is aborted (504); 0: none
     access_log: bool = True  # one line per API request on stderr
+    # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter (multi-LoRA)
+    runtime_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, path) served from the start
 
     def __post_init__(self) -> None:
         checks = [

@@ -21,11 +21,22 @@ from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.linears import MIN_ROWS
+from zerotron.serve.lora import LoraError, MultiLora, ServedAdapter, UnknownAdapter
 from zerotron.serve.paged import BlockPool, KVPool
 from zerotron.serve.runner import StepRunner, make_plan
 from zerotron.serve.scheduler import Scheduler, Sequence, Status
 
-__all__ = ["MIN_ROWS", "Engine", "EngineConfig", "RequestError", "RequestOutput", "build_kv_pool"]
+__all__ = [
+    "MIN_ROWS",
+    "Engine",
+    "EngineConfig",
+    "LoraError",
+    "MultiLora",
+    "RequestError",
+    "RequestOutput",
+    "UnknownModel",
+    "build_kv_pool",
+]
 
 
 class RequestError(ValueError):
@@ -65,6 +76,11 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token: Optional[float] = None
     last_token: Optional[float] = None
+    adapter: Optional[ServedAdapter] = None  # multi-LoRA: the adapter its sequences run under
+
+
+class UnknownModel(RequestError):
+    """A request names a model (an adapter) this engine does not serve: the server answers 404."""
 
 
 class Engine:
@@ -84,6 +100,7 @@ class Engine:
         self.max_model_len, self.kv = build_kv_pool(model, cfg)
         self.pool = BlockPool(self.kv.num_blocks, cfg.block_size)
         self.runner = StepRunner(model, self.kv, cfg, tp_group)
+        self.lora = self.runner.lora  # multi-LoRA's adapters (None: max_loras 0)
         self.config = self.runner.config  # filled in for the model's device, dtype and split
         self.scheduler = Scheduler(
             self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching
@@ -95,18 +112,46 @@ class Engine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0, "failed": 0}
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raise :class:`RequestError` for one that cannot run."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, lora: Optional[str] = None
+    ) -> None:
+        """Queue a request (under the adapter named ``lora``: multi-LoRA); raise :class:`RequestError`
+        for one that cannot run (:class:`UnknownModel` for an adapter that is not loaded)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         self.check(prompt_ids, params)
-        request = Request(request_id, list(prompt_ids), params)
+        adapter = self.adapter(lora) if lora is not None else None
+        request = Request(request_id, list(prompt_ids), params, adapter=adapter)
         seq = Sequence(request_id, 0, request.prompt_ids, params, params.generator(0))
+        seq.lora, seq.root = adapter, adapter.salt if adapter is not None else None
         seq.matcher = self.grammars().matcher(params.grammar) if params.grammar is not None else None
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
+
+    # ---- multi-LoRA ------------------------------------------------------------------------------
+    def adapter(self, name: str) -> ServedAdapter:
+        """The loaded adapter called ``name`` (:class:`UnknownModel` if there is none)."""
+        found = self.lora.get(name) if self.lora is not None else None
+        if found is None:
+            raise UnknownModel(f"The model `{name}` does not exist.")
+        return found
+
+    def load_lora(self, name: str, path: str) -> ServedAdapter:
+        """Serve the PEFT adapter at ``path`` as ``name`` (any thread; :class:`LoraError` if it cannot)."""
+        if self.lora is None:
+            raise LoraError("this engine serves no adapters: start it with max_loras > 0 (--max-loras)")
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving the adapter ``name`` to new requests (running ones finish with it)."""
+        if self.lora is None:
+            raise UnknownModel(f"The model `{name}` does not exist.")
+        try:
+            self.lora.remove(name)
+        except UnknownAdapter as err:
+            raise UnknownModel(str(err)) from None
 
     def grammars(self) -> Any:
         """The structured-output grammars of this model's vocabulary (made on first use)."""
@@ -171,7 +216,8 @@ class Engine:
             self.runner.keep_alive()
             return []
         pieces = [(seq.tokens, seq.table, start, n) for seq, start, n in batch.pieces]
-        plan = make_plan(pieces, batch.copies, self.runner.min_rows)
+        loras = [seq.lora for seq, _, _ in batch.pieces]
+        plan = make_plan(pieces, batch.copies, self.runner.min_rows, loras)
         sampled = [seq for seq, start, n in batch.pieces if start + n == len(seq.tokens)]
         self.runner.publish(plan)
         logits = self.runner.run(plan)[:, : self.model.config.vocab_size]
@@ -219,6 +265,7 @@ class Engine:
         children = []
         for index in range(1, request.params.n):
             child = Sequence(seq.request_id, index, seq.prompt_ids, seq.params, seq.params.generator(index))
+            child.lora, child.root = seq.lora, seq.root
             if seq.params.grammar is not None:
                 child.matcher = self.grammars().matcher(seq.params.grammar)
             self.scheduler.fork(seq, child)
@@ -291,11 +338,14 @@ class Engine:
             request.last_token,
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Offline batch: run ``prompts`` together to the end; the output ids of each (first sample)."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, loras: Optional[list[Optional[str]]] = None
+    ) -> list[list[int]]:
+        """Offline batch: run ``prompts`` together to the end (each under its adapter in ``loras``);
+        the output ids of each (first sample)."""
         ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, prompt, params)
+        for rid, prompt, lora in zip(ids, prompts, loras or [None] * len(prompts)):
+            self.add_request(rid, prompt, params, lora)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_unfinished():
             for out in self.step():

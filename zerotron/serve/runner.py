@@ -9,8 +9,9 @@ run the same plans in :func:`follow` until told to stop. Every rank holds its KV
 
 from __future__ import annotations
 
+import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -24,12 +25,15 @@ from zerotron.serve.config import EngineConfig
 from zerotron.serve.linears import (
     MIN_ROWS,
     MIN_ROWS_ONEDNN,
+    _chunked_linear,
+    _fixed_linear,
     chunk_linears,
     fixed_linears,
     pack_linears,
     plain_linear,
     route_linears,
 )
+from zerotron.serve.lora import MultiLora, ServedAdapter
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
 
 _PLAN, _IDLE, _STOP = 1, 0, -1
@@ -44,6 +48,8 @@ class StepPlan:
     sample_rows: torch.Tensor  # (>= min_rows,) rows whose logits are wanted (padded with row 0)
     sampled: int  # how many of them are real
     copies: list[tuple[int, int, int]]  # copy-on-write (src block, dst block, slots)
+    # each LoRA adapter's rows (multi-LoRA: one rank, never broadcast)
+    lora_rows: list[tuple[ServedAdapter, list[int]]] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         """All of the plan as one int64 tensor (for a broadcast)."""
@@ -78,9 +84,12 @@ def make_plan(
     pieces: list[tuple[list[int], list[int], int, int]],
     copies: list[tuple[int, int, int]],
     min_rows: int = MIN_ROWS,
+    loras: Optional[list[Optional[ServedAdapter]]] = None,
 ) -> StepPlan:
     """A plan from (tokens, block table, first position, count) per sequence; a sequence is sampled
-    when its last token is among the rows. Rows and sampled rows are padded to ``min_rows``."""
+    when its last token is among the rows. Rows and sampled rows are padded to ``min_rows``.
+    ``loras``: each sequence's adapter (None: the base model's), gathered into the plan's rows of each
+    adapter."""
     total = sum(n for _, _, _, n in pieces)
     rows = max(total, min_rows)
     ids = torch.zeros(rows, dtype=torch.long)
@@ -96,7 +105,11 @@ def make_plan(
             last_rows.append(r + n - 1)
         r += n
     index = torch.tensor(last_rows + [0] * max(0, min_rows - len(last_rows)), dtype=torch.long)
-    return StepPlan(ids, positions, layout, index, len(last_rows), copies)
+    by_adapter: dict[int, tuple[ServedAdapter, list[int]]] = {}
+    for piece, adapter in zip(layout, loras or []):
+        if adapter is not None:
+            by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(piece.row, piece.row + piece.n))
+    return StepPlan(ids, positions, layout, index, len(last_rows), copies, list(by_adapter.values()))
 
 
 class StepRunner:
@@ -133,13 +146,22 @@ class StepRunner:
         assert fixed is not None  # for_model fills it
         self.model, self.kv, self.native, self.triton = model, kv, native, triton_attention
         sixteen = dtype in (torch.bfloat16, torch.float16)
-        packed = (onednn or native_matmul) and pack_linears(model, max_rows=max_rows, native=native_matmul)
+        # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
+        # layers then run module by module (not the lean fused layer), each linear's forward wrapped
+        lora_linear = functools.partial(_fixed_linear, fixed) if fixed else _chunked_linear
+        self.lora = MultiLora(model, cfg.max_loras, lora_linear) if cfg.max_loras else None
+        lean = {} if self.lora is None else {"lean": False}
+        packed = (onednn or native_matmul) and pack_linears(
+            model, max_rows=max_rows, native=native_matmul, **lean
+        )
         if fixed:
             fixed_linears(model, fixed)
         elif sixteen and not packed:
             chunk_linears(model)
         else:  # fp32 F.linear; a tensor-parallel rank's parts too, its row-parallel sums in rank order
             route_linears(model, plain_linear, whole=False)  # plain layers keep their own forward
+        if self.lora is not None:
+            self.lora.wrap()
         self.min_rows = 1 if native_matmul or fixed else MIN_ROWS_ONEDNN if packed else MIN_ROWS
         self.matmul = (
             f"F.linear in {fixed}-row calls"
@@ -164,12 +186,20 @@ class StepRunner:
         for src, dst, slots in plan.copies:
             self.kv.copy_block(src, dst, slots)
         attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native, self.triton)
-        logits = self.model(
-            plan.ids[None].to(self.device),
-            position_ids=plan.positions[None].to(self.device),
-            kv_cache=attention,
-            logits_index=plan.sample_rows.to(self.device),
-        )[0, : plan.sampled]
+        if self.lora is not None:
+            self.lora.begin(plan.lora_rows)
+        elif plan.lora_rows:
+            raise RuntimeError("a plan with adapter rows on an engine without multi-LoRA (max_loras 0)")
+        try:
+            logits = self.model(
+                plan.ids[None].to(self.device),
+                position_ids=plan.positions[None].to(self.device),
+                kv_cache=attention,
+                logits_index=plan.sample_rows.to(self.device),
+            )[0, : plan.sampled]
+        finally:
+            if self.lora is not None:
+                self.lora.end()
         if self.group is not None:
             logits = gather_last_dim(logits, self.group)
         whole: torch.Tensor = logits.float().cpu()

@@ -48,6 +48,8 @@ class Sequence:
     sent: int = 0  # characters of ``text`` already returned
     reported: int = 0  # output tokens already returned
     matcher: Any = None  # structured output: the sequence's place in its grammar (serve.structured)
+    lora: Any = None  # multi-LoRA: the adapter it runs under (serve.lora.ServedAdapter); None: the base
+    root: Optional[bytes] = None  # the prefix cache's root name of its first block (its adapter's salt)
 
     @property
     def tokens(self) -> list[int]:
@@ -130,7 +132,7 @@ class Scheduler:
         """Take the cached blocks of the sequence's longest cached prefix (its last token is always
         computed: the step needs its logits)."""
         tokens, bs = seq.tokens, self.pool.block_size
-        parent: Optional[bytes] = None
+        parent: Optional[bytes] = seq.root
         usable = (len(tokens) - 1) // Q_ALIGN * Q_ALIGN  # a hit ends where a query run may start
         for j in range(usable // bs):
             digest = block_hash(parent, tokens[j * bs : (j + 1) * bs])
@@ -169,7 +171,7 @@ class Scheduler:
         bs, tokens = self.pool.block_size, seq.tokens
         while len(seq.hashes) < seq.computed // bs:
             j = len(seq.hashes)
-            digest = block_hash(seq.hashes[-1] if seq.hashes else None, tokens[j * bs : (j + 1) * bs])
+            digest = block_hash(seq.hashes[-1] if seq.hashes else seq.root, tokens[j * bs : (j + 1) * bs])
             self.pool.register(seq.table[j], digest)
             seq.hashes.append(digest)
 

@@ -83,8 +83,15 @@ class EngineLoop:
             self.thread = threading.Thread(target=self.run, name="zerotron-engine", daemon=True)
             self.thread.start()
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        self.commands.put(("add", request_id, prompt_ids, params, sink))
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        lora: Optional[str] = None,
+    ) -> None:
+        self.commands.put(("add", request_id, prompt_ids, params, sink, lora))
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
@@ -117,9 +124,9 @@ class EngineLoop:
                 self.engine.runner.publish(None, stop=True)
                 return False
             if command[0] == "add":
-                _, rid, prompt_ids, params, sink = command
+                _, rid, prompt_ids, params, sink, lora = command
                 try:
-                    self.engine.add_request(rid, prompt_ids, params)
+                    self.engine.add_request(rid, prompt_ids, params, lora)
                     self.sinks[rid] = sink
                 except Exception as err:  # noqa: BLE001 - RequestError is a 400; anything else a 500
                     sink(err)
@@ -195,6 +202,18 @@ class EngineLoop:
             ("request_failure_total", "counter", "requests that failed alone", e.stats["failed"]),
             ("generation_tokens_per_second", "gauge", "tokens generated per second (last 10 s)", rate),
         ]
+        if e.lora is not None:
+            adapters = e.lora.names()
+            values += [
+                ("lora_adapters_loaded", "gauge", "LoRA adapters served", len(adapters)),
+                ("lora_adapters_max", "gauge", "LoRA adapters the server holds at most", e.lora.max_loras),
+                (
+                    "lora_adapter_bytes",
+                    "gauge",
+                    "bytes of the adapters' weights",
+                    sum(a.nbytes for a in adapters),
+                ),
+            ]
         lines = []
         for name, kind, help_text, value in values:
             lines += [f"# HELP zerotron_{name} {help_text}", f"# TYPE zerotron_{name} {kind}"]
@@ -207,16 +226,21 @@ def new_id(prefix: str) -> str:
 
 
 async def stream_outputs(
-    loop_: EngineLoop, request_id: str, prompt_ids: list[int], params: SamplingParams
+    loop_: EngineLoop,
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    lora: Optional[str] = None,
 ) -> AsyncIterator[RequestOutput]:
-    """Submit a request and yield its outputs as they come; abort it if the consumer goes away."""
+    """Submit a request (under the adapter ``lora``) and yield its outputs as they come; abort it if
+    the consumer goes away."""
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[Union[RequestOutput, Exception]] = asyncio.Queue()
 
     def sink(item: Union[RequestOutput, Exception]) -> None:
         loop.call_soon_threadsafe(inbox.put_nowait, item)
 
-    loop_.submit(request_id, prompt_ids, params, sink)
+    loop_.submit(request_id, prompt_ids, params, sink, lora)
     finished = False
     try:
         while not finished:
