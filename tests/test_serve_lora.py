@@ -1,6 +1,6 @@
 """Multi-LoRA serving against peft: rows of three adapters and of the base model in one batch.
 
-References: ``peft``'s forward of each adapter on the transformers model (logits, 1e-5 in fp32) and
+References: ``peft``'s forward of each adapter on the transformers model (logits, 2e-5 in fp32) and
 its greedy ``generate``; the engine serving each request alone (batch invariance, exact); an adapter
 merged into the weights by ``zerotron``'s merge (an independent path: no low-rank products at run
 time). Every engine test ends with all KV blocks free.
@@ -110,7 +110,9 @@ def test_mixed_batch_logits_equal_peft_for_each_adapter_and_the_base(served: tup
         base_logits = [ref(torch.tensor([p])).logits[0, -1] for p in prompts]
         for row, (prompt, lora) in enumerate(zip(prompts, loras)):
             want = (models[lora] if lora else ref)(torch.tensor([prompt])).logits[0, -1]
-            torch.testing.assert_close(captured[0][row], want, rtol=0, atol=1e-5)
+            # 2e-5: the slots' stacked fp32 products round differently from peft's per-adapter ones
+            # (1.05e-5 measured on these sharpened weights, logits up to 3)
+            torch.testing.assert_close(captured[0][row], want, rtol=0, atol=2e-5 if lora else 1e-5)
             if lora:  # the adapter matters: a test that served the base would fail
                 assert (want - base_logits[row]).abs().max() > 0.1
 
@@ -251,6 +253,42 @@ def test_refusals_name_the_adapter_and_what_to_change(served: tuple, tmp_path: P
         EngineConfig(max_loras=2, tp=2)
 
 
+def test_a_slot_is_reused_only_when_its_requests_have_finished(served: tuple) -> None:
+    """Unloading an adapter stops new requests at once; its running request finishes with its own
+    weights, and a new adapter takes the slot only after it has."""
+    _, model, paths = served
+    engine = _engine(model, {}, max_loras=1)
+    engine.load_lora("alpha", str(paths["alpha"]))
+    prompt = _prompts([9], seed=4)[0]
+    want = _run(_engine(model, paths), [prompt], ["alpha"], GREEDY)[0]
+    engine.add_request("r", prompt, GREEDY, "alpha")
+    got: tuple[list[int], list[float]] = ([], [])
+    for out in engine.step():
+        got[0].extend(out.outputs[0].token_ids)
+        got[1].extend(c.logprob for c in out.outputs[0].choices)
+    engine.unload_lora("alpha")
+    with pytest.raises(UnknownModel):
+        engine.add_request("late", prompt, GREEDY, "alpha")
+    with pytest.raises(LoraError, match="still running"):
+        engine.load_lora("beta", str(paths["beta"]))
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[0].extend(out.outputs[0].token_ids)
+            got[1].extend(c.logprob for c in out.outputs[0].choices)
+    assert got == want
+    engine.load_lora("beta", str(paths["beta"]))  # the slot is free now
+    fresh = _engine(model, paths)
+    assert _run(engine, [prompt], ["beta"], GREEDY) == _run(fresh, [prompt], ["beta"], GREEDY)
+
+
+def test_an_adapter_above_the_slot_rank_is_refused(served: tuple) -> None:
+    _, model, paths = served
+    engine = _engine(model, {}, max_lora_rank=4)
+    engine.load_lora("alpha", str(paths["alpha"]))  # rank 4
+    with pytest.raises(LoraError, match="--max-lora-rank 8"):
+        engine.load_lora("beta", str(paths["beta"]))  # rank 8
+
+
 def _reference_of(cfg: object) -> torch.nn.Module:
     from tests.test_llama import _reference
 
@@ -259,7 +297,7 @@ def _reference_of(cfg: object) -> torch.nn.Module:
 
 def test_multilora_records_the_adaptable_linears_only(served: tuple) -> None:
     _, model, _ = served
-    lora = MultiLora(model, 2, plain_linear)
+    lora = MultiLora(model, 2, 16, plain_linear)
     assert "lm_head" not in lora.modules and all(n.startswith("layers.") for n in lora.modules)
     assert len(lora.modules) == 7 * CFG.num_hidden_layers
 
@@ -352,9 +390,13 @@ def test_http_requests_pick_adapters_and_adapters_load_and_unload(tmp_path: Path
         closed.close()
 
 
+SPECULATE = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+
+
 def test_zerotron_serve_lora_modules_from_the_command_line(tmp_path: Path) -> None:
-    """``zerotron serve HF_DIR --lora-modules a1=... a2=...`` in its own process: each adapter's greedy
-    tokens equal the offline engine's, and differ between the adapters."""
+    """``zerotron serve HF_DIR --lora-modules a1=... a2=... --speculative-config ...`` in its own
+    process: each adapter's greedy tokens equal the offline engine's without speculation, and differ
+    between the adapters."""
     pytest.importorskip("fastapi")
     import socket
     import subprocess
@@ -373,7 +415,16 @@ def test_zerotron_serve_lora_modules_from_the_command_line(tmp_path: Path) -> No
     cmd = [sys.executable, "-m", "zerotron", "serve", str(tmp_path / "hf"), "--port", str(port)]
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
-        [*cmd, "--served-model-name", "tiny", "--lora-modules", *modules, "--kv-cache-memory", "0.05"],
+        [
+            *cmd,
+            "--served-model-name",
+            "tiny",
+            "--lora-modules",
+            *modules,
+            "--kv-cache-memory",
+            "0.05",
+            *SPECULATE,
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -389,7 +440,7 @@ def test_zerotron_serve_lora_modules_from_the_command_line(tmp_path: Path) -> No
                 time.sleep(0.3)
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
         assert "2 of at most 4 LoRA adapters" in (tmp_path / "serve.log").read_text()
-        prompt = [104, 105, 33, 32, 119, 120]
+        prompt = [104, 105, 33, 32, 104, 105, 33, 32, 104, 105]  # repetitive: n-gram proposals
         for name in ("tiny", "a1", "a2"):
             body = {"model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0}
             status, reply = _post(f"{base}/v1/completions", json.dumps(body).encode())
@@ -399,6 +450,8 @@ def test_zerotron_serve_lora_modules_from_the_command_line(tmp_path: Path) -> No
             assert got == [str(t) for t in want]  # no tokenizer in the directory: token ids
             outputs.add(tuple(got))
         assert len(outputs) == 3
+        metrics = _get(f"{base}/metrics")[1]
+        assert "zerotron_spec_decode_num_draft_tokens_total" in metrics
     finally:
         proc.terminate()
         proc.wait(timeout=30)

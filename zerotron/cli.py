@@ -323,6 +323,16 @@ def _add_serve_lora(srv: Any) -> None:
         "--max-loras", type=int, default=None, help="adapters loaded at once (default 4 with adapters)"
     )
     srv.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (proposals by n-gram lookup in each sequence)',
+    )
+    srv.add_argument(
+        "--max-lora-rank", type=int, default=16, help="the largest adapter rank served (each slot's width)"
+    )
+    srv.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
         help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (they read the server's files)",

@@ -144,16 +144,29 @@ def sample(
     output_ids: list[int],
     generator: Optional[torch.Generator],
     argmax: Optional[int] = None,
+    draft: Optional[int] = None,
 ) -> Choice:
     """The next token of one sequence from its logits (V,) (float32; padded vocabulary rows -inf).
-    ``argmax``: the logits' argmax when already known (the engine takes a step's in one call)."""
+    ``argmax``: the logits' argmax when already known (the engine takes a step's in one call).
+    ``draft``: a token proposed for this position by a deterministic drafter (speculative decoding):
+    sampled, it is kept with probability p(draft) and otherwise the token is drawn from p without it,
+    renormalised (Leviathan et al.'s rejection step for a one-point draft distribution), so the token
+    is distributed as p whatever was proposed; greedy, the draft changes nothing."""
     raw = logits
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if params.temperature == 0.0:
         token = argmax if argmax is not None and logits is raw else int(torch.argmax(logits))
     else:
         probs = torch.softmax(filter_logits(logits, params), dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        if draft is not None and float(torch.rand((), generator=generator)) < float(probs[draft]):
+            token = draft
+        elif draft is not None:
+            rest = probs.clone()
+            rest[draft] = 0.0
+            mass = float(rest.sum())
+            token = int(torch.multinomial(rest / mass, 1, generator=generator)) if mass > 0 else draft
+        else:
+            token = int(torch.multinomial(probs, 1, generator=generator))
     if params.logprobs is None:
         return Choice(token)
     scaled = raw / params.temperature if params.logprobs_mode == "processed" and params.temperature else raw

@@ -174,7 +174,7 @@ def build_app(engine: Engine, options: ServerOptions, start_engine: bool = True)
         }
 
     if engine.lora is not None and options.runtime_lora:
-        _lora_endpoints(app, engine, options)
+        _lora_endpoints(app, engine, loop_, options)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -187,7 +187,7 @@ def build_app(engine: Engine, options: ServerOptions, start_engine: bool = True)
     return app
 
 
-def _lora_endpoints(app: FastAPI, engine: Engine, options: ServerOptions) -> None:
+def _lora_endpoints(app: FastAPI, engine: Engine, loop_: EngineLoop, options: ServerOptions) -> None:
     """vLLM's runtime adapter endpoints: ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``
     and ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` (only with --allow-runtime-lora-updating:
     they read the server's files)."""
@@ -207,7 +207,7 @@ def _lora_endpoints(app: FastAPI, engine: Engine, options: ServerOptions) -> Non
             raw = await body_of(request, ("lora_name", "lora_path"))
             name = raw["lora_name"]
             adapter = await asyncio.to_thread(engine.lora.read, name, raw["lora_path"])  # type: ignore[union-attr]
-            engine.lora.add(adapter, reserved=(options.name,))  # type: ignore[union-attr]
+            await loop_.call(lambda: engine.add_lora(adapter, (options.name,)))
         except LoraError as err:
             return _bad(str(err))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -216,7 +216,7 @@ def _lora_endpoints(app: FastAPI, engine: Engine, options: ServerOptions) -> Non
     async def unload_lora(request: Request) -> Any:
         try:
             name = (await body_of(request, ("lora_name",)))["lora_name"]
-            engine.unload_lora(name)
+            await loop_.call(lambda: engine.unload_lora(name))
         except UnknownModel as err:
             return _bad(str(err), 404, param="lora_name")
         except LoraError as err:
@@ -270,7 +270,7 @@ def serve(engine: Engine, options: ServerOptions) -> None:
         if engine.lora is None:
             raise ConfigError("serve --lora-modules: this engine serves no adapters (max_loras 0)")
         try:
-            engine.lora.load(adapter, path, reserved=(name,))
+            engine.load_lora(adapter, path, reserved=(name,))
         except LoraError as err:
             raise ConfigError(f"serve --lora-modules {adapter}={path}: {err}") from None
     exposed = exposure_warning(options)
@@ -288,6 +288,11 @@ def serve(engine: Engine, options: ServerOptions) -> None:
         + (
             f", {len(engine.lora.loaded)} of at most {engine.lora.max_loras} LoRA adapters"
             if engine.lora
+            else ""
+        )
+        + (
+            f", n-gram speculation of {engine.config.speculative.num_speculative_tokens} tokens"
+            if engine.config.speculative
             else ""
         )
         + ")",

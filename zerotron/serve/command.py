@@ -20,6 +20,7 @@ from zerotron.serve.edge import ServerOptions, default_name
 from zerotron.serve.generate import check_split
 from zerotron.serve.linears import onednn_kernels
 from zerotron.serve.lora import parse_lora_modules
+from zerotron.serve.speculative import NgramConfig, SpeculativeError, parse_speculative_config
 
 # the flag that sets each EngineConfig field (what an EngineConfigError is reported under)
 FLAGS = {
@@ -36,6 +37,7 @@ FLAGS = {
     "device": "--device",
     "tp": "--nproc",
     "max_loras": "--max-loras",
+    "max_lora_rank": "--max-lora-rank",
 }
 DEFAULT_MAX_LORAS = 4
 
@@ -71,6 +73,8 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "device": str(device),
         "tp": nproc,
         "max_loras": max_loras(args),
+        "max_lora_rank": args.max_lora_rank,
+        "speculative": speculative(args),
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)
@@ -98,6 +102,16 @@ def max_loras(args: argparse.Namespace) -> int:
             )
         return int(args.max_loras)
     return max(DEFAULT_MAX_LORAS, len(args.lora_modules)) if wanted else 0
+
+
+def speculative(args: argparse.Namespace) -> NgramConfig | None:
+    """--speculative-config as an n-gram configuration (None without it), refused in one line."""
+    if args.speculative_config is None:
+        return None
+    try:
+        return parse_speculative_config(args.speculative_config)
+    except SpeculativeError as err:
+        raise ConfigError(f"serve --speculative-config: {err}") from None
 
 
 def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:

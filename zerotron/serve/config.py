@@ -18,6 +18,7 @@ import torch
 
 from zerotron.serve import kernels, triton_attention
 from zerotron.serve.linears import FIXED_ROWS, onednn_kernels
+from zerotron.serve.speculative import NgramConfig
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -61,6 +62,8 @@ class EngineConfig:
     triton_attention: Optional[bool] = None
     tp: int = 1  # tensor-parallel ranks the model is split over
     max_loras: int = 0  # LoRA adapters served at once over the model (serve.lora); 0: multi-LoRA off
+    max_lora_rank: int = 16  # the largest adapter rank served (each adapter slot's width)
+    speculative: Optional[NgramConfig] = None  # speculative decoding by n-gram lookup (serve.speculative)
 
     def __post_init__(self) -> None:
         self._check_limits()
@@ -78,6 +81,7 @@ class EngineConfig:
             ("dtype", self.dtype is None or self.dtype in DTYPES, f"choose one of {', '.join(DTYPES)}"),
             ("tp", self.tp >= 1, "at least 1 rank"),
             ("max_loras", self.max_loras >= 0, "0 (no adapters) or more"),
+            ("max_lora_rank", self.max_lora_rank >= 1, "at least 1"),
         ]
         for key, ok, fix in limits:
             if not ok:

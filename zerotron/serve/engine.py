@@ -25,6 +25,7 @@ from zerotron.serve.lora import LoraError, MultiLora, ServedAdapter, UnknownAdap
 from zerotron.serve.paged import BlockPool, KVPool
 from zerotron.serve.runner import StepRunner, make_plan
 from zerotron.serve.scheduler import Scheduler, Sequence, Status
+from zerotron.serve.speculative import propose
 
 __all__ = [
     "MIN_ROWS",
@@ -110,6 +111,7 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.eos = set(getattr(tokenizer, "stop_ids", None) or [])
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0, "failed": 0}
+        self.stats |= {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_forwards": 0}
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -138,11 +140,21 @@ class Engine:
             raise UnknownModel(f"The model `{name}` does not exist.")
         return found
 
-    def load_lora(self, name: str, path: str) -> ServedAdapter:
-        """Serve the PEFT adapter at ``path`` as ``name`` (any thread; :class:`LoraError` if it cannot)."""
+    def load_lora(self, name: str, path: str, reserved: tuple[str, ...] = ()) -> ServedAdapter:
+        """Serve the PEFT adapter at ``path`` as ``name`` (:class:`LoraError` if it cannot; the
+        ``reserved`` names, the served model's, are refused); the engine's thread, between steps."""
         if self.lora is None:
             raise LoraError("this engine serves no adapters: start it with max_loras > 0 (--max-loras)")
-        return self.lora.load(name, path)
+        return self.add_lora(self.lora.read(name, path), reserved)
+
+    def add_lora(self, adapter: ServedAdapter, reserved: tuple[str, ...] = ()) -> ServedAdapter:
+        """Serve an adapter read by ``self.lora.read`` (in any thread); here in the engine's thread,
+        between steps: it is written into a slot no running request uses."""
+        if self.lora is None:
+            raise LoraError("this engine serves no adapters: start it with max_loras > 0 (--max-loras)")
+        in_use = frozenset(id(r.adapter) for r in self.requests.values() if r.adapter is not None)
+        self.lora.add(adapter, reserved, in_use)
+        return adapter
 
     def unload_lora(self, name: str) -> None:
         """Stop serving the adapter ``name`` to new requests (running ones finish with it)."""
@@ -211,39 +223,93 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Compute one batch of scheduled tokens; return the requests that gained tokens or ended."""
+        if self.config.speculative is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch.pieces:
             self.runner.keep_alive()
             return []
-        pieces = [(seq.tokens, seq.table, start, n) for seq, start, n in batch.pieces]
+        # a speculating sequence's piece runs its pending token and its proposals, each row sampled
+        pieces = [(seq.tokens + seq.drafts, seq.table, start, n) for seq, start, n in batch.pieces]
         loras = [seq.lora for seq, _, _ in batch.pieces]
-        plan = make_plan(pieces, batch.copies, self.runner.min_rows, loras)
-        sampled = [seq for seq, start, n in batch.pieces if start + n == len(seq.tokens)]
+        samples = [1 + len(seq.drafts) for seq, _, _ in batch.pieces]
+        plan = make_plan(pieces, batch.copies, self.runner.min_rows, loras, samples)
+        sampled = [seq for seq, start, n in batch.pieces if start + n == len(seq.tokens) + len(seq.drafts)]
         self.runner.publish(plan)
         logits = self.runner.run(plan)[:, : self.model.config.vocab_size]
         for seq, _, n in batch.pieces:
-            self.scheduler.commit(seq, n)
+            if not seq.drafts:  # a speculating one commits what it keeps (_speculated)
+                self.scheduler.commit(seq, n)
         self.stats["steps"] += 1
         touched: dict[str, Request] = {}
         greedy = any(seq.params.temperature == 0.0 for seq in sampled)
         # in one call; max's index is argmax's (the first largest), at a third of its time on the CPU
-        best = logits.max(-1).indices.tolist() if greedy else [None] * len(sampled)
+        best = logits.max(-1).indices.tolist() if greedy else [None] * len(logits)
         failed: list[RequestOutput] = []
-        for row, seq in enumerate(sampled):
+        row = 0
+        for seq in sampled:
+            first, row = row, row + 1 + len(seq.drafts)
             request = self.requests.get(seq.request_id)
             if request is None:  # it failed on an earlier row of this step
+                seq.drafts = []
                 continue
             try:
+                if seq.drafts:
+                    self._speculated(request, seq, logits, first, best)
+                    touched[request.request_id] = request
+                    continue
                 family = [seq]
                 if not seq.output_ids and seq.index == 0 and request.params.n > 1 and len(request.seqs) == 1:
                     family += self._fork(request, seq)
                 for member in family:
-                    self._append(request, member, logits[row], best[row])
+                    self._append(request, member, logits[first], best[first])
                 touched[request.request_id] = request
             except Exception as err:  # noqa: BLE001 - a request that cannot go on fails alone
                 touched.pop(request.request_id, None)
                 failed.append(self._fail(request, err))
         return [self._output(r) for r in touched.values()] + failed
+
+    # ---- speculative decoding (n-gram lookup) -------------------------------------------------------
+    def _propose(self) -> None:
+        """Proposals for every running sequence that decodes (none under a grammar), as many as its
+        length limits leave room for after the model's own next token."""
+        spec = self.config.speculative
+        assert spec is not None
+        for seq in self.scheduler.running:
+            seq.drafts = []
+            if seq.matcher is not None or seq.computed != len(seq.tokens) - 1:
+                continue
+            room = min(spec.num_speculative_tokens, self.max_model_len - len(seq.tokens) - 1)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+            if room > 0:
+                seq.drafts = propose(seq.tokens, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+
+    def _speculated(
+        self, request: Request, seq: Sequence, logits: torch.Tensor, first: int, best: list[Optional[int]]
+    ) -> None:
+        """Keep the proposals the model agrees with, row by row (greedy: its argmax; sampled: the
+        rejection step of :func:`sample`), then the model's own token after the last one kept."""
+        drafts, seq.drafts = seq.drafts, []
+        outputs, choices = list(seq.output_ids), []
+        for i in range(len(drafts) + 1):
+            draft = drafts[i] if i < len(drafts) else None
+            choice = sample(
+                logits[first + i], seq.params, seq.prompt_ids, outputs, seq.generator, best[first + i], draft
+            )
+            choices.append(choice)
+            outputs.append(choice.token)
+            if draft is None or choice.token != draft:
+                break
+        kept = len(choices) - 1
+        self.scheduler.commit(seq, 1 + kept, drafts[:kept])  # the pending token's and the kept ones' keys
+        self.stats["spec_draft_tokens"] += len(drafts)
+        self.stats["spec_accepted_tokens"] += kept
+        self.stats["spec_forwards"] += 1
+        for choice in choices:
+            self._take(request, seq, choice)
+            if seq.status is Status.FINISHED:
+                break
 
     def _fail(self, request: Request, err: Exception) -> RequestOutput:
         """End ``request`` with an error (its blocks freed); the others in the step go on."""
@@ -281,6 +347,11 @@ class Engine:
             seq.matcher.accept(choice.token)
         else:
             choice = sample(logits, params, seq.prompt_ids, seq.output_ids, seq.generator, argmax)
+        self._take(request, seq, choice)
+
+    def _take(self, request: Request, seq: Sequence, choice: Choice) -> None:
+        """Append a sampled token; decode; finish the sequence on EOS, a stop, or its length."""
+        params = seq.params
         seq.output_ids.append(choice.token)
         seq.choices.append(choice)
         now = time.perf_counter()

@@ -318,6 +318,18 @@ def plain_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Te
     return F.linear(x, weight, bias)
 
 
+def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """F.linear whole on at least :data:`MIN_ROWS` rows (fewer padded with zeros): fp32 rows whose
+    results do not depend on the row count (multi-LoRA's products beside packed linears)."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n >= MIN_ROWS:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - n)), weight, bias)[:n].view(
+        *x.shape[:-1], weight.shape[0]
+    )
+
+
 def _fixed_linear(
     rows_per_call: int, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor
 ) -> torch.Tensor:

@@ -3,14 +3,15 @@
 :class:`MultiLora` holds the adapters an engine serves (read from PEFT-format directories: those
 ``zerotron sft`` writes and those ``peft`` saves) and puts a wrapper on every linear layer of the
 model's decoder layers: the layer's own forward (packed, chunked or plain, whatever the runner chose)
-and then, for the rows of each adapter in the step, ``scaling * B(A(x))`` added to those rows, as
-PEFT's ``LoraLayer`` computes it. Rows of different adapters (and of none) share one forward; each
-adapter's rows are gathered, multiplied and scattered back (one pair of small products per adapter
-per layer, punica's segmented product done as a gather).
+and then, for each row of an adapter, ``scaling * B(A(x))`` added to it, as PEFT's ``LoraLayer``
+computes it. Rows of different adapters (and of none) share one forward, and each linear runs two
+extra products whatever the mix: every adapter sits in a slot of stacked A and B matrices, and a
+per-row mask keeps each row's own slot (punica's batched LoRA, done as two dense products of
+``max_loras * max_lora_rank`` columns).
 
-Batch invariance: the low-rank products run in calls of 16 to 32 rows (the engine's 16-bit chunks,
-:func:`~zerotron.serve.linears.chunk_linears`; fixed-row calls off the CPU), so a row's numbers do
-not depend on how many rows of its adapter the step has. The prefix cache names a sequence's blocks
+Batch invariance: the low-rank products run as the engine's linears do (whole on at least 16 rows in
+fp32, in 16-to-32-row chunks in 16 bits, fixed-row calls off the CPU), so a row's numbers do not depend
+on the other rows of the step. The prefix cache names a sequence's blocks
 from a root that is the adapter's (:attr:`ServedAdapter.salt`, new at every load), so keys and values
 computed under one adapter are never reused under another, nor under a reloaded one.
 """
@@ -52,15 +53,12 @@ class ServedAdapter:
     uid: int  # new at every load: the prefix cache's root for its sequences
     rank: int
     scaling: float
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # until written
+    slot: int = -1  # where MultiLora holds it
 
     @property
     def salt(self) -> bytes:
         return f"lora:{self.uid}".encode()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
 
 
 def adaptable(name: str, module: nn.Module) -> bool:
@@ -118,23 +116,51 @@ def read_adapter(
 
 
 class MultiLora:
-    """The adapters an engine serves (at most ``max_loras`` loaded at once) and their application to
-    each step's rows (:meth:`begin` before a forward, :meth:`end` after it)."""
+    """The adapters an engine serves and their application to each step's rows.
 
-    def __init__(self, model: nn.Module, max_loras: int, linear: Linear) -> None:
+    Every adaptable linear holds ``max_loras`` slots of ``max_rank`` rows of A and columns of B
+    (zeros where empty); an adapter is written into a free slot when it is added (in the engine's
+    thread, between steps). A forward runs two products per linear whatever the mix of adapters:
+    ``h = x A_all^T`` over every slot, ``h`` times a per-row mask that keeps the row's own slot's rank
+    columns and zeroes the others, then ``y += (h B_all^T) * scaling`` (the row's adapter's). A row's numbers then depend on the
+    row, its adapter and its slot, never on the other rows of the step; a row without adapter gets the
+    base model's bits (its delta is exactly zero, and no product runs in a step without adapter rows)."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, linear: Linear) -> None:
         """Record ``model``'s adaptable linears (before the runner packs them and frees their dense
-        weights); ``linear(weight, bias, x)`` runs the low-rank products batch-invariantly."""
-        self.max_loras, self.linear = max_loras, linear
+        weights) and allocate their slots; ``linear(weight, bias, x)`` runs the low-rank products
+        batch-invariantly."""
+        self.max_loras, self.max_rank, self.linear = max_loras, max_rank, linear
         self.modules = {n: m for n, m in model.named_modules() if adaptable(n, m)}
         if not self.modules:
             raise LoraError("this model has no linear layers an adapter could adapt")
         self.shapes = {n: (m.out_features, m.in_features) for n, m in self.modules.items()}
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        width = max_loras * max_rank
+        self.a = {
+            n: torch.zeros(width, i, dtype=self.dtype, device=self.device)
+            for n, (_, i) in self.shapes.items()
+        }
+        self.b = {
+            n: torch.zeros(o, width, dtype=self.dtype, device=self.device)
+            for n, (o, _) in self.shapes.items()
+        }
+        self.slots: list[Optional[ServedAdapter]] = [None] * max_loras
         self.loaded: dict[str, ServedAdapter] = {}
-        self.lock = threading.Lock()  # loads and unloads come from the server's request threads
-        self.groups: list[tuple[ServedAdapter, torch.Tensor]] = []
+        self.lock = threading.Lock()  # the server's request threads read the registry
+        # the step under way: (rows, width) ones at each row's adapter's rank columns; (rows, 1) scalings
+        self.mask: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
         self._uids = itertools.count(1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slots (every adapter's share of them, loaded or not)."""
+        return sum(t.nbytes for t in [*self.a.values(), *self.b.values()])
+
+    def in_slots(self) -> list[ServedAdapter]:
+        return [a for a in self.slots if a is not None]
 
     def wrap(self) -> None:
         """Apply the adapters after each adaptable linear's forward as the runner set it."""
@@ -146,10 +172,20 @@ class MultiLora:
         """The adapter at ``path`` read and checked against the model (no state changes: any thread)."""
         if not name or name != name.strip():
             raise LoraError(f"adapter name {name!r}: give a non-empty name without surrounding spaces")
-        return read_adapter(name, path, self.shapes, self.dtype, self.device, next(self._uids))
+        adapter = read_adapter(name, path, self.shapes, self.dtype, self.device, next(self._uids))
+        if adapter.rank > self.max_rank:
+            raise LoraError(
+                f"adapter {name!r} has rank {adapter.rank}, above the server's --max-lora-rank "
+                f"{self.max_rank}: start the server with --max-lora-rank {adapter.rank}"
+            )
+        return adapter
 
-    def add(self, adapter: ServedAdapter, reserved: tuple[str, ...] = ()) -> None:
-        """Serve ``adapter`` under its name; :class:`LoraError` if the name is taken or the slots full."""
+    def add(
+        self, adapter: ServedAdapter, reserved: tuple[str, ...] = (), in_use: frozenset[int] = frozenset()
+    ) -> None:
+        """Serve ``adapter`` under its name, written into a free slot (the engine's thread, between
+        steps): one whose adapter is unloaded and used by no request (ids in ``in_use``).
+        :class:`LoraError` if the name is taken or no slot is free."""
         with self.lock:
             if adapter.name in self.loaded or adapter.name in reserved:
                 raise LoraError(
@@ -160,7 +196,27 @@ class MultiLora:
                     f"{len(self.loaded)} adapters are loaded, the most this server holds (--max-loras "
                     f"{self.max_loras}): unload one first, or start the server with a larger --max-loras"
                 )
+            live = {id(a) for a in self.loaded.values()} | set(in_use)
+            free = [i for i, held in enumerate(self.slots) if held is None or id(held) not in live]
+            if not free:
+                raise LoraError(
+                    "every adapter slot is held by an unloaded adapter still running requests; retry"
+                )
+            self._write(free[0], adapter)
             self.loaded[adapter.name] = adapter
+
+    def _write(self, slot: int, adapter: ServedAdapter) -> None:
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for name in self.modules:
+            self.a[name][rows] = 0
+            self.b[name][:, rows] = 0
+            pair = adapter.pairs.get(name)
+            if pair is not None:
+                self.a[name][rows.start : rows.start + adapter.rank] = pair[0]
+                self.b[name][:, rows.start : rows.start + adapter.rank] = pair[1]
+        adapter.slot = slot
+        adapter.pairs = {}  # the slots hold the weights now
+        self.slots[slot] = adapter
 
     def load(self, name: str, path: str | Path, reserved: tuple[str, ...] = ()) -> ServedAdapter:
         adapter = self.read(name, path)
@@ -168,7 +224,8 @@ class MultiLora:
         return adapter
 
     def remove(self, name: str) -> ServedAdapter:
-        """Stop serving ``name`` to new requests (those running finish with it)."""
+        """Stop serving ``name`` to new requests (those running finish with it: its slot is reused
+        only once they have)."""
         with self.lock:
             adapter = self.loaded.pop(name, None)
         if adapter is None:
@@ -184,30 +241,32 @@ class MultiLora:
             return list(self.loaded.values())
 
     # ---- one step ------------------------------------------------------------------------------------
-    def begin(self, rows: list[tuple[ServedAdapter, list[int]]]) -> None:
-        """The next forward's rows of each adapter."""
-        self.groups = [(a, torch.tensor(r, dtype=torch.long, device=self.device)) for a, r in rows if r]
+    def begin(self, rows: list[tuple[ServedAdapter, list[int]]], total: int) -> None:
+        """The next forward's rows of each adapter (of ``total`` rows): each row's mask keeps its
+        adapter's rank columns, times its scaling."""
+        if not rows:
+            self.mask = self.scale = None
+            return
+        mask = torch.zeros(total, self.max_loras * self.max_rank, dtype=self.dtype)
+        scale = torch.zeros(total, 1, dtype=self.dtype)
+        for adapter, index in rows:
+            start, at = adapter.slot * self.max_rank, torch.tensor(index)
+            mask[at, start : start + adapter.rank] = 1
+            scale[at] = adapter.scaling
+        self.mask, self.scale = mask.to(self.device), scale.to(self.device)
 
     def end(self) -> None:
-        self.groups = []
+        self.mask = self.scale = None
 
     def _forward(
         self, name: str, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     ) -> torch.Tensor:
         y = base(x)
-        if not self.groups:
+        if self.mask is None or self.scale is None:
             return y
-        flat_x = x.reshape(-1, x.shape[-1])
-        flat_y = y.reshape(-1, y.shape[-1])
-        for adapter, index in self.groups:
-            pair = adapter.pairs.get(name)
-            if pair is None:  # this adapter leaves the layer as it is
-                continue
-            a, b = pair
-            rows = flat_x.index_select(0, index)
-            delta = self.linear(b, None, self.linear(a, None, rows)) * adapter.scaling
-            flat_y = flat_y.index_add(0, index, delta.to(flat_y.dtype))
-        return flat_y.view(y.shape)
+        rows = x.reshape(-1, x.shape[-1])
+        h = self.linear(self.a[name], None, rows) * self.mask
+        return y + (self.linear(self.b[name], None, h) * self.scale).view(y.shape)  # PEFT's B(A(x)) * s
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

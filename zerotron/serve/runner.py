@@ -30,6 +30,7 @@ from zerotron.serve.linears import (
     chunk_linears,
     fixed_linears,
     pack_linears,
+    padded_linear,
     plain_linear,
     route_linears,
 )
@@ -85,11 +86,13 @@ def make_plan(
     copies: list[tuple[int, int, int]],
     min_rows: int = MIN_ROWS,
     loras: Optional[list[Optional[ServedAdapter]]] = None,
+    samples: Optional[list[int]] = None,
 ) -> StepPlan:
     """A plan from (tokens, block table, first position, count) per sequence; a sequence is sampled
     when its last token is among the rows. Rows and sampled rows are padded to ``min_rows``.
     ``loras``: each sequence's adapter (None: the base model's), gathered into the plan's rows of each
-    adapter."""
+    adapter. ``samples``: how many rows at the end of each sampled piece are sampled (speculative
+    decoding: the pending token's and each proposal's; 1 by default)."""
     total = sum(n for _, _, _, n in pieces)
     rows = max(total, min_rows)
     ids = torch.zeros(rows, dtype=torch.long)
@@ -97,12 +100,12 @@ def make_plan(
     layout: list[Piece] = []
     last_rows: list[int] = []
     r = 0
-    for tokens, table, start, n in pieces:
+    for i, (tokens, table, start, n) in enumerate(pieces):
         ids[r : r + n] = torch.tensor(tokens[start : start + n])
         positions[r : r + n] = torch.arange(start, start + n)
         layout.append(Piece(r, n, start, list(table)))
         if start + n == len(tokens):
-            last_rows.append(r + n - 1)
+            last_rows.extend(range(r + n - (samples[i] if samples else 1), r + n))
         r += n
     index = torch.tensor(last_rows + [0] * max(0, min_rows - len(last_rows)), dtype=torch.long)
     by_adapter: dict[int, tuple[ServedAdapter, list[int]]] = {}
@@ -148,8 +151,14 @@ class StepRunner:
         sixteen = dtype in (torch.bfloat16, torch.float16)
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
-        lora_linear = functools.partial(_fixed_linear, fixed) if fixed else _chunked_linear
-        self.lora = MultiLora(model, cfg.max_loras, lora_linear) if cfg.max_loras else None
+        lora_linear = (
+            functools.partial(_fixed_linear, fixed)
+            if fixed
+            else _chunked_linear
+            if sixteen
+            else padded_linear
+        )
+        self.lora = MultiLora(model, cfg.max_loras, cfg.max_lora_rank, lora_linear) if cfg.max_loras else None
         lean = {} if self.lora is None else {"lean": False}
         packed = (onednn or native_matmul) and pack_linears(
             model, max_rows=max_rows, native=native_matmul, **lean
@@ -187,7 +196,7 @@ class StepRunner:
             self.kv.copy_block(src, dst, slots)
         attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native, self.triton)
         if self.lora is not None:
-            self.lora.begin(plan.lora_rows)
+            self.lora.begin(plan.lora_rows, len(plan.ids))
         elif plan.lora_rows:
             raise RuntimeError("a plan with adapter rows on an engine without multi-LoRA (max_loras 0)")
         try:

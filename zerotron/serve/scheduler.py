@@ -50,6 +50,7 @@ class Sequence:
     matcher: Any = None  # structured output: the sequence's place in its grammar (serve.structured)
     lora: Any = None  # multi-LoRA: the adapter it runs under (serve.lora.ServedAdapter); None: the base
     root: Optional[bytes] = None  # the prefix cache's root name of its first block (its adapter's salt)
+    drafts: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed this step
 
     @property
     def tokens(self) -> list[int]:
@@ -122,9 +123,14 @@ class Scheduler:
         """Tokens of ``seq`` to compute now: all that are left if the budget allows, else a chunk that
         ends at a multiple of :data:`Q_ALIGN` (so the next chunk starts aligned and the numbers do not
         depend on the budget); 0 to wait for the next step, unless nothing else would run."""
-        left = len(seq.tokens) - seq.computed
+        left = len(seq.tokens) + len(seq.drafts) - seq.computed
         if left <= budget:
             return left
+        if seq.drafts:  # no room for the proposals: the pending token alone
+            seq.drafts = []
+            left = len(seq.tokens) - seq.computed
+            if left <= budget:
+                return left
         aligned = (seq.computed + budget) // Q_ALIGN * Q_ALIGN - seq.computed
         return aligned if aligned > 0 or batch.pieces else budget
 
@@ -163,12 +169,13 @@ class Scheduler:
             seq.table.append(self.pool.allocate())
         return True
 
-    def commit(self, seq: Sequence, n: int) -> None:
-        """After a step: ``n`` more tokens are in the cache; name the blocks that became full."""
+    def commit(self, seq: Sequence, n: int, accepted: Optional[list[int]] = None) -> None:
+        """After a step: ``n`` more tokens are in the cache; name the blocks that became full.
+        ``accepted``: speculative proposals kept, in the cache beyond ``seq.tokens`` until appended."""
         seq.computed += n
         if not self.prefix_caching:
             return
-        bs, tokens = self.pool.block_size, seq.tokens
+        bs, tokens = self.pool.block_size, seq.tokens + (accepted or [])
         while len(seq.hashes) < seq.computed // bs:
             j = len(seq.hashes)
             digest = block_hash(seq.hashes[-1] if seq.hashes else seq.root, tokens[j * bs : (j + 1) * bs])
@@ -179,6 +186,7 @@ class Scheduler:
         """Free a running sequence's blocks; it waits at the front and is recomputed when admitted."""
         self.running.remove(seq)
         self._free(seq)
+        seq.drafts = []
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1

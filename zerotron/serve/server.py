@@ -96,6 +96,18 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the engine's thread between two steps; its result (or its exception)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def sink(ok: bool, value: Any) -> None:
+            if not done.done():
+                (done.set_result if ok else done.set_exception)(value)
+
+        self.commands.put(("call", fn, lambda ok, value: loop.call_soon_threadsafe(sink, ok, value)))
+        return await done
+
     def stop(self) -> None:
         """End the engine loop (it tells tensor-parallel followers to stop); wait for its own thread."""
         self.commands.put(("stop",))
@@ -130,6 +142,12 @@ class EngineLoop:
                     self.sinks[rid] = sink
                 except Exception as err:  # noqa: BLE001 - RequestError is a 400; anything else a 500
                     sink(err)
+            elif command[0] == "call":
+                _, fn, reply = command
+                try:
+                    reply(True, fn())
+                except Exception as err:  # noqa: BLE001 - the caller's to answer
+                    reply(False, err)
             else:
                 self.engine.abort(command[1])
                 self.sinks.pop(command[1], None)
@@ -202,17 +220,32 @@ class EngineLoop:
             ("request_failure_total", "counter", "requests that failed alone", e.stats["failed"]),
             ("generation_tokens_per_second", "gauge", "tokens generated per second (last 10 s)", rate),
         ]
-        if e.lora is not None:
-            adapters = e.lora.names()
+        if e.config.speculative is not None:
+            drafted, kept, forwards = (
+                e.stats[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_forwards")
+            )
             values += [
-                ("lora_adapters_loaded", "gauge", "LoRA adapters served", len(adapters)),
-                ("lora_adapters_max", "gauge", "LoRA adapters the server holds at most", e.lora.max_loras),
+                ("spec_decode_num_draft_tokens_total", "counter", "tokens proposed", drafted),
+                ("spec_decode_num_accepted_tokens_total", "counter", "proposed tokens kept", kept),
+                ("spec_decode_num_drafts_total", "counter", "sequence forwards with proposals", forwards),
                 (
-                    "lora_adapter_bytes",
+                    "spec_decode_acceptance_ratio",
                     "gauge",
-                    "bytes of the adapters' weights",
-                    sum(a.nbytes for a in adapters),
+                    "proposed tokens kept / proposed",
+                    kept / max(drafted, 1),
                 ),
+                (
+                    "spec_decode_tokens_per_forward",
+                    "gauge",
+                    "tokens a sequence gains per forward with proposals",
+                    (kept + forwards) / max(forwards, 1),
+                ),
+            ]
+        if e.lora is not None:
+            values += [
+                ("lora_adapters_loaded", "gauge", "LoRA adapters served", len(e.lora.names())),
+                ("lora_adapters_max", "gauge", "LoRA adapters the server holds at most", e.lora.max_loras),
+                ("lora_slot_bytes", "gauge", "bytes of the adapters' slots", e.lora.nbytes),
             ]
         lines = []
         for name, kind, help_text, value in values:
