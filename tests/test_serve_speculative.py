@@ -207,3 +207,40 @@ def test_speculative_config_is_checked_in_one_line() -> None:
     ]:
         with pytest.raises(SpeculativeError, match=words):
             parse_speculative_config(text)
+
+
+def _tp_worker(model_dir: str) -> list[list[tuple[list[int], list[float]]]]:
+    """One of 2 tensor-parallel ranks: the first runs the prompts without and with speculation (the
+    proposals travel in the plans), the other follows both engines."""
+    from zerotron.build.builder import load_model
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import Mesh, ParallelDims
+
+    rank, world = current_rank_and_world()
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
+    group = mesh.group("tp")
+    model, _ = load_model(model_dir, torch.float32, "cpu", mesh)
+    engines = [Engine(model, None, EngineConfig(num_blocks=128, speculative=s), group) for s in (None, SPEC)]
+    if group.rank_in_group != 0:
+        for e in engines:
+            e.runner.follow()
+        return []
+    params = dataclasses.replace(GREEDY, max_tokens=16)
+    runs = []
+    for e in engines:
+        runs.append(_run(e, _repetitive(seed=7, count=4), params))
+        e.runner.publish(None, stop=True)
+    assert engines[1].stats["spec_accepted_tokens"] > 0
+    return runs
+
+
+def test_tensor_parallel_speculation_equals_tensor_parallel_without(tmp_path: object) -> None:
+    from zerotron.distributed.launch import spawn
+
+    ref = sharpened_pair(CFG)[0]
+    ref.save_pretrained(str(tmp_path))
+    runs = spawn(
+        _tp_worker, 2, args=(str(tmp_path),), timeout_s=600, backend="gloo", start_method="forkserver"
+    )
+    plain, spec = runs[0]
+    assert spec == plain

@@ -1,0 +1,200 @@
+"""Speculative decoding benchmark: n-gram lookup on and off, zerotron serve and vLLM's OpenAI server in
+the same run.
+
+Workloads (greedy, ``--output-len`` tokens each, streamed):
+
+- ``repeat``: chat requests asking the model to repeat or lightly edit a passage it is given (the
+  shape n-gram lookup is for: the answer copies the prompt), one at a time (decode latency at batch
+  1) and ``--max-concurrency`` at once;
+- ``random``: prompts of random token ids (nothing to look up), ``--max-concurrency`` at once: what
+  speculation costs where it cannot help.
+
+Both servers get ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}`` (``--spec-tokens K``).
+
+    python benchmarks/serve_spec.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from serve import _free_port, _wait_up, trace
+
+PASSAGES = [
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+    "the members agreed to extend the opening hours, to buy more books for children, and to repair "
+    "the roof before the winter. The chair thanked everyone for their work.",
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n    return "
+    "total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n    total = 0\n    for value "
+    "in values:\n        total += (value - m) ** 2\n    return total / len(values)\n",
+    "Rivers carry water from the mountains to the sea. Along the way they shape valleys, feed forests "
+    "and farms, and give homes to fish and birds. People have built towns beside rivers for thousands "
+    "of years, because rivers bring water, food and a way to travel.",
+]
+ASKS = [
+    "Repeat the following text exactly, word for word:\n\n{}",
+    "Copy this text and change nothing:\n\n{}",
+]
+
+
+def repeat_requests(count: int) -> list[list[dict[str, str]]]:
+    return [
+        [{"role": "user", "content": ASKS[i % len(ASKS)].format(PASSAGES[i % len(PASSAGES)])}]
+        for i in range(count)
+    ]
+
+
+def start(system: str, model_dir: str, port: int, spec: int, args: argparse.Namespace) -> Any:
+    common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_concurrency)]
+    common += ["--dtype", args.dtype, "--served-model-name", "m"]
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": spec,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
+    extra = ["--speculative-config", json.dumps(config)] if spec else []
+    if system == "zerotron serve":
+        cmd = [sys.executable, "-m", "zerotron", "serve", model_dir, "--port", str(port), *common, *extra]
+        env = dict(os.environ)
+    else:
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        cmd += ["--port", str(port), *common, *extra]
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        }
+    log = open(Path(args.logs) / f"{system.split()[0]}-spec{spec}.log", "w")  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+async def run(
+    base: str, requests: list[Any], chat: bool, concurrency: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Send ``requests`` with at most ``concurrency`` in flight; output tokens per second (the usage
+    counts) and the greedy texts (to check both settings answer alike)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(request: Any) -> tuple[int, str]:
+        async with gate:
+            kw: dict[str, Any] = {"model": "m", "max_tokens": args.output_len, "temperature": 0}
+            if chat:
+                reply = await client.chat.completions.create(messages=request, **kw)
+                text = reply.choices[0].message.content or ""
+            else:
+                reply = await client.completions.create(prompt=request, extra_body={"ignore_eos": True}, **kw)
+                text = reply.choices[0].text
+            return reply.usage.completion_tokens, text
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(r) for r in requests))
+    wall = time.perf_counter() - t0
+    await client.close()
+    tokens = sum(n for n, _ in done)
+    return {
+        "output_tokens_per_s": tokens / wall,
+        "tokens": tokens,
+        "wall_s": wall,
+        "texts": [t for _, t in done],
+    }
+
+
+def metrics(base: str) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    return {
+        ln.split()[0]: float(ln.split()[-1])
+        for ln in text.splitlines()
+        if ln and ln[0] != "#" and "spec" in ln
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir")
+    p.add_argument("--vllm-python", default=None)
+    p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--batch1-requests", type=int, default=6)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--logs", default=tempfile.gettempdir())
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    workloads = [
+        ("repeat, 1 in flight", repeat_requests(args.batch1_requests), True, 1),
+        (
+            f"repeat, {args.max_concurrency} in flight",
+            repeat_requests(args.requests),
+            True,
+            args.max_concurrency,
+        ),
+        (
+            f"random, {args.max_concurrency} in flight",
+            trace(args.requests, 64, vocab, seed=0),
+            False,
+            args.max_concurrency,
+        ),
+    ]
+    results: dict[str, Any] = {}
+    for system in ["zerotron serve"] + (["vLLM"] if args.vllm_python else []):
+        for spec in (0, args.spec_tokens):
+            port = _free_port()
+            proc = start(system, args.model_dir, port, spec, args)
+            base = f"http://127.0.0.1:{port}"
+            try:
+                _wait_up(base, proc)
+                asyncio.run(run(base, repeat_requests(2), True, 2, args))  # warm-up
+                for label, requests, chat, concurrency in workloads:
+                    got = asyncio.run(run(base, requests, chat, concurrency, args))
+                    key = f"{system} | {'ngram ' + str(spec) if spec else 'off'} | {label}"
+                    results[key] = got
+                    print(
+                        f"{key}: {got['output_tokens_per_s']:.1f} tok/s ({got['tokens']} tokens)", flush=True
+                    )
+                if system == "zerotron serve" and spec:
+                    results[f"{system} | metrics"] = metrics(base)
+                    print(results[f"{system} | metrics"], flush=True)
+            except Exception as err:  # noqa: BLE001 - a peer that cannot run a case is reported
+                results[f"{system} | spec {spec}"] = {"error": f"{type(err).__name__}: {err}"}
+                print(f"{system} spec {spec}: {err}", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    same = []
+    for system in ["zerotron serve", "vLLM"]:
+        for label, *_ in workloads:
+            a = results.get(f"{system} | off | {label}", {}).get("texts")
+            b = results.get(f"{system} | ngram {args.spec_tokens} | {label}", {}).get("texts")
+            if a is not None and b is not None:
+                same.append(
+                    f"{system} | {label}: {sum(x == y for x, y in zip(a, b))}/{len(a)} texts equal with speculation"
+                )
+    print("\n".join(same))
+    results["same texts"] = same
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
