@@ -183,6 +183,24 @@ def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subproces
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
+def launch(
+    system: str, model_dir: str, port: int, flags: list[str], vllm_python: str, log_path: str
+) -> subprocess.Popen[bytes]:
+    """``zerotron serve`` or vLLM's OpenAI server (``system``: "zerotron serve" or "vLLM") of
+    ``model_dir`` on ``port`` with the server flags ``flags`` (the same names on both), its output to
+    ``log_path``; vLLM computes on both cores, as zerotron serve does."""
+    if system == "zerotron serve":
+        cmd = [sys.executable, "-m", "zerotron", "serve", model_dir, "--port", str(port), *flags]
+        env = dict(os.environ)
+    else:
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        cmd += ["--port", str(port), *flags]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
+    log = open(log_path, "w")  # noqa: SIM115 - the server's, closed when it exits
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 def offline_baselines(
     model_dir: str, prompts: list[list[int]], output_len: int
 ) -> dict[str, dict[str, float]]:

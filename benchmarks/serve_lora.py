@@ -19,13 +19,11 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from serve import _free_port, _wait_up, trace
+from serve import _free_port, _wait_up, launch, trace
 
 ADAPTER_COUNTS = (1, 4, 8)
 
@@ -63,25 +61,13 @@ def start(system: str, model_dir: str, port: int, adapters: list[Path], args: ar
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_concurrency)]
     common += ["--dtype", args.dtype, "--served-model-name", "m"]
     modules = [f"lora{i}={p}" for i, p in enumerate(adapters)]
-    if system == "zerotron serve":
-        cmd = [sys.executable, "-m", "zerotron", "serve", model_dir, "--port", str(port), *common]
-        if modules:
-            cmd += ["--max-loras", str(len(modules)), "--lora-modules", *modules]
-        env = dict(os.environ)
-    else:
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
-        cmd += ["--port", str(port), *common]
-        if modules:
-            cmd += ["--enable-lora", "--max-loras", str(len(modules)), "--max-lora-rank", str(args.rank)]
-            cmd += ["--lora-modules", *modules]
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "2",
-            "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-        }
-    log = open(Path(args.logs) / f"{system.split()[0]}-{len(adapters)}.log", "w")  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if modules and system == "zerotron serve":
+        common += ["--max-loras", str(len(modules)), "--lora-modules", *modules]
+    elif modules:
+        common += ["--enable-lora", "--max-loras", str(len(modules)), "--max-lora-rank", str(args.rank)]
+        common += ["--lora-modules", *modules]
+    log = str(Path(args.logs) / f"{system.split()[0]}-{len(adapters)}.log")
+    return launch(system, model_dir, port, common, args.vllm_python, log)
 
 
 async def run_mixed(

@@ -21,14 +21,12 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from serve import _free_port, _wait_up, trace
+from serve import _free_port, _wait_up, launch, trace
 
 PASSAGES = [
     "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
@@ -64,20 +62,8 @@ def start(system: str, model_dir: str, port: int, spec: int, args: argparse.Name
         "prompt_lookup_min": 1,
     }
     extra = ["--speculative-config", json.dumps(config)] if spec else []
-    if system == "zerotron serve":
-        cmd = [sys.executable, "-m", "zerotron", "serve", model_dir, "--port", str(port), *common, *extra]
-        env = dict(os.environ)
-    else:
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
-        cmd += ["--port", str(port), *common, *extra]
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "2",
-            "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-        }
-    log = open(Path(args.logs) / f"{system.split()[0]}-spec{spec}.log", "w")  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log = str(Path(args.logs) / f"{system.split()[0]}-spec{spec}.log")
+    return launch(system, model_dir, port, [*common, *extra], args.vllm_python, log)
 
 
 async def run(

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.test_serve_engine import CFG, GREEDY, _prompts, sharpened_pair
+from tests.test_serve_engine import CFG, GREEDY, _prompts, _run, sharpened_pair
 from zerotron.components.sampling import SamplingParams, sample
 from zerotron.serve import engine as engine_module
 from zerotron.serve.engine import Engine, EngineConfig
@@ -36,23 +36,6 @@ def _repetitive(seed: int, count: int) -> list[list[int]]:
         phrase = torch.randint(0, CFG.vocab_size, (3 + i % 4,), generator=g).tolist()
         prompts.append((phrase * 4)[: 9 + 2 * i])
     return prompts + _prompts([13], seed=seed)
-
-
-def _run(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams
-) -> list[tuple[list[int], list[float]]]:
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
-    got: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            for o in out.outputs:
-                if o.index == 0:
-                    got[out.request_id][0].extend(o.token_ids)
-                    got[out.request_id][1].extend(c.logprob for c in o.choices)
-    assert engine.pool.in_use == 0, "KV blocks leaked"
-    return [got[rid] for rid in ids]
 
 
 def test_propose_takes_what_followed_the_latest_longest_match() -> None:

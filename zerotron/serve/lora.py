@@ -122,9 +122,10 @@ class MultiLora:
     (zeros where empty); an adapter is written into a free slot when it is added (in the engine's
     thread, between steps). A forward runs two products per linear whatever the mix of adapters:
     ``h = x A_all^T`` over every slot, ``h`` times a per-row mask that keeps the row's own slot's rank
-    columns and zeroes the others, then ``y += (h B_all^T) * scaling`` (the row's adapter's). A row's numbers then depend on the
-    row, its adapter and its slot, never on the other rows of the step; a row without adapter gets the
-    base model's bits (its delta is exactly zero, and no product runs in a step without adapter rows)."""
+    columns and zeroes the others, then ``y += (h B_all^T) * scaling`` (the row's adapter's). A row's
+    numbers then depend on the row, its adapter and its slot, never on the other rows of the step; a
+    row without adapter gets the base model's bits (its delta is exactly zero, and no product runs in a
+    step without adapter rows)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, linear: Linear) -> None:
         """Record ``model``'s adaptable linears (before the runner packs them and frees their dense
