@@ -323,6 +323,13 @@ def _add_serve_lora(srv: Any) -> None:
         "--max-loras", type=int, default=None, help="adapters loaded at once (default 4 with adapters)"
     )
     srv.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        default=None,
+        help="the decoder layers' weights quantised at load: int8 with per-row scales, or int4 in groups "
+        "of 128/64/32 inputs, multiplied by torch's weight-only kernels (CPU, one rank)",
+    )
+    srv.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",

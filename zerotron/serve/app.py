@@ -32,6 +32,7 @@ from zerotron.serve.devices import rank_device
 from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, parse
 from zerotron.serve.engine import Engine, LoraError, RequestError, RequestOutput, UnknownModel
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
+from zerotron.serve.quant import weight_bytes
 from zerotron.serve.responses import Reply, collect, stream
 from zerotron.serve.server import EngineLoop, new_id, stream_outputs
 from zerotron.serve.tools import Tools
@@ -288,6 +289,13 @@ def serve(engine: Engine, options: ServerOptions) -> None:
         + (
             f", {len(engine.lora.loaded)} of at most {engine.lora.max_loras} LoRA adapters"
             if engine.lora
+            else ""
+        )
+        + f", weights {weight_bytes(engine.model) / 2**20:.1f} MiB"
+        + (
+            f" (decoder linears {engine.config.quantization}: {engine.runner.quantized[1] / 2**20:.1f} MiB, "
+            f"{engine.runner.quantized[0] / 2**20:.1f} MiB before)"
+            if engine.runner.quantized
             else ""
         )
         + (

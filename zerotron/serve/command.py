@@ -38,6 +38,7 @@ FLAGS = {
     "tp": "--nproc",
     "max_loras": "--max-loras",
     "max_lora_rank": "--max-lora-rank",
+    "quantization": "--quantization",
 }
 DEFAULT_MAX_LORAS = 4
 
@@ -75,6 +76,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "max_loras": max_loras(args),
         "max_lora_rank": args.max_lora_rank,
         "speculative": speculative(args),
+        "quantization": args.quantization,
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)

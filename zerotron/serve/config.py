@@ -18,6 +18,7 @@ import torch
 
 from zerotron.serve import kernels, triton_attention
 from zerotron.serve.linears import FIXED_ROWS, onednn_kernels
+from zerotron.serve.quant import METHODS
 from zerotron.serve.speculative import NgramConfig
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -64,6 +65,7 @@ class EngineConfig:
     max_loras: int = 0  # LoRA adapters served at once over the model (serve.lora); 0: multi-LoRA off
     max_lora_rank: int = 16  # the largest adapter rank served (each adapter slot's width)
     speculative: Optional[NgramConfig] = None  # speculative decoding by n-gram lookup (serve.speculative)
+    quantization: Optional[str] = None  # int8 | int4: the decoder layers' weights quantised (serve.quant)
 
     def __post_init__(self) -> None:
         self._check_limits()
@@ -125,12 +127,35 @@ class EngineConfig:
             raise EngineConfigError("native_matmul", f"not available: {why}")
         if self.onednn and self.tp > 1:
             raise EngineConfigError("onednn", packs)
+        if self.quantization is not None:
+            self._check_quantization(device)
         if self.max_loras and self.tp > 1:
             raise EngineConfigError(
                 "max_loras", "multi-LoRA serving runs on one rank; tensor-parallel adapters are not built"
             )
         if self.onednn and dtype == torch.bfloat16 and not onednn_kernels(dtype):
             raise EngineConfigError("onednn", "this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
+
+    def _check_quantization(self, device: torch.device | None) -> None:
+        if self.quantization not in METHODS:
+            raise EngineConfigError(
+                "quantization",
+                f"{self.quantization!r} is not built; int8 (per-row scales) and int4 (grouped) weights "
+                "are (fp8, GGUF blocks served as they are, AWQ and GPTQ are not)",
+            )
+        why = (
+            "the int8 and int4 kernels run on the CPU"
+            if device is not None and device.type != "cpu"
+            else "tensor-parallel shards are not quantised"
+            if self.tp > 1
+            else "adapters over quantised weights are not built"
+            if self.max_loras
+            else "the kernels multiply fp32 or bf16 activations"
+            if self.dtype == "float16"
+            else None
+        )
+        if why is not None:
+            raise EngineConfigError("quantization", why)
 
     def _check_triton(self, device: torch.device | None) -> None:
         if self.native_attention:

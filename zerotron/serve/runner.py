@@ -36,6 +36,7 @@ from zerotron.serve.linears import (
 )
 from zerotron.serve.lora import MultiLora, ServedAdapter
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
+from zerotron.serve.quant import quantize
 
 _PLAN, _IDLE, _STOP = 1, 0, -1
 KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
@@ -151,6 +152,8 @@ class StepRunner:
         sixteen = dtype in (torch.bfloat16, torch.float16)
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
+        # int8/int4 weights: their own kernels, never packed, chunked or routed (not plain nn.Linear)
+        self.quantized = quantize(model, cfg.quantization) if cfg.quantization else None
         lora_linear = (
             functools.partial(_fixed_linear, fixed)
             if fixed

@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 
 from zerotron.components.sampling import SamplingParams
 from zerotron.serve.engine import Engine, RequestOutput
+from zerotron.serve.quant import weight_bytes
 
 Sink = Callable[[Union[RequestOutput, Exception]], None]
 
@@ -77,6 +78,7 @@ class EngineLoop:
         self.step_time = Histogram("zerotron_engine_step_seconds", "time of one engine step", TPOT_BUCKETS)
         self.recent: deque[tuple[float, int]] = deque()  # (time, generation tokens so far)
         self.errors = 0
+        self.weights = weight_bytes(engine.model)
         self.thread: Optional[threading.Thread] = None
         self.running = True  # until its loop ends
         if start:
@@ -219,6 +221,7 @@ class EngineLoop:
             ("engine_errors_total", "counter", "engine steps that failed", self.errors),
             ("request_failure_total", "counter", "requests that failed alone", e.stats["failed"]),
             ("generation_tokens_per_second", "gauge", "tokens generated per second (last 10 s)", rate),
+            ("weight_bytes", "gauge", "bytes of the model's weights resident", self.weights),
         ]
         if e.config.speculative is not None:
             drafted, kept, forwards = (

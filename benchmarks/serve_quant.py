@@ -1,0 +1,108 @@
+"""Weight-only quantised serving benchmark: zerotron serve in bf16, and with ``--quantization int8``
+and ``int4``, beside vLLM in bf16 (and vLLM's own on-the-fly quantisation where its CPU backend takes
+one), in the same run.
+
+The trace: ``--requests`` prompts of ``--prompt-len`` random token ids asking ``--output-len``
+tokens each (greedy, EOS ignored), all at once with ``--max-concurrency`` in flight, then the first
+``--batch1`` of them one at a time. Memory: the resident set of the server's process tree (vLLM
+computes in a child process) after the run, and zerotron's ``zerotron_weight_bytes``.
+
+    python benchmarks/serve_quant.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from serve import _free_port, _wait_up, launch, run_trace, trace
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir")
+    p.add_argument("--vllm-python", default=None)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--batch1", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--logs", default=tempfile.gettempdir())
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = trace(args.requests, args.prompt_len, vocab, seed=0)
+    common = ["--dtype", "bfloat16", "--max-model-len", str(args.max_model_len)]
+    common += ["--max-num-seqs", str(args.max_concurrency), "--served-model-name", "m"]
+    cases = [("zerotron serve", "bf16", [])]
+    cases += [("zerotron serve", m, ["--quantization", m]) for m in ("int8", "int4")]
+    if args.vllm_python:
+        cases += [("vLLM", "bf16", []), ("vLLM", "fp8 (on the fly)", ["--quantization", "fp8"])]
+    results: dict[str, Any] = {}
+    for system, label, extra in cases:
+        port = _free_port()
+        log = str(Path(args.logs) / f"{system.split()[0]}-{label.split()[0]}.log")
+        proc = launch(system, args.model_dir, port, [*common, *extra], args.vllm_python, log)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait_up(base, proc)
+            asyncio.run(run_trace(base, "m", prompts[:2], 8, float("inf"), 2))  # warm-up
+            many = asyncio.run(
+                run_trace(base, "m", prompts, args.output_len, float("inf"), args.max_concurrency)
+            )
+            one = asyncio.run(run_trace(base, "m", prompts[: args.batch1], args.output_len, float("inf"), 1))
+            got = {
+                "output_tokens_per_s": many["output_tokens_per_s"],
+                "batch1_tokens_per_s": one["output_tokens_per_s"],
+                "tpot_median_batch1": one["tpot_median"],
+                "rss_bytes": tree_rss(proc.pid),
+            }
+            if system == "zerotron serve":
+                text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+                got["weight_bytes"] = next(
+                    float(x.split()[1]) for x in text.splitlines() if x.startswith("zerotron_weight_bytes")
+                )
+        except Exception as err:  # noqa: BLE001 - a peer that cannot run a case is reported
+            got = {"error": f"{type(err).__name__}: {err}"}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        results[f"{system} | {label}"] = got
+        print(f"{system} | {label}: {json.dumps(got)}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Weight-only int8 and int4 serving (``--quantization``) against the same quantise-dequantise in
+PyTorch.
+
+References: the engine serving the model whose decoder weights were replaced by their int8 values
+times their scales (ordinary linears: :func:`zerotron.serve.quant.dequantized`), the engine alone
+(batch invariance), and for SmolLM2 the bf16 model's perplexity on a held text.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from tests.test_serve_engine import CFG, GREEDY, _prompts, _run, sharpened_pair
+from zerotron.serve.config import EngineConfigError
+from zerotron.serve.engine import Engine, EngineConfig
+from zerotron.serve.quant import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_groups,
+    dequantized,
+    quantize,
+    quantize_groups,
+    quantize_int8,
+    quantize_rows,
+    weight_bytes,
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> object:
+    return sharpened_pair(CFG)[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_its_dequantized_weight(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80).to(dtype)
+    q, scale = quantize_rows(linear.weight.detach())
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert (q.float() * scale[:, None] - linear.weight.float()).abs().max() <= scale.max() / 2 + 1e-6
+    layer = Int8Linear(linear)
+    x = torch.randn(7, 3, 96).to(dtype)
+    want = torch.nn.functional.linear(
+        x.float(), q.float() * scale[:, None].to(dtype).float(), linear.bias.float()
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol)
+    rows = x.reshape(-1, 96)  # a row's result does not depend on how many rows the call has
+    whole = layer(rows)
+    assert all(torch.equal(layer(rows[:n]), whole[:n]) for n in (1, 2, 5, 16, 20))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_is_its_dequantized_weight(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(192, 48).to(dtype)
+    layer = Int4Linear(linear)
+    assert layer.group == 32
+    q, scale_zero = quantize_groups(linear.weight.detach(), 32)
+    assert q.min() == 0 and q.max() == 15
+    w = dequantize_groups(q, scale_zero.to(dtype).float(), 32)
+    assert (w - linear.weight.float()).abs().max() < 0.02  # half a step of 16 levels over the group
+    x = torch.randn(5, 192).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w, linear.bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol)
+    assert all(torch.equal(layer(x[:n]), layer(x)[:n]) for n in (1, 2, 3))
+
+
+@pytest.mark.parametrize(("method", "kind", "atol"), [("int8", Int8Linear, 1e-4), ("int4", Int4Linear, 1e-3)])
+def test_quantized_engine_gives_the_dequantized_models_tokens_and_is_batch_invariant(
+    model: object, method: str, kind: type, atol: float
+) -> None:
+    prompts = _prompts([5, 17, 9, 30], seed=13)
+    params = dataclasses.replace(GREEDY, max_tokens=16)
+    reference = copy.deepcopy(model)
+    dequantized(reference, method)  # type: ignore[arg-type]
+    want = [_run(Engine(reference, None, EngineConfig(num_blocks=128)), [p], params)[0] for p in prompts]  # type: ignore[arg-type]
+    engine = Engine(copy.deepcopy(model), None, EngineConfig(num_blocks=128, quantization=method))  # type: ignore[arg-type]
+    assert isinstance(engine.model.layers[0].self_attn.q_proj, kind)
+    together = _run(engine, prompts, params)
+    assert together == [_run(engine, [p], params)[0] for p in prompts]  # bit for bit, alone or batched
+    for (tokens, logps), (ref_tokens, ref_logps) in zip(together, want):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(logps), torch.tensor(ref_logps), rtol=0, atol=1e-4)
+    plain = Engine(copy.deepcopy(model), None, EngineConfig(num_blocks=128))  # type: ignore[arg-type]
+    assert [_run(plain, [p], params)[0][0] for p in prompts] != [
+        t for t, _ in together
+    ]  # int8 is not a no-op
+
+
+@pytest.mark.parametrize(("method", "share"), [("int8", 0.55), ("int4", 0.34)])
+def test_quantized_bf16_engine_is_batch_invariant_and_holds_fewer_bytes(
+    model: object, method: str, share: float
+) -> None:
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    before = weight_bytes(bf16)  # type: ignore[arg-type]
+    engine = Engine(bf16, None, EngineConfig(num_blocks=128, quantization=method))  # type: ignore[arg-type]
+    linears, quantized = engine.runner.quantized
+    assert quantized < linears * share  # the values and their scales (and zeros) against bf16 weights
+    assert weight_bytes(engine.model) == before - linears + quantized
+    prompts = _prompts([6, 40, 11], seed=3)
+    together = _run(engine, prompts, GREEDY)
+    assert together == [_run(engine, [p], GREEDY)[0] for p in prompts]
+
+
+def test_quantization_refusals_name_what_to_change(model: object) -> None:
+    cases = [
+        (dict(quantization="fp8"), "not built"),
+        (dict(quantization="int8", max_loras=2), "adapters"),
+        (dict(quantization="int8", tp=2), "tensor-parallel"),
+        (dict(quantization="int8", device="cuda"), "CPU"),
+    ]
+    for kw, words in cases:
+        with pytest.raises(EngineConfigError, match=words):
+            EngineConfig(**kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no linear layers"):
+        quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    odd = dataclasses.replace(CFG, hidden_size=80, num_attention_heads=4, num_key_value_heads=2)
+    from zerotron.models.llama import LlamaForCausalLM
+
+    with pytest.raises(ValueError, match="do not divide"):  # 80 inputs: no group of 32, 64 or 128
+        quantize(LlamaForCausalLM(odd), "int4")
+
+
+HELD_TEXT = (
+    "The lighthouse stood at the end of a narrow spit of rock, and for a hundred years its keepers had "
+    "climbed the spiral stair each evening to light the lamp. Ships passing in the night took their "
+    "bearings from its slow white flash, and the fishermen of the village below said they could tell "
+    "the weather by the way the beam fell on the water. When the light was automated, the last keeper "
+    "stayed on in the cottage beside it, tending a garden of herbs and writing letters to the sailors "
+    "who still remembered him."
+)
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_perplexity_int8_within_1_percent_and_int4_within_5_percent_of_bf16() -> None:
+    from tests.test_smollm2 import GGUF_NAME, _smollm2_dir
+    from zerotron.build.builder import load_model
+
+    model, tokenizer = load_model(str(_smollm2_dir() / GGUF_NAME), torch.bfloat16, "cpu")
+    ids = torch.tensor([tokenizer.encode(HELD_TEXT)])
+
+    def perplexity(m: torch.nn.Module) -> float:
+        with torch.no_grad():
+            logits = m(ids)[0, :-1].float()
+        return float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).exp())
+
+    bf16 = perplexity(model)
+    int4_model = copy.deepcopy(model)
+    before, after = quantize_int8(model)
+    int8 = perplexity(model)
+    assert after < before * 0.55
+    assert abs(int8 / bf16 - 1) <= 0.01, (bf16, int8)
+    before, after = quantize(int4_model, "int4")
+    int4 = perplexity(int4_model)
+    assert after < before * 0.34
+    assert abs(int4 / bf16 - 1) <= 0.05, (bf16, int4)

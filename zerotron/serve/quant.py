@@ -1,0 +1,161 @@
+"""Weight-only quantisation of a served model at load (``--quantization int8`` or ``int4``).
+
+``int8`` (W8A16): every linear of the decoder layers keeps its weight as int8 with one scale per
+output row (symmetric: ``scale = max |w_row| / 127``, ``q = round(w / scale)``), a quarter of fp32's
+bytes and half of bf16's. ``int4`` (W4A16, grouped): 4-bit values per group of 32 inputs (64 or 128
+where 32 does not divide the layer's inputs), asymmetric (``w = (q - 8) * scale + zero``, a scale and
+a zero per group and row: GGUF's Q4_1 form), 5 bits a value with bf16 scales. The head and the embeddings stay in
+the model's dtype. A forward multiplies the activations (the model's dtype) by the quantised weight
+through torch's weight-only kernels (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``),
+whose row results do not depend on the row count, so served rows keep their batch invariance.
+:func:`dequantized` gives the same numbers back as ordinary weights: the reference the tests serve
+beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+METHODS = ("int8", "int4")
+INT4_GROUPS = (32, 64, 128)  # the first that divides a layer's inputs (llama.cpp's Q4 blocks are 32)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer of int8 weights and per-row scales (``y = (x q^T) * scale + bias``)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        q, scale = quantize_rows(linear.weight.detach())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor
+        self.bias: Optional[torch.Tensor]
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scale.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, fp32 per-row scales) of ``weight`` (symmetric, 127 levels each side)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int4Linear(nn.Module):
+    """A linear layer of grouped 4-bit weights (``w = (q - 8) * scale + zero`` per group of inputs)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group = int4_group(linear.in_features)
+        q, scale_zero = quantize_groups(linear.weight.detach(), self.group)
+        self.qweight: torch.Tensor
+        self.scale_zero: torch.Tensor
+        self.bias: Optional[torch.Tensor]
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scale_zero", scale_zero.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.qweight, self.group, self.scale_zero
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def int4_group(features: int) -> int:
+    """The int4 group size for a layer of ``features`` inputs (ValueError if none divides them)."""
+    for group in INT4_GROUPS:
+        if features % group == 0:
+            return group
+    raise ValueError(f"a linear of {features} inputs: int4 groups of {INT4_GROUPS} inputs do not divide it")
+
+
+def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(4-bit values 0..15 as int32 (out, in), scales and zeros (in / group, out, 2) in fp32) of
+    ``weight`` in groups of ``group`` inputs: ``w = (q - 8) * scale + zero``."""
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    high, low = w.amax(-1), w.amin(-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    zero = low + 8 * scale
+    return q.reshape(out_f, in_f), torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+
+
+def dequantize_groups(q: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
+    out_f, in_f = q.shape
+    scale, zero = scale_zero.transpose(0, 1).unbind(-1)  # (out, groups) each
+    w = (q.reshape(out_f, in_f // group, group).float() - 8) * scale[..., None] + zero[..., None]
+    return w.reshape(out_f, in_f)
+
+
+def targets(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linears quantised: the plain ones of the decoder layers."""
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith("layers.")}
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def quantize(model: nn.Module, method: str) -> tuple[int, int]:
+    """Replace the decoder layers' linears of ``model`` by :class:`Int8Linear` or :class:`Int4Linear`
+    (``method``) in place; returns the bytes of those weights before and after."""
+    found = targets(model)
+    if not found:
+        raise ValueError("this model has no linear layers in its decoder layers to quantise")
+    kind = {"int8": Int8Linear, "int4": Int4Linear}[method]
+    if method == "int4":
+        for linear in found.values():
+            int4_group(linear.in_features)  # every layer checked before any is changed
+    before = after = 0
+    for name, linear in found.items():
+        before += linear.weight.nbytes
+        layer = kind(linear)
+        after += sum(t.nbytes for t in layer.buffers())
+        _set(model, name, layer)
+    return before, after
+
+
+def quantize_int8(model: nn.Module) -> tuple[int, int]:
+    return quantize(model, "int8")
+
+
+def dequantized(model: nn.Module, method: str = "int8") -> None:
+    """The reference of :func:`quantize`: each decoder linear's weight replaced in place by its
+    quantised values dequantised (with the scales, and zeros, in the model's dtype), in the model's
+    dtype: ordinary linears, the same numbers."""
+    with torch.no_grad():
+        for linear in targets(model).values():
+            dtype = linear.weight.dtype
+            if method == "int8":
+                q, scale = quantize_rows(linear.weight.detach())
+                w = q.float() * scale[:, None].to(dtype).float()
+            else:
+                group = int4_group(linear.in_features)
+                q4, scale_zero = quantize_groups(linear.weight.detach(), group)
+                w = dequantize_groups(q4, scale_zero.to(dtype).float(), group)
+            linear.weight.copy_(w.to(dtype))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (what its weights hold resident)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.nbytes for t in tensors.values())
