@@ -172,7 +172,7 @@ def test_serve_refuses_a_native_attention_it_cannot_build(
         (["serve", "model.gguf", "--speculative-config", '{"method": "eagle"}'], "only n-gram"),
         (["serve", "model.gguf", "--speculative-config", "{"], "not JSON"),
         (["serve", "model.gguf", "--quantization", "int8", "--nproc", "2"], "--quantization"),
-        (["serve", "model.gguf", "--quantization", "int8", "--enable-lora"], "adapters over int8"),
+        (["serve", "model.gguf", "--quantization", "int8", "--enable-lora"], "adapters over quantised"),
     ],
 )
 def test_serve_refuses_in_one_line(
