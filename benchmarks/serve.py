@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 
@@ -181,6 +183,21 @@ def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subproces
         "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     }
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+@contextlib.contextmanager
+def served(start: Callable[[int], subprocess.Popen[bytes]]) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A server started by ``start(port)`` on a free port: (its base URL, its process) once it answers;
+    terminated on the way out."""
+    port = _free_port()
+    proc = start(port)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_up(base, proc)
+        yield base, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def launch(

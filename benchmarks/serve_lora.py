@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from serve import _free_port, _wait_up, launch, trace
+from serve import launch, served, trace
 
 ADAPTER_COUNTS = (1, 4, 8)
 
@@ -130,19 +131,16 @@ def main() -> None:
     for system in systems:
         cases = [("merged", str(merged), [])] + [(f"{n} adapters", args.model_dir, paths[:n]) for n in counts]
         for label, model, adapters in cases:
-            port = _free_port()
-            proc = start(system, model, port, adapters, args)
+            names = [f"lora{i}" for i in range(len(adapters))] or ["m"]
             try:
-                base = f"http://127.0.0.1:{port}"
-                _wait_up(base, proc)
-                names = [f"lora{i}" for i in range(len(adapters))] or ["m"]
-                asyncio.run(run_mixed(base, names, prompts[:4], args))  # warm-up
-                got = asyncio.run(run_mixed(base, names, prompts, args))
+                with served(functools.partial(start, system, model, adapters=adapters, args=args)) as (
+                    base,
+                    _,
+                ):
+                    asyncio.run(run_mixed(base, names, prompts[:4], args))  # warm-up
+                    got = asyncio.run(run_mixed(base, names, prompts, args))
             except Exception as err:  # noqa: BLE001 - a peer that cannot run a case is reported, not fatal
                 got = {"error": f"{type(err).__name__}: {err}"}
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
             results[f"{system} | {label}"] = got
             print(f"{system:15s} {label:12s} {json.dumps(got)}", flush=True)
     if args.json:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import tempfile
@@ -21,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from serve import _free_port, _wait_up, launch, run_trace, trace
+from serve import launch, run_trace, served, trace
 
 
 def tree_rss(pid: int) -> int:
@@ -71,33 +72,39 @@ def main() -> None:
         cases += [("vLLM", "bf16", []), ("vLLM", "fp8 (on the fly)", ["--quantization", "fp8"])]
     results: dict[str, Any] = {}
     for system, label, extra in cases:
-        port = _free_port()
         log = str(Path(args.logs) / f"{system.split()[0]}-{label.split()[0]}.log")
-        proc = launch(system, args.model_dir, port, [*common, *extra], args.vllm_python, log)
-        base = f"http://127.0.0.1:{port}"
+        start = functools.partial(
+            launch,
+            system,
+            args.model_dir,
+            flags=[*common, *extra],
+            vllm_python=args.vllm_python,
+            log_path=log,
+        )
         try:
-            _wait_up(base, proc)
-            asyncio.run(run_trace(base, "m", prompts[:2], 8, float("inf"), 2))  # warm-up
-            many = asyncio.run(
-                run_trace(base, "m", prompts, args.output_len, float("inf"), args.max_concurrency)
-            )
-            one = asyncio.run(run_trace(base, "m", prompts[: args.batch1], args.output_len, float("inf"), 1))
-            got = {
-                "output_tokens_per_s": many["output_tokens_per_s"],
-                "batch1_tokens_per_s": one["output_tokens_per_s"],
-                "tpot_median_batch1": one["tpot_median"],
-                "rss_bytes": tree_rss(proc.pid),
-            }
-            if system == "zerotron serve":
-                text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-                got["weight_bytes"] = next(
-                    float(x.split()[1]) for x in text.splitlines() if x.startswith("zerotron_weight_bytes")
+            with served(start) as (base, proc):
+                asyncio.run(run_trace(base, "m", prompts[:2], 8, float("inf"), 2))  # warm-up
+                many = asyncio.run(
+                    run_trace(base, "m", prompts, args.output_len, float("inf"), args.max_concurrency)
                 )
+                one = asyncio.run(
+                    run_trace(base, "m", prompts[: args.batch1], args.output_len, float("inf"), 1)
+                )
+                got = {
+                    "output_tokens_per_s": many["output_tokens_per_s"],
+                    "batch1_tokens_per_s": one["output_tokens_per_s"],
+                    "tpot_median_batch1": one["tpot_median"],
+                    "rss_bytes": tree_rss(proc.pid),
+                }
+                if system == "zerotron serve":
+                    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+                    got["weight_bytes"] = next(
+                        float(x.split()[1])
+                        for x in text.splitlines()
+                        if x.startswith("zerotron_weight_bytes")
+                    )
         except Exception as err:  # noqa: BLE001 - a peer that cannot run a case is reported
             got = {"error": f"{type(err).__name__}: {err}"}
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
         results[f"{system} | {label}"] = got
         print(f"{system} | {label}: {json.dumps(got)}", flush=True)
     if args.json:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import tempfile
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve import _free_port, _wait_up, launch, trace
+from serve import launch, served, trace
 
 PASSAGES = [
     "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
@@ -145,28 +146,26 @@ def main() -> None:
     results: dict[str, Any] = {}
     for system in ["zerotron serve"] + (["vLLM"] if args.vllm_python else []):
         for spec in (0, args.spec_tokens):
-            port = _free_port()
-            proc = start(system, args.model_dir, port, spec, args)
-            base = f"http://127.0.0.1:{port}"
             try:
-                _wait_up(base, proc)
-                asyncio.run(run(base, repeat_requests(2), True, 2, args))  # warm-up
-                for label, requests, chat, concurrency in workloads:
-                    got = asyncio.run(run(base, requests, chat, concurrency, args))
-                    key = f"{system} | {'ngram ' + str(spec) if spec else 'off'} | {label}"
-                    results[key] = got
-                    print(
-                        f"{key}: {got['output_tokens_per_s']:.1f} tok/s ({got['tokens']} tokens)", flush=True
-                    )
-                if system == "zerotron serve" and spec:
-                    results[f"{system} | metrics"] = metrics(base)
-                    print(results[f"{system} | metrics"], flush=True)
+                with served(functools.partial(start, system, args.model_dir, spec=spec, args=args)) as (
+                    base,
+                    _,
+                ):
+                    asyncio.run(run(base, repeat_requests(2), True, 2, args))  # warm-up
+                    for label, requests, chat, concurrency in workloads:
+                        got = asyncio.run(run(base, requests, chat, concurrency, args))
+                        key = f"{system} | {'ngram ' + str(spec) if spec else 'off'} | {label}"
+                        results[key] = got
+                        print(
+                            f"{key}: {got['output_tokens_per_s']:.1f} tok/s ({got['tokens']} tokens)",
+                            flush=True,
+                        )
+                    if system == "zerotron serve" and spec:
+                        results[f"{system} | metrics"] = metrics(base)
+                        print(results[f"{system} | metrics"], flush=True)
             except Exception as err:  # noqa: BLE001 - a peer that cannot run a case is reported
                 results[f"{system} | spec {spec}"] = {"error": f"{type(err).__name__}: {err}"}
                 print(f"{system} spec {spec}: {err}", flush=True)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
     same = []
     for system in ["zerotron serve", "vLLM"]:
         for label, *_ in workloads:

@@ -24,7 +24,6 @@ from zerotron.serve.quant import (
     dequantized,
     quantize,
     quantize_groups,
-    quantize_int8,
     quantize_rows,
     weight_bytes,
 )
@@ -119,7 +118,7 @@ def test_quantization_refusals_name_what_to_change(model: object) -> None:
         with pytest.raises(EngineConfigError, match=words):
             EngineConfig(**kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no linear layers"):
-        quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        quantize(torch.nn.Sequential(torch.nn.Linear(4, 4)), "int8")
     odd = dataclasses.replace(CFG, hidden_size=80, num_attention_heads=4, num_key_value_heads=2)
     from zerotron.models.llama import LlamaForCausalLM
 
@@ -153,7 +152,7 @@ def test_smollm2_perplexity_int8_within_1_percent_and_int4_within_5_percent_of_b
 
     bf16 = perplexity(model)
     int4_model = copy.deepcopy(model)
-    before, after = quantize_int8(model)
+    before, after = quantize(model, "int8")
     int8 = perplexity(model)
     assert after < before * 0.55
     assert abs(int8 / bf16 - 1) <= 0.01, (bf16, int8)

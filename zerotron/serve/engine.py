@@ -32,7 +32,6 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "LoraError",
-    "MultiLora",
     "RequestError",
     "RequestOutput",
     "UnknownModel",
@@ -77,7 +76,6 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token: Optional[float] = None
     last_token: Optional[float] = None
-    adapter: Optional[ServedAdapter] = None  # multi-LoRA: the adapter its sequences run under
 
 
 class UnknownModel(RequestError):
@@ -122,10 +120,9 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         self.check(prompt_ids, params)
-        adapter = self.adapter(lora) if lora is not None else None
-        request = Request(request_id, list(prompt_ids), params, adapter=adapter)
+        request = Request(request_id, list(prompt_ids), params)
         seq = Sequence(request_id, 0, request.prompt_ids, params, params.generator(0))
-        seq.lora, seq.root = adapter, adapter.salt if adapter is not None else None
+        seq.lora = self.adapter(lora) if lora is not None else None
         seq.matcher = self.grammars().matcher(params.grammar) if params.grammar is not None else None
         request.seqs.append(seq)
         self.requests[request_id] = request
@@ -140,20 +137,21 @@ class Engine:
             raise UnknownModel(f"The model `{name}` does not exist.")
         return found
 
+    def _adapters(self) -> MultiLora:
+        if self.lora is None:
+            raise LoraError("this engine serves no adapters: start it with max_loras > 0 (--max-loras)")
+        return self.lora
+
     def load_lora(self, name: str, path: str, reserved: tuple[str, ...] = ()) -> ServedAdapter:
         """Serve the PEFT adapter at ``path`` as ``name`` (:class:`LoraError` if it cannot; the
         ``reserved`` names, the served model's, are refused); the engine's thread, between steps."""
-        if self.lora is None:
-            raise LoraError("this engine serves no adapters: start it with max_loras > 0 (--max-loras)")
-        return self.add_lora(self.lora.read(name, path), reserved)
+        return self.add_lora(self._adapters().read(name, path), reserved)
 
     def add_lora(self, adapter: ServedAdapter, reserved: tuple[str, ...] = ()) -> ServedAdapter:
         """Serve an adapter read by ``self.lora.read`` (in any thread); here in the engine's thread,
         between steps: it is written into a slot no running request uses."""
-        if self.lora is None:
-            raise LoraError("this engine serves no adapters: start it with max_loras > 0 (--max-loras)")
-        in_use = frozenset(id(r.adapter) for r in self.requests.values() if r.adapter is not None)
-        self.lora.add(adapter, reserved, in_use)
+        in_use = frozenset(id(s.lora) for r in self.requests.values() for s in r.seqs if s.lora is not None)
+        self._adapters().add(adapter, reserved, in_use)
         return adapter
 
     def unload_lora(self, name: str) -> None:
@@ -230,11 +228,18 @@ class Engine:
             self.runner.keep_alive()
             return []
         # a speculating sequence's piece runs its pending token and its proposals, each row sampled
-        pieces = [(seq.tokens + seq.drafts, seq.table, start, n) for seq, start, n in batch.pieces]
+        pieces = [
+            (seq.tokens + seq.drafts if seq.drafts else seq.tokens, seq.table, start, n)
+            for seq, start, n in batch.pieces
+        ]
         loras = [seq.lora for seq, _, _ in batch.pieces]
         samples = [1 + len(seq.drafts) for seq, _, _ in batch.pieces]
         plan = make_plan(pieces, batch.copies, self.runner.min_rows, loras, samples)
-        sampled = [seq for seq, start, n in batch.pieces if start + n == len(seq.tokens) + len(seq.drafts)]
+        sampled = [
+            seq
+            for (seq, _, _), (tokens, _, start, n) in zip(batch.pieces, pieces)
+            if start + n == len(tokens)
+        ]
         self.runner.publish(plan)
         logits = self.runner.run(plan)[:, : self.model.config.vocab_size]
         for seq, _, n in batch.pieces:
@@ -331,7 +336,7 @@ class Engine:
         children = []
         for index in range(1, request.params.n):
             child = Sequence(seq.request_id, index, seq.prompt_ids, seq.params, seq.params.generator(index))
-            child.lora, child.root = seq.lora, seq.root
+            child.lora = seq.lora
             if seq.params.grammar is not None:
                 child.matcher = self.grammars().matcher(seq.params.grammar)
             self.scheduler.fork(seq, child)

@@ -352,6 +352,16 @@ def _fixed_linear(
 Linear = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
 
 
+def invariant_linear(dtype: torch.dtype, rows_per_call: int) -> Linear:
+    """A plain ``linear(weight, bias, x)`` whose row results do not depend on the call's row count, as
+    the engine's own linears run: calls of ``rows_per_call`` rows (off the CPU), 16-to-32-row chunks
+    (16 bits), or whole on at least :data:`MIN_ROWS` rows (fp32). For products beside the model's
+    linears (multi-LoRA's)."""
+    if rows_per_call:
+        return functools.partial(_fixed_linear, rows_per_call)
+    return _chunked_linear if dtype in (torch.bfloat16, torch.float16) else padded_linear
+
+
 def _lora_routed(module: LoraLinear, linear: Linear, x: torch.Tensor) -> torch.Tensor:
     """A LoRA layer's forward with its frozen base through ``linear`` (its ``lora_A`` and ``lora_B``,
     plain linears, are routed themselves)."""

@@ -32,8 +32,7 @@ from torch import nn
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name
 from zerotron.models.lora import PEFT_PREFIX, _adapter_tensors, read_adapter_config
-
-Linear = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+from zerotron.serve.linears import Linear
 
 
 class LoraError(ValueError):
@@ -160,9 +159,6 @@ class MultiLora:
         """Bytes of the slots (every adapter's share of them, loaded or not)."""
         return sum(t.nbytes for t in [*self.a.values(), *self.b.values()])
 
-    def in_slots(self) -> list[ServedAdapter]:
-        return [a for a in self.slots if a is not None]
-
     def wrap(self) -> None:
         """Apply the adapters after each adaptable linear's forward as the runner set it."""
         for name, module in self.modules.items():
@@ -218,11 +214,6 @@ class MultiLora:
         adapter.slot = slot
         adapter.pairs = {}  # the slots hold the weights now
         self.slots[slot] = adapter
-
-    def load(self, name: str, path: str | Path, reserved: tuple[str, ...] = ()) -> ServedAdapter:
-        adapter = self.read(name, path)
-        self.add(adapter, reserved)
-        return adapter
 
     def remove(self, name: str) -> ServedAdapter:
         """Stop serving ``name`` to new requests (those running finish with it: its slot is reused

@@ -134,10 +134,6 @@ def quantize(model: nn.Module, method: str) -> tuple[int, int]:
     return before, after
 
 
-def quantize_int8(model: nn.Module) -> tuple[int, int]:
-    return quantize(model, "int8")
-
-
 def dequantized(model: nn.Module, method: str = "int8") -> None:
     """The reference of :func:`quantize`: each decoder linear's weight replaced in place by its
     quantised values dequantised (with the scales, and zeros, in the model's dtype), in the model's

@@ -9,7 +9,6 @@ run the same plans in :func:`follow` until told to stop. Every rank holds its KV
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -25,12 +24,10 @@ from zerotron.serve.config import EngineConfig
 from zerotron.serve.linears import (
     MIN_ROWS,
     MIN_ROWS_ONEDNN,
-    _chunked_linear,
-    _fixed_linear,
     chunk_linears,
     fixed_linears,
+    invariant_linear,
     pack_linears,
-    padded_linear,
     plain_linear,
     route_linears,
 )
@@ -150,17 +147,11 @@ class StepRunner:
         assert fixed is not None  # for_model fills it
         self.model, self.kv, self.native, self.triton = model, kv, native, triton_attention
         sixteen = dtype in (torch.bfloat16, torch.float16)
-        # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
-        # layers then run module by module (not the lean fused layer), each linear's forward wrapped
         # int8/int4 weights: their own kernels, never packed, chunked or routed (not plain nn.Linear)
         self.quantized = quantize(model, cfg.quantization) if cfg.quantization else None
-        lora_linear = (
-            functools.partial(_fixed_linear, fixed)
-            if fixed
-            else _chunked_linear
-            if sixteen
-            else padded_linear
-        )
+        # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
+        # layers then run module by module (not the lean fused layer), each linear's forward wrapped
+        lora_linear = invariant_linear(dtype, fixed)
         self.lora = MultiLora(model, cfg.max_loras, cfg.max_lora_rank, lora_linear) if cfg.max_loras else None
         lean = {} if self.lora is None else {"lean": False}
         packed = (onednn or native_matmul) and pack_linears(

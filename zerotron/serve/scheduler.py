@@ -49,12 +49,16 @@ class Sequence:
     reported: int = 0  # output tokens already returned
     matcher: Any = None  # structured output: the sequence's place in its grammar (serve.structured)
     lora: Any = None  # multi-LoRA: the adapter it runs under (serve.lora.ServedAdapter); None: the base
-    root: Optional[bytes] = None  # the prefix cache's root name of its first block (its adapter's salt)
     drafts: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed this step
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def root(self) -> Optional[bytes]:
+        """The prefix cache's root name of its first block: its adapter load's (None: the base's)."""
+        return self.lora.salt if self.lora is not None else None
 
 
 @dataclass
