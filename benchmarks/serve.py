@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -183,6 +184,21 @@ def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subproces
         "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     }
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def peer_parser(doc: str, output_len: int) -> argparse.ArgumentParser:
+    """The flags every serving benchmark against vLLM shares (``MODEL_DIR``, ``--vllm-python``, the
+    trace's ``--requests`` and ``--output-len``, the servers' limits, ``--logs``, ``--json``)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("model_dir")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (skip vLLM if absent)")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--logs", default=tempfile.gettempdir(), help="where each server's output goes")
+    p.add_argument("--json", default=None)
+    return p
 
 
 @contextlib.contextmanager

