@@ -10,9 +10,13 @@ Workloads (greedy, ``--output-len`` tokens each, streamed):
   speculation costs where it cannot help.
 
 Both servers get ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1}`` (``--spec-tokens K``).
+"prompt_lookup_min": 1}`` (``--spec-tokens K``). With ``--draft-layers L``, draft-model speculation
+instead: the model's first L decoder layers with its norm and head written as a model of their own
+(both servers get ``{"method": "draft_model", "model": THAT_DIR, "num_speculative_tokens": K}``), and
+zerotron's ``{"method": "draft_model", "draft_layers": L}`` (the same layers, shared with the served
+model).
 
-    python benchmarks/serve_spec.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python
+    python benchmarks/serve_spec.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python [--draft-layers L]
 """
 
 from __future__ import annotations
@@ -52,17 +56,54 @@ def repeat_requests(count: int) -> list[list[dict[str, str]]]:
     ]
 
 
-def start(system: str, model_dir: str, port: int, spec: int, args: argparse.Namespace) -> Any:
+def truncated_copy(model_dir: str, layers: int, out: str) -> str:
+    """``model_dir``'s first ``layers`` decoder layers, its embedding, norm and head, as a HF directory."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out, exist_ok=True)
+    tensors = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+        elif not name.endswith(".json") or name == "model.safetensors.index.json":
+            continue
+        else:
+            with open(os.path.join(model_dir, name)) as f, open(os.path.join(out, name), "w") as g:
+                g.write(f.read())
+    kept = {
+        k: v for k, v in tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    save_file(kept, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = layers
+    Path(out, "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def settings(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any] | None]]:
+    """(system, label, --speculative-config or None) of every server of the run."""
+    k = args.spec_tokens
+    if args.draft_layers:
+        draft = truncated_copy(args.model_dir, args.draft_layers, str(Path(args.logs) / "draft"))
+        by_path = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+        layers = {"method": "draft_model", "draft_layers": args.draft_layers, "num_speculative_tokens": k}
+        cases = [("zerotron serve", "off", None), ("zerotron serve", "draft dir", by_path)]
+        cases += [("zerotron serve", "draft layers", layers)]
+        return cases + ([("vLLM", "off", None), ("vLLM", "draft dir", by_path)] if args.vllm_python else [])
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    systems = ["zerotron serve"] + (["vLLM"] if args.vllm_python else [])
+    return [(system, label, c) for system in systems for label, c in (("off", None), (f"ngram {k}", ngram))]
+
+
+def start(
+    system: str, model_dir: str, port: int, config: dict[str, Any] | None, args: argparse.Namespace
+) -> Any:
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_concurrency)]
     common += ["--dtype", args.dtype, "--served-model-name", "m"]
-    config = {
-        "method": "ngram",
-        "num_speculative_tokens": spec,
-        "prompt_lookup_max": 4,
-        "prompt_lookup_min": 1,
-    }
-    extra = ["--speculative-config", json.dumps(config)] if spec else []
-    log = str(Path(args.logs) / f"{system.split()[0]}-spec{spec}.log")
+    extra = ["--speculative-config", json.dumps(config)] if config else []
+    name = "off" if config is None else str(config.get("draft_layers", config["method"]))
+    log = str(Path(args.logs) / f"{system.split()[0]}-spec-{name}.log")
     return launch(system, model_dir, port, [*common, *extra], args.vllm_python, log)
 
 
@@ -116,6 +157,7 @@ def main() -> None:
     p.add_argument("--spec-tokens", type=int, default=4)
     p.add_argument("--batch1-requests", type=int, default=6)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--draft-layers", type=int, default=0, help="draft-model speculation (see above)")
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -135,36 +177,35 @@ def main() -> None:
         ),
     ]
     results: dict[str, Any] = {}
-    for system in ["zerotron serve"] + (["vLLM"] if args.vllm_python else []):
-        for spec in (0, args.spec_tokens):
-            try:
-                with served(functools.partial(start, system, args.model_dir, spec=spec, args=args)) as (
-                    base,
-                    _,
-                ):
-                    asyncio.run(run(base, repeat_requests(2), True, 2, args))  # warm-up
-                    for label, requests, chat, concurrency in workloads:
-                        got = asyncio.run(run(base, requests, chat, concurrency, args))
-                        key = f"{system} | {'ngram ' + str(spec) if spec else 'off'} | {label}"
-                        results[key] = got
-                        print(
-                            f"{key}: {got['output_tokens_per_s']:.1f} tok/s ({got['tokens']} tokens)",
-                            flush=True,
-                        )
-                    if system == "zerotron serve" and spec:
-                        results[f"{system} | metrics"] = metrics(base)
-                        print(results[f"{system} | metrics"], flush=True)
-            except Exception as err:  # noqa: BLE001 - a peer that cannot run a case is reported
-                results[f"{system} | spec {spec}"] = {"error": f"{type(err).__name__}: {err}"}
-                print(f"{system} spec {spec}: {err}", flush=True)
+    for system, setting, config in settings(args):
+        try:
+            with served(functools.partial(start, system, args.model_dir, config=config, args=args)) as (
+                base,
+                _,
+            ):
+                asyncio.run(run(base, repeat_requests(2), True, 2, args))  # warm-up
+                for label, requests, chat, concurrency in workloads:
+                    got = asyncio.run(run(base, requests, chat, concurrency, args))
+                    key = f"{system} | {setting} | {label}"
+                    results[key] = got
+                    print(
+                        f"{key}: {got['output_tokens_per_s']:.1f} tok/s ({got['tokens']} tokens)",
+                        flush=True,
+                    )
+                if system == "zerotron serve" and config:
+                    results[f"{system} | {setting} | metrics"] = metrics(base)
+                    print(results[f"{system} | {setting} | metrics"], flush=True)
+        except Exception as err:  # noqa: BLE001 - a peer that cannot run a case is reported
+            results[f"{system} | {setting}"] = {"error": f"{type(err).__name__}: {err}"}
+            print(f"{system} {setting}: {err}", flush=True)
     same = []
-    for system in ["zerotron serve", "vLLM"]:
+    for system, setting, config in settings(args):
         for label, *_ in workloads:
             a = results.get(f"{system} | off | {label}", {}).get("texts")
-            b = results.get(f"{system} | ngram {args.spec_tokens} | {label}", {}).get("texts")
-            if a is not None and b is not None:
+            b = results.get(f"{system} | {setting} | {label}", {}).get("texts")
+            if config and a is not None and b is not None:
                 same.append(
-                    f"{system} | {label}: {sum(x == y for x, y in zip(a, b))}/{len(a)} texts equal with speculation"
+                    f"{system} | {setting} | {label}: {sum(x == y for x, y in zip(a, b))}/{len(a)} texts equal"
                 )
     print("\n".join(same))
     results["same texts"] = same

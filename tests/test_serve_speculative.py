@@ -182,7 +182,12 @@ def test_sampled_speculation_follows_the_models_distribution(
 def test_speculative_config_is_checked_in_one_line() -> None:
     assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}') == NgramConfig(3)
     for text, words in [
-        ('{"method": "draft_model", "model": "x"}', "only n-gram"),
+        ('{"method": "eagle"}', "EAGLE, Medusa and MTP heads are not"),
+        ('{"method": "draft_model"}', '"model" .* or "draft_layers"'),
+        ('{"method": "draft_model", "model": "x", "draft_layers": 2}', "not both"),
+        ('{"method": "draft_model", "draft_layers": 0}', "at least 1 layer"),
+        ('{"method": "draft_model", "model": 3}', "as a string"),
+        ('{"method": "draft_model", "prompt_lookup_max": 3, "model": "x"}', "not a setting of draft_model"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"method": "ngram", "bogus": 1}', "bogus"),

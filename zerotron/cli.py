@@ -330,11 +330,26 @@ def _add_serve_lora(srv: Any) -> None:
         "of 128/64/32 inputs, multiplied by torch's weight-only kernels (CPU, one rank)",
     )
     srv.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],  # serve.kv_quant.CHOICES
+        default="auto",
+        help="the KV cache's storage: auto (the model's dtype), fp8 (e4m3, also fp8_e4m3), fp8_e5m2 or "
+        "int8, each key and value vector with its own scale (about half a bf16 cache's bytes)",
+    )
+    srv.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
         help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (proposals by n-gram lookup in each sequence)',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (proposals by n-gram lookup in each sequence), '
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (a draft model of the same '
+        'vocabulary) or \'{"method": "draft_model", "draft_layers": K}\' (the served model\'s first K layers)',
+    )
+    srv.add_argument(
+        "--speculative-model",
+        default=None,
+        metavar="PATH",
+        help="speculative decoding with this draft model (same vocabulary), 4 tokens proposed per step",
     )
     srv.add_argument(
         "--max-lora-rank", type=int, default=16, help="the largest adapter rank served (each slot's width)"

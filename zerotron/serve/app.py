@@ -35,6 +35,7 @@ from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, No
 from zerotron.serve.quant import weight_bytes
 from zerotron.serve.responses import Reply, collect, stream
 from zerotron.serve.server import EngineLoop, new_id, stream_outputs
+from zerotron.serve.speculative import DraftConfig, NgramConfig
 from zerotron.serve.tools import Tools
 
 Body = Union[CompletionRequest, ChatCompletionRequest]
@@ -250,11 +251,34 @@ def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[
     dtype = getattr(torch, (config or EngineConfig()).dtype or "float32")
     model, tokenizer = load_model(model_path, dtype, (config or EngineConfig()).device or "cpu", mesh)
     group = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
+    spec = (config or EngineConfig()).speculative
+    draft = None  # draft-model speculation: the draft whole, on the first rank (where proposals are made)
+    if (
+        isinstance(spec, DraftConfig)
+        and spec.model is not None
+        and (group is None or group.rank_in_group == 0)
+    ):
+        draft, _ = load_model(spec.model, dtype, (config or EngineConfig()).device or "cpu")
     # The engine owns this model: its linears may be packed for oneDNN (config.onednn, the default here).
     try:
-        return Engine(model, tokenizer, config or EngineConfig(onednn=True), group)
+        return Engine(model, tokenizer, config or EngineConfig(onednn=True), group, draft)
     except RequestError as err:  # a cache that cannot hold one sequence: the command line's to change
         raise ConfigError(str(err)) from None
+
+
+def _speculation(engine: Engine) -> str:
+    """The start-up line's words on speculative decoding."""
+    spec = engine.config.speculative
+    if spec is None:
+        return ""
+    what = (
+        "n-gram"
+        if isinstance(spec, NgramConfig)
+        else f"draft-model ({spec.model})"
+        if spec.model is not None
+        else f"draft-model (its first {spec.draft_layers} layers)"
+    )
+    return f", {what} speculation of {spec.num_speculative_tokens} tokens"
 
 
 def serve(engine: Engine, options: ServerOptions) -> None:
@@ -282,7 +306,9 @@ def serve(engine: Engine, options: ServerOptions) -> None:
     group = engine.runner.group
     print(
         f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
-        f"{engine.pool.block_size} tokens on {engine.runner.device}, max_model_len {engine.max_model_len}, attention "
+        f"{engine.pool.block_size} tokens on {engine.runner.device}, {engine.kv.token_bytes} bytes per token"
+        + (f" ({engine.kv.fmt})" if engine.kv.fmt else "")
+        + f", max_model_len {engine.max_model_len}, attention "
         + ("native" if engine.runner.native else "SDPA")
         + f", linears {engine.runner.matmul}"
         + (f", tensor parallel over {group.size} ranks" if group is not None else "")
@@ -298,11 +324,7 @@ def serve(engine: Engine, options: ServerOptions) -> None:
             if engine.runner.quantized
             else ""
         )
-        + (
-            f", n-gram speculation of {engine.config.speculative.num_speculative_tokens} tokens"
-            if engine.config.speculative
-            else ""
-        )
+        + _speculation(engine)
         + ")",
         flush=True,
     )

@@ -20,7 +20,7 @@ from zerotron.serve.edge import ServerOptions, default_name
 from zerotron.serve.generate import check_split
 from zerotron.serve.linears import onednn_kernels
 from zerotron.serve.lora import parse_lora_modules
-from zerotron.serve.speculative import NgramConfig, SpeculativeError, parse_speculative_config
+from zerotron.serve.speculative import DraftConfig, SpecConfig, SpeculativeError, parse_speculative_config
 
 # the flag that sets each EngineConfig field (what an EngineConfigError is reported under)
 FLAGS = {
@@ -39,6 +39,8 @@ FLAGS = {
     "max_loras": "--max-loras",
     "max_lora_rank": "--max-lora-rank",
     "quantization": "--quantization",
+    "speculative": "--speculative-config",
+    "kv_cache_dtype": "--kv-cache-dtype",
 }
 DEFAULT_MAX_LORAS = 4
 
@@ -77,6 +79,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "max_lora_rank": args.max_lora_rank,
         "speculative": speculative(args),
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)
@@ -106,8 +109,16 @@ def max_loras(args: argparse.Namespace) -> int:
     return max(DEFAULT_MAX_LORAS, len(args.lora_modules)) if wanted else 0
 
 
-def speculative(args: argparse.Namespace) -> NgramConfig | None:
-    """--speculative-config as an n-gram configuration (None without it), refused in one line."""
+def speculative(args: argparse.Namespace) -> SpecConfig | None:
+    """--speculative-config (n-gram lookup or a draft model), or --speculative-model PATH (a draft
+    model proposing 4 tokens); None without either; refused in one line."""
+    if args.speculative_model is not None:
+        if args.speculative_config is not None:
+            raise ConfigError(
+                "serve --speculative-model: give it or --speculative-config, not both (--speculative-config "
+                '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": K}\' says both)'
+            )
+        return DraftConfig(model=args.speculative_model)
     if args.speculative_config is None:
         return None
     try:

@@ -16,10 +16,10 @@ from typing import Optional
 
 import torch
 
-from zerotron.serve import kernels, triton_attention
+from zerotron.serve import kernels, kv_quant, triton_attention
 from zerotron.serve.linears import FIXED_ROWS, onednn_kernels
 from zerotron.serve.quant import METHODS
-from zerotron.serve.speculative import NgramConfig
+from zerotron.serve.speculative import DraftConfig, SpecConfig
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -64,8 +64,13 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks the model is split over
     max_loras: int = 0  # LoRA adapters served at once over the model (serve.lora); 0: multi-LoRA off
     max_lora_rank: int = 16  # the largest adapter rank served (each adapter slot's width)
-    speculative: Optional[NgramConfig] = None  # speculative decoding by n-gram lookup (serve.speculative)
+    speculative: Optional[SpecConfig] = (
+        None  # n-gram lookup or a draft model (serve.speculative, serve.draft)
+    )
     quantization: Optional[str] = None  # int8 | int4: the decoder layers' weights quantised (serve.quant)
+    kv_cache_dtype: str = (
+        "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 | int8 (serve.kv_quant)
+    )
 
     def __post_init__(self) -> None:
         self._check_limits()
@@ -84,6 +89,11 @@ class EngineConfig:
             ("tp", self.tp >= 1, "at least 1 rank"),
             ("max_loras", self.max_loras >= 0, "0 (no adapters) or more"),
             ("max_lora_rank", self.max_lora_rank >= 1, "at least 1"),
+            (
+                "kv_cache_dtype",
+                self.kv_cache_dtype in kv_quant.CHOICES,
+                f"choose one of {', '.join(kv_quant.CHOICES)}",
+            ),
         ]
         for key, ok, fix in limits:
             if not ok:
@@ -129,6 +139,13 @@ class EngineConfig:
             raise EngineConfigError("onednn", packs)
         if self.quantization is not None:
             self._check_quantization(device)
+        layers = isinstance(self.speculative, DraftConfig) and self.speculative.draft_layers is not None
+        if layers and (self.tp > 1 or self.max_loras):
+            raise EngineConfigError(
+                "speculative",
+                "a draft of the served model's first layers runs on one rank without adapters; give a "
+                'draft model ("model") instead',
+            )
         if self.max_loras and self.tp > 1:
             raise EngineConfigError(
                 "max_loras", "multi-LoRA serving runs on one rank; tensor-parallel adapters are not built"

@@ -9,6 +9,7 @@ from one thread (:mod:`zerotron.serve.server`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,12 +21,13 @@ from zerotron.components.sampling import Choice, SamplingParams, sample
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.serve.config import EngineConfig
+from zerotron.serve.draft import Drafter, truncated
 from zerotron.serve.linears import MIN_ROWS
 from zerotron.serve.lora import LoraError, MultiLora, ServedAdapter, UnknownAdapter
 from zerotron.serve.paged import BlockPool, KVPool
 from zerotron.serve.runner import StepRunner, make_plan
 from zerotron.serve.scheduler import Scheduler, Sequence, Status
-from zerotron.serve.speculative import propose
+from zerotron.serve.speculative import DraftConfig, NgramConfig, propose
 
 __all__ = [
     "MIN_ROWS",
@@ -91,9 +93,12 @@ class Engine:
         tokenizer: Any,
         config: Optional[EngineConfig] = None,
         tp_group: Optional[Group] = None,
+        draft: Optional[LlamaForCausalLM] = None,
     ) -> None:
         """``tp_group``: ``model`` is this rank's tensor-parallel shard; the group's other ranks run
-        :meth:`StepRunner.follow` over the same model and config (see :func:`build_kv_pool`)."""
+        :meth:`StepRunner.follow` over the same model and config (see :func:`build_kv_pool`).
+        ``draft``: the draft model of ``config.speculative`` (a :class:`DraftConfig` with ``model``),
+        whole, on the first rank (the caller loads it like ``model``)."""
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = cfg = config or EngineConfig()
         self.max_model_len, self.kv = build_kv_pool(model, cfg)
@@ -110,6 +115,42 @@ class Engine:
         self.eos = set(getattr(tokenizer, "stop_ids", None) or [])
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "finished": 0, "failed": 0}
         self.stats |= {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_forwards": 0}
+        self.drafter = self._drafter(draft, tp_group)
+
+    def _drafter(self, draft: Optional[LlamaForCausalLM], tp_group: Optional[Group]) -> Optional[Drafter]:
+        """The draft model's proposer (draft-model speculation, on the first rank), else None."""
+        spec = self.config.speculative
+        if not isinstance(spec, DraftConfig):
+            if draft is not None:
+                raise ValueError("a draft model was given, but --speculative-config is not a draft model's")
+            return None
+        if tp_group is not None and tp_group.rank_in_group != 0:
+            return None  # the first rank proposes; the proposals travel in its plans
+        budget, vocab = self.config.max_num_batched_tokens, self.model.config.vocab_size
+        if spec.draft_layers is not None:
+            view = truncated(self.model, spec.draft_layers)
+            _, kv = build_kv_pool(view, dataclasses.replace(self.config, num_blocks=self.kv.num_blocks))
+            return Drafter(StepRunner.sharing(self.runner, view, kv), kv, budget, vocab)
+        if draft is None:
+            raise ValueError(
+                f"--speculative-config names the draft model {spec.model}: load it and pass draft="
+            )
+        if draft.config.vocab_size != vocab:
+            raise RequestError(
+                f"the draft model {spec.model} has a vocabulary of {draft.config.vocab_size} tokens, the served "
+                f"model {vocab}: a draft must share the served model's tokenizer"
+            )
+        config = dataclasses.replace(
+            self.config,
+            num_blocks=self.kv.num_blocks,
+            max_model_len=self.max_model_len,
+            tp=1,
+            max_loras=0,
+            speculative=None,
+            quantization=None,
+        )
+        _, kv = build_kv_pool(draft.eval(), config)
+        return Drafter(StepRunner(draft, kv, config), kv, budget, vocab)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -206,6 +247,8 @@ class Engine:
         for seq in request.seqs:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
+        if self.drafter is not None:
+            self.drafter.keep(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -272,14 +315,17 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - a request that cannot go on fails alone
                 touched.pop(request.request_id, None)
                 failed.append(self._fail(request, err))
+        if self.drafter is not None:  # finished sequences give their draft blocks back now
+            self.drafter.keep(self.scheduler.running)
         return [self._output(r) for r in touched.values()] + failed
 
-    # ---- speculative decoding (n-gram lookup) -------------------------------------------------------
+    # ---- speculative decoding (n-gram lookup or a draft model) ---------------------------------------
     def _propose(self) -> None:
         """Proposals for every running sequence that decodes (none under a grammar), as many as its
         length limits leave room for after the model's own next token."""
         spec = self.config.speculative
         assert spec is not None
+        wanted: list[tuple[Sequence, int]] = []  # a draft model's: (sequence, room), proposed together
         for seq in self.scheduler.running:
             seq.drafts = []
             if seq.matcher is not None or seq.computed != len(seq.tokens) - 1:
@@ -287,8 +333,14 @@ class Engine:
             room = min(spec.num_speculative_tokens, self.max_model_len - len(seq.tokens) - 1)
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
-            if room > 0:
+            if room <= 0:
+                continue
+            if isinstance(spec, NgramConfig):
                 seq.drafts = propose(seq.tokens, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            else:
+                wanted.append((seq, room))
+        if self.drafter is not None:
+            self.drafter.propose(wanted)
 
     def _speculated(
         self, request: Request, seq: Sequence, logits: torch.Tensor, first: int, best: list[Optional[int]]
@@ -438,7 +490,8 @@ def build_kv_pool(model: LlamaForCausalLM, cfg: EngineConfig) -> tuple[int, KVPo
     param = next(model.parameters())
     attn = model.layers[0].self_attn
     kv_heads, head_dim = int(attn.kv_heads), int(attn.head_dim)
-    per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype)
+    fmt = None if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype, fmt)
     num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // (per_token * cfg.block_size))
     max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
     if (num_blocks - 1) * cfg.block_size < max_model_len + cfg.block_size:
@@ -447,7 +500,7 @@ def build_kv_pool(model: LlamaForCausalLM, cfg: EngineConfig) -> tuple[int, KVPo
             f"max_model_len={max_model_len}: give it more memory or lower --max-model-len"
         )
     kv = KVPool(
-        mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads, head_dim, param.dtype, param.device
+        mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads, head_dim, param.dtype, param.device, fmt
     )
     return max_model_len, kv
 

@@ -20,6 +20,7 @@ block that no sequence owns: padding rows of a step write there.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerotron.serve import kernels, triton_attention
+from zerotron.serve import kernels, kv_quant, triton_attention
 
 # Keys are gathered in multiples of these many positions, masked past each query: a run of several
 # query rows starting at position p attends to a key window of (p // KEY_BUCKET + 1) * KEY_BUCKET slots
@@ -183,7 +184,9 @@ class BlockPool:
 
 
 class KVPool:
-    """The key and value slots of every layer: ``k[layer]`` is (num_blocks * block_size, kv_heads, d)."""
+    """The key and value slots of every layer: ``k[layer]`` is (num_blocks * block_size, kv_heads, d) in
+    the model's dtype; with ``fmt`` (``--kv-cache-dtype``, :mod:`zerotron.serve.kv_quant`) ``qk[layer]``
+    and ``qv[layer]`` hold 8-bit codes and a scale per token and KV head instead (``k`` and ``v`` empty)."""
 
     def __init__(
         self,
@@ -194,15 +197,30 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        fmt: Optional[str] = None,
     ) -> None:
-        shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        slots = num_blocks * block_size
+        shape = (slots, kv_heads, head_dim)
+        self.fmt, self.dtype, self.device = kv_quant.check(fmt), dtype, torch.device(device)
+        plain = self.fmt is None
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] if plain else []
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] if plain else []
+        quantized = [] if self.fmt is None else [(*shape, self.fmt, dtype, device) for _ in range(layers)]
+        self.qk = [kv_quant.QuantizedKV(*args) for args in quantized]
+        self.qv = [kv_quant.QuantizedKV(*args) for args in quantized]
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.token_bytes = kv_quant.bytes_per_token(layers, kv_heads, head_dim, dtype, self.fmt)
 
     @staticmethod
-    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(
+        layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, fmt: Optional[str] = None
+    ) -> int:
+        return kv_quant.bytes_per_token(layers, kv_heads, head_dim, dtype, kv_quant.check(fmt))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (keys, values and scales of every layer)."""
+        return sum(t.nbytes for t in (*self.k, *self.v)) + sum(q.nbytes for q in (*self.qk, *self.qv))
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int, slots: int) -> None:
@@ -210,6 +228,17 @@ class KVPool:
         a, b = src * self.block_size, dst * self.block_size
         for pool in (*self.k, *self.v):
             pool[b : b + slots] = pool[a : a + slots]
+        for q in (*self.qk, *self.qv):
+            q.copy(a, b, slots)
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's keys and values (N, kvh, d) at ``slots`` (N,) of ``layer``."""
+        if self.fmt is None:
+            self.k[layer].index_copy_(0, slots, k)
+            self.v[layer].index_copy_(0, slots, v)
+        else:
+            self.qk[layer].store(slots, k)
+            self.qv[layer].store(slots, v)
 
 
 @dataclass
@@ -231,6 +260,9 @@ class _Group:
     mask: Optional[torch.Tensor]  # (B, 1, lq, window) causal, 0 / -inf; None: the native kernel's
     keys: torch.Tensor  # (B,) how many keys each run's last row sees (its position + 1); native: per row
     seq: Optional[torch.Tensor] = None  # native: (rows,) each row's run, whose key slots it reads
+    # a quantised pool's: the pool slots the group reads, dequantised into a dense (M, kvh, d) copy
+    # that ``key_slots`` then index
+    gather: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> _Group:
         def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -242,7 +274,13 @@ class _Group:
             move(self.mask),
             self.keys.to(device),
             move(self.seq),
+            move(self.gather),
         )
+
+    def compact(self) -> _Group:
+        """The group reading a dense copy of the distinct slots it attends to (a quantised pool's)."""
+        gather, index = torch.unique(self.key_slots, return_inverse=True)
+        return dataclasses.replace(self, key_slots=index.view(self.key_slots.shape), gather=gather)
 
 
 class PagedAttention:
@@ -293,7 +331,7 @@ class PagedAttention:
             for lo, hi, window in runs(piece.start, end):
                 groups.setdefault((window, hi - lo), []).append((piece.row + lo - piece.start, lo, hi, table))
         self.slots = torch.tensor(slots, dtype=torch.long)
-        dtype = pool.k[0].dtype
+        dtype = pool.dtype
         self.groups = [
             self._group(window, lq, members, bs, dtype) for (window, lq), members in groups.items()
         ]
@@ -304,8 +342,11 @@ class PagedAttention:
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
         # A step whose rows all go to the native kernel in order can take a layer's q/k/v product
         # whole (attend_packed): rotary embedding and the store of k and v in one native pass.
-        self.packed = native and self.in_order and not triton
-        device = pool.k[0].device
+        # A quantised pool: each group reads the slots it attends to dequantised (kv_quant).
+        self.packed = native and self.in_order and not triton and pool.fmt is None
+        if pool.fmt is not None:
+            self.groups = [g.compact() for g in self.groups]
+        device = pool.device
         if device.type != "cpu":  # the plan is built on the host; the pool's device reads it
             self.slots = self.slots.to(device)
             self.groups = [g.to(device) for g in self.groups]
@@ -350,13 +391,12 @@ class PagedAttention:
         core: nn.Module,
     ) -> torch.Tensor:
         """q (1, h, N, d), k/v (1, kvh, N, d) of this step -> (1, h, N, d)."""
-        kp, vp = self.pool.k[layer], self.pool.v[layer]  # (slots, kvh, d)
-        kp.index_copy_(0, self.slots, k[0].transpose(0, 1))
-        vp.index_copy_(0, self.slots, v[0].transpose(0, 1))
+        self.pool.store(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         heads, d = q.shape[1], q.shape[3]
         gqa = q.shape[1] != k.shape[1]
         if self.in_order:  # the same queries, laid out as a gather would lay them out
             g = self.groups[0]
+            kp, vp = self._keys(layer, g)  # (slots, kvh, d)
             if g.mask is None:  # the native kernel's: (rows, heads, d) in, (rows, heads, d) out
                 o = self.kernel(q[0].transpose(0, 1).contiguous(), kp, vp, g.key_slots, g.keys, g.seq)
                 return o.transpose(0, 1)[None]
@@ -364,9 +404,17 @@ class PagedAttention:
             return o.transpose(0, 1).reshape(1, heads, len(g.rows), d)
         out = torch.zeros_like(q)
         for g in self.groups:
+            kp, vp = self._keys(layer, g)
             o = self._attend_group(g, q[0].index_select(1, g.rows), kp, vp, gqa, self.kernel)
             out[0].index_copy_(1, g.rows, o.transpose(0, 1).reshape(heads, len(g.rows), d))
         return out
+
+    def _keys(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``g`` reads: the pool's layer, or a quantised pool's slots of ``g``
+        dequantised."""
+        if g.gather is None:
+            return self.pool.k[layer], self.pool.v[layer]
+        return self.pool.qk[layer].read(g.gather), self.pool.qv[layer].read(g.gather)
 
     def attend_packed(
         self, layer: int, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int

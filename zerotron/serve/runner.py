@@ -182,6 +182,18 @@ class StepRunner:
         self.wire = device if nccl else torch.device("cpu")
         self.last_signal = time.monotonic()
 
+    @classmethod
+    def sharing(cls, runner: StepRunner, model: LlamaForCausalLM, kv: KVPool) -> StepRunner:
+        """A runner of ``model``, whose modules ``runner``'s model holds and ``runner`` has already set
+        (a draft of the served model's first layers), over its own ``kv``: the same kernels, nothing
+        packed or wrapped again; one rank, no adapters."""
+        if runner.group is not None or runner.lora is not None:
+            raise ValueError("a draft sharing the served model's layers runs on one rank without adapters")
+        shared = cls.__new__(cls)
+        shared.__dict__.update(runner.__dict__)
+        shared.model, shared.kv = model, kv
+        return shared
+
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Copy the plan's blocks, run its forward; logits (sampled, vocab rows) in float32 on the CPU

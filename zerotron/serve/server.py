@@ -206,6 +206,8 @@ class EngineLoop:
         rate = 0.0
         if len(self.recent) > 1 and self.recent[-1][0] > self.recent[0][0]:
             rate = (self.recent[-1][1] - self.recent[0][1]) / (self.recent[-1][0] - self.recent[0][0])
+        running = len(e.scheduler.running)
+        held = pool.in_use * pool.block_size * e.kv.token_bytes / running if running else 0.0
         values = [
             ("num_requests_running", "gauge", "sequences running", len(e.scheduler.running)),
             ("num_requests_waiting", "gauge", "sequences waiting", len(e.scheduler.waiting)),
@@ -222,6 +224,9 @@ class EngineLoop:
             ("request_failure_total", "counter", "requests that failed alone", e.stats["failed"]),
             ("generation_tokens_per_second", "gauge", "tokens generated per second (last 10 s)", rate),
             ("weight_bytes", "gauge", "bytes of the model's weights resident", self.weights),
+            ("kv_cache_bytes", "gauge", "bytes of the KV cache pool (this rank's)", e.kv.nbytes),
+            ("kv_cache_bytes_per_token", "gauge", "KV cache bytes one token takes", e.kv.token_bytes),
+            ("kv_cache_bytes_per_sequence", "gauge", "KV bytes held per running sequence (mean)", held),
         ]
         if e.config.speculative is not None:
             drafted, kept, forwards = (
@@ -243,6 +248,16 @@ class EngineLoop:
                     "tokens a sequence gains per forward with proposals",
                     (kept + forwards) / max(forwards, 1),
                 ),
+            ]
+        if e.drafter is not None:
+            values += [
+                (
+                    "spec_decode_draft_forwards_total",
+                    "counter",
+                    "forwards of the draft model",
+                    e.drafter.forwards,
+                ),
+                ("spec_decode_draft_kv_blocks_in_use", "gauge", "draft KV blocks held", e.drafter.held),
             ]
         if e.lora is not None:
             values += [
