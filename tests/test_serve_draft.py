@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from tests.test_serve_engine import CFG, GREEDY, _prompts, _run, sharpened_pair
-from tests.test_serve_speculative import _chi_square_p, _repetitive
-from zerotron.components.sampling import SamplingParams
+from tests.test_serve_speculative import _chi_square_p, _repetitive, three_token_samples
 from zerotron.serve import kernels
 from zerotron.serve.config import EngineConfigError
 from zerotron.serve.engine import Engine, EngineConfig, RequestError
@@ -107,7 +106,9 @@ def test_each_proposal_is_the_drafts_greedy_continuation(
     here without a cache — after rejections, chunked catch-up and preemption too (a draft cache that
     kept a rejected token's keys, or missed some, proposes something else)."""
     prompts = _repetitive(seed=6, count=4) + _prompts([30, 11], seed=9)
-    engine = _engine(model, small, DRAFT, num_blocks=20, block_size=4, max_model_len=60, max_num_batched_tokens=20)
+    engine = _engine(
+        model, small, DRAFT, num_blocks=20, block_size=4, max_model_len=60, max_num_batched_tokens=20
+    )
     seen: list[tuple[list[int], list[int]]] = []
     assert engine.drafter is not None
     propose = engine.drafter.propose
@@ -143,19 +144,9 @@ def test_sampled_output_with_a_draft_follows_the_models_distribution(
         )
     marginal = (first[:, None] * second).sum(0)
     engine = _engine(model, small, DraftConfig(num_speculative_tokens=2, model="draft"), num_blocks=512)
-    got = []
-    for seed in range(24):
-        engine.add_request(
-            f"s{seed}", prompt, SamplingParams(temperature=t, max_tokens=3, n=64, seed=1000 * seed)
-        )
-        outs: dict[int, list[int]] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                for o in out.outputs:
-                    outs.setdefault(o.index, []).extend(o.token_ids)
-        got += [outs[i] for i in range(64)]
+    got = three_token_samples(engine, prompt, t)
     assert engine.stats["spec_draft_tokens"] >= 1536  # every sample's second token went through a proposal
-    counts = torch.bincount(torch.tensor(got)[:, 1], minlength=vocab).double()
+    counts = torch.bincount(got[:, 1], minlength=vocab).double()
     assert _chi_square_p(counts, marginal) > 1e-3
 
 

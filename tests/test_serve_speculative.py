@@ -123,6 +123,22 @@ def test_rejection_step_samples_the_target_distribution_and_a_leak_is_caught() -
     assert _chi_square_p(leaky, probs.double()) < 1e-6
 
 
+def three_token_samples(engine: Engine, prompt: list[int], t: float) -> torch.Tensor:
+    """(1536, 3): 24 requests of 64 samples of 3 tokens at temperature ``t`` (sample i: seed + i)."""
+    got = []
+    for seed in range(24):
+        engine.add_request(
+            f"s{seed}", prompt, SamplingParams(temperature=t, max_tokens=3, n=64, seed=1000 * seed)
+        )
+        outs: dict[int, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                for o in out.outputs:
+                    outs.setdefault(o.index, []).extend(o.token_ids)
+        got += [outs[i] for i in range(64)]
+    return torch.tensor(got)
+
+
 def test_sampled_speculation_follows_the_models_distribution(
     model: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -147,17 +163,7 @@ def test_sampled_speculation_follows_the_models_distribution(
     monkeypatch.setattr(engine_module, "propose", lambda tokens, k, hi, lo: [likely[tokens[-1]]] * k)
 
     def samples(engine: Engine) -> torch.Tensor:
-        got = []
-        for seed in range(24):
-            params = SamplingParams(temperature=t, max_tokens=3, n=64, seed=1000 * seed)  # sample i: seed + i
-            engine.add_request(f"s{seed}", prompt, params)
-            outs: dict[int, list[int]] = {}
-            while engine.has_unfinished():
-                for out in engine.step():
-                    for o in out.outputs:
-                        outs.setdefault(o.index, []).extend(o.token_ids)
-            got += [outs[i] for i in range(64)]
-        return torch.tensor(got)
+        return three_token_samples(engine, prompt, t)
 
     spec = Engine(copy.deepcopy(model), None, EngineConfig(num_blocks=512, speculative=SPEC))  # type: ignore[arg-type]
     tokens = samples(spec)
