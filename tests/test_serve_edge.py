@@ -26,7 +26,7 @@ from tests.test_llama import BASE
 from zerotron.components.sampling import SamplingParams
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.tokenizer import ByteTokenizer
-from zerotron.serve.engine import Engine, EngineConfig, RequestError
+from zerotron.serve.engine import Engine, EngineConfig, RequestError, UnknownModel
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -171,6 +171,26 @@ def test_crafted_inputs_are_400s_and_max_tokens_past_the_context_is_answered_as_
         status, _, answer = served.request("POST", "/v1/completions", body)
         assert status == 400 and expected in answer["error"]["message"], (body.keys(), answer)
     assert served.request("GET", "/health")[0] == 200
+
+
+def test_a_refusal_in_the_engines_thread_keeps_its_status(served: _Served) -> None:
+    """An adapter unloaded between a request's check and its start is refused in the engine's thread:
+    a 404 in OpenAI's shape, whole or streamed (another refusal there a 400); the server keeps serving."""
+    inner = served.engine.add_request
+
+    def racing(rid: str, prompt: list[int], params: SamplingParams, lora: Any = None) -> None:
+        if params.max_tokens == 7:
+            raise RequestError("refused in the engine's thread")
+        raise UnknownModel("The model `gone` does not exist.")
+
+    served.engine.add_request = racing  # type: ignore[method-assign]
+    status, _, body = served.request("POST", "/v1/completions", _completion())
+    assert status == 404 and body["error"]["type"] == "NotFoundError" and body["error"]["param"] == "model"
+    assert _events(_open_stream(served, _completion()))[-1]["error"]["code"] == 404
+    status, _, body = served.request("POST", "/v1/completions", _completion(max_tokens=7))
+    assert status == 400 and "engine's thread" in body["error"]["message"], body
+    served.engine.add_request = inner  # type: ignore[method-assign]
+    assert served.request("POST", "/v1/completions", _completion())[0] == 200
 
 
 def test_a_request_that_fails_in_a_step_fails_alone() -> None:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from fastapi.responses import JSONResponse
 
 from zerotron.serve.edge import error_body
-from zerotron.serve.engine import RequestOutput
+from zerotron.serve.engine import RequestError, RequestOutput, UnknownModel
 from zerotron.serve.server import logprobs_entry, sse
 from zerotron.serve.tools import CallStream, Tools
 from zerotron.serve.tools import parse as parse_calls
@@ -77,9 +77,10 @@ async def collect(reply: Reply, receive: Callable[[], Any]) -> Any:
                 return None if watcher in done else _timed_out()
             try:
                 last = step.result()
-            except RuntimeError as err:
+            except (RuntimeError, RequestError) as err:
                 reply.done(last)
-                return JSONResponse(error_body(str(err), 500, "server_error"), status_code=500)
+                status, kind, param = refused(err)
+                return JSONResponse(error_body(str(err), status, kind, param), status_code=status)
             for o in last.outputs:
                 texts[o.index] += o.text
                 choices[o.index] += o.choices
@@ -88,6 +89,16 @@ async def collect(reply: Reply, receive: Callable[[], Any]) -> Any:
         watcher.cancel()
     reply.done(last)
     return _whole(reply, last, texts, choices, reasons)
+
+
+def refused(err: Exception) -> tuple[int, str, Optional[str]]:
+    """(status, error type, param) of a request the engine's thread refused or failed: an adapter
+    unloaded since the request was checked 404, another refusal 400, anything else 500."""
+    if isinstance(err, UnknownModel):
+        return 404, "NotFoundError", "model"
+    if isinstance(err, RequestError):
+        return 400, "invalid_request_error", None
+    return 500, "server_error", None
 
 
 def _timed_out() -> JSONResponse:
@@ -152,8 +163,9 @@ async def stream(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
             for o in last.outputs:
                 for chunk in _chunks(reply, o, calls, kind, include_usage):
                     yield sse(chunk)
-    except RuntimeError as err:
-        yield sse(error_body(str(err), 500, "server_error"))
+    except (RuntimeError, RequestError) as err:
+        status, kind, param = refused(err)
+        yield sse(error_body(str(err), status, kind, param))
     except asyncio.TimeoutError:
         reply.abort()
         yield sse(
