@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Optional
 
 
@@ -214,6 +216,40 @@ def served(start: Callable[[int], subprocess.Popen[bytes]]) -> Iterator[tuple[st
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def served_case(
+    system: str, args: argparse.Namespace, flags: list[str], log_path: str
+) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`served` of ``system`` on ``args.model_dir`` with the server flags ``flags`` (a benchmark's
+    case; ``args`` from :func:`peer_parser`)."""
+    start = functools.partial(
+        launch, system, args.model_dir, flags=flags, vllm_python=args.vllm_python, log_path=log_path
+    )
+    return served(start)
 
 
 def launch(

@@ -13,7 +13,6 @@ line), zerotron's ``zerotron_kv_cache_bytes_per_token`` and the resident set of 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import re
@@ -21,8 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from serve import launch, peer_parser, run_trace, served, trace
-from serve_quant import tree_rss
+from serve import peer_parser, run_trace, served_case, trace, tree_rss
 
 
 def _metric(base: str, name: str) -> float:
@@ -51,17 +49,9 @@ def main() -> None:
     results: dict[str, Any] = {}
     for system, label, extra in cases:
         log = str(Path(args.logs) / f"{system.split()[0]}-kv-{label}.log")
-        start = functools.partial(
-            launch,
-            system,
-            args.model_dir,
-            flags=[*common, *extra],
-            vllm_python=args.vllm_python,
-            log_path=log,
-        )
         got: dict[str, Any] = {}
         try:
-            with served(start) as (base, proc):
+            with served_case(system, args, [*common, *extra], log) as (base, proc):
                 asyncio.run(run_trace(base, "m", trace(2, 16, vocab, seed=9), 8, float("inf"), 2))  # warm-up
                 for n in lens:
                     prompts = trace(args.requests, n, vocab, seed=n)

@@ -13,37 +13,13 @@ computes in a child process) after the run, and zerotron's ``zerotron_weight_byt
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from serve import launch, peer_parser, run_trace, served, trace
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
+from serve import peer_parser, run_trace, served_case, trace, tree_rss
 
 
 def main() -> None:
@@ -63,16 +39,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     for system, label, extra in cases:
         log = str(Path(args.logs) / f"{system.split()[0]}-{label.split()[0]}.log")
-        start = functools.partial(
-            launch,
-            system,
-            args.model_dir,
-            flags=[*common, *extra],
-            vllm_python=args.vllm_python,
-            log_path=log,
-        )
         try:
-            with served(start) as (base, proc):
+            with served_case(system, args, [*common, *extra], log) as (base, proc):
                 asyncio.run(run_trace(base, "m", prompts[:2], 8, float("inf"), 2))  # warm-up
                 many = asyncio.run(
                     run_trace(base, "m", prompts, args.output_len, float("inf"), args.max_concurrency)

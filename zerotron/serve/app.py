@@ -29,7 +29,7 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
-from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, parse
+from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, error_kind, parse
 from zerotron.serve.engine import Engine, LoraError, RequestError, RequestOutput, UnknownModel
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
 from zerotron.serve.quant import weight_bytes
@@ -48,10 +48,8 @@ class ServerWarning(UserWarning):
 def _bad(
     message: str, status: int = 400, param: Any = None, headers: Optional[dict[str, str]] = None
 ) -> JSONResponse:
-    kind = {503: "server_busy", 500: "server_error", 404: "NotFoundError"}.get(
-        status, "invalid_request_error"
-    )
-    return JSONResponse(error_body(message, status, kind, param=param), status_code=status, headers=headers)
+    body = error_body(message, status, error_kind(status), param=param)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Api:

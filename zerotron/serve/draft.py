@@ -4,7 +4,7 @@ The draft is a smaller model of the same vocabulary (loaded beside the served on
 model's own first ``k`` decoder layers with its final norm and head (:func:`truncated`: no weights of
 its own). It keeps a paged KV cache of its own (:class:`Drafter`: the same block size and number of
 blocks as the served model's, each sequence's blocks private to it), so each step it computes only the
-tokens it has not seen — the served model's last token and the proposals it kept — then proposes
+tokens it has not seen — the served model's last token (the proposals it kept were fed before) — then proposes
 greedily, one forward per proposed token, all sequences in each forward.
 
 Proposals are the draft's argmax: a deterministic drafter, whose tokens the engine verifies in one
@@ -45,10 +45,11 @@ def truncated(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
 
 @dataclass
 class _State:
-    """A sequence's draft cache: its block table, and the tokens whose keys it holds."""
+    """A sequence's draft cache: its block table, and how many of its positions hold keys (the
+    sequence's tokens then, and the proposals fed after them)."""
 
     table: list[int] = field(default_factory=list)
-    fed: list[int] = field(default_factory=list)
+    computed: int = 0
 
 
 class Drafter:
@@ -70,13 +71,13 @@ class Drafter:
         work: list[tuple[Any, _State, int, int]] = []  # (sequence, state, first position to compute, room)
         for seq, room in wanted:
             state = self.states.setdefault(id(seq), (seq, _State()))[1]
-            tokens = seq.tokens
-            same = next((i for i, (a, b) in enumerate(zip(state.fed, tokens)) if a != b), None)
-            start = min(len(state.fed) if same is None else same, len(tokens) - 1)
-            if not self._reserve(state, len(tokens) + room - 1):
+            # The proposals kept since the last step are the ones fed then, and the sequence's new last
+            # token the first one the draft has not seen: its keys from there on are recomputed (and
+            # the last token's at least, whose logits give the first proposal).
+            start = min(state.computed, len(seq.tokens) - 1)
+            if not self._reserve(state, len(seq.tokens) + room - 1):
                 self._drop(id(seq))
                 continue
-            state.fed = list(tokens)
             work.append((seq, state, start, room))
         proposals: dict[int, list[int]] = {id(seq): [] for seq, _, _, _ in work}
         pending = [(seq, state, start) for seq, state, start, _ in work]
@@ -106,7 +107,7 @@ class Drafter:
                 proposals[id(seq)].append(token)
         for seq, state, _, _ in work:
             seq.drafts = proposals[id(seq)]
-            state.fed = seq.tokens + seq.drafts[:-1]  # the last proposal was never fed
+            state.computed = len(seq.tokens) + len(seq.drafts) - 1  # the last proposal was never fed
 
     def keep(self, seqs: list[Any]) -> None:
         """Give back the draft blocks of every sequence not in ``seqs`` (finished, preempted, or not

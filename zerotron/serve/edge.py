@@ -118,6 +118,13 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def error_kind(status: int) -> str:
+    """The error ``type`` OpenAI's servers give with ``status``."""
+    return {503: "server_busy", 500: "server_error", 404: "NotFoundError"}.get(
+        status, "invalid_request_error"
+    )
+
+
 class Edge:
     """The ASGI middleware of the module docstring."""
 

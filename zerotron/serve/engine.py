@@ -490,7 +490,7 @@ def build_kv_pool(model: LlamaForCausalLM, cfg: EngineConfig) -> tuple[int, KVPo
     param = next(model.parameters())
     attn = model.layers[0].self_attn
     kv_heads, head_dim = int(attn.kv_heads), int(attn.head_dim)
-    fmt = None if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    fmt = cfg.kv_cache_dtype  # auto: the model's dtype (kv_quant.check)
     per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, param.dtype, fmt)
     num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // (per_token * cfg.block_size))
     max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
 
-from zerotron.serve.edge import error_body
+from zerotron.serve.edge import error_body, error_kind
 from zerotron.serve.engine import RequestError, RequestOutput, UnknownModel
 from zerotron.serve.server import logprobs_entry, sse
 from zerotron.serve.tools import CallStream, Tools
@@ -79,8 +79,10 @@ async def collect(reply: Reply, receive: Callable[[], Any]) -> Any:
                 last = step.result()
             except (RuntimeError, RequestError) as err:
                 reply.done(last)
-                status, kind, param = refused(err)
-                return JSONResponse(error_body(str(err), status, kind, param), status_code=status)
+                status, param = refused(err)
+                return JSONResponse(
+                    error_body(str(err), status, error_kind(status), param), status_code=status
+                )
             for o in last.outputs:
                 texts[o.index] += o.text
                 choices[o.index] += o.choices
@@ -91,14 +93,12 @@ async def collect(reply: Reply, receive: Callable[[], Any]) -> Any:
     return _whole(reply, last, texts, choices, reasons)
 
 
-def refused(err: Exception) -> tuple[int, str, Optional[str]]:
-    """(status, error type, param) of a request the engine's thread refused or failed: an adapter
-    unloaded since the request was checked 404, another refusal 400, anything else 500."""
+def refused(err: Exception) -> tuple[int, Optional[str]]:
+    """(status, param) of a request the engine's thread refused or failed: an adapter unloaded since
+    the request was checked 404, another refusal 400, anything else 500."""
     if isinstance(err, UnknownModel):
-        return 404, "NotFoundError", "model"
-    if isinstance(err, RequestError):
-        return 400, "invalid_request_error", None
-    return 500, "server_error", None
+        return 404, "model"
+    return (400, None) if isinstance(err, RequestError) else (500, None)
 
 
 def _timed_out() -> JSONResponse:
@@ -164,8 +164,8 @@ async def stream(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
                 for chunk in _chunks(reply, o, calls, kind, include_usage):
                     yield sse(chunk)
     except (RuntimeError, RequestError) as err:
-        status, kind, param = refused(err)
-        yield sse(error_body(str(err), status, kind, param))
+        status, param = refused(err)
+        yield sse(error_body(str(err), status, error_kind(status), param))
     except asyncio.TimeoutError:
         reply.abort()
         yield sse(
