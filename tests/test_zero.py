@@ -112,7 +112,9 @@ def _offload_body(
     trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
     history = [trainer.train_step() for _ in range(steps)]
     mine = f"-rank{trainer.dp_group.rank_in_group}-"
-    files = {p.name: p.stat().st_size for p in Path(nvme).glob("zerotron-*/*.bin") if mine in p.parent.name}
+    # only this rank's folders: another rank may remove its own while this one lists
+    mine_dirs = [d for d in Path(nvme).iterdir() if d.name.startswith("zerotron-") and mine in d.name]
+    files = {p.name: p.stat().st_size for d in mine_dirs for p in d.glob("*.bin")}
     assert trainer.zero is not None
     # bytes read from the offloaded parameters' file by the steps (ZeRO-3 parameter offload to NVMe)
     params_read = getattr(getattr(trainer.zero, "store", None), "bytes_read", 0)
