@@ -1,17 +1,19 @@
 """Weight-only quantised serving benchmark: zerotron serve in bf16, and with ``--quantization int8``
 and ``int4``, beside vLLM in bf16 (and vLLM's own on-the-fly quantisation where its CPU backend takes
-one), in the same run.
+one), in the same run; with ``--gguf FILE`` also both serving that GGUF file's quantised blocks
+(zerotron ``--quantization gguf``; vLLM's GGUF loader, the tokenizer from MODEL_HF_DIR).
 
 The trace: ``--requests`` prompts of ``--prompt-len`` random token ids asking ``--output-len``
 tokens each (greedy, EOS ignored), all at once with ``--max-concurrency`` in flight, then the first
 ``--batch1`` of them one at a time. Memory: the resident set of the server's process tree (vLLM
 computes in a child process) after the run, and zerotron's ``zerotron_weight_bytes``.
 
-    python benchmarks/serve_quant.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python
+    python benchmarks/serve_quant.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python [--gguf FILE.gguf]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -26,6 +28,7 @@ def main() -> None:
     p = peer_parser(__doc__, output_len=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--batch1", type=int, default=4)
+    p.add_argument("--gguf", default=None, help="a GGUF file of the same model: serve its blocks too")
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -36,11 +39,15 @@ def main() -> None:
     cases += [("zerotron serve", m, ["--quantization", m]) for m in ("int8", "int4")]
     if args.vllm_python:
         cases += [("vLLM", "bf16", []), ("vLLM", "fp8 (on the fly)", ["--quantization", "fp8"])]
+    if args.gguf:
+        cases += [("zerotron serve", "gguf blocks", ["--quantization", "gguf"])]
+        cases += [("vLLM", "gguf blocks", ["--tokenizer", args.model_dir])] if args.vllm_python else []
     results: dict[str, Any] = {}
     for system, label, extra in cases:
         log = str(Path(args.logs) / f"{system.split()[0]}-{label.split()[0]}.log")
+        source = argparse.Namespace(**{**vars(args), "model_dir": args.gguf}) if "gguf" in label else args
         try:
-            with served_case(system, args, [*common, *extra], log) as (base, proc):
+            with served_case(system, source, [*common, *extra], log) as (base, proc):
                 asyncio.run(run_trace(base, "m", prompts[:2], 8, float("inf"), 2))  # warm-up
                 many = asyncio.run(
                     run_trace(base, "m", prompts, args.output_len, float("inf"), args.max_concurrency)

@@ -2,7 +2,7 @@
 PyTorch.
 
 References: the engine serving the model whose decoder weights were replaced by their int8 values
-times their scales (ordinary linears: :func:`zerotron.serve.quant.dequantized`), the engine alone
+times their scales (ordinary linears: :func:`zerotron.models.quant.dequantized`), the engine alone
 (batch invariance), and for SmolLM2 the bf16 model's perplexity on a held text.
 """
 
@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from tests.test_serve_engine import CFG, GREEDY, _prompts, _run, sharpened_pair
-from zerotron.serve.config import EngineConfigError
-from zerotron.serve.engine import Engine, EngineConfig
-from zerotron.serve.quant import (
+from zerotron.models.quant import (
     Int4Linear,
     Int8Linear,
     dequantize_groups,
@@ -27,6 +25,8 @@ from zerotron.serve.quant import (
     quantize_rows,
     weight_bytes,
 )
+from zerotron.serve.config import EngineConfigError
+from zerotron.serve.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_int8_linear_is_its_dequantized_weight(dtype: torch.dtype) -> None:
     q, scale = quantize_rows(linear.weight.detach())
     assert q.dtype == torch.int8 and q.abs().max() == 127
     assert (q.float() * scale[:, None] - linear.weight.float()).abs().max() <= scale.max() / 2 + 1e-6
-    layer = Int8Linear(linear)
+    layer = Int8Linear(linear.weight, linear.bias)
     x = torch.randn(7, 3, 96).to(dtype)
     want = torch.nn.functional.linear(
         x.float(), q.float() * scale[:, None].to(dtype).float(), linear.bias.float()
@@ -57,7 +57,7 @@ def test_int8_linear_is_its_dequantized_weight(dtype: torch.dtype) -> None:
 def test_int4_linear_is_its_dequantized_weight(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(192, 48).to(dtype)
-    layer = Int4Linear(linear)
+    layer = Int4Linear(linear.weight, linear.bias)
     assert layer.group == 32
     q, scale_zero = quantize_groups(linear.weight.detach(), 32)
     assert q.min() == 0 and q.max() == 15
@@ -99,7 +99,8 @@ def test_quantized_bf16_engine_is_batch_invariant_and_holds_fewer_bytes(
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     before = weight_bytes(bf16)  # type: ignore[arg-type]
     engine = Engine(bf16, None, EngineConfig(num_blocks=128, quantization=method))  # type: ignore[arg-type]
-    linears, quantized = engine.runner.quantized
+    assert engine.runner.quantized is not None
+    linears, quantized = engine.runner.quantized.before, engine.runner.quantized.after
     assert quantized < linears * share  # the values and their scales (and zeros) against bf16 weights
     assert weight_bytes(engine.model) == before - linears + quantized
     prompts = _prompts([6, 40, 11], seed=3)

@@ -36,6 +36,7 @@ from torch import nn
 
 from zerotron import layout
 from zerotron.build.fill import fill_from
+from zerotron.build.quantize import quantize_at_load
 from zerotron.build.source import model_tokenizer, resolve_model, weight_source
 from zerotron.components.loss import AUTOCAST, REDUCE_DTYPE
 from zerotron.components.state import model_placements
@@ -81,18 +82,25 @@ def build(
     mesh: Mesh | None = None,
     dtype: torch.dtype | None = None,
     train: bool = False,
+    quantization: str | None = None,
 ) -> Built:
     """This rank's part of the model ``cfg`` describes, laid out over ``mesh`` (None: one process) on
     ``device``, built in the module docstring's order. ``dtype``: the parameters' dtype (default
     fp32). ``train``: add step 6 (needs ``mesh``); under ZeRO-3 no rank ever holds more than its
-    shards plus one tensor."""
+    shards plus one tensor. ``quantization`` (serving, one rank): the decoder linears made quantised
+    modules as they are read (:func:`zerotron.build.quantize.quantize_at_load`), recorded as the
+    model's ``quantized``."""
     model = parallelize_llama(cfg, mesh, device)  # 1. layout
     if dtype is not None:
         cast_parameters(model, dtype)  # on the meta device: each box is cast as it is materialised
     tp = mesh.dims.tp if mesh is not None else 1
+    if quantization is not None and (train or tp > 1):
+        raise ValueError("quantisation while loading builds one rank's model for serving")
     zero3 = train and cfg.parallel.zero == 3
     if not zero3:  # 2. materialise (ZeRO-3: its units do, in step 6)
         with weight_source(cfg, model) as source:
+            if quantization is not None:  # 1b. the decoder linears quantised as they are read
+                model.quantized = quantize_at_load(model, source, quantization, device)  # type: ignore[assignment]  # a plain attribute, read by the serving engine
             materialize(model, source.box, device, model_placements(model, tp))
     if cfg.lora.rank > 0:  # 3. adapters
         add_adapters(model, cfg)
@@ -189,12 +197,14 @@ def build_model(
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: str, mesh: Mesh | None = None
+    path: str, dtype: torch.dtype, device: str, mesh: Mesh | None = None, quantization: str | None = None
 ) -> tuple[LlamaForCausalLM, Any]:
     """The model at ``path`` (a HF directory, a GGUF file, or a zerotron checkpoint or run directory)
     in ``dtype`` on ``device``, in eval mode, and its tokenizer (None when it has none): with a ``mesh``
     of tensor parallelism this rank's shard only. Built by :func:`build`, so every rank reads and holds
-    its part plus one tensor at a time, never the whole model."""
+    its part plus one tensor at a time, never the whole model. ``quantization`` (one rank): the
+    decoder linears quantised as they are read (``int8``, ``int4``), or a GGUF file's blocks kept
+    (``gguf``): :mod:`zerotron.build.quantize`."""
     from zerotron.models.gguf import read_once
 
     split = mesh if mesh is not None and mesh.dims.tp > 1 else None
@@ -204,7 +214,7 @@ def load_model(
         cfg = resolve_model(cfg)  # the architecture read from the file or checkpoint
         cfg.model.path = path  # where the weights come from (a file's config does not name it)
         cfg.parallel.tp = split.dims.tp if split is not None else 1
-        model = build(cfg, device, split, dtype).model
+        model = build(cfg, device, split, dtype, quantization=quantization).model
         tokenizer = model_tokenizer(Path(path))
     assert isinstance(model, LlamaForCausalLM)
     return model.eval(), tokenizer

@@ -189,3 +189,18 @@ def gguf_tensor(reader: Any, t: Any, name: str, path: str | Path, cfg: ModelConf
     elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
         array = unpermute_qk(array, cfg.kv_heads)
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def gguf_blocks(reader: Any, t: Any, name: str, cfg: ModelConfig) -> tuple[str, np.ndarray]:
+    """One GGUF tensor ``t`` (zerotron ``name``) as the file holds it: its type's name and its bytes,
+    one row per output (a quantised row's blocks), in zerotron's row order (llama's Q/K rows
+    unpermuted: whole rows move, blocks stay as they are)."""
+    arch = field(reader, "general.architecture")
+    data = np.asarray(t.data).view(np.uint8)
+    rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+    data = data.reshape(rows, -1)
+    if arch == "llama" and name.endswith("q_proj.weight"):
+        data = unpermute_qk(data, cfg.num_attention_heads)
+    elif arch == "llama" and name.endswith("k_proj.weight"):
+        data = unpermute_qk(data, cfg.kv_heads)
+    return t.tensor_type.name, np.ascontiguousarray(data)

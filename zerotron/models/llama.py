@@ -403,8 +403,13 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the very tensor of ``embed_tokens.weight`` when tied (and both here)."""
-        if self.config.tie_word_embeddings and self.first and self.last:
-            self.lm_head.weight = self.embed_tokens.weight
+        if (
+            self.config.tie_word_embeddings
+            and self.first
+            and self.last
+            and isinstance(self.lm_head, nn.Linear)
+        ):
+            self.lm_head.weight = self.embed_tokens.weight  # (a quantised pair shares its tensors already)
 
     def tied_weight(self) -> torch.Tensor | None:
         """This stage's copy of a tied embedding matrix (to sum gradients across stages), if any."""

@@ -181,6 +181,14 @@ class GGUFSource:
         _check_shape(self.path, name, tuple(whole.shape), global_shape)
         return whole[box_slices(offsets, shape)]
 
+    def blocks(self, name: str) -> tuple[str, Any]:
+        """``name``'s GGUF type and bytes as the file holds them (:func:`~zerotron.models.gguf.gguf_blocks`)."""
+        from zerotron.models.gguf import gguf_blocks
+
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: missing tensor {name}")
+        return gguf_blocks(self.reader, self._tensors[name], name, self.cfg)
+
     def close(self) -> None:
         """Drop the dequantised tensor and the reader."""
         self._last = None

@@ -27,12 +27,13 @@ from zerotron.components.sampling import SamplingParams
 from zerotron.config_load import ConfigError
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
+from zerotron.models.hf import ModelLoadError
+from zerotron.models.quant import weight_bytes
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
 from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, error_kind, parse
 from zerotron.serve.engine import Engine, LoraError, RequestError, RequestOutput, UnknownModel
 from zerotron.serve.protocol import ChatCompletionRequest, CompletionRequest, NotSupported
-from zerotron.serve.quant import weight_bytes
 from zerotron.serve.responses import Reply, collect, stream
 from zerotron.serve.server import EngineLoop, new_id, stream_outputs
 from zerotron.serve.speculative import DraftConfig, NgramConfig
@@ -247,7 +248,14 @@ def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[
     """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; with a ``mesh``
     of tensor parallelism, this rank's shard (loaded shard by shard) over its tp group."""
     dtype = getattr(torch, (config or EngineConfig()).dtype or "float32")
-    model, tokenizer = load_model(model_path, dtype, (config or EngineConfig()).device or "cpu", mesh)
+    quantization = (config or EngineConfig()).quantization
+    device = (config or EngineConfig()).device or "cpu"
+    try:  # quantised as it is read; tensor-parallel shards are not (the engine's config refuses them)
+        model, tokenizer = load_model(
+            model_path, dtype, device, mesh, quantization if mesh is None or mesh.dims.tp == 1 else None
+        )
+    except ModelLoadError as err:
+        raise ConfigError(str(err)) from None
     group = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     spec = (config or EngineConfig()).speculative
     draft = None  # draft-model speculation: the draft whole, on the first rank (where proposals are made)
@@ -317,8 +325,8 @@ def serve(engine: Engine, options: ServerOptions) -> None:
         )
         + f", weights {weight_bytes(engine.model) / 2**20:.1f} MiB"
         + (
-            f" (decoder linears {engine.config.quantization}: {engine.runner.quantized[1] / 2**20:.1f} MiB, "
-            f"{engine.runner.quantized[0] / 2**20:.1f} MiB before)"
+            f" (quantized {engine.runner.quantized.describe()}: {engine.runner.quantized.after / 2**20:.1f} MiB, "
+            f"{engine.runner.quantized.before / 2**20:.1f} MiB unquantized)"
             if engine.runner.quantized
             else ""
         )

@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
+from zerotron.build.quantize import LOAD_METHODS
 from zerotron.serve import kernels, kv_quant, triton_attention
 from zerotron.serve.linears import FIXED_ROWS, onednn_kernels
-from zerotron.serve.quant import METHODS
 from zerotron.serve.speculative import DraftConfig, SpecConfig
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -67,7 +67,7 @@ class EngineConfig:
     speculative: Optional[SpecConfig] = (
         None  # n-gram lookup or a draft model (serve.speculative, serve.draft)
     )
-    quantization: Optional[str] = None  # int8 | int4: the decoder layers' weights quantised (serve.quant)
+    quantization: Optional[str] = None  # int8 | int4 | gguf: the decoder linears quantised (build.quantize)
     kv_cache_dtype: str = (
         "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 | int8 (serve.kv_quant)
     )
@@ -154,11 +154,11 @@ class EngineConfig:
             raise EngineConfigError("onednn", "this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
 
     def _check_quantization(self, device: torch.device | None) -> None:
-        if self.quantization not in METHODS:
+        if self.quantization not in LOAD_METHODS:
             raise EngineConfigError(
                 "quantization",
-                f"{self.quantization!r} is not built; int8 (per-row scales) and int4 (grouped) weights "
-                "are (fp8, GGUF blocks served as they are, AWQ and GPTQ are not)",
+                f"{self.quantization!r} is not built; int8 (per-row scales), int4 (grouped) and gguf (a GGUF "
+                "file's Q4_0/Q4_1/Q4_K/Q8_0 blocks as they are) are (fp8, AWQ and GPTQ are not)",
             )
         why = (
             "the int8 and int4 kernels run on the CPU"
@@ -168,7 +168,7 @@ class EngineConfig:
             else "adapters over quantised weights are not built"
             if self.max_loras
             else "the kernels multiply fp32 or bf16 activations"
-            if self.dtype == "float16"
+            if self.dtype == "float16" and self.quantization != "gguf"
             else None
         )
         if why is not None:

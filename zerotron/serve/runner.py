@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch import nn
 
+from zerotron.build.quantize import Quantized
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.models.quant import quantize
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import kernels
-from zerotron.serve.config import EngineConfig
+from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.linears import (
     MIN_ROWS,
     MIN_ROWS_ONEDNN,
@@ -33,7 +36,6 @@ from zerotron.serve.linears import (
 )
 from zerotron.serve.lora import MultiLora, ServedAdapter
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
-from zerotron.serve.quant import quantize
 
 _PLAN, _IDLE, _STOP = 1, 0, -1
 KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
@@ -148,7 +150,7 @@ class StepRunner:
         self.model, self.kv, self.native, self.triton = model, kv, native, triton_attention
         sixteen = dtype in (torch.bfloat16, torch.float16)
         # int8/int4 weights: their own kernels, never packed, chunked or routed (not plain nn.Linear)
-        self.quantized = quantize(model, cfg.quantization) if cfg.quantization else None
+        self.quantized = quantized_model(model, cfg.quantization)
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
         lora_linear = invariant_linear(dtype, fixed)
@@ -253,3 +255,25 @@ class StepRunner:
                 collectives.broadcast(body, self.group.ranks[0], self.group)
                 self.run(StepPlan.unpack(body))
                 steps += 1
+
+
+def quantized_model(model: nn.Module, method: Optional[str]) -> Optional[Quantized]:
+    """What quantised ``model``'s decoder linears: the loader (``load_model(..., quantization=)``), else
+    :func:`~zerotron.models.quant.quantize` here (``int8``, ``int4``; a GGUF file's blocks are kept only
+    as it is loaded). None without quantisation."""
+    loaded: Optional[Quantized] = getattr(model, "quantized", None)
+    if loaded is not None and loaded.method != method:
+        raise EngineConfigError(
+            "quantization",
+            f"the model was loaded with quantization {loaded.method}, the engine asks for {method}",
+        )
+    if loaded is not None or method is None:
+        return loaded
+    if method == "gguf":
+        raise EngineConfigError(
+            "quantization",
+            "gguf keeps a GGUF file's blocks as the file is loaded: load the engine from the .gguf file "
+            "(zerotron serve FILE.gguf --quantization gguf)",
+        )
+    before, after = quantize(model, method)
+    return Quantized(method, before, after)

@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Optional, Union
 
 from zerotron.components.sampling import SamplingParams
+from zerotron.models.quant import weight_bytes
 from zerotron.serve.engine import Engine, RequestOutput
-from zerotron.serve.quant import weight_bytes
 
 Sink = Callable[[Union[RequestOutput, Exception]], None]
 

@@ -24,18 +24,19 @@ INT4_GROUPS = (32, 64, 128)  # the first that divides a layer's inputs (llama.cp
 
 
 class Int8Linear(nn.Module):
-    """A linear layer of int8 weights and per-row scales (``y = (x q^T) * scale + bias``)."""
+    """A linear layer of int8 weights and per-row scales (``y = (x q^T) * scale + bias``), made from a
+    linear's ``weight`` (its scales keep the weight's dtype) and ``bias``."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        q, scale = quantize_rows(linear.weight.detach())
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_rows(weight.detach())
+        self.out_features, self.in_features = weight.shape
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
         self.bias: Optional[torch.Tensor]
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", scale.to(linear.weight.dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.register_buffer("scales", scale.to(weight.dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
@@ -54,19 +55,20 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int4Linear(nn.Module):
-    """A linear layer of grouped 4-bit weights (``w = (q - 8) * scale + zero`` per group of inputs)."""
+    """A linear layer of grouped 4-bit weights (``w = (q - 8) * scale + zero`` per group of inputs),
+    made from a linear's ``weight`` (scales and zeros in its dtype) and ``bias``."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group = int4_group(linear.in_features)
-        q, scale_zero = quantize_groups(linear.weight.detach(), self.group)
+        self.out_features, self.in_features = weight.shape
+        self.group = int4_group(self.in_features)
+        q, scale_zero = quantize_groups(weight.detach(), self.group)
         self.qweight: torch.Tensor
         self.scale_zero: torch.Tensor
         self.bias: Optional[torch.Tensor]
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.register_buffer("scale_zero", scale_zero.to(linear.weight.dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.register_buffer("scale_zero", scale_zero.to(weight.dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
@@ -110,7 +112,7 @@ def targets(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith("layers.")}
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
@@ -128,9 +130,9 @@ def quantize(model: nn.Module, method: str) -> tuple[int, int]:
     before = after = 0
     for name, linear in found.items():
         before += linear.weight.nbytes
-        layer = kind(linear)
+        layer = kind(linear.weight.detach(), linear.bias)
         after += sum(t.nbytes for t in layer.buffers())
-        _set(model, name, layer)
+        set_module(model, name, layer)
     return before, after
 
 

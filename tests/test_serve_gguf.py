@@ -1,0 +1,150 @@
+"""A GGUF file's quantised blocks served as they are (``--quantization gguf``), and quantisation while
+loading (``load_model(..., quantization=)``).
+
+References: the ``gguf`` package's own ``quantize`` and ``dequantize`` (llama.cpp's formats, written by
+its authors), ``F.linear`` on those dequantised weights, zerotron's ordinary loader (which dequantises
+the file), and quantising the loaded model after the fact (:func:`zerotron.models.quant.quantize`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_serve_engine import _run
+from zerotron.build.builder import load_model
+from zerotron.components.sampling import SamplingParams
+from zerotron.config_load import ConfigError
+from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Embedding, BlockInt8Linear, block_linear
+from zerotron.models.quant import Int4Linear, Int8Linear, quantize, weight_bytes
+from zerotron.serve.app import load_engine
+from zerotron.serve.config import EngineConfigError
+from zerotron.serve.engine import Engine, EngineConfig
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType, quants  # noqa: E402
+
+OUT, IN = 48, 256
+
+
+def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(the file's bytes of a random (OUT, IN) matrix in ``kind``, gguf's dequantised fp32 values)."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[kind]
+    if kind == "Q4_K":  # gguf has no Q4_K quantiser: random bits, with finite f16 scales
+        raw = rng.integers(0, 256, (OUT, IN // 256, 144), dtype=np.uint8)
+        scales = rng.uniform(1e-3, 2e-2, (OUT, IN // 256, 2)).astype(np.float16)
+        raw[..., 0:4] = scales.view(np.uint8)
+        raw = raw.reshape(OUT, -1)
+    else:
+        raw = quants.quantize((rng.standard_normal((OUT, IN)) * 0.05 + 0.01).astype(np.float32), qtype)
+    return raw, quants.dequantize(raw, qtype).reshape(OUT, IN)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str) -> None:
+    raw, want = _blocks(kind)
+    layer = block_linear(kind, raw, IN)
+    assert isinstance(layer, BlockInt8Linear if kind == "Q8_0" else BlockInt4Linear)
+    got = layer.dequantize()
+    if kind == "Q4_K":  # its zero 8·d·sc − dmin·mn can round in fp32
+        torch.testing.assert_close(got, torch.from_numpy(want), rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(got, torch.from_numpy(want))
+    assert sum(t.nbytes for t in layer.buffers()) <= raw.nbytes * 1.03  # the file's bytes, no copy
+    x = torch.randn(21, IN)
+    ref = torch.nn.functional.linear(x, torch.from_numpy(want))
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    whole = layer(x)
+    assert all(torch.equal(layer(x[:n]), whole[:n]) for n in (1, 2, 5, 16))
+    xb = x.bfloat16()
+    assert layer(xb).dtype == torch.bfloat16
+    assert all(torch.equal(layer(xb[:n]), layer(xb)[:n]) for n in (1, 3, 17))
+
+
+def test_q8_embedding_looks_up_the_files_rows_and_pads_the_vocabulary() -> None:
+    raw, want = _blocks("Q8_0", seed=1)
+    table = BlockInt8Linear.of(raw, IN, rows=OUT + 8)
+    embed = BlockInt8Embedding(table, torch.float32)
+    ids = torch.tensor([[0, 5, 47], [47, 48, 55]])
+    padded = torch.cat([torch.from_numpy(want), torch.zeros(8, IN)])
+    assert torch.equal(embed(ids), padded[ids])
+    assert embed.head() is table and table.out_features == OUT + 8
+
+
+def test_other_types_are_not_kept() -> None:
+    assert block_linear("Q6_K", np.zeros((4, 210), np.uint8), 256) is None
+    assert block_linear("F16", np.zeros((4, 64), np.uint8), 32) is None
+    assert block_linear("Q4_1", np.zeros((40, 20), np.uint8), 32) is None  # 40 outputs: no int4 tiles
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> str:
+    from tests.test_smollm2 import GGUF_NAME, _smollm2_dir
+
+    return str(_smollm2_dir() / GGUF_NAME)
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_served_from_its_blocks_gives_the_dequantised_models_tokens(smollm2_gguf: str) -> None:
+    """fp32: the same weights as the ordinary loader's dequantised ones, so the same greedy tokens (the
+    kernels' sums differ in order: log-probs within 1e-4); resident bytes are the file's tensor bytes.
+    bf16 (the kernels' fast dtype; scales rounded to bf16): a row's tokens are its tokens alone."""
+    kept, tokenizer = load_model(smollm2_gguf, torch.float32, "cpu", quantization="gguf")
+    dense, _ = load_model(smollm2_gguf, torch.float32, "cpu")
+    done = kept.quantized  # type: ignore[attr-defined]
+    assert done.kept == {"Q4_1": 210, "Q8_0": 1} and not done.dense
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(smollm2_gguf).tensors)
+    assert abs(weight_bytes(kept) / file_bytes - 1) < 0.01, (weight_bytes(kept), file_bytes)
+    assert weight_bytes(dense) > 2.5 * file_bytes
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):", "Once upon a")]
+    ours = _run(Engine(kept, tokenizer, EngineConfig(quantization="gguf")), prompts, params)
+    ref = _run(Engine(dense, tokenizer, EngineConfig()), prompts, params)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(ours, ref):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4)
+    bf16, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu", quantization="gguf")
+    engine = Engine(bf16, tokenizer, EngineConfig(quantization="gguf"))
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+    together = _run(engine, prompts, params)
+    assert [_run(engine, [p], params)[0] for p in prompts] == together  # batch-invariant
+    assert tokenizer.decode(together[0][0]).strip().startswith("Paris")
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_quantised_while_loading_equals_quantising_the_loaded_model(smollm2_gguf: str) -> None:
+    loaded, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu", quantization="int4")
+    after, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu")
+    quantize(after, "int4")
+    want = dict(after.named_buffers())
+    got = dict(loaded.named_buffers())
+    assert any(isinstance(m, Int4Linear) for m in loaded.modules())
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), after.parameters()))
+    int8, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu", quantization="int8")
+    assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == 30 * 7
+    assert int8.quantized.after < 0.55 * int8.quantized.before  # type: ignore[attr-defined]
+
+
+def test_gguf_needs_a_gguf_file_and_its_loader(tmp_path: Path) -> None:
+    from tests.test_serve_engine import CFG, sharpened_pair
+    from zerotron.models.hf import write_hf_directory
+
+    model = sharpened_pair(CFG)[1]
+    with pytest.raises(EngineConfigError, match="load the engine from the .gguf file"):
+        Engine(model, None, EngineConfig(quantization="gguf"))
+    with pytest.raises(EngineConfigError, match="fp8, AWQ and GPTQ are not"):
+        Engine(model, None, EngineConfig(quantization="awq"))
+    write_hf_directory(model, tmp_path)
+    with pytest.raises(ConfigError, match="serve a .gguf file, or choose int8 or int4"):
+        load_engine(str(tmp_path), EngineConfig(quantization="gguf"))
+    engine = load_engine(str(tmp_path), EngineConfig(quantization="int8"))  # quantised as it is read
+    assert engine.runner.quantized is not None and engine.runner.quantized.method == "int8"
+    assert sum(isinstance(m, Int8Linear) for m in engine.model.modules()) == 7 * CFG.num_hidden_layers

@@ -1,0 +1,137 @@
+"""Quantisation while loading (the builder's step 1b for a served model, ``quantization=``).
+
+A model laid out on the meta device gets its decoder layers' linears as quantised modules made one at a
+time from the weight source, before the rest is materialised: no rank ever holds the model's 16- or
+32-bit decoder weights, only the quantised ones and one tensor being read.
+
+- ``int8`` / ``int4``: each weight read (dequantised, for a GGUF file), cast to the model's dtype and
+  quantised (:class:`~zerotron.models.quant.Int8Linear`, :class:`~zerotron.models.quant.Int4Linear`):
+  the numbers of quantising the loaded model (:func:`zerotron.models.quant.quantize`).
+- ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 blocks kept as they are
+  (:mod:`zerotron.models.gguf_blocks`), the (tied) embedding and head too when they are Q8_0; tensors of
+  other types are materialised dense as without quantisation (counted in :class:`Quantized`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zerotron.models.gguf_blocks import BlockInt8Embedding, BlockInt8Linear, block_linear
+from zerotron.models.hf import ModelLoadError
+from zerotron.models.quant import METHODS, Int4Linear, Int8Linear, int4_group, set_module, targets
+from zerotron.models.sources import GGUFSource, WeightSource
+
+LOAD_METHODS = (*METHODS, "gguf")
+
+
+@dataclass
+class Quantized:
+    """What loading quantised: the method, the bytes the quantised tensors would hold in the model's
+    dtype (``before``) and hold (``after``), and a GGUF file's kept tensors by type and those
+    materialised dense (``dense``: their types)."""
+
+    method: str
+    before: int = 0
+    after: int = 0
+    kept: dict[str, int] = field(default_factory=dict)
+    dense: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The start-up line's words: ``gguf (Q4_1 x210, Q8_0 x1 kept; F16 x2 dense)``."""
+        if self.method != "gguf":
+            return self.method
+        kept = ", ".join(f"{k} x{n}" for k, n in sorted(self.kept.items())) or "none"
+        dense = ", ".join(f"{k} x{n}" for k, n in sorted(self.dense.items()))
+        return f"gguf ({kept} kept" + (f"; {dense} dense" if dense else "") + ")"
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(t.nbytes for t in {id(t): t for t in module.buffers()}.values())
+
+
+def quantize_at_load(
+    model: nn.Module, source: WeightSource, method: str, device: torch.device | str
+) -> Quantized:
+    """Replace ``model``'s decoder linears (on the meta device) by quantised modules on ``device`` read
+    from ``source`` by ``method`` (:data:`LOAD_METHODS`); the rest stays on the meta device for
+    :func:`~zerotron.parallel.placement.materialize`. Raises :class:`ModelLoadError` for a method the
+    source cannot give (``gguf`` from anything but a GGUF file) or a layer ``int4`` cannot group."""
+    if method not in LOAD_METHODS:
+        raise ModelLoadError(f"quantization {method!r} is not built; choose one of {', '.join(LOAD_METHODS)}")
+    found = targets(model)
+    if not found:
+        raise ModelLoadError("this model has no linear layers in its decoder layers to quantise")
+    done = Quantized(method)
+    if method == "gguf":
+        if not isinstance(source, GGUFSource):
+            raise ModelLoadError(
+                "quantization gguf keeps a GGUF file's blocks: serve a .gguf file, or choose int8 or int4"
+            )
+        _keep_blocks(model, source, found, done, device)
+        return done
+    if method == "int4":
+        for linear in found.values():
+            int4_group(linear.in_features)  # every layer checked before any is read
+    kind = Int8Linear if method == "int8" else Int4Linear
+    for name, linear in found.items():
+        weight = _dense(source, f"{name}.weight", linear.weight).to(device)
+        bias = None if linear.bias is None else _dense(source, f"{name}.bias", linear.bias).to(device)
+        layer = kind(weight, bias)
+        done.before += weight.nbytes
+        done.after += _nbytes(layer)
+        set_module(model, name, layer)
+    return done
+
+
+def _dense(source: WeightSource, name: str, meta: torch.Tensor) -> torch.Tensor:
+    shape = tuple(meta.shape)
+    return source.box(name, shape, (0,) * len(shape), shape).to(meta.dtype)
+
+
+def _keep_blocks(
+    model: nn.Module,
+    source: GGUFSource,
+    found: dict[str, nn.Linear],
+    done: Quantized,
+    device: torch.device | str,
+) -> None:
+    if str(device) != "cpu":
+        raise ModelLoadError("quantization gguf runs on the CPU's kernels: serve it on the CPU")
+    for name, linear in found.items():
+        kind, blocks = source.blocks(f"{name}.weight")
+        layer = block_linear(kind, blocks, linear.in_features) if linear.bias is None else None
+        if layer is None:
+            done.dense[kind] = done.dense.get(kind, 0) + 1
+            continue  # materialised dense with the rest
+        done.kept[kind] = done.kept.get(kind, 0) + 1
+        done.before += linear.weight.numel() * linear.weight.element_size()
+        done.after += _nbytes(layer)
+        set_module(model, name, layer)
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if isinstance(head, nn.Linear) and not tied:
+        kind, blocks = source.blocks("lm_head.weight")
+        layer = block_linear(kind, blocks, head.in_features) if head.bias is None else None
+        if isinstance(layer, BlockInt8Linear) and layer.out_features == head.out_features:
+            done.kept[kind] = done.kept.get(kind, 0) + 1
+            done.before += head.weight.numel() * head.weight.element_size()
+            done.after += _nbytes(layer)
+            set_module(model, "lm_head", layer)
+        else:  # 4-bit heads and vocabularies padded for tensor parallelism stay dense
+            done.dense[kind] = done.dense.get(kind, 0) + 1
+    if not isinstance(embed, nn.Embedding):
+        return
+    kind, blocks = source.blocks("embed_tokens.weight")
+    if kind != "Q8_0" or embed.embedding_dim % 32:
+        done.dense[kind] = done.dense.get(kind, 0) + 1
+        return
+    table = BlockInt8Linear.of(blocks, embed.embedding_dim, rows=embed.num_embeddings)
+    done.kept[kind] = done.kept.get(kind, 0) + 1
+    done.before += embed.weight.numel() * embed.weight.element_size()
+    done.after += _nbytes(table)
+    set_module(model, "embed_tokens", BlockInt8Embedding(table, embed.weight.dtype))
+    if tied:
+        set_module(model, "lm_head", table)

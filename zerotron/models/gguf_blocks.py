@@ -1,0 +1,207 @@
+"""A GGUF file's quantised blocks served as they are (``zerotron serve FILE.gguf --quantization gguf``).
+
+llama.cpp stores a quantised matrix row by row in blocks of inputs; these modules keep a block's bits
+and scales (no dequantised copy: resident bytes are the file's) and multiply through torch's
+weight-only kernels, whose row results do not depend on the row count (a served row keeps its batch
+invariance):
+
+- **Q4_0** (``w = d·(q − 8)``), **Q4_1** (``w = d·q + m``) and **Q4_K** (super-blocks of 256 inputs,
+  each 32 of them ``w = d·sc·q − dmin·mn`` with 6-bit ``sc``, ``mn``) become :class:`BlockInt4Linear`:
+  4-bit values in torch's packed int4 form and per-32-input scales and zeros, ``w = (q − 8)·s + z``, the
+  form of ``aten._weight_int4pack_mm_for_cpu``. The file's f16 scales are kept as they are and the
+  kernel's fp32 scales and zeros computed from them at each call, so the weights are the file's values:
+  bit for bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can round).
+- **Q8_0** (``w = d·q``, 32 int8 values and one f16 scale a block) becomes :class:`BlockInt8Linear`,
+  which runs ``aten._weight_int8pack_mm`` once per block column (per-row scales are that kernel's
+  form) and sums the columns in order, and as a (tied) embedding :class:`BlockInt8Embedding`, which
+  dequantises the rows it looks up.
+
+Both multiply in fp32 (activations cast up, results cast back to the model's dtype): the file's f16
+scales do not fit bf16's 8-bit mantissa. Other GGUF types are not kept: :func:`block_linear` returns
+None and the loader dequantises them as it does without ``--quantization``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 32  # inputs per scale in every kept form (Q4_K: per sub-block of its 256-input super-block)
+INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
+KINDS = (*INT4_KINDS, "Q8_0")
+
+
+def _f16(raw: np.ndarray) -> torch.Tensor:
+    """Little-endian f16 values from their bytes (the last axis, 2 per value)."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """The 4-bit values of Q4_0/Q4_1 blocks: byte j holds value j (low) and j + 16 (high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's eight 6-bit scales and mins per super-block from their 12 packed bytes."""
+    s = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+class BlockInt4Linear(nn.Module):
+    """A linear layer of a GGUF file's Q4_0, Q4_1 or Q4_K blocks (no bias: llama.cpp's have none)."""
+
+    qweight: torch.Tensor
+    d: torch.Tensor  # f16 scales (Q4_K: of the super-blocks), as the file holds them
+    m: torch.Tensor  # Q4_1's f16 minimums
+    dmin: torch.Tensor  # Q4_K's f16 minimum scales, and its 6-bit sub-block scales and minimums
+    sc: torch.Tensor
+    mn: torch.Tensor
+
+    def __init__(self, kind: str, blocks: np.ndarray, in_features: int) -> None:
+        """``blocks``: the tensor's bytes as the file holds them, one row of blocks per output."""
+        super().__init__()
+        if kind not in INT4_KINDS:
+            raise ValueError(f"{kind} blocks are not 4-bit blocks {INT4_KINDS}")
+        out = blocks.shape[0]
+        self.kind, self.in_features, self.out_features = kind, in_features, out
+        if kind == "Q4_K":
+            b = blocks.reshape(out, in_features // 256, 144)
+            self.register_buffer("d", _f16(b[..., 0:2]))  # (out, super-blocks)
+            self.register_buffer("dmin", _f16(b[..., 2:4]))
+            sc, mn = _k_scales(b[..., 4:16])
+            self.register_buffer("sc", torch.from_numpy(sc.reshape(out, -1).copy()))  # (out, groups) uint8
+            self.register_buffer("mn", torch.from_numpy(mn.reshape(out, -1).copy()))
+            qs = b[..., 16:].reshape(out, -1, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
+            q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(out, in_features)
+        else:
+            size = 18 if kind == "Q4_0" else 20
+            b = blocks.reshape(out, in_features // BLOCK, size)
+            self.register_buffer("d", _f16(b[..., 0:2]))  # (out, groups)
+            if kind == "Q4_1":
+                self.register_buffer("m", _f16(b[..., 2:4]))
+            q = _nibbles(b[..., size - 16 :]).reshape(out, in_features)
+        values = torch.from_numpy(q.astype(np.int32))
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1))
+
+    def scale_zero(self) -> torch.Tensor:
+        """The kernel's fp32 scales and zeros, (groups, out, 2), from the kept f16 (and 6-bit) ones."""
+        d = self.d.float()
+        if self.kind == "Q4_K":
+            scale = d.repeat_interleave(8, dim=1) * self.sc.float()
+            zero = 8 * scale - self.dmin.float().repeat_interleave(8, dim=1) * self.mn.float()
+        elif self.kind == "Q4_1":
+            scale, zero = d, self.m.float() + 8 * d
+        else:
+            scale, zero = d, torch.zeros_like(d)
+        return torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        rows = x.reshape(-1, self.in_features).to(dtype).contiguous()
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.qweight, BLOCK, self.scale_zero().to(dtype)
+        )
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight (out, in) in fp32 as the kernel sees it."""
+        weight: torch.Tensor = self(torch.eye(self.in_features)).T.contiguous()
+        return weight
+
+
+MIN_ROWS = 16  # fp32 matrix kernels on the CPU change their arithmetic below 16 rows (serve.linears)
+
+
+def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` of ``x``'s rows on at least :data:`MIN_ROWS` rows (fewer padded with zeros): fp32
+    rows whose results do not depend on how many share the call."""
+    n = x.shape[0]
+    if n >= MIN_ROWS:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, MIN_ROWS - n)), weight, bias)[:n]
+
+
+class BlockInt8Linear(nn.Module):
+    """A linear layer of Q8_0 blocks: int8 values ``(out, in)`` and f16 scales ``(out, in / 32)``.
+
+    torch's int8 kernel takes one scale per row, not per block, so a call dequantises
+    :data:`CHUNK_ROWS` output rows at a time to fp32 (``d·q``: exact) and multiplies them through
+    :func:`padded_linear`, whose row results do not depend on the row count: the weights are never
+    resident in fp32, only one chunk."""
+
+    CHUNK_ROWS = 4096
+    qweight: torch.Tensor
+    d: torch.Tensor
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q)
+        self.register_buffer("d", d)
+
+    @classmethod
+    def of(cls, blocks: np.ndarray, in_features: int, rows: Optional[int] = None) -> BlockInt8Linear:
+        """From the file's bytes (one row of 34-byte blocks per output); ``rows``: pad with zero rows
+        to that many outputs (a vocabulary padded for tensor parallelism)."""
+        out = blocks.shape[0]
+        b = blocks.reshape(out, in_features // BLOCK, 34)
+        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(out, in_features).copy())
+        d = _f16(b[..., 0:2])
+        if rows is not None and rows > out:
+            q = torch.cat([q, q.new_zeros(rows - out, in_features)])
+            d = torch.cat([d, d.new_zeros(rows - out, d.shape[1])])
+        return cls(q, d)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Output rows ``start:stop`` of the weight, dequantised to fp32."""
+        q = self.qweight[start:stop].view(stop - start, -1, BLOCK).float()
+        return (q * self.d[start:stop, :, None].float()).view(stop - start, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        y = rows.new_empty(rows.shape[0], self.out_features)
+        for start in range(0, self.out_features, self.CHUNK_ROWS):
+            stop = min(start + self.CHUNK_ROWS, self.out_features)
+            y[:, start:stop] = padded_linear(self.rows(start, stop), None, rows)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight (out, in) in fp32: ``d·q`` per block."""
+        return self.rows(0, self.out_features)
+
+
+class BlockInt8Embedding(nn.Module):
+    """An embedding of Q8_0 blocks: each looked-up row dequantised (``d·q``, exact in fp32) in ``dtype``;
+    :meth:`head` is the output head tied to it (the same tensors)."""
+
+    def __init__(self, table: BlockInt8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        q = self.table.qweight[flat].view(flat.shape[0], -1, BLOCK).float()
+        rows = q * self.table.d[flat, :, None].float()
+        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+    def head(self) -> BlockInt8Linear:
+        return self.table
+
+
+def block_linear(kind: str, blocks: np.ndarray, in_features: int) -> Optional[nn.Module]:
+    """The module serving a linear's GGUF blocks of ``kind`` as they are, or None for a kind not kept
+    (or 4-bit blocks of a layer whose outputs torch's int4 packing cannot tile: not a multiple of 16)."""
+    whole = in_features % (256 if kind == "Q4_K" else BLOCK) == 0
+    if kind in INT4_KINDS and whole and blocks.shape[0] % 16 == 0:  # torch's int4 packing: 16 outputs a tile
+        return BlockInt4Linear(kind, blocks, in_features)
+    if kind == "Q8_0":
+        return BlockInt8Linear.of(blocks, in_features)
+    return None
