@@ -29,6 +29,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--batch1", type=int, default=4)
     p.add_argument("--gguf", default=None, help="a GGUF file of the same model: serve its blocks too")
+    p.add_argument(
+        "--only", nargs="*", default=None, help="only the cases whose label has one of these words"
+    )
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -41,7 +44,10 @@ def main() -> None:
         cases += [("vLLM", "bf16", []), ("vLLM", "fp8 (on the fly)", ["--quantization", "fp8"])]
     if args.gguf:
         cases += [("zerotron serve", "gguf blocks", ["--quantization", "gguf"])]
-        cases += [("vLLM", "gguf blocks", ["--tokenizer", args.model_dir])] if args.vllm_python else []
+        vllm_gguf = ["--tokenizer", args.model_dir, "--hf-config-path", args.model_dir]
+        cases += [("vLLM", "gguf blocks", vllm_gguf)] if args.vllm_python else []
+    if args.only:
+        cases = [c for c in cases if any(word in c[1] for word in args.only)]
     results: dict[str, Any] = {}
     for system, label, extra in cases:
         log = str(Path(args.logs) / f"{system.split()[0]}-{label.split()[0]}.log")
