@@ -5,6 +5,8 @@
 1. **layout** — the family's parallelize path on the meta device
    (:func:`zerotron.models.parallelize.parallelize_llama`): pipeline split → tensor (+ sequence)
    parallel → context parallel → expert parallel → float8 projections (``train.precision=fp8``);
+1b. **quantise** (serving, one rank, ``quantization=``) — the decoder linears made quantised modules
+   as they are read, a GGUF file's blocks kept as they are (:mod:`zerotron.build.quantize`);
 2. **materialise** — each parameter's box on this rank read from the weight source (the
    layout-independent initial values, a Hugging Face directory, a GGUF file, a zerotron checkpoint of
    any layout), one tensor at a time (:func:`zerotron.parallel.placement.materialize`); under ZeRO-3
