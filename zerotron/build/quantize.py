@@ -14,6 +14,7 @@ time from the weight source, before the rest is materialised: no rank ever holds
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,15 @@ from torch import nn
 
 from zerotron.models.gguf_blocks import BlockInt8Embedding, BlockInt8Linear, block_linear
 from zerotron.models.hf import ModelLoadError
-from zerotron.models.quant import METHODS, Int4Linear, Int8Linear, int4_group, set_module, targets
+from zerotron.models.quant import (
+    METHODS,
+    Int4Linear,
+    Int8Linear,
+    int4_group,
+    set_module,
+    targets,
+    weight_bytes,
+)
 from zerotron.models.sources import GGUFSource, WeightSource
 
 LOAD_METHODS = (*METHODS, "gguf")
@@ -36,8 +45,19 @@ class Quantized:
     method: str
     before: int = 0
     after: int = 0
-    kept: dict[str, int] = field(default_factory=dict)
-    dense: dict[str, int] = field(default_factory=dict)
+    kept: Counter[str] = field(default_factory=Counter)
+    dense: Counter[str] = field(default_factory=Counter)
+
+    def place(
+        self, model: nn.Module, name: str, layer: nn.Module, dense: torch.Tensor, kind: str = ""
+    ) -> None:
+        """Put ``layer`` at ``name`` in ``model`` in place of the (meta) weight ``dense``, counting the
+        bytes of both (and ``kind``: a GGUF type kept)."""
+        self.before += dense.numel() * dense.element_size()
+        self.after += weight_bytes(layer)
+        if kind:
+            self.kept[kind] += 1
+        set_module(model, name, layer)
 
     def describe(self) -> str:
         """The start-up line's words: ``gguf (Q4_1 x210, Q8_0 x1 kept; F16 x2 dense)``."""
@@ -46,10 +66,6 @@ class Quantized:
         kept = ", ".join(f"{k} x{n}" for k, n in sorted(self.kept.items())) or "none"
         dense = ", ".join(f"{k} x{n}" for k, n in sorted(self.dense.items()))
         return f"gguf ({kept} kept" + (f"; {dense} dense" if dense else "") + ")"
-
-
-def _nbytes(module: nn.Module) -> int:
-    return sum(t.nbytes for t in {id(t): t for t in module.buffers()}.values())
 
 
 def quantize_at_load(
@@ -79,10 +95,7 @@ def quantize_at_load(
     for name, linear in found.items():
         weight = _dense(source, f"{name}.weight", linear.weight).to(device)
         bias = None if linear.bias is None else _dense(source, f"{name}.bias", linear.bias).to(device)
-        layer = kind(weight, bias)
-        done.before += weight.nbytes
-        done.after += _nbytes(layer)
-        set_module(model, name, layer)
+        done.place(model, name, kind(weight, bias), linear.weight)
     return done
 
 
@@ -104,34 +117,25 @@ def _keep_blocks(
         kind, blocks = source.blocks(f"{name}.weight")
         layer = block_linear(kind, blocks, linear.in_features) if linear.bias is None else None
         if layer is None:
-            done.dense[kind] = done.dense.get(kind, 0) + 1
-            continue  # materialised dense with the rest
-        done.kept[kind] = done.kept.get(kind, 0) + 1
-        done.before += linear.weight.numel() * linear.weight.element_size()
-        done.after += _nbytes(layer)
-        set_module(model, name, layer)
+            done.dense[kind] += 1  # materialised dense with the rest
+        else:
+            done.place(model, name, layer, linear.weight, kind)
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     tied = embed is not None and head is not None and head.weight is embed.weight
     if isinstance(head, nn.Linear) and not tied:
         kind, blocks = source.blocks("lm_head.weight")
         layer = block_linear(kind, blocks, head.in_features) if head.bias is None else None
         if isinstance(layer, BlockInt8Linear) and layer.out_features == head.out_features:
-            done.kept[kind] = done.kept.get(kind, 0) + 1
-            done.before += head.weight.numel() * head.weight.element_size()
-            done.after += _nbytes(layer)
-            set_module(model, "lm_head", layer)
+            done.place(model, "lm_head", layer, head.weight, kind)
         else:  # 4-bit heads and vocabularies padded for tensor parallelism stay dense
-            done.dense[kind] = done.dense.get(kind, 0) + 1
+            done.dense[kind] += 1
     if not isinstance(embed, nn.Embedding):
         return
     kind, blocks = source.blocks("embed_tokens.weight")
     if kind != "Q8_0" or embed.embedding_dim % 32:
-        done.dense[kind] = done.dense.get(kind, 0) + 1
+        done.dense[kind] += 1
         return
     table = BlockInt8Linear.of(blocks, embed.embedding_dim, rows=embed.num_embeddings)
-    done.kept[kind] = done.kept.get(kind, 0) + 1
-    done.before += embed.weight.numel() * embed.weight.element_size()
-    done.after += _nbytes(table)
-    set_module(model, "embed_tokens", BlockInt8Embedding(table, embed.weight.dtype))
+    done.place(model, "embed_tokens", BlockInt8Embedding(table, embed.weight.dtype), embed.weight, kind)
     if tied:
         set_module(model, "lm_head", table)

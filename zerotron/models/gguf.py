@@ -172,7 +172,6 @@ def gguf_tensor(reader: Any, t: Any, name: str, path: str | Path, cfg: ModelConf
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    arch = field(reader, "general.architecture")
     try:
         data = np.asarray(t.data)  # a plain ndarray view: numpy's memmap subclass makes dequantising slow
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -184,10 +183,7 @@ def gguf_tensor(reader: Any, t: Any, name: str, path: str | Path, cfg: ModelConf
         raise ModelLoadError(
             f"{path}: tensor {t.name} cannot be read ({e}); the file may be truncated"
         ) from e
-    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-        array = unpermute_qk(array, cfg.num_attention_heads)
-    elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-        array = unpermute_qk(array, cfg.kv_heads)
+    array = llama_rows(reader, name, array, cfg)
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
@@ -195,12 +191,18 @@ def gguf_blocks(reader: Any, t: Any, name: str, cfg: ModelConfig) -> tuple[str, 
     """One GGUF tensor ``t`` (zerotron ``name``) as the file holds it: its type's name and its bytes,
     one row per output (a quantised row's blocks), in zerotron's row order (llama's Q/K rows
     unpermuted: whole rows move, blocks stay as they are)."""
-    arch = field(reader, "general.architecture")
-    data = np.asarray(t.data).view(np.uint8)
     rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
-    data = data.reshape(rows, -1)
-    if arch == "llama" and name.endswith("q_proj.weight"):
-        data = unpermute_qk(data, cfg.num_attention_heads)
-    elif arch == "llama" and name.endswith("k_proj.weight"):
-        data = unpermute_qk(data, cfg.kv_heads)
-    return t.tensor_type.name, np.ascontiguousarray(data)
+    data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+    return t.tensor_type.name, np.ascontiguousarray(llama_rows(reader, name, data, cfg))
+
+
+def llama_rows(reader: Any, name: str, rows: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """``rows`` of tensor ``name`` (values, or a quantised row's blocks) in zerotron's order: a llama
+    file's Q/K rows unpermuted (:func:`unpermute_qk`), others as they are."""
+    if field(reader, "general.architecture") != "llama":
+        return rows
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_qk(rows, cfg.num_attention_heads)
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_qk(rows, cfg.kv_heads)
+    return rows

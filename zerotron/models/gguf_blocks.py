@@ -9,16 +9,18 @@ invariance):
   each 32 of them ``w = d·sc·q − dmin·mn`` with 6-bit ``sc``, ``mn``) become :class:`BlockInt4Linear`:
   4-bit values in torch's packed int4 form and per-32-input scales and zeros, ``w = (q − 8)·s + z``, the
   form of ``aten._weight_int4pack_mm_for_cpu``. The file's f16 scales are kept as they are and the
-  kernel's fp32 scales and zeros computed from them at each call, so the weights are the file's values:
-  bit for bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can round).
-- **Q8_0** (``w = d·q``, 32 int8 values and one f16 scale a block) becomes :class:`BlockInt8Linear`,
-  which runs ``aten._weight_int8pack_mm`` once per block column (per-row scales are that kernel's
-  form) and sums the columns in order, and as a (tied) embedding :class:`BlockInt8Embedding`, which
-  dequantises the rows it looks up.
+  kernel's scales and zeros computed from them at each call, so in fp32 the weights are the file's
+  values: bit for bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can
+  round).
+- **Q8_0** (``w = d·q``, 32 int8 values and one f16 scale a block) becomes :class:`BlockInt8Linear`
+  (torch's int8 kernel takes one scale per row, not per block: each call dequantises a chunk of output
+  rows at a time to fp32 and multiplies on at least 16 rows), and as a (tied) embedding
+  :class:`BlockInt8Embedding`, which dequantises the rows it looks up.
 
-Both multiply in fp32 (activations cast up, results cast back to the model's dtype): the file's f16
-scales do not fit bf16's 8-bit mantissa. Other GGUF types are not kept: :func:`block_linear` returns
-None and the loader dequantises them as it does without ``--quantization``.
+The 4-bit kernel multiplies in the activations' dtype when it is bf16 (its fast path: the scales and
+zeros are then rounded to bf16), else in fp32; the Q8_0 forms multiply in fp32. Results come back in
+the activations' dtype. Other GGUF types are not kept: :func:`block_linear` returns None and the
+loader dequantises them as it does without ``--quantization``.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from zerotron.models.quant import padded_linear
 
 BLOCK = 32  # inputs per scale in every kept form (Q4_K: per sub-block of its 256-input super-block)
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
-KINDS = (*INT4_KINDS, "Q8_0")
 
 
 def _f16(raw: np.ndarray) -> torch.Tensor:
@@ -114,18 +116,6 @@ class BlockInt4Linear(nn.Module):
         """The weight (out, in) in fp32 as the kernel sees it."""
         weight: torch.Tensor = self(torch.eye(self.in_features)).T.contiguous()
         return weight
-
-
-MIN_ROWS = 16  # fp32 matrix kernels on the CPU change their arithmetic below 16 rows (serve.linears)
-
-
-def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` of ``x``'s rows on at least :data:`MIN_ROWS` rows (fewer padded with zeros): fp32
-    rows whose results do not depend on how many share the call."""
-    n = x.shape[0]
-    if n >= MIN_ROWS:
-        return F.linear(x, weight, bias)
-    return F.linear(F.pad(x, (0, 0, 0, MIN_ROWS - n)), weight, bias)[:n]
 
 
 class BlockInt8Linear(nn.Module):

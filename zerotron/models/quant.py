@@ -17,9 +17,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 METHODS = ("int8", "int4")
+# fp32 F.linear (MKL) on the CPU changes its arithmetic with the row count below this many rows
+MIN_ROWS = 16
 INT4_GROUPS = (32, 64, 128)  # the first that divides a layer's inputs (llama.cpp's Q4 blocks are 32)
 
 
@@ -157,3 +160,16 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (what its weights hold resident)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.nbytes for t in tensors.values())
+
+
+def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """F.linear whole on at least :data:`MIN_ROWS` rows (fewer padded with zeros): fp32 rows whose
+    results do not depend on the row count (a served engine's fp32 linears, multi-LoRA's products beside
+    packed linears, a GGUF file's Q8_0 rows dequantised chunk by chunk)."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n >= MIN_ROWS:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - n)), weight, bias)[:n].view(
+        *x.shape[:-1], weight.shape[0]
+    )

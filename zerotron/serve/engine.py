@@ -20,9 +20,9 @@ import torch
 from zerotron.components.sampling import Choice, SamplingParams, sample
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.models.quant import MIN_ROWS
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.draft import Drafter, truncated
-from zerotron.serve.linears import MIN_ROWS
 from zerotron.serve.lora import LoraError, MultiLora, ServedAdapter, UnknownAdapter
 from zerotron.serve.paged import BlockPool, KVPool
 from zerotron.serve.runner import StepRunner, make_plan

@@ -23,16 +23,17 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.models.llama import MLP, Attention, AttentionCache, DecoderLayer, RMSNorm, apply_rotary
 from zerotron.models.lora import LoraLinear, lora_update
+from zerotron.models.quant import MIN_ROWS, padded_linear
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_region
 from zerotron.parallel.tensor_comm import apply_function
 from zerotron.serve import kernels
 from zerotron.serve.paged import PagedAttention
 
-# Every forward has at least this many rows (padding rows are ignored): below it, the CPU matrix
-# kernels change their arithmetic with the row count and a sequence's numbers would depend on its
-# batch. MKL's (F.linear) settle at 16 rows; oneDNN's (packed linears, :func:`pack_linears`) at 2;
-# zerotron's own (native, :mod:`zerotron.serve.kernels`) never change it: one row is enough.
-MIN_ROWS = 16
+# Every forward has at least MIN_ROWS rows (padding rows are ignored; zerotron.models.quant, where
+# padded_linear lives): below it, the CPU matrix kernels change their arithmetic with the row count
+# and a sequence's numbers would depend on its batch. MKL's (F.linear) settle at 16 rows; oneDNN's
+# (packed linears, :func:`pack_linears`) at 2; zerotron's own (native, :mod:`zerotron.serve.kernels`)
+# never change it: one row is enough.
 MIN_ROWS_ONEDNN = 2
 # 16-bit linears (bf16, fp16; AMX/AVX-512 kernels) change their arithmetic with the row count above 32
 # rows too (the output head's from 33): they run in chunks of 16 to 32 rows (:func:`chunk_linears`).
@@ -316,18 +317,6 @@ def _chunked_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch
 def plain_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """F.linear in the (weight, bias, x) order of the routed calls (fp32 serving: whole, unchunked)."""
     return F.linear(x, weight, bias)
-
-
-def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """F.linear whole on at least :data:`MIN_ROWS` rows (fewer padded with zeros): fp32 rows whose
-    results do not depend on the row count (multi-LoRA's products beside packed linears)."""
-    rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    if n >= MIN_ROWS:
-        return F.linear(x, weight, bias)
-    return F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - n)), weight, bias)[:n].view(
-        *x.shape[:-1], weight.shape[0]
-    )
 
 
 def _fixed_linear(

@@ -20,12 +20,11 @@ from zerotron.build.quantize import Quantized
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.models.quant import quantize
+from zerotron.models.quant import MIN_ROWS, quantize
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.linears import (
-    MIN_ROWS,
     MIN_ROWS_ONEDNN,
     chunk_linears,
     fixed_linears,
