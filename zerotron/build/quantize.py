@@ -113,9 +113,10 @@ def _keep_blocks(
 ) -> None:
     if str(device) != "cpu":
         raise ModelLoadError("quantization gguf runs on the CPU's kernels: serve it on the CPU")
+    dtype = next(iter(found.values())).weight.dtype  # the model's (on the meta device)
     for name, linear in found.items():
         kind, blocks = source.blocks(f"{name}.weight")
-        layer = block_linear(kind, blocks, linear.in_features) if linear.bias is None else None
+        layer = None if linear.bias is not None else block_linear(kind, blocks, linear.in_features, dtype)
         if layer is None:
             done.dense[kind] += 1  # materialised dense with the rest
         else:
@@ -124,7 +125,7 @@ def _keep_blocks(
     tied = embed is not None and head is not None and head.weight is embed.weight
     if isinstance(head, nn.Linear) and not tied:
         kind, blocks = source.blocks("lm_head.weight")
-        layer = block_linear(kind, blocks, head.in_features) if head.bias is None else None
+        layer = None if head.bias is not None else block_linear(kind, blocks, head.in_features, dtype)
         if isinstance(layer, BlockInt8Linear) and layer.out_features == head.out_features:
             done.place(model, "lm_head", layer, head.weight, kind)
         else:  # 4-bit heads and vocabularies padded for tensor parallelism stay dense

@@ -8,10 +8,8 @@ invariance):
 - **Q4_0** (``w = d·(q − 8)``), **Q4_1** (``w = d·q + m``) and **Q4_K** (super-blocks of 256 inputs,
   each 32 of them ``w = d·sc·q − dmin·mn`` with 6-bit ``sc``, ``mn``) become :class:`BlockInt4Linear`:
   4-bit values in torch's packed int4 form and per-32-input scales and zeros, ``w = (q − 8)·s + z``, the
-  form of ``aten._weight_int4pack_mm_for_cpu``. The file's f16 scales are kept as they are and the
-  kernel's scales and zeros computed from them at each call, so in fp32 the weights are the file's
-  values: bit for bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can
-  round).
+  form of ``aten._weight_int4pack_mm_for_cpu``. In fp32 the weights are the file's values: bit for
+  bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can round).
 - **Q8_0** (``w = d·q``, 32 int8 values and one f16 scale a block) becomes :class:`BlockInt8Linear`
   (torch's int8 kernel takes one scale per row, not per block: each call dequantises a chunk of output
   rows at a time to fp32 and multiplies on at least 16 rows), and as a (tied) embedding
@@ -57,65 +55,79 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BlockInt4Linear(nn.Module):
-    """A linear layer of a GGUF file's Q4_0, Q4_1 or Q4_K blocks (no bias: llama.cpp's have none)."""
+    """A linear layer of a GGUF file's Q4_0, Q4_1 or Q4_K blocks (no bias: llama.cpp's have none).
+
+    ``dtype`` bf16 (the kernel's fast path): the kernel's bf16 scales and zeros are made once and
+    kept (``scale_zero``, the bytes of the file's f16 ones). Otherwise the file's f16 scales (and Q4_K's
+    6-bit ones) are kept as they are and the kernel's fp32 scales and zeros made from them at each call,
+    so the weights are the file's values."""
 
     qweight: torch.Tensor
-    d: torch.Tensor  # f16 scales (Q4_K: of the super-blocks), as the file holds them
-    m: torch.Tensor  # Q4_1's f16 minimums
-    dmin: torch.Tensor  # Q4_K's f16 minimum scales, and its 6-bit sub-block scales and minimums
-    sc: torch.Tensor
-    mn: torch.Tensor
+    scale_zero: torch.Tensor  # bf16 only
 
-    def __init__(self, kind: str, blocks: np.ndarray, in_features: int) -> None:
+    def __init__(
+        self, kind: str, blocks: np.ndarray, in_features: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         """``blocks``: the tensor's bytes as the file holds them, one row of blocks per output."""
         super().__init__()
         if kind not in INT4_KINDS:
             raise ValueError(f"{kind} blocks are not 4-bit blocks {INT4_KINDS}")
         out = blocks.shape[0]
         self.kind, self.in_features, self.out_features = kind, in_features, out
+        parts: dict[str, torch.Tensor] = {}
         if kind == "Q4_K":
             b = blocks.reshape(out, in_features // 256, 144)
-            self.register_buffer("d", _f16(b[..., 0:2]))  # (out, super-blocks)
-            self.register_buffer("dmin", _f16(b[..., 2:4]))
-            sc, mn = _k_scales(b[..., 4:16])
-            self.register_buffer("sc", torch.from_numpy(sc.reshape(out, -1).copy()))  # (out, groups) uint8
-            self.register_buffer("mn", torch.from_numpy(mn.reshape(out, -1).copy()))
+            parts["d"], parts["dmin"] = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # (out, super-blocks)
+            sc, mn = _k_scales(b[..., 4:16])  # (out, groups) uint8 each
+            parts["sc"], parts["mn"] = (torch.from_numpy(a.reshape(out, -1).copy()) for a in (sc, mn))
             qs = b[..., 16:].reshape(out, -1, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
             q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(out, in_features)
         else:
             size = 18 if kind == "Q4_0" else 20
             b = blocks.reshape(out, in_features // BLOCK, size)
-            self.register_buffer("d", _f16(b[..., 0:2]))  # (out, groups)
+            parts["d"] = _f16(b[..., 0:2])  # (out, groups)
             if kind == "Q4_1":
-                self.register_buffer("m", _f16(b[..., 2:4]))
+                parts["m"] = _f16(b[..., 2:4])
             q = _nibbles(b[..., size - 16 :]).reshape(out, in_features)
         values = torch.from_numpy(q.astype(np.int32))
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1))
-
-    def scale_zero(self) -> torch.Tensor:
-        """The kernel's fp32 scales and zeros, (groups, out, 2), from the kept f16 (and 6-bit) ones."""
-        d = self.d.float()
-        if self.kind == "Q4_K":
-            scale = d.repeat_interleave(8, dim=1) * self.sc.float()
-            zero = 8 * scale - self.dmin.float().repeat_interleave(8, dim=1) * self.mn.float()
-        elif self.kind == "Q4_1":
-            scale, zero = d, self.m.float() + 8 * d
+        self.kept = dtype == torch.bfloat16
+        if self.kept:
+            self.register_buffer("scale_zero", _scale_zero(kind, parts).to(dtype))
         else:
-            scale, zero = d, torch.zeros_like(d)
-        return torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+            for name, part in parts.items():
+                self.register_buffer(name, part)
+
+    def scales(self) -> torch.Tensor:
+        """The kernel's scales and zeros, (groups, out, 2): kept (bf16), or made from the file's."""
+        if self.kept:
+            return self.scale_zero
+        return _scale_zero(self.kind, dict(self.named_buffers()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-        rows = x.reshape(-1, self.in_features).to(dtype).contiguous()
-        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows, self.qweight, BLOCK, self.scale_zero().to(dtype)
-        )
+        scales = self.scales()
+        rows = x.reshape(-1, self.in_features).to(scales.dtype).contiguous()
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, BLOCK, scales)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """The weight (out, in) in fp32 as the kernel sees it."""
         weight: torch.Tensor = self(torch.eye(self.in_features)).T.contiguous()
         return weight
+
+
+def _scale_zero(kind: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The int4 kernel's fp32 scales and zeros, (groups, out, 2), from a block type's f16 (and 6-bit)
+    scales: ``w = (q − 8)·s + z`` for Q4_0 (``z = 0``), Q4_1 (``z = m + 8d``) and Q4_K."""
+    d = parts["d"].float()
+    if kind == "Q4_K":
+        scale = d.repeat_interleave(8, dim=1) * parts["sc"].float()
+        zero = 8 * scale - parts["dmin"].float().repeat_interleave(8, dim=1) * parts["mn"].float()
+    elif kind == "Q4_1":
+        scale, zero = d, parts["m"].float() + 8 * d
+    else:
+        scale, zero = d, torch.zeros_like(d)
+    return torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
 
 
 class BlockInt8Linear(nn.Module):
@@ -186,12 +198,15 @@ class BlockInt8Embedding(nn.Module):
         return self.table
 
 
-def block_linear(kind: str, blocks: np.ndarray, in_features: int) -> Optional[nn.Module]:
+def block_linear(
+    kind: str, blocks: np.ndarray, in_features: int, dtype: torch.dtype = torch.float32
+) -> Optional[nn.Module]:
     """The module serving a linear's GGUF blocks of ``kind`` as they are, or None for a kind not kept
-    (or 4-bit blocks of a layer whose outputs torch's int4 packing cannot tile: not a multiple of 16)."""
+    (or 4-bit blocks of a layer whose outputs torch's int4 packing cannot tile: not a multiple of 16);
+    ``dtype``: the activations' (:class:`BlockInt4Linear`)."""
     whole = in_features % (256 if kind == "Q4_K" else BLOCK) == 0
     if kind in INT4_KINDS and whole and blocks.shape[0] % 16 == 0:  # torch's int4 packing: 16 outputs a tile
-        return BlockInt4Linear(kind, blocks, in_features)
+        return BlockInt4Linear(kind, blocks, in_features, dtype)
     if kind == "Q8_0":
         return BlockInt8Linear.of(blocks, in_features)
     return None
