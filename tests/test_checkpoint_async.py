@@ -56,10 +56,10 @@ def _same_state_sync_and_async(overrides: list[str], run_dir: str) -> dict:
     # Hold every file write of the thread back until the next step has changed weights and moments.
     gate, original = threading.Event(), store.write_tensors
 
-    def held_write(path: Path, tensors: dict) -> None:
+    def held_write(path: Path, tensors: dict, window_bytes: int = store.IO_BUFFER_BYTES) -> None:
         if threading.current_thread() is not threading.main_thread():
             gate.wait()
-        original(path, tensors)
+        original(path, tensors, window_bytes)
 
     store.write_tensors = held_write
     trainer.ckpt_root = Path(run_dir) / "async"
@@ -143,9 +143,9 @@ def _error_while_writing(overrides: list[str], run_dir: str) -> dict:
     )
     original = store.write_tensors
 
-    def slow_write(path: Path, tensors: dict) -> None:
+    def slow_write(path: Path, tensors: dict, window_bytes: int = store.IO_BUFFER_BYTES) -> None:
         time.sleep(0.5)
-        original(path, tensors)
+        original(path, tensors, window_bytes)
 
     store.write_tensors = slow_write
 

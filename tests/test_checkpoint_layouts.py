@@ -41,6 +41,15 @@ TINY = [
 ]
 
 
+NVME = [
+    "parallel.zero=3",
+    "parallel.offload_params=nvme",
+    "parallel.offload_optimizer=nvme",
+    "parallel.nvme_path={nvme}",
+    "checkpoint.io_buffer_mb=0.0005",
+]
+
+
 def _reference(
     overrides: list[str], tokens: np.ndarray
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -83,11 +92,18 @@ def _assert_saved_in_pieces(ckpt: Path) -> None:
         ((2, ["parallel.dp=2", "parallel.zero=1"]), (4, ["parallel.dp=4", "parallel.zero=3"])),
         ((4, ["parallel.dp=4", "parallel.zero=3", "parallel.offload_optimizer=cpu"]), (1, [])),
         ((4, ["parallel.tp=2", "parallel.dp=2"]), (4, ["parallel.tp=4"])),
+        # ZeRO-3 with parameters and moments in NVMe files, saved and resumed through windows of 131
+        # elements (checkpoint.io_buffer_mb): ranges that start and end inside rows of every tensor
+        ((4, ["parallel.tp=2", "parallel.dp=2", *NVME]), (2, ["parallel.dp=2", *NVME])),
     ],
-    ids=["dp2-zero1-to-dp4-zero3", "dp4-zero3-offload-to-1", "tp2xdp2-to-tp4"],
+    ids=["dp2-zero1-to-dp4-zero3", "dp4-zero3-offload-to-1", "tp2xdp2-to-tp4", "tp2xdp2-nvme-to-dp2-nvme"],
 )
 def test_continue_under_another_layout(a: tuple, b: tuple, tmp_path: Path) -> None:
     (na, layout_a), (nb, layout_b) = a, b
+    (tmp_path / "nvme").mkdir()
+    layout_a, layout_b = (
+        [o.format(nvme=tmp_path / "nvme") for o in layout] for layout in (layout_a, layout_b)
+    )
     tokens = _tokens()
     np.save(tmp_path / "tokens.npy", tokens)
     common = [*TINY, f"data.source={tmp_path / 'tokens.npy'}"]

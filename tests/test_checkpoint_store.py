@@ -84,3 +84,39 @@ def test_a_save_of_deferred_tensors_holds_one_at_a_time(tmp_path: Path) -> None:
     wrong = store.Deferred(3, torch.float32, lambda: torch.zeros(4))
     with pytest.raises(store.CheckpointError, match="gave torch.float32 x 4, not torch.float32 x 3"):
         store.write_tensors(tmp_path / "b.safetensors", {"x": wrong})
+
+
+def test_a_deferred_range_is_written_window_by_window(tmp_path: Path) -> None:
+    """A deferred tensor whose reader reads ranges (an offloaded shard's) is read ``window_bytes`` at a
+    time (``checkpoint.io_buffer_mb``), never whole, and the file holds its values in order; one whose
+    reader cannot narrow is read once, whole."""
+    from safetensors.torch import load_file
+
+    values = torch.randn(10_000)
+    asked: list[int] = []
+
+    class Ranged:
+        def __init__(self, lo: int, hi: int) -> None:
+            self.lo, self.hi = lo, hi
+
+        def __call__(self) -> torch.Tensor:
+            asked.append(self.hi - self.lo)
+            return values[self.lo : self.hi].clone()
+
+        def narrow(self, lo: int, hi: int) -> Ranged:
+            return Ranged(self.lo + lo, self.lo + hi)
+
+    whole_reads: list[int] = []
+
+    def whole() -> torch.Tensor:
+        whole_reads.append(1)
+        return values[:300].clone()
+
+    tensors: dict[str, store.Storable] = {
+        "ranged": store.Deferred(10_000, torch.float32, Ranged(0, 10_000)),
+        "plain": store.Deferred(300, torch.float32, whole),
+    }
+    store.write_tensors(tmp_path / "a.safetensors", tensors, window_bytes=4 * 999)
+    assert asked == [999] * 10 + [10] and whole_reads == [1]
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert torch.equal(back["ranged"], values) and torch.equal(back["plain"], values[:300])

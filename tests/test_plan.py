@@ -253,8 +253,10 @@ def test_json_schema() -> None:
         "step_time_range_basis",
         "tokens_per_s",
         "mfu",
+        "phase_peak_memory_bytes",
         "breakdown",
     }
+    assert set(out["phase_peak_memory_bytes"]) == {"materialise", "steps", "save", "load", "sample"}
     assert set(out["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     parts = sum(v for k, v in out["memory_bytes"].items() if k != "total")
     assert out["memory_bytes"]["total"] == pytest.approx(parts)

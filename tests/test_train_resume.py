@@ -64,17 +64,17 @@ def _killed_during_checkpoint(run_dir: str, kill_step: int) -> None:
     original = store.write_tensors
     rank, _ = current_rank_and_world()
 
-    def dying_write(path: Path, tensors: dict) -> None:
+    def dying_write(path: Path, tensors: dict, window_bytes: int = store.IO_BUFFER_BYTES) -> None:
         if (
             rank == 0
             and path.parent.name == f".tmp-step_{kill_step:08d}"
             and path.name == "shard.rank0.safetensors"
         ):
-            original(path, tensors)
+            original(path, tensors, window_bytes)
             data = path.read_bytes()
             path.write_bytes(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
-        original(path, tensors)
+        original(path, tensors, window_bytes)
 
     store.write_tensors = dying_write
     train_run.train_worker(run_dir, None)

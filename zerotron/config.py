@@ -477,6 +477,11 @@ class CheckpointConfig:
         "write checkpoint files on a background thread: a step is blocked only while the state is "
         "gathered and copied to host memory; the next save, the end and an error wait for the write",
     )
+    io_buffer_mb: float = _f(
+        64.0,
+        "MiB of an offloaded shard or moment (ZeRO + CPU/NVMe offload) that a save or a resume holds in "
+        "memory at once: each is read from its file and written window by window",
+    )
 
 
 @dataclass

@@ -191,6 +191,8 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower train.min_lr")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1")
+    if cfg.checkpoint.io_buffer_mb <= 0:
+        raise ConfigError(f"checkpoint.io_buffer_mb={cfg.checkpoint.io_buffer_mb} must be > 0 (MiB)")
     if t.loss_scale_init <= 0 or t.loss_scale_window < 1:
         raise ConfigError("train.loss_scale_init must be > 0 and train.loss_scale_window >= 1")
 

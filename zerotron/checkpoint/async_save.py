@@ -38,8 +38,8 @@ class CheckpointWriter:
         world_size: how many ranks write into each checkpoint folder.
     """
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, world_size: int, window_bytes: int = store.IO_BUFFER_BYTES) -> None:
+        self.rank, self.world_size, self.window_bytes = rank, world_size, window_bytes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._give_up_at = 0.0
@@ -83,7 +83,7 @@ class CheckpointWriter:
             tmp = store.temp_dir(root, step)
             try:
                 for name, named in tensors.items():
-                    store.write_tensors(tmp / name, named)
+                    store.write_tensors(tmp / name, named, self.window_bytes)
             finally:
                 for release in cleanup:
                     release()

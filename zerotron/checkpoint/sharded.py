@@ -177,6 +177,8 @@ class ShardedCheckpoint:
                     raise CheckpointError(
                         f"{path}: {piece['key']!r} has shape {got} where {INDEX} says {want}"
                     )
+                if part and piece["flat"] is not None and len(got) != 1:  # a range kept in another shape
+                    return cast("torch.Tensor", f.get_tensor(piece["key"]).reshape(-1)[part].clone())
                 if part:
                     return cast("torch.Tensor", stored[part].clone())
                 return cast("torch.Tensor", f.get_tensor(piece["key"]).clone())
@@ -220,16 +222,24 @@ class ShardedCheckpoint:
         whole = next((p for p in pieces if p["flat"] is None), None)
         if whole is not None:
             return self._piece(whole, part)
-        numel = math.prod(box)
-        buf = torch.empty(numel, dtype=_dtype(self.tensors[name]["dtype"]))
-        filled = torch.zeros(numel, dtype=torch.bool)
+        # only the rows of the box that ``part`` touches, and of each flat range only what falls in them
+        # (a load window by window reads a window's worth, not the box each time)
+        row = math.prod(box[1:]) if box else 1
+        rows = part[0] if part else slice(0, 1)
+        lo, hi = rows.start * row, rows.stop * row
+        buf = torch.empty(hi - lo, dtype=_dtype(self.tensors[name]["dtype"]))
+        filled = torch.zeros(hi - lo, dtype=torch.bool)
         for p in pieces:
             start, length = p["flat"]
-            buf[start : start + length] = self._piece(p).reshape(-1)
-            filled[start : start + length] = True
+            a, b = max(lo, start), min(hi, start + length)
+            if a < b:
+                buf[a - lo : b - lo] = self._piece(p, (slice(a - start, b - start),)).reshape(-1)
+                filled[a - lo : b - lo] = True
         if not bool(filled.all()):
             raise CheckpointError(
                 f"{self.ckpt}: the ranges saved of {name!r} (box at {pieces[0]['offsets']}) leave "
-                f"{int((~filled).sum())} of {numel} elements unwritten"
+                f"{int((~filled).sum())} of {hi - lo} elements unwritten"
             )
-        return buf.view(box)[part]
+        if not box:
+            return buf.view(box)
+        return buf.view(rows.stop - rows.start, *box[1:])[(slice(None), *part[1:])]

@@ -30,7 +30,7 @@ import re
 import shutil
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -116,6 +116,10 @@ class Deferred:
 
 Storable = torch.Tensor | Deferred
 
+# How much of a deferred tensor (an offloaded range) a save or a load holds at once, by default
+# (``checkpoint.io_buffer_mb``).
+IO_BUFFER_BYTES = 64 * 2**20
+
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -130,12 +134,13 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def write_tensors(path: Path, tensors: Mapping[str, Storable]) -> None:
+def write_tensors(path: Path, tensors: Mapping[str, Storable], window_bytes: int = IO_BUFFER_BYTES) -> None:
     """Write a safetensors file and fsync it, naming it in the error if it cannot be written.
 
     The header (names, dtypes, shapes, offsets) is known before any data, so the file is streamed: each
-    tensor is produced (a :class:`Deferred` is read only now), written and dropped before the next, and
-    the write holds one tensor in memory, never the file's worth. The format is safetensors' own (a
+    tensor is produced (a :class:`Deferred` is read only now, ``window_bytes`` at a time where its
+    reader reads ranges), written and dropped before the next, and the write holds one window in
+    memory, never the file's worth. The format is safetensors' own (a
     little-endian header length, the JSON header padded with spaces to 8 bytes, the tensors' bytes in
     header order); ``safetensors`` reads it like one of its own files."""
     header: dict[str, Any] = {}
@@ -157,17 +162,30 @@ def write_tensors(path: Path, tensors: Mapping[str, Storable]) -> None:
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
             for key in sorted(tensors):
-                t = tensors[key]
-                data = t.materialize() if isinstance(t, Deferred) else t.detach()
-                flat = data.reshape(-1).contiguous().cpu()
-                if flat.numel():
-                    f.write(flat.view(torch.uint8).numpy().data)
-                del data, flat
+                for data in _windows(tensors[key], window_bytes):
+                    flat = data.reshape(-1).contiguous().cpu()
+                    if flat.numel():
+                        f.write(flat.view(torch.uint8).numpy().data)
+                    del data, flat
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write safetensors ({e})") from e
     os.chmod(path, _FILE_MODE)
+
+
+def _windows(t: Storable, window_bytes: int) -> Iterator[torch.Tensor]:
+    """``t``'s values in order: a tensor whole; a :class:`Deferred` whose reader reads ranges, a window
+    of at most ``window_bytes`` at a time; another deferred one, produced whole."""
+    if not isinstance(t, Deferred):
+        yield t.detach()
+        return
+    if getattr(t.produce, "narrow", None) is None:
+        yield t.materialize()
+        return
+    step = max(1, window_bytes // t.dtype.itemsize)
+    for lo in range(0, t.numel(), step):
+        yield t[lo : lo + step].materialize()
 
 
 def write_json(path: Path, data: Any) -> None:

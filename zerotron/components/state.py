@@ -31,6 +31,7 @@ from torch import nn
 
 from zerotron.checkpoint import sharded, store
 from zerotron.checkpoint.async_save import CheckpointWriter
+from zerotron.checkpoint.store import IO_BUFFER_BYTES
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Mesh
 from zerotron.models.nf4 import is_quantized_param
@@ -43,6 +44,7 @@ from zerotron.parallel.placement import (
     persistent_buffers,
     placements,
     read_local,
+    read_local_part,
     writes,
 )
 from zerotron.parallel.zero.offload import ShardStore, StoreRange, state_readers
@@ -241,6 +243,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int,
     writer: CheckpointWriter | None = None,
+    io_buffer_bytes: int = IO_BUFFER_BYTES,
 ) -> Path:
     """Write and publish the checkpoint of ``step`` from every rank (collective over the world).
 
@@ -250,7 +253,8 @@ def save_checkpoint(
 
     With ``writer`` (``checkpoint.async_save``) the tensors are copied into host memory here and the
     writer's thread writes and publishes them while training goes on; the returned folder exists once
-    ``writer.wait()`` has returned on rank 0.
+    ``writer.wait()`` has returned on rank 0. Offloaded ranges are read ``io_buffer_bytes`` at a time
+    (the writer's own window, asynchronously).
     """
     if writer is not None:
         writer.wait()  # one write in flight: the previous folder is published before this one starts
@@ -282,7 +286,7 @@ def save_checkpoint(
         writer.submit(root, step, held_files, json_files, keep, cleanup)
         return final
     for name, named in files.items():
-        store.write_tensors(tmp / name, named)
+        store.write_tensors(tmp / name, named, io_buffer_bytes)
     for name, data in json_files.items():
         store.write_json(tmp / name, data)
     store.record_checksums(tmp, mesh.rank, [*files, *json_files])
@@ -326,9 +330,12 @@ def _check_saved_shape(ckpt: Path, name: str, saved: tuple[int, ...], want: tupl
 class _Reader:
     """This rank's view of a checkpoint: the part of each saved tensor that a parameter here holds."""
 
-    def __init__(self, reader: sharded.ShardedCheckpoint, model: nn.Module) -> None:
+    def __init__(
+        self, reader: sharded.ShardedCheckpoint, model: nn.Module, window_bytes: int = IO_BUFFER_BYTES
+    ) -> None:
         self.reader, self.ckpt = reader, reader.ckpt
         self.records = model_placements(model)
+        self.window = max(1, window_bytes // 4)  # fp32 elements a ranged load reads at once
 
     def saved(self, name: str, param: str) -> str | None:
         """The saved tensor behind ``name`` (``param`` or one of its optimizer tensors): itself, or for a
@@ -354,6 +361,20 @@ class _Reader:
             return self.reader.read(src, (), ())
         _check_saved_shape(self.ckpt, src, saved_shape, record.stored_shape)
         return read_local(record, lambda o, s: self.reader.read(src, o, s))
+
+    def whole(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s saved part on this rank (:class:`~zerotron.parallel.engine.SavedValues`)."""
+        return self.local(name, name)
+
+    def part(self, name: str, start: int, length: int, param: str | None = None) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of :meth:`local`'s tensor, flat: only the saved rows that
+        hold them are read."""
+        param = param or name
+        src = self.saved(name, param)
+        assert src is not None
+        record = self.records[param]
+        _check_saved_shape(self.ckpt, src, self.reader.shape(src), record.stored_shape)
+        return read_local_part(record, start, length, lambda o, s: self.reader.read(src, o, s))
 
     def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:
         """Every tensor of ``model``'s state dict with its local shape, after checking that the checkpoint
@@ -395,6 +416,15 @@ class _Moments(Mapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.view.local(key, self.names[key])
 
+    @property
+    def window(self) -> int:
+        """Elements a ranged load reads at once."""
+        return self.view.window
+
+    def part(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of ``self[key]``, flat, reading only those rows."""
+        return self.view.part(key, start, length, self.names[key])
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
@@ -425,14 +455,17 @@ class CheckpointSource:
         self.reader.close()
 
 
-def load_checkpoint(ckpt: Path, held: RankState, verified: bool = False) -> dict[str, Any]:
+def load_checkpoint(
+    ckpt: Path, held: RankState, verified: bool = False, io_buffer_bytes: int = IO_BUFFER_BYTES
+) -> dict[str, Any]:
     """Restore model, optimizer and (same world size) this rank's RNG from ``ckpt``; return the trainer state.
 
     Whatever layout saved it, each rank reads the box of every tensor it holds (its tp shard, whole
     otherwise) from the pieces that overlap it; ZeRO then keeps each segment's range. Every file this
     rank reads is checked against the manifest's sha256 first (and only those: a rank of a sharded
     layout hashes its part of the checkpoint, not all of it), unless the caller ``verified`` them all
-    (the launcher that chose the checkpoint): each file is hashed once per resume.
+    (the launcher that chose the checkpoint): each file is hashed once per resume. ZeRO's ranges are
+    read ``io_buffer_bytes`` at a time (``checkpoint.io_buffer_mb``).
     """
     model, optimizer, mesh, zero = held.model, held.optimizer, held.mesh, held.zero
     manifest = store.verify(ckpt, hashes=False)
@@ -441,10 +474,10 @@ def load_checkpoint(ckpt: Path, held: RankState, verified: bool = False) -> dict
         store.check_file(ckpt, "trainer.json", check)
     state = store.read_json(ckpt / "trainer.json")
     with sharded.ShardedCheckpoint(ckpt, check, verified) as reader:
-        view = _Reader(reader, model)
+        view = _Reader(reader, model, io_buffer_bytes)
         expected = view.expected(model, partial=mesh.dims.pp > 1)
-        if zero is not None:  # ZeRO-3 shards take their ranges, one parameter at a time
-            zero.load_shards(lambda name: view.local(name, name))
+        if zero is not None:  # ZeRO-3 shards take their ranges, a window at a time
+            zero.load_shards(view)
             expected = {n: shape for n, shape in expected.items() if n not in zero.names}
         model.load_state_dict({n: view.local(n, n) for n in expected}, strict=False)
         moments = view.moments(model)

@@ -21,6 +21,21 @@ if TYPE_CHECKING:  # annotations only: the ZeRO package imports this module
     from zerotron.parallel.zero.flat import FlatLayout, ShardSegment
 
 
+class SavedValues(Protocol):
+    """Saved tensors by parameter name (a checkpoint being loaded): whole, or a flat range of one, read
+    ``window`` elements at a time by the engines that keep ranges (``checkpoint.io_buffer_mb``)."""
+
+    window: int  # elements a load reads at once
+
+    def whole(self, name: str) -> torch.Tensor:
+        """This rank's tensor of parameter ``name`` (its tp part), whole."""
+        ...
+
+    def part(self, name: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of :meth:`whole`'s tensor, flat, reading only those."""
+        ...
+
+
 class GradientReducer(Protocol):
     """Reduces gradients as backward produces them, each over its parameter's group (the placement
     record's: the data-parallel group for dense parameters), and says what the optimizer updates.
@@ -113,8 +128,8 @@ class ShardedEngine(GradientReducer, Protocol):
         trained parameters, at least)."""
         ...
 
-    def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:
-        """Give every parameter the values ``whole(name)`` returns."""
+    def load_shards(self, saved: SavedValues) -> None:
+        """Give every parameter its saved values."""
         ...
 
     def close(self) -> None:

@@ -284,6 +284,25 @@ def read_local(
     return torch.cat(values).reshape(record.local_shape)
 
 
+def read_local_part(
+    record: Placement,
+    start: int,
+    length: int,
+    read: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor],
+) -> torch.Tensor:
+    """Elements ``[start, start + length)`` of this rank's tensor (row-major, flat) of a parameter whose
+    stored part ``read(offsets, shape)`` gives: only the rows of its box that hold them are read (a
+    checkpoint load window by window). A tensor of several boxes or none is read whole, then cut."""
+    shape = record.local_shape
+    if record.parts != 1 or len(shape) == 0 or length == 0:
+        return read_local(record, read).reshape(-1)[start : start + length]
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-(start + length) // row)  # the rows that hold the range
+    offsets = (record.offsets[0] + first, *record.offsets[1:])
+    rows = read_box(record, offsets, (last - first, *shape[1:]), read).reshape(-1)
+    return rows[start - first * row : start - first * row + length]
+
+
 def fill_value(box: Box, name: str, record: Placement) -> torch.Tensor:
     """The values of this rank's box of parameter ``name`` from a weight source's ``box`` (a copy reads
     its source's; padding rows are zeros)."""

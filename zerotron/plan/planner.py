@@ -30,6 +30,7 @@ from zerotron.plan.layout import (
     working_weights16,
 )
 from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
+from zerotron.plan.phases import phase_memory
 from zerotron.plan.traffic import engine_dp_bytes, onebit_zero_state_bytes
 from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
 
@@ -56,6 +57,8 @@ class Plan:
     detail: dict[str, Any] = field(default_factory=dict)
     interval: dict[str, Any] | None = None
     """The step time's range from similar validation runs (:mod:`zerotron.plan.interval`), when set."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Peak bytes per phase of a run (:mod:`zerotron.plan.phases`), when set."""
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object: memory_bytes, step_time_s, tokens_per_s, mfu, breakdown."""
@@ -70,6 +73,7 @@ class Plan:
             "step_time_range_basis": self.interval["basis"] if self.interval else None,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
+            "phase_peak_memory_bytes": dict(self.phases),
             "breakdown": {
                 "time_s": dict(self.time),
                 "memory": dict(self.detail),
@@ -101,7 +105,11 @@ def plan_config(
     refuse_compiled(cfg)
     m, layout, work = from_config(cfg, gpus)
     check(m, layout, work, hw, gpus)
-    return plan_layout(m, layout, work, hw, convention, flash)
+    plan = plan_layout(m, layout, work, hw, convention, flash)
+    layers = rank_layers(m, plan.layout, work)[plan.stage]
+    io_buffer = cfg.checkpoint.io_buffer_mb * 2**20
+    plan.phases = phase_memory(plan, m, work, io_buffer, layers, zero_ranks(plan.layout))
+    return plan
 
 
 def stage_memory(
@@ -139,6 +147,7 @@ def stage_memory(
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
     buffers, buf_detail = _buffers(m, layout, work, convention, stage, sp.elements)
     detail.update(buf_detail)
+    detail.update({f"host_{k}": v for k, v in states["host"].items()})  # offloaded to host memory
     dev = states["device"]
     memory = {**dev, "activations": acts, "buffers": buffers}
     memory["total"] = sum(memory.values())

@@ -26,6 +26,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"offload  host {plan.host_bytes / GiB:.2f} GiB, nvme {plan.nvme_bytes / GiB:.2f} GiB per rank"
         )
+    if plan.phases:
+        parts = "  ".join(f"{k} {v / GiB:.2f}" for k, v in plan.phases.items())
+        lines.append(f"phases   {parts} GiB per rank (device + host, peaks; the runtime's own memory aside)")
     parts = "  ".join(f"{k} {v:.3g}" for k, v in plan.time.items() if v > 0)
     lines.append(f"time     {plan.step_time_s:.4g} s per step: {parts}")
     if plan.interval:

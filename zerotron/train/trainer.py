@@ -106,9 +106,12 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + mesh.rank // mesh.dims.tp)
         self.flops_per_token = flops_per_token(ModelShape.from_config(cfg.model), cfg.train.seq_len)
         self.ckpt_root = run_dir / "checkpoints"
+        self.io_buffer_bytes = max(1, int(cfg.checkpoint.io_buffer_mb * 2**20))  # offloaded ranges per I/O
         # checkpoint.async_save: a thread writes the files; the gathers stay on this thread.
         self.ckpt_writer = (
-            CheckpointWriter(mesh.rank, mesh.dims.world_size) if cfg.checkpoint.async_save else None
+            CheckpointWriter(mesh.rank, mesh.dims.world_size, self.io_buffer_bytes)
+            if cfg.checkpoint.async_save
+            else None
         )
         self.memory.end("materialise")
 
@@ -279,7 +282,13 @@ class Trainer:
             "config": to_dict(self.cfg),
         }
         return ckpt_state.save_checkpoint(
-            self.ckpt_root, self.step, self._held(), trainer_state, self.cfg.checkpoint.keep, self.ckpt_writer
+            self.ckpt_root,
+            self.step,
+            self._held(),
+            trainer_state,
+            self.cfg.checkpoint.keep,
+            self.ckpt_writer,
+            self.io_buffer_bytes,
         )
 
     def _held(self) -> ckpt_state.RankState:
@@ -312,7 +321,7 @@ class Trainer:
                 raise store.CheckpointError(f"--resume {spec}: no such checkpoint folder")
         # Build optimizer state tensors before loading so the restored ones replace them.
         with self.memory.phase("load"):
-            state = ckpt_state.load_checkpoint(ckpt, self._held(), verified)
+            state = ckpt_state.load_checkpoint(ckpt, self._held(), verified, self.io_buffer_bytes)
         self.step = int(state["step"])
         if "scaler" in state:  # absent from a converted model (`zerotron convert --to checkpoint`)
             self.scaler.load_state_dict(state["scaler"])

@@ -424,6 +424,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.moments[k].write(i, state[k].detach().reshape(-1).float().cpu(), seg.at)
         self.steps = int(float(state["step"]))
 
+    def set_segment_range(self, param: torch.Tensor, key: str, values: torch.Tensor, start: int) -> None:
+        """Store elements ``[start, start + len(values))`` of one segment's part of moment ``key`` (a
+        checkpoint load, window by window)."""
+        i, seg = self._where[id(param)]
+        self.moments[key].write(i, values.detach().reshape(-1).float().cpu(), seg.at + start)
+
     def sync_from_device(self) -> None:
         """Each bucket's master takes its parameters' values (after a checkpoint load)."""
         for bucket in self.buckets:

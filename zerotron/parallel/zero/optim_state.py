@@ -7,6 +7,7 @@ Between the flat-buffer layer (:mod:`~zerotron.parallel.zero.flat`) and the offl
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
@@ -51,9 +52,22 @@ def gather_optimizer_state(
 def load_optimizer_state(
     segments: list[ShardSegment], optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]
 ) -> None:
-    """Give each segment its part of the whole AdamW state ``tensors`` (inverse of the gather)."""
+    """Give each segment its part of the whole AdamW state ``tensors`` (inverse of the gather).
+
+    Moments on the host or NVMe (:class:`OffloadAdamW`) are read and stored window by window where
+    ``tensors`` can read ranges (a checkpoint's: its ``part`` and ``window``), never whole."""
+    part = getattr(tensors, "part", None)
     for seg in segments:
         if f"{seg.name}.exp_avg" not in tensors:
+            continue
+        if part is not None and isinstance(optimizer, OffloadAdamW):
+            window: int = cast(Any, tensors).window  # a checkpoint's reader: see its docstring
+            for key in ADAM_KEYS:
+                for lo in range(0, seg.length, window):
+                    n = min(window, seg.length - lo)
+                    values = part(f"{seg.name}.{key}", seg.start + lo, n)
+                    optimizer.set_segment_range(seg.param, key, values, lo)
+            optimizer.steps = int(float(tensors[f"{seg.name}.step"]))
             continue
         state: dict[str, torch.Tensor] = {}
         for key in ADAM_KEYS:

@@ -35,6 +35,7 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import SyncGate, bucketed_by_group, grad_or_zeros, unique_named_params
+from zerotron.parallel.engine import SavedValues
 from zerotron.parallel.zero.compress import OneBitShards, reduce_grads
 from zerotron.parallel.zero.flat import (
     FlatLayout,
@@ -327,9 +328,10 @@ class _ShardedBuckets(SyncGate):
         """The parameters this engine shards (by name)."""
         return {slot.name for layout in self.layouts for slot in layout.slots}
 
-    def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:
-        """Give every parameter the values ``whole(name)`` returns (ZeRO-1/2 keep them all; a checkpoint
-        load, one parameter at a time)."""
+    def load_shards(self, saved: SavedValues) -> None:
+        """Give every parameter its saved values (ZeRO-1/2 keep them all; a checkpoint load, one
+        parameter at a time)."""
+        whole = saved.whole
         with torch.no_grad():
             for layout, flat, master in zip(self.layouts, self.flats, self.masters):
                 if self.mixed:

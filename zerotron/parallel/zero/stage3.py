@@ -36,6 +36,7 @@ from torch import nn
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.parallel.data import grad_or_zeros
+from zerotron.parallel.engine import SavedValues
 from zerotron.parallel.tensor import attach_grad_sums
 from zerotron.parallel.zero.compress import reduce_grads
 from zerotron.parallel.zero.flat import (
@@ -469,19 +470,18 @@ class ZeroStage3:
         """The parameters this engine shards (by name)."""
         return {slot.name for unit in self.units for slot in unit.layout.slots}
 
-    def load_shards(self, whole: Callable[[str], torch.Tensor]) -> None:
-        """Give every unit's shard its part of the weights ``whole(name)`` returns (one parameter at a
-        time, this rank's tp part, whole), with no gather; the persistent unit is re-gathered after
-        (collective over dp). A checkpoint load: no rank ever holds more than one parameter whole."""
+    def load_shards(self, saved: SavedValues) -> None:
+        """Give every unit's shard its ranges of the saved weights, with no gather; the persistent unit is
+        re-gathered after (collective over dp). A checkpoint load: each segment's range is read and
+        written ``saved.window`` elements at a time (``checkpoint.io_buffer_mb``), straight to wherever
+        the shard lives (device, host memory or the NVMe file): no rank holds more than a window of it."""
         for unit in self.units:
             if unit.derived:  # a QLoRA base's NF4 bytes: made from the weight source, not saved
                 continue
-            values = torch.zeros(unit.layout.shard, dtype=torch.float32)
             for seg in unit.segments:
-                values[seg.at : seg.at + seg.length] = whole(seg.name).reshape(-1)[
-                    seg.start : seg.start + seg.length
-                ]
-            unit.write_shard(values)
+                for lo in range(0, seg.length, saved.window):
+                    n = min(saved.window, seg.length - lo)
+                    unit.write_range(saved.part(seg.name, seg.start + lo, n), seg.at + lo)
         self.after_step()
 
     def segment_values(

@@ -260,6 +260,19 @@ class Unit:
     def sync_from_device(self) -> None:
         """The shard already is the master (checkpoint loads write it through :meth:`write_shard`)."""
 
+    def write_range(self, values: torch.Tensor, start: int) -> None:
+        """Give elements ``[start, start + len(values))`` of the shard ``values`` (a checkpoint load,
+        window by window), wherever it lives; the NVMe windows stay evicted."""
+        if self.store is None:
+            self.shard[start : start + values.numel()].copy_(values.reshape(-1))
+            return
+        if self.reading is not None:  # a prefetch of the old values: stale now
+            self.reading.result()
+            self.reading = None
+        self.store.write(self.index, values.reshape(-1), start)
+        if self.working_store is not None:
+            self.working_store.write(self.index, values.reshape(-1), start)  # cast to 16 bits
+
     def write_shard(self, values: torch.Tensor) -> None:
         """Give the shard ``values`` ``(shard,)`` (a checkpoint load), wherever it lives."""
         if self.store is None:
