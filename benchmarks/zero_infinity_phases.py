@@ -4,8 +4,8 @@ ZeRO-Infinity, on this CPU: peak memory added per rank and seconds, at two depth
 Run:  python benchmarks/zero_infinity_phases.py [--layers 2 24] [--nvme DIR] [--only LABEL ...]
       [--io-buffer-mb 64]
 
-The shape is issue 57's: hidden 1024, 16 heads, SwiGLU 2816, vocabulary 8192, sequence 128, two
-micro-batches of 2 per step over dp 2, fp32, AdamW, two steps. Each framework, in its own two
+The shape is issue 57's: hidden 1024, 16 heads, SwiGLU 2816, vocabulary 8192, sequence 128, one
+micro-batch of 2 per rank and step over dp 2, fp32, AdamW, two steps. Each framework, in its own two
 processes (Gloo, one thread each):
 
 - zerotron: ``parallel.zero=3`` with ``offload_params=nvme`` and ``offload_optimizer=nvme`` (and
@@ -59,7 +59,7 @@ MODEL = [
     "model.vocab_size=8192",
     "train.seq_len=128",
     "train.micro_batch=2",
-    "train.global_batch=8",
+    "train.global_batch=4",
     "train.steps=2",
     "train.lr=1e-4",
     "parallel.dp=2",
