@@ -28,6 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,12 +62,20 @@ def _added(base: int, seconds: float, loss: float) -> dict:
     return {"added_mib": (rss_kib("VmHWM") * 1024 - base) / MIB, "seconds": seconds, "loss": loss}
 
 
-def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
+def zerotron_rank(overrides: list[str]) -> tuple[Any, Mesh]:
+    """This rank's config and mesh, with torch's meta kernels loaded (on first use: not the model's
+    memory, so before any measurement)."""
     cfg = load_config(None, overrides)
     rank, world = current_rank_and_world()
     mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
-    with torch.device("meta"):  # torch's meta kernels load on first use: not the model's memory
+    with torch.device("meta"):
         LlamaForCausalLM(load_config(None, []).model)
+    return cfg, mesh
+
+
+def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
+    cfg, mesh = zerotron_rank(overrides)
+    rank = mesh.rank
     base, start = reset_peak_rss(), time.perf_counter()
     trainer = Trainer(cfg, mesh, Path(run_dir) / f"rank{rank}", tokens)
     loss = [trainer.train_step()["loss"] for _ in range(cfg.train.steps)][-1]
@@ -86,13 +95,10 @@ TUNED = {
 }
 
 
-def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str | None, tuned: bool) -> dict:
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    cfg = load_config(None, overrides)
+def ds_config(cfg: Any, world: int, nvme: str | None, tuned: bool) -> dict:
+    """The DeepSpeed config of ``cfg``'s job: stage 3 (``tuned``: :data:`TUNED`'s buffers), with parameters
+    and optimizer on NVMe in ``nvme`` (ZeRO-Infinity) when given."""
     t = cfg.train
-    rank, world = current_rank_and_world()
     zero: dict = {"stage": 3, **(TUNED if tuned else {})}
     if nvme is not None:
         # DeepSpeed's default parameter swap buffers (5 × 1e8 elements) alone add about 2.5 GiB per rank
@@ -105,7 +111,7 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str | None, tuned
             "buffer_size": 2**24,
         }
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False}
-    ds_config = {
+    return {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.global_batch // (t.micro_batch * world),
@@ -114,10 +120,20 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str | None, tuned
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
+
+
+def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str | None, tuned: bool) -> dict:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config(None, overrides)
+    t = cfg.train
+    rank, world = current_rank_and_world()
+    ds_config_dict = ds_config(cfg, world, nvme, tuned)
     base, start = reset_peak_rss(), time.perf_counter()
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config_dict):
         model = LlamaForCausalLM(cfg.model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config_dict)
     loader = DataLoader(PackedDataset(tokens, t.seq_len), t.global_batch, t.micro_batch, rank, world, t.seed)
     total = torch.zeros(())
     for _ in range(t.steps):

@@ -14,7 +14,7 @@ processes (Gloo, one thread each):
   one more step;
 - DeepSpeed 0.19 ZeRO-Infinity: stage 3, the model built under ``deepspeed.zero.Init``,
   ``offload_param`` and ``offload_optimizer`` on ``nvme`` (libaio, its async_io op; DeepSpeedCPUAdam),
-  the buffers of :data:`memory_scale.TUNED` (its defaults alone take GiBs per rank on this model);
+  the buffers of ``memory_scale.TUNED`` (its defaults alone take GiBs per rank on this model);
   ``engine.save_checkpoint``; then a second engine and ``engine.load_checkpoint`` and one more step.
 
 Per phase: the largest rank's peak RSS added (``VmHWM`` reset as the phase begins, minus the RSS the
@@ -40,14 +40,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory_scale import TUNED  # noqa: E402
+import memory_scale  # noqa: E402
 
 from zerotron.bench.report import cpu_name, reset_peak_rss, rss_kib  # noqa: E402
 from zerotron.bench.runners import deepspeed_step  # noqa: E402
 from zerotron.components.data import DataLoader, PackedDataset  # noqa: E402
 from zerotron.config_load import load_config  # noqa: E402
 from zerotron.distributed.launch import current_rank_and_world, spawn  # noqa: E402
-from zerotron.distributed.mesh import Mesh, ParallelDims  # noqa: E402
 from zerotron.models.llama import LlamaForCausalLM  # noqa: E402
 from zerotron.train.trainer import Trainer  # noqa: E402
 
@@ -90,11 +89,7 @@ class Phases:
 
 
 def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
-    cfg = load_config(None, overrides)
-    rank, world = current_rank_and_world()
-    mesh = Mesh(ParallelDims.from_config(cfg.parallel, world), rank)
-    with torch.device("meta"):  # torch's meta kernels load on first use: not the model's memory
-        LlamaForCausalLM(load_config(None, []).model)
+    cfg, mesh = memory_scale.zerotron_rank(overrides)
     phases = Phases()
     with phases.phase("build"):
         trainer = Trainer(cfg, mesh, Path(run_dir), tokens)
@@ -113,31 +108,6 @@ def _zerotron(overrides: list[str], tokens: np.ndarray, run_dir: str) -> dict:
     return {"phases": phases.out, "losses": losses, "third": third, "resumed": again}
 
 
-def _ds_config(cfg: object, world: int, nvme: str) -> dict:
-    t = cfg.train  # type: ignore[attr-defined]
-    zero = {
-        "stage": 3,
-        **TUNED,
-        "offload_param": {
-            "device": "nvme",
-            "nvme_path": nvme,
-            "pin_memory": False,
-            "buffer_count": 5,
-            "buffer_size": 2**24,
-        },
-        "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False},
-    }
-    return {
-        "train_batch_size": t.global_batch,
-        "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": t.global_batch // (t.micro_batch * world),
-        "gradient_clipping": t.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "weight_decay": t.weight_decay}},
-        "zero_optimization": zero,
-        "steps_per_print": 10**9,
-    }
-
-
 def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str, run_dir: str) -> dict:
     import deepspeed
 
@@ -145,7 +115,7 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str, run_dir: str
     cfg = load_config(None, overrides)
     t = cfg.train
     rank, world = current_rank_and_world()
-    ds_config = _ds_config(cfg, world, nvme)
+    ds_config = memory_scale.ds_config(cfg, world, nvme, tuned=True)
 
     def engine() -> object:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
