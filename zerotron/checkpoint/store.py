@@ -104,6 +104,16 @@ class Deferred:
         produce = narrow(lo, hi) if narrow is not None else (lambda: self.produce().reshape(-1)[lo:hi])
         return Deferred(hi - lo, self.dtype, produce)
 
+    def windows(self, window_bytes: int) -> Iterator[torch.Tensor]:
+        """The values in order, at most ``window_bytes`` at a time where the reader reads ranges (whole
+        otherwise: a reader without ``narrow`` would produce everything for every window)."""
+        if getattr(self.produce, "narrow", None) is None:
+            yield self.materialize()
+            return
+        step = max(1, window_bytes // self.dtype.itemsize)
+        for lo in range(0, self.numel(), step):
+            yield self[lo : lo + step].materialize()
+
     def materialize(self) -> torch.Tensor:
         """The tensor, checked against the promised shape and dtype."""
         t = self.produce().reshape(-1)
@@ -162,7 +172,8 @@ def write_tensors(path: Path, tensors: Mapping[str, Storable], window_bytes: int
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
             for key in sorted(tensors):
-                for data in _windows(tensors[key], window_bytes):
+                t = tensors[key]
+                for data in t.windows(window_bytes) if isinstance(t, Deferred) else [t.detach()]:
                     flat = data.reshape(-1).contiguous().cpu()
                     if flat.numel():
                         f.write(flat.view(torch.uint8).numpy().data)
@@ -172,20 +183,6 @@ def write_tensors(path: Path, tensors: Mapping[str, Storable], window_bytes: int
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write safetensors ({e})") from e
     os.chmod(path, _FILE_MODE)
-
-
-def _windows(t: Storable, window_bytes: int) -> Iterator[torch.Tensor]:
-    """``t``'s values in order: a tensor whole; a :class:`Deferred` whose reader reads ranges, a window
-    of at most ``window_bytes`` at a time; another deferred one, produced whole."""
-    if not isinstance(t, Deferred):
-        yield t.detach()
-        return
-    if getattr(t.produce, "narrow", None) is None:
-        yield t.materialize()
-        return
-    step = max(1, window_bytes // t.dtype.itemsize)
-    for lo in range(0, t.numel(), step):
-        yield t[lo : lo + step].materialize()
 
 
 def write_json(path: Path, data: Any) -> None:

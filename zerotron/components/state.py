@@ -350,16 +350,22 @@ class _Reader:
                 return alias
         return None
 
-    def local(self, name: str, param: str) -> torch.Tensor:
-        """``name``'s part on this rank: ``param``'s box (or boxes) per the placement record (its tp
-        shard, its experts)."""
+    def _source(self, name: str, param: str) -> tuple[str, Placement]:
+        """The saved tensor behind ``name`` and ``param``'s placement, its shape checked (not a scalar's)."""
         src = self.saved(name, param)
         assert src is not None
         record = self.records[param]
         saved_shape = self.reader.shape(src)
-        if not saved_shape:  # a scalar (AdamW's step count)
+        if saved_shape:  # a scalar (AdamW's step count) has no box
+            _check_saved_shape(self.ckpt, src, saved_shape, record.stored_shape)
+        return src, record
+
+    def local(self, name: str, param: str) -> torch.Tensor:
+        """``name``'s part on this rank: ``param``'s box (or boxes) per the placement record (its tp
+        shard, its experts)."""
+        src, record = self._source(name, param)
+        if not self.reader.shape(src):
             return self.reader.read(src, (), ())
-        _check_saved_shape(self.ckpt, src, saved_shape, record.stored_shape)
         return read_local(record, lambda o, s: self.reader.read(src, o, s))
 
     def whole(self, name: str) -> torch.Tensor:
@@ -369,11 +375,7 @@ class _Reader:
     def part(self, name: str, start: int, length: int, param: str | None = None) -> torch.Tensor:
         """Elements ``[start, start + length)`` of :meth:`local`'s tensor, flat: only the saved rows that
         hold them are read."""
-        param = param or name
-        src = self.saved(name, param)
-        assert src is not None
-        record = self.records[param]
-        _check_saved_shape(self.ckpt, src, self.reader.shape(src), record.stored_shape)
+        src, record = self._source(name, param or name)
         return read_local_part(record, start, length, lambda o, s: self.reader.read(src, o, s))
 
     def expected(self, model: nn.Module, partial: bool) -> dict[str, tuple[int, ...]]:

@@ -81,6 +81,10 @@ class Layout(shared.HoldsDims):
         )
 
 
+# bytes of one activation element by train.precision (fp8 counted at its 16-bit working dtype)
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+
+
 @dataclass(frozen=True)
 class Workload:
     """What one optimizer step computes."""

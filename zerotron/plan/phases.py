@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zerotron.plan.layout import Workload
+from zerotron.plan.layout import ACT_BYTES, Workload
 from zerotron.shapes import ModelShape
 
 if TYPE_CHECKING:  # the planner calls this module
     from zerotron.plan.planner import Plan
 
 PHASES = ("materialise", "steps", "save", "load", "sample")
-_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 def phase_memory(
@@ -48,7 +47,7 @@ def phase_memory(
     if layout.offload_params != "none" or layout.offload_optimizer != "none":
         segment = min(segment, io_buffer_bytes)  # read and written window by window
     load = segment if layout.zero >= 3 or layout.zero == 0 else 4.0 * local
-    act = _ACT_BYTES.get(work.precision, 4)
+    act = ACT_BYTES[work.precision]
     kv_cache = 2.0 * layers * (m.kv_width // layout.tp) * work.seq_len * act
     sample_buffers = mem["buffers"] if layout.zero >= 3 else 0.0
     return {

@@ -20,6 +20,7 @@ from zerotron.plan import timing
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import (
+    ACT_BYTES,
     Layout,
     Workload,
     check,
@@ -33,8 +34,6 @@ from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_
 from zerotron.plan.phases import phase_memory
 from zerotron.plan.traffic import engine_dp_bytes, onebit_zero_state_bytes
 from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
-
-_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 @dataclass
@@ -378,7 +377,7 @@ def _buffers(
     if stage == layout.pp - 1:
         # Backward of the loss: d(logits) in fp32 and in the compute dtype, one micro-batch.
         tokens = layout.micro_batch * work.seq_len / layout.cp
-        detail["logits_grad"] = tokens * m.vocab / layout.tp * (4 + _ACT_BYTES[work.precision])
+        detail["logits_grad"] = tokens * m.vocab / layout.tp * (4 + ACT_BYTES[work.precision])
     return sum(detail.values()), detail
 
 
@@ -464,12 +463,12 @@ def step_times(
     grad_wire = (
         (2 if layout.grad_reduce_dtype == "bf16" else gb)
         if convention == "zerotron"
-        else _ACT_BYTES[work.precision]
+        else ACT_BYTES[work.precision]
     )
     param_wire = (
         (2 if working_weights16(layout, work) else pb)
         if convention == "zerotron"
-        else _ACT_BYTES[work.precision]
+        else ACT_BYTES[work.precision]
     )
     stages = [
         stage_params(m, layout.tp, layout.pp, r, layers[r], layout.ep, layout.etp)

@@ -33,10 +33,8 @@ from typing import cast
 
 from zerotron.layout import hybrid, ulysses_size
 from zerotron.plan.hardware import Hardware
-from zerotron.plan.layout import Layout, Workload, micro_batches
+from zerotron.plan.layout import ACT_BYTES, Layout, Workload, micro_batches
 from zerotron.shapes import ModelShape
-
-_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 def gemm_efficiency(hw: Hardware, rows: float, cols: float, inner: float, precision: str = "bf16") -> float:
@@ -237,7 +235,7 @@ def elementwise_bytes_per_token(
     splits them; full recomputation repeats the forward third; eager blocks (``layout.kernels``) take
     the profile's ``eager_elementwise`` times the fused block's time.
     """
-    a = _ACT_BYTES[work.precision]
+    a = ACT_BYTES[work.precision]
     hidden = HIDDEN_PASSES * m.hidden / (layout.tp if layout.sequence_parallel else 1)
     ffn = FFN_PASSES * m.intermediate * (2 if m.gated else 1) * m.active_mlps / layout.tp
     scores = 0.0 if flash else SCORE_PASSES * m.heads / layout.tp * work.seq_len
@@ -255,7 +253,7 @@ def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
     """
     if layout.tp == 1:
         return 0.0
-    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * _ACT_BYTES[work.precision]
+    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * ACT_BYTES[work.precision]
     per = collective_time("all_reduce", nbytes, layout.tp, 1, hw)
     count = 4 + (2 if layout.recompute == "full" else 0)
     if layout.tp_comm_overlap:
@@ -281,7 +279,7 @@ def context_parallel_calls(
     (selective or full) runs its forward transfers again in backward."""
     if layout.cp == 1:
         return []
-    a = _ACT_BYTES[work.precision]
+    a = ACT_BYTES[work.precision]
     t = layout.micro_batch * work.seq_len / layout.cp  # this rank's tokens
     kvh_local = max(1, m.kv_heads // layout.tp)
     q, kv = m.q_width / layout.tp, m.kv_width / min(layout.tp, m.kv_heads)
@@ -364,7 +362,7 @@ def expert_parallel_bytes(m: ModelShape, layout: Layout, work: Workload) -> floa
         tokens /= layout.tp
     slots_out = tokens * m.top_k * (ep - 1) / ep
     counts = 8 * m.experts * (ep - 1) // ep
-    per_block = (2 if full else 1) * counts + (6 if full else 4) * slots_out * m.hidden * _ACT_BYTES[
+    per_block = (2 if full else 1) * counts + (6 if full else 4) * slots_out * m.hidden * ACT_BYTES[
         work.precision
     ]
     return per_block * m.moe_layers * micro_batches(layout, work)
@@ -377,7 +375,7 @@ def expert_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hard
     the context-parallel ranks first, then the data-parallel ones, so its link is theirs."""
     if not m.experts or layout.ep == 1:
         return 0.0
-    a = _ACT_BYTES[work.precision]
+    a = ACT_BYTES[work.precision]
     nbytes = layout.micro_batch * work.seq_len / layout.cp * m.top_k * m.hidden * a
     if layout.sequence_parallel and layout.etp == 1:  # each tp rank exchanges its sequence shard's
         nbytes /= layout.tp
@@ -397,7 +395,7 @@ def pipeline_times(
     bubble = (layout.pp - 1) / (v * n_mb) * n_mb * t_mb
     if layout.pp_schedule == "zb":
         bubble /= 3.0
-    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * _ACT_BYTES[work.precision]
+    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * ACT_BYTES[work.precision]
     if layout.tp > 1 and (layout.sequence_parallel or layout.pp_scatter_gather):
         nbytes /= layout.tp  # Megatron's scatter/gather: each tp rank sends its slice
     send = collective_time("send", nbytes, layout.pp, strides(layout)["pp"], hw)

@@ -258,7 +258,7 @@ class Unit:
         self._evict()
 
     def sync_from_device(self) -> None:
-        """The shard already is the master (checkpoint loads write it through :meth:`write_shard`)."""
+        """The shard already is the master (checkpoint loads write it through :meth:`write_range`)."""
 
     def write_range(self, values: torch.Tensor, start: int) -> None:
         """Give elements ``[start, start + len(values))`` of the shard ``values`` (a checkpoint load,
@@ -272,15 +272,6 @@ class Unit:
         self.store.write(self.index, values.reshape(-1), start)
         if self.working_store is not None:
             self.working_store.write(self.index, values.reshape(-1), start)  # cast to 16 bits
-
-    def write_shard(self, values: torch.Tensor) -> None:
-        """Give the shard ``values`` ``(shard,)`` (a checkpoint load), wherever it lives."""
-        if self.store is None:
-            self.shard.copy_(values)
-            return
-        master = self.load_master()
-        master.copy_(values)
-        self.store_master(master)
 
     def _evict(self) -> None:
         """Drop the NVMe windows' storage (a read in flight keeps the gathers' source)."""
