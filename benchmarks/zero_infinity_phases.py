@@ -2,11 +2,12 @@
 ZeRO-Infinity, on this CPU: peak memory added per rank and seconds, at two depths.
 
 Run:  python benchmarks/zero_infinity_phases.py [--layers 2 24] [--nvme DIR] [--only LABEL ...]
-      [--io-buffer-mb 64]
+      [--io-buffer-mb 64] [--recompute none|full]
 
 The shape is issue 57's: hidden 1024, 16 heads, SwiGLU 2816, vocabulary 8192, sequence 128, one
-micro-batch of 2 per rank and step over dp 2, fp32, AdamW, two steps. Each framework, in its own two
-processes (Gloo, one thread each):
+micro-batch of 2 per rank and step over dp 2, fp32, AdamW, two steps; ``--recompute full`` checkpoints
+every block's activations on both (zerotron's ``train.recompute=full``, applied to the model DeepSpeed
+trains too). Each framework, in its own two processes (Gloo, one thread each):
 
 - zerotron: ``parallel.zero=3`` with ``offload_params=nvme`` and ``offload_optimizer=nvme`` (and
   ``checkpoint.io_buffer_mb``): ``Trainer`` (the model materialised straight to its files), two steps,
@@ -48,6 +49,7 @@ from zerotron.components.data import DataLoader, PackedDataset  # noqa: E402
 from zerotron.config_load import load_config  # noqa: E402
 from zerotron.distributed.launch import current_rank_and_world, spawn  # noqa: E402
 from zerotron.models.llama import LlamaForCausalLM  # noqa: E402
+from zerotron.parallel.recompute import apply_recompute  # noqa: E402
 from zerotron.train.trainer import Trainer  # noqa: E402
 
 RANK_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
@@ -120,6 +122,7 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str, run_dir: str
     def engine() -> object:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = LlamaForCausalLM(cfg.model)
+        apply_recompute(model, t.recompute)  # the same block checkpointing as zerotron's
         built, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         return built
 
@@ -149,8 +152,9 @@ def _deepspeed(overrides: list[str], tokens: np.ndarray, nvme: str, run_dir: str
     return {"phases": phases.out, "losses": losses, "third": third, "resumed": again}
 
 
-def run(layers: int, tokens: np.ndarray, nvme_root: str, only: list[str], io_mb: int) -> dict[str, dict]:
-    base = [*MODEL, f"model.num_hidden_layers={layers}"]
+def run(layers: int, tokens: np.ndarray, nvme_root: str, args: argparse.Namespace) -> dict[str, dict]:
+    base = [*MODEL, f"model.num_hidden_layers={layers}", f"train.recompute={args.recompute}"]
+    only, io_mb = args.only, args.io_buffer_mb
     offload = ["parallel.zero=3", "parallel.offload_params=nvme", "parallel.offload_optimizer=nvme"]
     out: dict[str, dict] = {}
     runs: dict[str, tuple[Callable, Callable[[str, str], tuple]]] = {
@@ -212,12 +216,15 @@ def main() -> None:
     parser.add_argument("--nvme", default=tempfile.gettempdir(), help="directory for the NVMe files")
     parser.add_argument("--only", nargs="*", default=[], help="run these frameworks (labels) only")
     parser.add_argument("--io-buffer-mb", type=int, default=64, help="zerotron's checkpoint.io_buffer_mb")
+    parser.add_argument("--recompute", default="none", choices=["none", "full"], help="block checkpointing")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     tokens = np.random.default_rng(0).integers(0, 8192, size=40_000).astype(np.uint16)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    results = {n: run(n, tokens, args.nvme, args.only, args.io_buffer_mb) for n in args.layers}
-    print(f"{started}, {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    results = {n: run(n, tokens, args.nvme, args) for n in args.layers}
+    print(
+        f"{started}, {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, recompute {args.recompute}"
+    )
     print(_table(results))
     print(json.dumps(results))
 

@@ -127,3 +127,11 @@ def test_each_file_is_checked_against_the_manifest_when_first_read(tmp_path: Pat
         assert torch.equal(reader.read("w", (0, 0), (4, 6)), full[:4])
         with pytest.raises(store.CheckpointError, match=r"shard.rank1.safetensors: checksum mismatch"):
             reader.read("w", (4, 0), (4, 6))
+
+
+def test_the_ranges_read_are_counted_once_where_they_overlap() -> None:
+    """The coverage check of flat ranges: overlaps count once, gaps not at all."""
+    assert sharded._union_length([]) == 0
+    assert sharded._union_length([(5, 9), (0, 3), (2, 6)]) == 9  # [0, 9)
+    assert sharded._union_length([(0, 4), (0, 4), (6, 8)]) == 6  # a replica's copy, and a gap at [4, 6)
+    assert sharded._union_length([(0, 10), (2, 3)]) == 10

@@ -120,3 +120,22 @@ def test_a_deferred_range_is_written_window_by_window(tmp_path: Path) -> None:
     assert asked == [999] * 10 + [10] and whole_reads == [1]
     back = load_file(str(tmp_path / "a.safetensors"))
     assert torch.equal(back["ranged"], values) and torch.equal(back["plain"], values[:300])
+
+
+def test_a_written_file_is_hashed_as_it_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checksum a rank records for a safetensors file it wrote is the file's sha256 (hashlib over
+    its bytes), computed while writing: recording it reads nothing back."""
+    import hashlib
+    import json
+
+    tensors: dict[str, store.Storable] = {"a": torch.randn(5000), "b": torch.arange(7, dtype=torch.int64)}
+    store.write_tensors(tmp_path / "w.safetensors", tensors, window_bytes=64)
+
+    def no_reread(path: Path) -> str:
+        raise AssertionError(f"{path} was read back to hash it")
+
+    monkeypatch.setattr(store, "_sha256", no_reread)
+    store.record_checksums(tmp_path, 0, ["w.safetensors"])
+    recorded = json.loads((tmp_path / ".sums.rank0.json").read_text())["w.safetensors"]
+    data = (tmp_path / "w.safetensors").read_bytes()
+    assert recorded == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -163,9 +163,13 @@ class ShardedCheckpoint:
         """Global shape of ``name``."""
         return tuple(self.tensors[name]["shape"])
 
-    def _piece(self, piece: dict[str, Any], part: tuple[slice, ...] | None = None) -> torch.Tensor:
+    def _piece(
+        self, piece: dict[str, Any], part: tuple[slice, ...] | None = None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A piece's tensor (or ``part`` of it), read through a memory map that is closed again at once,
-        so the pages of a large checkpoint do not stay mapped (and counted in RSS) while others are read."""
+        so the pages of a large checkpoint do not stay mapped (and counted in RSS) while others are read.
+        ``into``: copied straight from the map into this tensor of the part's size (returned), not into
+        a tensor of its own."""
         path = self.ckpt / piece["file"]
         self._check(piece["file"])
         want = [piece["flat"][1]] if piece["flat"] is not None else piece["box"]
@@ -178,10 +182,12 @@ class ShardedCheckpoint:
                         f"{path}: {piece['key']!r} has shape {got} where {INDEX} says {want}"
                     )
                 if part and piece["flat"] is not None and len(got) != 1:  # a range kept in another shape
-                    return cast("torch.Tensor", f.get_tensor(piece["key"]).reshape(-1)[part].clone())
-                if part:
-                    return cast("torch.Tensor", stored[part].clone())
-                return cast("torch.Tensor", f.get_tensor(piece["key"]).clone())
+                    mapped = f.get_tensor(piece["key"]).reshape(-1)[part]
+                else:
+                    mapped = stored[part] if part else f.get_tensor(piece["key"])
+                if into is None:
+                    return cast("torch.Tensor", mapped.clone())
+                return into.copy_(mapped.reshape(into.shape))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
 
@@ -207,7 +213,7 @@ class ShardedCheckpoint:
                 continue
             in_box = tuple(slice(low - bo, h - bo) for low, h, bo in zip(lo, hi, b_off))
             in_out = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
-            out[in_out] = self._box(name, pieces, b_shape, in_box)
+            self._box(name, pieces, b_shape, in_box, out[in_out])
             covered += math.prod(h - low for low, h in zip(lo, hi))
         if covered != out.numel():
             raise CheckpointError(
@@ -216,30 +222,52 @@ class ShardedCheckpoint:
         return out
 
     def _box(
-        self, name: str, pieces: list[dict[str, Any]], box: tuple[int, ...], part: tuple[slice, ...]
-    ) -> torch.Tensor:
-        """``part`` of one box, from a whole-box piece or assembled from its flat ranges."""
+        self,
+        name: str,
+        pieces: list[dict[str, Any]],
+        box: tuple[int, ...],
+        part: tuple[slice, ...],
+        out: torch.Tensor,
+    ) -> None:
+        """``part`` of one box into ``out``, from a whole-box piece or assembled from its flat ranges."""
         whole = next((p for p in pieces if p["flat"] is None), None)
         if whole is not None:
-            return self._piece(whole, part)
+            self._piece(whole, part, out)
+            return
         # only the rows of the box that ``part`` touches, and of each flat range only what falls in them
-        # (a load window by window reads a window's worth, not the box each time)
+        # (a load window by window reads a window's worth, not the box each time), copied from the map
+        # straight into ``out`` when it holds whole rows (a ZeRO range's window), else through a buffer
         row = math.prod(box[1:]) if box else 1
         rows = part[0] if part else slice(0, 1)
         lo, hi = rows.start * row, rows.stop * row
-        buf = torch.empty(hi - lo, dtype=_dtype(self.tensors[name]["dtype"]))
-        filled = torch.zeros(hi - lo, dtype=torch.bool)
+        whole_rows = all(s.start == 0 and s.stop == n for s, n in zip(part[1:], box[1:]))
+        direct = whole_rows and out.is_contiguous()
+        buf = out.view(-1) if direct else torch.empty(hi - lo, dtype=_dtype(self.tensors[name]["dtype"]))
+        spans = []
         for p in pieces:
             start, length = p["flat"]
             a, b = max(lo, start), min(hi, start + length)
             if a < b:
-                buf[a - lo : b - lo] = self._piece(p, (slice(a - start, b - start),)).reshape(-1)
-                filled[a - lo : b - lo] = True
-        if not bool(filled.all()):
+                self._piece(p, (slice(a - start, b - start),), buf[a - lo : b - lo])
+                spans.append((a, b))
+        missing = (hi - lo) - _union_length(spans)
+        if missing:
             raise CheckpointError(
                 f"{self.ckpt}: the ranges saved of {name!r} (box at {pieces[0]['offsets']}) leave "
-                f"{int((~filled).sum())} of {hi - lo} elements unwritten"
+                f"{missing} of {hi - lo} elements unwritten"
             )
-        if not box:
-            return buf.view(box)
-        return buf.view(rows.stop - rows.start, *box[1:])[(slice(None), *part[1:])]
+        if not direct:
+            out.copy_(buf.view(rows.stop - rows.start, *box[1:])[(slice(None), *part[1:])])
+
+
+def _union_length(spans: list[tuple[int, int]]) -> int:
+    """How many elements the half-open ranges ``spans`` cover together (overlaps counted once)."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a >= end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total

@@ -15,8 +15,9 @@ fsyncs the parent, then replaces ``latest`` through a rename. A process killed a
 leaves the previous checkpoint complete, and :func:`find_latest` never returns a partial one.
 An asynchronous save (:mod:`zerotron.checkpoint.async_save`) replaces the barrier by one marker file per
 rank (:func:`mark_written`), which the publishing rank's writer thread waits for; the rest is the same.
-Each rank hashes the files it wrote (:func:`record_checksums`), so the manifest costs rank 0 only the
-files nobody recorded (the merged index). Readers check a file's sha256 before using it.
+Each rank records the hashes of the files it wrote (:func:`record_checksums`; a safetensors file is
+hashed as it is written), so the manifest costs rank 0 only the files nobody recorded (the merged
+index). Readers check a file's sha256 before using it.
 No pickle: tensors are safetensors, everything else JSON.
 """
 
@@ -31,6 +32,7 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -152,7 +154,9 @@ def write_tensors(path: Path, tensors: Mapping[str, Storable], window_bytes: int
     reader reads ranges), written and dropped before the next, and the write holds one window in
     memory, never the file's worth. The format is safetensors' own (a
     little-endian header length, the JSON header padded with spaces to 8 bytes, the tensors' bytes in
-    header order); ``safetensors`` reads it like one of its own files."""
+    header order); ``safetensors`` reads it like one of its own files. The bytes are hashed as they are
+    written (on a thread of their own: hashing and the write release the GIL), so that the checksum this
+    process records for the file (:func:`record_checksums`) does not read it back."""
     header: dict[str, Any] = {}
     at = 0
     for key in sorted(tensors):
@@ -168,21 +172,28 @@ def write_tensors(path: Path, tensors: Mapping[str, Storable], window_bytes: int
         at += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
     try:
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
+        with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="zerotron-hash") as hasher:
+            head = struct.pack("<Q", len(text)) + text
+            f.write(head)
+            digest.update(head)
             for key in sorted(tensors):
                 t = tensors[key]
                 for data in t.windows(window_bytes) if isinstance(t, Deferred) else [t.detach()]:
                     flat = data.reshape(-1).contiguous().cpu()
                     if flat.numel():
-                        f.write(flat.view(torch.uint8).numpy().data)
+                        raw = flat.view(torch.uint8).numpy().data
+                        hashed = hasher.submit(digest.update, raw)
+                        f.write(raw)
+                        hashed.result()
                     del data, flat
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write safetensors ({e})") from e
     os.chmod(path, _FILE_MODE)
+    _DIGESTS[_digest_key(path)] = digest.hexdigest()
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -204,21 +215,34 @@ def inside(folder: Path, name: Any, listed_in: str) -> Path:
 
 
 def _sha256(path: Path) -> str:
+    """The file's sha256, read 8 MiB at a time into two buffers in turn (not a fresh bytes object per
+    read: under ZeRO-Infinity's small mmap threshold each would be mapped and faulted in anew), the next
+    read on a thread while this one is hashed (both release the GIL)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    views = [memoryview(bytearray(8 << 20)) for _ in range(2)]
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="zerotron-hash") as io:
+        at = 0
+        pending = io.submit(f.readinto, views[at])
+        while n := pending.result():
+            pending = io.submit(f.readinto, views[1 - at])
+            h.update(views[at][:n])
+            at = 1 - at
     return h.hexdigest()
 
 
 _DIGESTS: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime) -> sha256, this process
 
 
+def _digest_key(path: Path) -> tuple[str, int, int, int]:
+    st = path.stat()
+    return (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _digest(path: Path) -> str:
     """The sha256 of ``path``, hashed once per process while the file is unchanged (same inode, size and
-    modification time): several readers of one file (architecture, tokenizer, weights) cost one hash."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    modification time): several readers of one file (architecture, tokenizer, weights) cost one hash,
+    and a file :func:`write_tensors` wrote none."""
+    key = _digest_key(path)
     if key not in _DIGESTS:
         _DIGESTS[key] = _sha256(path)
     return _DIGESTS[key]
@@ -288,9 +312,10 @@ def merge_index(folder: Path) -> None:
 
 
 def record_checksums(folder: Path, rank: int, names: list[str]) -> None:
-    """Hash the files ``rank`` wrote into ``folder`` (each rank its own, in parallel) for the manifest;
+    """Record the hashes of the files ``rank`` wrote into ``folder`` (each rank its own, in parallel;
+    those :func:`write_tensors` hashed as it wrote them are not read again) for the manifest;
     :func:`publish` uses them instead of hashing every file on one rank."""
-    sums = {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names}
+    sums = {n: {"bytes": (folder / n).stat().st_size, "sha256": _digest(folder / n)} for n in names}
     write_json(folder / f".sums.rank{rank}.json", sums)
 
 
