@@ -187,13 +187,14 @@ def write_tensors(path: Path, tensors: Mapping[str, Storable], window_bytes: int
                         hashed = hasher.submit(digest.update, raw)
                         f.write(raw)
                         hashed.result()
+                        del raw, hashed  # the window is freed before the next is produced
                     del data, flat
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write safetensors ({e})") from e
     os.chmod(path, _FILE_MODE)
-    _DIGESTS[_digest_key(path)] = digest.hexdigest()
+    _WRITTEN[_digest_key(path)] = digest.hexdigest()
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -231,6 +232,9 @@ def _sha256(path: Path) -> str:
 
 
 _DIGESTS: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime) -> sha256, this process
+# what write_tensors hashed as it wrote, for record_checksums alone (taken once): readers hash for
+# themselves, so that a file changed within the clock's resolution after it was written is not trusted
+_WRITTEN: dict[tuple[str, int, int, int], str] = {}
 
 
 def _digest_key(path: Path) -> tuple[str, int, int, int]:
@@ -240,8 +244,7 @@ def _digest_key(path: Path) -> tuple[str, int, int, int]:
 
 def _digest(path: Path) -> str:
     """The sha256 of ``path``, hashed once per process while the file is unchanged (same inode, size and
-    modification time): several readers of one file (architecture, tokenizer, weights) cost one hash,
-    and a file :func:`write_tensors` wrote none."""
+    modification time): several readers of one file (architecture, tokenizer, weights) cost one hash."""
     key = _digest_key(path)
     if key not in _DIGESTS:
         _DIGESTS[key] = _sha256(path)
@@ -315,7 +318,11 @@ def record_checksums(folder: Path, rank: int, names: list[str]) -> None:
     """Record the hashes of the files ``rank`` wrote into ``folder`` (each rank its own, in parallel;
     those :func:`write_tensors` hashed as it wrote them are not read again) for the manifest;
     :func:`publish` uses them instead of hashing every file on one rank."""
-    sums = {n: {"bytes": (folder / n).stat().st_size, "sha256": _digest(folder / n)} for n in names}
+    sums = {}
+    for n in names:
+        path = folder / n
+        digest = _WRITTEN.pop(_digest_key(path), None) or _sha256(path)
+        sums[n] = {"bytes": path.stat().st_size, "sha256": digest}
     write_json(folder / f".sums.rank{rank}.json", sums)
 
 
