@@ -1,7 +1,9 @@
 """Weight-only quantised serving benchmark: zerotron serve in bf16, and with ``--quantization int8``
 and ``int4``, beside vLLM in bf16 (and vLLM's own on-the-fly quantisation where its CPU backend takes
 one), in the same run; with ``--gguf FILE`` also both serving that GGUF file's quantised blocks
-(zerotron ``--quantization gguf``; vLLM's GGUF loader, the tokenizer from MODEL_HF_DIR).
+(zerotron ``--quantization gguf``; vLLM's GGUF loader, the tokenizer from MODEL_HF_DIR); with
+``--gptq DIR`` / ``--awq DIR`` both serving that checkpoint's 4-bit weights (``--quantization gptq|awq``;
+``benchmarks/make_packed.py`` writes such a directory from MODEL_HF_DIR).
 
 The trace: ``--requests`` prompts of ``--prompt-len`` random token ids asking ``--output-len``
 tokens each (greedy, EOS ignored), all at once with ``--max-concurrency`` in flight, then the first
@@ -30,6 +32,12 @@ def main() -> None:
     p.add_argument("--batch1", type=int, default=4)
     p.add_argument("--gguf", default=None, help="a GGUF file of the same model: serve its blocks too")
     p.add_argument(
+        "--gptq", default=None, help="a GPTQ directory of the same model: both serve its 4-bit weights"
+    )
+    p.add_argument(
+        "--awq", default=None, help="an AWQ directory of the same model: both serve its 4-bit weights"
+    )
+    p.add_argument(
         "--only", nargs="*", default=None, help="only the cases whose label has one of these words"
     )
     args = p.parse_args()
@@ -46,12 +54,17 @@ def main() -> None:
         cases += [("zerotron serve", "gguf blocks", ["--quantization", "gguf"])]
         vllm_gguf = ["--tokenizer", args.model_dir, "--hf-config-path", args.model_dir]
         cases += [("vLLM", "gguf blocks", vllm_gguf)] if args.vllm_python else []
+    packed = {m: d for m, d in (("gptq", args.gptq), ("awq", args.awq)) if d}
+    for method in packed:
+        cases += [("zerotron serve", f"{method} checkpoint", ["--quantization", method])]
+        cases += [("vLLM", f"{method} checkpoint", ["--quantization", method])] if args.vllm_python else []
     if args.only:
         cases = [c for c in cases if any(word in c[1] for word in args.only)]
     results: dict[str, Any] = {}
     for system, label, extra in cases:
         log = str(Path(args.logs) / f"{system.split()[0]}-{label.split()[0]}.log")
-        source = argparse.Namespace(**{**vars(args), "model_dir": args.gguf}) if "gguf" in label else args
+        model = args.gguf if "gguf" in label else packed.get(label.split()[0], args.model_dir)
+        source = argparse.Namespace(**{**vars(args), "model_dir": model})
         try:
             with served_case(system, source, [*common, *extra], log) as (base, proc):
                 asyncio.run(run_trace(base, "m", prompts[:2], 8, float("inf"), 2))  # warm-up

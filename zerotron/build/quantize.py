@@ -10,6 +10,9 @@ time from the weight source, before the rest is materialised: no rank ever holds
 - ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 blocks kept as they are
   (:mod:`zerotron.models.gguf_blocks`), the (tied) embedding and head too when they are Q8_0; tensors of
   other types are materialised dense as without quantisation (counted in :class:`Quantized`).
+- ``gptq`` / ``awq``: a GPTQ or AWQ Hugging Face checkpoint's 4-bit values, zeros and scales kept as
+  they are (:class:`~zerotron.models.hf_packed.PackedInt4Linear`); linears the checkpoint holds
+  unquantised are materialised dense.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from torch import nn
 
 from zerotron.models.gguf_blocks import BlockInt8Embedding, BlockInt8Linear, block_linear
 from zerotron.models.hf import ModelLoadError
+from zerotron.models.hf_packed import METHODS as PACKED_METHODS
+from zerotron.models.hf_packed import PackedFormatError, PackedInt4Linear
 from zerotron.models.quant import (
     METHODS,
     Int4Linear,
@@ -31,9 +36,9 @@ from zerotron.models.quant import (
     targets,
     weight_bytes,
 )
-from zerotron.models.sources import GGUFSource, WeightSource
+from zerotron.models.sources import GGUFSource, HFSource, WeightSource
 
-LOAD_METHODS = (*METHODS, "gguf")
+LOAD_METHODS = (*METHODS, "gguf", *PACKED_METHODS)
 
 
 @dataclass
@@ -61,11 +66,11 @@ class Quantized:
 
     def describe(self) -> str:
         """The start-up line's words: ``gguf (Q4_1 x210, Q8_0 x1 kept; F16 x2 dense)``."""
-        if self.method != "gguf":
+        if self.method not in ("gguf", *PACKED_METHODS):
             return self.method
         kept = ", ".join(f"{k} x{n}" for k, n in sorted(self.kept.items())) or "none"
         dense = ", ".join(f"{k} x{n}" for k, n in sorted(self.dense.items()))
-        return f"gguf ({kept} kept" + (f"; {dense} dense" if dense else "") + ")"
+        return f"{self.method} ({kept} kept" + (f"; {dense} dense" if dense else "") + ")"
 
 
 def quantize_at_load(
@@ -88,6 +93,9 @@ def quantize_at_load(
             )
         _keep_blocks(model, source, found, done, device)
         return done
+    if method in PACKED_METHODS:
+        _keep_packed(model, source, found, done, device)
+        return done
     if method == "int4":
         for linear in found.values():
             int4_group(linear.in_features)  # every layer checked before any is read
@@ -102,6 +110,41 @@ def quantize_at_load(
 def _dense(source: WeightSource, name: str, meta: torch.Tensor) -> torch.Tensor:
     shape = tuple(meta.shape)
     return source.box(name, shape, (0,) * len(shape), shape).to(meta.dtype)
+
+
+def _keep_packed(
+    model: nn.Module,
+    source: WeightSource,
+    found: dict[str, nn.Linear],
+    done: Quantized,
+    device: torch.device | str,
+) -> None:
+    fmt = source.packed_format if isinstance(source, HFSource) else None
+    if fmt is None:
+        raise ModelLoadError(
+            f"quantization {done.method} keeps a {done.method.upper()} checkpoint's 4-bit weights: this model "
+            "has none (serve a GPTQ or AWQ directory, or choose int8 or int4)"
+        )
+    if fmt.method != done.method:
+        raise ModelLoadError(
+            f"this checkpoint is {fmt.method.upper()}: serve it with --quantization {fmt.method}"
+        )
+    if str(device) != "cpu":
+        raise ModelLoadError(f"quantization {done.method} runs on the CPU's int4 kernel: serve it on the CPU")
+    assert isinstance(source, HFSource)
+    for name, linear in found.items():
+        unpacked = source.packed(f"{name}.weight", tuple(linear.weight.shape))
+        if unpacked is None:
+            done.dense["unquantised"] += 1  # materialised dense with the rest
+            continue
+        bias = None if linear.bias is None else _dense(source, f"{name}.bias", linear.bias)
+        try:
+            layer = PackedInt4Linear(unpacked, bias, linear.weight.dtype)
+        except PackedFormatError as e:
+            raise ModelLoadError(
+                f"{name}: {e} (without --quantization the weights are read dequantised)"
+            ) from None
+        done.place(model, name, layer, linear.weight, "int4")
 
 
 def _keep_blocks(

@@ -22,6 +22,15 @@ from zerotron.config_load import ConfigError
 from zerotron.models.hf_bnb import BnbFormatError, check_quantization, group_keys
 from zerotron.models.hf_bnb import dequantize as dequantize_bnb
 from zerotron.models.hf_moe import MIXTRAL_ROLES, PLAIN_ROLES, fuse_stream, rename_block, split_experts
+from zerotron.models.hf_packed import (
+    PackedFormat,
+    PackedFormatError,
+    group_packed,
+    packed_shape,
+    read_format,
+    unpack,
+)
+from zerotron.models.hf_packed import dequantize as dequantize_packed
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
@@ -314,10 +323,11 @@ def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 
 def iter_hf_weights(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of :func:`read_hf_weights` one at a time, read from the files as needed."""
+    fmt = packed_format_of(Path(directory))
     pairs = (
         (from_hf_name(key), tensor)
         for path in _weight_files(Path(directory))
-        for key, tensor in iter_safetensors(path)
+        for key, tensor in iter_safetensors(path, fmt)
     )
     yield from fuse_stream(pairs, _experts_in(Path(directory)))
 
@@ -331,15 +341,26 @@ def _experts_in(directory: Path) -> int:
     return int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def packed_format_of(directory: Path) -> PackedFormat | None:
+    """The GPTQ/AWQ format a directory's config.json names (None: none), refused in one line when
+    zerotron cannot read it."""
+    try:
+        return read_format(directory)
+    except PackedFormatError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def iter_safetensors(path: Path, packed: PackedFormat | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of one safetensors file, one tensor in memory at a time; errors name the file.
     A weight saved quantised by bitsandbytes (4-bit) comes out dequantised to fp32, its quantisation
-    state's tensors folded into it (:mod:`zerotron.models.hf_bnb`)."""
+    state's tensors folded into it (:mod:`zerotron.models.hf_bnb`); so does a GPTQ or AWQ linear of the
+    format ``packed`` (:mod:`zerotron.models.hf_packed`)."""
     from safetensors import safe_open
 
     try:
         handle = safe_open(str(path), framework="pt")
         keys, states = group_keys(list(handle.keys()))
+        keys, linears = group_packed(keys) if packed is not None else (keys, {})
     except Exception as e:  # safetensors raises its own SafetensorError/OSError for damaged files
         raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
 
@@ -359,6 +380,14 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             except BnbFormatError as e:
                 raise ModelLoadError(str(e)) from None
         yield key, tensor
+    for key, names in linears.items():
+        assert packed is not None
+        parts = {part: get(k) for part, k in names.items()}
+        try:
+            unpacked = unpack(packed, parts, packed_shape(packed, parts["qweight"]), f"{path}: {key}")
+        except PackedFormatError as e:
+            raise ModelLoadError(str(e)) from None
+        yield key, dequantize_packed(unpacked)
 
 
 def write_hf_directory(

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from zerotron.models.hf_packed import METHODS as PACKED_METHODS
+from zerotron.models.hf_packed import packed_format
+
 _PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _STATE = "quant_state.bitsandbytes__"
 
@@ -91,10 +94,13 @@ def check_quantization(hf: dict[str, Any], source: str) -> None:
     if not quant:
         return
     method = quant.get("quant_method", "?")
+    if str(method).lower() in PACKED_METHODS:
+        packed_format(quant, source)  # GPTQ and AWQ 4-bit: read dequantised, or served as they are
+        return
     if method != "bitsandbytes":
         raise ValueError(
             f"{source}: quantization_config.quant_method={method!r} is not read; zerotron reads "
-            "bitsandbytes 4-bit checkpoints (dequantised at load) and unquantised ones"
+            "bitsandbytes 4-bit, GPTQ and AWQ 4-bit checkpoints and unquantised ones"
         )
     if quant.get("load_in_8bit") or quant.get("_load_in_8bit"):
         raise ValueError(

@@ -23,10 +23,12 @@ from typing import Any, Protocol
 import torch
 
 from zerotron.config import ModelConfig
-from zerotron.models.hf import ModelLoadError, _weight_files, from_hf_name
+from zerotron.models.hf import ModelLoadError, _weight_files, from_hf_name, packed_format_of
 from zerotron.models.hf_bnb import BnbFormatError, group_keys
 from zerotron.models.hf_bnb import dequantize as dequantize_bnb
 from zerotron.models.hf_moe import expert_part
+from zerotron.models.hf_packed import PackedFormatError, Unpacked, group_packed, unpack
+from zerotron.models.hf_packed import dequantize as dequantize_packed
 from zerotron.models.llama import init_parameter
 
 Shape = tuple[int, ...]
@@ -82,14 +84,20 @@ class HFSource:
         self._where: dict[str, tuple[Path, str]] = {}  # zerotron name -> (file, its key)
         self._parts: dict[str, dict[tuple[int, str], tuple[Path, str]]] = {}  # fused name -> per expert
         self._bnb: dict[str, dict[str, str]] = {}  # zerotron name -> its bitsandbytes state's keys
+        self.packed_format = packed_format_of(self.directory)  # GPTQ / AWQ, or None
+        self._packed: dict[str, tuple[Path, dict[str, str]]] = {}  # zerotron name -> its packed parts
         for path in _weight_files(self.directory):
             try:
                 with safe_open(str(path), framework="pt") as handle:
                     keys, states = group_keys(list(handle.keys()))
+                    keys, linears = group_packed(keys) if self.packed_format else (keys, {})
             except Exception as e:  # safetensors raises its own errors for damaged files
                 raise ModelLoadError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from e
             for key, parts in states.items():
                 self._bnb[from_hf_name(key)] = parts
+            for key, parts in linears.items():
+                self._packed[from_hf_name(key)] = (path, parts)
+                self._where[from_hf_name(key)] = (path, key)
             for key in keys:
                 name = from_hf_name(key)
                 part = expert_part(name)
@@ -116,6 +124,9 @@ class HFSource:
         from safetensors import safe_open
 
         path, key = where
+        if name in self._packed:  # saved as GPTQ/AWQ 4-bit values: the whole weight, dequantised
+            whole = dequantize_packed(self._unpacked(name, want))
+            return whole[index].clone()
         with safe_open(str(path), framework="pt") as handle:
             if name in self._bnb:  # saved quantised by bitsandbytes: the whole weight, dequantised
                 parts = {part: handle.get_tensor(k) for part, k in self._bnb[name].items()}
@@ -129,6 +140,22 @@ class HFSource:
             _check_shape(self.directory, key, tuple(part.get_shape()), want)
             data: torch.Tensor = part[index]
             return data.float().clone() if data.dtype == torch.float32 else data.float()
+
+    def packed(self, name: str, shape: Shape) -> Unpacked | None:
+        """The GPTQ/AWQ values, zeros, scales and groups of ``name`` (None: not a packed linear)."""
+        return self._unpacked(name, shape) if name in self._packed else None
+
+    def _unpacked(self, name: str, shape: Shape) -> Unpacked:
+        from safetensors import safe_open
+
+        path, keys = self._packed[name]
+        assert self.packed_format is not None
+        with safe_open(str(path), framework="pt") as handle:
+            parts = {part: handle.get_tensor(k) for part, k in keys.items()}
+        try:
+            return unpack(self.packed_format, parts, shape, f"{path}: {keys['qweight']}")
+        except PackedFormatError as e:
+            raise ModelLoadError(str(e)) from None
 
     def _expert_box(self, name: str, global_shape: Shape, offsets: Shape, shape: Shape) -> torch.Tensor:
         """A box of a fused expert tensor read from the per-expert tensors that hold it."""

@@ -157,8 +157,9 @@ class EngineConfig:
         if self.quantization not in LOAD_METHODS:
             raise EngineConfigError(
                 "quantization",
-                f"{self.quantization!r} is not built; int8 (per-row scales), int4 (grouped) and gguf (a GGUF "
-                "file's Q4_0/Q4_1/Q4_K/Q8_0 blocks as they are) are (fp8, AWQ and GPTQ are not)",
+                f"{self.quantization!r} is not built; int8 (per-row scales), int4 (grouped), gguf (a GGUF "
+                "file's Q4_0/Q4_1/Q4_K/Q8_0 blocks as they are), gptq and awq (a GPTQ or AWQ checkpoint's "
+                "4-bit weights as they are) are (fp8 is not)",
             )
         why = (
             "the int8 and int4 kernels run on the CPU"
@@ -168,7 +169,7 @@ class EngineConfig:
             else "adapters over quantised weights are not built"
             if self.max_loras
             else "the kernels multiply fp32 or bf16 activations"
-            if self.dtype == "float16" and self.quantization != "gguf"
+            if self.dtype == "float16" and self.quantization in ("int8", "int4")
             else None
         )
         if why is not None:

@@ -274,5 +274,11 @@ def quantized_model(model: nn.Module, method: Optional[str]) -> Optional[Quantiz
             "gguf keeps a GGUF file's blocks as the file is loaded: load the engine from the .gguf file "
             "(zerotron serve FILE.gguf --quantization gguf)",
         )
+    if method in ("gptq", "awq"):
+        raise EngineConfigError(
+            "quantization",
+            f"{method} keeps a checkpoint's packed weights as it is loaded: load the engine from the "
+            f"{method.upper()} directory (zerotron serve DIR --quantization {method})",
+        )
     before, after = quantize(model, method)
     return Quantized(method, before, after)

@@ -225,6 +225,26 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   }
 }
 
+// One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
+// lambda its enclosing function's target, and tile intrinsics outside an AMX target do not compile).
+ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
+                                 const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
+                                 const int64_t* lens, int64_t kv_heads, int64_t width) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  TileAttention b;
+  for (int64_t blk : share) {
+    const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
+    for (int64_t kh = 0; kh < kv_heads; ++kh)
+      tile_block_head(b, pr, slots + seq[r0] * width, lens + r0, r0, nr, kh);
+  }
+  _tile_release();
+}
+
 // The blocks of attend_avx512, dealt to the threads by their work the same way, on tiles.
 ZT_TILE_TARGET void attend_tiles(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp,
                                  const int64_t* slots, const int64_t* seq, const int64_t* lens, c10::BFloat16* out,
@@ -238,20 +258,7 @@ ZT_TILE_TARGET void attend_tiles(const c10::BFloat16* q, const c10::BFloat16* kp
                        reinterpret_cast<const uint16_t*>(vp), reinterpret_cast<uint16_t*>(out), heads, kv_heads,
                        dim, scale};
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    TileConfig cfg;
-    for (int i = 0; i < 8; ++i) {
-      cfg.rows[i] = 16;
-      cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
-    TileAttention b;
-    for (int64_t t = first; t < last; ++t)
-      for (int64_t blk : share[t]) {
-        const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
-        for (int64_t kh = 0; kh < kv_heads; ++kh)
-          tile_block_head(b, pr, slots + seq[r0] * width, lens + r0, r0, nr, kh);
-      }
-    _tile_release();
+    for (int64_t t = first; t < last; ++t) attend_share(pr, start, share[t], slots, seq, lens, kv_heads, width);
   });
 }
 #endif

@@ -1,0 +1,107 @@
+"""GPTQ and AWQ checkpoints packed bit by bit the way AutoGPTQ's and AutoAWQ's packers lay them out,
+for the tests (``tests/test_hf_packed.py``) and the benchmarks (``benchmarks/serve_quant.py --packed``):
+GPTQ puts eight inputs in an int32 word and stores each zero minus one in its v1 format, act-order
+``g_idx`` assigning inputs to groups out of order; AWQ puts eight outputs in a word in the order
+0, 2, 4, 6, 1, 3, 5, 7. The values are round-to-nearest in groups (the formats do not say how the
+values were chosen: GPTQ's and AWQ's algorithms pick them better, the layout is the same).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's gemm packer: slot j of a word holds output AWQ_ORDER[j]
+
+
+def quantise(w: torch.Tensor, group: int, sym: bool, perm: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Round-to-nearest 4-bit values of ``w`` (out, in) whose groups are the inputs ``perm`` lists, in
+    consecutive runs of ``group``: values (out, in) in the inputs' own order, zeros and f16 scales
+    (groups, out), each input's group, and the dequantised weight ``(q − z)·s``."""
+    out, inp = w.shape
+    ws = w[:, perm].reshape(out, inp // group, group)
+    if sym:  # AutoGPTQ's symmetric form: the zero in the middle of the range
+        scale = (ws.abs().amax(-1) * 2 / 15).clamp(min=1e-8).half()
+        zero = torch.full_like(scale, 8, dtype=torch.int64)
+    else:
+        low, high = ws.amin(-1).clamp(max=0), ws.amax(-1).clamp(min=0)
+        scale = ((high - low) / 15).clamp(min=1e-8).half()
+        zero = torch.round(-low / scale.float()).clamp(1, 15).long()  # v1 stores zero - 1: keep it >= 0
+    qs = torch.clamp(torch.round(ws / scale.float()[..., None]) + zero[..., None], 0, 15).long()
+    dense_sorted = ((qs - zero[..., None]).float() * scale.float()[..., None]).reshape(out, inp)
+    q = torch.empty(out, inp, dtype=torch.long)
+    q[:, perm] = qs.reshape(out, inp)
+    dense = torch.empty(out, inp)
+    dense[:, perm] = dense_sorted
+    groups = torch.empty(inp, dtype=torch.long)
+    groups[perm] = torch.arange(inp) // group
+    return {
+        "q": q,
+        "zero": zero.T.contiguous(),
+        "scale": scale.T.contiguous(),
+        "g_idx": groups,
+        "dense": dense,
+    }
+
+
+def words(nibbles: np.ndarray) -> torch.Tensor:
+    """(..., 8) values 0..15 -> (...) int32 words, slot j in bits 4j."""
+    word = np.zeros(nibbles.shape[:-1], dtype=np.uint32)
+    for j in range(8):
+        word |= nibbles[..., j].astype(np.uint32) << np.uint32(4 * j)
+    return torch.from_numpy(word.view(np.int32).copy())
+
+
+def pack(method: str, qz: dict[str, torch.Tensor], v1: bool = True) -> dict[str, torch.Tensor]:
+    q, zero = qz["q"].numpy(), qz["zero"].numpy()
+    out, inp = q.shape
+    if method == "gptq":  # qweight (in / 8, out): input 8r + j in slot j of row r
+        qweight = words(q.T.reshape(inp // 8, 8, out).transpose(0, 2, 1))
+        stored = zero - 1 if v1 else zero
+        qzeros = words(stored.reshape(-1, out // 8, 8))
+        return {"qweight": qweight, "qzeros": qzeros, "scales": qz["scale"], "g_idx": qz["g_idx"].int()}
+    order = list(AWQ_ORDER)  # qweight (in, out / 8): output 8c + AWQ_ORDER[j] in slot j of column c
+    qweight = words(q.T.reshape(inp, out // 8, 8)[..., order])
+    qzeros = words(zero.reshape(-1, out // 8, 8)[..., order])
+    return {"qweight": qweight, "qzeros": qzeros, "scales": qz["scale"]}
+
+
+def packed_directory(
+    base: Path, out: Path, method: str, group: int, act_order: bool = False, sym: bool = True
+) -> dict[str, torch.Tensor]:
+    """Write ``out``: the Hugging Face directory ``base`` (one model.safetensors) with its decoder
+    layers' linears packed by ``method`` in groups of ``group`` inputs (-1: one per row) and the
+    config's ``quantization_config``; returns the whole model's weights as the checkpoint means them
+    (by HF name: the dequantised ``(q − z)·s`` for the packed linears)."""
+    tensors = load_file(str(base / "model.safetensors"))
+    packed, dense = dict(tensors), dict(tensors)
+    gen = torch.Generator().manual_seed(3)
+    for key, w in tensors.items():
+        if ".layers." not in key or not key.endswith("_proj.weight"):
+            continue
+        inp = w.shape[1]
+        perm = torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)
+        qz = quantise(w.float(), inp if group == -1 else group, sym, perm)
+        dense[key] = qz["dense"]
+        del packed[key]
+        for part, t in pack(method, qz).items():
+            packed[key[: -len("weight")] + part] = t
+    out.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.name not in ("model.safetensors", "config.json") and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file(packed, str(out / "model.safetensors"))
+    config = json.loads((base / "config.json").read_text())
+    quant: dict[str, Any] = {"quant_method": method, "bits": 4, "group_size": group}
+    if method == "gptq":
+        quant.update(desc_act=act_order, sym=sym, checkpoint_format="gptq")
+    else:
+        quant.update(version="gemm", zero_point=True)
+    config["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return dense

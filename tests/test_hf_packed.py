@@ -1,0 +1,151 @@
+"""GPTQ and AWQ 4-bit Hugging Face checkpoints: read dequantised by every command, served as they are
+(``--quantization gptq|awq``).
+
+References, none of them zerotron's reading code: the checkpoints are packed by ``tests/packing.py``, bit by bit, the way
+AutoGPTQ's and AutoAWQ's packers lay them out (GPTQ: eight inputs to an int32 word, zeros minus one in
+its v1 format, act-order ``g_idx``; AWQ: eight outputs to a word in the order 0, 2, 4, 6, 1, 3, 5, 7);
+the expected weights are ``(q − z)·s`` of the values before packing; transformers' forward of the same
+model with those weights gives the expected logits; ``F.linear`` of them the expected linear outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tests.packing import pack, packed_directory, quantise
+from tests.test_lora import _base
+from tests.test_serve_engine import _run
+from zerotron.build.builder import load_model
+from zerotron.components.sampling import SamplingParams
+from zerotron.models.hf import read_hf_weights, to_hf_name
+from zerotron.models.hf_packed import PackedInt4Linear, packed_format, unpack
+from zerotron.models.loading import ModelLoadError, load_pretrained
+from zerotron.serve.app import load_engine
+from zerotron.serve.config import EngineConfigError
+from zerotron.serve.engine import Engine, EngineConfig
+
+
+def _checkpoint(
+    tmp_path: Path, method: str, group: int, act_order: bool = False, sym: bool = True
+) -> tuple[Path, Path]:
+    """(a GPTQ/AWQ directory of a random model's decoder linears, the same model with the dequantised
+    weights as an ordinary directory)."""
+    _, base = _base(tmp_path, hidden_size=64, intermediate_size=128, vocab_size=320)
+    dense = packed_directory(base, tmp_path / "packed", method, group, act_order, sym)
+    (tmp_path / "dense").mkdir()
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / "dense" / f.name).write_bytes(f.read_bytes())
+    save_file(dense, str(tmp_path / "dense" / "model.safetensors"))
+    return tmp_path / "packed", tmp_path / "dense"
+
+
+CASES = [
+    ("gptq", 32, False, True),
+    ("gptq", 64, True, False),  # act-order, asymmetric
+    ("gptq", -1, False, True),  # one group per row
+    ("awq", 32, False, False),
+]
+IDS = ["gptq-g32", "gptq-g64-act-order-asym", "gptq-per-row", "awq-g32"]
+
+
+@pytest.mark.parametrize("method,group,act_order,sym", CASES, ids=IDS)
+def test_read_dequantised_equals_the_formats_values_and_transformers_logits(
+    tmp_path: Path, method: str, group: int, act_order: bool, sym: bool
+) -> None:
+    packed, dense = _checkpoint(tmp_path, method, group, act_order, sym)
+    want = {k: v.float() for k, v in load_file(str(dense / "model.safetensors")).items()}
+    got = read_hf_weights(packed)  # convert's and serve's path
+    model, _ = load_pretrained(str(packed))  # the builder's path, box by box
+    for name, p in model.named_parameters():
+        hf = to_hf_name(name)
+        assert torch.equal(got[name], want[hf]) and torch.equal(p.detach(), want[hf]), name
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        ours = model(ids)
+    assert (ours - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("method,group,act_order,sym", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_linear_is_its_dequantised_weight_and_rows_are_batch_invariant(
+    tmp_path: Path, method: str, group: int, act_order: bool, sym: bool, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(5)
+    out, inp = 48, 256
+    w = torch.randn(out, inp, generator=gen)
+    perm = torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)
+    qz = quantise(w, inp if group == -1 else group, sym, perm)
+    fmt = packed_format({"quant_method": method, "bits": 4, "group_size": group}, "test")
+    layer = PackedInt4Linear(unpack(fmt, pack(method, qz), (out, inp), "test"), dtype=dtype)
+    x = torch.randn(5, 3, inp, generator=gen).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (5, 3, out)
+    if dtype == torch.float32:
+        torch.testing.assert_close(layer.dequantize(), qz["dense"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(y, F.linear(x, qz["dense"]), rtol=1e-5, atol=1e-5)
+    else:  # the kernel's bf16 scales: the file's f16 scales rounded
+        ref = F.linear(x.float(), qz["dense"])
+        assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    alone = torch.cat([layer(x[i : i + 1, j : j + 1]) for i in range(5) for j in range(3)])
+    assert torch.equal(alone.view(5, 3, out), y)  # a row's bits are its own at any batch
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_served_as_they_are_gives_the_dequantised_models_tokens(tmp_path: Path, method: str) -> None:
+    packed, _ = _checkpoint(tmp_path, method, 32, act_order=method == "gptq")
+    kept, _ = load_model(str(packed), torch.float32, "cpu", quantization=method)
+    dense, _ = load_model(str(packed), torch.float32, "cpu")
+    done = kept.quantized  # type: ignore[attr-defined]
+    assert done.kept == {"int4": 14} and not done.dense and done.describe() == f"{method} (int4 x14 kept)"
+    # 4 bits and an fp32 scale and zero per 32 inputs against fp32 (0.19x), and act-order's input order
+    assert done.after < 0.25 * done.before
+    prompts = [[5, 17, 42, 7], [100, 3], [9, 9, 9, 9, 9, 1]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    ours = _run(Engine(kept, None, EngineConfig(quantization=method)), prompts, params)
+    ref = _run(Engine(dense, None, EngineConfig()), prompts, params)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(ours, ref):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4)
+    engine = load_engine(str(packed), EngineConfig(quantization=method, dtype="bfloat16"))
+    together = _run(engine, prompts, params)
+    assert [_run(engine, [p], params)[0] for p in prompts] == together  # batch-invariant
+
+
+def test_refusals_name_what_to_change(tmp_path: Path) -> None:
+    packed, dense = _checkpoint(tmp_path, "gptq", 32)
+    with pytest.raises(ModelLoadError, match="this checkpoint is GPTQ: serve it with --quantization gptq"):
+        load_model(str(packed), torch.float32, "cpu", quantization="awq")
+    with pytest.raises(ModelLoadError, match="this model has none"):
+        load_model(str(dense), torch.float32, "cpu", quantization="gptq")
+    config = json.loads((packed / "config.json").read_text())
+    for change, message in (
+        ({"bits": 8}, "gptq with 8-bit weights is not read; 4-bit is"),
+        ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not read"),
+        ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv' is not read"),
+    ):
+        (packed / "config.json").write_text(
+            json.dumps({**config, "quantization_config": {**config["quantization_config"], **change}})
+        )
+        with pytest.raises(ModelLoadError, match=message):
+            load_pretrained(str(packed))
+    (packed / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {**config["quantization_config"], "group_size": 64}})
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"gptq qzeros has shape \[\d+, 8\], a \[64, \d+\] weight in groups of 64"
+    ):
+        load_pretrained(str(packed))
+    model, _ = load_pretrained(str(dense))
+    with pytest.raises(EngineConfigError, match="load the engine from the GPTQ directory"):
+        Engine(model, None, EngineConfig(quantization="gptq"))

@@ -1,0 +1,247 @@
+"""Hugging Face checkpoints saved as GPTQ or AWQ 4-bit weights: read dequantised by every command, or
+served as they are (``zerotron serve DIR --quantization gptq|awq``).
+
+Both formats store each quantised linear as 4-bit values packed eight to an int32, one zero and one
+f16 scale per group of ``group_size`` inputs and output row, ``w = (q − z) · s``; the config.json's
+``quantization_config`` names the format:
+
+- **GPTQ** (AutoGPTQ / GPTQModel, ``quant_method: gptq``): ``qweight`` ``(in / 8, out)``, input ``i``
+  of a word in bits ``4·(i mod 8)``; ``qzeros`` ``(groups, out / 8)``, output ``o`` in bits
+  ``4·(o mod 8)``; ``scales`` ``(groups, out)``; ``g_idx`` ``(in,)``, the group of each input (act-order,
+  ``desc_act``, permutes them). ``checkpoint_format`` ``gptq`` (v1) stores each zero minus one,
+  ``gptq_v2`` as it is.
+- **AWQ** (AutoAWQ's GEMM layout, ``quant_method: awq``, ``version: gemm``): ``qweight`` ``(in, out / 8)``
+  and ``qzeros`` ``(groups, out / 8)``, both packed along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7
+  of each eight; ``scales`` ``(groups, out)``; groups are consecutive inputs.
+
+Read dequantised (:func:`dequantize`), a weight is ``(q − z) · s`` in fp32, so ``zerotron sft``,
+``convert``, ``generate`` and ``serve`` see an ordinary dense model. Served as they are,
+:class:`PackedInt4Linear` keeps the values in torch's packed int4 form with the kernel's scales and
+zeros, ``w = (q − 8)·s + (8 − z)·s``. Other bit widths and layouts are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+PARTS = ("qweight", "qzeros", "scales", "g_idx")
+METHODS = ("gptq", "awq")
+KERNEL_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
+_AWQ_UNPACK = (0, 4, 1, 5, 2, 6, 3, 7)  # where AWQ's packing puts output j of each eight
+
+
+class PackedFormatError(ValueError):
+    """A GPTQ/AWQ checkpoint zerotron cannot read: the message says what and where."""
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """What a config.json's ``quantization_config`` says of its packed weights."""
+
+    method: str  # gptq | awq
+    group: int  # inputs per scale; -1: the whole row
+    zero_offset: int  # GPTQ v1 stores each zero minus one
+
+
+@dataclass
+class Unpacked:
+    """One linear's 4-bit values ``(out, in)``, zeros and fp32 scales ``(groups, out)`` and each input's
+    group ``(in,)``."""
+
+    values: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    groups: torch.Tensor
+
+
+def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
+    """The format of a ``quantization_config`` of GPTQ or AWQ, or PackedFormatError naming the field."""
+    method = str(quant.get("quant_method", "?")).lower()
+    bits = int(quant.get("bits", quant.get("w_bit", 4)))
+    group = int(quant.get("group_size", quant.get("q_group_size", 128)))
+    if method not in METHODS:
+        raise PackedFormatError(f"{source}: quant_method {method!r} is not a packed 4-bit format ({METHODS})")
+    if bits != 4:
+        raise PackedFormatError(f"{source}: {method} with {bits}-bit weights is not read; 4-bit is")
+    if group != -1 and group <= 0:
+        raise PackedFormatError(f"{source}: {method} group_size {group} must be positive or -1")
+    if method == "awq":
+        version = str(quant.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise PackedFormatError(f"{source}: AWQ version {version!r} is not read; the GEMM layout is")
+        if not quant.get("zero_point", True):
+            raise PackedFormatError(f"{source}: AWQ without zero points is not read")
+        return PackedFormat("awq", group, 0)
+    layout = str(quant.get("checkpoint_format", "gptq")).lower()
+    if layout not in ("gptq", "gptq_v2"):
+        raise PackedFormatError(
+            f"{source}: GPTQ checkpoint_format {layout!r} is not read (gptq, gptq_v2 are)"
+        )
+    return PackedFormat("gptq", group, 1 if layout == "gptq" else 0)
+
+
+def packed_part(key: str) -> tuple[str, str] | None:
+    """(the weight's key, the part) when ``key`` is part of a packed linear: ``x.qweight`` is part
+    ``qweight`` of ``x.weight``."""
+    head, _, part = key.rpartition(".")
+    return (head + ".weight", part) if head and part in PARTS else None
+
+
+def group_packed(keys: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """(the other keys, each packed linear's parts by part name keyed by its weight's key) of one file's
+    keys; a group without ``qweight`` is not a packed linear and its keys stay with the others."""
+    plain: list[str] = []
+    packed: dict[str, dict[str, str]] = {}
+    for key in keys:
+        found = packed_part(key)
+        if found is None:
+            plain.append(key)
+        else:
+            packed.setdefault(found[0], {})[found[1]] = key
+    for weight, parts in list(packed.items()):
+        if "qweight" not in parts:
+            plain.extend(parts.values())
+            del packed[weight]
+    return plain, packed
+
+
+def read_format(directory: Path) -> PackedFormat | None:
+    """The packed format a directory's config.json names (None: no GPTQ/AWQ ``quantization_config``)."""
+    try:
+        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    quant = hf.get("quantization_config") if isinstance(hf, dict) else None
+    if not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() not in METHODS:
+        return None
+    return packed_format(quant, directory / "config.json")
+
+
+def packed_shape(fmt: PackedFormat, qweight: torch.Tensor) -> tuple[int, int]:
+    """The (out, in) shape of the weight a ``qweight`` packs."""
+    rows, cols = qweight.shape
+    return (cols, rows * 8) if fmt.method == "gptq" else (cols * 8, rows)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """(..., n) int32 words -> (..., n, 8) 4-bit values, the lowest bits first."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (words.to(torch.int32)[..., None] >> shifts) & 0xF
+
+
+def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, ...], where: str) -> Unpacked:
+    """A packed linear's values, zeros, scales and groups for a weight of ``shape`` (out, in)."""
+    missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+    if missing or len(shape) != 2:
+        raise PackedFormatError(f"{where}: a {fmt.method} linear needs qweight, qzeros and scales")
+    out, inp = shape
+    group = inp if fmt.group == -1 else fmt.group
+    count = -(-inp // group)
+    want = {
+        "qweight": (inp // 8, out) if fmt.method == "gptq" else (inp, out // 8),
+        "qzeros": (count, out // 8),
+        "scales": (count, out),
+    }
+    for part, expected in want.items():
+        got = tuple(parts[part].shape)
+        if got != expected or inp % 8 or out % 8:
+            raise PackedFormatError(
+                f"{where}: {fmt.method} {part} has shape {list(got)}, a {list(shape)} weight in groups of "
+                f"{group} needs {list(expected)}"
+            )
+    zeros = _nibbles(parts["qzeros"]).reshape(count, out)
+    if fmt.method == "gptq":
+        values = _nibbles(parts["qweight"].T).reshape(out, inp)
+        zeros = (zeros + fmt.zero_offset) & 0xF
+        groups = parts.get("g_idx")
+        if groups is None:
+            groups = torch.arange(inp) // group
+        elif tuple(groups.shape) != (inp,) or int(groups.min()) < 0 or int(groups.max()) >= count:
+            raise PackedFormatError(
+                f"{where}: g_idx must give each of the {inp} inputs a group below {count}"
+            )
+    else:
+        order = torch.tensor(_AWQ_UNPACK)
+        values = _nibbles(parts["qweight"])[..., order].reshape(inp, out).T
+        zeros = _nibbles(parts["qzeros"])[..., order].reshape(count, out)
+        groups = torch.arange(inp) // group
+    return Unpacked(values.contiguous(), zeros, parts["scales"].float(), groups.long())
+
+
+def dequantize(u: Unpacked) -> torch.Tensor:
+    """The fp32 weight ``(out, in)``: ``(q − z) · s`` of each input's group."""
+    z = u.zeros[u.groups].T.float()
+    s = u.scales[u.groups].T
+    return (u.values.float() - z) * s
+
+
+class PackedInt4Linear(nn.Module):
+    """A GPTQ or AWQ linear served as its 4-bit values through ``aten._weight_int4pack_mm_for_cpu``,
+    whose row results do not depend on the row count. The file's groups become the kernel's (32–256
+    inputs; a larger group's scale repeated), its zero ``z`` the kernel's ``(8 − z)·s``; act-order inputs
+    are sorted by group once and each call's activations permuted alike. Scales and zeros are kept in
+    bf16 for bf16 activations (the file's f16 scales rounded to bf16: the kernel's fast path), else in
+    fp32 (the file's values)."""
+
+    qweight: torch.Tensor
+    scale_zero: torch.Tensor
+    order: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+
+    def __init__(
+        self, u: Unpacked, bias: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = u.values.shape
+        count = u.scales.shape[0]
+        group = -(-self.in_features // count)
+        size = next((k for k in KERNEL_GROUPS if group % k == 0), None)
+        if size is None or group * count != self.in_features or self.out_features % 16:
+            raise PackedFormatError(
+                f"a linear of {self.in_features} inputs and {self.out_features} outputs in groups of {group}: "
+                "the CPU's int4 kernel needs groups of a multiple of 32 inputs and outputs a multiple of 16"
+            )
+        natural = torch.arange(self.in_features) // group
+        order = None
+        if not torch.equal(u.groups, natural):  # act-order: sort the inputs by their group
+            order = torch.sort(u.groups, stable=True).indices
+            if not torch.equal(u.groups[order], natural):
+                raise PackedFormatError("act-order groups of unequal sizes cannot be served as they are")
+        values = u.values if order is None else u.values[:, order]
+        scale = u.scales.repeat_interleave(group // size, dim=0)
+        zero = (8 - u.zeros.float()).repeat_interleave(group // size, dim=0) * scale
+        self.group = size
+        kept = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1))
+        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).to(kept).contiguous())
+        self.register_buffer("order", order)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.order is not None:
+            rows = rows[:, self.order]
+        rows = rows.to(self.scale_zero.dtype).contiguous()
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.qweight, self.group, self.scale_zero
+        )
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight ``(out, in)`` in fp32 as the kernel sees it (the inputs in the file's order)."""
+        eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
+        bias, self.bias = self.bias, None
+        try:
+            weight: torch.Tensor = self(eye).float().T.contiguous()
+        finally:
+            self.bias = bias
+        return weight
