@@ -2,7 +2,7 @@
 and ``int4``, beside vLLM in bf16 (and vLLM's own on-the-fly quantisation where its CPU backend takes
 one), in the same run; with ``--gguf FILE`` also both serving that GGUF file's quantised blocks
 (zerotron ``--quantization gguf``; vLLM's GGUF loader, the tokenizer from MODEL_HF_DIR); with
-``--gptq DIR`` / ``--awq DIR`` both serving that checkpoint's 4-bit weights (``--quantization gptq|awq``;
+``--gptq DIR`` / ``--awq DIR`` / ``--compressed-tensors DIR`` both serving that checkpoint's 4-bit weights (``--quantization METHOD``;
 ``benchmarks/make_packed.py`` writes such a directory from MODEL_HF_DIR).
 
 The trace: ``--requests`` prompts of ``--prompt-len`` random token ids asking ``--output-len``
@@ -38,6 +38,9 @@ def main() -> None:
         "--awq", default=None, help="an AWQ directory of the same model: both serve its 4-bit weights"
     )
     p.add_argument(
+        "--compressed-tensors", default=None, help="a compressed-tensors W4A16 directory, the same"
+    )
+    p.add_argument(
         "--only", nargs="*", default=None, help="only the cases whose label has one of these words"
     )
     args = p.parse_args()
@@ -54,7 +57,8 @@ def main() -> None:
         cases += [("zerotron serve", "gguf blocks", ["--quantization", "gguf"])]
         vllm_gguf = ["--tokenizer", args.model_dir, "--hf-config-path", args.model_dir]
         cases += [("vLLM", "gguf blocks", vllm_gguf)] if args.vllm_python else []
-    packed = {m: d for m, d in (("gptq", args.gptq), ("awq", args.awq)) if d}
+    given = (("gptq", args.gptq), ("awq", args.awq), ("compressed-tensors", args.compressed_tensors))
+    packed = {m: d for m, d in given if d}
     for method in packed:
         cases += [("zerotron serve", f"{method} checkpoint", ["--quantization", method])]
         cases += [("vLLM", f"{method} checkpoint", ["--quantization", method])] if args.vllm_python else []

@@ -105,3 +105,51 @@ def packed_directory(
     config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return dense
+
+
+def compressed_tensors_directory(base: Path, out: Path, group: int, sym: bool) -> dict[str, torch.Tensor]:
+    """Write ``out``: ``base`` with its decoder layers' linears compressed by the ``compressed-tensors``
+    library itself (llm-compressor's ``pack-quantized`` 4-bit integers by group, or by output channel
+    for ``group`` -1; scales and zeros from the library's ``calculate_qparams`` of each group's range)
+    and a ``quantization_config`` the library validates; returns the weights as the library's own
+    ``decompress`` gives them (by HF name)."""
+    from compressed_tensors import QuantizationConfig
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    strategy = {"strategy": "group", "group_size": group} if group > 0 else {"strategy": "channel"}
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, **strategy)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    tensors = load_file(str(base / "model.safetensors"))
+    packed, dense = dict(tensors), dict(tensors)
+    for key, w in tensors.items():
+        if ".layers." not in key or not key.endswith("_proj.weight"):
+            continue
+        rows, inputs = w.shape
+        size = inputs if group == -1 else group
+        ranges = w.float().reshape(rows, inputs // size, size)
+        scale, zero = calculate_qparams(ranges.amin(-1), ranges.amax(-1), args)
+        state = {"weight": w.float(), "weight_scale": scale, "weight_zero_point": zero}
+        compressed = PackedQuantizationCompressor.compress(state, scheme)
+        dense[key] = PackedQuantizationCompressor.decompress(compressed, scheme)["weight"].float()
+        del packed[key]
+        for part, t in compressed.items():
+            packed[key[: -len("weight")] + part] = t
+    out.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.name not in ("model.safetensors", "config.json") and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.contiguous() for k, v in packed.items()}, str(out / "model.safetensors"))
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json")}},
+        "ignore": ["lm_head"],
+    }
+    QuantizationConfig.model_validate(quant)  # the library's own reading of the config
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return dense

@@ -112,7 +112,8 @@ def test_sft_from_a_bitsandbytes_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("quant", "says"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq' is not read"),
+        ({"quant_method": "fp8"}, "quant_method='fp8' is not read"),
+        ({"quant_method": "gptq", "bits": 3}, "gptq with 3-bit weights is not read; 4-bit is"),
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "8-bit (LLM.int8) checkpoint is not read"),
     ],
 )

@@ -1,17 +1,20 @@
-"""GPTQ and AWQ 4-bit Hugging Face checkpoints: read dequantised by every command, served as they are
-(``--quantization gptq|awq``).
+"""GPTQ, AWQ and compressed-tensors 4-bit Hugging Face checkpoints: read dequantised by every command,
+served as they are (``--quantization gptq|awq|compressed-tensors``).
 
-References, none of them zerotron's reading code: the checkpoints are packed by ``tests/packing.py``, bit by bit, the way
-AutoGPTQ's and AutoAWQ's packers lay them out (GPTQ: eight inputs to an int32 word, zeros minus one in
-its v1 format, act-order ``g_idx``; AWQ: eight outputs to a word in the order 0, 2, 4, 6, 1, 3, 5, 7);
-the expected weights are ``(q − z)·s`` of the values before packing; transformers' forward of the same
-model with those weights gives the expected logits; ``F.linear`` of them the expected linear outputs.
+References, none of them zerotron's reading code: the checkpoints are packed by the ``compressed-tensors``
+library itself (llm-compressor's format; the expected weights are its own ``decompress``), or by
+``tests/packing.py`` bit by bit the way AutoGPTQ's and AutoAWQ's packers lay them out (GPTQ: eight
+inputs to an int32 word, zeros minus one in its v1 format, act-order ``g_idx``; AWQ: eight outputs to a
+word in the order 0, 2, 4, 6, 1, 3, 5, 7; the expected weights are ``(q − z)·s`` of the values before
+packing); transformers' forward of the same model with the expected weights gives the expected
+logits; ``F.linear`` of them the expected linear outputs.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tests.packing import pack, packed_directory, quantise
+from tests.packing import compressed_tensors_directory, pack, packed_directory, quantise
 from tests.test_lora import _base
 from tests.test_serve_engine import _run
 from zerotron.build.builder import load_model
@@ -39,7 +42,11 @@ def _checkpoint(
     """(a GPTQ/AWQ directory of a random model's decoder linears, the same model with the dequantised
     weights as an ordinary directory)."""
     _, base = _base(tmp_path, hidden_size=64, intermediate_size=128, vocab_size=320)
-    dense = packed_directory(base, tmp_path / "packed", method, group, act_order, sym)
+    if method == "compressed-tensors":  # packed by the library itself
+        pytest.importorskip("compressed_tensors")
+        dense = compressed_tensors_directory(base, tmp_path / "packed", group, sym)
+    else:
+        dense = packed_directory(base, tmp_path / "packed", method, group, act_order, sym)
     (tmp_path / "dense").mkdir()
     for f in base.iterdir():
         if f.name != "model.safetensors":
@@ -55,9 +62,11 @@ CASES = [
     ("awq", 32, False, False),
 ]
 IDS = ["gptq-g32", "gptq-g64-act-order-asym", "gptq-per-row", "awq-g32"]
+LIBRARY = [("compressed-tensors", 32, False, True), ("compressed-tensors", -1, False, False)]
+LIBRARY_IDS = ["compressed-tensors-g32", "compressed-tensors-per-channel-asym"]
 
 
-@pytest.mark.parametrize("method,group,act_order,sym", CASES, ids=IDS)
+@pytest.mark.parametrize("method,group,act_order,sym", CASES + LIBRARY, ids=IDS + LIBRARY_IDS)
 def test_read_dequantised_equals_the_formats_values_and_transformers_logits(
     tmp_path: Path, method: str, group: int, act_order: bool, sym: bool
 ) -> None:
@@ -101,7 +110,7 @@ def test_packed_linear_is_its_dequantised_weight_and_rows_are_batch_invariant(
     assert torch.equal(alone.view(5, 3, out), y)  # a row's bits are its own at any batch
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
 def test_served_as_they_are_gives_the_dequantised_models_tokens(tmp_path: Path, method: str) -> None:
     packed, _ = _checkpoint(tmp_path, method, 32, act_order=method == "gptq")
     kept, _ = load_model(str(packed), torch.float32, "cpu", quantization=method)
@@ -147,5 +156,20 @@ def test_refusals_name_what_to_change(tmp_path: Path) -> None:
     ):
         load_pretrained(str(packed))
     model, _ = load_pretrained(str(dense))
-    with pytest.raises(EngineConfigError, match="load the engine from the GPTQ directory"):
+    with pytest.raises(EngineConfigError, match="load the engine from the gptq directory"):
         Engine(model, None, EngineConfig(quantization="gptq"))
+
+
+def test_serve_chooses_the_checkpoints_method_where_it_runs(tmp_path: Path, capsys: Any) -> None:
+    """As vLLM does, ``zerotron serve`` of a GPTQ/AWQ checkpoint serves its 4-bit weights without being
+    told; where they cannot run (here: adapters) it says that it reads them dequantised."""
+    from zerotron.cli import build_parser
+    from zerotron.serve.command import engine_config
+
+    packed, dense = _checkpoint(tmp_path, "awq", 32)
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve", str(packed)]), 1).quantization == "awq"
+    assert engine_config(parse(["serve", str(packed), "--quantization", "int8"]), 1).quantization == "int8"
+    assert engine_config(parse(["serve", str(dense)]), 1).quantization is None
+    assert engine_config(parse(["serve", str(packed), "--enable-lora"]), 1).quantization is None
+    assert "holds AWQ 4-bit weights, read dequantised" in capsys.readouterr().out

@@ -324,12 +324,12 @@ def _add_serve_lora(srv: Any) -> None:
     )
     srv.add_argument(
         "--quantization",
-        choices=["int8", "int4", "gguf", "gptq", "awq"],  # build.quantize.LOAD_METHODS
+        choices=["int8", "int4", "gguf", "gptq", "awq", "compressed-tensors"],  # build.quantize.LOAD_METHODS
         default=None,
         help="the decoder layers' weights quantised as they are loaded: int8 with per-row scales, or int4 "
         "in groups of 32 (64/128) inputs; gguf: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks served as they "
-        "are; gptq, awq: a GPTQ or AWQ checkpoint's 4-bit weights as they are (without it they are read "
-        "dequantised). Multiplied by torch's weight-only kernels (CPU, one rank)",
+        "are; gptq, awq, compressed-tensors: such a checkpoint's 4-bit weights as they are (chosen for such a checkpoint "
+        "where they run; elsewhere it is read dequantised). Multiplied by torch's weight-only kernels (CPU, one rank)",
     )
     srv.add_argument(
         "--kv-cache-dtype",

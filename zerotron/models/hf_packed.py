@@ -13,6 +13,10 @@ f16 scale per group of ``group_size`` inputs and output row, ``w = (q − z) · 
 - **AWQ** (AutoAWQ's GEMM layout, ``quant_method: awq``, ``version: gemm``): ``qweight`` ``(in, out / 8)``
   and ``qzeros`` ``(groups, out / 8)``, both packed along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7
   of each eight; ``scales`` ``(groups, out)``; groups are consecutive inputs.
+- **compressed-tensors** (llm-compressor's ``pack-quantized`` W4A16, what its GPTQ and AWQ write today):
+  ``weight_packed`` ``(out, in / 8)``, input ``i`` in bits ``4·(i mod 8)``, each signed value stored
+  plus 8; ``weight_scale`` ``(out, groups)``; ``weight_zero_point`` ``(out / 8, groups)`` (asymmetric
+  schemes only, packed along the outputs, plus 8); ``weight_g_idx`` for act-order by group.
 
 Read dequantised (:func:`dequantize`), a weight is ``(q − z) · s`` in fp32, so ``zerotron sft``,
 ``convert``, ``generate`` and ``serve`` see an ordinary dense model. Served as they are,
@@ -30,8 +34,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-PARTS = ("qweight", "qzeros", "scales", "g_idx")
-METHODS = ("gptq", "awq")
+# a packed linear's tensors by their names in each format, as the parts read here
+PARTS = {
+    "qweight": "qweight",
+    "qzeros": "qzeros",
+    "scales": "scales",
+    "g_idx": "g_idx",
+    "weight_packed": "qweight",  # compressed-tensors
+    "weight_zero_point": "qzeros",
+    "weight_scale": "scales",
+    "weight_g_idx": "g_idx",
+    "weight_shape": "shape",
+}
+METHODS = ("gptq", "awq", "compressed-tensors")
 KERNEL_GROUPS = (256, 128, 64, 32)  # the CPU int4 kernel's group sizes, largest first
 _AWQ_UNPACK = (0, 4, 1, 5, 2, 6, 3, 7)  # where AWQ's packing puts output j of each eight
 
@@ -44,9 +59,10 @@ class PackedFormatError(ValueError):
 class PackedFormat:
     """What a config.json's ``quantization_config`` says of its packed weights."""
 
-    method: str  # gptq | awq
+    method: str  # gptq | awq | compressed-tensors
     group: int  # inputs per scale; -1: the whole row
     zero_offset: int  # GPTQ v1 stores each zero minus one
+    symmetric: bool = False  # compressed-tensors: no zero points stored (the zero is 8)
 
 
 @dataclass
@@ -67,6 +83,8 @@ def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
     group = int(quant.get("group_size", quant.get("q_group_size", 128)))
     if method not in METHODS:
         raise PackedFormatError(f"{source}: quant_method {method!r} is not a packed 4-bit format ({METHODS})")
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, source)
     if bits != 4:
         raise PackedFormatError(f"{source}: {method} with {bits}-bit weights is not read; 4-bit is")
     if group != -1 and group <= 0:
@@ -86,11 +104,40 @@ def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
     return PackedFormat("gptq", group, 1 if layout == "gptq" else 0)
 
 
+def _compressed_tensors(quant: dict[str, Any], source: object) -> PackedFormat:
+    """llm-compressor's ``pack-quantized`` W4A16 (its GPTQ and AWQ output): one weight scheme of 4-bit
+    integers by group or by output channel, activations unquantised."""
+    schemes = set()
+    for name, scheme in (quant.get("config_groups") or {}).items():
+        layout = str(scheme.get("format") or quant.get("format") or "?")
+        w = scheme.get("weights") or {}
+        bits, kind, strategy = int(w.get("num_bits", 0)), w.get("type", "int"), w.get("strategy")
+        if layout != "pack-quantized" or scheme.get("input_activations"):
+            raise PackedFormatError(
+                f"{source}: compressed-tensors {name}: format {layout!r}"
+                + (" with quantised activations" if scheme.get("input_activations") else "")
+                + " is not read; pack-quantized 4-bit weights with unquantised activations (W4A16) are"
+            )
+        if bits != 4 or kind != "int" or strategy not in ("group", "channel"):
+            raise PackedFormatError(
+                f"{source}: compressed-tensors {name}: {bits}-bit {kind} weights by {strategy} are not read; "
+                "4-bit int weights by group or channel are"
+            )
+        group = int(w.get("group_size") or 0) if strategy == "group" else -1
+        schemes.add((group, bool(w.get("symmetric", True))))
+    if len(schemes) != 1:
+        raise PackedFormatError(
+            f"{source}: compressed-tensors with {len(schemes)} weight schemes is not read; one is"
+        )
+    group, symmetric = schemes.pop()
+    return PackedFormat("compressed-tensors", group, 0, symmetric)
+
+
 def packed_part(key: str) -> tuple[str, str] | None:
     """(the weight's key, the part) when ``key`` is part of a packed linear: ``x.qweight`` is part
-    ``qweight`` of ``x.weight``."""
+    ``qweight`` of ``x.weight``, so is ``x.weight_packed``."""
     head, _, part = key.rpartition(".")
-    return (head + ".weight", part) if head and part in PARTS else None
+    return (head + ".weight", PARTS[part]) if head and part in PARTS else None
 
 
 def group_packed(keys: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
@@ -126,7 +173,9 @@ def read_format(directory: Path) -> PackedFormat | None:
 def packed_shape(fmt: PackedFormat, qweight: torch.Tensor) -> tuple[int, int]:
     """The (out, in) shape of the weight a ``qweight`` packs."""
     rows, cols = qweight.shape
-    return (cols, rows * 8) if fmt.method == "gptq" else (cols * 8, rows)
+    if fmt.method == "awq":
+        return cols * 8, rows
+    return (cols, rows * 8) if fmt.method == "gptq" else (rows, cols * 8)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -135,19 +184,29 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return (words.to(torch.int32)[..., None] >> shifts) & 0xF
 
 
+def _expected(fmt: PackedFormat, out: int, inp: int, count: int) -> dict[str, tuple[int, int]]:
+    """Each part's shape for a weight (out, in) in ``count`` groups."""
+    if fmt.method == "gptq":
+        return {"qweight": (inp // 8, out), "qzeros": (count, out // 8), "scales": (count, out)}
+    if fmt.method == "awq":
+        return {"qweight": (inp, out // 8), "qzeros": (count, out // 8), "scales": (count, out)}
+    zeros = {} if fmt.symmetric else {"qzeros": (out // 8, count)}
+    return {"qweight": (out, inp // 8), "scales": (out, count), **zeros}
+
+
 def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, ...], where: str) -> Unpacked:
     """A packed linear's values, zeros, scales and groups for a weight of ``shape`` (out, in)."""
-    missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
-    if missing or len(shape) != 2:
-        raise PackedFormatError(f"{where}: a {fmt.method} linear needs qweight, qzeros and scales")
+    if len(shape) != 2:
+        raise PackedFormatError(f"{where}: a {fmt.method} tensor of shape {list(shape)} is not a linear's")
     out, inp = shape
     group = inp if fmt.group == -1 else fmt.group
     count = -(-inp // group)
-    want = {
-        "qweight": (inp // 8, out) if fmt.method == "gptq" else (inp, out // 8),
-        "qzeros": (count, out // 8),
-        "scales": (count, out),
-    }
+    want = _expected(fmt, out, inp, count)
+    missing = [p for p in want if p not in parts]
+    if missing:
+        raise PackedFormatError(
+            f"{where}: a {fmt.method} linear needs {', '.join(want)}; {', '.join(missing)} missing"
+        )
     for part, expected in want.items():
         got = tuple(parts[part].shape)
         if got != expected or inp % 8 or out % 8:
@@ -155,23 +214,25 @@ def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, 
                 f"{where}: {fmt.method} {part} has shape {list(got)}, a {list(shape)} weight in groups of "
                 f"{group} needs {list(expected)}"
             )
-    zeros = _nibbles(parts["qzeros"]).reshape(count, out)
+    scales = parts["scales"].float()
     if fmt.method == "gptq":
         values = _nibbles(parts["qweight"].T).reshape(out, inp)
-        zeros = (zeros + fmt.zero_offset) & 0xF
-        groups = parts.get("g_idx")
-        if groups is None:
-            groups = torch.arange(inp) // group
-        elif tuple(groups.shape) != (inp,) or int(groups.min()) < 0 or int(groups.max()) >= count:
-            raise PackedFormatError(
-                f"{where}: g_idx must give each of the {inp} inputs a group below {count}"
-            )
-    else:
+        zeros = (_nibbles(parts["qzeros"]).reshape(count, out) + fmt.zero_offset) & 0xF
+    elif fmt.method == "awq":
         order = torch.tensor(_AWQ_UNPACK)
         values = _nibbles(parts["qweight"])[..., order].reshape(inp, out).T
         zeros = _nibbles(parts["qzeros"])[..., order].reshape(count, out)
+    else:  # compressed-tensors: signed values and zeros stored plus 8, scales (out, groups)
+        values = _nibbles(parts["qweight"]).reshape(out, inp)
+        stored = parts.get("qzeros")
+        zeros = torch.full((count, out), 8) if stored is None else _nibbles(stored.T).reshape(count, out)
+        scales = scales.T
+    groups = parts.get("g_idx")
+    if groups is None or fmt.method == "awq":
         groups = torch.arange(inp) // group
-    return Unpacked(values.contiguous(), zeros, parts["scales"].float(), groups.long())
+    elif tuple(groups.shape) != (inp,) or int(groups.min()) < 0 or int(groups.max()) >= count:
+        raise PackedFormatError(f"{where}: g_idx must give each of the {inp} inputs a group below {count}")
+    return Unpacked(values.contiguous(), zeros, scales.contiguous(), groups.long())
 
 
 def dequantize(u: Unpacked) -> torch.Tensor:

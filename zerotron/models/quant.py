@@ -157,9 +157,10 @@ def dequantized(model: nn.Module, method: str = "int8") -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (what its weights hold resident)."""
+    """Bytes of the model's parameters and buffers (what its weights hold resident), and of weights the
+    serving engine packed for its kernels outside them (``packed_weight_bytes``)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.nbytes for t in tensors.values())
+    return sum(t.nbytes for t in tensors.values()) + int(getattr(model, "packed_weight_bytes", 0))
 
 
 def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:

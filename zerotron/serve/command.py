@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 
 from zerotron.config_load import ConfigError
 from zerotron.distributed import launch
 from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, under_torchrun
+from zerotron.models.hf import ModelLoadError, packed_format_of
 from zerotron.models.lora import read_adapter_config
 from zerotron.serve import kernels, triton_attention
 from zerotron.serve.config import EngineConfig, EngineConfigError
@@ -91,7 +93,27 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         on_cpu = device.type == "cpu"
         chosen["native_attention"] = on_cpu and kernels.available()
         chosen["triton_attention"] = not on_cpu and triton_attention.available()
+    packed = packed_method(args.model) if args.quantization is None else None
+    if packed is not None:  # a GPTQ/AWQ checkpoint: its 4-bit weights as they are, where they run
+        if device.type == "cpu" and nproc == 1 and not fields["max_loras"]:
+            chosen["quantization"] = packed
+        else:
+            print(
+                f"zerotron serve: {args.model} holds {packed.upper()} 4-bit weights, read dequantised (they "
+                "are served as they are on the CPU, one rank, without adapters)",
+                flush=True,
+            )
     return config if chosen == explicit else _checked(fields | chosen)
+
+
+def packed_method(model: str) -> str | None:
+    """``gptq`` or ``awq`` when ``model`` is a directory of that checkpoint format, else None (a format
+    zerotron cannot read is refused by the loader, in one line)."""
+    try:
+        fmt = packed_format_of(Path(model)) if Path(model).is_dir() else None
+    except ModelLoadError:
+        return None
+    return None if fmt is None else fmt.method
 
 
 def max_loras(args: argparse.Namespace) -> int:

@@ -242,8 +242,11 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
             if shared is None or m.weight is not shared.weight:  # a tied head keeps the embedding's matrix
                 m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
 
+    held = [0]  # bytes of the packed weights, which live outside the model's parameters
+
     def packed(parts: list[nn.Linear]) -> functools.partial[torch.Tensor]:
         weight = torch.cat([m.weight.detach() for m in parts])
+        held[0] += weight.nbytes  # the packed forms hold the same values in the same dtype
         biases = [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in parts]
         bias = torch.cat(biases) if any(m.bias is not None for m in parts) else None
         features = (parts[0].in_features, weight.shape[0])
@@ -263,6 +266,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
         return functools.partial(_packed_linear, handle, bias, features, chunk, wide=wide)
 
     fused_of = _pack_all(model, dtype, packed)
+    model.packed_weight_bytes = getattr(model, "packed_weight_bytes", 0) + held[0]  # read by weight_bytes
     for norm in model.modules() if native else ():
         if type(norm) is RMSNorm:  # one native pass per row instead of six operators
             norm.forward = functools.partial(kernels.rms_norm, weight=norm.weight.detach(), eps=norm.eps)  # type: ignore[method-assign]

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zerotron.build.quantize import Quantized
+from zerotron.build.quantize import PACKED_METHODS, Quantized
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
@@ -274,11 +274,11 @@ def quantized_model(model: nn.Module, method: Optional[str]) -> Optional[Quantiz
             "gguf keeps a GGUF file's blocks as the file is loaded: load the engine from the .gguf file "
             "(zerotron serve FILE.gguf --quantization gguf)",
         )
-    if method in ("gptq", "awq"):
+    if method in PACKED_METHODS:
         raise EngineConfigError(
             "quantization",
             f"{method} keeps a checkpoint's packed weights as it is loaded: load the engine from the "
-            f"{method.upper()} directory (zerotron serve DIR --quantization {method})",
+            f"{method} directory (zerotron serve DIR --quantization {method})",
         )
     before, after = quantize(model, method)
     return Quantized(method, before, after)
