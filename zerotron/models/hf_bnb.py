@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from zerotron.models.hf_packed import METHODS as PACKED_METHODS
-from zerotron.models.hf_packed import packed_format
+from zerotron.models.hf_packed import group_parts, packed_format
 
 _PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _STATE = "quant_state.bitsandbytes__"
@@ -49,15 +49,7 @@ def state_part(key: str) -> tuple[str, str] | None:
 
 def group_keys(keys: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
     """(the tensors to read, each quantised weight's state parts by part name) of one file's keys."""
-    plain: list[str] = []
-    states: dict[str, dict[str, str]] = {}
-    for key in keys:
-        found = state_part(key)
-        if found is None:
-            plain.append(key)
-        else:
-            states.setdefault(found[0], {})[found[1]] = key
-    return plain, states
+    return group_parts(keys, state_part)
 
 
 def dequantize(packed: torch.Tensor, parts: dict[str, torch.Tensor], where: str) -> torch.Tensor:

@@ -27,6 +27,7 @@ zeros, ``w = (q − 8)·s + (8 − z)·s``. Other bit widths and layouts are ref
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -140,17 +141,26 @@ def packed_part(key: str) -> tuple[str, str] | None:
     return (head + ".weight", PARTS[part]) if head and part in PARTS else None
 
 
-def group_packed(keys: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
-    """(the other keys, each packed linear's parts by part name keyed by its weight's key) of one file's
-    keys; a group without ``qweight`` is not a packed linear and its keys stay with the others."""
+def group_parts(
+    keys: list[str], part_of: Callable[[str], tuple[str, str] | None]
+) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """(the keys ``part_of`` places in no group, each group's keys by part name keyed by the group):
+    ``part_of(key)`` is (the group, the part) or None."""
     plain: list[str] = []
-    packed: dict[str, dict[str, str]] = {}
+    groups: dict[str, dict[str, str]] = {}
     for key in keys:
-        found = packed_part(key)
+        found = part_of(key)
         if found is None:
             plain.append(key)
         else:
-            packed.setdefault(found[0], {})[found[1]] = key
+            groups.setdefault(found[0], {})[found[1]] = key
+    return plain, groups
+
+
+def group_packed(keys: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """(the other keys, each packed linear's parts by part name keyed by its weight's key) of one file's
+    keys; a group without ``qweight`` is not a packed linear and its keys stay with the others."""
+    plain, packed = group_parts(keys, packed_part)
     for weight, parts in list(packed.items()):
         if "qweight" not in parts:
             plain.extend(parts.values())

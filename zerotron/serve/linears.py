@@ -266,7 +266,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
         return functools.partial(_packed_linear, handle, bias, features, chunk, wide=wide)
 
     fused_of = _pack_all(model, dtype, packed)
-    model.packed_weight_bytes = getattr(model, "packed_weight_bytes", 0) + held[0]  # read by weight_bytes
+    setattr(model, "packed_weight_bytes", getattr(model, "packed_weight_bytes", 0) + held[0])  # noqa: B010  # a plain attribute read by weight_bytes
     for norm in model.modules() if native else ():
         if type(norm) is RMSNorm:  # one native pass per row instead of six operators
             norm.forward = functools.partial(kernels.rms_norm, weight=norm.weight.detach(), eps=norm.eps)  # type: ignore[method-assign]

@@ -16,9 +16,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zerotron.build.quantize import PACKED_METHODS, Quantized
+from zerotron.build.quantize import Quantized
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.quant import MIN_ROWS, quantize
 from zerotron.parallel.tensor_comm import gather_last_dim
