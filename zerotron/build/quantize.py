@@ -10,7 +10,7 @@ time from the weight source, before the rest is materialised: no rank ever holds
 - ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 blocks kept as they are
   (:mod:`zerotron.models.gguf_blocks`), the (tied) embedding and head too when they are Q8_0; tensors of
   other types are materialised dense as without quantisation (counted in :class:`Quantized`).
-- ``gptq`` / ``awq``: a GPTQ or AWQ Hugging Face checkpoint's 4-bit values, zeros and scales kept as
+- ``gptq`` / ``awq`` / ``compressed-tensors``: such a Hugging Face checkpoint's 4-bit values, zeros and scales kept as
   they are (:class:`~zerotron.models.hf_packed.PackedInt4Linear`); linears the checkpoint holds
   unquantised are materialised dense.
 """
@@ -123,7 +123,7 @@ def _keep_packed(
     if fmt is None:
         raise ModelLoadError(
             f"quantization {done.method} keeps a {done.method.upper()} checkpoint's 4-bit weights: this model "
-            "has none (serve a GPTQ or AWQ directory, or choose int8 or int4)"
+            "has none (serve a GPTQ, AWQ or compressed-tensors directory, or choose int8 or int4)"
         )
     if fmt.method != done.method:
         raise ModelLoadError(

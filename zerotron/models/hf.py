@@ -342,7 +342,7 @@ def _experts_in(directory: Path) -> int:
 
 
 def packed_format_of(directory: Path) -> PackedFormat | None:
-    """The GPTQ/AWQ format a directory's config.json names (None: none), refused in one line when
+    """The GPTQ/AWQ/compressed-tensors format a directory's config.json names (None: none), refused in one line when
     zerotron cannot read it."""
     try:
         return read_format(directory)
@@ -353,7 +353,7 @@ def packed_format_of(directory: Path) -> PackedFormat | None:
 def iter_safetensors(path: Path, packed: PackedFormat | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of one safetensors file, one tensor in memory at a time; errors name the file.
     A weight saved quantised by bitsandbytes (4-bit) comes out dequantised to fp32, its quantisation
-    state's tensors folded into it (:mod:`zerotron.models.hf_bnb`); so does a GPTQ or AWQ linear of the
+    state's tensors folded into it (:mod:`zerotron.models.hf_bnb`); so does a GPTQ, AWQ or compressed-tensors linear of the
     format ``packed`` (:mod:`zerotron.models.hf_packed`)."""
     from safetensors import safe_open
 

@@ -1,7 +1,7 @@
-"""Hugging Face checkpoints saved as GPTQ or AWQ 4-bit weights: read dequantised by every command, or
-served as they are (``zerotron serve DIR --quantization gptq|awq``).
+"""Hugging Face checkpoints saved as GPTQ, AWQ or compressed-tensors 4-bit weights: read dequantised by
+every command, or served as they are (``zerotron serve DIR --quantization gptq|awq|compressed-tensors``).
 
-Both formats store each quantised linear as 4-bit values packed eight to an int32, one zero and one
+The formats store each quantised linear as 4-bit values packed eight to an int32, one zero and one
 f16 scale per group of ``group_size`` inputs and output row, ``w = (q − z) · s``; the config.json's
 ``quantization_config`` names the format:
 
@@ -53,7 +53,7 @@ _AWQ_UNPACK = (0, 4, 1, 5, 2, 6, 3, 7)  # where AWQ's packing puts output j of e
 
 
 class PackedFormatError(ValueError):
-    """A GPTQ/AWQ checkpoint zerotron cannot read: the message says what and where."""
+    """A GPTQ/AWQ/compressed-tensors checkpoint zerotron cannot read: the message says what and where."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class Unpacked:
 
 
 def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
-    """The format of a ``quantization_config`` of GPTQ or AWQ, or PackedFormatError naming the field."""
+    """The format of a GPTQ, AWQ or compressed-tensors ``quantization_config``, or PackedFormatError
+    naming the field."""
     method = str(quant.get("quant_method", "?")).lower()
     bits = int(quant.get("bits", quant.get("w_bit", 4)))
     group = int(quant.get("group_size", quant.get("q_group_size", 128)))
@@ -125,6 +126,10 @@ def _compressed_tensors(quant: dict[str, Any], source: object) -> PackedFormat:
                 "4-bit int weights by group or channel are"
             )
         group = int(w.get("group_size") or 0) if strategy == "group" else -1
+        if group == 0 or group < -1:
+            raise PackedFormatError(
+                f"{source}: compressed-tensors {name}: a group strategy needs a positive group_size"
+            )
         schemes.add((group, bool(w.get("symmetric", True))))
     if len(schemes) != 1:
         raise PackedFormatError(
@@ -169,7 +174,7 @@ def group_packed(keys: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]
 
 
 def read_format(directory: Path) -> PackedFormat | None:
-    """The packed format a directory's config.json names (None: no GPTQ/AWQ ``quantization_config``)."""
+    """The packed format a directory's config.json names (None: no such ``quantization_config``)."""
     try:
         hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -253,7 +258,7 @@ def dequantize(u: Unpacked) -> torch.Tensor:
 
 
 class PackedInt4Linear(nn.Module):
-    """A GPTQ or AWQ linear served as its 4-bit values through ``aten._weight_int4pack_mm_for_cpu``,
+    """A GPTQ, AWQ or compressed-tensors linear served as its 4-bit values through ``aten._weight_int4pack_mm_for_cpu``,
     whose row results do not depend on the row count. The file's groups become the kernel's (32–256
     inputs; a larger group's scale repeated), its zero ``z`` the kernel's ``(8 − z)·s``; act-order inputs
     are sorted by group once and each call's activations permuted alike. Scales and zeros are kept in

@@ -84,7 +84,7 @@ class HFSource:
         self._where: dict[str, tuple[Path, str]] = {}  # zerotron name -> (file, its key)
         self._parts: dict[str, dict[tuple[int, str], tuple[Path, str]]] = {}  # fused name -> per expert
         self._bnb: dict[str, dict[str, str]] = {}  # zerotron name -> its bitsandbytes state's keys
-        self.packed_format = packed_format_of(self.directory)  # GPTQ / AWQ, or None
+        self.packed_format = packed_format_of(self.directory)  # GPTQ / AWQ / compressed-tensors, or None
         self._packed: dict[str, tuple[Path, dict[str, str]]] = {}  # zerotron name -> its packed parts
         for path in _weight_files(self.directory):
             try:
@@ -124,7 +124,7 @@ class HFSource:
         from safetensors import safe_open
 
         path, key = where
-        if name in self._packed:  # saved as GPTQ/AWQ 4-bit values: the whole weight, dequantised
+        if name in self._packed:  # saved as packed 4-bit values: the whole weight, dequantised
             whole = dequantize_packed(self._unpacked(name, want))
             return whole[index].clone()
         with safe_open(str(path), framework="pt") as handle:
@@ -142,7 +142,7 @@ class HFSource:
             return data.float().clone() if data.dtype == torch.float32 else data.float()
 
     def packed(self, name: str, shape: Shape) -> Unpacked | None:
-        """The GPTQ/AWQ values, zeros, scales and groups of ``name`` (None: not a packed linear)."""
+        """The packed 4-bit values, zeros, scales and groups of ``name`` (None: not a packed linear)."""
         return self._unpacked(name, shape) if name in self._packed else None
 
     def _unpacked(self, name: str, shape: Shape) -> Unpacked:

@@ -94,20 +94,21 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         chosen["native_attention"] = on_cpu and kernels.available()
         chosen["triton_attention"] = not on_cpu and triton_attention.available()
     packed = packed_method(args.model) if args.quantization is None else None
-    if packed is not None:  # a GPTQ/AWQ checkpoint: its 4-bit weights as they are, where they run
-        if device.type == "cpu" and nproc == 1 and not fields["max_loras"]:
-            chosen["quantization"] = packed
-        else:
+    if packed is not None:  # a 4-bit checkpoint's weights as they are, where the engine takes them
+        try:
+            return EngineConfig(**(fields | chosen | {"quantization": packed}))
+        except EngineConfigError as err:  # the engine's own reason, e.g. adapters or a GPU
             print(
-                f"zerotron serve: {args.model} holds {packed.upper()} 4-bit weights, read dequantised (they "
-                "are served as they are on the CPU, one rank, without adapters)",
+                f"zerotron serve: {args.model} holds {packed.upper()} 4-bit weights, read dequantised "
+                f"({err.reason})",
                 flush=True,
             )
     return config if chosen == explicit else _checked(fields | chosen)
 
 
 def packed_method(model: str) -> str | None:
-    """``gptq`` or ``awq`` when ``model`` is a directory of that checkpoint format, else None (a format
+    """``gptq``, ``awq`` or ``compressed-tensors`` when ``model`` is a directory of that 4-bit checkpoint
+    format, else None (a format
     zerotron cannot read is refused by the loader, in one line)."""
     try:
         fmt = packed_format_of(Path(model)) if Path(model).is_dir() else None
