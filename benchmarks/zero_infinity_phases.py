@@ -10,7 +10,7 @@ every block's activations on both (zerotron's ``train.recompute=full``, applied 
 trains too). Each framework, in its own two processes (Gloo, one thread each):
 
 - zerotron: ``parallel.zero=3`` with ``offload_params=nvme`` and ``offload_optimizer=nvme`` (and
-  ``checkpoint.io_buffer_mb``): ``Trainer`` (the model materialised straight to its files), two steps,
+  ``checkpoint.io_buffer_mb``), and once more with ``offload_grads=nvme``: ``Trainer`` (the model materialised straight to its files), two steps,
   ``Trainer.save``; then a second ``Trainer`` in the same processes, ``Trainer.resume`` of that folder and
   one more step;
 - DeepSpeed 0.19 ZeRO-Infinity: stage 3, the model built under ``deepspeed.zero.Init``,
@@ -162,6 +162,20 @@ def run(layers: int, tokens: np.ndarray, nvme_root: str, args: argparse.Namespac
             _zerotron,
             lambda nvme, d: (
                 [*base, *offload, f"parallel.nvme_path={nvme}", f"checkpoint.io_buffer_mb={io_mb}"],
+                tokens,
+                d,
+            ),
+        ),
+        "zerotron ZeRO-3 + NVMe, gradients on NVMe": (
+            _zerotron,
+            lambda nvme, d: (
+                [
+                    *base,
+                    *offload,
+                    "parallel.offload_grads=nvme",
+                    f"parallel.nvme_path={nvme}",
+                    f"checkpoint.io_buffer_mb={io_mb}",
+                ],
                 tokens,
                 d,
             ),

@@ -143,6 +143,20 @@ def test_deepspeed_config_is_mapped(tmp_path: Path) -> None:
     assert cfg.parallel.zero == 2 and cfg.parallel.offload_optimizer == "cpu"
 
 
+def test_deepspeed_zero_infinity_swaps_the_gradients_too(tmp_path: Path) -> None:
+    """DeepSpeed's stage 3 with its optimizer on NVMe swaps the gradient partitions there as well."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    ds = {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme},
+    }
+    cfg = from_deepspeed(_ds(tmp_path, ds), None, [], world_size=2).config
+    p = cfg.parallel
+    assert (p.zero, p.offload_params, p.offload_optimizer, p.offload_grads) == (3, "nvme", "nvme", "nvme")
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}  # type: ignore[index]
+    assert from_deepspeed(_ds(tmp_path, ds), None, [], world_size=2).config.parallel.offload_grads == "none"
+
+
 def test_deepspeed_global_batch_from_micro_and_accumulation(tmp_path: Path) -> None:
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}
     cfg = from_deepspeed(_ds(tmp_path, ds), None, [], world_size=4).config

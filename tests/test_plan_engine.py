@@ -195,6 +195,14 @@ LAYOUTS_2 += [  # offload: what stays on the device, and the host / NVMe bytes (
         "parallel.offload_params=nvme",
         "train.precision=bf16",
     ],
+    # the fp32 gradient shards in a file beside the moments, not in host memory
+    [
+        "parallel.zero=3",
+        "parallel.offload_optimizer=nvme",
+        "parallel.offload_params=cpu",
+        "parallel.offload_grads=nvme",
+        "train.precision=bf16",
+    ],
 ]
 LAYOUTS_2 += [  # tensor and sequence parallelism
     ["parallel.dp=1", "parallel.tp=2", "model.vocab_size=256"],

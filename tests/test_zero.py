@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.harness import run_distributed
 from tests.test_train_dp import BASE, STEPS, _reference, _tokens
@@ -141,24 +142,29 @@ def _offload_body(
 
 
 OFFLOADS = [
-    (1, "cpu", "none"),
-    (3, "cpu", "none"),
-    (2, "nvme", "none"),
-    (3, "cpu", "cpu"),
-    (3, "nvme", "nvme"),
+    (1, "cpu", "none", "none"),
+    (3, "cpu", "none", "none"),
+    (2, "nvme", "none", "none"),
+    (3, "cpu", "cpu", "none"),
+    (3, "nvme", "nvme", "none"),
+    (3, "nvme", "cpu", "nvme"),
 ]
 
 
-@pytest.mark.parametrize(("zero", "optimizer", "params"), OFFLOADS)
-def test_offload_matches_single_process(zero: int, optimizer: str, params: str, tmp_path: Path) -> None:
-    """parallel.offload_optimizer / offload_params = cpu | nvme: the single process's numbers (fp32, 1e-5).
+@pytest.mark.parametrize(("zero", "optimizer", "params", "grads"), OFFLOADS)
+def test_offload_matches_single_process(
+    zero: int, optimizer: str, params: str, grads: str, tmp_path: Path
+) -> None:
+    """parallel.offload_optimizer / offload_params = cpu | nvme, offload_grads = nvme: the single process's
+    numbers (fp32, 1e-5; the gradients clipped, two micro-batches accumulated per rank).
 
     The model states leave the device for host memory or files, and the metrics say where they are:
     ``model_state_bytes`` is what stays on the device, ``offloaded_state_bytes`` the host and NVMe parts.
     Per rank (N = dp = 2, Ψ parameters): the optimizer holds 8Ψ/N bytes of moments, plus a 4Ψ/N master
     when the parameters stay on the device (under parameter offload the offloaded shard is the master);
     the offloaded parameter shards are 4Ψ/N, their gradients land in host memory, and the device keeps only
-    the small parameters that stay whole (``persist_numel``).
+    the small parameters that stay whole (``persist_numel``). With ``offload_grads=nvme`` the gradient
+    shards (4Ψ/N) are in a file beside the moments instead, and none in host memory.
     """
     tokens = _tokens()
     nvme = tmp_path / "nvme"
@@ -170,6 +176,7 @@ def test_offload_matches_single_process(zero: int, optimizer: str, params: str, 
         f"parallel.zero={zero}",
         f"parallel.offload_optimizer={optimizer}",
         f"parallel.offload_params={params}",
+        f"parallel.offload_grads={grads}",
         f"parallel.nvme_path={nvme}",
         "parallel.bucket_mb=0.05",  # ZeRO-1/2: several buckets, so one bucket is less than the model
         "train.micro_batch=2",
@@ -191,18 +198,54 @@ def test_offload_matches_single_process(zero: int, optimizer: str, params: str, 
         if params != "none":
             assert device["params"] == 4 * whole and device["grads"] == 0
             assert off[place[params]]["params"] == pytest.approx(4 * n_params / 2, rel=0.02)
-            assert off["host"]["grads"] == pytest.approx(4 * n_params / 2, rel=0.02)
+            grad_place = "nvme" if grads == "nvme" else "host"
+            assert off[grad_place]["grads"] == pytest.approx(4 * n_params / 2, rel=0.02)
+            assert off["host" if grads == "nvme" else "nvme"]["grads"] == 0
         kinds = {"params.bin"} if params == "nvme" else set()
+        kinds |= {"grads.bin"} if grads == "nvme" else set()
         if optimizer == "nvme":  # the offloaded parameter shard, when there is one, is the master
             kinds |= {"exp_avg.bin", "exp_avg_sq.bin"} | ({"master.bin"} if params == "none" else set())
         shard_bytes = 4 * sum(result["shards"])
         assert result["files"] == {k: shard_bytes for k in kinds}  # one file per kind, the rank's shards
         assert result["files_after_close"] == []
         if optimizer == "nvme":  # host memory holds a bucket's master and moments and the next one's
-            read_kinds, shards = 3, result["shards"]  # (prefetched while the bucket is updated)
+            # (prefetched while the bucket is updated): the moments, the master where it is in a file
+            # (fp32 parameters in host memory are the master) and the gradients where they are in one
+            read_kinds = 2 + (params != "cpu") + (grads == "nvme")
+            shards = result["shards"]
             pairs = [a + b for a, b in zip(shards, shards[1:])] or shards
             assert result["peak_read_bytes"] == read_kinds * 4 * max(pairs)
             assert len(shards) < 3 or result["peak_read_bytes"] < read_kinds * 4 * sum(shards)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gradients_on_nvme_step_as_the_gradients_in_host_memory(precision: str, tmp_path: Path) -> None:
+    """parallel.offload_grads=nvme under 16-bit training (fp16: loss-scaled gradients, unscaled and
+    clipped as factors the optimizer applies as it reads them back) trains as the same run with the
+    gradient shards in host memory (itself tested against the single process above): the same losses
+    and weights bit for bit, the shards in a file (4Ψ/N) and none in host memory."""
+    tokens = _tokens()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = [*BASE, *ZERO3, "parallel.dp=2", "parallel.zero=3", "train.micro_batch=2"]
+    common += [f"train.precision={precision}", "train.grad_clip=0.3", "parallel.offload_params=cpu"]
+    common += ["parallel.offload_optimizer=nvme", f"parallel.nvme_path={nvme}"]
+    runs = {
+        grads: run_distributed(
+            _offload_body, 2, [*common, f"parallel.offload_grads={grads}"], tokens, str(tmp_path / grads),
+            str(nvme), timeout=300,
+        )
+        for grads in ("none", "nvme")
+    }  # fmt: skip
+    n_params = sum(w.numel() for w in runs["none"][0]["weights"].values())
+    for host, ours in zip(runs["none"], runs["nvme"]):
+        assert ours["losses"] == host["losses"]
+        for name, w in host["weights"].items():
+            assert torch.equal(ours["weights"][name], w), name
+        assert ours["offloaded"]["nvme"]["grads"] == pytest.approx(4 * n_params / 2, rel=0.02)
+        assert ours["offloaded"]["host"]["grads"] == 0 < host["offloaded"]["host"]["grads"]
+        assert ours["files"]["grads.bin"] == 4 * sum(ours["shards"])
+        assert ours["files_after_close"] == []
 
 
 def test_zero3_bf16_parameter_offload_keeps_a_16_bit_copy(tmp_path: Path) -> None:
@@ -372,6 +415,15 @@ def test_zero_resume_is_exact_and_saves_whole_tensors(
         assert moments[f"{name}.exp_avg"].shape == p.shape
 
 
+GRADS = ["parallel.offload_grads=nvme"]
+NVME3 = [
+    "parallel.zero=3",
+    "parallel.offload_params=nvme",
+    "parallel.offload_optimizer=nvme",
+    "parallel.nvme_path=/tmp",
+]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -393,6 +445,16 @@ def test_zero_resume_is_exact_and_saves_whole_tensors(
             ["parallel.zero=3", "parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zb"],
             "parallel.zero=3 with parallel.pp_schedule=zb is not supported",
         ),
+        (["parallel.offload_grads=cpu"], "parallel.offload_grads"),
+        (
+            ["parallel.zero=3", "parallel.offload_params=cpu", "parallel.offload_optimizer=cpu", *GRADS],
+            "needs parallel.zero=3, parallel.offload_params=cpu or nvme and parallel.offload_optimizer=nvme",
+        ),
+        (
+            [*NVME3, *GRADS, "parallel.pp=2", "parallel.dp=1", "model.tie_word_embeddings=false"],
+            "parallel.offload_grads=nvme is not built with pipeline parallelism",
+        ),
+        ([*NVME3, *GRADS, "parallel.zero_shard_size=1"], "is not built with hybrid sharding"),
     ],
 )
 def test_bad_zero_config_is_one_clear_line(overrides: list[str], message: str) -> None:

@@ -196,6 +196,12 @@ class ParallelConfig:
     )
     offload_optimizer: str = _f("none", "where optimizer states live: none, cpu or nvme")
     offload_params: str = _f("none", "where ZeRO-3 parameters live: none, cpu or nvme")
+    offload_grads: str = _f(
+        "none",
+        "where ZeRO-3's fp32 gradient shards wait for the optimizer step: none (host memory, under "
+        "parameter offload) or nvme (a file beside the moments, as DeepSpeed ZeRO-Infinity swaps them; "
+        "needs parallel.offload_params and parallel.offload_optimizer=nvme)",
+    )
     nvme_path: Optional[str] = _f(None, "directory for NVMe offload files")
     bucket_mb: float = _f(25.0, "gradient all-reduce (ZeRO-1/2: reduce-scatter) bucket size in MiB")
     persist_numel: int = _f(4096, "ZeRO-3: parameters with fewer elements stay whole on every rank")

@@ -38,6 +38,7 @@ _CHOICES = {
     "parallel.pp_schedule": layout.SCHEDULES,
     "parallel.offload_optimizer": layout.OFFLOAD,
     "parallel.offload_params": layout.OFFLOAD,
+    "parallel.offload_grads": ("none", "nvme"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.grad_reduce_dtype": ("fp32", "bf16"),
     "train.precision": ("fp32", "bf16", "fp16", "fp8"),
@@ -273,6 +274,25 @@ def _check_packages(cfg: Config) -> None:
         )
 
 
+def _check_offload_grads(cfg: Config) -> None:
+    """parallel.offload_grads=nvme: ZeRO-3's gradient shards in a file beside the optimizer's moments."""
+    p = cfg.parallel
+    needs = p.zero == 3 and p.offload_params != "none" and p.offload_optimizer == "nvme"
+    refused = [
+        (
+            not needs,
+            "needs parallel.zero=3, parallel.offload_params=cpu or nvme and parallel.offload_optimizer=nvme",
+        ),
+        (p.pp > 1, "is not built with pipeline parallelism (parallel.pp > 1) yet"),
+        (p.zero_shard_size > 0, "is not built with hybrid sharding (parallel.zero_shard_size) yet"),
+    ]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(
+                f"parallel.offload_grads={p.offload_grads} {why}; or set parallel.offload_grads=none"
+            )
+
+
 class ZeroSavesNothing(UserWarning):
     """ZeRO over a data-parallel size of 1: allowed, but it shards over one rank and saves no memory."""
 
@@ -293,6 +313,8 @@ def _check_zero(cfg: Config, world_size: int) -> None:
             "supported: the two copies' gradient shards are summed across the stages on the device; set "
             "parallel.offload_params=none or model.tie_word_embeddings=false"
         )
+    if p.offload_grads != "none":
+        _check_offload_grads(cfg)
     if "nvme" in (p.offload_optimizer, p.offload_params):
         _check_nvme_path(p.nvme_path)
     if p.zero_quantized_weights and p.zero != 3:

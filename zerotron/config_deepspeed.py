@@ -370,6 +370,10 @@ def _map_zero(ds: dict[str, Any], m: _Mapper) -> None:
             m.set(ds_key, value, "parallel.zero_quantized_gradient_bits", 4, why)
         else:
             m.refused.append(f"{ds_key}={value!r}")
+    places = [(zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")]
+    if zero.get("stage") == 3 and places[0] == "nvme" and places[1] in ("cpu", "nvme"):
+        why = " (ZeRO-Infinity swaps ZeRO-3's gradient partitions to NVMe beside the optimizer's states)"
+        m.set("zero_optimization.offload_optimizer.device", "nvme", "parallel.offload_grads", "nvme", why)
 
 
 def _map_rest(ds: dict[str, Any], m: _Mapper) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -126,25 +126,32 @@ def global_grad_norm(params: Iterable[torch.Tensor], shard_groups: Sequence[Grou
     return _square_sum(params, shard_groups).sqrt()
 
 
-def _square_sum(params: Iterable[torch.Tensor], groups: Sequence[Group]) -> torch.Tensor:
+def _square_sum(
+    params: Iterable[torch.Tensor], groups: Sequence[Group], stored: Mapping[int, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The owned gradients' squared norms summed over ``groups``; a parameter without ``.grad`` counts
+    its norm in ``stored`` (by ``id``: gradients kept elsewhere, ZeRO-3's on NVMe) where it has one."""
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        norms = torch._foreach_norm(grads, 2.0)
-        sq = torch.stack([n.float() for n in norms]).pow(2).sum()
-    else:
-        sq = torch.zeros(())
+    computed = iter(torch._foreach_norm(grads, 2.0) if grads else [])
+    norms = [next(computed) if p.grad is not None else (stored or {}).get(id(p)) for p in params]
+    present = [n.float() for n in norms if n is not None]
+    sq = torch.stack(present).pow(2).sum() if present else torch.zeros(())
     for group in groups:
         collectives.all_reduce(sq, group, op="sum")
     return sq
 
 
 def sharded_grad_norm(
-    classes: Sequence[tuple[Sequence[torch.Tensor], Sequence[Group]]], stages: Group
+    classes: Sequence[tuple[Sequence[torch.Tensor], Sequence[Group]]],
+    stages: Group,
+    stored: Mapping[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """L2 norm of all gradients when parameters differ in how they are split: each class's owned
     gradients (see :func:`global_grad_norm`) squared and summed over that class's groups, the classes
-    added, and the total summed over the pipeline ``stages``."""
-    parts = [_square_sum(params, groups) for params, groups in classes]
+    added, and the total summed over the pipeline ``stages``. ``stored``: the norms of gradients not
+    held in ``.grad``, by ``id`` of their parameter (ZeRO-3's gradient shards on NVMe)."""
+    parts = [_square_sum(params, groups, stored) for params, groups in classes]
     total = parts[0] if parts else torch.zeros(())
     for part in parts[1:]:
         total = total + part.to(total.device)
@@ -152,14 +159,16 @@ def sharded_grad_norm(
     return total.sqrt()
 
 
-def clip_grads_(params: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    """Scale gradients in place so that their global norm is at most ``max_norm`` (0 disables)."""
+def clip_grads_(params: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """Scale gradients in place so that their global norm is at most ``max_norm`` (0 disables); the
+    factor applied (None when disabled), for gradients kept elsewhere to take too."""
     if max_norm <= 0:
-        return
+        return None
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return coef
 
 
 class DynamicLossScaler:

@@ -19,6 +19,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # annotations only: the ZeRO package imports this module
     from zerotron.parallel.zero.flat import FlatLayout, ShardSegment
+    from zerotron.parallel.zero.grads import GradStash
 
 
 class SavedValues(Protocol):
@@ -98,6 +99,10 @@ class GradientReducer(Protocol):
 
 class ShardedEngine(GradientReducer, Protocol):
     """A ZeRO engine: this rank's shards of the parameters, gradients and optimizer states."""
+
+    # ZeRO-3 with parallel.offload_grads=nvme: the gradient shards in a file, not in the segments'
+    # .grad (the step's norm, unscaling and clipping reach them through it); None otherwise
+    grad_stash: GradStash | None
 
     @property
     def layouts(self) -> list[FlatLayout]:

@@ -37,6 +37,7 @@ class Layout(shared.HoldsDims):
     virtual_stages: int = 1
     offload_optimizer: str = "none"
     offload_params: str = "none"
+    offload_grads: str = "none"  # ZeRO-3 under parameter offload: where the fp32 gradient shards wait
     bucket_mb: float = 25.0
     pp_layers: tuple[int, ...] | None = None
     grad_reduce_dtype: str = "fp32"  # what gradients travel in over the data-parallel group (fp32, bf16)
@@ -71,6 +72,7 @@ class Layout(shared.HoldsDims):
             extra += f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.offload_optimizer != "none" or self.offload_params != "none":
             extra += f" off={self.offload_optimizer}/{self.offload_params}"
+            extra += "/grads=nvme" if self.offload_grads == "nvme" else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         ep += f" etp{self.etp}" if self.etp > 1 else ""
         if self.cp > 1 and self.cp_comm != "ring":
@@ -124,6 +126,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         virtual_stages=p.virtual_stages,
         offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params,
+        offload_grads=p.offload_grads,
         bucket_mb=p.bucket_mb,
         pp_layers=tuple(int(n) for n in getattr(p, "pp_layers", None) or ()) or None,
         grad_reduce_dtype=p.grad_reduce_dtype,

@@ -41,6 +41,7 @@ class StateLayout:
     zero: int
     offload_optimizer: str = "none"
     offload_params: str = "none"
+    offload_grads: str = "none"  # ZeRO-3 under parameter offload: nvme keeps the gradient shards in a file
 
 
 def state_bytes_per_element(convention: str, precision: str, zero: int) -> tuple[int, int, int]:
@@ -112,7 +113,7 @@ def model_states(
         if layout.offload_params != "none":
             stored = shard_bytes * working_bytes / 4  # the fp32 shard, or its 16-bit copy
             places["host" if layout.offload_params == "cpu" else "nvme"]["params"] = stored
-            places["host"]["grads"] = places["device"]["grads"]
+            places["nvme" if layout.offload_grads == "nvme" else "host"]["grads"] = places["device"]["grads"]
             places["device"]["params"], places["device"]["grads"] = persistent_bytes, 0.0
         return places
     if layout.offload_optimizer != "none":

@@ -211,7 +211,7 @@ def _model_states(
     exact: dict[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Model states of one rank by place; an MoE model's experts are sharded over :func:`expert_dp`."""
-    offload = (layout.offload_optimizer, layout.offload_params)
+    offload = (layout.offload_optimizer, layout.offload_params, layout.offload_grads)
     zero, dense_ranks, expert_ranks = layout.zero, zero_ranks(layout), expert_zero_ranks(layout)
     if convention == "zerotron" and replicated_masters(layout, work):  # ZeRO-1 of one rank per block
         zero, dense_ranks, expert_ranks = 1, 1, 1
@@ -509,6 +509,6 @@ def step_times(
                            convention, sp)["device"]  # fmt: skip
     # offloaded working weights cross the link in their working dtype (16 bits under bf16/fp16: cast
     # on the host after the step, and ZeRO-3's offloaded parameters are a 16-bit copy)
-    times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, param_wire, ob))
+    times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, param_wire, ob, n_mb))
     times["param_offload"] = timing.param_offload_time(layout, hw, shard, param_wire, t_compute, n_mb)
     return times

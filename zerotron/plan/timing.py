@@ -530,18 +530,23 @@ def optimizer_time(
     grad_bytes: int,
     param_bytes: int,
     opt_bytes: int,
+    n_mb: int = 1,
 ) -> dict[str, float]:
     """The optimizer step and the offload traffic around it (``offload_transfer``: what is exposed).
 
     The engine reads the next bucket's optimizer state from NVMe and writes the previous one back while
     the host AdamW updates the current one, so NVMe traffic shows only where it outlasts the update.
+    With ``offload_grads=nvme`` the fp32 gradient shard is read there too, and backward writes it on
+    each of the ``n_mb`` micro-batches (reading it back to accumulate after the first): exposed.
     """
     if layout.offload_optimizer == "none":
         return {"optimizer_step": 2.0 * device_state_bytes / hw.memory_bw, "offload_transfer": 0.0}
     cpu = shard_elements / hw.cpu_adam_params_per_s
     transfer = shard_elements * (grad_bytes + param_bytes) / hw.pcie_bw
     if layout.offload_optimizer == "nvme":
-        transfer += max(0.0, 2.0 * shard_elements * opt_bytes / hw.nvme_bw - cpu)
+        stashed = 4.0 if layout.offload_grads == "nvme" else 0.0  # the fp32 gradient, read at the step
+        transfer += max(0.0, shard_elements * (2.0 * opt_bytes + stashed) / hw.nvme_bw - cpu)
+        transfer += stashed * shard_elements * (2 * n_mb - 1) / hw.nvme_bw  # backward's writes, re-reads
     return {"optimizer_step": cpu, "offload_transfer": transfer}
 
 

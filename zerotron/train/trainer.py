@@ -177,10 +177,14 @@ class Trainer:
         if self.injector.poisons(self.step + 1):
             scale = float("nan")  # fault.inject nan: this step's gradients are NaN on every rank
         loss_sum = self.runner.forward_backward(micro, scale, self.device, counted)
+        stash = self.zero.grad_stash if self.zero is not None else None  # gradient shards on NVMe
         if fp16:
             grads = [p.grad for p in self.params if p.grad is not None]
-            torch._foreach_mul_(grads, 1.0 / scale)
-        norm = sharded_grad_norm(self.norm_classes, self.mesh.group("pp"))
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / scale)
+            if stash is not None:
+                stash.scale(1.0 / scale)
+        norm = sharded_grad_norm(self.norm_classes, self.mesh.group("pp"), stash.norms() if stash else None)
         overflow = not bool(torch.isfinite(norm))
         lr = lr_at(self.step, cfg)
         # the global loss, equal on every rank (context-parallel ranks hold parts of the same rows)
@@ -196,7 +200,9 @@ class Trainer:
             skipped = True
         else:
             skipped = False
-            clip_grads_(self.params, norm, cfg.grad_clip)
+            coef = clip_grads_(self.params, norm, cfg.grad_clip)
+            if stash is not None and coef is not None:
+                stash.scale(coef)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()

@@ -89,4 +89,5 @@ def offload_optimizer(
     else:
         master = ShardStore(sizes, "master", where, nvme_path, rank)
         buckets = [DeviceBucket(segs, n, master, i) for i, ((segs, _), n) in enumerate(zip(pieces, sizes))]
-    return OffloadAdamW(buckets, moments, cfg)
+    stash = engine.grad_stash if isinstance(engine, ZeroStage3) else None  # its buckets: the trained units
+    return OffloadAdamW(buckets, moments, cfg, stash)

@@ -234,6 +234,15 @@ class Bucket(Protocol):
     def sync_from_device(self) -> None: ...  # take the segments' values as the master
 
 
+class GradSource(Protocol):
+    """Gradients kept apart from the segments' ``.grad``: bucket ``i``'s per segment on the host (None
+    where a segment has none), and the store they are read from."""
+
+    store: ShardStore
+
+    def grads(self, i: int) -> list[torch.Tensor | None]: ...
+
+
 class DeviceBucket:
     """A bucket whose working parameters stay on the device; its fp32 master lives in ``store``."""
 
@@ -276,14 +285,22 @@ class OffloadAdamW(torch.optim.Optimizer):
     buckets' segments, in a weight-decayed and a non-decayed group like :func:`~zerotron.components.optim.adamw`.
     """
 
-    def __init__(self, buckets: list[Bucket], moments: dict[str, ShardStore], cfg: TrainConfig) -> None:
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        moments: dict[str, ShardStore],
+        cfg: TrainConfig,
+        grads: GradSource | None = None,
+    ) -> None:
+        """``grads``: where bucket ``i``'s gradients are read from (per segment, None where it has
+        none) when they are not the segments' ``.grad`` (ZeRO-3's gradient shards on NVMe)."""
         segs = [seg for b in buckets for seg in b.segments]
         groups = [
             {"params": [s.param for s in segs if s.decay], "weight_decay": cfg.weight_decay},
             {"params": [s.param for s in segs if not s.decay], "weight_decay": 0.0},
         ]
         super().__init__(groups, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps})
-        self.buckets, self.moments = buckets, moments
+        self.buckets, self.moments, self.grad_source = buckets, moments, grads
         self.steps = 0
         self._where = {id(seg.param): (i, seg) for i, b in enumerate(buckets) for seg in b.segments}
         # The stores this optimizer owns (moments, device parameters' masters) and, for the NVMe read
@@ -291,6 +308,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         masters = [b.store for b in buckets if isinstance(b, DeviceBucket) and b.store is not None]
         self._owned = list({id(s): s for s in [*moments.values(), *masters]}.values())
         others = [b.store for b in buckets if b.store is not None]
+        others += [grads.store] if grads is not None else []  # counted in peak_read_bytes
         self._stores = list({id(s): s for s in [*self._owned, *others]}.values())
         # the most bytes read in from NVMe files and held at once (a bucket and the next one's prefetch)
         self.peak_read_bytes = 0
@@ -327,6 +345,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 pairs = [(s, g) for s, g in zip(bucket.segments, grads) if s.decay == decay and g is not None]
                 if pairs:
                     self._adamw(group, pairs, master, exp_avg, exp_avg_sq)
+            del grads, pairs  # read-in gradients (NVMe's) are not held while the next bucket is read
             if writes:  # one write-back in flight at a time: bounded host memory
                 writes.pop().result()
             writes.append(writer.submit(self._write_back, i, master, exp_avg, exp_avg_sq))
@@ -356,10 +375,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         bucket = self.buckets[i]
         master = bucket.load_master()  # (numel,) fp32 host
         exp_avg, exp_avg_sq = (self.moments[k].fetch(i) for k in MOMENTS)
-        grads = [
-            None if s.param.grad is None else s.param.grad.detach().to("cpu", torch.float32)
-            for s in bucket.segments
-        ]
+        if self.grad_source is not None:
+            grads = self.grad_source.grads(i)
+        else:
+            grads = [
+                None if s.param.grad is None else s.param.grad.detach().to("cpu", torch.float32)
+                for s in bucket.segments
+            ]
         return master, exp_avg, exp_avg_sq, grads, sum(s.bytes_read for s in self._stores) - before
 
     def _write_back(

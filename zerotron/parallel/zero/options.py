@@ -24,6 +24,7 @@ class ZeroOptions:
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward
     offload_params: str = "none"  # ZeRO-3: where the parameter shards live (none, cpu, nvme)
     offload_optimizer: str = "none"  # where the optimizer's fp32 masters and moments live
+    offload_grads: str = "none"  # ZeRO-3: where the fp32 gradient shards wait for the step (none, nvme)
     nvme_path: str | None = None  # the directory of NVMe offload files
     working_dtype: torch.dtype | None = None  # 16-bit working weights under mixed precision (None: fp32)
     reduce_dtype: torch.dtype | None = None  # what gradients are reduced in (None: their own)
@@ -47,6 +48,15 @@ class ZeroOptions:
                 "offload_params",
                 self.offload_params == "none" or self.stage == 3,
                 "parameters are offloaded as ZeRO-3 shards: set parallel.zero=3",
+            ),
+            ("offload_grads", self.offload_grads in ("none", "nvme"), "choose none or nvme"),
+            (
+                "offload_grads",
+                self.offload_grads == "none"
+                or (self.stage == 3 and self.offload_params != "none" and self.offload_optimizer == "nvme"),
+                "gradient shards go to NVMe beside an offloaded ZeRO-3 optimizer's moments: set "
+                "parallel.zero=3, parallel.offload_params=cpu or nvme and parallel.offload_optimizer=nvme, "
+                "or parallel.offload_grads=none",
             ),
             (
                 "zero_quantized_weights",
@@ -84,8 +94,11 @@ class ZeroOptions:
     ) -> ZeroOptions:
         """The options of ``cfg.parallel`` for ``stage`` (ZeRO-1's engine also runs 16-bit data
         parallelism, see :func:`~zerotron.parallel.zero.api.zero_sharding`)."""
-        same = ("bucket_mb", "persist_numel", "reshard_after_forward", "offload_params", "offload_optimizer")
-        named = {key: getattr(parallel, key) for key in (*same, "nvme_path")}
+        offload = ("offload_params", "offload_optimizer", "offload_grads", "nvme_path")
+        named = {
+            key: getattr(parallel, key)
+            for key in ("bucket_mb", "persist_numel", "reshard_after_forward", *offload)
+        }
         return cls(
             stage=stage,
             working_dtype=working_dtype,

@@ -49,6 +49,7 @@ from zerotron.parallel.zero.flat import (
     showing,
     tied_copy,
 )
+from zerotron.parallel.zero.grads import GradStash
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
     load_optimizer_state,
@@ -62,6 +63,7 @@ class _ShardedBuckets(SyncGate):
     """What ZeRO-1 and ZeRO-2 share: flat buckets, shard segments, the all-gather after the step."""
 
     stage = 0
+    grad_stash: GradStash | None = None  # the gradients are the segments' .grad (offload_grads: ZeRO-3's)
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from zerotron.parallel.zero.flat import (
     segment_grads,
     showing,
 )
+from zerotron.parallel.zero.grads import GradStash
 from zerotron.parallel.zero.offload import ShardStore, StoreRange
 from zerotron.parallel.zero.optim_state import (
     gather_optimizer_state,
@@ -175,6 +176,18 @@ class ZeroStage3:
         attach_grad_sums(model)  # a model materialised here: its tensor-parallel gradient sums
         for unit in self.order:
             unit.free()
+        self.grad_stash = self._stash(options, rank)
+
+    def _stash(self, options: ZeroOptions, rank: int) -> GradStash | None:
+        """parallel.offload_grads=nvme: the trained units' fp32 gradient shards wait for the optimizer
+        step in a file (bucket k: the k-th trained unit, the offloaded optimizer's bucket k), not in
+        host memory."""
+        if options.offload_grads != "nvme":
+            return None
+        trained = self._trained
+        self._stashed = {id(u): k for k, u in enumerate(trained)}
+        sizes = [u.layout.shard for u in trained]
+        return GradStash([u.segments for u in trained], sizes, options.nvme_path, rank)
 
     # -- what the trainer's optimizer sees ---------------------------------------------------------------
     @property
@@ -300,7 +313,12 @@ class ZeroStage3:
             work.wait()
             if self.store is not None and out.device.type != "cpu":  # the optimizer steps on the host
                 out = self._to_host(out)
-            if unit.grad_shard is None:
+            if self.grad_stash is not None:
+                self._wait_host_copies()
+                self.grad_stash.add(
+                    self._stashed[id(unit)], out if out.dtype == torch.float32 else out.float()
+                )
+            elif unit.grad_shard is None:
                 unit.grad_shard = out if out.dtype == torch.float32 else out.float()  # fp32 accumulation
             else:
                 self._wait_host_copies()  # accumulation on the host reads the copies
@@ -377,6 +395,8 @@ class ZeroStage3:
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
+        if self.grad_stash is not None:
+            self.grad_stash.clear()
         for unit in self.units:
             unit.grad_shard = None
             for seg in unit.segments:
@@ -441,6 +461,7 @@ class ZeroStage3:
             out["host"]["params"] += self.store.host_bytes()
             out["nvme"]["params"] += self.store.nvme_bytes()
             out["host"]["grads"] += self._grad_bytes()
+            out["nvme"]["grads"] += self.grad_stash.nvme_bytes() if self.grad_stash is not None else 0
         if self.master_store is not None:  # the fp32 master: optimizer state (the ZeRO paper's K)
             out["host"]["optimizer"] += self.master_store.host_bytes()
             out["nvme"]["optimizer"] += self.master_store.nvme_bytes()
@@ -456,7 +477,7 @@ class ZeroStage3:
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
-        for store in (self.store, self.master_store):
+        for store in (self.store, self.master_store, self.grad_stash):
             if store is not None:
                 store.close()
 
