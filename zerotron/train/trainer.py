@@ -184,7 +184,9 @@ class Trainer:
                 torch._foreach_mul_(grads, 1.0 / scale)
             if stash is not None:
                 stash.scale(1.0 / scale)
-        norm = sharded_grad_norm(self.norm_classes, self.mesh.group("pp"), stash.norms() if stash else None)
+        norm = sharded_grad_norm(
+            self.norm_classes, self.mesh.group("pp"), stash.norms() if stash is not None else None
+        )
         overflow = not bool(torch.isfinite(norm))
         lr = lr_at(self.step, cfg)
         # the global loss, equal on every rank (context-parallel ranks hold parts of the same rows)
