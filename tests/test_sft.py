@@ -224,6 +224,7 @@ LAYOUTS = [
             "parallel.zero=3",
             "parallel.offload_params=nvme",
             "parallel.offload_optimizer=nvme",
+            "parallel.offload_grads=nvme",  # the adapters' gradient shards on NVMe too
             "parallel.nvme_path=NVME",
         ],
     ),
@@ -266,7 +267,7 @@ LAYOUTS = [
         "dp2-zero3",
         "dp2-tp2-zero3",
         "dp2-zero3-offload-params-cpu",
-        "dp2-zero3-offload-nvme",
+        "dp2-zero3-offload-nvme-grads",
         "dp2-zero3-offload-optimizer",
         "dora-dp2-zero3",
         "dora-dp2-tp2-zero3",
