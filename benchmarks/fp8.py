@@ -1,6 +1,6 @@
 """FP8 training (``train.precision=fp8``) beside bf16 and beside torchao's float8 on FSDP2 (BENCHMARKS.md).
 
-Run:  python benchmarks/fp8.py [--part curve|bench|all] [--steps 200] [--repeats 2]
+Run:  python benchmarks/fp8.py [--part curve|bench|gather|all] [--steps 200] [--repeats 2]
 
 - ``curve``: the default job (``zerotron train`` with no arguments: the tiny model on 2 ranks, 200
   steps) in bf16 and in fp8, the same seed and data; the loss curves (``fp8_loss.png``), the last-20-step
@@ -8,6 +8,10 @@ Run:  python benchmarks/fp8.py [--part curve|bench|all] [--steps 200] [--repeats
 - ``bench``: `zerotron bench` of ZeRO-2 and ZeRO-3 on 2 ranks in fp8 and in bf16, zerotron vs FSDP2 (in
   fp8 with torchao's ``convert_to_float8_training``, torchtitan's recipe), on the default tiny model and
   on benchmarks/zero.py's wider one (hidden 256).
+- ``gather``: ZeRO-3 in fp8 on 2 ranks with the float8 weights all-gathered as float8
+  (``parallel.zero_fp8_gather=auto``) and as bf16 (``never``), on three widths: the all-gathered
+  bytes per step counted by zerotron's collectives, the step time, the peak memory per rank and
+  whether the losses are equal.
 
 On a CPU the float8 GEMMs are emulated (torchao's fp32 emulation: cast to float8 and back, then an fp32
 GEMM), so fp8 is slower than bf16 here; what carries over to a GPU is the numerics and the bytes.
@@ -97,9 +101,43 @@ def bench(repeats: int, work: Path) -> None:
                 )
 
 
+def gather(work: Path) -> None:
+    wide = [item for item in MODEL if item != "log.progress=none"]
+    shapes = {
+        "tiny (hidden 128)": [],
+        "hidden 256": [*wide, "train.global_batch=8", "data.max_bytes=400000"],
+        "hidden 512": [*wide, "model.hidden_size=512", "model.intermediate_size=1536", "train.global_batch=8",
+                       "data.max_bytes=400000"],
+    }  # fmt: skip
+    print("| model | gathers | all-gathered / step | / bf16 gathers | step (s) | peak memory/rank | losses |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for label, model in shapes.items():
+        runs = {}
+        for how in ("never", "auto"):
+            args = [*model, "train.precision=fp8", "parallel.zero=3", f"parallel.zero_fp8_gather={how}"]
+            out = work / f"{label[:4]}-{how}"
+            cmd = [sys.executable, "-m", "zerotron", "train", *args, "train.steps=10", "log.progress=none"]
+            cmd += ["--nproc", "2", "--out", str(out)]
+            print("<!--", *cmd[1:], "-->", flush=True)
+            subprocess.run(cmd, check=True, stdout=sys.stderr)
+            runs[how] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        base = runs["never"][-1]["comm_bytes"]["dp"]["all_gather"]
+        for how, records in runs.items():
+            sent = records[-1]["comm_bytes"]["dp"]["all_gather"]
+            step = sum(r["step_time_s"] for r in records[1:]) / (len(records) - 1)
+            peak = max(r["peak_memory_bytes"] for r in records) / 2**20
+            same = [r["loss"] for r in records] == [r["loss"] for r in runs["never"]]
+            name = "float8" if how == "auto" else "bf16"
+            print(
+                f"| {label} | {name} | {sent / 2**20:.2f} MiB | {sent / base:.3f}x | {step:.3f} | {peak:.0f} MiB | "
+                f"{'equal' if same else 'differ'} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("curve", "bench", "all"), default="all")
+    parser.add_argument("--part", choices=("curve", "bench", "gather", "all"), default="all")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -110,6 +148,8 @@ def main() -> None:
             curve(args.steps, work)
         if args.part in ("bench", "all"):
             bench(args.repeats, work)
+        if args.part in ("gather", "all"):
+            gather(work)
 
 
 if __name__ == "__main__":

@@ -275,6 +275,16 @@ def test_split_linears_scale_as_the_whole_tensor(kind: str, recipe: str) -> None
         (["lora.rank=8", "lora.base_bits=4"], "not built with lora.base_bits=4"),
         (["train.precision=fp16", "train.fp8_skip=*.q_proj"], "applies to train.precision=fp8"),
         (["train.fp8_skip=*.qproj"], "pattern '\\*.qproj' matches no float8 layer"),
+        (["parallel.zero_fp8_gather=sometimes"], "use one of auto, always, never"),
+        (["parallel.zero_fp8_gather=always", "parallel.zero=2"], "it is ZeRO-3's"),
+        (
+            ["parallel.zero_fp8_gather=always", "parallel.zero=3", "train.precision=bf16"],
+            "set train.precision=fp8",
+        ),
+        (
+            ["parallel.zero_fp8_gather=always", "parallel.zero=3", "train.fp8_recipe=rowwise"],
+            "rowwise casts the weight along a different axis",
+        ),
     ],
 )
 def test_bad_fp8_settings_are_one_line(overrides: list[str], message: str) -> None:
@@ -435,3 +445,49 @@ def test_zero3_nvme_offload_in_fp8(tmp_path: Path) -> None:
     ours = run_distributed(_run, 2, layout, tokens, str(tmp_path / "run"), timeout=300)
     for losses in ours:
         assert _rel(losses, ref) <= RTOL, (losses, ref)
+
+
+def _run_gathers(overrides: list[str], tokens: np.ndarray, run_dir: str) -> tuple[list[float], list[int]]:
+    """The losses and each step's all-gathered bytes over dp."""
+    cfg = load_config(None, overrides)
+    rank, world = current_rank_and_world()
+    trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)
+    records = [trainer.train_step() for _ in range(STEPS)]
+    return [r["loss"] for r in records], [r["comm_bytes"]["dp"]["all_gather"] for r in records]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.dp=2"],
+        ["parallel.dp=2", "parallel.offload_params=cpu", "parallel.offload_optimizer=cpu", *LORA],
+    ],
+    ids=["dp2", "offload-lora"],
+)
+def test_zero3_float8_gathers_send_half_the_bytes_for_the_same_numbers(
+    layout: list[str], tmp_path: Path
+) -> None:
+    """ZeRO-3's float8 gathers (cast with the whole weight's scale before the gather) give the bf16
+    gathers' losses bit for bit, and the gathers of the float8 linears' weights move half the bytes.
+
+    Counted here from the model's shape, not from the planner: with ``persist_numel`` 100 each block's
+    sharded unit is its seven projection matrices in both runs (the norms stay whole), gathered in
+    forward and again in backward on every micro-batch, B(n-1)/n bytes a gather of B bytes."""
+    tokens = _tokens()
+    base = [*FP8, "train.micro_batch=2", "parallel.zero=3", "parallel.persist_numel=100", *layout]
+    bf16 = run_distributed(
+        _run_gathers, 2, [*base, "parallel.zero_fp8_gather=never"], tokens, str(tmp_path / "a")
+    )
+    fp8 = run_distributed(
+        _run_gathers, 2, [*base, "parallel.zero_fp8_gather=always"], tokens, str(tmp_path / "b")
+    )
+    cfg = load_config(None, base)
+    m = cfg.model
+    h, kv = m.hidden_size, m.kv_heads * m.dim_per_head
+    matrices = m.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * m.intermediate_size)
+    passes = 2 * cfg.train.global_batch // (2 * cfg.train.micro_batch)  # forward + backward, per micro-batch
+    saved = passes * matrices * (2 - 1) // 2  # a byte instead of two per element, half sent by each rank
+    for (losses_bf16, sent_bf16), (losses_fp8, sent_fp8) in zip(bf16, fp8):
+        assert losses_fp8 == losses_bf16
+        assert all(a - b == saved for a, b in zip(sent_bf16, sent_fp8)), (sent_bf16, sent_fp8, saved)
+        assert losses_fp8[-1] < losses_fp8[0]

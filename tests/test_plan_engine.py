@@ -114,7 +114,9 @@ LAYOUTS_2 += [  # ZeRO (activations too: the meter leaves out ZeRO-3's gathered 
 ]
 LAYOUTS_2 += [  # ZeRO-3 under mixed precision: 16-bit working weights (a 16-bit residual stream)
     ["parallel.zero=3", "train.precision=bf16"],
-    ["parallel.zero=3", "train.precision=fp8"],
+    ["parallel.zero=3", "train.precision=fp8"],  # the float8 weights gathered as float8 bytes
+    ["parallel.zero=3", "train.precision=fp8", "parallel.zero_fp8_gather=never"],
+    ["parallel.zero=3", "train.precision=fp8", "train.fp8_skip=layers.0.*,*.down_proj"],
     ["parallel.zero=2", "train.precision=fp8", "train.recompute=full"],
     [
         "parallel.zero=3",

@@ -251,6 +251,13 @@ class ParallelConfig:
         "keep a second copy of its working weights split over blocks of this many consecutive dp ranks "
         "(a node), so backward's gather stays inside the block; 1: off",
     )
+    zero_fp8_gather: str = _f(
+        "auto",
+        "ZeRO-3 under train.precision=fp8: all-gather the float8 linears' weights as float8 bytes plus one "
+        "scale each (torchao's float8 all-gather; half of bf16's bytes, the same numbers), cast with the "
+        "whole weight's scale before the gather; auto: wherever it applies (ZeRO-3, fp8, the tensorwise "
+        "recipe), always: require it (refused where it cannot), never: gather bf16",
+    )
     backend: str = _f("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo")
 
 

@@ -43,9 +43,46 @@ def fp8_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+GATHER_CHOICES = ("auto", "always", "never")
+
+
+def fp8_gathers(cfg: Config) -> bool:
+    """Whether ZeRO-3 gathers the float8 linears' weights as float8 (``parallel.zero_fp8_gather``):
+    ``auto`` or ``always`` under ZeRO-3 with ``train.precision=fp8`` and the tensorwise recipe (rowwise
+    casts the weight along another axis for each GEMM)."""
+    p, t = cfg.parallel, cfg.train
+    applies = p.zero == 3 and t.precision == "fp8" and t.fp8_recipe == "tensorwise"
+    return applies and p.zero_fp8_gather != "never"
+
+
+def _check_gather(cfg: Config) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.zero_fp8_gather not in GATHER_CHOICES:
+        raise ConfigError(
+            f"parallel.zero_fp8_gather={p.zero_fp8_gather!r}: use one of {', '.join(GATHER_CHOICES)}"
+        )
+    if p.zero_fp8_gather != "always" or fp8_gathers(cfg):
+        return
+    why = [
+        (p.zero != 3, f"it is ZeRO-3's (parallel.zero={p.zero}): set parallel.zero=3"),
+        (
+            t.precision != "fp8",
+            f"it gathers float8 weights (train.precision={t.precision}): set train.precision=fp8",
+        ),
+        (
+            True,
+            "rowwise casts the weight along a different axis for each GEMM: set train.fp8_recipe=tensorwise",
+        ),
+    ]
+    raise ConfigError(
+        f"parallel.zero_fp8_gather=always: {next(w for bad, w in why if bad)}, or leave it at auto"
+    )
+
+
 def check_fp8(cfg: Config) -> None:
     """fp8's package, recipe, what it is not built with yet, and shapes float8 cannot take."""
     t, p = cfg.train, cfg.parallel
+    _check_gather(cfg)
     if t.precision != "fp8":
         defaults = TrainConfig()
         for key in ("fp8_recipe", "fp8_skip"):

@@ -28,6 +28,7 @@ from zerotron.components.loss import REDUCE_DTYPE
 from zerotron.components.metrics import peak_memory_bytes
 from zerotron.components.optim import build_optimizer, lr_at
 from zerotron.config import Config
+from zerotron.config_check_fp8 import fp8_gathers
 from zerotron.config_load import load_config
 from zerotron.distributed import peers
 from zerotron.distributed.launch import current_rank_and_world
@@ -174,7 +175,12 @@ def torchao_float8(model: nn.Module, cfg: Config, device: torch.device) -> None:
     config, emulated where the device has no float8 GEMMs."""
     f8 = float8.torchao_float8()
     config = f8.Float8LinearConfig.from_recipe_name(cfg.train.fp8_recipe)
-    config = dataclasses.replace(config, emulate=not float8.device_has_float8_gemm(device))
+    # float8 all-gathers where zerotron runs them (parallel.zero_fp8_gather: ZeRO-3, tensorwise)
+    config = dataclasses.replace(
+        config,
+        emulate=not float8.device_has_float8_gemm(device),
+        enable_fsdp_float8_all_gather=fp8_gathers(cfg),
+    )
     skip = cfg.train.fp8_skip_patterns
     f8.convert_to_float8_training(
         model, config=config, module_filter_fn=lambda _, name: float8.is_target(name, skip)

@@ -33,7 +33,9 @@ class _Saved:
         self.meter, self.t, self.ptr = meter, t, ptr
 
     def __del__(self) -> None:
-        self.meter._release(self.ptr)
+        meter = getattr(self, "meter", None)  # a copy torch.compile made without __init__ counted nothing
+        if meter is not None:
+            meter._release(self.ptr)
 
 
 class ActivationMeter:

@@ -30,6 +30,16 @@ summation order of the split GEMMs, as in bf16.
 Casts start from the autocast dtype (the bf16 working weights ZeRO-3 gathers are the fp32 masters
 rounded once), so a single process with fp32 parameters and a ZeRO-3 rank with bf16 working copies cast
 the same bits.
+
+**ZeRO-3's float8 gathers** (``parallel.zero_fp8_gather``, tensorwise only): a unit of float8 weights
+is cast before its all-gather instead of after it. Each rank takes the amax of every weight's part of
+its bf16 shard, the ranks agree on each weight's whole amax (max over the shard group, then over the
+tensor-parallel group as above), and each rank casts its part with that scale
+(:func:`cast_weight_shard`): the gather moves float8 bytes, half of bf16's, and every rank ends up with
+the very float8 values (and scales) that casting the whole gathered weight would give. The layer then
+multiplies with them (:data:`GATHERED`, :func:`gathered_weight`) in its forward and, a tensorwise
+recipe casting the weight alike for the input gradient, in its backward. Rowwise casts the weight along
+a different axis for each GEMM, so it gathers bf16.
 """
 
 from __future__ import annotations
@@ -53,13 +63,20 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # the three operands' axes, by name: which groups split each
 X_AXES, W_AXES, G_AXES = ("tokens", "in"), ("in", "out"), ("tokens", "out")
 
+# the attribute a ZeRO-3 parameter gathered as float8 carries: a call giving its float8 weight now
+GATHERED = "_zerotron_float8_gathered"
+
 
 @functools.cache
 def _ao() -> SimpleNamespace:
     """torchao's pieces the casts use, resolved once (the casts run on the training step's hot path)."""
     torchao_float8()
     from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_training_tensor import (
+        Float8TrainingTensor,
+        GemmInputRole,
+        hp_tensor_and_scale_to_float8,
+    )
     from torchao.float8.float8_utils import amax_to_scale
 
     tensorwise = ScalingGranularity.TENSORWISE
@@ -68,6 +85,7 @@ def _ao() -> SimpleNamespace:
         tensorwise=tensorwise,
         to_float8=hp_tensor_and_scale_to_float8,
         scale=amax_to_scale,
+        tensor=Float8TrainingTensor,
     )
 
 
@@ -139,32 +157,44 @@ def _cast(t: torch.Tensor, axes: tuple[str, str], how: Any, role: Any, dim: int,
 
 class _Float8Matmul(torch.autograd.Function):
     """``x @ w_t`` (2-D) with torchao's three float8 GEMMs (forward, input gradient, weight gradient),
-    each operand cast with its whole tensor's scale."""
+    each operand cast with its whole tensor's scale. With ``gathered`` (ZeRO-3 gathered the weight as
+    float8) ``w_t`` is the weight parameter itself, (out, in), only for its gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Float8Spec) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Float8Spec, gathered: Any = None
+    ) -> torch.Tensor:
         role, c = _ao().role, spec.config
-        ctx.save_for_backward(x, w_t)
-        ctx.spec = spec
+        # a weight ZeRO-3 gathered as float8 (``gathered``: its float8 copy now) is not saved: backward
+        # asks for the copy again, gathered again by then
+        ctx.save_for_backward(x, *(() if gathered is not None else (w_t,)))
+        ctx.spec, ctx.gathered = spec, gathered
         x8 = _cast(x, X_AXES, c.cast_config_input, role.INPUT, -1, spec)
-        w8 = _cast(w_t, W_AXES, c.cast_config_weight, role.WEIGHT, 0, spec)
+        if gathered is not None:
+            w8 = gathered().t()  # (in, out), laid out as the cast below would lay it out
+        else:
+            w8 = _cast(w_t, W_AXES, c.cast_config_weight, role.WEIGHT, 0, spec)
         return torch.mm(x8, w8)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
         role, c = _ao().role, ctx.spec.config
-        x, w_t = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
         spec: Float8Spec = ctx.spec
         grad = grad.contiguous()
         g8 = _cast(grad, G_AXES, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, spec)
-        w8 = _cast(w_t, W_AXES, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec)
-        grad_x = torch.mm(g8, w8.t())
+        if ctx.gathered is not None:  # tensorwise: the input gradient's weight cast is the forward's
+            grad_x = torch.mm(g8, ctx.gathered())
+        else:
+            w8 = _cast(saved[0], W_AXES, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec)
+            grad_x = torch.mm(g8, w8.t())
         if not ctx.needs_input_grad[1]:  # a frozen base (LoRA)
-            return grad_x, None, None
+            return grad_x, None, None, None
         # tensorwise: both GEMMs take the same cast of the output gradient (one amax reduction, not two)
         same = c.cast_config_grad_output_for_grad_weight == c.cast_config_grad_output
         reuse = g8 if same and c.cast_config_grad_output.scaling_granularity is _ao().tensorwise else None
-        return grad_x, _weight_grad(x, grad, spec, reuse).t(), None
+        grad_w = _weight_grad(x, grad, spec, reuse)  # (out, in)
+        return grad_x, grad_w if ctx.gathered is not None else grad_w.t(), None, None
 
 
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, spec: Float8Spec, g8: Any = None) -> torch.Tensor:
@@ -192,9 +222,12 @@ def float8_linear(
     ``train.precision=fp8``), the output in that dtype."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    gathered = getattr(weight, GATHERED, None)  # ZeRO-3 gathered it as float8: its values are there
     with torch.autocast(device, enabled=False):
         flat = x.to(dtype).reshape(-1, x.shape[-1])
-        y = cast(torch.Tensor, _Float8Matmul.apply(flat, weight.to(dtype).t(), spec))  # type: ignore[no-untyped-call]
+        # gathered: the parameter itself (its buffer holds no bf16 values to view), its gradient (out, in)
+        w_t = weight if gathered is not None else weight.to(dtype).t()
+        y = cast(torch.Tensor, _Float8Matmul.apply(flat, w_t, spec, gathered))  # type: ignore[no-untyped-call]
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
 
@@ -258,3 +291,61 @@ def apply_float8(
             continue
         done.append(name)
     return done
+
+
+def gathers_in_float8(spec: Float8Spec) -> bool:
+    """Whether ZeRO-3 can gather a weight of ``spec`` as float8: one tensorwise cast of the weight
+    serves both GEMMs that read it (the tensorwise recipe; rowwise casts it along each GEMM's axis)."""
+    c = spec.config
+    tensorwise = c.cast_config_weight.scaling_granularity is _ao().tensorwise
+    return tensorwise and c.cast_config_weight_for_grad_input == c.cast_config_weight
+
+
+def float8_weights(model: nn.Module) -> dict[int, Float8Spec]:
+    """The weights ZeRO-3 gathers as float8, by parameter id: those of ``model``'s float8 linears
+    whose recipe allows it (:func:`gathers_in_float8`)."""
+    out = {}
+    for module in model.modules():
+        spec = getattr(module, "float8", None)
+        if isinstance(spec, Float8Spec) and gathers_in_float8(spec):
+            out[id(module.weight)] = spec
+    return out
+
+
+def cast_weight_shard(
+    shard: torch.Tensor, pieces: list[tuple[int, int, int]], specs: list[Float8Spec], group: Group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's part of a ZeRO-3 unit of float8 weights as float8 bytes, and each weight's scale.
+
+    ``shard``: the rank's working (bf16) shard; ``pieces``: ``(at, length, weight)`` where each weight
+    ``specs[weight]`` lies in it; ``group``: the ranks holding the other shards. The amax of each weight
+    is reduced over ``group`` and over the groups splitting the weight's axes (tensor parallelism), so
+    the scale and every float8 value equal those of casting the whole weight. Returns ``(bytes, scales)``:
+    ``(len(shard),)`` uint8 (zeros where no weight lies) and ``(len(specs),)`` fp32."""
+    ao = _ao()
+    amax = torch.zeros(len(specs), dtype=torch.float32, device=shard.device)
+    for at, length, i in pieces:
+        if length:
+            amax[i] = torch.max(torch.abs(shard[at : at + length]))
+    for g in [group, *specs[0].groups(W_AXES)]:  # a few bytes: counted apart from data traffic
+        collectives.all_reduce(amax, g, "max", kind="control")
+    how = specs[0].config.cast_config_weight
+    scales = ao.scale(amax, how.target_dtype, specs[0].config.round_scales_to_power_of_2)
+    out = torch.zeros(shard.numel(), dtype=torch.uint8, device=shard.device)
+    for at, length, i in pieces:
+        if length:
+            part = ao.to_float8(
+                shard[at : at + length], scales[i], how.target_dtype, specs[i].mm, ao.role.WEIGHT
+            )
+            out[at : at + length] = part._data.view(torch.uint8)
+    return out, scales
+
+
+def gathered_weight(
+    data: torch.Tensor, shape: torch.Size, scale: torch.Tensor, spec: Float8Spec, dtype: torch.dtype
+) -> Any:
+    """The float8 weight of ``shape`` whose bytes ZeRO-3 gathered into ``data`` (uint8) with its
+    ``scale``, as the cast of the whole ``dtype`` weight would have made it."""
+    ao = _ao()
+    f8 = data.view(spec.config.cast_config_weight.target_dtype).view(shape)
+    return ao.tensor(f8, scale, dtype, spec.mm, ao.role.WEIGHT)

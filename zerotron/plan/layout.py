@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from zerotron import layout as shared
 from zerotron.config import Config, ModelConfig
+from zerotron.config_check_fp8 import fp8_gathers
 from zerotron.layout import ParallelDims
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
@@ -51,6 +52,8 @@ class Layout(shared.HoldsDims):
     zero_quantized_gradient_block: int = 128
     zero_quantized_gradient_node: int = 1  # qgZ: ranks per node of its two-level reduction (1: one level)
     zero_hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers inside blocks of this many dp ranks
+    zero_fp8_gather: bool = False  # ZeRO-3 under fp8: float8 linears' weights gathered as float8 bytes
+    fp8_skip: tuple[str, ...] = ()  # train.fp8_skip: block linears kept in bf16
     onebit_adam: bool = False  # 1-bit Adam (data parallelism): momenta sent as bits, after the warm-up
     # 0/1 Adam (with onebit_adam): its long-run synchronisation interval (local_step_clipper); 0: not it
     zero_one_interval: int = 0
@@ -138,6 +141,8 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         zero_quantized_gradient_block=p.zero_quantized_gradient_block,
         zero_quantized_gradient_node=p.zero_quantized_gradient_node,
         zero_hpz_size=p.zero_hpz_size,
+        zero_fp8_gather=fp8_gathers(cfg),
+        fp8_skip=t.fp8_skip_patterns if t.precision == "fp8" else (),
         onebit_adam=t.optimizer in ("onebit_adam", "zero_one_adam"),
         zero_one_interval=t.zero_one_local_step_clipper if t.optimizer == "zero_one_adam" else 0,
         kernels="eager",  # zerotron's blocks run eagerly (train.compile is refused by the planner)

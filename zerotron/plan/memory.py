@@ -161,13 +161,24 @@ def _buckets(numels: list[int], elem_bytes: int, bucket_mb: float) -> list[list[
 
 
 def _zero3_units(params: ParamList, persist_numel: int) -> list[list[int]]:
-    """The engine's ZeRO-3 units: the root's and each block's large tensors, then one persistent unit of
+    """The engine's ZeRO-3 units: the root's and each block's large tensors (a block's float8 weights
+    in a unit of their own after the rest, when ``params`` marks them), then one persistent unit of
     every tensor below ``persist_numel`` (collected from the last block back to the root)."""
+    return [u for u, _ in zero3_units(params, persist_numel)]
+
+
+def zero3_units(params: ParamList, persist_numel: int) -> list[tuple[list[int], bool]]:
+    """:func:`_zero3_units` with each unit's kind: True for a unit of float8 weights (gathered as float8
+    bytes)."""
     root = [n for n in (*params.head, *params.tail) if n >= persist_numel]
-    units = [root] + [[n for n in block if n >= persist_numel] for block in params.blocks]
+    units = [(root, False)]
+    for b, block in enumerate(params.blocks):
+        mask = params.float8[b] if params.float8 else (False,) * len(block)
+        large = [(n, f) for n, f in zip(block, mask) if n >= persist_numel]
+        units += [([n for n, f in large if not f], False), ([n for n, f in large if f], True)]
     small = [n for block in reversed(params.blocks) for n in block if n < persist_numel]
     small += [n for n in (*params.head, *params.tail) if n < persist_numel]
-    return [u for u in units if u] + ([small] if small else [])
+    return [(u, f) for u, f in units if u] + ([(small, False)] if small else [])
 
 
 def engine_zero_states(
@@ -203,10 +214,12 @@ def engine_zero_states(
             "persistent": float(working_bytes * persistent)}  # fmt: skip
 
 
-def zero3_gather_bytes(m: ModelShape, tp: int, param_bytes: int, ep: int = 1) -> float:
-    """Working copies ZeRO-3 gathers: the current and the prefetched largest module (2 × L × bytes)."""
-    largest = max(local_matrix_params(m, ep) // tp + 2 * m.hidden, m.vocab * m.hidden // tp)
-    return 2.0 * largest * param_bytes
+def zero3_gather_bytes(m: ModelShape, tp: int, param_bytes: int, ep: int = 1, float8: bool = False) -> float:
+    """Working copies ZeRO-3 gathers: the current and the prefetched largest module (2 × L × bytes;
+    ``float8``: a block's weight matrices gathered as float8, a byte each)."""
+    matrix_bytes = 1 if float8 else param_bytes
+    block = local_matrix_params(m, ep) // tp * matrix_bytes + 2 * m.hidden * param_bytes
+    return 2.0 * max(block, m.vocab * m.hidden // tp * param_bytes)
 
 
 def deepspeed_estimate(

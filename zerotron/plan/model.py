@@ -9,6 +9,8 @@ engine's own (tests/test_plan_engine.py).
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import functools
 from dataclasses import dataclass
 
@@ -177,6 +179,8 @@ class ParamList:
     head: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     tail: tuple[int, ...]
+    # per block, per tensor: gathered as float8 under ZeRO-3 (parallel.zero_fp8_gather; empty: none)
+    float8: tuple[tuple[bool, ...], ...] = ()
 
     def ordered(self) -> list[int]:
         """Every tensor in registration order."""
@@ -202,3 +206,37 @@ def param_list(m: ModelShape, tp: int, pp: int, stage: int, layers: int) -> Para
     if stage == pp - 1:
         tail = (h,) + ((m.vocab * h // tp,) if not m.tied or pp > 1 else ())
     return ParamList(head, tuple(tuple(block) for _ in range(layers)), tail)
+
+
+FLOAT8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def block_tensor_names(m: ModelShape) -> tuple[str, ...]:
+    """The names of a dense block's tensors in :func:`param_list`'s order (a linear's weight by its
+    module's name, e.g. ``self_attn.q_proj``)."""
+    attn = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    biases = [f"{name}.bias" for name in attn] if m.qkv_bias else []
+    mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"][3 - m.mlp_matrices :]
+    return (
+        "input_layernorm.weight",
+        *(n for i, name in enumerate(attn) for n in (name, *biases[i : i + 1])),
+        "self_attn.o_proj",
+        "post_attention_layernorm.weight",
+        *mlp,
+    )
+
+
+def with_float8(params: ParamList, m: ModelShape, skip: tuple[str, ...]) -> ParamList:
+    """``params`` (one pipeline stage holding every block, as ZeRO-3 runs) with each block's float8
+    weights marked: the block projections that no ``train.fp8_skip`` pattern keeps in bf16, as the
+    engine converts them (:func:`zerotron.parallel.float8.is_target`)."""
+    names = block_tensor_names(m)
+    mask = tuple(
+        tuple(
+            n.rpartition(".")[2] in FLOAT8_LINEARS
+            and not any(fnmatch.fnmatchcase(f"layers.{i}.{n}", p) for p in skip)
+            for n in names
+        )
+        for i in range(len(params.blocks))
+    )
+    return dataclasses.replace(params, float8=mask)

@@ -30,10 +30,16 @@ from zerotron.plan.layout import (
     whole_grads_sent_16bit,
     working_weights16,
 )
-from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params
+from zerotron.plan.model import StageParams, param_list, pipeline_layers, stage_params, with_float8
 from zerotron.plan.phases import phase_memory
 from zerotron.plan.traffic import engine_dp_bytes, onebit_zero_state_bytes
-from zerotron.shapes import ModelShape, flops_per_token, recompute_flops_per_token
+from zerotron.shapes import (
+    ModelShape,
+    attention_matrix_params,
+    flops_per_token,
+    mlp_params,
+    recompute_flops_per_token,
+)
 
 
 @dataclass
@@ -134,7 +140,8 @@ def stage_memory(
         working = 2 if working_weights16(layout, work) else 4
         zero = 2 if whole_grads_sent_16bit(layout, work) else layout.zero  # the gradients' bytes alike
         part = (layout.tp, layout.pp, stage, layers)
-        exact = _zero_states(m, part, zero, data, dp_rank, layout.bucket_mb, working)
+        skip = layout.fp8_skip if layout.zero_fp8_gather else None  # None: no float8 gathers
+        exact = _zero_states(m, part, zero, data, dp_rank, layout.bucket_mb, working, skip)
     states = _model_states(m, layout, work, convention, sp, exact)
     replicated = replicated_masters(layout, work) and data_ranks(layout) > 1
     if layout.onebit_adam and convention == "zerotron" and (exact is not None or replicated):
@@ -169,6 +176,8 @@ def data_parallel_bytes(
         raise PlanError("data_parallel_bytes models dense models without context parallelism or MLA")
     layers = rank_layers(m, layout, work)[stage]
     params = param_list(m, layout.tp, layout.pp, stage, layers)
+    if layout.zero_fp8_gather:  # the float8 linears' weights: units of their own, gathered as bytes
+        params = with_float8(params, m, layout.fp8_skip)
     return engine_dp_bytes(
         params,
         layout,
@@ -262,11 +271,15 @@ def _zero_states(
     rank: int,
     bucket_mb: float,
     working_bytes: int = 4,
+    float8_skip: tuple[str, ...] | None = None,
 ) -> dict[str, float]:
     """The engine's ZeRO state bytes of one rank holding ``part`` = (tp, pp, stage, layers): its
     tensor-parallel share of pipeline stage ``stage``'s ``layers`` blocks (cached on small keys: the
-    search repeats them)."""
+    search repeats them); ``float8_skip``: ZeRO-3's float8 gathers with these ``train.fp8_skip``
+    patterns (their units are laid out apart)."""
     params = param_list(m, *part)
+    if float8_skip is not None:
+        params = with_float8(params, m, float8_skip)
     return mem.engine_zero_states(params, zero, dp, rank, bucket_mb, working_bytes=working_bytes)
 
 
@@ -367,7 +380,9 @@ def _buffers(
     if layout.zero == 3:
         # 16-bit working copies under bf16/fp16 (zerotron, Megatron, DeepSpeed); fp32 in fp32 training.
         gather_bytes = 2 if working_weights16(layout, work) else pb
-        detail["zero3_gathered_params"] = mem.zero3_gather_bytes(m, layout.tp, gather_bytes, layout.ep)
+        detail["zero3_gathered_params"] = mem.zero3_gather_bytes(
+            m, layout.tp, gather_bytes, layout.ep, layout.zero_fp8_gather
+        )
         if layout.zero_hpz_size > 1:  # hpZ: each unit's second copy, held from its forward to its backward
             detail["hpz_secondary"] = float(elements * gather_bytes / layout.zero_hpz_size)
         if not layout.reshard_after_forward:  # every unit stays gathered from its forward to its backward
@@ -490,8 +505,13 @@ def step_times(
             layout.zero_quantized_gradient_block, layout.zero_quantized_gradient_bits
         )
     grads, params = dense * reduce_wire, dense * gather_wire
+    secondary = dense * param_wire  # hpZ's second copy, as forward gathered it
+    if layout.zero == 3 and layout.zero_fp8_gather and convention == "zerotron":
+        # the blocks' float8 weights travel as a byte each (their scales: a few control bytes)
+        f8 = float8_gathered(m, layout.tp, sp.layers)
+        params, secondary = (dense - f8) * gather_wire + f8, (dense - f8) * param_wire + f8
     layers_ = max(1, sp.layers)
-    gathered = (params, dense * param_wire) if layout.zero == 3 and layout.zero_hpz_size > 1 else params
+    gathered = (params, secondary) if layout.zero == 3 and layout.zero_hpz_size > 1 else params
     times.update(timing.data_parallel_time(layout, hw, folded, grads, gathered, t_compute, n_mb, layers_))
     shard = -(-dense // zero_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
@@ -512,3 +532,9 @@ def step_times(
     times.update(timing.optimizer_time(layout, hw, shard, sum(states.values()), gb, param_wire, ob, n_mb))
     times["param_offload"] = timing.param_offload_time(layout, hw, shard, param_wire, t_compute, n_mb)
     return times
+
+
+def float8_gathered(m: ModelShape, tp: int, layers: int) -> int:
+    """Elements ZeRO-3 gathers as float8 on one tensor-parallel rank of ``layers`` blocks: the blocks'
+    projections (the dense MLP's, not routed experts'; ``train.fp8_skip`` left out of this estimate)."""
+    return layers * (attention_matrix_params(m) + (0 if m.experts else mlp_params(m))) // tp

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from zerotron.layout import onebit_shard_sizes, onebit_sizes, quantized_bytes
 from zerotron.plan.layout import Layout
-from zerotron.plan.memory import _buckets, _zero3_units
+from zerotron.plan.memory import _buckets, zero3_units
 from zerotron.plan.model import ParamList
 
 
@@ -46,7 +46,9 @@ def engine_dp_bytes(
     def padded(numels: list[int]) -> int:
         return -(-sum(numels) // n) * n
 
-    def gather(u: list[int]) -> int:  # a sharded unit's all-gather (int8 blocks under qwZ)
+    def gather(u: list[int], float8: bool = False) -> int:  # a sharded unit's all-gather (qwZ: int8 blocks)
+        if float8:  # float8 weights: a byte each (their scales: control bytes, apart)
+            return part(padded(u), n)
         return part(_wire(layout, padded(u), n, working_bytes, weights=True), n)
 
     def reduce(u: list[int]) -> int:  # a gradient reduction (an all-to-all of blocks under qgZ)
@@ -73,18 +75,16 @@ def engine_dp_bytes(
             "all_gather": sum(part(padded(u) * working_bytes, n) for u in units),
         }
     else:
-        units = _zero3_units(params, persist_numel)
+        kinds = zero3_units(params, persist_numel)
+        units = [u for u, _ in kinds]
         persistent = units[-1] if units and min(units[-1]) < persist_numel else []
-        sharded = units[:-1] if persistent else units
-        hpz = layout.zero_hpz_size
-        passes = 2 if reshard_after_forward and hpz == 1 else 1
-        gathers = micro_batches * passes * sum(gather(u) for u in sharded)
+        sharded = kinds[:-1] if persistent else kinds
+        passes = 2 if reshard_after_forward and layout.zero_hpz_size == 1 else 1
+        gathers = micro_batches * passes * sum(gather(u, f) for u, f in sharded)
         if persistent:  # after the step, never quantised
             gathers += part(padded(persistent) * working_bytes, n)
         out[dp] = {"all_gather": gathers, reduce_op: micro_batches * sum(reduce(u) for u in units)}
-        if hpz > 1:  # backward gathers the second copy inside blocks of hpz ranks, in the working dtype
-            inside = micro_batches * sum(part(padded(u) * working_bytes, hpz) for u in sharded)
-            out["dp_hpz"] = {"all_gather": inside}
+        out.update(_hpz(layout, [(padded(u), f) for u, f in sharded], micro_batches, working_bytes))
     node = layout.zero_quantized_gradient_node
     if layout.zero_quantized_gradients and node > 1:  # qgZ in two levels: inside nodes, then across
         count = 1 if zero == 1 else micro_batches
@@ -95,6 +95,18 @@ def engine_dp_bytes(
         shards = sum(padded(u) // n for u in units)
         out["dp_rep"] = {"all_reduce": 2 * part(shards * reduce_bytes, replicas)}
     return out
+
+
+def _hpz(
+    layout: Layout, sharded: list[tuple[int, bool]], micro_batches: int, working_bytes: int
+) -> dict[str, dict[str, int]]:
+    """hpZ: backward gathers each sharded unit's second copy (``(padded elements, float8)``) inside
+    blocks of ``zero_hpz_size`` ranks, as forward sent it (float8 bytes, else the working dtype)."""
+    hpz = layout.zero_hpz_size
+    if hpz == 1:
+        return {}
+    inside = sum(numel * (1 if f else working_bytes) * (hpz - 1) // hpz for numel, f in sharded)
+    return {"dp_hpz": {"all_gather": micro_batches * inside}}
 
 
 def _onebit(layout: Layout, numels: list[int], n: int) -> dict[str, int]:

@@ -36,6 +36,7 @@ class ZeroOptions:
     gradient_node: int = 1  # qgZ: ranks per node (above 1: reduce inside the node, then across nodes)
     hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers from a secondary copy inside blocks of this many ranks
     onebit_freeze: int = 0  # ZeRO-1/2 under 1-bit Adam: steps before reductions send bits (0: never)
+    fp8_gather: bool = False  # ZeRO-3 under fp8 (tensorwise): float8 linears' weights gathered as float8
 
     def __post_init__(self) -> None:
         checks = [
@@ -66,6 +67,7 @@ class ZeroOptions:
             ("zero_quantized_gradient_bits", self.gradient_bits in (4, 8), "choose 8 or 4"),
             ("zero_hpz_size", self.hpz_size == 1 or self.stage == 3, "hpZ is ZeRO-3's: set parallel.zero=3"),
             ("zero", self.onebit_freeze == 0 or self.stage < 3, "1-bit Adam is built under ZeRO-1/2"),
+            ("zero_fp8_gather", not self.fp8_gather or self.stage == 3, "float8 gathers are ZeRO-3's"),
             ("zero_quantized_weight_block", self.weight_block >= 1, "give 1 element or more"),
             ("zero_quantized_gradient_block", self.gradient_block >= 1, "give 1 element or more"),
             (
@@ -121,5 +123,6 @@ _FIELD = {
     "zero_quantized_weight_block": "weight_block",
     "zero_quantized_gradient_block": "gradient_block",
     "zero_hpz_size": "hpz_size",
+    "zero_fp8_gather": "fp8_gather",
     "zero_quantized_gradient_node": "gradient_node",
 }

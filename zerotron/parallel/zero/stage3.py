@@ -35,6 +35,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.parallel import float8
 from zerotron.parallel.data import grad_or_zeros
 from zerotron.parallel.engine import SavedValues
 from zerotron.parallel.tensor import attach_grad_sums
@@ -114,7 +115,9 @@ class ZeroStage3:
         self.reshard_after_forward = options.reshard_after_forward
         offload_params = self.offload_params = options.offload_params
         group_of = (lambda name: group) if isinstance(group, Group) else group.__getitem__
-        per_root, runs = plan_units(model, group_of, options.persist_numel)
+        # ZeRO-3's float8 gathers: the weights of float8 linears travel as float8 bytes (units of their own)
+        float8_specs = float8.float8_weights(model) if options.fp8_gather else {}
+        per_root, runs = plan_units(model, group_of, options.persist_numel, float8_specs.keys())
         rank = runs[0][1].rank if runs else 0  # names the offload files (with the process id)
         sizes = [_stored(lay) for _, lay, _ in runs]
         # the offloaded parameters (what the gathers copy to the device: 16-bit under mixed precision)
@@ -150,12 +153,7 @@ class ZeroStage3:
         self.secondary = secondary
         self.peak_secondary_bytes = 0  # hpZ: the second copies held at the end of a forward, at most
         for i, (owner, layout, frozen) in enumerate(runs):
-            unit = Unit(layout, owner is None, i, frozen, home)
-            if secondary is not None and owner is not None and set(secondary.ranks) < set(layout.group.ranks):
-                unit.hpz = secondary  # a block of the unit's own group (the dense parameters')
-            self.units.append(unit)
-            if owner is not None:
-                self._units_of_module.setdefault(id(owner), []).append(self.units[-1])
+            self.units.append(self._unit(i, owner, layout, frozen, home, float8_specs))
         self.order = [u for u in self.units if not u.persistent]  # forward order
         self.backward_order: list[Unit] = []  # per root, last first: the root (its output's grad), the rest
         for units in reversed(per_root):
@@ -177,6 +175,27 @@ class ZeroStage3:
         for unit in self.order:
             unit.free()
         self.grad_stash = self._stash(options, rank)
+
+    def _unit(
+        self,
+        i: int,
+        owner: nn.Module | None,
+        layout: FlatLayout,
+        frozen: bool,
+        home: UnitHome,
+        float8_specs: dict[int, float8.Float8Spec],
+    ) -> Unit:
+        """Unit ``i`` (``owner``: its module; None: the persistent unit), gathered as float8 when its
+        parameters are float8 weights, with hpZ's block where the unit's group spans it."""
+        unit = Unit(layout, owner is None, i, frozen, home)
+        if owner is not None and id(layout.slots[0].param) in float8_specs:
+            unit.gather_float8([float8_specs[id(s.param)] for s in layout.slots])
+        block = self.secondary
+        if block is not None and owner is not None and set(block.ranks) < set(layout.group.ranks):
+            unit.hpz = block  # a block of the unit's own group (the dense parameters')
+        if owner is not None:
+            self._units_of_module.setdefault(id(owner), []).append(unit)
+        return unit
 
     def _stash(self, options: ZeroOptions, rank: int) -> GradStash | None:
         """parallel.offload_grads=nvme: the trained units' fp32 gradient shards wait for the optimizer
@@ -412,7 +431,7 @@ class ZeroStage3:
     def holds_weights(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of the gathered buffers (a weight view autograd saves, not an activation)."""
         ptr = t.untyped_storage().data_ptr()
-        return ptr != 0 and any(u.flat.untyped_storage().data_ptr() == ptr for u in self.units)
+        return ptr != 0 and any(u.buffer.untyped_storage().data_ptr() == ptr for u in self.units)
 
     @contextlib.contextmanager
     def full_params(self, trained_only: bool = False) -> Iterator[None]:

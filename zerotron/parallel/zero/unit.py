@@ -5,6 +5,7 @@ drives the units through forward and backward."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.parallel import float8
 from zerotron.parallel.zero.compress import gather_weights
 from zerotron.parallel.zero.flat import FlatLayout, ShardSegment, gather_flat
 from zerotron.parallel.zero.offload import ShardStore
@@ -114,6 +116,11 @@ class Unit:
             (working_store, self.host_working) if working_store is not None else (store, self.shard)
         )
         self._evict()
+        # what the gathers fill: the working buffer, or under float8 gathers (:meth:`gather_float8`)
+        # a buffer of float8 bytes, with one scale per weight
+        self.buffer = self.flat
+        self.float8: list[float8.Float8Spec] | None = None
+        self.scales: torch.Tensor | None = None
         self.gathered = True
         if fill is not None:
             self.free()  # never gathered whole while the model is built
@@ -127,22 +134,44 @@ class Unit:
     @property
     def nbytes(self) -> int:
         """Bytes of the gathered buffer."""
-        return self.layout.padded * self.flat.element_size()
+        return self.layout.padded * self.buffer.element_size()
 
     def free(self) -> None:
         """Release the gathered buffer's storage (the views keep their shapes)."""
         if self.gathered and not self.persistent:
-            self.flat.untyped_storage().resize_(0)
+            self.buffer.untyped_storage().resize_(0)
             self.gathered = False
+
+    def gather_float8(self, specs: list[float8.Float8Spec]) -> None:
+        """Gather this unit's weights (those of float8 linears, ``specs`` per slot) as float8 bytes and
+        scales (:func:`~zerotron.parallel.float8.cast_weight_shard`), half of bf16's bytes: the working
+        buffer never holds them again (the parameters keep its shapes, for their gradients), and each
+        parameter gives its layer the gathered float8 weight (:data:`~zerotron.parallel.float8.GATHERED`)."""
+        self.float8 = specs
+        self.flat.untyped_storage().resize_(0)
+        self.buffer = torch.empty(self.layout.padded, dtype=torch.uint8, device=self.flat.device)
+        self.buffer.untyped_storage().resize_(0)
+        self.gathered = False
+        self.scales = torch.ones(len(specs), dtype=torch.float32, device=self.flat.device)
+        for i, slot in enumerate(self.layout.slots):
+            setattr(slot.param, float8.GATHERED, functools.partial(self._float8_weight, i))
+
+    def _float8_weight(self, i: int) -> Any:
+        """Slot ``i``'s gathered float8 weight (the unit is gathered: its module's forward or backward)."""
+        if not self.gathered or self.float8 is None or self.scales is None:
+            raise RuntimeError(f"{self.layout.slots[i].name} is read while its ZeRO-3 unit is not gathered")
+        slot = self.layout.slots[i]
+        data = self.buffer[slot.offset : slot.offset + slot.numel]
+        return float8.gathered_weight(data, slot.shape, self.scales[i], self.float8[i], self.flat.dtype)
 
     def start_gather(self) -> None:
         """Begin the all-gather of the unit into its buffer (no-op when it is there or on its way)."""
         if self.gathered or self.gathering is not None:
             return
-        self.flat.untyped_storage().resize_(self.nbytes)  # allocated on the compute stream
+        self.buffer.untyped_storage().resize_(self.nbytes)  # allocated on the compute stream
         if self.secondary is not None and self.hpz is not None:  # backward: inside the block (hpZ)
             self.staged, self.secondary = self.secondary, None
-            self.gathering = collectives.all_gather(self.flat, self.staged, self.hpz, async_op=True)
+            self.gathering = collectives.all_gather(self.buffer, self.staged, self.hpz, async_op=True)
             return
         side = self.copy_stream
         if side is None:
@@ -163,9 +192,18 @@ class Unit:
         """hpZ, after the forward that gathered the unit: keep this rank's part of its working weights
         for the block's gather in backward (a copy: the buffer is freed next)."""
         if self.hpz is not None and self.gathered:
-            self.secondary = self.flat.view(self.hpz.size, -1)[self.hpz.rank_in_group].clone()
+            self.secondary = self.buffer.view(self.hpz.size, -1)[self.hpz.rank_in_group].clone()
 
     def _gather(self, shard: torch.Tensor) -> Any:
+        if self.float8 is not None:  # cast first (the same float8 values as casting after), send bytes
+            lay = self.layout
+            bounds = [(max(s.offset, lay.lo), min(s.offset + s.numel, lay.hi)) for s in lay.slots]
+            pieces = [(lo - lay.lo, max(0, hi - lo), i) for i, (lo, hi) in enumerate(bounds)]
+            shard, scales = float8.cast_weight_shard(shard, pieces, self.float8, lay.group)
+            assert self.scales is not None
+            self.scales.copy_(scales)
+            self.staged = shard  # kept until the gather is waited for
+            return collectives.all_gather(self.buffer, shard, lay.group, async_op=True)
         return gather_weights(self.flat, shard, self.layout.group, self.quant_block, async_op=True)
 
     def wait_gather(self) -> None:

@@ -5,11 +5,13 @@ is left (embedding, final norm, head); a module holding a tied copy, or paramete
 axis of their own (the placement record's: expert parallelism's experts), is a unit of its own. Per module
 the trainable parameters form one layout and the frozen ones (a LoRA run's base) another, gathered for
 use and never reduced; small trainable parameters form one persistent layout per reduction group.
+Under ZeRO-3's float8 gathers the weights of float8 linears form layouts of their own (trained, and
+frozen), gathered as float8 bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Optional
 
 from torch import nn
@@ -54,12 +56,16 @@ Run = tuple[Optional[nn.Module], FlatLayout, bool]  # (module or None: persisten
 
 
 def plan_units(
-    model: nn.Module, group_of: Callable[[str], Group], persist_numel: int
+    model: nn.Module,
+    group_of: Callable[[str], Group],
+    persist_numel: int,
+    float8: Collection[int] = (),
 ) -> tuple[list[list[nn.Module]], list[Run]]:
     """The unit modules per root and the flat layouts in forward order: per module its trainable
     parameters, then its frozen ones in a unit of their own (gathered for use, never reduced; frozen
     integer tensors, a QLoRA base's NF4 bytes, in one more), then the small trainable parameters that
-    stay whole (one persistent unit per group)."""
+    stay whole (one persistent unit per group). The parameters whose ids are in ``float8`` (weights
+    gathered as float8) leave their module's trained or frozen layout for one of their own after it."""
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
     taken: set[int] = set()
     small: list[tuple[str, nn.Parameter]] = []
@@ -85,14 +91,17 @@ def plan_units(
             else:
                 (small if p.numel() < persist_numel and p is not tied else named).append((names[id(p)], p))
         # frozen bytes (a QLoRA base's NF4 codes and scales) apart: a unit gathers them as they are
-        for kind in (
-            [q for q in frozen if not q[1].is_floating_point()],
-            [q for q in frozen if q[1].is_floating_point()],
-        ):
-            if kind:
-                runs.insert(0, (module, FlatLayout(kind, _one_group(kind, group_of)), True))
-        if named:
-            runs.insert(0, (module, FlatLayout(named, _one_group(named, group_of)), False))
+        floats = [q for q in frozen if q[1].is_floating_point()]
+        kinds = [
+            (named, False),
+            (floats, True),
+            ([q for q in frozen if not q[1].is_floating_point()], True),
+        ]
+        mine = []
+        for kind, is_frozen in kinds:
+            mine += [([q for q in kind if id(q[1]) not in float8], is_frozen)]
+            mine += [([q for q in kind if id(q[1]) in float8], is_frozen)]
+        runs[:0] = [(module, FlatLayout(k, _one_group(k, group_of)), f) for k, f in mine if k]
     by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
     for name, p in small:
         by_group.setdefault(id(group_of(name)), []).append((name, p))
