@@ -111,11 +111,11 @@ def gather(work: Path) -> None:
     }  # fmt: skip
     print("| model | gathers | all-gathered / step | / bf16 gathers | step (s) | peak memory/rank | losses |")
     print("|---|---|---:|---:|---:|---:|---|")
-    for label, model in shapes.items():
+    for k, (label, model) in enumerate(shapes.items()):
         runs = {}
         for how in ("never", "auto"):
             args = [*model, "train.precision=fp8", "parallel.zero=3", f"parallel.zero_fp8_gather={how}"]
-            out = work / f"{label[:4]}-{how}"
+            out = work / f"gather{k}-{how}"
             cmd = [sys.executable, "-m", "zerotron", "train", *args, "train.steps=10", "log.progress=none"]
             cmd += ["--nproc", "2", "--out", str(out)]
             print("<!--", *cmd[1:], "-->", flush=True)

@@ -28,7 +28,10 @@ with room for other CPUs' kernels; per-shard scales in whole runs land in the sa
 cp 8.0e-5), which is why the negative control is the per-linear one. MoE blocks add a discrete step:
 a flipped float8 rounding can flip a token's top-k choice, which moves the token to another expert
 (measured: ep 6.6e-5, tp×ep×SP 2.0e-4 against bf16's 1.2e-5 and 1.4e-5 there, each first step within
-4e-6): ``MOE_RTOL`` = 5e-4.
+4e-6): ``MOE_RTOL`` = 5e-4. The QLoRA tensor-parallel layout runs at hidden 128 (NF4's 64-value
+blocks must fall whole in each row-parallel shard), where bf16 alone moves the losses further between
+tp 2 with SP and one process (measured: LoRA 7.5e-5, QLoRA 6.5e-5) and fp8 amplifies that alike (LoRA
+1.1e-4, QLoRA 2.5e-4): ``WIDE_RTOL`` = 4e-4.
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ torchao_float8 = float8.torchao_float8()  # a dev dependency: missing, these tes
 STEPS = 6
 RTOL = 2e-4
 MOE_RTOL = 5e-4  # routing is discrete: see the module docstring
+WIDE_RTOL = 4e-4  # hidden 128: bf16's own layout noise is larger there (see the module docstring)
 FP8 = [*BASE, f"train.steps={STEPS}", "train.precision=fp8"]
 LORA = ["lora.rank=4", "lora.target_modules=all-linear", "train.lr=3e-3"]
+QLORA = [*LORA, "lora.base_bits=4"]
 MOE = ["model.num_local_experts=4", "model.shared_expert_intermediate_size=64"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -181,6 +186,20 @@ LAYOUTS = [
     (2, ["parallel.dp=2", "parallel.zero=2", *LORA]),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", *LORA]),
     (2, ["parallel.tp=2", *LORA, "lora.use_dora=true"]),
+    (2, ["parallel.dp=2", "parallel.zero=2", *QLORA]),
+    (2, ["parallel.dp=2", "parallel.zero=3", *QLORA]),
+    # NF4's 64-value blocks: a row-parallel shard must hold whole blocks of each row
+    (
+        2,
+        [
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            *QLORA,
+            "model.hidden_size=128",
+            "model.intermediate_size=256",
+        ],
+    ),
+    (2, ["parallel.dp=2", "parallel.zero=3", *QLORA, "lora.use_dora=true"]),
     (2, ["parallel.ep=2", *MOE]),
     (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *MOE]),
 ]
@@ -194,7 +213,8 @@ def test_layouts_give_the_single_process_losses(world: int, layout: list[str], t
     ref = run_distributed(_run, 1, single, tokens, str(tmp_path / "ref"))[0]
     ours = run_distributed(_run, world, overrides, tokens, str(tmp_path / "run"), timeout=300)
     for losses in ours:
-        assert _rel(losses, ref) <= (MOE_RTOL if MOE[0] in layout else RTOL), (losses, ref)
+        tol = MOE_RTOL if MOE[0] in layout else WIDE_RTOL if "model.hidden_size=128" in layout else RTOL
+        assert _rel(losses, ref) <= tol, (losses, ref)
 
 
 def _split_linear_body(kind: str, recipe: str, reduce: bool) -> float:
@@ -272,7 +292,6 @@ def test_split_linears_scale_as_the_whole_tensor(kind: str, recipe: str) -> None
         (["train.precision=bf16", "train.fp8_recipe=rowwise"], "applies to train.precision=fp8"),
         (["model.hidden_size=72", "model.num_attention_heads=4"], "multiples of 16"),
         (["parallel.tp=4", "model.intermediate_size=96"], r"gate_proj multiplies \(64 in, 24 out\)"),
-        (["lora.rank=8", "lora.base_bits=4"], "not built with lora.base_bits=4"),
         (["train.precision=fp16", "train.fp8_skip=*.q_proj"], "applies to train.precision=fp8"),
         (["train.fp8_skip=*.qproj"], "pattern '\\*.qproj' matches no float8 layer"),
         (["parallel.zero_fp8_gather=sometimes"], "use one of auto, always, never"),
@@ -384,6 +403,45 @@ def test_lora_keeps_an_fp8_base_in_float8(monkeypatch: pytest.MonkeyPatch) -> No
     assert counts == {"fp8": 2 * 7 * 2, "lora": 2 * 7 * 2, "dora": 2 * 7 * 2, "bf16": 0}  # 2 blocks x 7
     assert torch.equal(logits["lora"], logits["fp8"])
     assert not torch.equal(logits["fp8"], logits["bf16"])
+
+
+def _logits_and_input_grad(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits under bf16 autocast and the gradient of their mean square at the embeddings' output."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def leaf(module: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        kept["x"] = out.detach().requires_grad_(True)
+        return kept["x"]
+
+    handle = model.embed_tokens.register_forward_hook(leaf)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens).float()
+    out.square().mean().backward()
+    handle.remove()
+    return out.detach(), kept["x"].grad
+
+
+def test_qlora_multiplies_its_nf4_base_in_float8() -> None:
+    """QLoRA on an fp8 model: each frozen NF4 base projection multiplies in float8. At
+    initialisation (B zero) the logits, and the input gradient backward makes with the weight
+    dequantised again, equal those of the fp8 model whose projections hold the NF4 weights'
+    dequantised values (NF4 of the same initial weights): the same float8 casts of the same weights. They differ from a bf16 QLoRA's."""
+    from zerotron.build.builder import build
+    from zerotron.models.nf4 import quantize_nf4
+
+    tokens = torch.from_numpy(_tokens()[: 2 * 32].astype(np.int64)).reshape(2, 32)
+    qlora = build(load_config(None, [*FP8, *QLORA]), "cpu").model
+    bf16 = build(load_config(None, [*FP8, *QLORA, "train.precision=bf16"]), "cpu").model
+    plain = build(load_config(None, FP8), "cpu").model
+    with torch.no_grad():
+        for module in plain.modules():
+            if isinstance(module, float8.Float8Linear):
+                module.weight.copy_(quantize_nf4(module.weight).dequantize())
+    logits, grad = _logits_and_input_grad(qlora, tokens)
+    ref_logits, ref_grad = _logits_and_input_grad(plain, tokens)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(grad, ref_grad)
+    assert not torch.equal(logits, _logits_and_input_grad(bf16, tokens)[0])
 
 
 def test_compiled_fp8_equals_eager(tmp_path: Path) -> None:

@@ -94,15 +94,6 @@ def check_fp8(cfg: Config) -> None:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("train.precision=fp8 computes with torchao's float8: pip install 'zerotron[fp8]'")
-    refused = [
-        ("lora.base_bits=4 (QLoRA)", cfg.lora.rank > 0 and cfg.lora.base_bits == 4),
-    ]
-    named = [name for name, on in refused if on]
-    if named:
-        raise ConfigError(
-            f"train.precision=fp8 is not built with {', '.join(named)} yet: drop those settings, or use "
-            "train.precision=bf16"
-        )
     if cfg.model.num_local_experts > 0:
         warnings.warn(
             "train.precision=fp8: the routed experts compute in bf16 (grouped float8 GEMMs are not built); "

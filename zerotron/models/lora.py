@@ -233,6 +233,7 @@ class QLoraLinear(_LoraParts, nn.Module):
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
+        self.float8: Float8Spec | None = base.float8  # an fp8 base: QDoRA's products in float8 too
         meta = isinstance(base, NF4ParamLinear) and base.weight_nf4.is_meta
         _attach(self, rank, scaling, dropout, "meta" if meta else None, generator=generator)
         self.lora_magnitude_vector: nn.Parameter | None = None
@@ -348,7 +349,9 @@ def apply_lora(
     others = [
         n
         for n, m in model.named_modules()
-        if (type(m) is nn.Linear or isinstance(m, TensorParallelLinear)) and n not in names and n != "lm_head"
+        if (type(m) in (nn.Linear, Float8Linear) or isinstance(m, TensorParallelLinear))
+        and n not in names
+        and n != "lm_head"
     ]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -393,7 +396,9 @@ def _nf4_layer(linear: nn.Linear, double: bool, meta: bool) -> NF4Linear | NF4Pa
     scales as parameters that ZeRO-3 shards and fills (:func:`quantized_bytes`)."""
     if not meta:
         return NF4Linear(linear, double=double)
-    return NF4ParamLinear(linear.in_features, linear.out_features, linear.bias is not None)
+    layer = NF4ParamLinear(linear.in_features, linear.out_features, linear.bias is not None)
+    layer.float8 = getattr(linear, "float8", None)  # an fp8 model's: the product in float8
+    return layer
 
 
 def lora_modules(model: nn.Module) -> dict[str, Any]:

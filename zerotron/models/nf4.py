@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotron.parallel.float8 import Float8Spec, float8_linear_frozen
+
 _DELTA = 0.5 * ((1 - 1 / 30) + (1 - 1 / 32))
 
 
@@ -128,9 +130,14 @@ class _NF4LinearFn(torch.autograd.Function):
         return grad @ ctx.weight.dequantize(grad.dtype), None, None
 
 
-def nf4_linear(x: torch.Tensor, weight: NF4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def nf4_linear(
+    x: torch.Tensor, weight: NF4Weight, bias: Optional[torch.Tensor] = None, float8: Float8Spec | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(...), bias)`` without keeping the dequantised weight for backward
-    (the bias is frozen too: no gradient)."""
+    (the bias is frozen too: no gradient); ``float8``: the product in float8 (``train.precision=fp8``),
+    the dequantised weight cast as a float8 layer casts its weight."""
+    if float8 is not None:
+        return float8_linear_frozen(x, weight.dequantize, weight.shape[0], bias, float8)
     out: torch.Tensor = _NF4LinearFn.apply(x, weight, bias)  # type: ignore[no-untyped-call]
     return out
 
@@ -143,9 +150,10 @@ class NF4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.quantized = quantize_nf4(linear.weight, block, double)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), False)
+        self.float8: Float8Spec | None = getattr(linear, "float8", None)  # an fp8 model's: product in float8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nf4_linear(x, self.quantized, self.bias)
+        return nf4_linear(x, self.quantized, self.bias, self.float8)
 
 
 QUANTIZED_SUFFIXES = (".weight_nf4", ".weight_nf4_scales")
@@ -204,6 +212,7 @@ class NF4ParamLinear(nn.Module):
             torch.empty(n_blocks * 4, dtype=torch.uint8, device=device), False
         )
         self.bias = nn.Parameter(torch.empty(out_features, device=device), False) if bias else None
+        self.float8: Float8Spec | None = None  # an fp8 model's: the product in float8
 
     @property
     def quantized(self) -> NF4Weight:
@@ -213,4 +222,4 @@ class NF4ParamLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nf4_linear(x, self.quantized, self.bias)
+        return nf4_linear(x, self.quantized, self.bias, self.float8)

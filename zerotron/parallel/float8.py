@@ -162,22 +162,31 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Float8Spec, gathered: Any = None
+        ctx: Any,
+        x: torch.Tensor,
+        w_t: torch.Tensor | None,
+        spec: Float8Spec,
+        gathered: Any = None,
+        dequantize: Any = None,
     ) -> torch.Tensor:
         role, c = _ao().role, spec.config
         # a weight ZeRO-3 gathered as float8 (``gathered``: its float8 copy now) is not saved: backward
-        # asks for the copy again, gathered again by then
-        ctx.save_for_backward(x, *(() if gathered is not None else (w_t,)))
-        ctx.spec, ctx.gathered = spec, gathered
+        # asks for the copy again, gathered again by then; nor is a frozen NF4 base's dequantised weight
+        # (``dequantize``: makes it again), as QLoRA keeps only 4-bit weights until backward
+        again = gathered is not None or dequantize is not None
+        ctx.save_for_backward(x, *(() if again else (w_t,)))
+        ctx.spec, ctx.gathered, ctx.dequantize = spec, gathered, dequantize
         x8 = _cast(x, X_AXES, c.cast_config_input, role.INPUT, -1, spec)
         if gathered is not None:
             w8 = gathered().t()  # (in, out), laid out as the cast below would lay it out
         else:
-            w8 = _cast(w_t, W_AXES, c.cast_config_weight, role.WEIGHT, 0, spec)
+            w = dequantize().t() if dequantize is not None else w_t
+            assert w is not None
+            w8 = _cast(w, W_AXES, c.cast_config_weight, role.WEIGHT, 0, spec)
         return torch.mm(x8, w8)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
         role, c = _ao().role, ctx.spec.config
         x, *saved = ctx.saved_tensors
         spec: Float8Spec = ctx.spec
@@ -186,15 +195,16 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.gathered is not None:  # tensorwise: the input gradient's weight cast is the forward's
             grad_x = torch.mm(g8, ctx.gathered())
         else:
-            w8 = _cast(saved[0], W_AXES, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec)
+            w = ctx.dequantize().t() if ctx.dequantize is not None else saved[0]
+            w8 = _cast(w, W_AXES, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec)
             grad_x = torch.mm(g8, w8.t())
         if not ctx.needs_input_grad[1]:  # a frozen base (LoRA)
-            return grad_x, None, None, None
+            return grad_x, None, None, None, None
         # tensorwise: both GEMMs take the same cast of the output gradient (one amax reduction, not two)
         same = c.cast_config_grad_output_for_grad_weight == c.cast_config_grad_output
         reuse = g8 if same and c.cast_config_grad_output.scaling_granularity is _ao().tensorwise else None
         grad_w = _weight_grad(x, grad, spec, reuse)  # (out, in)
-        return grad_x, grad_w if ctx.gathered is not None else grad_w.t(), None, None
+        return grad_x, grad_w if ctx.gathered is not None else grad_w.t(), None, None, None
 
 
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, spec: Float8Spec, g8: Any = None) -> torch.Tensor:
@@ -229,6 +239,21 @@ def float8_linear(
         w_t = weight if gathered is not None else weight.to(dtype).t()
         y = cast(torch.Tensor, _Float8Matmul.apply(flat, w_t, spec, gathered))  # type: ignore[no-untyped-call]
         y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+def float8_linear_frozen(
+    x: torch.Tensor, dequantize: Any, out_features: int, bias: torch.Tensor | None, spec: Float8Spec
+) -> torch.Tensor:
+    """:func:`float8_linear` of a frozen weight that ``dequantize(dtype)`` makes (a QLoRA base's NF4),
+    made again in backward rather than kept: the same float8 numbers as :func:`float8_linear` on it."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):
+        flat = x.to(dtype).reshape(-1, x.shape[-1])
+        again = functools.partial(dequantize, dtype)
+        y = cast(torch.Tensor, _Float8Matmul.apply(flat, None, spec, None, again))  # type: ignore[no-untyped-call]
+        y = y.reshape(*x.shape[:-1], out_features)
         return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -307,8 +332,9 @@ def float8_weights(model: nn.Module) -> dict[int, Float8Spec]:
     out = {}
     for module in model.modules():
         spec = getattr(module, "float8", None)
-        if isinstance(spec, Float8Spec) and gathers_in_float8(spec):
-            out[id(module.weight)] = spec
+        weight = module._parameters.get("weight")  # none on a QLoRA base (its NF4 bytes gather as they are)
+        if isinstance(spec, Float8Spec) and gathers_in_float8(spec) and weight is not None:
+            out[id(weight)] = spec
     return out
 
 
