@@ -18,7 +18,13 @@ from tests.test_serve_engine import _run
 from zerotron.build.builder import load_model
 from zerotron.components.sampling import SamplingParams
 from zerotron.config_load import ConfigError
-from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Embedding, BlockInt8Linear, block_linear
+from zerotron.models.gguf_blocks import (
+    BlockInt4Linear,
+    BlockInt8Embedding,
+    BlockInt8Linear,
+    BlockKLinear,
+    block_linear,
+)
 from zerotron.models.quant import Int4Linear, Int8Linear, quantize, weight_bytes
 from zerotron.serve.app import load_engine
 from zerotron.serve.config import EngineConfigError
@@ -34,27 +40,38 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(the file's bytes of a random (OUT, IN) matrix in ``kind``, gguf's dequantised fp32 values)."""
     rng = np.random.default_rng(seed)
     qtype = GGMLQuantizationType[kind]
-    if kind == "Q4_K":  # gguf has no Q4_K quantiser: random bits, with finite f16 scales
-        raw = rng.integers(0, 256, (OUT, IN // 256, 144), dtype=np.uint8)
-        scales = rng.uniform(1e-3, 2e-2, (OUT, IN // 256, 2)).astype(np.float16)
-        raw[..., 0:4] = scales.view(np.uint8)
+    # gguf has no K-quant quantiser: random bits, with finite f16 scales where the format keeps them
+    k_scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}
+    if kind in k_scales:
+        size, where = k_scales[kind]
+        raw = rng.integers(0, 256, (OUT, IN // 256, size), dtype=np.uint8)
+        n = (where.stop - where.start) // 2
+        raw[..., where] = rng.uniform(1e-3, 2e-2, (OUT, IN // 256, n)).astype(np.float16).view(np.uint8)
         raw = raw.reshape(OUT, -1)
     else:
         raw = quants.quantize((rng.standard_normal((OUT, IN)) * 0.05 + 0.01).astype(np.float32), qtype)
     return raw, quants.dequantize(raw, qtype).reshape(OUT, IN)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+KEPT = {"Q4_0": BlockInt4Linear, "Q4_1": BlockInt4Linear, "Q4_K": BlockInt4Linear, "Q8_0": BlockInt8Linear}
+KEPT |= {"Q5_K": BlockKLinear, "Q6_K": BlockKLinear}
+
+
+@pytest.mark.parametrize("kind", list(KEPT))
 def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str) -> None:
     raw, want = _blocks(kind)
     layer = block_linear(kind, raw, IN)
-    assert isinstance(layer, BlockInt8Linear if kind == "Q8_0" else BlockInt4Linear)
+    assert type(layer) is KEPT[kind]
     got = layer.dequantize()
     if kind == "Q4_K":  # its zero 8·d·sc − dmin·mn can round in fp32
         torch.testing.assert_close(got, torch.from_numpy(want), rtol=1e-6, atol=1e-7)
     else:
         assert torch.equal(got, torch.from_numpy(want))
-    assert sum(t.nbytes for t in layer.buffers()) <= raw.nbytes * 1.03  # the file's bytes, no copy
+    held = sum(t.nbytes for t in layer.buffers())
+    if kind in ("Q5_K", "Q6_K"):  # a byte a value, and the file's scales (at most 20 bytes per 256 values)
+        assert held <= OUT * IN * (1 + 20 / 256)
+    else:
+        assert held <= raw.nbytes * 1.03  # the file's bytes, no copy
     x = torch.randn(21, IN)
     ref = torch.nn.functional.linear(x, torch.from_numpy(want))
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
@@ -76,7 +93,8 @@ def test_q8_embedding_looks_up_the_files_rows_and_pads_the_vocabulary() -> None:
 
 
 def test_other_types_are_not_kept() -> None:
-    assert block_linear("Q6_K", np.zeros((4, 210), np.uint8), 256) is None
+    assert block_linear("Q3_K", np.zeros((4, 110), np.uint8), 256) is None
+    assert block_linear("Q6_K", np.zeros((4, 105), np.uint8), 128) is None  # not whole super-blocks
     assert block_linear("F16", np.zeros((4, 64), np.uint8), 32) is None
     assert block_linear("Q4_1", np.zeros((40, 20), np.uint8), 32) is None  # 40 outputs: no int4 tiles
 

@@ -15,8 +15,15 @@ invariance):
   rows at a time to fp32 and multiplies on at least 16 rows), and as a (tied) embedding
   :class:`BlockInt8Embedding`, which dequantises the rows it looks up.
 
+- **Q6_K** (super-blocks of 256 inputs, each 16 of them ``w = d·sc·(q − 32)`` with 6-bit ``q`` and an
+  int8 ``sc``) and **Q5_K** (each 32 of 256 ``w = d·sc·q − dmin·mn``, 5-bit ``q``, 6-bit ``sc``, ``mn``)
+  become :class:`BlockKLinear`: one int8 per value (the 6 or 5 bits unpacked at load: 8 bits a value
+  where the file packs 6.6 or 5.5) and the file's f16 and small-integer scales as they are; a call
+  dequantises a chunk of output rows as :class:`BlockInt8Linear` does, with the ``gguf`` package's
+  arithmetic, so the weights are its ``dequantize`` values bit for bit.
+
 The 4-bit kernel multiplies in the activations' dtype when it is bf16 (its fast path: the scales and
-zeros are then rounded to bf16), else in fp32; the Q8_0 forms multiply in fp32. Results come back in
+zeros are then rounded to bf16), else in fp32; the 8-bit forms multiply in fp32. Results come back in
 the activations' dtype. Other GGUF types are not kept: :func:`block_linear` returns None and the
 loader dequantises them as it does without ``--quantization``.
 """
@@ -179,6 +186,58 @@ class BlockInt8Linear(nn.Module):
         return self.rows(0, self.out_features)
 
 
+class BlockKLinear(BlockInt8Linear):
+    """A linear layer of Q6_K or Q5_K blocks: the values unpacked to int8 ``(out, in)`` (Q6_K's
+    ``q − 32``, Q5_K's ``q``) and the file's scales: ``d`` (and Q5_K's ``dmin``), f16 per super-block
+    of 256 inputs; ``sc`` (and Q5_K's ``mn``) per group of 16 (Q6_K, int8) or 32 (Q5_K, 6-bit) inputs."""
+
+    sc: torch.Tensor
+    dmin: torch.Tensor  # Q5_K
+    mn: torch.Tensor  # Q5_K
+
+    def __init__(self, kind: str, blocks: np.ndarray, in_features: int) -> None:
+        out, extra = blocks.shape[0], {}
+        if kind == "Q6_K":  # ql (128 bytes), qh (64), scales (16 int8), d (f16)
+            b = blocks.reshape(out, in_features // 256, 210)
+            ql = (b[..., 0:128].reshape(out, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
+            qh = (b[..., 128:192].reshape(out, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+            q = (ql.reshape(out, -1, 2, 4, 32) | (qh.reshape(out, -1, 2, 4, 32) << 4)).astype(np.int8) - 32
+            sc = torch.from_numpy(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(out, -1).copy())
+            d, group = _f16(b[..., 208:210]), 16
+        elif kind == "Q5_K":  # d, dmin (f16), scales (12 bytes), qh (32), qs (128)
+            b = blocks.reshape(out, in_features // 256, 176)
+            ql = (b[..., 48:176].reshape(out, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
+            bits = np.arange(8, dtype=np.uint8)[:, None]
+            qh = (b[..., 16:48].reshape(out, -1, 1, 32) >> bits) & 1  # (out, super, 8, 32)
+            q = (ql.reshape(out, -1, 8, 32) | (qh << 4)).astype(np.int8)
+            scales, mins = _k_scales(b[..., 4:16])
+            sc = torch.from_numpy(scales.reshape(out, -1).copy())
+            d, group = _f16(b[..., 0:2]), 32
+            extra = {"dmin": _f16(b[..., 2:4]), "mn": torch.from_numpy(mins.reshape(out, -1).copy())}
+        else:
+            raise ValueError(f"{kind} blocks are not Q6_K or Q5_K blocks")
+        super().__init__(torch.from_numpy(q.reshape(out, in_features).copy()), d)
+        self.kind, self.group = kind, group
+        self.register_buffer("sc", sc)
+        for name, part in extra.items():  # Q5_K's mins
+            self.register_buffer(name, part)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Output rows ``start:stop`` in fp32, as the ``gguf`` package computes them: ``(d·sc)·q``, and
+        for Q5_K minus ``dmin·mn``."""
+        n, per = stop - start, 256 // self.group
+        scale = self.d[start:stop].float().repeat_interleave(per, dim=1) * self.sc[start:stop].float()
+        w = self.qweight[start:stop].view(n, -1, self.group).float() * scale[..., None]
+        if self.kind == "Q5_K":
+            w = (
+                w
+                - (self.dmin[start:stop].float().repeat_interleave(per, dim=1) * self.mn[start:stop].float())[
+                    ..., None
+                ]
+            )
+        return w.view(n, self.in_features)
+
+
 class BlockInt8Embedding(nn.Module):
     """An embedding of Q8_0 blocks: each looked-up row dequantised (``d·q``, exact in fp32) in ``dtype``;
     :meth:`head` is the output head tied to it (the same tensors)."""
@@ -209,4 +268,6 @@ def block_linear(
         return BlockInt4Linear(kind, blocks, in_features, dtype)
     if kind == "Q8_0":
         return BlockInt8Linear.of(blocks, in_features)
+    if kind in ("Q6_K", "Q5_K") and in_features % 256 == 0:
+        return BlockKLinear(kind, blocks, in_features)
     return None
