@@ -66,9 +66,14 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
     [
         (["train.precision=fp4"], 2, "train.precision='fp4': choose one of fp32, bf16, fp16, fp8"),
         (
-            ["train.precision=fp8", "lora.rank=4", "lora.base_bits=4"],
+            [
+                "train.precision=fp8",
+                "train.fp8_recipe=rowwise",
+                "parallel.zero=3",
+                "parallel.zero_fp8_gather=always",
+            ],
             2,
-            "fp8 is not built with lora.base_bits=4",
+            "rowwise casts the weight along a different axis for each GEMM",
         ),
         (["parallel.tp_comm_overlap=true"], 1, "does not overlap tensor-parallel collectives"),
         (["train.global_batch=15"], 2, "not divisible by the data-parallel size 2"),
