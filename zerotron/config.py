@@ -554,6 +554,15 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
+    @property
+    def fp8_gathers(self) -> bool:
+        """Whether ZeRO-3 gathers the float8 linears' weights as float8 (``parallel.zero_fp8_gather``):
+        ``auto`` or ``always`` under ZeRO-3 with ``train.precision=fp8`` and the tensorwise recipe
+        (rowwise casts the weight along another axis for each GEMM)."""
+        p, t = self.parallel, self.train
+        applies = p.zero == 3 and t.precision == "fp8" and t.fp8_recipe == "tensorwise"
+        return applies and p.zero_fp8_gather != "never"
+
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

@@ -46,22 +46,13 @@ def fp8_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
 GATHER_CHOICES = ("auto", "always", "never")
 
 
-def fp8_gathers(cfg: Config) -> bool:
-    """Whether ZeRO-3 gathers the float8 linears' weights as float8 (``parallel.zero_fp8_gather``):
-    ``auto`` or ``always`` under ZeRO-3 with ``train.precision=fp8`` and the tensorwise recipe (rowwise
-    casts the weight along another axis for each GEMM)."""
-    p, t = cfg.parallel, cfg.train
-    applies = p.zero == 3 and t.precision == "fp8" and t.fp8_recipe == "tensorwise"
-    return applies and p.zero_fp8_gather != "never"
-
-
 def _check_gather(cfg: Config) -> None:
     p, t = cfg.parallel, cfg.train
     if p.zero_fp8_gather not in GATHER_CHOICES:
         raise ConfigError(
             f"parallel.zero_fp8_gather={p.zero_fp8_gather!r}: use one of {', '.join(GATHER_CHOICES)}"
         )
-    if p.zero_fp8_gather != "always" or fp8_gathers(cfg):
+    if p.zero_fp8_gather != "always" or cfg.fp8_gathers:
         return
     why = [
         (p.zero != 3, f"it is ZeRO-3's (parallel.zero={p.zero}): set parallel.zero=3"),

@@ -28,7 +28,6 @@ from zerotron.components.loss import REDUCE_DTYPE
 from zerotron.components.metrics import peak_memory_bytes
 from zerotron.components.optim import build_optimizer, lr_at
 from zerotron.config import Config
-from zerotron.config_check_fp8 import fp8_gathers
 from zerotron.config_load import load_config
 from zerotron.distributed import peers
 from zerotron.distributed.launch import current_rank_and_world
@@ -179,7 +178,7 @@ def torchao_float8(model: nn.Module, cfg: Config, device: torch.device) -> None:
     config = dataclasses.replace(
         config,
         emulate=not float8.device_has_float8_gemm(device),
-        enable_fsdp_float8_all_gather=fp8_gathers(cfg),
+        enable_fsdp_float8_all_gather=cfg.fp8_gathers,
     )
     skip = cfg.train.fp8_skip_patterns
     f8.convert_to_float8_training(

@@ -43,7 +43,6 @@ from zerotron.build.source import model_tokenizer, resolve_model, weight_source
 from zerotron.components.loss import AUTOCAST, REDUCE_DTYPE
 from zerotron.components.state import model_placements
 from zerotron.config import Config, ParallelConfig
-from zerotron.config_check_fp8 import fp8_gathers
 from zerotron.distributed.mesh import Group, Mesh
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import cast_parameters
@@ -170,7 +169,7 @@ def data_parallel(
         return DataParallel(GradientBuckets(model, groups, par.bucket_mb, reduce_dtype), None, shard_group)
     # 16-bit working weights from fp32 master shards under mixed precision (DESIGN contract 9)
     options = ZeroOptions.from_config(par, stage, AUTOCAST.get(cfg.train.precision), reduce_dtype)
-    if stage == 3 and fp8_gathers(cfg):  # ZeRO-3's gathers of float8 linears' weights send float8 bytes
+    if stage == 3 and cfg.fp8_gathers:  # ZeRO-3's gathers of float8 linears' weights send float8 bytes
         options = dataclasses.replace(options, fp8_gather=True)
     if cfg.train.optimizer == "onebit_adam":  # ZeRO-1/2 (16-bit dp: ZeRO-1's blocks of one): bits
         options = dataclasses.replace(options, onebit_freeze=cfg.train.onebit_freeze_step)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from zerotron import layout as shared
 from zerotron.config import Config, ModelConfig
-from zerotron.config_check_fp8 import fp8_gathers
 from zerotron.layout import ParallelDims
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
@@ -141,7 +140,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         zero_quantized_gradient_block=p.zero_quantized_gradient_block,
         zero_quantized_gradient_node=p.zero_quantized_gradient_node,
         zero_hpz_size=p.zero_hpz_size,
-        zero_fp8_gather=fp8_gathers(cfg),
+        zero_fp8_gather=cfg.fp8_gathers,
         fp8_skip=t.fp8_skip_patterns if t.precision == "fp8" else (),
         onebit_adam=t.optimizer in ("onebit_adam", "zero_one_adam"),
         zero_one_interval=t.zero_one_local_step_clipper if t.optimizer == "zero_one_adam" else 0,
