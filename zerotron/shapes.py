@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 from zerotron.config import ModelConfig
 
+# a block's projections, by module name: what train.precision=fp8 multiplies in float8
+FLOAT8_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class ModelShape:

@@ -229,12 +229,8 @@ class BlockKLinear(BlockInt8Linear):
         scale = self.d[start:stop].float().repeat_interleave(per, dim=1) * self.sc[start:stop].float()
         w = self.qweight[start:stop].view(n, -1, self.group).float() * scale[..., None]
         if self.kind == "Q5_K":
-            w = (
-                w
-                - (self.dmin[start:stop].float().repeat_interleave(per, dim=1) * self.mn[start:stop].float())[
-                    ..., None
-                ]
-            )
+            mins = self.dmin[start:stop].float().repeat_interleave(per, dim=1) * self.mn[start:stop].float()
+            w = w - mins[..., None]
         return w.view(n, self.in_features)
 
 

@@ -56,9 +56,10 @@ from torch import nn
 
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.shapes import FLOAT8_TARGETS
 
 RECIPES = ("tensorwise", "rowwise")
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = FLOAT8_TARGETS
 
 # the three operands' axes, by name: which groups split each
 X_AXES, W_AXES, G_AXES = ("tokens", "in"), ("in", "out"), ("tokens", "out")
@@ -230,16 +231,8 @@ def float8_linear(
 ) -> torch.Tensor:
     """``F.linear`` in float8: ``x`` and ``weight`` first in the autocast dtype (bf16 under
     ``train.precision=fp8``), the output in that dtype."""
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     gathered = getattr(weight, GATHERED, None)  # ZeRO-3 gathered it as float8: its values are there
-    with torch.autocast(device, enabled=False):
-        flat = x.to(dtype).reshape(-1, x.shape[-1])
-        # gathered: the parameter itself (its buffer holds no bf16 values to view), its gradient (out, in)
-        w_t = weight if gathered is not None else weight.to(dtype).t()
-        y = cast(torch.Tensor, _Float8Matmul.apply(flat, w_t, spec, gathered))  # type: ignore[no-untyped-call]
-        y = y.reshape(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias.to(y.dtype)
+    return _linear(x, weight, weight.shape[0], bias, spec, gathered)
 
 
 def float8_linear_frozen(
@@ -247,12 +240,28 @@ def float8_linear_frozen(
 ) -> torch.Tensor:
     """:func:`float8_linear` of a frozen weight that ``dequantize(dtype)`` makes (a QLoRA base's NF4),
     made again in backward rather than kept: the same float8 numbers as :func:`float8_linear` on it."""
+    return _linear(x, None, out_features, bias, spec, dequantize=dequantize)
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_features: int,
+    bias: torch.Tensor | None,
+    spec: Float8Spec,
+    gathered: Any = None,
+    dequantize: Any = None,
+) -> torch.Tensor:
+    """:class:`_Float8Matmul` on ``x`` in the autocast dtype, with the weight as it is (``weight``), as
+    ZeRO-3 gathered it (``gathered``) or as ``dequantize(dtype)`` makes it."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
         flat = x.to(dtype).reshape(-1, x.shape[-1])
-        again = functools.partial(dequantize, dtype)
-        y = cast(torch.Tensor, _Float8Matmul.apply(flat, None, spec, None, again))  # type: ignore[no-untyped-call]
+        # gathered: the parameter itself (its buffer holds no bf16 values to view), its gradient (out, in)
+        w_t = weight if gathered is not None or weight is None else weight.to(dtype).t()
+        again = functools.partial(dequantize, dtype) if dequantize is not None else None
+        y = cast(torch.Tensor, _Float8Matmul.apply(flat, w_t, spec, gathered, again))  # type: ignore[no-untyped-call]
         y = y.reshape(*x.shape[:-1], out_features)
         return y if bias is None else y + bias.to(y.dtype)
 

@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from zerotron.shapes import (
+    FLOAT8_TARGETS,
     ModelShape,
     attention_matrix_params,
     attention_norm_params,
@@ -208,9 +209,6 @@ def param_list(m: ModelShape, tp: int, pp: int, stage: int, layers: int) -> Para
     return ParamList(head, tuple(tuple(block) for _ in range(layers)), tail)
 
 
-FLOAT8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def block_tensor_names(m: ModelShape) -> tuple[str, ...]:
     """The names of a dense block's tensors in :func:`param_list`'s order (a linear's weight by its
     module's name, e.g. ``self_attn.q_proj``)."""
@@ -233,7 +231,7 @@ def with_float8(params: ParamList, m: ModelShape, skip: tuple[str, ...]) -> Para
     names = block_tensor_names(m)
     mask = tuple(
         tuple(
-            n.rpartition(".")[2] in FLOAT8_LINEARS
+            n.rpartition(".")[2] in FLOAT8_TARGETS
             and not any(fnmatch.fnmatchcase(f"layers.{i}.{n}", p) for p in skip)
             for n in names
         )

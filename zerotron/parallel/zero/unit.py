@@ -121,6 +121,7 @@ class Unit:
         self.buffer = self.flat
         self.float8: list[float8.Float8Spec] | None = None
         self.scales: torch.Tensor | None = None
+        self.pieces: list[tuple[int, int, int]] = []  # float8 gathers: (at, length, weight) in the shard
         self.gathered = True
         if fill is not None:
             self.free()  # never gathered whole while the model is built
@@ -153,6 +154,9 @@ class Unit:
         self.buffer.untyped_storage().resize_(0)
         self.gathered = False
         self.scales = torch.ones(len(specs), dtype=torch.float32, device=self.flat.device)
+        lay = self.layout  # where each weight lies in this rank's shard: (at, length, weight)
+        bounds = [(max(s.offset, lay.lo), min(s.offset + s.numel, lay.hi)) for s in lay.slots]
+        self.pieces = [(lo - lay.lo, max(0, hi - lo), i) for i, (lo, hi) in enumerate(bounds)]
         for i, slot in enumerate(self.layout.slots):
             setattr(slot.param, float8.GATHERED, functools.partial(self._float8_weight, i))
 
@@ -196,14 +200,11 @@ class Unit:
 
     def _gather(self, shard: torch.Tensor) -> Any:
         if self.float8 is not None:  # cast first (the same float8 values as casting after), send bytes
-            lay = self.layout
-            bounds = [(max(s.offset, lay.lo), min(s.offset + s.numel, lay.hi)) for s in lay.slots]
-            pieces = [(lo - lay.lo, max(0, hi - lo), i) for i, (lo, hi) in enumerate(bounds)]
-            shard, scales = float8.cast_weight_shard(shard, pieces, self.float8, lay.group)
+            shard, scales = float8.cast_weight_shard(shard, self.pieces, self.float8, self.layout.group)
             assert self.scales is not None
             self.scales.copy_(scales)
             self.staged = shard  # kept until the gather is waited for
-            return collectives.all_gather(self.buffer, shard, lay.group, async_op=True)
+            return collectives.all_gather(self.buffer, shard, self.layout.group, async_op=True)
         return gather_weights(self.flat, shard, self.layout.group, self.quant_block, async_op=True)
 
     def wait_gather(self) -> None:
