@@ -175,7 +175,6 @@ def test_serve_refuses_a_native_attention_it_cannot_build(
         ),
         (["serve", "model.gguf", "--speculative-config", "{"], "not JSON"),
         (["serve", "model.gguf", "--quantization", "int8", "--nproc", "2"], "--quantization"),
-        (["serve", "model.gguf", "--quantization", "int8", "--enable-lora"], "adapters over quantised"),
     ],
 )
 def test_serve_refuses_in_one_line(

@@ -131,6 +131,40 @@ def test_served_as_they_are_gives_the_dequantised_models_tokens(tmp_path: Path, 
     assert [_run(engine, [p], params)[0] for p in prompts] == together  # batch-invariant
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_an_adapter_over_kept_weights_gives_its_merged_weights_tokens(tmp_path: Path, method: str) -> None:
+    """An adapter (``zerotron sft``'s format) over the checkpoint's 4-bit weights as they are, beside a
+    base request, against the dequantised model with the adapter merged into its weights (no low-rank
+    products at run time): greedy tokens equal (fp32), and a row's tokens its own at any batch."""
+    from zerotron.models.lora import LoraConfig, apply_lora, merge_adapter_tensors, save_adapter
+
+    packed, _ = _checkpoint(tmp_path, method, 32)
+    trained, _ = load_model(str(packed), torch.float32, "cpu")
+    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["k_proj", "o_proj", "up_proj"])
+    apply_lora(trained, cfg)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    save_adapter(trained, cfg, tmp_path / "sft")
+    merged, _ = load_model(str(packed), torch.float32, "cpu")
+    merged.load_state_dict(dict(merge_adapter_tensors(merged.state_dict().items(), tmp_path / "sft")))
+    kept, _ = load_model(str(packed), torch.float32, "cpu", quantization=method)
+    engine = Engine(kept, None, EngineConfig(quantization=method, max_loras=2))
+    assert all(isinstance(m, PackedInt4Linear) for m in engine.lora.modules.values())  # type: ignore[union-attr]
+    engine.load_lora("sft", str(tmp_path / "sft"))
+    prompts = [[5, 17, 42, 7], [100, 3], [9, 9, 9, 9, 9, 1]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    got = engine.generate(prompts + prompts[:1], params, ["sft", "sft", "sft", None])
+    want = _run(Engine(merged, None, EngineConfig()), prompts, params)
+    for tokens, (want_tokens, _) in zip(got, want):
+        assert tokens == want_tokens
+    assert got[0] != got[3]  # the adapter changes the tokens
+    rows = [engine.generate([p], params, ["sft"])[0] for p in prompts]
+    assert rows == got[:3]  # batch-invariant
+
+
 def test_refusals_name_what_to_change(tmp_path: Path) -> None:
     packed, dense = _checkpoint(tmp_path, "gptq", 32)
     with pytest.raises(ModelLoadError, match="this checkpoint is GPTQ: serve it with --quantization gptq"):
@@ -162,7 +196,8 @@ def test_refusals_name_what_to_change(tmp_path: Path) -> None:
 
 def test_serve_chooses_the_checkpoints_method_where_it_runs(tmp_path: Path, capsys: Any) -> None:
     """As vLLM does, ``zerotron serve`` of a GPTQ/AWQ checkpoint serves its 4-bit weights without being
-    told; where they cannot run (here: adapters) it says that it reads them dequantised."""
+    told, adapters too; where they cannot run (here: tensor parallelism) it says that it reads them
+    dequantised."""
     from zerotron.cli import build_parser
     from zerotron.serve.command import engine_config
 
@@ -171,5 +206,6 @@ def test_serve_chooses_the_checkpoints_method_where_it_runs(tmp_path: Path, caps
     assert engine_config(parse(["serve", str(packed)]), 1).quantization == "awq"
     assert engine_config(parse(["serve", str(packed), "--quantization", "int8"]), 1).quantization == "int8"
     assert engine_config(parse(["serve", str(dense)]), 1).quantization is None
-    assert engine_config(parse(["serve", str(packed), "--enable-lora"]), 1).quantization is None
+    assert engine_config(parse(["serve", str(packed), "--enable-lora"]), 1).quantization == "awq"
+    assert engine_config(parse(["serve", str(packed), "--nproc", "2"]), 2).quantization is None
     assert "holds AWQ 4-bit weights, read dequantised" in capsys.readouterr().out

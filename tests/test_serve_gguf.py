@@ -136,6 +136,50 @@ def test_smollm2_served_from_its_blocks_gives_the_dequantised_models_tokens(smol
 
 @pytest.mark.smollm2
 @pytest.mark.slow
+def test_smollm2_adapter_over_the_files_blocks_gives_its_merged_weights_tokens(
+    smollm2_gguf: str, tmp_path: Path
+) -> None:
+    """An adapter (``zerotron sft``'s format) served over the file's Q4_1 blocks, beside a request of
+    the base model, against the dequantised model with the adapter merged into its weights (an
+    independent path: no low-rank products at run time). fp32; the blocks' sums differ in order from
+    F.linear's: log-probs within 1e-4 as above."""
+    from zerotron.models.lora import LoraConfig, apply_lora, merge_adapter_tensors, save_adapter
+
+    dense, tokenizer = load_model(smollm2_gguf, torch.float32, "cpu")
+    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    apply_lora(dense, cfg)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for n, p in dense.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    save_adapter(dense, cfg, tmp_path / "sft")
+    del dense
+    merged, _ = load_model(smollm2_gguf, torch.float32, "cpu")
+    merged.load_state_dict(dict(merge_adapter_tensors(merged.state_dict().items(), tmp_path / "sft")))
+    kept, _ = load_model(smollm2_gguf, torch.float32, "cpu", quantization="gguf")
+    engine = Engine(kept, tokenizer, EngineConfig(quantization="gguf", max_loras=1))
+    assert all(isinstance(m, (BlockInt4Linear, BlockInt8Linear)) for m in engine.lora.modules.values())  # type: ignore[union-attr]
+    engine.load_lora("sft", str(tmp_path / "sft"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    prompt = tokenizer.encode("The capital of France is")
+    ids = ["adapted", "base"]
+    for rid, lora in zip(ids, ["sft", None]):
+        engine.add_request(rid, prompt, params, lora)
+    got: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for o in out.outputs:
+                got[out.request_id][0].extend(o.token_ids)
+                got[out.request_id][1].extend(c.logprob for c in o.choices)
+    want = _run(Engine(merged, tokenizer, EngineConfig()), [prompt], params)[0]
+    assert got["adapted"][0] == want[0]
+    np.testing.assert_allclose(got["adapted"][1], want[1], atol=1e-4)
+    assert got["adapted"] != got["base"]  # the adapter matters
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
 def test_smollm2_quantised_while_loading_equals_quantising_the_loaded_model(smollm2_gguf: str) -> None:
     loaded, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu", quantization="int4")
     after, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu")

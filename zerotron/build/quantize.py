@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zerotron.models.gguf_blocks import BlockInt8Embedding, BlockInt8Linear, block_linear
+from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Embedding, BlockInt8Linear, block_linear
 from zerotron.models.hf import ModelLoadError
 from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.hf_packed import PackedFormatError, PackedInt4Linear
@@ -39,6 +39,15 @@ from zerotron.models.quant import (
 from zerotron.models.sources import GGUFSource, HFSource, WeightSource
 
 LOAD_METHODS = (*METHODS, "gguf", *PACKED_METHODS)
+# the modules that stand in for a decoder layer's nn.Linear once it is quantised (each has
+# ``in_features``, ``out_features`` and a forward of the linear's shape): what multi-LoRA adapts too
+QUANTIZED_LINEARS: tuple[type[nn.Module], ...] = (
+    Int8Linear,
+    Int4Linear,
+    BlockInt8Linear,
+    BlockInt4Linear,
+    PackedInt4Linear,
+)
 
 
 @dataclass

@@ -166,8 +166,6 @@ class EngineConfig:
             if device is not None and device.type != "cpu"
             else "tensor-parallel shards are not quantised"
             if self.tp > 1
-            else "adapters over quantised weights are not built"
-            if self.max_loras
             else "the kernels multiply fp32 or bf16 activations"
             if self.dtype == "float16" and self.quantization in ("int8", "int4")
             else None

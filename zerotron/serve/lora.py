@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from zerotron.build.quantize import QUANTIZED_LINEARS
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name
 from zerotron.models.lora import PEFT_PREFIX, _adapter_tensors, read_adapter_config
@@ -61,9 +62,12 @@ class ServedAdapter:
 
 
 def adaptable(name: str, module: nn.Module) -> bool:
-    """Whether the server applies adapters to this module: a plain linear of a decoder layer (the head,
-    which sees only the sampled rows, and the embeddings are not adapted)."""
-    return type(module) is nn.Linear and name.startswith("layers.")
+    """Whether the server applies adapters to this module: a plain or quantised linear of a decoder
+    layer (int8, int4, a GGUF file's blocks, a GPTQ/AWQ checkpoint's packed weights: the adapter's
+    product is added to what the quantised base computes, as peft adds it over a quantised base). The
+    head, which sees only the sampled rows, and the embeddings are not adapted."""
+    linear = type(module) is nn.Linear or isinstance(module, QUANTIZED_LINEARS)
+    return linear and name.startswith("layers.")
 
 
 def read_adapter(
