@@ -10,6 +10,12 @@ turn; every request streams. Each server starts with the adapters of its case (`
 
     python benchmarks/serve_lora.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python
 
+Adapters over quantised weights: ``--base DIR`` serves the adapters over another directory of the same
+model (a GPTQ/AWQ checkpoint of it, ``benchmarks/make_packed.py``: both servers serve its 4-bit
+values) and ``--quantization`` quantises zerotron's base as it loads (``int8``, ``int4``; vLLM serves
+``--base`` as it is); the first case is then that base without adapters. ``--nproc N``: zerotron on N
+tensor-parallel ranks (vLLM with ``--tensor-parallel-size N``).
+
 MODEL_HF_DIR is a Hugging Face directory (``zerotron convert model.gguf DIR`` makes one).
 """
 
@@ -61,6 +67,11 @@ def make_adapters(model_dir: str, out: Path, count: int, rank: int) -> tuple[lis
 def start(system: str, model_dir: str, port: int, adapters: list[Path], args: argparse.Namespace) -> Any:
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_concurrency)]
     common += ["--dtype", args.dtype, "--served-model-name", "m"]
+    if system == "zerotron serve":
+        common += ["--quantization", args.quantization] if args.quantization else []
+        common += ["--nproc", str(args.nproc)] if args.nproc > 1 else []
+    elif args.nproc > 1:
+        common += ["--tensor-parallel-size", str(args.nproc)]
     modules = [f"lora{i}={p}" for i, p in enumerate(adapters)]
     if modules and system == "zerotron serve":
         common += ["--max-loras", str(len(modules)), "--lora-modules", *modules]
@@ -111,6 +122,12 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--counts", default=",".join(map(str, ADAPTER_COUNTS)))
+    p.add_argument(
+        "--base", default=None, help="the directory the adapters are served over (default MODEL_HF_DIR)"
+    )
+    p.add_argument("--quantization", default=None, help="zerotron's --quantization of the base")
+    p.add_argument("--nproc", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--only", nargs="*", default=None, help="systems to run: zerotron, vLLM")
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -119,9 +136,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="serve_lora_"))
     paths, merged = make_adapters(args.model_dir, work, max(counts), args.rank)
     systems = ["zerotron serve"] + (["vLLM"] if args.vllm_python else [])
+    systems = [s for s in systems if args.only is None or s.split()[0] in args.only]
+    base = args.base or args.model_dir
+    plain = args.base is not None or args.quantization is not None  # the quantised base, no adapters
     results: dict[str, Any] = {}
     for system in systems:
-        cases = [("merged", str(merged), [])] + [(f"{n} adapters", args.model_dir, paths[:n]) for n in counts]
+        first = ("base, no adapters", base, []) if plain else ("merged", str(merged), [])
+        cases = [first] + [(f"{n} adapters", base, paths[:n]) for n in counts]
         for label, model, adapters in cases:
             names = [f"lora{i}" for i in range(len(adapters))] or ["m"]
             try:

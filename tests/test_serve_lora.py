@@ -249,8 +249,7 @@ def test_refusals_name_the_adapter_and_what_to_change(served: tuple, tmp_path: P
     no_lora = Engine(model, None, EngineConfig(num_blocks=64))
     with pytest.raises(LoraError, match="max_loras"):
         no_lora.load_lora("alpha", str(paths["alpha"]))
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        EngineConfig(max_loras=2, tp=2)
+    assert EngineConfig(max_loras=2, tp=2).max_loras == 2  # tensor-parallel adapters are built
 
 
 def test_a_slot_is_reused_only_when_its_requests_have_finished(served: tuple) -> None:
@@ -454,11 +453,13 @@ def test_http_requests_pick_adapters_and_adapters_load_and_unload(tmp_path: Path
 SPECULATE = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_zerotron_serve_lora_modules_from_the_command_line(tmp_path: Path, quantization: str | None) -> None:
+@pytest.mark.parametrize(("quantization", "nproc"), [(None, 1), ("int8", 1), (None, 2)])
+def test_zerotron_serve_lora_modules_from_the_command_line(
+    tmp_path: Path, quantization: str | None, nproc: int
+) -> None:
     """``zerotron serve HF_DIR --lora-modules a1=... a2=... --speculative-config ...`` in its own
-    process (and over int8 weights): each adapter's greedy tokens equal the offline engine's without
-    speculation, and differ between the adapters."""
+    process (and over int8 weights, and on 2 tensor-parallel ranks): each adapter's greedy tokens equal
+    the offline one-rank engine's without speculation, and differ between the adapters."""
     pytest.importorskip("fastapi")
     import socket
     import subprocess
@@ -487,6 +488,7 @@ def test_zerotron_serve_lora_modules_from_the_command_line(tmp_path: Path, quant
             "0.05",
             *SPECULATE,
             *(["--quantization", quantization] if quantization else []),
+            *(["--nproc", str(nproc)] if nproc > 1 else []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -287,6 +287,18 @@ def _speculation(engine: Engine) -> str:
     return f", {what} speculation of {spec.num_speculative_tokens} tokens"
 
 
+def load_lora_modules(engine: Engine, options: ServerOptions) -> None:
+    """The adapters of ``--lora-modules``, in their order (so every tensor-parallel rank holds each in
+    the same slot as the first rank)."""
+    for adapter, path in options.lora_modules:
+        if engine.lora is None:
+            raise ConfigError("serve --lora-modules: this engine serves no adapters (max_loras 0)")
+        try:
+            engine.load_lora(adapter, path, reserved=(options.name,))
+        except LoraError as err:
+            raise ConfigError(f"serve --lora-modules {adapter}={path}: {err}") from None
+
+
 def serve(engine: Engine, options: ServerOptions) -> None:
     """Serve ``engine`` over HTTP until interrupted, then stop its loop (and its followers).
 
@@ -297,13 +309,7 @@ def serve(engine: Engine, options: ServerOptions) -> None:
     import uvicorn
 
     name, host, port = options.name, options.host, options.port
-    for adapter, path in options.lora_modules:
-        if engine.lora is None:
-            raise ConfigError("serve --lora-modules: this engine serves no adapters (max_loras 0)")
-        try:
-            engine.load_lora(adapter, path, reserved=(name,))
-        except LoraError as err:
-            raise ConfigError(f"serve --lora-modules {adapter}={path}: {err}") from None
+    load_lora_modules(engine, options)
     exposed = exposure_warning(options)
     if exposed is not None:
         warnings.warn(exposed, ServerWarning, stacklevel=2)
@@ -392,6 +398,7 @@ def serve_worker(model_path: str, options: ServerOptions, config: EngineConfig) 
     if group.rank_in_group == 0:
         serve(engine, options)
         return {"steps": engine.stats["steps"]}
+    load_lora_modules(engine, options)  # the first rank's adapters in the same slots
     # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

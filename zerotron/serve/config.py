@@ -146,10 +146,6 @@ class EngineConfig:
                 "a draft of the served model's first layers runs on one rank without adapters; give a "
                 'draft model ("model") instead',
             )
-        if self.max_loras and self.tp > 1:
-            raise EngineConfigError(
-                "max_loras", "multi-LoRA serving runs on one rank; tensor-parallel adapters are not built"
-            )
         if self.onednn and dtype == torch.bfloat16 and not onednn_kernels(dtype):
             raise EngineConfigError("onednn", "this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
 

@@ -364,7 +364,7 @@ def _lora_routed(module: LoraLinear, linear: Linear, x: torch.Tensor) -> torch.T
 def route_linears(model: nn.Module, linear: Linear, whole: bool = True) -> None:
     """Run ``model``'s linear layers through ``linear(weight, bias, x)``: a tensor-parallel rank's
     column-parallel part on its rows of the weight, a row-parallel part's partial product with the
-    partials then summed in rank order (:func:`_row_parallel_in_order`), and (``whole``) plain
+    partials then summed in rank order (:func:`row_parallel_in_order`), and (``whole``) plain
     ``nn.Linear`` layers and LoRA layers' bases (not DoRA's, whose base is rescaled)."""
     for module in model.modules():
         if whole and isinstance(module, LoraLinear) and module.lora_magnitude_vector is None:
@@ -372,7 +372,7 @@ def route_linears(model: nn.Module, linear: Linear, whole: bool = True) -> None:
         elif isinstance(module, ColumnParallelLinear):
             module.forward = functools.partial(_column_parallel, module, linear)  # type: ignore[method-assign]
         elif isinstance(module, RowParallelLinear):
-            module.forward = functools.partial(_row_parallel_in_order, module, linear)  # type: ignore[method-assign]
+            module.forward = functools.partial(row_parallel_in_order, module, linear)  # type: ignore[method-assign]
         elif whole and type(module) is nn.Linear:
             module.forward = functools.partial(linear, module.weight, module.bias)  # type: ignore[method-assign]
 
@@ -400,19 +400,25 @@ def _column_part(module: ColumnParallelLinear) -> tuple[torch.Tensor, Optional[t
     return module.weight[start : start + size], bias
 
 
-def _row_parallel_in_order(
+def row_parallel_in_order(
     module: RowParallelLinear,
     linear: Linear,
     x: torch.Tensor,
+    extra: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """A row-parallel layer's forward, batch-invariant in any dtype and over any backend: its partial
     product by ``linear``, all-gathered, and the partials added one by one in rank order in fp32 (an
     all-reduce adds each element's partials in an order that depends on where the element falls in the
     buffer, so on the number of rows, and a library may change its algorithm with the size: beyond two
-    ranks that changes the result; an all-gather moves values and adds nothing)."""
+    ranks that changes the result; an all-gather moves values and adds nothing). ``extra(x)``: a term
+    linear in this rank's input columns added to the partial before the sum (multi-LoRA's share of
+    ``s·(x A^T) B^T``: no collective of its own), None for none."""
     if module.output_mode != "reduce":
         raise ValueError("serving runs row-parallel layers with their outputs all-reduced")
     partial = linear(module.weight, None, x)
+    more = extra(x) if extra is not None else None
+    if more is not None:
+        partial = partial + more.view(partial.shape)
     y = apply_function(_SumInRankOrder, partial, module.group)
     return y + module.bias if module.bias is not None else y
 

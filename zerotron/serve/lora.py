@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ from zerotron.build.quantize import QUANTIZED_LINEARS
 from zerotron.config_load import ConfigError
 from zerotron.models.hf import from_hf_name
 from zerotron.models.lora import PEFT_PREFIX, _adapter_tensors, read_adapter_config
-from zerotron.serve.linears import Linear
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from zerotron.serve.linears import Linear, row_parallel_in_order
 
 
 class LoraError(ValueError):
@@ -66,8 +67,29 @@ def adaptable(name: str, module: nn.Module) -> bool:
     layer (int8, int4, a GGUF file's blocks, a GPTQ/AWQ checkpoint's packed weights: the adapter's
     product is added to what the quantised base computes, as peft adds it over a quantised base). The
     head, which sees only the sampled rows, and the embeddings are not adapted."""
-    linear = type(module) is nn.Linear or isinstance(module, QUANTIZED_LINEARS)
+    kinds = (*QUANTIZED_LINEARS, ColumnParallelLinear, RowParallelLinear)
+    linear = type(module) is nn.Linear or isinstance(module, kinds)
     return linear and name.startswith("layers.")
+
+
+def shard_of(module: nn.Module) -> tuple[tuple[int, int], slice, slice]:
+    """A linear's whole (out, in) shape and this rank's outputs and inputs of it: all of a plain or
+    quantised one; a column-parallel part's rows (of a replicated weight too), a row-parallel part's
+    columns (tensor parallelism: its adapters' B rows and A columns)."""
+    if isinstance(module, ColumnParallelLinear):
+        start, size = module.rows
+        return (
+            (module.tp_specs["weight"].global_shape[0], module.in_features),
+            slice(start, start + size),
+            slice(None),
+        )
+    if isinstance(module, RowParallelLinear):
+        spec = module.tp_specs["weight"]
+        start = spec.offsets[1]
+        whole = (spec.global_shape[0], spec.global_shape[1])
+        return whole, slice(None), slice(start, start + module.in_features)
+    whole = (cast(int, module.out_features), cast(int, module.in_features))
+    return whole, slice(None), slice(None)
 
 
 def read_adapter(
@@ -138,17 +160,19 @@ class MultiLora:
         self.modules = {n: m for n, m in model.named_modules() if adaptable(n, m)}
         if not self.modules:
             raise LoraError("this model has no linear layers an adapter could adapt")
-        self.shapes = {n: (m.out_features, m.in_features) for n, m in self.modules.items()}
+        # whole shapes (what an adapter is checked against) and this rank's outputs and inputs of them
+        self.shards = {n: shard_of(m) for n, m in self.modules.items()}
+        self.shapes = {n: whole for n, (whole, _, _) in self.shards.items()}
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         width = max_loras * max_rank
         self.a = {
-            n: torch.zeros(width, i, dtype=self.dtype, device=self.device)
-            for n, (_, i) in self.shapes.items()
+            n: torch.zeros(width, m.in_features, dtype=self.dtype, device=self.device)
+            for n, m in self.modules.items()
         }
         self.b = {
-            n: torch.zeros(o, width, dtype=self.dtype, device=self.device)
-            for n, (o, _) in self.shapes.items()
+            n: torch.zeros(m.out_features, width, dtype=self.dtype, device=self.device)
+            for n, m in self.modules.items()
         }
         self.slots: list[Optional[ServedAdapter]] = [None] * max_loras
         self.loaded: dict[str, ServedAdapter] = {}
@@ -164,9 +188,19 @@ class MultiLora:
         return sum(t.nbytes for t in [*self.a.values(), *self.b.values()])
 
     def wrap(self) -> None:
-        """Apply the adapters after each adaptable linear's forward as the runner set it."""
+        """Apply the adapters after each adaptable linear's forward as the runner set it; to a
+        row-parallel part's partial product before the sum over the ranks (each rank's input columns
+        times its columns of A: the ranks' shares of ``x A^T`` add up in that sum)."""
         for name, module in self.modules.items():
-            module.forward = functools.partial(self._forward, name, module.forward)
+            routed = module.forward
+            if isinstance(module, RowParallelLinear):
+                if not (isinstance(routed, functools.partial) and routed.func is row_parallel_in_order):
+                    raise LoraError(
+                        f"{name}: a row-parallel linear not run by the serving engine's sum in rank order"
+                    )
+                module.forward = functools.partial(routed, extra=functools.partial(self._delta, name))  # type: ignore[method-assign]
+            else:
+                module.forward = functools.partial(self._forward, name, routed)
 
     # ---- the registry ------------------------------------------------------------------------------
     def read(self, name: str, path: str | Path) -> ServedAdapter:
@@ -213,8 +247,9 @@ class MultiLora:
             self.b[name][:, rows] = 0
             pair = adapter.pairs.get(name)
             if pair is not None:
-                self.a[name][rows.start : rows.start + adapter.rank] = pair[0]
-                self.b[name][:, rows.start : rows.start + adapter.rank] = pair[1]
+                _, outs, ins = self.shards[name]
+                self.a[name][rows.start : rows.start + adapter.rank] = pair[0][:, ins]
+                self.b[name][:, rows.start : rows.start + adapter.rank] = pair[1][outs]
         adapter.slot = slot
         adapter.pairs = {}  # the slots hold the weights now
         self.slots[slot] = adapter
@@ -251,6 +286,17 @@ class MultiLora:
             scale[at] = adapter.scaling
         self.mask, self.scale = mask.to(self.device), scale.to(self.device)
 
+    def in_slots(self, slots: list[tuple[int, list[int]]]) -> list[tuple[ServedAdapter, list[int]]]:
+        """A broadcast plan's (slot, rows) as (adapter, rows): a tensor-parallel rank holds the first
+        rank's adapters in the same slots."""
+        found = []
+        for slot, rows in slots:
+            adapter = self.slots[slot] if 0 <= slot < self.max_loras else None
+            if adapter is None:
+                raise LoraError(f"a plan names adapter slot {slot}, which this rank does not hold")
+            found.append((adapter, rows))
+        return found
+
     def end(self) -> None:
         self.mask = self.scale = None
 
@@ -258,11 +304,18 @@ class MultiLora:
         self, name: str, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     ) -> torch.Tensor:
         y = base(x)
+        delta = self._delta(name, x)
+        return y if delta is None else y + delta.view(y.shape)
+
+    def _delta(self, name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Each row's ``B(A(x)) * s`` of its adapter (PEFT's order), rows x out; None in a step without
+        adapter rows."""
         if self.mask is None or self.scale is None:
-            return y
+            return None
         rows = x.reshape(-1, x.shape[-1])
         h = self.linear(self.a[name], None, rows) * self.mask
-        return y + (self.linear(self.b[name], None, h) * self.scale).view(y.shape)  # PEFT's B(A(x)) * s
+        delta: torch.Tensor = self.linear(self.b[name], None, h) * self.scale
+        return delta
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

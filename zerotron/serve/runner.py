@@ -49,8 +49,10 @@ class StepPlan:
     sample_rows: torch.Tensor  # (>= min_rows,) rows whose logits are wanted (padded with row 0)
     sampled: int  # how many of them are real
     copies: list[tuple[int, int, int]]  # copy-on-write (src block, dst block, slots)
-    # each LoRA adapter's rows (multi-LoRA: one rank, never broadcast)
+    # each LoRA adapter's rows; broadcast to tensor-parallel ranks as (its slot, rows): every rank
+    # holds the same adapters in the same slots
     lora_rows: list[tuple[ServedAdapter, list[int]]] = field(default_factory=list)
+    lora_slots: list[tuple[int, list[int]]] = field(default_factory=list)  # as unpacked
 
     def pack(self) -> torch.Tensor:
         """All of the plan as one int64 tensor (for a broadcast)."""
@@ -60,6 +62,10 @@ class StepPlan:
             body += [p.row, p.n, p.start, len(p.table), *p.table]
         for copy in self.copies:
             body += list(copy)
+        slots = self.lora_slots or [(adapter.slot, rows) for adapter, rows in self.lora_rows]
+        body.append(len(slots))
+        for slot, rows in slots:
+            body += [slot, len(rows), *rows]
         return torch.tensor(body, dtype=torch.long)
 
     @classmethod
@@ -78,7 +84,13 @@ class StepPlan:
             pieces.append(Piece(row, n, start, v[at + 4 : at + 4 + length]))
             at += 4 + length
         copies = [(v[at + 3 * i], v[at + 3 * i + 1], v[at + 3 * i + 2]) for i in range(n_copies)]
-        return cls(ids, positions, pieces, sample_rows, sampled, copies)
+        at += 3 * n_copies
+        slots = []
+        for _ in range(v[at]):
+            slot, length = v[at + 1 : at + 3]
+            slots.append((slot, v[at + 3 : at + 3 + length]))
+            at += 2 + length
+        return cls(ids, positions, pieces, sample_rows, sampled, copies, lora_slots=slots)
 
 
 def make_plan(
@@ -204,8 +216,8 @@ class StepRunner:
             self.kv.copy_block(src, dst, slots)
         attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native, self.triton)
         if self.lora is not None:
-            self.lora.begin(plan.lora_rows, len(plan.ids))
-        elif plan.lora_rows:
+            self.lora.begin(plan.lora_rows or self.lora.in_slots(plan.lora_slots), len(plan.ids))
+        elif plan.lora_rows or plan.lora_slots:
             raise RuntimeError("a plan with adapter rows on an engine without multi-LoRA (max_loras 0)")
         try:
             logits = self.model(
