@@ -137,12 +137,12 @@ def main() -> None:
     paths, merged = make_adapters(args.model_dir, work, max(counts), args.rank)
     systems = ["zerotron serve"] + (["vLLM"] if args.vllm_python else [])
     systems = [s for s in systems if args.only is None or s.split()[0] in args.only]
-    base = args.base or args.model_dir
+    adapted = args.base or args.model_dir  # the directory the adapters are served over
     plain = args.base is not None or args.quantization is not None  # the quantised base, no adapters
     results: dict[str, Any] = {}
     for system in systems:
-        first = ("base, no adapters", base, []) if plain else ("merged", str(merged), [])
-        cases = [first] + [(f"{n} adapters", base, paths[:n]) for n in counts]
+        first = ("base, no adapters", adapted, []) if plain else ("merged", str(merged), [])
+        cases = [first] + [(f"{n} adapters", adapted, paths[:n]) for n in counts]
         for label, model, adapters in cases:
             names = [f"lora{i}" for i in range(len(adapters))] or ["m"]
             try:

@@ -19,20 +19,23 @@ from safetensors.torch import load_file, save_file
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's gemm packer: slot j of a word holds output AWQ_ORDER[j]
 
 
-def quantise(w: torch.Tensor, group: int, sym: bool, perm: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Round-to-nearest 4-bit values of ``w`` (out, in) whose groups are the inputs ``perm`` lists, in
-    consecutive runs of ``group``: values (out, in) in the inputs' own order, zeros and f16 scales
-    (groups, out), each input's group, and the dequantised weight ``(q − z)·s``."""
+def quantise(
+    w: torch.Tensor, group: int, sym: bool, perm: torch.Tensor, bits: int = 4
+) -> dict[str, torch.Tensor]:
+    """Round-to-nearest ``bits``-bit values of ``w`` (out, in) whose groups are the inputs ``perm``
+    lists, in consecutive runs of ``group``: values (out, in) in the inputs' own order, zeros and f16
+    scales (groups, out), each input's group, and the dequantised weight ``(q − z)·s``."""
     out, inp = w.shape
+    top = (1 << bits) - 1  # 15 or 255
     ws = w[:, perm].reshape(out, inp // group, group)
     if sym:  # AutoGPTQ's symmetric form: the zero in the middle of the range
-        scale = (ws.abs().amax(-1) * 2 / 15).clamp(min=1e-8).half()
-        zero = torch.full_like(scale, 8, dtype=torch.int64)
+        scale = (ws.abs().amax(-1) * 2 / top).clamp(min=1e-8).half()
+        zero = torch.full_like(scale, (top + 1) // 2, dtype=torch.int64)
     else:
         low, high = ws.amin(-1).clamp(max=0), ws.amax(-1).clamp(min=0)
-        scale = ((high - low) / 15).clamp(min=1e-8).half()
-        zero = torch.round(-low / scale.float()).clamp(1, 15).long()  # v1 stores zero - 1: keep it >= 0
-    qs = torch.clamp(torch.round(ws / scale.float()[..., None]) + zero[..., None], 0, 15).long()
+        scale = ((high - low) / top).clamp(min=1e-8).half()
+        zero = torch.round(-low / scale.float()).clamp(1, top).long()  # v1 stores zero - 1: keep it >= 0
+    qs = torch.clamp(torch.round(ws / scale.float()[..., None]) + zero[..., None], 0, top).long()
     dense_sorted = ((qs - zero[..., None]).float() * scale.float()[..., None]).reshape(out, inp)
     q = torch.empty(out, inp, dtype=torch.long)
     q[:, perm] = qs.reshape(out, inp)
@@ -49,21 +52,22 @@ def quantise(w: torch.Tensor, group: int, sym: bool, perm: torch.Tensor) -> dict
     }
 
 
-def words(nibbles: np.ndarray) -> torch.Tensor:
-    """(..., 8) values 0..15 -> (...) int32 words, slot j in bits 4j."""
+def words(nibbles: np.ndarray, bits: int = 4) -> torch.Tensor:
+    """(..., 32 / bits) values -> (...) int32 words, slot j in bits ``bits·j``."""
     word = np.zeros(nibbles.shape[:-1], dtype=np.uint32)
-    for j in range(8):
-        word |= nibbles[..., j].astype(np.uint32) << np.uint32(4 * j)
+    for j in range(32 // bits):
+        word |= nibbles[..., j].astype(np.uint32) << np.uint32(bits * j)
     return torch.from_numpy(word.view(np.int32).copy())
 
 
-def pack(method: str, qz: dict[str, torch.Tensor], v1: bool = True) -> dict[str, torch.Tensor]:
+def pack(method: str, qz: dict[str, torch.Tensor], v1: bool = True, bits: int = 4) -> dict[str, torch.Tensor]:
     q, zero = qz["q"].numpy(), qz["zero"].numpy()
     out, inp = q.shape
-    if method == "gptq":  # qweight (in / 8, out): input 8r + j in slot j of row r
-        qweight = words(q.T.reshape(inp // 8, 8, out).transpose(0, 2, 1))
+    per = 32 // bits
+    if method == "gptq":  # qweight (in / per, out): input per·r + j in slot j of row r
+        qweight = words(q.T.reshape(inp // per, per, out).transpose(0, 2, 1), bits)
         stored = zero - 1 if v1 else zero
-        qzeros = words(stored.reshape(-1, out // 8, 8))
+        qzeros = words(stored.reshape(-1, out // per, per), bits)
         return {"qweight": qweight, "qzeros": qzeros, "scales": qz["scale"], "g_idx": qz["g_idx"].int()}
     order = list(AWQ_ORDER)  # qweight (in, out / 8): output 8c + AWQ_ORDER[j] in slot j of column c
     qweight = words(q.T.reshape(inp, out // 8, 8)[..., order])
@@ -72,7 +76,7 @@ def pack(method: str, qz: dict[str, torch.Tensor], v1: bool = True) -> dict[str,
 
 
 def packed_directory(
-    base: Path, out: Path, method: str, group: int, act_order: bool = False, sym: bool = True
+    base: Path, out: Path, method: str, group: int, act_order: bool = False, sym: bool = True, bits: int = 4
 ) -> dict[str, torch.Tensor]:
     """Write ``out``: the Hugging Face directory ``base`` (one model.safetensors) with its decoder
     layers' linears packed by ``method`` in groups of ``group`` inputs (-1: one per row) and the
@@ -86,10 +90,10 @@ def packed_directory(
             continue
         inp = w.shape[1]
         perm = torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)
-        qz = quantise(w.float(), inp if group == -1 else group, sym, perm)
+        qz = quantise(w.float(), inp if group == -1 else group, sym, perm, bits)
         dense[key] = qz["dense"]
         del packed[key]
-        for part, t in pack(method, qz).items():
+        for part, t in pack(method, qz, bits=bits).items():
             packed[key[: -len("weight")] + part] = t
     out.mkdir(parents=True)
     for f in base.iterdir():
@@ -97,7 +101,7 @@ def packed_directory(
             (out / f.name).write_bytes(f.read_bytes())
     save_file(packed, str(out / "model.safetensors"))
     config = json.loads((base / "config.json").read_text())
-    quant: dict[str, Any] = {"quant_method": method, "bits": 4, "group_size": group}
+    quant: dict[str, Any] = {"quant_method": method, "bits": bits, "group_size": group}
     if method == "gptq":
         quant.update(desc_act=act_order, sym=sym, checkpoint_format="gptq")
     else:
@@ -107,9 +111,11 @@ def packed_directory(
     return dense
 
 
-def compressed_tensors_directory(base: Path, out: Path, group: int, sym: bool) -> dict[str, torch.Tensor]:
+def compressed_tensors_directory(
+    base: Path, out: Path, group: int, sym: bool, bits: int = 4
+) -> dict[str, torch.Tensor]:
     """Write ``out``: ``base`` with its decoder layers' linears compressed by the ``compressed-tensors``
-    library itself (llm-compressor's ``pack-quantized`` 4-bit integers by group, or by output channel
+    library itself (llm-compressor's ``pack-quantized`` 4- or 8-bit integers by group, or by output channel
     for ``group`` -1; scales and zeros from the library's ``calculate_qparams`` of each group's range)
     and a ``quantization_config`` the library validates; returns the weights as the library's own
     ``decompress`` gives them (by HF name)."""
@@ -119,7 +125,7 @@ def compressed_tensors_directory(base: Path, out: Path, group: int, sym: bool) -
     from compressed_tensors.quantization.utils import calculate_qparams
 
     strategy = {"strategy": "group", "group_size": group} if group > 0 else {"strategy": "channel"}
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, **strategy)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, **strategy)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     tensors = load_file(str(base / "model.safetensors"))
     packed, dense = dict(tensors), dict(tensors)

@@ -29,7 +29,7 @@ from tests.test_serve_engine import _run
 from zerotron.build.builder import load_model
 from zerotron.components.sampling import SamplingParams
 from zerotron.models.hf import read_hf_weights, to_hf_name
-from zerotron.models.hf_packed import PackedInt4Linear, packed_format, unpack
+from zerotron.models.hf_packed import PackedInt4Linear, PackedInt8Linear, packed_format, unpack
 from zerotron.models.loading import ModelLoadError, load_pretrained
 from zerotron.serve.app import load_engine
 from zerotron.serve.config import EngineConfigError
@@ -37,16 +37,16 @@ from zerotron.serve.engine import Engine, EngineConfig
 
 
 def _checkpoint(
-    tmp_path: Path, method: str, group: int, act_order: bool = False, sym: bool = True
+    tmp_path: Path, method: str, group: int, act_order: bool = False, sym: bool = True, bits: int = 4
 ) -> tuple[Path, Path]:
     """(a GPTQ/AWQ directory of a random model's decoder linears, the same model with the dequantised
     weights as an ordinary directory)."""
     _, base = _base(tmp_path, hidden_size=64, intermediate_size=128, vocab_size=320)
     if method == "compressed-tensors":  # packed by the library itself
         pytest.importorskip("compressed_tensors")
-        dense = compressed_tensors_directory(base, tmp_path / "packed", group, sym)
+        dense = compressed_tensors_directory(base, tmp_path / "packed", group, sym, bits)
     else:
-        dense = packed_directory(base, tmp_path / "packed", method, group, act_order, sym)
+        dense = packed_directory(base, tmp_path / "packed", method, group, act_order, sym, bits)
     (tmp_path / "dense").mkdir()
     for f in base.iterdir():
         if f.name != "model.safetensors":
@@ -56,21 +56,40 @@ def _checkpoint(
 
 
 CASES = [
-    ("gptq", 32, False, True),
-    ("gptq", 64, True, False),  # act-order, asymmetric
-    ("gptq", -1, False, True),  # one group per row
-    ("awq", 32, False, False),
+    ("gptq", 32, False, True, 4),
+    ("gptq", 64, True, False, 4),  # act-order, asymmetric
+    ("gptq", -1, False, True, 4),  # one group per row
+    ("awq", 32, False, False, 4),
+    ("gptq", 32, False, True, 8),  # 8-bit: four values to a word
+    ("gptq", 64, True, False, 8),
 ]
-IDS = ["gptq-g32", "gptq-g64-act-order-asym", "gptq-per-row", "awq-g32"]
-LIBRARY = [("compressed-tensors", 32, False, True), ("compressed-tensors", -1, False, False)]
-LIBRARY_IDS = ["compressed-tensors-g32", "compressed-tensors-per-channel-asym"]
+IDS = [
+    "gptq-g32",
+    "gptq-g64-act-order-asym",
+    "gptq-per-row",
+    "awq-g32",
+    "gptq8-g32",
+    "gptq8-g64-act-order-asym",
+]
+LIBRARY = [
+    ("compressed-tensors", 32, False, True, 4),
+    ("compressed-tensors", -1, False, False, 4),
+    ("compressed-tensors", 32, False, True, 8),
+    ("compressed-tensors", -1, False, False, 8),
+]
+LIBRARY_IDS = [
+    "compressed-tensors-g32",
+    "compressed-tensors-per-channel-asym",
+    "compressed-tensors8-g32",
+    "compressed-tensors8-per-channel-asym",
+]
 
 
-@pytest.mark.parametrize("method,group,act_order,sym", CASES + LIBRARY, ids=IDS + LIBRARY_IDS)
+@pytest.mark.parametrize("method,group,act_order,sym,bits", CASES + LIBRARY, ids=IDS + LIBRARY_IDS)
 def test_read_dequantised_equals_the_formats_values_and_transformers_logits(
-    tmp_path: Path, method: str, group: int, act_order: bool, sym: bool
+    tmp_path: Path, method: str, group: int, act_order: bool, sym: bool, bits: int
 ) -> None:
-    packed, dense = _checkpoint(tmp_path, method, group, act_order, sym)
+    packed, dense = _checkpoint(tmp_path, method, group, act_order, sym, bits)
     want = {k: v.float() for k, v in load_file(str(dense / "model.safetensors")).items()}
     got = read_hf_weights(packed)  # convert's and serve's path
     model, _ = load_pretrained(str(packed))  # the builder's path, box by box
@@ -85,24 +104,28 @@ def test_read_dequantised_equals_the_formats_values_and_transformers_logits(
     assert (ours - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
-@pytest.mark.parametrize("method,group,act_order,sym", CASES, ids=IDS)
+@pytest.mark.parametrize("method,group,act_order,sym,bits", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_linear_is_its_dequantised_weight_and_rows_are_batch_invariant(
-    tmp_path: Path, method: str, group: int, act_order: bool, sym: bool, dtype: torch.dtype
+    tmp_path: Path, method: str, group: int, act_order: bool, sym: bool, bits: int, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(5)
     out, inp = 48, 256
     w = torch.randn(out, inp, generator=gen)
     perm = torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)
-    qz = quantise(w, inp if group == -1 else group, sym, perm)
-    fmt = packed_format({"quant_method": method, "bits": 4, "group_size": group}, "test")
-    layer = PackedInt4Linear(unpack(fmt, pack(method, qz), (out, inp), "test"), dtype=dtype)
+    qz = quantise(w, inp if group == -1 else group, sym, perm, bits)
+    fmt = packed_format({"quant_method": method, "bits": bits, "group_size": group}, "test")
+    kind = PackedInt8Linear if bits == 8 else PackedInt4Linear
+    layer = kind(unpack(fmt, pack(method, qz, bits=bits), (out, inp), "test"), dtype=dtype)
     x = torch.randn(5, 3, inp, generator=gen).to(dtype)
     y = layer(x)
     assert y.dtype == dtype and y.shape == (5, 3, out)
     if dtype == torch.float32:
-        torch.testing.assert_close(layer.dequantize(), qz["dense"], rtol=0, atol=1e-6)
+        # 8 bits: (q − z)·s in fp32 as the test computes it, bit for bit
+        torch.testing.assert_close(layer.dequantize(), qz["dense"], rtol=0, atol=0 if bits == 8 else 1e-6)
         torch.testing.assert_close(y, F.linear(x, qz["dense"]), rtol=1e-5, atol=1e-5)
+    elif bits == 8:  # fp32 products of the dequantised rows, cast to bf16
+        torch.testing.assert_close(y, F.linear(x.float(), qz["dense"]).to(dtype), rtol=0.01, atol=0.01)
     else:  # the kernel's bf16 scales: the file's f16 scales rounded
         ref = F.linear(x.float(), qz["dense"])
         assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
@@ -110,15 +133,22 @@ def test_packed_linear_is_its_dequantised_weight_and_rows_are_batch_invariant(
     assert torch.equal(alone.view(5, 3, out), y)  # a row's bits are its own at any batch
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
-def test_served_as_they_are_gives_the_dequantised_models_tokens(tmp_path: Path, method: str) -> None:
-    packed, _ = _checkpoint(tmp_path, method, 32, act_order=method == "gptq")
+@pytest.mark.parametrize(
+    ("method", "bits"),
+    [("gptq", 4), ("awq", 4), ("compressed-tensors", 4), ("gptq", 8), ("compressed-tensors", 8)],
+)
+def test_served_as_they_are_gives_the_dequantised_models_tokens(
+    tmp_path: Path, method: str, bits: int
+) -> None:
+    packed, _ = _checkpoint(tmp_path, method, 32, act_order=method == "gptq", bits=bits)
     kept, _ = load_model(str(packed), torch.float32, "cpu", quantization=method)
     dense, _ = load_model(str(packed), torch.float32, "cpu")
     done = kept.quantized  # type: ignore[attr-defined]
-    assert done.kept == {"int4": 14} and not done.dense and done.describe() == f"{method} (int4 x14 kept)"
-    # 4 bits and an fp32 scale and zero per 32 inputs against fp32 (0.19x), and act-order's input order
-    assert done.after < 0.25 * done.before
+    kind = f"int{bits}"
+    assert done.kept == {kind: 14} and not done.dense and done.describe() == f"{method} ({kind} x14 kept)"
+    # 4 bits and an fp32 scale and zero per 32 inputs against fp32 (0.19x), and act-order's input order;
+    # 8 bits: a byte, and an fp32 scale and a byte zero per 32 inputs (0.29x), and the order (0.32x)
+    assert done.after < (0.25 if bits == 4 else 0.33) * done.before
     prompts = [[5, 17, 42, 7], [100, 3], [9, 9, 9, 9, 9, 1]]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
     ours = _run(Engine(kept, None, EngineConfig(quantization=method)), prompts, params)
@@ -173,7 +203,8 @@ def test_refusals_name_what_to_change(tmp_path: Path) -> None:
         load_model(str(dense), torch.float32, "cpu", quantization="gptq")
     config = json.loads((packed / "config.json").read_text())
     for change, message in (
-        ({"bits": 8}, "gptq with 8-bit weights is not read; 4-bit is"),
+        ({"bits": 3}, "gptq with 3-bit weights is not read; 4- and 8-bit are"),
+        ({"quant_method": "awq", "bits": 8}, "awq with 8-bit weights is not read; 4-bit is"),
         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not read"),
         ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv' is not read"),
     ):
@@ -208,4 +239,4 @@ def test_serve_chooses_the_checkpoints_method_where_it_runs(tmp_path: Path, caps
     assert engine_config(parse(["serve", str(dense)]), 1).quantization is None
     assert engine_config(parse(["serve", str(packed), "--enable-lora"]), 1).quantization == "awq"
     assert engine_config(parse(["serve", str(packed), "--nproc", "2"]), 2).quantization is None
-    assert "holds AWQ 4-bit weights, read dequantised" in capsys.readouterr().out
+    assert "holds AWQ packed weights, read dequantised" in capsys.readouterr().out

@@ -26,7 +26,7 @@ from torch import nn
 from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Embedding, BlockInt8Linear, block_linear
 from zerotron.models.hf import ModelLoadError
 from zerotron.models.hf_packed import METHODS as PACKED_METHODS
-from zerotron.models.hf_packed import PackedFormatError, PackedInt4Linear
+from zerotron.models.hf_packed import PackedFormatError, PackedInt4Linear, PackedInt8Linear
 from zerotron.models.quant import (
     METHODS,
     Int4Linear,
@@ -131,7 +131,7 @@ def _keep_packed(
     fmt = source.packed_format if isinstance(source, HFSource) else None
     if fmt is None:
         raise ModelLoadError(
-            f"quantization {done.method} keeps a {done.method.upper()} checkpoint's 4-bit weights: this model "
+            f"quantization {done.method} keeps a {done.method.upper()} checkpoint's 4- or 8-bit weights: this model "
             "has none (serve a GPTQ, AWQ or compressed-tensors directory, or choose int8 or int4)"
         )
     if fmt.method != done.method:
@@ -139,7 +139,7 @@ def _keep_packed(
             f"this checkpoint is {fmt.method.upper()}: serve it with --quantization {fmt.method}"
         )
     if str(device) != "cpu":
-        raise ModelLoadError(f"quantization {done.method} runs on the CPU's int4 kernel: serve it on the CPU")
+        raise ModelLoadError(f"quantization {done.method} runs on the CPU's kernels: serve it on the CPU")
     assert isinstance(source, HFSource)
     for name, linear in found.items():
         unpacked = source.packed(f"{name}.weight", tuple(linear.weight.shape))
@@ -147,13 +147,14 @@ def _keep_packed(
             done.dense["unquantised"] += 1  # materialised dense with the rest
             continue
         bias = None if linear.bias is None else _dense(source, f"{name}.bias", linear.bias)
+        kind = PackedInt8Linear if unpacked.bits == 8 else PackedInt4Linear
         try:
-            layer = PackedInt4Linear(unpacked, bias, linear.weight.dtype)
+            layer = kind(unpacked, bias, linear.weight.dtype)
         except PackedFormatError as e:
             raise ModelLoadError(
                 f"{name}: {e} (without --quantization the weights are read dequantised)"
             ) from None
-        done.place(model, name, layer, linear.weight, "int4")
+        done.place(model, name, layer, linear.weight, f"int{unpacked.bits}")
 
 
 def _keep_blocks(

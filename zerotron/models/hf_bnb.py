@@ -89,12 +89,12 @@ def check_quantization(hf: dict[str, Any], source: str) -> None:
     if str(method).lower() in PACKED_METHODS:
         packed_format(
             quant, source
-        )  # GPTQ, AWQ, compressed-tensors 4-bit: read dequantised, or served as they are
+        )  # GPTQ, AWQ, compressed-tensors 4-/8-bit: read dequantised, or served as they are
         return
     if method != "bitsandbytes":
         raise ValueError(
             f"{source}: quantization_config.quant_method={method!r} is not read; zerotron reads "
-            "bitsandbytes 4-bit, GPTQ, AWQ and compressed-tensors 4-bit checkpoints and unquantised ones"
+            "bitsandbytes 4-bit, GPTQ, AWQ and compressed-tensors 4-bit (GPTQ, compressed-tensors: 8-bit) checkpoints and unquantised ones"
         )
     if quant.get("load_in_8bit") or quant.get("_load_in_8bit"):
         raise ValueError(

@@ -35,6 +35,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from zerotron.models.gguf_blocks import BlockInt8Linear
+
 # a packed linear's tensors by their names in each format, as the parts read here
 PARTS = {
     "qweight": "qweight",
@@ -63,18 +65,24 @@ class PackedFormat:
     method: str  # gptq | awq | compressed-tensors
     group: int  # inputs per scale; -1: the whole row
     zero_offset: int  # GPTQ v1 stores each zero minus one
-    symmetric: bool = False  # compressed-tensors: no zero points stored (the zero is 8)
+    symmetric: bool = False  # compressed-tensors: no zero points stored (the zero is 2^(bits-1))
+    bits: int = 4  # 4 or 8 (GPTQ, compressed-tensors): 32 / bits values to an int32 word
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
 
 
 @dataclass
 class Unpacked:
-    """One linear's 4-bit values ``(out, in)``, zeros and fp32 scales ``(groups, out)`` and each input's
-    group ``(in,)``."""
+    """One linear's 4- or 8-bit values ``(out, in)``, zeros and fp32 scales ``(groups, out)`` and each
+    input's group ``(in,)``."""
 
     values: torch.Tensor
     zeros: torch.Tensor
     scales: torch.Tensor
     groups: torch.Tensor
+    bits: int = 4
 
 
 def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
@@ -87,8 +95,9 @@ def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
         raise PackedFormatError(f"{source}: quant_method {method!r} is not a packed 4-bit format ({METHODS})")
     if method == "compressed-tensors":
         return _compressed_tensors(quant, source)
-    if bits != 4:
-        raise PackedFormatError(f"{source}: {method} with {bits}-bit weights is not read; 4-bit is")
+    if bits not in (4, 8) or (bits == 8 and method == "awq"):
+        ok = "4-bit is" if method == "awq" else "4- and 8-bit are"
+        raise PackedFormatError(f"{source}: {method} with {bits}-bit weights is not read; {ok}")
     if group != -1 and group <= 0:
         raise PackedFormatError(f"{source}: {method} group_size {group} must be positive or -1")
     if method == "awq":
@@ -103,7 +112,7 @@ def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
         raise PackedFormatError(
             f"{source}: GPTQ checkpoint_format {layout!r} is not read (gptq, gptq_v2 are)"
         )
-    return PackedFormat("gptq", group, 1 if layout == "gptq" else 0)
+    return PackedFormat("gptq", group, 1 if layout == "gptq" else 0, bits=bits)
 
 
 def _compressed_tensors(quant: dict[str, Any], source: object) -> PackedFormat:
@@ -120,23 +129,23 @@ def _compressed_tensors(quant: dict[str, Any], source: object) -> PackedFormat:
                 + (" with quantised activations" if scheme.get("input_activations") else "")
                 + " is not read; pack-quantized 4-bit weights with unquantised activations (W4A16) are"
             )
-        if bits != 4 or kind != "int" or strategy not in ("group", "channel"):
+        if bits not in (4, 8) or kind != "int" or strategy not in ("group", "channel"):
             raise PackedFormatError(
                 f"{source}: compressed-tensors {name}: {bits}-bit {kind} weights by {strategy} are not read; "
-                "4-bit int weights by group or channel are"
+                "4- and 8-bit int weights by group or channel are"
             )
         group = int(w.get("group_size") or 0) if strategy == "group" else -1
         if group == 0 or group < -1:
             raise PackedFormatError(
                 f"{source}: compressed-tensors {name}: a group strategy needs a positive group_size"
             )
-        schemes.add((group, bool(w.get("symmetric", True))))
+        schemes.add((group, bool(w.get("symmetric", True)), bits))
     if len(schemes) != 1:
         raise PackedFormatError(
             f"{source}: compressed-tensors with {len(schemes)} weight schemes is not read; one is"
         )
-    group, symmetric = schemes.pop()
-    return PackedFormat("compressed-tensors", group, 0, symmetric)
+    group, symmetric, bits = schemes.pop()
+    return PackedFormat("compressed-tensors", group, 0, symmetric, bits)
 
 
 def packed_part(key: str) -> tuple[str, str] | None:
@@ -188,25 +197,27 @@ def read_format(directory: Path) -> PackedFormat | None:
 def packed_shape(fmt: PackedFormat, qweight: torch.Tensor) -> tuple[int, int]:
     """The (out, in) shape of the weight a ``qweight`` packs."""
     rows, cols = qweight.shape
+    per = fmt.per_word
     if fmt.method == "awq":
-        return cols * 8, rows
-    return (cols, rows * 8) if fmt.method == "gptq" else (rows, cols * 8)
+        return cols * per, rows
+    return (cols, rows * per) if fmt.method == "gptq" else (rows, cols * per)
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """(..., n) int32 words -> (..., n, 8) 4-bit values, the lowest bits first."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return (words.to(torch.int32)[..., None] >> shifts) & 0xF
+def _nibbles(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """(..., n) int32 words -> (..., n, 32 / bits) values of ``bits`` bits, the lowest bits first."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return (words.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
 
 
 def _expected(fmt: PackedFormat, out: int, inp: int, count: int) -> dict[str, tuple[int, int]]:
     """Each part's shape for a weight (out, in) in ``count`` groups."""
+    per = fmt.per_word
     if fmt.method == "gptq":
-        return {"qweight": (inp // 8, out), "qzeros": (count, out // 8), "scales": (count, out)}
+        return {"qweight": (inp // per, out), "qzeros": (count, out // per), "scales": (count, out)}
     if fmt.method == "awq":
-        return {"qweight": (inp, out // 8), "qzeros": (count, out // 8), "scales": (count, out)}
-    zeros = {} if fmt.symmetric else {"qzeros": (out // 8, count)}
-    return {"qweight": (out, inp // 8), "scales": (out, count), **zeros}
+        return {"qweight": (inp, out // per), "qzeros": (count, out // per), "scales": (count, out)}
+    zeros = {} if fmt.symmetric else {"qzeros": (out // per, count)}
+    return {"qweight": (out, inp // per), "scales": (out, count), **zeros}
 
 
 def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, ...], where: str) -> Unpacked:
@@ -224,30 +235,35 @@ def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, 
         )
     for part, expected in want.items():
         got = tuple(parts[part].shape)
-        if got != expected or inp % 8 or out % 8:
+        if got != expected or inp % fmt.per_word or out % fmt.per_word:
             raise PackedFormatError(
                 f"{where}: {fmt.method} {part} has shape {list(got)}, a {list(shape)} weight in groups of "
                 f"{group} needs {list(expected)}"
             )
-    scales = parts["scales"].float()
+    scales, bits = parts["scales"].float(), fmt.bits
     if fmt.method == "gptq":
-        values = _nibbles(parts["qweight"].T).reshape(out, inp)
-        zeros = (_nibbles(parts["qzeros"]).reshape(count, out) + fmt.zero_offset) & 0xF
+        values = _nibbles(parts["qweight"].T, bits).reshape(out, inp)
+        zeros = (_nibbles(parts["qzeros"], bits).reshape(count, out) + fmt.zero_offset) & ((1 << bits) - 1)
     elif fmt.method == "awq":
         order = torch.tensor(_AWQ_UNPACK)
         values = _nibbles(parts["qweight"])[..., order].reshape(inp, out).T
         zeros = _nibbles(parts["qzeros"])[..., order].reshape(count, out)
-    else:  # compressed-tensors: signed values and zeros stored plus 8, scales (out, groups)
-        values = _nibbles(parts["qweight"]).reshape(out, inp)
+    else:  # compressed-tensors: signed values and zeros stored plus 2^(bits-1), scales (out, groups)
+        values = _nibbles(parts["qweight"], bits).reshape(out, inp)
         stored = parts.get("qzeros")
-        zeros = torch.full((count, out), 8) if stored is None else _nibbles(stored.T).reshape(count, out)
+        middle = 1 << (bits - 1)
+        zeros = (
+            torch.full((count, out), middle)
+            if stored is None
+            else _nibbles(stored.T, bits).reshape(count, out)
+        )
         scales = scales.T
     groups = parts.get("g_idx")
     if groups is None or fmt.method == "awq":
         groups = torch.arange(inp) // group
     elif tuple(groups.shape) != (inp,) or int(groups.min()) < 0 or int(groups.max()) >= count:
         raise PackedFormatError(f"{where}: g_idx must give each of the {inp} inputs a group below {count}")
-    return Unpacked(values.contiguous(), zeros, scales.contiguous(), groups.long())
+    return Unpacked(values.contiguous(), zeros, scales.contiguous(), groups.long(), bits)
 
 
 def dequantize(u: Unpacked) -> torch.Tensor:
@@ -255,6 +271,18 @@ def dequantize(u: Unpacked) -> torch.Tensor:
     z = u.zeros[u.groups].T.float()
     s = u.scales[u.groups].T
     return (u.values.float() - z) * s
+
+
+def by_group(u: Unpacked, group: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the values with their inputs sorted by group, the order: None when already so) of a linear in
+    groups of ``group`` consecutive inputs once sorted (act-order's ``g_idx`` assigns them out of order)."""
+    natural = torch.arange(u.values.shape[1]) // group
+    if torch.equal(u.groups, natural):
+        return u.values, None
+    order = torch.sort(u.groups, stable=True).indices
+    if not torch.equal(u.groups[order], natural):
+        raise PackedFormatError("act-order groups of unequal sizes cannot be served as they are")
+    return u.values[:, order], order
 
 
 class PackedInt4Linear(nn.Module):
@@ -283,13 +311,7 @@ class PackedInt4Linear(nn.Module):
                 f"a linear of {self.in_features} inputs and {self.out_features} outputs in groups of {group}: "
                 "the CPU's int4 kernel needs groups of a multiple of 32 inputs and outputs a multiple of 16"
             )
-        natural = torch.arange(self.in_features) // group
-        order = None
-        if not torch.equal(u.groups, natural):  # act-order: sort the inputs by their group
-            order = torch.sort(u.groups, stable=True).indices
-            if not torch.equal(u.groups[order], natural):
-                raise PackedFormatError("act-order groups of unequal sizes cannot be served as they are")
-        values = u.values if order is None else u.values[:, order]
+        values, order = by_group(u, group)
         scale = u.scales.repeat_interleave(group // size, dim=0)
         zero = (8 - u.zeros.float()).repeat_interleave(group // size, dim=0) * scale
         self.group = size
@@ -320,4 +342,52 @@ class PackedInt4Linear(nn.Module):
             weight: torch.Tensor = self(eye).float().T.contiguous()
         finally:
             self.bias = bias
+        return weight
+
+
+class PackedInt8Linear(BlockInt8Linear):
+    """An 8-bit GPTQ or compressed-tensors linear served as its values: one byte per weight ``(out,
+    in)`` (act-order inputs sorted by group once, each call's activations permuted alike), and the
+    file's scales and zeros per group and output row. torch's int8 kernel takes one scale per row and
+    no zero, so, as for a GGUF file's Q8_0 blocks, a call dequantises 2,048 output rows at a time to
+    fp32 (``(q − z)·s``: the arithmetic of :func:`dequantize`, bit for bit) and multiplies them
+    through :func:`~zerotron.models.quant.padded_linear` (row results independent of the row count)."""
+
+    zeros: torch.Tensor
+    order: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+
+    def __init__(
+        self, u: Unpacked, bias: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        out, inp = u.values.shape
+        count = u.scales.shape[0]
+        group = inp // count
+        if group * count != inp:
+            raise PackedFormatError(f"a linear of {inp} inputs in {count} groups: groups must be equal")
+        values, order = by_group(u, group)
+        super().__init__(values.to(torch.uint8).contiguous(), u.scales.T.float().contiguous())
+        self.group = group
+        self.register_buffer("zeros", u.zeros.T.to(torch.uint8).contiguous())
+        self.register_buffer("order", order)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Output rows ``start:stop`` (inputs sorted by group) in fp32: ``(q − z)·s``."""
+        n = stop - start
+        q = self.qweight[start:stop].view(n, -1, self.group).float()
+        w = (q - self.zeros[start:stop, :, None].float()) * self.d[start:stop, :, None]
+        return w.view(n, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x if self.order is None else x[..., self.order])
+        return y + self.bias if self.bias is not None else y
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight ``(out, in)`` in fp32, its inputs in the file's order."""
+        w = self.rows(0, self.out_features)
+        if self.order is None:
+            return w
+        weight = torch.empty_like(w)
+        weight[:, self.order] = w
         return weight

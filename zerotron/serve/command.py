@@ -94,12 +94,12 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         chosen["native_attention"] = on_cpu and kernels.available()
         chosen["triton_attention"] = not on_cpu and triton_attention.available()
     packed = packed_method(args.model) if args.quantization is None else None
-    if packed is not None:  # a 4-bit checkpoint's weights as they are, where the engine takes them
+    if packed is not None:  # a packed checkpoint's weights as they are, where the engine takes them
         try:
             return EngineConfig(**(fields | chosen | {"quantization": packed}))
         except EngineConfigError as err:  # the engine's own reason, e.g. adapters or a GPU
             print(
-                f"zerotron serve: {args.model} holds {packed.upper()} 4-bit weights, read dequantised "
+                f"zerotron serve: {args.model} holds {packed.upper()} packed weights, read dequantised "
                 f"({err.reason})",
                 flush=True,
             )
@@ -107,7 +107,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
 
 
 def packed_method(model: str) -> str | None:
-    """``gptq``, ``awq`` or ``compressed-tensors`` when ``model`` is a directory of that 4-bit checkpoint
+    """``gptq``, ``awq`` or ``compressed-tensors`` when ``model`` is a directory of that packed checkpoint
     format, else None (a format
     zerotron cannot read is refused by the loader, in one line)."""
     try:
