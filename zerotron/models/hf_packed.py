@@ -1,9 +1,11 @@
-"""Hugging Face checkpoints saved as GPTQ, AWQ or compressed-tensors 4-bit weights: read dequantised by
-every command, or served as they are (``zerotron serve DIR --quantization gptq|awq|compressed-tensors``).
+"""Hugging Face checkpoints saved as GPTQ, AWQ or compressed-tensors 4-bit (GPTQ, compressed-tensors:
+or 8-bit) weights: read dequantised by every command, or served as they are (``zerotron serve DIR
+--quantization gptq|awq|compressed-tensors``).
 
-The formats store each quantised linear as 4-bit values packed eight to an int32, one zero and one
-f16 scale per group of ``group_size`` inputs and output row, ``w = (q − z) · s``; the config.json's
-``quantization_config`` names the format:
+The formats store each quantised linear as 4-bit values packed eight to an int32 (8-bit ones four to
+an int32, in the same order with 8 bits a slot), one zero and one f16 scale per group of
+``group_size`` inputs and output row, ``w = (q − z) · s``; the config.json's ``quantization_config``
+names the format (the 4-bit layouts below):
 
 - **GPTQ** (AutoGPTQ / GPTQModel, ``quant_method: gptq``): ``qweight`` ``(in / 8, out)``, input ``i``
   of a word in bits ``4·(i mod 8)``; ``qzeros`` ``(groups, out / 8)``, output ``o`` in bits
@@ -21,7 +23,8 @@ f16 scale per group of ``group_size`` inputs and output row, ``w = (q − z) · 
 Read dequantised (:func:`dequantize`), a weight is ``(q − z) · s`` in fp32, so ``zerotron sft``,
 ``convert``, ``generate`` and ``serve`` see an ordinary dense model. Served as they are,
 :class:`PackedInt4Linear` keeps the values in torch's packed int4 form with the kernel's scales and
-zeros, ``w = (q − 8)·s + (8 − z)·s``. Other bit widths and layouts are refused in one line.
+zeros, ``w = (q − 8)·s + (8 − z)·s``; :class:`PackedInt8Linear` keeps 8-bit values a byte each with
+the file's scales and zeros. Other bit widths and layouts are refused in one line.
 """
 
 from __future__ import annotations

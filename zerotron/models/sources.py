@@ -124,7 +124,7 @@ class HFSource:
         from safetensors import safe_open
 
         path, key = where
-        if name in self._packed:  # saved as packed 4-bit values: the whole weight, dequantised
+        if name in self._packed:  # saved as packed 4- or 8-bit values: the whole weight, dequantised
             whole = dequantize_packed(self._unpacked(name, want))
             return whole[index].clone()
         with safe_open(str(path), framework="pt") as handle:
@@ -142,7 +142,7 @@ class HFSource:
             return data.float().clone() if data.dtype == torch.float32 else data.float()
 
     def packed(self, name: str, shape: Shape) -> Unpacked | None:
-        """The packed 4-bit values, zeros, scales and groups of ``name`` (None: not a packed linear)."""
+        """The packed 4- or 8-bit values, zeros, scales and groups of ``name`` (None: not a packed linear)."""
         return self._unpacked(name, shape) if name in self._packed else None
 
     def _unpacked(self, name: str, shape: Shape) -> Unpacked:
