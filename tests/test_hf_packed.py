@@ -124,8 +124,6 @@ def test_packed_linear_is_its_dequantised_weight_and_rows_are_batch_invariant(
         # 8 bits: (q − z)·s in fp32 as the test computes it, bit for bit
         torch.testing.assert_close(layer.dequantize(), qz["dense"], rtol=0, atol=0 if bits == 8 else 1e-6)
         torch.testing.assert_close(y, F.linear(x, qz["dense"]), rtol=1e-5, atol=1e-5)
-    elif bits == 8:  # fp32 products of the dequantised rows, cast to bf16
-        torch.testing.assert_close(y, F.linear(x.float(), qz["dense"]).to(dtype), rtol=0.01, atol=0.01)
     else:  # the kernel's bf16 scales: the file's f16 scales rounded
         ref = F.linear(x.float(), qz["dense"])
         assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()

@@ -453,12 +453,12 @@ def test_http_requests_pick_adapters_and_adapters_load_and_unload(tmp_path: Path
 SPECULATE = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
 
 
-@pytest.mark.parametrize(("quantization", "nproc"), [(None, 1), ("int8", 1), (None, 2)])
+@pytest.mark.parametrize(("quantization", "nproc"), [(None, 1), ("int8", 1), (None, 2), ("int8", 2)])
 def test_zerotron_serve_lora_modules_from_the_command_line(
     tmp_path: Path, quantization: str | None, nproc: int
 ) -> None:
     """``zerotron serve HF_DIR --lora-modules a1=... a2=... --speculative-config ...`` in its own
-    process (and over int8 weights, and on 2 tensor-parallel ranks): each adapter's greedy tokens equal
+    process (over int8 weights, on 2 tensor-parallel ranks, and both): each adapter's greedy tokens equal
     the offline one-rank engine's without speculation, and differ between the adapters."""
     pytest.importorskip("fastapi")
     import socket

@@ -47,6 +47,7 @@ QUANTIZED_LINEARS: tuple[type[nn.Module], ...] = (
     BlockInt8Linear,
     BlockInt4Linear,
     PackedInt4Linear,
+    PackedInt8Linear,
 )
 
 

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zerotron.models.gguf_blocks import BlockInt8Linear
+from zerotron.models.quant import padded_linear
 
 # a packed linear's tensors by their names in each format, as the parts read here
 PARTS = {
@@ -348,47 +348,68 @@ class PackedInt4Linear(nn.Module):
         return weight
 
 
-class PackedInt8Linear(BlockInt8Linear):
-    """An 8-bit GPTQ or compressed-tensors linear served as its values: one byte per weight ``(out,
-    in)`` (act-order inputs sorted by group once, each call's activations permuted alike), and the
-    file's scales and zeros per group and output row. torch's int8 kernel takes one scale per row and
-    no zero, so, as for a GGUF file's Q8_0 blocks, a call dequantises 2,048 output rows at a time to
-    fp32 (``(q − z)·s``: the arithmetic of :func:`dequantize`, bit for bit) and multiplies them
-    through :func:`~zerotron.models.quant.padded_linear` (row results independent of the row count)."""
+class PackedInt8Linear(nn.Module):
+    """An 8-bit GPTQ or compressed-tensors linear served as its values: one byte per weight, the
+    file's scales and zeros per group and output row (act-order inputs sorted by group once, each
+    call's activations permuted alike). torch's int8 kernel (``aten._weight_int8pack_mm``, whose row
+    results do not depend on the row count) takes one scale per row and no zero, so a call runs it once
+    per group of inputs, on that group's signed values ``q − 128`` and scales, adds the groups' products
+    in fp32 in group order, and takes the zeros' term ``Σ_g (Σ_{i∈g} x_i)·(z_g − 128)·s_g`` off (none
+    for symmetric files, whose zeros are all 128). Scales are kept in fp32, and in bf16 beside them for
+    bf16 activations (the kernel's dtype: the file's f16 scales rounded)."""
 
-    zeros: torch.Tensor
+    qweight: torch.Tensor  # (groups, out, group) int8: q − 128
+    scales: torch.Tensor  # (groups, out) fp32: the file's
+    kscales: torch.Tensor  # (groups, out) in the activations' dtype, for the kernel
+    zeros: torch.Tensor  # (groups, out) int8: z − 128
+    zero_term: Optional[torch.Tensor]  # (out, groups) fp32: (z − 128)·s; None when every z is 128
     order: Optional[torch.Tensor]
     bias: Optional[torch.Tensor]
 
     def __init__(
         self, u: Unpacked, bias: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32
     ) -> None:
-        out, inp = u.values.shape
+        super().__init__()
+        self.out_features, self.in_features = out, inp = u.values.shape
         count = u.scales.shape[0]
         group = inp // count
         if group * count != inp:
             raise PackedFormatError(f"a linear of {inp} inputs in {count} groups: groups must be equal")
         values, order = by_group(u, group)
-        super().__init__(values.to(torch.uint8).contiguous(), u.scales.T.float().contiguous())
-        self.group = group
-        self.register_buffer("zeros", u.zeros.T.to(torch.uint8).contiguous())
+        self.group, self.count = group, count
+        signed = (values.to(torch.int16) - 128).to(torch.int8).view(out, count, group).transpose(0, 1)
+        zeros = (u.zeros.to(torch.int16) - 128).to(torch.int8)
+        scales = u.scales.float()
+        self.register_buffer("qweight", signed.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        kept = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.register_buffer("kscales", scales.to(kept).contiguous())
+        self.register_buffer("zeros", zeros.contiguous())
+        term = None if not zeros.any() else (zeros.float() * scales).T.contiguous()
+        self.register_buffer("zero_term", term)
         self.register_buffer("order", order)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Output rows ``start:stop`` (inputs sorted by group) in fp32: ``(q − z)·s``."""
-        n = stop - start
-        q = self.qweight[start:stop].view(n, -1, self.group).float()
-        w = (q - self.zeros[start:stop, :, None].float()) * self.d[start:stop, :, None]
-        return w.view(n, self.in_features)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x if self.order is None else x[..., self.order])
-        return y + self.bias if self.bias is not None else y
+        rows = x.reshape(-1, self.in_features)
+        if self.order is not None:
+            rows = rows[:, self.order]
+        n = rows.shape[0]
+        parts = rows.to(self.kscales.dtype).view(n, self.count, self.group).transpose(0, 1).contiguous()
+        y = torch.zeros(n, self.out_features)
+        for g in range(self.count):
+            y += torch.ops.aten._weight_int8pack_mm(parts[g], self.qweight[g], self.kscales[g])
+        if self.zero_term is not None:
+            y -= padded_linear(self.zero_term, None, parts.float().sum(-1).T)
+        out = y.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight ``(out, in)`` in fp32, its inputs in the file's order."""
-        w = self.rows(0, self.out_features)
+        """The weight ``(out, in)`` in fp32, ``(q − z)·s``, its inputs in the file's order."""
+        q = self.qweight.float() - self.zeros.float()[..., None]
+        w = (q * self.scales[..., None]).transpose(0, 1).reshape(self.out_features, self.in_features)
         if self.order is None:
             return w
         weight = torch.empty_like(w)

@@ -30,9 +30,13 @@ class Int8Linear(nn.Module):
     """A linear layer of int8 weights and per-row scales (``y = (x q^T) * scale + bias``), made from a
     linear's ``weight`` (its scales keep the weight's dtype) and ``bias``."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
+    ) -> None:
+        """``scale``: the rows' fp32 scales when they are the whole rows' and ``weight`` is a slice of
+        their inputs (a row-parallel shard); by default ``weight``'s own."""
         super().__init__()
-        q, scale = quantize_rows(weight.detach())
+        q, scale = quantize_rows(weight.detach(), scale)
         self.out_features, self.in_features = weight.shape
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
@@ -49,10 +53,18 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, fp32 per-row scales) of ``weight`` (symmetric, 127 levels each side)."""
+def row_scales(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 per-row int8 scales of ``weight``: ``max |w_row| / 127`` (from a row's largest magnitude)."""
+    return (weight.float().abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_rows(
+    weight: torch.Tensor, scale: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, fp32 per-row scales) of ``weight`` (symmetric, 127 levels each side); ``scale``:
+    given (a slice of rows' inputs quantised with the whole rows' scales)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = row_scales(weight) if scale is None else scale
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -61,10 +73,14 @@ class Int4Linear(nn.Module):
     """A linear layer of grouped 4-bit weights (``w = (q - 8) * scale + zero`` per group of inputs),
     made from a linear's ``weight`` (scales and zeros in its dtype) and ``bias``."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, group: Optional[int] = None
+    ) -> None:
+        """``group``: the inputs per group (by default :func:`int4_group` of ``weight``'s; a row-parallel
+        shard takes the whole layer's)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.group = int4_group(self.in_features)
+        self.group = int4_group(self.in_features) if group is None else group
         q, scale_zero = quantize_groups(weight.detach(), self.group)
         self.qweight: torch.Tensor
         self.scale_zero: torch.Tensor

@@ -250,7 +250,7 @@ def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[
     dtype = getattr(torch, (config or EngineConfig()).dtype or "float32")
     quantization = (config or EngineConfig()).quantization
     device = (config or EngineConfig()).device or "cpu"
-    try:  # quantised as it is read; tensor-parallel shards are not (the engine's config refuses them)
+    try:  # quantised as it is read; tensor-parallel shards after they are read (int8, int4: the runner)
         model, tokenizer = load_model(
             model_path, dtype, device, mesh, quantization if mesh is None or mesh.dims.tp == 1 else None
         )

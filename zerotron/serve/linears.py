@@ -387,8 +387,15 @@ def fixed_linears(model: nn.Module, rows_per_call: int) -> None:
 def _column_parallel(module: ColumnParallelLinear, linear: Linear, x: torch.Tensor) -> torch.Tensor:
     """A column-parallel layer's forward through ``linear``: its input into the region as the layer's
     own forward takes it (identity forward; under autograd, a trainer's forward, the input's gradient
-    all-reduced over the group) and this rank's rows of the weight."""
-    return linear(*_column_part(module), enter_region(x, module.input_mode, module.group))
+    all-reduced over the group) and this rank's rows of the weight (or their int8/int4 values:
+    :func:`~zerotron.models.quant_tp.quantize_tp`)."""
+    x = enter_region(x, module.input_mode, module.group)
+    quantized = getattr(module, "quantized", None)
+    if quantized is None:
+        return linear(*_column_part(module), x)
+    start, size = module.rows if module.replicated else (0, module.out_features)
+    y: torch.Tensor = quantized(x)
+    return y + module.bias[start : start + size] if module.bias is not None else y
 
 
 def _column_part(module: ColumnParallelLinear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -415,7 +422,8 @@ def row_parallel_in_order(
     ``s·(x A^T) B^T``: no collective of its own), None for none."""
     if module.output_mode != "reduce":
         raise ValueError("serving runs row-parallel layers with their outputs all-reduced")
-    partial = linear(module.weight, None, x)
+    quantized = getattr(module, "quantized", None)  # int8/int4 columns (quantize_tp)
+    partial = linear(module.weight, None, x) if quantized is None else quantized(x)
     more = extra(x) if extra is not None else None
     if more is not None:
         partial = partial + more.view(partial.shape)

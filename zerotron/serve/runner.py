@@ -21,7 +21,9 @@ from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.llama import LlamaForCausalLM
+from zerotron.models.quant import METHODS as QUANT_METHODS
 from zerotron.models.quant import MIN_ROWS, quantize
+from zerotron.models.quant_tp import quantize_tp, tp_targets
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
@@ -293,5 +295,6 @@ def quantized_model(model: nn.Module, method: Optional[str]) -> Optional[Quantiz
             f"{method} keeps a checkpoint's packed weights as it is loaded: load the engine from the "
             f"{method} directory (zerotron serve DIR --quantization {method})",
         )
-    before, after = quantize(model, method)
+    tp = method in QUANT_METHODS and tp_targets(model)  # a tensor-parallel rank's shards
+    before, after = quantize_tp(model, method) if tp else quantize(model, method)
     return Quantized(method, before, after)
