@@ -164,18 +164,12 @@ def test_an_adapter_over_kept_weights_gives_its_merged_weights_tokens(tmp_path: 
     """An adapter (``zerotron sft``'s format) over the checkpoint's 4-bit weights as they are, beside a
     base request, against the dequantised model with the adapter merged into its weights (no low-rank
     products at run time): greedy tokens equal (fp32), and a row's tokens its own at any batch."""
-    from zerotron.models.lora import LoraConfig, apply_lora, merge_adapter_tensors, save_adapter
+    from tests.adapters import save_random_adapter
+    from zerotron.models.lora import merge_adapter_tensors
 
     packed, _ = _checkpoint(tmp_path, method, 32)
     trained, _ = load_model(str(packed), torch.float32, "cpu")
-    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["k_proj", "o_proj", "up_proj"])
-    apply_lora(trained, cfg)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for n, p in trained.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.5)
-    save_adapter(trained, cfg, tmp_path / "sft")
+    save_random_adapter(trained, ["k_proj", "o_proj", "up_proj"], tmp_path / "sft", 2, 0.5)
     merged, _ = load_model(str(packed), torch.float32, "cpu")
     merged.load_state_dict(dict(merge_adapter_tensors(merged.state_dict().items(), tmp_path / "sft")))
     kept, _ = load_model(str(packed), torch.float32, "cpu", quantization=method)

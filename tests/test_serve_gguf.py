@@ -143,17 +143,11 @@ def test_smollm2_adapter_over_the_files_blocks_gives_its_merged_weights_tokens(
     the base model, against the dequantised model with the adapter merged into its weights (an
     independent path: no low-rank products at run time). fp32; the blocks' sums differ in order from
     F.linear's: log-probs within 1e-4 as above."""
-    from zerotron.models.lora import LoraConfig, apply_lora, merge_adapter_tensors, save_adapter
+    from tests.adapters import save_random_adapter
+    from zerotron.models.lora import merge_adapter_tensors
 
     dense, tokenizer = load_model(smollm2_gguf, torch.float32, "cpu")
-    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    apply_lora(dense, cfg)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for n, p in dense.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
-    save_adapter(dense, cfg, tmp_path / "sft")
+    save_random_adapter(dense, ["q_proj", "v_proj", "down_proj"], tmp_path / "sft", 5, 0.02)
     del dense
     merged, _ = load_model(smollm2_gguf, torch.float32, "cpu")
     merged.load_state_dict(dict(merge_adapter_tensors(merged.state_dict().items(), tmp_path / "sft")))

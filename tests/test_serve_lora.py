@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.adapters import save_random_adapter
 from tests.test_serve_engine import CFG, GREEDY, _prompts, sharpened_pair
 from zerotron.components.sampling import SamplingParams
 from zerotron.models.lora import LoraConfig, apply_lora, merge_adapter_tensors, save_adapter
@@ -142,15 +143,7 @@ def test_an_adapter_gives_what_its_merged_weights_give(served: tuple, tmp_path: 
     """zerotron's own adapter format (``zerotron sft``'s save_adapter) served beside the base, against
     the base model with the adapter merged into its weights (no low-rank products at run time)."""
     _, model, _ = served
-    trained = copy.deepcopy(model)
-    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "up_proj", "down_proj"])
-    apply_lora(trained, cfg)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for n, p in trained.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.5)
-    save_adapter(trained, cfg, tmp_path / "sft")
+    save_random_adapter(copy.deepcopy(model), ["q_proj", "up_proj", "down_proj"], tmp_path / "sft", 3, 0.5)
     merged = copy.deepcopy(model)
     state = dict(merge_adapter_tensors(model.state_dict().items(), tmp_path / "sft"))
     merged.load_state_dict(state)
