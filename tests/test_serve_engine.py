@@ -55,12 +55,13 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def _run(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, loras: list[str | None] | None = None
 ) -> list[tuple[list[int], list[float]]]:
-    """Each prompt's (first sample's) tokens and their log-probabilities, all run together."""
+    """Each prompt's (first sample's) tokens and their log-probabilities, all run together (each
+    under its adapter in ``loras``)."""
     ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
+    for rid, prompt, lora in zip(ids, prompts, loras or [None] * len(prompts)):
+        engine.add_request(rid, prompt, params, lora)
     got: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ids}
     while engine.has_unfinished():
         for out in engine.step():

@@ -157,19 +157,11 @@ def test_smollm2_adapter_over_the_files_blocks_gives_its_merged_weights_tokens(
     engine.load_lora("sft", str(tmp_path / "sft"))
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
     prompt = tokenizer.encode("The capital of France is")
-    ids = ["adapted", "base"]
-    for rid, lora in zip(ids, ["sft", None]):
-        engine.add_request(rid, prompt, params, lora)
-    got: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            for o in out.outputs:
-                got[out.request_id][0].extend(o.token_ids)
-                got[out.request_id][1].extend(c.logprob for c in o.choices)
+    adapted, base = _run(engine, [prompt, prompt], params, ["sft", None])
     want = _run(Engine(merged, tokenizer, EngineConfig()), [prompt], params)[0]
-    assert got["adapted"][0] == want[0]
-    np.testing.assert_allclose(got["adapted"][1], want[1], atol=1e-4)
-    assert got["adapted"] != got["base"]  # the adapter matters
+    assert adapted[0] == want[0]
+    np.testing.assert_allclose(adapted[1], want[1], atol=1e-4)
+    assert adapted != base  # the adapter matters
 
 
 @pytest.mark.smollm2
