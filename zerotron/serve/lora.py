@@ -7,7 +7,10 @@ and then, for each row of an adapter, ``scaling * B(A(x))`` added to it, as PEFT
 computes it. Rows of different adapters (and of none) share one forward, and each linear runs two
 extra products whatever the mix: every adapter sits in a slot of stacked A and B matrices, and a
 per-row mask keeps each row's own slot (punica's batched LoRA, done as two dense products of
-``max_loras * max_lora_rank`` columns).
+``max_loras * max_lora_rank`` columns). The base may be quantised (int8, int4, a GGUF file's blocks,
+a GPTQ/AWQ checkpoint's packed weights) or a tensor-parallel rank's part: a column-parallel rank holds
+its rows of each slot's B, a row-parallel rank its columns of A, its share of the product added to its
+partial sum before the ranks' sum (every rank holds the adapters in the same slots: plans name slots).
 
 Batch invariance: the low-rank products run as the engine's linears do (whole on at least 16 rows in
 fp32, in 16-to-32-row chunks in 16 bits, fixed-row calls off the CPU), so a row's numbers do not depend
@@ -63,10 +66,10 @@ class ServedAdapter:
 
 
 def adaptable(name: str, module: nn.Module) -> bool:
-    """Whether the server applies adapters to this module: a plain or quantised linear of a decoder
-    layer (int8, int4, a GGUF file's blocks, a GPTQ/AWQ checkpoint's packed weights: the adapter's
-    product is added to what the quantised base computes, as peft adds it over a quantised base). The
-    head, which sees only the sampled rows, and the embeddings are not adapted."""
+    """Whether the server applies adapters to this module: a plain, quantised or tensor-parallel linear
+    of a decoder layer (int8, int4, a GGUF file's blocks, a GPTQ/AWQ checkpoint's packed weights: the
+    adapter's product is added to what the quantised base computes, as peft adds it over a quantised
+    base). The head, which sees only the sampled rows, and the embeddings are not adapted."""
     kinds = (*QUANTIZED_LINEARS, ColumnParallelLinear, RowParallelLinear)
     linear = type(module) is nn.Linear or isinstance(module, kinds)
     return linear and name.startswith("layers.")
