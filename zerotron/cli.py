@@ -327,9 +327,11 @@ def _add_serve_lora(srv: Any) -> None:
         choices=["int8", "int4", "gguf", "gptq", "awq", "compressed-tensors"],  # build.quantize.LOAD_METHODS
         default=None,
         help="the decoder layers' weights quantised as they are loaded: int8 with per-row scales, or int4 "
-        "in groups of 32 (64/128) inputs; gguf: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks served as they "
-        "are; gptq, awq, compressed-tensors: such a checkpoint's 4-bit weights as they are (chosen for such a checkpoint "
-        "where they run; elsewhere it is read dequantised). Multiplied by torch's weight-only kernels (CPU, one rank)",
+        "in groups of 32 (64/128) inputs (also each tensor-parallel rank's shard); gguf: a GGUF file's "
+        "Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 blocks served as they are; gptq, awq, compressed-tensors: such a "
+        "checkpoint's 4-bit (gptq, compressed-tensors: or 8-bit) weights as they are (chosen for such a "
+        "checkpoint where they run; elsewhere it is read dequantised). Multiplied by torch's weight-only "
+        "kernels on the CPU; adapters apply on top",
     )
     srv.add_argument(
         "--kv-cache-dtype",
@@ -359,7 +361,8 @@ def _add_serve_lora(srv: Any) -> None:
     srv.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
-        help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (they read the server's files)",
+        help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (they read the server's files; "
+        "one rank: under --nproc give adapters at start)",
     )
 
 

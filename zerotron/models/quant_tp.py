@@ -41,10 +41,7 @@ def local_weight(module: TPLinear) -> torch.Tensor:
     """The weight this rank multiplies by: a column-parallel layer's rows (of a replicated weight too),
     a row-parallel layer's input columns."""
     w = module.weight.detach()
-    if isinstance(module, ColumnParallelLinear) and module.replicated:
-        start, size = module.rows
-        return w[start : start + size]
-    return w
+    return w[module.local_rows] if isinstance(module, ColumnParallelLinear) else w
 
 
 def _group(module: TPLinear) -> int:

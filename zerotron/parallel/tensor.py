@@ -231,6 +231,13 @@ class ColumnParallelLinear(nn.Module):
             return linear_saving_shard(x, w, b, gather)  # saves (b, s/t, in), gathers again in backward
         return F.linear(x, w, b)
 
+    @property
+    def local_rows(self) -> slice:
+        """The rows of ``weight`` (and ``bias``) this rank multiplies by: its rows of a replicated
+        weight, all of a split one (which holds only its own)."""
+        start, size = self.rows if self.replicated else (0, self.out_features)
+        return slice(start, start + size)
+
     def extra_repr(self) -> str:
         """Shapes and modes, for ``print(model)``."""
         return (

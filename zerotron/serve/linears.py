@@ -390,21 +390,20 @@ def _column_parallel(module: ColumnParallelLinear, linear: Linear, x: torch.Tens
     all-reduced over the group) and this rank's rows of the weight (or their int8/int4 values:
     :func:`~zerotron.models.quant_tp.quantize_tp`)."""
     x = enter_region(x, module.input_mode, module.group)
-    quantized = getattr(module, "quantized", None)
+    weight, bias = _column_part(module)
+    quantized = getattr(module, "quantized", None)  # int8/int4 rows (quantize_tp)
     if quantized is None:
-        return linear(*_column_part(module), x)
-    start, size = module.rows if module.replicated else (0, module.out_features)
+        return linear(weight, bias, x)
     y: torch.Tensor = quantized(x)
-    return y + module.bias[start : start + size] if module.bias is not None else y
+    return y + bias if bias is not None else y
 
 
 def _column_part(module: ColumnParallelLinear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """This rank's (weight, bias) of a column-parallel layer, whose input is replicated (serving)."""
     if module.input_mode == "sequence":
         raise ValueError("serving runs tensor-parallel layers without sequence parallelism")
-    start, size = module.rows if module.replicated else (0, module.out_features)
-    bias = module.bias[start : start + size] if module.bias is not None else None
-    return module.weight[start : start + size], bias
+    rows = module.local_rows
+    return module.weight[rows], module.bias[rows] if module.bias is not None else None
 
 
 def row_parallel_in_order(

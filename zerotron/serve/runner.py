@@ -51,10 +51,9 @@ class StepPlan:
     sample_rows: torch.Tensor  # (>= min_rows,) rows whose logits are wanted (padded with row 0)
     sampled: int  # how many of them are real
     copies: list[tuple[int, int, int]]  # copy-on-write (src block, dst block, slots)
-    # each LoRA adapter's rows; broadcast to tensor-parallel ranks as (its slot, rows): every rank
-    # holds the same adapters in the same slots
-    lora_rows: list[tuple[ServedAdapter, list[int]]] = field(default_factory=list)
-    lora_slots: list[tuple[int, list[int]]] = field(default_factory=list)  # as unpacked
+    # each LoRA adapter's (slot, rows): every tensor-parallel rank holds the same adapters in the same
+    # slots (MultiLora.in_slots finds them)
+    lora_slots: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         """All of the plan as one int64 tensor (for a broadcast)."""
@@ -64,9 +63,8 @@ class StepPlan:
             body += [p.row, p.n, p.start, len(p.table), *p.table]
         for copy in self.copies:
             body += list(copy)
-        slots = self.lora_slots or [(adapter.slot, rows) for adapter, rows in self.lora_rows]
-        body.append(len(slots))
-        for slot, rows in slots:
+        body.append(len(self.lora_slots))
+        for slot, rows in self.lora_slots:
             body += [slot, len(rows), *rows]
         return torch.tensor(body, dtype=torch.long)
 
@@ -122,11 +120,11 @@ def make_plan(
             last_rows.extend(range(r + n - (samples[i] if samples else 1), r + n))
         r += n
     index = torch.tensor(last_rows + [0] * max(0, min_rows - len(last_rows)), dtype=torch.long)
-    by_adapter: dict[int, tuple[ServedAdapter, list[int]]] = {}
+    by_slot: dict[int, list[int]] = {}
     for piece, adapter in zip(layout, loras or []):
         if adapter is not None:
-            by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(piece.row, piece.row + piece.n))
-    return StepPlan(ids, positions, layout, index, len(last_rows), copies, list(by_adapter.values()))
+            by_slot.setdefault(adapter.slot, []).extend(range(piece.row, piece.row + piece.n))
+    return StepPlan(ids, positions, layout, index, len(last_rows), copies, list(by_slot.items()))
 
 
 class StepRunner:
@@ -218,8 +216,8 @@ class StepRunner:
             self.kv.copy_block(src, dst, slots)
         attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native, self.triton)
         if self.lora is not None:
-            self.lora.begin(plan.lora_rows or self.lora.in_slots(plan.lora_slots), len(plan.ids))
-        elif plan.lora_rows or plan.lora_slots:
+            self.lora.begin(self.lora.in_slots(plan.lora_slots), len(plan.ids))
+        elif plan.lora_slots:
             raise RuntimeError("a plan with adapter rows on an engine without multi-LoRA (max_loras 0)")
         try:
             logits = self.model(
