@@ -1,6 +1,7 @@
 """ZeRO++'s compressed collectives (qwZ, qgZ) beside the uncompressed run (BENCHMARKS.md).
 
-Run:  python benchmarks/zero_compressed.py [--part train|onebit|onebit_zero|zero_one|ranks|plan|all]
+Run:  python benchmarks/zero_compressed.py
+      [--part train|onebit|onebit_zero|zero_one|zero_one_zero|ranks|plan|all]
       [--steps 200] [--out DIR]
 
 - ``train``: the default job (``zerotron train`` with no arguments: the tiny preset, 2 ranks) under
@@ -18,6 +19,11 @@ Run:  python benchmarks/zero_compressed.py [--part train|onebit|onebit_zero|zero
   variance frozen at 1/2; synchronising every step as DeepSpeed's defaults do in a run this short, and
   with intervals that grow to 4 and to 16 steps): the data-parallel bytes of the whole run, step time,
   the loss (mean of the last 20 steps); ``zero_one.png`` the curves.
+- ``zero_one_zero``: 0/1 Adam in ZeRO's engine: the default job on 2 ranks under bf16 data
+  parallelism, ZeRO-1 (fp32) and ZeRO-2 (bf16), AdamW against 0/1 Adam (frozen at 1/2: DeepSpeed's
+  other defaults, and the variance updated every step until the freeze with intervals that grow to 4
+  steps): the data-parallel bytes of the whole run, the optimizer state at the end, step time, the loss
+  (mean of the last 20 steps).
 - ``ranks``: 2, 4 and 8 ranks, 20 steps of the default job (global batch 8 sequences): ZeRO-3 against
   ZeRO-3 with qwZ, qgZ int4 and (4 and 8 ranks) hpZ in blocks of 2; AdamW against 1-bit Adam (warm-up
   of 5 steps); bytes per step by group (the last step) and mean step time past the first 5.
@@ -84,6 +90,7 @@ def _run(label: str, overrides: list[str], steps: int, out: Path) -> dict:
         "step_s": sum(steps_s) / len(steps_s),
         # every step's data bytes over dp, the loss's few-byte scalars left out
         "run_dp_bytes": sum(_dp_bytes(r["comm_bytes"], True) for r in records),
+        "optimizer_bytes": records[-1]["model_state_bytes"]["optimizer"],
     }
 
 
@@ -240,6 +247,44 @@ def zero_one(steps: int, out: Path) -> None:
     )
 
 
+def zero_one_zero(steps: int, out: Path) -> None:
+    import statistics
+
+    zero_one_adam = ["train.optimizer=zero_one_adam", f"train.zero_one_var_freeze_step={steps // 2}"]
+    jobs = {
+        "AdamW": [],
+        "0/1 Adam, DeepSpeed's defaults": zero_one_adam,
+        "0/1 Adam, variance every step, H up to 4": [
+            *zero_one_adam,
+            f"train.zero_one_var_update_scaler={steps // 2}",
+            f"train.zero_one_local_step_scaler={steps // 8}",
+            "train.zero_one_local_step_clipper=4",
+        ],
+    }
+    layouts = {
+        "data parallelism, bf16": ["train.precision=bf16"],
+        "ZeRO-1, fp32": ["parallel.zero=1"],
+        "ZeRO-2, bf16": ["parallel.zero=2", "train.precision=bf16"],
+    }
+    print("| layout | job | dp bytes over the run | vs AdamW | optimizer state (rank 0) | step (s) | loss, last "
+          "20 steps | vs AdamW |\n|---|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    for layout, args in layouts.items():
+        results = {
+            job: _run(f"{layout} {job}", ["train.grad_clip=0", *args, *extra], steps, out)
+            for job, extra in jobs.items()
+        }
+        base = results["AdamW"]
+        base_loss = statistics.mean(base["losses"][-20:])
+        for job, r in results.items():
+            loss = statistics.mean(r["losses"][-20:])
+            print(
+                f"| {layout} | {job} | {r['run_dp_bytes'] / 1e6:.1f} MB | "
+                f"{r['run_dp_bytes'] / base['run_dp_bytes']:.3f}× | {r['optimizer_bytes'] / 1e6:.2f} MB | "
+                f"{r['step_s']:.3f} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.2f}% |",
+                flush=True,
+            )
+
+
 def ranks(out: Path) -> None:
     print("| ranks | job | bytes / step by group | bytes vs uncompressed | step (s) | step vs uncompressed |")
     print("|---:|---|---|---:|---:|---:|")
@@ -336,25 +381,36 @@ def plan(out: Path) -> None:
             "train.recompute=full",
             "train.grad_clip=0",
         ]
-        base = None
-        for label, extra in [
-            ("Llama-3.2-1B, DP, AdamW", []),
-            ("Llama-3.2-1B, DP, 1-bit Adam", ["train.optimizer=onebit_adam"]),
-            ("Llama-3.2-1B, DP, 0/1 Adam (H = 16)", ["train.optimizer=zero_one_adam"]),
-        ]:
-            cmd = [sys.executable, "-m", "zerotron", "plan", *dp_only, *extra, "--hardware", str(profile)]
-            run = subprocess.run([*cmd, "--gpus", "64", "--json"], check=True, capture_output=True, text=True)
-            report = json.loads(run.stdout)
-            step, memory = float(report["step_time_s"]), report["memory_bytes"]["total"] / 2**30
-            base = base or step
-            print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× | {memory:.1f} |")
+        zero2 = ["train.precision=bf16", "parallel.zero=2", "parallel.grad_reduce_dtype=fp32"]
+        for family in (
+            [
+                ("Llama-3.2-1B, DP, AdamW", []),
+                ("Llama-3.2-1B, DP, 1-bit Adam", ["train.optimizer=onebit_adam"]),
+                ("Llama-3.2-1B, DP, 0/1 Adam (H = 16)", ["train.optimizer=zero_one_adam"]),
+            ],
+            [
+                ("Llama-3.2-1B, ZeRO-2 bf16, AdamW", zero2),
+                ("Llama-3.2-1B, ZeRO-2 bf16, 1-bit Adam", [*zero2, "train.optimizer=onebit_adam"]),
+                ("Llama-3.2-1B, ZeRO-2 bf16, 0/1 Adam (H = 16)", [*zero2, "train.optimizer=zero_one_adam"]),
+            ],
+        ):
+            base = None
+            for label, extra in family:
+                cmd = [sys.executable, "-m", "zerotron", "plan", *dp_only, *extra, "--hardware", str(profile)]
+                run = subprocess.run(
+                    [*cmd, "--gpus", "64", "--json"], check=True, capture_output=True, text=True
+                )
+                report = json.loads(run.stdout)
+                step, memory = float(report["step_time_s"]), report["memory_bytes"]["total"] / 2**30
+                base = base or step
+                print(f"| {gbits} Gb/s | {label} | {step:.2f} | {base / step:.2f}× | {memory:.1f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--part",
-        choices=("train", "onebit", "onebit_zero", "zero_one", "ranks", "plan", "all"),
+        choices=("train", "onebit", "onebit_zero", "zero_one", "zero_one_zero", "ranks", "plan", "all"),
         default="all",
     )
     parser.add_argument("--steps", type=int, default=200)
@@ -371,6 +427,8 @@ def main() -> None:
         onebit_zero(args.steps, args.out)
     if args.part in ("zero_one", "all"):
         zero_one(args.steps, args.out)
+    if args.part in ("zero_one_zero", "all"):
+        zero_one_zero(args.steps, args.out)
     if args.part in ("ranks", "all"):
         ranks(args.out)
 

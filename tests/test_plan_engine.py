@@ -156,13 +156,15 @@ LAYOUTS_2 += [  # 1-bit Adam under 16-bit data parallelism (fp32 masters on ever
         "parallel.bucket_mb=0.05",
     ],
 ]
+ZERO_ONE = ["train.optimizer=zero_one_adam", "train.zero_one_var_freeze_step=1", "train.grad_clip=0"]
 LAYOUTS_2 += [  # 0/1 Adam's second step: past a freeze at 1, a local step that synchronises
-    [
-        "train.optimizer=zero_one_adam",
-        "train.zero_one_var_freeze_step=1",
-        "train.grad_clip=0",
-        "model.mlp=plain",
-    ],
+    [*ZERO_ONE, "model.mlp=plain"],
+]
+LAYOUTS_2 += [  # 0/1 Adam in ZeRO's engine, its third step (a synchronising local step past the first,
+    # which gathers the momentum): ZeRO-1 (fp32), ZeRO-2 (bf16), 16-bit data parallelism
+    [*ZERO_ONE, "parallel.zero=1", "parallel.bucket_mb=0.05"],
+    [*ZERO_ONE, "parallel.zero=2", "train.precision=bf16"],
+    [*ZERO_ONE, "train.precision=bf16", "parallel.bucket_mb=0.05"],
 ]
 LAYOUTS_2 += [  # ZeRO++'s quantised collectives (short blocks: several per shard, the last one partial)
     ["parallel.zero=3", "parallel.zero_quantized_weights=true", "parallel.zero_quantized_weight_block=128"],
@@ -316,7 +318,13 @@ def _engine(layouts: list[list[str]], run_dir: str) -> list[dict]:
                 peak[0] = max(peak[0], buckets.bucket_bytes())
 
             trainer.buckets._launch = counted
-        records = [trainer.train_step() for _ in range(2)]
+        # 0/1 Adam in ZeRO's engine (16-bit data parallelism: ZeRO-1's) gathers its momentum on the
+        # first local step: the third is the steady synchronising step the planner models
+        in_zero = cfg.parallel.zero > 0 or cfg.train.precision != "fp32"
+        records = [
+            trainer.train_step()
+            for _ in range(3 if cfg.train.optimizer == "zero_one_adam" and in_zero else 2)
+        ]
         trainer.close()  # removes the NVMe files
         out.append({**records[-1], "bucket_bytes": peak[0]})
     return out

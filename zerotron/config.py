@@ -287,7 +287,7 @@ class TrainConfig:
         "adamw, or onebit_adam (1-bit Adam without clipping, data parallelism or ZeRO-1/2, in any "
         "precision: AdamW for train.onebit_freeze_step steps, then the variance frozen and the momentum "
         "(ZeRO: the gradient) averaged over dp as one bit per value), or zero_one_adam (0/1 Adam, data "
-        "parallelism in fp32: the variance updated on ever sparser steps, the other steps' gradients "
+        "parallelism or ZeRO-1/2, in fp32 or bf16: the variance updated on ever sparser steps, the other steps' gradients "
         "averaged as bits; after train.zero_one_var_freeze_step local steps with the weights' change "
         "averaged as bits every few steps)",
     )

@@ -10,7 +10,8 @@ from zerotron.config_load import ConfigError
 
 
 def check_onebit(cfg: Config) -> None:
-    """1-bit Adam and 0/1 Adam are built for plain data parallelism in fp32."""
+    """1-bit Adam and 0/1 Adam are built for data parallelism and ZeRO-1/2, in fp32 or 16-bit (0/1
+    Adam: fp32 or bf16)."""
     p, t = cfg.parallel, cfg.train
     zero_one = t.optimizer == "zero_one_adam"
     schedule = {
@@ -22,19 +23,21 @@ def check_onebit(cfg: Config) -> None:
     for key, value in schedule.items():
         if zero_one and value < 1:
             raise ConfigError(f"train.{key}={value}: give 1 or more")
-    sharded = p.zero in (1, 2) and not zero_one  # 1-bit Adam under ZeRO-1/2
+    # in ZeRO's engine: ZeRO-1/2, or 16-bit data parallelism (ZeRO-1's blocks of one)
+    sharded = p.zero in (1, 2) or (zero_one and t.precision != "fp32")
     problems = [
         (
-            p.zero != 0 and zero_one,
-            "it is built for data parallelism (parallel.zero=0): its local steps update the whole model "
-            "on every rank, with the whole optimizer state that ZeRO shards",
-        ),
-        (
-            p.zero != 0 and not sharded,
-            f"it is built for data parallelism and ZeRO-1/2, not ZeRO-{p.zero} yet",
+            p.zero not in (0, 1, 2),
+            f"it is built for data parallelism and ZeRO-1/2, not ZeRO-{p.zero}: its compression keeps "
+            "the whole gradient's errors and the whole frozen denominator on every rank, two fp32 copies "
+            "of the model that ZeRO-3 exists not to hold; use parallel.zero=2",
         ),
         (max(p.tp, p.pp, p.cp, p.ep) > 1, "it is built for data parallelism alone, not tp, pp, cp or ep yet"),
-        (t.precision != "fp32" and zero_one, f"it is built in fp32, not {t.precision} yet"),
+        (
+            t.precision not in ("fp32", "bf16") and zero_one,
+            f"it is built in fp32 and bf16, not {t.precision} yet (its local steps read the whole "
+            "gradient, which fp16's loss scale is taken off only in shards)",
+        ),
         (
             p.grad_reduce_dtype != "fp32",
             "its reductions send bits: leave parallel.grad_reduce_dtype=fp32",

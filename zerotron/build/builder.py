@@ -173,6 +173,8 @@ def data_parallel(
         options = dataclasses.replace(options, fp8_gather=True)
     if cfg.train.optimizer == "onebit_adam":  # ZeRO-1/2 (16-bit dp: ZeRO-1's blocks of one): bits
         options = dataclasses.replace(options, onebit_freeze=cfg.train.onebit_freeze_step)
+    if cfg.train.optimizer == "zero_one_adam":  # ZeRO-1/2 (16-bit dp: ZeRO-1's blocks of one)
+        options = dataclasses.replace(options, zero_one=zero_one_schedule(cfg.train))
     with contextlib.ExitStack() as stack:
         fill = None
         if par.zero == 3:

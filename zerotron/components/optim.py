@@ -16,6 +16,7 @@ from zerotron.parallel.engine import GradientReducer, ShardedEngine
 from zerotron.parallel.onebit import OneBitAdam, OneBitBuckets
 from zerotron.parallel.zero.api import offload_optimizer
 from zerotron.parallel.zero.compress import OneBitShards
+from zerotron.parallel.zero.zero_one import ZeroOneShardedAdam, ZeroOneShards
 from zerotron.parallel.zero_one import ZeroOneAdam, ZeroOneBuckets
 
 
@@ -52,6 +53,11 @@ def optimizer_for(reducer: GradientReducer, zero: ShardedEngine | None, cfg: Con
         zero_one = ZeroOneAdam(groups, t.lr, betas, t.eps, reducer.schedule, reducer.dp)
         reducer.attach(zero_one)
         return zero_one
+    shards = getattr(zero, "onebit", None)
+    if isinstance(shards, ZeroOneShards):  # 0/1 Adam over ZeRO's shard segments
+        sharded = ZeroOneShardedAdam(groups, t.lr, betas, t.eps, shards)
+        shards.attach(sharded)
+        return sharded
     # 1-bit Adam: AdamW whose variance freezes after the warm-up (under ZeRO over the shard segments)
     onebit = OneBitAdam(groups, t.lr, betas, t.eps, t.onebit_freeze_step)
     attach = getattr(zero, "onebit", None) or reducer

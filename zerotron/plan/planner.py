@@ -139,6 +139,8 @@ def stage_memory(
     if convention == "zerotron" and layout.zero >= 1 and data > 1 and not m.experts and not m.mla:
         working = 2 if working_weights16(layout, work) else 4
         zero = 2 if whole_grads_sent_16bit(layout, work) else layout.zero  # the gradients' bytes alike
+        if layout.zero_one_interval:  # 0/1 Adam's local step holds the whole fp32 gradient (ZeRO-1's)
+            zero = 1
         part = (layout.tp, layout.pp, stage, layers)
         skip = layout.fp8_skip if layout.zero_fp8_gather else None  # None: no float8 gathers
         exact = _zero_states(m, part, zero, data, dp_rank, layout.bucket_mb, working, skip)
@@ -148,7 +150,8 @@ def stage_memory(
         # 1-bit Adam in ZeRO's engine (ZeRO-1/2, or 16-bit data parallelism): errors, denominators
         params = param_list(m, layout.tp, layout.pp, stage, layers)
         ranks = data_ranks(layout) if replicated else data
-        extra = onebit_zero_state_bytes(params, ranks, layout.bucket_mb, replicated)
+        zero_one = layout.zero_one_interval > 0
+        extra = onebit_zero_state_bytes(params, ranks, layout.bucket_mb, replicated, zero_one)
         states["device"]["optimizer"] += float(extra)
     acts, detail = _activations(m, layout, work, convention, stage, sp.layers, flash)
     buffers, buf_detail = _buffers(m, layout, work, convention, stage, sp.elements)

@@ -477,6 +477,16 @@ def _zero_times(
     if n == 1:
         return {"dp_grad_reduce": 0.0, "dp_param_gather": 0.0}
     backward = t_mb * 2.0 / 3.0
+    if layout.zero in (1, 2) and layout.zero_one_interval:  # 0/1 Adam: every H local steps, the change's
+        # bits (an all-to-all, then an all-gather) and ZeRO's gather of the weights; nothing between
+        h = layout.zero_one_interval
+        bits = collective_time("all_to_all", grads, n, stride, hw) + collective_time(
+            "all_gather", grads, n, stride, hw
+        )
+        return {
+            "dp_grad_reduce": bits / h,
+            "dp_param_gather": collective_time("all_gather", params, n, stride, hw) / h,
+        }
     if layout.zero <= 1:
         if layout.zero == 0 and layout.onebit_adam:  # the bits: an all-to-all, then an all-gather
             reduce = collective_time("all_to_all", grads, n, stride, hw)

@@ -61,9 +61,8 @@ def engine_dp_bytes(
         return {}
     out: dict[str, dict[str, int]] = {}
     dp = "dp" if replicas == 1 else "dp_shard"
-    if zero == 0 and layout.onebit_adam:  # the momenta's bits, fp32: one flat, 16-bit: per bucket
-        sizes = [sum(b) for b in _buckets(ordered, 4, bucket_mb)]
-        return {"dp": _onebit(layout, sizes if working_bytes == 2 else [sum(sizes)], n)}
+    if layout.onebit_adam and (zero == 0 or (zero < 3 and layout.zero_one_interval)):
+        return {dp: _onebit_step(layout, _buckets(ordered, 4, bucket_mb), n, working_bytes)}
     if zero == 0:
         buckets = _buckets(ordered, 4, bucket_mb)
         return {"dp": {"all_reduce": sum(2 * part(sum(b) * reduce_bytes, n) for b in buckets)}}
@@ -109,6 +108,19 @@ def _hpz(
     return {"dp_hpz": {"all_gather": micro_batches * inside}}
 
 
+def _onebit_step(layout: Layout, buckets: list[list[int]], n: int, working_bytes: int) -> dict[str, int]:
+    """1-bit Adam under data parallelism after its warm-up (the momenta's bits: fp32, one flat; 16-bit,
+    per bucket), or 0/1 Adam's synchronising local step (under ZeRO-1/2: each bucket's change as bits,
+    then ZeRO's gather of the weights)."""
+    sizes = [sum(b) for b in buckets]
+    if layout.zero == 0:
+        return _onebit(layout, sizes if working_bytes == 2 else [sum(sizes)], n)
+    padded = [-(-size // n) * n for size in sizes]
+    synced = _onebit(layout, padded, n)
+    synced["all_gather"] += sum(p * working_bytes * (n - 1) // n for p in padded)
+    return synced
+
+
 def _onebit(layout: Layout, numels: list[int], n: int) -> dict[str, int]:
     """1-bit Adam's step after the warm-up over ``n`` ranks (0/1 Adam's synchronising local step, with
     its one-value finiteness flag): the bits and scales of each of ``numels``' values, an all-to-all and
@@ -146,13 +158,22 @@ def _wire(layout: Layout, padded: int, n: int, plain_bytes: int, weights: bool) 
     return padded * plain_bytes
 
 
-def onebit_zero_state_bytes(params: ParamList, n: int, bucket_mb: float, replicated: bool = False) -> int:
+def onebit_zero_state_bytes(
+    params: ParamList, n: int, bucket_mb: float, replicated: bool = False, zero_one: bool = False
+) -> int:
     """1-bit Adam in ZeRO's engine over ``n`` ranks: the state one rank adds, per bucket its worker
     errors (every rank's chunk, padded to whole blocks) and the whole frozen denominators; ``replicated``
     (16-bit data parallelism, every rank a block of its own): per bucket the worker's errors over the
-    padded bucket and the server's over its chunk, as under fp32 data parallelism."""
+    padded bucket and the server's over its chunk, as under fp32 data parallelism. ``zero_one`` (0/1
+    Adam after a synchronising local step): per bucket the synchronisation's worker and server errors,
+    and the whole momentum and denominator."""
     total = 0
     for bucket in _buckets(params.ordered(), 4, bucket_mb):
+        if zero_one:
+            whole = sum(bucket) if replicated else -(-sum(bucket) // n) * n
+            padded, _ = onebit_sizes(whole, n)
+            total += 4 * (padded + padded // n) + 2 * 4 * whole
+            continue
         if replicated:
             padded, _ = onebit_sizes(sum(bucket), n)
             total += 4 * (padded + padded // n)

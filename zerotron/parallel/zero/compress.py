@@ -152,6 +152,24 @@ class OneBitShards:
         group = self.optimizer.param_groups[0]
         return adam_denominator(variance, group["betas"][1], group["eps"], self.freeze_step)
 
+    def local_weights(self) -> bool:
+        """Whether the step just taken left each rank its own weights (0/1 Adam's local steps)."""
+        return False
+
+    def ends_warmup(self) -> bool:
+        """Whether the step just taken ended the warm-up (the whole denominators are gathered then)."""
+        return self.steps == self.freeze_step
+
+    def after_backward(self) -> None:
+        """After a step's reductions have landed (0/1 Adam's local steps act here)."""
+
+    def drop_grads(self) -> None:
+        """Drop what this holds of a step's gradients (0/1 Adam's local ones)."""
+
+    def grad_bytes(self) -> int:
+        """Gradients this holds beside the engine's (0/1 Adam's local ones)."""
+        return 0
+
     def state_bytes(self) -> int:
         """The worker errors and the whole denominators this rank holds."""
         errors = getattr(self.optimizer, "errors", {}).values()

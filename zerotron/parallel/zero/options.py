@@ -10,6 +10,7 @@ import torch
 
 from zerotron.config import ParallelConfig
 from zerotron.config_load import ConfigError
+from zerotron.parallel.zero_one import ZeroOneSchedule
 
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 
@@ -36,6 +37,7 @@ class ZeroOptions:
     gradient_node: int = 1  # qgZ: ranks per node (above 1: reduce inside the node, then across nodes)
     hpz_size: int = 1  # ZeRO-3 (hpZ): backward gathers from a secondary copy inside blocks of this many ranks
     onebit_freeze: int = 0  # ZeRO-1/2 under 1-bit Adam: steps before reductions send bits (0: never)
+    zero_one: ZeroOneSchedule | None = None  # ZeRO-1/2 under 0/1 Adam: its schedule (None: not it)
     fp8_gather: bool = False  # ZeRO-3 under fp8 (tensorwise): float8 linears' weights gathered as float8
 
     def __post_init__(self) -> None:
@@ -67,6 +69,7 @@ class ZeroOptions:
             ("zero_quantized_gradient_bits", self.gradient_bits in (4, 8), "choose 8 or 4"),
             ("zero_hpz_size", self.hpz_size == 1 or self.stage == 3, "hpZ is ZeRO-3's: set parallel.zero=3"),
             ("zero", self.onebit_freeze == 0 or self.stage < 3, "1-bit Adam is built under ZeRO-1/2"),
+            ("zero", self.zero_one is None or self.stage < 3, "0/1 Adam is built under ZeRO-1/2"),
             ("zero_fp8_gather", not self.fp8_gather or self.stage == 3, "float8 gathers are ZeRO-3's"),
             ("zero_quantized_weight_block", self.weight_block >= 1, "give 1 element or more"),
             ("zero_quantized_gradient_block", self.gradient_block >= 1, "give 1 element or more"),

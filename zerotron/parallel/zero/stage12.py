@@ -57,6 +57,7 @@ from zerotron.parallel.zero.optim_state import (
     optimizer_state_bytes,
 )
 from zerotron.parallel.zero.options import ZeroOptions
+from zerotron.parallel.zero.zero_one import ZeroOneShards
 
 
 class _ShardedBuckets(SyncGate):
@@ -114,8 +115,12 @@ class _ShardedBuckets(SyncGate):
         self._spare: list[dict[tuple[torch.dtype, int], torch.Tensor]] = [{} for _ in self.layouts]
         self._spare_budget = int(2 * bucket_mb * 2**20)
         self._spare_bytes = 0
-        # 1-bit Adam: after its warm-up the reduce-scatters send bits
-        self.onebit = OneBitShards(options.onebit_freeze) if options.onebit_freeze else None
+        # 1-bit Adam: after its warm-up the reduce-scatters send bits; 0/1 Adam: bits, then local steps
+        self.onebit: OneBitShards | None = None
+        if options.onebit_freeze:
+            self.onebit = OneBitShards(options.onebit_freeze)
+        elif options.zero_one is not None:
+            self.onebit = ZeroOneShards(options.zero_one, self)
         self._reset_grads()
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -212,6 +217,12 @@ class _ShardedBuckets(SyncGate):
                 acc[layout.numel :].zero_()
         else:
             flat_grad = layout.flatten([grad_or_zeros(s.param) for s in layout.slots])  # (padded,)
+        if isinstance(self.onebit, ZeroOneShards) and self.onebit.mode() == "local":
+            self.onebit.keep(i, flat_grad)  # 0/1 Adam's local step: this rank's own, nothing sent
+            for slot in layout.slots:
+                slot.param.grad = None
+            self._ready[i], self._launched[i] = 0, True
+            return
         self._keep_whole_grads(i, flat_grad)
         send = flat_grad  # in parallel.grad_reduce_dtype; the shard lands in the gradients' dtype
         if self.reduce_dtype is not None and send.dtype != self.reduce_dtype:
@@ -278,13 +289,17 @@ class _ShardedBuckets(SyncGate):
                 shards.append((shard, layout.group))
         reduce_replicas(shards, self.replica, self.reduce_dtype)
         self._direct.clear()
+        if self.onebit is not None:
+            self.onebit.after_backward()
 
     # -- after the optimizer step ------------------------------------------------------------------------
     def after_step(self) -> None:
         """All-gather every bucket so that each rank holds the whole updated model again (its fp32
         master shard cast to the 16-bit working weights under mixed precision); at the end of 1-bit
         Adam's warm-up, each bucket's whole frozen denominators too."""
-        if self.onebit is not None and self.onebit.steps == self.onebit.freeze_step:
+        if self.onebit is not None and self.onebit.local_weights():
+            return  # 0/1 Adam's local step: each rank's own weights (a synchronisation gathered them)
+        if self.onebit is not None and self.onebit.ends_warmup():
             for i, layout in enumerate(self.layouts):
                 if layout.group.size > 1:  # (a block of one rank reads its whole variance each step)
                     self.onebit.denominator(i, layout, self.segments[i], self.flats[i].device)
@@ -305,6 +320,8 @@ class _ShardedBuckets(SyncGate):
             seg.param.grad = None
         self._acc = [None] * len(self.layouts)
         self._reset_grads()
+        if self.onebit is not None:
+            self.onebit.drop_grads()
 
     def _reset_grads(self) -> None:
         """Drop the stage's own gradient buffers (whole for ZeRO-1, shards for ZeRO-2)."""
@@ -351,7 +368,8 @@ class _ShardedBuckets(SyncGate):
         params = sum(f.numel() * f.element_size() for f in self.flats)
         if self.mixed:  # + the fp32 master shards (the ZeRO paper's K counts them as optimizer state)
             params += sum(m.numel() * m.element_size() for m in self.masters)
-        return {"params": params, "grads": self._grad_bytes(), "optimizer": opt}
+        grads = self._grad_bytes() + (self.onebit.grad_bytes() if self.onebit else 0)
+        return {"params": params, "grads": grads, "optimizer": opt}
 
     def _grad_bytes(self) -> int:
         raise NotImplementedError
