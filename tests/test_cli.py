@@ -168,7 +168,6 @@ def test_serve_refuses_a_native_attention_it_cannot_build(
         (["serve", "model.gguf", "--lora-modules", "model=/x"], "rename the adapter"),
         (["serve", "model.gguf", "--max-loras", "0"], "--max-loras"),
         (["serve", "model.gguf", "--lora-modules", "a=/x", "b=/y", "--max-loras", "1"], "raise --max-loras"),
-        (["serve", "model.gguf", "--nproc", "2", "--allow-runtime-lora-updating"], "--lora-modules"),
         (
             ["serve", "model.gguf", "--speculative-config", '{"method": "eagle"}'],
             "EAGLE, Medusa and MTP heads are not",

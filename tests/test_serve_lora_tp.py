@@ -79,10 +79,66 @@ def test_tensor_parallel_adapters_equal_peft_and_the_single_process(served: tupl
     assert len({tuple(t) for t, _ in single}) > 3  # the adapters matter
 
 
-def test_runtime_adapter_loading_is_refused_under_tensor_parallelism(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from zerotron.cli import main
+def _runtime_worker(model_dir: str, paths: dict[str, Path], gone: str) -> dict[str, object]:
+    """One of 2 tensor-parallel ranks: every rank loads "alpha" at start; the first then loads "beta"
+    and "gamma" at run time (the other ranks read them when it says, between its steps), after a load
+    whose files the other rank cannot read (gone once the first rank has read them)."""
+    import shutil
 
-    assert main(["serve", "model.gguf", "--nproc", "2", "--allow-runtime-lora-updating"]) == 2
-    assert "--lora-modules" in capsys.readouterr().err
+    from zerotron.build.builder import load_model
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import Mesh, ParallelDims
+    from zerotron.serve.lora import LoraError
+
+    rank, world = current_rank_and_world()
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
+    group = mesh.group("tp")
+    model, _ = load_model(model_dir, torch.float32, "cpu", mesh)
+    engine = Engine(model, None, EngineConfig(num_blocks=128, max_loras=3), group)
+    engine.load_lora("alpha", str(paths["alpha"]))
+    if group.rank_in_group != 0:
+        engine.runner.follow()
+        return {}
+    assert engine.lora is not None
+    _run(engine, PROMPTS[:2], LORAS[:2], GREEDY)  # steps before the loads
+    missing = engine.lora.read("missing", gone)
+    shutil.rmtree(gone)
+    error = ""
+    try:
+        engine.add_lora(missing, share=True)
+    except LoraError as err:
+        error = str(err)
+    for name in ("beta", "gamma"):
+        engine.add_lora(engine.lora.read(name, str(paths[name])), share=True)
+    together = _run(engine, PROMPTS, LORAS, GREEDY)
+    engine.runner.publish(None, stop=True)
+    return {"together": together, "error": error, "names": sorted(a.name for a in engine.lora.names())}
+
+
+def test_adapters_loaded_at_run_time_under_tensor_parallelism(served: tuple, tmp_path: Path) -> None:
+    """Adapters the first rank loads at run time are read by every rank into the same slot: the
+    single process's tokens; a load another rank cannot read is refused (naming the rank) and leaves
+    its slot to the next load."""
+    import shutil
+
+    from zerotron.distributed.launch import spawn
+
+    ref, model, paths = served
+    ref.save_pretrained(str(tmp_path / "model"))
+    gone = tmp_path / "gone"
+    shutil.copytree(paths["beta"], gone)
+    runs = spawn(
+        _runtime_worker,
+        2,
+        args=(str(tmp_path / "model"), paths, str(gone)),
+        timeout_s=600,
+        backend="gloo",
+        start_method="forkserver",
+    )
+    got = runs[0]
+    assert "rank(s) 1 could not read" in got["error"] and "\n" not in got["error"]  # type: ignore[operator]
+    assert got["names"] == ["alpha", "beta", "gamma"]
+    single = _run(_engine(model, paths), PROMPTS, LORAS, GREEDY)
+    assert [tokens for tokens, _ in got["together"]] == [tokens for tokens, _ in single]  # type: ignore[attr-defined]
+    for (_, mine), (_, theirs) in zip(got["together"], single):  # type: ignore[call-overload]
+        torch.testing.assert_close(torch.tensor(mine), torch.tensor(theirs), rtol=0, atol=1e-4)

@@ -362,7 +362,7 @@ def _add_serve_lora(srv: Any) -> None:
         "--allow-runtime-lora-updating",
         action="store_true",
         help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (they read the server's files; "
-        "one rank: under --nproc give adapters at start)",
+        "under --nproc every rank reads the path given)",
     )
 
 

@@ -208,7 +208,7 @@ def _lora_endpoints(app: FastAPI, engine: Engine, loop_: EngineLoop, options: Se
             raw = await body_of(request, ("lora_name", "lora_path"))
             name = raw["lora_name"]
             adapter = await asyncio.to_thread(engine.lora.read, name, raw["lora_path"])  # type: ignore[union-attr]
-            await loop_.call(lambda: engine.add_lora(adapter, (options.name,)))
+            await loop_.call(lambda: engine.add_lora(adapter, (options.name,), share=True))
         except LoraError as err:
             return _bad(str(err))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")

@@ -209,11 +209,6 @@ def serve_command(args: argparse.Namespace) -> int:
         nproc = job_rank_and_world()[1]
     options = server_options(args)
     config = engine_config(args, nproc)
-    if options.runtime_lora and nproc > 1:
-        raise ConfigError(
-            "serve --allow-runtime-lora-updating runs on one rank: under tensor parallelism give the "
-            "adapters at start (--lora-modules)"
-        )
     if nproc == 1 and not under_torchrun():
         run_server(args.model, options, config)
         return 0

@@ -188,11 +188,23 @@ class Engine:
         ``reserved`` names, the served model's, are refused); the engine's thread, between steps."""
         return self.add_lora(self._adapters().read(name, path), reserved)
 
-    def add_lora(self, adapter: ServedAdapter, reserved: tuple[str, ...] = ()) -> ServedAdapter:
+    def add_lora(
+        self, adapter: ServedAdapter, reserved: tuple[str, ...] = (), share: bool = False
+    ) -> ServedAdapter:
         """Serve an adapter read by ``self.lora.read`` (in any thread); here in the engine's thread,
-        between steps: it is written into a slot no running request uses."""
+        between steps: it is written into a slot no running request uses. ``share`` (a load at run time
+        on the first of several tensor-parallel ranks): every other rank reads it from the same path
+        into the same slot; if one cannot, it is not served (:class:`LoraError` naming the ranks)."""
         in_use = frozenset(id(s.lora) for r in self.requests.values() for s in r.seqs if s.lora is not None)
-        self._adapters().add(adapter, reserved, in_use)
+        lora = self._adapters()
+        lora.add(adapter, reserved, in_use)
+        failed = self.runner.share_lora(adapter) if share and self.runner.group is not None else []
+        if failed:
+            lora.remove(adapter.name)
+            raise LoraError(
+                f"adapter {adapter.name!r}: tensor-parallel rank(s) {', '.join(map(str, failed))} could not "
+                f"read {adapter.path}: every rank reads the adapter, give a path all of them can read"
+            )
         return adapter
 
     def unload_lora(self, name: str) -> None:

@@ -243,6 +243,14 @@ class MultiLora:
             self._write(free[0], adapter)
             self.loaded[adapter.name] = adapter
 
+    def place(self, slot: int, adapter: ServedAdapter) -> None:
+        """A tensor-parallel rank other than the first: ``adapter`` written into ``slot``, the one the
+        first rank chose (plans name slots; this rank keeps no registry of names)."""
+        if not 0 <= slot < self.max_loras:
+            raise LoraError(f"adapter slot {slot} is outside this rank's {self.max_loras} slots")
+        with self.lock:
+            self._write(slot, adapter)
+
     def _write(self, slot: int, adapter: ServedAdapter) -> None:
         rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         for name in self.modules:

@@ -36,10 +36,10 @@ from zerotron.serve.linears import (
     plain_linear,
     route_linears,
 )
-from zerotron.serve.lora import MultiLora, ServedAdapter
+from zerotron.serve.lora import LoraError, MultiLora, ServedAdapter
 from zerotron.serve.paged import KVPool, PagedAttention, Piece
 
-_PLAN, _IDLE, _STOP = 1, 0, -1
+_PLAN, _IDLE, _STOP, _LORA = 1, 0, -1, 2
 KEEPALIVE_S = 5.0  # an idle first rank tells the others it is alive this often (collective timeouts)
 
 
@@ -247,6 +247,39 @@ class StepRunner:
             collectives.broadcast(body, self.group.ranks[0], self.group)
         self.last_signal = time.monotonic()
 
+    def share_lora(self, adapter: ServedAdapter) -> list[int]:
+        """On the first rank, an adapter just written into its slot at run time: every other rank reads
+        it from the same path into the same slot; returns the ranks (in the group) that could not."""
+        assert self.group is not None, "share_lora() is for tensor-parallel ranks"
+        text = f"{adapter.name}\0{adapter.path}".encode()
+        body = torch.tensor([adapter.slot, *text], dtype=torch.long, device=self.wire)
+        head = torch.tensor([_LORA, len(body)], dtype=torch.long, device=self.wire)
+        collectives.broadcast(head, self.group.ranks[0], self.group)
+        collectives.broadcast(body, self.group.ranks[0], self.group)
+        self.last_signal = time.monotonic()
+        return self._failed(True)
+
+    def _read_shared(self, body: torch.Tensor) -> None:
+        """On the other ranks: the first rank's adapter (slot, name and path in ``body``) read into
+        the same slot; every rank then learns which could not."""
+        slot, *text = body.tolist()
+        name, _, path = bytes(text).decode().partition("\0")
+        ok = self.lora is not None
+        if self.lora is not None:
+            try:
+                self.lora.place(slot, self.lora.read(name, path))
+            except LoraError:
+                ok = False
+        self._failed(ok)
+
+    def _failed(self, ok: bool) -> list[int]:
+        """The group's ranks whose ``ok`` is false (collective: one all-reduce of a flag per rank)."""
+        assert self.group is not None
+        flags = torch.zeros(self.group.size, device=self.wire)
+        flags[self.group.rank_in_group] = 0.0 if ok else 1.0
+        collectives.all_reduce(flags, self.group, op="sum")
+        return [i for i, bad in enumerate(flags.tolist()) if bad]
+
     def keep_alive(self) -> None:
         """On an idle first rank: a keep-alive when the others have waited KEEPALIVE_S."""
         if self.group is not None and time.monotonic() - self.last_signal > KEEPALIVE_S:
@@ -267,6 +300,10 @@ class StepRunner:
                 collectives.broadcast(body, self.group.ranks[0], self.group)
                 self.run(StepPlan.unpack(body))
                 steps += 1
+            if kind == _LORA:  # an adapter loaded at run time by the first rank
+                body = torch.zeros(length, dtype=torch.long, device=self.wire)
+                collectives.broadcast(body, self.group.ranks[0], self.group)
+                self._read_shared(body)
 
 
 def quantized_model(model: nn.Module, method: Optional[str]) -> Optional[Quantized]:
