@@ -217,10 +217,12 @@ def test_refusals_name_what_to_change(tmp_path: Path) -> None:
         Engine(model, None, EngineConfig(quantization="gptq"))
 
 
-def test_serve_chooses_the_checkpoints_method_where_it_runs(tmp_path: Path, capsys: Any) -> None:
+def test_serve_chooses_the_checkpoints_method_where_it_runs(
+    tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
     """As vLLM does, ``zerotron serve`` of a GPTQ/AWQ checkpoint serves its 4-bit weights without being
-    told, adapters too; where they cannot run (here: tensor parallelism) it says that it reads them
-    dequantised."""
+    told, adapters too, under tensor parallelism too; where the engine refuses them (a GPU's: its reason
+    stood in for here) it says that it reads them dequantised."""
     from zerotron.cli import build_parser
     from zerotron.serve.command import engine_config
 
@@ -230,5 +232,11 @@ def test_serve_chooses_the_checkpoints_method_where_it_runs(tmp_path: Path, caps
     assert engine_config(parse(["serve", str(packed), "--quantization", "int8"]), 1).quantization == "int8"
     assert engine_config(parse(["serve", str(dense)]), 1).quantization is None
     assert engine_config(parse(["serve", str(packed), "--enable-lora"]), 1).quantization == "awq"
-    assert engine_config(parse(["serve", str(packed), "--nproc", "2"]), 2).quantization is None
+    assert engine_config(parse(["serve", str(packed), "--nproc", "2"]), 2).quantization == "awq"
+
+    def on_a_gpu(self: EngineConfig, device: Any) -> None:
+        raise EngineConfigError("quantization", "the int8 and int4 kernels run on the CPU")
+
+    monkeypatch.setattr(EngineConfig, "_check_quantization", on_a_gpu)
+    assert engine_config(parse(["serve", str(packed)]), 1).quantization is None
     assert "holds AWQ packed weights, read dequantised" in capsys.readouterr().out

@@ -158,6 +158,51 @@ def _keep_packed(
         done.place(model, name, layer, linear.weight, f"int{unpacked.bits}")
 
 
+def keep_packed_tp(model: nn.Module, source: WeightSource, method: str) -> Quantized:
+    """A tensor-parallel rank's decoder linears of a GPTQ/AWQ/compressed-tensors checkpoint kept packed:
+    after its dense shards are materialised, each reads its layer's packed values (one layer at a time),
+    keeps its part (:func:`~zerotron.models.hf_packed.shard_unpacked`: a column-parallel rank its
+    output rows, a row-parallel rank its inputs, whose groups must fall whole in them) as the layer's
+    ``quantized`` module, and frees its dense shard; the serving engine's routed forwards multiply by
+    it."""
+    from zerotron.models.hf_packed import shard_unpacked
+    from zerotron.models.quant_tp import tp_targets
+    from zerotron.parallel.tensor import ColumnParallelLinear
+
+    done = Quantized(method)
+    fmt = source.packed_format if isinstance(source, HFSource) else None
+    if fmt is None or fmt.method != method:
+        what = "has none" if fmt is None else f"is {fmt.method.upper()}"
+        raise ModelLoadError(
+            f"quantization {method} keeps a {method.upper()} checkpoint's 4- or 8-bit weights: this model {what}"
+        )
+    assert isinstance(source, HFSource)
+    for name, module in tp_targets(model).items():
+        spec = module.tp_specs["weight"]
+        whole = source.packed(f"{name}.weight", tuple(spec.global_shape))
+        if whole is None or module.bias is not None:
+            done.dense["unquantised"] += 1
+            continue
+        if isinstance(module, ColumnParallelLinear):
+            local = module.local_rows
+            at = spec.offsets[0]
+            rows, cols = slice(at + local.start, at + local.stop), slice(None)
+        else:
+            rows, cols = slice(None), slice(spec.offsets[1], spec.offsets[1] + module.in_features)
+        kind = PackedInt8Linear if whole.bits == 8 else PackedInt4Linear
+        try:
+            layer = kind(shard_unpacked(whole, rows, cols, name), None, module.weight.dtype)
+        except PackedFormatError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+        w = module.weight.detach()
+        done.before += (w[module.local_rows] if isinstance(module, ColumnParallelLinear) else w).nbytes
+        done.after += weight_bytes(layer)
+        done.kept[f"int{whole.bits}"] += 1
+        module.register_module("quantized", layer)
+        module.weight = nn.Parameter(w.new_empty(0), requires_grad=False)  # the dense shard freed
+    return done
+
+
 def _keep_blocks(
     model: nn.Module,
     source: GGUFSource,

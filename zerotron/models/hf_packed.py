@@ -269,6 +269,27 @@ def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, 
     return Unpacked(values.contiguous(), zeros, scales.contiguous(), groups.long(), bits)
 
 
+def shard_unpacked(u: Unpacked, rows: slice, cols: slice, where: str) -> Unpacked:
+    """A tensor-parallel rank's part of a packed linear: its output ``rows`` and input ``cols`` of the
+    values, with the zeros and scales of its rows, and of the groups its inputs fall in, which must fall
+    whole in ``cols`` (renumbered in their order); PackedFormatError when they do not."""
+    values, groups = u.values[rows, cols], u.groups[cols]
+    zeros, scales = u.zeros[:, rows], u.scales[:, rows]
+    count, inputs = u.scales.shape[0], u.values.shape[1]
+    size = inputs // count
+    present = torch.unique(groups)
+    held = torch.bincount(groups, minlength=count)[present]
+    if bool((held != size).any()):
+        raise PackedFormatError(
+            f"{where}: this tensor-parallel rank's {groups.numel()} of {inputs} inputs do not hold whole "
+            f"groups of {size} inputs (act-order, or a tp that splits a group); serve it on fewer ranks "
+            "or without --quantization (read dequantised)"
+        )
+    number = torch.full((count,), -1, dtype=torch.long)
+    number[present] = torch.arange(len(present))
+    return Unpacked(values.contiguous(), zeros[present], scales[present].contiguous(), number[groups], u.bits)
+
+
 def dequantize(u: Unpacked) -> torch.Tensor:
     """The fp32 weight ``(out, in)``: ``(q − z) · s`` of each input's group."""
     z = u.zeros[u.groups].T.float()

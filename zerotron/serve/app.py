@@ -28,6 +28,7 @@ from zerotron.config_load import ConfigError
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.hf import ModelLoadError
+from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.quant import weight_bytes
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
@@ -250,9 +251,15 @@ def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[
     dtype = getattr(torch, (config or EngineConfig()).dtype or "float32")
     quantization = (config or EngineConfig()).quantization
     device = (config or EngineConfig()).device or "cpu"
-    try:  # quantised as it is read; tensor-parallel shards after they are read (int8, int4: the runner)
+    # quantised as it is read; tensor-parallel shards after they are read (packed: here; int8, int4: the runner)
+    one_rank = mesh is None or mesh.dims.tp == 1
+    try:
         model, tokenizer = load_model(
-            model_path, dtype, device, mesh, quantization if mesh is None or mesh.dims.tp == 1 else None
+            model_path,
+            dtype,
+            device,
+            mesh,
+            quantization if one_rank or quantization in PACKED_METHODS else None,
         )
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
