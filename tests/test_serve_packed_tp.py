@@ -16,6 +16,7 @@ import torch
 
 from tests.test_hf_packed import _checkpoint
 from tests.test_serve_engine import _run
+from tests.test_serve_quant_tp import rank_shards, run_on_first_rank
 from zerotron.build.builder import load_model
 from zerotron.components.sampling import SamplingParams
 from zerotron.models.hf_packed import PackedFormatError, Unpacked, shard_unpacked
@@ -37,20 +38,9 @@ def _worker(model_dir: str, method: str) -> dict[str, object]:
     group = mesh.group("tp")
     model, _ = load_model(model_dir, torch.float32, "cpu", mesh, quantization=method)
     engine = Engine(model, None, EngineConfig(num_blocks=64, quantization=method), group)
-    shards = {}
-    for name in LAYERS:
-        module = model.get_submodule(name)
-        spec = module.tp_specs["weight"]
-        assert module.weight.numel() == 0  # the dense shard freed
-        shards[name] = (spec.dim, spec.offsets, module.quantized.dequantize())
+    shards = rank_shards(model, LAYERS, lambda layer: layer.dequantize())
     out: dict[str, object] = {"shards": shards, "kept": dict(engine.runner.quantized.kept)}  # type: ignore[union-attr]
-    if group.rank_in_group != 0:
-        engine.runner.follow()
-        return out
-    out["together"] = _run(engine, PROMPTS, PARAMS)
-    out["alone"] = [_run(engine, [p], PARAMS)[0] for p in PROMPTS]
-    engine.runner.publish(None, stop=True)
-    return out
+    return run_on_first_rank(engine, group, out, PROMPTS, PARAMS)
 
 
 @pytest.mark.parametrize(

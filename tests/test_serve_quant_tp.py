@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,18 +45,31 @@ def _worker(model_dir: str, method: str, dtype: torch.dtype) -> dict[str, object
     group = mesh.group("tp")
     model, _ = load_model(model_dir, dtype, "cpu", mesh)
     engine = Engine(model, None, EngineConfig(num_blocks=128, quantization=method), group)
+    shards = rank_shards(model, LAYERS, lambda layer: _read_back(layer, dtype))
+    out: dict[str, object] = {"shards": shards, "quantized": engine.runner.quantized}
+    return run_on_first_rank(engine, group, out, PROMPTS, PARAMS)
+
+
+def rank_shards(model: torch.nn.Module, layers: tuple[str, ...], read: Any) -> dict[str, tuple]:
+    """Each of ``layers``' (split dim, offsets, ``read`` of its quantised module) on this rank, its dense
+    shard checked freed."""
     shards = {}
-    for name in LAYERS:
+    for name in layers:
         module = model.get_submodule(name)
         spec = module.tp_specs["weight"]
         assert module.weight.numel() == 0  # the dense shard freed
-        shards[name] = (spec.dim, spec.offsets, _read_back(module.quantized, dtype))
-    out: dict[str, object] = {"shards": shards, "quantized": engine.runner.quantized}
+        shards[name] = (spec.dim, spec.offsets, read(module.quantized))
+    return shards
+
+
+def run_on_first_rank(engine: Engine, group: Any, out: dict, prompts: list, params: Any) -> dict:
+    """The first rank runs ``prompts`` together and one by one (into ``out``) and stops the others,
+    which follow its steps."""
     if group.rank_in_group != 0:
         engine.runner.follow()
         return out
-    out["together"] = _run(engine, PROMPTS, PARAMS)
-    out["alone"] = [_run(engine, [p], PARAMS)[0] for p in PROMPTS]
+    out["together"] = _run(engine, prompts, params)
+    out["alone"] = [_run(engine, [p], params)[0] for p in prompts]
     engine.runner.publish(None, stop=True)
     return out
 
