@@ -1,5 +1,6 @@
 """GPTQ, AWQ and compressed-tensors checkpoints kept packed under tensor parallelism (``zerotron serve
-DIR --nproc 2``, the checkpoint's method chosen, or ``--quantization gptq|awq|compressed-tensors``).
+DIR --nproc 2``, the checkpoint's method chosen, or ``--quantization gptq|awq|compressed-tensors``), and
+a GGUF file's blocks kept (``--quantization gguf``).
 
 References: the single process's packed layers (each rank's part, read back through its kernel,
 equals its slice of the whole layer's weight bit for bit), the one-rank engine's greedy tokens over
@@ -16,6 +17,7 @@ import torch
 
 from tests.test_hf_packed import _checkpoint
 from tests.test_serve_engine import _run
+from tests.test_serve_gguf import smollm2_gguf as smollm2_gguf  # noqa: F401  # the fixture
 from tests.test_serve_quant_tp import rank_shards, run_on_first_rank
 from zerotron.build.builder import load_model
 from zerotron.components.sampling import SamplingParams
@@ -81,3 +83,61 @@ def test_a_part_that_splits_a_group_is_refused() -> None:
     with pytest.raises(PackedFormatError, match="do not hold whole groups of 32") as e:
         shard_unpacked(Unpacked(values, zeros, scales, shuffled), slice(None), slice(64, 128), "w")
     assert "\n" not in str(e.value)
+
+
+GGUF_LAYERS = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.29.mlp.down_proj")
+
+
+def _gguf_worker(path: str, prompts: list[list[int]]) -> dict[str, object]:
+    """One of 3 tensor-parallel ranks serving SmolLM2's GGUF blocks: its part of GGUF_LAYERS read back
+    through its kernel on the identity, (in, out); the first rank also runs the prompts."""
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import Mesh, ParallelDims
+
+    rank, world = current_rank_and_world()
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
+    group = mesh.group("tp")
+    model, _ = load_model(path, torch.float32, "cpu", mesh, quantization="gguf")
+    engine = Engine(model, None, EngineConfig(num_blocks=64, max_model_len=512, quantization="gguf"), group)
+    shards = rank_shards(model, GGUF_LAYERS, lambda layer: _identity(layer))
+    out: dict[str, object] = {"shards": shards, "kept": dict(engine.runner.quantized.kept)}  # type: ignore[union-attr]
+    out["dense"] = dict(engine.runner.quantized.dense)  # type: ignore[union-attr]
+    return run_on_first_rank(engine, group, out, prompts, PARAMS)
+
+
+def _identity(layer: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return layer(torch.eye(layer.in_features)).float()
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_gguf_blocks_under_tensor_parallelism(smollm2_gguf: str) -> None:
+    """SmolLM2's Q4_1 blocks on 3 ranks: each rank's part of a layer, read back through its kernel,
+    equals its slice of the single process's kept layer bit for bit; greedy tokens equal the
+    dequantised model's (log-probs within 1e-4, as on one rank); batch-invariant."""
+    from zerotron.distributed.launch import spawn
+
+    single, tokenizer = load_model(smollm2_gguf, torch.float32, "cpu", quantization="gguf")
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):", "Once upon a")]
+    runs = spawn(
+        _gguf_worker,
+        3,
+        args=(smollm2_gguf, prompts),
+        timeout_s=900,
+        backend="gloo",
+        start_method="forkserver",
+    )
+    for run in runs:
+        assert run["kept"] == {"Q4_1": 210}  # every decoder linear; the vocab-parallel head stays dense
+        for name, (dim, offsets, part) in run["shards"].items():  # type: ignore[attr-defined]
+            whole = _identity(single.get_submodule(name)).T  # (out, in)
+            want = whole.narrow(dim, offsets[dim], part.shape[1 - dim])
+            assert torch.equal(part.T, want), name
+    got = runs[0]
+    assert got["together"] == got["alone"]
+    dense, _ = load_model(smollm2_gguf, torch.float32, "cpu")
+    ref = _run(Engine(dense, tokenizer, EngineConfig()), prompts, PARAMS)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got["together"], ref):  # type: ignore[call-overload]
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4)

@@ -97,7 +97,7 @@ def build(
     if dtype is not None:
         cast_parameters(model, dtype)  # on the meta device: each box is cast as it is materialised
     tp = mesh.dims.tp if mesh is not None else 1
-    packed_tp = tp > 1 and quantization in PACKED_METHODS  # kept packed after the shards load
+    packed_tp = tp > 1 and quantization in (*PACKED_METHODS, "gguf")  # kept after the shards load
     if quantization is not None and (train or (tp > 1 and not packed_tp)):
         raise ValueError("quantisation while loading builds one rank's model for serving")
     zero3 = train and cfg.parallel.zero == 3

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from torch import nn
 from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Embedding, BlockInt8Linear, block_linear
 from zerotron.models.hf import ModelLoadError
 from zerotron.models.hf_packed import METHODS as PACKED_METHODS
-from zerotron.models.hf_packed import PackedFormatError, PackedInt4Linear, PackedInt8Linear
+from zerotron.models.hf_packed import PackedFormatError, PackedInt4Linear, PackedInt8Linear, shard_unpacked
 from zerotron.models.quant import (
     METHODS,
     Int4Linear,
@@ -36,7 +37,9 @@ from zerotron.models.quant import (
     targets,
     weight_bytes,
 )
+from zerotron.models.quant_tp import TPLinear, tp_targets
 from zerotron.models.sources import GGUFSource, HFSource, WeightSource
+from zerotron.parallel.tensor import ColumnParallelLinear
 
 LOAD_METHODS = (*METHODS, "gguf", *PACKED_METHODS)
 # the modules that stand in for a decoder layer's nn.Linear once it is quantised (each has
@@ -159,17 +162,24 @@ def _keep_packed(
 
 
 def keep_packed_tp(model: nn.Module, source: WeightSource, method: str) -> Quantized:
-    """A tensor-parallel rank's decoder linears of a GPTQ/AWQ/compressed-tensors checkpoint kept packed:
-    after its dense shards are materialised, each reads its layer's packed values (one layer at a time),
-    keeps its part (:func:`~zerotron.models.hf_packed.shard_unpacked`: a column-parallel rank its
-    output rows, a row-parallel rank its inputs, whose groups must fall whole in them) as the layer's
+    """A tensor-parallel rank's decoder linears of a GPTQ/AWQ/compressed-tensors checkpoint kept packed,
+    or of a GGUF file's blocks kept (``gguf``): after its dense shards are materialised, each reads its
+    layer's packed values or blocks (one layer at a time), keeps its part (a column-parallel rank its
+    output rows; a row-parallel rank its inputs, whose groups or blocks must fall whole in them:
+    :func:`~zerotron.models.hf_packed.shard_unpacked`, :func:`_block_part`) as the layer's
     ``quantized`` module, and frees its dense shard; the serving engine's routed forwards multiply by
-    it."""
-    from zerotron.models.hf_packed import shard_unpacked
-    from zerotron.models.quant_tp import tp_targets
-    from zerotron.parallel.tensor import ColumnParallelLinear
-
+    it. A GGUF layer whose type is not kept, or whose part splits a block, stays dense (counted)."""
     done = Quantized(method)
+    if method == "gguf":
+        if not isinstance(source, GGUFSource):
+            raise ModelLoadError(
+                "quantization gguf keeps a GGUF file's blocks: serve a .gguf file, or choose int8 or int4"
+            )
+        for name, module in tp_targets(model).items():
+            layer = _block_part(module, *source.blocks(f"{name}.weight"), done)
+            if layer is not None:
+                _keep_part(module, layer, done)
+        return done
     fmt = source.packed_format if isinstance(source, HFSource) else None
     if fmt is None or fmt.method != method:
         what = "has none" if fmt is None else f"is {fmt.method.upper()}"
@@ -194,13 +204,49 @@ def keep_packed_tp(model: nn.Module, source: WeightSource, method: str) -> Quant
             layer = kind(shard_unpacked(whole, rows, cols, name), None, module.weight.dtype)
         except PackedFormatError as e:
             raise ModelLoadError(f"{name}: {e}") from None
-        w = module.weight.detach()
-        done.before += (w[module.local_rows] if isinstance(module, ColumnParallelLinear) else w).nbytes
-        done.after += weight_bytes(layer)
         done.kept[f"int{whole.bits}"] += 1
-        module.register_module("quantized", layer)
-        module.weight = nn.Parameter(w.new_empty(0), requires_grad=False)  # the dense shard freed
+        _keep_part(module, layer, done)
     return done
+
+
+def _block_part(module: TPLinear, kind: str, blocks: Any, done: Quantized) -> nn.Module | None:
+    """This rank's part of a GGUF layer's blocks (one row of blocks per output) as its kept module: a
+    column-parallel rank's rows, a row-parallel rank's inputs when they fall on block boundaries; None
+    (counted dense) otherwise, or for a type not kept."""
+    spec = module.tp_specs["weight"]
+    out, inputs = spec.global_shape
+    per = 256 if kind in ("Q4_K", "Q5_K", "Q6_K") else 32  # inputs per block (K types: per super-block)
+    if isinstance(module, ColumnParallelLinear):
+        local = module.local_rows
+        part = blocks[spec.offsets[0] + local.start : spec.offsets[0] + local.stop]
+        width = inputs
+    else:
+        start, width = spec.offsets[1], module.in_features
+        step = blocks.shape[1] * per // inputs  # bytes per block
+        part = (
+            None
+            if start % per or width % per
+            else blocks[:, start // per * step : (start + width) // per * step]
+        )
+    layer = (
+        None
+        if part is None or module.bias is not None
+        else block_linear(kind, part, width, module.weight.dtype)
+    )
+    if layer is None:
+        done.dense[kind] += 1
+    else:
+        done.kept[kind] += 1
+    return layer
+
+
+def _keep_part(module: TPLinear, layer: nn.Module, done: Quantized) -> None:
+    """``layer`` kept as tensor-parallel ``module``'s ``quantized`` part, its dense shard freed."""
+    w = module.weight.detach()
+    done.before += (w[module.local_rows] if isinstance(module, ColumnParallelLinear) else w).nbytes
+    done.after += weight_bytes(layer)
+    module.register_module("quantized", layer)
+    module.weight = nn.Parameter(w.new_empty(0), requires_grad=False)  # the dense shard freed
 
 
 def _keep_blocks(

@@ -40,6 +40,8 @@ from zerotron.serve.server import EngineLoop, new_id, stream_outputs
 from zerotron.serve.speculative import DraftConfig, NgramConfig
 from zerotron.serve.tools import Tools
 
+KEPT = (*PACKED_METHODS, "gguf")  # a file's own weights kept: read by each tensor-parallel rank at load
+
 Body = Union[CompletionRequest, ChatCompletionRequest]
 
 
@@ -259,7 +261,7 @@ def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[
             dtype,
             device,
             mesh,
-            quantization if one_rank or quantization in PACKED_METHODS else None,
+            quantization if one_rank or quantization in KEPT else None,
         )
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None

@@ -160,10 +160,6 @@ class EngineConfig:
         why = (
             "the int8 and int4 kernels run on the CPU"
             if device is not None and device.type != "cpu"
-            else "under tensor parallelism the shards are quantised as they load with int8 or int4, or "
-            "keep a GPTQ/AWQ/compressed-tensors checkpoint's part; gguf keeps a file's blocks, which are "
-            "read whole"
-            if self.tp > 1 and self.quantization == "gguf"
             else "the kernels multiply fp32 or bf16 activations"
             if self.dtype == "float16" and self.quantization in ("int8", "int4")
             else None
