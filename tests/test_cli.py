@@ -173,7 +173,6 @@ def test_serve_refuses_a_native_attention_it_cannot_build(
             "EAGLE, Medusa and MTP heads are not",
         ),
         (["serve", "model.gguf", "--speculative-config", "{"], "not JSON"),
-        (["serve", "model.gguf", "--quantization", "gguf", "--nproc", "2"], "--quantization"),
     ],
 )
 def test_serve_refuses_in_one_line(

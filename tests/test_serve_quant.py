@@ -127,7 +127,7 @@ def test_weight_bytes_count_the_linears_packed_for_the_kernels(model: object) ->
 def test_quantization_refusals_name_what_to_change(model: object) -> None:
     cases = [
         (dict(quantization="fp8"), "not built"),
-        (dict(quantization="gguf", tp=2), "tensor parallelism"),
+        (dict(quantization="int8", dtype="float16"), "fp32 or bf16"),
         (dict(quantization="int8", device="cuda"), "CPU"),
     ]
     for kw, words in cases:

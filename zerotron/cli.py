@@ -330,8 +330,8 @@ def _add_serve_lora(srv: Any) -> None:
         "in groups of 32 (64/128) inputs (also each tensor-parallel rank's shard); gguf: a GGUF file's "
         "Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 blocks served as they are; gptq, awq, compressed-tensors: such a "
         "checkpoint's 4-bit (gptq, compressed-tensors: or 8-bit) weights as they are (chosen for such a "
-        "checkpoint where they run; elsewhere it is read dequantised). Multiplied by torch's weight-only "
-        "kernels on the CPU; adapters apply on top",
+        "checkpoint where they run; elsewhere it is read dequantised). Under --nproc each rank keeps its "
+        "part. Multiplied by torch's weight-only kernels on the CPU; adapters apply on top",
     )
     srv.add_argument(
         "--kv-cache-dtype",
