@@ -38,13 +38,12 @@ from torch import nn
 
 from zerotron import layout
 from zerotron.build.fill import fill_from
-from zerotron.build.quantize import keep_packed_tp, quantize_at_load
+from zerotron.build.quantize import KEPT_TP, keep_parts_tp, quantize_at_load
 from zerotron.build.source import model_tokenizer, resolve_model, weight_source
 from zerotron.components.loss import AUTOCAST, REDUCE_DTYPE
 from zerotron.components.state import model_placements
 from zerotron.config import Config, ParallelConfig
 from zerotron.distributed.mesh import Group, Mesh
-from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.loading import cast_parameters
 from zerotron.models.lora import LoraConfig, apply_lora
@@ -97,18 +96,18 @@ def build(
     if dtype is not None:
         cast_parameters(model, dtype)  # on the meta device: each box is cast as it is materialised
     tp = mesh.dims.tp if mesh is not None else 1
-    packed_tp = tp > 1 and quantization in (*PACKED_METHODS, "gguf")  # kept after the shards load
-    if quantization is not None and (train or (tp > 1 and not packed_tp)):
+    kept_tp = tp > 1 and quantization in KEPT_TP  # kept after the shards load
+    if quantization is not None and (train or (tp > 1 and not kept_tp)):
         raise ValueError("quantisation while loading builds one rank's model for serving")
     zero3 = train and cfg.parallel.zero == 3
     if not zero3:  # 2. materialise (ZeRO-3: its units do, in step 6)
         with weight_source(cfg, model) as source:
-            if quantization is not None and not packed_tp:  # 1b. the decoder linears quantised as read
+            if quantization is not None and not kept_tp:  # 1b. the decoder linears quantised as read
                 model.quantized = quantize_at_load(model, source, quantization, device)  # type: ignore[assignment]  # a plain attribute, read by the serving engine
             materialize(model, source.box, device, model_placements(model, tp))
-            if packed_tp:  # tp: each rank's part of the packed weights, its dense shard freed
+            if kept_tp:  # tp: each rank's part of the packed weights, its dense shard freed
                 assert quantization is not None
-                model.quantized = keep_packed_tp(model, source, quantization)  # type: ignore[assignment]
+                model.quantized = keep_parts_tp(model, source, quantization)  # type: ignore[assignment]
     if cfg.lora.rank > 0:  # 3. adapters
         add_adapters(model, cfg)
     apply_recompute(model, cfg.train.recompute)  # 4. recompute

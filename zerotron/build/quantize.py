@@ -24,7 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Embedding, BlockInt8Linear, block_linear
+from zerotron.models.gguf_blocks import (
+    BlockInt4Linear,
+    BlockInt8Embedding,
+    BlockInt8Linear,
+    block_inputs,
+    block_linear,
+)
 from zerotron.models.hf import ModelLoadError
 from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.hf_packed import PackedFormatError, PackedInt4Linear, PackedInt8Linear, shard_unpacked
@@ -42,6 +48,7 @@ from zerotron.models.sources import GGUFSource, HFSource, WeightSource
 from zerotron.parallel.tensor import ColumnParallelLinear
 
 LOAD_METHODS = (*METHODS, "gguf", *PACKED_METHODS)
+KEPT_TP = (*PACKED_METHODS, "gguf")  # a file's own weights: each tensor-parallel rank keeps its part
 # the modules that stand in for a decoder layer's nn.Linear once it is quantised (each has
 # ``in_features``, ``out_features`` and a forward of the linear's shape): what multi-LoRA adapts too
 QUANTIZED_LINEARS: tuple[type[nn.Module], ...] = (
@@ -161,7 +168,7 @@ def _keep_packed(
         done.place(model, name, layer, linear.weight, f"int{unpacked.bits}")
 
 
-def keep_packed_tp(model: nn.Module, source: WeightSource, method: str) -> Quantized:
+def keep_parts_tp(model: nn.Module, source: WeightSource, method: str) -> Quantized:
     """A tensor-parallel rank's decoder linears of a GPTQ/AWQ/compressed-tensors checkpoint kept packed,
     or of a GGUF file's blocks kept (``gguf``): after its dense shards are materialised, each reads its
     layer's packed values or blocks (one layer at a time), keeps its part (a column-parallel rank its
@@ -188,17 +195,11 @@ def keep_packed_tp(model: nn.Module, source: WeightSource, method: str) -> Quant
         )
     assert isinstance(source, HFSource)
     for name, module in tp_targets(model).items():
-        spec = module.tp_specs["weight"]
-        whole = source.packed(f"{name}.weight", tuple(spec.global_shape))
+        whole = source.packed(f"{name}.weight", tuple(module.tp_specs["weight"].global_shape))
         if whole is None or module.bias is not None:
             done.dense["unquantised"] += 1
             continue
-        if isinstance(module, ColumnParallelLinear):
-            local = module.local_rows
-            at = spec.offsets[0]
-            rows, cols = slice(at + local.start, at + local.stop), slice(None)
-        else:
-            rows, cols = slice(None), slice(spec.offsets[1], spec.offsets[1] + module.in_features)
+        rows, cols = _part_of(module)
         kind = PackedInt8Linear if whole.bits == 8 else PackedInt4Linear
         try:
             layer = kind(shard_unpacked(whole, rows, cols, name), None, module.weight.dtype)
@@ -209,25 +210,29 @@ def keep_packed_tp(model: nn.Module, source: WeightSource, method: str) -> Quant
     return done
 
 
+def _part_of(module: TPLinear) -> tuple[slice, slice]:
+    """(output rows, input columns) of the whole weight that tensor-parallel ``module`` multiplies by
+    on this rank: a column-parallel rank's rows (of a replicated weight too), a row-parallel rank's
+    inputs."""
+    spec = module.tp_specs["weight"]
+    if isinstance(module, ColumnParallelLinear):
+        local, at = module.local_rows, spec.offsets[0]
+        return slice(at + local.start, at + local.stop), slice(None)
+    return slice(None), slice(spec.offsets[1], spec.offsets[1] + module.in_features)
+
+
 def _block_part(module: TPLinear, kind: str, blocks: Any, done: Quantized) -> nn.Module | None:
     """This rank's part of a GGUF layer's blocks (one row of blocks per output) as its kept module: a
     column-parallel rank's rows, a row-parallel rank's inputs when they fall on block boundaries; None
     (counted dense) otherwise, or for a type not kept."""
-    spec = module.tp_specs["weight"]
-    out, inputs = spec.global_shape
-    per = 256 if kind in ("Q4_K", "Q5_K", "Q6_K") else 32  # inputs per block (K types: per super-block)
-    if isinstance(module, ColumnParallelLinear):
-        local = module.local_rows
-        part = blocks[spec.offsets[0] + local.start : spec.offsets[0] + local.stop]
-        width = inputs
-    else:
-        start, width = spec.offsets[1], module.in_features
-        step = blocks.shape[1] * per // inputs  # bytes per block
-        part = (
-            None
-            if start % per or width % per
-            else blocks[:, start // per * step : (start + width) // per * step]
-        )
+    inputs = module.tp_specs["weight"].global_shape[1]
+    rows, cols = _part_of(module)
+    start, stop, _ = cols.indices(inputs)
+    per = block_inputs(kind)
+    step = blocks.shape[1] * per // inputs  # bytes per block
+    whole = start % per == 0 and stop % per == 0
+    part = blocks[rows, start // per * step : stop // per * step] if whole else None
+    width = stop - start
     layer = (
         None
         if part is None or module.bias is not None

@@ -253,17 +253,22 @@ class BlockInt8Embedding(nn.Module):
         return self.table
 
 
+def block_inputs(kind: str) -> int:
+    """Inputs per block of a GGUF type as the file stores it (the K types: per 256-input super-block)."""
+    return 256 if kind in ("Q4_K", "Q5_K", "Q6_K") else BLOCK
+
+
 def block_linear(
     kind: str, blocks: np.ndarray, in_features: int, dtype: torch.dtype = torch.float32
 ) -> Optional[nn.Module]:
     """The module serving a linear's GGUF blocks of ``kind`` as they are, or None for a kind not kept
     (or 4-bit blocks of a layer whose outputs torch's int4 packing cannot tile: not a multiple of 16);
     ``dtype``: the activations' (:class:`BlockInt4Linear`)."""
-    whole = in_features % (256 if kind == "Q4_K" else BLOCK) == 0
+    whole = in_features % block_inputs(kind) == 0
     if kind in INT4_KINDS and whole and blocks.shape[0] % 16 == 0:  # torch's int4 packing: 16 outputs a tile
         return BlockInt4Linear(kind, blocks, in_features, dtype)
     if kind == "Q8_0":
         return BlockInt8Linear.of(blocks, in_features)
-    if kind in ("Q6_K", "Q5_K") and in_features % 256 == 0:
+    if kind in ("Q6_K", "Q5_K") and whole:
         return BlockKLinear(kind, blocks, in_features)
     return None

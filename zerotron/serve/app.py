@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from zerotron.build.builder import load_model
+from zerotron.build.quantize import KEPT_TP
 from zerotron.components.sampling import SamplingParams
 from zerotron.config_load import ConfigError
 from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.hf import ModelLoadError
-from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.quant import weight_bytes
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
@@ -39,8 +39,6 @@ from zerotron.serve.responses import Reply, collect, stream
 from zerotron.serve.server import EngineLoop, new_id, stream_outputs
 from zerotron.serve.speculative import DraftConfig, NgramConfig
 from zerotron.serve.tools import Tools
-
-KEPT = (*PACKED_METHODS, "gguf")  # a file's own weights kept: read by each tensor-parallel rank at load
 
 Body = Union[CompletionRequest, ChatCompletionRequest]
 
@@ -261,7 +259,7 @@ def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[
             dtype,
             device,
             mesh,
-            quantization if one_rank or quantization in KEPT else None,
+            quantization if one_rank or quantization in KEPT_TP else None,
         )
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None

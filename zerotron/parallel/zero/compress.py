@@ -152,6 +152,11 @@ class OneBitShards:
         group = self.optimizer.param_groups[0]
         return adam_denominator(variance, group["betas"][1], group["eps"], self.freeze_step)
 
+    def keeps(self, i: int, flat_grad: torch.Tensor) -> bool:
+        """Whether bucket ``i``'s whole gradient is kept by this rank instead of reduced (0/1 Adam's
+        local steps)."""
+        return False
+
     def local_weights(self) -> bool:
         """Whether the step just taken left each rank its own weights (0/1 Adam's local steps)."""
         return False

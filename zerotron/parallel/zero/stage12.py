@@ -217,8 +217,7 @@ class _ShardedBuckets(SyncGate):
                 acc[layout.numel :].zero_()
         else:
             flat_grad = layout.flatten([grad_or_zeros(s.param) for s in layout.slots])  # (padded,)
-        if isinstance(self.onebit, ZeroOneShards) and self.onebit.mode() == "local":
-            self.onebit.keep(i, flat_grad)  # 0/1 Adam's local step: this rank's own, nothing sent
+        if self.onebit is not None and self.onebit.keeps(i, flat_grad):  # 0/1 Adam's local step
             for slot in layout.slots:
                 slot.param.grad = None
             self._ready[i], self._launched[i] = 0, True

@@ -59,7 +59,7 @@ class ZeroOneShards(OneBitShards):
     def __init__(self, schedule: ZeroOneSchedule, engine: _ShardedBuckets) -> None:
         super().__init__(schedule.var_freeze_step)
         self.schedule, self.engine = schedule, engine
-        self.whole: dict[int, tuple[int, torch.Tensor]] = {}  # bucket -> (variance updates, denominator)
+        self.counts: dict[int, int] = {}  # bucket -> the variance updates its held denominator is of
         self.local: dict[int, torch.Tensor] = {}  # this step's whole local gradient, times the ranks
         self.momenta: dict[int, torch.Tensor] = {}  # the local phase's whole momentum
         self.changes: dict[int, torch.Tensor] = {}  # the change since the last synchronisation
@@ -97,15 +97,15 @@ class ZeroOneShards(OneBitShards):
         """Bucket ``i``'s whole ``sqrt(v / (1 - b2^k)) + eps`` at step ``t`` (k: the variance's updates
         so far), all-gathered again whenever the variance has moved (collective over its group)."""
         count = self.schedule.variance(t)[1]
-        held = self.whole.get(i)
-        if held is None or held[0] != count:
+        if self.counts.get(i) != count:
             layout, segs = self.engine.layouts[i], self.engine.segments[i]
             places = [(seg.param, seg.at) for seg in segs]
             variance = flat_state(self.optimizer, places, "exp_avg_sq", float("nan"), layout.shard)
             whole = gather_flat(layout, variance.to(self.engine.flats[i].device))
             group = self._group0()
-            held = self.whole[i] = (count, adam_denominator(whole, group["betas"][1], group["eps"], count))
-        return held[1]
+            self.denominators[i] = adam_denominator(whole, group["betas"][1], group["eps"], count)
+            self.counts[i] = count
+        return self.denominators[i]
 
     def denominator(
         self, i: int, layout: FlatLayout, segs: list[ShardSegment], device: torch.device
@@ -128,14 +128,17 @@ class ZeroOneShards(OneBitShards):
         return collectives.done()
 
     # -- the local phase ------------------------------------------------------------------------------
-    def keep(self, i: int, flat_grad: torch.Tensor) -> None:
-        """A local step's whole bucket gradient (one micro-batch's, added up over a step's), times the
-        ranks, kept for :meth:`local_step`."""
+    def keeps(self, i: int, flat_grad: torch.Tensor) -> bool:
+        """On a local step: bucket ``i``'s whole gradient (one micro-batch's, added up over a step's),
+        times the ranks, kept for :meth:`local_step` instead of reduced."""
+        if self.mode() != "local":
+            return False
         grad = flat_grad.float().mul_(self.group(i).size)
         if i in self.local:
             self.local[i].add_(grad)
         else:
             self.local[i] = grad
+        return True
 
     def after_backward(self) -> None:
         """A local step's gradients are whole and this rank's own: every rank learns by a one-value
@@ -191,14 +194,15 @@ class ZeroOneShards(OneBitShards):
                 self.momenta[i] = gather_flat(layout, shard)
             momentum, change = self.momenta[i].lerp_(grad, 1 - b1), self.changes[i]
             step = momentum / self.whole_denominator(i, t) * (-lr / (1 - b1**t))
-            for a, b in self._decayed(i) if wd else ():
+            decayed = self._decayed(i) if wd else []
+            for a, b in decayed:
                 change[a:b].mul_(1 - lr * wd)
                 if not eng.mixed:
                     eng.flats[i][a:b].mul_(1 - lr * wd)
             change.add_(step)
             if eng.mixed:  # the 16-bit weights: those of the synchronisation, decayed, plus the change
                 weights = self.anchors[i].float()
-                for a, b in self._decayed(i) if wd else ():
+                for a, b in decayed:
                     weights[a:b].mul_(self.decay * (1 - lr * wd))
                 eng.flats[i].copy_(weights.add_(change))
             else:  # fp32: the weights themselves, as AdamW moves them
@@ -245,15 +249,10 @@ class ZeroOneShards(OneBitShards):
         self.decay, self.lrs = 1.0, 0.0
 
     def state_bytes(self) -> int:
-        """The compression errors and the whole buffers this rank holds (the module docstring)."""
-        held = [
-            *getattr(self.optimizer, "errors", {}).values(),
-            *(d for _, d in self.whole.values()),
-            *self.momenta.values(),
-            *self.changes.values(),
-            *self.anchors.values(),
-        ]
-        return sum(x.numel() * x.element_size() for x in held)
+        """The compression errors, the whole denominators and the local phase's whole buffers this rank
+        holds (the module docstring)."""
+        held = [*self.momenta.values(), *self.changes.values(), *self.anchors.values()]
+        return super().state_bytes() + sum(x.numel() * x.element_size() for x in held)
 
     def grad_bytes(self) -> int:
         """A local step's whole fp32 gradients (ZeRO-1's whole gradients' bytes, under ZeRO-2 too)."""
