@@ -630,16 +630,16 @@ _ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 24)]
 
 
 @pytest.mark.parametrize(
-    ("dtype", "heads", "kv_heads", "dim", "tiles"),
+    ("dtype", "heads", "kv_heads", "dim", "kernel"),
     [
-        (dt, *shape, False)
+        (dt, *shape, "fp32")
         for dt in (torch.float32, torch.bfloat16, torch.float16)
         for shape in _ATTENTION_SHAPES
     ]
-    + [(torch.bfloat16, *shape, True) for shape in _ATTENTION_SHAPES[:3]],
+    + [(torch.bfloat16, *shape, k) for shape in _ATTENTION_SHAPES[:3] for k in ("tiles", "dot")],
 )
 def test_native_paged_attention_is_attention_over_each_rows_slots(
-    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, tiles: bool
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, kernel: str
 ) -> None:
     """The native paged-attention kernel against softmax(q k^T / sqrt(d)) v in float64 over each row's
     own keys (keys scattered over the pool in blocks, rows of different lengths, slot lists wider than
@@ -647,12 +647,15 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
     list): within float32's rounding, or the output dtype's; each row the same bits alone as in the
     batch. Covers the AVX-512 code (head size 64 and 128, up to 8 query heads per KV head, rows in
     blocks), the generic one (head size 24, 12 query heads per KV head, float16) and, where the CPU has
-    AMX, the tile code (bf16, head size 64 and 128: scores and weighted sums as tile products)."""
+    AMX, the tile code, or, where it has AVX512-BF16, the VDPBF16PS code (bf16, head size 64 and 128:
+    scores and weighted sums as matrix products)."""
     from zerotron.serve import kernels
 
     _native_or_skip()
-    if tiles and not kernels.tiles_available():
+    if kernel == "tiles" and not kernels.tiles_available():
         pytest.skip(f"the tile attention needs AMX: {kernels.why_no_tiles()}")
+    if kernel == "dot" and not kernels.dot_available():
+        pytest.skip(f"the VDPBF16PS attention needs AVX512-BF16: {kernels.why_no_dot()}")
     g = torch.Generator().manual_seed(heads * dim)
     slots_total, lists, width, bs = 200 * 16, 7, 96, 16
     k_pool = torch.randn(slots_total, kv_heads, dim, generator=g).to(dtype)
@@ -663,7 +666,7 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
     lens = torch.cat([torch.tensor([1, 2, 17, 40, 96]), torch.arange(1, 41), torch.tensor([64])])
     rows = len(seq)
     q = (torch.randn(rows, heads, dim, generator=g) * 2).to(dtype)
-    out = kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq, tiles=tiles)
+    out = kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq, kernel=kernel)
     assert out.shape == q.shape and out.dtype == dtype
     for r in range(rows):
         n, group, own = int(lens[r]), heads // kv_heads, slots[seq[r]]
@@ -674,11 +677,11 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
         tol = 2e-6 if dtype == torch.float32 else (1.6e-2 if dtype == torch.bfloat16 else 2e-3)
         torch.testing.assert_close(out[r].double(), want, rtol=tol, atol=tol)
         alone = kernels.paged_attention(
-            q[r : r + 1], k_pool, v_pool, own[None].contiguous(), lens[r : r + 1], tiles=tiles
+            q[r : r + 1], k_pool, v_pool, own[None].contiguous(), lens[r : r + 1], kernel=kernel
         )
         assert torch.equal(alone[0], out[r])
     with pytest.raises(RuntimeError, match="sequence outside"):
-        kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1, tiles=tiles)
+        kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1, kernel=kernel)
 
 
 def test_a_build_lock_left_by_a_killed_builder_is_not_waited_on() -> None:

@@ -1,13 +1,16 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in six files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in seven files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
 - ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels;
 - ``linear.cpp``: the linear layers' kernels (AMX tiles for bf16, AVX-512 for fp32, AVX512-BF16 for
   bf16), inside the namespace;
+- ``attention_dot.cpp``: the paged attention of bf16 rows on AVX512-BF16 (it uses the row blocks and
+  their dealing to threads of ``attention.cpp``; its packing and softmax helpers serve the tile kernel
+  too);
 - ``attention_tiles.cpp``: the paged attention of bf16 rows on AMX tiles (it uses the tile helpers of
-  ``linear.cpp`` and the row blocks and their dealing to threads of ``attention.cpp``);
+  ``linear.cpp`` and those of ``attention_dot.cpp``);
 - ``layer.cpp``: the decoder layer's elementwise steps (RMSNorm, SiLU(gate)·up, RoPE and the cache
   store), the namespace's end, the attention entry point;
 - ``linear_entries.cpp``: the linear kernels' entry points;
@@ -24,6 +27,7 @@ from importlib import resources
 PARTS = (
     "attention.cpp",
     "linear.cpp",
+    "attention_dot.cpp",
     "attention_tiles.cpp",
     "layer.cpp",
     "linear_entries.cpp",

@@ -10,7 +10,9 @@ chunk of its prompt, and as a decode or a prompt row. On CPUs with AMX, bf16 row
 tile product Q K^T, each row's softmax runs over its own keys in fp32 with the probabilities rounded
 to bf16 (as flash attention rounds them), and P V is a tile product summed in key order from key 0,
 each element still one row's own arithmetic: the same invariances at about 0.4x the AVX-512 kernel's
-time on a 2048-token prompt.
+time on a 2048-token prompt. On CPUs with AVX512-BF16 but no AMX the same matrix problem
+runs on vector registers (``csrc/attention_dot.cpp``, VDPBF16PS steps: two dims of 16 keys, or two
+keys of 16 dims, per instruction), with the same roundings and invariances.
 
 :func:`tile_linear` is a bf16 linear layer on AMX tiles (x86 CPUs with AMX): the weight packed once
 into tile blocks (:func:`pack_tiles`), each output its row times its column summed in fp32 over 32-deep
@@ -86,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v19"
+_NAME = "zerotron_kernels_v20"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -171,6 +173,9 @@ def why_unavailable() -> Optional[str]:
     return _error
 
 
+ATTENTION_KERNELS = ("fp32", "tiles", "dot")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -178,30 +183,54 @@ def paged_attention(
     slots: torch.Tensor,
     lens: torch.Tensor,
     seq: Optional[torch.Tensor] = None,
-    tiles: Optional[bool] = None,
+    kernel: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention of query rows to their sequences' keys: q (rows, heads, d); k/v pools (slots, kv_heads,
     d); ``slots`` (sequences, width) each sequence's key slots in position order; ``seq`` (rows,) each
     row's sequence (default: row r reads slot list r); ``lens`` (rows,) how many of its sequence's keys
     a row attends (its position + 1). Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d).
 
-    ``tiles`` (default: where :func:`tiles_available`): bf16 rows with heads of 64 or 128 on AMX tiles,
-    the scores and the weighted sums as tile products (the probabilities rounded to bf16, as flash
-    attention rounds them); otherwise on AVX-512 (fp32 arithmetic) or the generic loop. Either way a
-    row's numbers are its own: the same alone, beside other rows, as a prompt row or as a decode."""
+    ``kernel`` (default: :func:`attention_kernel`): ``"tiles"`` (AMX) or ``"dot"`` (AVX512-BF16) for
+    bf16 rows with heads of 64 or 128, the scores and the weighted sums as matrix products (the
+    probabilities rounded to bf16, as flash attention rounds them); ``"fp32"``, fp32 arithmetic on
+    AVX-512 or the generic loop. Whichever, a row's numbers are its own: the same alone, beside other
+    rows, as a prompt row or as a decode."""
     if seq is None:
         seq = torch.arange(q.shape[0])
-    if tiles is None:
-        tiles = q.dtype == torch.bfloat16 and _tiles_here()
-    elif tiles and not (q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)):
-        raise ValueError(
-            f"tiles=True: the tile attention takes bf16 heads of 64 or 128, not {q.dtype} of {q.shape[-1]}"
-        )
-    elif tiles and not _tiles_here():  # the check also asks the kernel for the tile registers
-        raise RuntimeError(f"no AMX tiles: {why_no_tiles()}")
+    if kernel is None:
+        kernel = attention_kernel(q.dtype, q.shape[-1])
+    elif kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"kernel={kernel!r}: one of {', '.join(ATTENTION_KERNELS)}")
+    elif kernel != "fp32":
+        if not (q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)):
+            raise ValueError(
+                f"kernel={kernel!r} takes bf16 heads of 64 or 128, not {q.dtype} of {q.shape[-1]}"
+            )
+        why = why_no_tiles() if kernel == "tiles" else why_no_dot()
+        if why is not None:  # the tiles' check also asks the kernel for the tile registers
+            raise RuntimeError(f"no {kernel} attention here: {why}")
     scale = q.shape[-1] ** -0.5
-    out: torch.Tensor = _built().paged_attention(q, k_pool, v_pool, slots, seq, lens, scale, tiles)
+    out: torch.Tensor = _built().paged_attention(
+        q, k_pool, v_pool, slots, seq, lens, scale, ATTENTION_KERNELS.index(kernel)
+    )
     return out
+
+
+def attention_kernel(dtype: torch.dtype, head_dim: int) -> str:
+    """The attention kernel :func:`paged_attention` runs by default for rows of ``dtype`` and heads of
+    ``head_dim``: bf16 heads of 64 or 128 on AMX tiles where the CPU has them, else on AVX512-BF16 where
+    it has that; everything else in fp32 arithmetic."""
+    if dtype == torch.bfloat16 and head_dim in (64, 128):
+        if _tiles_here():
+            return "tiles"
+        if _dot_here():
+            return "dot"
+    return "fp32"
+
+
+@functools.lru_cache(maxsize=1)
+def _dot_here() -> bool:
+    return dot_available()
 
 
 @functools.lru_cache(maxsize=1)

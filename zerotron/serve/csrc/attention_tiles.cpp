@@ -8,106 +8,8 @@
 // query, keys and values alone, never on the block it is in, the other rows, or how a prompt is cut
 // into chunks, and a decode is computed as a prompt row is (positions past a row's keys enter O as
 // zero probabilities times finite values, or zeros past the sequence's end).
-#if defined(ZT_TILES) && defined(__AVX512F__)
+#if defined(ZT_TILES) && defined(ZT_DOT_ATTENTION)
 #define ZT_TILE_ATTENTION 1
-// A 16 x 16 matrix of 32-bit elements, row i in r[i], transposed in place (r[i] becomes column i).
-ZT_TILE_TARGET inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
-
-// Keys j0 .. j0 + 15 of KV head kh as B tiles of S = Q K^T, one per 32 dims (pairs of dims down, the
-// 16 keys across): out[h * 256 + k * 16 + c] = dims (32h + 2k, 32h + 2k + 1) of key j0 + c; zeros for
-// keys at or past n.
-ZT_TILE_TARGET inline void pack_keys(const uint16_t* kp, const int64_t* slot, int64_t j0, int64_t n,
-                                     int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
-  for (int64_t h = 0; h < dim / 32; ++h) {
-    __m512i r[16];
-    for (int64_t c = 0; c < 16; ++c)
-      r[c] = j0 + c < n ? _mm512_loadu_si512(kp + (slot[j0 + c] * kv_heads + kh) * dim + 32 * h) : _mm512_setzero_si512();
-    transpose16(r);
-    for (int k = 0; k < 16; ++k) _mm512_storeu_si512(out + h * 256 + k * 16, r[k]);
-  }
-}
-
-// Values j0 .. j0 + 31 of KV head kh as B tiles of O = P V, one per 16 dims (pairs of keys down, the
-// 16 dims across): out[t * 256 + k * 16 + d] = dim 16t + d of keys j0 + 2k (low half) and j0 + 2k + 1
-// (high half); zeros for keys at or past n.
-ZT_TILE_TARGET inline void pack_values(const uint16_t* vp, const int64_t* slot, int64_t j0, int64_t n,
-                                       int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
-  for (int64_t k = 0; k < 16; ++k) {
-    const int64_t a = j0 + 2 * k, b = a + 1;
-    const uint16_t* va = a < n ? vp + (slot[a] * kv_heads + kh) * dim : nullptr;
-    const uint16_t* vb = b < n ? vp + (slot[b] * kv_heads + kh) * dim : nullptr;
-    for (int64_t t = 0; t < dim / 16; ++t) {
-      const __m512i lo = va ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 16 * t)))
-                            : _mm512_setzero_si512();
-      const __m512i hi = vb ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + 16 * t)))
-                            : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + t * 256 + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
-  }
-}
-
-// 2^t for t <= 0 on 16 lanes: t = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor
-// polynomial of degree 5 (relative error under 2e-6, far below the bf16 rounding that follows), times
-// 2^n by scalef (0 far below). Not attention.cpp's exp_neg16: its fp32 probabilities are kept, these
-// are rounded to bf16 at once, so one polynomial degree and the clamp less suffice.
-ZT_TILE_TARGET inline __m512 exp2_neg16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3333558e-3f), f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// One row's softmax: its first len scores -> probabilities exp(scale (s - max)) rounded to bf16 in p
-// (zeros from len to width); the sum of the unrounded ones (16 running sums over j % 16, then added
-// as _mm512_reduce_add_ps adds) returned.
-ZT_TILE_TARGET inline float softmax_row(const float* s, int64_t len, float scale, uint16_t* p, int64_t width) {
-  const int64_t full = len / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1u);
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-  if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + full));
-  const float c = scale * 1.44269504088896341f;  // exp(scale x) = 2^(c x)
-  const __m512 mul = _mm512_set1_ps(c), off = _mm512_set1_ps(-_mm512_reduce_max_ps(top) * c);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < full; j += 16) {
-    const __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), mul, off));
-    sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-  }
-  if (tail) {
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_neg16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, s + full), mul, off)));
-    sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + full), (__m256i)_mm512_cvtneps_pbh(e));
-  }
-  for (int64_t j = full + (tail ? 16 : 0); j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm256_setzero_si256());
-  return _mm512_reduce_add_ps(sum);
-}
-
 // A thread's buffers for one block and KV head: the query rows (M rounded up to 16, zeros past M),
 // the block's key tiles, the scores, the probabilities, the block's value tiles, a tile row of O.
 struct TileAttention {
@@ -175,14 +77,6 @@ ZT_TILE_TARGET inline void tile_values(TileAttention& b, int64_t m0, int64_t t0,
   _tile_stored(2, o + 128, dim * 4);
   _tile_stored(3, o + 192, dim * 4);
 }
-
-// What every block of one call shares: the queries, the pools, the output, the shapes.
-struct AttentionProblem {
-  const uint16_t *q, *kp, *vp;
-  uint16_t* out;
-  int64_t heads, kv_heads, dim;
-  float scale;
-};
 
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, written to the output.
 ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* slot, const int64_t* len,

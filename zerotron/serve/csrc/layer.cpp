@@ -92,7 +92,7 @@ void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const
 // sequence's key slots in position order; seq (rows,) int64, each row's sequence; lens (rows,) int64,
 // how many of its sequence's keys a row attends -> (rows, heads, dim)
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                              torch::Tensor seq, torch::Tensor lens, double scale, bool tiles) {
+                              torch::Tensor seq, torch::Tensor lens, double scale, int64_t kernel) {
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(slots.is_contiguous() && seq.is_contiguous() && lens.is_contiguous(), "contiguous slots and lengths");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "one dtype");
@@ -117,13 +117,23 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
   pybind11::gil_scoped_release no_gil;
+  const bool products = q.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128);
+  TORCH_CHECK(kernel == 0 || products, "the tile and AVX512-BF16 attention take bf16 heads of 64 or 128");
 #if defined(ZT_TILE_ATTENTION)
-  if (tiles && q.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128)) {
+  if (kernel == 1) {
     attend_tiles(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), slot,
                  which, len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, width, s);
     return out;
   }
 #endif
+#if defined(ZT_DOT_ATTENTION)
+  if (kernel == 2) {
+    attend_dot(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), slot,
+               which, len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, width, s);
+    return out;
+  }
+#endif
+  TORCH_CHECK(kernel == 0, "this build has no such attention kernel");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slot, which,
                      len, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, width, s);

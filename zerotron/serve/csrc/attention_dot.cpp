@@ -1,0 +1,300 @@
+// ---- bf16 paged attention on AVX512-BF16 ------------------------------------------------------------
+// For x86 CPUs with AVX512-BF16 (VDPBF16PS) but no AMX, the tile kernel's matrix problem on vector
+// registers: the rows in the blocks of the AVX-512 kernel (consecutive rows of one slot list, at most
+// kBlock), per block and KV head the block's query rows of the heads that share the KV head (m = rows
+// x group) times the keys, S = Q K^T, the keys packed 16 at a time as pairs of dims (as VDPBF16PS
+// reads them); each row's softmax over its own keys (fp32, the probabilities rounded once to bf16);
+// O = P V, the values packed 32 keys at a time as pairs of keys. An element of S is one query row
+// times one key (a chain of VDPBF16PS steps over the head's dims in order), an element of O one row of
+// P times one column of V (a chain over the keys in order from key 0): a row's numbers depend on its
+// own query, keys and values alone, never on the block it is in, the other rows, or how a prompt is
+// cut into chunks, and a decode is computed as a prompt row is. Where the fp32 kernel spends a
+// 16-lane product and a reduction on each key of each row, here one instruction adds two dims of 16
+// keys (scores) or two keys of 16 dims (sums) for a row: about 2.5x less time on a long prompt.
+// The helpers (packing, softmax) are the tile kernel's too.
+#if defined(ZT_DOT) && defined(__AVX512F__)
+#define ZT_DOT_ATTENTION 1
+// A 16 x 16 matrix of 32-bit elements, row i in r[i], transposed in place (r[i] becomes column i).
+ZT_DOT_TARGET inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Keys j0 .. j0 + 15 of KV head kh as B tiles of S = Q K^T, one per 32 dims (pairs of dims down, the
+// 16 keys across): out[h * 256 + k * 16 + c] = dims (32h + 2k, 32h + 2k + 1) of key j0 + c; zeros for
+// keys at or past n.
+ZT_DOT_TARGET inline void pack_keys(const uint16_t* kp, const int64_t* slot, int64_t j0, int64_t n,
+                                     int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
+  for (int64_t h = 0; h < dim / 32; ++h) {
+    __m512i r[16];
+    for (int64_t c = 0; c < 16; ++c)
+      r[c] = j0 + c < n ? _mm512_loadu_si512(kp + (slot[j0 + c] * kv_heads + kh) * dim + 32 * h) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int k = 0; k < 16; ++k) _mm512_storeu_si512(out + h * 256 + k * 16, r[k]);
+  }
+}
+
+// Values j0 .. j0 + 31 of KV head kh as B tiles of O = P V, one per 16 dims (pairs of keys down, the
+// 16 dims across): out[t * 256 + k * 16 + d] = dim 16t + d of keys j0 + 2k (low half) and j0 + 2k + 1
+// (high half); zeros for keys at or past n.
+ZT_DOT_TARGET inline void pack_values(const uint16_t* vp, const int64_t* slot, int64_t j0, int64_t n,
+                                       int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
+  for (int64_t k = 0; k < 16; ++k) {
+    const int64_t a = j0 + 2 * k, b = a + 1;
+    const uint16_t* va = a < n ? vp + (slot[a] * kv_heads + kh) * dim : nullptr;
+    const uint16_t* vb = b < n ? vp + (slot[b] * kv_heads + kh) * dim : nullptr;
+    for (int64_t t = 0; t < dim / 16; ++t) {
+      const __m512i lo = va ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 16 * t)))
+                            : _mm512_setzero_si512();
+      const __m512i hi = vb ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + 16 * t)))
+                            : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + t * 256 + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// 2^t for t <= 0 on 16 lanes: t = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor
+// polynomial of degree 5 (relative error under 2e-6, far below the bf16 rounding that follows), times
+// 2^n by scalef (0 far below). Not attention.cpp's exp_neg16: its fp32 probabilities are kept, these
+// are rounded to bf16 at once, so one polynomial degree and the clamp less suffice.
+ZT_DOT_TARGET inline __m512 exp2_neg16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3333558e-3f), f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's softmax: its first len scores -> probabilities exp(scale (s - max)) rounded to bf16 in p
+// (zeros from len to width); the sum of the unrounded ones (16 running sums over j % 16, then added
+// as _mm512_reduce_add_ps adds) returned.
+ZT_DOT_TARGET inline float softmax_row(const float* s, int64_t len, float scale, uint16_t* p, int64_t width) {
+  const int64_t full = len / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1u);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + full));
+  const float c = scale * 1.44269504088896341f;  // exp(scale x) = 2^(c x)
+  const __m512 mul = _mm512_set1_ps(c), off = _mm512_set1_ps(-_mm512_reduce_max_ps(top) * c);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), mul, off));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_neg16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, s + full), mul, off)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + full), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  for (int64_t j = full + (tail ? 16 : 0); j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm256_setzero_si256());
+  return _mm512_reduce_add_ps(sum);
+}
+
+// What every block of one call shares: the queries, the pools, the output, the shapes.
+struct AttentionProblem {
+  const uint16_t *q, *kp, *vp;
+  uint16_t* out;
+  int64_t heads, kv_heads, dim;
+  float scale;
+};
+
+
+// Two bf16 values at x in every lane: one broadcast from memory (through a general register, as
+// _mm512_set1_epi32 of a loaded int is compiled, it costs two more instructions per step).
+ZT_DOT_TARGET inline __m512bh pair_of(const uint16_t* x) {
+  return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(x)));
+}
+
+// A thread's buffers for one block and KV head: the query rows, the packed keys, the scores, the
+// probabilities, the packed values, each row's sum of probabilities. The packed keys and values are
+// those of one slot list and KV head, kept from block to block: a prompt's blocks share its keys, and
+// each packs only the keys past what the blocks before it packed (the last group again where it was
+// cut short by the end of their rows' keys, its missing keys then zeros).
+struct DotAttention {
+  std::vector<uint16_t> q, p;
+  std::vector<uint32_t> keys, values;
+  std::vector<float> s, total;
+  const int64_t* slot = nullptr;
+  int64_t kh = -1, keyed = 0, valued = 0;  // whose keys are packed; how many keys hold in full
+};
+
+// S = Q K^T for R query rows (dim apart) against keys 0 .. width (a multiple of 32; packed by
+// pack_keys, 16 keys a group), 32 keys at a time: s rows ls apart. Each score one chain of VDPBF16PS
+// steps over the head's pairs of dims in order.
+template <int R, int64_t D>
+ZT_DOT_TARGET inline void dot_scores(const uint16_t* q, const uint32_t* keys, int64_t width, float* s, int64_t ls) {
+  ZT_DOT_ORDER
+  constexpr int64_t pairs = D / 2;
+  for (int64_t j0 = 0; j0 < width; j0 += 32) {
+    const uint32_t* k0 = keys + j0 * pairs;
+    const uint32_t* k1 = k0 + 16 * pairs;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < pairs; ++d) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(k0 + 16 * d), a1 = (__m512bh)_mm512_loadu_si512(k1 + 16 * d);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = pair_of(q + r * D + 2 * d);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, a0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, a1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(s + r * ls + j0, acc[r][0]);
+      _mm512_storeu_ps(s + r * ls + j0 + 16, acc[r][1]);
+    }
+  }
+}
+
+// O = P V for R rows of probabilities (lp apart, bf16, zeros past each row's keys) over keys 0 .. n32
+// (values packed by pack_values, 32 keys a chunk), dims 16 t0 .. 16 t0 + 63: each element one chain of
+// VDPBF16PS steps over the pairs of keys in order from key 0, divided by its row's total and rounded
+// once to bf16 into o[r] + 16 t0.
+template <int R>
+ZT_DOT_TARGET inline void dot_values(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
+                                     int64_t n32, uint16_t* const* o, const float* total) {
+  ZT_DOT_ORDER
+  const int64_t tiles = dim / 16;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n32 / 32; ++c) {
+    const uint32_t* vc = values + (c * tiles + t0) * 256;
+    for (int64_t k = 0; k < 16; ++k) {
+      __m512bh v[4];
+      for (int i = 0; i < 4; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vc + i * 256 + 16 * k);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = pair_of(p + r * lp + 32 * c + 2 * k);
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], x, v[i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
+    for (int i = 0; i < 4; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o[r] + 16 * (t0 + i)),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], inv)));
+  }
+}
+
+constexpr int kScoreRows = 8, kValueRows = 6;  // rows per register block: 16 and 24 accumulators
+
+template <int64_t D>
+ZT_DOT_TARGET void dot_scores_rows(const uint16_t* q, const uint32_t* keys, int64_t width, float* s, int64_t ls,
+                                   int64_t rows) {
+  switch (rows) {
+#define ZT_ROWS(R) \
+    case R: dot_scores<R, D>(q, keys, width, s, ls); break;
+    ZT_ROWS(8) ZT_ROWS(7) ZT_ROWS(6) ZT_ROWS(5) ZT_ROWS(4) ZT_ROWS(3) ZT_ROWS(2)
+#undef ZT_ROWS
+    default: dot_scores<1, D>(q, keys, width, s, ls); break;
+  }
+}
+
+ZT_DOT_TARGET void dot_values_rows(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
+                                   int64_t n32, uint16_t* const* o, const float* total, int64_t rows) {
+  switch (rows) {
+#define ZT_ROWS(R) \
+    case R: dot_values<R>(p, lp, values, dim, t0, n32, o, total); break;
+    ZT_ROWS(6) ZT_ROWS(5) ZT_ROWS(4) ZT_ROWS(3) ZT_ROWS(2)
+#undef ZT_ROWS
+    default: dot_values<1>(p, lp, values, dim, t0, n32, o, total); break;
+  }
+}
+
+// One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, written to the output: the
+// block's query rows of the heads that share the KV head (m = rows x group), their scores against the
+// block's longest row's keys, each row's softmax over its own keys, the weighted sums.
+ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, const int64_t* slot, const int64_t* len,
+                                  int64_t r0, int64_t nr, int64_t kh) {
+  const int64_t heads = pr.heads, kv_heads = pr.kv_heads, dim = pr.dim;
+  const int64_t group = heads / kv_heads, m = nr * group;
+  int64_t n = 0;
+  for (int64_t w = 0; w < nr; ++w) n = std::max(n, len[w]);
+  const int64_t n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+  const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
+  b.q.resize(m * dim);
+  for (int64_t i = 0; i < m; ++i)
+    std::memcpy(b.q.data() + i * dim, pr.q + ((r0 + i / group) * heads + kh * group + i % group) * dim, dim * 2);
+  if (b.slot != slot || b.kh != kh) {
+    b.slot = slot;
+    b.kh = kh;
+    b.keyed = b.valued = 0;
+  }
+  b.keys.resize(std::max<size_t>(b.keys.size(), n64 / 16 * (dim / 32) * 256));
+  for (int64_t j0 = b.keyed / 16 * 16; j0 < n64; j0 += 16)
+    pack_keys(pr.kp, slot, j0, n, kv_heads, kh, dim, b.keys.data() + j0 / 16 * (dim / 32) * 256);
+  b.keyed = std::max(b.keyed, n);
+  b.s.resize(m * ls);
+  for (int64_t i0 = 0; i0 < m; i0 += kScoreRows)
+    (dim == 64 ? dot_scores_rows<64> : dot_scores_rows<128>)(b.q.data() + i0 * dim, b.keys.data(), n64,
+                                                           b.s.data() + i0 * ls, ls, std::min<int64_t>(kScoreRows, m - i0));
+  b.p.resize(m * lp);
+  b.total.resize(m);
+  for (int64_t i = 0; i < m; ++i)
+    b.total[i] = softmax_row(b.s.data() + i * ls, len[i / group], pr.scale, b.p.data() + i * lp, n32);
+  b.values.resize(std::max<size_t>(b.values.size(), n32 / 32 * (dim / 16) * 256));
+  for (int64_t j0 = b.valued / 32 * 32; j0 < n32; j0 += 32)
+    pack_values(pr.vp, slot, j0, n, kv_heads, kh, dim, b.values.data() + j0 / 32 * (dim / 16) * 256);
+  b.valued = std::max(b.valued, n);
+  for (int64_t i0 = 0; i0 < m; i0 += kValueRows) {
+    const int64_t rows = std::min<int64_t>(kValueRows, m - i0);
+    uint16_t* o[kValueRows];
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      o[r] = pr.out + ((r0 + i / group) * heads + kh * group + i % group) * dim;
+    }
+    for (int64_t t0 = 0; t0 < dim / 16; t0 += 4)
+      dot_values_rows(b.p.data() + i0 * lp, lp, b.values.data(), dim, t0, n32, o, b.total.data() + i0, rows);
+  }
+}
+
+// One thread's share of the blocks.
+ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
+                             const int64_t* lens, int64_t width) {
+  DotAttention b;
+  for (int64_t kh = 0; kh < pr.kv_heads; ++kh)  // KV head first: a slot list's blocks one after another
+    for (int64_t blk : share) {
+      const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
+      dot_block_head(b, pr, slots + seq[r0] * width, lens + r0, r0, nr, kh);
+    }
+}
+
+// The blocks of attend_avx512, dealt to the threads by their work the same way.
+void attend_dot(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* slots,
+                const int64_t* seq, const int64_t* lens, c10::BFloat16* out, int64_t rows, int64_t heads,
+                int64_t kv_heads, int64_t dim, int64_t width, float scale) {
+  const std::vector<int64_t> start = row_blocks(seq, rows);
+  const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
+  const AttentionProblem pr{reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(kp),
+                            reinterpret_cast<const uint16_t*>(vp), reinterpret_cast<uint16_t*>(out), heads, kv_heads,
+                            dim, scale};
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) dot_share(pr, start, share[t], slots, seq, lens, width);
+  });
+}
+#endif
