@@ -42,6 +42,7 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     qtype = GGMLQuantizationType[kind]
     # gguf has no K-quant quantiser: random bits, with finite f16 scales where the format keeps them
     k_scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}
+    k_scales |= {"Q3_K": (110, slice(108, 110)), "Q2_K": (84, slice(80, 84))}
     if kind in k_scales:
         size, where = k_scales[kind]
         raw = rng.integers(0, 256, (OUT, IN // 256, size), dtype=np.uint8)
@@ -54,7 +55,7 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 KEPT = {"Q4_0": BlockInt4Linear, "Q4_1": BlockInt4Linear, "Q4_K": BlockInt4Linear, "Q8_0": BlockInt8Linear}
-KEPT |= {"Q5_K": BlockKLinear, "Q6_K": BlockKLinear}
+KEPT |= {"Q5_K": BlockKLinear, "Q6_K": BlockKLinear, "Q3_K": BlockKLinear, "Q2_K": BlockKLinear}
 
 
 @pytest.mark.parametrize("kind", list(KEPT))
@@ -70,6 +71,8 @@ def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str
     held = sum(t.nbytes for t in layer.buffers())
     if kind in ("Q5_K", "Q6_K"):  # a byte a value, and the file's scales (at most 20 bytes per 256 values)
         assert held <= OUT * IN * (1 + 20 / 256)
+    elif kind in ("Q2_K", "Q3_K"):  # half a byte a value, and the scales (at most 36 bytes per 256 values)
+        assert held <= OUT * IN * (0.5 + 36 / 256)
     else:
         assert held <= raw.nbytes * 1.03  # the file's bytes, no copy
     x = torch.randn(21, IN)
@@ -93,7 +96,7 @@ def test_q8_embedding_looks_up_the_files_rows_and_pads_the_vocabulary() -> None:
 
 
 def test_other_types_are_not_kept() -> None:
-    assert block_linear("Q3_K", np.zeros((4, 110), np.uint8), 256) is None
+    assert block_linear("Q5_0", np.zeros((4, 22), np.uint8), 32) is None
     assert block_linear("Q6_K", np.zeros((4, 105), np.uint8), 128) is None  # not whole super-blocks
     assert block_linear("F16", np.zeros((4, 64), np.uint8), 32) is None
     assert block_linear("Q4_1", np.zeros((40, 20), np.uint8), 32) is None  # 40 outputs: no int4 tiles

@@ -21,6 +21,9 @@ invariance):
   where the file packs 6.6 or 5.5) and the file's f16 and small-integer scales as they are; a call
   dequantises a chunk of output rows as :class:`BlockInt8Linear` does, with the ``gguf`` package's
   arithmetic, so the weights are its ``dequantize`` values bit for bit.
+- **Q3_K** (each 16 of 256 ``w = d·(sc − 32)·q``, 3-bit ``q − 4``, 6-bit ``sc``) and **Q2_K** (each 16
+  ``w = d·sc·q − dmin·mn``, 2-bit ``q``, 4-bit ``sc``, ``mn``) become :class:`BlockKLinear` too, their
+  values two to a byte (4 bits a value where the file packs 3.4 or 2.6), dequantised the same way.
 
 The 4-bit kernel multiplies in the activations' dtype when it is bf16 (its fast path: the scales and
 zeros are then rounded to bf16), else in fp32; the 8-bit forms multiply in fp32. Results come back in
@@ -187,16 +190,26 @@ class BlockInt8Linear(nn.Module):
 
 
 class BlockKLinear(BlockInt8Linear):
-    """A linear layer of Q6_K or Q5_K blocks: the values unpacked to int8 ``(out, in)`` (Q6_K's
-    ``q − 32``, Q5_K's ``q``) and the file's scales: ``d`` (and Q5_K's ``dmin``), f16 per super-block
-    of 256 inputs; ``sc`` (and Q5_K's ``mn``) per group of 16 (Q6_K, int8) or 32 (Q5_K, 6-bit) inputs."""
+    """A linear layer of K-quant blocks (super-blocks of 256 inputs): the values unpacked to int8
+    ``(out, in)`` (Q6_K's ``q − 32``, Q5_K's ``q``), or for the 2- and 3-bit types two to a byte
+    ``(out, in / 2)`` (Q2_K's ``q``, Q3_K's ``q + 4``; input 2j in the low half, 2j + 1 in the high),
+    and the file's scales: ``d`` (and Q5_K's and Q2_K's ``dmin``), f16 per super-block; ``sc`` (and
+    ``mn``) per group of 16 (Q6_K, Q3_K, Q2_K) or 32 (Q5_K) inputs."""
 
     sc: torch.Tensor
-    dmin: torch.Tensor  # Q5_K
-    mn: torch.Tensor  # Q5_K
+    dmin: torch.Tensor  # Q5_K, Q2_K
+    mn: torch.Tensor  # Q5_K, Q2_K
 
     def __init__(self, kind: str, blocks: np.ndarray, in_features: int) -> None:
         out, extra = blocks.shape[0], {}
+        if kind in ("Q2_K", "Q3_K"):
+            q, sc, d, extra = _low_bits(kind, blocks.reshape(out, in_features // 256, -1))
+            super().__init__(torch.from_numpy(q.reshape(out, in_features // 2).copy()), d)
+            self.in_features, self.kind, self.group = in_features, kind, 16
+            self.register_buffer("sc", torch.from_numpy(sc.reshape(out, -1).copy()))
+            for name, part in extra.items():
+                self.register_buffer(name, part)
+            return
         if kind == "Q6_K":  # ql (128 bytes), qh (64), scales (16 int8), d (f16)
             b = blocks.reshape(out, in_features // 256, 210)
             ql = (b[..., 0:128].reshape(out, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
@@ -222,16 +235,49 @@ class BlockKLinear(BlockInt8Linear):
         for name, part in extra.items():  # Q5_K's mins
             self.register_buffer(name, part)
 
+    def values(self, start: int, stop: int) -> torch.Tensor:
+        """The values ``q`` of output rows ``start:stop`` (``(n, in)``, int8)."""
+        q = self.qweight[start:stop]
+        if self.kind not in ("Q2_K", "Q3_K"):
+            return q
+        both = torch.stack([q & 0x0F, q >> 4], dim=-1).view(stop - start, self.in_features).to(torch.int8)
+        return both - 4 if self.kind == "Q3_K" else both
+
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Output rows ``start:stop`` in fp32, as the ``gguf`` package computes them: ``(d·sc)·q``, and
-        for Q5_K minus ``dmin·mn``."""
+        for Q5_K and Q2_K minus ``dmin·mn``."""
         n, per = stop - start, 256 // self.group
         scale = self.d[start:stop].float().repeat_interleave(per, dim=1) * self.sc[start:stop].float()
-        w = self.qweight[start:stop].view(n, -1, self.group).float() * scale[..., None]
-        if self.kind == "Q5_K":
+        w = self.values(start, stop).view(n, -1, self.group).float() * scale[..., None]
+        if self.kind in ("Q5_K", "Q2_K"):
             mins = self.dmin[start:stop].float().repeat_interleave(per, dim=1) * self.mn[start:stop].float()
             w = w - mins[..., None]
         return w.view(n, self.in_features)
+
+
+def _low_bits(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor, dict[str, torch.Tensor]]:
+    """Q2_K's or Q3_K's super-blocks ``b`` (out, supers, bytes) -> (the values two to a byte, (out,
+    supers·128) uint8; the group scales, (out, supers, 16); ``d``; Q2_K's ``dmin`` and ``mn``), in the
+    ``gguf`` package's order of values."""
+    out, supers = b.shape[:2]
+    shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
+    if kind == "Q2_K":  # scales (16: 4-bit scale, 4-bit min), qs (64), d, dmin (f16)
+        q = (b[..., 16:80].reshape(out, supers, 2, 1, 32) >> shifts) & 3  # (out, supers, 2, 4, 32)
+        sc, mn = b[..., 0:16] & 0x0F, b[..., 0:16] >> 4
+        extra = {"dmin": _f16(b[..., 82:84]), "mn": torch.from_numpy(mn.reshape(out, -1).copy())}
+        d = _f16(b[..., 80:82])
+    else:  # Q3_K: hmask (32), qs (64), scales (12: 6-bit, less 32), d (f16)
+        low = (b[..., 32:96].reshape(out, supers, 2, 1, 32) >> shifts) & 3
+        bits = np.arange(8, dtype=np.uint8)[:, None]
+        high = (b[..., 0:32].reshape(out, supers, 1, 32) >> bits) & 1  # (out, supers, 8, 32)
+        q = low.reshape(out, supers, 8, 32) | (high << 2)  # q + 4: the offset is 0 where the bit is set
+        ls, hs = b[..., 96:104], b[..., 104:108]
+        lo = (ls[..., None, :] >> np.array([0, 4], np.uint8)[:, None]).reshape(out, supers, 16) & 0x0F
+        hi = (hs[..., None, :] >> np.array([0, 2, 4, 6], np.uint8)[:, None]).reshape(out, supers, 16) & 3
+        sc = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+        extra, d = {}, _f16(b[..., 108:110])
+    flat = q.reshape(out, -1).astype(np.uint8)
+    return flat[:, 0::2] | (flat[:, 1::2] << 4), sc, d, extra
 
 
 class BlockInt8Embedding(nn.Module):
@@ -255,7 +301,7 @@ class BlockInt8Embedding(nn.Module):
 
 def block_inputs(kind: str) -> int:
     """Inputs per block of a GGUF type as the file stores it (the K types: per 256-input super-block)."""
-    return 256 if kind in ("Q4_K", "Q5_K", "Q6_K") else BLOCK
+    return 256 if kind in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K") else BLOCK
 
 
 def block_linear(
@@ -269,6 +315,6 @@ def block_linear(
         return BlockInt4Linear(kind, blocks, in_features, dtype)
     if kind == "Q8_0":
         return BlockInt8Linear.of(blocks, in_features)
-    if kind in ("Q6_K", "Q5_K") and whole:
+    if kind in ("Q6_K", "Q5_K", "Q3_K", "Q2_K") and whole:
         return BlockKLinear(kind, blocks, in_features)
     return None
