@@ -255,7 +255,9 @@ class BlockKLinear(BlockInt8Linear):
         return w.view(n, self.in_features)
 
 
-def _low_bits(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor, dict[str, torch.Tensor]]:
+def _low_bits(
+    kind: str, b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, torch.Tensor, dict[str, torch.Tensor]]:
     """Q2_K's or Q3_K's super-blocks ``b`` (out, supers, bytes) -> (the values two to a byte, (out,
     supers·128) uint8; the group scales, (out, supers, 16); ``d``; Q2_K's ``dmin`` and ``mn``), in the
     ``gguf`` package's order of values."""
