@@ -4,10 +4,13 @@ SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head size 64), random
 values. A prompt of N tokens attended causally: the native kernel (:func:`zerotron.serve.kernels.
 paged_attention`, each row reading its keys through the sequence's slot list in the paged pool, the
 keys scattered over the pool in 16-slot blocks) against SDPA with ``is_causal`` on the same keys laid
-out contiguously (its best case: no gather, no mask tensor), and a step of 32 decodes at context N.
-The two are timed in turn, best of ``--passes``; ms per layer.
+out contiguously (its best case: no gather, no mask tensor), and a step of 32 decodes at context N,
+each of its own sequence (its own keys, scattered over the pool).
+The two are timed in turn, best of ``--passes``; ms per layer. ``--kernel`` picks the native kernel
+(default: the one the engine runs here, :func:`zerotron.serve.kernels.attention_kernel`; ``fp32``, the
+AVX-512 kernel with fp32 arithmetic, ``dot`` on AVX512-BF16, ``tiles`` on AMX).
 
-    python benchmarks/serve_attention.py --dtype bfloat16 --lengths 64,512,2000
+    python benchmarks/serve_attention.py --dtype bfloat16 --lengths 64,512,2000 [--kernel fp32]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def _best(fns: list[Callable[[], torch.Tensor]], passes: int) -> list[float]:
     return best
 
 
-def _length(n: int, dtype: torch.dtype, g: torch.Generator, passes: int) -> list[float]:
+def _length(n: int, dtype: torch.dtype, g: torch.Generator, passes: int, kernel: str) -> list[float]:
     """ms per layer at ``n`` tokens: prompt native, prompt SDPA, 32 decodes native, 32 decodes SDPA."""
     blocks = -(-n // BLOCK)
     pool = (blocks + 1) * BLOCK * 2
@@ -49,14 +52,20 @@ def _length(n: int, dtype: torch.dtype, g: torch.Generator, passes: int) -> list
     keys = k_pool[slots[0, :n]].transpose(0, 1)[None].contiguous()  # (1, kvh, n, d)
     values = v_pool[slots[0, :n]].transpose(0, 1)[None].contiguous()
     queries = q.transpose(0, 1)[None].contiguous()
+    # 32 decodes of 32 sequences, each its own keys (its own slot list over a pool of their blocks)
+    dk_pool = torch.randn(32 * blocks * BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
+    dv_pool = torch.randn(32 * blocks * BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
+    dtable = torch.randperm(32 * blocks, generator=g).view(32, blocks)
+    dslots = (dtable[:, :, None] * BLOCK + torch.arange(BLOCK)).view(32, -1).contiguous()
     dq = torch.randn(32, HEADS, DIM, generator=g).to(dtype)
-    dlens, dseq = torch.full((32,), n), torch.zeros(32, dtype=torch.long)
+    dlens, dseq = torch.full((32,), n), torch.arange(32)
     rows = dq.view(32, KV_HEADS, HEADS // KV_HEADS, DIM)  # the engine's SDPA decode: heads as rows
-    kk, vv = keys.expand(32, -1, -1, -1), values.expand(32, -1, -1, -1)
+    kk = dk_pool[dslots[:, :n]].transpose(1, 2).contiguous()  # (32, kvh, n, d)
+    vv = dv_pool[dslots[:, :n]].transpose(1, 2).contiguous()
     fns: list[Callable[[], torch.Tensor]] = [
-        lambda: kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq),
+        lambda: kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq, kernel=kernel),
         lambda: F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True),
-        lambda: kernels.paged_attention(dq, k_pool, v_pool, slots, dlens, dseq),
+        lambda: kernels.paged_attention(dq, dk_pool, dv_pool, dslots, dlens, dseq, kernel=kernel),
         lambda: F.scaled_dot_product_attention(rows, kk, vv),
     ]
     return [t * 1e3 for t in _best(fns, passes)]
@@ -67,15 +76,19 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--lengths", default="64,512,2000")
     p.add_argument("--passes", type=int, default=15)
+    p.add_argument("--kernel", choices=kernels.ATTENTION_KERNELS, default=None)
     args = p.parse_args()
     if not kernels.available():
         raise SystemExit(f"the native kernels are not available: {kernels.why_unavailable()}")
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
-    print(f"{args.dtype}, {torch.get_num_threads()} threads; ms per layer (best of {args.passes})")
+    kernel = args.kernel or kernels.attention_kernel(dtype, DIM)
+    print(
+        f"{args.dtype}, {torch.get_num_threads()} threads, native kernel {kernel}; ms per layer (best of {args.passes})"
+    )
     print("tokens  prompt native  prompt SDPA  ratio   32 decodes native  32 decodes SDPA  ratio")
     for n in (int(x) for x in args.lengths.split(",")):
-        a, b, c, d = _length(n, dtype, g, args.passes)
+        a, b, c, d = _length(n, dtype, g, args.passes, kernel)
         print(f"{n:6d}  {a:13.2f}  {b:11.2f}  {a / b:5.2f}   {c:17.3f}  {d:15.3f}  {c / d:5.2f}")
 
 

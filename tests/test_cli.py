@@ -271,3 +271,28 @@ def test_tensor_parallel_ranks_talk_over_gloo_on_the_cpu_and_nccl_on_gpus(
         assert expected in _error(capsys, argv)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # set from LOCAL_RANK in a rank
     assert rank_device("cuda") == "cuda:1" and rank_device("cpu") == "cpu"
+
+
+def test_serve_attention_kernel_picks_the_native_kernels_code(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--attention-kernel`` reaches the engine's settings; refused in one line beside SDPA attention
+    (it picks the native kernel's code), for a dtype the code does not attend, and where the CPU
+    lacks the code's instructions."""
+    from zerotron.cli import build_parser
+    from zerotron.serve import kernels
+    from zerotron.serve.command import engine_config
+    from zerotron.serve.config import EngineConfig, EngineConfigError
+
+    args = build_parser().parse_args(["serve", "model.gguf", "--attention-kernel", "fp32"])
+    if kernels.available():
+        assert engine_config(args, 1).attention_kernel == "fp32"
+    err = _error(capsys, ["serve", "model.gguf", "--attention", "sdpa", "--attention-kernel", "fp32"])
+    assert "--attention-kernel" in err and "--attention native" in err and len(err.splitlines()) == 1, err
+    with pytest.raises(EngineConfigError, match="attention_kernel: 'avx'"):
+        EngineConfig(attention_kernel="avx")
+    if kernels.available() and kernels.dot_available():
+        with pytest.raises(EngineConfigError, match="dot: it attends bf16 rows, not float32"):
+            EngineConfig(attention_kernel="dot", native_attention=True, dtype="float32")
+        assert EngineConfig(attention_kernel="dot", native_attention=True, dtype="bfloat16").attention_kernel
+    if kernels.available() and not kernels.tiles_available():
+        with pytest.raises(EngineConfigError, match="attention_kernel: tiles: "):
+            EngineConfig(attention_kernel="tiles", native_attention=True, dtype="bfloat16")

@@ -210,7 +210,9 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     calls: list[int] = []
     sdpa_calls: list[int] = []
     attention, sdpa = kernels.paged_attention, F.scaled_dot_product_attention
-    monkeypatch.setattr(kernels, "paged_attention", lambda q, *a: calls.append(len(q)) or attention(q, *a))
+    monkeypatch.setattr(
+        kernels, "paged_attention", lambda q, *a, **kw: calls.append(len(q)) or attention(q, *a, **kw)
+    )
     monkeypatch.setattr(
         F, "scaled_dot_product_attention", lambda q, *a, **kw: sdpa_calls.append(1) or sdpa(q, *a, **kw)
     )

@@ -195,10 +195,16 @@ def test_parallel_samples_and_preemption_keep_their_adapter(served: tuple) -> No
     assert samples == {0: alone, 1: alone, 2: alone}
 
 
-def test_bf16_mixed_batch_is_batch_invariant(served: tuple) -> None:
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_mixed_batch_is_batch_invariant(served: tuple, native: bool) -> None:
+    """Each row's tokens alone as in the batch, on chunked F.linear and on the native bf16 kernel (its
+    slots packed for it)."""
     _, model, paths = served
+    if native and kernels.why_no_native_matmul(torch.bfloat16) is not None:
+        pytest.skip(f"no native bf16 linears here: {kernels.why_no_native_matmul(torch.bfloat16)}")
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    engine = _engine(bf16, paths)
+    engine = _engine(bf16, paths, native_matmul=native)
+    assert (engine.runner.lora is not None and engine.runner.lora.native is not None) == native
     prompts = _prompts([6, 40, 4, 9], seed=8)
     loras = ["alpha", "beta", None, "gamma"]
     together = _run(engine, prompts, loras, GREEDY)

@@ -201,13 +201,13 @@ class BlockKLinear(BlockInt8Linear):
     mn: torch.Tensor  # Q5_K, Q2_K
 
     def __init__(self, kind: str, blocks: np.ndarray, in_features: int) -> None:
-        out, extra = blocks.shape[0], {}
+        out, extra = blocks.shape[0], dict[str, torch.Tensor]()
         if kind in ("Q2_K", "Q3_K"):
-            q, sc, d, extra = _low_bits(kind, blocks.reshape(out, in_features // 256, -1))
-            super().__init__(torch.from_numpy(q.reshape(out, in_features // 2).copy()), d)
+            pairs, low_sc, low_d, low_extra = _low_bits(kind, blocks.reshape(out, in_features // 256, -1))
+            super().__init__(torch.from_numpy(pairs.reshape(out, in_features // 2).copy()), low_d)
             self.in_features, self.kind, self.group = in_features, kind, 16
-            self.register_buffer("sc", torch.from_numpy(sc.reshape(out, -1).copy()))
-            for name, part in extra.items():
+            self.register_buffer("sc", torch.from_numpy(low_sc.reshape(out, -1).copy()))
+            for name, part in low_extra.items():
                 self.register_buffer(name, part)
             return
         if kind == "Q6_K":  # ql (128 bytes), qh (64), scales (16 int8), d (f16)

@@ -30,6 +30,7 @@ FLAGS = {
     "native_matmul": "--matmul native",
     "native_attention": "--attention native",
     "triton_attention": "--attention triton",
+    "attention_kernel": "--attention-kernel",
     "block_size": "--block-size",
     "kv_cache_bytes": "--kv-cache-memory",
     "max_num_seqs": "--max-num-seqs",
@@ -82,6 +83,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "speculative": speculative(args),
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "attention_kernel": args.attention_kernel,
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)
@@ -93,6 +95,11 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         on_cpu = device.type == "cpu"
         chosen["native_attention"] = on_cpu and kernels.available()
         chosen["triton_attention"] = not on_cpu and triton_attention.available()
+    if args.attention_kernel is not None and not chosen["native_attention"]:
+        raise ConfigError(
+            "serve --attention-kernel: it picks the native paged-attention kernel's code; use --attention "
+            "native (or leave --attention out on a CPU where the kernel builds)"
+        )
     packed = packed_method(args.model) if args.quantization is None else None
     if packed is not None:  # a packed checkpoint's weights as they are, where the engine takes them
         try:

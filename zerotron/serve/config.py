@@ -55,6 +55,8 @@ class EngineConfig:
     prefix_caching: bool = True
     onednn: bool = False  # pack (and fuse) the linears for oneDNN: the engine then owns the model (CPU)
     native_attention: bool = False  # every row through the native paged kernel (zerotron.serve.kernels)
+    # that kernel's code: fp32 | dot (AVX512-BF16) | tiles (AMX); None: kernels.attention_kernel's choice
+    attention_kernel: Optional[str] = None
     native_matmul: bool = False  # linears on zerotron's kernels: bf16 on AMX tiles, fp32 on AVX-512 (CPU)
     dtype: Optional[str] = None  # the model's dtype (float32 | bfloat16 | float16); None: the model's
     device: Optional[str] = None  # where the model and the KV cache live (cpu | cuda[:N]); None: the model's
@@ -89,6 +91,11 @@ class EngineConfig:
             ("tp", self.tp >= 1, "at least 1 rank"),
             ("max_loras", self.max_loras >= 0, "0 (no adapters) or more"),
             ("max_lora_rank", self.max_lora_rank >= 1, "at least 1"),
+            (
+                "attention_kernel",
+                self.attention_kernel is None or self.attention_kernel in kernels.ATTENTION_KERNELS,
+                f"choose one of {', '.join(kernels.ATTENTION_KERNELS)}",
+            ),
             (
                 "kv_cache_dtype",
                 self.kv_cache_dtype in kv_quant.CHOICES,
@@ -130,6 +137,12 @@ class EngineConfig:
                 "native_attention", f"the kernel could not be built ({kernels.why_unavailable()})"
             )
         dtype = getattr(torch, self.dtype) if self.dtype is not None else None  # known: an engine's model's
+        if self.attention_kernel not in (None, "fp32"):
+            why = kernels.why_no_tiles() if self.attention_kernel == "tiles" else kernels.why_no_dot()
+            if dtype not in (None, torch.bfloat16):
+                why = f"it attends bf16 rows, not {self.dtype}"
+            if why is not None:
+                raise EngineConfigError("attention_kernel", f"{self.attention_kernel}: {why}")
         if self.native_matmul and self.tp > 1:
             raise EngineConfigError("native_matmul", packs)
         why = kernels.why_no_native_matmul(dtype) if self.native_matmul and dtype is not None else None

@@ -39,6 +39,9 @@ from zerotron.models.lora import PEFT_PREFIX, _adapter_tensors, read_adapter_con
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.serve.linears import Linear, row_parallel_in_order
 
+# (pack, run) of a native linear kernel (zerotron.serve.kernels.native_linear)
+Native = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor]]
+
 
 class LoraError(ValueError):
     """An adapter that cannot be served, or a name that cannot be loaded or unloaded (one line)."""
@@ -155,11 +158,14 @@ class MultiLora:
     row without adapter gets the base model's bits (its delta is exactly zero, and no product runs in a
     step without adapter rows)."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, linear: Linear) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, linear: Linear, native: Optional[Native] = None
+    ) -> None:
         """Record ``model``'s adaptable linears (before the runner packs them and frees their dense
         weights) and allocate their slots; ``linear(weight, bias, x)`` runs the low-rank products
-        batch-invariantly."""
-        self.max_loras, self.max_rank, self.linear = max_loras, max_rank, linear
+        batch-invariantly, or ``native`` (``(pack, run)`` of :func:`zerotron.serve.kernels.native_linear`,
+        as the engine's own linears run): the slots then packed for it, again whenever one is written."""
+        self.max_loras, self.max_rank, self.linear, self.native = max_loras, max_rank, linear, native
         self.modules = {n: m for n, m in model.named_modules() if adaptable(n, m)}
         if not self.modules:
             raise LoraError("this model has no linear layers an adapter could adapt")
@@ -177,6 +183,9 @@ class MultiLora:
             n: torch.zeros(m.out_features, width, dtype=self.dtype, device=self.device)
             for n, m in self.modules.items()
         }
+        self.packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for n in self.modules if native is not None else ():
+            self._pack(n)
         self.slots: list[Optional[ServedAdapter]] = [None] * max_loras
         self.loaded: dict[str, ServedAdapter] = {}
         self.lock = threading.Lock()  # the server's request threads read the registry
@@ -261,6 +270,8 @@ class MultiLora:
                 _, outs, ins = self.shards[name]
                 self.a[name][rows.start : rows.start + adapter.rank] = pair[0][:, ins]
                 self.b[name][:, rows.start : rows.start + adapter.rank] = pair[1][outs]
+            if self.native is not None:
+                self._pack(name)
         adapter.slot = slot
         adapter.pairs = {}  # the slots hold the weights now
         self.slots[slot] = adapter
@@ -324,9 +335,19 @@ class MultiLora:
         if self.mask is None or self.scale is None:
             return None
         rows = x.reshape(-1, x.shape[-1])
+        if self.native is not None:
+            (pa, pb), run = self.packed[name], self.native[1]
+            h = run(rows, pa, None, self.a[name].shape[0]) * self.mask
+            return run(h, pb, None, self.b[name].shape[0]) * self.scale
         h = self.linear(self.a[name], None, rows) * self.mask
         delta: torch.Tensor = self.linear(self.b[name], None, h) * self.scale
         return delta
+
+    def _pack(self, name: str) -> None:
+        """``name``'s slots packed for the native kernel (after a slot of it is written)."""
+        assert self.native is not None
+        pack = self.native[0]
+        self.packed[name] = (pack(self.a[name]), pack(self.b[name]))
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

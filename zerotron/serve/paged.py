@@ -21,6 +21,7 @@ block that no sequence owns: padding rows of a step write there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -311,11 +312,22 @@ class PagedAttention:
     length = 0  # positions come with the batch; the causal masks are built here
 
     def __init__(
-        self, pool: KVPool, pieces: list[Piece], rows: int, native: bool = False, triton: bool = False
+        self,
+        pool: KVPool,
+        pieces: list[Piece],
+        rows: int,
+        native: bool = False,
+        triton: bool = False,
+        kernel: Optional[str] = None,
     ) -> None:
         self.pool = pool
-        # the paged kernel of a native plan: zerotron's C++ one, or the Triton one (a GPU's)
-        self.kernel = triton_attention.paged_attention if triton else kernels.paged_attention
+        # the paged kernel of a native plan: zerotron's C++ one (``kernel``: its code, None: the
+        # default here), or the Triton one (a GPU's)
+        self.kernel: Callable[..., torch.Tensor] = (
+            triton_attention.paged_attention
+            if triton
+            else functools.partial(kernels.paged_attention, kernel=kernel)
+        )
         native = native or triton
         bs = pool.block_size
         slots = [0] * rows  # padding rows: slot 0 of the scratch block
@@ -426,7 +438,7 @@ class PagedAttention:
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         q = kernels.rope_store(y, cos, sin, kp, vp, self.slots, heads)
         g = self.groups[0]
-        return kernels.paged_attention(q, kp, vp, g.key_slots, g.keys, g.seq)
+        return self.kernel(q, kp, vp, g.key_slots, g.keys, g.seq)
 
     @staticmethod
     def _attend_group(

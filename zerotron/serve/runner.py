@@ -166,7 +166,12 @@ class StepRunner:
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
         lora_linear = invariant_linear(dtype, fixed)
-        self.lora = MultiLora(model, cfg.max_loras, cfg.max_lora_rank, lora_linear) if cfg.max_loras else None
+        lora_native = kernels.native_linear(dtype)[:2] if native_matmul else None
+        self.lora = (
+            MultiLora(model, cfg.max_loras, cfg.max_lora_rank, lora_linear, lora_native)
+            if cfg.max_loras
+            else None
+        )
         lean = {} if self.lora is None else {"lean": False}
         packed = (onednn or native_matmul) and pack_linears(
             model, max_rows=max_rows, native=native_matmul, **lean
@@ -214,7 +219,9 @@ class StepRunner:
         (the whole vocabulary, gathered over the tensor-parallel group)."""
         for src, dst, slots in plan.copies:
             self.kv.copy_block(src, dst, slots)
-        attention = PagedAttention(self.kv, plan.pieces, len(plan.ids), self.native, self.triton)
+        attention = PagedAttention(
+            self.kv, plan.pieces, len(plan.ids), self.native, self.triton, self.config.attention_kernel
+        )
         if self.lora is not None:
             self.lora.begin(self.lora.in_slots(plan.lora_slots), len(plan.ids))
         elif plan.lora_slots:

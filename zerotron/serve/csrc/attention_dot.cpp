@@ -40,9 +40,10 @@ ZT_DOT_TARGET inline void transpose16(__m512i* r) {
 
 // Keys j0 .. j0 + 15 of KV head kh as B tiles of S = Q K^T, one per 32 dims (pairs of dims down, the
 // 16 keys across): out[h * 256 + k * 16 + c] = dims (32h + 2k, 32h + 2k + 1) of key j0 + c; zeros for
-// keys at or past n.
+// keys at or past n. The next 16 keys' vectors are requested meanwhile (the slots are scattered).
 ZT_DOT_TARGET inline void pack_keys(const uint16_t* kp, const int64_t* slot, int64_t j0, int64_t n,
                                      int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
+  for (int64_t c = j0 + 16; c < std::min(j0 + 32, n); ++c) prefetch_slot(kp + (slot[c] * kv_heads + kh) * dim, dim);
   for (int64_t h = 0; h < dim / 32; ++h) {
     __m512i r[16];
     for (int64_t c = 0; c < 16; ++c)
@@ -54,9 +55,10 @@ ZT_DOT_TARGET inline void pack_keys(const uint16_t* kp, const int64_t* slot, int
 
 // Values j0 .. j0 + 31 of KV head kh as B tiles of O = P V, one per 16 dims (pairs of keys down, the
 // 16 dims across): out[t * 256 + k * 16 + d] = dim 16t + d of keys j0 + 2k (low half) and j0 + 2k + 1
-// (high half); zeros for keys at or past n.
+// (high half); zeros for keys at or past n. The next 32 keys' vectors are requested meanwhile.
 ZT_DOT_TARGET inline void pack_values(const uint16_t* vp, const int64_t* slot, int64_t j0, int64_t n,
                                        int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
+  for (int64_t c = j0 + 32; c < std::min(j0 + 64, n); ++c) prefetch_slot(vp + (slot[c] * kv_heads + kh) * dim, dim);
   for (int64_t k = 0; k < 16; ++k) {
     const int64_t a = j0 + 2 * k, b = a + 1;
     const uint16_t* va = a < n ? vp + (slot[a] * kv_heads + kh) * dim : nullptr;
@@ -274,7 +276,8 @@ ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, c
 ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
                              const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
                              const int64_t* lens, int64_t width) {
-  DotAttention b;
+  thread_local DotAttention b;  // kept from call to call (no fresh pages each call)
+  b.slot = nullptr;  // what it packed is stale in a new call: the pool has changed
   for (int64_t kh = 0; kh < pr.kv_heads; ++kh)  // KV head first: a slot list's blocks one after another
     for (int64_t blk : share) {
       const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
