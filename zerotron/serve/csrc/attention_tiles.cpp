@@ -140,19 +140,12 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
 }
 
 // The blocks of attend_avx512, dealt to the threads by their work the same way, on tiles.
-ZT_TILE_TARGET void attend_tiles(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp,
-                                 const int64_t* slots, const int64_t* seq, const int64_t* lens, c10::BFloat16* out,
-                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
-                                 float scale) {
-  const std::vector<int64_t> start = row_blocks(seq, rows);
-  const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
-  const AttentionProblem pr{reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(kp),
-                       reinterpret_cast<const uint16_t*>(vp), reinterpret_cast<uint16_t*>(out), heads, kv_heads,
-                       dim, scale};
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) attend_share(pr, start, share[t], slots, seq, lens, kv_heads, width);
-  });
+void attend_tiles(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* slots,
+                  const int64_t* seq, const int64_t* lens, c10::BFloat16* out, int64_t rows, int64_t heads,
+                  int64_t kv_heads, int64_t dim, int64_t width, float scale) {
+  attend_blocks(q, kp, vp, seq, lens, out, rows, heads, kv_heads, dim, scale,
+                [&](const AttentionProblem& pr, const std::vector<int64_t>& start, const std::vector<int64_t>& mine) {
+                  attend_share(pr, start, mine, slots, seq, lens, kv_heads, width);
+                });
 }
 #endif
