@@ -263,7 +263,7 @@ def _add_serve(sub: Any) -> None:
         default=None,
         help="the native kernel's code for bf16 rows with heads of 64 or 128: tiles (AMX: the default "
         "where the CPU has it), dot (AVX512-BF16: the default where it has that but no AMX; prompts "
-        "2.5x faster than fp32, decodes at long contexts slower), or fp32 arithmetic (the default "
+        "about 2x faster than fp32, decodes slower), or fp32 arithmetic (the default "
         "otherwise, and for every other dtype and head size)",
     )
     srv.add_argument(

@@ -10,8 +10,9 @@
 // own query, keys and values alone, never on the block it is in, the other rows, or how a prompt is
 // cut into chunks, and a decode is computed as a prompt row is. Where the fp32 kernel spends a
 // 16-lane product and a reduction on each key of each row, here one instruction adds two dims of 16
-// keys (scores) or two keys of 16 dims (sums) for a row: about 2.5x less time on a long prompt.
-// The helpers (packing, softmax) are the tile kernel's too.
+// keys (scores) or two keys of 16 dims (sums) for a row: about 0.45x the time on a long prompt; but a
+// decode (three query rows per KV head) does not amortise packing its keys and values, and takes
+// 1.2-1.9x the time. The helpers (packing, softmax) are the tile kernel's too.
 #if defined(ZT_DOT) && defined(__AVX512F__)
 #define ZT_DOT_ATTENTION 1
 // A 16 x 16 matrix of 32-bit elements, row i in r[i], transposed in place (r[i] becomes column i).
