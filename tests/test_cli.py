@@ -289,6 +289,8 @@ def test_serve_attention_kernel_picks_the_native_kernels_code(capsys: pytest.Cap
     assert "--attention-kernel" in err and "--attention native" in err and len(err.splitlines()) == 1, err
     with pytest.raises(EngineConfigError, match="attention_kernel: 'avx'"):
         EngineConfig(attention_kernel="avx")
+    with pytest.raises(EngineConfigError, match="turn native attention on"):  # not accepted and ignored
+        EngineConfig(attention_kernel="fp32")
     if kernels.available() and kernels.dot_available():
         with pytest.raises(EngineConfigError, match="dot: it attends bf16 rows, not float32"):
             EngineConfig(attention_kernel="dot", native_attention=True, dtype="float32")

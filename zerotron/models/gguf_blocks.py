@@ -43,6 +43,7 @@ from zerotron.models.quant import padded_linear
 
 BLOCK = 32  # inputs per scale in every kept form (Q4_K: per sub-block of its 256-input super-block)
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
+LOW_BITS = ("Q2_K", "Q3_K")  # kept two values a byte (BlockKLinear)
 
 
 def _f16(raw: np.ndarray) -> torch.Tensor:
@@ -202,15 +203,10 @@ class BlockKLinear(BlockInt8Linear):
 
     def __init__(self, kind: str, blocks: np.ndarray, in_features: int) -> None:
         out, extra = blocks.shape[0], dict[str, torch.Tensor]()
-        if kind in ("Q2_K", "Q3_K"):
-            pairs, low_sc, low_d, low_extra = _low_bits(kind, blocks.reshape(out, in_features // 256, -1))
-            super().__init__(torch.from_numpy(pairs.reshape(out, in_features // 2).copy()), low_d)
-            self.in_features, self.kind, self.group = in_features, kind, 16
-            self.register_buffer("sc", torch.from_numpy(low_sc.reshape(out, -1).copy()))
-            for name, part in low_extra.items():
-                self.register_buffer(name, part)
-            return
-        if kind == "Q6_K":  # ql (128 bytes), qh (64), scales (16 int8), d (f16)
+        if kind in LOW_BITS:  # two values a byte
+            q, sc, d, extra = _low_bits(kind, blocks.reshape(out, in_features // 256, -1))
+            group = 16
+        elif kind == "Q6_K":  # ql (128 bytes), qh (64), scales (16 int8), d (f16)
             b = blocks.reshape(out, in_features // 256, 210)
             ql = (b[..., 0:128].reshape(out, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
             qh = (b[..., 128:192].reshape(out, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
@@ -228,17 +224,17 @@ class BlockKLinear(BlockInt8Linear):
             d, group = _f16(b[..., 0:2]), 32
             extra = {"dmin": _f16(b[..., 2:4]), "mn": torch.from_numpy(mins.reshape(out, -1).copy())}
         else:
-            raise ValueError(f"{kind} blocks are not Q6_K or Q5_K blocks")
-        super().__init__(torch.from_numpy(q.reshape(out, in_features).copy()), d)
-        self.kind, self.group = kind, group
+            raise ValueError(f"{kind} blocks are not Q2_K, Q3_K, Q5_K or Q6_K blocks")
+        super().__init__(torch.from_numpy(q.reshape(out, -1).copy()), d)
+        self.in_features, self.kind, self.group = in_features, kind, group
         self.register_buffer("sc", sc)
-        for name, part in extra.items():  # Q5_K's mins
+        for name, part in extra.items():  # Q5_K's and Q2_K's mins
             self.register_buffer(name, part)
 
     def values(self, start: int, stop: int) -> torch.Tensor:
         """The values ``q`` of output rows ``start:stop`` (``(n, in)``, int8)."""
         q = self.qweight[start:stop]
-        if self.kind not in ("Q2_K", "Q3_K"):
+        if self.kind not in LOW_BITS:
             return q
         both = torch.stack([q & 0x0F, q >> 4], dim=-1).view(stop - start, self.in_features).to(torch.int8)
         return both - 4 if self.kind == "Q3_K" else both
@@ -257,9 +253,9 @@ class BlockKLinear(BlockInt8Linear):
 
 def _low_bits(
     kind: str, b: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Q2_K's or Q3_K's super-blocks ``b`` (out, supers, bytes) -> (the values two to a byte, (out,
-    supers·128) uint8; the group scales, (out, supers, 16); ``d``; Q2_K's ``dmin`` and ``mn``), in the
+    supers·128) uint8; the group scales, (out, supers·16); ``d``; Q2_K's ``dmin`` and ``mn``), in the
     ``gguf`` package's order of values."""
     out, supers = b.shape[:2]
     shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
@@ -279,7 +275,7 @@ def _low_bits(
         sc = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
         extra, d = {}, _f16(b[..., 108:110])
     flat = q.reshape(out, -1).astype(np.uint8)
-    return flat[:, 0::2] | (flat[:, 1::2] << 4), sc, d, extra
+    return flat[:, 0::2] | (flat[:, 1::2] << 4), torch.from_numpy(sc.reshape(out, -1).copy()), d, extra
 
 
 class BlockInt8Embedding(nn.Module):
@@ -303,7 +299,7 @@ class BlockInt8Embedding(nn.Module):
 
 def block_inputs(kind: str) -> int:
     """Inputs per block of a GGUF type as the file stores it (the K types: per 256-input super-block)."""
-    return 256 if kind in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K") else BLOCK
+    return 256 if kind in (*LOW_BITS, "Q4_K", "Q5_K", "Q6_K") else BLOCK
 
 
 def block_linear(
@@ -317,6 +313,6 @@ def block_linear(
         return BlockInt4Linear(kind, blocks, in_features, dtype)
     if kind == "Q8_0":
         return BlockInt8Linear.of(blocks, in_features)
-    if kind in ("Q6_K", "Q5_K", "Q3_K", "Q2_K") and whole:
+    if kind in ("Q6_K", "Q5_K", *LOW_BITS) and whole:
         return BlockKLinear(kind, blocks, in_features)
     return None

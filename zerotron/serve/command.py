@@ -67,6 +67,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "native_matmul": args.matmul == "native",
         "native_attention": args.attention == "native",
         "triton_attention": args.attention == "triton",
+        "attention_kernel": args.attention_kernel if args.attention == "native" else None,
     }
     fields = {
         "block_size": args.block_size,
@@ -83,7 +84,6 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "speculative": speculative(args),
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "attention_kernel": args.attention_kernel,
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)
@@ -100,6 +100,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
             "serve --attention-kernel: it picks the native paged-attention kernel's code; use --attention "
             "native (or leave --attention out on a CPU where the kernel builds)"
         )
+    chosen["attention_kernel"] = args.attention_kernel
     packed = packed_method(args.model) if args.quantization is None else None
     if packed is not None:  # a packed checkpoint's weights as they are, where the engine takes them
         try:

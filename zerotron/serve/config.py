@@ -137,12 +137,8 @@ class EngineConfig:
                 "native_attention", f"the kernel could not be built ({kernels.why_unavailable()})"
             )
         dtype = getattr(torch, self.dtype) if self.dtype is not None else None  # known: an engine's model's
-        if self.attention_kernel not in (None, "fp32"):
-            why = kernels.why_no_tiles() if self.attention_kernel == "tiles" else kernels.why_no_dot()
-            if dtype not in (None, torch.bfloat16):
-                why = f"it attends bf16 rows, not {self.dtype}"
-            if why is not None:
-                raise EngineConfigError("attention_kernel", f"{self.attention_kernel}: {why}")
+        if self.attention_kernel is not None:
+            self._check_attention_kernel(dtype)
         if self.native_matmul and self.tp > 1:
             raise EngineConfigError("native_matmul", packs)
         why = kernels.why_no_native_matmul(dtype) if self.native_matmul and dtype is not None else None
@@ -161,6 +157,24 @@ class EngineConfig:
             )
         if self.onednn and dtype == torch.bfloat16 and not onednn_kernels(dtype):
             raise EngineConfigError("onednn", "this CPU has no oneDNN bf16 kernels (AVX-512 BF16 or AMX)")
+
+    def _check_attention_kernel(self, dtype: torch.dtype | None) -> None:
+        if not self.native_attention:
+            raise EngineConfigError(
+                "attention_kernel",
+                "it picks the native paged-attention kernel's code: turn native attention on",
+            )
+        if self.attention_kernel == "fp32":
+            return
+        why = (
+            f"it attends bf16 rows, not {self.dtype}"
+            if dtype not in (None, torch.bfloat16)
+            else kernels.why_no_tiles()
+            if self.attention_kernel == "tiles"
+            else kernels.why_no_dot()
+        )
+        if why is not None:
+            raise EngineConfigError("attention_kernel", f"{self.attention_kernel}: {why}")
 
     def _check_quantization(self, device: torch.device | None) -> None:
         if self.quantization not in LOAD_METHODS:

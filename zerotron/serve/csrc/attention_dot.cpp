@@ -140,7 +140,7 @@ struct DotAttention {
   std::vector<uint32_t> keys, values;
   std::vector<float> s, total;
   const int64_t* slot = nullptr;
-  int64_t kh = -1, keyed = 0, valued = 0;  // whose keys are packed; how many keys hold in full
+  int64_t kh = -1, packed = 0;  // whose keys and values are packed; how many of them hold in full
 };
 
 // S = Q K^T for R query rows (dim apart) against keys 0 .. width (a multiple of 32; packed by
@@ -237,18 +237,17 @@ ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, c
   for (int64_t w = 0; w < nr; ++w) n = std::max(n, len[w]);
   const int64_t n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
   const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
+  const auto row = [&](int64_t i) { return ((r0 + i / group) * heads + kh * group + i % group) * dim; };
   b.q.resize(m * dim);
-  for (int64_t i = 0; i < m; ++i)
-    std::memcpy(b.q.data() + i * dim, pr.q + ((r0 + i / group) * heads + kh * group + i % group) * dim, dim * 2);
+  for (int64_t i = 0; i < m; ++i) std::memcpy(b.q.data() + i * dim, pr.q + row(i), dim * 2);
   if (b.slot != slot || b.kh != kh) {
     b.slot = slot;
     b.kh = kh;
-    b.keyed = b.valued = 0;
+    b.packed = 0;
   }
   b.keys.resize(std::max<size_t>(b.keys.size(), n64 / 16 * (dim / 32) * 256));
-  for (int64_t j0 = b.keyed / 16 * 16; j0 < n64; j0 += 16)
+  for (int64_t j0 = b.packed / 16 * 16; j0 < n64; j0 += 16)
     pack_keys(pr.kp, slot, j0, n, kv_heads, kh, dim, b.keys.data() + j0 / 16 * (dim / 32) * 256);
-  b.keyed = std::max(b.keyed, n);
   b.s.resize(m * ls);
   for (int64_t i0 = 0; i0 < m; i0 += kScoreRows)
     (dim == 64 ? dot_scores_rows<64> : dot_scores_rows<128>)(b.q.data() + i0 * dim, b.keys.data(), n64,
@@ -258,16 +257,13 @@ ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, c
   for (int64_t i = 0; i < m; ++i)
     b.total[i] = softmax_row(b.s.data() + i * ls, len[i / group], pr.scale, b.p.data() + i * lp, n32);
   b.values.resize(std::max<size_t>(b.values.size(), n32 / 32 * (dim / 16) * 256));
-  for (int64_t j0 = b.valued / 32 * 32; j0 < n32; j0 += 32)
+  for (int64_t j0 = b.packed / 32 * 32; j0 < n32; j0 += 32)
     pack_values(pr.vp, slot, j0, n, kv_heads, kh, dim, b.values.data() + j0 / 32 * (dim / 16) * 256);
-  b.valued = std::max(b.valued, n);
+  b.packed = std::max(b.packed, n);
   for (int64_t i0 = 0; i0 < m; i0 += kValueRows) {
     const int64_t rows = std::min<int64_t>(kValueRows, m - i0);
     uint16_t* o[kValueRows];
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      o[r] = pr.out + ((r0 + i / group) * heads + kh * group + i % group) * dim;
-    }
+    for (int64_t r = 0; r < rows; ++r) o[r] = pr.out + row(i0 + r);
     for (int64_t t0 = 0; t0 < dim / 16; t0 += 4)
       dot_values_rows(b.p.data() + i0 * lp, lp, b.values.data(), dim, t0, n32, o, b.total.data() + i0, rows);
   }
