@@ -119,20 +119,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   pybind11::gil_scoped_release no_gil;
   const bool products = q.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128);
   TORCH_CHECK(kernel == 0 || products, "the tile and AVX512-BF16 attention take bf16 heads of 64 or 128");
+  // the bf16 matrix-product kernels: 1 on AMX tiles, 2 on AVX512-BF16 (null where not built)
+  using Products = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*,
+                            const int64_t*, const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            float);
+  Products run = nullptr;
 #if defined(ZT_TILE_ATTENTION)
-  if (kernel == 1) {
-    attend_tiles(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), slot,
-                 which, len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, width, s);
-    return out;
-  }
+  if (kernel == 1) run = attend_tiles;
 #endif
 #if defined(ZT_DOT_ATTENTION)
-  if (kernel == 2) {
-    attend_dot(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), slot,
-               which, len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, width, s);
+  if (kernel == 2) run = attend_dot;
+#endif
+  if (run != nullptr) {
+    run(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), slot, which,
+        len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, width, s);
     return out;
   }
-#endif
   TORCH_CHECK(kernel == 0, "this build has no such attention kernel");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slot, which,
