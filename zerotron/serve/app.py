@@ -339,7 +339,13 @@ def serve(engine: Engine, options: ServerOptions) -> None:
         + f", weights {weight_bytes(engine.model) / 2**20:.1f} MiB"
         + (
             f" (quantized {engine.runner.quantized.describe()}: {engine.runner.quantized.after / 2**20:.1f} MiB, "
-            f"{engine.runner.quantized.before / 2**20:.1f} MiB unquantized)"
+            f"{engine.runner.quantized.before / 2**20:.1f} MiB unquantized"
+            + (
+                f"; {engine.runner.int8_native} 8-bit linears on the native kernel"
+                if engine.runner.int8_native
+                else ""
+            )
+            + ")"
             if engine.runner.quantized
             else ""
         )

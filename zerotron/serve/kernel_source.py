@@ -1,11 +1,13 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in seven files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in eight files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
 - ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels;
 - ``linear.cpp``: the linear layers' kernels (AMX tiles for bf16, AVX-512 for fp32, AVX512-BF16 for
   bf16), inside the namespace;
+- ``linear_int8.cpp``: the linear layers of 8-bit weights with a scale (and a min) per group of
+  inputs, on AVX2, inside the namespace;
 - ``attention_dot.cpp``: the paged attention of bf16 rows on AVX512-BF16 (it uses the row blocks and
   their dealing to threads of ``attention.cpp``; its packing and softmax helpers serve the tile kernel
   too);
@@ -27,6 +29,7 @@ from importlib import resources
 PARTS = (
     "attention.cpp",
     "linear.cpp",
+    "linear_int8.cpp",
     "attention_dot.cpp",
     "attention_tiles.cpp",
     "layer.cpp",

@@ -88,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v20"
+_NAME = "zerotron_kernels_v21"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -98,6 +98,9 @@ _FUNCTIONS = [
     "dot_built",
     "dot_cpu",
     "dot_linear",
+    "q8_built",
+    "q8_cpu",
+    "q8_linear",
     "rms_norm",
     "silu_mul",
     "rope_store",
@@ -322,6 +325,44 @@ def why_no_dot() -> Optional[str]:
         "AVX512-BF16 linear code (an x86-64 CPU and GCC 10+ or clang are needed)",
         "this CPU has no AVX512-BF16",
     )
+
+
+def q8_available() -> bool:
+    """Whether 8-bit weights with per-group scales can run on zerotron's kernel here
+    (:func:`q8_linear`): the kernels built with its code (x86-64) and a CPU with AVX2, FMA and F16C."""
+    return why_no_q8() is None
+
+
+def why_no_q8() -> Optional[str]:
+    """Why :func:`q8_available` is False (None when it is True)."""
+    return _why_no_kernel(
+        "q8_built",
+        lambda m: bool(m.q8_cpu()),
+        "8-bit linear code (an x86-64 CPU and GCC or clang are needed)",
+        "this CPU has no AVX2 (with FMA and F16C)",
+    )
+
+
+def q8_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: tuple[torch.Tensor, Optional[torch.Tensor]],
+    mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+) -> torch.Tensor:
+    """``x @ w.T`` for rows ``x`` (..., K) and a weight ``w`` (n, K) of 8-bit ``values`` (n, groups,
+    group) int8, any strides but the last, ``group`` a multiple of 8: ``w = q·s − m``, each group's
+    scale ``s`` the product of the factors ``scales`` and its min ``m`` that of ``mins`` (none when
+    the first is None). A factor is a table (n, groups / per) of f32, f16, int8 or uint8, any strides,
+    its entry per ``per`` consecutive groups: the files' tables as they are (GGUF Q8_0's f16 scales;
+    Q5_K's and Q6_K's f16 super-block scales times their small-integer group scales; GPTQ's scales and
+    zeros times scales). The weights are dequantised slice by slice into fp32 (exactly: 8-bit values
+    times f16-sized scales) and each output is 8 fused multiply-add chains over k in order, added in a
+    fixed tree: a row's result is the same in any batch. Returns (..., n) fp32."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y: torch.Tensor = _built().q8_linear(rows, values, scales[0], scales[1], mins[0], mins[1])
+    return y.view(*x.shape[:-1], values.shape[0])
 
 
 def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:

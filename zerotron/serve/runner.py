@@ -27,6 +27,7 @@ from zerotron.models.quant_tp import quantize_tp, tp_targets
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
+from zerotron.serve.int8_linears import int8_kernels
 from zerotron.serve.linears import (
     MIN_ROWS_ONEDNN,
     chunk_linears,
@@ -163,6 +164,11 @@ class StepRunner:
         sixteen = dtype in (torch.bfloat16, torch.float16)
         # int8/int4 weights: their own kernels, never packed, chunked or routed (not plain nn.Linear)
         self.quantized = quantized_model(model, cfg.quantization)
+        # 8-bit weights with a scale per group of inputs (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ): the native
+        # grouped kernel where the CPU runs it, else their modules' torch kernels
+        self.int8_native = (
+            int8_kernels(model) if self.quantized and device.type == "cpu" and kernels.q8_available() else 0
+        )
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
         lora_linear = invariant_linear(dtype, fixed)

@@ -112,3 +112,68 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
 #endif
 }
 
+
+bool q8_built() {
+#if defined(ZT_Q8)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU runs the 8-bit kernel's AVX2, FMA and F16C instructions.
+bool q8_cpu() {
+#if defined(ZT_Q8)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+#if defined(ZT_Q8)
+// A factor table (n, groups / per) of f32, f16, int8 or uint8, any strides; absent: 1.0 (or no min).
+Factor q8_factor(const std::optional<torch::Tensor>& f, int64_t n, int64_t groups, const char* what) {
+  Factor out;
+  if (!f) return out;
+  TORCH_CHECK(f->dim() == 2 && f->size(0) == n && f->size(1) > 0 && groups % f->size(1) == 0, what, ": a table (n, groups / per)");
+  switch (f->scalar_type()) {
+    case torch::kFloat: out.kind = 1; break;
+    case torch::kHalf: out.kind = 2; break;
+    case torch::kChar: out.kind = 3; break;
+    case torch::kByte: out.kind = 4; break;
+    default: TORCH_CHECK(false, what, ": f32, f16, int8 or uint8");
+  }
+  out.p = f->data_ptr();
+  out.so = f->stride(0);
+  out.sg = f->stride(1);
+  out.per = groups / f->size(1);
+  return out;
+}
+#endif
+
+// x (rows, K) fp32 with unit column stride; q (n, groups, group) int8 with unit last stride (K = groups
+// * group, group a multiple of 8); the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per)
+// -> (rows, n) fp32: y = x (q * s - m)^T
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s1, std::optional<torch::Tensor> s2,
+                        std::optional<torch::Tensor> m1, std::optional<torch::Tensor> m2) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kChar && q.stride(2) == 1, "int8 values (n, groups, group)");
+  const int64_t n = q.size(0), groups = q.size(1), group = q.size(2), rows = x.size(0);
+  TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
+  TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
+  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+#if defined(ZT_Q8)
+  Q8Problem t{x.data_ptr<float>(), y.data_ptr<float>(), q.data_ptr<int8_t>(), q.stride(0), q.stride(1),
+              q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"), q8_factor(m1, n, groups, "m1"),
+              q8_factor(m2, n, groups, "m2"), x.stride(0), rows, n, x.size(1), group, (n + QOT - 1) / QOT,
+              even_chunk(rows, QMC, 4)};
+  pybind11::gil_scoped_release no_gil;
+  q8_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no 8-bit linear kernel");
+#endif
+}

@@ -1,0 +1,169 @@
+// ---- 8-bit weights with a scale (and a min) per group of inputs, on AVX2 ----------------------------
+// y = x w^T for fp32 x (rows, K) and w (N, K) given as int8 values q and a scale s (and a min m) per
+// output and group of `group` inputs: w = q * s - m, the file's own arithmetic (GGUF Q8_0, Q5_K, Q6_K;
+// GPTQ and compressed-tensors 8-bit, whose zeros are mins z * s). Each scale and min is a product of
+// at most two factors read from tables of any layout and dtype (Factor), so the files' tables are read
+// as they are, with no dequantised or repacked copy.
+//
+// Per task (a chunk of rows, a tile of 12 outputs) the weights of a 256-deep slice of inputs are
+// dequantised once into an fp32 buffer (exact: the products of 8-bit values and f16-sized scales fit
+// fp32's significand), which every block of up to 4 rows of the chunk then multiplies while it is in
+// L1. An output element is 8 fused multiply-add chains over its inputs, lane l taking inputs l, l + 8,
+// ... in order from zero, the 8 lanes added in a fixed tree at the end: a row's numbers never depend on
+// the other rows, on the blocking, or on how the tiles are shared among threads.
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define ZT_Q8 1
+#if defined(__clang__)
+#define ZT_Q8_TARGET __attribute__((target("avx2,fma,f16c")))
+#define ZT_Q8_ORDER _Pragma("clang fp reassociate(off)")
+#else  // the chains must stay chains: no reassociation here whatever the file's flags
+#define ZT_Q8_TARGET __attribute__((target("avx2,fma,f16c"), optimize("no-associative-math")))
+#define ZT_Q8_ORDER
+#endif
+constexpr int64_t QOT = 12, QKS = 256, QMC = 64;  // outputs per tile, inputs per slice, rows per task
+
+// One factor of the groups' scales or mins: entry (o, gi / per) of a table, at o * so + (gi / per) * sg.
+struct Factor {
+  const void* p = nullptr;
+  int kind = 0;  // 0 absent (1.0), 1 f32, 2 f16, 3 int8, 4 uint8
+  int64_t so = 0, sg = 0, per = 1;
+};
+
+// Entry i of a factor's table as a float.
+ZT_Q8_TARGET inline float factor_entry(const Factor& f, int64_t i) {
+  switch (f.kind) {
+    case 1: return static_cast<const float*>(f.p)[i];
+    case 2: return _cvtsh_ss(static_cast<const uint16_t*>(f.p)[i]);
+    case 3: return static_cast<float>(static_cast<const int8_t*>(f.p)[i]);
+    case 4: return static_cast<float>(static_cast<const uint8_t*>(f.p)[i]);
+    default: return 1.0f;
+  }
+}
+
+// Output o's factor for groups g0, g0 + 1, ... (count of them) multiplied into out; e0 = g0 / per and
+// r0 = g0 % per are the slice's, the same for every output (no division per output).
+ZT_Q8_TARGET inline void factor_times(const Factor& f, int64_t o, int64_t e0, int64_t r0, int64_t count, float* out) {
+  if (f.kind == 0) return;
+  int64_t i = o * f.so + e0 * f.sg, r = r0;
+  for (int64_t c = 0; c < count; ++c) {
+    out[c] *= factor_entry(f, i);
+    if (++r == f.per) {
+      r = 0;
+      i += f.sg;
+    }
+  }
+}
+
+struct Q8Problem {
+  const float* x;
+  float* y;
+  const int8_t* q;  // value (o, k) at q[o * qo + (k / group) * qg + k % group]
+  int64_t qo, qg;
+  Factor s1, s2, m1, m2;  // scale s1 * s2; min m1 * m2 (none when m1 is absent)
+  int64_t ldx, rows, n, k, group, tiles, chunk;
+};
+
+// Outputs o0 .. o0 + 11 (those below n) of inputs [k0, k1) dequantised into buf (QOT x QKS fp32, the
+// missing outputs' rows zero): w = q * s - m, 8 values at a time (a group holds a multiple of 8).
+ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t k1, float* buf) {
+  const bool mins = t.m1.kind != 0;
+  const int64_t g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;  // the slice's groups
+  const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
+  int64_t e0[4], r0[4];
+  for (int i = 0; i < 4; ++i) {
+    e0[i] = g0 / fs[i]->per;
+    r0[i] = g0 % fs[i]->per;
+  }
+  float s[QKS / 8], m[QKS / 8];  // per group of the slice (at most 32 groups: a group has 8+ inputs)
+  for (int64_t j = 0; j < QOT; ++j) {
+    float* row = buf + j * QKS;
+    const int64_t o = o0 + j;
+    if (o >= t.n) {
+      for (int64_t k = 0; k < k1 - k0; k += 8) _mm256_store_ps(row + k, _mm256_setzero_ps());
+      continue;
+    }
+    for (int64_t c = 0; c < count; ++c) s[c] = m[c] = 1.0f;
+    factor_times(t.s1, o, e0[0], r0[0], count, s);
+    factor_times(t.s2, o, e0[1], r0[1], count, s);
+    if (mins) {
+      factor_times(t.m1, o, e0[2], r0[2], count, m);
+      factor_times(t.m2, o, e0[3], r0[3], count, m);
+    }
+    const int8_t* q = t.q + o * t.qo;
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
+      const __m256 sv = _mm256_set1_ps(s[c]), mv = _mm256_set1_ps(m[c]);
+      const int8_t* qg = q + gi * t.qg - gi * t.group;
+      for (int64_t k = start; k < end; k += 8) {
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + k));
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), sv);
+        if (mins) w = _mm256_sub_ps(w, mv);
+        _mm256_store_ps(row + (k - k0), w);
+      }
+    }
+  }
+}
+
+// MR rows of x (ldx apart, from the slice's first input) times 3 outputs' dequantised rows (QKS apart)
+// over len inputs, the 8-lane sums carried in c (QOT x 8 floats per row, the 3 outputs' from c).
+template <int MR>
+ZT_Q8_TARGET inline void q8_block(const float* x, int64_t ldx, const float* w, int64_t len, float* c, bool first) {
+  ZT_Q8_ORDER
+  __m256 acc[MR][3];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + (r * QOT + j) * 8);
+  for (int64_t k = 0; k < len; k += 8) {
+    const __m256 w0 = _mm256_load_ps(w + k), w1 = _mm256_load_ps(w + QKS + k), w2 = _mm256_load_ps(w + 2 * QKS + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_loadu_ps(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(a, w2, acc[r][2]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) _mm256_storeu_ps(c + (r * QOT + j) * 8, acc[r][j]);
+}
+
+ZT_Q8_TARGET void q8_rows(const float* x, int64_t ldx, const float* w, int64_t len, float* c, bool first, int64_t mr) {
+  switch (mr) {
+    case 4: q8_block<4>(x, ldx, w, len, c, first); break;
+    case 3: q8_block<3>(x, ldx, w, len, c, first); break;
+    case 2: q8_block<2>(x, ldx, w, len, c, first); break;
+    default: q8_block<1>(x, ldx, w, len, c, first); break;
+  }
+}
+
+// The 8 lanes of v added in a fixed tree: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
+ZT_Q8_TARGET inline float q8_sum(const float* v) {
+  const __m128 a = _mm_add_ps(_mm_loadu_ps(v), _mm_loadu_ps(v + 4));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major.
+ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
+  alignas(32) float buf[QOT * QKS];
+  alignas(32) float c[QMC * QOT * 8];
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t tile = task % t.tiles, mc = task / t.tiles;
+    const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
+    const int64_t o0 = tile * QOT, width = std::min(QOT, t.n - o0);
+    for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
+      const int64_t k1 = std::min(t.k, k0 + QKS);
+      q8_dequant(t, o0, k0, k1, buf);
+      for (int64_t m = m0; m < m1; m += 4)
+        for (int64_t j = 0; j < width; j += 3)
+          q8_rows(t.x + m * t.ldx + k0, t.ldx, buf + j * QKS, k1 - k0, c + ((m - m0) * QOT + j) * 8, k0 == 0,
+                  std::min<int64_t>(4, m1 - m));
+    }
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t j = 0; j < width; ++j) t.y[m * t.n + o0 + j] = q8_sum(c + ((m - m0) * QOT + j) * 8);
+  }
+}
+
+void q8_linear_run(const Q8Problem& t) {
+  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * t.tiles, 1, [&](int64_t begin, int64_t end) { q8_tasks(t, begin, end); });
+}
+#endif

@@ -1,0 +1,79 @@
+"""Served 8-bit weights on zerotron's grouped 8-bit kernel (:func:`zerotron.serve.kernels.q8_linear`).
+
+The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks
+(:mod:`zerotron.models.gguf_blocks`) and 8-bit GPTQ and compressed-tensors checkpoints
+(:class:`~zerotron.models.hf_packed.PackedInt8Linear`). Their own forwards multiply through torch's
+kernels, which take one scale per output row, not per group of inputs: a chunk of rows dequantised to
+fp32 per call (GGUF), or one int8 call per group of inputs (GPTQ), both several times slower than the
+16-bit weights. :func:`int8_kernels` runs them on the native kernel instead, reading the values and
+the files' scale tables in place (no copy). Results differ from the modules' own forwards only in the
+order of the sums (the weights are the same fp32 values); a row's result is still its own at any batch.
+Q2_K and Q3_K blocks (two values a byte) keep their own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import nn
+
+from zerotron.models.gguf_blocks import LOW_BITS, BlockInt8Linear, BlockKLinear
+from zerotron.models.hf_packed import PackedInt8Linear
+from zerotron.serve import kernels
+
+Tables = tuple[
+    torch.Tensor,
+    tuple[torch.Tensor, Optional[torch.Tensor]],
+    tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
+]
+
+
+def _tables(module: nn.Module) -> Optional[Tables]:
+    """The kernel's operands of ``module``: values (n, groups, group), scale and min factors; None
+    for a module the kernel does not run."""
+    if isinstance(module, PackedInt8Linear):
+        if module.group % 8:
+            return None
+        values = module.qweight.transpose(0, 1)  # (groups, out, group) -> (out, groups, group)
+        return values, (module.scales.T, None), (module.zero_term, None)
+    if type(module) is BlockInt8Linear:  # Q8_0: d·q per 32 inputs
+        n, k = module.qweight.shape
+        return module.qweight.view(n, k // 32, 32), (module.d, None), (None, None)
+    if isinstance(module, BlockKLinear) and module.kind not in LOW_BITS:  # Q6_K, Q5_K: (d·sc)·q − dmin·mn
+        n, k = module.qweight.shape
+        values = module.qweight.view(n, k // module.group, module.group)
+        mins = (module.dmin, module.mn) if module.kind == "Q5_K" else (None, None)
+        return values, (module.d, module.sc), mins
+    return None
+
+
+def _packed_forward(module: PackedInt8Linear, tables: Tables, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, module.in_features)
+    if module.order is not None:  # act-order: the inputs in the groups' order
+        rows = rows[:, module.order]
+    out = kernels.q8_linear(rows, *tables).to(x.dtype)
+    if module.bias is not None:
+        out = out + module.bias
+    return out.view(*x.shape[:-1], module.out_features)
+
+
+def _block_forward(tables: Tables, x: torch.Tensor) -> torch.Tensor:
+    return kernels.q8_linear(x, *tables).to(x.dtype)
+
+
+def int8_kernels(model: nn.Module) -> int:
+    """Run ``model``'s 8-bit linears that the kernel takes on it (their forwards replaced); returns how
+    many. Call only where :func:`~zerotron.serve.kernels.q8_available`."""
+    count = 0
+    for module in model.modules():
+        tables = _tables(module)
+        if tables is None:
+            continue
+        if isinstance(module, PackedInt8Linear):
+            module.forward = functools.partial(_packed_forward, module, tables)  # type: ignore[method-assign]
+        else:
+            module.forward = functools.partial(_block_forward, tables)
+        count += 1
+    return count
