@@ -24,6 +24,7 @@ from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.quant import METHODS as QUANT_METHODS
 from zerotron.models.quant import MIN_ROWS, quantize
 from zerotron.models.quant_tp import quantize_tp, tp_targets
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
@@ -190,7 +191,11 @@ class StepRunner:
             route_linears(model, plain_linear, whole=False)  # plain layers keep their own forward
         if self.lora is not None:
             self.lora.wrap()
-        self.min_rows = 1 if native_matmul or fixed else MIN_ROWS_ONEDNN if packed else MIN_ROWS
+        # no padding rows where every linear gives a row its own result from one row up
+        alone = (
+            self.lora is None and tp == 1 and rows_alone(model, chunked=sixteen and not packed and not fixed)
+        )
+        self.min_rows = 1 if native_matmul or fixed or alone else MIN_ROWS_ONEDNN if packed else MIN_ROWS
         self.matmul = (
             f"F.linear in {fixed}-row calls"
             if fixed
@@ -317,6 +322,20 @@ class StepRunner:
                 body = torch.zeros(length, dtype=torch.long, device=self.wire)
                 collectives.broadcast(body, self.group.ranks[0], self.group)
                 self._read_shared(body)
+
+
+def rows_alone(model: nn.Module, chunked: bool) -> bool:
+    """Whether every linear of ``model`` gives a row its own result at any row count from one row, so
+    that its forwards need no padding rows: no tensor-parallel or LoRA linear, and plain ones only when
+    ``chunked`` (:func:`chunk_linears`' calls pad their rows themselves; F.linear's arithmetic changes
+    below 16 rows); quantised modules run torch's weight-only kernels, zerotron's 8-bit kernel or a
+    product that pads itself."""
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            return False
+        if isinstance(m, nn.Linear) and not (chunked and type(m) is nn.Linear):
+            return False
+    return True
 
 
 def quantized_model(model: nn.Module, method: Optional[str]) -> Optional[Quantized]:
