@@ -31,7 +31,19 @@ def _expand(table: Optional[torch.Tensor], groups: int) -> torch.Tensor:
     return table.float().repeat_interleave(groups // table.shape[1], dim=1)
 
 
-def _reference(x: torch.Tensor, values: torch.Tensor, scales: tuple, mins: tuple) -> torch.Tensor:
+def _values(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """The values as integers (n, groups, group): int8 as they are; uint8 bytes as their two halves
+    (input 2j the low half), each less ``offset``."""
+    if values.dtype == torch.int8:
+        return values.int()
+    pairs = torch.stack([values & 15, values >> 4], dim=-1).int() - offset
+    return pairs.reshape(*values.shape[:2], -1)
+
+
+def _reference(
+    x: torch.Tensor, packed: torch.Tensor, scales: tuple, mins: tuple, offset: int = 0
+) -> torch.Tensor:
+    values = _values(packed, offset)
     n, groups, group = values.shape
     s = (_expand(scales[0], groups) * _expand(scales[1], groups))[..., None]
     w = values.float() * s
@@ -47,6 +59,14 @@ CASES = {
     "q6_k": (25, 32, 16, [(torch.float16, 2), (torch.int8, 32)], []),
     "q5_k": (30, 16, 32, [(torch.float16, 2), (torch.uint8, 16)], [(torch.float16, 2), (torch.uint8, 16)]),
     "channelwise": (13, 1, 520, [(torch.float32, 1)], []),
+    "q3_k-nibbles": (27, 32, 16, [(torch.float16, 2), (torch.int8, 32)], []),
+    "q2_k-nibbles": (
+        14,
+        32,
+        16,
+        [(torch.float16, 2), (torch.uint8, 32)],
+        [(torch.float16, 2), (torch.uint8, 32)],
+    ),
 }
 
 
@@ -62,19 +82,22 @@ def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> 
     n, groups, group, scale_spec, min_spec = CASES[case]
     gen = torch.Generator().manual_seed(3)
     values = torch.randint(-128, 128, (n, groups, group), generator=gen, dtype=torch.int8)
+    offset = 4 if case.startswith("q3_k") else 0
+    if case.endswith("nibbles"):  # two values a byte
+        values = torch.randint(0, 256, (n, groups, group // 2), generator=gen, dtype=torch.uint8)
     scales = tuple(_factor(d, n, e, gen) for d, e in scale_spec) + (None,) * (2 - len(scale_spec))
     mins = tuple(_factor(d, n, e, gen) for d, e in min_spec) + (None,) * (2 - len(min_spec))
     if case == "gptq-asym":  # GPTQ's scales are stored (groups, out): read through a transposed view
         scales = (scales[0].T.contiguous().T, None)
     x = torch.randn(23, groups * group, generator=gen)
-    y = kernels.q8_linear(x, values, scales, mins)
-    ref = _reference(x, values, scales, mins)
+    y = kernels.q8_linear(x, values, scales, mins, offset)
+    ref = _reference(x, values, scales, mins, offset)
     assert y.dtype == torch.float32 and y.shape == (23, n)
     # fp32 sums of K = 520-576 products: a few units of fp32 rounding of the largest output
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
-    alone = torch.cat([kernels.q8_linear(x[i : i + 1], values, scales, mins) for i in range(23)])
+    alone = torch.cat([kernels.q8_linear(x[i : i + 1], values, scales, mins, offset) for i in range(23)])
     assert torch.equal(alone, y)
-    assert torch.equal(kernels.q8_linear(x[5:17], values, scales, mins), y[5:17])
+    assert torch.equal(kernels.q8_linear(x[5:17], values, scales, mins, offset), y[5:17])
     # bf16 rows are read exactly (widened to fp32)
     xb = x.bfloat16()
     assert torch.equal(
@@ -111,24 +134,24 @@ def test_kernel_refuses_groups_it_cannot_read() -> None:
         kernels.q8_linear(
             torch.randn(2, 60), torch.zeros(4, 5, 12, dtype=torch.int8), (torch.ones(4, 5), None)
         )
+    with pytest.raises(RuntimeError, match="offset"):
+        kernels.q8_linear(
+            torch.randn(2, 64), torch.zeros(4, 2, 32, dtype=torch.int8), (torch.ones(4, 2), None), offset=4
+        )
     with pytest.raises(RuntimeError, match="table"):
         kernels.q8_linear(
             torch.randn(2, 64), torch.zeros(4, 2, 32, dtype=torch.int8), (torch.ones(4, 3), None)
         )
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q5_K", "Q2_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q5_K", "Q3_K", "Q2_K"])
 def test_gguf_blocks_on_the_kernel_are_the_files_weights(kind: str) -> None:
     raw, want = _blocks(kind, seed=2)
     layer = block_linear(kind, raw, IN)
     assert isinstance(layer, (BlockInt8Linear, BlockKLinear))
     x = torch.randn(19, IN)
     own = layer(x)
-    taken = int8_kernels(layer)
-    if kind == "Q2_K":  # two values a byte: its own forward stays
-        assert taken == 0
-        return
-    assert taken == 1
+    assert int8_kernels(layer) == 1
     got = layer(x)
     ref = F.linear(x.double(), torch.from_numpy(want).double())
     assert (got.double() - ref).abs().max() <= 2e-6 * ref.abs().max()

@@ -1,14 +1,15 @@
 """Served 8-bit weights on zerotron's grouped 8-bit kernel (:func:`zerotron.serve.kernels.q8_linear`).
 
-The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks
-(:mod:`zerotron.models.gguf_blocks`) and 8-bit GPTQ and compressed-tensors checkpoints
+The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks, and
+Q3_K's and Q2_K's at 4 bits a value (:mod:`zerotron.models.gguf_blocks`), and 8-bit GPTQ and
+compressed-tensors checkpoints
 (:class:`~zerotron.models.hf_packed.PackedInt8Linear`). Their own forwards multiply through torch's
 kernels, which take one scale per output row, not per group of inputs: a chunk of rows dequantised to
 fp32 per call (GGUF), or one int8 call per group of inputs (GPTQ), both several times slower than the
 16-bit weights. :func:`int8_kernels` runs them on the native kernel instead, reading the values and
 the files' scale tables in place (no copy). Results differ from the modules' own forwards only in the
 order of the sums (the weights are the same fp32 values); a row's result is still its own at any batch.
-Q2_K and Q3_K blocks (two values a byte) keep their own forward.
+Q2_K's and Q3_K's values, two a byte, are read as they are kept.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ from zerotron.models.gguf_blocks import LOW_BITS, BlockInt8Linear, BlockKLinear
 from zerotron.models.hf_packed import PackedInt8Linear
 from zerotron.serve import kernels
 
-Tables = tuple[
-    torch.Tensor,
-    tuple[torch.Tensor, Optional[torch.Tensor]],
-    tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
-]
+Scales = tuple[torch.Tensor, Optional[torch.Tensor]]
+Mins = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+Tables = tuple[torch.Tensor, Scales, Mins, int]  # values, scale and min factors, offset
 
 
 def _tables(module: nn.Module) -> Optional[Tables]:
@@ -37,15 +36,16 @@ def _tables(module: nn.Module) -> Optional[Tables]:
         if module.group % 8:
             return None
         values = module.qweight.transpose(0, 1)  # (groups, out, group) -> (out, groups, group)
-        return values, (module.scales.T, None), (module.zero_term, None)
+        return values, (module.scales.T, None), (module.zero_term, None), 0
     if type(module) is BlockInt8Linear:  # Q8_0: d·q per 32 inputs
         n, k = module.qweight.shape
-        return module.qweight.view(n, k // 32, 32), (module.d, None), (None, None)
-    if isinstance(module, BlockKLinear) and module.kind not in LOW_BITS:  # Q6_K, Q5_K: (d·sc)·q − dmin·mn
-        n, k = module.qweight.shape
-        values = module.qweight.view(n, k // module.group, module.group)
-        mins = (module.dmin, module.mn) if module.kind == "Q5_K" else (None, None)
-        return values, (module.d, module.sc), mins
+        return module.qweight.view(n, k // 32, 32), (module.d, None), (None, None), 0
+    if isinstance(module, BlockKLinear):  # (d·sc)·q, less dmin·mn for Q5_K and Q2_K
+        n, groups = module.out_features, module.in_features // module.group
+        low = module.kind in LOW_BITS  # Q2_K's q and Q3_K's q + 4, two a byte
+        values = module.qweight.view(n, groups, module.group // 2 if low else module.group)
+        mins = (module.dmin, module.mn) if module.kind in ("Q5_K", "Q2_K") else (None, None)
+        return values, (module.d, module.sc), mins, 4 if module.kind == "Q3_K" else 0
     return None
 
 

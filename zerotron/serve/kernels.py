@@ -348,9 +348,12 @@ def q8_linear(
     values: torch.Tensor,
     scales: tuple[torch.Tensor, Optional[torch.Tensor]],
     mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+    offset: int = 0,
 ) -> torch.Tensor:
     """``x @ w.T`` for rows ``x`` (..., K) and a weight ``w`` (n, K) of 8-bit ``values`` (n, groups,
-    group) int8, any strides but the last, ``group`` a multiple of 8: ``w = q·s − m``, each group's
+    group) int8, any strides but the last, ``group`` a multiple of 8 — or 4-bit ones two a byte,
+    (n, groups, group / 2) uint8, input 2j in the low half, each value the nibble less ``offset``
+    (GGUF Q2_K's and Q3_K's as zerotron keeps them) — : ``w = q·s − m``, each group's
     scale ``s`` the product of the factors ``scales`` and its min ``m`` that of ``mins`` (none when
     the first is None). A factor is a table (n, groups / per) of f32, f16, int8 or uint8, any strides,
     its entry per ``per`` consecutive groups: the files' tables as they are (GGUF Q8_0's f16 scales;
@@ -361,7 +364,7 @@ def q8_linear(
     rows = x.reshape(-1, x.shape[-1]).float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y: torch.Tensor = _built().q8_linear(rows, values, scales[0], scales[1], mins[0], mins[1])
+    y: torch.Tensor = _built().q8_linear(rows, values, scales[0], scales[1], mins[0], mins[1], offset)
     return y.view(*x.shape[:-1], values.shape[0])
 
 

@@ -1,7 +1,8 @@
 // ---- 8-bit weights with a scale (and a min) per group of inputs, on AVX2 ----------------------------
-// y = x w^T for fp32 x (rows, K) and w (N, K) given as int8 values q and a scale s (and a min m) per
-// output and group of `group` inputs: w = q * s - m, the file's own arithmetic (GGUF Q8_0, Q5_K, Q6_K;
-// GPTQ and compressed-tensors 8-bit, whose zeros are mins z * s). Each scale and min is a product of
+// y = x w^T for fp32 x (rows, K) and w (N, K) given as int8 values q (or 4-bit ones two a byte) and a
+// scale s (and a min m) per output and group of `group` inputs: w = q * s - m, the file's own
+// arithmetic (GGUF Q8_0, Q6_K, Q5_K, Q3_K, Q2_K; GPTQ and compressed-tensors 8-bit, whose zeros are
+// mins z * s). Each scale and min is a product of
 // at most two factors read from tables of any layout and dtype (Factor), so the files' tables are read
 // as they are, with no dequantised or repacked copy.
 //
@@ -59,6 +60,10 @@ struct Q8Problem {
   float* y;
   const int8_t* q;  // value (o, k) at q[o * qo + (k / group) * qg + k % group]
   int64_t qo, qg;
+  // nibbles: two values a byte instead (input 2j in the low half, 2j + 1 in the high: byte
+  // (k % group) / 2), each less offset (GGUF Q2_K's and Q3_K's values as zerotron keeps them)
+  bool nibbles;
+  int32_t offset;
   Factor s1, s2, m1, m2;  // scale s1 * s2; min m1 * m2 (none when m1 is absent)
   int64_t ldx, rows, n, k, group, tiles, chunk;
 };
@@ -90,13 +95,24 @@ ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t
       factor_times(t.m2, o, e0[3], r0[3], count, m);
     }
     const int8_t* q = t.q + o * t.qo;
+    const __m128i low = _mm_set1_epi8(15);
+    const __m256i offset = _mm256_set1_epi32(t.offset);
     for (int64_t c = 0; c < count; ++c) {
       const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
       const __m256 sv = _mm256_set1_ps(s[c]), mv = _mm256_set1_ps(m[c]);
-      const int8_t* qg = q + gi * t.qg - gi * t.group;
+      const int8_t* qg = q + gi * t.qg;
       for (int64_t k = start; k < end; k += 8) {
-        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + k));
-        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), sv);
+        __m256i v;
+        if (t.nibbles) {  // 4 bytes, 8 values in input order
+          int32_t four;
+          std::memcpy(&four, qg + (k - gi * t.group) / 2, 4);
+          const __m128i b = _mm_cvtsi32_si128(four);
+          const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+          v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), offset);
+        } else {
+          v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * t.group))));
+        }
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(v), sv);
         if (mins) w = _mm256_sub_ps(w, mv);
         _mm256_store_ps(row + (k - k0), w);
       }
