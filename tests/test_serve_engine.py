@@ -495,9 +495,10 @@ def test_serves_a_checkpoint_trained_under_tensor_parallelism(tmp_path: object) 
         (True, True, ""),
         (False, True, "native tiles"),
         (False, True, "native AVX512-BF16"),
+        (False, True, "native AVX2"),
         (False, False, "fixed"),
     ],
-    ids=["mkl", "onednn", "onednn-native", "tiles-native", "avx512bf16-native", "fixed-32"],
+    ids=["mkl", "onednn", "onednn-native", "tiles-native", "avx512bf16-native", "avx2-native", "fixed-32"],
 )
 def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
     pair: tuple[torch.nn.Module, LlamaForCausalLM],
@@ -525,6 +526,10 @@ def test_bfloat16_engine_is_batch_invariant_and_near_fp32(
     if matmul == "native AVX512-BF16":
         _dot_or_skip()
         monkeypatch.setattr(kernels, "tiles_available", lambda: False)  # on an AMX CPU too
+    if matmul == "native AVX2":
+        _linear_or_skip("AVX2", "why_no_q8")
+        monkeypatch.setattr(kernels, "tiles_available", lambda: False)  # on any CPU with AVX2
+        monkeypatch.setattr(kernels, "dot_available", lambda: False)
     half = copy.deepcopy(model).to(torch.bfloat16)
 
     fixed = matmul == "fixed"
@@ -807,6 +812,33 @@ def test_native_dot_linear_is_the_product_and_each_row_alone(n: int, k: int, bia
     linear = functools.partial(kernels.dot_linear, packed=packed, bias=b, n=n)
     assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(0, 300, 7)]), y[::7])
     _each_row_alone(linear, x, y, (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300), g)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(960, 576, False), (3072, 576, True), (577, 1001, True), (30, 20, False)]
+)
+def test_native_wide_linear_is_the_product_and_each_row_alone(n: int, k: int, bias: bool) -> None:
+    """The AVX2 kernel's bf16 linear (the weights widened to fp32 slice by slice) against x w^T + b in
+    float64: within a k-term fp32 sum's rounding and one bf16 rounding of the result (K not a multiple
+    of 8 padded by pack_wide); every row the same bits in forwards of any row count, one row at a
+    time, and with one thread or two."""
+    from zerotron.serve import kernels
+
+    _linear_or_skip("AVX2", "why_no_q8")
+    g = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(300, k, generator=g).bfloat16()
+    packed = kernels.pack_wide(weight)
+    assert packed.shape == (n, 1, -(-k // 8) * 8)
+    y = kernels.wide_linear(x, packed, b, n)
+    assert y.shape == (300, n) and y.dtype == torch.bfloat16
+    want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+    scale = x.double().abs() @ weight.double().abs().T + (b.double().abs() if b is not None else 0)
+    assert ((y.double() - want).abs() <= want.abs() * 2**-8 + scale * (k + 1) * 2**-24).all()
+    linear = functools.partial(kernels.wide_linear, packed=packed, bias=b, n=n)
+    assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(0, 300, 7)]), y[::7])
+    _each_row_alone(linear, x, y, (1, 2, 3, 4, 5, 63, 64, 65, 129, 300), g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -368,19 +368,49 @@ def q8_linear(
     return y.view(*x.shape[:-1], values.shape[0])
 
 
+def pack_wide(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight (n, K) for :func:`wide_linear`: contiguous, K padded with zero weights to a
+    multiple of 8, viewed as one group (n, 1, K8)."""
+    w = weight.detach().to(torch.bfloat16)
+    k = w.shape[1]
+    w = torch.nn.functional.pad(w, (0, -k % 8)).contiguous()
+    return w.view(w.shape[0], 1, w.shape[1])
+
+
+def wide_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` for bf16 rows ``x`` (..., K) on AVX2, ``packed`` from :func:`pack_wide`,
+    ``bias`` fp32 (n,) or None; (..., n) in ``x``'s dtype. The 8-bit kernel's blocking with the bf16
+    weights widened to fp32 slice by slice (:func:`q8_linear`): each output 8 fused multiply-add chains
+    over k in order, added in a fixed tree, the bias added in fp32, rounded once — a row's result is
+    the same in any batch, from one row up."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).float()
+    if rows.stride(-1) != 1:  # the kernel reads each row's k in place
+        rows = rows.contiguous()
+    if packed.shape[2] != k:  # the weight's zero-padded inputs
+        rows = torch.nn.functional.pad(rows, (0, packed.shape[2] - k))
+    y: torch.Tensor = _built().q8_linear(rows, packed, None, None, None, None, 0)
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
 def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:
     """Why linears of ``dtype`` cannot run on a native kernel here (None when they can): bf16 on AMX
-    tiles (:func:`tile_linear`) or, without AMX, on AVX512-BF16 (:func:`dot_linear`), fp32 on AVX-512
-    (:func:`vec_linear`), no other dtype."""
+    tiles (:func:`tile_linear`) or, without AMX, on AVX512-BF16 (:func:`dot_linear`), or without
+    either on AVX2 (:func:`wide_linear`); fp32 on AVX-512 (:func:`vec_linear`), no other dtype."""
     if dtype == torch.bfloat16:
         no_tiles = why_no_tiles()
         if no_tiles is None:
             return None
         no_dot = why_no_dot()
-        return None if no_dot is None else f"{no_tiles}; {no_dot}"
+        if no_dot is None:
+            return None
+        no_wide = why_no_q8()
+        return None if no_wide is None else f"{no_tiles}; {no_dot}; {no_wide}"
     if dtype == torch.float32:
         return why_no_vec()
-    return f"the native linears are bf16 (AMX or AVX512-BF16) and fp32 (AVX-512), not {dtype}"
+    return f"the native linears are bf16 (AMX, AVX512-BF16 or AVX2) and fp32 (AVX-512), not {dtype}"
 
 
 def native_linear(
@@ -388,7 +418,8 @@ def native_linear(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor], str]:
     """The native kernel for linears of ``dtype`` here: (pack, run, name), ``pack`` the weight's
     packing, ``run(x, packed=, bias=, n=)`` the product; bf16 on AMX tiles where the CPU has them,
-    else on AVX512-BF16; fp32 on AVX-512. Raises where :func:`why_no_native_matmul` says why not."""
+    else on AVX512-BF16, else on AVX2; fp32 on AVX-512. Raises where :func:`why_no_native_matmul`
+    says why not."""
     why = why_no_native_matmul(dtype)
     if why is not None:
         raise RuntimeError(f"the native matmul is not available: {why}")
@@ -396,7 +427,9 @@ def native_linear(
         return pack_vec, vec_linear, "native AVX-512"
     if tiles_available():
         return pack_tiles, tile_linear, "native tiles"
-    return pack_dot, dot_linear, "native AVX512-BF16"
+    if dot_available():
+        return pack_dot, dot_linear, "native AVX512-BF16"
+    return pack_wide, wide_linear, "native AVX2"
 
 
 def pack_vec(weight: torch.Tensor) -> torch.Tensor:

@@ -58,11 +58,12 @@ ZT_Q8_TARGET inline void factor_times(const Factor& f, int64_t o, int64_t e0, in
 struct Q8Problem {
   const float* x;
   float* y;
-  const int8_t* q;  // value (o, k) at q[o * qo + (k / group) * qg + k % group]
+  const int8_t* q;  // value (o, k) at q[o * qo + (k / group) * qg + k % group] (elements)
   int64_t qo, qg;
-  // nibbles: two values a byte instead (input 2j in the low half, 2j + 1 in the high: byte
-  // (k % group) / 2), each less offset (GGUF Q2_K's and Q3_K's values as zerotron keeps them)
-  bool nibbles;
+  // kind 0: int8 values; 1: two values a byte instead (input 2j in the low half, 2j + 1 in the high:
+  // byte (k % group) / 2), each less offset (GGUF Q2_K's and Q3_K's values as zerotron keeps them);
+  // 2: bf16 values (the weights themselves: no scales)
+  int kind;
   int32_t offset;
   Factor s1, s2, m1, m2;  // scale s1 * s2; min m1 * m2 (none when m1 is absent)
   int64_t ldx, rows, n, k, group, tiles, chunk;
@@ -94,16 +95,22 @@ ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t
       factor_times(t.m1, o, e0[2], r0[2], count, m);
       factor_times(t.m2, o, e0[3], r0[3], count, m);
     }
-    const int8_t* q = t.q + o * t.qo;
+    const int8_t* q = t.q + (t.kind == 2 ? 0 : o * t.qo);
     const __m128i low = _mm_set1_epi8(15);
     const __m256i offset = _mm256_set1_epi32(t.offset);
     for (int64_t c = 0; c < count; ++c) {
       const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
       const __m256 sv = _mm256_set1_ps(s[c]), mv = _mm256_set1_ps(m[c]);
-      const int8_t* qg = q + gi * t.qg;
+      const int8_t* qg = q + (t.kind == 2 ? 0 : gi * t.qg);
       for (int64_t k = start; k < end; k += 8) {
+        if (t.kind == 2) {  // bf16: the top halves of fp32
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+              reinterpret_cast<const uint16_t*>(t.q) + o * t.qo + gi * t.qg + (k - gi * t.group)));
+          _mm256_store_ps(row + (k - k0), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+          continue;
+        }
         __m256i v;
-        if (t.nibbles) {  // 4 bytes, 8 values in input order
+        if (t.kind == 1) {  // 4 bytes, 8 values in input order
           int32_t four;
           std::memcpy(&four, qg + (k - gi * t.group) / 2, 4);
           const __m128i b = _mm_cvtsi32_si128(four);
