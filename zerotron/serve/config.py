@@ -57,7 +57,8 @@ class EngineConfig:
     native_attention: bool = False  # every row through the native paged kernel (zerotron.serve.kernels)
     # that kernel's code: fp32 | dot (AVX512-BF16) | tiles (AMX); None: kernels.attention_kernel's choice
     attention_kernel: Optional[str] = None
-    native_matmul: bool = False  # linears on zerotron's kernels: bf16 on AMX tiles, fp32 on AVX-512 (CPU)
+    # linears on zerotron's kernels: bf16 on AMX tiles, AVX512-BF16 or AVX2, fp32 on AVX-512 (CPU)
+    native_matmul: bool = False
     dtype: Optional[str] = None  # the model's dtype (float32 | bfloat16 | float16); None: the model's
     device: Optional[str] = None  # where the model and the KV cache live (cpu | cuda[:N]); None: the model's
     fixed_rows: Optional[int] = None  # linears in calls of this many rows (0: off); None: 256 off the CPU

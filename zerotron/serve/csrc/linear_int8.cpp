@@ -71,6 +71,7 @@ struct Q8Problem {
 
 // Outputs o0 .. o0 + 11 (those below n) of inputs [k0, k1) dequantised into buf (QOT x QKS fp32, the
 // missing outputs' rows zero): w = q * s - m, 8 values at a time (a group holds a multiple of 8).
+template <int KIND>  // the problem's kind, known when compiling: no branch per 8 values
 ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t k1, float* buf) {
   const bool mins = t.m1.kind != 0;
   const int64_t g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;  // the slice's groups
@@ -95,33 +96,33 @@ ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t
       factor_times(t.m1, o, e0[2], r0[2], count, m);
       factor_times(t.m2, o, e0[3], r0[3], count, m);
     }
-    const int8_t* q = t.q + (t.kind == 2 ? 0 : o * t.qo);
+    const int8_t* q = t.q + (KIND == 2 ? 0 : o * t.qo);
     const __m128i low = _mm_set1_epi8(15);
     const __m256i offset = _mm256_set1_epi32(t.offset);
     for (int64_t c = 0; c < count; ++c) {
       const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
       const __m256 sv = _mm256_set1_ps(s[c]), mv = _mm256_set1_ps(m[c]);
-      const int8_t* qg = q + (t.kind == 2 ? 0 : gi * t.qg);
+      const int8_t* qg = q + (KIND == 2 ? 0 : gi * t.qg);
       for (int64_t k = start; k < end; k += 8) {
-        if (t.kind == 2) {  // bf16: the top halves of fp32
+        if constexpr (KIND == 2) {  // bf16: the top halves of fp32
           const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
               reinterpret_cast<const uint16_t*>(t.q) + o * t.qo + gi * t.qg + (k - gi * t.group)));
           _mm256_store_ps(row + (k - k0), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-          continue;
-        }
-        __m256i v;
-        if (t.kind == 1) {  // 4 bytes, 8 values in input order
-          int32_t four;
-          std::memcpy(&four, qg + (k - gi * t.group) / 2, 4);
-          const __m128i b = _mm_cvtsi32_si128(four);
-          const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-          v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), offset);
         } else {
-          v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * t.group))));
+          __m256i v;
+          if constexpr (KIND == 1) {  // 4 bytes, 8 values in input order
+            int32_t four;
+            std::memcpy(&four, qg + (k - gi * t.group) / 2, 4);
+            const __m128i b = _mm_cvtsi32_si128(four);
+            const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+            v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), offset);
+          } else {
+            v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * t.group))));
+          }
+          __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(v), sv);
+          if (mins) w = _mm256_sub_ps(w, mv);
+          _mm256_store_ps(row + (k - k0), w);
         }
-        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(v), sv);
-        if (mins) w = _mm256_sub_ps(w, mv);
-        _mm256_store_ps(row + (k - k0), w);
       }
     }
   }
@@ -174,7 +175,9 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
     const int64_t o0 = tile * QOT, width = std::min(QOT, t.n - o0);
     for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
       const int64_t k1 = std::min(t.k, k0 + QKS);
-      q8_dequant(t, o0, k0, k1, buf);
+      if (t.kind == 2) q8_dequant<2>(t, o0, k0, k1, buf);
+      else if (t.kind == 1) q8_dequant<1>(t, o0, k0, k1, buf);
+      else q8_dequant<0>(t, o0, k0, k1, buf);
       for (int64_t m = m0; m < m1; m += 4)
         for (int64_t j = 0; j < width; j += 3)
           q8_rows(t.x + m * t.ldx + k0, t.ldx, buf + j * QKS, k1 - k0, c + ((m - m0) * QOT + j) * 8, k0 == 0,
