@@ -798,20 +798,36 @@ def test_native_dot_linear_is_the_product_and_each_row_alone(n: int, k: int, bia
     from zerotron.serve import kernels
 
     _dot_or_skip()
+    counts = (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300)
+    packed = _bf16_linear_is_the_product(kernels.pack_dot, kernels.dot_linear, n, k, bias, counts)
+    assert packed.shape == (-(-n // 48), -(-k // 2), 48, 2)
+
+
+def _bf16_linear_is_the_product(
+    pack: Callable[[torch.Tensor], torch.Tensor],
+    run: Callable[..., torch.Tensor],
+    n: int,
+    k: int,
+    bias: bool,
+    counts: tuple[int, ...],
+) -> torch.Tensor:
+    """A native bf16 linear (``pack``, ``run``) against x w^T + b in float64 on 300 random rows: within a
+    k-term fp32 sum's rounding and one bf16 rounding of the result; each row the same bits one at a
+    time and in forwards of ``counts`` rows (:func:`_each_row_alone`). Returns the packed weight."""
     g = torch.Generator().manual_seed(n + k)
     weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(300, k, generator=g).bfloat16()
-    packed = kernels.pack_dot(weight)
-    assert packed.shape == (-(-n // 48), -(-k // 2), 48, 2)
-    y = kernels.dot_linear(x, packed, b, n)
+    packed = pack(weight)
+    y = run(x, packed, b, n)
     assert y.shape == (300, n) and y.dtype == torch.bfloat16
     want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
     scale = x.double().abs() @ weight.double().abs().T + (b.double().abs() if b is not None else 0)
     assert ((y.double() - want).abs() <= want.abs() * 2**-8 + scale * (k + 1) * 2**-24).all()
-    linear = functools.partial(kernels.dot_linear, packed=packed, bias=b, n=n)
+    linear = functools.partial(run, packed=packed, bias=b, n=n)
     assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(0, 300, 7)]), y[::7])
-    _each_row_alone(linear, x, y, (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300), g)
+    _each_row_alone(linear, x, y, counts, g)
+    return packed
 
 
 @pytest.mark.parametrize(
@@ -825,20 +841,9 @@ def test_native_wide_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
     from zerotron.serve import kernels
 
     _linear_or_skip("AVX2", "why_no_q8")
-    g = torch.Generator().manual_seed(n + k)
-    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-    b = torch.randn(n, generator=g) if bias else None
-    x = torch.randn(300, k, generator=g).bfloat16()
-    packed = kernels.pack_wide(weight)
+    counts = (1, 2, 3, 4, 5, 63, 64, 65, 129, 300)
+    packed = _bf16_linear_is_the_product(kernels.pack_wide, kernels.wide_linear, n, k, bias, counts)
     assert packed.shape == (n, 1, -(-k // 8) * 8)
-    y = kernels.wide_linear(x, packed, b, n)
-    assert y.shape == (300, n) and y.dtype == torch.bfloat16
-    want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
-    scale = x.double().abs() @ weight.double().abs().T + (b.double().abs() if b is not None else 0)
-    assert ((y.double() - want).abs() <= want.abs() * 2**-8 + scale * (k + 1) * 2**-24).all()
-    linear = functools.partial(kernels.wide_linear, packed=packed, bias=b, n=n)
-    assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(0, 300, 7)]), y[::7])
-    _each_row_alone(linear, x, y, (1, 2, 3, 4, 5, 63, 64, 65, 129, 300), g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
