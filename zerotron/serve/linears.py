@@ -218,7 +218,8 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
     chunks for long prefills. ``native``: every linear runs on zerotron's own kernel instead, bf16 on
     AMX tiles (:func:`~zerotron.serve.kernels.tile_linear`) or, without AMX, on AVX512-BF16
-    (:func:`~zerotron.serve.kernels.dot_linear`), fp32 on AVX-512
+    (:func:`~zerotron.serve.kernels.dot_linear`) or, without either, on AVX2
+    (:func:`~zerotron.serve.kernels.wide_linear`), fp32 on AVX-512
     (:func:`~zerotron.serve.kernels.vec_linear`), whole at any row count (a row's result depends on the
     row alone, from one row up), its weight read once per call; the RMSNorms and the lean layers' SiLU
     gates then run on native kernels too (:func:`~zerotron.serve.kernels.rms_norm`,
