@@ -347,7 +347,7 @@ def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(
         from zerotron.serve import kernels
         from zerotron.serve.linears import onednn_kernels
 
-        # one rank: the linears on AMX tiles or AVX512-BF16 where the CPU has them (the default), else
+        # one rank: the linears on AMX tiles, AVX512-BF16 or AVX2 where the CPU has them (the default), else
         # oneDNN where it has bf16 kernels, else F.linear in row chunks; tensor-parallel shards: F.linear
         want = (
             "F.linear"
@@ -356,6 +356,8 @@ def test_bfloat16_server_says_paris_and_answers_sixteen_requests_as_each_alone(
             if kernels.tiles_available()
             else "native AVX512-BF16"
             if kernels.dot_available()
+            else "native AVX2"
+            if kernels.q8_available()
             else "oneDNN"
             if onednn_kernels(torch.bfloat16)
             else "F.linear"
