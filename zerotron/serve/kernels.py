@@ -346,7 +346,7 @@ def why_no_q8() -> Optional[str]:
 def q8_linear(
     x: torch.Tensor,
     values: torch.Tensor,
-    scales: tuple[torch.Tensor, Optional[torch.Tensor]],
+    scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
     mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
     offset: int = 0,
 ) -> torch.Tensor:
@@ -384,15 +384,12 @@ def wide_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
     over k in order, added in a fixed tree, the bias added in fp32, rounded once — a row's result is
     the same in any batch, from one row up."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k).float()
-    if rows.stride(-1) != 1:  # the kernel reads each row's k in place
-        rows = rows.contiguous()
     if packed.shape[2] != k:  # the weight's zero-padded inputs
-        rows = torch.nn.functional.pad(rows, (0, packed.shape[2] - k))
-    y: torch.Tensor = _built().q8_linear(rows, packed, None, None, None, None, 0)
+        x = torch.nn.functional.pad(x, (0, packed.shape[2] - k))
+    y = q8_linear(x, packed, (None, None))  # bf16 values: the weights themselves, no scales
     if bias is not None:
         y = y + bias
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    return y.to(x.dtype)
 
 
 def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:
