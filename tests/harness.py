@@ -62,6 +62,15 @@ def run_distributed(
     )
 
 
+def forked(**options: Any) -> Any:
+    """:class:`~zerotron.train.run.LaunchOptions` for ``launch_training`` whose ranks fork from the
+    preloaded server (``start_method="forkserver"``): for a job whose ranks' output the test does not
+    read (it goes where the server's went)."""
+    from zerotron.train.run import LaunchOptions
+
+    return LaunchOptions(start_method="forkserver", **options)
+
+
 def _call_original(module: str, qualname: str) -> Any:
     """In a spawned rank: find the undecorated test function by name and run it."""
     obj: Any = importlib.import_module(module)

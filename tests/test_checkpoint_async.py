@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import forked, run_distributed
 from tests.test_checkpoint_crash import killed_saves
 from tests.test_train_dp import BASE, _tokens
 from tests.test_train_resume import SMALL, _losses
@@ -116,15 +116,13 @@ def test_async_save_writes_the_bytes_of_a_sync_save(layout: list[str], tmp_path:
 def test_resume_from_async_checkpoints_equals_straight_run(tmp_path: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
     every = [*SMALL, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=2"]
-    train_run.launch_training(None, every, 2, train_run.LaunchOptions(out=str(straight)))
+    train_run.launch_training(None, every, 2, forked(out=str(straight)))
     async_run = [*every, "checkpoint.async_save=true"]
-    train_run.launch_training(
-        None, [*async_run, "train.exit_step=5"], 2, train_run.LaunchOptions(out=str(split))
-    )
+    train_run.launch_training(None, [*async_run, "train.exit_step=5"], 2, forked(out=str(split)))
     root = split / "checkpoints"
     # Saves at steps 2 and 4 while training went on, and 5 at the exit; keep-last-2 pruned step 2.
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000005"]
-    train_run.launch_training(None, async_run, 2, train_run.LaunchOptions(out=str(split), resume="auto"))
+    train_run.launch_training(None, async_run, 2, forked(out=str(split), resume="auto"))
     a, b = _losses(straight), _losses(split)
     assert len(a) == 10 and b == a  # bitwise on CPU fp32: steps 1-5, then 6-10 after the resume
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000008", "step_00000010"]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.harness import forked
 from tests.test_train_dp import _reference_run, _tokens
 from zerotron.checkpoint import store
 from zerotron.components.state import read_model_tensors
@@ -109,14 +110,12 @@ def test_continue_under_another_layout(a: tuple, b: tuple, tmp_path: Path) -> No
     common = [*TINY, f"data.source={tmp_path / 'tokens.npy'}"]
     first, second = tmp_path / "first", tmp_path / "second"
     train_run.launch_training(
-        None, [*common, *layout_a, f"train.exit_step={SAVED}"], na, train_run.LaunchOptions(out=str(first))
+        None, [*common, *layout_a, f"train.exit_step={SAVED}"], na, forked(out=str(first))
     )
     ckpt = store.find_latest(first / "checkpoints")
     assert ckpt is not None and ckpt.name == store.step_dir_name(SAVED)
     _assert_saved_in_pieces(ckpt)
-    train_run.launch_training(
-        None, [*common, *layout_b], nb, train_run.LaunchOptions(out=str(second), resume=str(ckpt))
-    )
+    train_run.launch_training(None, [*common, *layout_b], nb, forked(out=str(second), resume=str(ckpt)))
 
     ref_losses, ref_weights, ref_moments = _reference(TINY, tokens)
     got = {**_losses(first), **_losses(second)}

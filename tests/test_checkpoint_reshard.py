@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.harness import forked
 from zerotron.checkpoint import store
 from zerotron.components.state import read_model_tensors
 from zerotron.train import run as train_run
@@ -53,22 +54,20 @@ def _losses(run: Path) -> dict[int, float]:
     ],
     ids=["dp2-to-dp4", "pp4-to-pp2xdp2", "pp2xdp2-to-1", "dp4-to-pp2", "hybrid-zero3-to-zero1"],
 )
-def test_continue_under_another_layout(
-    a: tuple, b: tuple, tmp_path: Path, capfd: pytest.CaptureFixture
-) -> None:
+def test_continue_under_another_layout(a: tuple, b: tuple, tmp_path: Path) -> None:
     (na, layout_a), (nb, layout_b) = a, b
-    straight, first, second = tmp_path / "straight", tmp_path / "first", tmp_path / "second"
-    train_run.launch_training(None, [*SMALL, *layout_a], na, train_run.LaunchOptions(out=str(straight)))
-    train_run.launch_training(
-        None, [*SMALL, *layout_a, "train.exit_step=5"], na, train_run.LaunchOptions(out=str(first))
+    straight, second = tmp_path / "straight", tmp_path / "second"
+    # the uninterrupted run, which also saves at step 5: the checkpoint continued under layout B
+    # (a run stopped there and resumed under its own layout is test_train_resume's)
+    train_run.launch_training(None, [*SMALL, *layout_a, "checkpoint.every=5"], na, forked(out=str(straight)))
+    ckpt = straight / "checkpoints" / "step_00000005"
+    assert store.find_latest(straight / "checkpoints") == straight / "checkpoints" / "step_00000010"
+    summary = train_run.launch_training(
+        None, [*SMALL, *layout_b], nb, forked(out=str(second), resume=str(ckpt))
     )
-    ckpt = store.find_latest(first / "checkpoints")
-    assert ckpt is not None and ckpt.name == "step_00000005"
-    capfd.readouterr()
-    train_run.launch_training(
-        None, [*SMALL, *layout_b], nb, train_run.LaunchOptions(out=str(second), resume=str(ckpt))
-    )
-    assert "resharded from" in capfd.readouterr().out
+    assert summary is not None and summary["resumed_from_step"] == 5
+    saved = json.loads((ckpt / "trainer.json").read_text())["layout"]
+    assert summary["resharded_from"] == {k: v for k, v in saved.items() if k != "world_size"}
     ref, got = _losses(straight), _losses(second)
     assert sorted(got) == [6, 7, 8, 9, 10]
     np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in got], rtol=1e-5)

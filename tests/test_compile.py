@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import forked, run_distributed
 from zerotron.components.loss import IGNORE, token_loss_sum
 from zerotron.config_check import has_cxx_compiler
 from zerotron.config_load import load_config
@@ -179,16 +179,12 @@ def test_compiled_run_resumes_exactly_and_checkpoints_equal_eager(tmp_path: Path
 
     args = [*BASE, "train.steps=6", "train.lr=1e-2", "data.max_bytes=60000"]
     straight, split, eager = tmp_path / "straight", tmp_path / "split", tmp_path / "eager"
+    train_run.launch_training(None, [*args, "train.compile=true"], 2, forked(out=str(straight)))
     train_run.launch_training(
-        None, [*args, "train.compile=true"], 2, train_run.LaunchOptions(out=str(straight))
+        None, [*args, "train.compile=true", "train.exit_step=3"], 2, forked(out=str(split))
     )
-    train_run.launch_training(
-        None, [*args, "train.compile=true", "train.exit_step=3"], 2, train_run.LaunchOptions(out=str(split))
-    )
-    train_run.launch_training(
-        None, [*args, "train.compile=true"], 2, train_run.LaunchOptions(out=str(split), resume="auto")
-    )
-    train_run.launch_training(None, args, 2, train_run.LaunchOptions(out=str(eager)))
+    train_run.launch_training(None, [*args, "train.compile=true"], 2, forked(out=str(split), resume="auto"))
+    train_run.launch_training(None, args, 2, forked(out=str(eager)))
 
     def losses(run: Path) -> list[float]:
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]

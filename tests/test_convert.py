@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import forked, run_distributed
 from zerotron.build.convert import convert
 from zerotron.build.source import resolve_model
 from zerotron.checkpoint import store
@@ -59,7 +59,7 @@ def test_sharded_output_loads_in_transformers(tmp_path: Path) -> None:
 
 def test_pipeline_checkpoint_to_hf_has_identical_tensors(tmp_path: Path) -> None:
     overrides = [*TINY, "parallel.pp=2", *TWO_STEPS]
-    train_run.launch_training(None, overrides, 2, train_run.LaunchOptions(out=str(tmp_path / "run")))
+    train_run.launch_training(None, overrides, 2, forked(out=str(tmp_path / "run")))
     ckpt = store.find_latest(tmp_path / "run" / "checkpoints")
     assert ckpt is not None and (ckpt / "shard.rank1.safetensors").is_file()  # stage 1 wrote its own
     convert(tmp_path / "run", tmp_path / "hf")  # a run directory: its newest checkpoint
@@ -90,12 +90,12 @@ def test_hf_to_checkpoint_trains_under_a_pipeline_from_the_same_weights(tmp_path
     # tensors' slices) and from the converted checkpoint under pp 2: the same losses.
     common = TWO_STEPS
     train_run.launch_training(
-        None, [*common, f"model.path={tmp_path / 'hf'}"], 1, train_run.LaunchOptions(out=str(tmp_path / "a"))
+        None, [*common, f"model.path={tmp_path / 'hf'}"], 1, forked(out=str(tmp_path / "a"))
     )
     pp_run = [*common, f"model.path={tmp_path / 'ck'}", "parallel.pp=2"]
-    train_run.launch_training(None, pp_run, 2, train_run.LaunchOptions(out=str(tmp_path / "b")))
+    train_run.launch_training(None, pp_run, 2, forked(out=str(tmp_path / "b")))
     pp_hf = [*common, f"model.path={tmp_path / 'hf'}", "parallel.pp=2"]
-    train_run.launch_training(None, pp_hf, 2, train_run.LaunchOptions(out=str(tmp_path / "c")))
+    train_run.launch_training(None, pp_hf, 2, forked(out=str(tmp_path / "c")))
     losses = [
         [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         for run in ("a", "b", "c")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import run_distributed
+from tests.harness import forked, run_distributed
 from tests.test_train_dp import _reference, _tokens
 from zerotron.config_load import load_config
 from zerotron.distributed.launch import current_rank_and_world
@@ -156,9 +156,9 @@ def test_pipeline_resume_is_bitwise_equal(tmp_path: Path) -> None:
         "train.steps=6",
     ]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_run.launch_training(None, small, 2, train_run.LaunchOptions(out=str(straight)))
-    train_run.launch_training(None, [*small, "train.exit_step=3"], 2, train_run.LaunchOptions(out=str(split)))
-    train_run.launch_training(None, small, 2, train_run.LaunchOptions(out=str(split), resume="auto"))
+    train_run.launch_training(None, small, 2, forked(out=str(straight)))
+    train_run.launch_training(None, [*small, "train.exit_step=3"], 2, forked(out=str(split)))
+    train_run.launch_training(None, small, 2, forked(out=str(split), resume="auto"))
 
     def losses(run: Path) -> list[float]:
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import forked, run_distributed
 from zerotron.checkpoint import store
 from zerotron.components.state import read_model_tensors
 from zerotron.config_load import load_config
@@ -43,14 +43,12 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_resume_is_bitwise_equal_to_straight_run(tmp_path: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_run.launch_training(None, [*SMALL, "train.steps=20"], 2, train_run.LaunchOptions(out=str(straight)))
+    train_run.launch_training(None, [*SMALL, "train.steps=20"], 2, forked(out=str(straight)))
     train_run.launch_training(
-        None, [*SMALL, "train.steps=20", "train.exit_step=10"], 2, train_run.LaunchOptions(out=str(split))
+        None, [*SMALL, "train.steps=20", "train.exit_step=10"], 2, forked(out=str(split))
     )
     assert store.find_latest(split / "checkpoints").name == "step_00000010"
-    train_run.launch_training(
-        None, [*SMALL, "train.steps=20"], 2, train_run.LaunchOptions(out=str(split), resume="auto")
-    )
+    train_run.launch_training(None, [*SMALL, "train.steps=20"], 2, forked(out=str(split), resume="auto"))
     a, b = _losses(straight), _losses(split)
     assert len(a) == len(b) == 20
     assert a == b  # bitwise on CPU fp32
@@ -92,9 +90,7 @@ def test_sigkill_while_checkpointing_keeps_previous(tmp_path: Path) -> None:
     assert latest is not None and latest.name == "step_00000004"
     store.verify(latest)  # complete and uncorrupted
     assert (root / ".tmp-step_00000008").exists()  # the half-written one was never published
-    summary = train_run.launch_training(
-        None, overrides, 2, train_run.LaunchOptions(out=str(run_dir), resume="auto")
-    )
+    summary = train_run.launch_training(None, overrides, 2, forked(out=str(run_dir), resume="auto"))
     assert (summary["steps"], summary["last_step"], summary["resumed_from_step"]) == (8, 12, 4)
     assert store.find_latest(root).name == "step_00000012"
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import forked, run_distributed
 from tests.test_train_dp import BASE, STEPS, _reference, _tokens
 from zerotron.checkpoint import store
 from zerotron.components.state import read_model_tensors
@@ -400,11 +400,9 @@ def test_zero_resume_is_exact_and_saves_whole_tensors(
         f"parallel.nvme_path={tmp_path}",
     ]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_run.launch_training(None, common, 2, train_run.LaunchOptions(out=str(straight)))
-    train_run.launch_training(
-        None, [*common, "train.exit_step=4"], 2, train_run.LaunchOptions(out=str(split))
-    )
-    train_run.launch_training(None, common, 2, train_run.LaunchOptions(out=str(split), resume="auto"))
+    train_run.launch_training(None, common, 2, forked(out=str(straight)))
+    train_run.launch_training(None, [*common, "train.exit_step=4"], 2, forked(out=str(split)))
+    train_run.launch_training(None, common, 2, forked(out=str(split), resume="auto"))
     assert _losses(straight) == _losses(split)
     assert not list(tmp_path.glob("zerotron-*"))  # the NVMe files are gone once training ends
     ckpt = store.find_latest(straight / "checkpoints")

@@ -380,11 +380,10 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
     resumed = trainer.resume(resume, verified=True) if resume else None  # hashed once, by the launcher
     if rank == 0:
         truncate_metrics(rd, trainer.step)  # steps after the checkpoint are run again: no duplicates
+    saved = {k: v for k, v in (trainer.resumed_layout or {}).items() if k != "world_size"}
+    resharded = saved if resumed is not None and saved and saved != trainer.layout() else None
     if resumed is not None and rank == 0:
-        saved = {k: v for k, v in (trainer.resumed_layout or {}).items() if k != "world_size"}
-        moved = (
-            f", resharded from {saved} to {trainer.layout()}" if saved and saved != trainer.layout() else ""
-        )
+        moved = f", resharded from {saved} to {trainer.layout()}" if resharded else ""
         print(f"resumed from {resumed} at step {trainer.step}{moved}", flush=True)
     start = trainer.step
     # the samples run under the training layout, offload included
@@ -395,6 +394,8 @@ def train_worker(run_dir: str, resume: str | None, attempt: int = 0) -> dict[str
             summary["stopped"] = trainer.stopped
         if resumed is not None:
             summary["resumed_from_step"] = start
+        if resharded:
+            summary["resharded_from"] = resharded
         if history:
             summary.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
         if not trainer.stopped:
@@ -433,13 +434,17 @@ class LaunchOptions:
     """How a training job is launched (the flags every training command shares), checked on
     construction: the run directory (``--out``; default ``runs/<timestamp>``), what to resume (``auto``
     or a checkpoint folder), a DeepSpeed config to map, whether to start over in a directory that
-    holds a run, and how many times a failed job is restarted from its newest checkpoint."""
+    holds a run, and how many times a failed job is restarted from its newest checkpoint.
+    ``start_method``: how local ranks start (:func:`~zerotron.distributed.launch.spawn`): ``spawn``, as
+    the command line does, or ``forkserver`` for a program that launches many short jobs (a test suite):
+    the ranks' output then goes where the fork server's went."""
 
     out: str | None = None
     resume: str | None = None
     deepspeed: str | None = None
     overwrite: bool = False
     max_restarts: int = 0
+    start_method: str = "spawn"
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -492,6 +497,7 @@ def launch_training(
                     args=(str(run_dir), ckpt, attempt),
                     backend=cfg.parallel.backend,
                     watchdog=watchdog,
+                    start_method=options.start_method,
                 )
                 return _report({**results[0], "restarts": attempt}, run_dir)
             except LaunchError as e:
