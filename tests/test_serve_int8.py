@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_serve_gguf import IN, OUT, _blocks
-from zerotron.models.gguf_blocks import BlockInt8Linear, BlockKLinear, block_linear
+from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Linear, BlockKLinear, block_linear
+from zerotron.models.hf_packed import PackedInt4Linear, Unpacked, dequantize
+from zerotron.models.quant import Int4Linear
 from zerotron.serve import kernels
 from zerotron.serve.int8_linears import int8_kernels
 
@@ -41,15 +43,16 @@ def _values(values: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def _reference(
-    x: torch.Tensor, packed: torch.Tensor, scales: tuple, mins: tuple, offset: int = 0
+    x: torch.Tensor, packed: torch.Tensor, scales: tuple, mins: tuple, offset: int = 0, add: bool = False
 ) -> torch.Tensor:
     values = _values(packed, offset)
     n, groups, group = values.shape
     s = (_expand(scales[0], groups) * _expand(scales[1], groups))[..., None]
-    w = values.float() * s
+    w = values.double() * s.double()
     if mins[0] is not None:
-        w = w - (_expand(mins[0], groups) * _expand(mins[1], groups))[..., None]
-    return x.double() @ w.reshape(n, groups * group).double().T
+        m = (_expand(mins[0], groups) * _expand(mins[1], groups))[..., None].double()
+        w = w + m if add else w - m
+    return x.double() @ w.reshape(n, groups * group).T
 
 
 CASES = {
@@ -60,6 +63,10 @@ CASES = {
     "q5_k": (30, 16, 32, [(torch.float16, 2), (torch.uint8, 16)], [(torch.float16, 2), (torch.uint8, 16)]),
     "channelwise": (13, 1, 520, [(torch.float32, 1)], []),
     "q3_k-nibbles": (27, 32, 16, [(torch.float16, 2), (torch.int8, 32)], []),
+    "q4_0-nibbles": (21, 8, 32, [(torch.float16, 8)], []),
+    "g24-nibbles": (17, 8, 24, [(torch.float32, 8)], [(torch.float32, 8)]),  # 8 values at a time
+    "q4_1-nibbles": (19, 8, 32, [(torch.float16, 8)], [(torch.float16, 8)]),
+    "int4-bf16-nibbles": (35, 4, 64, [(torch.bfloat16, 4)], [(torch.bfloat16, 4)]),
     "q2_k-nibbles": (
         14,
         32,
@@ -82,26 +89,31 @@ def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> 
     n, groups, group, scale_spec, min_spec = CASES[case]
     gen = torch.Generator().manual_seed(3)
     values = torch.randint(-128, 128, (n, groups, group), generator=gen, dtype=torch.int8)
-    offset = 4 if case.startswith("q3_k") else 0
+    offset = {"q3_k": 4, "q4_0": 8, "int4-bf16": 8}.get(case.rsplit("-", 1)[0], 0)
+    add = case in ("q4_1-nibbles", "int4-bf16-nibbles")  # w = q·s + m (GGUF Q4_1, torch's int4 zeros)
     if case.endswith("nibbles"):  # two values a byte
         values = torch.randint(0, 256, (n, groups, group // 2), generator=gen, dtype=torch.uint8)
     scales = tuple(_factor(d, n, e, gen) for d, e in scale_spec) + (None,) * (2 - len(scale_spec))
     mins = tuple(_factor(d, n, e, gen) for d, e in min_spec) + (None,) * (2 - len(min_spec))
     if case == "gptq-asym":  # GPTQ's scales are stored (groups, out): read through a transposed view
         scales = (scales[0].T.contiguous().T, None)
+    if case == "int4-bf16-nibbles":  # torch's int4 scales and zeros (groups, out, 2): strided views
+        pairs = torch.stack([scales[0].T, mins[0].T], -1).contiguous()
+        scales, mins = (pairs[..., 0].T, None), (pairs[..., 1].T, None)
     x = torch.randn(23, groups * group, generator=gen)
-    y = kernels.q8_linear(x, values, scales, mins, offset)
-    ref = _reference(x, values, scales, mins, offset)
+    y = kernels.q8_linear(x, values, scales, mins, offset, add)
+    ref = _reference(x, values, scales, mins, offset, add)
     assert y.dtype == torch.float32 and y.shape == (23, n)
     # fp32 sums of K = 520-576 products: a few units of fp32 rounding of the largest output
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
-    alone = torch.cat([kernels.q8_linear(x[i : i + 1], values, scales, mins, offset) for i in range(23)])
-    assert torch.equal(alone, y)
-    assert torch.equal(kernels.q8_linear(x[5:17], values, scales, mins, offset), y[5:17])
+    alone = [kernels.q8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
+    assert torch.equal(torch.cat(alone), y)
+    assert torch.equal(kernels.q8_linear(x[5:17], values, scales, mins, offset, add), y[5:17])
     # bf16 rows are read exactly (widened to fp32)
     xb = x.bfloat16()
     assert torch.equal(
-        kernels.q8_linear(xb, values, scales, mins), kernels.q8_linear(xb.float(), values, scales, mins)
+        kernels.q8_linear(xb, values, scales, mins, offset, add),
+        kernels.q8_linear(xb.float(), values, scales, mins, offset, add),
     )
 
 
@@ -125,6 +137,7 @@ def test_kernel_changes_with_each_part() -> None:
         kernels.q8_linear(x, values, (d, sc), (d, mn2)),
         kernels.q8_linear(x, v2, (d, sc), (d, mn)),
         kernels.q8_linear(x, values, (d, sc), (None, None)),
+        kernels.q8_linear(x, values, (d, sc), (d, mn), add_mins=True),
     ):
         assert not torch.equal(changed, base)
 
@@ -162,3 +175,58 @@ def test_gguf_blocks_on_the_kernel_are_the_files_weights(kind: str) -> None:
     np.testing.assert_allclose(
         layer(xb).float().numpy(), got.numpy(), rtol=0.02, atol=0.02 * float(got.abs().max())
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4bit_blocks_on_the_kernel_are_the_modules_weights(kind: str, dtype: torch.dtype) -> None:
+    """Q4 blocks moved from torch's int4 kernel to zerotron's: in fp32 the file's own scales (the
+    ``gguf`` package's values), in bf16 the module's bf16 scales and zeros, in both the weights its
+    own kernel multiplies by (its ``dequantize`` before the move), and the same bytes kept."""
+    raw, want = _blocks(kind, seed=5)
+    layer = block_linear(kind, raw, IN, dtype)
+    assert isinstance(layer, BlockInt4Linear)
+    held = layer.qweight.nbytes
+    x = torch.randn(19, IN).to(dtype)
+    own = layer(x).double()  # torch's int4 kernel
+    assert int8_kernels(layer) == 0  # 4-bit modules only when asked
+    assert int8_kernels(layer, four_bit=True) == 1
+    assert layer.qweight.nbytes == held
+    got = layer(x)
+    assert got.dtype == dtype
+    file = F.linear(x.double(), torch.from_numpy(want).double())  # the gguf package's weights
+    # fp32: the file's scales, a few units of fp32 rounding; bf16: the module's bf16-rounded scales
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2
+    assert (got.double() - file).abs().max() <= tolerance * file.abs().max()
+    torch.testing.assert_close(got.double(), own, rtol=10 * tolerance, atol=10 * tolerance * own.abs().max())
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(19)]), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_and_packed_4bit_linears_on_the_kernel(dtype: torch.dtype) -> None:
+    """``--quantization int4``'s linears and a 4-bit GPTQ linear (asymmetric zeros, act-order, bias)
+    on the kernel: the products of their own int4 kernel, and in fp32 those of the file's ``(q − z)·s``;
+    a row's result its own at any batch."""
+    gen = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(48, 256, generator=gen) * 0.05, torch.randn(48, generator=gen)
+    groups = torch.randperm(256, generator=gen) % 2  # act-order: two groups of 128, inputs interleaved
+    u = Unpacked(
+        torch.randint(0, 16, (48, 256), generator=gen, dtype=torch.uint8),
+        torch.randint(0, 16, (2, 48), generator=gen, dtype=torch.uint8),
+        torch.rand(2, 48, generator=gen) * 0.01 + 1e-3,
+        groups,
+        4,
+    )
+    layers = {"int4": Int4Linear(weight.to(dtype), bias.to(dtype)), "gptq": PackedInt4Linear(u, bias, dtype)}
+    for name, layer in layers.items():
+        x = torch.randn(11, 256, generator=gen).to(dtype)
+        before = layer(x).double()
+        assert int8_kernels(layer, four_bit=True) == 1
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (11, 48)
+        if name == "gptq" and dtype == torch.float32:  # the file's weights, in float64
+            ref = F.linear(x.double(), dequantize(u).double(), bias.double())
+            assert (got.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), before, rtol=tolerance, atol=tolerance * before.abs().max())
+        assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(11)]), got)

@@ -190,3 +190,19 @@ def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.T
     return F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - n)), weight, bias)[:n].view(
         *x.shape[:-1], weight.shape[0]
     )
+
+
+def int4pack_values(qweight: torch.Tensor, in_features: int, out_features: int, group: int) -> torch.Tensor:
+    """The 4-bit values 0..15 (out, in) uint8 that ``aten._convert_weight_to_int4pack_for_cpu`` packed
+    into ``qweight`` (a CPU-dependent layout), read back through the kernel itself: unit rows times
+    the weight with scales 1 and zeros 0 give ``q − 8`` exactly (bf16 holds those integers and each
+    output is one product), a few hundred inputs at a time."""
+    unit = torch.zeros(in_features // group, out_features, 2, dtype=torch.bfloat16)
+    unit[..., 0] = 1
+    values = torch.empty(out_features, in_features, dtype=torch.uint8)
+    eye = torch.eye(in_features, dtype=torch.bfloat16)
+    for start in range(0, in_features, 256):
+        stop = min(start + 256, in_features)
+        part = torch.ops.aten._weight_int4pack_mm_for_cpu(eye[start:stop], qweight, group, unit)
+        values[:, start:stop] = (part.T.float() + 8).to(torch.uint8)
+    return values

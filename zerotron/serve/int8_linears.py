@@ -1,4 +1,4 @@
-"""Served 8-bit weights on zerotron's grouped 8-bit kernel (:func:`zerotron.serve.kernels.q8_linear`).
+"""Served 8- and 4-bit weights on zerotron's grouped kernel (:func:`zerotron.serve.kernels.q8_linear`).
 
 The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks, and
 Q3_K's and Q2_K's at 4 bits a value (:mod:`zerotron.models.gguf_blocks`), and 8-bit GPTQ and
@@ -10,6 +10,13 @@ fp32 per call (GGUF), or one int8 call per group of inputs (GPTQ), both several 
 the files' scale tables in place (no copy). Results differ from the modules' own forwards only in the
 order of the sums (the weights are the same fp32 values); a row's result is still its own at any batch.
 Q2_K's and Q3_K's values, two a byte, are read as they are kept.
+
+The 4-bit linears (GGUF Q4_0, Q4_1 and Q4_K; 4-bit GPTQ, AWQ and compressed-tensors; ``--quantization
+int4``) keep their values in the packed form of torch's int4 kernel, whose layout depends on the CPU.
+Where :func:`int8_kernels` is asked for them (``four_bit``), it reads each module's values back once
+(:func:`~zerotron.models.quant.int4pack_values`) and keeps them two a byte in the kernel's order
+instead (the same bytes), with the module's scales and zeros (``w = (q − 8)·s + z``) as they are, or
+in fp32 a GGUF file's own f16 scales (Q4_0 ``d·(q − 8)``, Q4_1 ``d·q + m``, Q4_K ``d·sc·q − dmin·mn``).
 """
 
 from __future__ import annotations
@@ -20,39 +27,66 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zerotron.models.gguf_blocks import LOW_BITS, BlockInt8Linear, BlockKLinear
-from zerotron.models.hf_packed import PackedInt8Linear
+from zerotron.models.gguf_blocks import LOW_BITS, BlockInt4Linear, BlockInt8Linear, BlockKLinear
+from zerotron.models.hf_packed import PackedInt4Linear, PackedInt8Linear
+from zerotron.models.quant import Int4Linear, int4pack_values
 from zerotron.serve import kernels
 
 Scales = tuple[torch.Tensor, Optional[torch.Tensor]]
 Mins = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
-Tables = tuple[torch.Tensor, Scales, Mins, int]  # values, scale and min factors, offset
+Tables = tuple[torch.Tensor, Scales, Mins, int, bool]  # values, scale and min factors, offset, add_mins
+INT4 = (Int4Linear, BlockInt4Linear, PackedInt4Linear)
 
 
-def _tables(module: nn.Module) -> Optional[Tables]:
+def _int4_tables(module: Int4Linear | BlockInt4Linear | PackedInt4Linear) -> Tables:
+    """A 4-bit module's operands: its values read back from torch's packed form and kept two a byte
+    (the module's ``qweight`` replaced by them: the same bytes), its scales and zeros."""
+    n, k = module.out_features, module.in_features
+    group = 32 if isinstance(module, BlockInt4Linear) else module.group
+    q = int4pack_values(module.qweight, k, n, group)
+    values = (q[:, 0::2] | (q[:, 1::2] << 4)).view(n, k // group, group // 2)
+    module.qweight = values
+    if isinstance(module, BlockInt4Linear) and not module.kept:  # the file's own f16 scales
+        b = dict(module.named_buffers())
+        if module.kind == "Q4_0":
+            return values, (b["d"], None), (None, None), 8, False
+        if module.kind == "Q4_1":
+            return values, (b["d"], None), (b["m"], None), 0, True
+        return values, (b["d"], b["sc"]), (b["dmin"], b["mn"]), 0, False
+    scale_zero = module.scales() if isinstance(module, BlockInt4Linear) else module.scale_zero
+    scale, zero = scale_zero[..., 0].T, scale_zero[..., 1].T  # (out, groups) views
+    return values, (scale, None), (zero, None), 8, True
+
+
+def _tables(module: nn.Module, four_bit: bool) -> Optional[Tables]:
     """The kernel's operands of ``module``: values (n, groups, group), scale and min factors; None
     for a module the kernel does not run."""
+    if isinstance(module, INT4):
+        return _int4_tables(module) if four_bit else None
     if isinstance(module, PackedInt8Linear):
         if module.group % 8:
             return None
         values = module.qweight.transpose(0, 1)  # (groups, out, group) -> (out, groups, group)
-        return values, (module.scales.T, None), (module.zero_term, None), 0
+        return values, (module.scales.T, None), (module.zero_term, None), 0, False
     if type(module) is BlockInt8Linear:  # Q8_0: d·q per 32 inputs
         n, k = module.qweight.shape
-        return module.qweight.view(n, k // 32, 32), (module.d, None), (None, None), 0
+        return module.qweight.view(n, k // 32, 32), (module.d, None), (None, None), 0, False
     if isinstance(module, BlockKLinear):  # (d·sc)·q, less dmin·mn for Q5_K and Q2_K
         n, groups = module.out_features, module.in_features // module.group
         low = module.kind in LOW_BITS  # Q2_K's q and Q3_K's q + 4, two a byte
         values = module.qweight.view(n, groups, module.group // 2 if low else module.group)
         mins = (module.dmin, module.mn) if module.kind in ("Q5_K", "Q2_K") else (None, None)
-        return values, (module.d, module.sc), mins, 4 if module.kind == "Q3_K" else 0
+        return values, (module.d, module.sc), mins, 4 if module.kind == "Q3_K" else 0, False
     return None
 
 
-def _packed_forward(module: PackedInt8Linear, tables: Tables, x: torch.Tensor) -> torch.Tensor:
+def _packed_forward(
+    module: PackedInt8Linear | PackedInt4Linear | Int4Linear, tables: Tables, x: torch.Tensor
+) -> torch.Tensor:
     rows = x.reshape(-1, module.in_features)
-    if module.order is not None:  # act-order: the inputs in the groups' order
-        rows = rows[:, module.order]
+    order: Optional[torch.Tensor] = getattr(module, "order", None)  # Int4Linear has none
+    if order is not None:  # act-order: the inputs in the groups' order
+        rows = rows[:, order]
     out = kernels.q8_linear(rows, *tables).to(x.dtype)
     if module.bias is not None:
         out = out + module.bias
@@ -63,15 +97,16 @@ def _block_forward(tables: Tables, x: torch.Tensor) -> torch.Tensor:
     return kernels.q8_linear(x, *tables).to(x.dtype)
 
 
-def int8_kernels(model: nn.Module) -> int:
-    """Run ``model``'s 8-bit linears that the kernel takes on it (their forwards replaced); returns how
-    many. Call only where :func:`~zerotron.serve.kernels.q8_available`."""
+def int8_kernels(model: nn.Module, four_bit: bool = False) -> int:
+    """Run ``model``'s 8-bit linears that the kernel takes on it (their forwards replaced), and its
+    4-bit ones where ``four_bit``; returns how many. Call only where
+    :func:`~zerotron.serve.kernels.q8_available`."""
     count = 0
     for module in model.modules():
-        tables = _tables(module)
+        tables = _tables(module, four_bit)
         if tables is None:
             continue
-        if isinstance(module, PackedInt8Linear):
+        if isinstance(module, (PackedInt8Linear, PackedInt4Linear, Int4Linear)):
             module.forward = functools.partial(_packed_forward, module, tables)  # type: ignore[method-assign]
         else:
             module.forward = functools.partial(_block_forward, tables)

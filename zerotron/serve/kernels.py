@@ -88,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v21"
+_NAME = "zerotron_kernels_v22"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -349,13 +349,15 @@ def q8_linear(
     scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
     mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
     offset: int = 0,
+    add_mins: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T`` for rows ``x`` (..., K) and a weight ``w`` (n, K) of 8-bit ``values`` (n, groups,
     group) int8, any strides but the last, ``group`` a multiple of 8 — or 4-bit ones two a byte,
     (n, groups, group / 2) uint8, input 2j in the low half, each value the nibble less ``offset``
-    (GGUF Q2_K's and Q3_K's as zerotron keeps them) — : ``w = q·s − m``, each group's
+    (the 4-bit formats and GGUF Q2_K's and Q3_K's as zerotron keeps them) — : ``w = q·s − m`` (``q·s +
+    m`` where ``add_mins``: GGUF Q4_1's), each group's
     scale ``s`` the product of the factors ``scales`` and its min ``m`` that of ``mins`` (none when
-    the first is None). A factor is a table (n, groups / per) of f32, f16, int8 or uint8, any strides,
+    the first is None). A factor is a table (n, groups / per) of f32, f16, bf16, int8 or uint8, any strides,
     its entry per ``per`` consecutive groups: the files' tables as they are (GGUF Q8_0's f16 scales;
     Q5_K's and Q6_K's f16 super-block scales times their small-integer group scales; GPTQ's scales and
     zeros times scales). The weights are dequantised slice by slice into fp32 (exactly: 8-bit values
@@ -364,7 +366,9 @@ def q8_linear(
     rows = x.reshape(-1, x.shape[-1]).float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y: torch.Tensor = _built().q8_linear(rows, values, scales[0], scales[1], mins[0], mins[1], offset)
+    y: torch.Tensor = _built().q8_linear(
+        rows, values, scales[0], scales[1], mins[0], mins[1], offset, add_mins
+    )
     return y.view(*x.shape[:-1], values.shape[0])
 
 

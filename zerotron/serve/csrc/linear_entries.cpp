@@ -132,7 +132,7 @@ bool q8_cpu() {
 }
 
 #if defined(ZT_Q8)
-// A factor table (n, groups / per) of f32, f16, int8 or uint8, any strides; absent: 1.0 (or no min).
+// A factor table (n, groups / per) of f32, f16, bf16, int8 or uint8, any strides; absent: 1.0 (or no min).
 Factor q8_factor(const std::optional<torch::Tensor>& f, int64_t n, int64_t groups, const char* what) {
   Factor out;
   if (!f) return out;
@@ -142,7 +142,8 @@ Factor q8_factor(const std::optional<torch::Tensor>& f, int64_t n, int64_t group
     case torch::kHalf: out.kind = 2; break;
     case torch::kChar: out.kind = 3; break;
     case torch::kByte: out.kind = 4; break;
-    default: TORCH_CHECK(false, what, ": f32, f16, int8 or uint8");
+    case torch::kBFloat16: out.kind = 5; break;
+    default: TORCH_CHECK(false, what, ": f32, f16, bf16, int8 or uint8");
   }
   out.p = f->data_ptr();
   out.so = f->stride(0);
@@ -155,15 +156,16 @@ Factor q8_factor(const std::optional<torch::Tensor>& f, int64_t n, int64_t group
 // x (rows, K) fp32 with unit column stride; q (n, groups, group) int8 with unit last stride (K = groups
 // * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a byte, each less
 // offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows, n) fp32:
-// y = x (q * s - m)^T
+// y = x (q * s - m)^T, or x (q * s + m)^T where add_mins
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
                         std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
-                        std::optional<torch::Tensor> m2, int64_t offset) {
+                        std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
   const bool nibbles = q.scalar_type() == torch::kByte, bf16 = q.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(q.dim() == 3 && (nibbles || bf16 || q.scalar_type() == torch::kChar) && q.stride(2) == 1,
               "int8 values (n, groups, group), uint8 pairs (n, groups, group / 2) or bf16 weights (n, groups, group)");
   TORCH_CHECK(nibbles || offset == 0, "an offset for values two a byte only");
+  TORCH_CHECK(offset >= 0 && offset < 16, "an offset of 0 to 15");
   TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
   const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
   TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
@@ -175,7 +177,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::T
   Q8Problem t{x.data_ptr<float>(), y.data_ptr<float>(), static_cast<const int8_t*>(q.data_ptr()), q.stride(0),
               q.stride(1), bf16 ? 2 : nibbles ? 1 : 0, static_cast<int32_t>(offset),
               q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"), q8_factor(m1, n, groups, "m1"),
-              q8_factor(m2, n, groups, "m2"), x.stride(0), rows, n, x.size(1), group, (n + QOT - 1) / QOT,
+              q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n, x.size(1), group, (n + QOT - 1) / QOT,
               even_chunk(rows, QMC, 4)};
   pybind11::gil_scoped_release no_gil;
   q8_linear_run(t);

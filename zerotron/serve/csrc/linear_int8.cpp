@@ -1,8 +1,8 @@
 // ---- 8-bit weights with a scale (and a min) per group of inputs, on AVX2 ----------------------------
 // y = x w^T for fp32 x (rows, K) and w (N, K) given as int8 values q (or 4-bit ones two a byte) and a
-// scale s (and a min m) per output and group of `group` inputs: w = q * s - m, the file's own
-// arithmetic (GGUF Q8_0, Q6_K, Q5_K, Q3_K, Q2_K; GPTQ and compressed-tensors 8-bit, whose zeros are
-// mins z * s). Each scale and min is a product of
+// scale s (and a min m) per output and group of `group` inputs: w = q * s - m (or + m), the file's own
+// arithmetic (GGUF Q8_0, Q6_K, Q5_K, Q4_K, Q4_1, Q4_0, Q3_K, Q2_K; GPTQ, AWQ and compressed-tensors
+// 8- and 4-bit, whose zeros are mins z * s). Each scale and min is a product of
 // at most two factors read from tables of any layout and dtype (Factor), so the files' tables are read
 // as they are, with no dequantised or repacked copy.
 //
@@ -26,7 +26,7 @@ constexpr int64_t QOT = 12, QKS = 256, QMC = 64;  // outputs per tile, inputs pe
 // One factor of the groups' scales or mins: entry (o, gi / per) of a table, at o * so + (gi / per) * sg.
 struct Factor {
   const void* p = nullptr;
-  int kind = 0;  // 0 absent (1.0), 1 f32, 2 f16, 3 int8, 4 uint8
+  int kind = 0;  // 0 absent (1.0), 1 f32, 2 f16, 3 int8, 4 uint8, 5 bf16
   int64_t so = 0, sg = 0, per = 1;
 };
 
@@ -37,6 +37,12 @@ ZT_Q8_TARGET inline float factor_entry(const Factor& f, int64_t i) {
     case 2: return _cvtsh_ss(static_cast<const uint16_t*>(f.p)[i]);
     case 3: return static_cast<float>(static_cast<const int8_t*>(f.p)[i]);
     case 4: return static_cast<float>(static_cast<const uint8_t*>(f.p)[i]);
+    case 5: {
+      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(f.p)[i]) << 16;
+      float v;
+      std::memcpy(&v, &bits, 4);
+      return v;
+    }
     default: return 1.0f;
   }
 }
@@ -66,8 +72,16 @@ struct Q8Problem {
   int kind;
   int32_t offset;
   Factor s1, s2, m1, m2;  // scale s1 * s2; min m1 * m2 (none when m1 is absent)
+  bool add_mins;          // w = q * s + m instead (GGUF Q4_1's)
   int64_t ldx, rows, n, k, group, tiles, chunk;
 };
+
+// 8 weights q * s - m (or q * s) from 8 integer values: q * s is exact (a small integer times a
+// scale of at most 19 significant bits), so one rounding either way.
+ZT_Q8_TARGET inline void q8_store(float* dst, __m256i v, __m256 sv, __m256 mv, bool mins) {
+  const __m256 f = _mm256_cvtepi32_ps(v);
+  _mm256_store_ps(dst, mins ? _mm256_fmsub_ps(f, sv, mv) : _mm256_mul_ps(f, sv));
+}
 
 // Outputs o0 .. o0 + 11 (those below n) of inputs [k0, k1) dequantised into buf (QOT x QKS fp32, the
 // missing outputs' rows zero): w = q * s - m, 8 values at a time (a group holds a multiple of 8).
@@ -95,14 +109,28 @@ ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t
     if (mins) {
       factor_times(t.m1, o, e0[2], r0[2], count, m);
       factor_times(t.m2, o, e0[3], r0[3], count, m);
+      if (t.add_mins)
+        for (int64_t c = 0; c < count; ++c) m[c] = -m[c];
     }
     const int8_t* q = t.q + (KIND == 2 ? 0 : o * t.qo);
-    const __m128i low = _mm_set1_epi8(15);
+    const __m128i low = _mm_set1_epi8(15), offset8 = _mm_set1_epi8(static_cast<char>(t.offset));
     const __m256i offset = _mm256_set1_epi32(t.offset);
     for (int64_t c = 0; c < count; ++c) {
       const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
       const __m256 sv = _mm256_set1_ps(s[c]), mv = _mm256_set1_ps(m[c]);
       const int8_t* qg = q + (KIND == 2 ? 0 : gi * t.qg);
+      if constexpr (KIND == 1) {
+        if (t.group % 16 == 0) {  // 16 values (8 bytes) at a time: split, interleave, less the offset
+          for (int64_t k = start; k < end; k += 16) {
+            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * t.group) / 2));
+            const __m128i pairs = _mm_sub_epi8(
+                _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)), offset8);
+            q8_store(row + (k - k0), _mm256_cvtepi8_epi32(pairs), sv, mv, mins);
+            q8_store(row + (k - k0) + 8, _mm256_cvtepi8_epi32(_mm_srli_si128(pairs, 8)), sv, mv, mins);
+          }
+          continue;
+        }
+      }
       for (int64_t k = start; k < end; k += 8) {
         if constexpr (KIND == 2) {  // bf16: the top halves of fp32
           const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
@@ -119,9 +147,7 @@ ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t
           } else {
             v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * t.group))));
           }
-          __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(v), sv);
-          if (mins) w = _mm256_sub_ps(w, mv);
-          _mm256_store_ps(row + (k - k0), w);
+          q8_store(row + (k - k0), v, sv, mv, mins);
         }
       }
     }
