@@ -51,6 +51,20 @@ ZT_Q8_TARGET inline float factor_entry(const Factor& f, int64_t i) {
 // r0 = g0 % per are the slice's, the same for every output (no division per output).
 ZT_Q8_TARGET inline void factor_times(const Factor& f, int64_t o, int64_t e0, int64_t r0, int64_t count, float* out) {
   if (f.kind == 0) return;
+  if (f.per == 1) {  // an entry per group (most tables): one kind per loop, no counting
+    const int64_t at = o * f.so + e0 * f.sg, sg = f.sg;
+    switch (f.kind) {
+      case 1:
+        for (int64_t c = 0; c < count; ++c) out[c] *= static_cast<const float*>(f.p)[at + c * sg];
+        return;
+      case 2:
+        for (int64_t c = 0; c < count; ++c) out[c] *= _cvtsh_ss(static_cast<const uint16_t*>(f.p)[at + c * sg]);
+        return;
+      default:
+        for (int64_t c = 0; c < count; ++c) out[c] *= factor_entry(f, at + c * sg);
+        return;
+    }
+  }
   int64_t i = o * f.so + e0 * f.sg, r = r0;
   for (int64_t c = 0; c < count; ++c) {
     out[c] *= factor_entry(f, i);
@@ -191,6 +205,116 @@ ZT_Q8_TARGET inline float q8_sum(const float* v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
 }
 
+// 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): what q8_dequant stores
+// for them, computed in registers.
+template <int KIND>
+ZT_Q8_TARGET inline __m256 q8_weights8(const Q8Problem& t, int64_t o, int64_t gi, int64_t k, __m256 sv, __m256 mv, bool mins) {
+  const int64_t kk = k - gi * t.group;
+  if constexpr (KIND == 2) {
+    const __m128i h = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(t.q) + o * t.qo + gi * t.qg + kk));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    const int8_t* qg = t.q + o * t.qo + gi * t.qg;
+    __m256i v;
+    if constexpr (KIND == 1) {
+      int32_t four;
+      std::memcpy(&four, qg + kk / 2, 4);
+      const __m128i b = _mm_cvtsi32_si128(four), low = _mm_set1_epi8(15);
+      const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+      v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), _mm256_set1_epi32(t.offset));
+    } else {
+      v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + kk)));
+    }
+    const __m256 f = _mm256_cvtepi32_ps(v);
+    return mins ? _mm256_fmsub_ps(f, sv, mv) : _mm256_mul_ps(f, sv);
+  }
+}
+
+// 16 weights of output o, inputs k .. k + 15 of group gi, from values two a byte (a group of a
+// multiple of 16 inputs): what q8_dequant's 16-at-a-time path stores for them.
+ZT_Q8_TARGET inline void q8_weights16(const Q8Problem& t, int64_t o, int64_t gi, int64_t k, __m256 sv, __m256 mv, bool mins, __m256* w) {
+  const __m128i low = _mm_set1_epi8(15);
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t.q + o * t.qo + gi * t.qg + (k - gi * t.group) / 2));
+  const __m128i pairs = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
+                                     _mm_set1_epi8(static_cast<char>(t.offset)));
+  const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pairs));
+  const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(pairs, 8)));
+  w[0] = mins ? _mm256_fmsub_ps(f0, sv, mv) : _mm256_mul_ps(f0, sv);
+  w[1] = mins ? _mm256_fmsub_ps(f1, sv, mv) : _mm256_mul_ps(f1, sv);
+}
+
+// One or two rows (a decode) times a tile's outputs with the weights dequantised in registers, 4
+// outputs at a time: the same weights, the same 8 chains per output in the same order and the same
+// final tree as q8_tasks' buffered path, so a row's numbers are the same on either path.
+template <int KIND, int MR>
+ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width) {
+  ZT_Q8_ORDER
+  const bool mins = t.m1.kind != 0;
+  for (int64_t j0 = 0; j0 < width; j0 += 4) {
+    const int jn = static_cast<int>(std::min<int64_t>(4, width - j0));
+    __m256 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    float s[4][QKS / 8], m[4][QKS / 8];
+    for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
+      const int64_t k1 = std::min(t.k, k0 + QKS), g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;
+      for (int j = 0; j < jn; ++j) {
+        const int64_t o = o0 + j0 + j;
+        for (int64_t c = 0; c < count; ++c) s[j][c] = m[j][c] = 1.0f;
+        const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
+        float* outs[4] = {s[j], s[j], m[j], m[j]};
+        for (int i = 0; i < (mins ? 4 : 2); ++i) factor_times(*fs[i], o, g0 / fs[i]->per, g0 % fs[i]->per, count, outs[i]);
+        if (mins && t.add_mins)
+          for (int64_t c = 0; c < count; ++c) m[j][c] = -m[j][c];
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
+        __m256 sv[4], mv[4];
+        for (int j = 0; j < jn; ++j) {
+          sv[j] = _mm256_set1_ps(s[j][c]);
+          mv[j] = _mm256_set1_ps(m[j][c]);
+        }
+        if (KIND == 1 && t.group % 16 == 0) {
+          for (int64_t k = start; k < end; k += 16) {
+            __m256 a[MR][2];
+            for (int r = 0; r < MR; ++r) {
+              a[r][0] = _mm256_loadu_ps(t.x + (m0 + r) * t.ldx + k);
+              a[r][1] = _mm256_loadu_ps(t.x + (m0 + r) * t.ldx + k + 8);
+            }
+            for (int j = 0; j < jn; ++j) {
+              __m256 w[2];
+              q8_weights16(t, o0 + j0 + j, gi, k, sv[j], mv[j], mins, w);
+              for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(a[r][1], w[1], _mm256_fmadd_ps(a[r][0], w[0], acc[r][j]));
+            }
+          }
+          continue;
+        }
+        for (int64_t k = start; k < end; k += 8) {
+          __m256 a[MR];
+          for (int r = 0; r < MR; ++r) a[r] = _mm256_loadu_ps(t.x + (m0 + r) * t.ldx + k);
+          for (int j = 0; j < jn; ++j) {
+            const __m256 w = q8_weights8<KIND>(t, o0 + j0 + j, gi, k, sv[j], mv[j], mins);
+            for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(a[r], w, acc[r][j]);
+          }
+        }
+      }
+    }
+    alignas(32) float lanes[8];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < jn; ++j) {
+        _mm256_store_ps(lanes, acc[r][j]);
+        t.y[(m0 + r) * t.n + o0 + j0 + j] = q8_sum(lanes);
+      }
+  }
+}
+
+template <int KIND>
+ZT_Q8_TARGET void q8_direct_rows(const Q8Problem& t, int64_t m0, int64_t rows, int64_t o0, int64_t width) {
+  if (rows == 2) q8_direct<KIND, 2>(t, m0, o0, width);
+  else q8_direct<KIND, 1>(t, m0, o0, width);
+}
+
 // Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major.
 ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
   alignas(32) float buf[QOT * QKS];
@@ -199,6 +323,12 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
     const int64_t o0 = tile * QOT, width = std::min(QOT, t.n - o0);
+    if (m1 - m0 <= 2) {  // a decode's row or two: no buffer
+      if (t.kind == 2) q8_direct_rows<2>(t, m0, m1 - m0, o0, width);
+      else if (t.kind == 1) q8_direct_rows<1>(t, m0, m1 - m0, o0, width);
+      else q8_direct_rows<0>(t, m0, m1 - m0, o0, width);
+      continue;
+    }
     for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
       const int64_t k1 = std::min(t.k, k0 + QKS);
       if (t.kind == 2) q8_dequant<2>(t, o0, k0, k1, buf);
