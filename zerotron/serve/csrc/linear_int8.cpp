@@ -323,7 +323,9 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
     const int64_t o0 = tile * QOT, width = std::min(QOT, t.n - o0);
-    if (m1 - m0 <= 2) {  // a decode's row or two: no buffer
+    // a decode's row or two: no buffer, where an output's values lie together (GGUF, bf16 and 4-bit
+    // rows; GPTQ's group-major values, 4 outputs' apart per group, stay on the buffered path)
+    if (m1 - m0 <= 2 && (t.kind == 2 || t.qo >= t.qg)) {
       if (t.kind == 2) q8_direct_rows<2>(t, m0, m1 - m0, o0, width);
       else if (t.kind == 1) q8_direct_rows<1>(t, m0, m1 - m0, o0, width);
       else q8_direct_rows<0>(t, m0, m1 - m0, o0, width);
