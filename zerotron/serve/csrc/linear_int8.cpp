@@ -90,11 +90,66 @@ struct Q8Problem {
   int64_t ldx, rows, n, k, group, tiles, chunk;
 };
 
-// 8 weights q * s - m (or q * s) from 8 integer values: q * s is exact (a small integer times a
-// scale of at most 19 significant bits), so one rounding either way.
-ZT_Q8_TARGET inline void q8_store(float* dst, __m256i v, __m256 sv, __m256 mv, bool mins) {
-  const __m256 f = _mm256_cvtepi32_ps(v);
-  _mm256_store_ps(dst, mins ? _mm256_fmsub_ps(f, sv, mv) : _mm256_mul_ps(f, sv));
+// 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): q * s - m, or q * s
+// without mins (q * s is exact: a small integer times a scale of at most 19 significant bits, so one
+// rounding either way); bf16 weights widened. Both paths below take their weights from here.
+template <int KIND>
+ZT_Q8_TARGET inline __m256 q8_weights8(const Q8Problem& t, int64_t o, int64_t gi, int64_t k, __m256 sv, __m256 mv, bool mins) {
+  const int64_t kk = k - gi * t.group;
+  if constexpr (KIND == 2) {
+    const __m128i h = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(t.q) + o * t.qo + gi * t.qg + kk));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    const int8_t* qg = t.q + o * t.qo + gi * t.qg;
+    __m256i v;
+    if constexpr (KIND == 1) {
+      int32_t four;
+      std::memcpy(&four, qg + kk / 2, 4);
+      const __m128i b = _mm_cvtsi32_si128(four), low = _mm_set1_epi8(15);
+      const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+      v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), _mm256_set1_epi32(t.offset));
+    } else {
+      v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + kk)));
+    }
+    const __m256 f = _mm256_cvtepi32_ps(v);
+    return mins ? _mm256_fmsub_ps(f, sv, mv) : _mm256_mul_ps(f, sv);
+  }
+}
+
+// 16 weights of output o, inputs k .. k + 15 of group gi, from values two a byte (a group of a
+// multiple of 16 inputs): split, interleave, less the offset, 8 bytes at a time.
+ZT_Q8_TARGET inline void q8_weights16(const Q8Problem& t, int64_t o, int64_t gi, int64_t k, __m256 sv, __m256 mv, bool mins, __m256* w) {
+  const __m128i low = _mm_set1_epi8(15);
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t.q + o * t.qo + gi * t.qg + (k - gi * t.group) / 2));
+  const __m128i pairs = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
+                                     _mm_set1_epi8(static_cast<char>(t.offset)));
+  const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pairs));
+  const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(pairs, 8)));
+  w[0] = mins ? _mm256_fmsub_ps(f0, sv, mv) : _mm256_mul_ps(f0, sv);
+  w[1] = mins ? _mm256_fmsub_ps(f1, sv, mv) : _mm256_mul_ps(f1, sv);
+}
+
+// Output o's scales s and mins m (negated where add_mins) of the slice's groups g0 .. g0 + count - 1;
+// e0[i], r0[i]: g0 / per and g0 % per of factor i (s1, s2, m1, m2), the same for every output.
+ZT_Q8_TARGET inline void q8_factors(const Q8Problem& t, int64_t o, const int64_t* e0, const int64_t* r0, int64_t count, float* s, float* m) {
+  for (int64_t c = 0; c < count; ++c) s[c] = m[c] = 1.0f;
+  factor_times(t.s1, o, e0[0], r0[0], count, s);
+  factor_times(t.s2, o, e0[1], r0[1], count, s);
+  if (t.m1.kind == 0) return;
+  factor_times(t.m1, o, e0[2], r0[2], count, m);
+  factor_times(t.m2, o, e0[3], r0[3], count, m);
+  if (t.add_mins)
+    for (int64_t c = 0; c < count; ++c) m[c] = -m[c];
+}
+
+// e0 and r0 of q8_factors for a slice starting at group g0.
+inline void q8_slice(const Q8Problem& t, int64_t g0, int64_t* e0, int64_t* r0) {
+  const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
+  for (int i = 0; i < 4; ++i) {
+    e0[i] = g0 / fs[i]->per;
+    r0[i] = g0 % fs[i]->per;
+  }
 }
 
 // Outputs o0 .. o0 + 11 (those below n) of inputs [k0, k1) dequantised into buf (QOT x QKS fp32, the
@@ -103,12 +158,8 @@ template <int KIND>  // the problem's kind, known when compiling: no branch per 
 ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t k1, float* buf) {
   const bool mins = t.m1.kind != 0;
   const int64_t g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;  // the slice's groups
-  const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
   int64_t e0[4], r0[4];
-  for (int i = 0; i < 4; ++i) {
-    e0[i] = g0 / fs[i]->per;
-    r0[i] = g0 % fs[i]->per;
-  }
+  q8_slice(t, g0, e0, r0);
   float s[QKS / 8], m[QKS / 8];  // per group of the slice (at most 32 groups: a group has 8+ inputs)
   for (int64_t j = 0; j < QOT; ++j) {
     float* row = buf + j * QKS;
@@ -117,53 +168,20 @@ ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t
       for (int64_t k = 0; k < k1 - k0; k += 8) _mm256_store_ps(row + k, _mm256_setzero_ps());
       continue;
     }
-    for (int64_t c = 0; c < count; ++c) s[c] = m[c] = 1.0f;
-    factor_times(t.s1, o, e0[0], r0[0], count, s);
-    factor_times(t.s2, o, e0[1], r0[1], count, s);
-    if (mins) {
-      factor_times(t.m1, o, e0[2], r0[2], count, m);
-      factor_times(t.m2, o, e0[3], r0[3], count, m);
-      if (t.add_mins)
-        for (int64_t c = 0; c < count; ++c) m[c] = -m[c];
-    }
-    const int8_t* q = t.q + (KIND == 2 ? 0 : o * t.qo);
-    const __m128i low = _mm_set1_epi8(15), offset8 = _mm_set1_epi8(static_cast<char>(t.offset));
-    const __m256i offset = _mm256_set1_epi32(t.offset);
+    q8_factors(t, o, e0, r0, count, s, m);
     for (int64_t c = 0; c < count; ++c) {
       const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
       const __m256 sv = _mm256_set1_ps(s[c]), mv = _mm256_set1_ps(m[c]);
-      const int8_t* qg = q + (KIND == 2 ? 0 : gi * t.qg);
-      if constexpr (KIND == 1) {
-        if (t.group % 16 == 0) {  // 16 values (8 bytes) at a time: split, interleave, less the offset
-          for (int64_t k = start; k < end; k += 16) {
-            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * t.group) / 2));
-            const __m128i pairs = _mm_sub_epi8(
-                _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)), offset8);
-            q8_store(row + (k - k0), _mm256_cvtepi8_epi32(pairs), sv, mv, mins);
-            q8_store(row + (k - k0) + 8, _mm256_cvtepi8_epi32(_mm_srli_si128(pairs, 8)), sv, mv, mins);
-          }
-          continue;
+      if (KIND == 1 && t.group % 16 == 0) {
+        for (int64_t k = start; k < end; k += 16) {
+          __m256 w[2];
+          q8_weights16(t, o, gi, k, sv, mv, mins, w);
+          _mm256_store_ps(row + (k - k0), w[0]);
+          _mm256_store_ps(row + (k - k0) + 8, w[1]);
         }
+        continue;
       }
-      for (int64_t k = start; k < end; k += 8) {
-        if constexpr (KIND == 2) {  // bf16: the top halves of fp32
-          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-              reinterpret_cast<const uint16_t*>(t.q) + o * t.qo + gi * t.qg + (k - gi * t.group)));
-          _mm256_store_ps(row + (k - k0), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-        } else {
-          __m256i v;
-          if constexpr (KIND == 1) {  // 4 bytes, 8 values in input order
-            int32_t four;
-            std::memcpy(&four, qg + (k - gi * t.group) / 2, 4);
-            const __m128i b = _mm_cvtsi32_si128(four);
-            const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-            v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), offset);
-          } else {
-            v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * t.group))));
-          }
-          q8_store(row + (k - k0), v, sv, mv, mins);
-        }
-      }
+      for (int64_t k = start; k < end; k += 8) _mm256_store_ps(row + (k - k0), q8_weights8<KIND>(t, o, gi, k, sv, mv, mins));
     }
   }
 }
@@ -205,45 +223,6 @@ ZT_Q8_TARGET inline float q8_sum(const float* v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
 }
 
-// 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): what q8_dequant stores
-// for them, computed in registers.
-template <int KIND>
-ZT_Q8_TARGET inline __m256 q8_weights8(const Q8Problem& t, int64_t o, int64_t gi, int64_t k, __m256 sv, __m256 mv, bool mins) {
-  const int64_t kk = k - gi * t.group;
-  if constexpr (KIND == 2) {
-    const __m128i h = _mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(t.q) + o * t.qo + gi * t.qg + kk));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else {
-    const int8_t* qg = t.q + o * t.qo + gi * t.qg;
-    __m256i v;
-    if constexpr (KIND == 1) {
-      int32_t four;
-      std::memcpy(&four, qg + kk / 2, 4);
-      const __m128i b = _mm_cvtsi32_si128(four), low = _mm_set1_epi8(15);
-      const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-      v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), _mm256_set1_epi32(t.offset));
-    } else {
-      v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + kk)));
-    }
-    const __m256 f = _mm256_cvtepi32_ps(v);
-    return mins ? _mm256_fmsub_ps(f, sv, mv) : _mm256_mul_ps(f, sv);
-  }
-}
-
-// 16 weights of output o, inputs k .. k + 15 of group gi, from values two a byte (a group of a
-// multiple of 16 inputs): what q8_dequant's 16-at-a-time path stores for them.
-ZT_Q8_TARGET inline void q8_weights16(const Q8Problem& t, int64_t o, int64_t gi, int64_t k, __m256 sv, __m256 mv, bool mins, __m256* w) {
-  const __m128i low = _mm_set1_epi8(15);
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t.q + o * t.qo + gi * t.qg + (k - gi * t.group) / 2));
-  const __m128i pairs = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
-                                     _mm_set1_epi8(static_cast<char>(t.offset)));
-  const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pairs));
-  const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(pairs, 8)));
-  w[0] = mins ? _mm256_fmsub_ps(f0, sv, mv) : _mm256_mul_ps(f0, sv);
-  w[1] = mins ? _mm256_fmsub_ps(f1, sv, mv) : _mm256_mul_ps(f1, sv);
-}
-
 // One or two rows (a decode) times a tile's outputs with the weights dequantised in registers, 4
 // outputs at a time: the same weights, the same 8 chains per output in the same order and the same
 // final tree as q8_tasks' buffered path, so a row's numbers are the same on either path.
@@ -259,15 +238,9 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
     float s[4][QKS / 8], m[4][QKS / 8];
     for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
       const int64_t k1 = std::min(t.k, k0 + QKS), g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;
-      for (int j = 0; j < jn; ++j) {
-        const int64_t o = o0 + j0 + j;
-        for (int64_t c = 0; c < count; ++c) s[j][c] = m[j][c] = 1.0f;
-        const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
-        float* outs[4] = {s[j], s[j], m[j], m[j]};
-        for (int i = 0; i < (mins ? 4 : 2); ++i) factor_times(*fs[i], o, g0 / fs[i]->per, g0 % fs[i]->per, count, outs[i]);
-        if (mins && t.add_mins)
-          for (int64_t c = 0; c < count; ++c) m[j][c] = -m[j][c];
-      }
+      int64_t e0[4], r0[4];
+      q8_slice(t, g0, e0, r0);
+      for (int j = 0; j < jn; ++j) q8_factors(t, o0 + j0 + j, e0, r0, count, s[j], m[j]);
       for (int64_t c = 0; c < count; ++c) {
         const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
         __m256 sv[4], mv[4];
