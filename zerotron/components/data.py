@@ -18,7 +18,9 @@ step). Ranks that share a dp coordinate (tp/pp/cp peers) get identical batches.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,13 +44,24 @@ class DataError(ValueError):
 
 def stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files in sorted order (third-party site-packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if not ({"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts))
-    ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return list(_stdlib_files(sysconfig.get_paths()["stdlib"]))
+
+
+@functools.lru_cache(maxsize=2)
+def _stdlib_files(stdlib: str) -> tuple[Path, ...]:
+    # os.walk, pruning the excluded directories instead of listing and dropping their files: this runs
+    # on every launch that reads the default data, and pathlib's rglob took seconds here
+    root = Path(stdlib)
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    found: list[tuple[str, Path]] = []
+    for directory, subdirs, names in os.walk(root, followlinks=True):
+        subdirs[:] = [d for d in subdirs if d not in skip]
+        base = Path(directory)
+        rel = base.relative_to(root).as_posix()
+        for name in names:
+            if name.endswith(".py"):
+                found.append((name if rel == "." else f"{rel}/{name}", base / name))
+    return tuple(path for _, path in sorted(found))
 
 
 def _read_text(path: Path) -> str:
