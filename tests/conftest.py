@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -29,6 +32,28 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _ranks_fork_from_the_preloaded_server(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Commands a test runs in this process (``main(["train", ..., "--nproc", "2"])``) fork their ranks
+    from the server that preloaded torch (tests/harness.py's ``PRELOAD``) instead of starting fresh
+    interpreters: seconds a launch on two cores. A test marked ``spawn`` keeps the command line's own
+    start (it reads the ranks' output, or measures their memory as users' runs start); commands run as
+    subprocesses always spawn."""
+    from zerotron.distributed import launch
+
+    if request.node.get_closest_marker("spawn") is not None:
+        yield
+        return
+    import tests.harness  # noqa: F401  (sets the server's preload)
+
+    saved = launch.DEFAULT_START_METHOD
+    launch.DEFAULT_START_METHOD = "forkserver"
+    try:
+        yield
+    finally:
+        launch.DEFAULT_START_METHOD = saved
 
 
 def pytest_sessionstart(session: object) -> None:

@@ -85,6 +85,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.spawn  # reads what the ranks print
 def test_flipped_byte_is_named_and_resume_falls_back(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     assert main(["train", *SMALL, "train.steps=4", "--nproc", "1", "--out", str(out)]) == 0

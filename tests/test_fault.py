@@ -143,6 +143,7 @@ def test_fewer_ranks_after_a_failure_keep_batch_and_data_position(tmp_path: Path
     assert _records(tmp_path / "half")[-1]["layout"]["dp"] == 2
 
 
+@pytest.mark.spawn  # reads what the ranks print
 def test_injected_nan_step_is_skipped_and_training_continues(
     capfd: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -355,6 +355,7 @@ def test_checkpoint_files_get_the_run_directory_permissions(finished_run: Path, 
     assert (hf / "model.safetensors").stat().st_mode & 0o777 == mode
 
 
+@pytest.mark.spawn  # reads what the ranks print
 def test_banner_before_step_one_and_zero_warning_on_one_line(
     capfd: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -38,6 +38,7 @@ def _sample(tmp_path: Path, name: str, extra: list[str], capfd: pytest.CaptureFi
     return path.read_text(encoding="utf-8")
 
 
+@pytest.mark.spawn  # reads what the ranks print
 def test_sample_under_tp_and_zero3_equals_the_single_process(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

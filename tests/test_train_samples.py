@@ -40,6 +40,7 @@ def test_sample_every_writes_samples_and_a_resume_replaces_the_abandoned_ones(tm
     assert [s["step"] for s in _samples(run)] == [2, 4]
 
 
+@pytest.mark.spawn  # reads what the ranks print
 def test_a_sample_stops_at_its_time_bound(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     argv = ["train", *TINY, "train.steps=2", "train.sample_max_steps=1e-9", "--nproc", "1", "--out", str(run)]
@@ -79,6 +80,7 @@ def test_bounded_samples_under_zero3_nvme_stop_every_rank_at_the_same_token(tmp_
     assert set(summary["phase_peak_memory_bytes"]) == {"materialise", "steps", "save", "sample"}
 
 
+@pytest.mark.spawn  # reads what the ranks print
 def test_a_diverged_run_ends_without_a_sample(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A learning rate that sends the weights to inf: the run still ends (its metrics written), and the
     end-of-run sample, whose probabilities are NaN, is one line instead of a traceback."""

@@ -17,8 +17,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from zerotron.cli import main
+from zerotron.components.state import read_model_tensors
 
 SHAPE = [
     "model.hidden_size=512",
@@ -35,6 +37,9 @@ SHAPE = [
     "parallel.offload_optimizer=nvme",
     "train.sample_max_steps=0.5",
 ]
+# each phase's peak is measured in ranks started as the command line starts them
+pytestmark = pytest.mark.spawn
+
 ASYNC = ["checkpoint.async_save=true", "checkpoint.every=2"]
 PER_LAYER = 4 * 512 * 512 + 3 * 512 * 1408  # parameters of one block (norms aside)
 
@@ -53,8 +58,13 @@ def _growth(summary: dict) -> dict[str, int]:
     return {phase: peak - start for phase, peak in summary["phase_peak_memory_bytes"].items()}
 
 
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
@@ -73,20 +83,22 @@ def _losses(run: Path) -> list[float]:
 def test_every_phase_grows_with_the_gradient_shard_only_and_a_resume_is_exact(
     where: list[str], bound: float, unplanned: float, tmp_path: Path
 ) -> None:
-    growth = {}
+    growth: dict[int, dict[str, int]] = {}
     for layers in (4, 24):
-        name = f"l{layers}"
-        # the uninterrupted run saves asynchronously every 2 steps: its thread reads snapshots of the
-        # NVMe files while the steps go on, and its memory counts in the phases measured then
-        async_saves = _run(tmp_path, f"{name}-straight", layers, ["train.steps=4", *ASYNC, *where])
-        first = _run(tmp_path, name, layers, ["train.steps=4", "train.exit_step=2", *where])
-        resumed = _run(tmp_path, name, layers, ["train.steps=4", "--resume", "auto", *where])
-        assert _losses(tmp_path / name) == _losses(tmp_path / f"{name}-straight")  # bit for bit
+        straight, cut = tmp_path / f"l{layers}-straight", tmp_path / f"l{layers}"
+        # the uninterrupted run saves asynchronously at steps 2 and 4: its thread reads snapshots of the
+        # NVMe files while the steps go on, and its memory counts in the phases measured then. The second
+        # run continues its step-2 checkpoint (load) and saves synchronously at the end
+        async_saves = _run(tmp_path, straight.name, layers, ["train.steps=4", *ASYNC, *where])
+        resumed = _run(
+            tmp_path, cut.name, layers, ["train.steps=4", "--resume", str(_checkpoint(straight, 2)), *where]
+        )
+        assert resumed["resumed_from_step"] == 2
+        got, ref = _losses(cut), _losses(straight)
+        assert sorted(got) == [3, 4] and got == {step: ref[step] for step in got}  # bit for bit
         assert "load" in resumed["phase_peak_memory_bytes"]
-        growth[layers] = {**_growth(first), "load": _growth(resumed)["load"]}
-        for other in (resumed, async_saves):
-            for phase in ("steps", "save"):
-                growth[layers][phase] = max(growth[layers][phase], _growth(other)[phase])
+        grown = [_growth(async_saves), _growth(resumed)]
+        growth[layers] = {phase: max(g[phase] for g in grown if phase in g) for phase in set().union(*grown)}
     added = 20 * PER_LAYER * 4  # fp32 weights of 20 more blocks (the rank's gradient shard: half)
     assert set(growth[24]) == {"materialise", "steps", "save", "sample", "load"}
     planned = {layers: _planned(tmp_path, layers, where) for layers in (4, 24)}
@@ -122,23 +134,29 @@ def test_states_five_times_a_rank_budget_train_save_resume_and_train_again(tmp_p
     """A model whose fp32 weights + AdamW moments are 5x the memory each rank may use (every phase's
     peak above what the rank held when it started: materialise, steps, save, load, sample) trains,
     saves, resumes and trains again at dp 2 with ZeRO-3 + NVMe, the gradient shards on NVMe too, and
-    the resumed losses equal the uninterrupted run's. Each rank's own share of those states (2.5x the
+    the resumed run's loss and weights equal the uninterrupted run's. Each rank's own share of those states (2.5x the
     budget) does not fit either; its fp32 gradient shard alone is 0.83x the budget.
 
     Negative control, run by hand: with the gradient shards in host memory (offload_grads=none) the
     steps peak at 1.45x the budget."""
 
     def run(name: str, extra: list[str]) -> dict:
-        return _run(tmp_path, name, 24, ["train.steps=3", *extra], shape=BUDGET_SHAPE)
+        return _run(tmp_path, name, 24, ["train.steps=2", *extra], shape=BUDGET_SHAPE)
 
-    straight = run("straight", [])
-    first = run("cut", ["train.exit_step=1"])
-    resumed = run("cut", ["--resume", "auto"])
-    assert _losses(tmp_path / "cut") == _losses(tmp_path / "straight")  # bit for bit, moments included
+    # the uninterrupted run saves at steps 1 and 2; the second continues its step-1 checkpoint
+    straight = run("straight", ["checkpoint.every=1"])
+    resumed = run("resumed", ["--resume", str(_checkpoint(tmp_path / "straight", 1))])
+    assert resumed["resumed_from_step"] == 1 and "load" in resumed["phase_peak_memory_bytes"]
+    assert _losses(tmp_path / "resumed") == {2: _losses(tmp_path / "straight")[2]}
+    # step 2's update, from the restored AdamW moments: bit for bit
+    ref = read_model_tensors(_checkpoint(tmp_path / "straight", 2))
+    got = read_model_tensors(_checkpoint(tmp_path / "resumed", 2))
+    assert sorted(got) == sorted(ref)
+    for name, tensor in ref.items():
+        assert torch.equal(got.pop(name), tensor), name
     n_params = json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])["n_params"]
     budget = 12 * n_params // 5  # fp32 weights and two fp32 moments, over 5
-    assert "load" in resumed["phase_peak_memory_bytes"]
-    for summary in (straight, first, resumed):
+    for summary in (straight, resumed):
         for phase, grown in _growth(summary).items():
             assert grown <= budget, (phase, grown, budget)
 

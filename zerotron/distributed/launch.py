@@ -252,6 +252,11 @@ def _child_env(
     return {**base, **user}
 
 
+# How spawn() starts ranks when its caller does not say: "spawn", as the command line does. A program
+# that runs many short jobs in its own process (the test suite) may set "forkserver" here.
+DEFAULT_START_METHOD = "spawn"
+
+
 def spawn(
     fn: Callable[..., Any],
     nproc: int,
@@ -260,7 +265,7 @@ def spawn(
     env: dict[str, str] | None = None,
     backend: str = "auto",
     watchdog: Watchdog | None = None,
-    start_method: str = "spawn",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks and return their results, rank order.
 
@@ -278,7 +283,10 @@ def spawn(
     ``multiprocessing.set_forkserver_preload`` once: many short launches from one process, as a test
     suite makes, skip importing torch in every rank; the ranks' output goes where the server's went, and
     ``env`` reaches them only through ``os.environ`` after start, so it must not be read at import).
+    None: :data:`DEFAULT_START_METHOD` (``"spawn"``; a test suite sets it for the commands it runs in
+    its own process).
     """
+    start_method = start_method or DEFAULT_START_METHOD
     if start_method not in ("spawn", "forkserver"):
         raise LaunchError(f"start_method {start_method!r}: use 'spawn' or 'forkserver'")
     if under_torchrun():

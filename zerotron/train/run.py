@@ -437,14 +437,14 @@ class LaunchOptions:
     holds a run, and how many times a failed job is restarted from its newest checkpoint.
     ``start_method``: how local ranks start (:func:`~zerotron.distributed.launch.spawn`): ``spawn``, as
     the command line does, or ``forkserver`` for a program that launches many short jobs (a test suite):
-    the ranks' output then goes where the fork server's went."""
+    the ranks' output then goes where the fork server's went; None: ``launch.DEFAULT_START_METHOD``."""
 
     out: str | None = None
     resume: str | None = None
     deepspeed: str | None = None
     overwrite: bool = False
     max_restarts: int = 0
-    start_method: str = "spawn"
+    start_method: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
