@@ -1,6 +1,7 @@
 """GPTQ and AWQ checkpoints packed bit by bit the way AutoGPTQ's and AutoAWQ's packers lay them out,
 for the tests (``tests/test_hf_packed.py``) and the benchmarks (``benchmarks/serve_quant.py --packed``):
-GPTQ puts eight inputs in an int32 word and stores each zero minus one in its v1 format, act-order
+GPTQ puts eight inputs in an int32 word (sixteen 2-bit ones; 32 3-bit ones in three words, a value
+crossing from one word into the next) and stores each zero minus one in its v1 format, act-order
 ``g_idx`` assigning inputs to groups out of order; AWQ puts eight outputs in a word in the order
 0, 2, 4, 6, 1, 3, 5, 7. The values are round-to-nearest in groups (the formats do not say how the
 values were chosen: GPTQ's and AWQ's algorithms pick them better, the layout is the same).
@@ -26,7 +27,7 @@ def quantise(
     lists, in consecutive runs of ``group``: values (out, in) in the inputs' own order, zeros and f16
     scales (groups, out), each input's group, and the dequantised weight ``(q − z)·s``."""
     out, inp = w.shape
-    top = (1 << bits) - 1  # 15 or 255
+    top = (1 << bits) - 1  # 3, 7, 15 or 255
     ws = w[:, perm].reshape(out, inp // group, group)
     if sym:  # AutoGPTQ's symmetric form: the zero in the middle of the range
         scale = (ws.abs().amax(-1) * 2 / top).clamp(min=1e-8).half()
@@ -60,13 +61,43 @@ def words(nibbles: np.ndarray, bits: int = 4) -> torch.Tensor:
     return torch.from_numpy(word.view(np.int32).copy())
 
 
+def words3(values: np.ndarray) -> torch.Tensor:
+    """(..., 32) 3-bit values -> (..., 3) int32 words, as AutoGPTQ's packer writes them, step by step:
+    values 0-9 in word 0 from bit 0; value 10's low two bits in its top bits and its high bit in bit 0
+    of word 1; values 11-20 from bit 1; value 21's low bit in bit 31 and its high two in bits 0-1 of word
+    2; values 22-31 from bit 2."""
+    v = values.astype(np.uint32)
+    w = np.zeros((*values.shape[:-1], 3), dtype=np.uint32)
+    for j in range(10):
+        w[..., 0] |= v[..., j] << np.uint32(3 * j)
+    w[..., 0] |= v[..., 10] << np.uint32(30)
+    w[..., 1] |= (v[..., 10] >> np.uint32(2)) & np.uint32(1)
+    for j in range(10):
+        w[..., 1] |= v[..., 11 + j] << np.uint32(3 * j + 1)
+    w[..., 1] |= v[..., 21] << np.uint32(31)
+    w[..., 2] |= (v[..., 21] >> np.uint32(1)) & np.uint32(3)
+    for j in range(10):
+        w[..., 2] |= v[..., 22 + j] << np.uint32(3 * j + 2)
+    return torch.from_numpy(w.view(np.int32).copy())
+
+
 def pack(method: str, qz: dict[str, torch.Tensor], v1: bool = True, bits: int = 4) -> dict[str, torch.Tensor]:
     q, zero = qz["q"].numpy(), qz["zero"].numpy()
     out, inp = q.shape
+    stored = zero - 1 if v1 else zero
+    if method == "gptq" and bits == 3:  # 32 inputs (outputs, for the zeros) to three words
+        assert inp % 32 == 0 and out % 32 == 0, (out, inp)
+        qweight = words3(q.T.reshape(inp // 32, 32, out).transpose(0, 2, 1)).permute(0, 2, 1)
+        qzeros = words3(stored.reshape(-1, out // 32, 32))
+        return {
+            "qweight": qweight.reshape(inp * 3 // 32, out).contiguous(),
+            "qzeros": qzeros.reshape(-1, out * 3 // 32).contiguous(),
+            "scales": qz["scale"],
+            "g_idx": qz["g_idx"].int(),
+        }
     per = 32 // bits
     if method == "gptq":  # qweight (in / per, out): input per·r + j in slot j of row r
         qweight = words(q.T.reshape(inp // per, per, out).transpose(0, 2, 1), bits)
-        stored = zero - 1 if v1 else zero
         qzeros = words(stored.reshape(-1, out // per, per), bits)
         return {"qweight": qweight, "qzeros": qzeros, "scales": qz["scale"], "g_idx": qz["g_idx"].int()}
     order = list(AWQ_ORDER)  # qweight (in, out / 8): output 8c + AWQ_ORDER[j] in slot j of column c

@@ -46,7 +46,9 @@ def _worker(model_dir: str, method: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("method", "bits"), [("gptq", 4), ("awq", 4), ("gptq", 8)], ids=["gptq", "awq", "gptq8"]
+    ("method", "bits"),
+    [("gptq", 4), ("awq", 4), ("gptq", 8), ("gptq", 3)],
+    ids=["gptq", "awq", "gptq8", "gptq3"],
 )
 def test_packed_parts_equal_the_single_process(tmp_path: Path, method: str, bits: int) -> None:
     from zerotron.distributed.launch import spawn

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints saved as GPTQ, AWQ or compressed-tensors 4-bit (GPTQ, compressed-tensors:
-or 8-bit) weights: read dequantised by every command, or served as they are (``zerotron serve DIR
+"""Hugging Face checkpoints saved as GPTQ, AWQ or compressed-tensors 4-bit (compressed-tensors: or
+8-bit; GPTQ: or 2-, 3- or 8-bit) weights: read dequantised by every command, or served as they are (``zerotron serve DIR
 --quantization gptq|awq|compressed-tensors``).
 
 The formats store each quantised linear as 4-bit values packed eight to an int32 (8-bit ones four to
@@ -11,7 +11,10 @@ names the format (the 4-bit layouts below):
   of a word in bits ``4·(i mod 8)``; ``qzeros`` ``(groups, out / 8)``, output ``o`` in bits
   ``4·(o mod 8)``; ``scales`` ``(groups, out)``; ``g_idx`` ``(in,)``, the group of each input (act-order,
   ``desc_act``, permutes them). ``checkpoint_format`` ``gptq`` (v1) stores each zero minus one,
-  ``gptq_v2`` as it is.
+  ``gptq_v2`` as it is. GPTQ's 2-bit values go sixteen to a word; its 3-bit ones 32 to three words, a
+  little-endian bit stream (value ``k`` in bits ``3k .. 3k+2`` of the 96, values 10 and 21 crossing
+  from one word into the next), along the inputs (``qweight`` ``(3·in / 32, out)``) and the outputs
+  (``qzeros``). Served, they take the 4-bit kernel (held in 4 bits).
 - **AWQ** (AutoAWQ's GEMM layout, ``quant_method: awq``, ``version: gemm``): ``qweight`` ``(in, out / 8)``
   and ``qzeros`` ``(groups, out / 8)``, both packed along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7
   of each eight; ``scales`` ``(groups, out)``; groups are consecutive inputs.
@@ -69,16 +72,20 @@ class PackedFormat:
     group: int  # inputs per scale; -1: the whole row
     zero_offset: int  # GPTQ v1 stores each zero minus one
     symmetric: bool = False  # compressed-tensors: no zero points stored (the zero is 2^(bits-1))
-    bits: int = 4  # 4 or 8 (GPTQ, compressed-tensors): 32 / bits values to an int32 word
+    bits: int = 4  # 4 or 8 (compressed-tensors), 2, 3, 4 or 8 (GPTQ): 32 values to ``bits`` int32 words
 
-    @property
-    def per_word(self) -> int:
-        return 32 // self.bits
+    def words(self, values: int) -> int:
+        """The int32 words that hold ``values`` packed values (a whole number where :meth:`fits`)."""
+        return values * self.bits // 32
+
+    def fits(self, values: int) -> bool:
+        """Whether ``values`` values fill whole words (3-bit ones: whole runs of three)."""
+        return values * self.bits % 32 == 0 and (self.bits != 3 or values % 32 == 0)
 
 
 @dataclass
 class Unpacked:
-    """One linear's 4- or 8-bit values ``(out, in)``, zeros and fp32 scales ``(groups, out)`` and each
+    """One linear's 2- to 8-bit values ``(out, in)``, zeros and fp32 scales ``(groups, out)`` and each
     input's group ``(in,)``."""
 
     values: torch.Tensor
@@ -98,8 +105,8 @@ def packed_format(quant: dict[str, Any], source: object) -> PackedFormat:
         raise PackedFormatError(f"{source}: quant_method {method!r} is not a packed 4-bit format ({METHODS})")
     if method == "compressed-tensors":
         return _compressed_tensors(quant, source)
-    if bits not in (4, 8) or (bits == 8 and method == "awq"):
-        ok = "4-bit is" if method == "awq" else "4- and 8-bit are"
+    if bits not in ((4,) if method == "awq" else (2, 3, 4, 8)):
+        ok = "4-bit is" if method == "awq" else "2-, 3-, 4- and 8-bit are"
         raise PackedFormatError(f"{source}: {method} with {bits}-bit weights is not read; {ok}")
     if group != -1 and group <= 0:
         raise PackedFormatError(f"{source}: {method} group_size {group} must be positive or -1")
@@ -200,27 +207,38 @@ def read_format(directory: Path) -> PackedFormat | None:
 def packed_shape(fmt: PackedFormat, qweight: torch.Tensor) -> tuple[int, int]:
     """The (out, in) shape of the weight a ``qweight`` packs."""
     rows, cols = qweight.shape
-    per = fmt.per_word
     if fmt.method == "awq":
-        return cols * per, rows
-    return (cols, rows * per) if fmt.method == "gptq" else (rows, cols * per)
+        return cols * 8, rows
+    if fmt.method == "gptq":
+        return cols, rows * 32 // fmt.bits
+    return rows, cols * 32 // fmt.bits
 
 
 def _nibbles(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """(..., n) int32 words -> (..., n, 32 / bits) values of ``bits`` bits, the lowest bits first."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    return (words.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    """(..., n) int32 words -> their values of ``bits`` bits, the lowest bits first: (..., n, 32 / bits),
+    or for 3 bits (..., n / 3, 32), each three words a little-endian stream of 32 values."""
+    if bits != 3:
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+        return (words.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    units = (words.to(torch.int64) & 0xFFFFFFFF).reshape(*words.shape[:-1], -1, 3)
+    values = []
+    for k in range(32):
+        word, shift = divmod(3 * k, 32)
+        value = units[..., word] >> shift
+        if shift > 29:  # the value's high bits open the next word
+            value = value | (units[..., word + 1] << (32 - shift))
+        values.append(value & 7)
+    return torch.stack(values, -1).to(torch.int32)
 
 
 def _expected(fmt: PackedFormat, out: int, inp: int, count: int) -> dict[str, tuple[int, int]]:
     """Each part's shape for a weight (out, in) in ``count`` groups."""
-    per = fmt.per_word
     if fmt.method == "gptq":
-        return {"qweight": (inp // per, out), "qzeros": (count, out // per), "scales": (count, out)}
+        return {"qweight": (fmt.words(inp), out), "qzeros": (count, fmt.words(out)), "scales": (count, out)}
     if fmt.method == "awq":
-        return {"qweight": (inp, out // per), "qzeros": (count, out // per), "scales": (count, out)}
-    zeros = {} if fmt.symmetric else {"qzeros": (out // per, count)}
-    return {"qweight": (out, inp // per), "scales": (out, count), **zeros}
+        return {"qweight": (inp, out // 8), "qzeros": (count, out // 8), "scales": (count, out)}
+    zeros = {} if fmt.symmetric else {"qzeros": (fmt.words(out), count)}
+    return {"qweight": (out, fmt.words(inp)), "scales": (out, count), **zeros}
 
 
 def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, ...], where: str) -> Unpacked:
@@ -238,7 +256,7 @@ def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, 
         )
     for part, expected in want.items():
         got = tuple(parts[part].shape)
-        if got != expected or inp % fmt.per_word or out % fmt.per_word:
+        if got != expected or not fmt.fits(inp) or not fmt.fits(out):
             raise PackedFormatError(
                 f"{where}: {fmt.method} {part} has shape {list(got)}, a {list(shape)} weight in groups of "
                 f"{group} needs {list(expected)}"
