@@ -21,7 +21,13 @@ from tests.test_serve_gguf import smollm2_gguf as smollm2_gguf  # noqa: F401  # 
 from tests.test_serve_quant_tp import rank_shards, run_on_first_rank
 from zerotron.build.builder import load_model
 from zerotron.components.sampling import SamplingParams
-from zerotron.models.hf_packed import PackedFormatError, Unpacked, shard_unpacked
+from zerotron.models.hf_packed import (
+    PackedFormatError,
+    PackedInt4Linear,
+    Unpacked,
+    dequantize,
+    shard_unpacked,
+)
 from zerotron.serve.engine import Engine, EngineConfig
 
 LAYERS = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.1.mlp.down_proj")
@@ -46,14 +52,17 @@ def _worker(model_dir: str, method: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("method", "bits"),
-    [("gptq", 4), ("awq", 4), ("gptq", 8), ("gptq", 3)],
-    ids=["gptq", "awq", "gptq8", "gptq3"],
+    ("method", "bits", "act_order"),
+    [("gptq", 4, False), ("awq", 4, False), ("gptq", 8, False), ("gptq", 3, False), ("gptq", 4, True)],
+    # act-order: a row-parallel rank holds parts of groups, each padded to the kernel's 32 inputs
+    ids=["gptq", "awq", "gptq8", "gptq3", "gptq-act-order"],
 )
-def test_packed_parts_equal_the_single_process(tmp_path: Path, method: str, bits: int) -> None:
+def test_packed_parts_equal_the_single_process(
+    tmp_path: Path, method: str, bits: int, act_order: bool
+) -> None:
     from zerotron.distributed.launch import spawn
 
-    packed, _ = _checkpoint(tmp_path, method, 32, bits=bits)
+    packed, _ = _checkpoint(tmp_path, method, 32, act_order=act_order, bits=bits)
     runs = spawn(
         _worker, 2, args=(str(packed), method), timeout_s=600, backend="gloo", start_method="forkserver"
     )
@@ -72,9 +81,10 @@ def test_packed_parts_equal_the_single_process(tmp_path: Path, method: str, bits
         np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4)
 
 
-def test_a_part_that_splits_a_group_is_refused() -> None:
+def test_a_part_that_splits_a_group_is_refused_where_whole_groups_are_needed() -> None:
     """Act-order assigns inputs to groups out of order: a row-parallel half of them holds parts of
-    groups, which the kernels cannot take (a natural order holds whole ones)."""
+    groups, which the 8-bit layers cannot take (a natural order holds whole ones); the 4-bit layer pads
+    each part to the kernel's 32 inputs (``whole_groups=False``: test_packed_parts_equal_the_single_process)."""
     gen = torch.Generator().manual_seed(0)
     values = torch.randint(0, 16, (32, 128), generator=gen)
     natural = torch.arange(128) // 32
@@ -85,6 +95,27 @@ def test_a_part_that_splits_a_group_is_refused() -> None:
     with pytest.raises(PackedFormatError, match="do not hold whole groups of 32") as e:
         shard_unpacked(Unpacked(values, zeros, scales, shuffled), slice(None), slice(64, 128), "w")
     assert "\n" not in str(e.value)
+
+
+def test_a_part_of_act_order_groups_is_its_dequantised_weight() -> None:
+    """A row-parallel half of act-order groups (parts of 5 to 27 inputs) as the 4-bit layer pads them:
+    its weight read back through the kernel is ``(q − z)·s`` of the part's inputs, rows are
+    batch-invariant, and the product is the dequantised weight's."""
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randint(0, 16, (32, 256), generator=gen)
+    groups = (torch.arange(256) // 32)[torch.randperm(256, generator=gen)]
+    scales, zeros = torch.rand(8, 32, generator=gen), torch.randint(0, 16, (8, 32), generator=gen)
+    part = shard_unpacked(Unpacked(values, zeros, scales, groups), slice(None), slice(128, 256), "w", False)
+    sizes = torch.bincount(part.groups)
+    assert len(set(sizes.tolist())) > 1  # unequal parts
+    layer = PackedInt4Linear(part)
+    assert layer.padded and layer.in_features == 128
+    want = dequantize(part)
+    torch.testing.assert_close(layer.dequantize(), want, rtol=0, atol=1e-6)
+    x = torch.randn(6, 128, generator=gen)
+    y = layer(x)
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(6)]), y)
+    torch.testing.assert_close(y, x @ want.T, rtol=1e-5, atol=1e-5)
 
 
 GGUF_LAYERS = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.29.mlp.down_proj")

@@ -287,17 +287,19 @@ def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, 
     return Unpacked(values.contiguous(), zeros, scales.contiguous(), groups.long(), bits)
 
 
-def shard_unpacked(u: Unpacked, rows: slice, cols: slice, where: str) -> Unpacked:
+def shard_unpacked(u: Unpacked, rows: slice, cols: slice, where: str, whole_groups: bool = True) -> Unpacked:
     """A tensor-parallel rank's part of a packed linear: its output ``rows`` and input ``cols`` of the
-    values, with the zeros and scales of its rows, and of the groups its inputs fall in, which must fall
-    whole in ``cols`` (renumbered in their order); PackedFormatError when they do not."""
+    values, with the zeros and scales of its rows, and of the groups its inputs fall in (renumbered in
+    their order). ``whole_groups``: those groups must fall whole in ``cols`` (PackedFormatError when they
+    do not: act-order's, or a tp that splits a group); else a group may be held in part (4-bit values:
+    :class:`PackedInt4Linear` pads each part to the kernel's 32 inputs)."""
     values, groups = u.values[rows, cols], u.groups[cols]
     zeros, scales = u.zeros[:, rows], u.scales[:, rows]
     count, inputs = u.scales.shape[0], u.values.shape[1]
     size = inputs // count
     present = torch.unique(groups)
     held = torch.bincount(groups, minlength=count)[present]
-    if bool((held != size).any()):
+    if whole_groups and bool((held != size).any()):
         raise PackedFormatError(
             f"{where}: this tensor-parallel rank's {groups.numel()} of {inputs} inputs do not hold whole "
             f"groups of {size} inputs (act-order, or a tp that splits a group); serve it on fewer ranks "
@@ -327,13 +329,34 @@ def by_group(u: Unpacked, group: int) -> tuple[torch.Tensor, Optional[torch.Tens
     return u.values[:, order], order
 
 
+def _padded_by_group(u: Unpacked) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups of unequal sizes (a tensor-parallel rank's part of act-order groups) for the kernel's
+    groups of 32: (the values with their inputs sorted by group, each group's run padded with zero
+    values to a multiple of 32 inputs; the order, the padding's inputs pointing at index ``in``, a zero
+    column appended to the activations; each 32-input chunk's group)."""
+    out, inputs = u.values.shape
+    order = torch.sort(u.groups, stable=True).indices
+    sizes = torch.bincount(u.groups, minlength=u.scales.shape[0]).tolist()
+    index, chunks, start = [], [], 0
+    for group, size in enumerate(sizes):
+        padded = -(-size // 32) * 32
+        index += [order[start : start + size], torch.full((padded - size,), inputs)]
+        chunks += [group] * (padded // 32)
+        start += size
+    full = torch.cat(index)
+    values = torch.cat([u.values, torch.zeros(out, 1, dtype=u.values.dtype)], 1)[:, full]
+    return values, full, torch.tensor(chunks, dtype=torch.long)
+
+
 class PackedInt4Linear(nn.Module):
     """A GPTQ, AWQ or compressed-tensors linear served as its 4-bit values through ``aten._weight_int4pack_mm_for_cpu``,
     whose row results do not depend on the row count. The file's groups become the kernel's (32–256
     inputs; a larger group's scale repeated), its zero ``z`` the kernel's ``(8 − z)·s``; act-order inputs
-    are sorted by group once and each call's activations permuted alike. Scales and zeros are kept in
-    bf16 for bf16 activations (the file's f16 scales rounded to bf16: the kernel's fast path), else in
-    fp32 (the file's values)."""
+    are sorted by group once and each call's activations permuted alike. Groups of unequal sizes (a
+    tensor-parallel rank's part of act-order groups), or of a size not a multiple of 32, are padded each to a multiple of 32 inputs whose
+    values multiply a zero appended to the activations (``padded``). Scales and zeros are kept in bf16
+    for bf16 activations (the file's f16 scales rounded to bf16: the kernel's fast path), else in fp32
+    (the file's values)."""
 
     qweight: torch.Tensor
     scale_zero: torch.Tensor
@@ -346,6 +369,12 @@ class PackedInt4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = u.values.shape
         count = u.scales.shape[0]
+        sizes = torch.bincount(u.groups, minlength=count)
+        # parts of groups of unequal sizes, or of a size the kernel has no groups for (16 of 32)
+        self.padded = bool((sizes != sizes[0]).any()) or int(sizes[0]) % 32 != 0
+        if self.padded and self.out_features % 16 == 0:
+            self._init_padded(u, bias, dtype)
+            return
         group = -(-self.in_features // count)
         size = next((k for k in KERNEL_GROUPS if group % k == 0), None)
         if size is None or group * count != self.in_features or self.out_features % 16:
@@ -363,8 +392,21 @@ class PackedInt4Linear(nn.Module):
         self.register_buffer("order", order)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
+    def _init_padded(self, u: Unpacked, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+        values, order, chunks = _padded_by_group(u)
+        scale = u.scales[chunks]
+        zero = (8 - u.zeros[chunks].float()) * scale
+        self.group = 32
+        kept = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1))
+        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).to(kept).contiguous())
+        self.register_buffer("order", order)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.padded:  # the padding's inputs read this zero
+            rows = torch.nn.functional.pad(rows, (0, 1))
         if self.order is not None:
             rows = rows[:, self.order]
         rows = rows.to(self.scale_zero.dtype).contiguous()

@@ -61,8 +61,8 @@ def _int4_tables(module: Int4Linear | BlockInt4Linear | PackedInt4Linear) -> Tab
 def _tables(module: nn.Module, four_bit: bool) -> Optional[Tables]:
     """The kernel's operands of ``module``: values (n, groups, group), scale and min factors; None
     for a module the kernel does not run."""
-    if isinstance(module, INT4):
-        return _int4_tables(module) if four_bit else None
+    if isinstance(module, INT4):  # a padded part of act-order groups stays on torch's kernel
+        return _int4_tables(module) if four_bit and not getattr(module, "padded", False) else None
     if isinstance(module, PackedInt8Linear):
         if module.group % 8:
             return None
