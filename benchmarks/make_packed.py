@@ -22,7 +22,13 @@ def main() -> None:
     p.add_argument("--method", choices=["gptq", "awq", "compressed-tensors"], default="gptq")
     p.add_argument("--group", type=int, default=64, help="inputs per scale (-1: one per row)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: inputs assigned to groups out of order")
-    p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="8: GPTQ and compressed-tensors only")
+    p.add_argument(
+        "--bits",
+        type=int,
+        choices=[2, 3, 4, 8],
+        default=4,
+        help="8: GPTQ and compressed-tensors only; 2, 3: GPTQ only",
+    )
     args = p.parse_args()
     src, out = Path(args.model_dir), Path(args.out_dir)
     if args.method == "compressed-tensors":  # by the compressed-tensors library itself
