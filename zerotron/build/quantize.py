@@ -201,9 +201,8 @@ def keep_parts_tp(model: nn.Module, source: WeightSource, method: str) -> Quanti
             continue
         rows, cols = _part_of(module)
         kind = PackedInt8Linear if whole.bits == 8 else PackedInt4Linear
-        try:  # 4-bit values take a part of a group (act-order's), padded; 8-bit ones need whole groups
-            part = shard_unpacked(whole, rows, cols, name, whole_groups=whole.bits == 8)
-            layer = kind(part, None, module.weight.dtype)
+        try:  # a row-parallel rank's parts of groups (act-order's) are padded by the layer
+            layer = kind(shard_unpacked(whole, rows, cols), None, module.weight.dtype)
         except PackedFormatError as e:
             raise ModelLoadError(f"{name}: {e}") from None
         done.kept[f"int{whole.bits}"] += 1

@@ -287,25 +287,15 @@ def unpack(fmt: PackedFormat, parts: dict[str, torch.Tensor], shape: tuple[int, 
     return Unpacked(values.contiguous(), zeros, scales.contiguous(), groups.long(), bits)
 
 
-def shard_unpacked(u: Unpacked, rows: slice, cols: slice, where: str, whole_groups: bool = True) -> Unpacked:
+def shard_unpacked(u: Unpacked, rows: slice, cols: slice) -> Unpacked:
     """A tensor-parallel rank's part of a packed linear: its output ``rows`` and input ``cols`` of the
-    values, with the zeros and scales of its rows, and of the groups its inputs fall in (renumbered in
-    their order). ``whole_groups``: those groups must fall whole in ``cols`` (PackedFormatError when they
-    do not: act-order's, or a tp that splits a group); else a group may be held in part (4-bit values:
-    :class:`PackedInt4Linear` pads each part to the kernel's 32 inputs)."""
+    values, with the zeros and scales of its rows and of the groups its inputs fall in (renumbered in
+    their order). A group may be held in part (act-order's scatter over the inputs; a tp may split
+    one): :class:`PackedInt4Linear` and :class:`PackedInt8Linear` pad the parts to equal groups."""
     values, groups = u.values[rows, cols], u.groups[cols]
     zeros, scales = u.zeros[:, rows], u.scales[:, rows]
-    count, inputs = u.scales.shape[0], u.values.shape[1]
-    size = inputs // count
     present = torch.unique(groups)
-    held = torch.bincount(groups, minlength=count)[present]
-    if whole_groups and bool((held != size).any()):
-        raise PackedFormatError(
-            f"{where}: this tensor-parallel rank's {groups.numel()} of {inputs} inputs do not hold whole "
-            f"groups of {size} inputs (act-order, or a tp that splits a group); serve it on fewer ranks "
-            "or without --quantization (read dequantised)"
-        )
-    number = torch.full((count,), -1, dtype=torch.long)
+    number = torch.full((u.scales.shape[0],), -1, dtype=torch.long)
     number[present] = torch.arange(len(present))
     return Unpacked(values.contiguous(), zeros[present], scales[present].contiguous(), number[groups], u.bits)
 
@@ -329,23 +319,36 @@ def by_group(u: Unpacked, group: int) -> tuple[torch.Tensor, Optional[torch.Tens
     return u.values[:, order], order
 
 
-def _padded_by_group(u: Unpacked) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Groups of unequal sizes (a tensor-parallel rank's part of act-order groups) for the kernel's
-    groups of 32: (the values with their inputs sorted by group, each group's run padded with zero
-    values to a multiple of 32 inputs; the order, the padding's inputs pointing at index ``in``, a zero
-    column appended to the activations; each 32-input chunk's group)."""
+def _padded_by_group(
+    u: Unpacked, multiple: int, common: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups of unequal sizes (a tensor-parallel rank's parts of act-order groups) for kernels that
+    take equal ones: (the values with their inputs sorted by group, each group's run padded with zero
+    values to a multiple of ``multiple`` inputs, to one size for all where ``common``; the order, the
+    padding's inputs pointing at index ``in``, where the caller appends a zero to the activations; each
+    ``multiple``-input chunk's group)."""
     out, inputs = u.values.shape
     order = torch.sort(u.groups, stable=True).indices
     sizes = torch.bincount(u.groups, minlength=u.scales.shape[0]).tolist()
+    longest = -(-max(sizes) // multiple) * multiple
     index, chunks, start = [], [], 0
     for group, size in enumerate(sizes):
-        padded = -(-size // 32) * 32
+        padded = longest if common else -(-size // multiple) * multiple
         index += [order[start : start + size], torch.full((padded - size,), inputs)]
-        chunks += [group] * (padded // 32)
+        chunks += [group] * (padded // multiple)
         start += size
     full = torch.cat(index)
     values = torch.cat([u.values, torch.zeros(out, 1, dtype=u.values.dtype)], 1)[:, full]
     return values, full, torch.tensor(chunks, dtype=torch.long)
+
+
+def _in_file_order(weight: torch.Tensor, order: Optional[torch.Tensor], inputs: int) -> torch.Tensor:
+    """A weight whose inputs are in ``order`` (padding's at index ``inputs``, dropped) in the file's order."""
+    if order is None:
+        return weight
+    out = torch.empty(weight.shape[0], inputs + 1, dtype=weight.dtype)
+    out[:, order] = weight
+    return out[:, :inputs]
 
 
 class PackedInt4Linear(nn.Module):
@@ -393,7 +396,7 @@ class PackedInt4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     def _init_padded(self, u: Unpacked, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
-        values, order, chunks = _padded_by_group(u)
+        values, order, chunks = _padded_by_group(u, 32, common=False)
         scale = u.scales[chunks]
         zero = (8 - u.zeros[chunks].float()) * scale
         self.group = 32
@@ -453,10 +456,16 @@ class PackedInt8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = out, inp = u.values.shape
         count = u.scales.shape[0]
-        group = inp // count
-        if group * count != inp:
-            raise PackedFormatError(f"a linear of {inp} inputs in {count} groups: groups must be equal")
-        values, order = by_group(u, group)
+        sizes = torch.bincount(u.groups, minlength=count)
+        # a tensor-parallel rank's parts of act-order groups: each padded to one size, a multiple of 8
+        self.padded = bool((sizes != sizes[0]).any())
+        order: Optional[torch.Tensor]
+        if self.padded:
+            values, order, _ = _padded_by_group(u, 8, common=True)
+            group = values.shape[1] // count
+        else:
+            group = inp // count
+            values, order = by_group(u, group)
         self.group, self.count = group, count
         signed = (values.to(torch.int16) - 128).to(torch.int8).view(out, count, group).transpose(0, 1)
         zeros = (u.zeros.to(torch.int16) - 128).to(torch.int8)
@@ -473,6 +482,8 @@ class PackedInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.padded:  # the padding's inputs read this zero
+            rows = torch.nn.functional.pad(rows, (0, 1))
         if self.order is not None:
             rows = rows[:, self.order]
         n = rows.shape[0]
@@ -490,9 +501,5 @@ class PackedInt8Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The weight ``(out, in)`` in fp32, ``(q − z)·s``, its inputs in the file's order."""
         q = self.qweight.float() - self.zeros.float()[..., None]
-        w = (q * self.scales[..., None]).transpose(0, 1).reshape(self.out_features, self.in_features)
-        if self.order is None:
-            return w
-        weight = torch.empty_like(w)
-        weight[:, self.order] = w
-        return weight
+        w = (q * self.scales[..., None]).transpose(0, 1).reshape(self.out_features, -1)
+        return _in_file_order(w, self.order, self.in_features)

@@ -84,6 +84,8 @@ def _packed_forward(
     module: PackedInt8Linear | PackedInt4Linear | Int4Linear, tables: Tables, x: torch.Tensor
 ) -> torch.Tensor:
     rows = x.reshape(-1, module.in_features)
+    if getattr(module, "padded", False):  # parts of act-order groups: the padding's inputs read a zero
+        rows = torch.nn.functional.pad(rows, (0, 1))
     order: Optional[torch.Tensor] = getattr(module, "order", None)  # Int4Linear has none
     if order is not None:  # act-order: the inputs in the groups' order
         rows = rows[:, order]
