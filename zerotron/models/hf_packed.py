@@ -356,10 +356,10 @@ class PackedInt4Linear(nn.Module):
     whose row results do not depend on the row count. The file's groups become the kernel's (32–256
     inputs; a larger group's scale repeated), its zero ``z`` the kernel's ``(8 − z)·s``; act-order inputs
     are sorted by group once and each call's activations permuted alike. Groups of unequal sizes (a
-    tensor-parallel rank's part of act-order groups), or of a size not a multiple of 32, are padded each to a multiple of 32 inputs whose
-    values multiply a zero appended to the activations (``padded``). Scales and zeros are kept in bf16
-    for bf16 activations (the file's f16 scales rounded to bf16: the kernel's fast path), else in fp32
-    (the file's values)."""
+    tensor-parallel rank's part of act-order groups), or of a size not a multiple of 32, are padded each
+    to a multiple of 32 inputs whose values multiply a zero appended to the activations (``padded``).
+    Scales and zeros are kept in bf16 for bf16 activations (the file's f16 scales rounded to bf16: the
+    kernel's fast path), else in fp32 (the file's values)."""
 
     qweight: torch.Tensor
     scale_zero: torch.Tensor
@@ -371,35 +371,25 @@ class PackedInt4Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = u.values.shape
-        count = u.scales.shape[0]
-        sizes = torch.bincount(u.groups, minlength=count)
+        if self.out_features % 16:
+            raise PackedFormatError(
+                f"a linear of {self.in_features} inputs and {self.out_features} outputs: the CPU's int4 kernel "
+                "needs outputs a multiple of 16"
+            )
+        sizes = torch.bincount(u.groups, minlength=u.scales.shape[0])
         # parts of groups of unequal sizes, or of a size the kernel has no groups for (16 of 32)
         self.padded = bool((sizes != sizes[0]).any()) or int(sizes[0]) % 32 != 0
-        if self.padded and self.out_features % 16 == 0:
-            self._init_padded(u, bias, dtype)
-            return
-        group = -(-self.in_features // count)
-        size = next((k for k in KERNEL_GROUPS if group % k == 0), None)
-        if size is None or group * count != self.in_features or self.out_features % 16:
-            raise PackedFormatError(
-                f"a linear of {self.in_features} inputs and {self.out_features} outputs in groups of {group}: "
-                "the CPU's int4 kernel needs groups of a multiple of 32 inputs and outputs a multiple of 16"
-            )
-        values, order = by_group(u, group)
-        scale = u.scales.repeat_interleave(group // size, dim=0)
-        zero = (8 - u.zeros.float()).repeat_interleave(group // size, dim=0) * scale
-        self.group = size
-        kept = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1))
-        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).to(kept).contiguous())
-        self.register_buffer("order", order)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-
-    def _init_padded(self, u: Unpacked, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
-        values, order, chunks = _padded_by_group(u, 32, common=False)
-        scale = u.scales[chunks]
-        zero = (8 - u.zeros[chunks].float()) * scale
-        self.group = 32
+        order: Optional[torch.Tensor]
+        if self.padded:
+            values, order, chunks = _padded_by_group(u, 32, common=False)
+            self.group, scale, zeros = 32, u.scales[chunks], u.zeros[chunks]
+        else:  # the largest kernel group that divides the file's, its scale repeated
+            group = int(sizes[0])
+            self.group = next(k for k in KERNEL_GROUPS if group % k == 0)
+            values, order = by_group(u, group)
+            scale = u.scales.repeat_interleave(group // self.group, dim=0)
+            zeros = u.zeros.repeat_interleave(group // self.group, dim=0)
+        zero = (8 - zeros.float()) * scale
         kept = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1))
         self.register_buffer("scale_zero", torch.stack([scale, zero], -1).to(kept).contiguous())
