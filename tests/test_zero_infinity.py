@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerotron.checkpoint import store
 from zerotron.cli import main
 from zerotron.components.state import read_model_tensors
 
@@ -64,7 +65,7 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 def _checkpoint(run: Path, step: int) -> Path:
-    return run / "checkpoints" / f"step_{step:08d}"
+    return run / "checkpoints" / store.step_dir_name(step)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
@@ -134,8 +135,8 @@ def test_states_five_times_a_rank_budget_train_save_resume_and_train_again(tmp_p
     """A model whose fp32 weights + AdamW moments are 5x the memory each rank may use (every phase's
     peak above what the rank held when it started: materialise, steps, save, load, sample) trains,
     saves, resumes and trains again at dp 2 with ZeRO-3 + NVMe, the gradient shards on NVMe too, and
-    the resumed run's loss and weights equal the uninterrupted run's. Each rank's own share of those states (2.5x the
-    budget) does not fit either; its fp32 gradient shard alone is 0.83x the budget.
+    the resumed run's loss and weights equal the uninterrupted run's. Each rank's own share of those
+    states (2.5x the budget) does not fit either; its fp32 gradient shard alone is 0.83x the budget.
 
     Negative control, run by hand: with the gradient shards in host memory (offload_grads=none) the
     steps peak at 1.45x the budget."""
