@@ -113,7 +113,10 @@ def test_sft_from_a_bitsandbytes_checkpoint(tmp_path: Path) -> None:
     ("quant", "says"),
     [
         ({"quant_method": "fp8"}, "quant_method='fp8' is not read"),
-        ({"quant_method": "gptq", "bits": 5}, "gptq with 5-bit weights is not read; 2-, 3-, 4- and 8-bit are"),
+        (
+            {"quant_method": "gptq", "bits": 5},
+            "gptq with 5-bit weights is not read; 2-, 3-, 4- and 8-bit are",
+        ),
         ({"quant_method": "awq", "bits": 3}, "awq with 3-bit weights is not read; 4-bit is"),
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "8-bit (LLM.int8) checkpoint is not read"),
     ],
