@@ -324,7 +324,8 @@ class TrainConfig:
     fp8_skip: str = _f(
         "",
         "train.precision=fp8: comma-separated fnmatch patterns of block linears kept in bf16 (e.g. "
-        "'layers.0.*,*.down_proj'); the embedding, head, routers and routed experts always are",
+        "'layers.0.*,*.down_proj', '*.experts.*' for the routed experts); the embedding, head and routers "
+        "always are",
     )
     loss_scale_init: float = _f(2.0**16, "fp16: initial loss scale")
     loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles")

@@ -15,7 +15,9 @@ MULTIPLE = 16  # float8 GEMMs take dimensions that are multiples of 16 (zerotron
 
 
 class ExpertsStayBf16(UserWarning):
-    """fp8 with MoE blocks: the routed experts compute in bf16 (grouped float8 GEMMs are not built)."""
+    """fp8 with MoE blocks under expert parallelism with a cp that does not divide ep: the routed experts
+    compute in bf16 (a micro-batch's rows for one expert arrive in several EP groups, and reducing their
+    scales across them is not built)."""
 
 
 def fp8_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
@@ -34,6 +36,10 @@ def fp8_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
     }
     if m.num_local_experts > 0:
         prefix, inner = "mlp.shared_expert.", m.shared_expert_intermediate_size
+        # each expert's GEMMs; expert tensor parallelism splits their intermediate width over tp
+        width = m.expert_intermediate // (tp if cfg.parallel.etp > 1 else 1)
+        shapes["mlp.experts.gate_up_proj"] = (h, 2 * width)
+        shapes["mlp.experts.down_proj"] = (width, h)
     else:
         prefix, inner = "mlp.", m.intermediate_size
     if inner:
@@ -85,10 +91,12 @@ def check_fp8(cfg: Config) -> None:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("train.precision=fp8 computes with torchao's float8: pip install 'zerotron[fp8]'")
-    if cfg.model.num_local_experts > 0:
+    if cfg.model.num_local_experts > 0 and p.ep > 1 and p.ep % p.cp:
         warnings.warn(
-            "train.precision=fp8: the routed experts compute in bf16 (grouped float8 GEMMs are not built); "
-            "attention and the shared expert in float8",
+            f"train.precision=fp8 with parallel.ep={p.ep} and parallel.cp={p.cp}: the routed experts compute "
+            "in bf16 (a micro-batch's rows for one expert would land in several EP groups, whose float8 "
+            "scales are not reduced together); attention and the shared expert in float8. For float8 "
+            "experts make ep a multiple of cp",
             ExpertsStayBf16,
             stacklevel=2,
         )

@@ -79,6 +79,10 @@ def expert_mlp(
     return torch.cat(parts) if parts else x.new_zeros((0, down.shape[1]))
 
 
+ExpertsMlp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x (n, h), counts (E,) or (E, S), gate_up (E, 2I, h), down (E, h, I)) -> (n, h)."""
+
+
 class Experts(nn.Module):
     """The routed experts' stacked weights (``num_local`` of them on this rank)."""
 
@@ -87,10 +91,17 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden, intermediate))
         self.grouped = grouped
+        # train.precision=fp8: the experts' MLP in float8 (zerotron.parallel.float8_experts), given the
+        # rows per expert and source rank, whose scales it keeps apart
+        self.float8_mlp: Optional[ExpertsMlp] = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (n, h) sorted by local expert, ``counts`` (num_local,) -> (n, h)."""
-        return expert_mlp(x, counts, self.gate_up_proj, self.down_proj, self.grouped)
+        """x (n, h) sorted by local expert (then by source rank under expert parallelism), ``counts``
+        (num_local,) rows per expert or (num_local, sources) rows per expert and source -> (n, h)."""
+        if self.float8_mlp is not None:
+            return self.float8_mlp(x, counts, self.gate_up_proj, self.down_proj)
+        per = counts.reshape(counts.shape[0], -1).sum(1)
+        return expert_mlp(x, per, self.gate_up_proj, self.down_proj, self.grouped)
 
 
 class Router(nn.Module):

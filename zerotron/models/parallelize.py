@@ -13,7 +13,9 @@
    (:mod:`zerotron.parallel.expert`); with ``parallel.etp`` = tp each expert's intermediate width is
    split over tp too.
 5. **FP8** (``train.precision=fp8``): the blocks' projections multiply in float8, each scale reduced
-   over the tp and cp ranks that hold the rest of its tensor (:mod:`zerotron.parallel.float8`).
+   over the tp and cp ranks that hold the rest of its tensor (:mod:`zerotron.parallel.float8`), and
+   the routed experts with one scale per expert and source micro-batch
+   (:mod:`zerotron.parallel.float8_experts`).
 
 Everything happens on the meta device: no rank allocates what it will not hold. This is the layout
 step of the one model builder (:func:`zerotron.build.builder.build`), which then materialises the split
@@ -35,6 +37,7 @@ from zerotron.models.stages import StagedModel, meta_stages, stage_bounds
 from zerotron.parallel.context import apply_context_parallel, context_groups
 from zerotron.parallel.expert import apply_expert_parallel
 from zerotron.parallel.float8 import apply_float8, device_has_float8_gemm
+from zerotron.parallel.float8_experts import apply_float8_experts
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 
 
@@ -58,8 +61,12 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None, device: torch.devic
     etp = mesh is not None and cfg.parallel.etp > 1
     if mesh is not None and (mesh.dims.ep > 1 or etp):
         tp_group = mesh.group("tp") if etp else None
+        # the cp ranks of one micro-batch: consecutive in an EP group when their number divides ep
+        batch_ranks = mesh.dims.cp if mesh.dims.ep % mesh.dims.cp == 0 else 1
         for chunk in chunks:
-            apply_expert_parallel(chunk, mesh.group("ep"), tp_group, cfg.parallel.sequence_parallel)
+            apply_expert_parallel(
+                chunk, mesh.group("ep"), tp_group, cfg.parallel.sequence_parallel, batch_ranks
+            )
     if cfg.train.precision == "fp8":
         _float8(cfg, chunks, mesh, torch.device(device))
     one_stage = mesh is None or mesh.dims.pp == 1
@@ -77,9 +84,22 @@ def _split(cfg: Config, mesh: Mesh | None) -> list[LlamaForCausalLM]:
 
 
 def _float8(cfg: Config, chunks: list[LlamaForCausalLM], mesh: Mesh | None, device: torch.device) -> None:
-    """Step 5: each chunk's block projections in float8 (routed experts stay bf16: config_check says so)."""
+    """Step 5: each chunk's block projections in float8, and its routed experts (bf16 when cp does not
+    divide ep: config_check says so). A micro-batch's tokens meet the same experts on other ranks under
+    cp without ep (with ep, its cp ranks' rows arrive on one rank), and under tp with sequence
+    parallelism unless the experts are split over tp (etp)."""
     tp = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     cp = mesh.group("cp") if mesh is not None and mesh.dims.cp > 1 else None
     emulate = not device_has_float8_gemm(device)
+    recipe, skip = cfg.train.fp8_recipe, cfg.train.fp8_skip_patterns
+    etp = tp if cfg.parallel.etp > 1 else None
+    ep = mesh.dims.ep if mesh is not None else 1
+    cp_tokens = cp if ep == 1 else None
+    tokens = tuple(
+        g for g in (cp_tokens, tp if cfg.parallel.sequence_parallel and etp is None else None) if g
+    )
+    experts = cp is None or ep % cp.size == 0
     for chunk in chunks:
-        apply_float8(chunk, cfg.train.fp8_recipe, cfg.train.fp8_skip_patterns, emulate, tp, cp)
+        apply_float8(chunk, recipe, skip, emulate, tp, cp)
+        if experts:
+            apply_float8_experts(chunk, recipe, skip, emulate, tokens, etp)

@@ -11,8 +11,10 @@ parallel one. A block's dispatch per step:
 1. each rank sends each EP peer how many of its slots go to each of that peer's experts (an
    all-to-all of ``ep × E/ep`` counts), so every rank knows what it will receive;
 2. the slots (sorted by global expert, so each peer's are contiguous) go out in one uneven all-to-all;
-3. the received slots — ordered by source, then expert — are regrouped by local expert and run through
-   the local experts (grouped GEMM), put back in arrival order and returned by the reverse all-to-all.
+3. the received slots — ordered by source, then expert — are regrouped by local expert (each expert's
+   rows still by source: the experts are told the rows per expert and source micro-batch, which float8
+   experts scale apart) and run through the local experts (grouped GEMM), put back in arrival order
+   and returned by the reverse all-to-all.
 
 The backward of each all-to-all is the all-to-all with the splits swapped. An expert that receives no
 token still takes part in the grouped GEMM with zero rows and gets a zero gradient.
@@ -71,10 +73,13 @@ class _AllToAllV(torch.autograd.Function):
 
 
 class ExpertDispatch:
-    """A block's dispatch under expert parallelism over ``group`` (``local`` experts per rank)."""
+    """A block's dispatch under expert parallelism over ``group`` (``local`` experts per rank).
 
-    def __init__(self, group: Group, local: int) -> None:
-        self.group, self.local = group, local
+    The experts are told their rows per expert and source micro-batch: ``batch_ranks`` consecutive
+    peers hold the rows of one micro-batch (context parallelism's ranks, when they divide ``ep``)."""
+
+    def __init__(self, group: Group, local: int, batch_ranks: int = 1) -> None:
+        self.group, self.local, self.batch_ranks = group, local, batch_ranks
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x (n·k, h) sorted by global expert, counts (E,) -> the experts' outputs in x's order."""
@@ -88,7 +93,8 @@ class ExpertDispatch:
         )  # peer-major, then expert
         expert_of = torch.arange(local, device=x.device).repeat(p).repeat_interleave(recv.flatten())
         order = torch.argsort(expert_of, stable=True)  # regroup by local expert
-        out = experts(arrived[order], recv.sum(0))
+        per_batch = recv.t().reshape(local, p // self.batch_ranks, self.batch_ranks).sum(2)
+        out = experts(arrived[order], per_batch)  # rows per local expert and source micro-batch
         out = out[torch.argsort(order)]  # back in arrival order
         return apply_function(_AllToAllV, out, send_splits, recv_splits, self.group)
 
@@ -121,13 +127,18 @@ class ExpertTensorRegion:
 
 
 def apply_expert_parallel(
-    model: nn.Module, group: Group, tp_group: Group | None = None, sequence_parallel: bool = False
+    model: nn.Module,
+    group: Group,
+    tp_group: Group | None = None,
+    sequence_parallel: bool = False,
+    batch_ranks: int = 1,
 ) -> None:
     """Keep this rank's E/ep experts of every MoE block (on the model's device: the meta device in the
     one parallelize path), record their split over ``ep`` and their gradient group ``edp``, and route
     the blocks' slots through :class:`ExpertDispatch`. With ``tp_group`` (expert tensor parallelism)
     keep this tp rank's slice of each expert's intermediate width too, and run the routed experts in
-    an :class:`ExpertTensorRegion`."""
+    an :class:`ExpertTensorRegion`. ``batch_ranks``: consecutive ranks of ``group`` holding one
+    micro-batch's rows (:class:`ExpertDispatch`)."""
     p, r = group.size, group.rank_in_group
     t, tr = (tp_group.size, tp_group.rank_in_group) if tp_group is not None else (1, 0)
     axes = (("ep",) if p > 1 else ()) + (("tp",) if t > 1 else ())
@@ -161,6 +172,6 @@ def apply_expert_parallel(
             if t > 1:  # each slice's gradient is whole (all the group's tokens): no sum over tp
                 getattr(experts, "tp_grad_sums", {}).pop(name, None)
         if p > 1:
-            setattr(block, "dispatch", ExpertDispatch(group, local))  # noqa: B010
+            setattr(block, "dispatch", ExpertDispatch(group, local, batch_ranks))  # noqa: B010
         if tp_group is not None and t > 1:
             setattr(block, "tp_region", ExpertTensorRegion(tp_group, sequence_parallel))  # noqa: B010

@@ -7,9 +7,9 @@ recipe ``tensorwise`` (e4m3 forward, e5m2 gradients, one dynamic scale per tenso
 (e4m3 throughout, one power-of-two scale per row of the contracted axis). Everything else computes in
 bf16 under autocast; the fp32 masters and AdamW moments are unchanged (DESIGN contract 9). Layers
 converted: the attention and MLP projections of the transformer blocks (``q/k/v/o_proj``,
-``gate/up/down_proj``, a MoE block's shared expert included); the embedding, the head, routers and
-norms stay bf16, and so do the routed experts (grouped float8 GEMMs are not built: one notice).
-``train.fp8_skip`` keeps more of them in bf16 (``fnmatch`` patterns on module names).
+``gate/up/down_proj``, a MoE block's shared expert included; the routed experts' GEMMs are cast the
+same way by :mod:`zerotron.parallel.float8_experts`); the embedding, the head, routers and norms stay
+bf16. ``train.fp8_skip`` keeps more of them in bf16 (``fnmatch`` patterns on module names).
 
 **An fp8 scale belongs to the whole tensor of one micro-batch, not to a shard** (layout invariance):
 torchao computes each amax on the tensor it sees; here each of the three operands of a linear names
@@ -119,9 +119,11 @@ class Float8Spec:
     outer: tuple[Group, ...] = ()
 
     @classmethod
-    def create(cls, recipe: str, emulate: bool, **groups: tuple[Group, ...]) -> Float8Spec:
+    def create(cls, recipe: str, emulate: bool, pad: bool = False, **groups: tuple[Group, ...]) -> Float8Spec:
         """The spec of ``recipe`` (``tensorwise`` or ``rowwise``); ``emulate``: fp32 GEMMs on the
-        float8 values (CPUs, GPUs without float8 GEMMs)."""
+        float8 values (CPUs, GPUs without float8 GEMMs); ``pad``: zero-pad each GEMM's contracted
+        dimension to the multiple of 16 float8 GEMMs take (an expert's rows, which the weight gradient
+        contracts, come in any number)."""
         if recipe not in RECIPES:
             raise ValueError(f"train.fp8_recipe={recipe!r}: use one of {', '.join(RECIPES)}")
         f8 = torchao_float8()
@@ -130,7 +132,7 @@ class Float8Spec:
         config = f8.Float8LinearConfig.from_recipe_name(recipe)
         gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
         mm = LinearMMConfig(
-            *(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms)
+            *(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim or pad) for g in gemms)
         )
         return cls(config, mm, **groups)
 

@@ -1,0 +1,211 @@
+"""Routed experts in float8 (:mod:`zerotron.parallel.float8_experts`) against torchao's own float8
+linear, one call of it per expert and source micro-batch.
+
+**The reference** is torchao's ``matmul_with_hp_or_float8_args`` (the body of its ``Float8Linear``,
+emulated), called once for each segment of rows — one expert's rows from one source micro-batch — and
+the weight gradient summed over an expert's segments: what the single process computes when it runs
+those micro-batches one after the other. zerotron's grouped function must give the same bits (fp32
+operands), and the same to 1e-6 when the rows of a segment or the expert's weight are split over two
+ranks whose amaxes it reduces (context / sequence parallelism, expert tensor parallelism).
+
+*Negative controls*: one scale per expert over every source's rows (what a grouped GEMM without
+segments would do), and per-rank scales on a split, each leave the reference by > 1e-3 (tensorwise;
+rowwise scales are powers of two, whose rescaling is exact, so per-rank rowwise scales mostly give the
+same bits and the control is not asserted there). Whole runs in float8 on every layout are in
+``tests/test_fp8.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from zerotron.distributed.launch import current_rank_and_world
+from zerotron.distributed.mesh import Mesh, ParallelDims
+from zerotron.parallel import float8
+from zerotron.parallel.float8_experts import Segments, _ExpertFloat8Mm
+
+float8.torchao_float8()  # a dev dependency: missing, these tests fail rather than skip
+
+E, OUT, IN = 3, 48, 32
+# rows per (expert, source); an expert with no rows from one source, one with none at all from another
+COUNTS = torch.tensor([[5, 7], [0, 4], [6, 0]])
+
+
+def _operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (n, IN) whose sources differ in magnitude (x4 and x0.25), w (E, OUT, IN), an output weighting."""
+    gen = torch.Generator().manual_seed(3)
+    n = int(COUNTS.sum())
+    x = torch.randn(n, IN, generator=gen) * torch.linspace(0.2, 3.0, IN)
+    source = torch.tensor([0, 1] * E).repeat_interleave(COUNTS.flatten())
+    x = x * torch.where(source == 0, 4.0, 0.25)[:, None]
+    w = torch.randn(E, OUT, IN, generator=gen) * torch.linspace(0.5, 2.0, IN)
+    return x, w, torch.randn(n, OUT, generator=gen)
+
+
+def _torchao(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, recipe: str) -> tuple[torch.Tensor, ...]:
+    """Output, input gradient and weight gradient from torchao's float8 matmul, one call per segment."""
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    config = float8.torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    config = type(config)(**{**config.__dict__, "emulate": True})
+    ys, gxs, gw = [], [], torch.zeros_like(w)
+    at = 0
+    for e in range(E):
+        linear = torch.nn.Linear(IN, OUT, bias=False)
+        layer = Float8Linear.from_float(linear, config)
+        for rows in COUNTS[e].tolist():
+            if not rows:
+                continue
+            xs, we = x[at : at + rows].clone().requires_grad_(), w[e].clone().requires_grad_()
+            y = matmul_with_hp_or_float8_args.apply(xs, we.t(), layer.linear_mm_config, layer.config)
+            (y * r[at : at + rows]).sum().backward()
+            ys.append(y.detach())
+            gxs.append(xs.grad)
+            gw[e] += we.grad
+            at += rows
+    return torch.cat(ys), torch.cat(gxs), gw
+
+
+def _ours(
+    x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, counts: torch.Tensor, spec: Any
+) -> tuple[torch.Tensor, ...]:
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = _ExpertFloat8Mm.apply(xa, wa, Segments.of(counts), spec)
+    (y * r).sum().backward()
+    return y.detach(), xa.grad, wa.grad
+
+
+def _rel(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_expert_gemms_equal_torchao_per_expert_and_source(recipe: str) -> None:
+    x, w, r = _operands()
+    want = _torchao(x, w, r, recipe)
+    spec = float8.Float8Spec.create(recipe, True, pad=True)  # padding the rows' axis changes no value
+    got = _ours(x, w, r, COUNTS, spec)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if recipe == "tensorwise":  # one scale per expert over both sources: another float8 grid
+        assert _rel(_ours(x, w, r, COUNTS.sum(1), spec), want) > 1e-3
+
+
+def _split_body(kind: str, recipe: str, reduce: bool) -> float:
+    """The expert GEMMs with a split over two ranks (``tokens``: each source's rows halved between the
+    ranks; ``outer`` / ``inner``: the weight's out / in features halved, as expert tensor parallelism
+    splits gate_up_proj / down_proj) against torchao's whole segments: the largest relative error."""
+    from zerotron.distributed import collectives
+
+    rank, world = current_rank_and_world()
+    group = Mesh(ParallelDims(world, dp=1, tp=world), rank).group("tp")
+    split = (group,) if reduce else ()
+    x, w, r = _operands()
+    want = _torchao(x, w, r, "tensorwise" if recipe == "tensorwise" else "rowwise")
+    if kind == "tokens":
+        spec = float8.Float8Spec.create(recipe, True, pad=True, tokens=split)
+        mine = COUNTS // 2 if rank == 0 else COUNTS - COUNTS // 2  # this rank's rows of each segment
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), COUNTS.flatten().cumsum(0)[:-1]])
+        skip = torch.zeros_like(COUNTS.flatten()) if rank == 0 else (COUNTS // 2).flatten()
+        rows = torch.cat([torch.arange(s + k, s + k + m) for s, k, m in zip(starts, skip, mine.flatten())])
+        y, gx, gw = _ours(x[rows], w, r[rows], mine, spec)
+        collectives.all_reduce(gw, group)  # the token split's weight gradient, summed
+        return _rel((y, gx, gw), (want[0][rows], want[1][rows], want[2]))
+    half = (OUT if kind == "outer" else IN) // 2
+    part = slice(rank * half, (rank + 1) * half)
+    spec = float8.Float8Spec.create(recipe, True, pad=True, **{kind: split})
+    if kind == "outer":
+        y, gx, gw = _ours(x, w[:, part], r[:, part], COUNTS, spec)
+        collectives.all_reduce(gx, group)  # the column split's input gradient, summed
+        return _rel((y, gx, gw), (want[0][:, part], want[1], want[2][:, part]))
+    y, gx, gw = _ours(x[:, part], w[:, :, part], r, COUNTS, spec)
+    collectives.all_reduce(y, group)  # the row split's output, summed
+    return _rel((y, gx, gw), (want[0], want[1][:, part], want[2][:, :, part]))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("kind", ["tokens", "outer", "inner"])
+def test_split_expert_gemms_scale_as_the_whole_segments(kind: str, recipe: str) -> None:
+    same = max(run_distributed(_split_body, 2, kind, recipe, True))
+    assert same <= 1e-6, same
+    if recipe == "tensorwise":
+        per_rank = max(run_distributed(_split_body, 2, kind, recipe, False))
+        assert per_rank > 1e-3, per_rank
+
+
+def _ep_body(batch_ranks: int, recipe: str) -> float:
+    """Four ranks, dp 2 × cp 2, one EP group of four (one expert each): each rank routes its own rows
+    (a micro-batch is the rows of its two cp ranks; each cp rank's rows at another magnitude, and each
+    micro-batch's) through :class:`ExpertDispatch` to float8 experts, against the single process: all
+    four experts on each micro-batch alone, one after the other, the weight gradients summed. The
+    largest relative error of this rank's outputs, input gradients and its expert's gradients.
+    ``batch_ranks``: the consecutive EP peers the dispatch takes for one micro-batch (2 is the mesh's)."""
+    from zerotron.models.moe import Experts
+    from zerotron.parallel.expert import ExpertDispatch
+    from zerotron.parallel.float8_experts import ExpertsFloat8
+
+    rank, world = current_rank_and_world()
+    mesh = Mesh(ParallelDims(world, dp=2, cp=2, ep=4), rank)
+    hidden, inner, experts = 32, 32, 4
+    spec = float8.Float8Spec.create(recipe, True, pad=True)
+    gen = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=gen) * 0.2
+    down = torch.randn(experts, hidden, inner, generator=gen) * 0.2
+    xs, ids, rs = [], [], []
+    for r in range(world):  # rank r = micro-batch r // 2, cp rank r % 2
+        n = 9 + 4 * r
+        scale = (4.0, 0.25)[r % 2] * (1.0, 3.0)[r // 2]
+        xs.append(torch.randn(n, hidden, generator=gen) * scale)
+        ids.append(torch.randint(0, experts, (n,), generator=gen))
+        rs.append(torch.randn(n, hidden, generator=gen))
+
+    def run(
+        x: torch.Tensor, e: torch.Tensor, r: torch.Tensor, module: Experts, dispatch: Any
+    ) -> tuple[torch.Tensor, ...]:
+        order = torch.argsort(e, stable=True)
+        leaf = x.clone().requires_grad_()
+        y_sorted = dispatch(leaf[order], torch.bincount(e, minlength=experts), module)
+        y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+        (y * r).sum().backward()
+        return y.detach(), leaf.grad
+
+    def holder(local: int, first: int) -> Experts:
+        module = Experts(local, hidden, inner, grouped=False)
+        with torch.no_grad():
+            module.gate_up_proj.copy_(gate_up[first : first + local])
+            module.down_proj.copy_(down[first : first + local])
+        module.float8_mlp = ExpertsFloat8(spec, spec)
+        return module
+
+    whole = holder(experts, 0)
+    want = []
+    for batch in range(2):  # the single process: micro-batch 0, then 1
+        mine = [2 * batch, 2 * batch + 1]
+        x, e, r = (torch.cat([t[i] for i in mine]) for t in (xs, ids, rs))
+        y, gx = run(x, e, r, whole, lambda rows, counts, m: m(rows, counts))
+        if rank in mine:
+            at = sum(xs[i].shape[0] for i in mine if i < rank)
+            want = [y[at : at + xs[rank].shape[0]], gx[at : at + xs[rank].shape[0]]]
+    local = holder(1, rank)
+    dispatch = ExpertDispatch(mesh.group("ep"), 1, batch_ranks)
+    got = list(run(xs[rank], ids[rank], rs[rank], local, dispatch))
+    assert whole.gate_up_proj.grad is not None and whole.down_proj.grad is not None
+    got += [local.gate_up_proj.grad, local.down_proj.grad]
+    want += [whole.gate_up_proj.grad[rank : rank + 1], whole.down_proj.grad[rank : rank + 1]]
+    return _rel(tuple(got), tuple(want))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_expert_parallel_scales_each_source_micro_batch_as_the_single_process(recipe: str) -> None:
+    """Under EP each expert scales the rows of each source micro-batch apart (its cp ranks' rows
+    together), as the single process running the micro-batches one after the other. Controls
+    (tensorwise): each cp rank's rows on their own scale, or all sources on one, leave it by > 1e-3."""
+    same = max(run_distributed(_ep_body, 4, 2, recipe))
+    assert same <= 1e-6, same
+    if recipe == "tensorwise":
+        for wrong in (1, 4):
+            assert max(run_distributed(_ep_body, 4, wrong, recipe)) > 1e-3, wrong
