@@ -1,6 +1,6 @@
 """FP8 training (``train.precision=fp8``) beside bf16 and beside torchao's float8 on FSDP2 (BENCHMARKS.md).
 
-Run:  python benchmarks/fp8.py [--part curve|bench|gather|all] [--steps 200] [--repeats 2]
+Run:  python benchmarks/fp8.py [--part curve|bench|gather|moe|all] [--steps 200] [--repeats 2]
 
 - ``curve``: the default job (``zerotron train`` with no arguments: the tiny model on 2 ranks, 200
   steps) in bf16 and in fp8, the same seed and data; the loss curves (``fp8_loss.png``), the last-20-step
@@ -12,6 +12,8 @@ Run:  python benchmarks/fp8.py [--part curve|bench|gather|all] [--steps 200] [--
   (``parallel.zero_fp8_gather=auto``) and as bf16 (``never``), on three widths: the all-gathered
   bytes per step counted by zerotron's collectives, the step time, the peak memory per rank and
   whether the losses are equal.
+- ``moe``: an MoE model (8 routed experts, top 2) under expert parallelism on 2 ranks in bf16, in fp8
+  with its routed experts kept bf16, and in fp8 with float8 experts: loss, step time, peak memory.
 
 On a CPU the float8 GEMMs are emulated (torchao's fp32 emulation: cast to float8 and back, then an fp32
 GEMM), so fp8 is slower than bf16 here; what carries over to a GPU is the numerics and the bytes.
@@ -135,9 +137,48 @@ def gather(work: Path) -> None:
             )
 
 
+MOE = ["model.num_local_experts=8", "model.num_experts_per_tok=2", "parallel.ep=2"]
+
+
+def moe(steps: int, work: Path) -> None:
+    """An MoE model (the tiny one with 8 routed experts, top 2) under ep 2: bf16, fp8 with the routed
+    experts kept bf16 (``train.fp8_skip``), and fp8 with float8 experts."""
+    runs = {
+        "bf16": ["train.precision=bf16"],
+        "fp8, experts bf16": ["train.precision=fp8", "train.fp8_skip=*.experts.*"],
+        "fp8": ["train.precision=fp8"],
+    }
+    records = {}
+    for k, (name, extra) in enumerate(runs.items()):
+        out = work / f"moe{k}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "zerotron",
+            "train",
+            *MOE,
+            *extra,
+            f"train.steps={steps}",
+            "log.progress=none",
+        ]
+        cmd += ["--nproc", "2", "--out", str(out)]
+        print("<!--", *cmd[1:], "-->", flush=True)
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        records[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tail = min(20, steps)
+    base = sum(r["loss"] for r in records["bf16"][-tail:]) / tail
+    print("| precision | mean loss, last 20 steps | / bf16 | step (s) | peak memory/rank |")
+    print("|---|---:|---:|---:|---:|")
+    for name, rows in records.items():
+        last = sum(r["loss"] for r in rows[-tail:]) / tail
+        step = sum(r["step_time_s"] for r in rows[1:]) / max(1, len(rows) - 1)
+        peak = max(r["peak_memory_bytes"] for r in rows) / 2**20
+        print(f"| {name} | {last:.4f} | {last / base:.4f} | {step:.3f} | {peak:.0f} MiB |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("curve", "bench", "gather", "all"), default="all")
+    parser.add_argument("--part", choices=("curve", "bench", "gather", "moe", "all"), default="all")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -150,6 +191,8 @@ def main() -> None:
             bench(args.repeats, work)
         if args.part in ("gather", "all"):
             gather(work)
+        if args.part in ("moe", "all"):
+            moe(args.steps, work)
 
 
 if __name__ == "__main__":

@@ -387,6 +387,26 @@ def test_tp2_keeps_the_log_probs_equal_and_starts_as_the_single_process(tmp_path
     assert records[0]["layout"]["tp"] == 2
 
 
+def test_fp8_trains_in_float8_samples_in_bf16_and_keeps_the_single_process_rewards(tmp_path: Path) -> None:
+    """train.precision=fp8: the engine samples with the bf16 working weights (its routes on the float8
+    layers), the trainer computes in float8, so the log-probs differ by float8's rounding (in bf16 they
+    are equal: the tests above) and tis weighs them; dp 2 gives the single process's rewards, and its
+    losses within float8's layout noise (tests/test_fp8.py)."""
+    base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
+    # this model's key and value projections (24 outputs) are not a float8 GEMM's multiple of 16
+    args = ["grpo", str(base), str(data), *TASK, "train.steps=3", "grpo.max_new_tokens=4", "train.precision=fp8",
+            "train.fp8_skip=*.k_proj,*.v_proj", "grpo.importance_correction=tis", "parallel.zero=1"]  # fmt: skip
+    one = _cli(*args, "--nproc", "1", "--out", str(tmp_path / "one"), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _cli(*args, "--nproc", "2", "--out", str(tmp_path / "two"), cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert [r["reward_mean"] for r in b] == [r["reward_mean"] for r in a]
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=2e-3, atol=1e-6)
+    for r in a + b:  # float8 against bf16: off by its rounding, not by more
+        assert 0 < r["logprob_max_abs_delta"] < 0.5 and r["ratio_mean"] == pytest.approx(1.0, abs=0.05)
+
+
 def test_grpo_under_torchrun_gives_the_single_process_rewards(tmp_path: Path) -> None:
     import os
 
@@ -450,6 +470,8 @@ def _cfg(*overrides: str) -> Config:
         (["parallel.zero=3"], "not with parallel.zero=3"),
         (["train.precision=fp16"], "not with train.precision=fp16"),
         (["train.precision=bf16"], "set parallel.zero=1 or 2"),
+        (["train.precision=fp8"], "grpo in fp8 runs on bf16 working weights"),
+        (["lora.rank=8", "train.precision=fp8", "parallel.zero=1"], "LoRA is built in fp32"),
         (["lora.rank=8", "lora.use_dora=true"], "not with lora.use_dora"),
         (["lora.rank=8", "lora.dropout=0.1"], "not with lora.dropout"),
         (["grpo.group_size=1"], "grpo.group_size=1 is out of range"),

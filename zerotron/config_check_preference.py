@@ -87,7 +87,7 @@ def check_grpo(cfg: Config) -> None:
         ("parallel.offload_params", p.offload_params != "none"),
         ("parallel.offload_optimizer", p.offload_optimizer != "none"),
         ("model.num_local_experts", cfg.model.num_local_experts > 0),
-        (f"train.precision={cfg.train.precision}", cfg.train.precision in ("fp16", "fp8")),
+        (f"train.precision={cfg.train.precision}", cfg.train.precision == "fp16"),
         ("train.compile", cfg.train.compile),
         ("lora.use_dora", cfg.lora.rank > 0 and cfg.lora.use_dora),
         ("lora.base_bits=4 (QLoRA)", cfg.lora.rank > 0 and cfg.lora.base_bits == 4),
@@ -96,18 +96,19 @@ def check_grpo(cfg: Config) -> None:
     named = [name for name, on in refused if on]
     if named:
         raise ConfigError(
-            f"zerotron grpo is built for full fine-tuning and LoRA (no dropout) in fp32 or bf16 under data "
+            f"zerotron grpo is built for full fine-tuning and LoRA (no dropout) in fp32, bf16 or fp8 under data "
             f"and tensor parallelism and ZeRO-1/2 (the rollout engine reads the trained weights in place), not with "
             f"{', '.join(named)}: drop those settings"
         )
-    if cfg.train.precision == "bf16" and cfg.lora.rank > 0:
+    precision = cfg.train.precision
+    if precision in ("bf16", "fp8") and cfg.lora.rank > 0:
         raise ConfigError(
-            "zerotron grpo with LoRA is built in fp32 (in bf16 the frozen base stays fp32 under autocast, "
-            "which the engine does not serve): set train.precision=fp32"
+            f"zerotron grpo with LoRA is built in fp32 (in {precision} the frozen base stays fp32 under "
+            "autocast, which the engine does not serve): set train.precision=fp32"
         )
-    if cfg.train.precision == "bf16" and p.zero == 0:
+    if precision in ("bf16", "fp8") and p.zero == 0:
         raise ConfigError(
-            "zerotron grpo in bf16 runs on bf16 working weights, which ZeRO keeps (plain data parallelism keeps "
+            f"zerotron grpo in {precision} runs on bf16 working weights, which ZeRO keeps (plain data parallelism keeps "
             "fp32 weights under autocast, which the engine does not serve): set parallel.zero=1 or 2"
         )
     if d.packing:

@@ -42,6 +42,11 @@ from zerotron.serve.engine import Engine
 from zerotron.serve.paged import attend_runs, causal_mask, runs
 
 
+def _float8(module: nn.Module) -> bool:
+    """Whether ``module`` computes in float8 in training (``train.precision=fp8``)."""
+    return getattr(module, "float8", None) is not None
+
+
 def sequence_runs(prompt_len: int, length: int) -> list[tuple[int, int, int]]:
     """The attention runs ``(lo, hi, window)`` the engine computes a sequence of ``length`` tokens in:
     the prompt's (:func:`~zerotron.serve.paged.runs`), then each generated token alone (the last one is
@@ -161,6 +166,21 @@ class RolloutEngine:
         self.model, self.precision = model, precision
         model.train()  # the engine set eval(); generation runs under inference mode either way
         self.preempted = 0
+        # fp8: the engine samples in bf16 (its routed linears read the 16-bit weights), the trainer's
+        # float8 layers compute in float8 (their own forward): the routes are on during rollouts only
+        float8 = [m for m in model.modules() if _float8(m)]
+        if any("forward" not in m.__dict__ for m in float8):  # the engine would sample in float8
+            raise RuntimeError("the rollout engine did not route the model's float8 layers")
+        self.float8_routes = {m: m.__dict__["forward"] for m in float8}
+        self._route(False)
+
+    def _route(self, on: bool) -> None:
+        """The engine's routes of the float8 layers on (rollouts) or off (their float8 forward)."""
+        for module, forward in self.float8_routes.items():
+            if on:
+                module.forward = forward
+            else:
+                del module.forward
 
     def generate(
         self,
@@ -173,6 +193,21 @@ class RolloutEngine:
     ) -> Rollouts:
         """``group_size`` completions of each prompt (seeded by ``seeds``, one per prompt, so that a
         prompt's completions are the same whichever rank draws it)."""
+        self._route(True)
+        try:
+            return self._generate(prompts, prompt_ids, seeds, group_size, max_new_tokens, temperature)
+        finally:
+            self._route(False)
+
+    def _generate(
+        self,
+        prompts: list[int],
+        prompt_ids: list[list[int]],
+        seeds: list[int],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+    ) -> Rollouts:
         started = time.perf_counter()
         device = next(self.model.parameters()).device
         if self.tp is not None and self.tp.rank_in_group > 0:  # a follower: the first rank's steps

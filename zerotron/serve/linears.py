@@ -24,6 +24,7 @@ from zerotron.distributed import collectives
 from zerotron.models.llama import MLP, Attention, AttentionCache, DecoderLayer, RMSNorm, apply_rotary
 from zerotron.models.lora import LoraLinear, lora_update
 from zerotron.models.quant import MIN_ROWS, padded_linear
+from zerotron.parallel.float8 import Float8Linear
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_region
 from zerotron.parallel.tensor_comm import apply_function
 from zerotron.serve import kernels
@@ -366,7 +367,8 @@ def route_linears(model: nn.Module, linear: Linear, whole: bool = True) -> None:
     """Run ``model``'s linear layers through ``linear(weight, bias, x)``: a tensor-parallel rank's
     column-parallel part on its rows of the weight, a row-parallel part's partial product with the
     partials then summed in rank order (:func:`row_parallel_in_order`), and (``whole``) plain
-    ``nn.Linear`` layers and LoRA layers' bases (not DoRA's, whose base is rescaled)."""
+    ``nn.Linear`` layers and LoRA layers' bases (not DoRA's, whose base is rescaled). Float8 layers
+    (their ``float8`` spec) are routed as the 16-bit layers they also are."""
     for module in model.modules():
         if whole and isinstance(module, LoraLinear) and module.lora_magnitude_vector is None:
             module.forward = functools.partial(_lora_routed, module, linear)  # type: ignore[method-assign]
@@ -374,7 +376,8 @@ def route_linears(model: nn.Module, linear: Linear, whole: bool = True) -> None:
             module.forward = functools.partial(_column_parallel, module, linear)  # type: ignore[method-assign]
         elif isinstance(module, RowParallelLinear):
             module.forward = functools.partial(row_parallel_in_order, module, linear)  # type: ignore[method-assign]
-        elif whole and type(module) is nn.Linear:
+        elif whole and (type(module) is nn.Linear or type(module) is Float8Linear):
+            # a float8 layer (zerotron grpo's fp8 trainer) serves its weights in the 16-bit dtype
             module.forward = functools.partial(linear, module.weight, module.bias)  # type: ignore[method-assign]
 
 
