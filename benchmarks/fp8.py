@@ -34,25 +34,31 @@ from zero import MODEL  # benchmarks/zero.py, beside this script: hidden 256, 4 
 HERE = Path(__file__).resolve().parent
 
 
-def _train(precision: str, steps: int, out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "zerotron", "train", f"train.precision={precision}", f"train.steps={steps}"]
+def _train(args: list[str], steps: int, out: Path) -> list[dict]:
+    """``zerotron train ARGS`` for ``steps`` steps: its metrics records."""
+    cmd = [sys.executable, "-m", "zerotron", "train", *args, f"train.steps={steps}"]
     cmd += ["log.progress=none", "--out", str(out)]
     print("<!--", *cmd[1:], "-->", flush=True)
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def curve(steps: int, work: Path) -> None:
-    runs = {p: _train(p, steps, work / p) for p in ("bf16", "fp8")}
-    tail = min(20, steps)
+def _table(runs: dict[str, list[dict]]) -> None:
+    """Each run's last-20-step mean loss (and its ratio to the first run's), step time, peak memory."""
+    tail = min(20, *(len(r) for r in runs.values()))
     print("| precision | mean loss, last 20 steps | / bf16 | step (s) | peak memory/rank |")
     print("|---|---:|---:|---:|---:|")
-    base = sum(r["loss"] for r in runs["bf16"][-tail:]) / tail
+    base = sum(r["loss"] for r in next(iter(runs.values()))[-tail:]) / tail
     for name, records in runs.items():
         last = sum(r["loss"] for r in records[-tail:]) / tail
         step = sum(r["step_time_s"] for r in records[1:]) / max(1, len(records) - 1)
         peak = max(r["peak_memory_bytes"] for r in records) / 2**20
-        print(f"| {name} | {last:.4f} | {last / base:.4f} | {step:.3f} | {peak:.0f} MiB |")
+        print(f"| {name} | {last:.4f} | {last / base:.4f} | {step:.3f} | {peak:.0f} MiB |", flush=True)
+
+
+def curve(steps: int, work: Path) -> None:
+    runs = {p: _train([f"train.precision={p}"], steps, work / p) for p in ("bf16", "fp8")}
+    _table(runs)
     _plot(runs, HERE / "fp8_loss.png")
 
 
@@ -117,12 +123,7 @@ def gather(work: Path) -> None:
         runs = {}
         for how in ("never", "auto"):
             args = [*model, "train.precision=fp8", "parallel.zero=3", f"parallel.zero_fp8_gather={how}"]
-            out = work / f"gather{k}-{how}"
-            cmd = [sys.executable, "-m", "zerotron", "train", *args, "train.steps=10", "log.progress=none"]
-            cmd += ["--nproc", "2", "--out", str(out)]
-            print("<!--", *cmd[1:], "-->", flush=True)
-            subprocess.run(cmd, check=True, stdout=sys.stderr)
-            runs[how] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            runs[how] = _train([*args, "--nproc", "2"], 10, work / f"gather{k}-{how}")
         base = runs["never"][-1]["comm_bytes"]["dp"]["all_gather"]
         for how, records in runs.items():
             sent = records[-1]["comm_bytes"]["dp"]["all_gather"]
@@ -148,32 +149,8 @@ def moe(steps: int, work: Path) -> None:
         "fp8, experts bf16": ["train.precision=fp8", "train.fp8_skip=*.experts.*"],
         "fp8": ["train.precision=fp8"],
     }
-    records = {}
-    for k, (name, extra) in enumerate(runs.items()):
-        out = work / f"moe{k}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "zerotron",
-            "train",
-            *MOE,
-            *extra,
-            f"train.steps={steps}",
-            "log.progress=none",
-        ]
-        cmd += ["--nproc", "2", "--out", str(out)]
-        print("<!--", *cmd[1:], "-->", flush=True)
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
-        records[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    tail = min(20, steps)
-    base = sum(r["loss"] for r in records["bf16"][-tail:]) / tail
-    print("| precision | mean loss, last 20 steps | / bf16 | step (s) | peak memory/rank |")
-    print("|---|---:|---:|---:|---:|")
-    for name, rows in records.items():
-        last = sum(r["loss"] for r in rows[-tail:]) / tail
-        step = sum(r["step_time_s"] for r in rows[1:]) / max(1, len(rows) - 1)
-        peak = max(r["peak_memory_bytes"] for r in rows) / 2**20
-        print(f"| {name} | {last:.4f} | {last / base:.4f} | {step:.3f} | {peak:.0f} MiB |", flush=True)
+    _table({name: _train([*MOE, *extra, "--nproc", "2"], steps, work / f"moe{k}")
+            for k, (name, extra) in enumerate(runs.items())})  # fmt: skip
 
 
 def main() -> None:

@@ -23,8 +23,10 @@ token equals the engine's bit for bit (the importance ratio of the first update 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -171,15 +173,17 @@ class RolloutEngine:
         float8 = [m for m in model.modules() if _float8(m)]
         if any("forward" not in m.__dict__ for m in float8):  # the engine would sample in float8
             raise RuntimeError("the rollout engine did not route the model's float8 layers")
-        self.float8_routes = {m: m.__dict__["forward"] for m in float8}
-        self._route(False)
+        self.float8_routes = {m: m.__dict__.pop("forward") for m in float8}  # on in rollouts only
 
-    def _route(self, on: bool) -> None:
-        """The engine's routes of the float8 layers on (rollouts) or off (their float8 forward)."""
+    @contextlib.contextmanager
+    def _engine_routes(self) -> Iterator[None]:
+        """The engine's routes of the float8 layers on, for a rollout (off: their float8 forward)."""
         for module, forward in self.float8_routes.items():
-            if on:
-                module.forward = forward
-            else:
+            module.forward = forward
+        try:
+            yield
+        finally:
+            for module in self.float8_routes:
                 del module.forward
 
     def generate(
@@ -193,60 +197,46 @@ class RolloutEngine:
     ) -> Rollouts:
         """``group_size`` completions of each prompt (seeded by ``seeds``, one per prompt, so that a
         prompt's completions are the same whichever rank draws it)."""
-        self._route(True)
-        try:
-            return self._generate(prompts, prompt_ids, seeds, group_size, max_new_tokens, temperature)
-        finally:
-            self._route(False)
-
-    def _generate(
-        self,
-        prompts: list[int],
-        prompt_ids: list[list[int]],
-        seeds: list[int],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-    ) -> Rollouts:
-        started = time.perf_counter()
-        device = next(self.model.parameters()).device
-        if self.tp is not None and self.tp.rank_in_group > 0:  # a follower: the first rank's steps
-            with autocast(device, self.precision):
-                self.engine.runner.follow()
-            out = self._receive(prompts, prompt_ids, group_size)
+        with self._engine_routes():
+            started = time.perf_counter()
+            device = next(self.model.parameters()).device
+            if self.tp is not None and self.tp.rank_in_group > 0:  # a follower: the first rank's steps
+                with autocast(device, self.precision):
+                    self.engine.runner.follow()
+                out = self._receive(prompts, prompt_ids, group_size)
+                out.seconds = time.perf_counter() - started
+                return out
+            out = Rollouts([], [])
+            ids = [f"rollout-{i}" for i in range(len(prompts))]
+            for rid, ids_, seed in zip(ids, prompt_ids, seeds, strict=True):
+                params = SamplingParams(
+                    n=group_size,
+                    max_tokens=max_new_tokens,
+                    temperature=temperature,
+                    seed=seed,
+                    logprobs=0,
+                    logprobs_mode="processed",
+                )
+                self.engine.add_request(rid, ids_, params)
+            got: dict[str, dict[int, tuple[list[int], list[float]]]] = {rid: {} for rid in ids}
+            while self.engine.has_unfinished():
+                with autocast(device, self.precision):
+                    results = self.engine.step()
+                for result in results:
+                    if result.error is not None:
+                        raise RuntimeError(f"rollout {result.request_id} failed: {result.error}")
+                    for o in result.outputs:
+                        tokens, logps = got[result.request_id].setdefault(o.index, ([], []))
+                        tokens += o.token_ids
+                        logps += [float(c.logprob) for c in o.choices if c.logprob is not None]
+            self.model.train()
+            completions = [got[rid][g] for rid in ids for g in range(group_size)]
+            if self.tp is not None:
+                self.engine.runner.publish(None, stop=True)
+                self._send(completions)
+            self._fill(out, prompts, prompt_ids, group_size, completions)
             out.seconds = time.perf_counter() - started
             return out
-        out = Rollouts([], [])
-        ids = [f"rollout-{i}" for i in range(len(prompts))]
-        for rid, ids_, seed in zip(ids, prompt_ids, seeds, strict=True):
-            params = SamplingParams(
-                n=group_size,
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-                seed=seed,
-                logprobs=0,
-                logprobs_mode="processed",
-            )
-            self.engine.add_request(rid, ids_, params)
-        got: dict[str, dict[int, tuple[list[int], list[float]]]] = {rid: {} for rid in ids}
-        while self.engine.has_unfinished():
-            with autocast(device, self.precision):
-                results = self.engine.step()
-            for result in results:
-                if result.error is not None:
-                    raise RuntimeError(f"rollout {result.request_id} failed: {result.error}")
-                for o in result.outputs:
-                    tokens, logps = got[result.request_id].setdefault(o.index, ([], []))
-                    tokens += o.token_ids
-                    logps += [float(c.logprob) for c in o.choices if c.logprob is not None]
-        self.model.train()
-        completions = [got[rid][g] for rid in ids for g in range(group_size)]
-        if self.tp is not None:
-            self.engine.runner.publish(None, stop=True)
-            self._send(completions)
-        self._fill(out, prompts, prompt_ids, group_size, completions)
-        out.seconds = time.perf_counter() - started
-        return out
 
     def _fill(
         self,

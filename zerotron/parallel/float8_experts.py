@@ -164,10 +164,10 @@ class _ExpertFloat8Mm(torch.autograd.Function):
         gw_amax = None if reuse else _token_amax(grad, G_AXES, how_gw, 0, seg, spec)
         xw_amax = _token_amax(x, X_AXES, how_xw, 0, seg, spec)
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        axis = 0 if _rowwise(how_gw) else None
         for k, (e, a, b) in enumerate(seg.bounds):
             if b <= a:
                 continue
-            axis = 0 if _rowwise(how_gw) else None
             g8 = (
                 g8s[k]
                 if gw_amax is None
