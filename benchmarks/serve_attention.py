@@ -8,7 +8,7 @@ out contiguously (its best case: no gather, no mask tensor), and a step of 32 de
 each of its own sequence (its own keys, scattered over the pool).
 The two are timed in turn, best of ``--passes``; ms per layer. ``--kernel`` picks the native kernel
 (default: the one the engine runs here, :func:`zerotron.serve.kernels.attention_kernel`; ``fp32``, the
-AVX-512 kernel with fp32 arithmetic, ``dot`` on AVX512-BF16, ``tiles`` on AMX).
+kernel with fp32 arithmetic (AVX-512 code, or AVX2 code on a CPU without AVX-512), ``dot`` on AVX512-BF16, ``tiles`` on AMX).
 
     python benchmarks/serve_attention.py --dtype bfloat16 --lengths 64,512,2000 [--kernel fp32]
 """

@@ -653,8 +653,10 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
     own keys (keys scattered over the pool in blocks, rows of different lengths, slot lists wider than
     the lengths; decodes, each on its own slot list, beside a prompt's rows, positions 1 to 40 of one
     list): within float32's rounding, or the output dtype's; each row the same bits alone as in the
-    batch. Covers the AVX-512 code (head size 64 and 128, up to 8 query heads per KV head, rows in
-    blocks), the generic one (head size 24, 12 query heads per KV head, float16) and, where the CPU has
+    batch. Covers, on a CPU with AVX-512, the AVX-512 code (head size 64 and 128, up to 8 query heads
+    per KV head, rows in blocks) and the generic one (head size 24, 12 query heads per KV head); on a
+    CPU with AVX2 but not AVX-512, the AVX2 code (every shape here in float32 and bfloat16: heads of
+    64, 128 and 24, panels of 16 keys, rows in blocks); float16 always the generic one; and, where the CPU has
     AMX, the tile code, or, where it has AVX512-BF16, the VDPBF16PS code (bf16, head size 64 and 128:
     scores and weighted sums as matrix products)."""
     from zerotron.serve import kernels

@@ -1,9 +1,12 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in eight files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in nine files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
-- ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels;
+- ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels (the
+  generic loop, AVX-512);
+- ``attention_avx2.cpp``: the paged attention on AVX2 and FMA (it uses the row blocks and their
+  dealing to threads of ``attention.cpp``), and the attention's dispatch, ``attend``;
 - ``linear.cpp``: the linear layers' kernels (AMX tiles for bf16, AVX-512 for fp32, AVX512-BF16 for
   bf16), inside the namespace;
 - ``linear_int8.cpp``: the linear layers of 8-bit weights with a scale (and a min) per group of
@@ -28,6 +31,7 @@ from importlib import resources
 
 PARTS = (
     "attention.cpp",
+    "attention_avx2.cpp",
     "linear.cpp",
     "linear_int8.cpp",
     "attention_dot.cpp",

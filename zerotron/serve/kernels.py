@@ -88,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v22"
+_NAME = "zerotron_kernels_v23"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -196,7 +196,8 @@ def paged_attention(
     ``kernel`` (default: :func:`attention_kernel`): ``"tiles"`` (AMX) or ``"dot"`` (AVX512-BF16) for
     bf16 rows with heads of 64 or 128, the scores and the weighted sums as matrix products (the
     probabilities rounded to bf16, as flash attention rounds them); ``"fp32"``, fp32 arithmetic on
-    AVX-512 or the generic loop. Whichever, a row's numbers are its own: the same alone, beside other
+    AVX-512, on AVX2 (heads of a multiple of 8 up to 256, where the CPU has no AVX-512) or in the
+    generic loop. Whichever, a row's numbers are its own: the same alone, beside other
     rows, as a prompt row or as a decode."""
     if seq is None:
         seq = torch.arange(q.shape[0])

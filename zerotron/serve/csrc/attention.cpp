@@ -94,6 +94,41 @@ void attend_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
   });
 }
 
+// Rows in blocks: consecutive rows on one slot list (a prompt's, one row per position), at most
+// kBlock of them, share each key and value while it is loaded (converted to fp32 once); a decode is
+// a block of one row.
+constexpr int64_t kBlock = 16;
+constexpr int kChunk = 16;  // keys scored at once
+
+// The blocks' first rows (and rows at the end): a new block where the slot list changes or one is full.
+inline std::vector<int64_t> row_blocks(const int64_t* seq, int64_t rows) {
+  std::vector<int64_t> start{0};
+  for (int64_t r = 1; r < rows; ++r)
+    if (seq[r] != seq[r - 1] || r - start.back() == kBlock) start.push_back(r);
+  start.push_back(rows);
+  return start;
+}
+
+// The blocks dealt to ``threads`` threads by their work (the keys of their rows), largest first, each
+// to the thread with the least so far: a prompt's late rows, which see the most keys, are spread
+// over the threads. Returns each thread's blocks.
+inline std::vector<std::vector<int64_t>> deal(const std::vector<int64_t>& start, const int64_t* lens, int64_t threads) {
+  const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
+  std::vector<int64_t> work(blocks, 0), order(blocks), load(threads, 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t r = start[b]; r < start[b + 1]; ++r) work[b] += lens[r];
+    order[b] = b;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  std::vector<std::vector<int64_t>> share(threads);
+  for (int64_t b : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    share[t].push_back(b);
+    load[t] += work[b];
+  }
+  return share;
+}
+
 #if defined(__AVX512F__)
 // The same computation on AVX-512 registers, for float and bfloat16 pools, heads of V * 16 and
 // groups of G query heads per KV head known when compiling: a key's 16-lane products summed
@@ -173,41 +208,6 @@ inline __m512 reduce16(const __m512* x) {
                          _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
   return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Rows in blocks: consecutive rows on one slot list (a prompt's, one row per position), at most
-// kBlock of them, share each key and value while it is loaded (converted to fp32 once); a decode is
-// a block of one row.
-constexpr int64_t kBlock = 16;
-constexpr int kChunk = 16;  // keys scored at once
-
-// The blocks' first rows (and rows at the end): a new block where the slot list changes or one is full.
-inline std::vector<int64_t> row_blocks(const int64_t* seq, int64_t rows) {
-  std::vector<int64_t> start{0};
-  for (int64_t r = 1; r < rows; ++r)
-    if (seq[r] != seq[r - 1] || r - start.back() == kBlock) start.push_back(r);
-  start.push_back(rows);
-  return start;
-}
-
-// The blocks dealt to ``threads`` threads by their work (the keys of their rows), largest first, each
-// to the thread with the least so far: a prompt's late rows, which see the most keys, are spread
-// over the threads. Returns each thread's blocks.
-inline std::vector<std::vector<int64_t>> deal(const std::vector<int64_t>& start, const int64_t* lens, int64_t threads) {
-  const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
-  std::vector<int64_t> work(blocks, 0), order(blocks), load(threads, 0);
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t r = start[b]; r < start[b + 1]; ++r) work[b] += lens[r];
-    order[b] = b;
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
-  std::vector<std::vector<int64_t>> share(threads);
-  for (int64_t b : order) {
-    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
-    share[t].push_back(b);
-    load[t] += work[b];
-  }
-  return share;
 }
 
 // Positions j0 .. j0 + 15 (fewer at the end, n) of a slot list: each slot's vectors of all KV heads
@@ -332,18 +332,4 @@ bool attend_fixed_group(const T* q, const T* kp, const T* vp, const int64_t* slo
   }
 }
 #endif
-
-template <typename T>
-void attend(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
-            T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (dim == 64 && attend_fixed_group<T, 4>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, width, scale))
-      return;
-    if (dim == 128 && attend_fixed_group<T, 8>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, width, scale))
-      return;
-  }
-#endif
-  attend_generic<T>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, dim, width, scale);
-}
 

@@ -1,0 +1,289 @@
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The paged attention on AVX2 and FMA (8-lane registers), for float and bfloat16 pools and heads of
+// any multiple of 8 up to 256: what a CPU without AVX-512 (AMD Zen 1-3, Intel before Skylake-X and
+// its client cores) computes fp32 serving with. The rows go in the AVX-512 kernel's blocks
+// (row_blocks, dealt to threads by deal), and per block and 16 keys at a time:
+// - the keys of one KV head are transposed into a (dim, 16) panel, and the scores of up to 6 query
+//   vectors (a row's heads that share the KV head, over the block's rows) against the panel are a
+//   register-blocked product: each score one chain of fused multiply-adds over d in order, whatever
+//   the other query vectors beside it;
+// - each row's softmax runs over its own scores (8-lane partial sums added in one fixed order);
+// - each query vector's weighted sum of the values runs in key order, in fp32 accumulators kept from
+//   one 16 keys to the next.
+// So a row's numbers are its own: the same alone, in any block, as a prompt row or as a decode.
+
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// exp_neg on 8 lanes (the reduction and polynomial of exp_neg16).
+inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// The sum (or the largest) of 8 lanes: the halves combined, then the halves' halves, ...
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// One row of n scores (readable up to n rounded up to 8) replaced by exp(score - max), the lanes
+// past n by 0; returns the sum.
+inline float softmax8(float* s, int64_t n) {
+  const int64_t full = n / 8 * 8;
+  const __m256 tail = _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - full)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  const __m256 none = _mm256_set1_ps(-INFINITY);
+  __m256 top = none;
+  for (int64_t j = 0; j < full; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+  if (full < n) top = _mm256_max_ps(top, _mm256_blendv_ps(none, _mm256_loadu_ps(s + full), tail));
+  const __m256 m = _mm256_set1_ps(hmax8(top));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < full; j += 8) {
+    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (full < n) {
+    const __m256 e = _mm256_blendv_ps(_mm256_setzero_ps(), exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + full), m)), tail);
+    _mm256_storeu_ps(s + full, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum8(sum);
+}
+
+// 8 registers of 8 lanes transposed: r[i] lane j <- r[j] lane i.
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// The slots of positions j0 .. j0 + 15 (up to n) requested: each slot's vectors of all KV heads.
+template <typename T>
+inline void prefetch_slots(const T* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t elements) {
+  for (int64_t j = j0; j < std::min<int64_t>(j0 + kChunk, n); ++j) {
+    const char* c = reinterpret_cast<const char*>(pool + slot[j] * elements);
+    for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  }
+}
+
+// Keys j0 .. j0 + cn - 1 (cn <= 16) of KV head kh, fp32, into the panel kt (dim rows of 16: kt[d * 16
+// + c] = key c's element d); the columns past cn are zeros.
+template <typename T>
+inline void key_panel(const T* pool, const int64_t* slot, int64_t j0, int64_t cn, int64_t kv_heads, int64_t kh,
+                      int64_t dim, float* kt) {
+  __m256 r[8];
+  for (int64_t c0 = 0; c0 < 16; c0 += 8) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+      for (int i = 0; i < 8; ++i)
+        r[i] = c0 + i < cn ? load8<T>(pool + (slot[j0 + c0 + i] * kv_heads + kh) * dim + d0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * 16 + c0, r[i]);
+    }
+  }
+}
+
+// R query vectors q[r] (dim fp32, scaled) against a key panel: out[r][c] = sum over d, in order, of
+// q[r][d] * kt[d * 16 + c] (one fused multiply-add per d from 0).
+template <int R>
+inline void panel_scores(const float* const* q, const float* kt, int64_t dim, float* const* out) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qd = _mm256_broadcast_ss(q[r] + d);
+      acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out[r], acc[r][0]);
+    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+  }
+}
+
+inline void panel_scores_any(const float* const* q, const float* kt, int64_t dim, float* const* out, int64_t m) {
+  for (; m >= 6; m -= 6, q += 6, out += 6) panel_scores<6>(q, kt, dim, out);
+  switch (m) {
+    case 5: panel_scores<5>(q, kt, dim, out); break;
+    case 4: panel_scores<4>(q, kt, dim, out); break;
+    case 3: panel_scores<3>(q, kt, dim, out); break;
+    case 2: panel_scores<2>(q, kt, dim, out); break;
+    case 1: panel_scores<1>(q, kt, dim, out); break;
+    default: break;
+  }
+}
+
+// acc[0 .. 8 NV) += sum over c < m, in order, of p[c] * value c (its elements at v[c] .. + 8 NV).
+template <typename T, int NV>
+inline void weigh_values(float* acc, const float* p, const T* const* v, int64_t m) {
+  __m256 sum[NV];
+  for (int i = 0; i < NV; ++i) sum[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t c = 0; c < m; ++c) {
+    const __m256 w = _mm256_broadcast_ss(p + c);
+    for (int i = 0; i < NV; ++i) sum[i] = _mm256_fmadd_ps(w, load8<T>(v[c] + 8 * i), sum[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, sum[i]);
+}
+
+template <typename T>
+inline void weigh_values_any(float* acc, const float* p, const T* const* v, int64_t m, int64_t dim) {
+  const T* part[kChunk];
+  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+    for (int64_t c = 0; c < m; ++c) part[c] = v[c] + d0;
+    switch (std::min<int64_t>(8, (dim - d0) / 8)) {
+#define ZT_NV(NV) \
+      case NV: weigh_values<T, NV>(acc + d0, p, part, m); break;
+      ZT_NV(1) ZT_NV(2) ZT_NV(3) ZT_NV(4) ZT_NV(5) ZT_NV(6) ZT_NV(7) ZT_NV(8)
+#undef ZT_NV
+      default: break;
+    }
+  }
+}
+
+// The scores of a block's rows r0 .. r0 + nr - 1 (on one slot list) against its n keys, 16 keys at a
+// time and per KV head: score + offset[w] + h * stride[w] holds row w's head h (stride: its length
+// rounded up to 16).
+template <typename T>
+void block_scores(const float* qf, const T* kp, const int64_t* slot, const int64_t* len, const int64_t* offset,
+                  const int64_t* stride, int64_t nr, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
+                  float* score, float* kt, std::vector<const float*>& qs, std::vector<float*>& outs) {
+  const int64_t group = heads / kv_heads;
+  for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+    const int64_t cn = std::min<int64_t>(kChunk, n - j0);
+    prefetch_slots(kp, slot, j0 + kChunk, n, kv_heads * dim);
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      key_panel<T>(kp, slot, j0, cn, kv_heads, kh, dim, kt);
+      qs.clear();
+      outs.clear();
+      for (int64_t w = 0; w < nr; ++w) {
+        if (j0 >= len[w]) continue;
+        for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+          qs.push_back(qf + (w * heads + h) * dim);
+          outs.push_back(score + offset[w] + h * stride[w] + j0);
+        }
+      }
+      panel_scores_any(qs.data(), kt, dim, outs.data(), static_cast<int64_t>(qs.size()));
+    }
+  }
+}
+
+template <typename T>
+void attend_avx2(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
+                 T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
+  const int64_t group = heads / kv_heads;
+  const std::vector<int64_t> start = row_blocks(seq, rows);
+  const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> score, qf(kBlock * heads * dim), acc(kBlock * heads * dim), kt(dim * 16), total(kBlock * heads);
+    std::vector<const float*> qs;
+    std::vector<float*> outs;
+    int64_t offset[kBlock + 1], stride[kBlock];
+    const T* vrow[kChunk];
+    for (int64_t t = first; t < last; ++t) {
+      for (int64_t b : share[t]) {
+        const int64_t r0 = start[b], nr = start[b + 1] - r0;
+        const int64_t* slot = slots + seq[r0] * width;
+        const int64_t* len = lens + r0;
+        int64_t n = 0;  // the block's longest row
+        offset[0] = 0;
+        for (int64_t w = 0; w < nr; ++w) {
+          n = std::max(n, len[w]);
+          stride[w] = (len[w] + 15) / 16 * 16;
+          offset[w + 1] = offset[w] + heads * stride[w];
+        }
+        score.resize(offset[nr]);
+        for (int64_t i = 0; i < nr * heads * dim; ++i) qf[i] = static_cast<float>(q[r0 * heads * dim + i]) * scale;
+        block_scores<T>(qf.data(), kp, slot, len, offset, stride, nr, n, heads, kv_heads, dim, score.data(), kt.data(),
+                        qs, outs);
+        for (int64_t w = 0; w < nr; ++w)
+          for (int64_t h = 0; h < heads; ++h)
+            total[w * heads + h] = softmax8(score.data() + offset[w] + h * stride[w], len[w]);
+        std::fill(acc.begin(), acc.begin() + nr * heads * dim, 0.0f);
+        for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+          const int64_t cn = std::min<int64_t>(kChunk, n - j0);
+          prefetch_slots(vp, slot, j0 + kChunk, n, kv_heads * dim);
+          for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            for (int64_t c = 0; c < cn; ++c) vrow[c] = vp + (slot[j0 + c] * kv_heads + kh) * dim;
+            for (int64_t w = 0; w < nr; ++w) {
+              if (j0 >= len[w]) continue;
+              const int64_t m = std::min<int64_t>(cn, len[w] - j0);
+              for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+                weigh_values_any<T>(acc.data() + (w * heads + h) * dim, score.data() + offset[w] + h * stride[w] + j0,
+                                    vrow, m, dim);
+            }
+          }
+        }
+        for (int64_t w = 0; w < nr; ++w)
+          for (int64_t h = 0; h < heads; ++h) {
+            const float inv = 1.0f / total[w * heads + h];
+            const float* a = acc.data() + (w * heads + h) * dim;
+            T* o = out + ((r0 + w) * heads + h) * dim;
+            for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(a[d] * inv);
+          }
+      }
+    }
+  });
+}
+#endif
+
+template <typename T>
+void attend(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
+            T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (dim == 64 && attend_fixed_group<T, 4>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, width, scale))
+      return;
+    if (dim == 128 && attend_fixed_group<T, 8>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, width, scale))
+      return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (dim % 8 == 0 && dim <= 256) {
+      attend_avx2<T>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, dim, width, scale);
+      return;
+    }
+  }
+#endif
+  attend_generic<T>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, dim, width, scale);
+}
