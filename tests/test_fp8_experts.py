@@ -17,6 +17,10 @@ same bits and the control is not asserted there). Whole runs in float8 on every 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -209,3 +213,27 @@ def test_expert_parallel_scales_each_source_micro_batch_as_the_single_process(re
     if recipe == "tensorwise":
         for wrong in (1, 4):
             assert max(run_distributed(_ep_body, 4, wrong, recipe)) > 1e-3, wrong
+
+
+def test_moe_fp8_under_torchrun_gives_the_single_process_losses(tmp_path: Path) -> None:
+    """The command line as both ranks of a torchrun job, the routed experts split over them
+    (``parallel.ep=2``): it trains in fp8 with no notice that the experts stay bf16, and its losses are
+    those of the same command in one process, within the layouts' MoE tolerance (tests/test_fp8.py).
+    Which scales the experts use is told apart by the tests above, not by whole runs."""
+    from tests.test_fp8 import MOE, MOE_RTOL
+    from tests.test_launch_job import ROOT, TRAIN, _env, _torchrun
+
+    args = [*TRAIN[1:], *MOE, "train.precision=fp8", "train.steps=4"]
+    one = subprocess.run([sys.executable, "-m", *args, "--nproc", "1", "--out", str(tmp_path / "one")],
+                         env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _torchrun([*args, "parallel.ep=2", "--out", str(tmp_path / "two")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "routed experts compute in bf16" not in two.stdout + two.stderr
+    assert "fp8" in two.stdout and "dp=2" in two.stdout
+    a, b = (
+        [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("one", "two")
+    )
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= MOE_RTOL, (a, b)

@@ -294,6 +294,21 @@ TASK = [
 ]  # fmt: skip
 
 
+def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``zerotron ARGS`` as every rank of a 2-process torchrun job (no launcher variables inherited)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")) if p
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "zerotron", *args]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
 def _records(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -391,16 +406,17 @@ def test_fp8_trains_in_float8_samples_in_bf16_and_keeps_the_single_process_rewar
     """train.precision=fp8: the engine samples with the bf16 working weights (its routes on the float8
     layers), the trainer computes in float8, so the log-probs differ by float8's rounding (in bf16 they
     are equal: the tests above) and tis weighs them; dp 2 gives the single process's rewards, and its
-    losses within float8's layout noise (tests/test_fp8.py)."""
+    losses within float8's layout noise (tests/test_fp8.py). The two ranks run under torchrun."""
     base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
     # this model's key and value projections (24 outputs) are not a float8 GEMM's multiple of 16
     args = ["grpo", str(base), str(data), *TASK, "train.steps=3", "grpo.max_new_tokens=4", "train.precision=fp8",
             "train.fp8_skip=*.k_proj,*.v_proj", "grpo.importance_correction=tis", "parallel.zero=1"]  # fmt: skip
     one = _cli(*args, "--nproc", "1", "--out", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _cli(*args, "--nproc", "2", "--out", str(tmp_path / "two"), cwd=tmp_path)
+    two = _torchrun(*args, "--out", str(tmp_path / "two"), cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert b[0]["layout"]["dp"] == 2
     assert [r["reward_mean"] for r in b] == [r["reward_mean"] for r in a]
     np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=2e-3, atol=1e-6)
     for r in a + b:  # float8 against bf16: off by its rounding, not by more
@@ -408,21 +424,11 @@ def test_fp8_trains_in_float8_samples_in_bf16_and_keeps_the_single_process_rewar
 
 
 def test_grpo_under_torchrun_gives_the_single_process_rewards(tmp_path: Path) -> None:
-    import os
-
     base, data = _model_dir(tmp_path / "base", 3), _sums(tmp_path / "sums.jsonl", 32)
     args = ["grpo", str(base), str(data), *TASK, "train.steps=3"]
     one = _cli(*args, "--nproc", "1", "--out", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")) if p
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "zerotron", *args, "parallel.zero=1", "--out", str(tmp_path / "tr")]  # fmt: skip
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    run = _torchrun(*args, "parallel.zero=1", "--out", str(tmp_path / "tr"), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     a, b = _records(tmp_path / "one"), _records(tmp_path / "tr")
     assert [r["reward_mean"] for r in b] == [r["reward_mean"] for r in a]
