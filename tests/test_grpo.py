@@ -294,19 +294,11 @@ TASK = [
 ]  # fmt: skip
 
 
-def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``zerotron ARGS`` as every rank of a 2-process torchrun job (no launcher variables inherited)."""
-    import os
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    """``zerotron ARGS`` as both ranks of a torchrun job (tests/test_launch_job.py's launcher)."""
+    from tests.test_launch_job import _torchrun as launch
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")) if p
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "zerotron", *args]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return launch(["-m", "zerotron", *args])
 
 
 def _records(run: Path) -> list[dict[str, Any]]:
@@ -413,7 +405,7 @@ def test_fp8_trains_in_float8_samples_in_bf16_and_keeps_the_single_process_rewar
             "train.fp8_skip=*.k_proj,*.v_proj", "grpo.importance_correction=tis", "parallel.zero=1"]  # fmt: skip
     one = _cli(*args, "--nproc", "1", "--out", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _torchrun(*args, "--out", str(tmp_path / "two"), cwd=tmp_path)
+    two = _torchrun(*args, "--out", str(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
     assert b[0]["layout"]["dp"] == 2
@@ -428,7 +420,7 @@ def test_grpo_under_torchrun_gives_the_single_process_rewards(tmp_path: Path) ->
     args = ["grpo", str(base), str(data), *TASK, "train.steps=3"]
     one = _cli(*args, "--nproc", "1", "--out", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    run = _torchrun(*args, "parallel.zero=1", "--out", str(tmp_path / "tr"), cwd=tmp_path)
+    run = _torchrun(*args, "parallel.zero=1", "--out", str(tmp_path / "tr"))
     assert run.returncode == 0, run.stderr[-3000:]
     a, b = _records(tmp_path / "one"), _records(tmp_path / "tr")
     assert [r["reward_mean"] for r in b] == [r["reward_mean"] for r in a]

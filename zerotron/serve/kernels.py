@@ -88,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v23"
+_NAME = "zerotron_kernels_v24"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",

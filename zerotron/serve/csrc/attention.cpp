@@ -129,6 +129,21 @@ inline std::vector<std::vector<int64_t>> deal(const std::vector<int64_t>& start,
   return share;
 }
 
+#if defined(__x86_64__)
+// ``elements`` values from p requested into L1, 64 bytes at a time.
+template <typename T>
+inline void prefetch_slot(const T* p, int64_t elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// The vector kernels' exp_neg (AVX-512 and AVX2): Cephes' range reduction by ln 2 (log2(e), ln 2 in
+// two parts) and its degree-6 polynomial, highest power first, evaluated in fused multiply-adds.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+#endif
+
 #if defined(__AVX512F__)
 // The same computation on AVX-512 registers, for float and bfloat16 pools, heads of V * 16 and
 // groups of G query heads per KV head known when compiling: a key's 16-lane products summed
@@ -143,24 +158,16 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-template <typename T>
-inline void prefetch_slot(const T* p, int64_t elements) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
 
 // exp_neg on 16 lanes (the same reduction and polynomial, in fused multiply-adds).
 inline __m512 exp_neg16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x));
+  x = _mm512_fmadd_ps(fx, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Hi), x));
   const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
   y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));

@@ -23,17 +23,14 @@ inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// exp_neg on 8 lanes (the reduction and polynomial of exp_neg16).
+// exp_neg on 8 lanes (exp_neg16's reduction and polynomial, kExpPoly).
 inline __m256 exp_neg8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  x = _mm256_fmadd_ps(fx, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Hi), x));
   const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpPoly[i]));
   y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
@@ -98,10 +95,7 @@ inline void transpose8(__m256* r) {
 // The slots of positions j0 .. j0 + 15 (up to n) requested: each slot's vectors of all KV heads.
 template <typename T>
 inline void prefetch_slots(const T* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t elements) {
-  for (int64_t j = j0; j < std::min<int64_t>(j0 + kChunk, n); ++j) {
-    const char* c = reinterpret_cast<const char*>(pool + slot[j] * elements);
-    for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-  }
+  for (int64_t j = j0; j < std::min<int64_t>(j0 + kChunk, n); ++j) prefetch_slot(pool + slot[j] * elements, elements);
 }
 
 // Keys j0 .. j0 + cn - 1 (cn <= 16) of KV head kh, fp32, into the panel kt (dim rows of 16: kt[d * 16
