@@ -1,12 +1,16 @@
 """Serving on a grid of request shapes: zerotron serve against vLLM's OpenAI server, both driven by
-vLLM's own benchmark client (``vllm.benchmarks.serve``), one server at a time on the same machine.
+vLLM's own benchmark client (``vllm.benchmarks.serve``), on the same machine: both servers are up
+at once, and only one is sent requests at a time (the other idles on its sockets).
 
 Cells: every ``--prompt-lens`` × ``--output-lens`` × arrivals, where arrivals are ``burst`` (every
 request at once, ``--max-concurrency`` in flight) and ``poisson`` (Poisson arrivals at
 ``--load`` × vLLM's request rate of that shape's burst cell, so each shape is loaded alike whatever its
-cost). vLLM runs first, so the rates are known before zerotron's cells; each cell draws fresh random
-prompts (``--seed`` + cell number: the same prompts for both servers, no prefix-cache hits between
-cells). Output: per cell output throughput, p99 TTFT and p99 TPOT of each server and their ratios.
+cost). Each cell runs ``--repeats`` times on each server, the servers taking turns (vLLM first in
+even repeats), so a drift of the machine's speed (a shared 2-core machine drifts ±20% over minutes)
+falls on both; each repeat draws fresh random prompts (``--seed`` + cell number + 1000 × repeat: the
+same prompts for both servers, no prefix-cache hits). Output: per cell each server's median output
+throughput, p99 TTFT and p99 TPOT over the repeats, their ratios, and the range of the repeats'
+throughput ratios.
 
     python benchmarks/serve_grid.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python --dtype bfloat16
 
@@ -17,13 +21,16 @@ run in their own virtual environment (PEERS.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +41,7 @@ CLIENT = (
     "import vllm.benchmarks.serve as s; p = FlexibleArgumentParser(); s.add_cli_args(p); "
     "s.main(p.parse_args(sys.argv[1:]))"
 )
+SEED_STRIDE = 1000  # a repeat's prompts: the cell's seed + SEED_STRIDE x the repeat (no prefix-cache hits)
 KEYS = ("output_throughput", "p99_ttft_ms", "p99_tpot_ms", "mean_ttft_ms", "mean_tpot_ms", "duration")
 
 
@@ -62,8 +70,9 @@ def cells(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
-def run_server(name: str, args: argparse.Namespace, grid: list[dict[str, Any]], out_dir: str) -> None:
-    """Start one server, warm it, run every cell against it (filling ``cell[name]``), stop it."""
+@contextlib.contextmanager
+def started(name: str, args: argparse.Namespace, out_dir: str) -> Iterator[str]:
+    """One server up and warmed (one small cell): its base URL; stopped on the way out."""
     port = _free_port()
     start = serve_vllm if name == "vllm" else serve_zerotron
     proc = start(args.model_dir, port, args)
@@ -72,44 +81,69 @@ def run_server(name: str, args: argparse.Namespace, grid: list[dict[str, Any]], 
         _wait_up(base, proc)
         warm = {"server": name, "prompt": 64, "output": 8, "arrivals": "warm", "seed": 0, "rate": "inf"}
         run_client(args, base, warm, out_dir)
-        for cell in grid:
-            if cell["arrivals"] == "poisson":
-                burst = next(
-                    c
-                    for c in grid
-                    if c["arrivals"] == "burst"
-                    and c["prompt"] == cell["prompt"]
-                    and c["output"] == cell["output"]
-                )
-                cell["rate"] = round(args.load * burst["vllm"]["completed"] / burst["vllm"]["duration"], 3)
-            r = run_client(args, base, {**cell, "server": name}, out_dir)
-            cell[name] = r
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run_cell(
+    args: argparse.Namespace, bases: dict[str, str], grid: list[dict[str, Any]], cell: dict[str, Any]
+) -> None:
+    """One cell ``--repeats`` times, the servers taking turns (vLLM first in even repeats, zerotron in
+    odd ones), fresh prompts each repeat (the same for both servers): ``cell["runs"]`` keeps every
+    run, ``cell[name]`` each figure's median over the repeats."""
+    if cell["arrivals"] == "poisson":
+        burst = next(
+            c
+            for c in grid
+            if c["arrivals"] == "burst" and (c["prompt"], c["output"]) == (cell["prompt"], cell["output"])
+        )
+        cell["rate"] = round(args.load * burst["vllm"]["completed"] / burst["vllm"]["duration"], 3)
+    runs: dict[str, list[dict[str, float]]] = {"vllm": [], "zerotron": []}
+    for rep in range(args.repeats):
+        order = ("vllm", "zerotron") if rep % 2 == 0 else ("zerotron", "vllm")
+        for name in order:
+            time.sleep(args.pause)  # the other server's threads idle again
+            seed = cell["seed"] + SEED_STRIDE * rep
+            r = run_client(args, bases[name], {**cell, "seed": seed, "server": name}, args.out_dir)
+            runs[name].append(r)
             print(
                 name,
                 cell["prompt"],
                 cell["output"],
                 cell["arrivals"],
                 cell["rate"],
+                rep,
                 json.dumps(r),
                 flush=True,
             )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    cell["runs"] = runs
+    for name, rs in runs.items():
+        cell[name] = {k: median([r[k] for r in rs]) for k in rs[0]}
 
 
 def table(grid: list[dict[str, Any]]) -> str:
+    """Markdown: per cell each server's medians and their ratios; with repeats, the range of the
+    repeats' own throughput ratios (zerotron's run over vLLM's run with the same prompts)."""
     rows = [
-        "| prompt | output | arrivals | zerotron tok/s | vLLM tok/s | throughput | p99 TTFT (s) z / v | ratio "
-        "| p99 TPOT (ms) z / v | ratio |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | output | arrivals | zerotron tok/s | vLLM tok/s | throughput | range over repeats "
+        "| p99 TTFT (s) z / v | ratio | p99 TPOT (ms) z / v | ratio |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in grid:
         z, v = c["zerotron"], c["vllm"]
         arrivals = "all at once" if c["arrivals"] == "burst" else f"Poisson {c['rate']} req/s"
+        pairs = zip(c["runs"]["zerotron"], c["runs"]["vllm"])
+        ratios = [a["output_throughput"] / b["output_throughput"] for a, b in pairs]
         rows.append(
             f"| {c['prompt']} | {c['output']} | {arrivals} | {z['output_throughput']:.1f} "
             f"| {v['output_throughput']:.1f} | {z['output_throughput'] / v['output_throughput']:.2f}× "
+            f"| {min(ratios):.2f}–{max(ratios):.2f}× "
             f"| {z['p99_ttft_ms'] / 1e3:.2f} / {v['p99_ttft_ms'] / 1e3:.2f} "
             f"| {z['p99_ttft_ms'] / v['p99_ttft_ms']:.2f}× "
             f"| {z['p99_tpot_ms']:.1f} / {v['p99_tpot_ms']:.1f} | {z['p99_tpot_ms'] / v['p99_tpot_ms']:.2f}× |"
@@ -131,13 +165,20 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--zerotron-args", default="", help="extra arguments of zerotron serve")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of each cell per server, the servers taking turns"
+    )
+    p.add_argument("--pause", type=float, default=2.0, help="seconds between runs (the last server idles)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     grid = cells(args)
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as out_dir:
-        for name in ("vllm", "zerotron"):
-            run_server(name, args, grid, out_dir)
+    with tempfile.TemporaryDirectory() as out_dir, contextlib.ExitStack() as stack:
+        args.out_dir = out_dir
+        # both servers up at once (the idle one waits on its sockets), so each cell's runs alternate
+        bases = {name: stack.enter_context(started(name, args, out_dir)) for name in ("vllm", "zerotron")}
+        for cell in grid:
+            run_cell(args, bases, grid, cell)
     print(f"\n{len(grid)} cells, {time.time() - t0:.0f} s\n")
     print(table(grid))
     if args.json:
