@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -306,6 +307,14 @@ def load_lora_modules(engine: Engine, options: ServerOptions) -> None:
             raise ConfigError(f"serve --lora-modules {adapter}={path}: {err}") from None
 
 
+# How long the HTTP thread may hold the GIL while the engine's thread waits for it (Python's default is
+# 5 ms). The engine's thread lets go of the GIL around every torch operator, hundreds a step, and takes
+# it back after; while the HTTP thread is streaming chunks, each take-back can wait out a whole switch
+# interval. Measured on SmolLM2 in fp32, 8 streams on a 2-core CPU: a decode step 87-97 ms online
+# with 5 ms, against 75 ms offline; 84-94 ms with 0.5 ms (BENCHMARKS.md, "Held-out request shapes").
+GIL_SWITCH_S = 0.0005
+
+
 def serve(engine: Engine, options: ServerOptions) -> None:
     """Serve ``engine`` over HTTP until interrupted, then stop its loop (and its followers).
 
@@ -370,12 +379,15 @@ def serve(engine: Engine, options: ServerOptions) -> None:
 
     saved = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=http, name="zerotron-http", daemon=True)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_S)
     try:
         thread.start()
         loop_.run()
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+        sys.setswitchinterval(switch)
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     if failure or not server.started:
