@@ -162,7 +162,8 @@ def serve_zerotron(model_dir: str, port: int, args: argparse.Namespace) -> subpr
         args.dtype,
         *args.zerotron_args.split(),
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = dict(os.environ) | dict(kv.split("=", 1) for kv in getattr(args, "zerotron_env", "").split())
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:

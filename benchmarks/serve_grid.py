@@ -166,6 +166,11 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--zerotron-args", default="", help="extra arguments of zerotron serve")
     p.add_argument(
+        "--zerotron-env",
+        default="",
+        help="KEY=VALUE ... for zerotron serve's environment only (e.g. OMP_PROC_BIND=close OMP_PLACES=cores)",
+    )
+    p.add_argument(
         "--repeats", type=int, default=1, help="runs of each cell per server, the servers taking turns"
     )
     p.add_argument("--pause", type=float, default=2.0, help="seconds between runs (the last server idles)")
