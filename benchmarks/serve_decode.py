@@ -11,7 +11,7 @@ vLLM runs with its defaults (on the CPU, the model compiled by inductor), both o
         benchmarks/serve_decode.py MODEL_HF_DIR --dtype float32 --vllm
 
 (the second in vLLM's virtual environment: PEERS.md). ``--profile`` prints torch's operator table of
-ten zerotron steps.
+ten zerotron steps of the same sequences (one of them their prefill).
 """
 
 from __future__ import annotations
@@ -38,13 +38,6 @@ def zerotron_runner(args: argparse.Namespace) -> tuple[Run, str]:
     def run(n: int, prompts: list[list[int]]) -> None:
         engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
-    if args.profile:
-        from torch.profiler import profile
-
-        run(1, [[7] * 8])
-        with profile() as prof:
-            run(10, [[7] * 8])
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     attention = "native" if engine.runner.native else "triton" if engine.runner.triton else "SDPA"
     return run, f"zerotron (attention {attention}, linears {engine.runner.matmul})"
 
@@ -97,6 +90,12 @@ def main() -> None:
         t2 = time.perf_counter()
         steps.append(((t2 - t1) - (t1 - t0)) / args.tokens)
         print(f"repeat {rep}: {steps[-1] * 1e3:.1f} ms a step", flush=True)
+    if args.profile and not args.vllm:  # ten steps of the same sequences, one prefill among them
+        from torch.profiler import profile
+
+        with profile() as prof:
+            run(10, fresh(200))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     print(
         f"{name}, {args.dtype}, {torch.get_num_threads()} threads: {args.seqs} sequences of "
         f"{args.prompt_len}-token prompts, a decode step {statistics.median(steps) * 1e3:.1f} ms "

@@ -87,12 +87,12 @@ def started(name: str, args: argparse.Namespace, out_dir: str) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def run_cell(
-    args: argparse.Namespace, bases: dict[str, str], grid: list[dict[str, Any]], cell: dict[str, Any]
+    args: argparse.Namespace,
+    bases: dict[str, str],
+    grid: list[dict[str, Any]],
+    cell: dict[str, Any],
+    out_dir: str,
 ) -> None:
     """One cell ``--repeats`` times, the servers taking turns (vLLM first in even repeats, zerotron in
     odd ones), fresh prompts each repeat (the same for both servers): ``cell["runs"]`` keeps every
@@ -110,7 +110,7 @@ def run_cell(
         for name in order:
             time.sleep(args.pause)  # the other server's threads idle again
             seed = cell["seed"] + SEED_STRIDE * rep
-            r = run_client(args, bases[name], {**cell, "seed": seed, "server": name}, args.out_dir)
+            r = run_client(args, bases[name], {**cell, "seed": seed, "server": name}, out_dir)
             runs[name].append(r)
             print(
                 name,
@@ -124,7 +124,7 @@ def run_cell(
             )
     cell["runs"] = runs
     for name, rs in runs.items():
-        cell[name] = {k: median([r[k] for r in rs]) for k in rs[0]}
+        cell[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
 
 
 def table(grid: list[dict[str, Any]]) -> str:
@@ -179,11 +179,10 @@ def main() -> None:
     grid = cells(args)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as out_dir, contextlib.ExitStack() as stack:
-        args.out_dir = out_dir
         # both servers up at once (the idle one waits on its sockets), so each cell's runs alternate
         bases = {name: stack.enter_context(started(name, args, out_dir)) for name in ("vllm", "zerotron")}
         for cell in grid:
-            run_cell(args, bases, grid, cell)
+            run_cell(args, bases, grid, cell, out_dir)
     print(f"\n{len(grid)} cells, {time.time() - t0:.0f} s\n")
     print(table(grid))
     if args.json:
