@@ -56,13 +56,19 @@ def test_missing_manifest_names_folder(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 def test_a_save_of_deferred_tensors_holds_one_at_a_time(tmp_path: Path) -> None:
     """512 MiB of deferred tensors (each produced only when written, as offloaded shards and moments are)
-    are written with a peak of a few of them (16 MiB each; the allocator keeps some freed blocks), and
+    are written with a peak of a few of them (16 MiB each), and
     read back equal by safetensors."""
     from safetensors.torch import load_file
 
-    from zerotron.components.metrics import MemoryPhases
+    from zerotron.components.metrics import MemoryPhases, return_freed_host_memory
 
     n = 4 << 20  # 16 MiB of fp32
+    # The allocator as a run saves under it (the mmap threshold return_freed_host_memory leaves for
+    # training), not as earlier tests in this process left it: with glibc's own threshold, raised by
+    # some earlier free to 32 MiB, these tensors come from a heap that fragments (CI once measured
+    # 144 MiB here after other tests; 19 MiB in a fresh process).
+    with return_freed_host_memory():
+        pass
 
     def reader(k: int) -> store.Deferred:
         return store.Deferred(n, torch.float32, lambda: torch.full((n,), float(k)))
@@ -75,7 +81,7 @@ def test_a_save_of_deferred_tensors_holds_one_at_a_time(tmp_path: Path) -> None:
     baseline = phases.end("before")  # resident before the save
     with phases.phase("save"):
         store.write_tensors(tmp_path / "a.safetensors", tensors)
-    assert phases.peaks["save"] - baseline < 128 << 20, phases.peaks  # all at once would be 512 MiB
+    assert phases.peaks["save"] - baseline < 64 << 20, phases.peaks  # all at once would be 512 MiB
     back = load_file(str(tmp_path / "a.safetensors"))
     assert sorted(back) == sorted(tensors)
     for k in range(32):
