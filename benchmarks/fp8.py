@@ -116,6 +116,8 @@ def gather(work: Path) -> None:
         "hidden 256": [*wide, "train.global_batch=8", "data.max_bytes=400000"],
         "hidden 512": [*wide, "model.hidden_size=512", "model.intermediate_size=1536", "train.global_batch=8",
                        "data.max_bytes=400000"],
+        # routed experts' stacks gathered over their replicas (edp), each expert with its own scale
+        "MoE, 8 experts (hidden 128)": ["model.num_local_experts=8", "model.num_experts_per_tok=2"],
     }  # fmt: skip
     print("| model | gathers | all-gathered / step | / bf16 gathers | step (s) | peak memory/rank | losses |")
     print("|---|---|---:|---:|---:|---:|---|")
@@ -124,9 +126,9 @@ def gather(work: Path) -> None:
         for how in ("never", "auto"):
             args = [*model, "train.precision=fp8", "parallel.zero=3", f"parallel.zero_fp8_gather={how}"]
             runs[how] = _train([*args, "--nproc", "2"], 10, work / f"gather{k}-{how}")
-        base = runs["never"][-1]["comm_bytes"]["dp"]["all_gather"]
+        base = _gathered(runs["never"][-1])
         for how, records in runs.items():
-            sent = records[-1]["comm_bytes"]["dp"]["all_gather"]
+            sent = _gathered(records[-1])
             step = sum(r["step_time_s"] for r in records[1:]) / (len(records) - 1)
             peak = max(r["peak_memory_bytes"] for r in records) / 2**20
             same = [r["loss"] for r in records] == [r["loss"] for r in runs["never"]]
@@ -136,6 +138,11 @@ def gather(work: Path) -> None:
                 f"{'equal' if same else 'differ'} |",
                 flush=True,
             )
+
+
+def _gathered(record: dict) -> int:
+    """A step's all-gathered bytes over every group (dp, and edp for routed experts)."""
+    return sum(ops.get("all_gather", 0) for ops in record["comm_bytes"].values())
 
 
 MOE = ["model.num_local_experts=8", "model.num_experts_per_tok=2", "parallel.ep=2"]

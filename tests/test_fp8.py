@@ -246,9 +246,13 @@ LAYOUTS = [
     (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *MOE]),
     (2, ["parallel.cp=2", *MOE]),
     (4, ["parallel.ep=4", "parallel.cp=2", *MOE]),
+    # cp does not divide ep: a micro-batch's rows for one expert arrive on two of its replicas
+    (4, ["parallel.ep=2", "parallel.cp=4", *MOE]),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", *MOE]),
     (2, ["parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true", *MOE]),
     (2, ["parallel.dp=2", "parallel.zero=3", *MOE]),
+    # ZeRO-3 over the experts' replicas (dp 4, edp 2), their stacks gathered as float8, a scale each
+    (4, ["parallel.ep=2", "parallel.zero=3", *MOE]),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zb", *MOE]),
 ]
 
@@ -372,21 +376,11 @@ def test_bad_fp8_settings_are_one_line(overrides: list[str], message: str) -> No
         validate(cfg, cfg.parallel.tp)
 
 
-def test_experts_stay_bf16_only_when_cp_does_not_divide_ep_and_say_so() -> None:
-    import warnings
-
-    from zerotron.config_check_fp8 import ExpertsStayBf16
+def test_routed_experts_compute_in_float8_unless_skipped() -> None:
     from zerotron.models.parallelize import parallelize_llama
 
-    both = load_config(None, [*FP8, *MOE, "parallel.ep=2", "parallel.cp=4"])
-    with pytest.warns(ExpertsStayBf16, match="routed experts compute in bf16"):
-        validate(both, 4)
     cfg = load_config(None, [*FP8, *MOE])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ExpertsStayBf16)
-        validate(cfg, 1)
-        divides = load_config(None, [*FP8, *MOE, "parallel.ep=4", "parallel.cp=2"])
-        validate(divides, 4)
+    validate(cfg, 1)
     model = parallelize_llama(cfg)
     experts = [m.float8_mlp for n, m in model.named_modules() if n.endswith("mlp.experts")]
     assert experts and all(e is not None and e.gate_up and e.down for e in experts)
@@ -588,7 +582,8 @@ def _run_gathers(overrides: list[str], tokens: np.ndarray, run_dir: str) -> tupl
     rank, world = current_rank_and_world()
     trainer = Trainer(cfg, Mesh(ParallelDims.from_config(cfg.parallel, world), rank), Path(run_dir), tokens)
     records = [trainer.train_step() for _ in range(STEPS)]
-    return [r["loss"] for r in records], [r["comm_bytes"]["dp"]["all_gather"] for r in records]
+    gathered = [sum(ops.get("all_gather", 0) for ops in r["comm_bytes"].values()) for r in records]
+    return [r["loss"] for r in records], gathered  # over dp, and edp for routed experts
 
 
 @pytest.mark.parametrize(
@@ -596,8 +591,9 @@ def _run_gathers(overrides: list[str], tokens: np.ndarray, run_dir: str) -> tupl
     [
         ["parallel.dp=2"],
         ["parallel.dp=2", "parallel.offload_params=cpu", "parallel.offload_optimizer=cpu", *LORA],
+        ["parallel.dp=2", *MOE],  # routed experts: each expert of a stack cast with its own scale
     ],
-    ids=["dp2", "offload-lora"],
+    ids=["dp2", "offload-lora", "moe"],
 )
 def test_zero3_float8_gathers_send_half_the_bytes_for_the_same_numbers(
     layout: list[str], tmp_path: Path
@@ -606,8 +602,9 @@ def test_zero3_float8_gathers_send_half_the_bytes_for_the_same_numbers(
     gathers' losses bit for bit, and the gathers of the float8 linears' weights move half the bytes.
 
     Counted here from the model's shape, not from the planner: with ``persist_numel`` 100 each block's
-    sharded unit is its seven projection matrices in both runs (the norms stay whole), gathered in
-    forward and again in backward on every micro-batch, B(n-1)/n bytes a gather of B bytes."""
+    sharded units are its projection matrices in both runs (the norms stay whole; the router stays
+    bf16), gathered in forward and again in backward on every micro-batch, B(n-1)/n bytes a gather of
+    B bytes."""
     tokens = _tokens()
     base = [*FP8, "train.micro_batch=2", "parallel.zero=3", "parallel.persist_numel=100", *layout]
     bf16 = run_distributed(
@@ -619,7 +616,10 @@ def test_zero3_float8_gathers_send_half_the_bytes_for_the_same_numbers(
     cfg = load_config(None, base)
     m = cfg.model
     h, kv = m.hidden_size, m.kv_heads * m.dim_per_head
-    matrices = m.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * m.intermediate_size)
+    mlp = m.intermediate_size  # dense; MoE: the shared expert's and every routed expert's
+    if m.num_local_experts:
+        mlp = m.shared_expert_intermediate_size + m.num_local_experts * m.expert_intermediate
+    matrices = m.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * mlp)
     passes = 2 * cfg.train.global_batch // (2 * cfg.train.micro_batch)  # forward + backward, per micro-batch
     saved = passes * matrices * (2 - 1) // 2  # a byte instead of two per element, half sent by each rank
     for (losses_bf16, sent_bf16), (losses_fp8, sent_fp8) in zip(bf16, fp8):

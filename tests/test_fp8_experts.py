@@ -141,28 +141,35 @@ def test_split_expert_gemms_scale_as_the_whole_segments(kind: str, recipe: str) 
         assert per_rank > 1e-3, per_rank
 
 
-def _ep_body(batch_ranks: int, recipe: str) -> float:
-    """Four ranks, dp 2 × cp 2, one EP group of four (one expert each): each rank routes its own rows
-    (a micro-batch is the rows of its two cp ranks; each cp rank's rows at another magnitude, and each
+def _ep_body(dims: tuple[int, int, int], sources: str, reduce: bool, recipe: str) -> float:
+    """Ranks dp × cp with experts split over ep (two experts a rank): each rank routes its own rows (a
+    micro-batch is the rows of its cp ranks; each cp rank's rows at another magnitude, and each
     micro-batch's) through :class:`ExpertDispatch` to float8 experts, against the single process: all
-    four experts on each micro-batch alone, one after the other, the weight gradients summed. The
-    largest relative error of this rank's outputs, input gradients and its expert's gradients.
-    ``batch_ranks``: the consecutive EP peers the dispatch takes for one micro-batch (2 is the mesh's)."""
+    the experts on each micro-batch alone, one after the other, the weight gradients summed. The
+    largest relative error of this rank's outputs, input gradients and its experts' gradients (summed
+    over their replicas, as training reduces them over ``edp``). ``sources``: ``mesh`` (each peer's
+    micro-batch, as training numbers them), ``peer`` (each peer its own) or ``one`` (all peers one);
+    ``reduce``: whether the replicas of an expert in one expert batch block reduce their amaxes."""
+    from zerotron.distributed import collectives
     from zerotron.models.moe import Experts
-    from zerotron.parallel.expert import ExpertDispatch
+    from zerotron.parallel.expert import ExpertDispatch, expert_replicas, expert_sources
     from zerotron.parallel.float8_experts import ExpertsFloat8
 
     rank, world = current_rank_and_world()
-    mesh = Mesh(ParallelDims(world, dp=2, cp=2, ep=4), rank)
-    hidden, inner, experts = 32, 32, 4
-    spec = float8.Float8Spec.create(recipe, True, pad=True)
+    dp, cp, ep = dims
+    mesh = Mesh(ParallelDims(world, dp=dp, cp=cp, ep=ep), rank)
+    block = expert_replicas(mesh.dims)
+    replicas = mesh.split("edp", block, ("edp_batch", "edp_batch_rep"))[0] if block > 1 else None
+    tokens = (replicas,) if reduce and replicas is not None else ()
+    spec = float8.Float8Spec.create(recipe, True, pad=True, tokens=tokens)
+    hidden, inner, experts, local = 32, 32, 2 * ep, 2
     gen = torch.Generator().manual_seed(7)
     gate_up = torch.randn(experts, 2 * inner, hidden, generator=gen) * 0.2
     down = torch.randn(experts, hidden, inner, generator=gen) * 0.2
     xs, ids, rs = [], [], []
-    for r in range(world):  # rank r = micro-batch r // 2, cp rank r % 2
+    for r in range(world):  # rank r = micro-batch r // cp, cp rank r % cp
         n = 9 + 4 * r
-        scale = (4.0, 0.25)[r % 2] * (1.0, 3.0)[r // 2]
+        scale = (4.0, 0.25, 1.5, 0.5)[r % cp] * (1.0, 3.0, 0.3)[r // cp]
         xs.append(torch.randn(n, hidden, generator=gen) * scale)
         ids.append(torch.randint(0, experts, (n,), generator=gen))
         rs.append(torch.randn(n, hidden, generator=gen))
@@ -177,42 +184,66 @@ def _ep_body(batch_ranks: int, recipe: str) -> float:
         (y * r).sum().backward()
         return y.detach(), leaf.grad
 
-    def holder(local: int, first: int) -> Experts:
-        module = Experts(local, hidden, inner, grouped=False)
+    def holder(count: int, first: int) -> Experts:
+        module = Experts(count, hidden, inner, grouped=False)
         with torch.no_grad():
-            module.gate_up_proj.copy_(gate_up[first : first + local])
-            module.down_proj.copy_(down[first : first + local])
+            module.gate_up_proj.copy_(gate_up[first : first + count])
+            module.down_proj.copy_(down[first : first + count])
         module.float8_mlp = ExpertsFloat8(spec, spec)
         return module
 
     whole = holder(experts, 0)
     want = []
-    for batch in range(2):  # the single process: micro-batch 0, then 1
-        mine = [2 * batch, 2 * batch + 1]
+    for batch in range(dp):  # the single process: micro-batch 0, then 1, ...
+        mine = list(range(batch * cp, (batch + 1) * cp))
         x, e, r = (torch.cat([t[i] for i in mine]) for t in (xs, ids, rs))
         y, gx = run(x, e, r, whole, lambda rows, counts, m: m(rows, counts))
         if rank in mine:
             at = sum(xs[i].shape[0] for i in mine if i < rank)
             want = [y[at : at + xs[rank].shape[0]], gx[at : at + xs[rank].shape[0]]]
-    local = holder(1, rank)
-    dispatch = ExpertDispatch(mesh.group("ep"), 1, batch_ranks)
-    got = list(run(xs[rank], ids[rank], rs[rank], local, dispatch))
+    first = mesh.coords["ep"] * local
+    mine_ = holder(local, first)
+    numbered = {
+        "mesh": expert_sources(mesh.dims, rank)[0],
+        "peer": tuple(range(ep)),
+        "one": (0,) * ep,
+    }[sources]
+    batches = expert_sources(mesh.dims, rank)[1] if sources == "mesh" else max(numbered) + 1
+    dispatch = ExpertDispatch(mesh.group("ep"), local, numbered, batches)
+    got = list(run(xs[rank], ids[rank], rs[rank], mine_, dispatch))
     assert whole.gate_up_proj.grad is not None and whole.down_proj.grad is not None
-    got += [local.gate_up_proj.grad, local.down_proj.grad]
-    want += [whole.gate_up_proj.grad[rank : rank + 1], whole.down_proj.grad[rank : rank + 1]]
+    grads = [mine_.gate_up_proj.grad, mine_.down_proj.grad]
+    for g in grads:
+        collectives.all_reduce(g, mesh.group("edp"))  # the replicas' partial sums, as training reduces
+    got += grads
+    want += [whole.gate_up_proj.grad[first : first + local], whole.down_proj.grad[first : first + local]]
     return _rel(tuple(got), tuple(want))
 
 
+# (dp, cp, ep): cp divides ep (a micro-batch's rows for an expert on one rank); ep divides cp (one
+# micro-batch split over two EP groups); neither (EP groups straddle micro-batches)
+MESHES = {"cp2-ep4": (2, 2, 4), "cp4-ep2": (1, 4, 2), "cp2-ep3": (3, 2, 3)}
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_expert_parallel_scales_each_source_micro_batch_as_the_single_process(recipe: str) -> None:
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_expert_parallel_scales_each_source_micro_batch_as_the_single_process(
+    layout: str, recipe: str
+) -> None:
     """Under EP each expert scales the rows of each source micro-batch apart (its cp ranks' rows
-    together), as the single process running the micro-batches one after the other. Controls
-    (tensorwise): each cp rank's rows on their own scale, or all sources on one, leave it by > 1e-3."""
-    same = max(run_distributed(_ep_body, 4, 2, recipe))
+    together), as the single process running the micro-batches one after the other, on layouts where
+    cp divides ep, ep divides cp, and neither (the replicas holding parts of a micro-batch's rows for
+    one expert reduce its amax). Controls (tensorwise): each cp rank's rows on their own scale, or all
+    sources on one, or the replicas not reducing, leave it by > 1e-3."""
+    dims = MESHES[layout]
+    world = dims[0] * dims[1]
+    same = max(run_distributed(_ep_body, world, dims, "mesh", True, recipe))
     assert same <= 1e-6, same
     if recipe == "tensorwise":
-        for wrong in (1, 4):
-            assert max(run_distributed(_ep_body, 4, wrong, recipe)) > 1e-3, wrong
+        for wrong in ("peer", "one") if layout == "cp2-ep4" else ():
+            assert max(run_distributed(_ep_body, world, dims, wrong, True, recipe)) > 1e-3, wrong
+        if layout != "cp2-ep4":
+            assert max(run_distributed(_ep_body, world, dims, "mesh", False, recipe)) > 1e-3
 
 
 def test_moe_fp8_under_torchrun_gives_the_single_process_losses(tmp_path: Path) -> None:

@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
-import warnings
 
 from zerotron.config import Config, TrainConfig
 from zerotron.config_load import ConfigError
 
 MULTIPLE = 16  # float8 GEMMs take dimensions that are multiples of 16 (zerotron.parallel.float8)
-
-
-class ExpertsStayBf16(UserWarning):
-    """fp8 with MoE blocks under expert parallelism with a cp that does not divide ep: the routed experts
-    compute in bf16 (a micro-batch's rows for one expert arrive in several EP groups, and reducing their
-    scales across them is not built)."""
 
 
 def fp8_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
@@ -91,15 +84,6 @@ def check_fp8(cfg: Config) -> None:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("train.precision=fp8 computes with torchao's float8: pip install 'zerotron[fp8]'")
-    if cfg.model.num_local_experts > 0 and p.ep > 1 and p.ep % p.cp:
-        warnings.warn(
-            f"train.precision=fp8 with parallel.ep={p.ep} and parallel.cp={p.cp}: the routed experts compute "
-            "in bf16 (a micro-batch's rows for one expert would land in several EP groups, whose float8 "
-            "scales are not reduced together); attention and the shared expert in float8. For float8 "
-            "experts make ep a multiple of cp",
-            ExpertsStayBf16,
-            stacklevel=2,
-        )
     skip = t.fp8_skip_patterns
     shapes = fp8_shapes(cfg)
     every = [f"layers.{i}.{name}" for i in range(cfg.model.num_hidden_layers) for name in shapes]

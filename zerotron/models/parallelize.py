@@ -35,7 +35,7 @@ from zerotron.distributed.mesh import Mesh
 from zerotron.models.llama import LlamaForCausalLM, tensor_parallel_plan
 from zerotron.models.stages import StagedModel, meta_stages, stage_bounds
 from zerotron.parallel.context import apply_context_parallel, context_groups
-from zerotron.parallel.expert import apply_expert_parallel
+from zerotron.parallel.expert import apply_expert_parallel, expert_replicas, expert_sources
 from zerotron.parallel.float8 import apply_float8, device_has_float8_gemm
 from zerotron.parallel.float8_experts import apply_float8_experts
 from zerotron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
@@ -61,11 +61,12 @@ def parallelize_llama(cfg: Config, mesh: Mesh | None = None, device: torch.devic
     etp = mesh is not None and cfg.parallel.etp > 1
     if mesh is not None and (mesh.dims.ep > 1 or etp):
         tp_group = mesh.group("tp") if etp else None
-        # the cp ranks of one micro-batch: consecutive in an EP group when their number divides ep
-        batch_ranks = mesh.dims.cp if mesh.dims.ep % mesh.dims.cp == 0 else 1
+        # each EP peer's micro-batch (its cp ranks' rows one source), numbered alike on the replicas
+        # that reduce float8 scales together
+        sources, batches = expert_sources(mesh.dims, mesh.rank)
         for chunk in chunks:
             apply_expert_parallel(
-                chunk, mesh.group("ep"), tp_group, cfg.parallel.sequence_parallel, batch_ranks
+                chunk, mesh.group("ep"), tp_group, cfg.parallel.sequence_parallel, sources, batches
             )
     if cfg.train.precision == "fp8":
         _float8(cfg, chunks, mesh, torch.device(device))
@@ -84,9 +85,10 @@ def _split(cfg: Config, mesh: Mesh | None) -> list[LlamaForCausalLM]:
 
 
 def _float8(cfg: Config, chunks: list[LlamaForCausalLM], mesh: Mesh | None, device: torch.device) -> None:
-    """Step 5: each chunk's block projections in float8, and its routed experts (bf16 when cp does not
-    divide ep: config_check says so). A micro-batch's tokens meet the same experts on other ranks under
-    cp without ep (with ep, its cp ranks' rows arrive on one rank), and under tp with sequence
+    """Step 5: each chunk's block projections in float8, and its routed experts. A micro-batch's tokens
+    meet the same experts on other ranks under cp without ep; under ep when cp does not divide it (its
+    rows for one expert arrive on that expert's replicas in one expert batch block, which reduce their
+    amaxes: ``edp_batch``; when cp divides ep they arrive on one rank); and under tp with sequence
     parallelism unless the experts are split over tp (etp)."""
     tp = mesh.group("tp") if mesh is not None and mesh.dims.tp > 1 else None
     cp = mesh.group("cp") if mesh is not None and mesh.dims.cp > 1 else None
@@ -95,11 +97,14 @@ def _float8(cfg: Config, chunks: list[LlamaForCausalLM], mesh: Mesh | None, devi
     etp = tp if cfg.parallel.etp > 1 else None
     ep = mesh.dims.ep if mesh is not None else 1
     cp_tokens = cp if ep == 1 else None
+    replicas = None
+    if mesh is not None and ep > 1 and cfg.model.num_local_experts > 0:
+        block = expert_replicas(mesh.dims)  # the expert's replicas sharing micro-batches
+        if block > 1:  # collective: every rank decides alike
+            replicas = mesh.split("edp", block, ("edp_batch", "edp_batch_rep"))[0]
     tokens = tuple(
-        g for g in (cp_tokens, tp if cfg.parallel.sequence_parallel and etp is None else None) if g
+        g for g in (cp_tokens, replicas, tp if cfg.parallel.sequence_parallel and etp is None else None) if g
     )
-    experts = cp is None or ep % cp.size == 0
     for chunk in chunks:
         apply_float8(chunk, recipe, skip, emulate, tp, cp)
-        if experts:
-            apply_float8_experts(chunk, recipe, skip, emulate, tokens, etp)
+        apply_float8_experts(chunk, recipe, skip, emulate, tokens, etp)

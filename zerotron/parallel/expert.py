@@ -34,13 +34,14 @@ over ``edp`` like any expert. The router and a shared expert stay whole on every
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from zerotron.distributed import collectives
-from zerotron.distributed.mesh import Group
+from zerotron.distributed.mesh import Group, ParallelDims
 from zerotron.parallel.placement import set_grad_axis, set_split
 from zerotron.parallel.tensor import ShardSpec
 from zerotron.parallel.tensor_comm import (
@@ -50,6 +51,21 @@ from zerotron.parallel.tensor_comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
+
+
+def expert_sources(dims: ParallelDims, rank: int) -> tuple[tuple[int, ...], int]:
+    """Each peer of ``rank``'s EP group's micro-batch (its cp ranks' rows one source) and the number
+    of micro-batches they are numbered within: those of a block of lcm(cp, ep) consecutive ``dp_cp``
+    ranks, where EP groups and micro-batches both close. An expert's replicas in a block (one when cp
+    divides ep; :func:`expert_replicas`) number them alike and reduce their float8 amaxes together."""
+    c, block = dims.coords(rank), math.lcm(dims.cp, dims.ep)
+    start = (c["dp"] * dims.cp + c["cp"]) // dims.ep * dims.ep  # the EP group's first dp×cp place
+    return tuple((start + j) % block // dims.cp for j in range(dims.ep)), block // dims.cp
+
+
+def expert_replicas(dims: ParallelDims) -> int:
+    """How many replicas of an expert share a micro-batch's rows (:func:`expert_sources`)."""
+    return math.lcm(dims.cp, dims.ep) // dims.ep
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -75,11 +91,22 @@ class _AllToAllV(torch.autograd.Function):
 class ExpertDispatch:
     """A block's dispatch under expert parallelism over ``group`` (``local`` experts per rank).
 
-    The experts are told their rows per expert and source micro-batch: ``batch_ranks`` consecutive
-    peers hold the rows of one micro-batch (context parallelism's ranks, when they divide ``ep``)."""
+    The experts are told their rows per expert and source micro-batch, ``(local, batches)``:
+    ``sources`` numbers each peer's micro-batch below ``batches``
+    (:func:`expert_sources`: a micro-batch's cp ranks are one source;
+    default, each peer its own), nondecreasing along the group. The replicas whose float8 scales are
+    reduced together number them alike, so that their segments line up."""
 
-    def __init__(self, group: Group, local: int, batch_ranks: int = 1) -> None:
-        self.group, self.local, self.batch_ranks = group, local, batch_ranks
+    def __init__(
+        self, group: Group, local: int, sources: tuple[int, ...] | None = None, batches: int = 0
+    ) -> None:
+        self.group, self.local = group, local
+        self.sources = tuple(range(group.size)) if sources is None else sources
+        self.batches = batches or self.sources[-1] + 1
+        if len(self.sources) != group.size or list(self.sources) != sorted(self.sources):
+            raise ValueError(f"{group.label}: sources {self.sources} must give each peer's, nondecreasing")
+        if not 0 <= self.sources[0] <= self.sources[-1] < self.batches:
+            raise ValueError(f"{group.label}: sources {self.sources} must lie in [0, {self.batches})")
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x (n·k, h) sorted by global expert, counts (E,) -> the experts' outputs in x's order."""
@@ -93,7 +120,8 @@ class ExpertDispatch:
         )  # peer-major, then expert
         expert_of = torch.arange(local, device=x.device).repeat(p).repeat_interleave(recv.flatten())
         order = torch.argsort(expert_of, stable=True)  # regroup by local expert
-        per_batch = recv.t().reshape(local, p // self.batch_ranks, self.batch_ranks).sum(2)
+        sources = torch.tensor(self.sources, device=recv.device)
+        per_batch = recv.new_zeros(local, self.batches).index_add_(1, sources, recv.t())
         out = experts(arrived[order], per_batch)  # rows per local expert and source micro-batch
         out = out[torch.argsort(order)]  # back in arrival order
         return apply_function(_AllToAllV, out, send_splits, recv_splits, self.group)
@@ -131,14 +159,15 @@ def apply_expert_parallel(
     group: Group,
     tp_group: Group | None = None,
     sequence_parallel: bool = False,
-    batch_ranks: int = 1,
+    sources: tuple[int, ...] | None = None,
+    batches: int = 0,
 ) -> None:
     """Keep this rank's E/ep experts of every MoE block (on the model's device: the meta device in the
     one parallelize path), record their split over ``ep`` and their gradient group ``edp``, and route
     the blocks' slots through :class:`ExpertDispatch`. With ``tp_group`` (expert tensor parallelism)
     keep this tp rank's slice of each expert's intermediate width too, and run the routed experts in
-    an :class:`ExpertTensorRegion`. ``batch_ranks``: consecutive ranks of ``group`` holding one
-    micro-batch's rows (:class:`ExpertDispatch`)."""
+    an :class:`ExpertTensorRegion`. ``sources``, ``batches``: each peer's micro-batch and their number
+    (:class:`ExpertDispatch`)."""
     p, r = group.size, group.rank_in_group
     t, tr = (tp_group.size, tp_group.rank_in_group) if tp_group is not None else (1, 0)
     axes = (("ep",) if p > 1 else ()) + (("tp",) if t > 1 else ())
@@ -172,6 +201,6 @@ def apply_expert_parallel(
             if t > 1:  # each slice's gradient is whole (all the group's tokens): no sum over tp
                 getattr(experts, "tp_grad_sums", {}).pop(name, None)
         if p > 1:
-            setattr(block, "dispatch", ExpertDispatch(group, local, batch_ranks))  # noqa: B010
+            setattr(block, "dispatch", ExpertDispatch(group, local, sources, batches))  # noqa: B010
         if tp_group is not None and t > 1:
             setattr(block, "tp_region", ExpertTensorRegion(tp_group, sequence_parallel))  # noqa: B010

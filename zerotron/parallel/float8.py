@@ -38,8 +38,10 @@ tensor-parallel group as above), and each rank casts its part with that scale
 (:func:`cast_weight_shard`): the gather moves float8 bytes, half of bf16's, and every rank ends up with
 the very float8 values (and scales) that casting the whole gathered weight would give. The layer then
 multiplies with them (:data:`GATHERED`, :func:`gathered_weight`) in its forward and, a tensorwise
-recipe casting the weight alike for the input gradient, in its backward. Rowwise casts the weight along
-a different axis for each GEMM, so it gathers bf16.
+recipe casting the weight alike for the input gradient, in its backward. Routed experts' stacked
+weights are gathered alike, each expert with its own scale (:func:`weight_parts`). Rowwise casts the
+weight along a different axis for each GEMM (two float8 copies would move as many bytes as bf16), so
+it gathers bf16, as torchao's float8 all-gather for FSDP2 does.
 """
 
 from __future__ import annotations
@@ -338,15 +340,27 @@ def gathers_in_float8(spec: Float8Spec) -> bool:
 
 
 def float8_weights(model: nn.Module) -> dict[int, Float8Spec]:
-    """The weights ZeRO-3 gathers as float8, by parameter id: those of ``model``'s float8 linears
-    whose recipe allows it (:func:`gathers_in_float8`)."""
+    """The weights ZeRO-3 gathers as float8, by parameter id: those of ``model``'s float8 linears and
+    routed experts (a ``float8_mlp`` with a spec per stacked ``gate_up_proj`` / ``down_proj``) whose
+    recipe allows it (:func:`gathers_in_float8`)."""
     out = {}
     for module in model.modules():
         spec = getattr(module, "float8", None)
         weight = module._parameters.get("weight")  # none on a QLoRA base (its NF4 bytes gather as they are)
         if isinstance(spec, Float8Spec) and gathers_in_float8(spec) and weight is not None:
             out[id(weight)] = spec
+        mlp = getattr(module, "float8_mlp", None)  # routed experts (zerotron.parallel.float8_experts)
+        for name in ("gate_up", "down"):
+            spec, stacked = getattr(mlp, name, None), module._parameters.get(f"{name}_proj")
+            if isinstance(spec, Float8Spec) and gathers_in_float8(spec) and stacked is not None:
+                out[id(stacked)] = spec
     return out
+
+
+def weight_parts(shape: torch.Size) -> int:
+    """How many float8 scales a weight gathered as float8 takes: one per expert of a stack (E, out, in),
+    else one."""
+    return shape[0] if len(shape) == 3 else 1
 
 
 def cast_weight_shard(
@@ -355,7 +369,7 @@ def cast_weight_shard(
     """One rank's part of a ZeRO-3 unit of float8 weights as float8 bytes, and each weight's scale.
 
     ``shard``: the rank's working (bf16) shard; ``pieces``: ``(at, length, weight)`` where each weight
-    ``specs[weight]`` lies in it; ``group``: the ranks holding the other shards. The amax of each weight
+    ``specs[weight]`` (or each expert of a stack) lies in it; ``group``: the ranks holding the other shards. The amax of each weight
     is reduced over ``group`` and over the groups splitting the weight's axes (tensor parallelism), so
     the scale and every float8 value equal those of casting the whole weight. Returns ``(bytes, scales)``:
     ``(len(shard),)`` uint8 (zeros where no weight lies) and ``(len(specs),)`` fp32."""

@@ -20,8 +20,10 @@ micro-batches' rows into it:
   over tp (``outer`` / ``inner``).
 
 When ``parallel.cp`` does not divide ``parallel.ep`` (> 1), a micro-batch's rows for one expert land in
-several EP groups: that reduction is not built, and the routed experts stay in bf16 there
-(``zerotron.config_check_fp8`` says so). All amaxes of one operand travel in one all-reduce.
+several EP groups, on that expert's replicas inside one block of lcm(cp, ep) dp×cp ranks
+(:func:`zerotron.parallel.expert.expert_sources`): the dispatch numbers the sources alike on
+every EP group of the block, so the replicas' segments line up and their amaxes are reduced over them
+(``tokens``, the ``edp_batch`` group). All amaxes of one operand travel in one all-reduce.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.distributed import collectives
-from zerotron.parallel.float8 import G_AXES, W_AXES, X_AXES, Float8Spec, _ao
+from zerotron.parallel.float8 import G_AXES, GATHERED, W_AXES, X_AXES, Float8Spec, _ao
 
 
 @dataclass(frozen=True)
@@ -118,14 +120,25 @@ class _ExpertFloat8Mm(torch.autograd.Function):
     torchao's three float8 GEMMs per segment (module docstring) -> (n, out)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, seg: Segments, spec: Float8Spec) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, seg: Segments, spec: Float8Spec, gathered: Any = None
+    ) -> torch.Tensor:
         role, c = _ao().role, spec.config
-        ctx.save_for_backward(x, w)
-        ctx.seg, ctx.spec = seg, spec
-        wt = w.transpose(1, 2)  # (E, in, out)
+        # a stack ZeRO-3 gathered as float8 (``gathered``: its experts' float8 matrices now) is not
+        # read nor saved: backward asks for the matrices again, gathered again by then
+        ctx.save_for_backward(x, *(() if gathered is not None else (w,)))
+        ctx.seg, ctx.spec, ctx.gathered, ctx.w = seg, spec, gathered, (w.shape, w.dtype, w.device)
         x_amax = _token_amax(x, X_AXES, c.cast_config_input, -1, seg, spec)
-        w_amax = _weight_amax(wt, c.cast_config_weight, 0, spec)
-        w8 = _per_expert(wt, w_amax, c.cast_config_weight, role.WEIGHT, 0, spec)
+        if gathered is not None:
+            ws = gathered()
+
+            def w8(e: int) -> Any:
+                return ws[e].t()  # (in, out), laid out as the cast below would lay it out
+
+        else:
+            wt = w.transpose(1, 2)  # (E, in, out)
+            w_amax = _weight_amax(wt, c.cast_config_weight, 0, spec)
+            w8 = _per_expert(wt, w_amax, c.cast_config_weight, role.WEIGHT, 0, spec)
         parts = []
         for k, (e, a, b) in enumerate(seg.bounds):
             if b > a:
@@ -135,17 +148,24 @@ class _ExpertFloat8Mm(torch.autograd.Function):
         return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1]))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
         role, c = _ao().role, ctx.spec.config
-        x, w = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
         seg: Segments = ctx.seg
         spec: Float8Spec = ctx.spec
         grad = grad.contiguous()
         how_g = c.cast_config_grad_output
         g_amax = _token_amax(grad, G_AXES, how_g, -1, seg, spec)
-        wt = w.transpose(1, 2)
-        w_amax = _weight_amax(wt, c.cast_config_weight_for_grad_input, -1, spec)
-        w8 = _per_expert(wt, w_amax, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec)
+        if ctx.gathered is not None:  # tensorwise: the input gradient's weight cast is the forward's
+            ws = ctx.gathered()
+
+            def w8(e: int) -> Any:
+                return ws[e].t()
+
+        else:
+            wt = saved[0].transpose(1, 2)
+            w_amax = _weight_amax(wt, c.cast_config_weight_for_grad_input, -1, spec)
+            w8 = _per_expert(wt, w_amax, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec)
         axis_g = -1 if _rowwise(how_g) else None
         g8s: dict[int, Any] = {}
         grad_x = []
@@ -157,13 +177,14 @@ class _ExpertFloat8Mm(torch.autograd.Function):
                 grad_x.append(torch.mm(g8s[k], w8(e).t()))
         gx = torch.cat(grad_x) if grad_x else x.new_zeros(x.shape)
         if not ctx.needs_input_grad[1]:
-            return gx, None, None, None
+            return gx, None, None, None, None
         # tensorwise: the weight gradient takes the same cast of the output gradient
         how_gw, how_xw = c.cast_config_grad_output_for_grad_weight, c.cast_config_input_for_grad_weight
         reuse = how_gw == how_g and not _rowwise(how_g)
         gw_amax = None if reuse else _token_amax(grad, G_AXES, how_gw, 0, seg, spec)
         xw_amax = _token_amax(x, X_AXES, how_xw, 0, seg, spec)
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        shape, dtype, device = ctx.w
+        grad_w = torch.zeros(shape, dtype=torch.float32, device=device)
         axis = 0 if _rowwise(how_gw) else None
         for k, (e, a, b) in enumerate(seg.bounds):
             if b <= a:
@@ -178,7 +199,7 @@ class _ExpertFloat8Mm(torch.autograd.Function):
             x8 = _to_float8(x[a:b], _part(xw_amax, how_xw, k, a, b, True), how_xw, role.INPUT,
                             0 if _rowwise(how_xw) else None, spec)  # fmt: skip
             grad_w[e] += torch.mm(g8.t(), x8).float()
-        return gx, grad_w.to(w.dtype), None, None
+        return gx, grad_w.to(dtype), None, None, None
 
 
 def _per_expert(wt: torch.Tensor, amax: torch.Tensor, how: Any, role: Any, dim: int, spec: Float8Spec) -> Any:
@@ -200,10 +221,17 @@ def _bf16_mm(x: torch.Tensor, w: torch.Tensor, seg: Segments) -> torch.Tensor:
     return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1]))
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, seg: Segments, spec: Float8Spec | None) -> torch.Tensor:
+def _mm(
+    x: torch.Tensor, w: torch.Tensor, seg: Segments, spec: Float8Spec | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each segment's rows times its expert; ``w`` as ZeRO-3 gathered it as float8 (its float8 matrices
+    then, :data:`~zerotron.parallel.float8.GATHERED`), or cast to ``dtype`` first."""
     if spec is None:
-        return _bf16_mm(x, w, seg)
-    return cast(torch.Tensor, _ExpertFloat8Mm.apply(x, w, seg, spec))  # type: ignore[no-untyped-call]
+        return _bf16_mm(x, w.to(dtype), seg)
+    gathered = getattr(w, GATHERED, None)
+    if gathered is None:
+        w = w.to(dtype)
+    return cast(torch.Tensor, _ExpertFloat8Mm.apply(x, w, seg, spec, gathered))  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
@@ -221,10 +249,9 @@ class ExpertsFloat8:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
-            x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-            seg = Segments.of(counts)
-            gate, up = _mm(x, gate_up, seg, self.gate_up).chunk(2, dim=-1)
-            return _mm(F.silu(gate) * up, down, seg, self.down)
+            x, seg = x.to(dtype), Segments.of(counts)
+            gate, up = _mm(x, gate_up, seg, self.gate_up, dtype).chunk(2, dim=-1)
+            return _mm(F.silu(gate) * up, down, seg, self.down, dtype)
 
 
 def apply_float8_experts(

@@ -509,7 +509,8 @@ def step_times(
         )
     grads, params = dense * reduce_wire, dense * gather_wire
     secondary = dense * param_wire  # hpZ's second copy, as forward gathered it
-    if layout.zero == 3 and layout.zero_fp8_gather and convention == "zerotron":
+    fp8_gathers = layout.zero == 3 and layout.zero_fp8_gather and convention == "zerotron"
+    if fp8_gathers:
         # the blocks' float8 weights travel as a byte each (their scales: a few control bytes)
         f8 = float8_gathered(m, layout.tp, sp.layers)
         params, secondary = (dense - f8) * gather_wire + f8, (dense - f8) * param_wire + f8
@@ -519,7 +520,11 @@ def step_times(
     shard = -(-dense // zero_ranks(layout)) if layout.zero >= 1 else dense
     if sp.expert_elements:  # the experts' gradients reduce over their own dp·cp/ep replicas
         replicas = timing.DataGroup.of(layout, expert_dp(layout))
-        grads, params = sp.expert_elements * reduce_wire, sp.expert_elements * gather_wire
+        # the routed experts' stacks gathered as float8 too (a byte each, a scale per expert)
+        grads, params = (
+            sp.expert_elements * reduce_wire,
+            sp.expert_elements * (1 if fp8_gathers else gather_wire),
+        )
         expert_times = timing.data_parallel_time(
             layout, hw, replicas, grads, params, t_compute, n_mb, layers_
         )
@@ -538,6 +543,7 @@ def step_times(
 
 
 def float8_gathered(m: ModelShape, tp: int, layers: int) -> int:
-    """Elements ZeRO-3 gathers as float8 on one tensor-parallel rank of ``layers`` blocks: the blocks'
-    projections (the dense MLP's, not routed experts'; ``train.fp8_skip`` left out of this estimate)."""
+    """Elements ZeRO-3 gathers as float8 on one tensor-parallel rank of ``layers`` blocks, of the
+    dense parameters: the blocks' projections (the dense MLP's; routed experts' are counted with the
+    experts' own gathers; ``train.fp8_skip`` left out of this estimate)."""
     return layers * (attention_matrix_params(m) + (0 if m.experts else mlp_params(m))) // tp

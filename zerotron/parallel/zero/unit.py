@@ -121,7 +121,8 @@ class Unit:
         self.buffer = self.flat
         self.float8: list[float8.Float8Spec] | None = None
         self.scales: torch.Tensor | None = None
-        self.pieces: list[tuple[int, int, int]] = []  # float8 gathers: (at, length, weight) in the shard
+        self.pieces: list[tuple[int, int, int]] = []  # float8 gathers: (at, length, scale) in the shard
+        self.first_scale: list[int] = []  # float8 gathers: each slot's first scale (experts: one each)
         self.gathered = True
         if fill is not None:
             self.free()  # never gathered whole while the model is built
@@ -144,29 +145,53 @@ class Unit:
             self.gathered = False
 
     def gather_float8(self, specs: list[float8.Float8Spec]) -> None:
-        """Gather this unit's weights (those of float8 linears, ``specs`` per slot) as float8 bytes and
-        scales (:func:`~zerotron.parallel.float8.cast_weight_shard`), half of bf16's bytes: the working
-        buffer never holds them again (the parameters keep its shapes, for their gradients), and each
-        parameter gives its layer the gathered float8 weight (:data:`~zerotron.parallel.float8.GATHERED`)."""
-        self.float8 = specs
+        """Gather this unit's weights (those of float8 linears and routed experts, ``specs`` per slot)
+        as float8 bytes and scales (:func:`~zerotron.parallel.float8.cast_weight_shard`), half of
+        bf16's bytes: the working buffer never holds them again (the parameters keep its shapes, for
+        their gradients), and each parameter gives its layer the gathered float8 weight
+        (:data:`~zerotron.parallel.float8.GATHERED`). A 3-D weight is a stack of experts, each cast
+        with its own scale (:func:`~zerotron.parallel.float8.weight_parts`)."""
         self.flat.untyped_storage().resize_(0)
         self.buffer = torch.empty(self.layout.padded, dtype=torch.uint8, device=self.flat.device)
         self.buffer.untyped_storage().resize_(0)
         self.gathered = False
-        self.scales = torch.ones(len(specs), dtype=torch.float32, device=self.flat.device)
-        lay = self.layout  # where each weight lies in this rank's shard: (at, length, weight)
-        bounds = [(max(s.offset, lay.lo), min(s.offset + s.numel, lay.hi)) for s in lay.slots]
-        self.pieces = [(lo - lay.lo, max(0, hi - lo), i) for i, (lo, hi) in enumerate(bounds)]
+        lay = self.layout  # where each weight (or expert) lies in this rank's shard: (at, length, scale)
+        self.float8, self.pieces, self.first_scale = [], [], []
+        for slot, spec in zip(lay.slots, specs):
+            self.first_scale.append(len(self.float8))
+            parts = float8.weight_parts(slot.shape)
+            size = slot.numel // parts
+            for k in range(parts):
+                lo, hi = max(slot.offset + k * size, lay.lo), min(slot.offset + (k + 1) * size, lay.hi)
+                self.pieces.append((lo - lay.lo, max(0, hi - lo), len(self.float8)))
+                self.float8.append(spec)
+        self.scales = torch.ones(len(self.float8), dtype=torch.float32, device=self.flat.device)
         for i, slot in enumerate(self.layout.slots):
             setattr(slot.param, float8.GATHERED, functools.partial(self._float8_weight, i))
 
     def _float8_weight(self, i: int) -> Any:
-        """Slot ``i``'s gathered float8 weight (the unit is gathered: its module's forward or backward)."""
+        """Slot ``i``'s gathered float8 weight (the unit is gathered: its module's forward or backward);
+        a stack of experts' a list, one float8 matrix each."""
         if not self.gathered or self.float8 is None or self.scales is None:
             raise RuntimeError(f"{self.layout.slots[i].name} is read while its ZeRO-3 unit is not gathered")
-        slot = self.layout.slots[i]
-        data = self.buffer[slot.offset : slot.offset + slot.numel]
-        return float8.gathered_weight(data, slot.shape, self.scales[i], self.float8[i], self.flat.dtype)
+        slot, first = self.layout.slots[i], self.first_scale[i]
+        parts = float8.weight_parts(slot.shape)
+        if parts == 1:
+            data = self.buffer[slot.offset : slot.offset + slot.numel]
+            return float8.gathered_weight(
+                data, slot.shape, self.scales[first], self.float8[first], self.flat.dtype
+            )
+        size, shape = slot.numel // parts, slot.shape[1:]
+        return [
+            float8.gathered_weight(
+                self.buffer[slot.offset + k * size : slot.offset + (k + 1) * size],
+                shape,
+                self.scales[first + k],
+                self.float8[first + k],
+                self.flat.dtype,
+            )
+            for k in range(parts)
+        ]
 
     def start_gather(self) -> None:
         """Begin the all-gather of the unit into its buffer (no-op when it is there or on its way)."""
