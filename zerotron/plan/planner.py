@@ -455,6 +455,35 @@ def plan_layout(
     )
 
 
+def _wires(layout: Layout, work: Workload, convention: str, pb: int, gb: int) -> tuple[int, float, float]:
+    """Bytes an element of the working weights, of ZeRO's gathers and of the gradient reductions take
+    on the wire (``pb``/``gb``: the convention's parameter and gradient bytes)."""
+    # zerotron: gradients travel in parallel.grad_reduce_dtype; ZeRO's gathers move 16-bit working
+    # weights under bf16/fp16
+    grad_wire = (
+        (2 if layout.grad_reduce_dtype == "bf16" else gb)
+        if convention == "zerotron"
+        else ACT_BYTES[work.precision]
+    )
+    param_wire = (
+        (2 if working_weights16(layout, work) else pb)
+        if convention == "zerotron"
+        else ACT_BYTES[work.precision]
+    )
+    # ZeRO++: quantised gathers (ZeRO-3) and gradient reductions send int8/int4 blocks
+    gather_wire: float = param_wire
+    reduce_wire: float = grad_wire
+    if layout.zero_quantized_weights and layout.zero == 3:
+        gather_wire = quantized_wire(layout.zero_quantized_weight_block, 8)
+    if layout.onebit_adam and layout.zero < 3:  # 1-bit Adam after the warm-up: bits and a scale per block
+        reduce_wire = 1 / 8 + 4 / ONEBIT_BLOCK
+    if layout.zero_quantized_gradients and layout.zero >= 1:
+        reduce_wire = quantized_wire(
+            layout.zero_quantized_gradient_block, layout.zero_quantized_gradient_bits
+        )
+    return param_wire, gather_wire, reduce_wire
+
+
 def step_times(
     m: ModelShape, layout: Layout, work: Workload, hw: Hardware, convention: str, flash: bool = True
 ) -> dict[str, float]:
@@ -476,18 +505,7 @@ def step_times(
         times["ep_comm"] = n_mb * t_ep
     times.update(timing.pipeline_times(m, layout, work, hw, t_mb))
     pb, gb, ob = mem.state_bytes_per_element(convention, work.precision, layout.zero)
-    # zerotron: gradients travel in parallel.grad_reduce_dtype; ZeRO's gathers move 16-bit working
-    # weights under bf16/fp16
-    grad_wire = (
-        (2 if layout.grad_reduce_dtype == "bf16" else gb)
-        if convention == "zerotron"
-        else ACT_BYTES[work.precision]
-    )
-    param_wire = (
-        (2 if working_weights16(layout, work) else pb)
-        if convention == "zerotron"
-        else ACT_BYTES[work.precision]
-    )
+    param_wire, gather_wire, reduce_wire = _wires(layout, work, convention, pb, gb)
     stages = [
         stage_params(m, layout.tp, layout.pp, r, layers[r], layout.ep, layout.etp)
         for r in sorted({0, critical, layout.pp - 1})
@@ -496,17 +514,6 @@ def step_times(
     dense = sp.elements - sp.expert_elements
     # cp folded into the data-parallel group: the dp·cp ranks of a (pp, tp) place
     folded = timing.DataGroup.of(layout, data_ranks(layout), layout.tp * layout.pp)
-    # ZeRO++: quantised gathers (ZeRO-3) and gradient reductions send int8/int4 blocks
-    gather_wire: float = param_wire
-    reduce_wire: float = grad_wire
-    if layout.zero_quantized_weights and layout.zero == 3:
-        gather_wire = quantized_wire(layout.zero_quantized_weight_block, 8)
-    if layout.onebit_adam and layout.zero < 3:  # 1-bit Adam after the warm-up: bits and a scale per block
-        reduce_wire = 1 / 8 + 4 / ONEBIT_BLOCK
-    if layout.zero_quantized_gradients and layout.zero >= 1:
-        reduce_wire = quantized_wire(
-            layout.zero_quantized_gradient_block, layout.zero_quantized_gradient_bits
-        )
     grads, params = dense * reduce_wire, dense * gather_wire
     secondary = dense * param_wire  # hpZ's second copy, as forward gathered it
     fp8_gathers = layout.zero == 3 and layout.zero_fp8_gather and convention == "zerotron"
