@@ -228,6 +228,7 @@ def _add_serve(sub: Any) -> None:
         help="the model id clients send (default: MODEL's name, not its path)",
     )
     _add_serve_edge(srv)
+    _add_serve_threads(srv)
     _add_serve_lora(srv)
     srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     srv.add_argument(
@@ -312,6 +313,18 @@ def _add_serve_edge(srv: Any) -> None:
         type=float,
         default=0.0,
         help="seconds a request may take before it is aborted (504; 0: no limit)",
+    )
+
+
+def _add_serve_threads(srv: Any) -> None:
+    """``zerotron serve``'s CPU threads."""
+    srv.add_argument(
+        "--cpu-bind",
+        choices=["auto", "none"],  # serve.affinity.CHOICES
+        default="auto",
+        help="on a CPU: bind each OpenMP thread to a core of its own (auto, the default, as vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND; tensor-parallel ranks on disjoint cores; the HTTP thread left free), "
+        "or not (none: several servers sharing the cores)",
     )
 
 

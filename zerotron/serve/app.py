@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -31,6 +32,7 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.hf import ModelLoadError
 from zerotron.models.quant import weight_bytes
+from zerotron.serve import affinity
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
 from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, error_kind, parse
@@ -315,30 +317,18 @@ def load_lora_modules(engine: Engine, options: ServerOptions) -> None:
 GIL_SWITCH_S = 0.0005
 
 
-def serve(engine: Engine, options: ServerOptions) -> None:
-    """Serve ``engine`` over HTTP until interrupted, then stop its loop (and its followers).
-
-    The engine steps in this thread (the one that loaded the model: one OpenMP team, see
-    :mod:`zerotron.serve.server`); uvicorn serves from a helper thread. SIGINT/SIGTERM make uvicorn
-    shut down gracefully (the engine keeps stepping until the last response is sent), a second one
-    forces it; then the engine loop stops."""
-    import uvicorn
-
+def _startup_line(engine: Engine, options: ServerOptions, bound: str) -> str:
+    """The line ``zerotron serve`` prints when it is ready: where, the cache, the kernels, the weights."""
     name, host, port = options.name, options.host, options.port
-    load_lora_modules(engine, options)
-    exposed = exposure_warning(options)
-    if exposed is not None:
-        warnings.warn(exposed, ServerWarning, stacklevel=2)
-    app = build_app(engine, options, start_engine=False)
-    loop_: EngineLoop = app.state.engine_loop
     group = engine.runner.group
-    print(
+    return (
         f"zerotron serve: {name} on http://{host}:{port}/v1 ({engine.pool.usable} KV blocks of "
         f"{engine.pool.block_size} tokens on {engine.runner.device}, {engine.kv.token_bytes} bytes per token"
         + (f" ({engine.kv.fmt})" if engine.kv.fmt else "")
         + f", max_model_len {engine.max_model_len}, attention "
         + ("native" if engine.runner.native else "SDPA")
         + f", linears {engine.runner.matmul}"
+        + (f", {bound}" if bound else "")
         + (f", tensor parallel over {group.size} ranks" if group is not None else "")
         + (
             f", {len(engine.lora.loaded)} of at most {engine.lora.max_loras} LoRA adapters"
@@ -359,13 +349,44 @@ def serve(engine: Engine, options: ServerOptions) -> None:
             else ""
         )
         + _speculation(engine)
-        + ")",
-        flush=True,
+        + ")"
     )
+
+
+def bind_threads(
+    engine: Engine, options: ServerOptions, local: tuple[int, int]
+) -> tuple[str, Optional[set[int]]]:
+    """On a CPU, bind this thread's OpenMP team to this rank's cores (``--cpu-bind``; ``local``: the
+    rank among the machine's ranks and their number): :func:`zerotron.serve.affinity.bind`."""
+    if engine.runner.device.type != "cpu":
+        return "", None
+    return affinity.bind(options.cpu_bind, *local)
+
+
+def serve(engine: Engine, options: ServerOptions, local: tuple[int, int] = (0, 1)) -> None:
+    """Serve ``engine`` over HTTP until interrupted, then stop its loop (and its followers).
+
+    The engine steps in this thread (the one that loaded the model: one OpenMP team, see
+    :mod:`zerotron.serve.server`), bound to cores on a CPU (:func:`bind_threads`; ``local``: the rank
+    among the machine's tensor-parallel ranks); uvicorn serves from a helper thread, free on every
+    CPU. SIGINT/SIGTERM make uvicorn shut down gracefully (the engine keeps stepping until the last
+    response is sent), a second one forces it; then the engine loop stops."""
+    import uvicorn
+
+    host, port = options.host, options.port
+    load_lora_modules(engine, options)
+    bound, cpus = bind_threads(engine, options, local)
+    exposed = exposure_warning(options)
+    if exposed is not None:
+        warnings.warn(exposed, ServerWarning, stacklevel=2)
+    app = build_app(engine, options, start_engine=False)
+    loop_: EngineLoop = app.state.engine_loop
+    print(_startup_line(engine, options, bound), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     failure: list[BaseException] = []
 
     def http() -> None:
+        affinity.free(cpus)  # not the engine's core, which a thread it starts inherits
         try:
             server.run()  # in a helper thread uvicorn installs no signal handlers
         except BaseException as err:  # noqa: BLE001 - e.g. SystemExit when the port is taken
@@ -420,10 +441,12 @@ def serve_worker(model_path: str, options: ServerOptions, config: EngineConfig) 
     group = mesh.group("tp")
     config = dataclasses.replace(config, device=rank_device(config.device or "cpu"))
     engine = load_engine(model_path, config, mesh)
+    local = (int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if group.rank_in_group == 0:
-        serve(engine, options)
+        serve(engine, options, local)
         return {"steps": engine.stats["steps"]}
     load_lora_modules(engine, options)  # the first rank's adapters in the same slots
+    bind_threads(engine, options, local)
     # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -200,6 +200,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         request_timeout_s=args.request_timeout,
         runtime_lora=args.allow_runtime_lora_updating,
         lora_modules=lora_modules(args),
+        cpu_bind=args.cpu_bind,
     )
 
 

@@ -60,6 +60,7 @@ class ServerOptions:
     # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter (multi-LoRA)
     runtime_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, path) served from the start
+    cpu_bind: str = "auto"  # --cpu-bind: OpenMP threads bound to cores on a CPU (zerotron.serve.affinity)
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +70,7 @@ class ServerOptions:
             ("--max-queued-requests", self.max_queued_requests >= 0),
             ("--max-request-bytes", self.max_request_bytes >= 1024),
             ("--request-timeout", 0 <= self.request_timeout_s < float("inf")),
+            ("--cpu-bind", self.cpu_bind in ("auto", "none")),
         ]
         for flag, ok in checks:
             if not ok:

@@ -88,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v24"
+_NAME = "zerotron_kernels_v25"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -104,6 +104,7 @@ _FUNCTIONS = [
     "rms_norm",
     "silu_mul",
     "rope_store",
+    "bind_threads",
 ]
 
 
@@ -482,6 +483,12 @@ def dot_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tenso
         rows = rows.contiguous()
     y: torch.Tensor = _built().dot_linear(rows, packed, bias, n)
     return y.view(*x.shape[:-1], n)
+
+
+def bind_threads(cpus: list[list[int]]) -> list[bool]:
+    """Bind thread ``t`` of the calling thread's OpenMP team to the CPUs ``cpus[t]`` (a list per
+    thread, :mod:`zerotron.serve.affinity`); whether each thread took it."""
+    return [bool(b) for b in _built().bind_threads(cpus)]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

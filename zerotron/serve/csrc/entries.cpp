@@ -51,3 +51,24 @@ torch::Tensor rope_store(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, 
   });
   return q;
 }
+
+// cpus: one list of CPU ids per OpenMP thread of this thread's team -> for each thread, whether it now
+// runs on its list only. Thread t of the team (at::get_thread_num(), the calling thread being 0) binds
+// itself, inside one parallel region of as many items as threads, as vLLM's CPU worker does; the team's
+// threads are the ones later parallel regions of this thread reuse. Linux only (elsewhere: none bound).
+std::vector<int64_t> bind_threads(std::vector<std::vector<int64_t>> cpus) {
+  const int64_t n = static_cast<int64_t>(cpus.size());
+  std::vector<int64_t> bound(n, 0);
+  TORCH_CHECK(n == at::get_num_threads(), "a CPU list per OpenMP thread");
+#ifdef __linux__
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    const int t = at::get_thread_num();
+    if (t < 0 || t >= n || end - begin != 1) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int64_t c : cpus[t]) CPU_SET(static_cast<int>(c), &set);
+    bound[t] = sched_setaffinity(0, sizeof(set), &set) == 0 ? 1 : 0;
+  });
+#endif
+  return bound;
+}
