@@ -321,10 +321,10 @@ def _add_serve_threads(srv: Any) -> None:
     srv.add_argument(
         "--cpu-bind",
         choices=["auto", "none"],  # serve.affinity.CHOICES
-        default="auto",
-        help="on a CPU: bind each OpenMP thread to a core of its own (auto, the default, as vLLM's "
+        default="none",
+        help="on a CPU: bind each OpenMP thread to a core of its own (auto, as vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND; tensor-parallel ranks on disjoint cores; the HTTP thread left free), "
-        "or not (none: several servers sharing the cores)",
+        "or not (none, the default: on a 2-core CPU binding measured within noise of not binding)",
     )
 
 

@@ -3,16 +3,17 @@
 A one-rank CPU server runs three busy threads: the engine's (the process's main thread, thread 0 of
 torch's OpenMP team), the team's other threads, and the HTTP thread. Left to the scheduler, a team
 thread can be moved or share a core with another thread between two of a step's hundreds of parallel
-regions, and the team waits for it at every barrier. ``auto`` (the default) binds thread ``t`` of the
-team to one core of its own, as vLLM's CPU worker does (``VLLM_CPU_OMP_THREADS_BIND``), and leaves the
+regions, and the team waits for it at every barrier. ``auto`` binds thread ``t`` of the team to one
+core of its own, as vLLM's CPU worker does by default (``VLLM_CPU_OMP_THREADS_BIND``), and leaves the
 HTTP thread (and the threads it starts: tokenising off the event loop) free on every CPU the process
-may use.
+may use. It is not the default: on a 2-core CPU it measured within the noise of not binding
+(BENCHMARKS.md, "Threads bound to cores").
 
 The cores are the process's allowed CPUs (``os.sched_getaffinity``: taskset or a cgroup's cpuset
 narrows them) grouped by physical core (Linux's ``topology/thread_siblings_list``: a thread gets both
 hyperthreads of its core). Tensor-parallel ranks on one machine take disjoint slices, rank ``r`` of
 ``n`` local ranks the ``r``-th block of ``threads`` cores; where the ranks' threads outnumber the cores
-nothing is bound. ``none`` binds nothing (several servers sharing a machine's cores).
+nothing is bound. ``none`` (the default) binds nothing.
 
 The binding is a property of the OpenMP team: it changes where a thread runs, never what it computes.
 """
@@ -65,10 +66,12 @@ def plan(threads: int, rank: int, ranks: int, per_core: list[frozenset[int]]) ->
 
 def bind(choice: str, rank: int = 0, ranks: int = 1) -> tuple[str, set[int] | None]:
     """Bind this thread's OpenMP team as ``choice`` says; called by the engine's thread before the HTTP
-    thread starts. Returns a phrase for the start-up line and the CPUs a free thread may use (None:
-    nothing was bound, nothing to free)."""
-    if choice == "none" or not hasattr(os, "sched_getaffinity"):
-        return "threads not bound (--cpu-bind none)" if choice == "none" else "threads not bound", None
+    thread starts. Returns a phrase for the start-up line (empty for ``none``) and the CPUs a free
+    thread may use (None: nothing was bound, nothing to free)."""
+    if choice == "none":
+        return "", None
+    if not hasattr(os, "sched_getaffinity"):
+        return "threads not bound (no sched_getaffinity here)", None
     from zerotron.serve import kernels
 
     allowed = set(os.sched_getaffinity(0))

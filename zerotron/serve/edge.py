@@ -60,7 +60,9 @@ class ServerOptions:
     # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter (multi-LoRA)
     runtime_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, path) served from the start
-    cpu_bind: str = "auto"  # --cpu-bind: OpenMP threads bound to cores on a CPU (zerotron.serve.affinity)
+    cpu_bind: str = (
+        "none"  # --cpu-bind auto: OpenMP threads bound to cores on a CPU (zerotron.serve.affinity)
+    )
 
     def __post_init__(self) -> None:
         checks = [
