@@ -107,6 +107,7 @@ class ExpertDispatch:
             raise ValueError(f"{group.label}: sources {self.sources} must give each peer's, nondecreasing")
         if not 0 <= self.sources[0] <= self.sources[-1] < self.batches:
             raise ValueError(f"{group.label}: sources {self.sources} must lie in [0, {self.batches})")
+        self._index: dict[torch.device, torch.Tensor] = {}  # sources on each device, made once
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x (n·k, h) sorted by global expert, counts (E,) -> the experts' outputs in x's order."""
@@ -120,7 +121,9 @@ class ExpertDispatch:
         )  # peer-major, then expert
         expert_of = torch.arange(local, device=x.device).repeat(p).repeat_interleave(recv.flatten())
         order = torch.argsort(expert_of, stable=True)  # regroup by local expert
-        sources = torch.tensor(self.sources, device=recv.device)
+        sources = self._index.get(recv.device)
+        if sources is None:
+            sources = self._index[recv.device] = torch.tensor(self.sources, device=recv.device)
         per_batch = recv.new_zeros(local, self.batches).index_add_(1, sources, recv.t())
         out = experts(arrived[order], per_batch)  # rows per local expert and source micro-batch
         out = out[torch.argsort(order)]  # back in arrival order

@@ -76,9 +76,10 @@ def bind(choice: str, rank: int = 0, ranks: int = 1) -> tuple[str, set[int] | No
 
     allowed = set(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
-    chosen = plan(threads, rank, ranks, cores(allowed))
+    per_core = cores(allowed)
+    chosen = plan(threads, rank, ranks, per_core)
     if chosen is None:
-        return f"threads not bound ({threads * ranks} OpenMP threads, {len(cores(allowed))} cores)", None
+        return f"threads not bound ({threads * ranks} OpenMP threads, {len(per_core)} cores)", None
     if not kernels.available():
         return f"threads not bound (native kernels: {kernels.why_unavailable()})", None
     done = kernels.bind_threads([sorted(c) for c in chosen])
