@@ -56,6 +56,25 @@ def _ranks_fork_from_the_preloaded_server(request: pytest.FixtureRequest) -> Ite
         launch.DEFAULT_START_METHOD = saved
 
 
+SLOW_LIST = TESTS / "slow.txt"
+
+
+def slow_tests() -> set[str]:
+    """The node ids ``tests/slow.txt`` lists (a line's ``#`` comment aside)."""
+    lines = (line.split("#", 1)[0].strip() for line in SLOW_LIST.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the long end-to-end tests ``tests/slow.txt`` lists: pyproject's ``-m "not slow"``
+    leaves them out of ``python -m pytest -q``; ``-m slow`` runs them, ``-m "slow or not slow"`` all."""
+    slow = slow_tests()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionstart(session: object) -> None:
     """Build the serving engine's native kernels once, before the first test, outside every test's
     timeout: the first build takes a minute or more, and a test that times out in the middle of it

@@ -167,7 +167,6 @@ def _smollm2_tp3_save_load_save(gguf: str, run_dir: str) -> None:
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_smollm2_through_a_tp3_checkpoint_to_hf_has_identical_tensors(tmp_path: Path) -> None:
     """GGUF -> zerotron under tp 3 -> checkpoint -> load and save under tp 3 -> HF directory: the tensors
     transformers dequantises from the GGUF file, bit for bit (the vocabulary, 9 heads and 3 KV heads

@@ -43,8 +43,6 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.slow
-
 MIB = 2**20
 SLACK = 128 * MIB
 MODEL = [

@@ -430,7 +430,6 @@ def _load_whole(path: str, dtype: torch.dtype) -> tuple[LlamaForCausalLM, object
     return load_pretrained(path, dtype=dtype, device="cpu")
 
 
-@pytest.mark.slow
 def _shards_both_ways(path: str, dtype: str) -> int:
     """A tensor-parallel rank's model loaded shard by shard (what serve and generate do under tp) is the
     whole model loaded and then split, parameter for parameter and bit for bit; the same tokenizer."""

@@ -110,7 +110,6 @@ def smollm2_gguf() -> str:
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_smollm2_served_from_its_blocks_gives_the_dequantised_models_tokens(smollm2_gguf: str) -> None:
     """fp32: the same weights as the ordinary loader's dequantised ones, so the same greedy tokens (the
     kernels' sums differ in order: log-probs within 1e-4); resident bytes are the file's tensor bytes.
@@ -138,7 +137,6 @@ def test_smollm2_served_from_its_blocks_gives_the_dequantised_models_tokens(smol
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_smollm2_adapter_over_the_files_blocks_gives_its_merged_weights_tokens(
     smollm2_gguf: str, tmp_path: Path
 ) -> None:
@@ -168,7 +166,6 @@ def test_smollm2_adapter_over_the_files_blocks_gives_its_merged_weights_tokens(
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_smollm2_quantised_while_loading_equals_quantising_the_loaded_model(smollm2_gguf: str) -> None:
     loaded, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu", quantization="int4")
     after, _ = load_model(smollm2_gguf, torch.bfloat16, "cpu")

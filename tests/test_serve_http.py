@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
+pytestmark = pytest.mark.smollm2
 NAME = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -240,7 +240,6 @@ SUITE = [
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_smollm2_greedy_agreement_and_perplexity_with_a_quantised_cache() -> None:
     """Measured on this project's CPU: the share of greedy tokens before the first difference from the
     bf16 cache's, over 12 prompts of 32 tokens: fp8 0.56, int8 0.72 (the bf16 model against the same

@@ -152,7 +152,6 @@ def _identity(layer: torch.nn.Module) -> torch.Tensor:
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_gguf_blocks_under_tensor_parallelism(smollm2_gguf: str) -> None:
     """SmolLM2's Q4_1 blocks on 3 ranks: each rank's part of a layer, read back through its kernel,
     equals its slice of the single process's kept layer bit for bit; greedy tokens equal the

@@ -153,7 +153,6 @@ HELD_TEXT = (
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_smollm2_perplexity_int8_within_1_percent_and_int4_within_5_percent_of_bf16() -> None:
     from tests.test_smollm2 import GGUF_NAME, _smollm2_dir
     from zerotron.build.builder import load_model

@@ -153,7 +153,6 @@ def _smollm2_steps(overrides: list[str], tokens: np.ndarray, run_dir: str) -> di
 
 
 @pytest.mark.smollm2
-@pytest.mark.slow
 def test_smollm2_tp3_padded_equals_the_unpadded_single_process(tmp_path: Path) -> None:
     """SmolLM2 (49,152 tokens) read from its GGUF file under tp 3 with the vocabulary padded to a
     multiple of 300 (49,200 rows): its first loss is transformers' on the same tokens, and two AdamW
