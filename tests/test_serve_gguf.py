@@ -40,14 +40,16 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(the file's bytes of a random (OUT, IN) matrix in ``kind``, gguf's dequantised fp32 values)."""
     rng = np.random.default_rng(seed)
     qtype = GGMLQuantizationType[kind]
-    # gguf has no K-quant quantiser: random bits, with finite f16 scales where the format keeps them
+    # gguf has no K-quant (or IQ4_NL) quantiser: random bits, with finite f16 scales where the format keeps them
     k_scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}
     k_scales |= {"Q3_K": (110, slice(108, 110)), "Q2_K": (84, slice(80, 84))}
+    k_scales["IQ4_NL"] = (18, slice(0, 2))
     if kind in k_scales:
         size, where = k_scales[kind]
-        raw = rng.integers(0, 256, (OUT, IN // 256, size), dtype=np.uint8)
+        per = 32 if kind == "IQ4_NL" else 256
+        raw = rng.integers(0, 256, (OUT, IN // per, size), dtype=np.uint8)
         n = (where.stop - where.start) // 2
-        raw[..., where] = rng.uniform(1e-3, 2e-2, (OUT, IN // 256, n)).astype(np.float16).view(np.uint8)
+        raw[..., where] = rng.uniform(1e-3, 2e-2, (OUT, IN // per, n)).astype(np.float16).view(np.uint8)
         raw = raw.reshape(OUT, -1)
     else:
         raw = quants.quantize((rng.standard_normal((OUT, IN)) * 0.05 + 0.01).astype(np.float32), qtype)
@@ -55,6 +57,7 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 KEPT = {"Q4_0": BlockInt4Linear, "Q4_1": BlockInt4Linear, "Q4_K": BlockInt4Linear, "Q8_0": BlockInt8Linear}
+KEPT |= {"Q5_0": BlockInt8Linear, "Q5_1": BlockInt8Linear, "IQ4_NL": BlockInt8Linear}
 KEPT |= {"Q5_K": BlockKLinear, "Q6_K": BlockKLinear, "Q3_K": BlockKLinear, "Q2_K": BlockKLinear}
 
 
@@ -71,6 +74,8 @@ def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str
     held = sum(t.nbytes for t in layer.buffers())
     if kind in ("Q5_K", "Q6_K"):  # a byte a value, and the file's scales (at most 20 bytes per 256 values)
         assert held <= OUT * IN * (1 + 20 / 256)
+    elif kind in ("Q5_0", "Q5_1", "IQ4_NL"):  # a byte a value, and the file's f16 scales (and Q5_1's mins)
+        assert held <= OUT * IN * (1 + 4 / 32)
     elif kind in ("Q2_K", "Q3_K"):  # half a byte a value, and the scales (at most 36 bytes per 256 values)
         assert held <= OUT * IN * (0.5 + 36 / 256)
     else:
@@ -85,9 +90,10 @@ def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str
     assert all(torch.equal(layer(xb[:n]), layer(xb)[:n]) for n in (1, 3, 17))
 
 
-def test_q8_embedding_looks_up_the_files_rows_and_pads_the_vocabulary() -> None:
-    raw, want = _blocks("Q8_0", seed=1)
-    table = BlockInt8Linear.of(raw, IN, rows=OUT + 8)
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "IQ4_NL"])
+def test_embedding_looks_up_the_files_rows_and_pads_the_vocabulary(kind: str) -> None:
+    raw, want = _blocks(kind, seed=1)
+    table = BlockInt8Linear.of(raw, IN, rows=OUT + 8, kind=kind)
     embed = BlockInt8Embedding(table, torch.float32)
     ids = torch.tensor([[0, 5, 47], [47, 48, 55]])
     padded = torch.cat([torch.from_numpy(want), torch.zeros(8, IN)])
@@ -95,8 +101,17 @@ def test_q8_embedding_looks_up_the_files_rows_and_pads_the_vocabulary() -> None:
     assert embed.head() is table and table.out_features == OUT + 8
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
+def test_k_type_embedding_looks_up_the_files_rows(kind: str) -> None:
+    raw, want = _blocks(kind, seed=3)
+    table = block_linear(kind, raw, IN)
+    assert isinstance(table, BlockKLinear)
+    ids = torch.tensor([[3, 0], [47, 3]])
+    assert torch.equal(BlockInt8Embedding(table, torch.float32)(ids), torch.from_numpy(want)[ids])
+
+
 def test_other_types_are_not_kept() -> None:
-    assert block_linear("Q5_0", np.zeros((4, 22), np.uint8), 32) is None
+    assert block_linear("IQ2_XXS", np.zeros((4, 66), np.uint8), 256) is None
     assert block_linear("Q6_K", np.zeros((4, 105), np.uint8), 128) is None  # not whole super-blocks
     assert block_linear("F16", np.zeros((4, 64), np.uint8), 32) is None
     assert block_linear("Q4_1", np.zeros((40, 20), np.uint8), 32) is None  # 40 outputs: no int4 tiles

@@ -157,7 +157,7 @@ def test_kernel_refuses_groups_it_cannot_read() -> None:
         )
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q5_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q6_K", "Q5_K", "Q3_K", "Q2_K"])
 def test_gguf_blocks_on_the_kernel_are_the_files_weights(kind: str) -> None:
     raw, want = _blocks(kind, seed=2)
     layer = block_linear(kind, raw, IN)

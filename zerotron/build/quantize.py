@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from zerotron.models.gguf_blocks import (
+    INT8_KINDS,
     BlockInt4Linear,
     BlockInt8Embedding,
     BlockInt8Linear,
@@ -283,10 +284,22 @@ def _keep_blocks(
     if not isinstance(embed, nn.Embedding):
         return
     kind, blocks = source.blocks("embed_tokens.weight")
-    if kind != "Q8_0" or embed.embedding_dim % 32:
+    table = _embedding_table(kind, blocks, embed)
+    if table is None:
         done.dense[kind] += 1
         return
-    table = BlockInt8Linear.of(blocks, embed.embedding_dim, rows=embed.num_embeddings)
     done.place(model, "embed_tokens", BlockInt8Embedding(table, embed.weight.dtype), embed.weight, kind)
     if tied:
         set_module(model, "lm_head", table)
+
+
+def _embedding_table(kind: str, blocks: Any, embed: nn.Embedding) -> Optional[BlockInt8Linear]:
+    """A GGUF embedding's blocks kept as a table of a byte a value (padded with zero rows to a
+    vocabulary padded for tensor parallelism: the 32-input types only); None where not kept."""
+    dim, vocab = embed.embedding_dim, embed.num_embeddings
+    if kind in INT8_KINDS and dim % 32 == 0:
+        return BlockInt8Linear.of(blocks, dim, rows=vocab, kind=kind)
+    table = block_linear(kind, blocks, dim)
+    if isinstance(table, BlockInt8Linear) and table.out_features == vocab:  # the K types held a byte a value
+        return table
+    return None

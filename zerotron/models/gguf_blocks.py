@@ -12,8 +12,12 @@ invariance):
   bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can round).
 - **Q8_0** (``w = d·q``, 32 int8 values and one f16 scale a block) becomes :class:`BlockInt8Linear`
   (torch's int8 kernel takes one scale per row, not per block: each call dequantises a chunk of output
-  rows at a time to fp32 and multiplies on at least 16 rows), and as a (tied) embedding
-  :class:`BlockInt8Embedding`, which dequantises the rows it looks up.
+  rows at a time to fp32 and multiplies on at least 16 rows), and so do **Q5_0** (``d·(q − 16)``),
+  **Q5_1** (``d·q + m``) and **IQ4_NL** (``d·kv[q]``, llama.cpp's table of 16 values), their values
+  unpacked to a byte each at load: the types llama.cpp's quantiser falls back to where a matrix's
+  inputs are not whole 256-input super-blocks (Q4_K → Q5_0, Q5_K → Q5_1, Q2_K and Q3_K → IQ4_NL,
+  Q6_K → Q8_0). Any of these, and the K types below, serve as a (tied) embedding
+  (:class:`BlockInt8Embedding`, which dequantises the rows it looks up).
 
 - **Q6_K** (super-blocks of 256 inputs, each 16 of them ``w = d·sc·(q − 32)`` with 6-bit ``q`` and an
   int8 ``sc``) and **Q5_K** (each 32 of 256 ``w = d·sc·q − dmin·mn``, 5-bit ``q``, 6-bit ``sc``, ``mn``)
@@ -43,6 +47,8 @@ from zerotron.models.quant import padded_linear
 
 BLOCK = 32  # inputs per scale in every kept form (Q4_K: per sub-block of its 256-input super-block)
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
+INT8_KINDS = ("Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # blocks of 32 held a byte a value (BlockInt8Linear)
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's
 LOW_BITS = ("Q2_K", "Q3_K")  # kept two values a byte (BlockKLinear)
 
 
@@ -142,7 +148,11 @@ def _scale_zero(kind: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class BlockInt8Linear(nn.Module):
-    """A linear layer of Q8_0 blocks: int8 values ``(out, in)`` and f16 scales ``(out, in / 32)``.
+    """A linear layer of 32-input blocks held one int8 a value, ``(out, in)``, with the file's f16
+    scales ``d`` ``(out, in / 32)``: Q8_0 (``w = d·q``) as the file holds it; Q5_0 (``d·(q − 16)``,
+    the 5-bit values unpacked to ``q − 16``), Q5_1 (``d·q + m``, its f16 ``m`` kept too) and IQ4_NL
+    (``d·kv[q]``, each 4-bit index replaced at load by its entry of llama.cpp's 16-value table) at a
+    byte a value where the file packs 5.5, 6 or 4.5 bits.
 
     torch's int8 kernel takes one scale per row, not per block, so a call dequantises
     :data:`CHUNK_ROWS` output rows at a time to fp32 (``d·q``: exact) and multiplies them through
@@ -152,30 +162,65 @@ class BlockInt8Linear(nn.Module):
     CHUNK_ROWS = 2048  # 9 MiB of fp32 at 576 inputs: 1.6x faster than 4096 rows on a 2-core EPYC
     qweight: torch.Tensor
     d: torch.Tensor
+    m: torch.Tensor  # Q5_1
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+    def __init__(
+        self, q: torch.Tensor, d: torch.Tensor, kind: str = "Q8_0", m: Optional[torch.Tensor] = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
+        self.kind = kind
         self.register_buffer("qweight", q)
         self.register_buffer("d", d)
+        if m is not None:
+            self.register_buffer("m", m)
 
     @classmethod
-    def of(cls, blocks: np.ndarray, in_features: int, rows: Optional[int] = None) -> BlockInt8Linear:
-        """From the file's bytes (one row of 34-byte blocks per output); ``rows``: pad with zero rows
-        to that many outputs (a vocabulary padded for tensor parallelism)."""
+    def of(
+        cls, blocks: np.ndarray, in_features: int, rows: Optional[int] = None, kind: str = "Q8_0"
+    ) -> BlockInt8Linear:
+        """From the file's bytes (one row of blocks per output) of ``kind`` (one of
+        :data:`INT8_KINDS`); ``rows``: pad with zero rows to that many outputs (a vocabulary padded
+        for tensor parallelism)."""
         out = blocks.shape[0]
-        b = blocks.reshape(out, in_features // BLOCK, 34)
-        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(out, in_features).copy())
+        b = blocks.reshape(out, in_features // BLOCK, -1)
+        m = None
+        if kind == "Q8_0":  # d (f16), 32 int8
+            values = np.ascontiguousarray(b[..., 2:]).view(np.int8)
+        elif kind == "IQ4_NL":  # d (f16), 16 bytes of 4-bit indices
+            values = np.array(IQ4_NL_VALUES, np.int8)[_nibbles(b[..., 2:18])]
+        elif kind in ("Q5_0", "Q5_1"):  # d (and Q5_1's m) f16, qh (4 bytes: bit i of value i), qs (16)
+            at = 2 if kind == "Q5_0" else 4
+            qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)  # (out, blocks, 1)
+            high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+            values = (_nibbles(b[..., at + 4 : at + 20]) | (high << 4)).astype(np.int8)
+            if kind == "Q5_0":
+                values = values - np.int8(16)
+            else:
+                m = _f16(b[..., 2:4])
+        else:
+            raise ValueError(f"{kind} blocks are not {', '.join(INT8_KINDS)} blocks")
+        q = torch.from_numpy(np.ascontiguousarray(values).reshape(out, in_features))
         d = _f16(b[..., 0:2])
         if rows is not None and rows > out:
             q = torch.cat([q, q.new_zeros(rows - out, in_features)])
             d = torch.cat([d, d.new_zeros(rows - out, d.shape[1])])
-        return cls(q, d)
+            m = None if m is None else torch.cat([m, m.new_zeros(rows - out, m.shape[1])])
+        return cls(q, d, kind, m)
+
+    def take(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """The output rows ``index`` (a slice, or a tensor of row numbers) of the weight, dequantised
+        to fp32 as the ``gguf`` package computes them: ``d·q``, plus ``m`` for Q5_1."""
+        q = self.qweight[index]
+        n = q.shape[0]
+        w = q.view(n, -1, BLOCK).float() * self.d[index].float()[..., None]
+        if self.kind == "Q5_1":
+            w = w + self.m[index].float()[..., None]
+        return w.view(n, self.in_features)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Output rows ``start:stop`` of the weight, dequantised to fp32."""
-        q = self.qweight[start:stop].view(stop - start, -1, BLOCK).float()
-        return (q * self.d[start:stop, :, None].float()).view(stop - start, self.in_features)
+        return self.take(slice(start, stop))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
@@ -186,7 +231,7 @@ class BlockInt8Linear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight (out, in) in fp32: ``d·q`` per block."""
+        """The weight (out, in) in fp32."""
         return self.rows(0, self.out_features)
 
 
@@ -225,28 +270,30 @@ class BlockKLinear(BlockInt8Linear):
             extra = {"dmin": _f16(b[..., 2:4]), "mn": torch.from_numpy(mins.reshape(out, -1).copy())}
         else:
             raise ValueError(f"{kind} blocks are not Q2_K, Q3_K, Q5_K or Q6_K blocks")
-        super().__init__(torch.from_numpy(q.reshape(out, -1).copy()), d)
-        self.in_features, self.kind, self.group = in_features, kind, group
+        super().__init__(torch.from_numpy(q.reshape(out, -1).copy()), d, kind)
+        self.in_features, self.group = in_features, group
         self.register_buffer("sc", sc)
         for name, part in extra.items():  # Q5_K's and Q2_K's mins
             self.register_buffer(name, part)
 
-    def values(self, start: int, stop: int) -> torch.Tensor:
-        """The values ``q`` of output rows ``start:stop`` (``(n, in)``, int8)."""
-        q = self.qweight[start:stop]
+    def values(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """The values ``q`` of the output rows ``index`` (``(n, in)``, int8)."""
+        q = self.qweight[index]
         if self.kind not in LOW_BITS:
             return q
-        both = torch.stack([q & 0x0F, q >> 4], dim=-1).view(stop - start, self.in_features).to(torch.int8)
+        both = torch.stack([q & 0x0F, q >> 4], dim=-1).view(q.shape[0], self.in_features).to(torch.int8)
         return both - 4 if self.kind == "Q3_K" else both
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Output rows ``start:stop`` in fp32, as the ``gguf`` package computes them: ``(d·sc)·q``, and
+    def take(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """The output rows ``index`` in fp32, as the ``gguf`` package computes them: ``(d·sc)·q``, and
         for Q5_K and Q2_K minus ``dmin·mn``."""
-        n, per = stop - start, 256 // self.group
-        scale = self.d[start:stop].float().repeat_interleave(per, dim=1) * self.sc[start:stop].float()
-        w = self.values(start, stop).view(n, -1, self.group).float() * scale[..., None]
+        per = 256 // self.group
+        scale = self.d[index].float().repeat_interleave(per, dim=1) * self.sc[index].float()
+        q = self.values(index)
+        n = q.shape[0]
+        w = q.view(n, -1, self.group).float() * scale[..., None]
         if self.kind in ("Q5_K", "Q2_K"):
-            mins = self.dmin[start:stop].float().repeat_interleave(per, dim=1) * self.mn[start:stop].float()
+            mins = self.dmin[index].float().repeat_interleave(per, dim=1) * self.mn[index].float()
             w = w - mins[..., None]
         return w.view(n, self.in_features)
 
@@ -279,8 +326,9 @@ def _low_bits(
 
 
 class BlockInt8Embedding(nn.Module):
-    """An embedding of Q8_0 blocks: each looked-up row dequantised (``d·q``, exact in fp32) in ``dtype``;
-    :meth:`head` is the output head tied to it (the same tensors)."""
+    """An embedding of blocks held a byte a value (:class:`BlockInt8Linear`, K types included): each
+    looked-up row dequantised (exact in fp32) in ``dtype``; :meth:`head` is the output head tied to it
+    (the same tensors)."""
 
     def __init__(self, table: BlockInt8Linear, dtype: torch.dtype) -> None:
         super().__init__()
@@ -288,9 +336,7 @@ class BlockInt8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        q = self.table.qweight[flat].view(flat.shape[0], -1, BLOCK).float()
-        rows = q * self.table.d[flat, :, None].float()
+        rows = self.table.take(ids.reshape(-1))
         return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def head(self) -> BlockInt8Linear:
@@ -311,8 +357,8 @@ def block_linear(
     whole = in_features % block_inputs(kind) == 0
     if kind in INT4_KINDS and whole and blocks.shape[0] % 16 == 0:  # torch's int4 packing: 16 outputs a tile
         return BlockInt4Linear(kind, blocks, in_features, dtype)
-    if kind == "Q8_0":
-        return BlockInt8Linear.of(blocks, in_features)
+    if kind in INT8_KINDS and whole:
+        return BlockInt8Linear.of(blocks, in_features, kind=kind)
     if kind in ("Q6_K", "Q5_K", *LOW_BITS) and whole:
         return BlockKLinear(kind, blocks, in_features)
     return None

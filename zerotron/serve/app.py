@@ -340,7 +340,7 @@ def _startup_line(engine: Engine, options: ServerOptions, bound: str) -> str:
             f" (quantized {engine.runner.quantized.describe()}: {engine.runner.quantized.after / 2**20:.1f} MiB, "
             f"{engine.runner.quantized.before / 2**20:.1f} MiB unquantized"
             + (
-                f"; {engine.runner.int8_native} 8-bit linears on the native kernel"
+                f"; {engine.runner.int8_native} linears on the native 8/4-bit kernel"
                 if engine.runner.int8_native
                 else ""
             )

@@ -1,6 +1,7 @@
 """Served 8- and 4-bit weights on zerotron's grouped kernel (:func:`zerotron.serve.kernels.q8_linear`).
 
-The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks, and
+The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks (and
+Q5_0's, Q5_1's and IQ4_NL's unpacked to a byte a value), and
 Q3_K's and Q2_K's at 4 bits a value (:mod:`zerotron.models.gguf_blocks`), and 8-bit GPTQ and
 compressed-tensors checkpoints
 (:class:`~zerotron.models.hf_packed.PackedInt8Linear`). Their own forwards multiply through torch's
@@ -68,9 +69,12 @@ def _tables(module: nn.Module, four_bit: bool) -> Optional[Tables]:
             return None
         values = module.qweight.transpose(0, 1)  # (groups, out, group) -> (out, groups, group)
         return values, (module.scales.T, None), (module.zero_term, None), 0, False
-    if type(module) is BlockInt8Linear:  # Q8_0: d·q per 32 inputs
+    if type(module) is BlockInt8Linear:  # Q8_0, Q5_0, IQ4_NL: d·q per 32 inputs; Q5_1: d·q + m
         n, k = module.qweight.shape
-        return module.qweight.view(n, k // 32, 32), (module.d, None), (None, None), 0, False
+        values = module.qweight.view(n, k // 32, 32)
+        if module.kind == "Q5_1":
+            return values, (module.d, None), (module.m, None), 0, True
+        return values, (module.d, None), (None, None), 0, False
     if isinstance(module, BlockKLinear):  # (d·sc)·q, less dmin·mn for Q5_K and Q2_K
         n, groups = module.out_features, module.in_features // module.group
         low = module.kind in LOW_BITS  # Q2_K's q and Q3_K's q + 4, two a byte
@@ -105,9 +109,11 @@ def int8_kernels(model: nn.Module, four_bit: bool = False) -> int:
     :func:`~zerotron.serve.kernels.q8_available`."""
     count = 0
     for module in model.modules():
-        tables = _tables(module, four_bit)
+        # once moved, a module keeps its operands (a 4-bit one's values are no longer torch's packed form)
+        tables = getattr(module, "q8_tables", None) or _tables(module, four_bit)
         if tables is None:
             continue
+        module.__dict__["q8_tables"] = tables  # a plain attribute (nn.Module's setattr types it)
         if isinstance(module, (PackedInt8Linear, PackedInt4Linear, Int4Linear)):
             module.forward = functools.partial(_packed_forward, module, tables)  # type: ignore[method-assign]
         else:
