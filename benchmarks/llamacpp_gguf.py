@@ -185,14 +185,7 @@ def tiny(out: Path) -> None:
         print(file, sorted(set(types.values())))
 
 
-HELD_TEXT = (  # tests/test_serve_quant.py's held text
-    "The lighthouse stood at the end of a narrow spit of rock, and for a hundred years its keepers had "
-    "climbed the spiral stair each evening to light the lamp. Ships passing in the night took their "
-    "bearings from its slow white flash, and the fishermen of the village below said they could tell "
-    "the weather by the way the beam fell on the water. When the light was automated, the last keeper "
-    "stayed on in the cottage beside it, tending a garden of herbs and writing letters to the sailors "
-    "who still remembered him."
-)
+HELD_TEXT = (Path(__file__).parents[1] / "tests" / "data" / "held_text.txt").read_text().strip()
 PROMPT = "Write a short story about a robot who learns to paint."
 DECODE, REPEATS = 64, 3
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,13 +144,8 @@ def test_quantization_refusals_name_what_to_change(model: object) -> None:
 
 
 HELD_TEXT = (
-    "The lighthouse stood at the end of a narrow spit of rock, and for a hundred years its keepers had "
-    "climbed the spiral stair each evening to light the lamp. Ships passing in the night took their "
-    "bearings from its slow white flash, and the fishermen of the village below said they could tell "
-    "the weather by the way the beam fell on the water. When the light was automated, the last keeper "
-    "stayed on in the cottage beside it, tending a garden of herbs and writing letters to the sailors "
-    "who still remembered him."
-)
+    (Path(__file__).parent / "data" / "held_text.txt").read_text().strip()
+)  # also the GGUF benchmark's
 
 
 @pytest.mark.smollm2
