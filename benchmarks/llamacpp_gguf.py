@@ -202,11 +202,24 @@ def run_zerotron(path: str, dtype: str = "float32") -> dict[str, object]:
 
     from zerotron.components.sampling import SamplingParams
     from zerotron.models.quant import weight_bytes
+    from zerotron.serve import kernels
     from zerotron.serve.app import load_engine
     from zerotron.serve.engine import EngineConfig
+    from zerotron.serve.linears import onednn_kernels
 
     torch.set_num_threads(2)
-    config = EngineConfig(quantization="gguf", max_num_seqs=8, max_model_len=512, dtype=dtype)
+    # the kernels `zerotron serve` chooses on a CPU: native paged attention, and native (else oneDNN)
+    # packed linears for the matrices not kept as blocks
+    native = kernels.why_no_native_matmul(getattr(torch, dtype)) is None
+    config = EngineConfig(
+        quantization="gguf",
+        max_num_seqs=8,
+        max_model_len=512,
+        dtype=dtype,
+        native_attention=kernels.available(),
+        native_matmul=native,
+        onednn=not native and onednn_kernels(getattr(torch, dtype)),
+    )
     engine = load_engine(path, config)
     tok = engine.tokenizer
     held, prompt = tok.encode(HELD_TEXT), tok.encode(PROMPT)

@@ -168,8 +168,8 @@ class StepRunner:
         # 8-bit weights with a scale per group of inputs (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ) on the native
         # grouped kernel where the CPU runs it, and in fp32 the 4-bit ones (torch's int4 kernel is slow
         # in fp32: SmolLM2's Q2_K file decoded 4.3 tok/s on it, 18.1 on ours); else torch's kernels
-        native = self.quantized and device.type == "cpu" and kernels.q8_available()
-        self.int8_native = int8_kernels(model, four_bit=dtype == torch.float32) if native else 0
+        grouped = bool(self.quantized) and device.type == "cpu" and kernels.q8_available()
+        self.int8_native = int8_kernels(model, four_bit=dtype == torch.float32) if grouped else 0
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
         lora_linear = invariant_linear(dtype, fixed)
