@@ -108,12 +108,17 @@ def test_llamacpp_logits_of_the_sources_match_zerotron_in_fp32(name: str, tmp_pa
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3 * np.abs(theirs).max())
 
 
-@pytest.mark.parametrize("name", ["k256-Q3_K_M.gguf", "k96-Q4_K_M.gguf", "k96-Q5_K_M.gguf"])
+@pytest.mark.parametrize(
+    "name", ["k256-Q3_K_M.gguf", "k96-Q4_K_M.gguf", "k96-Q5_K_M.gguf", "k96-IQ4_XS.gguf"]
+)
 def test_the_engine_serves_llamacpp_files_on_its_kernels(name: str) -> None:
-    """Through the serving engine (the native kernels where they build), alone and batched: the greedy
-    tokens of the model the ``gguf`` package dequantises, and llama.cpp's first token."""
+    """Through the serving engine with the kernels ``zerotron serve`` picks on this CPU (the grouped
+    kernel for the blocks; native attention and packed linears for the matrices not kept, as IQ4_XS's,
+    beside a kept embedding), alone and batched: the greedy tokens of the model the ``gguf`` package
+    dequantises, and llama.cpp's first token."""
     from tests.test_serve_engine import _run
     from zerotron.components.sampling import SamplingParams
+    from zerotron.serve import kernels
     from zerotron.serve.engine import Engine, EngineConfig
 
     path = str(DATA / name)
@@ -122,11 +127,15 @@ def test_the_engine_serves_llamacpp_files_on_its_kernels(name: str) -> None:
     tokens = LOGITS["tokens"].tolist()
     prompts = [tokens, tokens[:7], tokens[5:16]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    ours = _run(Engine(kept, tokenizer, EngineConfig(quantization="gguf", max_model_len=64)), prompts, params)
+    served = EngineConfig(
+        quantization="gguf",
+        max_model_len=64,
+        native_attention=kernels.available(),
+        native_matmul=kernels.why_no_native_matmul(torch.float32) is None,
+    )
+    engine = Engine(kept, tokenizer, served)
+    ours = _run(engine, prompts, params)
     ref = _run(Engine(dense, tokenizer, EngineConfig(max_model_len=64)), prompts, params)
     assert [t for t, _ in ours] == [t for t, _ in ref]
-    alone = _run(
-        Engine(kept, tokenizer, EngineConfig(quantization="gguf", max_model_len=64)), prompts[1:2], params
-    )
-    assert alone[0][0] == ours[1][0]
+    assert _run(engine, prompts[1:2], params)[0][0] == ours[1][0]
     assert ours[0][0][0] == int(LOGITS[name.removesuffix(".gguf")][-1].argmax())

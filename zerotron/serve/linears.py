@@ -235,13 +235,13 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
         return False
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     pack, run, _ = kernels.native_linear(dtype) if native else (None, None, "")
-    shared = getattr(model, "embed_tokens", None)
+    shared = getattr(getattr(model, "embed_tokens", None), "weight", None)  # none: a GGUF file's blocks
     head = getattr(model, "lm_head", None)  # sees one row per sampled sequence: 32-row chunks
     wide_of: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
     def free_dense(parts: list[nn.Linear]) -> None:
         for m in parts:
-            if shared is None or m.weight is not shared.weight:  # a tied head keeps the embedding's matrix
+            if shared is None or m.weight is not shared:  # a tied head keeps the embedding's matrix
                 m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
 
     held = [0]  # bytes of the packed weights, which live outside the model's parameters
