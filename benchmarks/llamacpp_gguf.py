@@ -1,8 +1,9 @@
 """GGUF files quantised by llama.cpp's own quantiser, and llama.cpp's logits on them.
 
 Needs llama-cpp-python (llama.cpp's C library and its Python binding, built from source by pip:
-minutes on a small machine), which zerotron itself does not need; run it once to (re)make the test
-data, or for the benchmark beside llama.cpp:
+minutes on a small machine), which zerotron itself does not need, installed beside zerotron for
+``tiny`` and ``quantize`` (``compare`` can take it from another Python: ``--llama-python``); run it
+once to (re)make the test data, or for the benchmark beside llama.cpp:
 
     pip install llama-cpp-python
     python benchmarks/llamacpp_gguf.py tiny tests/data/llamacpp
@@ -66,23 +67,6 @@ TOKENS = [
 ]  # the evaluated ids
 
 
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-to-character table: the 256 one-byte tokens of a byte-level BPE vocabulary."""
-    keep = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 def write_tiny(path: Path, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seed: int = 0) -> None:
     """A one-layer random Llama in f32 with a byte-level BPE vocabulary (256 bytes, a few merges, two
     control tokens) and an output head of its own."""
@@ -101,7 +85,10 @@ def write_tiny(path: Path, hidden: int, heads: int, kv: int, ffn: int, vocab: in
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    alphabet = _byte_alphabet()
+    from zerotron.models.tokenizer import _bytes_to_unicode  # here: `_one llamacpp` runs without zerotron
+
+    spelling = _bytes_to_unicode()  # GPT-2's byte-to-character table, as zerotron's tokenizer reads it
+    alphabet = [spelling[b] for b in range(256)]
     merges = [f"{alphabet[a]} {alphabet[b]}" for a, b in zip(range(65, 91), range(97, 123))][: vocab - 258]
     tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|bos|>", "<|eos|>"]
     assert len(tokens) == vocab, (len(tokens), vocab)

@@ -15,9 +15,9 @@ invariance):
   rows at a time to fp32 and multiplies on at least 16 rows), and so do **Q5_0** (``d·(q − 16)``),
   **Q5_1** (``d·q + m``) and **IQ4_NL** (``d·kv[q]``, llama.cpp's table of 16 values), their values
   unpacked to a byte each at load: the types llama.cpp's quantiser falls back to where a matrix's
-  inputs are not whole 256-input super-blocks (Q4_K → Q5_0, Q5_K → Q5_1, Q2_K and Q3_K → IQ4_NL,
-  Q6_K → Q8_0). Any of these, and the K types below, serve as a (tied) embedding
-  (:class:`BlockInt8Embedding`, which dequantises the rows it looks up).
+  inputs are not whole 256-input super-blocks (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, the IQ
+  types → IQ4_NL; Q2_K and Q3_K → Q4_0, above). Any of these, and the K types below, serve as a
+  (tied) embedding (:class:`BlockInt8Embedding`, which dequantises the rows it looks up).
 
 - **Q6_K** (super-blocks of 256 inputs, each 16 of them ``w = d·sc·(q − 32)`` with 6-bit ``q`` and an
   int8 ``sc``) and **Q5_K** (each 32 of 256 ``w = d·sc·q − dmin·mn``, 5-bit ``q``, 6-bit ``sc``, ``mn``)
@@ -218,21 +218,17 @@ class BlockInt8Linear(nn.Module):
             w = w + self.m[index].float()[..., None]
         return w.view(n, self.in_features)
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Output rows ``start:stop`` of the weight, dequantised to fp32."""
-        return self.take(slice(start, stop))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         y = rows.new_empty(rows.shape[0], self.out_features)
         for start in range(0, self.out_features, self.CHUNK_ROWS):
             stop = min(start + self.CHUNK_ROWS, self.out_features)
-            y[:, start:stop] = padded_linear(self.rows(start, stop), None, rows)
+            y[:, start:stop] = padded_linear(self.take(slice(start, stop)), None, rows)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """The weight (out, in) in fp32."""
-        return self.rows(0, self.out_features)
+        return self.take(slice(None))
 
 
 class BlockKLinear(BlockInt8Linear):

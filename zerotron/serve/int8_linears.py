@@ -113,7 +113,7 @@ def int8_kernels(model: nn.Module, four_bit: bool = False) -> int:
         tables = getattr(module, "q8_tables", None) or _tables(module, four_bit)
         if tables is None:
             continue
-        module.__dict__["q8_tables"] = tables  # a plain attribute (nn.Module's setattr types it)
+        setattr(module, "q8_tables", tables)  # noqa: B010 - a plain attribute, not a tensor or module
         if isinstance(module, (PackedInt8Linear, PackedInt4Linear, Int4Linear)):
             module.forward = functools.partial(_packed_forward, module, tables)  # type: ignore[method-assign]
         else:
