@@ -44,6 +44,7 @@ FLAGS = {
     "quantization": "--quantization",
     "speculative": "--speculative-config",
     "kv_cache_dtype": "--kv-cache-dtype",
+    "quantize_activations": "--quantize-activations",
 }
 DEFAULT_MAX_LORAS = 4
 
@@ -84,6 +85,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "speculative": speculative(args),
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantize_activations": args.quantize_activations,
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)

@@ -74,6 +74,8 @@ class EngineConfig:
     kv_cache_dtype: str = (
         "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 | int8 (serve.kv_quant)
     )
+    # the quantised weights times activations quantised to int8 per 32 inputs (kernels.q8a8_linear)
+    quantize_activations: bool = False
 
     def __post_init__(self) -> None:
         self._check_limits()
@@ -149,6 +151,14 @@ class EngineConfig:
             raise EngineConfigError("onednn", packs)
         if self.quantization is not None:
             self._check_quantization(device)
+        if self.quantize_activations:
+            why = (
+                "the kernel runs on the CPU"
+                if device is not None and device.type != "cpu"
+                else kernels.why_no_q8a8()
+            )
+            if why is not None:
+                raise EngineConfigError("quantize_activations", f"not available: {why}")
         layers = isinstance(self.speculative, DraftConfig) and self.speculative.draft_layers is not None
         if layers and (self.tp > 1 or self.max_loras):
             raise EngineConfigError(

@@ -23,6 +23,7 @@ in fp32 a GGUF file's own f16 scales (Q4_0 ``d·(q − 8)``, Q4_1 ``d·q + m``, 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 
 from zerotron.models.gguf_blocks import LOW_BITS, BlockInt4Linear, BlockInt8Linear, BlockKLinear
 from zerotron.models.hf_packed import PackedInt4Linear, PackedInt8Linear
-from zerotron.models.quant import Int4Linear, int4pack_values
+from zerotron.models.quant import Int4Linear, Int8Linear, int4pack_values
 from zerotron.serve import kernels
 
 Scales = tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -59,9 +60,13 @@ def _int4_tables(module: Int4Linear | BlockInt4Linear | PackedInt4Linear) -> Tab
     return values, (scale, None), (zero, None), 8, True
 
 
-def _tables(module: nn.Module, four_bit: bool) -> Optional[Tables]:
+def _tables(module: nn.Module, four_bit: bool, activations: bool = False) -> Optional[Tables]:
     """The kernel's operands of ``module``: values (n, groups, group), scale and min factors; None
-    for a module the kernel does not run."""
+    for a module the kernel does not run (``--quantization int8``'s per-row linears: torch's kernel,
+    but with 8-bit activations, one group of all inputs)."""
+    if activations and type(module) is Int8Linear:
+        n, k = module.qweight.shape
+        return module.qweight.view(n, 1, k), (module.scales.view(n, 1), None), (None, None), 0, False
     if isinstance(module, INT4):  # a padded part of act-order groups stays on torch's kernel
         return _int4_tables(module) if four_bit and not getattr(module, "padded", False) else None
     if isinstance(module, PackedInt8Linear):
@@ -84,8 +89,11 @@ def _tables(module: nn.Module, four_bit: bool) -> Optional[Tables]:
     return None
 
 
+Linear = Callable[..., torch.Tensor]  # kernels.q8_linear or kernels.q8a8_linear
+
+
 def _packed_forward(
-    module: PackedInt8Linear | PackedInt4Linear | Int4Linear, tables: Tables, x: torch.Tensor
+    linear: Linear, module: PackedInt8Linear | PackedInt4Linear | Int4Linear, tables: Tables, x: torch.Tensor
 ) -> torch.Tensor:
     rows = x.reshape(-1, module.in_features)
     if getattr(module, "padded", False):  # parts of act-order groups: the padding's inputs read a zero
@@ -93,30 +101,43 @@ def _packed_forward(
     order: Optional[torch.Tensor] = getattr(module, "order", None)  # Int4Linear has none
     if order is not None:  # act-order: the inputs in the groups' order
         rows = rows[:, order]
-    out = kernels.q8_linear(rows, *tables).to(x.dtype)
+    out = linear(rows, *tables).to(x.dtype)
     if module.bias is not None:
         out = out + module.bias
     return out.view(*x.shape[:-1], module.out_features)
 
 
-def _block_forward(tables: Tables, x: torch.Tensor) -> torch.Tensor:
-    return kernels.q8_linear(x, *tables).to(x.dtype)
+def _block_forward(linear: Linear, module: nn.Module, tables: Tables, x: torch.Tensor) -> torch.Tensor:
+    out = linear(x, *tables).to(x.dtype)
+    bias: Optional[torch.Tensor] = getattr(module, "bias", None)
+    return out if bias is None else out + bias
 
 
-def int8_kernels(model: nn.Module, four_bit: bool = False) -> int:
+QUANTIZED = (*INT4, PackedInt8Linear, BlockInt8Linear, BlockKLinear, Int8Linear)
+
+
+def int8_kernels(model: nn.Module, four_bit: bool = False, activations: bool = False) -> int:
     """Run ``model``'s 8-bit linears that the kernel takes on it (their forwards replaced), and its
-    4-bit ones where ``four_bit``; returns how many. Call only where
-    :func:`~zerotron.serve.kernels.q8_available`."""
+    4-bit ones where ``four_bit``; returns how many. ``activations``: every quantised linear (4-bit
+    ones and ``--quantization int8``'s too) on :func:`~zerotron.serve.kernels.q8a8_linear`, the rows
+    quantised to int8, or a ValueError naming the first it cannot take. Call only where
+    :func:`~zerotron.serve.kernels.q8_available` (and ``q8a8_available`` for ``activations``)."""
     count = 0
-    for module in model.modules():
+    linear = kernels.q8a8_linear if activations else kernels.q8_linear
+    for name, module in model.named_modules():
         # once moved, a module keeps its operands (a 4-bit one's values are no longer torch's packed form)
-        tables = getattr(module, "q8_tables", None) or _tables(module, four_bit)
+        tables = getattr(module, "q8_tables", None) or _tables(module, four_bit or activations, activations)
         if tables is None:
+            if activations and isinstance(module, QUANTIZED):
+                raise ValueError(
+                    f"{name} ({type(module).__name__}) is not on the 8-bit-activation kernel (an act-order "
+                    "GPTQ part, or a layout it does not read); serve without the flag"
+                )
             continue
         setattr(module, "q8_tables", tables)  # noqa: B010 - a plain attribute, not a tensor or module
         if isinstance(module, (PackedInt8Linear, PackedInt4Linear, Int4Linear)):
-            module.forward = functools.partial(_packed_forward, module, tables)  # type: ignore[method-assign]
+            module.forward = functools.partial(_packed_forward, linear, module, tables)  # type: ignore[method-assign]
         else:
-            module.forward = functools.partial(_block_forward, tables)
+            module.forward = functools.partial(_block_forward, linear, module, tables)
         count += 1
     return count

@@ -1,6 +1,6 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in nine files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in ten files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
 - ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels (the
@@ -11,6 +11,8 @@ order, byte for byte:
   bf16), inside the namespace;
 - ``linear_int8.cpp``: the linear layers of 8-bit weights with a scale (and a min) per group of
   inputs, on AVX2, inside the namespace;
+- ``linear_vnni.cpp``: the linear layers of those weights times 8-bit-quantised activations, on
+  AVX512-VNNI, inside the namespace;
 - ``attention_dot.cpp``: the paged attention of bf16 rows on AVX512-BF16 (it uses the row blocks and
   their dealing to threads of ``attention.cpp``; its packing and softmax helpers serve the tile kernel
   too);
@@ -34,6 +36,7 @@ PARTS = (
     "attention_avx2.cpp",
     "linear.cpp",
     "linear_int8.cpp",
+    "linear_vnni.cpp",
     "attention_dot.cpp",
     "attention_tiles.cpp",
     "layer.cpp",

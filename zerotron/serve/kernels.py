@@ -88,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v25"
+_NAME = "zerotron_kernels_v26e"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -101,6 +101,8 @@ _FUNCTIONS = [
     "q8_built",
     "q8_cpu",
     "q8_linear",
+    "vnni_cpu",
+    "q8a8_linear",
     "rms_norm",
     "silu_mul",
     "rope_store",
@@ -369,6 +371,56 @@ def q8_linear(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y: torch.Tensor = _built().q8_linear(
+        rows, values, scales[0], scales[1], mins[0], mins[1], offset, add_mins
+    )
+    return y.view(*x.shape[:-1], values.shape[0])
+
+
+def q8a8_available() -> bool:
+    """Whether :func:`q8a8_linear` runs here: the kernels built with its code (x86-64) and a CPU with
+    AVX512-VNNI (with AVX512-BW, -VL and -DQ)."""
+    return why_no_q8a8() is None
+
+
+def why_no_q8a8() -> Optional[str]:
+    """Why :func:`q8a8_available` is False (None when it is True)."""
+    return _why_no_kernel(
+        "q8_built",
+        lambda m: bool(m.vnni_cpu()),
+        "8-bit linear code (an x86-64 CPU and GCC or clang are needed)",
+        "this CPU has no AVX512-VNNI (with AVX512-BW, -VL and -DQ)",
+    )
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """The rows :func:`q8a8_linear` multiplies, in PyTorch: ``x`` (..., K), K a multiple of 32,
+    quantised per block of 32 inputs to ``d·round(x / d)``, ``d = max|x| / 127`` (half to even; an
+    all-zero block stays zero), returned as fp32 — the definition the kernel follows, for references."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
+    return (q * d).reshape(x.shape)
+
+
+def q8a8_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
+    mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+    offset: int = 0,
+    add_mins: bool = False,
+) -> torch.Tensor:
+    """:func:`q8_linear`'s product with the rows quantised to 8 bits, as llama.cpp and vLLM's GGUF
+    kernels multiply: each row's blocks of 32 inputs as :func:`quantize_rows` defines them, the
+    integer products of those and the weights' values summed exactly (AVX512-VNNI), scaled by the
+    groups' scales times the blocks' ``d``, less the mins times the quantised inputs' sums. In real
+    arithmetic it is ``quantize_rows(x) @ w.T``; in fp32 each output is 16 lanes of fused
+    multiply-adds in k order, added in a fixed tree: a row's result is the same in any batch. The
+    same operands as :func:`q8_linear` but bf16 weights. Returns (..., n) fp32."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y: torch.Tensor = _built().q8a8_linear(
         rows, values, scales[0], scales[1], mins[0], mins[1], offset, add_mins
     )
     return y.view(*x.shape[:-1], values.shape[0])

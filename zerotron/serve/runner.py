@@ -163,13 +163,7 @@ class StepRunner:
         assert fixed is not None  # for_model fills it
         self.model, self.kv, self.native, self.triton = model, kv, native, triton_attention
         sixteen = dtype in (torch.bfloat16, torch.float16)
-        # int8/int4 weights: their own kernels, never packed, chunked or routed (not plain nn.Linear)
-        self.quantized = quantized_model(model, cfg.quantization)
-        # 8-bit weights with a scale per group of inputs (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ) on the native
-        # grouped kernel where the CPU runs it, and in fp32 the 4-bit ones (torch's int4 kernel is slow
-        # in fp32: SmolLM2's Q2_K file decoded 4.3 tok/s on it, 18.1 on ours); else torch's kernels
-        grouped = bool(self.quantized) and device.type == "cpu" and kernels.q8_available()
-        self.int8_native = int8_kernels(model, four_bit=dtype == torch.float32) if grouped else 0
+        self._quantized_kernels(model, cfg, device, dtype)
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
         lora_linear = invariant_linear(dtype, fixed)
@@ -211,6 +205,30 @@ class StepRunner:
         nccl = self.group is not None and self.group.backend == "nccl"
         self.wire = device if nccl else torch.device("cpu")
         self.last_signal = time.monotonic()
+
+    def _quantized_kernels(
+        self, model: nn.Module, cfg: EngineConfig, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        """The quantised linears' kernels: torch's, the native grouped kernel, or with
+        ``quantize_activations`` the 8-bit-activation one."""
+        # int8/int4 weights: their own kernels, never packed, chunked or routed (not plain nn.Linear)
+        self.quantized = quantized_model(model, cfg.quantization)
+        # 8-bit weights with a scale per group of inputs (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ) on the native
+        # grouped kernel where the CPU runs it, and in fp32 the 4-bit ones (torch's int4 kernel is slow
+        # in fp32: SmolLM2's Q2_K file decoded 4.3 tok/s on it, 18.1 on ours); else torch's kernels
+        grouped = bool(self.quantized) and device.type == "cpu" and kernels.q8_available()
+        acts = cfg.quantize_activations  # every quantised linear on the 8-bit-activation kernel
+        if acts and not self.quantized:
+            raise EngineConfigError(
+                "quantize_activations",
+                "it multiplies quantised weights: give --quantization (int8, int4, gguf) or a packed "
+                "checkpoint",
+            )
+        four_bit = dtype == torch.float32 or acts
+        try:
+            self.int8_native = int8_kernels(model, four_bit, activations=acts) if grouped else 0
+        except ValueError as err:
+            raise EngineConfigError("quantize_activations", str(err)) from None
 
     @classmethod
     def sharing(cls, runner: StepRunner, model: LlamaForCausalLM, kv: KVPool) -> StepRunner:

@@ -186,3 +186,46 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::T
   TORCH_CHECK(false, "this build has no 8-bit linear kernel");
 #endif
 }
+
+// Whether this CPU runs the 8-bit-activation kernel's AVX512-VNNI (and BW, VL, DQ) instructions.
+bool vnni_cpu() {
+#if defined(ZT_VNNI)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// q8_linear's operands (int8 values or 4-bit ones two a byte, not bf16 weights) times the rows
+// quantised to int8 per block of 32 inputs (q8a8_linear_run): (rows, n) fp32.
+torch::Tensor q8a8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
+                          std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
+                          std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
+  const bool nibbles = q.scalar_type() == torch::kByte;
+  TORCH_CHECK(q.dim() == 3 && (nibbles || q.scalar_type() == torch::kChar) && q.stride(2) == 1,
+              "int8 values (n, groups, group) or uint8 pairs (n, groups, group / 2)");
+  TORCH_CHECK(nibbles || offset == 0, "an offset for values two a byte only");
+  TORCH_CHECK(offset >= 0 && offset < 16, "an offset of 0 to 15");
+  TORCH_CHECK(s1.has_value(), "a scale table");
+  const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
+  TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
+  TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
+  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+#if defined(ZT_VNNI)
+  TORCH_CHECK(vnni_cpu(), "this CPU has no AVX512-VNNI");
+  Q8Problem t{x.data_ptr<float>(), y.data_ptr<float>(), static_cast<const int8_t*>(q.data_ptr()), q.stride(0),
+              q.stride(1), nibbles ? 1 : 0, static_cast<int32_t>(offset),
+              q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"), q8_factor(m1, n, groups, "m1"),
+              q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n, x.size(1), group, 0, 0};
+  pybind11::gil_scoped_release no_gil;
+  q8a8_linear_run(t);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no 8-bit-activation kernel");
+#endif
+}

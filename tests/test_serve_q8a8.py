@@ -1,0 +1,177 @@
+"""Quantised weights times 8-bit activations (``kernels.q8a8_linear``, ``zerotron serve
+--quantize-activations``).
+
+References: the rows quantised in PyTorch as the kernel's docstring defines it (``quantize_rows``:
+blocks of 32 inputs, ``d = max|x| / 127``, round half to even) times the weights computed from their
+parts in float64 (``tests.test_serve_int8._reference``: values times the factors, less the mins);
+llama.cpp's own logits on its files (it quantises activations too); the engine's greedy tokens beside
+a dense model (the ``gguf`` package's dequantised weights) whose linears see the quantised rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_serve_int8 import CASES, _factor, _reference
+from zerotron.build.builder import load_model
+from zerotron.serve import kernels
+from zerotron.serve.config import EngineConfig, EngineConfigError
+from zerotron.serve.int8_linears import QUANTIZED, int8_kernels
+
+pytestmark = pytest.mark.skipif(
+    not kernels.q8a8_available(), reason=f"no 8-bit-activation kernel here: {kernels.why_no_q8a8()}"
+)
+
+DATA = Path(__file__).parent / "data" / "llamacpp"
+
+
+def _operands(case: str, gen: torch.Generator) -> tuple:
+    n, groups, group, scale_spec, min_spec = CASES[case]
+    values = torch.randint(-128, 128, (n, groups, group), generator=gen, dtype=torch.int8)
+    offset = {"q3_k": 4, "q4_0": 8, "int4-bf16": 8}.get(case.rsplit("-", 1)[0], 0)
+    add = case in ("q4_1-nibbles", "int4-bf16-nibbles")
+    if case.endswith("nibbles"):
+        values = torch.randint(0, 256, (n, groups, group // 2), generator=gen, dtype=torch.uint8)
+    scales = tuple(_factor(d, n, e, gen) for d, e in scale_spec) + (None,) * (2 - len(scale_spec))
+    mins = tuple(_factor(d, n, e, gen) for d, e in min_spec) + (None,) * (2 - len(min_spec))
+    if case == "gptq-asym":  # values group-major as GPTQ keeps them: (groups, out, group) read transposed
+        values = values.transpose(0, 1).contiguous().transpose(0, 1)
+        scales = (scales[0].T.contiguous().T, None)
+    return values, scales, mins, offset, add
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1] * CASES[c][2] % 32 == 0])
+def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    values, scales, mins, offset, add = _operands(case, gen)
+    k = CASES[case][1] * CASES[case][2]
+    x = torch.randn(23, k, generator=gen) * torch.rand(23, 1, generator=gen) * 4
+    x[3] = 0  # an all-zero row: zero blocks
+    x[4, :40] = 0
+    x[6, 7] = 1e4  # one large input: its block's others round to zero
+    y = kernels.q8a8_linear(x, values, scales, mins, offset, add)
+    ref = _reference(kernels.quantize_rows(x), values, scales, mins, offset, add)
+    # integer sums exact; fp32 scaling and sums of at most K/64 chunks and 16 lanes
+    err = (y.double() - ref).abs().max() / ref.abs().max()
+    assert err <= 1e-6, err
+    # against the unquantised rows the gap is the activations' rounding (an error a test would miss
+    # if the kernel ignored the quantisation)
+    plain = _reference(x[:3], values, scales, mins, offset, add)
+    assert (y[:3].double() - plain).abs().max() / plain.abs().max() > 1e-4
+    # a row's numbers are its own at any batch (4-row blocks, single rows, threads)
+    alone = [kernels.q8a8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
+    assert torch.equal(torch.cat(alone), y)
+    assert torch.equal(kernels.q8a8_linear(x[5:14], values, scales, mins, offset, add), y[5:14])
+
+
+def test_quantize_rows_is_llamacpp_q8_0() -> None:
+    """quantize_rows, the reference's definition, is the ``gguf`` package's Q8_0 round trip (llama.cpp's
+    block of 32 values, d = max|x| / 127, as f16: the d here stays fp32, so the values agree where f16
+    holds d exactly and the rounding of x / d is the same)."""
+    gguf = pytest.importorskip("gguf")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 256, generator=gen)
+    d = x.view(8, 8, 32).abs().amax(-1, keepdim=True) / 127
+    x = (x.view(8, 8, 32) / d * d.half().float()).view(8, 256)  # blocks whose d is an f16 number
+    ours = kernels.quantize_rows(x).numpy()
+    theirs = gguf.dequantize(
+        gguf.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    )
+    quantum = d.expand(8, 8, 32).reshape(8, 256).numpy()
+    off = np.abs(ours - theirs)
+    assert (off > 0.5 * quantum).mean() < 0.01  # the same integers but at ties of x / d
+    assert off.max() <= 1.01 * quantum.max()
+
+
+def test_kernel_refuses_bf16_weights_and_needs_scales() -> None:
+    w = torch.randn(16, 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="int8 values"):
+        kernels.q8a8_linear(torch.randn(2, 64), w, (None, None))
+    with pytest.raises(RuntimeError, match="scale"):
+        kernels.q8a8_linear(torch.randn(2, 64), torch.zeros(16, 2, 32, dtype=torch.int8), (None, None))
+
+
+def _llamacpp(name: str) -> tuple[torch.nn.Module, torch.nn.Module, np.ndarray, torch.Tensor]:
+    logits = np.load(DATA / "logits.npz", allow_pickle=False)
+    kept, _ = load_model(str(DATA / name), torch.float32, "cpu", quantization="gguf")
+    dense, _ = load_model(str(DATA / name), torch.float32, "cpu")
+    return kept, dense, logits[name.removesuffix(".gguf")], torch.from_numpy(logits["tokens"]).long()[None]
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+
+
+@pytest.mark.parametrize("name", ["k96-Q4_K_M.gguf", "k256-Q3_K_M.gguf", "k96-Q5_K_M.gguf", "k256-Q6_K.gguf"])
+def test_llamacpp_files_with_quantised_activations(name: str) -> None:
+    """llama.cpp's files on the kernel: the model equals the dense one whose linears see the quantised
+    rows (PyTorch), and its logits stay within llama.cpp's own 8-bit-activation noise of llama.cpp's."""
+    kept, dense, theirs, ids = _llamacpp(name)
+    moved = int8_kernels(kept, True, activations=True)
+    assert moved == sum(isinstance(m, QUANTIZED) for m in kept.modules())
+    names = {n for n, m in kept.named_modules() if isinstance(m, QUANTIZED)}
+    for n, m in dense.named_modules():
+        if n in names:  # the reference: quantise_rows, then the dequantised weight in F.linear
+            m.forward = functools.partial(
+                lambda mod, x: F.linear(kernels.quantize_rows(x), mod.weight, mod.bias), m
+            )
+    with torch.no_grad():
+        ours, ref = kept(ids)[0].numpy(), dense(ids)[0].numpy()
+    scale = float(np.abs(theirs).max())
+    # the same numbers to fp32 rounding, but where that rounding moves an input across a rounding
+    # boundary of its block and the input then rounds to the next integer (a position or two)
+    close = np.isclose(ours, ref, rtol=1e-4, atol=2e-4 * np.abs(ref).max()).all(-1)
+    assert close.mean() >= 0.8 and _rms(ours - ref) <= 1e-3 * scale, (close, _rms(ours - ref))
+    assert _rms(ours - theirs) <= 0.01 * scale, (name, _rms(ours - theirs))
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
+
+
+def test_the_engine_serves_with_quantised_activations() -> None:
+    """``quantize_activations`` through the engine: the dense reference's greedy tokens (quantised rows
+    in PyTorch), alone and batched."""
+    from tests.test_serve_engine import _run
+    from zerotron.components.sampling import SamplingParams
+    from zerotron.serve.engine import Engine
+
+    kept, dense, _, ids = _llamacpp("k96-Q4_K_M.gguf")
+    _, tokenizer = load_model(str(DATA / "k96-Q4_K_M.gguf"), torch.float32, "cpu")
+    tokens = ids[0].tolist()
+    prompts = [tokens, tokens[:7], tokens[5:16]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = Engine(
+        kept, tokenizer, EngineConfig(quantization="gguf", max_model_len=64, quantize_activations=True)
+    )
+    assert engine.runner.int8_native > 0
+    names = {n for n, m in kept.named_modules() if isinstance(m, QUANTIZED)}
+    for n, m in dense.named_modules():
+        if n in names:
+            m.forward = functools.partial(
+                lambda mod, x: F.linear(kernels.quantize_rows(x), mod.weight, mod.bias), m
+            )
+    ours = _run(engine, prompts, params)
+    ref = _run(Engine(dense, tokenizer, EngineConfig(max_model_len=64)), prompts, params)
+    assert [t for t, _ in ours] == [t for t, _ in ref]
+    assert _run(engine, prompts[1:2], params)[0][0] == ours[1][0]
+
+
+def test_quantize_activations_needs_quantised_weights() -> None:
+    from zerotron.serve.engine import Engine
+
+    _, dense, _, _ = _llamacpp("k96-Q4_K_M.gguf")
+    _, tokenizer = load_model(str(DATA / "k96-Q4_K_M.gguf"), torch.float32, "cpu")
+    with pytest.raises(EngineConfigError, match="quantised weights"):
+        Engine(dense, tokenizer, EngineConfig(max_model_len=64, quantize_activations=True))
+
+
+def test_quantize_activations_refused_where_the_kernel_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(EngineConfigError, match="runs on the CPU"):
+        EngineConfig(quantize_activations=True, device="cuda")
+    monkeypatch.setattr(kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
+    with pytest.raises(EngineConfigError, match="AVX512-VNNI"):
+        EngineConfig(quantize_activations=True)

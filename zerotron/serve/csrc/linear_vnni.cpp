@@ -1,0 +1,264 @@
+// ---- 8- and 4-bit weights times 8-bit activations, on AVX512-VNNI -----------------------------------
+// y = x w^T as llama.cpp and vLLM's GGUF kernels compute it: each row of x quantised to int8 per block
+// of 32 inputs (d = max |x| / 127, xq = round-half-even(x / d); an all-zero block is zeros), then the
+// integer products of xq and the weights' values summed exactly in int32 (VPDPBUSD), scaled by the
+// weights' group scale s times the block's d, less the groups' mins times the sums of the quantised
+// inputs. In real arithmetic that is x^ w^T, x^ = d * xq the quantised rows, w = q * s - m the weights
+// of q8_linear (same operands: Q8Problem, kinds 0 and 1).
+//
+// VPDPBUSD multiplies unsigned bytes by signed ones: int8 values go in as q + 128 (the top bit
+// flipped) and 4-bit ones as the nibbles themselves (0..15), the quantised rows as the signed side;
+// each 32-bit lane's sum starts from -128 (or -offset) times the sum of its inputs' xq, so it ends as
+// sum xq * q exactly. A lane holds 4 inputs (int8 values: 64 inputs a 64-byte chunk) or 8 (two a byte:
+// 128 inputs a chunk, the low halves against the chunk's even inputs, the high against its odd ones).
+// An output's float sum: lane-wise fused multiply-adds of the lanes' integer sums times their scales,
+// chunk by chunk in k order, the 16 lanes added in a fixed tree, less the mins' sum in group order: a
+// row's numbers never depend on the other rows or on the threads.
+#if defined(ZT_Q8)
+#define ZT_VNNI 1
+#define ZT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+constexpr int64_t VA_SLICE = 256, VA_TILE = 16, VA_MC = 64;  // K padded to slices; outputs, rows a task
+
+struct VaChunks {  // per chunk of inputs, the same for every output and row
+  std::vector<int64_t> group, at;  // the chunk's first group; its first byte in an output's values
+  std::vector<int32_t> lane_group;  // each lane's group (where chunks and groups do not align)
+  bool aligned = true, together = true;
+  int64_t groups = 0, chunks = 0, full = 0;  // all chunks; those whose 64 bytes are all within K
+  __mmask64 tail = 0;                        // the bytes of the last chunk that are within K
+};
+
+struct VnniRows {  // the rows quantised, row r's entries at r * (kp, lanes, groups)
+  std::vector<int8_t> xq;     // kp values a row (kind 1: each chunk's 64 even inputs, then its 64 odd)
+  std::vector<int32_t> corr;  // a lane's starting sum: -128 (or -offset) times its inputs' xq
+  std::vector<float> dl;      // a lane's block scale d
+  std::vector<float> xs;      // a group's sum of d * xq (for the mins)
+  int64_t kp = 0, lanes = 0, width = 4;
+};
+
+// Row r of t.x quantised into v (blocks of 32 inputs), and its lanes' and groups' sums.
+ZT_VNNI_TARGET void va_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool mins) {
+  const float* x = t.x + r * t.ldx;
+  int8_t* xq = v.xq.data() + r * v.kp;
+  std::vector<int8_t> plain(static_cast<size_t>(v.kp), 0);
+  std::vector<float> d(static_cast<size_t>(v.kp / 32), 0.0f);
+  for (int64_t b = 0; b * 32 < t.k; ++b) {
+    const int64_t left = std::min<int64_t>(32, t.k - b * 32);
+    const __mmask16 m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+    const __mmask16 m1 = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left > 16 ? (1u << (left - 16)) - 1 : 0);
+    const __m512 a = _mm512_maskz_loadu_ps(m0, x + b * 32), c = _mm512_maskz_loadu_ps(m1, x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float db = amax / 127.0f;
+    d[b] = db;
+    if (db == 0.0f) continue;  // zeros already
+    const __m512 dv = _mm512_set1_ps(db);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(plain.data() + b * 32),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(a, dv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(plain.data() + b * 32 + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(c, dv))));
+  }
+  if (t.kind == 1) {  // each 128-input chunk: its even inputs, then its odd ones
+    for (int64_t c = 0; c < v.kp; c += 128)
+      for (int64_t j = 0; j < 64; ++j) {
+        xq[c + j] = plain[c + 2 * j];
+        xq[c + 64 + j] = plain[c + 2 * j + 1];
+      }
+  } else {
+    std::memcpy(xq, plain.data(), static_cast<size_t>(v.kp));
+  }
+  const int32_t lift = t.kind == 1 ? t.offset : 128;
+  for (int64_t l = 0; l < v.lanes; ++l) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < v.width; ++i) sum += plain[l * v.width + i];
+    v.corr[r * v.lanes + l] = -lift * sum;
+    v.dl[r * v.lanes + l] = d[l * v.width / 32];
+  }
+  if (!mins) return;
+  const int64_t groups = t.k / t.group;
+  for (int64_t g = 0; g < groups; ++g) {
+    float s = 0.0f;
+    for (int64_t k = g * t.group; k < (g + 1) * t.group; ++k) s += d[k / 32] * static_cast<float>(plain[k]);
+    v.xs[r * groups + g] = s;
+  }
+}
+
+// The 64 bytes of output o's values from input kc (a chunk's start, in group g) where they do not lie
+// together: gathered group by group; bytes past K are zeros.
+ZT_VNNI_TARGET inline __m512i va_gather(const Q8Problem& t, int64_t o, int64_t kc, int64_t g) {
+  const int64_t shift = t.kind == 1 ? 1 : 0, nb = std::min<int64_t>(64, (t.k - kc) >> shift);
+  alignas(64) int8_t buf[64] = {};
+  for (int64_t b = 0, k = kc; b < nb; ++g) {  // byte b holds input kc + (b << shift)
+    const int64_t take = std::min(nb - b, ((g + 1) * t.group - k) >> shift);
+    std::memcpy(buf + b, t.q + o * t.qo + g * t.qg + ((k - g * t.group) >> shift), static_cast<size_t>(take));
+    b += take;
+    k = (g + 1) * t.group;
+  }
+  return _mm512_load_si512(buf);
+}
+
+// Rows m0 .. m0 + MR - 1 times output o: s and m are the output's group scales and mins (all groups,
+// 16 zeros after). TOGETHER: a chunk's 64 bytes lie together (an output's values contiguous, or a
+// group of whole chunks); ALIGNED: a chunk holds whole groups or a group whole chunks, so one
+// permutation (idx) of the 16 scales from the chunk's first group gives the lanes' (else a gather).
+template <int KIND, int MR, bool TOGETHER, bool ALIGNED>
+ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
+                              const VaChunks& ch, __m512i idx) {
+  constexpr int64_t chunk = KIND == 1 ? 128 : 64;  // 16 lanes a chunk
+  const int8_t* base = t.q + o * t.qo;
+  const int8_t* xq[MR];
+  const int32_t* corr[MR];
+  const float* dl[MR];
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) {
+    xq[r] = v.xq.data() + (m0 + r) * v.kp;
+    corr[r] = v.corr.data() + (m0 + r) * v.lanes;
+    dl[r] = v.dl.data() + (m0 + r) * v.lanes;
+    acc[r] = _mm512_setzero_ps();
+  }
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t* at = ch.at.data();
+  const int64_t* group = ch.group.data();
+  for (int64_t c = 0; c < ch.chunks; ++c) {
+    __m512i b;
+    if constexpr (TOGETHER)
+      b = c < ch.full ? _mm512_loadu_si512(base + at[c]) : _mm512_maskz_loadu_epi8(ch.tail, base + at[c]);
+    else
+      b = va_gather(t, o, c * chunk, group[c]);
+    __m512 sl;
+    if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + group[c]));
+    else sl = _mm512_i32gather_ps(_mm512_loadu_si512(ch.lane_group.data() + c * 16), s, 4);
+    for (int r = 0; r < MR; ++r) {
+      __m512i a = _mm512_loadu_si512(corr[r] + c * 16);
+      if constexpr (KIND == 1) {
+        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(b, low), _mm512_loadu_si512(xq[r] + c * 128));
+        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_loadu_si512(xq[r] + c * 128 + 64));
+      } else {
+        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(b, top), _mm512_loadu_si512(xq[r] + c * 64));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl, _mm512_loadu_ps(dl[r] + c * 16)), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float y = _mm512_reduce_add_ps(acc[r]);
+    if (m != nullptr) {
+      const float* xs = v.xs.data() + (m0 + r) * ch.groups;
+      float ms = 0.0f;
+      for (int64_t g = 0; g < ch.groups; ++g) ms = std::fma(m[g], xs[g], ms);
+      y -= ms;
+    }
+    t.y[(m0 + r) * t.n + o] = y;
+  }
+}
+
+// va_output for the problem's kind and the chunks' layout, MR rows (4 or 1).
+template <int MR>
+ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
+                            const VaChunks& ch, __m512i idx) {
+  const int which = (t.kind == 1 ? 4 : 0) + (ch.together ? 2 : 0) + (ch.aligned ? 1 : 0);
+  switch (which) {
+    case 0: va_output<0, MR, false, false>(t, v, m0, o, s, m, ch, idx); break;
+    case 1: va_output<0, MR, false, true>(t, v, m0, o, s, m, ch, idx); break;
+    case 2: va_output<0, MR, true, false>(t, v, m0, o, s, m, ch, idx); break;
+    case 3: va_output<0, MR, true, true>(t, v, m0, o, s, m, ch, idx); break;
+    case 4: va_output<1, MR, false, false>(t, v, m0, o, s, m, ch, idx); break;
+    case 5: va_output<1, MR, false, true>(t, v, m0, o, s, m, ch, idx); break;
+    case 6: va_output<1, MR, true, false>(t, v, m0, o, s, m, ch, idx); break;
+    default: va_output<1, MR, true, true>(t, v, m0, o, s, m, ch, idx); break;
+  }
+}
+
+// Output o's entries of a factor of one f16 or f32 entry a group, contiguous (f.sg == 1), as fp32.
+ZT_VNNI_TARGET inline void va_row(const Factor& f, int64_t o, int64_t groups, float* out) {
+  int64_t g = 0;
+  if (f.kind == 2) {
+    const uint16_t* p = static_cast<const uint16_t*>(f.p) + o * f.so;
+    for (; g + 16 <= groups; g += 16)
+      _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + g))));
+    for (; g < groups; ++g) out[g] = _cvtsh_ss(p[g]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(f.p) + o * f.so, static_cast<size_t>(groups) * sizeof(float));
+  }
+}
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major.
+ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChunks& ch, __m512i idx, int64_t begin, int64_t end) {
+  const int64_t groups = t.k / t.group;
+  const bool mins = t.m1.kind != 0;
+  std::vector<float> s(static_cast<size_t>(groups + 16), 0.0f), m(static_cast<size_t>(groups + 16), 0.0f);
+  std::vector<int64_t> slices;  // q8_slice's e0 and r0 of each 32 groups: the same for every output
+  for (int64_t g0 = 0; g0 < groups; g0 += 32) {
+    int64_t e0[4], q0[4];
+    q8_slice(t, g0, e0, q0);
+    slices.insert(slices.end(), e0, e0 + 4);
+    slices.insert(slices.end(), q0, q0 + 4);
+  }
+  auto simple = [](const Factor& f) { return (f.kind == 1 || f.kind == 2) && f.per == 1 && f.sg == 1; };
+  const bool plain = simple(t.s1) && t.s2.kind == 0 && (!mins || (simple(t.m1) && t.m2.kind == 0));
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t tile = task % t.tiles, mc = task / t.tiles;
+    const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
+    for (int64_t o = tile * VA_TILE; o < std::min(t.n, (tile + 1) * VA_TILE); ++o) {
+      if (plain) {  // one f16 or f32 scale a group, in a row of its own: 16 at a time
+        va_row(t.s1, o, groups, s.data());
+        if (mins) va_row(t.m1, o, groups, m.data());
+        if (mins && t.add_mins)
+          for (int64_t g = 0; g < groups; ++g) m[g] = -m[g];
+      } else {
+        for (int64_t g0 = 0, i = 0; g0 < groups; g0 += 32, i += 8)  // the output's scales and mins
+          q8_factors(t, o, slices.data() + i, slices.data() + i + 4, std::min<int64_t>(32, groups - g0), s.data() + g0,
+                     m.data() + g0);
+      }
+      const float* mp = mins ? m.data() : nullptr;
+      for (int64_t r = r0; r < r1;) {
+        if (r1 - r >= 4) {
+          va_rows<4>(t, v, r, o, s.data(), mp, ch, idx);
+          r += 4;
+        } else {
+          va_rows<1>(t, v, r, o, s.data(), mp, ch, idx);
+          r += 1;
+        }
+      }
+    }
+  }
+}
+
+void q8a8_linear_run(Q8Problem t) {
+  const bool mins = t.m1.kind != 0;
+  VnniRows v;
+  v.width = t.kind == 1 ? 8 : 4;
+  v.kp = (t.k + VA_SLICE - 1) / VA_SLICE * VA_SLICE;
+  v.lanes = v.kp / v.width;
+  const int64_t groups = t.k / t.group, chunk = 16 * v.width;
+  v.xq.assign(static_cast<size_t>(t.rows * v.kp), 0);
+  v.corr.assign(static_cast<size_t>(t.rows * v.lanes), 0);
+  v.dl.assign(static_cast<size_t>(t.rows * v.lanes), 0.0f);
+  if (mins) v.xs.assign(static_cast<size_t>(t.rows * groups), 0.0f);
+  at::parallel_for(0, t.rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) va_quantize(t, v, r, mins);
+  });
+  // a lane's group; where a chunk holds whole groups (or a group whole chunks) the same permutation
+  // of the chunk's first 16 group scales serves every chunk
+  VaChunks ch;
+  const int64_t shift = t.kind == 1 ? 1 : 0;
+  for (int64_t kc = 0; kc < t.k; kc += chunk) {
+    ch.group.push_back(kc / t.group);
+    ch.at.push_back((kc / t.group) * t.qg + ((kc % t.group) >> shift));
+  }
+  ch.lane_group.resize(static_cast<size_t>(v.lanes));
+  for (int64_t l = 0; l < v.lanes; ++l) ch.lane_group[l] = static_cast<int32_t>(std::min(groups - 1, l * v.width / t.group));
+  ch.groups = groups;
+  ch.chunks = static_cast<int64_t>(ch.group.size());
+  ch.full = (t.k >> shift) / 64;
+  ch.tail = ((t.k >> shift) % 64) ? (1ULL << ((t.k >> shift) % 64)) - 1 : ~0ULL;
+  ch.aligned = chunk % t.group == 0 || t.group % chunk == 0;
+  ch.together = t.qg == (t.group >> shift) || t.group % chunk == 0;
+  alignas(64) int32_t first[16];
+  for (int l = 0; l < 16; ++l) first[l] = static_cast<int32_t>(t.group >= chunk ? 0 : l * v.width / t.group);
+  const __m512i idx = _mm512_load_si512(first);
+  t.tiles = (t.n + VA_TILE - 1) / VA_TILE;
+  t.chunk = std::min<int64_t>(VA_MC, t.rows);
+  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
+  at::parallel_for(0, chunks * t.tiles, 1, [&](int64_t begin, int64_t end) {
+    va_tasks(t, v, ch, idx, begin, end);
+  });
+}
+#endif
