@@ -184,7 +184,7 @@ def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
     return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
 
 
-def run_zerotron(path: str, dtype: str = "float32") -> dict[str, object]:
+def run_zerotron(path: str, dtype: str = "float32", activations: bool = False) -> dict[str, object]:
     import torch
 
     from zerotron.components.sampling import SamplingParams
@@ -206,6 +206,7 @@ def run_zerotron(path: str, dtype: str = "float32") -> dict[str, object]:
         native_attention=kernels.available(),
         native_matmul=native,
         onednn=not native and onednn_kernels(getattr(torch, dtype)),
+        quantize_activations=activations,  # --quantize-activations
     )
     engine = load_engine(path, config)
     tok = engine.tokenizer
@@ -253,12 +254,15 @@ def run_llamacpp(path: str) -> dict[str, object]:
     }
 
 
-def compare(files: list[Path], out: Path | None, llama_python: str, dtype: str) -> None:
+def compare(files: list[Path], out: Path | None, llama_python: str, dtype: str, activations: bool) -> None:
     rows = []
+    runs = [("zerotron", sys.executable), ("llamacpp", llama_python)]
+    if activations:  # zerotron serve --quantize-activations too, in the same run
+        runs.insert(1, ("zerotron-a8", sys.executable))
     for file in files:
         tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(file)).tensors)
         row: dict[str, object] = {"file": file.name, "tensor_bytes": tensor_bytes}
-        for who, python in (("zerotron", sys.executable), ("llamacpp", llama_python)):
+        for who, python in runs:
             cmd = [python, __file__, "_one", who, str(file), "--dtype", dtype]
             result = subprocess.run(cmd, capture_output=True, text=True, check=True)
             row[who] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -267,10 +271,18 @@ def compare(files: list[Path], out: Path | None, llama_python: str, dtype: str) 
         assert isinstance(z, dict) and isinstance(ll, dict)
         if z.pop("ids") != ll.pop("ids"):
             raise SystemExit(f"{file.name}: the two tokenisers gave different ids for the held text")
+        a8 = row.get("zerotron-a8")
+        extra = ""
+        if isinstance(a8, dict):
+            a8.pop("ids")
+            extra = (
+                f"; int8 activations: perplexity {a8['perplexity']:.3f}, tok/s {a8['tok_s']:.1f} "
+                f"({a8['tok_s'] / ll['tok_s']:.2f}x)"
+            )
         print(
             f"{file.name}: perplexity zerotron {z['perplexity']:.3f} llama.cpp {ll['perplexity']:.3f}; "
             f"tok/s zerotron {z['tok_s']:.1f} llama.cpp {ll['tok_s']:.1f} ({z['tok_s'] / ll['tok_s']:.2f}x); "
-            f"weights {z['weight_bytes'] / 2**20:.1f} MiB, file tensors {tensor_bytes / 2**20:.1f} MiB",
+            f"weights {z['weight_bytes'] / 2**20:.1f} MiB, file tensors {tensor_bytes / 2**20:.1f} MiB{extra}",
             flush=True,
         )
     if out is not None:
@@ -291,8 +303,13 @@ def main() -> None:
     c.add_argument("--json", type=Path, default=None)
     c.add_argument("--llama-python", default=sys.executable, help="a Python with llama-cpp-python")
     c.add_argument("--dtype", default="float32", help="zerotron's activations: float32 or bfloat16")
+    c.add_argument(
+        "--quantize-activations",
+        action="store_true",
+        help="also zerotron with --quantize-activations (int8 activations, as llama.cpp's), same run",
+    )
     one = sub.add_parser("_one")
-    one.add_argument("who", choices=["zerotron", "llamacpp"])
+    one.add_argument("who", choices=["zerotron", "zerotron-a8", "llamacpp"])
     one.add_argument("file")
     one.add_argument("--dtype", default="float32")
     args = p.parse_args()
@@ -300,12 +317,14 @@ def main() -> None:
         tiny(args.out)
         return
     if args.cmd == "compare":
-        compare(args.files, args.json, args.llama_python, args.dtype)
+        compare(args.files, args.json, args.llama_python, args.dtype, args.quantize_activations)
         return
     if args.cmd == "_one":
         print(
             json.dumps(
-                run_zerotron(args.file, args.dtype) if args.who == "zerotron" else run_llamacpp(args.file)
+                run_llamacpp(args.file)
+                if args.who == "llamacpp"
+                else run_zerotron(args.file, args.dtype, activations=args.who == "zerotron-a8")
             )
         )
         return

@@ -139,11 +139,15 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
   }
   for (int r = 0; r < MR; ++r) {
     float y = _mm512_reduce_add_ps(acc[r]);
-    if (m != nullptr) {
+    if (m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
       const float* xs = v.xs.data() + (m0 + r) * ch.groups;
-      float ms = 0.0f;
-      for (int64_t g = 0; g < ch.groups; ++g) ms = std::fma(m[g], xs[g], ms);
-      y -= ms;
+      __m512 ms = _mm512_setzero_ps();
+      for (int64_t g = 0; g < ch.groups; g += 16) {
+        const int64_t left = std::min<int64_t>(16, ch.groups - g);
+        const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+        ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + g), _mm512_maskz_loadu_ps(k, xs + g), ms);
+      }
+      y -= _mm512_reduce_add_ps(ms);
     }
     t.y[(m0 + r) * t.n + o] = y;
   }
@@ -166,16 +170,52 @@ ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, i
   }
 }
 
-// Output o's entries of a factor of one f16 or f32 entry a group, contiguous (f.sg == 1), as fp32.
-ZT_VNNI_TARGET inline void va_row(const Factor& f, int64_t o, int64_t groups, float* out) {
-  int64_t g = 0;
-  if (f.kind == 2) {
-    const uint16_t* p = static_cast<const uint16_t*>(f.p) + o * f.so;
-    for (; g + 16 <= groups; g += 16)
-      _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + g))));
-    for (; g < groups; ++g) out[g] = _cvtsh_ss(p[g]);
-  } else {
-    std::memcpy(out, static_cast<const float*>(f.p) + o * f.so, static_cast<size_t>(groups) * sizeof(float));
+// Up to 16 consecutive entries of a factor's table from p (left of them; the rest 0), as fp32.
+ZT_VNNI_TARGET inline __m512 va_entries(int kind, const void* p, int64_t left) {
+  const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+  switch (kind) {
+    case 1: return _mm512_maskz_loadu_ps(m, p);
+    case 2: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    case 3: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+    case 4: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
+    default: return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  }
+}
+
+// Output o's factor f for every group, into out (first) or multiplied into it: the same fp32
+// products as q8_factors (1 · f1 · f2). Tables of unit group stride whose `per` divides 16 (or 16
+// divides it) 16 groups at a time, others entry by entry.
+ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float* out, bool first) {
+  if (f.kind == 0) {
+    if (first) std::fill(out, out + groups, 1.0f);
+    return;
+  }
+  const bool vec = f.sg == 1 && (f.per <= 16 ? 16 % f.per == 0 : f.per % 16 == 0);
+  if (!vec) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float e = factor_entry(f, o * f.so + (g / f.per) * f.sg);
+      out[g] = first ? e : out[g] * e;
+    }
+    return;
+  }
+  const int64_t size = f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2;
+  const char* row = static_cast<const char*>(f.p) + o * f.so * size;
+  // lane l's entry: l / per (per 1, 2, 4, 8 or 16: a shift), or the one entry (per a multiple of 16)
+  const __m512i idx = f.per <= 16 ? _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                      static_cast<unsigned>(__builtin_ctzll(static_cast<uint64_t>(f.per))))
+                                  : _mm512_setzero_si512();
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t left = std::min<int64_t>(16, groups - g0);
+    __m512 v;
+    if (f.per == 1) {
+      v = va_entries(f.kind, row + g0 * size, left);
+    } else {
+      const int64_t e0 = g0 / f.per, entries = f.per <= 16 ? (left + f.per - 1) / f.per : 1;
+      v = _mm512_permutexvar_ps(idx, va_entries(f.kind, row + e0 * size, entries));
+    }
+    const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+    if (!first) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + g0), v);
+    _mm512_mask_storeu_ps(out + g0, m, v);
   }
 }
 
@@ -184,28 +224,17 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   const int64_t groups = t.k / t.group;
   const bool mins = t.m1.kind != 0;
   std::vector<float> s(static_cast<size_t>(groups + 16), 0.0f), m(static_cast<size_t>(groups + 16), 0.0f);
-  std::vector<int64_t> slices;  // q8_slice's e0 and r0 of each 32 groups: the same for every output
-  for (int64_t g0 = 0; g0 < groups; g0 += 32) {
-    int64_t e0[4], q0[4];
-    q8_slice(t, g0, e0, q0);
-    slices.insert(slices.end(), e0, e0 + 4);
-    slices.insert(slices.end(), q0, q0 + 4);
-  }
-  auto simple = [](const Factor& f) { return (f.kind == 1 || f.kind == 2) && f.per == 1 && f.sg == 1; };
-  const bool plain = simple(t.s1) && t.s2.kind == 0 && (!mins || (simple(t.m1) && t.m2.kind == 0));
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
     for (int64_t o = tile * VA_TILE; o < std::min(t.n, (tile + 1) * VA_TILE); ++o) {
-      if (plain) {  // one f16 or f32 scale a group, in a row of its own: 16 at a time
-        va_row(t.s1, o, groups, s.data());
-        if (mins) va_row(t.m1, o, groups, m.data());
-        if (mins && t.add_mins)
+      va_factor(t.s1, o, groups, s.data(), true);  // the output's scales and mins, all groups
+      va_factor(t.s2, o, groups, s.data(), false);
+      if (mins) {
+        va_factor(t.m1, o, groups, m.data(), true);
+        va_factor(t.m2, o, groups, m.data(), false);
+        if (t.add_mins)
           for (int64_t g = 0; g < groups; ++g) m[g] = -m[g];
-      } else {
-        for (int64_t g0 = 0, i = 0; g0 < groups; g0 += 32, i += 8)  // the output's scales and mins
-          q8_factors(t, o, slices.data() + i, slices.data() + i + 4, std::min<int64_t>(32, groups - g0), s.data() + g0,
-                     m.data() + g0);
       }
       const float* mp = mins ? m.data() : nullptr;
       for (int64_t r = r0; r < r1;) {
