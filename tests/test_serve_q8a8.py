@@ -175,3 +175,22 @@ def test_quantize_activations_refused_where_the_kernel_does_not_run(monkeypatch:
     monkeypatch.setattr(kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
     with pytest.raises(EngineConfigError, match="AVX512-VNNI"):
         EngineConfig(quantize_activations=True)
+
+
+def test_the_serve_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerotron.cli import build_parser
+    from zerotron.config_load import ConfigError
+    from zerotron.serve.command import engine_config
+
+    args = build_parser().parse_args(["serve", "m.gguf", "--quantization", "gguf", "--quantize-activations"])
+    assert engine_config(args, 1).quantize_activations
+    assert not engine_config(build_parser().parse_args(["serve", "m.gguf"]), 1).quantize_activations
+    plain = build_parser().parse_args(["serve", "m.gguf", "--quantize-activations"])
+    with pytest.raises(ConfigError, match="--quantize-activations: it multiplies quantised weights"):
+        engine_config(plain, 1)
+    plain = build_parser().parse_args(["serve", "m.gguf", "--quantize-activations"])
+    with pytest.raises(ConfigError, match="--quantize-activations: it multiplies quantised weights"):
+        engine_config(plain, 1)
+    monkeypatch.setattr(kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
+    with pytest.raises((ConfigError, EngineConfigError), match="quantize.activations.*AVX512-VNNI"):
+        engine_config(args, 1)

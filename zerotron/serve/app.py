@@ -341,6 +341,7 @@ def _startup_line(engine: Engine, options: ServerOptions, bound: str) -> str:
             f"{engine.runner.quantized.before / 2**20:.1f} MiB unquantized"
             + (
                 f"; {engine.runner.int8_native} linears on the native 8/4-bit kernel"
+                + (", int8 activations" if engine.config.quantize_activations else "")
                 if engine.runner.int8_native
                 else ""
             )

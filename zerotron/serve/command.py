@@ -113,7 +113,13 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
                 f"({err.reason})",
                 flush=True,
             )
-    return config if chosen == explicit else _checked(fields | chosen)
+    final = config if chosen == explicit else _checked(fields | chosen)
+    if final.quantize_activations and final.quantization is None:
+        raise ConfigError(
+            "serve --quantize-activations: it multiplies quantised weights; give --quantization (int8, "
+            "int4, gguf for a .gguf file's blocks) or serve a GPTQ, AWQ or compressed-tensors checkpoint"
+        )
+    return final
 
 
 def packed_method(model: str) -> str | None:

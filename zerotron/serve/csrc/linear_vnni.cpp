@@ -221,31 +221,36 @@ ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float*
 
 // Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major.
 ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChunks& ch, __m512i idx, int64_t begin, int64_t end) {
-  const int64_t groups = t.k / t.group;
+  const int64_t groups = t.k / t.group, stride = groups + 16;  // a tile's outputs' scales, 16 zeros after each
   const bool mins = t.m1.kind != 0;
-  std::vector<float> s(static_cast<size_t>(groups + 16), 0.0f), m(static_cast<size_t>(groups + 16), 0.0f);
+  std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
-    for (int64_t o = tile * VA_TILE; o < std::min(t.n, (tile + 1) * VA_TILE); ++o) {
-      va_factor(t.s1, o, groups, s.data(), true);  // the output's scales and mins, all groups
-      va_factor(t.s2, o, groups, s.data(), false);
+    const int64_t o0 = tile * VA_TILE, o1 = std::min(t.n, o0 + VA_TILE);
+    for (int64_t o = o0; o < o1; ++o) {  // the outputs' scales and mins, all groups
+      float* so = s.data() + (o - o0) * stride;
+      float* mo = m.data() + (o - o0) * stride;
+      va_factor(t.s1, o, groups, so, true);
+      va_factor(t.s2, o, groups, so, false);
       if (mins) {
-        va_factor(t.m1, o, groups, m.data(), true);
-        va_factor(t.m2, o, groups, m.data(), false);
+        va_factor(t.m1, o, groups, mo, true);
+        va_factor(t.m2, o, groups, mo, false);
         if (t.add_mins)
-          for (int64_t g = 0; g < groups; ++g) m[g] = -m[g];
+          for (int64_t g = 0; g < groups; ++g) mo[g] = -mo[g];
       }
-      const float* mp = mins ? m.data() : nullptr;
-      for (int64_t r = r0; r < r1;) {
-        if (r1 - r >= 4) {
-          va_rows<4>(t, v, r, o, s.data(), mp, ch, idx);
-          r += 4;
-        } else {
-          va_rows<1>(t, v, r, o, s.data(), mp, ch, idx);
-          r += 1;
-        }
+    }
+    // a block of rows against each of the tile's outputs: the block's quantised rows and the tile's
+    // weights both stay in L1 across the other's loop
+    for (int64_t r = r0; r < r1;) {
+      const int64_t mr = r1 - r >= 4 ? 4 : 1;
+      for (int64_t o = o0; o < o1; ++o) {
+        const float* so = s.data() + (o - o0) * stride;
+        const float* mp = mins ? m.data() + (o - o0) * stride : nullptr;
+        if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx);
+        else va_rows<1>(t, v, r, o, so, mp, ch, idx);
       }
+      r += mr;
     }
   }
 }
