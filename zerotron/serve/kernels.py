@@ -88,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v27"
+_NAME = "zerotron_kernels_v28"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",

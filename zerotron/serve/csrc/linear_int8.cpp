@@ -88,6 +88,7 @@ struct Q8Problem {
   Factor s1, s2, m1, m2;  // scale s1 * s2; min m1 * m2 (none when m1 is absent)
   bool add_mins;          // w = q * s + m instead (GGUF Q4_1's)
   int64_t ldx, rows, n, k, group, tiles, chunk;
+  const int64_t* slices = nullptr;  // q8_slice's e0 and r0 (8 numbers) of each QKS-input slice, made once a call
 };
 
 // 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): q * s - m, or q * s
@@ -143,7 +144,7 @@ ZT_Q8_TARGET inline void q8_factors(const Q8Problem& t, int64_t o, const int64_t
     for (int64_t c = 0; c < count; ++c) m[c] = -m[c];
 }
 
-// e0 and r0 of q8_factors for a slice starting at group g0.
+// e0 and r0 of q8_factors for a slice starting at group g0 (computed: q8_linear_run's table of them).
 inline void q8_slice(const Q8Problem& t, int64_t g0, int64_t* e0, int64_t* r0) {
   const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
   for (int i = 0; i < 4; ++i) {
@@ -158,8 +159,8 @@ template <int KIND>  // the problem's kind, known when compiling: no branch per 
 ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t k1, float* buf) {
   const bool mins = t.m1.kind != 0;
   const int64_t g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;  // the slice's groups
-  int64_t e0[4], r0[4];
-  q8_slice(t, g0, e0, r0);
+  const int64_t* e0 = t.slices + (k0 / QKS) * 8;
+  const int64_t* r0 = e0 + 4;
   float s[QKS / 8], m[QKS / 8];  // per group of the slice (at most 32 groups: a group has 8+ inputs)
   for (int64_t j = 0; j < QOT; ++j) {
     float* row = buf + j * QKS;
@@ -238,8 +239,8 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
     float s[4][QKS / 8], m[4][QKS / 8];
     for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
       const int64_t k1 = std::min(t.k, k0 + QKS), g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;
-      int64_t e0[4], r0[4];
-      q8_slice(t, g0, e0, r0);
+      const int64_t* e0 = t.slices + (k0 / QKS) * 8;
+      const int64_t* r0 = e0 + 4;
       for (int j = 0; j < jn; ++j) q8_factors(t, o0 + j0 + j, e0, r0, count, s[j], m[j]);
       for (int64_t c = 0; c < count; ++c) {
         const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
@@ -319,7 +320,15 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
   }
 }
 
-void q8_linear_run(const Q8Problem& t) {
+void q8_linear_run(Q8Problem t) {
+  std::vector<int64_t> slices;  // every slice's q8_slice, not one per output (its divisions)
+  for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
+    int64_t e0[4], r0[4];
+    q8_slice(t, k0 / t.group, e0, r0);
+    slices.insert(slices.end(), e0, e0 + 4);
+    slices.insert(slices.end(), r0, r0 + 4);
+  }
+  t.slices = slices.data();
   const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
   at::parallel_for(0, chunks * t.tiles, 1, [&](int64_t begin, int64_t end) { q8_tasks(t, begin, end); });
 }
