@@ -33,6 +33,11 @@ k), each output one chain of VDPBF16PS steps over the pairs of k in order, the b
 once to bf16: a row's result is again its own at any row count, and the weights stream at half the
 fp32 kernel's bytes.
 
+:func:`q8_linear` multiplies fp32 rows by 8-bit (or 4-bit) weights with a scale and a min per group
+of inputs, read from the files' own tables; :func:`q8a8_linear` multiplies the same weights by the
+rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI), as llama.cpp does (``zerotron serve
+--quantize-activations``). Both give a row the same result in any batch.
+
 :func:`rms_norm` and :func:`silu_mul` are a decoder layer's RMSNorm and SiLU gate in one pass per row
 (the model's roundings), which a native-matmul engine runs instead of the several torch operators
 each costs: at a few rows their dispatch, not their arithmetic, is the time.

@@ -12,8 +12,8 @@
 // sum xq * q exactly. A lane holds 4 inputs (int8 values: 64 inputs a 64-byte chunk) or 8 (two a byte:
 // 128 inputs a chunk, the low halves against the chunk's even inputs, the high against its odd ones).
 // An output's float sum: lane-wise fused multiply-adds of the lanes' integer sums times their scales,
-// chunk by chunk in k order, the 16 lanes added in a fixed tree, less the mins' sum in group order: a
-// row's numbers never depend on the other rows or on the threads.
+// chunk by chunk in k order, the 16 lanes added in a fixed tree, less the mins times the groups' sums
+// (16 lanes of groups, a fixed tree): a row's numbers never depend on the other rows or the threads.
 #if defined(ZT_Q8)
 #define ZT_VNNI 1
 #define ZT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
