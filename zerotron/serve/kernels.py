@@ -93,7 +93,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v28"
+_NAME = "zerotron_kernels_v29"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -372,10 +372,23 @@ def q8_linear(
     zeros times scales). The weights are dequantised slice by slice into fp32 (exactly: 8-bit values
     times f16-sized scales) and each output is 8 fused multiply-add chains over k in order, added in a
     fixed tree: a row's result is the same in any batch. Returns (..., n) fp32."""
+    return _grouped("q8_linear", x, values, scales, mins, offset, add_mins)
+
+
+def _grouped(
+    entry: str,
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
+    mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
+    offset: int,
+    add_mins: bool,
+) -> torch.Tensor:
+    """``x``'s rows as fp32 (..., K) -> (rows, K) with unit stride through the grouped kernel ``entry``."""
     rows = x.reshape(-1, x.shape[-1]).float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y: torch.Tensor = _built().q8_linear(
+    y: torch.Tensor = getattr(_built(), entry)(
         rows, values, scales[0], scales[1], mins[0], mins[1], offset, add_mins
     )
     return y.view(*x.shape[:-1], values.shape[0])
@@ -422,13 +435,7 @@ def q8a8_linear(
     arithmetic it is ``quantize_rows(x) @ w.T``; in fp32 each output is 16 lanes of fused
     multiply-adds in k order, added in a fixed tree: a row's result is the same in any batch. The
     same operands as :func:`q8_linear` but bf16 weights. Returns (..., n) fp32."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y: torch.Tensor = _built().q8a8_linear(
-        rows, values, scales[0], scales[1], mins[0], mins[1], offset, add_mins
-    )
-    return y.view(*x.shape[:-1], values.shape[0])
+    return _grouped("q8a8_linear", x, values, scales, mins, offset, add_mins)
 
 
 def pack_wide(weight: torch.Tensor) -> torch.Tensor:

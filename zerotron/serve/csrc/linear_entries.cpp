@@ -153,40 +153,6 @@ Factor q8_factor(const std::optional<torch::Tensor>& f, int64_t n, int64_t group
 }
 #endif
 
-// x (rows, K) fp32 with unit column stride; q (n, groups, group) int8 with unit last stride (K = groups
-// * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a byte, each less
-// offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows, n) fp32:
-// y = x (q * s - m)^T, or x (q * s + m)^T where add_mins
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
-                        std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
-                        std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
-  const bool nibbles = q.scalar_type() == torch::kByte, bf16 = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(q.dim() == 3 && (nibbles || bf16 || q.scalar_type() == torch::kChar) && q.stride(2) == 1,
-              "int8 values (n, groups, group), uint8 pairs (n, groups, group / 2) or bf16 weights (n, groups, group)");
-  TORCH_CHECK(nibbles || offset == 0, "an offset for values two a byte only");
-  TORCH_CHECK(offset >= 0 && offset < 16, "an offset of 0 to 15");
-  TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
-  const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
-  TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
-  TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
-  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
-  auto y = torch::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
-#if defined(ZT_Q8)
-  Q8Problem t{x.data_ptr<float>(), y.data_ptr<float>(), static_cast<const int8_t*>(q.data_ptr()), q.stride(0),
-              q.stride(1), bf16 ? 2 : nibbles ? 1 : 0, static_cast<int32_t>(offset),
-              q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"), q8_factor(m1, n, groups, "m1"),
-              q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n, x.size(1), group, (n + QOT - 1) / QOT,
-              even_chunk(rows, QMC, 4)};
-  pybind11::gil_scoped_release no_gil;
-  q8_linear_run(t);
-  return y;
-#else
-  TORCH_CHECK(false, "this build has no 8-bit linear kernel");
-#endif
-}
-
 // Whether this CPU runs the 8-bit-activation kernel's AVX512-VNNI (and BW, VL, DQ) instructions.
 bool vnni_cpu() {
 #if defined(ZT_VNNI)
@@ -198,34 +164,53 @@ bool vnni_cpu() {
 #endif
 }
 
-// q8_linear's operands (int8 values or 4-bit ones two a byte, not bf16 weights) times the rows
-// quantised to int8 per block of 32 inputs (q8a8_linear_run): (rows, n) fp32.
-torch::Tensor q8a8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
-                          std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
-                          std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
+// x (rows, K) fp32 with unit column stride; q (n, groups, group) int8 with unit last stride (K = groups
+// * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a byte, each less
+// offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows, n) fp32:
+// y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. a8: x quantised to int8 per 32 inputs first
+// (q8a8_linear_run, not bf16 weights), else x as it is (q8_linear_run; bf16 weights too, no scales).
+torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1, std::optional<torch::Tensor> s2,
+                       std::optional<torch::Tensor> m1, std::optional<torch::Tensor> m2, int64_t offset, bool add_mins,
+                       bool a8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
-  const bool nibbles = q.scalar_type() == torch::kByte;
-  TORCH_CHECK(q.dim() == 3 && (nibbles || q.scalar_type() == torch::kChar) && q.stride(2) == 1,
-              "int8 values (n, groups, group) or uint8 pairs (n, groups, group / 2)");
+  const bool nibbles = q.scalar_type() == torch::kByte, bf16 = !a8 && q.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q.dim() == 3 && (nibbles || bf16 || q.scalar_type() == torch::kChar) && q.stride(2) == 1,
+              a8 ? "int8 values (n, groups, group) or uint8 pairs (n, groups, group / 2)"
+                 : "int8 values (n, groups, group), uint8 pairs (n, groups, group / 2) or bf16 weights (n, groups, group)");
   TORCH_CHECK(nibbles || offset == 0, "an offset for values two a byte only");
   TORCH_CHECK(offset >= 0 && offset < 16, "an offset of 0 to 15");
-  TORCH_CHECK(s1.has_value(), "a scale table");
+  TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
   const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
   TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
   TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
   if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-#if defined(ZT_VNNI)
-  TORCH_CHECK(vnni_cpu(), "this CPU has no AVX512-VNNI");
+#if defined(ZT_Q8)
+  TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
   Q8Problem t{x.data_ptr<float>(), y.data_ptr<float>(), static_cast<const int8_t*>(q.data_ptr()), q.stride(0),
-              q.stride(1), nibbles ? 1 : 0, static_cast<int32_t>(offset),
+              q.stride(1), bf16 ? 2 : nibbles ? 1 : 0, static_cast<int32_t>(offset),
               q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"), q8_factor(m1, n, groups, "m1"),
-              q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n, x.size(1), group, 0, 0};
+              q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n, x.size(1), group, (n + QOT - 1) / QOT,
+              even_chunk(rows, QMC, 4)};
   pybind11::gil_scoped_release no_gil;
-  q8a8_linear_run(t);
+  if (a8) q8a8_linear_run(t);
+  else q8_linear_run(t);
   return y;
 #else
-  TORCH_CHECK(false, "this build has no 8-bit-activation kernel");
+  TORCH_CHECK(false, "this build has no 8-bit linear kernel");
 #endif
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
+                        std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
+                        std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
+  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, false);
+}
+
+// q8_linear's operands (not bf16 weights) times the rows quantised to int8 per block of 32 inputs.
+torch::Tensor q8a8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
+                          std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
+                          std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
+  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, true);
 }
