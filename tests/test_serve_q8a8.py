@@ -194,3 +194,50 @@ def test_the_serve_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
     with pytest.raises((ConfigError, EngineConfigError), match="quantize.activations.*AVX512-VNNI"):
         engine_config(args, 1)
+
+
+def _tp_worker(path: str, prompts: list[list[int]]) -> dict[str, object]:
+    """One of 2 tensor-parallel ranks serving llama.cpp's Q4_K_M file with int8 activations."""
+    from tests.test_serve_quant_tp import run_on_first_rank
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import Mesh, ParallelDims
+    from zerotron.serve.engine import Engine
+
+    rank, world = current_rank_and_world()
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
+    group = mesh.group("tp")
+    model, _ = load_model(path, torch.float32, "cpu", mesh, quantization="gguf")
+    config = EngineConfig(num_blocks=64, max_model_len=64, quantization="gguf", quantize_activations=True)
+    engine = Engine(model, None, config, group)
+    quantised = sum(isinstance(m, QUANTIZED) for m in model.modules())
+    out: dict[str, object] = {"moved": engine.runner.int8_native, "quantised": quantised}
+    from zerotron.components.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return run_on_first_rank(engine, group, out, prompts, params)
+
+
+def test_quantised_activations_under_tensor_parallelism() -> None:
+    """2 ranks, each its part of llama.cpp's file: every kept part on the kernel, a row's tokens the
+    same alone and batched, and the single process's tokens (each rank quantises the inputs it holds,
+    in the same blocks of 32 as the single process)."""
+    from tests.test_serve_engine import _run
+    from zerotron.components.sampling import SamplingParams
+    from zerotron.distributed.launch import spawn
+    from zerotron.serve.engine import Engine
+
+    path = str(DATA / "k256-Q4_K_M.gguf")
+    tokens = np.load(DATA / "logits.npz", allow_pickle=False)["tokens"].tolist()
+    prompts = [tokens[:12], tokens[3:9], tokens[6:20]]
+    runs = spawn(
+        _tp_worker, 2, args=(path, prompts), timeout_s=600, backend="gloo", start_method="forkserver"
+    )
+    for run in runs:
+        assert run["moved"] == run["quantised"] and run["moved"] > 0
+    got = runs[0]
+    assert got["together"] == got["alone"]
+    single, tokenizer = load_model(path, torch.float32, "cpu", quantization="gguf")
+    config = EngineConfig(max_model_len=64, quantization="gguf", quantize_activations=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = _run(Engine(single, tokenizer, config), prompts, params)
+    assert [t for t, _ in got["together"]] == [t for t, _ in want]  # type: ignore[attr-defined]
