@@ -84,10 +84,10 @@ def _factor(dtype: torch.dtype, n: int, entries: int, gen: torch.Generator) -> t
     return (torch.rand(n, entries, generator=gen) * 0.02 + 1e-3).to(dtype)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> None:
+def _operands(case: str, gen: torch.Generator, group_major: bool = False) -> tuple:
+    """A case's random values, scale and min factors (as the files lay them out), offset and add_mins;
+    ``group_major``: GPTQ's values (groups, out, group) read through a transposed view too."""
     n, groups, group, scale_spec, min_spec = CASES[case]
-    gen = torch.Generator().manual_seed(3)
     values = torch.randint(-128, 128, (n, groups, group), generator=gen, dtype=torch.int8)
     offset = {"q3_k": 4, "q4_0": 8, "int4-bf16": 8}.get(case.rsplit("-", 1)[0], 0)
     add = case in ("q4_1-nibbles", "int4-bf16-nibbles")  # w = q·s + m (GGUF Q4_1, torch's int4 zeros)
@@ -97,9 +97,19 @@ def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> 
     mins = tuple(_factor(d, n, e, gen) for d, e in min_spec) + (None,) * (2 - len(min_spec))
     if case == "gptq-asym":  # GPTQ's scales are stored (groups, out): read through a transposed view
         scales = (scales[0].T.contiguous().T, None)
+        if group_major:
+            values = values.transpose(0, 1).contiguous().transpose(0, 1)
     if case == "int4-bf16-nibbles":  # torch's int4 scales and zeros (groups, out, 2): strided views
         pairs = torch.stack([scales[0].T, mins[0].T], -1).contiguous()
         scales, mins = (pairs[..., 0].T, None), (pairs[..., 1].T, None)
+    return values, scales, mins, offset, add
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> None:
+    n, groups, group, _, _ = CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    values, scales, mins, offset, add = _operands(case, gen)
     x = torch.randn(23, groups * group, generator=gen)
     y = kernels.q8_linear(x, values, scales, mins, offset, add)
     ref = _reference(x, values, scales, mins, offset, add)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_serve_int8 import CASES, _factor, _reference
+from tests.test_serve_int8 import CASES, _operands, _reference
 from zerotron.build.builder import load_model
 from zerotron.serve import kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
@@ -31,25 +32,10 @@ pytestmark = pytest.mark.skipif(
 DATA = Path(__file__).parent / "data" / "llamacpp"
 
 
-def _operands(case: str, gen: torch.Generator) -> tuple:
-    n, groups, group, scale_spec, min_spec = CASES[case]
-    values = torch.randint(-128, 128, (n, groups, group), generator=gen, dtype=torch.int8)
-    offset = {"q3_k": 4, "q4_0": 8, "int4-bf16": 8}.get(case.rsplit("-", 1)[0], 0)
-    add = case in ("q4_1-nibbles", "int4-bf16-nibbles")
-    if case.endswith("nibbles"):
-        values = torch.randint(0, 256, (n, groups, group // 2), generator=gen, dtype=torch.uint8)
-    scales = tuple(_factor(d, n, e, gen) for d, e in scale_spec) + (None,) * (2 - len(scale_spec))
-    mins = tuple(_factor(d, n, e, gen) for d, e in min_spec) + (None,) * (2 - len(min_spec))
-    if case == "gptq-asym":  # values group-major as GPTQ keeps them: (groups, out, group) read transposed
-        values = values.transpose(0, 1).contiguous().transpose(0, 1)
-        scales = (scales[0].T.contiguous().T, None)
-    return values, scales, mins, offset, add
-
-
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1] * CASES[c][2] % 32 == 0])
 def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     gen = torch.Generator().manual_seed(5)
-    values, scales, mins, offset, add = _operands(case, gen)
+    values, scales, mins, offset, add = _operands(case, gen, group_major=True)
     k = CASES[case][1] * CASES[case][2]
     x = torch.randn(23, k, generator=gen) * torch.rand(23, 1, generator=gen) * 4
     x[3] = 0  # an all-zero row: zero blocks
@@ -97,11 +83,25 @@ def test_kernel_refuses_bf16_weights_and_needs_scales() -> None:
         kernels.q8a8_linear(torch.randn(2, 64), torch.zeros(16, 2, 32, dtype=torch.int8), (None, None))
 
 
-def _llamacpp(name: str) -> tuple[torch.nn.Module, torch.nn.Module, np.ndarray, torch.Tensor]:
+def _llamacpp(name: str) -> tuple[torch.nn.Module, torch.nn.Module, Any, np.ndarray, torch.Tensor]:
+    """llama.cpp's file ``name`` with its blocks kept, the same dequantised, the tokenizer, llama.cpp's
+    logits on the tests' tokens, and those tokens (1, T)."""
     logits = np.load(DATA / "logits.npz", allow_pickle=False)
-    kept, _ = load_model(str(DATA / name), torch.float32, "cpu", quantization="gguf")
+    kept, tokenizer = load_model(str(DATA / name), torch.float32, "cpu", quantization="gguf")
     dense, _ = load_model(str(DATA / name), torch.float32, "cpu")
-    return kept, dense, logits[name.removesuffix(".gguf")], torch.from_numpy(logits["tokens"]).long()[None]
+    ids = torch.from_numpy(logits["tokens"]).long()[None]
+    return kept, dense, tokenizer, logits[name.removesuffix(".gguf")], ids
+
+
+def _quantised_rows_reference(dense: torch.nn.Module, kept: torch.nn.Module) -> None:
+    """The reference: each of ``dense``'s linears that ``kept`` holds quantised sees ``quantize_rows``
+    of its input, then its dequantised weight in F.linear."""
+    names = {n for n, m in kept.named_modules() if isinstance(m, QUANTIZED)}
+    for n, m in dense.named_modules():
+        if n in names:
+            m.forward = functools.partial(
+                lambda mod, x: F.linear(kernels.quantize_rows(x), mod.weight, mod.bias), m
+            )
 
 
 def _rms(x: np.ndarray) -> float:
@@ -112,15 +112,10 @@ def _rms(x: np.ndarray) -> float:
 def test_llamacpp_files_with_quantised_activations(name: str) -> None:
     """llama.cpp's files on the kernel: the model equals the dense one whose linears see the quantised
     rows (PyTorch), and its logits stay within llama.cpp's own 8-bit-activation noise of llama.cpp's."""
-    kept, dense, theirs, ids = _llamacpp(name)
+    kept, dense, _, theirs, ids = _llamacpp(name)
     moved = int8_kernels(kept, True, activations=True)
     assert moved == sum(isinstance(m, QUANTIZED) for m in kept.modules())
-    names = {n for n, m in kept.named_modules() if isinstance(m, QUANTIZED)}
-    for n, m in dense.named_modules():
-        if n in names:  # the reference: quantise_rows, then the dequantised weight in F.linear
-            m.forward = functools.partial(
-                lambda mod, x: F.linear(kernels.quantize_rows(x), mod.weight, mod.bias), m
-            )
+    _quantised_rows_reference(dense, kept)
     with torch.no_grad():
         ours, ref = kept(ids)[0].numpy(), dense(ids)[0].numpy()
     scale = float(np.abs(theirs).max())
@@ -139,8 +134,7 @@ def test_the_engine_serves_with_quantised_activations() -> None:
     from zerotron.components.sampling import SamplingParams
     from zerotron.serve.engine import Engine
 
-    kept, dense, _, ids = _llamacpp("k96-Q4_K_M.gguf")
-    _, tokenizer = load_model(str(DATA / "k96-Q4_K_M.gguf"), torch.float32, "cpu")
+    kept, dense, tokenizer, _, ids = _llamacpp("k96-Q4_K_M.gguf")
     tokens = ids[0].tolist()
     prompts = [tokens, tokens[:7], tokens[5:16]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -148,12 +142,7 @@ def test_the_engine_serves_with_quantised_activations() -> None:
         kept, tokenizer, EngineConfig(quantization="gguf", max_model_len=64, quantize_activations=True)
     )
     assert engine.runner.int8_native > 0
-    names = {n for n, m in kept.named_modules() if isinstance(m, QUANTIZED)}
-    for n, m in dense.named_modules():
-        if n in names:
-            m.forward = functools.partial(
-                lambda mod, x: F.linear(kernels.quantize_rows(x), mod.weight, mod.bias), m
-            )
+    _quantised_rows_reference(dense, kept)
     ours = _run(engine, prompts, params)
     ref = _run(Engine(dense, tokenizer, EngineConfig(max_model_len=64)), prompts, params)
     assert [t for t, _ in ours] == [t for t, _ in ref]
@@ -163,8 +152,7 @@ def test_the_engine_serves_with_quantised_activations() -> None:
 def test_quantize_activations_needs_quantised_weights() -> None:
     from zerotron.serve.engine import Engine
 
-    _, dense, _, _ = _llamacpp("k96-Q4_K_M.gguf")
-    _, tokenizer = load_model(str(DATA / "k96-Q4_K_M.gguf"), torch.float32, "cpu")
+    _, dense, tokenizer, _, _ = _llamacpp("k96-Q4_K_M.gguf")
     with pytest.raises(EngineConfigError, match="quantised weights"):
         Engine(dense, tokenizer, EngineConfig(max_model_len=64, quantize_activations=True))
 

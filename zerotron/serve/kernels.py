@@ -93,7 +93,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v29"
+_NAME = "zerotron_kernels_v30"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",

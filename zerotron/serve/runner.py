@@ -224,9 +224,8 @@ class StepRunner:
                 "it multiplies quantised weights: give --quantization (int8, int4, gguf) or a packed "
                 "checkpoint",
             )
-        four_bit = dtype == torch.float32 or acts
-        try:
-            self.int8_native = int8_kernels(model, four_bit, activations=acts) if grouped else 0
+        try:  # with acts every quantised linear moves, 4-bit ones included
+            self.int8_native = int8_kernels(model, dtype == torch.float32, activations=acts) if grouped else 0
         except ValueError as err:
             raise EngineConfigError("quantize_activations", str(err)) from None
 

@@ -38,8 +38,9 @@ struct VnniRows {  // the rows quantised, row r's entries at r * (kp, lanes, gro
 // Row r of t.x quantised into v (blocks of 32 inputs), and its lanes' and groups' sums.
 ZT_VNNI_TARGET void va_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool mins) {
   const float* x = t.x + r * t.ldx;
-  int8_t* xq = v.xq.data() + r * v.kp;
-  std::vector<int8_t> plain(static_cast<size_t>(v.kp), 0);
+  int8_t* xq = v.xq.data() + r * v.kp;  // zeros (the caller's), the inputs past K staying so
+  std::vector<int8_t> scratch(t.kind == 1 ? static_cast<size_t>(v.kp) : 0, 0);
+  int8_t* plain = t.kind == 1 ? scratch.data() : xq;  // in input order; kind 1 then interleaves into xq
   std::vector<float> d(static_cast<size_t>(v.kp / 32), 0.0f);
   for (int64_t b = 0; b * 32 < t.k; ++b) {
     const int64_t left = std::min<int64_t>(32, t.k - b * 32);
@@ -51,20 +52,17 @@ ZT_VNNI_TARGET void va_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool
     d[b] = db;
     if (db == 0.0f) continue;  // zeros already
     const __m512 dv = _mm512_set1_ps(db);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(plain.data() + b * 32),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(plain + b * 32),
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(a, dv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(plain.data() + b * 32 + 16),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(plain + b * 32 + 16),
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(c, dv))));
   }
-  if (t.kind == 1) {  // each 128-input chunk: its even inputs, then its odd ones
+  if (t.kind == 1)  // each 128-input chunk: its even inputs, then its odd ones
     for (int64_t c = 0; c < v.kp; c += 128)
       for (int64_t j = 0; j < 64; ++j) {
         xq[c + j] = plain[c + 2 * j];
         xq[c + 64 + j] = plain[c + 2 * j + 1];
       }
-  } else {
-    std::memcpy(xq, plain.data(), static_cast<size_t>(v.kp));
-  }
   const int32_t lift = t.kind == 1 ? t.offset : 128;
   for (int64_t l = 0; l < v.lanes; ++l) {
     int32_t sum = 0;
