@@ -11,6 +11,9 @@ tokens each (greedy, EOS ignored), all at once with ``--max-concurrency`` in fli
 computes in a child process) after the run, and zerotron's ``zerotron_weight_bytes``.
 
     python benchmarks/serve_quant.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python [--gguf FILE.gguf]
+
+``--tiles``: every quantised zerotron case again with ``--quantized-tiles`` (bf16 rows times the
+dequantised weights on AMX tiles).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ def main() -> None:
     p.add_argument(
         "--only", nargs="*", default=None, help="only the cases whose label has one of these words"
     )
+    p.add_argument(
+        "--tiles",
+        action="store_true",
+        help="each quantised zerotron case also with --quantized-tiles (label: ... tiles)",
+    )
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -62,11 +70,17 @@ def main() -> None:
     for method in packed:
         cases += [("zerotron serve", f"{method} checkpoint", ["--quantization", method])]
         cases += [("vLLM", f"{method} checkpoint", ["--quantization", method])] if args.vllm_python else []
+    if args.tiles:
+        cases += [
+            ("zerotron serve", f"{label} tiles", [*extra, "--quantized-tiles"])
+            for system, label, extra in list(cases)
+            if system == "zerotron serve" and label != "bf16"
+        ]
     if args.only:
         cases = [c for c in cases if any(word in c[1] for word in args.only)]
     results: dict[str, Any] = {}
     for system, label, extra in cases:
-        log = str(Path(args.logs) / f"{system.split()[0]}-{label.split()[0]}.log")
+        log = str(Path(args.logs) / f"{system.split()[0]}-{label.replace(' ', '-')}.log")
         model = args.gguf if "gguf" in label else packed.get(label.split()[0], args.model_dir)
         source = argparse.Namespace(**{**vars(args), "model_dir": model})
         try:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tests.test_serve_int8 import CASES, _operands, _reference
 from zerotron.build.builder import load_model
-from zerotron.serve import kernels
+from zerotron.serve import kernel_definitions, kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.int8_linears import QUANTIZED, int8_kernels
 
@@ -42,7 +42,7 @@ def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     x[4, :40] = 0
     x[6, 7] = 1e4  # one large input: its block's others round to zero
     y = kernels.q8a8_linear(x, values, scales, mins, offset, add)
-    ref = _reference(kernels.quantize_rows(x), values, scales, mins, offset, add)
+    ref = _reference(kernel_definitions.quantize_rows(x), values, scales, mins, offset, add)
     # integer sums exact; fp32 scaling and sums of at most K/64 chunks and 16 lanes
     err = (y.double() - ref).abs().max() / ref.abs().max()
     assert err <= 1e-6, err
@@ -65,7 +65,7 @@ def test_quantize_rows_is_llamacpp_q8_0() -> None:
     x = torch.randn(8, 256, generator=gen)
     d = x.view(8, 8, 32).abs().amax(-1, keepdim=True) / 127
     x = (x.view(8, 8, 32) / d * d.half().float()).view(8, 256)  # blocks whose d is an f16 number
-    ours = kernels.quantize_rows(x).numpy()
+    ours = kernel_definitions.quantize_rows(x).numpy()
     theirs = gguf.dequantize(
         gguf.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
     )
@@ -100,7 +100,7 @@ def _quantised_rows_reference(dense: torch.nn.Module, kept: torch.nn.Module) -> 
     for n, m in dense.named_modules():
         if n in names:
             m.forward = functools.partial(
-                lambda mod, x: F.linear(kernels.quantize_rows(x), mod.weight, mod.bias), m
+                lambda mod, x: F.linear(kernel_definitions.quantize_rows(x), mod.weight, mod.bias), m
             )
 
 

@@ -45,6 +45,7 @@ FLAGS = {
     "speculative": "--speculative-config",
     "kv_cache_dtype": "--kv-cache-dtype",
     "quantize_activations": "--quantize-activations",
+    "quantized_tiles": "--quantized-tiles",
 }
 DEFAULT_MAX_LORAS = 4
 
@@ -86,6 +87,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantize_activations": args.quantize_activations,
+        "quantized_tiles": args.quantized_tiles,
     }
     config = _checked(fields | explicit)  # the flags as given, before any kernel is built to probe
     chosen = dict(explicit)
@@ -114,11 +116,15 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
                 flush=True,
             )
     final = config if chosen == explicit else _checked(fields | chosen)
-    if final.quantize_activations and final.quantization is None:
-        raise ConfigError(
-            "serve --quantize-activations: it multiplies quantised weights; give --quantization (int8, "
-            "int4, gguf for a .gguf file's blocks) or serve a GPTQ, AWQ or compressed-tensors checkpoint"
-        )
+    for flag, on in (
+        ("--quantize-activations", final.quantize_activations),
+        ("--quantized-tiles", final.quantized_tiles),
+    ):
+        if on and final.quantization is None:
+            raise ConfigError(
+                f"serve {flag}: it multiplies quantised weights; give --quantization (int8, int4, gguf "
+                "for a .gguf file's blocks) or serve a GPTQ, AWQ or compressed-tensors checkpoint"
+            )
     return final
 
 

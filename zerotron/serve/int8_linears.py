@@ -116,17 +116,25 @@ def _block_forward(linear: Linear, module: nn.Module, tables: Tables, x: torch.T
 QUANTIZED = (*INT4, PackedInt8Linear, BlockInt8Linear, BlockKLinear, Int8Linear)
 
 
-def int8_kernels(model: nn.Module, four_bit: bool = False, activations: bool = False) -> int:
+def int8_kernels(
+    model: nn.Module, four_bit: bool = False, activations: bool = False, tiles: bool = False
+) -> int:
     """Run ``model``'s 8-bit linears that the kernel takes on it (their forwards replaced), and its
     4-bit ones where ``four_bit``; returns how many. ``activations``: every quantised linear (4-bit
     ones and ``--quantization int8``'s too) on :func:`~zerotron.serve.kernels.q8a8_linear`, the rows
-    quantised to int8, or a ValueError naming the first it cannot take. Call only where
-    :func:`~zerotron.serve.kernels.q8_available` (and ``q8a8_available`` for ``activations``)."""
+    quantised to int8, or a ValueError naming the first it cannot take. ``tiles``: every quantised
+    linear with a multiple of 32 inputs on :func:`~zerotron.serve.kernels.q8t_linear` (bf16 rows on
+    AMX tiles), the rest on their own kernels. Call only where
+    :func:`~zerotron.serve.kernels.q8_available` (and ``q8a8_available`` for ``activations``,
+    ``q8t_available`` for ``tiles``)."""
     count = 0
-    linear = kernels.q8a8_linear if activations else kernels.q8_linear
+    linear = kernels.q8a8_linear if activations else kernels.q8t_linear if tiles else kernels.q8_linear
+    every = activations or tiles
     for name, module in model.named_modules():
+        if tiles and isinstance(module, QUANTIZED) and getattr(module, "in_features", 0) % 32:
+            continue  # the tiles take 32 inputs at a time: on its own kernel (its values untouched)
         # once moved, a module keeps its operands (a 4-bit one's values are no longer torch's packed form)
-        tables = getattr(module, "q8_tables", None) or _tables(module, four_bit or activations, activations)
+        tables = getattr(module, "q8_tables", None) or _tables(module, four_bit or every, every)
         if tables is None:
             if activations and isinstance(module, QUANTIZED):
                 raise ValueError(

@@ -1,6 +1,6 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in ten files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in eleven files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
 - ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels (the
@@ -13,6 +13,8 @@ order, byte for byte:
   inputs, on AVX2, inside the namespace;
 - ``linear_vnni.cpp``: the linear layers of those weights times 8-bit-quantised activations, on
   AVX512-VNNI, inside the namespace;
+- ``linear_qtiles.cpp``: the same weights times bf16 rows on AMX tiles (it uses the tile helpers of
+  ``linear.cpp`` and the dequantisation of ``linear_int8.cpp``), inside the namespace;
 - ``attention_dot.cpp``: the paged attention of bf16 rows on AVX512-BF16 (it uses the row blocks and
   their dealing to threads of ``attention.cpp``; its packing and softmax helpers serve the tile kernel
   too);
@@ -37,6 +39,7 @@ PARTS = (
     "linear.cpp",
     "linear_int8.cpp",
     "linear_vnni.cpp",
+    "linear_qtiles.cpp",
     "attention_dot.cpp",
     "attention_tiles.cpp",
     "layer.cpp",

@@ -10,33 +10,25 @@ chunk of its prompt, and as a decode or a prompt row. On CPUs with AMX, bf16 row
 tile product Q K^T, each row's softmax runs over its own keys in fp32 with the probabilities rounded
 to bf16 (as flash attention rounds them), and P V is a tile product summed in key order from key 0,
 each element still one row's own arithmetic: the same invariances at about 0.4x the AVX-512 kernel's
-time on a 2048-token prompt. On CPUs with AVX512-BF16 but no AMX the same matrix problem
-runs on vector registers (``csrc/attention_dot.cpp``, VDPBF16PS steps: two dims of 16 keys, or two
-keys of 16 dims, per instruction), with the same roundings and invariances.
+time on a 2048-token prompt; on CPUs with AVX512-BF16 but no AMX the same on vector registers
+(``csrc/attention_dot.cpp``).
 
 :func:`tile_linear` is a bf16 linear layer on AMX tiles (x86 CPUs with AMX): the weight packed once
 into tile blocks (:func:`pack_tiles`), each output its row times its column summed in fp32 over 32-deep
-tile products in k order, so a row's result never depends on how many rows the call has: the serving
-engine runs every row count in one call, reading the weight once, where oneDNN's kernels change a
-row's bits with the row count and must run in 32-row chunks.
+tile products in k order, so a row's result never depends on how many rows the call has (oneDNN's
+change with the row count and must run in 32-row chunks).
 
-:func:`vec_linear` is the fp32 counterpart on AVX-512 (x86 CPUs with AVX-512F): the weight packed once
-into 48-column panels (:func:`pack_vec`), each output one fused multiply-add chain over k in order, so
-again a row's result is its own at any row count; blocks of 8 rows share each weight load, and the
-weights stream through k-slices that every row block of a call uses while they are in L1, so that a
-few rows cost one read of the weights (measured on SmolLM2's shapes: 0.6-0.75x oneDNN's time from 1 to
-78 rows, parity at 256-2048).
-
-:func:`dot_linear` is the bf16 linear for x86 CPUs with AVX512-BF16 but no AMX: :func:`vec_linear`'s
-blocking with bf16 operands (the weight packed by :func:`pack_dot` into 48-column panels of pairs of
-k), each output one chain of VDPBF16PS steps over the pairs of k in order, the bias added, rounded
-once to bf16: a row's result is again its own at any row count, and the weights stream at half the
-fp32 kernel's bytes.
+:func:`vec_linear` is the fp32 counterpart on AVX-512 (the weight packed by :func:`pack_vec`, each
+output one fused multiply-add chain over k in order; 0.6-0.75x oneDNN's time from 1 to 78 rows on
+SmolLM2's shapes, parity at 256-2048); :func:`dot_linear` the bf16 one for CPUs with AVX512-BF16 but
+no AMX (:func:`pack_dot`: VDPBF16PS steps over pairs of k in order, rounded once to bf16). Both give a
+row its own result at any row count.
 
 :func:`q8_linear` multiplies fp32 rows by 8-bit (or 4-bit) weights with a scale and a min per group
 of inputs, read from the files' own tables; :func:`q8a8_linear` multiplies the same weights by the
 rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI), as llama.cpp does (``zerotron serve
---quantize-activations``). Both give a row the same result in any batch.
+--quantize-activations``); :func:`q8t_linear` by bf16 rows on AMX tiles, the weights dequantised to
+bf16 once per call (``--quantized-tiles``). All give a row the same result in any batch.
 
 :func:`rms_norm` and :func:`silu_mul` are a decoder layer's RMSNorm and SiLU gate in one pass per row
 (the model's roundings), which a native-matmul engine runs instead of the several torch operators
@@ -77,6 +69,9 @@ _FLAGS = [
     "--param=vect-max-peeling-for-alignment=0",
 ]
 
+# a scale's or a min's factors (the grouped kernels' tables: the second None for one factor)
+Factors = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+
 _lock = threading.Lock()
 _module: Optional[Any] = None
 _error: Optional[str] = None
@@ -93,7 +88,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v30"
+_NAME = "zerotron_kernels_v31"
 _FUNCTIONS = [
     "paged_attention",
     "tiles_built",
@@ -108,6 +103,7 @@ _FUNCTIONS = [
     "q8_linear",
     "vnni_cpu",
     "q8a8_linear",
+    "q8t_linear",
     "rms_norm",
     "silu_mul",
     "rope_store",
@@ -355,19 +351,19 @@ def why_no_q8() -> Optional[str]:
 def q8_linear(
     x: torch.Tensor,
     values: torch.Tensor,
-    scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
-    mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+    scales: Factors,
+    mins: Factors = (None, None),
     offset: int = 0,
     add_mins: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T`` for rows ``x`` (..., K) and a weight ``w`` (n, K) of 8-bit ``values`` (n, groups,
     group) int8, any strides but the last, ``group`` a multiple of 8 — or 4-bit ones two a byte,
     (n, groups, group / 2) uint8, input 2j in the low half, each value the nibble less ``offset``
-    (the 4-bit formats and GGUF Q2_K's and Q3_K's as zerotron keeps them) — : ``w = q·s − m`` (``q·s +
-    m`` where ``add_mins``: GGUF Q4_1's), each group's
-    scale ``s`` the product of the factors ``scales`` and its min ``m`` that of ``mins`` (none when
-    the first is None). A factor is a table (n, groups / per) of f32, f16, bf16, int8 or uint8, any strides,
-    its entry per ``per`` consecutive groups: the files' tables as they are (GGUF Q8_0's f16 scales;
+    (the 4-bit formats and GGUF Q2_K's and Q3_K's as zerotron keeps them) — : ``w = q·s − m`` (``q·s
+    + m`` where ``add_mins``: GGUF Q4_1's), each group's scale ``s`` the product of the factors
+    ``scales`` and its min ``m`` that of ``mins`` (none when the first is None). A factor is a table
+    (n, groups / per) of f32, f16, bf16, int8 or uint8, any strides, its entry per ``per``
+    consecutive groups: the files' tables as they are (GGUF Q8_0's f16 scales;
     Q5_K's and Q6_K's f16 super-block scales times their small-integer group scales; GPTQ's scales and
     zeros times scales). The weights are dequantised slice by slice into fp32 (exactly: 8-bit values
     times f16-sized scales) and each output is 8 fused multiply-add chains over k in order, added in a
@@ -375,17 +371,10 @@ def q8_linear(
     return _grouped("q8_linear", x, values, scales, mins, offset, add_mins)
 
 
-def _grouped(
-    entry: str,
-    x: torch.Tensor,
-    values: torch.Tensor,
-    scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
-    mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
-    offset: int,
-    add_mins: bool,
-) -> torch.Tensor:
-    """``x``'s rows as fp32 (..., K) -> (rows, K) with unit stride through the grouped kernel ``entry``."""
-    rows = x.reshape(-1, x.shape[-1]).float()
+def _grouped(entry: str, x: torch.Tensor, values: torch.Tensor, *tables: Any) -> torch.Tensor:
+    """``x``'s rows (fp32; bf16 for q8t) through the grouped kernel ``entry`` (scales, mins, offset, add_mins)."""
+    scales, mins, offset, add_mins = tables
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if entry == "q8t_linear" else torch.float32)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y: torch.Tensor = getattr(_built(), entry)(
@@ -410,26 +399,42 @@ def why_no_q8a8() -> Optional[str]:
     )
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """The rows :func:`q8a8_linear` multiplies, in PyTorch: ``x`` (..., K), K a multiple of 32,
-    quantised per block of 32 inputs to ``d·round(x / d)``, ``d = max|x| / 127`` (half to even; an
-    all-zero block stays zero), returned as fp32 — the definition the kernel follows, for references."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
-    return (q * d).reshape(x.shape)
+def q8t_available() -> bool:
+    """Whether :func:`q8t_linear` runs here (:func:`q8_available` and :func:`tiles_available`)."""
+    return why_no_q8t() is None
+
+
+def why_no_q8t() -> Optional[str]:
+    return why_no_q8() or why_no_tiles()
+
+
+def q8t_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: Factors,
+    mins: Factors = (None, None),
+    offset: int = 0,
+    add_mins: bool = False,
+) -> torch.Tensor:
+    """:func:`q8_linear`'s weights times bf16 rows on AMX tiles, K a multiple of 32: per 32 outputs the
+    weights are dequantised as :func:`q8_linear` dequantises them and rounded once to bf16
+    (``kernel_definitions.dequantized_bf16``), then multiplied by every row of the call in 32-deep
+    tile products, each output summed in fp32 over k in order, rounded once to bf16: a row's result is
+    its own at any batch. Each weight is dequantised once a call. Returns (..., n) bf16."""
+    return _grouped("q8t_linear", x, values, scales, mins, offset, add_mins)
 
 
 def q8a8_linear(
     x: torch.Tensor,
     values: torch.Tensor,
-    scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]],
-    mins: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+    scales: Factors,
+    mins: Factors = (None, None),
     offset: int = 0,
     add_mins: bool = False,
 ) -> torch.Tensor:
     """:func:`q8_linear`'s product with the rows quantised to 8 bits, as llama.cpp and vLLM's GGUF
-    kernels multiply: each row's blocks of 32 inputs as :func:`quantize_rows` defines them, the
+    kernels multiply: each row's blocks of 32 inputs as
+    :func:`~zerotron.serve.kernel_definitions.quantize_rows` defines them, the
     integer products of those and the weights' values summed exactly (AVX512-VNNI), scaled by the
     groups' scales times the blocks' ``d``, less the mins times the quantised inputs' sums. In real
     arithmetic it is ``quantize_rows(x) @ w.T``; in fp32 each output is 16 lanes of fused

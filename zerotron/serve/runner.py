@@ -224,8 +224,19 @@ class StepRunner:
                 "it multiplies quantised weights: give --quantization (int8, int4, gguf) or a packed "
                 "checkpoint",
             )
+        # on AMX tiles: every quantised linear of 32k inputs, dequantised once per call (torch's kernels
+        # and the grouped one convert the weights again for every few rows of a prompt)
+        tiles = self.int8_tiles = cfg.quantized_tiles
+        if tiles and not (self.quantized and dtype == torch.bfloat16):
+            raise EngineConfigError(
+                "quantized_tiles",
+                "it multiplies bf16 rows by quantised weights: give --quantization (int8, int4, gguf) or a "
+                "packed checkpoint, in --dtype bfloat16",
+            )
         try:  # with acts every quantised linear moves, 4-bit ones included
-            self.int8_native = int8_kernels(model, dtype == torch.float32, activations=acts) if grouped else 0
+            self.int8_native = (
+                int8_kernels(model, dtype == torch.float32, activations=acts, tiles=tiles) if grouped else 0
+            )
         except ValueError as err:
             raise EngineConfigError("quantize_activations", str(err)) from None
 

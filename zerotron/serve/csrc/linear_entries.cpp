@@ -164,35 +164,57 @@ bool vnni_cpu() {
 #endif
 }
 
-// x (rows, K) fp32 with unit column stride; q (n, groups, group) int8 with unit last stride (K = groups
-// * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a byte, each less
-// offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows, n) fp32:
-// y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. a8: x quantised to int8 per 32 inputs first
-// (q8a8_linear_run, not bf16 weights), else x as it is (q8_linear_run; bf16 weights too, no scales).
+// x (rows, K) fp32 with unit column stride (bf16 on tiles); q (n, groups, group) int8 with unit last
+// stride (K = groups * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a
+// byte, each less offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows,
+// n) in x's dtype: y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. mode 0: x as it is
+// (q8_linear_run; bf16 weights too, no scales); 1: x quantised to int8 per 32 inputs first
+// (q8a8_linear_run, not bf16 weights); 2: bf16 x times the weights rounded to bf16 on AMX tiles
+// (qtile_linear_run, K a multiple of 32).
 torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1, std::optional<torch::Tensor> s2,
                        std::optional<torch::Tensor> m1, std::optional<torch::Tensor> m2, int64_t offset, bool add_mins,
-                       bool a8) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "fp32 rows");
-  const bool nibbles = q.scalar_type() == torch::kByte, bf16 = !a8 && q.scalar_type() == torch::kBFloat16;
+                       int mode) {
+  const bool a8 = mode == 1, tiles = mode == 2;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (tiles ? torch::kBFloat16 : torch::kFloat) && x.stride(1) == 1,
+              tiles ? "bf16 rows" : "fp32 rows");
+  const bool nibbles = q.scalar_type() == torch::kByte, bf16 = mode == 0 && q.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(q.dim() == 3 && (nibbles || bf16 || q.scalar_type() == torch::kChar) && q.stride(2) == 1,
-              a8 ? "int8 values (n, groups, group) or uint8 pairs (n, groups, group / 2)"
-                 : "int8 values (n, groups, group), uint8 pairs (n, groups, group / 2) or bf16 weights (n, groups, group)");
+              mode ? "int8 values (n, groups, group) or uint8 pairs (n, groups, group / 2)"
+                   : "int8 values (n, groups, group), uint8 pairs (n, groups, group / 2) or bf16 weights (n, groups, group)");
   TORCH_CHECK(nibbles || offset == 0, "an offset for values two a byte only");
   TORCH_CHECK(offset >= 0 && offset < 16, "an offset of 0 to 15");
   TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
   const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
   TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
+  TORCH_CHECK(!tiles || x.size(1) % 32 == 0, "K a multiple of 32 on tiles");
   TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
   if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
 #if defined(ZT_Q8)
   TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
-  Q8Problem t{x.data_ptr<float>(), y.data_ptr<float>(), static_cast<const int8_t*>(q.data_ptr()), q.stride(0),
-              q.stride(1), bf16 ? 2 : nibbles ? 1 : 0, static_cast<int32_t>(offset),
-              q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"), q8_factor(m1, n, groups, "m1"),
-              q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n, x.size(1), group, (n + QOT - 1) / QOT,
-              even_chunk(rows, QMC, 4)};
+  Q8Problem t{tiles ? nullptr : x.data_ptr<float>(), tiles ? nullptr : y.data_ptr<float>(),
+              static_cast<const int8_t*>(q.data_ptr()), q.stride(0), q.stride(1), bf16 ? 2 : nibbles ? 1 : 0,
+              static_cast<int32_t>(offset), q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"),
+              q8_factor(m1, n, groups, "m1"), q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n,
+              x.size(1), group, (n + QOT - 1) / QOT, even_chunk(rows, QMC, 4)};
+  if (tiles) {
+#if defined(ZT_QTILES)
+    // the rows packed as pack_tiles packs a weight: B tiles of 16 rows and 32 inputs
+    const int64_t kblocks = x.size(1) / 32, blocks = (rows + 15) / 16, chunk = even_chunk(rows, MCHUNK, 32);
+    auto xp = torch::constant_pad_nd(x, {0, 0, 0, blocks * 16 - rows})
+                  .reshape({blocks, 16, kblocks, 16, 2})
+                  .permute({0, 2, 3, 1, 4})
+                  .contiguous();
+    QTileProblem qt{t, reinterpret_cast<const uint16_t*>(xp.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()),
+                    kblocks, chunk, (rows + chunk - 1) / chunk};
+    pybind11::gil_scoped_release no_gil;
+    qtile_linear_run(qt);
+    return y;
+#else
+    TORCH_CHECK(false, "this build has no AMX tile kernels");
+#endif
+  }
   pybind11::gil_scoped_release no_gil;
   if (a8) q8a8_linear_run(t);
   else q8_linear_run(t);
@@ -205,12 +227,19 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
                         std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
                         std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
-  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, false);
+  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, 0);
 }
 
 // q8_linear's operands (not bf16 weights) times the rows quantised to int8 per block of 32 inputs.
 torch::Tensor q8a8_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
                           std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
                           std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
-  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, true);
+  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, 1);
+}
+
+// q8_linear's operands (not bf16 weights) times bf16 rows on AMX tiles, the weights rounded to bf16.
+torch::Tensor q8t_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
+                         std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
+                         std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
+  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, 2);
 }

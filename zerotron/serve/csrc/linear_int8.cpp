@@ -153,17 +153,19 @@ inline void q8_slice(const Q8Problem& t, int64_t g0, int64_t* e0, int64_t* r0) {
   }
 }
 
-// Outputs o0 .. o0 + 11 (those below n) of inputs [k0, k1) dequantised into buf (QOT x QKS fp32, the
-// missing outputs' rows zero): w = q * s - m, 8 values at a time (a group holds a multiple of 8).
+// Outputs o0 .. o0 + outputs - 1 (those below n) of inputs [k0, k1) dequantised into buf (a row of ld
+// fp32 per output, the missing outputs' rows zero): w = q * s - m, 8 values at a time (a group holds a
+// multiple of 8).
 template <int KIND>  // the problem's kind, known when compiling: no branch per 8 values
-ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t k1, float* buf) {
+ZT_Q8_TARGET void q8_dequant(const Q8Problem& t, int64_t o0, int64_t k0, int64_t k1, float* buf,
+                             int64_t outputs = QOT, int64_t ld = QKS) {
   const bool mins = t.m1.kind != 0;
   const int64_t g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;  // the slice's groups
   const int64_t* e0 = t.slices + (k0 / QKS) * 8;
   const int64_t* r0 = e0 + 4;
   float s[QKS / 8], m[QKS / 8];  // per group of the slice (at most 32 groups: a group has 8+ inputs)
-  for (int64_t j = 0; j < QOT; ++j) {
-    float* row = buf + j * QKS;
+  for (int64_t j = 0; j < outputs; ++j) {
+    float* row = buf + j * ld;
     const int64_t o = o0 + j;
     if (o >= t.n) {
       for (int64_t k = 0; k < k1 - k0; k += 8) _mm256_store_ps(row + k, _mm256_setzero_ps());
@@ -320,14 +322,20 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
   }
 }
 
-void q8_linear_run(Q8Problem t) {
-  std::vector<int64_t> slices;  // every slice's q8_slice, not one per output (its divisions)
+// Every QKS-input slice's q8_slice (e0 then r0), made once a call, not once per output (its divisions).
+std::vector<int64_t> q8_slices(const Q8Problem& t) {
+  std::vector<int64_t> slices;
   for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
     int64_t e0[4], r0[4];
     q8_slice(t, k0 / t.group, e0, r0);
     slices.insert(slices.end(), e0, e0 + 4);
     slices.insert(slices.end(), r0, r0 + 4);
   }
+  return slices;
+}
+
+void q8_linear_run(Q8Problem t) {
+  const std::vector<int64_t> slices = q8_slices(t);
   t.slices = slices.data();
   const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
   at::parallel_for(0, chunks * t.tiles, 1, [&](int64_t begin, int64_t end) { q8_tasks(t, begin, end); });

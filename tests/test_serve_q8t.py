@@ -1,0 +1,173 @@
+"""Quantised weights times bf16 rows on AMX tiles (``kernels.q8t_linear``: what ``zerotron serve``
+runs every 8- and 4-bit linear on in bf16 on a CPU with AMX).
+
+References: the weights computed from their parts in float64 (``tests.test_serve_int8._reference``:
+values times the factors, less the mins), rounded to bf16 (what the kernel multiplies: checked against
+``kernel_definitions.dequantized_bf16``, then the product against that weight times the rows in float64); the
+engine's greedy tokens beside the dense model whose weights are those bf16 weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.test_serve_engine import _each_row_alone
+from tests.test_serve_int8 import CASES, _operands, _reference
+from zerotron.serve import kernel_definitions, kernels
+
+pytestmark = pytest.mark.skipif(
+    not kernels.q8t_available(), reason=f"no AMX tiles for quantised weights here: {kernels.why_no_q8t()}"
+)
+
+TILE_CASES = [c for c in CASES if CASES[c][1] * CASES[c][2] % 32 == 0]
+
+
+def _weight64(values: torch.Tensor, scales: tuple, mins: tuple, offset: int, add: bool) -> torch.Tensor:
+    """The exact weight (n, K) in float64: the float64 reference's product with the identity."""
+    k = values.shape[1] * values.shape[2] * (2 if values.dtype == torch.uint8 else 1)
+    return _reference(torch.eye(k), values, scales, mins, offset, add).T
+
+
+@pytest.mark.parametrize("case", TILE_CASES)
+def test_kernel_is_the_rows_times_the_bf16_weights_and_a_row_is_its_own(case: str) -> None:
+    """Every table layout of the 8-bit kernel: the bf16 weight definition within one bf16 rounding of
+    the exact weight; the kernel's product within the fp32 sum's rounding and one bf16 rounding of
+    the rows times that weight in float64; every row the same bits in calls of any row count (1 to
+    300: partial 16- and 32-row blocks, several chunks), any leading shape, strided rows, one thread."""
+    gen = torch.Generator().manual_seed(11)
+    values, scales, mins, offset, add = _operands(case, gen, group_major=True)
+    n = values.shape[0]
+    exact = _weight64(values, scales, mins, offset, add)
+    w = kernel_definitions.dequantized_bf16(values, scales, mins, offset, add)
+    assert w.dtype == torch.bfloat16 and w.shape == exact.shape
+    assert ((w.double() - exact).abs() <= exact.abs() * 2**-8).all()
+    x = (torch.randn(300, exact.shape[1], generator=gen) * 2).bfloat16()
+    y = kernels.q8t_linear(x, values, scales, mins, offset, add)
+    assert y.shape == (300, n) and y.dtype == torch.bfloat16
+    want = x.double() @ w.double().T
+    size = x.double().abs() @ w.double().abs().T  # the sum's own size, for its fp32 rounding
+    assert ((y.double() - want).abs() <= want.abs() * 2**-8 + size * 2**-20).all()
+    counts = (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300)
+    linear = functools.partial(
+        kernels.q8t_linear, values=values, scales=scales, mins=mins, offset=offset, add_mins=add
+    )
+    _each_row_alone(linear, x, y, counts, gen)
+
+
+def test_kernel_rounds_the_weights_to_bf16_and_reads_every_table() -> None:
+    """Negative controls: the outputs are those of the bf16-rounded weight (rounded once to bf16, all
+    but a few that the fp32 sum's order moves across a rounding boundary), not those of the exact
+    weight (about half of them differ); and each operand moves the result."""
+    gen = torch.Generator().manual_seed(12)
+    values, scales, mins, offset, add = _operands("q5_k", gen)
+    x = torch.randn(40, values.shape[1] * values.shape[2], generator=gen).bfloat16()
+    y = kernels.q8t_linear(x, values, scales, mins, offset, add)
+    unrounded = (x.double() @ _weight64(values, scales, mins, offset, add).T).bfloat16()
+    rounded = (
+        x.double() @ kernel_definitions.dequantized_bf16(values, scales, mins, offset, add).double().T
+    ).bfloat16()
+    assert (y == rounded).double().mean() > 0.99
+    assert (y == unrounded).double().mean() < 0.8
+    y = y.double()
+    v2, s2, m2 = values.clone(), scales[1].clone(), mins[1].clone()
+    v2[3, 1, 5] ^= 1
+    s2[7, 2] += 1
+    m2[9, 4] += 1
+    for changed in (
+        kernels.q8t_linear(x, v2, scales, mins, offset, add),
+        kernels.q8t_linear(x, values, (scales[0], s2), mins, offset, add),
+        kernels.q8t_linear(x, values, scales, (mins[0], m2), offset, add),
+    ):
+        assert not torch.equal(changed.double(), y)
+
+
+def test_kernel_refuses_what_it_cannot_take() -> None:
+    gen = torch.Generator().manual_seed(13)
+    values, scales, mins, offset, add = _operands("g24-nibbles", gen)  # K = 192: fine
+    x = torch.randn(3, 192, generator=gen).bfloat16()
+    kernels.q8t_linear(x, values, scales, mins, offset, add)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.q8t_linear(
+            x[:, :168], values[:, :7], (scales[0][:, :7], None), (mins[0][:, :7], None), offset, add
+        )
+
+
+def _moved_reference(name: str) -> tuple[torch.nn.Module, torch.nn.Module, object, object]:
+    """llama.cpp's file ``name`` in bf16 with its blocks kept, served with ``quantized_tiles`` (the
+    engine), and the same file dequantised whose moved linears hold the bf16 weights the kernel
+    multiplies (``dequantized_bf16`` of each one's operands)."""
+    from tests.test_serve_q8a8 import DATA
+    from zerotron.build.builder import load_model
+    from zerotron.serve.config import EngineConfig
+    from zerotron.serve.engine import Engine
+
+    path = str(DATA / name)
+    kept, tokenizer = load_model(path, torch.bfloat16, "cpu", quantization="gguf")
+    engine = Engine(
+        kept, tokenizer, EngineConfig(quantization="gguf", max_model_len=64, quantized_tiles=True)
+    )
+    dense, _ = load_model(path, torch.bfloat16, "cpu")
+    modules = dict(dense.named_modules())
+    moved = [(n, m) for n, m in kept.named_modules() if getattr(m, "q8_tables", None) is not None]
+    assert moved and engine.runner.int8_native == len(moved) and engine.runner.int8_tiles
+    with torch.no_grad():
+        for n, m in moved:
+            # a quantised embedding's table (the tied head) is the dense embedding's weight
+            target = modules[n.removesuffix(".table")] if n.endswith(".table") else modules[n]
+            target.weight.copy_(kernel_definitions.dequantized_bf16(*m.q8_tables))
+    return kept, dense, tokenizer, engine
+
+
+@pytest.mark.parametrize("name", ["k256-Q4_K_M.gguf", "k96-Q5_K_M.gguf"])
+def test_a_quantised_model_on_tiles_is_its_bf16_weights_and_the_engine_batch_invariant(name: str) -> None:
+    """llama.cpp's files in bf16, every quantised linear on the tiles: the logits of the model whose
+    linears hold the same bf16 weights in torch's F.linear (bf16 sums in another order: close, not
+    equal), and the engine's greedy tokens the same alone and batched."""
+    from tests.test_serve_engine import _run
+    from zerotron.components.sampling import SamplingParams
+
+    kept, dense, _, engine = _moved_reference(name)
+    ids = torch.arange(3, 40)[None] * 7 % 250 + 1
+    with torch.no_grad():
+        ours, ref = kept(ids)[0].float(), dense(ids)[0].float()
+    scale = ref.abs().max()
+    assert (ours - ref).pow(2).mean().sqrt() <= 0.02 * scale
+    assert (ours.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.9
+    tokens = ids[0].tolist()
+    prompts = [tokens, tokens[:7], tokens[5:16]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    together = _run(engine, prompts, params)
+    for i, prompt in enumerate(prompts):
+        assert _run(engine, [prompt], params)[0][0] == together[i][0]
+
+
+def test_quantized_tiles_refused_where_they_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerotron.cli import build_parser
+    from zerotron.config_load import ConfigError
+    from zerotron.serve.command import engine_config
+    from zerotron.serve.config import EngineConfig, EngineConfigError
+
+    bf16 = ["serve", "m.gguf", "--dtype", "bfloat16"]
+    args = build_parser().parse_args([*bf16, "--quantization", "gguf", "--quantized-tiles"])
+    assert engine_config(args, 1).quantized_tiles
+    assert not engine_config(build_parser().parse_args(bf16), 1).quantized_tiles
+    with pytest.raises(ConfigError, match="--quantized-tiles: it multiplies quantised weights"):
+        engine_config(build_parser().parse_args([*bf16, "--quantized-tiles"]), 1)
+    with pytest.raises(ConfigError, match="--quantized-tiles: not available.*--dtype bfloat16"):
+        engine_config(
+            build_parser().parse_args(["serve", "m.gguf", "--quantization", "gguf", "--quantized-tiles"]), 1
+        )
+    with pytest.raises(EngineConfigError, match="--dtype bfloat16"):
+        EngineConfig(quantization="int8", dtype="float32", quantized_tiles=True)
+    with pytest.raises(EngineConfigError, match="runs on the CPU"):
+        EngineConfig(quantized_tiles=True, device="cuda")
+    with pytest.raises(EngineConfigError, match="tensor-parallel"):
+        EngineConfig(quantization="int8", quantized_tiles=True, tp=2)
+    with pytest.raises(EngineConfigError, match="one of the two"):
+        EngineConfig(quantization="int8", quantized_tiles=True, quantize_activations=True)
+    monkeypatch.setattr(kernels, "why_no_q8t", lambda: "this CPU has no AMX tiles")
+    with pytest.raises((ConfigError, EngineConfigError), match="quantized.tiles.*AMX"):
+        engine_config(args, 1)

@@ -1,0 +1,224 @@
+// ---- 8- and 4-bit weights times bf16 rows on AMX tiles ----------------------------------------------
+// y = x w^T for bf16 x (rows, K) and the weights of the 8-bit kernel above (Q8Problem: any of its
+// tables), on CPUs with AMX. Per task (a chunk of rows, 32 outputs) the outputs' weights are
+// dequantised as the 8-bit kernel dequantises them (q8_dequant: fp32, q * s - m) and rounded once to
+// bf16 into a panel (32 x K), which tile products then multiply by every 16-row block of the chunk.
+// The weights are the A tiles (16 outputs of 32 inputs each: the panel's rows as they are, no
+// transpose) and the rows the B tiles (x packed as pack_tiles packs a weight). An output element is its
+// row of x times its panel row summed in fp32 over k in 32-deep tile products in k order, rounded once
+// to bf16: a row's numbers never depend on the other rows, on the chunks or on the threads. Tasks run
+// output-major, so a thread dequantises each of its panels once per call whatever the row count: a
+// prompt's hundreds of rows pay the dequantisation once, where a row-at-a-time kernel pays per row.
+#if defined(ZT_TILES) && defined(ZT_Q8)
+#define ZT_QTILES 1
+#define ZT_QTILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+struct QTileProblem {
+  Q8Problem q;         // the weights (q.x, q.y and q.ldx unused)
+  const uint16_t* xp;  // x packed: (row blocks of 16, kblocks, 16 pairs of k, 16 rows, 2)
+  uint16_t* y;         // (rows, n) bf16
+  int64_t kblocks, chunk, chunks;
+};
+
+constexpr int64_t QTO = 32;  // outputs per task: two A tiles
+
+// Output o's weights of inputs [k0, k1) straight to bf16 at out, 16 at a time (groups of a multiple
+// of 16 inputs): q8_dequant's values (its q * s - m, the same operations on 16 lanes instead of 8)
+// with no fp32 buffer between. s and m: the slice's groups' scales and mins (q8_factors).
+template <int KIND>
+ZT_QTILE_TARGET inline void qtile_row(const Q8Problem& q, int64_t o, int64_t k0, int64_t k1, const float* s,
+                                      const float* m, bool mins, uint16_t* out) {
+  const int64_t g0 = k0 / q.group, count = (k1 - 1) / q.group - g0 + 1;
+  const __m128i low = _mm_set1_epi8(15), offset = _mm_set1_epi8(static_cast<char>(q.offset));
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t gi = g0 + c, start = std::max(k0, gi * q.group), end = std::min(k1, (gi + 1) * q.group);
+    const int8_t* qg = q.q + o * q.qo + gi * q.qg;
+    const __m512 sv = _mm512_set1_ps(s[c]), mv = _mm512_set1_ps(m[c]);
+    for (int64_t k = start; k < end; k += 16) {
+      __m128i v8;
+      if constexpr (KIND == 1) {  // 8 bytes: inputs 2j in the low halves, 2j + 1 in the high
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group) / 2));
+        v8 = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)), offset);
+      } else {
+        v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group)));
+      }
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v8));
+      const __m512 w = mins ? _mm512_fmsub_ps(f, sv, mv) : _mm512_mul_ps(f, sv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (k - k0)), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+  }
+}
+
+// The panel of outputs o0 .. o0 + 31 (zero rows past n), rows kp values apart: each
+// weight q8_dequant's fp32 value rounded to bf16 (round to nearest even), 256 inputs at a time.
+template <int KIND>
+ZT_QTILE_TARGET void qtile_panel(const Q8Problem& q, int64_t o0, int64_t kp, uint16_t* panel) {
+  if (KIND != 2 && q.group % 16 == 0) {  // output by output: each reads its values in one stream
+    const bool mins = q.m1.kind != 0;
+    float s[QKS / 8], m[QKS / 8];
+    for (int64_t j = 0; j < QTO; ++j) {
+      if (o0 + j >= q.n) {
+        std::memset(panel + j * kp, 0, q.k * 2);
+        continue;
+      }
+      for (int64_t k0 = 0; k0 < q.k; k0 += QKS) {
+        const int64_t k1 = std::min(q.k, k0 + QKS), count = (k1 - 1) / q.group - k0 / q.group + 1;
+        const int64_t* e0 = q.slices + (k0 / QKS) * 8;
+        q8_factors(q, o0 + j, e0, e0 + 4, count, s, m);
+        qtile_row<KIND>(q, o0 + j, k0, k1, s, m, mins, panel + j * kp + k0);
+      }
+    }
+    return;
+  }
+  alignas(64) float f[QTO * QKS];
+  for (int64_t k0 = 0; k0 < q.k; k0 += QKS) {
+    const int64_t k1 = std::min(q.k, k0 + QKS);
+    q8_dequant<KIND>(q, o0, k0, k1, f, QTO, QKS);  // groups of 8 or 24: 8 values at a time
+    for (int64_t j = 0; j < QTO; ++j)
+      for (int64_t kk = 0; kk < k1 - k0; kk += 32) {
+        const __m512 lo = _mm512_load_ps(f + j * QKS + kk), hi = _mm512_load_ps(f + j * QKS + kk + 16);
+        _mm512_storeu_si512(panel + j * kp + k0 + kk, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+  }
+}
+
+// The 16 values of output o from input k (in group gi) as bf16 at out: qtile_row's arithmetic.
+template <int KIND>
+ZT_QTILE_TARGET inline void qtile_16(const Q8Problem& q, int64_t o, int64_t gi, int64_t k, __m512 sv, __m512 mv,
+                                     bool mins, uint16_t* out) {
+  const int8_t* qg = q.q + o * q.qo + gi * q.qg;
+  __m128i v8;
+  if constexpr (KIND == 1) {
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group) / 2));
+    v8 = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
+                      _mm_set1_epi8(static_cast<char>(q.offset)));
+  } else {
+    v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group)));
+  }
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v8));
+  const __m512 w = mins ? _mm512_fmsub_ps(f, sv, mv) : _mm512_mul_ps(f, sv);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(w));
+}
+
+// A call of at most 32 rows (a decode step): outputs o0 .. o0 + 31 of the ma x 16 outputs and nb x 16
+// rows, into c as tile_block stores it. Each 32-input step's weights are dequantised into a 2 KB
+// buffer and multiplied at once, with no panel's trip through L2: the same bf16 weights and the same
+// tile products in the same k order as the panel path, so the same bits. Groups of a multiple of 16.
+template <int KIND>
+ZT_QTILE_TARGET void qtile_small(const QTileProblem& t, int64_t o0, int ma, int nb, float* c) {
+  const Q8Problem& q = t.q;
+  const bool mins = q.m1.kind != 0;
+  alignas(64) uint16_t a[QTO * 32];
+  float s[QTO][QKS / 8], m[QTO][QKS / 8];
+  int64_t group_of[QKS / 16];  // each 16 inputs' group in its slice, from the slice's first
+  const uint16_t* b0 = t.xp;
+  const uint16_t* b1 = t.xp + t.kblocks * 512;
+  const int64_t ow = std::min(QTO, q.n - o0);
+  std::memset(a, 0, sizeof(a));  // the outputs past n stay zero
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < q.k; k0 += QKS) {
+    const int64_t k1 = std::min(q.k, k0 + QKS), g0 = k0 / q.group, count = (k1 - 1) / q.group - g0 + 1;
+    const int64_t* e0 = q.slices + (k0 / QKS) * 8;
+    for (int64_t i = 0; i < (k1 - k0) / 16; ++i) group_of[i] = (k0 + 16 * i) / q.group - g0;
+    for (int64_t j = 0; j < ow; ++j) q8_factors(q, o0 + j, e0, e0 + 4, count, s[j], m[j]);
+    for (int64_t kb = k0 / 32; kb < k1 / 32; ++kb) {
+      for (int64_t j = 0; j < ow; ++j)
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t k = kb * 32 + 16 * h, gc = group_of[(k - k0) / 16];
+          qtile_16<KIND>(q, o0 + j, g0 + gc, k, _mm512_set1_ps(s[j][gc]), _mm512_set1_ps(m[j][gc]), mins,
+                         a + j * 32 + 16 * h);
+        }
+      _tile_loadd(4, a, 64);
+      _tile_loadd(6, b0 + kb * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (nb == 2) {
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (ma == 2) {
+        _tile_loadd(5, a + 16 * 32, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  char* cc = reinterpret_cast<char*>(c);
+  _tile_stored(0, cc, 128);
+  if (nb == 2) _tile_stored(1, cc + 64, 128);
+  if (ma == 2) _tile_stored(2, cc + 16 * 128, 128);
+  if (ma == 2 && nb == 2) _tile_stored(3, cc + 16 * 128 + 64, 128);
+}
+
+// Rows m0 .. m0 + mr - 1 of outputs o0 .. o0 + ow - 1 from c[output][row] (as tile_block stores it),
+// rounded to bf16: each row's outputs, 16 at a time, gathered down a column of c.
+ZT_QTILE_TARGET inline void qtile_store(const QTileProblem& t, const float* c, int64_t m0, int64_t mr, int64_t o0,
+                                        int64_t ow) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(32));
+  for (int64_t r = 0; r < mr; ++r)
+    for (int64_t j = 0; j < ow; j += 16) {
+      const __mmask16 keep = ow - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (ow - j)) - 1);
+      const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, column, c + j * 32 + r, 4);
+      _mm256_mask_storeu_epi16(t.y + (m0 + r) * t.q.n + o0 + j, keep, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+// Tasks [begin, end) of one thread: task = (32 outputs, chunk of rows), output-major.
+ZT_QTILE_TARGET void qtile_tasks(const QTileProblem& t, int64_t begin, int64_t end) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const Q8Problem& q = t.q;
+  // panel rows 64 bytes longer than K: an A tile's 16 rows never all fall in one cache set (rows a
+  // power of two bytes apart would, and the tile loads would miss in L1)
+  const int64_t kp = t.kblocks * 32 + 32, rows = q.rows, n = q.n;
+  thread_local std::vector<uint16_t> panel;
+  if (static_cast<int64_t>(panel.size()) < QTO * kp) panel.resize(QTO * kp);
+  alignas(64) float c[32 * 32];
+  const bool small = rows <= 32 && q.kind != 2 && q.group % 16 == 0;
+  int64_t have = -1;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task / t.chunks, mc = task % t.chunks, o0 = p * QTO;
+    if (small) {
+      const int ma = n - o0 > 16 ? 2 : 1, nb = rows > 16 ? 2 : 1;
+      if (q.kind == 1) qtile_small<1>(t, o0, ma, nb, c);
+      else qtile_small<0>(t, o0, ma, nb, c);
+      qtile_store(t, c, 0, rows, o0, std::min(QTO, n - o0));
+      continue;
+    }
+    if (p != have) {
+      if (q.kind == 2) qtile_panel<2>(q, o0, kp, panel.data());
+      else if (q.kind == 1) qtile_panel<1>(q, o0, kp, panel.data());
+      else qtile_panel<0>(q, o0, kp, panel.data());
+      have = p;
+    }
+    const int64_t ow = std::min(QTO, n - o0);
+    const uint16_t* a0 = panel.data();
+    const uint16_t* a1 = a0 + 16 * kp;
+    for (int64_t m0 = mc * t.chunk; m0 < std::min(rows, (mc + 1) * t.chunk); m0 += 32) {
+      const uint16_t* b0 = t.xp + (m0 / 16) * t.kblocks * 512;
+      const uint16_t* b1 = b0 + t.kblocks * 512;
+      const int64_t mr = std::min<int64_t>(32, rows - m0);
+      if (ow > 16 && mr > 16) tile_block<2, 2>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
+      else if (ow > 16) tile_block<2, 1>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
+      else if (mr > 16) tile_block<1, 2>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
+      else tile_block<1, 1>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
+      qtile_store(t, c, m0, mr, o0, ow);
+    }
+  }
+  _tile_release();
+}
+
+void qtile_linear_run(QTileProblem t) {
+  const std::vector<int64_t> slices = q8_slices(t.q);
+  t.q.slices = slices.data();
+  const int64_t tasks = (t.q.n + QTO - 1) / QTO * t.chunks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { qtile_tasks(t, begin, end); });
+}
+#endif
