@@ -21,6 +21,16 @@ struct TileConfig {
   uint8_t rows[16] = {0};
 };
 
+// Every tile 16 rows of 64 bytes (the tile kernels' one shape), for this thread.
+ZT_TILE_TARGET inline void load_tile_config() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
 // One block of MA x 16 rows (A tiles 4, 5: 16 rows each from a0, a1, lda0/lda1 bytes apart) times
 // NB x 16 columns (B tiles 6, 7), summed into C tiles 0-3 over all k, stored to c (32 x 32 fp32).
 template <int MA, int NB>
@@ -60,12 +70,7 @@ constexpr int64_t MCHUNK = 128;  // most rows of x a thread keeps in cache while
 
 // Tasks [begin, end) of one thread: task = (chunk of rows, pair of 16-column blocks), chunk-major.
 ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  load_tile_config();
   alignas(64) float c[32 * 32];
   const int64_t pairs = (t.nblocks + 1) / 2, kblocks = t.kblocks, rows = t.rows, full = t.full;
   for (int64_t task = begin; task < end; ++task) {

@@ -21,30 +21,36 @@ struct QTileProblem {
 
 constexpr int64_t QTO = 32;  // outputs per task: two A tiles
 
+// The 16 values of output o from input k (in group gi, scale sv, min mv) as bf16 at out: q8_dequant's
+// q * s - m on 16 lanes instead of 8, rounded to nearest even.
+template <int KIND>
+ZT_QTILE_TARGET inline void qtile_16(const Q8Problem& q, int64_t o, int64_t gi, int64_t k, __m512 sv, __m512 mv,
+                                     bool mins, uint16_t* out) {
+  const int8_t* qg = q.q + o * q.qo + gi * q.qg;
+  __m128i v8;
+  if constexpr (KIND == 1) {
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group) / 2));
+    v8 = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
+                      _mm_set1_epi8(static_cast<char>(q.offset)));
+  } else {
+    v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group)));
+  }
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v8));
+  const __m512 w = mins ? _mm512_fmsub_ps(f, sv, mv) : _mm512_mul_ps(f, sv);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(w));
+}
+
 // Output o's weights of inputs [k0, k1) straight to bf16 at out, 16 at a time (groups of a multiple
-// of 16 inputs): q8_dequant's values (its q * s - m, the same operations on 16 lanes instead of 8)
-// with no fp32 buffer between. s and m: the slice's groups' scales and mins (q8_factors).
+// of 16 inputs), with no fp32 buffer between. s and m: the slice's groups' scales and mins (q8_factors).
 template <int KIND>
 ZT_QTILE_TARGET inline void qtile_row(const Q8Problem& q, int64_t o, int64_t k0, int64_t k1, const float* s,
                                       const float* m, bool mins, uint16_t* out) {
   const int64_t g0 = k0 / q.group, count = (k1 - 1) / q.group - g0 + 1;
-  const __m128i low = _mm_set1_epi8(15), offset = _mm_set1_epi8(static_cast<char>(q.offset));
   for (int64_t c = 0; c < count; ++c) {
     const int64_t gi = g0 + c, start = std::max(k0, gi * q.group), end = std::min(k1, (gi + 1) * q.group);
-    const int8_t* qg = q.q + o * q.qo + gi * q.qg;
     const __m512 sv = _mm512_set1_ps(s[c]), mv = _mm512_set1_ps(m[c]);
-    for (int64_t k = start; k < end; k += 16) {
-      __m128i v8;
-      if constexpr (KIND == 1) {  // 8 bytes: inputs 2j in the low halves, 2j + 1 in the high
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group) / 2));
-        v8 = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)), offset);
-      } else {
-        v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group)));
-      }
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v8));
-      const __m512 w = mins ? _mm512_fmsub_ps(f, sv, mv) : _mm512_mul_ps(f, sv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (k - k0)), (__m256i)_mm512_cvtneps_pbh(w));
-    }
+    for (int64_t k = start; k < end; k += 16) qtile_16<KIND>(q, o, gi, k, sv, mv, mins, out + (k - k0));
   }
 }
 
@@ -79,25 +85,6 @@ ZT_QTILE_TARGET void qtile_panel(const Q8Problem& q, int64_t o0, int64_t kp, uin
         _mm512_storeu_si512(panel + j * kp + k0 + kk, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
   }
-}
-
-// The 16 values of output o from input k (in group gi) as bf16 at out: qtile_row's arithmetic.
-template <int KIND>
-ZT_QTILE_TARGET inline void qtile_16(const Q8Problem& q, int64_t o, int64_t gi, int64_t k, __m512 sv, __m512 mv,
-                                     bool mins, uint16_t* out) {
-  const int8_t* qg = q.q + o * q.qo + gi * q.qg;
-  __m128i v8;
-  if constexpr (KIND == 1) {
-    const __m128i low = _mm_set1_epi8(15);
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group) / 2));
-    v8 = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
-                      _mm_set1_epi8(static_cast<char>(q.offset)));
-  } else {
-    v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group)));
-  }
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v8));
-  const __m512 w = mins ? _mm512_fmsub_ps(f, sv, mv) : _mm512_mul_ps(f, sv);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(w));
 }
 
 // A call of at most 32 rows (a decode step): outputs o0 .. o0 + 31 of the ma x 16 outputs and nb x 16
@@ -168,12 +155,7 @@ ZT_QTILE_TARGET inline void qtile_store(const QTileProblem& t, const float* c, i
 
 // Tasks [begin, end) of one thread: task = (32 outputs, chunk of rows), output-major.
 ZT_QTILE_TARGET void qtile_tasks(const QTileProblem& t, int64_t begin, int64_t end) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  load_tile_config();
   const Q8Problem& q = t.q;
   // panel rows 64 bytes longer than K: an A tile's 16 rows never all fall in one cache set (rows a
   // power of two bytes apart would, and the tile loads would miss in L1)
