@@ -112,7 +112,7 @@ def _moved_reference(name: str) -> tuple[torch.nn.Module, torch.nn.Module, objec
     dense, _ = load_model(path, torch.bfloat16, "cpu")
     modules = dict(dense.named_modules())
     moved = [(n, m) for n, m in kept.named_modules() if getattr(m, "q8_tables", None) is not None]
-    assert moved and engine.runner.int8_native == len(moved) and engine.runner.int8_tiles
+    assert moved and engine.runner.int8_native == len(moved) and engine.config.quantized_tiles
     with torch.no_grad():
         for n, m in moved:
             # a quantised embedding's table (the tied head) is the dense embedding's weight

@@ -342,7 +342,7 @@ def _startup_line(engine: Engine, options: ServerOptions, bound: str) -> str:
             + (
                 f"; {engine.runner.int8_native} linears on the native 8/4-bit kernel"
                 + (", int8 activations" if engine.config.quantize_activations else "")
-                + (", bf16 rows on AMX tiles" if engine.runner.int8_tiles else "")
+                + (", bf16 rows on AMX tiles" if engine.config.quantized_tiles else "")
                 if engine.runner.int8_native
                 else ""
             )

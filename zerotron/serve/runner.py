@@ -226,7 +226,7 @@ class StepRunner:
             )
         # on AMX tiles: every quantised linear of 32k inputs, dequantised once per call (torch's kernels
         # and the grouped one convert the weights again for every few rows of a prompt)
-        tiles = self.int8_tiles = cfg.quantized_tiles
+        tiles = cfg.quantized_tiles
         if tiles and not (self.quantized and dtype == torch.bfloat16):
             raise EngineConfigError(
                 "quantized_tiles",

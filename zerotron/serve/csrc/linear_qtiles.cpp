@@ -58,7 +58,7 @@ ZT_QTILE_TARGET inline void qtile_row(const Q8Problem& q, int64_t o, int64_t k0,
 // weight q8_dequant's fp32 value rounded to bf16 (round to nearest even), 256 inputs at a time.
 template <int KIND>
 ZT_QTILE_TARGET void qtile_panel(const Q8Problem& q, int64_t o0, int64_t kp, uint16_t* panel) {
-  if (KIND != 2 && q.group % 16 == 0) {  // output by output: each reads its values in one stream
+  if (q.group % 16 == 0) {  // output by output: each reads its values in one stream
     const bool mins = q.m1.kind != 0;
     float s[QKS / 8], m[QKS / 8];
     for (int64_t j = 0; j < QTO; ++j) {
@@ -163,7 +163,7 @@ ZT_QTILE_TARGET void qtile_tasks(const QTileProblem& t, int64_t begin, int64_t e
   thread_local std::vector<uint16_t> panel;
   if (static_cast<int64_t>(panel.size()) < QTO * kp) panel.resize(QTO * kp);
   alignas(64) float c[32 * 32];
-  const bool small = rows <= 32 && q.kind != 2 && q.group % 16 == 0;
+  const bool small = rows <= 32 && q.group % 16 == 0;
   int64_t have = -1;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t p = task / t.chunks, mc = task % t.chunks, o0 = p * QTO;
@@ -175,8 +175,7 @@ ZT_QTILE_TARGET void qtile_tasks(const QTileProblem& t, int64_t begin, int64_t e
       continue;
     }
     if (p != have) {
-      if (q.kind == 2) qtile_panel<2>(q, o0, kp, panel.data());
-      else if (q.kind == 1) qtile_panel<1>(q, o0, kp, panel.data());
+      if (q.kind == 1) qtile_panel<1>(q, o0, kp, panel.data());  // never kind 2: q8_entry refuses bf16 values
       else qtile_panel<0>(q, o0, kp, panel.data());
       have = p;
     }
