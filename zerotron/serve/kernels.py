@@ -1,28 +1,20 @@
 """Native CPU kernels of the serving engine, built on first use with torch's C++ extension loader.
 
 :func:`paged_attention` attends each query row (a decode, or one position of a prompt) to its
-sequence's keys and values up to its own position, where they lie in the paged pool, through the
-sequence's slot list: no gathered copy of the keys and values, no mask. A row's numbers depend on its
-own query, keys and values only (each row's keys visited in order, fp32 throughout; consecutive rows of
-a prompt share each key's load, not its arithmetic), so a row gives the same bits in any batch, in any
-chunk of its prompt, and as a decode or a prompt row. On CPUs with AMX, bf16 rows with heads of 64 or
-128 attend on tiles (``csrc/attention_tiles.cpp``): per block of rows and KV head the scores are one
-tile product Q K^T, each row's softmax runs over its own keys in fp32 with the probabilities rounded
-to bf16 (as flash attention rounds them), and P V is a tile product summed in key order from key 0,
-each element still one row's own arithmetic: the same invariances at about 0.4x the AVX-512 kernel's
-time on a 2048-token prompt; on CPUs with AVX512-BF16 but no AMX the same on vector registers
-(``csrc/attention_dot.cpp``).
+sequence's keys and values up to its own position, where they lie in the paged pool (16-bit, or 8-bit
+codes dequantised as they are read), through the sequence's slot list: no gathered copy, no mask. A
+row's numbers depend on its own query, keys and values only, so a row gives the same bits in any
+batch, in any chunk of its prompt, and as a decode or a prompt row. On CPUs with AMX, bf16 rows with
+heads of 64 or 128 attend on tiles (``csrc/attention_tiles.cpp``): per block of rows and KV head the
+scores are one tile product Q K^T, each row's softmax over its own keys in fp32 with the probabilities
+rounded to bf16 (as flash attention rounds them), P V a tile product summed in key order from key 0;
+on AVX512-BF16 without AMX the same on vector registers (``csrc/attention_dot.cpp``); elsewhere fp32.
 
-:func:`tile_linear` is a bf16 linear layer on AMX tiles (x86 CPUs with AMX): the weight packed once
-into tile blocks (:func:`pack_tiles`), each output its row times its column summed in fp32 over 32-deep
-tile products in k order, so a row's result never depends on how many rows the call has (oneDNN's
-change with the row count and must run in 32-row chunks).
-
-:func:`vec_linear` is the fp32 counterpart on AVX-512 (the weight packed by :func:`pack_vec`, each
-output one fused multiply-add chain over k in order; 0.6-0.75x oneDNN's time from 1 to 78 rows on
-SmolLM2's shapes, parity at 256-2048); :func:`dot_linear` the bf16 one for CPUs with AVX512-BF16 but
-no AMX (:func:`pack_dot`: VDPBF16PS steps over pairs of k in order, rounded once to bf16). Both give a
-row its own result at any row count.
+:func:`tile_linear` is a bf16 linear layer on AMX tiles (the weight packed once by :func:`pack_tiles`),
+each output its row times its column summed in fp32 over 32-deep tile products in k order, so a row's
+result never depends on the call's row count (oneDNN's does); :func:`vec_linear` the fp32 one on
+AVX-512 (one fused multiply-add chain over k in order per output), :func:`dot_linear` the bf16 one on
+AVX512-BF16 without AMX (VDPBF16PS steps over pairs of k in order, rounded once to bf16).
 
 :func:`q8_linear` multiplies fp32 rows by 8-bit (or 4-bit) weights with a scale and a min per group
 of inputs, read from the files' own tables; :func:`q8a8_linear` multiplies the same weights by the
@@ -31,8 +23,7 @@ rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI), as llama.cpp do
 bf16 once per call (``--quantized-tiles``). All give a row the same result in any batch.
 
 :func:`rms_norm` and :func:`silu_mul` are a decoder layer's RMSNorm and SiLU gate in one pass per row
-(the model's roundings), which a native-matmul engine runs instead of the several torch operators
-each costs: at a few rows their dispatch, not their arithmetic, is the time.
+(the model's roundings), cheaper than the torch operators' dispatch at a few rows.
 
 The kernels are compiled once per machine and CPU (``-O3 -march=native``, kept in torch's extension
 cache); where no C++ compiler is found, or with ``ZEROTRON_NATIVE_KERNELS=0``, they are unavailable
@@ -52,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 
+from zerotron.serve import kv_quant
 from zerotron.serve.kernel_source import SOURCE as _SOURCE
 
 # Vectorized reductions need reassociation (each build's order is fixed: same bits run to run);
@@ -88,9 +80,10 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v31"
+_NAME = "zerotron_kernels_v32"
 _FUNCTIONS = [
     "paged_attention",
+    "paged_attention_q8",
     "tiles_built",
     "tile_linear",
     "vec_built",
@@ -185,24 +178,26 @@ ATTENTION_KERNELS = ("fp32", "tiles", "dot")
 
 def paged_attention(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Any,
+    v_pool: Any,
     slots: torch.Tensor,
     lens: torch.Tensor,
     seq: Optional[torch.Tensor] = None,
     kernel: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention of query rows to their sequences' keys: q (rows, heads, d); k/v pools (slots, kv_heads,
-    d); ``slots`` (sequences, width) each sequence's key slots in position order; ``seq`` (rows,) each
-    row's sequence (default: row r reads slot list r); ``lens`` (rows,) how many of its sequence's keys
-    a row attends (its position + 1). Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d).
+    d), or an 8-bit pool's :class:`~zerotron.serve.kv_quant.QuantizedKV` each; ``slots`` (sequences,
+    width) each sequence's key slots in position order; ``seq`` (rows,) each row's sequence (default:
+    row r reads slot list r); ``lens`` (rows,) how many of its sequence's keys a row attends (its
+    position + 1). Returns (rows, heads, d) in q's dtype; softmax scale 1/sqrt(d).
 
     ``kernel`` (default: :func:`attention_kernel`): ``"tiles"`` (AMX) or ``"dot"`` (AVX512-BF16) for
     bf16 rows with heads of 64 or 128, the scores and the weighted sums as matrix products (the
     probabilities rounded to bf16, as flash attention rounds them); ``"fp32"``, fp32 arithmetic on
     AVX-512, on AVX2 (heads of a multiple of 8 up to 256, where the CPU has no AVX-512) or in the
     generic loop. Whichever, a row's numbers are its own: the same alone, beside other
-    rows, as a prompt row or as a decode."""
+    rows, as a prompt row or as a decode. An 8-bit pool is read in place by the tiles and dot kernels
+    (each key and value the bf16 :func:`~zerotron.serve.kv_quant.dequantize` gives it); not by fp32."""
     if seq is None:
         seq = torch.arange(q.shape[0])
     if kernel is None:
@@ -217,10 +212,15 @@ def paged_attention(
         why = why_no_tiles() if kernel == "tiles" else why_no_dot()
         if why is not None:  # the tiles' check also asks the kernel for the tile registers
             raise RuntimeError(f"no {kernel} attention here: {why}")
-    scale = q.shape[-1] ** -0.5
-    out: torch.Tensor = _built().paged_attention(
-        q, k_pool, v_pool, slots, seq, lens, scale, ATTENTION_KERNELS.index(kernel)
-    )
+    scale, index = q.shape[-1] ** -0.5, ATTENTION_KERNELS.index(kernel)
+    if isinstance(k_pool, torch.Tensor):
+        out: torch.Tensor = _built().paged_attention(q, k_pool, v_pool, slots, seq, lens, scale, index)
+    elif kernel == "fp32":
+        raise ValueError("an 8-bit KV pool is read in place by the tiles and dot kernels only, not fp32")
+    else:
+        k, v = (k_pool.codes, k_pool.scales), (v_pool.codes, v_pool.scales)
+        fmt = kv_quant.KERNEL_FORMATS[k_pool.fmt]
+        out = _built().paged_attention_q8(q, *k, *v, fmt, slots, seq, lens, scale, index)
     return out
 
 

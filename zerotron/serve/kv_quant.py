@@ -8,9 +8,12 @@ alone (the engine's batch invariance holds: a row's keys are quantised the same 
 
 A bf16 model's cache then takes ``head_dim + 4`` bytes per token, KV head and layer for keys and as
 many for values, instead of ``2 * head_dim`` (0.53× at head_dim 64, 0.52× at 128); a float32
-model's 0.27×. Attention reads the step's keys and values dequantised to the model's dtype
-(:meth:`QuantizedKV.read`, one gather of the slots the step attends to), then runs the same kernels as
-over a 16-bit cache.
+model's 0.27×. The native bf16 attention kernels (AMX tiles, AVX512-BF16; heads of 64 or 128) read
+the codes and scales where they lie, each value dequantised as it is packed into the kernel's tiles
+(:func:`zerotron.serve.kernels.paged_attention`); every other path reads the step's keys and values
+dequantised to the model's dtype (:meth:`QuantizedKV.read`, one gather of the slots the step attends
+to), then runs the same kernels as over a 16-bit cache. Both give each value the bits of
+:func:`dequantize`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "int8": (torch.int8, 127.0),
 }
 CHOICES = ("auto", *FORMATS)
+# the native attention kernels' code of each format (kernels.paged_attention reads the pool in place)
+KERNEL_FORMATS = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}
 SCALE_DTYPE = torch.float32
 
 

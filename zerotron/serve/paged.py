@@ -26,7 +26,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -284,6 +284,17 @@ class _Group:
         return dataclasses.replace(self, key_slots=index.view(self.key_slots.shape), gather=gather)
 
 
+def in_place(pool: KVPool, kernel: Optional[str]) -> bool:
+    """Whether the native kernel reads ``pool``'s 8-bit codes in place: bf16 heads of 64 or 128 on the
+    tile or dot kernel (``kernel``, None: the default here)."""
+    if pool.fmt is None or pool.dtype != torch.bfloat16 or not pool.qk:
+        return False
+    head_dim = pool.qk[0].codes.shape[-1]
+    if head_dim not in (64, 128):
+        return False
+    return (kernel or kernels.attention_kernel(pool.dtype, head_dim)) in ("tiles", "dot")
+
+
 class PagedAttention:
     """The attention cache of one engine step over a :class:`KVPool` (an ``AttentionCache``).
 
@@ -354,9 +365,10 @@ class PagedAttention:
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
         # A step whose rows all go to the native kernel in order can take a layer's q/k/v product
         # whole (attend_packed): rotary embedding and the store of k and v in one native pass.
-        # A quantised pool: each group reads the slots it attends to dequantised (kv_quant).
+        # A quantised pool: read in place by the bf16 tile and dot kernels; otherwise each group reads
+        # the slots it attends to dequantised (kv_quant).
         self.packed = native and self.in_order and not triton and pool.fmt is None
-        if pool.fmt is not None:
+        if pool.fmt is not None and not (native and not triton and in_place(pool, kernel)):
             self.groups = [g.compact() for g in self.groups]
         device = pool.device
         if device.type != "cpu":  # the plan is built on the host; the pool's device reads it
@@ -421,9 +433,11 @@ class PagedAttention:
             out[0].index_copy_(1, g.rows, o.transpose(0, 1).reshape(heads, len(g.rows), d))
         return out
 
-    def _keys(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values ``g`` reads: the pool's layer, or a quantised pool's slots of ``g``
-        dequantised."""
+    def _keys(self, layer: int, g: _Group) -> tuple[Any, Any]:
+        """The keys and values ``g`` reads: the pool's layer (a quantised pool's codes, read in place
+        by the kernel), or a quantised pool's slots of ``g`` dequantised."""
+        if self.pool.fmt is not None and g.gather is None:
+            return self.pool.qk[layer], self.pool.qv[layer]
         if g.gather is None:
             return self.pool.k[layer], self.pool.v[layer]
         return self.pool.qk[layer].read(g.gather), self.pool.qv[layer].read(g.gather)

@@ -97,6 +97,18 @@ void attend_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
   });
 }
 
+// A pool the bf16 matrix-product kernels (attention_dot.cpp, attention_tiles.cpp) read keys or values
+// from: bf16 vectors (slots, kv_heads, dim), or an 8-bit pool's codes (slots, kv_heads, dim) with a
+// float32 scale per slot and KV head (kv_quant.py), dequantised as they are packed: each value its
+// code (exact in fp32) times its scale in fp32, rounded to bf16 to nearest even as torch rounds
+// (kv_quant.dequantize's bits, with no dense dequantised copy).
+struct KVSource {
+  const uint16_t* bf16 = nullptr;  // the bf16 pool, or null for an 8-bit one
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;
+  int fmt = 0;  // 1 fp8 e4m3, 2 fp8 e5m2, 3 int8
+};
+
 // Rows in blocks: consecutive rows on one slot list (a prompt's, one row per position), at most
 // kBlock of them, share each key and value while it is loaded (converted to fp32 once); a decode is
 // a block of one row.

@@ -39,16 +39,60 @@ ZT_DOT_TARGET inline void transpose16(__m512i* r) {
   }
 }
 
+// 16 codes at c times ``scale``, in fp32. e4m3's bits become fp16's (sign; exponent and mantissa
+// shifted into place), whose value is 2^-8 the code's (bias 15 against 7), converted exactly and
+// scaled back by 256; e5m2 is fp16's top byte; int8 converts directly.
+ZT_DOT_TARGET inline __m512 kv_dequant16(const uint8_t* c, float scale, int fmt) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  __m512 v;
+  if (fmt == 3) {
+    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+  } else {
+    const __m256i h = _mm256_cvtepu8_epi16(x);
+    const __m256i bits = fmt == 2 ? _mm256_slli_epi16(h, 8)
+                                  : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                                                    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+    v = _mm512_cvtph_ps(bits);
+    if (fmt == 1) v = _mm512_mul_ps(v, _mm512_set1_ps(256.0f));
+  }
+  return _mm512_mul_ps(v, _mm512_set1_ps(scale));
+}
+
+// 16 finite floats rounded to bf16 to nearest, ties to even (torch's rounding, subnormals kept).
+ZT_DOT_TARGET inline __m256i bf16_round16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+// Vector ``vec`` (slot * kv_heads + KV head) of a pool, dims d0 .. d0 + 15 (16) or d0 .. d0 + 31 (32) as bf16.
+ZT_DOT_TARGET inline __m256i kv_load16(const KVSource& src, int64_t vec, int64_t dim, int64_t d0) {
+  if (src.bf16 != nullptr) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src.bf16 + vec * dim + d0));
+  return bf16_round16(kv_dequant16(src.codes + vec * dim + d0, src.scales[vec], src.fmt));
+}
+ZT_DOT_TARGET inline __m512i kv_load32(const KVSource& src, int64_t vec, int64_t dim, int64_t d0) {
+  if (src.bf16 != nullptr) return _mm512_loadu_si512(src.bf16 + vec * dim + d0);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(kv_load16(src, vec, dim, d0)), kv_load16(src, vec, dim, d0 + 16), 1);
+}
+
+// The next keys' vectors requested into L1 (the slots are scattered).
+ZT_DOT_TARGET inline void kv_prefetch(const KVSource& src, int64_t vec, int64_t dim) {
+  if (src.bf16 != nullptr)
+    prefetch_slot(src.bf16 + vec * dim, dim);
+  else
+    prefetch_slot(src.codes + vec * dim, dim);
+}
+
 // Keys j0 .. j0 + 15 of KV head kh as B tiles of S = Q K^T, one per 32 dims (pairs of dims down, the
 // 16 keys across): out[h * 256 + k * 16 + c] = dims (32h + 2k, 32h + 2k + 1) of key j0 + c; zeros for
 // keys at or past n. The next 16 keys' vectors are requested meanwhile (the slots are scattered).
-ZT_DOT_TARGET inline void pack_keys(const uint16_t* kp, const int64_t* slot, int64_t j0, int64_t n,
+ZT_DOT_TARGET inline void pack_keys(const KVSource& kp, const int64_t* slot, int64_t j0, int64_t n,
                                      int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
-  for (int64_t c = j0 + 16; c < std::min(j0 + 32, n); ++c) prefetch_slot(kp + (slot[c] * kv_heads + kh) * dim, dim);
+  for (int64_t c = j0 + 16; c < std::min(j0 + 32, n); ++c) kv_prefetch(kp, slot[c] * kv_heads + kh, dim);
   for (int64_t h = 0; h < dim / 32; ++h) {
     __m512i r[16];
     for (int64_t c = 0; c < 16; ++c)
-      r[c] = j0 + c < n ? _mm512_loadu_si512(kp + (slot[j0 + c] * kv_heads + kh) * dim + 32 * h) : _mm512_setzero_si512();
+      r[c] = j0 + c < n ? kv_load32(kp, slot[j0 + c] * kv_heads + kh, dim, 32 * h) : _mm512_setzero_si512();
     transpose16(r);
     for (int k = 0; k < 16; ++k) _mm512_storeu_si512(out + h * 256 + k * 16, r[k]);
   }
@@ -57,18 +101,14 @@ ZT_DOT_TARGET inline void pack_keys(const uint16_t* kp, const int64_t* slot, int
 // Values j0 .. j0 + 31 of KV head kh as B tiles of O = P V, one per 16 dims (pairs of keys down, the
 // 16 dims across): out[t * 256 + k * 16 + d] = dim 16t + d of keys j0 + 2k (low half) and j0 + 2k + 1
 // (high half); zeros for keys at or past n. The next 32 keys' vectors are requested meanwhile.
-ZT_DOT_TARGET inline void pack_values(const uint16_t* vp, const int64_t* slot, int64_t j0, int64_t n,
+ZT_DOT_TARGET inline void pack_values(const KVSource& vp, const int64_t* slot, int64_t j0, int64_t n,
                                        int64_t kv_heads, int64_t kh, int64_t dim, uint32_t* out) {
-  for (int64_t c = j0 + 32; c < std::min(j0 + 64, n); ++c) prefetch_slot(vp + (slot[c] * kv_heads + kh) * dim, dim);
+  for (int64_t c = j0 + 32; c < std::min(j0 + 64, n); ++c) kv_prefetch(vp, slot[c] * kv_heads + kh, dim);
   for (int64_t k = 0; k < 16; ++k) {
     const int64_t a = j0 + 2 * k, b = a + 1;
-    const uint16_t* va = a < n ? vp + (slot[a] * kv_heads + kh) * dim : nullptr;
-    const uint16_t* vb = b < n ? vp + (slot[b] * kv_heads + kh) * dim : nullptr;
     for (int64_t t = 0; t < dim / 16; ++t) {
-      const __m512i lo = va ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 16 * t)))
-                            : _mm512_setzero_si512();
-      const __m512i hi = vb ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + 16 * t)))
-                            : _mm512_setzero_si512();
+      const __m512i lo = a < n ? _mm512_cvtepu16_epi32(kv_load16(vp, slot[a] * kv_heads + kh, dim, 16 * t)) : _mm512_setzero_si512();
+      const __m512i hi = b < n ? _mm512_cvtepu16_epi32(kv_load16(vp, slot[b] * kv_heads + kh, dim, 16 * t)) : _mm512_setzero_si512();
       _mm512_storeu_si512(out + t * 256 + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
@@ -117,7 +157,8 @@ ZT_DOT_TARGET inline float softmax_row(const float* s, int64_t len, float scale,
 
 // What every block of one call shares: the queries, the pools, the output, the shapes.
 struct AttentionProblem {
-  const uint16_t *q, *kp, *vp;
+  const uint16_t* q;
+  KVSource kp, vp;
   uint16_t* out;
   int64_t heads, kv_heads, dim;
   float scale;
@@ -285,22 +326,21 @@ ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64
 // The rows in attend_avx512's blocks, dealt to the threads by their work the same way; run(pr, start,
 // blocks) computes one thread's blocks (the tile kernel's too).
 template <typename Run>
-void attend_blocks(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* seq,
+void attend_blocks(const c10::BFloat16* q, const KVSource& kp, const KVSource& vp, const int64_t* seq,
                    const int64_t* lens, c10::BFloat16* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                    float scale, const Run& run) {
   const std::vector<int64_t> start = row_blocks(seq, rows);
   const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
   const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
-  const AttentionProblem pr{reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(kp),
-                            reinterpret_cast<const uint16_t*>(vp), reinterpret_cast<uint16_t*>(out), heads, kv_heads,
+  const AttentionProblem pr{reinterpret_cast<const uint16_t*>(q), kp, vp, reinterpret_cast<uint16_t*>(out), heads, kv_heads,
                             dim, scale};
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) run(pr, start, share[t]);
   });
 }
 
-void attend_dot(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* slots,
+void attend_dot(const c10::BFloat16* q, const KVSource& kp, const KVSource& vp, const int64_t* slots,
                 const int64_t* seq, const int64_t* lens, c10::BFloat16* out, int64_t rows, int64_t heads,
                 int64_t kv_heads, int64_t dim, int64_t width, float scale) {
   attend_blocks(q, kp, vp, seq, lens, out, rows, heads, kv_heads, dim, scale,

@@ -81,7 +81,8 @@ ZT_TILE_TARGET inline void tile_values(TileAttention& b, int64_t m0, int64_t t0,
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, written to the output.
 ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* slot, const int64_t* len,
                                     int64_t r0, int64_t nr, int64_t kh) {
-  const uint16_t *q = pr.q, *kp = pr.kp, *vp = pr.vp;
+  const uint16_t* q = pr.q;
+  const KVSource &kp = pr.kp, &vp = pr.vp;
   uint16_t* out = pr.out;
   const int64_t heads = pr.heads, kv_heads = pr.kv_heads, dim = pr.dim;
   const float scale = pr.scale;
@@ -140,7 +141,7 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
 }
 
 // The blocks of attend_avx512, dealt to the threads by their work the same way, on tiles.
-void attend_tiles(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* slots,
+void attend_tiles(const c10::BFloat16* q, const KVSource& kp, const KVSource& vp, const int64_t* slots,
                   const int64_t* seq, const int64_t* lens, c10::BFloat16* out, int64_t rows, int64_t heads,
                   int64_t kv_heads, int64_t dim, int64_t width, float scale) {
   attend_blocks(q, kp, vp, seq, lens, out, rows, heads, kv_heads, dim, scale,

@@ -88,19 +88,16 @@ void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const
 // function keeps it by default, and the serving engine spends most of a step in these kernels, while
 // the HTTP server's thread, which takes in requests and streams tokens, waits for the GIL.
 
-// q (rows, heads, dim); k_pool, v_pool (slots, kv_heads, dim); slots (sequences, width) int64, each
-// sequence's key slots in position order; seq (rows,) int64, each row's sequence; lens (rows,) int64,
-// how many of its sequence's keys a row attends -> (rows, heads, dim)
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                              torch::Tensor seq, torch::Tensor lens, double scale, int64_t kernel) {
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous inputs");
-  TORCH_CHECK(slots.is_contiguous() && seq.is_contiguous() && lens.is_contiguous(), "contiguous slots and lengths");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "one dtype");
+// The checks every attention call makes: contiguous int64 slot lists, sequences and lengths, each
+// row's sequence among the lists and its length within 1 .. width, every slot a row reads inside a pool
+// of ``pool_slots`` slots.
+void check_attention_rows(const torch::Tensor& q, const torch::Tensor& slots, const torch::Tensor& seq,
+                          const torch::Tensor& lens, int64_t pool_slots) {
+  TORCH_CHECK(q.is_contiguous() && slots.is_contiguous() && seq.is_contiguous() && lens.is_contiguous(),
+              "contiguous queries, slots and lengths");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && seq.scalar_type() == torch::kLong &&
                   lens.scalar_type() == torch::kLong, "int64 slots, sequences and lengths");
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
-  const int64_t sequences = slots.size(0), width = slots.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && k_pool.size(2) == dim && v_pool.sizes() == k_pool.sizes(), "shapes");
+  const int64_t rows = q.size(0), sequences = slots.size(0), width = slots.size(1);
   TORCH_CHECK(seq.size(0) == rows && lens.size(0) == rows, "one sequence and one length per row");
   const int64_t* len = lens.data_ptr<int64_t>();
   const int64_t* which = seq.data_ptr<int64_t>();
@@ -113,26 +110,45 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   }
   for (int64_t s = 0; s < sequences; ++s)
     for (int64_t j = 0; j < longest[s]; ++j)
-      TORCH_CHECK(slot[s * width + j] >= 0 && slot[s * width + j] < k_pool.size(0), "slots outside the pool");
+      TORCH_CHECK(slot[s * width + j] >= 0 && slot[s * width + j] < pool_slots, "slots outside the pool");
+}
+
+// The bf16 matrix-product kernels: 1 on AMX tiles, 2 on AVX512-BF16 (null where not built).
+using Products = void (*)(const c10::BFloat16*, const KVSource&, const KVSource&, const int64_t*, const int64_t*,
+                          const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, float);
+Products products_kernel(int64_t kernel) {
+#if defined(ZT_TILE_ATTENTION)
+  if (kernel == 1) return attend_tiles;
+#endif
+#if defined(ZT_DOT_ATTENTION)
+  if (kernel == 2) return attend_dot;
+#endif
+  return nullptr;
+}
+
+// q (rows, heads, dim); k_pool, v_pool (slots, kv_heads, dim); slots (sequences, width) int64, each
+// sequence's key slots in position order; seq (rows,) int64, each row's sequence; lens (rows,) int64,
+// how many of its sequence's keys a row attends -> (rows, heads, dim)
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
+                              torch::Tensor seq, torch::Tensor lens, double scale, int64_t kernel) {
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "one dtype");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_pool.size(2) == dim && v_pool.sizes() == k_pool.sizes(), "shapes");
+  check_attention_rows(q, slots, seq, lens, k_pool.size(0));
+  const int64_t *len = lens.data_ptr<int64_t>(), *which = seq.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
+  const int64_t width = slots.size(1);
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
   pybind11::gil_scoped_release no_gil;
   const bool products = q.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128);
   TORCH_CHECK(kernel == 0 || products, "the tile and AVX512-BF16 attention take bf16 heads of 64 or 128");
-  // the bf16 matrix-product kernels: 1 on AMX tiles, 2 on AVX512-BF16 (null where not built)
-  using Products = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*,
-                            const int64_t*, const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            float);
-  Products run = nullptr;
-#if defined(ZT_TILE_ATTENTION)
-  if (kernel == 1) run = attend_tiles;
-#endif
-#if defined(ZT_DOT_ATTENTION)
-  if (kernel == 2) run = attend_dot;
-#endif
-  if (run != nullptr) {
-    run(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), slot, which,
-        len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, width, s);
+  if (Products run = products_kernel(kernel)) {
+    KVSource k, v;
+    k.bf16 = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
+    v.bf16 = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
+    run(q.data_ptr<c10::BFloat16>(), k, v, slot, which, len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim,
+        width, s);
     return out;
   }
   TORCH_CHECK(kernel == 0, "this build has no such attention kernel");
@@ -143,3 +159,34 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   return out;
 }
 
+// The same of bf16 rows over an 8-bit pool, read in place on the tile (1) or AVX512-BF16 (2) kernel:
+// k_codes, v_codes (slots, kv_heads, dim) uint8 or int8; k_scales, v_scales (slots, kv_heads) float32;
+// fmt 1 fp8 e4m3, 2 fp8 e5m2, 3 int8. Each key and value is the bf16 kv_quant.dequantize gives it.
+torch::Tensor paged_attention_q8(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor v_codes,
+                                 torch::Tensor v_scales, int64_t fmt, torch::Tensor slots, torch::Tensor seq,
+                                 torch::Tensor lens, double scale, int64_t kernel) {
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() && v_scales.is_contiguous(),
+              "contiguous codes and scales");
+  TORCH_CHECK(fmt >= 1 && fmt <= 3, "fmt: 1 (fp8 e4m3), 2 (fp8 e5m2) or 3 (int8)");
+  TORCH_CHECK(k_codes.element_size() == 1 && v_codes.element_size() == 1 && k_codes.dim() == 3, "8-bit codes");
+  TORCH_CHECK(k_scales.scalar_type() == torch::kFloat && v_scales.scalar_type() == torch::kFloat, "float32 scales");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_codes.size(1);
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128), "bf16 rows with heads of 64 or 128");
+  TORCH_CHECK(heads % kv_heads == 0 && k_codes.size(2) == dim && v_codes.sizes() == k_codes.sizes() &&
+                  k_scales.dim() == 2 && k_scales.size(0) == k_codes.size(0) && k_scales.size(1) == kv_heads &&
+                  v_scales.sizes() == k_scales.sizes(), "shapes");
+  check_attention_rows(q, slots, seq, lens, k_codes.size(0));
+  Products run = products_kernel(kernel);
+  TORCH_CHECK(run != nullptr, "this build has no such attention kernel for an 8-bit pool (1: tiles, 2: AVX512-BF16)");
+  auto out = torch::empty_like(q);
+  pybind11::gil_scoped_release no_gil;
+  KVSource k, v;
+  k.codes = static_cast<const uint8_t*>(k_codes.data_ptr());
+  v.codes = static_cast<const uint8_t*>(v_codes.data_ptr());
+  k.scales = k_scales.data_ptr<float>();
+  v.scales = v_scales.data_ptr<float>();
+  k.fmt = v.fmt = static_cast<int>(fmt);
+  run(q.data_ptr<c10::BFloat16>(), k, v, slots.data_ptr<int64_t>(), seq.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+      out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, slots.size(1), static_cast<float>(scale));
+  return out;
+}
