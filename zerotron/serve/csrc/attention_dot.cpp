@@ -39,40 +39,37 @@ ZT_DOT_TARGET inline void transpose16(__m512i* r) {
   }
 }
 
-// 16 codes at c times ``scale``, in fp32. e4m3's bits become fp16's (sign; exponent and mantissa
-// shifted into place), whose value is 2^-8 the code's (bias 15 against 7), converted exactly and
-// scaled back by 256; e5m2 is fp16's top byte; int8 converts directly.
-ZT_DOT_TARGET inline __m512 kv_dequant16(const uint8_t* c, float scale, int fmt) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-  __m512 v;
-  if (fmt == 3) {
-    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
-  } else {
-    const __m256i h = _mm256_cvtepu8_epi16(x);
-    const __m256i bits = fmt == 2 ? _mm256_slli_epi16(h, 8)
-                                  : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                                                    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-    v = _mm512_cvtph_ps(bits);
-    if (fmt == 1) v = _mm512_mul_ps(v, _mm512_set1_ps(256.0f));
-  }
-  return _mm512_mul_ps(v, _mm512_set1_ps(scale));
+// 16 codes (a 128-bit lane) as fp32: int8 converted directly; fp8 through fp16's bits, sign-extended
+// to 16 bits and shifted into place (e5m2 is fp16's top byte; e4m3's exponent and mantissa go 7 bits
+// up, the sign's copy in bit 14 cleared), converted exactly: e4m3's value 2^-8 the code's (exponent
+// bias 15 against 7), which kv_scale folds into the scale.
+ZT_DOT_TARGET inline __m512 kv_codes16(__m128i x, int fmt) {
+  if (fmt == 3) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+  const __m256i h = _mm256_cvtepi8_epi16(x);
+  return _mm512_cvtph_ps(fmt == 2 ? _mm256_slli_epi16(h, 8)
+                                  : _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
 }
 
-// 16 finite floats rounded to bf16 to nearest, ties to even (torch's rounding, subnormals kept).
-ZT_DOT_TARGET inline __m256i bf16_round16(__m512 x) {
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
-}
+// The factor kv_codes16's values are multiplied by: the scale (times 256 for e4m3, exact: a power of
+// two, and the product code x scale is rounded once either way).
+ZT_DOT_TARGET inline __m512 kv_scale(float scale, int fmt) { return _mm512_set1_ps(fmt == 1 ? scale * 256.0f : scale); }
 
-// Vector ``vec`` (slot * kv_heads + KV head) of a pool, dims d0 .. d0 + 15 (16) or d0 .. d0 + 31 (32) as bf16.
+// Vector ``vec`` (slot * kv_heads + KV head) of a pool, dims d0 .. d0 + 15 (16) or d0 .. d0 + 31 (32)
+// as bf16: an 8-bit pool's codes times their scale in fp32, rounded to nearest even (VCVTNE2PS2BF16,
+// torch's rounding but for a product below fp32's normal range, flushed to zero: such a value is
+// zero to the bf16 products that read it, VDPBF16PS and TDPBF16PS, either way).
 ZT_DOT_TARGET inline __m256i kv_load16(const KVSource& src, int64_t vec, int64_t dim, int64_t d0) {
   if (src.bf16 != nullptr) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src.bf16 + vec * dim + d0));
-  return bf16_round16(kv_dequant16(src.codes + vec * dim + d0, src.scales[vec], src.fmt));
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src.codes + vec * dim + d0));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(kv_codes16(x, src.fmt), kv_scale(src.scales[vec], src.fmt)));
 }
 ZT_DOT_TARGET inline __m512i kv_load32(const KVSource& src, int64_t vec, int64_t dim, int64_t d0) {
   if (src.bf16 != nullptr) return _mm512_loadu_si512(src.bf16 + vec * dim + d0);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(kv_load16(src, vec, dim, d0)), kv_load16(src, vec, dim, d0 + 16), 1);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src.codes + vec * dim + d0));
+  const __m512 f = kv_scale(src.scales[vec], src.fmt);
+  const __m512 lo = _mm512_mul_ps(kv_codes16(_mm256_castsi256_si128(x), src.fmt), f);
+  const __m512 hi = _mm512_mul_ps(kv_codes16(_mm256_extracti128_si256(x, 1), src.fmt), f);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 // The next keys' vectors requested into L1 (the slots are scattered).

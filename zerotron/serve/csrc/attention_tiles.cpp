@@ -7,7 +7,10 @@
 // order), an element of O one row of P times one column of V: a row's numbers depend on its own
 // query, keys and values alone, never on the block it is in, the other rows, or how a prompt is cut
 // into chunks, and a decode is computed as a prompt row is (positions past a row's keys enter O as
-// zero probabilities times finite values, or zeros past the sequence's end).
+// zero probabilities times finite values, or zeros past the sequence's end). A block's keys and
+// values are packed for a group of KV heads at once (tile_pack), each slot's vectors of the group read
+// together: head by head, a decode of a model with many KV heads read one vector per slot at a stride
+// of the slot's size and took 1.7-2.5x the time (16 sequences of 600 tokens, 32 KV heads of 64).
 #if defined(ZT_TILES) && defined(ZT_DOT_ATTENTION)
 #define ZT_TILE_ATTENTION 1
 // A thread's buffers for one block and KV head: the query rows (M rounded up to 16, zeros past M),
@@ -21,11 +24,12 @@ struct TileAttention {
 // S = Q K^T for the block's query rows (mp of them, a multiple of 16) against keys 0 .. width (a
 // multiple of 64; keys from n on are zeros) in 16-key tiles, four at a time (four independent tile
 // sums in flight): s (mp, width).
-ZT_TILE_TARGET inline void tile_scores(TileAttention& b, int64_t dim, int64_t mp, int64_t width, int64_t ls) {
+ZT_TILE_TARGET inline void tile_scores(TileAttention& b, const uint32_t* keys, int64_t dim, int64_t mp, int64_t width,
+                                       int64_t ls) {
   const int64_t halves = dim / 32;
   for (int64_t m0 = 0; m0 < mp; m0 += 16) {
     for (int64_t j0 = 0; j0 < width; j0 += 64) {
-      const uint32_t* k = b.keys.data() + j0 / 16 * halves * 256;
+      const uint32_t* k = keys + j0 / 16 * halves * 256;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -52,13 +56,13 @@ ZT_TILE_TARGET inline void tile_scores(TileAttention& b, int64_t dim, int64_t mp
 
 // O = P V for query rows m0 .. m0 + 15, dims 16 t0 .. 16 t0 + 63, over keys 0 .. n32 in 32-key
 // chunks (key order): into b.o (16, dim).
-ZT_TILE_TARGET inline void tile_values(TileAttention& b, int64_t m0, int64_t t0, int64_t dim, int64_t n32,
-                                       int64_t lp) {
+ZT_TILE_TARGET inline void tile_values(TileAttention& b, const uint32_t* values, int64_t m0, int64_t t0, int64_t dim,
+                                       int64_t n32, int64_t lp) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const uint32_t* v = b.values.data();
+  const uint32_t* v = values;
   for (int64_t c = 0; c < n32 / 32; ++c) {
     _tile_loadd(4, b.p.data() + m0 * lp + 32 * c, lp * 2);
     const uint32_t* vc = v + (c * (dim / 16) + t0) * 256;
@@ -78,11 +82,27 @@ ZT_TILE_TARGET inline void tile_values(TileAttention& b, int64_t m0, int64_t t0,
   _tile_stored(3, o + 192, dim * 4);
 }
 
-// One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, written to the output.
-ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* slot, const int64_t* len,
-                                    int64_t r0, int64_t nr, int64_t kh) {
+// The block's keys and values of KV heads kh0 .. kh0 + hn - 1, packed for tile_block_head: head i's
+// keys (0 .. n64) at keys + i * key_stride, its values (0 .. n32) at values + i * value_stride. The
+// heads are packed 16 (32) keys at a time, one head after another, so each slot's vectors of those
+// heads are read together (the pool holds a slot's heads side by side; head by head over all keys
+// would read one vector per slot at a stride of the slot's size, a cache miss each).
+ZT_TILE_TARGET void tile_pack(const AttentionProblem& pr, const int64_t* slot, int64_t n, int64_t kh0, int64_t hn,
+                              uint32_t* keys, int64_t key_stride, uint32_t* values, int64_t value_stride) {
+  const int64_t dim = pr.dim, kv_heads = pr.kv_heads, n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+  for (int64_t j0 = 0; j0 < n64; j0 += 16)
+    for (int64_t i = 0; i < hn; ++i)
+      pack_keys(pr.kp, slot, j0, n, kv_heads, kh0 + i, dim, keys + i * key_stride + j0 / 16 * (dim / 32) * 256);
+  for (int64_t j0 = 0; j0 < n32; j0 += 32)
+    for (int64_t i = 0; i < hn; ++i)
+      pack_values(pr.vp, slot, j0, n, kv_heads, kh0 + i, dim, values + i * value_stride + j0 / 32 * (dim / 16) * 256);
+}
+
+// One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values packed
+// (tile_pack), written to the output.
+ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* len, int64_t r0,
+                                    int64_t nr, int64_t kh, const uint32_t* keys, const uint32_t* values) {
   const uint16_t* q = pr.q;
-  const KVSource &kp = pr.kp, &vp = pr.vp;
   uint16_t* out = pr.out;
   const int64_t heads = pr.heads, kv_heads = pr.kv_heads, dim = pr.dim;
   const float scale = pr.scale;
@@ -93,22 +113,16 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   b.q.assign(mp * dim, 0);
   for (int64_t i = 0; i < m; ++i)
     std::memcpy(b.q.data() + i * dim, q + ((r0 + i / group) * heads + kh * group + i % group) * dim, dim * 2);
-  b.keys.resize(n64 / 16 * (dim / 32) * 256);
-  for (int64_t j0 = 0; j0 < n64; j0 += 16)
-    pack_keys(kp, slot, j0, n, kv_heads, kh, dim, b.keys.data() + j0 / 16 * (dim / 32) * 256);
   const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
   b.s.resize(mp * ls);
-  tile_scores(b, dim, mp, n64, ls);
+  tile_scores(b, keys, dim, mp, n64, ls);
   b.p.assign(mp * lp, 0);
   b.total.resize(mp);
   for (int64_t i = 0; i < m; ++i)
     b.total[i] = softmax_row(b.s.data() + i * ls, len[i / group], scale, b.p.data() + i * lp, n32);
-  b.values.resize(n32 / 32 * (dim / 16) * 256);
-  for (int64_t j0 = 0; j0 < n32; j0 += 32)
-    pack_values(vp, slot, j0, n, kv_heads, kh, dim, b.values.data() + j0 / 32 * (dim / 16) * 256);
   b.o.resize(16 * dim);
   for (int64_t m0 = 0; m0 < mp; m0 += 16) {
-    for (int64_t t0 = 0; t0 < dim / 16; t0 += 4) tile_values(b, m0, t0, dim, n32, lp);
+    for (int64_t t0 = 0; t0 < dim / 16; t0 += 4) tile_values(b, values, m0, t0, dim, n32, lp);
     for (int64_t i = m0; i < std::min(m, m0 + 16); ++i) {
       uint16_t* o = out + ((r0 + i / group) * heads + kh * group + i % group) * dim;
       const __m512 inv = _mm512_set1_ps(1.0f / b.total[i]);
@@ -120,8 +134,11 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   }
 }
 
+constexpr int64_t kPackBytes = 1 << 20;  // the packed keys and values of a group of KV heads, at most
+
 // One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
 // lambda its enclosing function's target, and tile intrinsics outside an AMX target do not compile).
+// Per block, the KV heads in groups whose packed keys and values fit kPackBytes (at least one head).
 ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
                                  const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
                                  const int64_t* lens, int64_t kv_heads, int64_t width) {
@@ -132,10 +149,22 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
   }
   _tile_loadconfig(&cfg);
   TileAttention b;
+  const int64_t dim = pr.dim;
   for (int64_t blk : share) {
     const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
-    for (int64_t kh = 0; kh < kv_heads; ++kh)
-      tile_block_head(b, pr, slots + seq[r0] * width, lens + r0, r0, nr, kh);
+    const int64_t* slot = slots + seq[r0] * width;
+    const int64_t* len = lens + r0;
+    const int64_t n = *std::max_element(len, len + nr), n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+    const int64_t key_stride = n64 / 16 * (dim / 32) * 256, value_stride = n32 / 32 * (dim / 16) * 256;
+    const int64_t hn = std::clamp<int64_t>(kPackBytes / (4 * (key_stride + value_stride)), 1, kv_heads);
+    b.keys.resize(hn * key_stride);
+    b.values.resize(hn * value_stride);
+    for (int64_t kh0 = 0; kh0 < kv_heads; kh0 += hn) {
+      const int64_t h = std::min(hn, kv_heads - kh0);
+      tile_pack(pr, slot, n, kh0, h, b.keys.data(), key_stride, b.values.data(), value_stride);
+      for (int64_t i = 0; i < h; ++i)
+        tile_block_head(b, pr, len, r0, nr, kh0 + i, b.keys.data() + i * key_stride, b.values.data() + i * value_stride);
+    }
   }
   _tile_release();
 }
