@@ -264,11 +264,11 @@ ZT_DOT_TARGET void dot_values_rows(const uint16_t* p, int64_t lp, const uint32_t
   }
 }
 
-// One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, written to the output: the
-// block's query rows of the heads that share the KV head (m = rows x group), their scores against the
+// One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values in ``b``
+// (dot_pack), written to the output: the block's query rows of the heads that share the KV head (m = rows x group), their scores against the
 // block's longest row's keys, each row's softmax over its own keys, the weighted sums.
-ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, const int64_t* slot, const int64_t* len,
-                                  int64_t r0, int64_t nr, int64_t kh) {
+ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, const int64_t* len, int64_t r0, int64_t nr,
+                                  int64_t kh) {
   const int64_t heads = pr.heads, kv_heads = pr.kv_heads, dim = pr.dim;
   const int64_t group = heads / kv_heads, m = nr * group;
   int64_t n = 0;
@@ -278,14 +278,6 @@ ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, c
   const auto row = [&](int64_t i) { return ((r0 + i / group) * heads + kh * group + i % group) * dim; };
   b.q.resize(m * dim);
   for (int64_t i = 0; i < m; ++i) std::memcpy(b.q.data() + i * dim, pr.q + row(i), dim * 2);
-  if (b.slot != slot || b.kh != kh) {
-    b.slot = slot;
-    b.kh = kh;
-    b.packed = 0;
-  }
-  b.keys.resize(std::max<size_t>(b.keys.size(), n64 / 16 * (dim / 32) * 256));
-  for (int64_t j0 = b.packed / 16 * 16; j0 < n64; j0 += 16)
-    pack_keys(pr.kp, slot, j0, n, kv_heads, kh, dim, b.keys.data() + j0 / 16 * (dim / 32) * 256);
   b.s.resize(m * ls);
   for (int64_t i0 = 0; i0 < m; i0 += kScoreRows)
     (dim == 64 ? dot_scores_rows<64> : dot_scores_rows<128>)(b.q.data() + i0 * dim, b.keys.data(), n64,
@@ -294,10 +286,6 @@ ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, c
   b.total.resize(m);
   for (int64_t i = 0; i < m; ++i)
     b.total[i] = softmax_row(b.s.data() + i * ls, len[i / group], pr.scale, b.p.data() + i * lp, n32);
-  b.values.resize(std::max<size_t>(b.values.size(), n32 / 32 * (dim / 16) * 256));
-  for (int64_t j0 = b.packed / 32 * 32; j0 < n32; j0 += 32)
-    pack_values(pr.vp, slot, j0, n, kv_heads, kh, dim, b.values.data() + j0 / 32 * (dim / 16) * 256);
-  b.packed = std::max(b.packed, n);
   for (int64_t i0 = 0; i0 < m; i0 += kValueRows) {
     const int64_t rows = std::min<int64_t>(kValueRows, m - i0);
     uint16_t* o[kValueRows];
@@ -307,17 +295,59 @@ ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, c
   }
 }
 
-// One thread's share of the blocks.
+// The keys and values of a block of rows on ``slot`` (up to the block's longest row, n) for KV heads
+// kh0 .. kh0 + h - 1 into hs[0 .. h): each head's packing goes on from what the blocks before packed
+// of the same slot list (all the group's heads have packed as much), the heads packed 16 (32) keys at
+// a time one after another, so each slot's vectors of the group are read together (the pool holds a
+// slot's heads side by side; head by head would read one vector per slot at the slot's stride).
+ZT_DOT_TARGET void dot_pack(std::vector<DotAttention>& hs, int64_t h, const AttentionProblem& pr, const int64_t* slot,
+                            int64_t n, int64_t kh0) {
+  const int64_t dim = pr.dim, kv_heads = pr.kv_heads, n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+  if (hs[0].slot != slot || hs[0].kh != kh0) {
+    for (int64_t i = 0; i < h; ++i) {
+      hs[i].slot = slot;
+      hs[i].kh = kh0 + i;
+      hs[i].packed = 0;
+    }
+  }
+  const int64_t packed = hs[0].packed;
+  for (int64_t i = 0; i < h; ++i) {
+    hs[i].keys.resize(std::max<size_t>(hs[i].keys.size(), n64 / 16 * (dim / 32) * 256));
+    hs[i].values.resize(std::max<size_t>(hs[i].values.size(), n32 / 32 * (dim / 16) * 256));
+    hs[i].packed = std::max(packed, n);
+  }
+  for (int64_t j0 = packed / 16 * 16; j0 < n64; j0 += 16)
+    for (int64_t i = 0; i < h; ++i)
+      pack_keys(pr.kp, slot, j0, n, kv_heads, kh0 + i, dim, hs[i].keys.data() + j0 / 16 * (dim / 32) * 256);
+  for (int64_t j0 = packed / 32 * 32; j0 < n32; j0 += 32)
+    for (int64_t i = 0; i < h; ++i)
+      pack_values(pr.vp, slot, j0, n, kv_heads, kh0 + i, dim, hs[i].values.data() + j0 / 32 * (dim / 16) * 256);
+}
+
+constexpr int64_t kDotPackBytes = 1 << 20;  // the packed keys and values of a group of KV heads, about
+
+// One thread's share of the blocks: the KV heads in groups whose packed keys and values for the
+// share's longest row fit kDotPackBytes (at least one head), each group over the blocks in turn (a
+// slot list's blocks one after another share what they packed).
 ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
                              const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
                              const int64_t* lens, int64_t width) {
-  thread_local DotAttention b;  // kept from call to call (no fresh pages each call)
-  b.slot = nullptr;  // what it packed is stale in a new call: the pool has changed
-  for (int64_t kh = 0; kh < pr.kv_heads; ++kh)  // KV head first: a slot list's blocks one after another
+  thread_local std::vector<DotAttention> hs;  // kept from call to call (no fresh pages each call)
+  int64_t longest = 1;
+  for (int64_t blk : share) longest = std::max(longest, *std::max_element(lens + start[blk], lens + start[blk + 1]));
+  const int64_t per_head = 2 * ((longest + 63) / 64 * 64) * pr.dim * 2;  // keys and values, bf16
+  const int64_t hn = std::clamp<int64_t>(kDotPackBytes / per_head, 1, pr.kv_heads);
+  if (static_cast<int64_t>(hs.size()) < hn) hs.resize(hn);
+  for (int64_t kh0 = 0; kh0 < pr.kv_heads; kh0 += hn) {
+    const int64_t h = std::min(hn, pr.kv_heads - kh0);
+    hs[0].slot = nullptr;  // what it packed is stale in a new call or group: the pool or heads differ
     for (int64_t blk : share) {
       const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
-      dot_block_head(b, pr, slots + seq[r0] * width, lens + r0, r0, nr, kh);
+      const int64_t* slot = slots + seq[r0] * width;
+      dot_pack(hs, h, pr, slot, *std::max_element(lens + r0, lens + r0 + nr), kh0);
+      for (int64_t i = 0; i < h; ++i) dot_block_head(hs[i], pr, lens + r0, r0, nr, kh0 + i);
     }
+  }
 }
 
 // The rows in attend_avx512's blocks, dealt to the threads by their work the same way; run(pr, start,
