@@ -1,0 +1,100 @@
+"""A decode step's attention per layer over each KV pool: bf16, and 8-bit codes read in place or gathered.
+
+``--sequences`` sequences of ``--context`` tokens each (their keys and values scattered over the pool
+in 16-slot blocks), one decode row each, bf16 queries. For each native kernel this CPU runs (``fp32``;
+``tiles`` with AMX; ``dot`` with AVX512-BF16) over a bf16 pool, and for the tile and dot kernels over
+fp8 (e4m3) and int8 pools read in place (:func:`zerotron.serve.kernels.paged_attention` given
+:class:`~zerotron.serve.kv_quant.QuantizedKV` pools), and over the same pools gathered and dequantised
+into a bf16 copy first (the path every other kernel takes). Shapes: SmolLM2-1.7B's attention (32 query
+heads, 32 KV heads of 64) and SmolLM2-135M's (9 and 3 of 64). Every case timed in turn, best of
+``--passes``; ms per layer.
+
+    python benchmarks/serve_kv_attention.py [--sequences 16 --context 600 --passes 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerotron.serve import kernels, kv_quant
+
+SHAPES = {"SmolLM2-1.7B (32/32 heads of 64)": (32, 32, 64), "SmolLM2-135M (9/3 heads of 64)": (9, 3, 64)}
+BLOCK = 16
+
+
+def _cases(heads: int, kv_heads: int, dim: int, sequences: int, context: int) -> dict[str, Callable[[], Any]]:
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-context // BLOCK)
+    total = sequences * blocks + 1  # block 0 unused, as the engine's scratch block
+    order = torch.randperm(total - 1, generator=g)[: sequences * blocks].view(sequences, blocks) + 1
+    slots = (order[:, :, None] * BLOCK + torch.arange(BLOCK)).view(sequences, -1)[:, :context].contiguous()
+    lens = torch.full((sequences,), context)
+    q = torch.randn(sequences, heads, dim, generator=g).to(torch.bfloat16)
+    x = [torch.randn(total * BLOCK, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
+    pools: dict[str, tuple[Any, Any]] = {"bf16": (x[0], x[1])}
+    for fmt in ("fp8", "int8"):
+        pair = []
+        for t in x:
+            pool = kv_quant.QuantizedKV(total * BLOCK, kv_heads, dim, fmt, torch.bfloat16, "cpu")
+            pool.store(torch.arange(total * BLOCK), t)
+            pair.append(pool)
+        pools[fmt] = (pair[0], pair[1])
+    here = ["fp32"] + [
+        k for k, ok in (("tiles", kernels.tiles_available), ("dot", kernels.dot_available)) if ok()
+    ]
+    cases: dict[str, Callable[[], Any]] = {}
+    for kernel in here:
+        for name, (k, v) in pools.items():
+            if name == "bf16":
+                cases[f"{kernel}, bf16 pool"] = lambda k=k, v=v, kernel=kernel: kernels.paged_attention(
+                    q, k, v, slots, lens, kernel=kernel
+                )
+                continue
+            if kernel != "fp32":
+                cases[f"{kernel}, {name} in place"] = lambda k=k, v=v, kernel=kernel: kernels.paged_attention(
+                    q, k, v, slots, lens, kernel=kernel
+                )
+            cases[f"{kernel}, {name} gathered"] = lambda k=k, v=v, kernel=kernel: _gathered(
+                q, k, v, slots, lens, kernel
+            )
+    return cases
+
+
+def _gathered(q: torch.Tensor, k: Any, v: Any, slots: torch.Tensor, lens: torch.Tensor, kernel: str) -> Any:
+    """The engine's path for an 8-bit pool on other kernels: the distinct slots dequantised, then attended."""
+    gather, index = torch.unique(slots, return_inverse=True)
+    return kernels.paged_attention(
+        q, k.read(gather), v.read(gather), index.view(slots.shape), lens, kernel=kernel
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sequences", type=int, default=16)
+    p.add_argument("--context", type=int, default=600)
+    p.add_argument("--passes", type=int, default=5)
+    args = p.parse_args()
+    if not kernels.available():
+        raise SystemExit(f"the native kernels are not available: {kernels.why_unavailable()}")
+    for shape, (heads, kv_heads, dim) in SHAPES.items():
+        cases = _cases(heads, kv_heads, dim, args.sequences, args.context)
+        best = dict.fromkeys(cases, float("inf"))
+        for f in cases.values():
+            f()
+        for _ in range(args.passes):
+            for name, f in cases.items():  # in turn, so that a noisy moment costs every case
+                t = time.perf_counter()
+                f()
+                best[name] = min(best[name], time.perf_counter() - t)
+        print(f"{shape}, {args.sequences} decodes at context {args.context}, ms per layer:")
+        for name, t in best.items():
+            print(f"  {name:28s} {t * 1e3:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
