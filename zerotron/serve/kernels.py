@@ -197,7 +197,7 @@ def paged_attention(
     AVX-512, on AVX2 (heads of a multiple of 8 up to 256, where the CPU has no AVX-512) or in the
     generic loop. Whichever, a row's numbers are its own: the same alone, beside other
     rows, as a prompt row or as a decode. An 8-bit pool is read in place by the tiles and dot kernels
-    (each key and value the bf16 :func:`~zerotron.serve.kv_quant.dequantize` gives it); not by fp32."""
+    (the bits they give its :func:`~zerotron.serve.kv_quant.dequantize`'d pool); not by fp32."""
     if seq is None:
         seq = torch.arange(q.shape[0])
     if kernel is None:

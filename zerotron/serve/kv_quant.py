@@ -12,8 +12,9 @@ model's 0.27×. The native bf16 attention kernels (AMX tiles, AVX512-BF16; heads
 the codes and scales where they lie, each value dequantised as it is packed into the kernel's tiles
 (:func:`zerotron.serve.kernels.paged_attention`); every other path reads the step's keys and values
 dequantised to the model's dtype (:meth:`QuantizedKV.read`, one gather of the slots the step attends
-to), then runs the same kernels as over a 16-bit cache. Both give each value the bits of
-:func:`dequantize`.
+to), then runs the same kernels as over a 16-bit cache. Both give the attention the same bits: the
+in-place read rounds as :func:`dequantize` does, but for products below fp32's normal range (flushed
+to zero), which the kernels' bf16 products read as zero either way.
 """
 
 from __future__ import annotations
