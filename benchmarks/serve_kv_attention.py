@@ -15,11 +15,11 @@ heads, 32 KV heads of 64) and SmolLM2-135M's (9 and 3 of 64). Every case timed i
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from serve_attention import _best
 
 from zerotron.serve import kernels, kv_quant
 
@@ -83,14 +83,7 @@ def main() -> None:
         raise SystemExit(f"the native kernels are not available: {kernels.why_unavailable()}")
     for shape, (heads, kv_heads, dim) in SHAPES.items():
         cases = _cases(heads, kv_heads, dim, args.sequences, args.context)
-        best = dict.fromkeys(cases, float("inf"))
-        for f in cases.values():
-            f()
-        for _ in range(args.passes):
-            for name, f in cases.items():  # in turn, so that a noisy moment costs every case
-                t = time.perf_counter()
-                f()
-                best[name] = min(best[name], time.perf_counter() - t)
+        best = dict(zip(cases, _best(list(cases.values()), args.passes)))  # every case in turn
         print(f"{shape}, {args.sequences} decodes at context {args.context}, ms per layer:")
         for name, t in best.items():
             print(f"  {name:28s} {t * 1e3:8.2f}")

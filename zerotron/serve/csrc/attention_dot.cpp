@@ -168,17 +168,52 @@ ZT_DOT_TARGET inline __m512bh pair_of(const uint16_t* x) {
   return (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(x)));
 }
 
+// Sizes (uint32 elements) of one KV head's packed keys for n keys (pack_keys: 16 keys a group, n
+// rounded up to 64) and its packed values (pack_values: 32 keys a group).
+inline int64_t packed_keys_size(int64_t n, int64_t dim) { return (n + 63) / 64 * 4 * (dim / 32) * 256; }
+inline int64_t packed_values_size(int64_t n, int64_t dim) { return (n + 31) / 32 * (dim / 16) * 256; }
+
+constexpr int64_t kPackBytes = 1 << 20;  // the packed keys and values of a group of KV heads, at most
+
+// How many KV heads the tile and dot kernels pack at once for n keys: as many as fit kPackBytes, at
+// least one. The pool holds a slot's heads side by side; packing head by head would read one vector
+// per slot at the slot's stride, a cache miss each.
+inline int64_t heads_per_pack(int64_t n, int64_t dim, int64_t kv_heads) {
+  const int64_t bytes = 4 * (packed_keys_size(n, dim) + packed_values_size(n, dim));
+  return std::clamp<int64_t>(kPackBytes / bytes, 1, kv_heads);
+}
+
+// Keys ``from`` .. n (the last group of 16 again where ``from`` cuts one short; zeros past n up to a
+// multiple of 64) and values (groups of 32) of KV heads kh0 .. kh0 + h - 1, head i's into keys(i)
+// and values(i): 16 (32) keys of every head, then the next, so each slot's vectors of the group are
+// read together.
+template <typename Keys, typename Values>
+ZT_DOT_TARGET void pack_heads(const AttentionProblem& pr, const int64_t* slot, int64_t from, int64_t n, int64_t kh0,
+                              int64_t h, const Keys& keys, const Values& values) {
+  const int64_t dim = pr.dim, kv_heads = pr.kv_heads, n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+  for (int64_t j0 = from / 16 * 16; j0 < n64; j0 += 16)
+    for (int64_t i = 0; i < h; ++i)
+      pack_keys(pr.kp, slot, j0, n, kv_heads, kh0 + i, dim, keys(i) + j0 / 16 * (dim / 32) * 256);
+  for (int64_t j0 = from / 32 * 32; j0 < n32; j0 += 32)
+    for (int64_t i = 0; i < h; ++i)
+      pack_values(pr.vp, slot, j0, n, kv_heads, kh0 + i, dim, values(i) + j0 / 32 * (dim / 16) * 256);
+}
+
 // A thread's buffers for one block and KV head: the query rows, the packed keys, the scores, the
-// probabilities, the packed values, each row's sum of probabilities. The packed keys and values are
-// those of one slot list and KV head, kept from block to block: a prompt's blocks share its keys, and
-// each packs only the keys past what the blocks before it packed (the last group again where it was
-// cut short by the end of their rows' keys, its missing keys then zeros).
+// probabilities, the packed values, each row's sum of probabilities.
 struct DotAttention {
   std::vector<uint16_t> q, p;
   std::vector<uint32_t> keys, values;
   std::vector<float> s, total;
+};
+
+// The buffers of a group of KV heads and whose keys and values they hold: those of one slot list and
+// heads kh0 .., kept from block to block: a prompt's blocks share its keys, and each packs only the
+// keys past what the blocks before it packed.
+struct DotGroup {
+  std::vector<DotAttention> heads;
   const int64_t* slot = nullptr;
-  int64_t kh = -1, packed = 0;  // whose keys and values are packed; how many of them hold in full
+  int64_t kh0 = -1, packed = 0;  // how many keys hold in full
 };
 
 // S = Q K^T for R query rows (dim apart) against keys 0 .. width (a multiple of 32; packed by
@@ -265,8 +300,9 @@ ZT_DOT_TARGET void dot_values_rows(const uint16_t* p, int64_t lp, const uint32_t
 }
 
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values in ``b``
-// (dot_pack), written to the output: the block's query rows of the heads that share the KV head (m = rows x group), their scores against the
-// block's longest row's keys, each row's softmax over its own keys, the weighted sums.
+// (dot_pack), written to the output: the block's query rows of the heads that share the KV head
+// (m = rows x group), their scores against the block's longest row's keys, each row's softmax over
+// its own keys, the weighted sums.
 ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, const int64_t* len, int64_t r0, int64_t nr,
                                   int64_t kh) {
   const int64_t heads = pr.heads, kv_heads = pr.kv_heads, dim = pr.dim;
@@ -296,56 +332,44 @@ ZT_DOT_TARGET void dot_block_head(DotAttention& b, const AttentionProblem& pr, c
 }
 
 // The keys and values of a block of rows on ``slot`` (up to the block's longest row, n) for KV heads
-// kh0 .. kh0 + h - 1 into hs[0 .. h): each head's packing goes on from what the blocks before packed
-// of the same slot list (all the group's heads have packed as much), the heads packed 16 (32) keys at
-// a time one after another, so each slot's vectors of the group are read together (the pool holds a
-// slot's heads side by side; head by head would read one vector per slot at the slot's stride).
-ZT_DOT_TARGET void dot_pack(std::vector<DotAttention>& hs, int64_t h, const AttentionProblem& pr, const int64_t* slot,
-                            int64_t n, int64_t kh0) {
-  const int64_t dim = pr.dim, kv_heads = pr.kv_heads, n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
-  if (hs[0].slot != slot || hs[0].kh != kh0) {
-    for (int64_t i = 0; i < h; ++i) {
-      hs[i].slot = slot;
-      hs[i].kh = kh0 + i;
-      hs[i].packed = 0;
-    }
+// kh0 .. kh0 + h - 1 into the group's heads, going on from what the blocks before packed of the same
+// slot list and heads.
+ZT_DOT_TARGET void dot_pack(DotGroup& g, int64_t h, const AttentionProblem& pr, const int64_t* slot, int64_t n,
+                            int64_t kh0) {
+  if (g.slot != slot || g.kh0 != kh0) {
+    g.slot = slot;
+    g.kh0 = kh0;
+    g.packed = 0;
   }
-  const int64_t packed = hs[0].packed;
   for (int64_t i = 0; i < h; ++i) {
-    hs[i].keys.resize(std::max<size_t>(hs[i].keys.size(), n64 / 16 * (dim / 32) * 256));
-    hs[i].values.resize(std::max<size_t>(hs[i].values.size(), n32 / 32 * (dim / 16) * 256));
-    hs[i].packed = std::max(packed, n);
+    std::vector<uint32_t>&keys = g.heads[i].keys, &values = g.heads[i].values;
+    keys.resize(std::max<size_t>(keys.size(), packed_keys_size(n, pr.dim)));
+    values.resize(std::max<size_t>(values.size(), packed_values_size(n, pr.dim)));
   }
-  for (int64_t j0 = packed / 16 * 16; j0 < n64; j0 += 16)
-    for (int64_t i = 0; i < h; ++i)
-      pack_keys(pr.kp, slot, j0, n, kv_heads, kh0 + i, dim, hs[i].keys.data() + j0 / 16 * (dim / 32) * 256);
-  for (int64_t j0 = packed / 32 * 32; j0 < n32; j0 += 32)
-    for (int64_t i = 0; i < h; ++i)
-      pack_values(pr.vp, slot, j0, n, kv_heads, kh0 + i, dim, hs[i].values.data() + j0 / 32 * (dim / 16) * 256);
+  pack_heads(pr, slot, g.packed, n, kh0, h, [&](int64_t i) { return g.heads[i].keys.data(); },
+             [&](int64_t i) { return g.heads[i].values.data(); });
+  g.packed = std::max(g.packed, n);
 }
 
-constexpr int64_t kDotPackBytes = 1 << 20;  // the packed keys and values of a group of KV heads, about
-
-// One thread's share of the blocks: the KV heads in groups whose packed keys and values for the
-// share's longest row fit kDotPackBytes (at least one head), each group over the blocks in turn (a
-// slot list's blocks one after another share what they packed).
+// One thread's share of the blocks: the KV heads in groups (heads_per_pack for the share's longest
+// row), each group over the blocks in turn (a slot list's blocks one after another share what they
+// packed).
 ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
                              const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
                              const int64_t* lens, int64_t width) {
-  thread_local std::vector<DotAttention> hs;  // kept from call to call (no fresh pages each call)
+  thread_local DotGroup g;  // kept from call to call (no fresh pages each call)
   int64_t longest = 1;
   for (int64_t blk : share) longest = std::max(longest, *std::max_element(lens + start[blk], lens + start[blk + 1]));
-  const int64_t per_head = 2 * ((longest + 63) / 64 * 64) * pr.dim * 2;  // keys and values, bf16
-  const int64_t hn = std::clamp<int64_t>(kDotPackBytes / per_head, 1, pr.kv_heads);
-  if (static_cast<int64_t>(hs.size()) < hn) hs.resize(hn);
+  const int64_t hn = heads_per_pack(longest, pr.dim, pr.kv_heads);
+  if (static_cast<int64_t>(g.heads.size()) < hn) g.heads.resize(hn);
   for (int64_t kh0 = 0; kh0 < pr.kv_heads; kh0 += hn) {
     const int64_t h = std::min(hn, pr.kv_heads - kh0);
-    hs[0].slot = nullptr;  // what it packed is stale in a new call or group: the pool or heads differ
+    g.slot = nullptr;  // what it packed is stale in a new call: the pool has changed
     for (int64_t blk : share) {
       const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
       const int64_t* slot = slots + seq[r0] * width;
-      dot_pack(hs, h, pr, slot, *std::max_element(lens + r0, lens + r0 + nr), kh0);
-      for (int64_t i = 0; i < h; ++i) dot_block_head(hs[i], pr, lens + r0, r0, nr, kh0 + i);
+      dot_pack(g, h, pr, slot, *std::max_element(lens + r0, lens + r0 + nr), kh0);
+      for (int64_t i = 0; i < h; ++i) dot_block_head(g.heads[i], pr, lens + r0, r0, nr, kh0 + i);
     }
   }
 }

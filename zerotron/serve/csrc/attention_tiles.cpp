@@ -8,7 +8,7 @@
 // query, keys and values alone, never on the block it is in, the other rows, or how a prompt is cut
 // into chunks, and a decode is computed as a prompt row is (positions past a row's keys enter O as
 // zero probabilities times finite values, or zeros past the sequence's end). A block's keys and
-// values are packed for a group of KV heads at once (tile_pack), each slot's vectors of the group read
+// values are packed for a group of KV heads at once (pack_heads), each slot's vectors of the group read
 // together: head by head, a decode of a model with many KV heads read one vector per slot at a stride
 // of the slot's size and took 1.7-2.5x the time (16 sequences of 600 tokens, 32 KV heads of 64).
 #if defined(ZT_TILES) && defined(ZT_DOT_ATTENTION)
@@ -82,24 +82,8 @@ ZT_TILE_TARGET inline void tile_values(TileAttention& b, const uint32_t* values,
   _tile_stored(3, o + 192, dim * 4);
 }
 
-// The block's keys and values of KV heads kh0 .. kh0 + hn - 1, packed for tile_block_head: head i's
-// keys (0 .. n64) at keys + i * key_stride, its values (0 .. n32) at values + i * value_stride. The
-// heads are packed 16 (32) keys at a time, one head after another, so each slot's vectors of those
-// heads are read together (the pool holds a slot's heads side by side; head by head over all keys
-// would read one vector per slot at a stride of the slot's size, a cache miss each).
-ZT_TILE_TARGET void tile_pack(const AttentionProblem& pr, const int64_t* slot, int64_t n, int64_t kh0, int64_t hn,
-                              uint32_t* keys, int64_t key_stride, uint32_t* values, int64_t value_stride) {
-  const int64_t dim = pr.dim, kv_heads = pr.kv_heads, n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
-  for (int64_t j0 = 0; j0 < n64; j0 += 16)
-    for (int64_t i = 0; i < hn; ++i)
-      pack_keys(pr.kp, slot, j0, n, kv_heads, kh0 + i, dim, keys + i * key_stride + j0 / 16 * (dim / 32) * 256);
-  for (int64_t j0 = 0; j0 < n32; j0 += 32)
-    for (int64_t i = 0; i < hn; ++i)
-      pack_values(pr.vp, slot, j0, n, kv_heads, kh0 + i, dim, values + i * value_stride + j0 / 32 * (dim / 16) * 256);
-}
-
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values packed
-// (tile_pack), written to the output.
+// (pack_heads), written to the output.
 ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* len, int64_t r0,
                                     int64_t nr, int64_t kh, const uint32_t* keys, const uint32_t* values) {
   const uint16_t* q = pr.q;
@@ -134,11 +118,9 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   }
 }
 
-constexpr int64_t kPackBytes = 1 << 20;  // the packed keys and values of a group of KV heads, at most
-
 // One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
 // lambda its enclosing function's target, and tile intrinsics outside an AMX target do not compile).
-// Per block, the KV heads in groups whose packed keys and values fit kPackBytes (at least one head).
+// Per block, the KV heads in groups (heads_per_pack), each group's keys and values packed together.
 ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
                                  const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
                                  const int64_t* lens, int64_t kv_heads, int64_t width) {
@@ -149,21 +131,20 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
   }
   _tile_loadconfig(&cfg);
   TileAttention b;
-  const int64_t dim = pr.dim;
   for (int64_t blk : share) {
     const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
     const int64_t* slot = slots + seq[r0] * width;
     const int64_t* len = lens + r0;
-    const int64_t n = *std::max_element(len, len + nr), n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
-    const int64_t key_stride = n64 / 16 * (dim / 32) * 256, value_stride = n32 / 32 * (dim / 16) * 256;
-    const int64_t hn = std::clamp<int64_t>(kPackBytes / (4 * (key_stride + value_stride)), 1, kv_heads);
+    const int64_t n = *std::max_element(len, len + nr), hn = heads_per_pack(n, pr.dim, kv_heads);
+    const int64_t key_stride = packed_keys_size(n, pr.dim), value_stride = packed_values_size(n, pr.dim);
     b.keys.resize(hn * key_stride);
     b.values.resize(hn * value_stride);
+    const auto keys = [&](int64_t i) { return b.keys.data() + i * key_stride; };
+    const auto values = [&](int64_t i) { return b.values.data() + i * value_stride; };
     for (int64_t kh0 = 0; kh0 < kv_heads; kh0 += hn) {
       const int64_t h = std::min(hn, kv_heads - kh0);
-      tile_pack(pr, slot, n, kh0, h, b.keys.data(), key_stride, b.values.data(), value_stride);
-      for (int64_t i = 0; i < h; ++i)
-        tile_block_head(b, pr, len, r0, nr, kh0 + i, b.keys.data() + i * key_stride, b.values.data() + i * value_stride);
+      pack_heads(pr, slot, 0, n, kh0, h, keys, values);
+      for (int64_t i = 0; i < h; ++i) tile_block_head(b, pr, len, r0, nr, kh0 + i, keys(i), values(i));
     }
   }
   _tile_release();
