@@ -189,7 +189,7 @@ def run_zerotron(path: str, dtype: str = "float32", activations: bool = False) -
 
     from zerotron.components.sampling import SamplingParams
     from zerotron.models.quant import weight_bytes
-    from zerotron.serve import kernels
+    from zerotron.serve import kernels, linear_kernels
     from zerotron.serve.app import load_engine
     from zerotron.serve.engine import EngineConfig
     from zerotron.serve.linears import onednn_kernels
@@ -197,7 +197,7 @@ def run_zerotron(path: str, dtype: str = "float32", activations: bool = False) -
     torch.set_num_threads(2)
     # the kernels `zerotron serve` chooses on a CPU: native paged attention, and native (else oneDNN)
     # packed linears for the matrices not kept as blocks
-    native = kernels.why_no_native_matmul(getattr(torch, dtype)) is None
+    native = linear_kernels.why_no_native_matmul(getattr(torch, dtype)) is None
     config = EngineConfig(
         quantization="gguf",
         max_num_seqs=8,

@@ -6,8 +6,8 @@ stream from memory as in a step); the best of three passes; ms per forward's lin
 
     python benchmarks/serve_linears.py --dtype float32 --rows 1,2,8,16,32,64,78,256,2048
 
-fp32: :func:`zerotron.serve.kernels.vec_linear` (AVX-512) against oneDNN whole; bf16:
-:func:`~zerotron.serve.kernels.tile_linear` (AMX) or, without AMX, :func:`~zerotron.serve.kernels.dot_linear`
+fp32: :func:`zerotron.serve.linear_kernels.vec_linear` (AVX-512) against oneDNN whole; bf16:
+:func:`~zerotron.serve.linear_kernels.tile_linear` (AMX) or, without AMX, :func:`~zerotron.serve.linear_kernels.dot_linear`
 (AVX512-BF16) against oneDNN in the engine's 32-row chunks.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 from zerotron.serve.linears import CHUNK_ROWS, _packed_linear
 
 SHAPES = {
@@ -51,10 +51,10 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,8,16,32,64,78,256,2048")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
-    why = kernels.why_no_native_matmul(dtype)
+    why = linear_kernels.why_no_native_matmul(dtype)
     if why is not None:
         raise SystemExit(f"no native {args.dtype} linear here: {why}")
-    pack, run, kernel = kernels.native_linear(dtype)
+    pack, run, kernel = linear_kernels.native_linear(dtype)
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
     g = torch.Generator().manual_seed(0)
     weights = {

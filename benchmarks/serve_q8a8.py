@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 
 SHAPES = ((1536, 576), (576, 1536), (192, 576), (49152, 576))
 
@@ -40,8 +40,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    if not kernels.q8a8_available():
-        raise SystemExit(f"no 8-bit-activation kernel here: {kernels.why_no_q8a8()}")
+    if not linear_kernels.q8a8_available():
+        raise SystemExit(f"no 8-bit-activation kernel here: {linear_kernels.why_no_q8a8()}")
     torch.manual_seed(0)
     rows_out = []
     for n, k in SHAPES:
@@ -52,9 +52,11 @@ def main() -> None:
             x = torch.randn(rows, k)
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                fp32 = _median(functools.partial(kernels.q8_linear, x, q, (d, None)))
-                a8 = _median(functools.partial(kernels.q8a8_linear, x, q, (d, None)))
-                a8_q4 = _median(functools.partial(kernels.q8a8_linear, x, nibbles, (d, None), offset=8))
+                fp32 = _median(functools.partial(linear_kernels.q8_linear, x, q, (d, None)))
+                a8 = _median(functools.partial(linear_kernels.q8a8_linear, x, q, (d, None)))
+                a8_q4 = _median(
+                    functools.partial(linear_kernels.q8a8_linear, x, nibbles, (d, None), offset=8)
+                )
                 row = {"n": n, "k": k, "rows": rows, "threads": threads, "fp32_ms": fp32 * 1e3}
                 row |= {"a8_ms": a8 * 1e3, "a8_q4_ms": a8_q4 * 1e3, "speedup": fp32 / a8}
                 rows_out.append(row)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from zerotron.models.quant import Int4Linear, Int8Linear
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 from zerotron.serve.int8_linears import int8_kernels
 
 SHAPES = ((8192, 2048), (2048, 8192))
@@ -41,13 +41,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    if not kernels.q8t_available():
-        raise SystemExit(f"no AMX tiles for quantised weights here: {kernels.why_no_q8t()}")
+    if not linear_kernels.q8t_available():
+        raise SystemExit(f"no AMX tiles for quantised weights here: {linear_kernels.why_no_q8t()}")
     torch.manual_seed(0)
     out = []
     for n, k in SHAPES:
         w = (torch.randn(n, k) * 0.02).bfloat16()
-        packed = kernels.pack_tiles(w)
+        packed = linear_kernels.pack_tiles(w)
         torch8, torch4 = Int8Linear(w), Int4Linear(w)
         tiles8, tiles4 = torch.nn.Sequential(Int8Linear(w)), torch.nn.Sequential(Int4Linear(w))
         int8_kernels(tiles8, tiles=True)
@@ -55,7 +55,7 @@ def main() -> None:
         for rows in (1, 16, 256, 1024):
             x = torch.randn(rows, k).bfloat16()
             row = {"n": n, "k": k, "rows": rows}
-            row["bf16_tiles_ms"] = _best_ms(functools.partial(kernels.tile_linear, x, packed, None, n))
+            row["bf16_tiles_ms"] = _best_ms(functools.partial(linear_kernels.tile_linear, x, packed, None, n))
             row["torch_int8_ms"] = _best_ms(functools.partial(torch8, x))
             row["tiles_int8_ms"] = _best_ms(functools.partial(tiles8, x))
             row["torch_int4_ms"] = _best_ms(functools.partial(torch4, x))

@@ -25,7 +25,7 @@ def test_serve_refuses_a_native_matmul_it_cannot_run(
     """An explicit --matmul native is refused in one line, before any load, where it cannot run: under
     tensor parallelism (it packs whole weights) and on a CPU without the instructions of the dtype's
     kernel (AVX-512 for fp32, AMX, AVX512-BF16 or AVX2 for bf16; such a CPU is simulated here)."""
-    from zerotron.serve import kernels
+    from zerotron.serve import kernels, linear_kernels
 
     for dtype in ("float32", "bfloat16"):
         err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", dtype, "--nproc", "3"])
@@ -33,7 +33,7 @@ def test_serve_refuses_a_native_matmul_it_cannot_run(
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(kernels, "why_no_dot", lambda: "this CPU has no AVX512-BF16")
-    monkeypatch.setattr(kernels, "why_no_q8", lambda: "this CPU has no AVX2 (with FMA and F16C)")
+    monkeypatch.setattr(linear_kernels, "why_no_q8", lambda: "this CPU has no AVX2 (with FMA and F16C)")
     for dtype, missing in (("float32", "AVX-512"), ("bfloat16", "AVX2")):
         err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", dtype])
         assert "--matmul native" in err and (missing in err or "not available" in err), err

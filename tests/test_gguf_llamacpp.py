@@ -118,7 +118,7 @@ def test_the_engine_serves_llamacpp_files_on_its_kernels(name: str) -> None:
     dequantises, and llama.cpp's first token."""
     from tests.test_serve_engine import _run
     from zerotron.components.sampling import SamplingParams
-    from zerotron.serve import kernels
+    from zerotron.serve import kernels, linear_kernels
     from zerotron.serve.engine import Engine, EngineConfig
 
     path = str(DATA / name)
@@ -131,7 +131,7 @@ def test_the_engine_serves_llamacpp_files_on_its_kernels(name: str) -> None:
         quantization="gguf",
         max_model_len=64,
         native_attention=kernels.available(),
-        native_matmul=kernels.why_no_native_matmul(torch.float32) is None,
+        native_matmul=linear_kernels.why_no_native_matmul(torch.float32) is None,
     )
     engine = Engine(kept, tokenizer, served)
     ours = _run(engine, prompts, params)

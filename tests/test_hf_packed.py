@@ -31,7 +31,7 @@ from zerotron.components.sampling import SamplingParams
 from zerotron.models.hf import read_hf_weights, to_hf_name
 from zerotron.models.hf_packed import PackedInt4Linear, PackedInt8Linear, packed_format, unpack
 from zerotron.models.loading import ModelLoadError, load_pretrained
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 from zerotron.serve.app import load_engine
 from zerotron.serve.config import EngineConfigError
 from zerotron.serve.engine import Engine, EngineConfig
@@ -158,7 +158,7 @@ def test_served_as_they_are_gives_the_dequantised_models_tokens(
     served = Engine(kept, None, EngineConfig(quantization=method))
     # the grouped kernel where the CPU runs it, 8 bits and in fp32 4 bits (its own sums against the
     # dense model's)
-    assert served.runner.int8_native == (14 if kernels.q8_available() else 0)
+    assert served.runner.int8_native == (14 if linear_kernels.q8_available() else 0)
     ours = _run(served, prompts, params)
     ref = _run(Engine(dense, None, EngineConfig()), prompts, params)
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(ours, ref):

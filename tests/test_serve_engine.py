@@ -746,10 +746,12 @@ def _each_row_alone(
 
 
 def _linear_or_skip(what: str, why_not: str) -> None:
-    """Skip where the native linear kernel ``what`` cannot run (``why_not``: its kernels.why_no_* probe)."""
-    from zerotron.serve import kernels
+    """Skip where the native linear kernel ``what`` cannot run (``why_not``: its why_no_* probe, in
+    linear_kernels or, for the instructions attention shares, kernels)."""
+    from zerotron.serve import kernels, linear_kernels
 
-    why = getattr(kernels, why_not)()
+    why = getattr(linear_kernels, why_not, None) or getattr(kernels, why_not)
+    why = why()
     if why is not None:
         pytest.skip(f"no native {what} matmul here: {why}")
 
@@ -766,21 +768,21 @@ def test_native_tile_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
     and one bf16 rounding of the result (shapes with K not a multiple of 32 and N not of 16 padded by
     pack_tiles); every row the same bits in forwards of any row count (1 to 300, partial 16- and
     32-row blocks, several 128-row chunks) and with one thread or two."""
-    from zerotron.serve import kernels
+    from zerotron.serve import linear_kernels
 
     _tiles_or_skip()
     g = torch.Generator().manual_seed(n + k)
     weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(300, k, generator=g).bfloat16()
-    tiled = kernels.pack_tiles(weight)
-    y = kernels.tile_linear(x, tiled, b, n)
+    tiled = linear_kernels.pack_tiles(weight)
+    y = linear_kernels.tile_linear(x, tiled, b, n)
     assert y.shape == (300, n) and y.dtype == torch.bfloat16
     want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
     scale = x.double().abs() @ weight.double().abs().T  # the sum's own size, for its fp32 rounding
     assert ((y.double() - want).abs() <= want.abs() * 2**-8 + scale * 2**-20).all()
     counts = (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300)
-    _each_row_alone(functools.partial(kernels.tile_linear, packed=tiled, bias=b, n=n), x, y, counts, g)
+    _each_row_alone(functools.partial(linear_kernels.tile_linear, packed=tiled, bias=b, n=n), x, y, counts, g)
 
 
 def _dot_or_skip() -> None:
@@ -796,11 +798,13 @@ def test_native_dot_linear_is_the_product_and_each_row_alone(n: int, k: int, bia
     by pack_dot); every row the same bits in forwards of any row count (1 to 300: partial 8-row blocks,
     several 128-row chunks), one row at a time, with rows not contiguous or further apart than k, and
     with one thread or two."""
-    from zerotron.serve import kernels
+    from zerotron.serve import linear_kernels
 
     _dot_or_skip()
     counts = (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300)
-    packed = _bf16_linear_is_the_product(kernels.pack_dot, kernels.dot_linear, n, k, bias, counts)
+    packed = _bf16_linear_is_the_product(
+        linear_kernels.pack_dot, linear_kernels.dot_linear, n, k, bias, counts
+    )
     assert packed.shape == (-(-n // 48), -(-k // 2), 48, 2)
 
 
@@ -839,11 +843,13 @@ def test_native_wide_linear_is_the_product_and_each_row_alone(n: int, k: int, bi
     float64: within a k-term fp32 sum's rounding and one bf16 rounding of the result (K not a multiple
     of 8 padded by pack_wide); every row the same bits in forwards of any row count, one row at a
     time, and with one thread or two."""
-    from zerotron.serve import kernels
+    from zerotron.serve import linear_kernels
 
     _linear_or_skip("AVX2", "why_no_q8")
     counts = (1, 2, 3, 4, 5, 63, 64, 65, 129, 300)
-    packed = _bf16_linear_is_the_product(kernels.pack_wide, kernels.wide_linear, n, k, bias, counts)
+    packed = _bf16_linear_is_the_product(
+        linear_kernels.pack_wide, linear_kernels.wide_linear, n, k, bias, counts
+    )
     assert packed.shape == (n, 1, -(-k // 8) * 8)
 
 
@@ -939,20 +945,20 @@ def test_native_vec_linear_is_the_product_and_each_row_alone(n: int, k: int, bia
     rounding (shapes with N not a multiple of 48 padded by pack_vec); every row the same bits in
     forwards of any row count (1 to 300: partial 8-row blocks, several 128-row chunks), one row at a
     time, with rows not contiguous or further apart than k, and with one thread or two."""
-    from zerotron.serve import kernels
+    from zerotron.serve import linear_kernels
 
     _vec_or_skip()
     g = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(300, k, generator=g)
-    packed = kernels.pack_vec(weight)
-    y = kernels.vec_linear(x, packed, b, n)
+    packed = linear_kernels.pack_vec(weight)
+    y = linear_kernels.vec_linear(x, packed, b, n)
     assert y.shape == (300, n) and y.dtype == torch.float32
     want = x.double() @ weight.double().T + (b.double() if b is not None else 0)
     scale = x.double().abs() @ weight.double().abs().T + (b.double().abs() if b is not None else 0)
     assert ((y.double() - want).abs() <= scale * (k + 1) * 2**-24).all()
-    linear = functools.partial(kernels.vec_linear, packed=packed, bias=b, n=n)
+    linear = functools.partial(linear_kernels.vec_linear, packed=packed, bias=b, n=n)
     assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(0, 300, 7)]), y[::7])
     _each_row_alone(linear, x, y, (1, 2, 7, 8, 9, 33, 78, 127, 128, 129, 255, 300), g)
 

@@ -82,10 +82,10 @@ def _start(extra: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
     proc, base = _start(["--max-model-len", "1024", "--kv-cache-memory", "0.25"], log)
-    from zerotron.serve import kernels
+    from zerotron.serve import linear_kernels
 
     # fp32 on one rank: the linears on zerotron's AVX-512 kernel where the CPU has it (the default)
-    want = "native AVX-512" if kernels.vec_available() else "oneDNN"
+    want = "native AVX-512" if linear_kernels.vec_available() else "oneDNN"
     assert f"linears {want}" in log.read_text(), log.read_text()
     yield base
     proc.terminate()
@@ -179,11 +179,11 @@ def test_greedy_tokens_equal_transformers_generate(native: bool) -> None:
     transformers = pytest.importorskip("transformers")
     from zerotron.build.builder import load_model
     from zerotron.components.sampling import SamplingParams
-    from zerotron.serve import kernels
+    from zerotron.serve import linear_kernels
     from zerotron.serve.engine import Engine, EngineConfig
 
-    if native and not kernels.vec_available():
-        pytest.skip(f"no native AVX-512 matmul here: {kernels.why_no_vec()}")
+    if native and not linear_kernels.vec_available():
+        pytest.skip(f"no native AVX-512 matmul here: {linear_kernels.why_no_vec()}")
     gguf = _smollm2_dir() / GGUF_NAME
     model, tok = load_model(str(gguf), torch.float32, "cpu")
     cfg = EngineConfig(max_model_len=512, kv_cache_bytes=1 << 27, native_matmul=native)
@@ -346,7 +346,7 @@ def test_bfloat16_server_says_paris_and_answers_concurrent_requests_as_each_alon
     ]
     proc, base = _start(flags, log)
     try:
-        from zerotron.serve import kernels
+        from zerotron.serve import kernels, linear_kernels
         from zerotron.serve.linears import onednn_kernels
 
         # one rank: the linears on AMX tiles, AVX512-BF16 or AVX2 where the CPU has them (the default), else
@@ -359,7 +359,7 @@ def test_bfloat16_server_says_paris_and_answers_concurrent_requests_as_each_alon
             else "native AVX512-BF16"
             if kernels.dot_available()
             else "native AVX2"
-            if kernels.q8_available()
+            if linear_kernels.q8_available()
             else "oneDNN"
             if onednn_kernels(torch.bfloat16)
             else "F.linear"

@@ -1,4 +1,4 @@
-"""zerotron's grouped 8-bit linear kernel (``kernels.q8_linear``) and the served 8-bit weights it runs.
+"""zerotron's grouped 8-bit linear kernel (``linear_kernels.q8_linear``) and the served 8-bit weights it runs.
 
 References: float64 products of the weights computed here from their parts (values times the
 factors' products, less the mins), and each module's own ``dequantize`` (the ``gguf`` package's
@@ -18,11 +18,11 @@ from tests.test_serve_gguf import IN, OUT, _blocks
 from zerotron.models.gguf_blocks import BlockInt4Linear, BlockInt8Linear, BlockKLinear, block_linear
 from zerotron.models.hf_packed import PackedInt4Linear, Unpacked, dequantize
 from zerotron.models.quant import Int4Linear
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 from zerotron.serve.int8_linears import int8_kernels
 
 pytestmark = pytest.mark.skipif(
-    not kernels.q8_available(), reason=f"no 8-bit kernel here: {kernels.why_no_q8()}"
+    not linear_kernels.q8_available(), reason=f"no 8-bit kernel here: {linear_kernels.why_no_q8()}"
 )
 
 
@@ -111,19 +111,19 @@ def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> 
     gen = torch.Generator().manual_seed(3)
     values, scales, mins, offset, add = _operands(case, gen)
     x = torch.randn(23, groups * group, generator=gen)
-    y = kernels.q8_linear(x, values, scales, mins, offset, add)
+    y = linear_kernels.q8_linear(x, values, scales, mins, offset, add)
     ref = _reference(x, values, scales, mins, offset, add)
     assert y.dtype == torch.float32 and y.shape == (23, n)
     # fp32 sums of K = 520-576 products: a few units of fp32 rounding of the largest output
     assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
-    alone = [kernels.q8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
+    alone = [linear_kernels.q8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
     assert torch.equal(torch.cat(alone), y)
-    assert torch.equal(kernels.q8_linear(x[5:17], values, scales, mins, offset, add), y[5:17])
+    assert torch.equal(linear_kernels.q8_linear(x[5:17], values, scales, mins, offset, add), y[5:17])
     # bf16 rows are read exactly (widened to fp32)
     xb = x.bfloat16()
     assert torch.equal(
-        kernels.q8_linear(xb, values, scales, mins, offset, add),
-        kernels.q8_linear(xb.float(), values, scales, mins, offset, add),
+        linear_kernels.q8_linear(xb, values, scales, mins, offset, add),
+        linear_kernels.q8_linear(xb.float(), values, scales, mins, offset, add),
     )
 
 
@@ -137,32 +137,32 @@ def test_kernel_changes_with_each_part() -> None:
     )
     mn = torch.randint(1, 60, (16, 4), generator=gen).to(torch.uint8)
     x = torch.randn(3, 128, generator=gen)
-    base = kernels.q8_linear(x, values, (d, sc), (d, mn))
+    base = linear_kernels.q8_linear(x, values, (d, sc), (d, mn))
     sc2, mn2, v2 = sc.clone(), mn.clone(), values.clone()
     sc2[0, 2] += 1
     mn2[5, 3] += 1
     v2[9, 1, 7] ^= 1
     for changed in (
-        kernels.q8_linear(x, values, (d, sc2), (d, mn)),
-        kernels.q8_linear(x, values, (d, sc), (d, mn2)),
-        kernels.q8_linear(x, v2, (d, sc), (d, mn)),
-        kernels.q8_linear(x, values, (d, sc), (None, None)),
-        kernels.q8_linear(x, values, (d, sc), (d, mn), add_mins=True),
+        linear_kernels.q8_linear(x, values, (d, sc2), (d, mn)),
+        linear_kernels.q8_linear(x, values, (d, sc), (d, mn2)),
+        linear_kernels.q8_linear(x, v2, (d, sc), (d, mn)),
+        linear_kernels.q8_linear(x, values, (d, sc), (None, None)),
+        linear_kernels.q8_linear(x, values, (d, sc), (d, mn), add_mins=True),
     ):
         assert not torch.equal(changed, base)
 
 
 def test_kernel_refuses_groups_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        kernels.q8_linear(
+        linear_kernels.q8_linear(
             torch.randn(2, 60), torch.zeros(4, 5, 12, dtype=torch.int8), (torch.ones(4, 5), None)
         )
     with pytest.raises(RuntimeError, match="offset"):
-        kernels.q8_linear(
+        linear_kernels.q8_linear(
             torch.randn(2, 64), torch.zeros(4, 2, 32, dtype=torch.int8), (torch.ones(4, 2), None), offset=4
         )
     with pytest.raises(RuntimeError, match="table"):
-        kernels.q8_linear(
+        linear_kernels.q8_linear(
             torch.randn(2, 64), torch.zeros(4, 2, 32, dtype=torch.int8), (torch.ones(4, 3), None)
         )
 

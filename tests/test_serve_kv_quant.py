@@ -115,17 +115,29 @@ def test_engine_gives_the_rounded_models_tokens_alone_and_batched(
     assert [t for t, _ in _run(plain, prompts, params)] != [t for t, _ in together]  # rounding shows
 
 
+IN_PLACE_CASES = [
+    (kernel, dtype, shape)
+    for kernel in ("tiles", "dot", "fp32")
+    for dtype in ((torch.bfloat16,) if kernel != "fp32" else (torch.float32, torch.bfloat16, torch.float16))
+    for shape in ((9, 3, 64), (8, 2, 128)) + (((4, 2, 24),) if kernel == "fp32" else ())
+]
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
-@pytest.mark.parametrize("kernel", ["tiles", "dot"])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize(("kernel", "dtype", "shape"), IN_PLACE_CASES)
 def test_native_kernel_reads_the_codes_in_place(
-    fmt: str, kernel: str, heads: int, kv_heads: int, dim: int
+    fmt: str, kernel: str, dtype: torch.dtype, shape: tuple[int, int, int]
 ) -> None:
-    """The bf16 tile and dot attention kernels read an 8-bit pool's codes and scales where they lie:
-    bit for bit the kernel's output over a bf16 pool holding the vectors rounded here (torch's casts,
-    then bf16), on scattered slots, rows of different lengths, vectors of amax 1e-3 to 1e2 and an
-    all-zero one; a scale changed moves exactly the rows that read its slot; the fp32 kernel refuses."""
-    why = kernels.why_no_tiles() if kernel == "tiles" else kernels.why_no_dot()
+    """Each native attention kernel reads an 8-bit pool's codes and scales where they lie: bit for
+    bit its output over a pool of the model's dtype holding the vectors rounded here (torch's casts,
+    then the dtype) — the tile and dot kernels on bf16 rows, the fp32 kernel on fp32, bf16 and fp16
+    rows (heads of 64 and 128 on AVX-512, of 24 in its generic loop) — on scattered slots, rows of
+    different lengths, vectors of amax 1e-3 to 1e2 and an all-zero one; a scale changed moves exactly
+    the rows that read its slot."""
+    heads, kv_heads, dim = shape
+    if not kernels.available():
+        pytest.skip(f"the native attention kernel is not built here ({kernels.why_unavailable()})")
+    why = {"tiles": kernels.why_no_tiles, "dot": kernels.why_no_dot, "fp32": lambda: None}[kernel]()
     if why is not None:
         pytest.skip(f"no {kernel} attention here: {why}")
     g = torch.Generator().manual_seed(dim + heads)
@@ -137,15 +149,15 @@ def test_native_kernel_reads_the_codes_in_place(
             * torch.logspace(-3, 2, pool_slots)[:, None, None]
         )
         x[7] = 0
-        pool = QuantizedKV(pool_slots, kv_heads, dim, fmt, torch.bfloat16, "cpu")
-        pool.store(torch.arange(pool_slots), x.to(torch.bfloat16))
-        pools.append((pool, _rounded(x.to(torch.bfloat16), fmt).to(torch.bfloat16)))
+        pool = QuantizedKV(pool_slots, kv_heads, dim, fmt, dtype, "cpu")
+        pool.store(torch.arange(pool_slots), x.to(dtype))
+        pools.append((pool, _rounded(x.to(dtype), fmt).to(dtype)))
     (k, k_dense), (v, v_dense) = pools
     slots = torch.stack([torch.randperm(pool_slots, generator=g)[:width] for _ in range(lists)])
     slots[0, 3] = 7
     seq = torch.tensor([0, 1, 2] + [3] * 20 + [4, 0])
     lens = torch.cat([torch.tensor([1, 40, 96]), torch.arange(1, 21), torch.tensor([64, 5])])
-    q = torch.randn(len(seq), heads, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(len(seq), heads, dim, generator=g).to(dtype)
     got = kernels.paged_attention(q, k, v, slots, lens, seq, kernel=kernel)
     assert torch.equal(got, kernels.paged_attention(q, k_dense, v_dense, slots, lens, seq, kernel=kernel))
     moved = slots[1, :40].max()  # a slot of row 1's keys, of the larger vectors
@@ -154,19 +166,23 @@ def test_native_kernel_reads_the_codes_in_place(
     changed = (kernels.paged_attention(q, k, v, slots, lens, seq, kernel=kernel) != got).flatten(1).any(1)
     reads = torch.tensor([bool((slots[s, : int(n)] == moved).any()) for s, n in zip(seq, lens)])
     assert torch.equal(changed, reads) and reads.any()
-    with pytest.raises(ValueError, match="tiles and dot kernels only"):
-        kernels.paged_attention(q, k, v, slots, lens, seq, kernel="fp32")
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_engine_reads_a_bf16_models_codes_in_place(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 model of 64-dim heads on the native attention reads its 8-bit cache in place (no
-    dequantised copy): the same tokens and log-probabilities as the engine that gathers and dequantises
-    the slots each step (the path of every other kernel), alone and batched."""
-    if kernels.attention_kernel(torch.bfloat16, 64) == "fp32":
-        pytest.skip("no bf16 tile or dot attention here (needs AMX or AVX512-BF16)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_reads_its_codes_in_place(
+    fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model of 64-dim heads on the native attention (fp32: the fp32 kernel; bf16: tiles or dot
+    where the CPU has them) reads its 8-bit cache in place (no dequantised copy): the same tokens and
+    log-probabilities as the engine that gathers and dequantises the slots each step, alone and
+    batched."""
+    if not kernels.available():
+        pytest.skip(f"the native attention kernel is not built here ({kernels.why_unavailable()})")
+    if not kernels.reads_codes_in_place(kernels.attention_kernel(dtype, 64), dtype, 64):
+        pytest.skip("the fp32 kernel here reads 8-bit pools in its generic loop: the engine gathers")
     cfg = dataclasses.replace(CFG, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    bf16 = sharpened_pair(cfg)[1].to(torch.bfloat16)
+    served = sharpened_pair(cfg)[1].to(dtype)
     prompts = _prompts([5, 17, 40, 9], seed=22)
     params = dataclasses.replace(GREEDY, max_tokens=12)
     config = EngineConfig(num_blocks=64, kv_cache_dtype=fmt, native_attention=True)
@@ -175,12 +191,12 @@ def test_engine_reads_a_bf16_models_codes_in_place(fmt: str, monkeypatch: pytest
     monkeypatch.setattr(
         kernels, "paged_attention", lambda q, k, *a, **kw: reads.append(type(k)) or real(q, k, *a, **kw)
     )
-    together = _run(Engine(copy.deepcopy(bf16), None, config), prompts, params)
+    together = _run(Engine(copy.deepcopy(served), None, config), prompts, params)
     assert set(reads) == {QuantizedKV}
-    alone = [_run(Engine(copy.deepcopy(bf16), None, config), [p], params)[0] for p in prompts]
+    alone = [_run(Engine(copy.deepcopy(served), None, config), [p], params)[0] for p in prompts]
     monkeypatch.setattr(paged, "in_place", lambda pool, kernel: False)
     reads.clear()
-    gathered = _run(Engine(copy.deepcopy(bf16), None, config), prompts, params)
+    gathered = _run(Engine(copy.deepcopy(served), None, config), prompts, params)
     assert set(reads) == {torch.Tensor}
     assert together == alone == gathered
 

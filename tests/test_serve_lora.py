@@ -20,7 +20,7 @@ from tests.adapters import save_random_adapter
 from tests.test_serve_engine import CFG, GREEDY, _prompts, sharpened_pair
 from zerotron.components.sampling import SamplingParams
 from zerotron.models.lora import LoraConfig, apply_lora, merge_adapter_tensors, save_adapter
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 from zerotron.serve.engine import Engine, EngineConfig, LoraError, UnknownModel
 from zerotron.serve.linears import plain_linear
 from zerotron.serve.lora import MultiLora
@@ -93,9 +93,9 @@ ENGINES = {
 @pytest.mark.parametrize("kind", sorted(ENGINES))
 def test_mixed_batch_logits_equal_peft_for_each_adapter_and_the_base(served: tuple, kind: str) -> None:
     ref, model, paths = served
-    if kind == "native" and kernels.why_no_native_matmul(torch.float32) is not None:
+    if kind == "native" and linear_kernels.why_no_native_matmul(torch.float32) is not None:
         pytest.skip(
-            f"zerotron's native fp32 linears need AVX-512: {kernels.why_no_native_matmul(torch.float32)}"
+            f"zerotron's native fp32 linears need AVX-512: {linear_kernels.why_no_native_matmul(torch.float32)}"
         )
     engine = _engine(model, paths, **ENGINES[kind])
     captured: list[torch.Tensor] = []
@@ -200,8 +200,8 @@ def test_bf16_mixed_batch_is_batch_invariant(served: tuple, native: bool) -> Non
     """Each row's tokens alone as in the batch, on chunked F.linear and on the native bf16 kernel (its
     slots packed for it)."""
     _, model, paths = served
-    if native and kernels.why_no_native_matmul(torch.bfloat16) is not None:
-        pytest.skip(f"no native bf16 linears here: {kernels.why_no_native_matmul(torch.bfloat16)}")
+    if native and linear_kernels.why_no_native_matmul(torch.bfloat16) is not None:
+        pytest.skip(f"no native bf16 linears here: {linear_kernels.why_no_native_matmul(torch.bfloat16)}")
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     engine = _engine(bf16, paths, native_matmul=native)
     assert (engine.runner.lora is not None and engine.runner.lora.native is not None) == native

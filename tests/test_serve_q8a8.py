@@ -1,4 +1,4 @@
-"""Quantised weights times 8-bit activations (``kernels.q8a8_linear``, ``zerotron serve
+"""Quantised weights times 8-bit activations (``linear_kernels.q8a8_linear``, ``zerotron serve
 --quantize-activations``).
 
 References: the rows quantised in PyTorch as the kernel's docstring defines it (``quantize_rows``:
@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 from tests.test_serve_int8 import CASES, _operands, _reference
 from zerotron.build.builder import load_model
-from zerotron.serve import kernel_definitions, kernels
+from zerotron.serve import kernel_definitions, linear_kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.int8_linears import QUANTIZED, int8_kernels
 
 pytestmark = pytest.mark.skipif(
-    not kernels.q8a8_available(), reason=f"no 8-bit-activation kernel here: {kernels.why_no_q8a8()}"
+    not linear_kernels.q8a8_available(),
+    reason=f"no 8-bit-activation kernel here: {linear_kernels.why_no_q8a8()}",
 )
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
@@ -41,7 +42,7 @@ def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     x[3] = 0  # an all-zero row: zero blocks
     x[4, :40] = 0
     x[6, 7] = 1e4  # one large input: its block's others round to zero
-    y = kernels.q8a8_linear(x, values, scales, mins, offset, add)
+    y = linear_kernels.q8a8_linear(x, values, scales, mins, offset, add)
     ref = _reference(kernel_definitions.quantize_rows(x), values, scales, mins, offset, add)
     # integer sums exact; fp32 scaling and sums of at most K/64 chunks and 16 lanes
     err = (y.double() - ref).abs().max() / ref.abs().max()
@@ -51,9 +52,9 @@ def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     plain = _reference(x[:3], values, scales, mins, offset, add)
     assert (y[:3].double() - plain).abs().max() / plain.abs().max() > 1e-4
     # a row's numbers are its own at any batch (4-row blocks, single rows, threads)
-    alone = [kernels.q8a8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
+    alone = [linear_kernels.q8a8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
     assert torch.equal(torch.cat(alone), y)
-    assert torch.equal(kernels.q8a8_linear(x[5:14], values, scales, mins, offset, add), y[5:14])
+    assert torch.equal(linear_kernels.q8a8_linear(x[5:14], values, scales, mins, offset, add), y[5:14])
 
 
 def test_quantize_rows_is_llamacpp_q8_0() -> None:
@@ -78,9 +79,9 @@ def test_quantize_rows_is_llamacpp_q8_0() -> None:
 def test_kernel_refuses_bf16_weights_and_needs_scales() -> None:
     w = torch.randn(16, 1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="int8 values"):
-        kernels.q8a8_linear(torch.randn(2, 64), w, (None, None))
+        linear_kernels.q8a8_linear(torch.randn(2, 64), w, (None, None))
     with pytest.raises(RuntimeError, match="scale"):
-        kernels.q8a8_linear(torch.randn(2, 64), torch.zeros(16, 2, 32, dtype=torch.int8), (None, None))
+        linear_kernels.q8a8_linear(torch.randn(2, 64), torch.zeros(16, 2, 32, dtype=torch.int8), (None, None))
 
 
 def _llamacpp(name: str) -> tuple[torch.nn.Module, torch.nn.Module, Any, np.ndarray, torch.Tensor]:
@@ -160,7 +161,7 @@ def test_quantize_activations_needs_quantised_weights() -> None:
 def test_quantize_activations_refused_where_the_kernel_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(EngineConfigError, match="runs on the CPU"):
         EngineConfig(quantize_activations=True, device="cuda")
-    monkeypatch.setattr(kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
     with pytest.raises(EngineConfigError, match="AVX512-VNNI"):
         EngineConfig(quantize_activations=True)
 
@@ -179,7 +180,7 @@ def test_the_serve_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> N
     plain = build_parser().parse_args(["serve", "m.gguf", "--quantize-activations"])
     with pytest.raises(ConfigError, match="--quantize-activations: it multiplies quantised weights"):
         engine_config(plain, 1)
-    monkeypatch.setattr(kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
     with pytest.raises((ConfigError, EngineConfigError), match="quantize.activations.*AVX512-VNNI"):
         engine_config(args, 1)
 

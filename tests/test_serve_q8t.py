@@ -1,4 +1,4 @@
-"""Quantised weights times bf16 rows on AMX tiles (``kernels.q8t_linear``: what ``zerotron serve``
+"""Quantised weights times bf16 rows on AMX tiles (``linear_kernels.q8t_linear``: what ``zerotron serve``
 runs every 8- and 4-bit linear on in bf16 on a CPU with AMX).
 
 References: the weights computed from their parts in float64 (``tests.test_serve_int8._reference``:
@@ -16,10 +16,11 @@ import torch
 
 from tests.test_serve_engine import _each_row_alone
 from tests.test_serve_int8 import CASES, _operands, _reference
-from zerotron.serve import kernel_definitions, kernels
+from zerotron.serve import kernel_definitions, linear_kernels
 
 pytestmark = pytest.mark.skipif(
-    not kernels.q8t_available(), reason=f"no AMX tiles for quantised weights here: {kernels.why_no_q8t()}"
+    not linear_kernels.q8t_available(),
+    reason=f"no AMX tiles for quantised weights here: {linear_kernels.why_no_q8t()}",
 )
 
 TILE_CASES = [c for c in CASES if CASES[c][1] * CASES[c][2] % 32 == 0]
@@ -45,14 +46,14 @@ def test_kernel_is_the_rows_times_the_bf16_weights_and_a_row_is_its_own(case: st
     assert w.dtype == torch.bfloat16 and w.shape == exact.shape
     assert ((w.double() - exact).abs() <= exact.abs() * 2**-8).all()
     x = (torch.randn(300, exact.shape[1], generator=gen) * 2).bfloat16()
-    y = kernels.q8t_linear(x, values, scales, mins, offset, add)
+    y = linear_kernels.q8t_linear(x, values, scales, mins, offset, add)
     assert y.shape == (300, n) and y.dtype == torch.bfloat16
     want = x.double() @ w.double().T
     size = x.double().abs() @ w.double().abs().T  # the sum's own size, for its fp32 rounding
     assert ((y.double() - want).abs() <= want.abs() * 2**-8 + size * 2**-20).all()
     counts = (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300)
     linear = functools.partial(
-        kernels.q8t_linear, values=values, scales=scales, mins=mins, offset=offset, add_mins=add
+        linear_kernels.q8t_linear, values=values, scales=scales, mins=mins, offset=offset, add_mins=add
     )
     _each_row_alone(linear, x, y, counts, gen)
 
@@ -64,7 +65,7 @@ def test_kernel_rounds_the_weights_to_bf16_and_reads_every_table() -> None:
     gen = torch.Generator().manual_seed(12)
     values, scales, mins, offset, add = _operands("q5_k", gen)
     x = torch.randn(40, values.shape[1] * values.shape[2], generator=gen).bfloat16()
-    y = kernels.q8t_linear(x, values, scales, mins, offset, add)
+    y = linear_kernels.q8t_linear(x, values, scales, mins, offset, add)
     unrounded = (x.double() @ _weight64(values, scales, mins, offset, add).T).bfloat16()
     rounded = (
         x.double() @ kernel_definitions.dequantized_bf16(values, scales, mins, offset, add).double().T
@@ -77,9 +78,9 @@ def test_kernel_rounds_the_weights_to_bf16_and_reads_every_table() -> None:
     s2[7, 2] += 1
     m2[9, 4] += 1
     for changed in (
-        kernels.q8t_linear(x, v2, scales, mins, offset, add),
-        kernels.q8t_linear(x, values, (scales[0], s2), mins, offset, add),
-        kernels.q8t_linear(x, values, scales, (mins[0], m2), offset, add),
+        linear_kernels.q8t_linear(x, v2, scales, mins, offset, add),
+        linear_kernels.q8t_linear(x, values, (scales[0], s2), mins, offset, add),
+        linear_kernels.q8t_linear(x, values, scales, (mins[0], m2), offset, add),
     ):
         assert not torch.equal(changed.double(), y)
 
@@ -88,9 +89,9 @@ def test_kernel_refuses_what_it_cannot_take() -> None:
     gen = torch.Generator().manual_seed(13)
     values, scales, mins, offset, add = _operands("g24-nibbles", gen)  # K = 192: fine
     x = torch.randn(3, 192, generator=gen).bfloat16()
-    kernels.q8t_linear(x, values, scales, mins, offset, add)
+    linear_kernels.q8t_linear(x, values, scales, mins, offset, add)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.q8t_linear(
+        linear_kernels.q8t_linear(
             x[:, :168], values[:, :7], (scales[0][:, :7], None), (mins[0][:, :7], None), offset, add
         )
 
@@ -168,6 +169,6 @@ def test_quantized_tiles_refused_where_they_do_not_apply(monkeypatch: pytest.Mon
         EngineConfig(quantization="int8", quantized_tiles=True, tp=2)
     with pytest.raises(EngineConfigError, match="one of the two"):
         EngineConfig(quantization="int8", quantized_tiles=True, quantize_activations=True)
-    monkeypatch.setattr(kernels, "why_no_q8t", lambda: "this CPU has no AMX tiles")
+    monkeypatch.setattr(linear_kernels, "why_no_q8t", lambda: "this CPU has no AMX tiles")
     with pytest.raises((ConfigError, EngineConfigError), match="quantized.tiles.*AMX"):
         engine_config(args, 1)

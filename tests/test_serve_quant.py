@@ -112,11 +112,11 @@ def test_quantized_bf16_engine_is_batch_invariant_and_holds_fewer_bytes(
 def test_weight_bytes_count_the_linears_packed_for_the_kernels(model: object) -> None:
     """Packed for the native or oneDNN kernels, the linears' weights leave the parameters: the resident
     bytes reported (start-up line, ``zerotron_weight_bytes``) still count them."""
-    from zerotron.serve import kernels
+    from zerotron.serve import linear_kernels
     from zerotron.serve.linears import onednn_kernels, pack_linears
 
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    native = kernels.why_no_native_matmul(torch.bfloat16) is None
+    native = linear_kernels.why_no_native_matmul(torch.bfloat16) is None
     if not native and not onednn_kernels(torch.bfloat16):
         pytest.skip("this CPU has neither the native nor oneDNN's bf16 linear kernels")
     before = weight_bytes(bf16)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from zerotron.distributed import launch
 from zerotron.distributed.launch import adopt_slurm_env, job_rank_and_world, under_torchrun
 from zerotron.models.hf import ModelLoadError, packed_format_of
 from zerotron.models.lora import read_adapter_config
-from zerotron.serve import kernels, triton_attention
+from zerotron.serve import kernels, linear_kernels, triton_attention
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.devices import check_device, rank_backend
 from zerotron.serve.edge import ServerOptions, default_name
@@ -93,7 +93,7 @@ def engine_config(args: argparse.Namespace, nproc: int) -> EngineConfig:
     chosen = dict(explicit)
     if device.type == "cpu" and args.matmul is None and nproc == 1:  # packed linears where they run
         dtype = getattr(torch, args.dtype)
-        chosen["native_matmul"] = kernels.why_no_native_matmul(dtype) is None
+        chosen["native_matmul"] = linear_kernels.why_no_native_matmul(dtype) is None
         chosen["onednn"] = not chosen["native_matmul"] and onednn_kernels(dtype)
     if args.attention is None:  # the paged kernel of the device where it builds, else SDPA
         on_cpu = device.type == "cpu"

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from zerotron.build.quantize import LOAD_METHODS
-from zerotron.serve import kernels, kv_quant, triton_attention
+from zerotron.serve import kernels, kv_quant, linear_kernels, triton_attention
 from zerotron.serve.linears import FIXED_ROWS, onednn_kernels
 from zerotron.serve.speculative import DraftConfig, SpecConfig
 
@@ -74,10 +74,10 @@ class EngineConfig:
     kv_cache_dtype: str = (
         "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 | int8 (serve.kv_quant)
     )
-    # the quantised weights times activations quantised to int8 per 32 inputs (kernels.q8a8_linear)
+    # the quantised weights times activations quantised to int8 per 32 inputs (linear_kernels.q8a8_linear)
     quantize_activations: bool = False
     # bf16 rows times the quantised weights on AMX tiles, each weight dequantised to bf16 once per call
-    # (kernels.q8t_linear): prompts several times faster, one-row decode slower than torch's kernels
+    # (linear_kernels.q8t_linear): prompts several times faster, one-row decode slower than torch's kernels
     quantized_tiles: bool = False
 
     def __post_init__(self) -> None:
@@ -128,7 +128,7 @@ class EngineConfig:
             if self.quantize_activations
             else "not built for tensor-parallel ranks (--nproc); serve on one process"
             if self.tp > 1
-            else kernels.why_no_q8t()
+            else linear_kernels.why_no_q8t()
         )
         if why is not None:
             raise EngineConfigError("quantized_tiles", f"not available: {why}")
@@ -162,7 +162,7 @@ class EngineConfig:
             self._check_attention_kernel(dtype)
         if self.native_matmul and self.tp > 1:
             raise EngineConfigError("native_matmul", packs)
-        why = kernels.why_no_native_matmul(dtype) if self.native_matmul and dtype is not None else None
+        why = linear_kernels.why_no_native_matmul(dtype) if self.native_matmul and dtype is not None else None
         if why is not None:
             raise EngineConfigError("native_matmul", f"not available: {why}")
         if self.onednn and self.tp > 1:
@@ -173,7 +173,7 @@ class EngineConfig:
             why = (
                 "the kernel runs on the CPU"
                 if device is not None and device.type != "cpu"
-                else kernels.why_no_q8a8()
+                else linear_kernels.why_no_q8a8()
             )
             if why is not None:
                 raise EngineConfigError("quantize_activations", f"not available: {why}")

@@ -1,4 +1,4 @@
-"""Served 8- and 4-bit weights on zerotron's grouped kernel (:func:`zerotron.serve.kernels.q8_linear`).
+"""Served 8- and 4-bit weights on zerotron's grouped kernel (:func:`zerotron.serve.linear_kernels.q8_linear`).
 
 The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks (and
 Q5_0's, Q5_1's and IQ4_NL's unpacked to a byte a value), and
@@ -32,7 +32,7 @@ from torch import nn
 from zerotron.models.gguf_blocks import LOW_BITS, BlockInt4Linear, BlockInt8Linear, BlockKLinear
 from zerotron.models.hf_packed import PackedInt4Linear, PackedInt8Linear
 from zerotron.models.quant import Int4Linear, Int8Linear, int4pack_values
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 
 Scales = tuple[torch.Tensor, Optional[torch.Tensor]]
 Mins = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
@@ -89,7 +89,7 @@ def _tables(module: nn.Module, four_bit: bool, activations: bool = False) -> Opt
     return None
 
 
-Linear = Callable[..., torch.Tensor]  # kernels.q8_linear or kernels.q8a8_linear
+Linear = Callable[..., torch.Tensor]  # linear_kernels.q8_linear or linear_kernels.q8a8_linear
 
 
 def _packed_forward(
@@ -121,14 +121,20 @@ def int8_kernels(
 ) -> int:
     """Run ``model``'s 8-bit linears that the kernel takes on it (their forwards replaced), and its
     4-bit ones where ``four_bit``; returns how many. ``activations``: every quantised linear (4-bit
-    ones and ``--quantization int8``'s too) on :func:`~zerotron.serve.kernels.q8a8_linear`, the rows
+    ones and ``--quantization int8``'s too) on :func:`~zerotron.serve.linear_kernels.q8a8_linear`, the rows
     quantised to int8, or a ValueError naming the first it cannot take. ``tiles``: every quantised
-    linear with a multiple of 32 inputs on :func:`~zerotron.serve.kernels.q8t_linear` (bf16 rows on
+    linear with a multiple of 32 inputs on :func:`~zerotron.serve.linear_kernels.q8t_linear` (bf16 rows on
     AMX tiles), the rest on their own kernels. Call only where
-    :func:`~zerotron.serve.kernels.q8_available` (and ``q8a8_available`` for ``activations``,
+    :func:`~zerotron.serve.linear_kernels.q8_available` (and ``q8a8_available`` for ``activations``,
     ``q8t_available`` for ``tiles``)."""
     count = 0
-    linear = kernels.q8a8_linear if activations else kernels.q8t_linear if tiles else kernels.q8_linear
+    linear = (
+        linear_kernels.q8a8_linear
+        if activations
+        else linear_kernels.q8t_linear
+        if tiles
+        else linear_kernels.q8_linear
+    )
     every = activations or tiles
     for name, module in model.named_modules():
         if tiles and isinstance(module, QUANTIZED) and getattr(module, "in_features", 0) % 32:

@@ -15,8 +15,8 @@ def dequantized_bf16(
     offset: int = 0,
     add_mins: bool = False,
 ) -> torch.Tensor:
-    """The weight (n, K) that :func:`~zerotron.serve.kernels.q8t_linear` multiplies, in PyTorch: ``q·s − m`` (``q·s + m`` where
-    ``add_mins``) from :func:`~zerotron.serve.kernels.q8_linear`'s operands, each scale and min the product of its factors in
+    """The weight (n, K) that :func:`~zerotron.serve.linear_kernels.q8t_linear` multiplies, in PyTorch: ``q·s − m`` (``q·s + m`` where
+    ``add_mins``) from :func:`~zerotron.serve.linear_kernels.q8_linear`'s operands, each scale and min the product of its factors in
     fp32 (in the kernel's order: the first factor times the second), ``q·s − m`` one fused rounding
     (``q·s`` is exact), then rounded to bf16 — for references."""
     n, groups = values.shape[:2]
@@ -41,7 +41,7 @@ def dequantized_bf16(
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """The rows :func:`~zerotron.serve.kernels.q8a8_linear` multiplies, in PyTorch: ``x`` (..., K), K a multiple of 32,
+    """The rows :func:`~zerotron.serve.linear_kernels.q8a8_linear` multiplies, in PyTorch: ``x`` (..., K), K a multiple of 32,
     quantised per block of 32 inputs to ``d·round(x / d)``, ``d = max|x| / 127`` (half to even; an
     all-zero block stays zero), returned as fp32 — the definition the kernel follows, for references."""
     blocks = x.float().reshape(*x.shape[:-1], -1, 32)

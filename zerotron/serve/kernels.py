@@ -10,17 +10,7 @@ scores are one tile product Q K^T, each row's softmax over its own keys in fp32 
 rounded to bf16 (as flash attention rounds them), P V a tile product summed in key order from key 0;
 on AVX512-BF16 without AMX the same on vector registers (``csrc/attention_dot.cpp``); elsewhere fp32.
 
-:func:`tile_linear` is a bf16 linear layer on AMX tiles (the weight packed once by :func:`pack_tiles`),
-each output its row times its column summed in fp32 over 32-deep tile products in k order, so a row's
-result never depends on the call's row count (oneDNN's does); :func:`vec_linear` the fp32 one on
-AVX-512 (one fused multiply-add chain over k in order per output), :func:`dot_linear` the bf16 one on
-AVX512-BF16 without AMX (VDPBF16PS steps over pairs of k in order, rounded once to bf16).
-
-:func:`q8_linear` multiplies fp32 rows by 8-bit (or 4-bit) weights with a scale and a min per group
-of inputs, read from the files' own tables; :func:`q8a8_linear` multiplies the same weights by the
-rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI), as llama.cpp does (``zerotron serve
---quantize-activations``); :func:`q8t_linear` by bf16 rows on AMX tiles, the weights dequantised to
-bf16 once per call (``--quantized-tiles``). All give a row the same result in any batch.
+The linear layers' kernels, built in the same module, are :mod:`zerotron.serve.linear_kernels`'s.
 
 :func:`rms_norm` and :func:`silu_mul` are a decoder layer's RMSNorm and SiLU gate in one pass per row
 (the model's roundings), cheaper than the torch operators' dispatch at a few rows.
@@ -61,9 +51,6 @@ _FLAGS = [
     "--param=vect-max-peeling-for-alignment=0",
 ]
 
-# a scale's or a min's factors (the grouped kernels' tables: the second None for one factor)
-Factors = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
-
 _lock = threading.Lock()
 _module: Optional[Any] = None
 _error: Optional[str] = None
@@ -80,10 +67,11 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v37"
+_NAME = "zerotron_kernels_v38"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
+    "q8_pool_vector",
     "tiles_built",
     "tile_linear",
     "vec_built",
@@ -155,7 +143,7 @@ def _build() -> Optional[Any]:
         return _module
 
 
-def _built() -> Any:
+def built() -> Any:
     module = _build()
     if module is None:
         raise RuntimeError(f"the native kernels are not available ({_error})")
@@ -196,8 +184,9 @@ def paged_attention(
     probabilities rounded to bf16, as flash attention rounds them); ``"fp32"``, fp32 arithmetic on
     AVX-512, on AVX2 (heads of a multiple of 8 up to 256, where the CPU has no AVX-512) or in the
     generic loop. Whichever, a row's numbers are its own: the same alone, beside other
-    rows, as a prompt row or as a decode. An 8-bit pool is read in place by the tiles and dot kernels
-    (the bits they give its :func:`~zerotron.serve.kv_quant.dequantize`'d pool); not by fp32."""
+    rows, as a prompt row or as a decode. Every kernel reads an 8-bit pool in place and gives the bits
+    it gives the pool :func:`~zerotron.serve.kv_quant.dequantize` makes of it in q's dtype; the fp32
+    kernel reads one on AVX-512 or in the generic loop, never on AVX2 (:func:`reads_codes_in_place`)."""
     if seq is None:
         seq = torch.arange(q.shape[0])
     if kernel is None:
@@ -214,13 +203,11 @@ def paged_attention(
             raise RuntimeError(f"no {kernel} attention here: {why}")
     scale, index = q.shape[-1] ** -0.5, ATTENTION_KERNELS.index(kernel)
     if isinstance(k_pool, torch.Tensor):
-        out: torch.Tensor = _built().paged_attention(q, k_pool, v_pool, slots, seq, lens, scale, index)
-    elif kernel == "fp32":
-        raise ValueError("an 8-bit KV pool is read in place by the tiles and dot kernels only, not fp32")
+        out: torch.Tensor = built().paged_attention(q, k_pool, v_pool, slots, seq, lens, scale, index)
     else:
         k, v = (k_pool.codes, k_pool.scales), (v_pool.codes, v_pool.scales)
         fmt = kv_quant.KERNEL_FORMATS[k_pool.fmt]
-        out = _built().paged_attention_q8(q, *k, *v, fmt, slots, seq, lens, scale, index)
+        out = built().paged_attention_q8(q, *k, *v, fmt, slots, seq, lens, scale, index)
     return out
 
 
@@ -236,6 +223,16 @@ def attention_kernel(dtype: torch.dtype, head_dim: int) -> str:
     return "fp32"
 
 
+def reads_codes_in_place(kernel: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the engine has ``kernel`` read an 8-bit pool in place for rows of ``dtype`` and heads of
+    ``head_dim`` (the native kernels available): always, but for the fp32 kernel in a build without
+    AVX-512 on fp32 or bf16 heads of a multiple of 8 up to 256 — there it reads a 16-bit pool on AVX2
+    and an 8-bit one in its generic loop, slower than dequantising the pool's rows and reading those."""
+    if kernel != "fp32" or built().q8_pool_vector():
+        return True
+    return not (dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256)
+
+
 @functools.lru_cache(maxsize=1)
 def _dot_here() -> bool:
     return dot_available()
@@ -246,7 +243,7 @@ def _tiles_here() -> bool:
     return tiles_available()
 
 
-def _why_no_kernel(built: str, cpu: Callable[[Any], bool], code: str, instructions: str) -> Optional[str]:
+def why_no_kernel(built: str, cpu: Callable[[Any], bool], code: str, instructions: str) -> Optional[str]:
     """Why a native linear kernel cannot run here (None when it can): the kernels not built, this build
     without the kernel's ``code`` (``built`` names the module's probe), or ``cpu(module)`` False (the
     CPU lacks its ``instructions``)."""
@@ -261,14 +258,15 @@ def _why_no_kernel(built: str, cpu: Callable[[Any], bool], code: str, instructio
 
 
 def tiles_available() -> bool:
-    """Whether bf16 linears can run on AMX tiles here (:func:`tile_linear`): the kernels built with
-    tile code (x86-64), a CPU with AMX, and the kernel's leave to use its tile registers."""
+    """Whether bf16 rows can run on AMX tiles here (attention, and
+    :func:`~zerotron.serve.linear_kernels.tile_linear`): the kernels built with tile code (x86-64), a
+    CPU with AMX, and the kernel's leave to use its tile registers."""
     return why_no_tiles() is None
 
 
 def why_no_tiles() -> Optional[str]:
     """Why :func:`tiles_available` is False (None when it is True)."""
-    return _why_no_kernel(
+    return why_no_kernel(
         "tiles_built",
         lambda m: bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()),
         "AMX tile code (an x86-64 CPU and GCC 11+ or clang are needed)",
@@ -276,55 +274,16 @@ def why_no_tiles() -> Optional[str]:
     )
 
 
-def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 (N, K) weight as :func:`tile_linear` reads it: (ceil(N/16), ceil(K/32), 16, 16, 2), each
-    16-column, 32-deep block one AMX B tile (16 pairs of k, each pair's two values of 16 columns side
-    by side); N and K padded with zeros."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        raise ValueError(f"pack_tiles takes a 2-D bf16 weight, not {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, -k % 32, 0, -n % 16))
-    blocks = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 16, 2)
-    return blocks.permute(0, 2, 3, 1, 4).contiguous()
-
-
-def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` for bf16 rows ``x`` (..., K) on AMX tiles, ``packed`` from
-    :func:`pack_tiles`, ``bias`` fp32 (n,) or None; (..., n) in bf16. Each output is its row times
-    its column summed in fp32 over k in 32-deep tile products in k order, the bias added, rounded once:
-    a row's result is the same in any batch (any row count, any threads)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:  # the kernel reads each row's k in place
-        rows = rows.contiguous()
-    y: torch.Tensor = _built().tile_linear(rows, packed, bias, n)
-    return y.view(*x.shape[:-1], n)
-
-
-def vec_available() -> bool:
-    """Whether fp32 linears can run on AVX-512 here (:func:`vec_linear`): the kernels built with its
-    code (x86-64) and a CPU with AVX-512F."""
-    return why_no_vec() is None
-
-
-def why_no_vec() -> Optional[str]:
-    """Why :func:`vec_available` is False (None when it is True)."""
-    return _why_no_kernel(
-        "vec_built",
-        lambda m: bool(torch.cpu._is_avx512_supported()),
-        "AVX-512 linear code (an x86-64 CPU and GCC or clang are needed)",
-        "this CPU has no AVX-512",
-    )
-
-
 def dot_available() -> bool:
-    """Whether bf16 linears can run on AVX512-BF16 here (:func:`dot_linear`): the kernels built with
-    its code (x86-64, GCC 10+ or clang) and a CPU with AVX512-BF16."""
+    """Whether bf16 rows can run on AVX512-BF16 here (attention, and
+    :func:`~zerotron.serve.linear_kernels.dot_linear`): the kernels built with its code (x86-64, GCC 10+
+    or clang) and a CPU with AVX512-BF16."""
     return why_no_dot() is None
 
 
 def why_no_dot() -> Optional[str]:
     """Why :func:`dot_available` is False (None when it is True)."""
-    return _why_no_kernel(
+    return why_no_kernel(
         "dot_built",
         lambda m: bool(m.dot_cpu()),
         "AVX512-BF16 linear code (an x86-64 CPU and GCC 10+ or clang are needed)",
@@ -332,232 +291,10 @@ def why_no_dot() -> Optional[str]:
     )
 
 
-def q8_available() -> bool:
-    """Whether 8-bit weights with per-group scales can run on zerotron's kernel here
-    (:func:`q8_linear`): the kernels built with its code (x86-64) and a CPU with AVX2, FMA and F16C."""
-    return why_no_q8() is None
-
-
-def why_no_q8() -> Optional[str]:
-    """Why :func:`q8_available` is False (None when it is True)."""
-    return _why_no_kernel(
-        "q8_built",
-        lambda m: bool(m.q8_cpu()),
-        "8-bit linear code (an x86-64 CPU and GCC or clang are needed)",
-        "this CPU has no AVX2 (with FMA and F16C)",
-    )
-
-
-def q8_linear(
-    x: torch.Tensor,
-    values: torch.Tensor,
-    scales: Factors,
-    mins: Factors = (None, None),
-    offset: int = 0,
-    add_mins: bool = False,
-) -> torch.Tensor:
-    """``x @ w.T`` for rows ``x`` (..., K) and a weight ``w`` (n, K) of 8-bit ``values`` (n, groups,
-    group) int8, any strides but the last, ``group`` a multiple of 8 — or 4-bit ones two a byte,
-    (n, groups, group / 2) uint8, input 2j in the low half, each value the nibble less ``offset``
-    (the 4-bit formats and GGUF Q2_K's and Q3_K's as zerotron keeps them) — : ``w = q·s − m`` (``q·s
-    + m`` where ``add_mins``: GGUF Q4_1's), each group's scale ``s`` the product of the factors
-    ``scales`` and its min ``m`` that of ``mins`` (none when the first is None). A factor is a table
-    (n, groups / per) of f32, f16, bf16, int8 or uint8, any strides, its entry per ``per``
-    consecutive groups: the files' tables as they are (GGUF Q8_0's f16 scales;
-    Q5_K's and Q6_K's f16 super-block scales times their small-integer group scales; GPTQ's scales and
-    zeros times scales). The weights are dequantised slice by slice into fp32 (exactly: 8-bit values
-    times f16-sized scales) and each output is 8 fused multiply-add chains over k in order, added in a
-    fixed tree: a row's result is the same in any batch. Returns (..., n) fp32."""
-    return _grouped("q8_linear", x, values, scales, mins, offset, add_mins)
-
-
-def _grouped(entry: str, x: torch.Tensor, values: torch.Tensor, *tables: Any) -> torch.Tensor:
-    """``x``'s rows (fp32; bf16 for q8t) through the grouped kernel ``entry`` (scales, mins, offset, add_mins)."""
-    scales, mins, offset, add_mins = tables
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if entry == "q8t_linear" else torch.float32)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y: torch.Tensor = getattr(_built(), entry)(
-        rows, values, scales[0], scales[1], mins[0], mins[1], offset, add_mins
-    )
-    return y.view(*x.shape[:-1], values.shape[0])
-
-
-def q8a8_available() -> bool:
-    """Whether :func:`q8a8_linear` runs here: the kernels built with its code (x86-64) and a CPU with
-    AVX512-VNNI (with AVX512-BW, -VL and -DQ)."""
-    return why_no_q8a8() is None
-
-
-def why_no_q8a8() -> Optional[str]:
-    """Why :func:`q8a8_available` is False (None when it is True)."""
-    return _why_no_kernel(
-        "q8_built",
-        lambda m: bool(m.vnni_cpu()),
-        "8-bit linear code (an x86-64 CPU and GCC or clang are needed)",
-        "this CPU has no AVX512-VNNI (with AVX512-BW, -VL and -DQ)",
-    )
-
-
-def q8t_available() -> bool:
-    """Whether :func:`q8t_linear` runs here (:func:`q8_available` and :func:`tiles_available`)."""
-    return why_no_q8t() is None
-
-
-def why_no_q8t() -> Optional[str]:
-    return why_no_q8() or why_no_tiles()
-
-
-def q8t_linear(
-    x: torch.Tensor,
-    values: torch.Tensor,
-    scales: Factors,
-    mins: Factors = (None, None),
-    offset: int = 0,
-    add_mins: bool = False,
-) -> torch.Tensor:
-    """:func:`q8_linear`'s weights times bf16 rows on AMX tiles, K a multiple of 32: per 32 outputs the
-    weights are dequantised as :func:`q8_linear` dequantises them and rounded once to bf16
-    (``kernel_definitions.dequantized_bf16``), then multiplied by every row of the call in 32-deep
-    tile products, each output summed in fp32 over k in order, rounded once to bf16: a row's result is
-    its own at any batch. Each weight is dequantised once a call. Returns (..., n) bf16."""
-    return _grouped("q8t_linear", x, values, scales, mins, offset, add_mins)
-
-
-def q8a8_linear(
-    x: torch.Tensor,
-    values: torch.Tensor,
-    scales: Factors,
-    mins: Factors = (None, None),
-    offset: int = 0,
-    add_mins: bool = False,
-) -> torch.Tensor:
-    """:func:`q8_linear`'s product with the rows quantised to 8 bits, as llama.cpp and vLLM's GGUF
-    kernels multiply: each row's blocks of 32 inputs as
-    :func:`~zerotron.serve.kernel_definitions.quantize_rows` defines them, the
-    integer products of those and the weights' values summed exactly (AVX512-VNNI), scaled by the
-    groups' scales times the blocks' ``d``, less the mins times the quantised inputs' sums. In real
-    arithmetic it is ``quantize_rows(x) @ w.T``; in fp32 each output is 16 lanes of fused
-    multiply-adds in k order, added in a fixed tree: a row's result is the same in any batch. The
-    same operands as :func:`q8_linear` but bf16 weights. Returns (..., n) fp32."""
-    return _grouped("q8a8_linear", x, values, scales, mins, offset, add_mins)
-
-
-def pack_wide(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight (n, K) for :func:`wide_linear`: contiguous, K padded with zero weights to a
-    multiple of 8, viewed as one group (n, 1, K8)."""
-    w = weight.detach().to(torch.bfloat16)
-    k = w.shape[1]
-    w = torch.nn.functional.pad(w, (0, -k % 8)).contiguous()
-    return w.view(w.shape[0], 1, w.shape[1])
-
-
-def wide_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` for bf16 rows ``x`` (..., K) on AVX2, ``packed`` from :func:`pack_wide`,
-    ``bias`` fp32 (n,) or None; (..., n) in ``x``'s dtype. The 8-bit kernel's blocking with the bf16
-    weights widened to fp32 slice by slice (:func:`q8_linear`): each output 8 fused multiply-add chains
-    over k in order, added in a fixed tree, the bias added in fp32, rounded once — a row's result is
-    the same in any batch, from one row up."""
-    k = x.shape[-1]
-    if packed.shape[2] != k:  # the weight's zero-padded inputs
-        x = torch.nn.functional.pad(x, (0, packed.shape[2] - k))
-    y = q8_linear(x, packed, (None, None))  # bf16 values: the weights themselves, no scales
-    if bias is not None:
-        y = y + bias
-    return y.to(x.dtype)
-
-
-def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:
-    """Why linears of ``dtype`` cannot run on a native kernel here (None when they can): bf16 on AMX
-    tiles (:func:`tile_linear`) or, without AMX, on AVX512-BF16 (:func:`dot_linear`), or without
-    either on AVX2 (:func:`wide_linear`); fp32 on AVX-512 (:func:`vec_linear`), no other dtype."""
-    if dtype == torch.bfloat16:
-        no_tiles = why_no_tiles()
-        if no_tiles is None:
-            return None
-        no_dot = why_no_dot()
-        if no_dot is None:
-            return None
-        no_wide = why_no_q8()
-        return None if no_wide is None else f"{no_tiles}; {no_dot}; {no_wide}"
-    if dtype == torch.float32:
-        return why_no_vec()
-    return f"the native linears are bf16 (AMX, AVX512-BF16 or AVX2) and fp32 (AVX-512), not {dtype}"
-
-
-def native_linear(
-    dtype: torch.dtype,
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor], str]:
-    """The native kernel for linears of ``dtype`` here: (pack, run, name), ``pack`` the weight's
-    packing, ``run(x, packed=, bias=, n=)`` the product; bf16 on AMX tiles where the CPU has them,
-    else on AVX512-BF16, else on AVX2; fp32 on AVX-512. Raises where :func:`why_no_native_matmul`
-    says why not."""
-    why = why_no_native_matmul(dtype)
-    if why is not None:
-        raise RuntimeError(f"the native matmul is not available: {why}")
-    if dtype == torch.float32:
-        return pack_vec, vec_linear, "native AVX-512"
-    if tiles_available():
-        return pack_tiles, tile_linear, "native tiles"
-    if dot_available():
-        return pack_dot, dot_linear, "native AVX512-BF16"
-    return pack_wide, wide_linear, "native AVX2"
-
-
-def pack_vec(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 (N, K) weight as :func:`vec_linear` reads it: (ceil(N/48), K, 48), each 48-column panel
-    k-major (the 48 columns' values of one k side by side); N padded with zeros."""
-    if weight.dtype != torch.float32 or weight.dim() != 2:
-        raise ValueError(f"pack_vec takes a 2-D fp32 weight, not {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % 48))
-    packed = padded.view(-1, 48, k).transpose(1, 2).contiguous()
-    if packed.data_ptr() % 64:  # the kernel loads whole 64-byte lines (torch's CPU allocations are)
-        raise RuntimeError("pack_vec: the allocator returned a weight not 64-byte aligned")
-    return packed
-
-
-def vec_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` for fp32 rows ``x`` (..., K) on AVX-512, ``packed`` from :func:`pack_vec`,
-    ``bias`` fp32 (n,) or None; (..., n). Each output is one fused multiply-add chain over k in order,
-    then the bias: a row's result is the same in any batch (any row count, any threads)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:  # the kernel reads each row's k in place
-        rows = rows.contiguous()
-    y: torch.Tensor = _built().vec_linear(rows, packed, bias, n)
-    return y.view(*x.shape[:-1], n)
-
-
-def pack_dot(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 (N, K) weight as :func:`dot_linear` reads it: (ceil(N/48), ceil(K/2), 48, 2), each
-    48-column panel pair-major (for each pair of k, the two values of each of the 48 columns side by
-    side); N and K padded with zeros."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        raise ValueError(f"pack_dot takes a 2-D bf16 weight, not {weight.dtype} {tuple(weight.shape)}")
-    padded = torch.nn.functional.pad(weight.detach(), (0, -weight.shape[1] % 2, 0, -weight.shape[0] % 48))
-    n, k = padded.shape
-    packed = padded.view(n // 48, 48, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    if packed.data_ptr() % 64:  # the kernel loads whole 64-byte lines (torch's CPU allocations are)
-        raise RuntimeError("pack_dot: the allocator returned a weight not 64-byte aligned")
-    return packed
-
-
-def dot_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` for bf16 rows ``x`` (..., K) on AVX512-BF16, ``packed`` from
-    :func:`pack_dot`, ``bias`` fp32 (n,) or None; (..., n) in bf16. Each output is one chain of
-    VDPBF16PS steps over the pairs of k in order (fp32 sums), the bias added, rounded once: a row's
-    result is the same in any batch (any row count, any threads)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:  # the kernel reads each row's k in place
-        rows = rows.contiguous()
-    y: torch.Tensor = _built().dot_linear(rows, packed, bias, n)
-    return y.view(*x.shape[:-1], n)
-
-
 def bind_threads(cpus: list[list[int]]) -> list[bool]:
     """Bind thread ``t`` of the calling thread's OpenMP team to the CPUs ``cpus[t]`` (a list per
     thread, :mod:`zerotron.serve.affinity`); whether each thread took it."""
-    return [bool(b) for b in _built().bind_threads(cpus)]
+    return [bool(b) for b in built().bind_threads(cpus)]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -568,7 +305,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y: torch.Tensor = _built().rms_norm(rows, weight, eps)
+    y: torch.Tensor = built().rms_norm(rows, weight, eps)
     return y.view(x.shape)
 
 
@@ -578,7 +315,7 @@ def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y: torch.Tensor = _built().silu_mul(rows, width)
+    y: torch.Tensor = built().silu_mul(rows, width)
     return y.view(*gate_up.shape[:-1], width)
 
 
@@ -596,5 +333,5 @@ def rope_store(
     heads to the pools at ``slots`` (rows,); cos/sin (rows, d). The model's roundings
     (:func:`~zerotron.models.llama.apply_rotary`: each product rounded to the dtype, then the sum), so
     the same bits as its torch operators; each row's result is its own."""
-    q: torch.Tensor = _built().rope_store(y, cos, sin, k_pool, v_pool, slots, heads)
+    q: torch.Tensor = built().rope_store(y, cos, sin, k_pool, v_pool, slots, heads)
     return q

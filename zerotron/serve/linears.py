@@ -27,7 +27,7 @@ from zerotron.models.quant import MIN_ROWS, padded_linear
 from zerotron.parallel.float8 import Float8Linear
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_region
 from zerotron.parallel.tensor_comm import apply_function
-from zerotron.serve import kernels
+from zerotron.serve import kernels, linear_kernels
 from zerotron.serve.paged import PagedAttention
 
 # Every forward has at least MIN_ROWS rows (padding rows are ignored; zerotron.models.quant, where
@@ -218,10 +218,10 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
     chunks for long prefills. ``native``: every linear runs on zerotron's own kernel instead, bf16 on
-    AMX tiles (:func:`~zerotron.serve.kernels.tile_linear`) or, without AMX, on AVX512-BF16
-    (:func:`~zerotron.serve.kernels.dot_linear`) or, without either, on AVX2
-    (:func:`~zerotron.serve.kernels.wide_linear`), fp32 on AVX-512
-    (:func:`~zerotron.serve.kernels.vec_linear`), whole at any row count (a row's result depends on the
+    AMX tiles (:func:`~zerotron.serve.linear_kernels.tile_linear`) or, without AMX, on AVX512-BF16
+    (:func:`~zerotron.serve.linear_kernels.dot_linear`) or, without either, on AVX2
+    (:func:`~zerotron.serve.linear_kernels.wide_linear`), fp32 on AVX-512
+    (:func:`~zerotron.serve.linear_kernels.vec_linear`), whole at any row count (a row's result depends on the
     row alone, from one row up), its weight read once per call; the RMSNorms and the lean layers' SiLU
     gates then run on native kernels too (:func:`~zerotron.serve.kernels.rms_norm`,
     :func:`~zerotron.serve.kernels.silu_mul`: one pass per row instead of several operators)."""
@@ -234,7 +234,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     if not native and not onednn_kernels(dtype):
         return False
     chunk = 0 if dtype == torch.float32 else CHUNK_ROWS
-    pack, run, _ = kernels.native_linear(dtype) if native else (None, None, "")
+    pack, run, _ = linear_kernels.native_linear(dtype) if native else (None, None, "")
     shared = getattr(getattr(model, "embed_tokens", None), "weight", None)  # none: a GGUF file's blocks
     head = getattr(model, "lm_head", None)  # sees one row per sampled sequence: 32-row chunks
     wide_of: dict[tuple[int, int, bool], tuple[int, ...]] = {}

@@ -39,7 +39,7 @@ from zerotron.models.lora import PEFT_PREFIX, _adapter_tensors, read_adapter_con
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.serve.linears import Linear, row_parallel_in_order
 
-# (pack, run) of a native linear kernel (zerotron.serve.kernels.native_linear)
+# (pack, run) of a native linear kernel (zerotron.serve.linear_kernels.native_linear)
 Native = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor]]
 
 
@@ -163,7 +163,7 @@ class MultiLora:
     ) -> None:
         """Record ``model``'s adaptable linears (before the runner packs them and frees their dense
         weights) and allocate their slots; ``linear(weight, bias, x)`` runs the low-rank products
-        batch-invariantly, or ``native`` (``(pack, run)`` of :func:`zerotron.serve.kernels.native_linear`,
+        batch-invariantly, or ``native`` (``(pack, run)`` of :func:`zerotron.serve.linear_kernels.native_linear`,
         as the engine's own linears run): the slots then packed for it, again whenever one is written."""
         self.max_loras, self.max_rank, self.linear, self.native = max_loras, max_rank, linear, native
         self.modules = {n: m for n, m in model.named_modules() if adaptable(n, m)}

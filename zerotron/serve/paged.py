@@ -285,14 +285,13 @@ class _Group:
 
 
 def in_place(pool: KVPool, kernel: Optional[str]) -> bool:
-    """Whether the native kernel reads ``pool``'s 8-bit codes in place: bf16 heads of 64 or 128 on the
-    tile or dot kernel (``kernel``, None: the default here)."""
-    if pool.fmt is None or pool.dtype != torch.bfloat16 or not pool.qk:
+    """Whether the native kernel (``kernel``, None: the default here) reads ``pool``'s 8-bit codes in
+    place (:func:`~zerotron.serve.kernels.reads_codes_in_place`) rather than a dequantised gather."""
+    if pool.fmt is None or not pool.qk:
         return False
     head_dim = pool.qk[0].codes.shape[-1]
-    if head_dim not in (64, 128):
-        return False
-    return (kernel or kernels.attention_kernel(pool.dtype, head_dim)) in ("tiles", "dot")
+    chosen = kernel or kernels.attention_kernel(pool.dtype, head_dim)
+    return kernels.reads_codes_in_place(chosen, pool.dtype, head_dim)
 
 
 class PagedAttention:

@@ -26,7 +26,7 @@ from zerotron.models.quant import MIN_ROWS, quantize
 from zerotron.models.quant_tp import quantize_tp, tp_targets
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
-from zerotron.serve import kernels
+from zerotron.serve import linear_kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.int8_linears import int8_kernels
 from zerotron.serve.linears import (
@@ -167,7 +167,7 @@ class StepRunner:
         # multi-LoRA: the adaptable linears recorded before packing frees their weights; the decoder
         # layers then run module by module (not the lean fused layer), each linear's forward wrapped
         lora_linear = invariant_linear(dtype, fixed)
-        lora_native = kernels.native_linear(dtype)[:2] if native_matmul else None
+        lora_native = linear_kernels.native_linear(dtype)[:2] if native_matmul else None
         self.lora = (
             MultiLora(model, cfg.max_loras, cfg.max_lora_rank, lora_linear, lora_native)
             if cfg.max_loras
@@ -195,7 +195,7 @@ class StepRunner:
             if fixed
             else "F.linear"
             if not packed
-            else kernels.native_linear(dtype)[2]
+            else linear_kernels.native_linear(dtype)[2]
             if native_matmul
             else "oneDNN"
         )
@@ -216,7 +216,7 @@ class StepRunner:
         # 8-bit weights with a scale per group of inputs (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ) on the native
         # grouped kernel where the CPU runs it, and in fp32 the 4-bit ones (torch's int4 kernel is slow
         # in fp32: SmolLM2's Q2_K file decoded 4.3 tok/s on it, 18.1 on ours); else torch's kernels
-        grouped = bool(self.quantized) and device.type == "cpu" and kernels.q8_available()
+        grouped = bool(self.quantized) and device.type == "cpu" and linear_kernels.q8_available()
         acts = cfg.quantize_activations  # every quantised linear on the 8-bit-activation kernel
         if acts and not self.quantized:
             raise EngineConfigError(

@@ -2,6 +2,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
@@ -50,11 +52,45 @@ inline void softmax(float* score, float* total, int64_t group, int64_t n) {
   }
 }
 
+// An 8-bit pool's keys or values (kv_quant.py): codes (slots, kv_heads, dim) with a float32 scale per
+// slot and KV head, each value its code (exact in fp32) times its scale in fp32, rounded to the model's
+// dtype to nearest even as torch rounds (kv_quant.dequantize's values, with no dense dequantised
+// copy). The bf16 matrix-product kernels (attention_dot.cpp, attention_tiles.cpp) read their bf16
+// pools through it too (``bf16`` set); the fp32 kernels take a dense pool as a plain pointer.
+struct KVSource {
+  const uint16_t* bf16 = nullptr;  // the bf16 pool, or null for an 8-bit one
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;
+  int fmt = 0;  // 1 fp8 e4m3, 2 fp8 e5m2, 3 int8
+};
+
+// One 8-bit code's value, exact in fp32: fmt 1 fp8 e4m3, 2 fp8 e5m2, 3 int8.
+inline float kv_code(uint8_t c, int fmt) {
+  if (fmt == 3) return static_cast<float>(static_cast<int8_t>(c));
+  if (fmt == 1) return static_cast<float>(c10::Float8_e4m3fn(c, c10::Float8_e4m3fn::from_bits()));
+  return static_cast<float>(c10::Float8_e5m2(c, c10::Float8_e5m2::from_bits()));
+}
+
+// Vector ``vec`` (slot * kv_heads + KV head) of a pool in fp32: a dense pool's values widened; an
+// 8-bit pool's values (KVSource) rounded to T, then widened.
+template <typename T>
+inline void widen(const T* pool, int64_t vec, int64_t dim, float* out) {
+  const T* x = pool + vec * dim;
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(x[d]);
+}
+template <typename T>
+inline void widen(const KVSource& src, int64_t vec, int64_t dim, float* out) {
+  const uint8_t* c = src.codes + vec * dim;
+  const float s = src.scales[vec];
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(static_cast<T>(kv_code(c[d], src.fmt) * s));
+}
+
 // The generic kernel: any dtype and head size. Per task (a row and a KV head): the scores of the
 // row's query heads that share the KV head against its keys (the first lens[r] of its sequence's
-// slot list, slots[seq[r]]) in position order, softmax (fp32), the weighted sum of its values.
-template <typename T>
-void attend_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq,
+// slot list, slots[seq[r]]) in position order, softmax (fp32), the weighted sum of its values. The
+// pools (Pool): dense (const T*) or 8-bit (KVSource).
+template <typename T, typename Pool>
+void attend_generic(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, const int64_t* seq,
                     const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                     int64_t width,
                     float scale) {
@@ -70,8 +106,7 @@ void attend_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const T* k = kp + (slot[j] * kv_heads + kh) * dim;
-        for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<float>(k[d]);
+        widen<T>(kp, slot[j] * kv_heads + kh, dim, kf.data());
         for (int64_t g = 0; g < group; ++g) {
           float dot = 0.0f;
           for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * kf[d];
@@ -81,8 +116,7 @@ void attend_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
       softmax(score.data(), total.data(), group, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
-        const T* v = vp + (slot[j] * kv_heads + kh) * dim;
-        for (int64_t d = 0; d < dim; ++d) vf[d] = static_cast<float>(v[d]);
+        widen<T>(vp, slot[j] * kv_heads + kh, dim, vf.data());
         for (int64_t g = 0; g < group; ++g) {
           const float p = score[g * n + j];
           for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * vf[d];
@@ -96,18 +130,6 @@ void attend_generic(const T* q, const T* kp, const T* vp, const int64_t* slots, 
     }
   });
 }
-
-// A pool the bf16 matrix-product kernels (attention_dot.cpp, attention_tiles.cpp) read keys or values
-// from: bf16 vectors (slots, kv_heads, dim), or an 8-bit pool's codes (slots, kv_heads, dim) with a
-// float32 scale per slot and KV head (kv_quant.py), dequantised as they are packed: each value its
-// code (exact in fp32) times its scale in fp32, rounded to bf16 to nearest even as torch rounds
-// (kv_quant.dequantize's bits, with no dense dequantised copy).
-struct KVSource {
-  const uint16_t* bf16 = nullptr;  // the bf16 pool, or null for an 8-bit one
-  const uint8_t* codes = nullptr;
-  const float* scales = nullptr;
-  int fmt = 0;  // 1 fp8 e4m3, 2 fp8 e5m2, 3 int8
-};
 
 // Rows in blocks: consecutive rows on one slot list (a prompt's, one row per position), at most
 // kBlock of them, share each key and value while it is loaded (converted to fp32 once); a decode is
@@ -173,6 +195,35 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+
+// 16 codes (a 128-bit lane) as fp32: int8 converted directly; fp8 through fp16's bits, sign-extended
+// to 16 bits and shifted into place (e5m2 is fp16's top byte; e4m3's exponent and mantissa go 7 bits
+// up, the sign's copy in bit 14 cleared), converted exactly: e4m3's value 2^-8 the code's (exponent
+// bias 15 against 7), which kv_scale folds into the scale.
+inline __m512 kv_codes16(__m128i x, int fmt) {
+  if (fmt == 3) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+  const __m256i h = _mm256_cvtepi8_epi16(x);
+  return _mm512_cvtph_ps(fmt == 2 ? _mm256_slli_epi16(h, 8)
+                                  : _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
+
+// The factor kv_codes16's values are multiplied by: the scale (times 256 for e4m3, exact: a power of
+// two, and the product code x scale is rounded once either way).
+inline __m512 kv_scale(float scale, int fmt) { return _mm512_set1_ps(fmt == 1 ? scale * 256.0f : scale); }
+
+// 16 fp32 values rounded to T as torch rounds (bf16: to nearest even on the bits, subnormals
+// included; the 8-bit pools' values are finite), back in fp32.
+template <typename T>
+inline __m512 round_to(__m512 x);
+template <>
+inline __m512 round_to<float>(__m512 x) { return x; }
+template <>
+inline __m512 round_to<c10::BFloat16>(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
 // exp_neg on 16 lanes (the same reduction and polynomial, in fused multiply-adds).
 inline __m512 exp_neg16(__m512 x) {
@@ -248,11 +299,35 @@ inline int64_t load_chunk(const T* pool, const int64_t* slot, int64_t j0, int64_
   return cn;
 }
 
+// The same from an 8-bit pool: each value its code times its scale in fp32 (kv_codes16, kv_scale),
+// rounded to T (round_to): kv_quant.dequantize's values, widened.
+template <typename T, int V>
+inline int64_t load_chunk(const KVSource& src, const int64_t* slot, int64_t j0, int64_t n, int64_t kv_heads, float* chunk) {
+  constexpr int64_t dim = V * 16;
+  const int64_t cn = std::min<int64_t>(kChunk, n - j0);
+  for (int64_t c = 0; c < cn; ++c) {
+    if (j0 + c + kChunk < n) {
+      prefetch_slot(src.codes + slot[j0 + c + kChunk] * kv_heads * dim, kv_heads * dim);
+      prefetch_slot(src.scales + slot[j0 + c + kChunk] * kv_heads, kv_heads);
+    }
+    const int64_t vec = slot[j0 + c] * kv_heads;
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      const __m512 f = kv_scale(src.scales[vec + kh], src.fmt);
+      const uint8_t* x = src.codes + (vec + kh) * dim;
+      for (int v = 0; v < V; ++v) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16 * v));
+        _mm512_storeu_ps(chunk + (kh * kChunk + c) * dim + 16 * v, round_to<T>(_mm512_mul_ps(kv_codes16(raw, src.fmt), f)));
+      }
+    }
+  }
+  return cn;
+}
+
 // One task per block of rows: their keys, then their values, 16 at a time. A row's numbers
 // are those of the same row alone: its scores, softmax and weighted sum in the same order whatever
-// block it is in, and the blocks' threads never share a row.
-template <typename T, int V, int G>
-void attend_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq,
+// block it is in, and the blocks' threads never share a row. The pools: dense or 8-bit (load_chunk's).
+template <typename T, int V, int G, typename Pool>
+void attend_avx512(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, const int64_t* seq,
                    const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width,
                    float scale) {
   constexpr int64_t dim = V * 16;
@@ -341,13 +416,13 @@ void attend_avx512(const T* q, const T* kp, const T* vp, const int64_t* slots, c
   });
 }
 
-template <typename T, int V>
-bool attend_fixed_group(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq,
+template <typename T, int V, typename Pool>
+bool attend_fixed_group(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, const int64_t* seq,
                         const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width,
                         float scale) {
   switch (heads / kv_heads) {
 #define ZT_GROUP(G) \
-    case G: attend_avx512<T, V, G>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, width, scale); return true;
+    case G: attend_avx512<T, V, G, Pool>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, width, scale); return true;
     ZT_GROUP(1) ZT_GROUP(2) ZT_GROUP(3) ZT_GROUP(4) ZT_GROUP(5) ZT_GROUP(6) ZT_GROUP(7) ZT_GROUP(8)
 #undef ZT_GROUP
     default: return false;

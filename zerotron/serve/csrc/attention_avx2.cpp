@@ -261,8 +261,11 @@ void attend_avx2(const T* q, const T* kp, const T* vp, const int64_t* slots, con
 }
 #endif
 
-template <typename T>
-void attend(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
+// The fp32 kernels' dispatch: heads of 64 or 128 (float, bf16) on AVX-512; heads of a multiple of 8 up
+// to 256 (float, bf16, dense pools) on AVX2; everything else in the generic loop. ``Pool``: a dense
+// pool (const T*) or an 8-bit one (KVSource), read in place on AVX-512 and in the generic loop.
+template <typename T, typename Pool>
+void attend(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
             T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
@@ -272,7 +275,7 @@ void attend(const T* q, const T* kp, const T* vp, const int64_t* slots, const in
       return;
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+  if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && std::is_pointer_v<Pool>) {
     if (dim % 8 == 0 && dim <= 256) {
       attend_avx2<T>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, dim, width, scale);
       return;

@@ -39,20 +39,7 @@ ZT_DOT_TARGET inline void transpose16(__m512i* r) {
   }
 }
 
-// 16 codes (a 128-bit lane) as fp32: int8 converted directly; fp8 through fp16's bits, sign-extended
-// to 16 bits and shifted into place (e5m2 is fp16's top byte; e4m3's exponent and mantissa go 7 bits
-// up, the sign's copy in bit 14 cleared), converted exactly: e4m3's value 2^-8 the code's (exponent
-// bias 15 against 7), which kv_scale folds into the scale.
-ZT_DOT_TARGET inline __m512 kv_codes16(__m128i x, int fmt) {
-  if (fmt == 3) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
-  const __m256i h = _mm256_cvtepi8_epi16(x);
-  return _mm512_cvtph_ps(fmt == 2 ? _mm256_slli_epi16(h, 8)
-                                  : _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
-}
-
-// The factor kv_codes16's values are multiplied by: the scale (times 256 for e4m3, exact: a power of
-// two, and the product code x scale is rounded once either way).
-ZT_DOT_TARGET inline __m512 kv_scale(float scale, int fmt) { return _mm512_set1_ps(fmt == 1 ? scale * 256.0f : scale); }
+// kv_codes16 and kv_scale: attention.cpp's.
 
 // Vector ``vec`` (slot * kv_heads + KV head) of a pool, dims d0 .. d0 + 15 (16) or d0 .. d0 + 31 (32)
 // as bf16: an 8-bit pool's codes times their scale in fp32, rounded to nearest even (VCVTNE2PS2BF16,

@@ -159,9 +159,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   return out;
 }
 
-// The same of bf16 rows over an 8-bit pool, read in place on the tile (1) or AVX512-BF16 (2) kernel:
-// k_codes, v_codes (slots, kv_heads, dim) uint8 or int8; k_scales, v_scales (slots, kv_heads) float32;
-// fmt 1 fp8 e4m3, 2 fp8 e5m2, 3 int8. Each key and value is the bf16 kv_quant.dequantize gives it.
+// The same over an 8-bit pool, read in place: k_codes, v_codes (slots, kv_heads, dim) uint8 or int8;
+// k_scales, v_scales (slots, kv_heads) float32; fmt 1 fp8 e4m3, 2 fp8 e5m2, 3 int8. Each key and value
+// is the one kv_quant.dequantize gives it in q's dtype. kernel 0: the fp32 kernels (q of any floating
+// dtype; on AVX-512 or in the generic loop, never the AVX2 one); 1 tiles, 2 AVX512-BF16 (bf16 rows
+// with heads of 64 or 128).
 torch::Tensor paged_attention_q8(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor v_codes,
                                  torch::Tensor v_scales, int64_t fmt, torch::Tensor slots, torch::Tensor seq,
                                  torch::Tensor lens, double scale, int64_t kernel) {
@@ -171,22 +173,43 @@ torch::Tensor paged_attention_q8(torch::Tensor q, torch::Tensor k_codes, torch::
   TORCH_CHECK(k_codes.element_size() == 1 && v_codes.element_size() == 1 && k_codes.dim() == 3, "8-bit codes");
   TORCH_CHECK(k_scales.scalar_type() == torch::kFloat && v_scales.scalar_type() == torch::kFloat, "float32 scales");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_codes.size(1);
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128), "bf16 rows with heads of 64 or 128");
   TORCH_CHECK(heads % kv_heads == 0 && k_codes.size(2) == dim && v_codes.sizes() == k_codes.sizes() &&
                   k_scales.dim() == 2 && k_scales.size(0) == k_codes.size(0) && k_scales.size(1) == kv_heads &&
                   v_scales.sizes() == k_scales.sizes(), "shapes");
   check_attention_rows(q, slots, seq, lens, k_codes.size(0));
-  Products run = products_kernel(kernel);
-  TORCH_CHECK(run != nullptr, "this build has no such attention kernel for an 8-bit pool (1: tiles, 2: AVX512-BF16)");
   auto out = torch::empty_like(q);
-  pybind11::gil_scoped_release no_gil;
   KVSource k, v;
   k.codes = static_cast<const uint8_t*>(k_codes.data_ptr());
   v.codes = static_cast<const uint8_t*>(v_codes.data_ptr());
   k.scales = k_scales.data_ptr<float>();
   v.scales = v_scales.data_ptr<float>();
   k.fmt = v.fmt = static_cast<int>(fmt);
-  run(q.data_ptr<c10::BFloat16>(), k, v, slots.data_ptr<int64_t>(), seq.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-      out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim, slots.size(1), static_cast<float>(scale));
+  const int64_t *len = lens.data_ptr<int64_t>(), *which = seq.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
+  const int64_t width = slots.size(1);
+  const float s = static_cast<float>(scale);
+  if (kernel == 0) {
+    pybind11::gil_scoped_release no_gil;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q8", [&] {
+      attend<scalar_t>(q.data_ptr<scalar_t>(), k, v, slot, which, len, out.data_ptr<scalar_t>(), rows, heads, kv_heads,
+                       dim, width, s);
+    });
+    return out;
+  }
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128), "bf16 rows with heads of 64 or 128");
+  Products run = products_kernel(kernel);
+  TORCH_CHECK(run != nullptr, "this build has no such attention kernel for an 8-bit pool (1: tiles, 2: AVX512-BF16)");
+  pybind11::gil_scoped_release no_gil;
+  run(q.data_ptr<c10::BFloat16>(), k, v, slot, which, len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim,
+      width, s);
   return out;
+}
+
+// Whether the fp32 kernels read an 8-bit pool with vector code (the AVX-512 kernel, heads of 64 or
+// 128); elsewhere they read it in the generic loop (the AVX2 kernel takes dense pools only).
+bool q8_pool_vector() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
 }
