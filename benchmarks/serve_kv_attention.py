@@ -6,7 +6,7 @@ each native kernel this CPU runs for the dtype (``fp32``; for bf16 also ``tiles`
 with AVX512-BF16) over a pool of the dtype, over fp8 (e4m3) and int8 pools read in place
 (:func:`zerotron.serve.kernels.paged_attention` given :class:`~zerotron.serve.kv_quant.QuantizedKV`
 pools), and over the same pools gathered and dequantised into a copy of the dtype first (the engine's
-path where :func:`zerotron.serve.kernels.reads_codes_in_place` says no). Shapes: SmolLM2-1.7B's
+path before the kernels read codes in place, and still SDPA's and the GPU's). Shapes: SmolLM2-1.7B's
 attention (32 query heads, 32 KV heads of 64) and SmolLM2-135M's (9 and 3 of 64). Every case timed in
 turn, best of ``--passes``; ms per layer.
 
@@ -58,10 +58,9 @@ def _cases(
                     q, k, v, slots, lens, kernel=kernel
                 )
                 continue
-            if kernels.reads_codes_in_place(kernel, dtype, dim):
-                cases[f"{kernel}, {name} in place"] = lambda k=k, v=v, kernel=kernel: kernels.paged_attention(
-                    q, k, v, slots, lens, kernel=kernel
-                )
+            cases[f"{kernel}, {name} in place"] = lambda k=k, v=v, kernel=kernel: kernels.paged_attention(
+                q, k, v, slots, lens, kernel=kernel
+            )
             cases[f"{kernel}, {name} gathered"] = lambda k=k, v=v, kernel=kernel: _gathered(
                 q, k, v, slots, lens, kernel
             )

@@ -48,11 +48,12 @@ def main() -> None:
     ]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     blocks = args.requests * -(-(args.prompt_len + args.output_len) // 16) + 8
-    in_place = paged.in_place
+    gathers = paged.gathers
     found: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for name, fmt, gather in CASES:
-            paged.in_place = (lambda pool, kernel: False) if gather else in_place  # type: ignore[assignment]
+            # the gather forced on the native kernel: an 8-bit pool dequantised each layer and step
+            paged.gathers = (lambda pool, native, triton: pool.fmt is not None) if gather else gathers
             engine = Engine(
                 model, None, EngineConfig(num_blocks=blocks, kv_cache_dtype=fmt, native_attention=True)
             )
@@ -60,7 +61,7 @@ def main() -> None:
             start = time.perf_counter()
             engine.generate(prompts, params)
             found.setdefault(name, []).append(args.requests * args.output_len / (time.perf_counter() - start))
-    paged.in_place = in_place
+    paged.gathers = gathers
     print(
         f"{args.model_dir}, {args.dtype}, {args.requests} x {args.prompt_len} + {args.output_len}: output tok/s"
     )

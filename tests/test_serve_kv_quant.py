@@ -179,8 +179,6 @@ def test_engine_reads_its_codes_in_place(
     batched."""
     if not kernels.available():
         pytest.skip(f"the native attention kernel is not built here ({kernels.why_unavailable()})")
-    if not kernels.reads_codes_in_place(kernels.attention_kernel(dtype, 64), dtype, 64):
-        pytest.skip("the fp32 kernel here reads 8-bit pools in its generic loop: the engine gathers")
     cfg = dataclasses.replace(CFG, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     served = sharpened_pair(cfg)[1].to(dtype)
     prompts = _prompts([5, 17, 40, 9], seed=22)
@@ -194,7 +192,7 @@ def test_engine_reads_its_codes_in_place(
     together = _run(Engine(copy.deepcopy(served), None, config), prompts, params)
     assert set(reads) == {QuantizedKV}
     alone = [_run(Engine(copy.deepcopy(served), None, config), [p], params)[0] for p in prompts]
-    monkeypatch.setattr(paged, "in_place", lambda pool, kernel: False)
+    monkeypatch.setattr(paged, "gathers", lambda pool, native, triton: pool.fmt is not None)
     reads.clear()
     gathered = _run(Engine(copy.deepcopy(served), None, config), prompts, params)
     assert set(reads) == {torch.Tensor}

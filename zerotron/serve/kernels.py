@@ -67,11 +67,10 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v38"
+_NAME = "zerotron_kernels_v39"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
-    "q8_pool_vector",
     "tiles_built",
     "tile_linear",
     "vec_built",
@@ -184,9 +183,9 @@ def paged_attention(
     probabilities rounded to bf16, as flash attention rounds them); ``"fp32"``, fp32 arithmetic on
     AVX-512, on AVX2 (heads of a multiple of 8 up to 256, where the CPU has no AVX-512) or in the
     generic loop. Whichever, a row's numbers are its own: the same alone, beside other
-    rows, as a prompt row or as a decode. Every kernel reads an 8-bit pool in place and gives the bits
-    it gives the pool :func:`~zerotron.serve.kv_quant.dequantize` makes of it in q's dtype; the fp32
-    kernel reads one on AVX-512 or in the generic loop, never on AVX2 (:func:`reads_codes_in_place`)."""
+    rows, as a prompt row or as a decode. Every kernel reads an 8-bit pool in place (the fp32 kernel on
+    AVX-512, on AVX2 or in its generic loop, as a 16-bit pool) and gives the bits it gives the pool
+    :func:`~zerotron.serve.kv_quant.dequantize` makes of it in q's dtype."""
     if seq is None:
         seq = torch.arange(q.shape[0])
     if kernel is None:
@@ -221,16 +220,6 @@ def attention_kernel(dtype: torch.dtype, head_dim: int) -> str:
         if _dot_here():
             return "dot"
     return "fp32"
-
-
-def reads_codes_in_place(kernel: str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the engine has ``kernel`` read an 8-bit pool in place for rows of ``dtype`` and heads of
-    ``head_dim`` (the native kernels available): always, but for the fp32 kernel in a build without
-    AVX-512 on fp32 or bf16 heads of a multiple of 8 up to 256 — there it reads a 16-bit pool on AVX2
-    and an 8-bit one in its generic loop, slower than dequantising the pool's rows and reading those."""
-    if kernel != "fp32" or built().q8_pool_vector():
-        return True
-    return not (dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256)
 
 
 @functools.lru_cache(maxsize=1)

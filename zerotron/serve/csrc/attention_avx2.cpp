@@ -11,7 +11,9 @@
 // - each row's softmax runs over its own scores (8-lane partial sums added in one fixed order);
 // - each query vector's weighted sum of the values runs in key order, in fp32 accumulators kept from
 //   one 16 keys to the next.
-// So a row's numbers are its own: the same alone, in any block, as a prompt row or as a decode.
+// So a row's numbers are its own: the same alone, in any block, as a prompt row or as a decode. An
+// 8-bit pool is read 16 positions at a time, all KV heads, dequantised into an fp32 chunk (stage_chunk:
+// the values of kv_quant.dequantize, exactly as load8 widens them from a dense pool), then as above.
 
 template <typename T>
 inline __m256 load8(const T* p);
@@ -22,6 +24,57 @@ inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+
+// 8 codes (the low 8 bytes of x) as fp32, as kv_codes16 converts 16 on AVX-512: int8 directly; fp8
+// through fp16's bits (F16C), e4m3's value 2^-8 the code's (kv_scale8 folds the 256 into the scale).
+inline __m256 kv_codes8(__m128i x, int fmt) {
+  if (fmt == 3) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+  const __m128i h = _mm_cvtepi8_epi16(x);
+  return _mm256_cvtph_ps(fmt == 2 ? _mm_slli_epi16(h, 8)
+                                  : _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
+inline __m256 kv_scale8(float scale, int fmt) { return _mm256_set1_ps(fmt == 1 ? scale * 256.0f : scale); }
+
+// 8 fp32 values rounded to T as torch rounds (bf16: to nearest even on the bits), back in fp32.
+template <typename T>
+inline __m256 round8_to(__m256 x);
+template <>
+inline __m256 round8_to<float>(__m256 x) { return x; }
+template <>
+inline __m256 round8_to<c10::BFloat16>(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// An 8-bit pool's vectors of positions j0 .. j0 + cn - 1, all KV heads, into ``staged`` as fp32 (position
+// c, KV head kh at (c * kv_heads + kh) * dim): each value its code times its scale in fp32, rounded to
+// T (kv_quant.dequantize's value), widened exactly — what load8<T> reads from a pool of those values.
+// The next positions' codes are requested meanwhile.
+template <typename T>
+inline void stage_chunk(const KVSource& src, const int64_t* slot, int64_t j0, int64_t cn, int64_t n, int64_t kv_heads,
+                        int64_t dim, float* staged) {
+  for (int64_t j = j0 + kChunk; j < std::min<int64_t>(j0 + 2 * kChunk, n); ++j) {
+    prefetch_slot(src.codes + slot[j] * kv_heads * dim, kv_heads * dim);
+    prefetch_slot(src.scales + slot[j] * kv_heads, kv_heads);
+  }
+  for (int64_t c = 0; c < cn; ++c) {
+    const int64_t vec = slot[j0 + c] * kv_heads;
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      const __m256 f = kv_scale8(src.scales[vec + kh], src.fmt);
+      const uint8_t* x = src.codes + (vec + kh) * dim;
+      float* o = staged + (c * kv_heads + kh) * dim;
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + d));
+        _mm256_storeu_ps(o + d, round8_to<T>(_mm256_mul_ps(kv_codes8(raw, src.fmt), f)));
+      }
+    }
+  }
+}
+
+// Positions 0 .. 15 as slots: a staged chunk's own.
+constexpr int64_t kStagedSlots[kChunk] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // exp_neg on 8 lanes (exp_neg16's reduction and polynomial, kExpPoly).
 inline __m256 exp_neg8(__m256 x) {
@@ -175,17 +228,24 @@ inline void weigh_values_any(float* acc, const float* p, const T* const* v, int6
 
 // The scores of a block's rows r0 .. r0 + nr - 1 (on one slot list) against its n keys, 16 keys at a
 // time and per KV head: score + offset[w] + h * stride[w] holds row w's head h (stride: its length
-// rounded up to 16).
-template <typename T>
-void block_scores(const float* qf, const T* kp, const int64_t* slot, const int64_t* len, const int64_t* offset,
+// rounded up to 16). The keys: a dense pool read in place, or an 8-bit pool staged 16 positions at a
+// time (stage_chunk) into ``staged``.
+template <typename T, typename Pool>
+void block_scores(const float* qf, const Pool& kp, const int64_t* slot, const int64_t* len, const int64_t* offset,
                   const int64_t* stride, int64_t nr, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
-                  float* score, float* kt, std::vector<const float*>& qs, std::vector<float*>& outs) {
+                  float* score, float* kt, float* staged, std::vector<const float*>& qs, std::vector<float*>& outs) {
   const int64_t group = heads / kv_heads;
   for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
     const int64_t cn = std::min<int64_t>(kChunk, n - j0);
-    prefetch_slots(kp, slot, j0 + kChunk, n, kv_heads * dim);
+    if constexpr (std::is_pointer_v<Pool>)
+      prefetch_slots(kp, slot, j0 + kChunk, n, kv_heads * dim);
+    else
+      stage_chunk<T>(kp, slot, j0, cn, n, kv_heads, dim, staged);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      key_panel<T>(kp, slot, j0, cn, kv_heads, kh, dim, kt);
+      if constexpr (std::is_pointer_v<Pool>)
+        key_panel<T>(kp, slot, j0, cn, kv_heads, kh, dim, kt);
+      else
+        key_panel<float>(staged, kStagedSlots, 0, cn, kv_heads, kh, dim, kt);
       qs.clear();
       outs.clear();
       for (int64_t w = 0; w < nr; ++w) {
@@ -200,8 +260,10 @@ void block_scores(const float* qf, const T* kp, const int64_t* slot, const int64
   }
 }
 
-template <typename T>
-void attend_avx2(const T* q, const T* kp, const T* vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
+// The pools: dense (const T*) or 8-bit (KVSource, staged 16 positions at a time: the bits of the dense
+// pool of kv_quant.dequantize's values).
+template <typename T, typename Pool>
+void attend_avx2(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
                  T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
   const int64_t group = heads / kv_heads;
   const std::vector<int64_t> start = row_blocks(seq, rows);
@@ -210,10 +272,12 @@ void attend_avx2(const T* q, const T* kp, const T* vp, const int64_t* slots, con
   const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> score, qf(kBlock * heads * dim), acc(kBlock * heads * dim), kt(dim * 16), total(kBlock * heads);
+    std::vector<float> staged(std::is_pointer_v<Pool> ? 0 : kChunk * kv_heads * dim);
     std::vector<const float*> qs;
     std::vector<float*> outs;
     int64_t offset[kBlock + 1], stride[kBlock];
     const T* vrow[kChunk];
+    const float* srow[kChunk];
     for (int64_t t = first; t < last; ++t) {
       for (int64_t b : share[t]) {
         const int64_t r0 = start[b], nr = start[b + 1] - r0;
@@ -229,22 +293,35 @@ void attend_avx2(const T* q, const T* kp, const T* vp, const int64_t* slots, con
         score.resize(offset[nr]);
         for (int64_t i = 0; i < nr * heads * dim; ++i) qf[i] = static_cast<float>(q[r0 * heads * dim + i]) * scale;
         block_scores<T>(qf.data(), kp, slot, len, offset, stride, nr, n, heads, kv_heads, dim, score.data(), kt.data(),
-                        qs, outs);
+                        staged.data(), qs, outs);
         for (int64_t w = 0; w < nr; ++w)
           for (int64_t h = 0; h < heads; ++h)
             total[w * heads + h] = softmax8(score.data() + offset[w] + h * stride[w], len[w]);
         std::fill(acc.begin(), acc.begin() + nr * heads * dim, 0.0f);
         for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
           const int64_t cn = std::min<int64_t>(kChunk, n - j0);
-          prefetch_slots(vp, slot, j0 + kChunk, n, kv_heads * dim);
+          if constexpr (std::is_pointer_v<Pool>)
+            prefetch_slots(vp, slot, j0 + kChunk, n, kv_heads * dim);
+          else
+            stage_chunk<T>(vp, slot, j0, cn, n, kv_heads, dim, staged.data());
           for (int64_t kh = 0; kh < kv_heads; ++kh) {
-            for (int64_t c = 0; c < cn; ++c) vrow[c] = vp + (slot[j0 + c] * kv_heads + kh) * dim;
+            for (int64_t c = 0; c < cn; ++c) {
+              if constexpr (std::is_pointer_v<Pool>)
+                vrow[c] = vp + (slot[j0 + c] * kv_heads + kh) * dim;
+              else
+                srow[c] = staged.data() + (c * kv_heads + kh) * dim;
+            }
             for (int64_t w = 0; w < nr; ++w) {
               if (j0 >= len[w]) continue;
               const int64_t m = std::min<int64_t>(cn, len[w] - j0);
-              for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
-                weigh_values_any<T>(acc.data() + (w * heads + h) * dim, score.data() + offset[w] + h * stride[w] + j0,
-                                    vrow, m, dim);
+              for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+                float* a = acc.data() + (w * heads + h) * dim;
+                const float* p = score.data() + offset[w] + h * stride[w] + j0;
+                if constexpr (std::is_pointer_v<Pool>)
+                  weigh_values_any<T>(a, p, vrow, m, dim);
+                else
+                  weigh_values_any<float>(a, p, srow, m, dim);
+              }
             }
           }
         }
@@ -262,8 +339,8 @@ void attend_avx2(const T* q, const T* kp, const T* vp, const int64_t* slots, con
 #endif
 
 // The fp32 kernels' dispatch: heads of 64 or 128 (float, bf16) on AVX-512; heads of a multiple of 8 up
-// to 256 (float, bf16, dense pools) on AVX2; everything else in the generic loop. ``Pool``: a dense
-// pool (const T*) or an 8-bit one (KVSource), read in place on AVX-512 and in the generic loop.
+// to 256 (float, bf16) on AVX2; everything else in the generic loop. ``Pool``: a dense pool (const T*)
+// or an 8-bit one (KVSource), read in place by each.
 template <typename T, typename Pool>
 void attend(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, const int64_t* seq, const int64_t* lens,
             T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale) {
@@ -275,9 +352,9 @@ void attend(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, co
       return;
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && std::is_pointer_v<Pool>) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     if (dim % 8 == 0 && dim <= 256) {
-      attend_avx2<T>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, dim, width, scale);
+      attend_avx2<T, Pool>(q, kp, vp, slots, seq, lens, out, rows, heads, kv_heads, dim, width, scale);
       return;
     }
   }

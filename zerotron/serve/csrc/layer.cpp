@@ -162,7 +162,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
 // The same over an 8-bit pool, read in place: k_codes, v_codes (slots, kv_heads, dim) uint8 or int8;
 // k_scales, v_scales (slots, kv_heads) float32; fmt 1 fp8 e4m3, 2 fp8 e5m2, 3 int8. Each key and value
 // is the one kv_quant.dequantize gives it in q's dtype. kernel 0: the fp32 kernels (q of any floating
-// dtype; on AVX-512 or in the generic loop, never the AVX2 one); 1 tiles, 2 AVX512-BF16 (bf16 rows
+// dtype; AVX-512, AVX2 or the generic loop, as for a dense pool); 1 tiles, 2 AVX512-BF16 (bf16 rows
 // with heads of 64 or 128).
 torch::Tensor paged_attention_q8(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor v_codes,
                                  torch::Tensor v_scales, int64_t fmt, torch::Tensor slots, torch::Tensor seq,
@@ -202,14 +202,4 @@ torch::Tensor paged_attention_q8(torch::Tensor q, torch::Tensor k_codes, torch::
   run(q.data_ptr<c10::BFloat16>(), k, v, slot, which, len, out.data_ptr<c10::BFloat16>(), rows, heads, kv_heads, dim,
       width, s);
   return out;
-}
-
-// Whether the fp32 kernels read an 8-bit pool with vector code (the AVX-512 kernel, heads of 64 or
-// 128); elsewhere they read it in the generic loop (the AVX2 kernel takes dense pools only).
-bool q8_pool_vector() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
 }

@@ -217,8 +217,12 @@ ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float*
   }
 }
 
-// Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major.
-ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChunks& ch, __m512i idx, int64_t begin, int64_t end) {
+// Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major; ``first``:
+// the 16 lanes' first groups (loaded here: a 512-bit value may not cross into code built without
+// AVX-512, as q8a8_linear_run is on an AVX2 build).
+ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChunks& ch, const int32_t* first, int64_t begin,
+                             int64_t end) {
+  const __m512i idx = _mm512_load_si512(first);
   const int64_t groups = t.k / t.group, stride = groups + 16;  // a tile's outputs' scales, 16 zeros after each
   const bool mins = t.m1.kind != 0;
   std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
@@ -285,12 +289,11 @@ void q8a8_linear_run(Q8Problem t) {
   ch.together = t.qg == (t.group >> shift) || t.group % chunk == 0;
   alignas(64) int32_t first[16];
   for (int l = 0; l < 16; ++l) first[l] = static_cast<int32_t>(t.group >= chunk ? 0 : l * v.width / t.group);
-  const __m512i idx = _mm512_load_si512(first);
   t.tiles = (t.n + VA_TILE - 1) / VA_TILE;
   t.chunk = std::min<int64_t>(VA_MC, t.rows);
   const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
   at::parallel_for(0, chunks * t.tiles, 1, [&](int64_t begin, int64_t end) {
-    va_tasks(t, v, ch, idx, begin, end);
+    va_tasks(t, v, ch, first, begin, end);
   });
 }
 #endif

@@ -1,0 +1,52 @@
+"""The native kernels' source builds for the CPUs this machine is not.
+
+``zerotron serve`` compiles ``csrc/`` with ``-march=native`` on the machine it runs on. The code for
+AVX-512, AVX512-BF16, AVX512-VNNI and AMX is compiled under target attributes or ``#if`` blocks, so a
+build for an x86-64 CPU with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel client cores) takes other
+paths than the one the tests run on an AVX-512 machine: a 512-bit value outside an AVX-512 target
+breaks that build alone (it did once, unseen here). Compiled at -O0 (the check is the build, not
+the speed: the always-inline target checks run at any level).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from zerotron.serve import kernel_source, kernels
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+@pytest.mark.parametrize("march", ["haswell"])
+def test_kernels_build_for_a_cpu_without_avx512(tmp_path: Path, march: str) -> None:
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler!r}): the native kernels are not built here either")
+    from torch.utils import cpp_extension
+
+    source = tmp_path / "kernels.cpp"
+    source.write_text(kernel_source.SOURCE)
+    flags = [f for f in kernels._FLAGS if f not in ("-O3", "-march=native", "-mprefer-vector-width=512")]
+    includes = [
+        x for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]] for x in ("-isystem", p)
+    ]
+    command = [
+        compiler,
+        "-std=c++20",
+        "-O0",
+        f"-march={march}",
+        *flags,
+        "-fPIC",
+        *includes,
+        "-c",
+        str(source),
+    ]
+    built = subprocess.run([*command, "-o", str(tmp_path / "kernels.o")], capture_output=True, text=True)
+    errors = [line for line in built.stderr.splitlines() if "error" in line]
+    assert built.returncode == 0, "\n".join(errors[:20]) or built.stderr[-3000:]
