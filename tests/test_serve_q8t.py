@@ -9,8 +9,10 @@ engine's greedy tokens beside the dense model whose weights are those bf16 weigh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,10 +167,64 @@ def test_quantized_tiles_refused_where_they_do_not_apply(monkeypatch: pytest.Mon
         EngineConfig(quantization="int8", dtype="float32", quantized_tiles=True)
     with pytest.raises(EngineConfigError, match="runs on the CPU"):
         EngineConfig(quantized_tiles=True, device="cuda")
-    with pytest.raises(EngineConfigError, match="tensor-parallel"):
-        EngineConfig(quantization="int8", quantized_tiles=True, tp=2)
+    assert EngineConfig(quantization="int8", quantized_tiles=True, tp=2).quantized_tiles  # see below
     with pytest.raises(EngineConfigError, match="one of the two"):
         EngineConfig(quantization="int8", quantized_tiles=True, quantize_activations=True)
     monkeypatch.setattr(linear_kernels, "why_no_q8t", lambda: "this CPU has no AMX tiles")
     with pytest.raises((ConfigError, EngineConfigError), match="quantized.tiles.*AMX"):
         engine_config(args, 1)
+
+
+def _tp_worker(path: str, prompts: list[list[int]]) -> dict[str, object]:
+    """One of 2 tensor-parallel ranks serving llama.cpp's Q4_K_M file in bf16 on the tiles."""
+    from tests.test_serve_engine import GREEDY
+    from tests.test_serve_quant_tp import run_on_first_rank
+    from zerotron.build.builder import load_model
+    from zerotron.distributed.launch import current_rank_and_world
+    from zerotron.distributed.mesh import Mesh, ParallelDims
+    from zerotron.serve.config import EngineConfig
+    from zerotron.serve.engine import Engine
+    from zerotron.serve.int8_linears import QUANTIZED
+
+    rank, world = current_rank_and_world()
+    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
+    group = mesh.group("tp")
+    model, _ = load_model(path, torch.bfloat16, "cpu", mesh, quantization="gguf")
+    config = EngineConfig(num_blocks=64, max_model_len=64, quantization="gguf", quantized_tiles=True)
+    engine = Engine(model, None, config, group)
+    tiled = [m for m in model.modules() if isinstance(m, QUANTIZED) and m.in_features % 32 == 0]
+    out: dict[str, object] = {"moved": engine.runner.int8_native, "tiled": len(tiled)}
+    return run_on_first_rank(engine, group, out, prompts, dataclasses.replace(GREEDY, max_tokens=8))
+
+
+def test_quantized_tiles_under_tensor_parallelism() -> None:
+    """2 ranks, each its part of llama.cpp's file in bf16: every part of 32k inputs on the tiles, a
+    row's tokens the same alone and batched, and the single process's tiled engine's greedy tokens
+    with its log-probabilities within 0.15 (the row-parallel parts' bf16 sums added across the ranks:
+    close, not equal; a bf16 logit near 10 moves in steps of 0.0625)."""
+    from tests.test_serve_engine import GREEDY, _run
+    from tests.test_serve_q8a8 import DATA
+    from zerotron.build.builder import load_model
+    from zerotron.distributed.launch import spawn
+    from zerotron.serve.config import EngineConfig
+    from zerotron.serve.engine import Engine
+
+    if not linear_kernels.q8t_available():
+        pytest.skip(f"no AMX tiles for quantised weights here: {linear_kernels.why_no_q8t()}")
+    path = str(DATA / "k256-Q4_K_M.gguf")
+    tokens = np.load(DATA / "logits.npz", allow_pickle=False)["tokens"].tolist()
+    prompts = [tokens[:12], tokens[3:9], tokens[6:20]]
+    runs = spawn(
+        _tp_worker, 2, args=(path, prompts), timeout_s=600, backend="gloo", start_method="forkserver"
+    )
+    for run in runs:
+        assert run["moved"] == run["tiled"] and run["tiled"] > 0
+    got = runs[0]
+    assert got["together"] == got["alone"]
+    single, tokenizer = load_model(path, torch.bfloat16, "cpu", quantization="gguf")
+    config = EngineConfig(max_model_len=64, quantization="gguf", quantized_tiles=True)
+    want = _run(Engine(single, tokenizer, config), prompts, dataclasses.replace(GREEDY, max_tokens=8))
+    for (tokens_tp, logps_tp), (tokens_one, logps_one) in zip(got["together"], want):  # type: ignore[call-overload]
+        assert tokens_tp == tokens_one
+        assert None not in logps_tp
+        torch.testing.assert_close(torch.tensor(logps_tp), torch.tensor(logps_one), rtol=0, atol=0.15)

@@ -126,8 +126,6 @@ class EngineConfig:
             if self.dtype not in (None, "bfloat16")
             else "it replaces the 8-bit-activation kernel's products; give one of the two"
             if self.quantize_activations
-            else "not built for tensor-parallel ranks (--nproc); serve on one process"
-            if self.tp > 1
             else linear_kernels.why_no_q8t()
         )
         if why is not None:
