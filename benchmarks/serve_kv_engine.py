@@ -53,7 +53,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, fmt, gather in CASES:
             # the gather forced on the native kernel: an 8-bit pool dequantised each layer and step
-            paged.gathers = (lambda pool, native, triton: pool.fmt is not None) if gather else gathers
+            paged.gathers = (lambda pool, native: pool.fmt is not None) if gather else gathers
             engine = Engine(
                 model, None, EngineConfig(num_blocks=blocks, kv_cache_dtype=fmt, native_attention=True)
             )

@@ -123,6 +123,41 @@ IN_PLACE_CASES = [
 ]
 
 
+def test_gpu_kernel_engine_reads_its_codes_in_place(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine on the GPU's Triton kernel (here in Triton's interpreter) hands it the 8-bit pool
+    itself, and gives the rounded model's tokens and log-probabilities, alone and batched (a smaller
+    run of the test above: the interpreter is slow)."""
+    from tests.test_serve_triton import WHY
+
+    if WHY is not None:
+        pytest.skip(str(WHY))
+    from zerotron.serve import triton_attention
+
+    reads = []
+    real = triton_attention.paged_attention
+    monkeypatch.setattr(
+        triton_attention,
+        "paged_attention",
+        lambda q, k, *a, **kw: reads.append(type(k)) or real(q, k, *a, **kw),
+    )
+    prompts = _prompts([5, 11], seed=23)
+    params = dataclasses.replace(GREEDY, max_tokens=4)
+    engine = Engine(
+        copy.deepcopy(model), None, EngineConfig(num_blocks=64, kv_cache_dtype="fp8", triton_attention=True)
+    )
+    together = _run(engine, prompts, params)
+    assert set(reads) == {QuantizedKV}
+    assert together == [_run(engine, [p], params)[0] for p in prompts]
+    for prompt, (tokens, logps) in zip(prompts, together):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens]), kv_cache=RoundedCache("fp8"))[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+        assert ref.argmax(-1).tolist() == tokens
+        torch.testing.assert_close(torch.tensor(logps), ref.max(-1).values, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize(("kernel", "dtype", "shape"), IN_PLACE_CASES)
 def test_native_kernel_reads_the_codes_in_place(
@@ -192,7 +227,7 @@ def test_engine_reads_its_codes_in_place(
     together = _run(Engine(copy.deepcopy(served), None, config), prompts, params)
     assert set(reads) == {QuantizedKV}
     alone = [_run(Engine(copy.deepcopy(served), None, config), [p], params)[0] for p in prompts]
-    monkeypatch.setattr(paged, "gathers", lambda pool, native, triton: pool.fmt is not None)
+    monkeypatch.setattr(paged, "gathers", lambda pool, native: pool.fmt is not None)
     reads.clear()
     gathered = _run(Engine(copy.deepcopy(served), None, config), prompts, params)
     assert set(reads) == {torch.Tensor}

@@ -21,7 +21,7 @@ import torch
 from tests import test_serve_engine
 from tests.test_serve_engine import GREEDY, _prompts, _run, transformers_greedy
 from zerotron.models.llama import LlamaForCausalLM
-from zerotron.serve import triton_attention
+from zerotron.serve import kv_quant, triton_attention
 from zerotron.serve.engine import Engine, EngineConfig
 from zerotron.serve.linears import CHUNK_ROWS
 from zerotron.serve.runner import StepRunner
@@ -104,6 +104,31 @@ def test_kernel_equals_reference_attention(heads: int, kv_heads: int, dim: int, 
     else:  # one rounding to bf16 at the end: within a unit in the last place of the exact result
         ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2**-126)
         assert bool(((got.double() - want).abs() <= ulp).all())
+
+
+@runs
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 6, 24)])
+def test_kernel_reads_an_8bit_pool_in_place(
+    fmt: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    """The kernel over an 8-bit pool's codes and scales gives, bit for bit, its output over the pool
+    torch's :func:`~zerotron.serve.kv_quant.dequantize` makes in the model's dtype (vectors of amax
+    1e-3 to 1e2, an all-zero one, fp8's subnormal codes among them)."""
+    q, kp, vp, slots, lens, seq = _problem(heads, kv_heads, dim, dtype, LENS, seed=3)
+    scale = torch.logspace(-3, 2, kp.shape[0])[:, None, None]
+    pools, dense = [], []
+    for x in (kp, vp):
+        x = (x.float() * scale).to(dtype)
+        x[int(slots[0, 0])] = 0
+        pool = kv_quant.QuantizedKV(x.shape[0], kv_heads, dim, fmt, dtype, DEVICE)
+        pool.store(torch.arange(x.shape[0], device=DEVICE), x.to(DEVICE))
+        pools.append(pool)
+        dense.append(kv_quant.dequantize(pool.codes, pool.scales, fmt, dtype))
+    rows = [t.to(DEVICE) for t in (q, slots, lens, seq)]
+    got = triton_attention.paged_attention(rows[0], pools[0], pools[1], *rows[1:])
+    assert torch.equal(got, triton_attention.paged_attention(rows[0], dense[0], dense[1], *rows[1:]))
 
 
 @runs
@@ -235,15 +260,20 @@ from zerotron.serve import triton_attention as ta
 kernel = ta._kernel
 assert type(kernel).__name__ == "JITFunction", type(kernel)
 shapes = ((3, 64), (1, 128), (8, 128), (4, 24))  # (query heads per KV head, head dim)
-cases = [(90, dtype, group, dim) for dtype in ("fp32", "bf16", "fp16") for group, dim in shapes]
-for arch, dtype, group, dim in cases + [(80, "bf16", 3, 64)]:
-    sig = {"tensors": ("*" + dtype,) * 4, "rows": ("*i64",) * 3, "scale": "fp32", "width": "i32"}
+cases = [(90, dtype, group, dim, 0) for dtype in ("fp32", "bf16", "fp16") for group, dim in shapes]
+# 8-bit pools: fp8 e4m3 (1), e5m2 (2), int8 (3)
+cases += [(90, "bf16", 3, 64, 1), (90, "bf16", 3, 64, 3), (90, "fp32", 4, 24, 2), (80, "fp16", 1, 128, 1)]
+for arch, dtype, group, dim, fmt in cases + [(80, "bf16", 3, 64, 0)]:
+    pool = "*" + dtype if fmt == 0 else "*i8" if fmt == 3 else "*u8"
+    scales = pool if fmt == 0 else "*fp32"
+    tensors = ("*" + dtype, pool, pool, "*" + dtype, scales, scales)
+    sig = {"tensors": tensors, "rows": ("*i64",) * 3, "scale": "fp32", "width": "i32"}
     group_p, dim_p = ta._pow2(group), ta._pow2(dim)
-    shape = (group, group_p, dim, dim_p, ta._block(group_p, dim_p), 2)  # two KV heads
+    shape = (group, group_p, dim, dim_p, ta._block(group_p, dim_p), 2, fmt)  # two KV heads
     sig["SHAPE"] = "constexpr"
     where = {(kernel.arg_names.index("SHAPE"),): shape}
     done = triton.compile(ASTSource(kernel, sig, where), target=GPUTarget("cuda", arch, 32))
-    assert "cubin" in done.asm, (arch, dtype, group, dim)
+    assert "cubin" in done.asm, (arch, dtype, group, dim, fmt)
 print("compiled")
 """
 
@@ -251,7 +281,8 @@ print("compiled")
 def test_kernel_compiles_for_cuda_gpus() -> None:
     """The interpreter runs Python, not Triton's compiler, which rejects more (an annotation it cannot
     read, a construct it does not lower): compile the kernel to a cubin for sm_90 (H100) for each
-    dtype and several (group, head dim) shapes, and for sm_80 (A100); no GPU is needed."""
+    dtype and several (group, head dim) shapes, over 16-bit and 8-bit pools, and for sm_80 (A100); no
+    GPU is needed."""
     import os
     import subprocess
     import sys

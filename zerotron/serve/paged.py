@@ -284,12 +284,12 @@ class _Group:
         return dataclasses.replace(self, key_slots=index.view(self.key_slots.shape), gather=gather)
 
 
-def gathers(pool: KVPool, native: bool, triton: bool) -> bool:
+def gathers(pool: KVPool, native: bool) -> bool:
     """Whether a step's attention reads ``pool`` through a dequantised gather of the slots it attends
-    to: an 8-bit pool on SDPA or on the GPU's Triton kernel. The native CPU kernels (``native`` and not
-    ``triton``: tiles, AVX512-BF16, fp32 on AVX-512, on AVX2 or in its generic loop) read its codes and
-    scales where they lie, each value dequantised as it is read."""
-    return pool.fmt is not None and not (native and not triton)
+    to: an 8-bit pool on SDPA. The paged kernels (``native``: the CPU's tiles, AVX512-BF16, fp32 on
+    AVX-512, on AVX2 or in its generic loop, and the GPU's Triton kernel) read its codes and scales
+    where they lie, each value dequantised as it is read."""
+    return pool.fmt is not None and not native
 
 
 class PagedAttention:
@@ -362,10 +362,10 @@ class PagedAttention:
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
         # A step whose rows all go to the native kernel in order can take a layer's q/k/v product
         # whole (attend_packed): rotary embedding and the store of k and v in one native pass.
-        # A quantised pool: read in place by the native CPU kernels; otherwise each group reads the
-        # slots it attends to dequantised (kv_quant).
+        # A quantised pool: read in place by the paged kernels; on SDPA each group reads the slots it
+        # attends to dequantised (kv_quant).
         self.packed = native and self.in_order and not triton and pool.fmt is None
-        if gathers(pool, native, triton):
+        if gathers(pool, native):
             self.groups = [g.compact() for g in self.groups]
         device = pool.device
         if device.type != "cpu":  # the plan is built on the host; the pool's device reads it
