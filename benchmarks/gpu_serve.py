@@ -14,7 +14,8 @@ Hugging Face directory and loaded by zerotron's loader onto ``--device`` (what `
    run in 256-row calls off the CPU, ``fixed_rows``; attention is the Triton paged kernel, every row
    alone over its own keys, the default on a GPU). Also with SDPA over gathered keys whose shapes
    depend on the position alone (``--attention sdpa``, the fallback without Triton), and with the
-   linears as plain whole F.linear calls (``fixed_rows=0``), to show what the fixed calls buy.
+   linears as plain whole F.linear calls (``fixed_rows=0``), to show what the fixed calls buy (and,
+   timed only by default, with an fp8 KV cache the Triton kernel reads in place: ``kv=fp8``).
 2. Against transformers' ``generate`` on the same device and weights: the share of requests whose
    greedy tokens are equal, and the largest difference between the engine's log-probabilities and a
    full forward of zerotron's model without a cache.
@@ -98,11 +99,14 @@ def run(
     return [got[rid] for rid in ids]
 
 
-def invariance(model: Any, prompts: list[list[int]], fixed: int, triton: bool, new: int) -> dict[str, Any]:
+def invariance(
+    model: Any, prompts: list[list[int]], fixed: int, triton: bool, new: int, kv: str = "auto"
+) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=new, logprobs=0, ignore_eos=True)
 
     def make(**kw: Any) -> Engine:
-        cfg = EngineConfig(**{"num_blocks": 256, "fixed_rows": fixed, "triton_attention": triton, **kw})
+        base = {"num_blocks": 256, "fixed_rows": fixed, "triton_attention": triton, "kv_cache_dtype": kv}
+        cfg = EngineConfig(**{**base, **kw})
         return Engine(model, None, cfg)
 
     alone = [run(make(), [p], params)[0] for p in prompts]
@@ -146,10 +150,18 @@ def reference(
 
 
 def speed(
-    model: Any, prompts: list[list[int]], device: torch.device, fixed: int, triton: bool, new: int
+    model: Any,
+    prompts: list[list[int]],
+    device: torch.device,
+    fixed: int,
+    triton: bool,
+    new: int,
+    kv: str = "auto",
 ) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    cfg = EngineConfig(num_blocks=1024, max_num_seqs=64, fixed_rows=fixed, triton_attention=triton)
+    cfg = EngineConfig(
+        num_blocks=1024, max_num_seqs=64, fixed_rows=fixed, triton_attention=triton, kv_cache_dtype=kv
+    )
     engine = Engine(model, None, cfg)
     run(engine, prompts[:4], params)  # warm-up
     if device.type == "cuda":
@@ -200,8 +212,9 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument(
         "--settings",
-        default="256:triton,256:sdpa,0:triton,32:triton",
-        help="FIXED_ROWS:ATTENTION pairs; the first is checked against transformers, the last only timed",
+        default="256:triton,256:sdpa,0:triton,32:triton,256:triton:fp8",
+        help="FIXED_ROWS:ATTENTION[:KV_CACHE_DTYPE] settings; the first is checked against transformers, "
+        "the last only timed",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -215,7 +228,10 @@ def main() -> None:
     count, new = (8, 8) if args.tiny else (64, 64)
     trace = [torch.randint(0, 49152, (64,), generator=g).tolist() for _ in range(count)]
     checked = 8 if args.tiny else 32  # new tokens of the invariance and reference checks
-    settings = [(int(f), a == "triton") for f, a in (x.split(":") for x in args.settings.split(","))]
+    settings = [
+        (int(x[0]), x[1] == "triton", x[2] if len(x) > 2 else "auto")
+        for x in (y.split(":") for y in args.settings.split(","))
+    ]
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     results["torch"] = torch.__version__
     out = Path(args.out)
@@ -228,17 +244,19 @@ def main() -> None:
 
             hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
             row: dict[str, Any] = results.setdefault(name, {})
-            for i, (fixed, triton) in enumerate(settings):
-                label = f"fixed_rows={fixed} {'triton' if triton else 'sdpa'}"
+            for i, (fixed, triton, kv) in enumerate(settings):
+                label = f"fixed_rows={fixed} {'triton' if triton else 'sdpa'}" + (
+                    f" kv={kv}" if kv != "auto" else ""
+                )
                 # an engine sets its model's linears (fixed calls or not): a fresh model for each setting
                 model, _ = load_pretrained(path, dtype=dtype, device=device)
                 if i < len(settings) - 1 or len(settings) == 1:  # (the last of several: speed only)
-                    inv = invariance(model, check, fixed, triton, checked)
+                    inv = invariance(model, check, fixed, triton, checked, kv)
                     alone = inv.pop("alone")
                     row[f"invariance {label}"] = inv
                     if i == 0:
                         row["reference"] = reference(hf, model, check, alone, device)
-                row[f"speed {label}"] = speed(copy.deepcopy(model), trace, device, fixed, triton, new)
+                row[f"speed {label}"] = speed(copy.deepcopy(model), trace, device, fixed, triton, new, kv)
                 print(name, label, json.dumps(row, default=str), flush=True)
                 (out / "results.json").write_text(json.dumps(results, indent=1))
             model, _ = load_pretrained(path, dtype=dtype, device=device)  # as zerotron generate runs it
