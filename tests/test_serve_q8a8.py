@@ -185,8 +185,14 @@ def test_the_serve_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> N
         engine_config(args, 1)
 
 
-def _tp_worker(path: str, prompts: list[list[int]]) -> dict[str, object]:
-    """One of 2 tensor-parallel ranks serving llama.cpp's Q4_K_M file with int8 activations."""
+def tp_gguf_worker(path: str, prompts: list[list[int]], dtype: str, flag: str) -> dict[str, object]:
+    """One of 2 tensor-parallel ranks serving llama.cpp's file ``path`` in ``dtype`` with the engine
+    flag ``flag`` on (``quantize_activations``, ``quantized_tiles``): its quantised parts, how many the
+    kernel moved (and how many take 32k inputs), and on the first rank the prompts' greedy tokens and
+    log-probabilities together and one by one."""
+    import dataclasses
+
+    from tests.test_serve_engine import GREEDY
     from tests.test_serve_quant_tp import run_on_first_rank
     from zerotron.distributed.launch import current_rank_and_world
     from zerotron.distributed.mesh import Mesh, ParallelDims
@@ -195,15 +201,16 @@ def _tp_worker(path: str, prompts: list[list[int]]) -> dict[str, object]:
     rank, world = current_rank_and_world()
     mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
     group = mesh.group("tp")
-    model, _ = load_model(path, torch.float32, "cpu", mesh, quantization="gguf")
-    config = EngineConfig(num_blocks=64, max_model_len=64, quantization="gguf", quantize_activations=True)
+    model, _ = load_model(path, getattr(torch, dtype), "cpu", mesh, quantization="gguf")
+    config = EngineConfig(num_blocks=64, max_model_len=64, quantization="gguf", **{flag: True})
     engine = Engine(model, None, config, group)
-    quantised = sum(isinstance(m, QUANTIZED) for m in model.modules())
-    out: dict[str, object] = {"moved": engine.runner.int8_native, "quantised": quantised}
-    from zerotron.components.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    return run_on_first_rank(engine, group, out, prompts, params)
+    parts = [m for m in model.modules() if isinstance(m, QUANTIZED)]
+    out: dict[str, object] = {
+        "moved": engine.runner.int8_native,
+        "quantised": len(parts),
+        "tiled": sum(m.in_features % 32 == 0 for m in parts),
+    }
+    return run_on_first_rank(engine, group, out, prompts, dataclasses.replace(GREEDY, max_tokens=8))
 
 
 def test_quantised_activations_under_tensor_parallelism() -> None:
@@ -219,7 +226,12 @@ def test_quantised_activations_under_tensor_parallelism() -> None:
     tokens = np.load(DATA / "logits.npz", allow_pickle=False)["tokens"].tolist()
     prompts = [tokens[:12], tokens[3:9], tokens[6:20]]
     runs = spawn(
-        _tp_worker, 2, args=(path, prompts), timeout_s=600, backend="gloo", start_method="forkserver"
+        tp_gguf_worker,
+        2,
+        args=(path, prompts, "float32", "quantize_activations"),
+        timeout_s=600,
+        backend="gloo",
+        start_method="forkserver",
     )
     for run in runs:
         assert run["moved"] == run["quantised"] and run["moved"] > 0

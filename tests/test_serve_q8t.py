@@ -175,35 +175,13 @@ def test_quantized_tiles_refused_where_they_do_not_apply(monkeypatch: pytest.Mon
         engine_config(args, 1)
 
 
-def _tp_worker(path: str, prompts: list[list[int]]) -> dict[str, object]:
-    """One of 2 tensor-parallel ranks serving llama.cpp's Q4_K_M file in bf16 on the tiles."""
-    from tests.test_serve_engine import GREEDY
-    from tests.test_serve_quant_tp import run_on_first_rank
-    from zerotron.build.builder import load_model
-    from zerotron.distributed.launch import current_rank_and_world
-    from zerotron.distributed.mesh import Mesh, ParallelDims
-    from zerotron.serve.config import EngineConfig
-    from zerotron.serve.engine import Engine
-    from zerotron.serve.int8_linears import QUANTIZED
-
-    rank, world = current_rank_and_world()
-    mesh = Mesh(ParallelDims(world, dp=1, tp=world), rank)
-    group = mesh.group("tp")
-    model, _ = load_model(path, torch.bfloat16, "cpu", mesh, quantization="gguf")
-    config = EngineConfig(num_blocks=64, max_model_len=64, quantization="gguf", quantized_tiles=True)
-    engine = Engine(model, None, config, group)
-    tiled = [m for m in model.modules() if isinstance(m, QUANTIZED) and m.in_features % 32 == 0]
-    out: dict[str, object] = {"moved": engine.runner.int8_native, "tiled": len(tiled)}
-    return run_on_first_rank(engine, group, out, prompts, dataclasses.replace(GREEDY, max_tokens=8))
-
-
 def test_quantized_tiles_under_tensor_parallelism() -> None:
     """2 ranks, each its part of llama.cpp's file in bf16: every part of 32k inputs on the tiles, a
     row's tokens the same alone and batched, and the single process's tiled engine's greedy tokens
     with its log-probabilities within 0.15 (the row-parallel parts' bf16 sums added across the ranks:
     close, not equal; a bf16 logit near 10 moves in steps of 0.0625)."""
     from tests.test_serve_engine import GREEDY, _run
-    from tests.test_serve_q8a8 import DATA
+    from tests.test_serve_q8a8 import DATA, tp_gguf_worker
     from zerotron.build.builder import load_model
     from zerotron.distributed.launch import spawn
     from zerotron.serve.config import EngineConfig
@@ -214,9 +192,8 @@ def test_quantized_tiles_under_tensor_parallelism() -> None:
     path = str(DATA / "k256-Q4_K_M.gguf")
     tokens = np.load(DATA / "logits.npz", allow_pickle=False)["tokens"].tolist()
     prompts = [tokens[:12], tokens[3:9], tokens[6:20]]
-    runs = spawn(
-        _tp_worker, 2, args=(path, prompts), timeout_s=600, backend="gloo", start_method="forkserver"
-    )
+    args = (path, prompts, "bfloat16", "quantized_tiles")
+    runs = spawn(tp_gguf_worker, 2, args=args, timeout_s=600, backend="gloo", start_method="forkserver")
     for run in runs:
         assert run["moved"] == run["tiled"] and run["tiled"] > 0
     got = runs[0]
