@@ -8,13 +8,14 @@ alone (the engine's batch invariance holds: a row's keys are quantised the same 
 
 A bf16 model's cache then takes ``head_dim + 4`` bytes per token, KV head and layer for keys and as
 many for values, instead of ``2 * head_dim`` (0.53× at head_dim 64, 0.52× at 128); a float32
-model's 0.27×. The native bf16 attention kernels (AMX tiles, AVX512-BF16; heads of 64 or 128) read
-the codes and scales where they lie, each value dequantised as it is packed into the kernel's tiles
-(:func:`zerotron.serve.kernels.paged_attention`); every other path reads the step's keys and values
-dequantised to the model's dtype (:meth:`QuantizedKV.read`, one gather of the slots the step attends
-to), then runs the same kernels as over a 16-bit cache. Both give the attention the same bits: the
-in-place read rounds as :func:`dequantize` does, but for products below fp32's normal range (flushed
-to zero), which the kernels' bf16 products read as zero either way.
+model's 0.27×. The paged attention kernels read the codes and scales where they lie, each value
+dequantised as it is read (:func:`zerotron.serve.kernels.paged_attention`: the bf16 tile and
+AVX512-BF16 kernels as they pack keys and values into their tiles, the fp32 kernel on AVX-512, AVX2
+or in its generic loop; :func:`zerotron.serve.triton_attention.paged_attention` on a GPU); SDPA reads
+the step's keys and values dequantised to the model's dtype (:meth:`QuantizedKV.read`, one gather of
+the slots the step attends to), then runs as over a 16-bit cache. Every path gives the attention the
+same bits: each reads the values :func:`dequantize` gives (the tile and dot kernels flush products
+below fp32's normal range to zero, which their bf16 products read as zero either way).
 """
 
 from __future__ import annotations
