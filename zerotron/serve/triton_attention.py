@@ -82,16 +82,14 @@ def _code_values(codes, FMT: tl.constexpr):  # type: ignore[no-untyped-def]
     return tl.where(e == 0, tl.where(sign != 0, -tiny, tiny), normal)
 
 
-def _load_kv(  # type: ignore[no-untyped-def]
-    ptr, scales_ptr, slot, where, both, h, KV_HEADS: tl.constexpr, FMT: tl.constexpr, dtype: tl.constexpr
-):
+def _load_kv(ptr, scales_ptr, at, where, both, FMT: tl.constexpr, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
     """A block of keys or values in fp32: a 16-bit pool's as they are; an 8-bit pool's codes times
-    their slot's and head's scale in fp32, rounded to the model's ``dtype`` (what
+    their slot's and head's scale (``scales_ptr + at``) in fp32, rounded to the model's ``dtype`` (what
     :func:`zerotron.serve.kv_quant.dequantize` gives), then widened."""
     if FMT == 0:
         return tl.load(ptr + where, mask=both, other=0.0).to(tl.float32)
     codes = tl.load(ptr + where, mask=both, other=0)
-    scale = tl.load(scales_ptr + slot * KV_HEADS + h)
+    scale = tl.load(scales_ptr + at)
     x = _code_values(codes, FMT) * scale[:, None]
     if dtype == tl.float32:
         return x
@@ -147,8 +145,9 @@ def _attend(tensors, rows, scale, width, SHAPE: tl.constexpr) -> None:  # type: 
         slot = tl.load(slots_ptr + s * width + j, mask=j_in, other=0)
         where = slot[:, None] * kv_slot + h * kv_head + d[None, :]
         both = j_in[:, None] & d_in[None, :]
-        k = _load_kv(k_ptr, ks_ptr, slot, where, both, h, KV_HEADS, FMT, q_ptr.dtype.element_ty)
-        v = _load_kv(v_ptr, vs_ptr, slot, where, both, h, KV_HEADS, FMT, q_ptr.dtype.element_ty)
+        at = slot * KV_HEADS + h  # the blocks' scales (an 8-bit pool's)
+        k = _load_kv(k_ptr, ks_ptr, at, where, both, FMT, q_ptr.dtype.element_ty)
+        v = _load_kv(v_ptr, vs_ptr, at, where, both, FMT, q_ptr.dtype.element_ty)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (GROUP_P, BLOCK)
         scores = tl.where(j_in[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
