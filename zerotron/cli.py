@@ -370,7 +370,7 @@ def _add_serve_lora(srv: Any) -> None:
         help="in bf16, multiply the quantised weights (--quantization or a quantised checkpoint) on AMX "
         "tiles, each weight dequantised to bf16 once per call: products of hundreds of rows 2-6x faster "
         "than torch's weight-only kernels (1.4-2.5x the output throughput at 16 sequences on a 1.7B "
-        "model), one-sequence decode 2-3x slower; a CPU with AMX, not under --nproc",
+        "model), one-sequence decode 2-3x slower; a CPU with AMX (under --nproc each rank's parts)",
     )
     srv.add_argument(
         "--kv-cache-dtype",

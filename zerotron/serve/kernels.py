@@ -233,7 +233,7 @@ def _tiles_here() -> bool:
 
 
 def why_no_kernel(built: str, cpu: Callable[[Any], bool], code: str, instructions: str) -> Optional[str]:
-    """Why a native linear kernel cannot run here (None when it can): the kernels not built, this build
+    """Why a native kernel cannot run here (None when it can): the kernels not built, this build
     without the kernel's ``code`` (``built`` names the module's probe), or ``cpu(module)`` False (the
     CPU lacks its ``instructions``)."""
     module = _build()

@@ -207,10 +207,10 @@ def paged_attention(
     :func:`~zerotron.serve.kv_quant.dequantize` makes)."""
     if _error is not None:
         raise RuntimeError(f"the Triton paged-attention kernel is not available: {_error}")
-    quantised = isinstance(k_pool, kv_quant.QuantizedKV)
-    if quantised != isinstance(v_pool, kv_quant.QuantizedKV):
+    if isinstance(k_pool, kv_quant.QuantizedKV) != isinstance(v_pool, kv_quant.QuantizedKV):
         raise ValueError("keys and values: both 16-bit pools or both 8-bit ones")
-    if isinstance(k_pool, kv_quant.QuantizedKV) and isinstance(v_pool, kv_quant.QuantizedKV):
+    if isinstance(k_pool, kv_quant.QuantizedKV):
+        assert isinstance(v_pool, kv_quant.QuantizedKV)
         if k_pool.fmt != v_pool.fmt or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
             raise ValueError(
                 f"8-bit pools of one format for q's dtype: {k_pool.fmt}/{k_pool.dtype}, {q.dtype}"
@@ -218,7 +218,7 @@ def paged_attention(
         fmt = kv_quant.KERNEL_FORMATS[k_pool.fmt]
         k, v, k_scales, v_scales = k_pool.codes, v_pool.codes, k_pool.scales, v_pool.scales
     else:
-        assert isinstance(k_pool, torch.Tensor) and isinstance(v_pool, torch.Tensor)
+        assert isinstance(v_pool, torch.Tensor)
         if q.dtype != k_pool.dtype or v_pool.dtype != q.dtype:
             raise ValueError(f"one dtype: q {q.dtype}, pools {k_pool.dtype}, {v_pool.dtype}")
         fmt, k, v, k_scales, v_scales = 0, k_pool, v_pool, k_pool, v_pool  # the scales unread
