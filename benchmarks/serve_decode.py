@@ -61,6 +61,27 @@ def vllm_runner(args: argparse.Namespace) -> tuple[Run, str]:
     return run, "vLLM (its defaults: the model compiled by inductor)"
 
 
+def prefill(run: Run, name: str, args: argparse.Namespace, fresh: Callable[[int], list[list[int]]]) -> None:
+    """``--prefill``: the time to a first token of all the prompts at once, fresh prompts each repeat."""
+    times = []
+    for rep in range(args.repeats):
+        t0 = time.perf_counter()
+        run(1, fresh(1 + rep))
+        times.append(time.perf_counter() - t0)
+        print(f"repeat {rep}: {times[-1] * 1e3:.1f} ms", flush=True)
+    if args.profile and not args.vllm:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            run(1, fresh(200))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(
+        f"{name}, {args.dtype}, {torch.get_num_threads()} threads: {args.seqs} prompts of "
+        f"{args.prompt_len} tokens, prefill to the first token {statistics.median(times) * 1e3:.1f} ms "
+        f"(median of {args.repeats}; {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f})"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir")
@@ -72,6 +93,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--vllm", action="store_true", help="run vLLM's offline LLM (in vLLM's venv)")
     p.add_argument("--profile", action="store_true", help="zerotron: torch's operator table of 10 steps")
+    p.add_argument("--prefill", action="store_true", help="time the prompts' prefill instead (to 1 token)")
     args = p.parse_args()
     run, name = (vllm_runner if args.vllm else zerotron_runner)(args)
     g = torch.Generator().manual_seed(0)
@@ -82,6 +104,9 @@ def main() -> None:
     def fresh(shift: int) -> list[list[int]]:  # every prompt's first token moved: no prefix-cache hits
         return [[q[0] + shift] + q[1:] for q in prompts]
 
+    if args.prefill:
+        prefill(run, name, args, fresh)
+        return
     for rep in range(args.repeats):
         t0 = time.perf_counter()
         run(1, fresh(1 + rep))

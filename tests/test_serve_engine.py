@@ -693,6 +693,55 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
         kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", ["tiles", "dot"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128)])
+def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
+    kernel: str, heads: int, kv_heads: int, dim: int
+) -> None:
+    """The bf16 matrix-product kernels pack a slot list's keys and values once per thread and KV-head
+    group and reuse them for the list's next blocks; at 1,500 keys not every KV head fits one pack
+    (heads_per_pack), so the heads go in groups. A 1,500-token prompt's rows beside three decodes on
+    lists of their own: every row the same bits in one call, in two chunks of the prompt, on one
+    thread, and (some rows) alone; and attention over its keys in float64 within bf16's rounding."""
+    from zerotron.serve import kernels
+
+    _native_or_skip()
+    why = kernels.why_no_tiles() if kernel == "tiles" else kernels.why_no_dot()
+    if why is not None:
+        pytest.skip(f"no {kernel} attention here: {why}")
+    n, width = 1500, 1536
+    # heads_per_pack in attention_dot.cpp: KV heads whose packed keys and values fit 1 MiB
+    per_head = 4 * (-(-n // 64) * 4 * (dim // 32) * 256 + -(-n // 32) * (dim // 16) * 256)
+    assert (1 << 20) // per_head < kv_heads  # the heads go in groups
+    g = torch.Generator().manual_seed(dim)
+    k_pool = torch.randn(4 * width, kv_heads, dim, generator=g).bfloat16()
+    v_pool = torch.randn(4 * width, kv_heads, dim, generator=g).bfloat16()
+    slots = torch.randperm(4 * width, generator=g).view(4, width).contiguous()  # scattered slots
+    seq = torch.tensor([1] + [0] * 700 + [2] + [0] * (n - 700) + [3])
+    lens = torch.cat([torch.tensor([1400]), torch.arange(1, 701), torch.tensor([1499]), torch.arange(701, n + 1)])
+    lens = torch.cat([lens, torch.tensor([n])])
+    q = (torch.randn(len(seq), heads, dim, generator=g) * 2).bfloat16()
+    run = functools.partial(kernels.paged_attention, k_pool=k_pool, v_pool=v_pool, slots=slots, kernel=kernel)
+    out = run(q, lens=lens, seq=seq)
+    first, second = torch.arange(1, 701), torch.arange(702, 702 + n - 700)
+    assert torch.equal(run(q[first], lens=lens[first], seq=seq[first]), out[first])
+    assert torch.equal(run(q[second], lens=lens[second], seq=seq[second]), out[second])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(q, lens=lens, seq=seq), out)
+    finally:
+        torch.set_num_threads(threads)
+    for r in (0, 1, 350, 700, 701, 1200, len(seq) - 1):
+        assert torch.equal(run(q[r : r + 1], lens=lens[r : r + 1], seq=seq[r : r + 1]), out[r : r + 1]), r
+        own, m, group = slots[seq[r]], int(lens[r]), heads // kv_heads
+        k = k_pool[own[:m]].double().repeat_interleave(group, dim=1)
+        v = v_pool[own[:m]].double().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[r].double(), k) / dim**0.5).softmax(-1)
+        want = torch.einsum("hn,nhd->hd", weights, v)
+        torch.testing.assert_close(out[r].double(), want, rtol=1.6e-2, atol=1.6e-2)
+
+
 def test_a_build_lock_left_by_a_killed_builder_is_not_waited_on() -> None:
     """torch's extension build lock is a file; a builder killed mid-build leaves it, and torch waits on
     it forever (loading a built module included). A new process must load the kernels anyway, and
