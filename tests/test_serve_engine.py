@@ -718,7 +718,9 @@ def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
     v_pool = torch.randn(4 * width, kv_heads, dim, generator=g).bfloat16()
     slots = torch.randperm(4 * width, generator=g).view(4, width).contiguous()  # scattered slots
     seq = torch.tensor([1] + [0] * 700 + [2] + [0] * (n - 700) + [3])
-    lens = torch.cat([torch.tensor([1400]), torch.arange(1, 701), torch.tensor([1499]), torch.arange(701, n + 1)])
+    lens = torch.cat(
+        [torch.tensor([1400]), torch.arange(1, 701), torch.tensor([1499]), torch.arange(701, n + 1)]
+    )
     lens = torch.cat([lens, torch.tensor([n])])
     q = (torch.randn(len(seq), heads, dim, generator=g) * 2).bfloat16()
     run = functools.partial(kernels.paged_attention, k_pool=k_pool, v_pool=v_pool, slots=slots, kernel=kernel)
