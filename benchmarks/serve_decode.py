@@ -11,7 +11,8 @@ vLLM runs with its defaults (on the CPU, the model compiled by inductor), both o
         benchmarks/serve_decode.py MODEL_HF_DIR --dtype float32 --vllm
 
 (the second in vLLM's virtual environment: PEERS.md). ``--profile`` prints torch's operator table of
-ten zerotron steps of the same sequences (one of them their prefill).
+ten zerotron steps of the same sequences (one of them their prefill). ``--prefill`` times the prompts'
+prefill instead: all ``--seqs`` prompts generated to their first token, fresh prompts each repeat.
 """
 
 from __future__ import annotations
