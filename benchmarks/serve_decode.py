@@ -62,6 +62,15 @@ def vllm_runner(args: argparse.Namespace) -> tuple[Run, str]:
     return run, "vLLM (its defaults: the model compiled by inductor)"
 
 
+def _profile(run: Run, tokens: int, prompts: list[list[int]]) -> None:
+    """``--profile``: torch's operator table of generating ``tokens`` tokens of ``prompts``."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        run(tokens, prompts)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def prefill(run: Run, name: str, args: argparse.Namespace, fresh: Callable[[int], list[list[int]]]) -> None:
     """``--prefill``: the time to a first token of all the prompts at once, fresh prompts each repeat."""
     times = []
@@ -71,11 +80,7 @@ def prefill(run: Run, name: str, args: argparse.Namespace, fresh: Callable[[int]
         times.append(time.perf_counter() - t0)
         print(f"repeat {rep}: {times[-1] * 1e3:.1f} ms", flush=True)
     if args.profile and not args.vllm:
-        from torch.profiler import profile
-
-        with profile() as prof:
-            run(1, fresh(200))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        _profile(run, 1, fresh(200))
     print(
         f"{name}, {args.dtype}, {torch.get_num_threads()} threads: {args.seqs} prompts of "
         f"{args.prompt_len} tokens, prefill to the first token {statistics.median(times) * 1e3:.1f} ms "
@@ -117,11 +122,7 @@ def main() -> None:
         steps.append(((t2 - t1) - (t1 - t0)) / args.tokens)
         print(f"repeat {rep}: {steps[-1] * 1e3:.1f} ms a step", flush=True)
     if args.profile and not args.vllm:  # ten steps of the same sequences, one prefill among them
-        from torch.profiler import profile
-
-        with profile() as prof:
-            run(10, fresh(200))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        _profile(run, 10, fresh(200))
     print(
         f"{name}, {args.dtype}, {torch.get_num_threads()} threads: {args.seqs} sequences of "
         f"{args.prompt_len}-token prompts, a decode step {statistics.median(steps) * 1e3:.1f} ms "
