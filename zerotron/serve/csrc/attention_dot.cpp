@@ -340,11 +340,12 @@ ZT_DOT_TARGET void dot_pack(DotGroup& g, int64_t h, const AttentionProblem& pr, 
 
 // One thread's share of the blocks: the KV heads in groups (heads_per_pack for the share's longest
 // row), each group over the blocks in turn (a slot list's blocks one after another share what they
-// packed).
-ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
-                             const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
-                             const int64_t* lens, int64_t width) {
-  thread_local DotGroup g;  // kept from call to call (no fresh pages each call)
+// packed into ``g``, kept by the caller from call to call), head(g.heads[i], r0, nr, kh) per block and
+// KV head. The dot and tile kernels' one walk.
+template <typename Head>
+ZT_DOT_TARGET inline void share_blocks(DotGroup& g, const AttentionProblem& pr, const std::vector<int64_t>& start,
+                                       const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
+                                       const int64_t* lens, int64_t width, const Head& head) {
   int64_t longest = 1;
   for (int64_t blk : share) longest = std::max(longest, *std::max_element(lens + start[blk], lens + start[blk + 1]));
   const int64_t hn = heads_per_pack(longest, pr.dim, pr.kv_heads);
@@ -356,9 +357,19 @@ ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64
       const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
       const int64_t* slot = slots + seq[r0] * width;
       dot_pack(g, h, pr, slot, *std::max_element(lens + r0, lens + r0 + nr), kh0);
-      for (int64_t i = 0; i < h; ++i) dot_block_head(g.heads[i], pr, lens + r0, r0, nr, kh0 + i);
+      for (int64_t i = 0; i < h; ++i) head(g.heads[i], r0, nr, kh0 + i);
     }
   }
+}
+
+// The dot kernel's share of the blocks (share_blocks).
+ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
+                             const int64_t* lens, int64_t width) {
+  thread_local DotGroup g;  // kept from call to call (no fresh pages each call)
+  share_blocks(g, pr, start, share, slots, seq, lens, width, [&](DotAttention& b, int64_t r0, int64_t nr, int64_t kh) {
+    dot_block_head(b, pr, lens + r0, r0, nr, kh);
+  });
 }
 
 // The rows in attend_avx512's blocks, dealt to the threads by their work the same way; run(pr, start,

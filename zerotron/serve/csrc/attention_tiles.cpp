@@ -122,13 +122,12 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
 
 // One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
 // lambda its enclosing function's target, and tile intrinsics outside an AMX target do not compile).
-// The KV heads in groups (heads_per_pack for the share's longest row), each group over the blocks in
-// turn, packed as the dot kernel packs them (dot_pack): a prompt's blocks, dealt longest first, share
-// what the first packed. Packing every block's keys and values afresh took a fifth of a 2,048-token
+// The blocks walked and packed as the dot kernel's are (share_blocks, dot_pack): a prompt's blocks,
+// dealt longest first, share what the first packed. Packing every block's keys and values afresh took a fifth of a 2,048-token
 // prompt's attention (perf).
 ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
                                  const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
-                                 const int64_t* lens, int64_t kv_heads, int64_t width) {
+                                 const int64_t* lens, int64_t width) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
     cfg.rows[i] = 16;
@@ -137,22 +136,9 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
   _tile_loadconfig(&cfg);
   thread_local TileAttention b;  // kept from call to call (no fresh pages each call)
   thread_local DotGroup g;
-  int64_t longest = 1;
-  for (int64_t blk : share) longest = std::max(longest, *std::max_element(lens + start[blk], lens + start[blk + 1]));
-  const int64_t hn = heads_per_pack(longest, pr.dim, kv_heads);
-  if (static_cast<int64_t>(g.heads.size()) < hn) g.heads.resize(hn);
-  for (int64_t kh0 = 0; kh0 < kv_heads; kh0 += hn) {
-    const int64_t h = std::min(hn, kv_heads - kh0);
-    g.slot = nullptr;  // what it packed is stale in a new call: the pool has changed
-    for (int64_t blk : share) {
-      const int64_t r0 = start[blk], nr = start[blk + 1] - r0;
-      const int64_t* slot = slots + seq[r0] * width;
-      const int64_t* len = lens + r0;
-      dot_pack(g, h, pr, slot, *std::max_element(len, len + nr), kh0);
-      for (int64_t i = 0; i < h; ++i)
-        tile_block_head(b, pr, len, r0, nr, kh0 + i, g.heads[i].keys.data(), g.heads[i].values.data());
-    }
-  }
+  share_blocks(g, pr, start, share, slots, seq, lens, width, [&](DotAttention& packed, int64_t r0, int64_t nr, int64_t kh) {
+    tile_block_head(b, pr, lens + r0, r0, nr, kh, packed.keys.data(), packed.values.data());
+  });
   _tile_release();
 }
 
@@ -162,7 +148,7 @@ void attend_tiles(const c10::BFloat16* q, const KVSource& kp, const KVSource& vp
                   int64_t kv_heads, int64_t dim, int64_t width, float scale) {
   attend_blocks(q, kp, vp, seq, lens, out, rows, heads, kv_heads, dim, scale,
                 [&](const AttentionProblem& pr, const std::vector<int64_t>& start, const std::vector<int64_t>& mine) {
-                  attend_share(pr, start, mine, slots, seq, lens, kv_heads, width);
+                  attend_share(pr, start, mine, slots, seq, lens, width);
                 });
 }
 #endif
