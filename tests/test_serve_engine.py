@@ -702,7 +702,9 @@ def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
     group and reuse them for the list's next blocks; at 1,500 keys not every KV head fits one pack
     (heads_per_pack), so the heads go in groups. A 1,500-token prompt's rows beside three decodes on
     lists of their own: every row the same bits in one call, in two chunks of the prompt, on one
-    thread, and (some rows) alone; and attention over its keys in float64 within bf16's rounding."""
+    thread, and (some rows, and four rows together) alone, where the tile kernel streams a block of
+    at most 16 query rows instead of packing; and attention over its keys in float64 within bf16's
+    rounding."""
     from zerotron.serve import kernels
 
     _native_or_skip()
@@ -734,6 +736,8 @@ def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
         assert torch.equal(run(q, lens=lens, seq=seq), out)
     finally:
         torch.set_num_threads(threads)
+    rows = torch.arange(1200, 1204)  # four rows of one list alone: a block of up to 16 query rows
+    assert torch.equal(run(q[rows], lens=lens[rows], seq=seq[rows]), out[rows])
     for r in (0, 1, 350, 700, 701, 1200, len(seq) - 1):
         assert torch.equal(run(q[r : r + 1], lens=lens[r : r + 1], seq=seq[r : r + 1]), out[r : r + 1]), r
         own, m, group = slots[seq[r]], int(lens[r]), heads // kv_heads

@@ -120,25 +120,211 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   }
 }
 
-// One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
-// lambda its enclosing function's target, and tile intrinsics outside an AMX target do not compile).
-// The blocks walked and packed as the dot kernel's are (share_blocks, dot_pack): a prompt's blocks,
-// dealt longest first, share what the first packed. Packing every block's keys and values afresh took a fifth of a 2,048-token
-// prompt's attention (perf).
-ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
-                                 const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
-                                 const int64_t* lens, int64_t width) {
+// A block of at most 16 query rows whose slot list no other block of the call reads (a decode, a few
+// rows of a prompt), on kStreamFrom keys or more: its keys and values are not packed for the whole
+// list (a decode reuses none of it; packing 2,048 keys and values of every KV head took 80% of a
+// decode's time, the packed copy going out to L2 and back) but a chunk at a time (kStreamKeys,
+// kStreamValues): the chunk's slots copied whole, every KV head, as the pool lies (stage_slots), then
+// each head's keys or values packed from the copy and used at once. The tiles hold the block's m rows
+// only (m-row A and C tiles): no padding rows. Each element is the one tile_block_head gives: the
+// same products added in the same order (O's sums stored between chunks in fp32 and loaded again).
+// 32 decodes of 2,048 keys: 1.5-1.6x the fp32 kernel's time against 2.0-2.3x packed; below 1,024
+// keys packing the list was the faster (1.3-1.5x against 1.6-1.9x at 128 keys).
+constexpr int64_t kStreamKeys = 64, kStreamValues = 128, kStreamFrom = 1024;
+
+struct TileStream {
+  std::vector<uint16_t> q, p, stage;  // (KV head, m rows, dim), (KV head x m rows, lp), a chunk's slots
+  std::vector<int64_t> iota;  // 0, 1, .. (the staged slots' numbers)
+  std::vector<uint32_t> keys, values;  // one chunk's
+  std::vector<float> s, o, total;  // (KV head x m, ls), (KV head x m, dim), (KV head x m)
+  int64_t config = 0;  // the rows the loaded tile config has
+};
+
+// Tiles 0-3 (C) and 4 (A) of m rows, 5-7 (B) of 16.
+ZT_TILE_TARGET inline void tile_rows_config(int64_t m) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
+    cfg.rows[i] = i < 5 ? static_cast<uint8_t>(m) : 16;
     cfg.colsb[i] = 64;
   }
   _tile_loadconfig(&cfg);
-  thread_local TileAttention b;  // kept from call to call (no fresh pages each call)
-  thread_local DotGroup g;
-  share_blocks(g, pr, start, share, slots, seq, lens, width, [&](DotAttention& packed, int64_t r0, int64_t nr, int64_t kh) {
-    tile_block_head(b, pr, lens + r0, r0, nr, kh, packed.keys.data(), packed.values.data());
-  });
+}
+
+// Where a chunk's keys or values are packed from: a pool, its slots, the chunk's first key and the
+// list's length (pack_keys' and pack_values' arguments).
+struct Staged {
+  KVSource src;
+  const int64_t* slot;
+  int64_t from, n;
+};
+
+// Slots j0 .. j1 (below n) of a bf16 pool, every KV head, copied whole and in order into b.stage (slot
+// j0 + c at c): read as the pool lies, not one head's vector at a slot's stride. An 8-bit pool is
+// packed from as it is.
+ZT_TILE_TARGET inline Staged stage_slots(TileStream& b, const KVSource& src, const int64_t* slot, int64_t j0, int64_t j1,
+                                         int64_t n, int64_t kv_heads, int64_t dim) {
+  if (src.bf16 == nullptr) return Staged{src, slot, j0, n};
+  const int64_t width = kv_heads * dim;
+  b.stage.resize((j1 - j0) * width);
+  if (static_cast<int64_t>(b.iota.size()) < 2 * (j1 - j0)) {  // pack_keys names the next 16 slots too
+    b.iota.resize(2 * (j1 - j0));
+    for (size_t i = 0; i < b.iota.size(); ++i) b.iota[i] = static_cast<int64_t>(i);
+  }
+  for (int64_t c = j0; c < std::min(j1, n); ++c)
+    std::memcpy(b.stage.data() + (c - j0) * width, src.bf16 + slot[c] * width, width * 2);
+  KVSource staged;
+  staged.bf16 = b.stage.data();
+  return Staged{staged, b.iota.data(), 0, n - j0};
+}
+
+// S = Q K^T for every KV head's m rows, kStreamKeys keys at a time: s (kv_heads x m, ls).
+ZT_TILE_TARGET void stream_scores(TileStream& b, const AttentionProblem& pr, const int64_t* slot, int64_t n, int64_t m,
+                                  int64_t n64, int64_t ls) {
+  const int64_t dim = pr.dim, kv = pr.kv_heads, halves = dim / 32;
+  b.keys.resize(kStreamKeys / 16 * halves * 256);
+  for (int64_t j0 = 0; j0 < n64; j0 += kStreamKeys) {
+    const Staged st = stage_slots(b, pr.kp, slot, j0, j0 + kStreamKeys, n, kv, dim);
+    for (int64_t kh = 0; kh < kv; ++kh) {
+      for (int64_t i = 0; i < kStreamKeys / 16; ++i)
+        pack_keys(st.src, st.slot, st.from + 16 * i, st.n, kv, kh, dim, b.keys.data() + i * halves * 256);
+      const uint32_t* k = b.keys.data();
+      const uint16_t* q = b.q.data() + kh * m * dim;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t h = 0; h < halves; ++h) {
+        _tile_loadd(4, q + 32 * h, dim * 2);
+        _tile_loadd(5, k + h * 256, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, k + (halves + h) * 256, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, k + (2 * halves + h) * 256, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, k + (3 * halves + h) * 256, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      char* s = reinterpret_cast<char*>(b.s.data() + kh * m * ls + j0);
+      _tile_stored(0, s, ls * 4);
+      _tile_stored(1, s + 64, ls * 4);
+      _tile_stored(2, s + 128, ls * 4);
+      _tile_stored(3, s + 192, ls * 4);
+    }
+  }
+}
+
+// O = P V for every KV head's m rows over keys 0 .. n32, kStreamValues keys at a time, key order from
+// key 0: b.o (kv_heads x m, dim), the sums stored between chunks.
+ZT_TILE_TARGET void stream_values(TileStream& b, const AttentionProblem& pr, const int64_t* slot, int64_t n, int64_t m,
+                                  int64_t n32, int64_t lp) {
+  const int64_t dim = pr.dim, kv = pr.kv_heads, tiles = dim / 16;
+  b.values.resize(kStreamValues / 32 * tiles * 256);
+  b.o.resize(kv * m * dim);
+  for (int64_t j0 = 0; j0 < n32; j0 += kStreamValues) {
+    const int64_t chunks = std::min(kStreamValues, n32 - j0) / 32;
+    const Staged st = stage_slots(b, pr.vp, slot, j0, j0 + kStreamValues, n, kv, dim);
+    for (int64_t kh = 0; kh < kv; ++kh) {
+      for (int64_t c = 0; c < chunks; ++c)
+        pack_values(st.src, st.slot, st.from + 32 * c, st.n, kv, kh, dim, b.values.data() + c * tiles * 256);
+      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+        char* o = reinterpret_cast<char*>(b.o.data() + kh * m * dim + 16 * t0);
+        if (j0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, o, dim * 4);
+          _tile_loadd(1, o + 64, dim * 4);
+          _tile_loadd(2, o + 128, dim * 4);
+          _tile_loadd(3, o + 192, dim * 4);
+        }
+        for (int64_t c = 0; c < chunks; ++c) {
+          _tile_loadd(4, b.p.data() + kh * m * lp + j0 + 32 * c, lp * 2);
+          const uint32_t* vc = b.values.data() + (c * tiles + t0) * 256;
+          _tile_loadd(5, vc, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, vc + 256, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, vc + 512, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, vc + 768, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, o, dim * 4);
+        _tile_stored(1, o + 64, dim * 4);
+        _tile_stored(2, o + 128, dim * 4);
+        _tile_stored(3, o + 192, dim * 4);
+      }
+    }
+  }
+}
+
+// One block of rows r0 .. r0 + nr - 1 (m = nr x group <= 16), every KV head, written to the output.
+ZT_TILE_TARGET void stream_block(TileStream& b, const AttentionProblem& pr, const int64_t* len, const int64_t* slot,
+                                 int64_t r0, int64_t nr) {
+  const int64_t heads = pr.heads, kv = pr.kv_heads, dim = pr.dim, group = heads / kv, m = nr * group;
+  if (b.config != m) tile_rows_config(m);
+  b.config = m;
+  const int64_t n = *std::max_element(len, len + nr);
+  const int64_t n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+  const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
+  const auto row = [&](int64_t kh, int64_t i) { return ((r0 + i / group) * heads + kh * group + i % group) * dim; };
+  b.q.resize(kv * m * dim);
+  for (int64_t kh = 0; kh < kv; ++kh)
+    for (int64_t i = 0; i < m; ++i) std::memcpy(b.q.data() + (kh * m + i) * dim, pr.q + row(kh, i), dim * 2);
+  b.s.resize(kv * m * ls);
+  stream_scores(b, pr, slot, n, m, n64, ls);
+  b.p.resize(kv * m * lp);
+  b.total.resize(kv * m);
+  for (int64_t i = 0; i < kv * m; ++i)
+    b.total[i] = softmax_row(b.s.data() + i * ls, len[i % m / group], pr.scale, b.p.data() + i * lp, n32);
+  stream_values(b, pr, slot, n, m, n32, lp);
+  for (int64_t kh = 0; kh < kv; ++kh)
+    for (int64_t i = 0; i < m; ++i) {
+      uint16_t* o = pr.out + row(kh, i);
+      const __m512 inv = _mm512_set1_ps(1.0f / b.total[kh * m + i]);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(b.o.data() + (kh * m + i) * dim + d), inv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(x));
+      }
+    }
+}
+
+// One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
+// lambda its enclosing function's target, and tile intrinsics outside an AMX target do not compile).
+// A block of at most 16 query rows alone on its slot list is streamed (stream_block); the others are
+// walked and packed as the dot kernel's are (share_blocks, dot_pack): a prompt's blocks, dealt
+// longest first, share what the first packed. Packing every block's keys and values afresh took a
+// fifth of a 2,048-token prompt's attention (perf).
+ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
+                                 const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
+                                 const int64_t* lens, int64_t width) {
+  thread_local TileStream stream;
+  stream.config = 0;
+  std::vector<int64_t> packed;
+  const int64_t rows = start.back(), group = pr.heads / pr.kv_heads;
+  for (int64_t blk : share) {
+    const int64_t r0 = start[blk], r1 = start[blk + 1];
+    const bool alone = (r0 == 0 || seq[r0 - 1] != seq[r0]) && (r1 == rows || seq[r1] != seq[r0]);
+    if (alone && (r1 - r0) * group <= 16 && *std::max_element(lens + r0, lens + r1) >= kStreamFrom)
+      stream_block(stream, pr, lens + r0, slots + seq[r0] * width, r0, r1 - r0);
+    else
+      packed.push_back(blk);
+  }
+  if (!packed.empty()) {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) {
+      cfg.rows[i] = 16;
+      cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    thread_local TileAttention b;  // kept from call to call (no fresh pages each call)
+    thread_local DotGroup g;
+    share_blocks(g, pr, start, packed, slots, seq, lens, width, [&](DotAttention& p, int64_t r0, int64_t nr, int64_t kh) {
+      tile_block_head(b, pr, lens + r0, r0, nr, kh, p.keys.data(), p.values.data());
+    });
+  }
   _tile_release();
 }
 
