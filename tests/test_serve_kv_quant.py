@@ -204,6 +204,38 @@ def test_native_kernel_reads_the_codes_in_place(
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_long_decode_on_tiles_reads_the_codes_in_place(fmt: str) -> None:
+    """At 1,024 keys or more a decode on the tile kernel is streamed chunk by chunk instead of packed
+    for its whole slot list; from an 8-bit pool it reads the codes where they lie: bit for bit the
+    decode over the bf16 pool of the rounded vectors (which is copied chunk by chunk), and the bits
+    the same row gets as one of its prompt's rows (packed)."""
+    if not kernels.available():
+        pytest.skip(f"the native attention kernel is not built here ({kernels.why_unavailable()})")
+    why = kernels.why_no_tiles()
+    if why is not None:
+        pytest.skip(f"no tile attention here: {why}")
+    heads, kv_heads, dim, n, pool_slots = 9, 3, 64, 1100, 1200
+    g = torch.Generator().manual_seed(n)
+    pools = []
+    for _ in range(2):
+        x = torch.randn(pool_slots, kv_heads, dim, generator=g)  # no key of negligible weight
+        pool = QuantizedKV(pool_slots, kv_heads, dim, fmt, torch.bfloat16, "cpu")
+        pool.store(torch.arange(pool_slots), x.bfloat16())
+        pools.append((pool, _rounded(x.bfloat16(), fmt).bfloat16()))
+    (k, k_dense), (v, v_dense) = pools
+    slots = torch.randperm(pool_slots, generator=g)[:n].view(1, n).contiguous()
+    q = torch.randn(n, heads, dim, generator=g).bfloat16()
+    lens, seq = torch.arange(1, n + 1), torch.zeros(n, dtype=torch.long)
+    prompt = kernels.paged_attention(q, k, v, slots, lens, seq, kernel="tiles")
+    for r in (1023, n - 1):  # decodes on the stream path
+        row = slice(r, r + 1)
+        alone = kernels.paged_attention(q[row], k, v, slots, lens[row], seq[row], kernel="tiles")
+        assert torch.equal(alone, prompt[row])
+        dense = kernels.paged_attention(q[row], k_dense, v_dense, slots, lens[row], seq[row], kernel="tiles")
+        assert torch.equal(alone, dense)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_reads_its_codes_in_place(
     fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch

@@ -21,65 +21,66 @@ struct TileAttention {
   std::vector<float> s, o, total;
 };
 
-// S = Q K^T for the block's query rows (mp of them, a multiple of 16) against keys 0 .. width (a
-// multiple of 64; keys from n on are zeros) in 16-key tiles, four at a time (four independent tile
-// sums in flight): s (mp, width).
-ZT_TILE_TARGET inline void tile_scores(TileAttention& b, const uint32_t* keys, int64_t dim, int64_t mp, int64_t width,
-                                       int64_t ls) {
+// Four 16-key tiles of S: the rows of q (dim apart, as many as the loaded config's A tiles have) times
+// keys k (four pack_keys groups of 16), TDPBF16PS over the head's dims in order (four independent
+// tile sums in flight): into s (rows ls floats apart).
+ZT_TILE_TARGET inline void score_tiles(const uint16_t* q, const uint32_t* k, int64_t dim, float* s, int64_t ls) {
   const int64_t halves = dim / 32;
-  for (int64_t m0 = 0; m0 < mp; m0 += 16) {
-    for (int64_t j0 = 0; j0 < width; j0 += 64) {
-      const uint32_t* k = keys + j0 / 16 * halves * 256;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t h = 0; h < halves; ++h) {
-        _tile_loadd(4, b.q.data() + m0 * dim + 32 * h, dim * 2);
-        _tile_loadd(5, k + h * 256, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, k + (halves + h) * 256, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, k + (2 * halves + h) * 256, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, k + (3 * halves + h) * 256, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      char* s = reinterpret_cast<char*>(b.s.data() + m0 * ls + j0);
-      _tile_stored(0, s, ls * 4);
-      _tile_stored(1, s + 64, ls * 4);
-      _tile_stored(2, s + 128, ls * 4);
-      _tile_stored(3, s + 192, ls * 4);
-    }
-  }
-}
-
-// O = P V for query rows m0 .. m0 + 15, dims 16 t0 .. 16 t0 + 63, over keys 0 .. n32 in 32-key
-// chunks (key order): into b.o (16, dim).
-ZT_TILE_TARGET inline void tile_values(TileAttention& b, const uint32_t* values, int64_t m0, int64_t t0, int64_t dim,
-                                       int64_t n32, int64_t lp) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const uint32_t* v = values;
-  for (int64_t c = 0; c < n32 / 32; ++c) {
-    _tile_loadd(4, b.p.data() + m0 * lp + 32 * c, lp * 2);
-    const uint32_t* vc = v + (c * (dim / 16) + t0) * 256;
+  for (int64_t h = 0; h < halves; ++h) {
+    _tile_loadd(4, q + 32 * h, dim * 2);
+    _tile_loadd(5, k + h * 256, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, k + (halves + h) * 256, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, k + (2 * halves + h) * 256, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, k + (3 * halves + h) * 256, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  char* out = reinterpret_cast<char*>(s);
+  _tile_stored(0, out, ls * 4);
+  _tile_stored(1, out + 64, ls * 4);
+  _tile_stored(2, out + 128, ls * 4);
+  _tile_stored(3, out + 192, ls * 4);
+}
+
+// O's dims 16 t0 .. 16 t0 + 63 for the rows of p (lp apart) over ``chunks`` 32-key chunks of values
+// (pack_values: dim / 16 tiles a chunk), in key order: added to the sums in o (rows dim floats apart)
+// where ``more``, else from zero, and stored back to o.
+ZT_TILE_TARGET inline void value_tiles(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t t0, int64_t dim,
+                                       int64_t chunks, float* o, bool more) {
+  char* out = reinterpret_cast<char*>(o + 16 * t0);
+  if (more) {
+    _tile_loadd(0, out, dim * 4);
+    _tile_loadd(1, out + 64, dim * 4);
+    _tile_loadd(2, out + 128, dim * 4);
+    _tile_loadd(3, out + 192, dim * 4);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, p + 32 * c, lp * 2);
+    const uint32_t* vc = values + (c * (dim / 16) + t0) * 256;
     _tile_loadd(5, vc, 64);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(5, vc + 256, 64);
-    _tile_dpbf16ps(1, 4, 5);
-    _tile_loadd(5, vc + 512, 64);
-    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, vc + 256, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, vc + 512, 64);
+    _tile_dpbf16ps(2, 4, 7);
     _tile_loadd(5, vc + 768, 64);
     _tile_dpbf16ps(3, 4, 5);
   }
-  char* o = reinterpret_cast<char*>(b.o.data() + 16 * t0);
-  _tile_stored(0, o, dim * 4);
-  _tile_stored(1, o + 64, dim * 4);
-  _tile_stored(2, o + 128, dim * 4);
-  _tile_stored(3, o + 192, dim * 4);
+  _tile_stored(0, out, dim * 4);
+  _tile_stored(1, out + 64, dim * 4);
+  _tile_stored(2, out + 128, dim * 4);
+  _tile_stored(3, out + 192, dim * 4);
 }
 
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values packed
@@ -100,15 +101,18 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
     std::memcpy(b.q.data() + i * dim, q + ((r0 + i / group) * heads + kh * group + i % group) * dim, dim * 2);
   const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
   b.s.resize(mp * ls);
-  tile_scores(b, keys, dim, mp, n64, ls);
-  b.p.resize(mp * lp);  // softmax_row writes each row to n32, the width tile_values reads
+  for (int64_t m0 = 0; m0 < mp; m0 += 16)  // S = Q K^T, 64 keys at a time (keys from n on are zeros)
+    for (int64_t j0 = 0; j0 < n64; j0 += 64)
+      score_tiles(b.q.data() + m0 * dim, keys + j0 / 16 * (dim / 32) * 256, dim, b.s.data() + m0 * ls + j0, ls);
+  b.p.resize(mp * lp);  // softmax_row writes each row to n32, the width value_tiles reads
   std::fill(b.p.begin() + m * lp, b.p.begin() + mp * lp, 0);
   b.total.resize(mp);
   for (int64_t i = 0; i < m; ++i)
     b.total[i] = softmax_row(b.s.data() + i * ls, len[i / group], scale, b.p.data() + i * lp, n32);
   b.o.resize(16 * dim);
   for (int64_t m0 = 0; m0 < mp; m0 += 16) {
-    for (int64_t t0 = 0; t0 < dim / 16; t0 += 4) tile_values(b, values, m0, t0, dim, n32, lp);
+    for (int64_t t0 = 0; t0 < dim / 16; t0 += 4)  // O = P V in key order
+      value_tiles(b.p.data() + m0 * lp, lp, values, t0, dim, n32 / 32, b.o.data(), false);
     for (int64_t i = m0; i < std::min(m, m0 + 16); ++i) {
       uint16_t* o = out + ((r0 + i / group) * heads + kh * group + i % group) * dim;
       const __m512 inv = _mm512_set1_ps(1.0f / b.total[i]);
@@ -187,28 +191,7 @@ ZT_TILE_TARGET void stream_scores(TileStream& b, const AttentionProblem& pr, con
     for (int64_t kh = 0; kh < kv; ++kh) {
       for (int64_t i = 0; i < kStreamKeys / 16; ++i)
         pack_keys(st.src, st.slot, st.from + 16 * i, st.n, kv, kh, dim, b.keys.data() + i * halves * 256);
-      const uint32_t* k = b.keys.data();
-      const uint16_t* q = b.q.data() + kh * m * dim;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t h = 0; h < halves; ++h) {
-        _tile_loadd(4, q + 32 * h, dim * 2);
-        _tile_loadd(5, k + h * 256, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, k + (halves + h) * 256, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, k + (2 * halves + h) * 256, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, k + (3 * halves + h) * 256, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      char* s = reinterpret_cast<char*>(b.s.data() + kh * m * ls + j0);
-      _tile_stored(0, s, ls * 4);
-      _tile_stored(1, s + 64, ls * 4);
-      _tile_stored(2, s + 128, ls * 4);
-      _tile_stored(3, s + 192, ls * 4);
+      score_tiles(b.q.data() + kh * m * dim, b.keys.data(), dim, b.s.data() + kh * m * ls + j0, ls);
     }
   }
 }
@@ -226,36 +209,8 @@ ZT_TILE_TARGET void stream_values(TileStream& b, const AttentionProblem& pr, con
     for (int64_t kh = 0; kh < kv; ++kh) {
       for (int64_t c = 0; c < chunks; ++c)
         pack_values(st.src, st.slot, st.from + 32 * c, st.n, kv, kh, dim, b.values.data() + c * tiles * 256);
-      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-        char* o = reinterpret_cast<char*>(b.o.data() + kh * m * dim + 16 * t0);
-        if (j0 == 0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-        } else {
-          _tile_loadd(0, o, dim * 4);
-          _tile_loadd(1, o + 64, dim * 4);
-          _tile_loadd(2, o + 128, dim * 4);
-          _tile_loadd(3, o + 192, dim * 4);
-        }
-        for (int64_t c = 0; c < chunks; ++c) {
-          _tile_loadd(4, b.p.data() + kh * m * lp + j0 + 32 * c, lp * 2);
-          const uint32_t* vc = b.values.data() + (c * tiles + t0) * 256;
-          _tile_loadd(5, vc, 64);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, vc + 256, 64);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(7, vc + 512, 64);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, vc + 768, 64);
-          _tile_dpbf16ps(3, 4, 5);
-        }
-        _tile_stored(0, o, dim * 4);
-        _tile_stored(1, o + 64, dim * 4);
-        _tile_stored(2, o + 128, dim * 4);
-        _tile_stored(3, o + 192, dim * 4);
-      }
+      for (int64_t t0 = 0; t0 < tiles; t0 += 4)
+        value_tiles(b.p.data() + kh * m * lp + j0, lp, b.values.data(), t0, dim, chunks, b.o.data() + kh * m * dim, j0 > 0);
     }
   }
 }
