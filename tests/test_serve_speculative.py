@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.test_serve_engine import CFG, GREEDY, _prompts, _run, sharpened_pair
-from zerotron.components.sampling import SamplingParams, sample
+from zerotron.components.sampling import SamplingParams, draw, sample
 from zerotron.serve import engine as engine_module
 from zerotron.serve.engine import Engine, EngineConfig
 from zerotron.serve.speculative import NgramConfig, SpeculativeError, parse_speculative_config, propose
@@ -121,6 +121,23 @@ def test_rejection_step_samples_the_target_distribution_and_a_leak_is_caught() -
     leaky = counts.clone()
     leaky[draft] += 400  # 2% of the tokens kept as the draft whatever the model says
     assert _chi_square_p(leaky, probs.double()) < 1e-6
+
+
+def test_draw_follows_the_probabilities_and_never_draws_a_zero() -> None:
+    """``draw`` (every sampled token's last step): 20,000 draws from a 200-entry distribution with
+    zeros follow it (chi-square), never give an entry of probability 0, and a distribution that is NaN
+    or all zeros is refused, as ``torch.multinomial`` refuses it."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(200, generator=g) * 3, -1)
+    probs[::7] = 0.0
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(20000)]), minlength=200).double()
+    assert counts[::7].sum() == 0
+    assert _chi_square_p(counts, probs.double() / probs.sum()) > 1e-3
+    shifted = torch.roll(counts, 1)  # a draw one entry off
+    assert _chi_square_p(shifted, probs.double() / probs.sum()) < 1e-6
+    for bad in (torch.tensor([float("nan"), 1.0]), torch.zeros(3)):
+        with pytest.raises(ValueError, match="finite, one of them positive"):
+            draw(bad, g)
 
 
 def three_token_samples(engine: Engine, prompt: list[int], t: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any, Optional, TextIO
 
 import torch
 
-from zerotron.components.sampling import SamplingParams, filter_logits
+from zerotron.components.sampling import SamplingParams, draw, filter_logits
 from zerotron.config_load import ConfigError
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
@@ -43,7 +43,7 @@ def sample_next(
     probs = torch.softmax(filter_logits(logits.float(), params), dim=-1)
     if not bool(torch.isfinite(probs).all()):
         raise NonFiniteLogits("the model's next-token probabilities are NaN or inf: its weights diverged")
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(probs, generator)
 
 
 @dataclass(frozen=True)
