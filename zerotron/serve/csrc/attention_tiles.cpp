@@ -83,6 +83,13 @@ ZT_TILE_TARGET inline void value_tiles(const uint16_t* p, int64_t lp, const uint
   _tile_stored(3, out + 192, dim * 4);
 }
 
+// One query row's output: its sums o (dim) over its total, rounded once to bf16 into out.
+ZT_TILE_TARGET inline void store_row(uint16_t* out, const float* o, float total, int64_t dim) {
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (int64_t d = 0; d < dim; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d), inv)));
+}
+
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values packed
 // (pack_heads), written to the output.
 ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* len, int64_t r0,
@@ -113,14 +120,9 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   for (int64_t m0 = 0; m0 < mp; m0 += 16) {
     for (int64_t t0 = 0; t0 < dim / 16; t0 += 4)  // O = P V in key order
       value_tiles(b.p.data() + m0 * lp, lp, values, t0, dim, n32 / 32, b.o.data(), false);
-    for (int64_t i = m0; i < std::min(m, m0 + 16); ++i) {
-      uint16_t* o = out + ((r0 + i / group) * heads + kh * group + i % group) * dim;
-      const __m512 inv = _mm512_set1_ps(1.0f / b.total[i]);
-      for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(b.o.data() + (i - m0) * dim + d), inv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(x));
-      }
-    }
+    for (int64_t i = m0; i < std::min(m, m0 + 16); ++i)
+      store_row(out + ((r0 + i / group) * heads + kh * group + i % group) * dim, b.o.data() + (i - m0) * dim, b.total[i],
+                dim);
   }
 }
 
@@ -143,16 +145,6 @@ struct TileStream {
   std::vector<float> s, o, total;  // (KV head x m, ls), (KV head x m, dim), (KV head x m)
   int64_t config = 0;  // the rows the loaded tile config has
 };
-
-// Tiles 0-3 (C) and 4 (A) of m rows, 5-7 (B) of 16.
-ZT_TILE_TARGET inline void tile_rows_config(int64_t m) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = i < 5 ? static_cast<uint8_t>(m) : 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // Where a chunk's keys or values are packed from: a pool, its slots, the chunk's first key and the
 // list's length (pack_keys' and pack_values' arguments).
@@ -219,7 +211,7 @@ ZT_TILE_TARGET void stream_values(TileStream& b, const AttentionProblem& pr, con
 ZT_TILE_TARGET void stream_block(TileStream& b, const AttentionProblem& pr, const int64_t* len, const int64_t* slot,
                                  int64_t r0, int64_t nr) {
   const int64_t heads = pr.heads, kv = pr.kv_heads, dim = pr.dim, group = heads / kv, m = nr * group;
-  if (b.config != m) tile_rows_config(m);
+  if (b.config != m) load_tile_config(m);  // A and C tiles of the block's m rows
   b.config = m;
   const int64_t n = *std::max_element(len, len + nr);
   const int64_t n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
@@ -236,14 +228,7 @@ ZT_TILE_TARGET void stream_block(TileStream& b, const AttentionProblem& pr, cons
     b.total[i] = softmax_row(b.s.data() + i * ls, len[i % m / group], pr.scale, b.p.data() + i * lp, n32);
   stream_values(b, pr, slot, n, m, n32, lp);
   for (int64_t kh = 0; kh < kv; ++kh)
-    for (int64_t i = 0; i < m; ++i) {
-      uint16_t* o = pr.out + row(kh, i);
-      const __m512 inv = _mm512_set1_ps(1.0f / b.total[kh * m + i]);
-      for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(b.o.data() + (kh * m + i) * dim + d), inv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(x));
-      }
-    }
+    for (int64_t i = 0; i < m; ++i) store_row(pr.out + row(kh, i), b.o.data() + (kh * m + i) * dim, b.total[kh * m + i], dim);
 }
 
 // One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
@@ -268,12 +253,7 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
       packed.push_back(blk);
   }
   if (!packed.empty()) {
-    TileConfig cfg;
-    for (int i = 0; i < 8; ++i) {
-      cfg.rows[i] = 16;
-      cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    load_tile_config();
     thread_local TileAttention b;  // kept from call to call (no fresh pages each call)
     thread_local DotGroup g;
     share_blocks(g, pr, start, packed, slots, seq, lens, width, [&](DotAttention& p, int64_t r0, int64_t nr, int64_t kh) {

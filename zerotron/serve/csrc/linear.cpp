@@ -21,11 +21,12 @@ struct TileConfig {
   uint8_t rows[16] = {0};
 };
 
-// Every tile 16 rows of 64 bytes (the tile kernels' one shape), for this thread.
-ZT_TILE_TARGET inline void load_tile_config() {
+// Every tile 64 bytes wide, for this thread: tiles 0-4 (the C and A tiles) of ``rows`` rows, 5-7 (B)
+// of 16; the linear kernels' one shape is 16 rows of every tile.
+ZT_TILE_TARGET inline void load_tile_config(int64_t rows = 16) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
+    cfg.rows[i] = i < 5 ? static_cast<uint8_t>(rows) : 16;
     cfg.colsb[i] = 64;
   }
   _tile_loadconfig(&cfg);
