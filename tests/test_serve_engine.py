@@ -703,8 +703,8 @@ def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
     (heads_per_pack), so the heads go in groups. A 1,500-token prompt's rows beside three decodes on
     lists of their own: every row the same bits in one call, in two chunks of the prompt, on one
     thread, and (some rows, and four rows together) alone, where the tile kernel streams a block of
-    at most 16 query rows instead of packing; and attention over its keys in float64 within bf16's
-    rounding."""
+    at most 16 query rows instead of packing (copying each run of consecutive slots at once); and
+    attention over its keys in float64 within bf16's rounding."""
     from zerotron.serve import kernels
 
     _native_or_skip()
@@ -718,7 +718,12 @@ def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
     g = torch.Generator().manual_seed(dim)
     k_pool = torch.randn(4 * width, kv_heads, dim, generator=g).bfloat16()
     v_pool = torch.randn(4 * width, kv_heads, dim, generator=g).bfloat16()
-    slots = torch.randperm(4 * width, generator=g).view(4, width).contiguous()  # scattered slots
+    # the pool's 16-slot blocks in random order (as the engine's), an eighth of the slots then moved
+    # among themselves: runs of consecutive slots of every length, and scattered slots
+    blocks = torch.randperm(4 * width // 16, generator=g).view(4, width // 16)
+    slots = (blocks[:, :, None] * 16 + torch.arange(16)).view(4, width).contiguous()
+    moved = torch.randperm(4 * width, generator=g)[: width // 2]
+    slots.view(-1)[moved] = slots.view(-1)[moved[torch.randperm(len(moved), generator=g)]]
     seq = torch.tensor([1] + [0] * 700 + [2] + [0] * (n - 700) + [3])
     lens = torch.cat(
         [torch.tensor([1400]), torch.arange(1, 701), torch.tensor([1499]), torch.arange(701, n + 1)]

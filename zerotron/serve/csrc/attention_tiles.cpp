@@ -155,8 +155,10 @@ struct Staged {
 };
 
 // Slots j0 .. j1 (below n) of a bf16 pool, every KV head, copied whole and in order into b.stage (slot
-// j0 + c at c): read as the pool lies, not one head's vector at a slot's stride. An 8-bit pool is
-// packed from as it is.
+// j0 + c at c): read as the pool lies, not one head's vector at a slot's stride, each run of
+// consecutive slots (a block's) in one copy (16 decodes of 2,048 keys over 30 layers' pools, out of
+// cache as in the engine: 0.94-0.96x the time of a copy per slot). An 8-bit pool is packed from as
+// it is.
 ZT_TILE_TARGET inline Staged stage_slots(TileStream& b, const KVSource& src, const int64_t* slot, int64_t j0, int64_t j1,
                                          int64_t n, int64_t kv_heads, int64_t dim) {
   if (src.bf16 == nullptr) return Staged{src, slot, j0, n};
@@ -166,8 +168,12 @@ ZT_TILE_TARGET inline Staged stage_slots(TileStream& b, const KVSource& src, con
     b.iota.resize(2 * (j1 - j0));
     for (size_t i = 0; i < b.iota.size(); ++i) b.iota[i] = static_cast<int64_t>(i);
   }
-  for (int64_t c = j0; c < std::min(j1, n); ++c)
-    std::memcpy(b.stage.data() + (c - j0) * width, src.bf16 + slot[c] * width, width * 2);
+  for (int64_t c = j0, end = std::min(j1, n); c < end;) {
+    int64_t e = c + 1;
+    while (e < end && slot[e] == slot[e - 1] + 1) ++e;
+    std::memcpy(b.stage.data() + (c - j0) * width, src.bf16 + slot[c] * width, (e - c) * width * 2);
+    c = e;
+  }
   KVSource staged;
   staged.bf16 = b.stage.data();
   return Staged{staged, b.iota.data(), 0, n - j0};
