@@ -25,11 +25,10 @@ import time
 
 import numpy as np
 import torch
+from serve_attention import BLOCK, DIM, HEADS, KV_HEADS, block_slots, native_kernels
 from torch.utils import cpp_extension
 
 from zerotron.serve import kernels
-
-HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 _PROBE = r"""
 #include <torch/extension.h>
@@ -139,13 +138,10 @@ def cold_step(seqs: int, context: int, layers: int, rounds: int) -> None:
         (torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16())
         for _ in range(layers)
     ]
-    table = torch.randperm(seqs * blocks, generator=g).view(seqs, blocks)
-    slots = (table[:, :, None] * BLOCK + torch.arange(BLOCK)).view(seqs, -1).contiguous()
+    slots = block_slots(seqs, blocks, g)
     q = torch.randn(seqs, HEADS, DIM, generator=g).bfloat16()
     lens, seq = torch.full((seqs,), context), torch.arange(seqs)
-    names = ["fp32"] + [
-        k for k, ok in (("dot", kernels.dot_available()), ("tiles", kernels.tiles_available())) if ok
-    ]
+    names = native_kernels(torch.bfloat16)
 
     def step(kernel: str) -> float:
         t = time.perf_counter()

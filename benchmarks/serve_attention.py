@@ -27,6 +27,20 @@ from zerotron.serve import kernels
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
+def block_slots(sequences: int, blocks: int, g: torch.Generator, first: int = 0) -> torch.Tensor:
+    """Each sequence's slot list as the engine lays it out: ``blocks`` 16-slot blocks a sequence, the
+    blocks ``first`` .. ``first + sequences x blocks`` shuffled over the sequences: (sequences, blocks x 16)."""
+    order = torch.randperm(sequences * blocks, generator=g).view(sequences, blocks) + first
+    return (order[:, :, None] * BLOCK + torch.arange(BLOCK)).view(sequences, -1).contiguous()
+
+
+def native_kernels(dtype: torch.dtype) -> list[str]:
+    """The attention kernels this CPU runs for rows of ``dtype``: fp32, and for bf16 the tile (AMX) and
+    dot (AVX512-BF16) kernels where it has them."""
+    products = (("tiles", kernels.tiles_available), ("dot", kernels.dot_available))
+    return ["fp32"] + [k for k, ok in products if dtype == torch.bfloat16 and ok()]
+
+
 def _best(fns: list[Callable[[], torch.Tensor]], passes: int) -> list[float]:
     for f in fns:
         f()
@@ -55,8 +69,7 @@ def _length(n: int, dtype: torch.dtype, g: torch.Generator, passes: int, kernel:
     # 32 decodes of 32 sequences, each its own keys (its own slot list over a pool of their blocks)
     dk_pool = torch.randn(32 * blocks * BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
     dv_pool = torch.randn(32 * blocks * BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
-    dtable = torch.randperm(32 * blocks, generator=g).view(32, blocks)
-    dslots = (dtable[:, :, None] * BLOCK + torch.arange(BLOCK)).view(32, -1).contiguous()
+    dslots = block_slots(32, blocks, g)
     dq = torch.randn(32, HEADS, DIM, generator=g).to(dtype)
     dlens, dseq = torch.full((32,), n), torch.arange(32)
     rows = dq.view(32, KV_HEADS, HEADS // KV_HEADS, DIM)  # the engine's SDPA decode: heads as rows

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from serve_attention import _best
+from serve_attention import _best, block_slots, native_kernels
 
 from zerotron.serve import kernels, kv_quant
 
@@ -34,8 +34,7 @@ def _cases(
     g = torch.Generator().manual_seed(0)
     blocks = -(-context // BLOCK)
     total = sequences * blocks + 1  # block 0 unused, as the engine's scratch block
-    order = torch.randperm(total - 1, generator=g)[: sequences * blocks].view(sequences, blocks) + 1
-    slots = (order[:, :, None] * BLOCK + torch.arange(BLOCK)).view(sequences, -1)[:, :context].contiguous()
+    slots = block_slots(sequences, blocks, g, first=1)[:, :context].contiguous()
     lens = torch.full((sequences,), context)
     q = torch.randn(sequences, heads, dim, generator=g).to(dtype)
     x = [torch.randn(total * BLOCK, kv_heads, dim, generator=g).to(dtype) for _ in range(2)]
@@ -48,8 +47,7 @@ def _cases(
             pool.store(torch.arange(total * BLOCK), t)
             pair.append(pool)
         pools[fmt] = (pair[0], pair[1])
-    products = (("tiles", kernels.tiles_available), ("dot", kernels.dot_available))
-    here = ["fp32"] + [k for k, ok in products if dtype == torch.bfloat16 and ok()]
+    here = native_kernels(dtype)
     cases: dict[str, Callable[[], Any]] = {}
     for kernel in here:
         for name, (k, v) in pools.items():
