@@ -10,9 +10,11 @@
 // own query, keys and values alone, never on the block it is in, the other rows, or how a prompt is
 // cut into chunks, and a decode is computed as a prompt row is. Where the fp32 kernel spends a
 // 16-lane product and a reduction on each key of each row, here one instruction adds two dims of 16
-// keys (scores) or two keys of 16 dims (sums) for a row: about 0.45x the time on a long prompt; but a
-// decode (three query rows per KV head) does not amortise packing its keys and values, and takes
-// 1.2-1.9x the time. The helpers (packing, softmax) are the tile kernel's too.
+// keys (scores) or two keys of 16 dims (sums) for a row: about 0.45x the time on a long prompt. A
+// decode (three query rows per KV head) does not amortise packing its keys and values for the whole
+// list (1.2-1.9x the fp32 kernel's time on Zen 4): from 64 keys it is streamed, a chunk of keys or
+// values packed and used at once (dot_stream_block). The helpers (packing, softmax, the stream) are
+// the tile kernel's too.
 #if defined(ZT_DOT) && defined(__AVX512F__)
 #define ZT_DOT_ATTENTION 1
 // A 16 x 16 matrix of 32-bit elements, row i in r[i], transposed in place (r[i] becomes column i).
@@ -230,19 +232,16 @@ ZT_DOT_TARGET inline void dot_scores(const uint16_t* q, const uint32_t* keys, in
   }
 }
 
-// O = P V for R rows of probabilities (lp apart, bf16, zeros past each row's keys) over keys 0 .. n32
-// (values packed by pack_values, 32 keys a chunk), dims 16 t0 .. 16 t0 + 63: each element one chain of
-// VDPBF16PS steps over the pairs of keys in order from key 0, divided by its row's total and rounded
-// once to bf16 into o[r] + 16 t0.
+// Chunks c0 .. c1 - 1 of 32 keys of O = P V into acc: R rows of probabilities (lp apart, bf16, zeros
+// past each row's keys, key 32 c0 at p) times the values (packed by pack_values, 32 keys a chunk, from
+// chunk c0 at ``values``), dims 16 t0 .. 16 t0 + 63: each element one chain of VDPBF16PS steps over the
+// pairs of keys in order.
 template <int R>
-ZT_DOT_TARGET inline void dot_values(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
-                                     int64_t n32, uint16_t* const* o, const float* total) {
+ZT_DOT_TARGET inline void dot_chunks(__m512 (&acc)[R][4], const uint16_t* p, int64_t lp, const uint32_t* values,
+                                     int64_t dim, int64_t t0, int64_t chunks) {
   ZT_DOT_ORDER
   const int64_t tiles = dim / 16;
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n32 / 32; ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {
     const uint32_t* vc = values + (c * tiles + t0) * 256;
     for (int64_t k = 0; k < 16; ++k) {
       __m512bh v[4];
@@ -253,12 +252,37 @@ ZT_DOT_TARGET inline void dot_values(const uint16_t* p, int64_t lp, const uint32
       }
     }
   }
+}
+
+// O = P V for R rows of probabilities over keys 0 .. n32 (dot_chunks from key 0), divided by each
+// row's total and rounded once to bf16 into o[r] + 16 t0.
+template <int R>
+ZT_DOT_TARGET inline void dot_values(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
+                                     int64_t n32, uint16_t* const* o, const float* total) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  dot_chunks<R>(acc, p, lp, values, dim, t0, n32 / 32);
   for (int r = 0; r < R; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
     for (int i = 0; i < 4; ++i)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o[r] + 16 * (t0 + i)),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], inv)));
   }
+}
+
+// The same sums for ``chunks`` chunks of values, added to the fp32 sums in o (rows dim apart, dims
+// 16 t0 ..) where ``more``, else from zero, and stored back to o unrounded: a stream's chunks go on
+// with the chain where the chunk before left it (the same bits as dot_values' one pass).
+template <int R>
+ZT_DOT_TARGET inline void dot_sums(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
+                                   int64_t chunks, float* o, bool more) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = more ? _mm512_loadu_ps(o + r * dim + 16 * (t0 + i)) : _mm512_setzero_ps();
+  dot_chunks<R>(acc, p, lp, values, dim, t0, chunks);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + r * dim + 16 * (t0 + i), acc[r][i]);
 }
 
 constexpr int kScoreRows = 8, kValueRows = 6;  // rows per register block: 16 and 24 accumulators
@@ -283,6 +307,17 @@ ZT_DOT_TARGET void dot_values_rows(const uint16_t* p, int64_t lp, const uint32_t
     ZT_ROWS(6) ZT_ROWS(5) ZT_ROWS(4) ZT_ROWS(3) ZT_ROWS(2)
 #undef ZT_ROWS
     default: dot_values<1>(p, lp, values, dim, t0, n32, o, total); break;
+  }
+}
+
+ZT_DOT_TARGET void dot_sums_rows(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
+                                 int64_t chunks, float* o, bool more, int64_t rows) {
+  switch (rows) {
+#define ZT_ROWS(R) \
+    case R: dot_sums<R>(p, lp, values, dim, t0, chunks, o, more); break;
+    ZT_ROWS(6) ZT_ROWS(5) ZT_ROWS(4) ZT_ROWS(3) ZT_ROWS(2)
+#undef ZT_ROWS
+    default: dot_sums<1>(p, lp, values, dim, t0, chunks, o, more); break;
   }
 }
 
@@ -362,12 +397,179 @@ ZT_DOT_TARGET inline void share_blocks(DotGroup& g, const AttentionProblem& pr, 
   }
 }
 
+// A block of at most 16 query rows whose slot list no other block of the call reads (a decode, a few
+// rows of a prompt), on enough keys (the kernel's kStreamFrom): its keys and values are not packed for
+// the whole list (a decode reuses none of it; packing 2,048 keys and values of every KV head took 80%
+// of a tile decode's time, the packed copy going out to L2 and back) but a chunk at a time
+// (kStreamKeys, kStreamValues): the chunk's slots copied whole, every KV head, as the pool lies
+// (stage_slots), then each head's keys or values packed from the copy and used at once. Each element
+// is the one the packed walk gives: the same products added in the same order (O's sums stored
+// between chunks in fp32 and loaded again). The dot and tile kernels' stream.
+constexpr int64_t kStreamKeys = 64, kStreamValues = 128;
+
+struct StreamBuffers {
+  std::vector<uint16_t> q, p, stage;  // (KV head, m rows, dim), (KV head x m rows, lp), a chunk's slots
+  std::vector<int64_t> iota;  // 0, 1, .. (the staged slots' numbers)
+  std::vector<uint32_t> keys, values;  // one chunk's
+  std::vector<float> s, o, total;  // (KV head x m, ls), (KV head x m, dim), (KV head x m)
+};
+
+// Where a chunk's keys or values are packed from: a pool, its slots, the chunk's first key and the
+// list's length (pack_keys' and pack_values' arguments).
+struct Staged {
+  KVSource src;
+  const int64_t* slot;
+  int64_t from, n;
+};
+
+// Slots j0 .. j1 (below n) of a bf16 pool, every KV head, copied whole and in order into b.stage (slot
+// j0 + c at c): read as the pool lies, not one head's vector at a slot's stride, each run of
+// consecutive slots (a block's) in one copy (16 decodes of 2,048 keys over 30 layers' pools, out of
+// cache as in the engine: 0.94-0.96x the time of a copy per slot, tile kernel). An 8-bit pool is
+// packed from as it is.
+inline Staged stage_slots(StreamBuffers& b, const KVSource& src, const int64_t* slot, int64_t j0, int64_t j1, int64_t n,
+                          int64_t kv_heads, int64_t dim) {
+  if (src.bf16 == nullptr) return Staged{src, slot, j0, n};
+  const int64_t width = kv_heads * dim;
+  b.stage.resize((j1 - j0) * width);
+  if (static_cast<int64_t>(b.iota.size()) < 2 * (j1 - j0)) {  // pack_keys names the next 16 slots too
+    b.iota.resize(2 * (j1 - j0));
+    for (size_t i = 0; i < b.iota.size(); ++i) b.iota[i] = static_cast<int64_t>(i);
+  }
+  for (int64_t c = j0, end = std::min(j1, n); c < end;) {
+    int64_t e = c + 1;
+    while (e < end && slot[e] == slot[e - 1] + 1) ++e;
+    std::memcpy(b.stage.data() + (c - j0) * width, src.bf16 + slot[c] * width, (e - c) * width * 2);
+    c = e;
+  }
+  KVSource staged;
+  staged.bf16 = b.stage.data();
+  return Staged{staged, b.iota.data(), 0, n - j0};
+}
+
+// Slots a .. b (below n) of a bf16 pool, every KV head, requested into L2.
+inline void prefetch_slots(const KVSource& src, const int64_t* slot, int64_t a, int64_t b, int64_t n, int64_t width) {
+  if (src.bf16 == nullptr) return;
+  for (int64_t c = a, end = std::min(b, n); c < end; ++c) {
+    const char* from = reinterpret_cast<const char*>(src.bf16 + slot[c] * width);
+    for (int64_t off = 0; off < width * 2; off += 64) _mm_prefetch(from + off, _MM_HINT_T1);
+  }
+}
+
+// One query row's output: its sums o (dim) over its total, rounded once to bf16 into out.
+ZT_DOT_TARGET inline void store_row(uint16_t* out, const float* o, float total, int64_t dim) {
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (int64_t d = 0; d < dim; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d), inv)));
+}
+
+// One streamed block of rows r0 .. r0 + nr - 1 (m = nr x group rows a KV head), every KV head: the
+// query rows into b.q, scores(n, m, n64, ls) into b.s, each row's softmax into b.p, sums(n, m, n32,
+// lp) into b.o, written to the output.
+template <typename Scores, typename Sums>
+ZT_DOT_TARGET void stream_rows(StreamBuffers& b, const AttentionProblem& pr, const int64_t* len, int64_t r0, int64_t nr,
+                               const Scores& scores, const Sums& sums) {
+  const int64_t heads = pr.heads, kv = pr.kv_heads, dim = pr.dim, group = heads / kv, m = nr * group;
+  const int64_t n = *std::max_element(len, len + nr);
+  const int64_t n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
+  const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
+  const auto row = [&](int64_t kh, int64_t i) { return ((r0 + i / group) * heads + kh * group + i % group) * dim; };
+  b.q.resize(kv * m * dim);
+  for (int64_t kh = 0; kh < kv; ++kh)
+    for (int64_t i = 0; i < m; ++i) std::memcpy(b.q.data() + (kh * m + i) * dim, pr.q + row(kh, i), dim * 2);
+  b.s.resize(kv * m * ls);
+  scores(n, m, n64, ls);
+  b.p.resize(kv * m * lp);
+  b.total.resize(kv * m);
+  for (int64_t i = 0; i < kv * m; ++i)
+    b.total[i] = softmax_row(b.s.data() + i * ls, len[i % m / group], pr.scale, b.p.data() + i * lp, n32);
+  b.o.resize(kv * m * dim);
+  sums(n, m, n32, lp);
+  for (int64_t kh = 0; kh < kv; ++kh)
+    for (int64_t i = 0; i < m; ++i) store_row(pr.out + row(kh, i), b.o.data() + (kh * m + i) * dim, b.total[kh * m + i], dim);
+}
+
+// Whether block blk (rows start[blk] .. start[blk + 1]) is streamed: at most 16 query rows a KV head,
+// alone on its slot list in the call, on ``from`` keys or more.
+inline bool streamed(const std::vector<int64_t>& start, int64_t blk, const int64_t* seq, const int64_t* lens,
+                     int64_t group, int64_t from) {
+  const int64_t r0 = start[blk], r1 = start[blk + 1], rows = start.back();
+  const bool alone = (r0 == 0 || seq[r0 - 1] != seq[r0]) && (r1 == rows || seq[r1] != seq[r0]);
+  return alone && (r1 - r0) * group <= 16 && *std::max_element(lens + r0, lens + r1) >= from;
+}
+
+// The dot kernel streams from 64 keys: 32 decodes on Zen 5 (30 layers' pools, out of cache), against
+// packing the list, 0.70x the time at 64 and 128 keys, 0.65-0.67x at 256-512, 0.42-0.47x at 4,096;
+// at 16 keys the same (within noise).
+constexpr int64_t kDotStreamFrom = 64;
+
+// A streamed block on VDPBF16PS: per chunk of kStreamKeys keys and KV head, the keys packed
+// (pack_keys) and the head's m rows scored (dot_scores); per chunk of kStreamValues keys, the values
+// packed (pack_values) and the sums gone on with (dot_sums). Meanwhile the next chunk's slots are
+// requested into L2 a part before each packing (16 decodes of 2,048 keys over 30 layers' pools, out
+// of cache, Zen 5: 0.84-0.86x the time of no request; the whole next chunk at once after the copy,
+// 0.88x: the requests then wait on each other, and no work goes on meanwhile).
+ZT_DOT_TARGET void dot_stream_block(StreamBuffers& b, const AttentionProblem& pr, const int64_t* len, const int64_t* slot,
+                                    int64_t r0, int64_t nr) {
+  const int64_t dim = pr.dim, kv = pr.kv_heads, halves = dim / 32, tiles = dim / 16;
+  const auto score = dim == 64 ? dot_scores_rows<64> : dot_scores_rows<128>;
+  stream_rows(b, pr, len, r0, nr,
+              [&](int64_t n, int64_t m, int64_t n64, int64_t ls) {
+                b.keys.resize(kStreamKeys / 16 * halves * 256);
+                for (int64_t j0 = 0; j0 < n64; j0 += kStreamKeys) {
+                  const Staged st = stage_slots(b, pr.kp, slot, j0, j0 + kStreamKeys, n, kv, dim);
+                  const int64_t parts = kv * kStreamKeys / 16, next = j0 + kStreamKeys;
+                  for (int64_t kh = 0; kh < kv; ++kh) {
+                    for (int64_t i = 0; i < kStreamKeys / 16; ++i) {
+                      const int64_t part = kh * kStreamKeys / 16 + i;
+                      prefetch_slots(pr.kp, slot, next + kStreamKeys * part / parts, next + kStreamKeys * (part + 1) / parts, n,
+                                     kv * dim);
+                      pack_keys(st.src, st.slot, st.from + 16 * i, st.n, kv, kh, dim, b.keys.data() + i * halves * 256);
+                    }
+                    for (int64_t i0 = 0; i0 < m; i0 += kScoreRows)
+                      score(b.q.data() + (kh * m + i0) * dim, b.keys.data(), kStreamKeys, b.s.data() + (kh * m + i0) * ls + j0,
+                            ls, std::min<int64_t>(kScoreRows, m - i0));
+                  }
+                }
+              },
+              [&](int64_t n, int64_t m, int64_t n32, int64_t lp) {
+                b.values.resize(kStreamValues / 32 * tiles * 256);
+                for (int64_t j0 = 0; j0 < n32; j0 += kStreamValues) {
+                  const int64_t chunks = std::min(kStreamValues, n32 - j0) / 32;
+                  const Staged st = stage_slots(b, pr.vp, slot, j0, j0 + kStreamValues, n, kv, dim);
+                  const int64_t parts = kv * kStreamValues / 32, next = j0 + kStreamValues;
+                  for (int64_t kh = 0; kh < kv; ++kh) {
+                    for (int64_t c = 0; c < kStreamValues / 32; ++c) {
+                      const int64_t part = kh * kStreamValues / 32 + c;
+                      prefetch_slots(pr.vp, slot, next + kStreamValues * part / parts, next + kStreamValues * (part + 1) / parts,
+                                     n, kv * dim);
+                      if (c < chunks)
+                        pack_values(st.src, st.slot, st.from + 32 * c, st.n, kv, kh, dim, b.values.data() + c * tiles * 256);
+                    }
+                    for (int64_t i0 = 0; i0 < m; i0 += kValueRows)
+                      for (int64_t t0 = 0; t0 < tiles; t0 += 4)
+                        dot_sums_rows(b.p.data() + (kh * m + i0) * lp + j0, lp, b.values.data(), dim, t0, chunks,
+                                      b.o.data() + (kh * m + i0) * dim, j0 > 0, std::min<int64_t>(kValueRows, m - i0));
+                  }
+                }
+              });
+}
+
 // The dot kernel's share of the blocks (share_blocks).
 ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64_t>& start,
                              const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
                              const int64_t* lens, int64_t width) {
+  thread_local StreamBuffers stream;
+  std::vector<int64_t> packed;
+  for (int64_t blk : share) {
+    if (streamed(start, blk, seq, lens, pr.heads / pr.kv_heads, kDotStreamFrom))
+      dot_stream_block(stream, pr, lens + start[blk], slots + seq[start[blk]] * width, start[blk], start[blk + 1] - start[blk]);
+    else
+      packed.push_back(blk);
+  }
+  if (packed.empty()) return;
   thread_local DotGroup g;  // kept from call to call (no fresh pages each call)
-  share_blocks(g, pr, start, share, slots, seq, lens, width, [&](DotAttention& b, int64_t r0, int64_t nr, int64_t kh) {
+  share_blocks(g, pr, start, packed, slots, seq, lens, width, [&](DotAttention& b, int64_t r0, int64_t nr, int64_t kh) {
     dot_block_head(b, pr, lens + r0, r0, nr, kh);
   });
 }

@@ -83,13 +83,6 @@ ZT_TILE_TARGET inline void value_tiles(const uint16_t* p, int64_t lp, const uint
   _tile_stored(3, out + 192, dim * 4);
 }
 
-// One query row's output: its sums o (dim) over its total, rounded once to bf16 into out.
-ZT_TILE_TARGET inline void store_row(uint16_t* out, const float* o, float total, int64_t dim) {
-  const __m512 inv = _mm512_set1_ps(1.0f / total);
-  for (int64_t d = 0; d < dim; d += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d), inv)));
-}
-
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values packed
 // (pack_heads), written to the output.
 ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr, const int64_t* len, int64_t r0,
@@ -126,58 +119,15 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   }
 }
 
-// A block of at most 16 query rows whose slot list no other block of the call reads (a decode, a few
-// rows of a prompt), on kStreamFrom keys or more: its keys and values are not packed for the whole
-// list (a decode reuses none of it; packing 2,048 keys and values of every KV head took 80% of a
-// decode's time, the packed copy going out to L2 and back) but a chunk at a time (kStreamKeys,
-// kStreamValues): the chunk's slots copied whole, every KV head, as the pool lies (stage_slots), then
-// each head's keys or values packed from the copy and used at once. The tiles hold the block's m rows
-// only (m-row A and C tiles): no padding rows. Each element is the one tile_block_head gives: the
-// same products added in the same order (O's sums stored between chunks in fp32 and loaded again).
-// 32 decodes of 2,048 keys: 1.5-1.6x the fp32 kernel's time against 2.0-2.3x packed; below 1,024
-// keys packing the list was the faster (1.3-1.5x against 1.6-1.9x at 128 keys).
-constexpr int64_t kStreamKeys = 64, kStreamValues = 128, kStreamFrom = 1024;
+// The tile kernel's stream (stream_rows): blocks of at most 16 query rows alone on their slot list
+// on kStreamFrom keys or more. The tiles hold the block's m rows only (m-row A and C tiles): no
+// padding rows. 32 decodes of 2,048 keys: 1.5-1.6x the fp32 kernel's time against 2.0-2.3x packed;
+// below 1,024 keys packing the list was the faster (1.3-1.5x against 1.6-1.9x at 128 keys).
+constexpr int64_t kStreamFrom = 1024;
 
-struct TileStream {
-  std::vector<uint16_t> q, p, stage;  // (KV head, m rows, dim), (KV head x m rows, lp), a chunk's slots
-  std::vector<int64_t> iota;  // 0, 1, .. (the staged slots' numbers)
-  std::vector<uint32_t> keys, values;  // one chunk's
-  std::vector<float> s, o, total;  // (KV head x m, ls), (KV head x m, dim), (KV head x m)
+struct TileStream : StreamBuffers {
   int64_t config = 0;  // the rows the loaded tile config has
 };
-
-// Where a chunk's keys or values are packed from: a pool, its slots, the chunk's first key and the
-// list's length (pack_keys' and pack_values' arguments).
-struct Staged {
-  KVSource src;
-  const int64_t* slot;
-  int64_t from, n;
-};
-
-// Slots j0 .. j1 (below n) of a bf16 pool, every KV head, copied whole and in order into b.stage (slot
-// j0 + c at c): read as the pool lies, not one head's vector at a slot's stride, each run of
-// consecutive slots (a block's) in one copy (16 decodes of 2,048 keys over 30 layers' pools, out of
-// cache as in the engine: 0.94-0.96x the time of a copy per slot). An 8-bit pool is packed from as
-// it is.
-ZT_TILE_TARGET inline Staged stage_slots(TileStream& b, const KVSource& src, const int64_t* slot, int64_t j0, int64_t j1,
-                                         int64_t n, int64_t kv_heads, int64_t dim) {
-  if (src.bf16 == nullptr) return Staged{src, slot, j0, n};
-  const int64_t width = kv_heads * dim;
-  b.stage.resize((j1 - j0) * width);
-  if (static_cast<int64_t>(b.iota.size()) < 2 * (j1 - j0)) {  // pack_keys names the next 16 slots too
-    b.iota.resize(2 * (j1 - j0));
-    for (size_t i = 0; i < b.iota.size(); ++i) b.iota[i] = static_cast<int64_t>(i);
-  }
-  for (int64_t c = j0, end = std::min(j1, n); c < end;) {
-    int64_t e = c + 1;
-    while (e < end && slot[e] == slot[e - 1] + 1) ++e;
-    std::memcpy(b.stage.data() + (c - j0) * width, src.bf16 + slot[c] * width, (e - c) * width * 2);
-    c = e;
-  }
-  KVSource staged;
-  staged.bf16 = b.stage.data();
-  return Staged{staged, b.iota.data(), 0, n - j0};
-}
 
 // S = Q K^T for every KV head's m rows, kStreamKeys keys at a time: s (kv_heads x m, ls).
 ZT_TILE_TARGET void stream_scores(TileStream& b, const AttentionProblem& pr, const int64_t* slot, int64_t n, int64_t m,
@@ -200,7 +150,6 @@ ZT_TILE_TARGET void stream_values(TileStream& b, const AttentionProblem& pr, con
                                   int64_t n32, int64_t lp) {
   const int64_t dim = pr.dim, kv = pr.kv_heads, tiles = dim / 16;
   b.values.resize(kStreamValues / 32 * tiles * 256);
-  b.o.resize(kv * m * dim);
   for (int64_t j0 = 0; j0 < n32; j0 += kStreamValues) {
     const int64_t chunks = std::min(kStreamValues, n32 - j0) / 32;
     const Staged st = stage_slots(b, pr.vp, slot, j0, j0 + kStreamValues, n, kv, dim);
@@ -213,28 +162,15 @@ ZT_TILE_TARGET void stream_values(TileStream& b, const AttentionProblem& pr, con
   }
 }
 
-// One block of rows r0 .. r0 + nr - 1 (m = nr x group <= 16), every KV head, written to the output.
+// One block of rows r0 .. r0 + nr - 1 (m = nr x group <= 16), every KV head, streamed (stream_rows)
+// on tiles of the block's m rows.
 ZT_TILE_TARGET void stream_block(TileStream& b, const AttentionProblem& pr, const int64_t* len, const int64_t* slot,
                                  int64_t r0, int64_t nr) {
-  const int64_t heads = pr.heads, kv = pr.kv_heads, dim = pr.dim, group = heads / kv, m = nr * group;
+  const int64_t m = nr * (pr.heads / pr.kv_heads);
   if (b.config != m) load_tile_config(m);  // A and C tiles of the block's m rows
   b.config = m;
-  const int64_t n = *std::max_element(len, len + nr);
-  const int64_t n64 = (n + 63) / 64 * 64, n32 = (n + 31) / 32 * 32;
-  const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
-  const auto row = [&](int64_t kh, int64_t i) { return ((r0 + i / group) * heads + kh * group + i % group) * dim; };
-  b.q.resize(kv * m * dim);
-  for (int64_t kh = 0; kh < kv; ++kh)
-    for (int64_t i = 0; i < m; ++i) std::memcpy(b.q.data() + (kh * m + i) * dim, pr.q + row(kh, i), dim * 2);
-  b.s.resize(kv * m * ls);
-  stream_scores(b, pr, slot, n, m, n64, ls);
-  b.p.resize(kv * m * lp);
-  b.total.resize(kv * m);
-  for (int64_t i = 0; i < kv * m; ++i)
-    b.total[i] = softmax_row(b.s.data() + i * ls, len[i % m / group], pr.scale, b.p.data() + i * lp, n32);
-  stream_values(b, pr, slot, n, m, n32, lp);
-  for (int64_t kh = 0; kh < kv; ++kh)
-    for (int64_t i = 0; i < m; ++i) store_row(pr.out + row(kh, i), b.o.data() + (kh * m + i) * dim, b.total[kh * m + i], dim);
+  stream_rows(b, pr, len, r0, nr, [&](int64_t n, int64_t m, int64_t n64, int64_t ls) { stream_scores(b, pr, slot, n, m, n64, ls); },
+              [&](int64_t n, int64_t m, int64_t n32, int64_t lp) { stream_values(b, pr, slot, n, m, n32, lp); });
 }
 
 // One thread's share of the blocks (a function of its own, not the lambda's body: gcc does not give a
@@ -249,11 +185,9 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
   thread_local TileStream stream;
   stream.config = 0;
   std::vector<int64_t> packed;
-  const int64_t rows = start.back(), group = pr.heads / pr.kv_heads;
   for (int64_t blk : share) {
     const int64_t r0 = start[blk], r1 = start[blk + 1];
-    const bool alone = (r0 == 0 || seq[r0 - 1] != seq[r0]) && (r1 == rows || seq[r1] != seq[r0]);
-    if (alone && (r1 - r0) * group <= 16 && *std::max_element(lens + r0, lens + r1) >= kStreamFrom)
+    if (streamed(start, blk, seq, lens, pr.heads / pr.kv_heads, kStreamFrom))
       stream_block(stream, pr, lens + r0, slots + seq[r0] * width, r0, r1 - r0);
     else
       packed.push_back(blk);
