@@ -299,26 +299,28 @@ ZT_DOT_TARGET void dot_scores_rows(const uint16_t* q, const uint32_t* keys, int6
   }
 }
 
-ZT_DOT_TARGET void dot_values_rows(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
-                                   int64_t n32, uint16_t* const* o, const float* total, int64_t rows) {
+// f(std::integral_constant<int, R>{}) for R = rows, 1 to kValueRows: the value kernels' rows as a
+// template argument.
+template <typename F>
+inline void with_value_rows(int64_t rows, const F& f) {
   switch (rows) {
 #define ZT_ROWS(R) \
-    case R: dot_values<R>(p, lp, values, dim, t0, n32, o, total); break;
+    case R: f(std::integral_constant<int, R>{}); break;
     ZT_ROWS(6) ZT_ROWS(5) ZT_ROWS(4) ZT_ROWS(3) ZT_ROWS(2)
 #undef ZT_ROWS
-    default: dot_values<1>(p, lp, values, dim, t0, n32, o, total); break;
+    default: f(std::integral_constant<int, 1>{}); break;
   }
+}
+static_assert(kValueRows == 6, "with_value_rows names the rows up to kValueRows");
+
+ZT_DOT_TARGET void dot_values_rows(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
+                                   int64_t n32, uint16_t* const* o, const float* total, int64_t rows) {
+  with_value_rows(rows, [&](auto r) { dot_values<decltype(r)::value>(p, lp, values, dim, t0, n32, o, total); });
 }
 
 ZT_DOT_TARGET void dot_sums_rows(const uint16_t* p, int64_t lp, const uint32_t* values, int64_t dim, int64_t t0,
                                  int64_t chunks, float* o, bool more, int64_t rows) {
-  switch (rows) {
-#define ZT_ROWS(R) \
-    case R: dot_sums<R>(p, lp, values, dim, t0, chunks, o, more); break;
-    ZT_ROWS(6) ZT_ROWS(5) ZT_ROWS(4) ZT_ROWS(3) ZT_ROWS(2)
-#undef ZT_ROWS
-    default: dot_sums<1>(p, lp, values, dim, t0, chunks, o, more); break;
-  }
+  with_value_rows(rows, [&](auto r) { dot_sums<decltype(r)::value>(p, lp, values, dim, t0, chunks, o, more); });
 }
 
 // One block of rows r0 .. r0 + nr - 1 (one slot list) and one KV head, its keys and values in ``b``
