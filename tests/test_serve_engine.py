@@ -702,8 +702,8 @@ def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
     group and reuse them for the list's next blocks; at 1,500 keys not every KV head fits one pack
     (heads_per_pack), so the heads go in groups. A 1,500-token prompt's rows beside three decodes on
     lists of their own: every row the same bits in one call, in two chunks of the prompt, on one
-    thread, and (some rows, and four rows together) alone, where the tile kernel streams a block of
-    at most 16 query rows instead of packing (copying each run of consecutive slots at once); and
+    thread, and (some rows, and four rows together) alone, where both kernels stream a block of at
+    most 16 query rows instead of packing (copying each run of consecutive slots at once); and
     attention over its keys in float64 within bf16's rounding."""
     from zerotron.serve import kernels
 

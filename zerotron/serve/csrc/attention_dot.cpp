@@ -232,10 +232,10 @@ ZT_DOT_TARGET inline void dot_scores(const uint16_t* q, const uint32_t* keys, in
   }
 }
 
-// Chunks c0 .. c1 - 1 of 32 keys of O = P V into acc: R rows of probabilities (lp apart, bf16, zeros
-// past each row's keys, key 32 c0 at p) times the values (packed by pack_values, 32 keys a chunk, from
-// chunk c0 at ``values``), dims 16 t0 .. 16 t0 + 63: each element one chain of VDPBF16PS steps over the
-// pairs of keys in order.
+// ``chunks`` chunks of 32 keys of O = P V added into acc: R rows of probabilities (lp apart, bf16,
+// zeros past each row's keys, the chunks' first key at p) times the values (packed by pack_values, 32
+// keys a chunk), dims 16 t0 .. 16 t0 + 63: each element one chain of VDPBF16PS steps over the pairs of
+// keys in order.
 template <int R>
 ZT_DOT_TARGET inline void dot_chunks(__m512 (&acc)[R][4], const uint16_t* p, int64_t lp, const uint32_t* values,
                                      int64_t dim, int64_t t0, int64_t chunks) {
@@ -491,13 +491,24 @@ ZT_DOT_TARGET void stream_rows(StreamBuffers& b, const AttentionProblem& pr, con
     for (int64_t i = 0; i < m; ++i) store_row(pr.out + row(kh, i), b.o.data() + (kh * m + i) * dim, b.total[kh * m + i], dim);
 }
 
-// Whether block blk (rows start[blk] .. start[blk + 1]) is streamed: at most 16 query rows a KV head,
-// alone on its slot list in the call, on ``from`` keys or more.
-inline bool streamed(const std::vector<int64_t>& start, int64_t blk, const int64_t* seq, const int64_t* lens,
-                     int64_t group, int64_t from) {
-  const int64_t r0 = start[blk], r1 = start[blk + 1], rows = start.back();
-  const bool alone = (r0 == 0 || seq[r0 - 1] != seq[r0]) && (r1 == rows || seq[r1] != seq[r0]);
-  return alone && (r1 - r0) * group <= 16 && *std::max_element(lens + r0, lens + r1) >= from;
+// A thread's share of the blocks: each block of at most 16 query rows a KV head, alone on its slot
+// list in the call, on ``from`` keys or more, streamed (stream(r0, nr, slot)); the others returned,
+// to be packed.
+template <typename Stream>
+inline std::vector<int64_t> stream_alone(const std::vector<int64_t>& start, const std::vector<int64_t>& share,
+                                         const int64_t* slots, const int64_t* seq, const int64_t* lens, int64_t width,
+                                         int64_t group, int64_t from, const Stream& stream) {
+  std::vector<int64_t> packed;
+  const int64_t rows = start.back();
+  for (int64_t blk : share) {
+    const int64_t r0 = start[blk], r1 = start[blk + 1];
+    const bool alone = (r0 == 0 || seq[r0 - 1] != seq[r0]) && (r1 == rows || seq[r1] != seq[r0]);
+    if (alone && (r1 - r0) * group <= 16 && *std::max_element(lens + r0, lens + r1) >= from)
+      stream(r0, r1 - r0, slots + seq[r0] * width);
+    else
+      packed.push_back(blk);
+  }
+  return packed;
 }
 
 // The dot kernel streams from 64 keys: 32 decodes on Zen 5 (30 layers' pools, out of cache), against
@@ -562,13 +573,9 @@ ZT_DOT_TARGET void dot_share(const AttentionProblem& pr, const std::vector<int64
                              const std::vector<int64_t>& share, const int64_t* slots, const int64_t* seq,
                              const int64_t* lens, int64_t width) {
   thread_local StreamBuffers stream;
-  std::vector<int64_t> packed;
-  for (int64_t blk : share) {
-    if (streamed(start, blk, seq, lens, pr.heads / pr.kv_heads, kDotStreamFrom))
-      dot_stream_block(stream, pr, lens + start[blk], slots + seq[start[blk]] * width, start[blk], start[blk + 1] - start[blk]);
-    else
-      packed.push_back(blk);
-  }
+  const std::vector<int64_t> packed =
+      stream_alone(start, share, slots, seq, lens, width, pr.heads / pr.kv_heads, kDotStreamFrom,
+                   [&](int64_t r0, int64_t nr, const int64_t* slot) { dot_stream_block(stream, pr, lens + r0, slot, r0, nr); });
   if (packed.empty()) return;
   thread_local DotGroup g;  // kept from call to call (no fresh pages each call)
   share_blocks(g, pr, start, packed, slots, seq, lens, width, [&](DotAttention& b, int64_t r0, int64_t nr, int64_t kh) {

@@ -184,14 +184,9 @@ ZT_TILE_TARGET void attend_share(const AttentionProblem& pr, const std::vector<i
                                  const int64_t* lens, int64_t width) {
   thread_local TileStream stream;
   stream.config = 0;
-  std::vector<int64_t> packed;
-  for (int64_t blk : share) {
-    const int64_t r0 = start[blk], r1 = start[blk + 1];
-    if (streamed(start, blk, seq, lens, pr.heads / pr.kv_heads, kStreamFrom))
-      stream_block(stream, pr, lens + r0, slots + seq[r0] * width, r0, r1 - r0);
-    else
-      packed.push_back(blk);
-  }
+  const std::vector<int64_t> packed =
+      stream_alone(start, share, slots, seq, lens, width, pr.heads / pr.kv_heads, kStreamFrom,
+                   [&](int64_t r0, int64_t nr, const int64_t* slot) { stream_block(stream, pr, lens + r0, slot, r0, nr); });
   if (!packed.empty()) {
     load_tile_config();
     thread_local TileAttention b;  // kept from call to call (no fresh pages each call)
