@@ -307,6 +307,56 @@ def test_an_idle_server_loop_takes_a_burst_into_one_step(
         engine.abort(name)
 
 
+def test_a_gathering_loop_waits_for_requests_still_being_prepared(
+    engine_factory: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the HTTP side is still preparing requests (``preparing``), an engine loop with no sequence
+    computing waits for them past ARRIVAL_GAP_S (here a request that comes 0.3 s after the first), up
+    to ARRIVAL_WAIT_S; it stops waiting once the waiting requests fill a step; with nothing being
+    prepared it waits ARRIVAL_GAP_S alone (the control)."""
+    from zerotron.serve import server
+
+    monkeypatch.setattr(server, "ARRIVAL_GAP_S", 0.02)
+    monkeypatch.setattr(server, "ARRIVAL_WAIT_S", 3.0)
+    engine = engine_factory(max_num_batched_tokens=20)  # type: ignore[operator]
+    loop = server.EngineLoop(engine, start=False)
+    small, large = _prompts([5, 6], seed=4), _prompts([24], seed=5)[0]
+    submitted = threading.Event()
+
+    def late(prompt: list[int], name: str) -> None:
+        time.sleep(0.3)
+        loop.submit(name, prompt, GREEDY, lambda out: None)
+        loop.preparing -= 1
+        submitted.set()
+
+    def gather(first: list[int], second: list[int], preparing: int) -> int:
+        """Requests waiting after one drain: ``first`` at once, ``second`` 0.3 s later."""
+        submitted.clear()
+        loop.preparing = preparing
+        loop.submit(f"a{len(engine.requests)}", first, GREEDY, lambda out: None)
+        threading.Thread(target=late, args=(second, f"b{len(engine.requests)}")).start()
+        assert loop._drain()
+        waiting = len(engine.scheduler.waiting)
+        submitted.wait(5)
+        loop._drain()
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        return waiting
+
+    assert gather(small[0], small[1], preparing=1) == 2  # idle: waited for the one being prepared
+    assert gather(small[0], small[1], preparing=0) == 1  # nothing prepared: ARRIVAL_GAP_S alone
+    assert gather(large, small[1], preparing=1) == 1  # the first fills a step (20 tokens): no wait
+    # requests that arrived during a step, none computing, more being prepared: the step waits too
+    loop.preparing = 1
+    engine.add_request("c0", small[0], GREEDY)
+    threading.Thread(target=late, args=(small[1], "c1")).start()
+    assert loop._drain()
+    assert len(engine.scheduler.waiting) == 2
+    submitted.wait(5)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+
+
 def test_parallel_samples_share_the_prompt_and_stay_independent(engine_factory: object) -> None:
     """n=3 seeded samples: each equals the same request alone with seed + i (copy-on-write keeps one
     sample's tokens out of the others' blocks); the prompt was computed once."""

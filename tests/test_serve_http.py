@@ -109,6 +109,7 @@ def _wait_idle(base: str) -> None:
     while time.time() < deadline:
         m = _metrics(base)
         idle = m["zerotron_num_requests_running"] == m["zerotron_num_requests_waiting"] == 0
+        idle = idle and m["zerotron_num_requests_preparing"] == 0  # every request counted back out
         if idle and m["zerotron_kv_blocks_in_use"] == 0:
             return
         time.sleep(0.2)

@@ -32,7 +32,7 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.hf import ModelLoadError
 from zerotron.models.quant import weight_bytes
-from zerotron.serve import affinity
+from zerotron.serve import affinity, heap
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
 from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, error_kind, parse
@@ -105,6 +105,7 @@ class _Api:
         return prompt_ids, params, tools, lora
 
     async def respond(self, request: Request, kind: type[Body]) -> Any:
+        self.loop.preparing += 1  # the engine, gathering a burst, waits for it (server.ARRIVAL_GAP_S)
         try:
             body = await parse(kind, await request.body())
             prompt_ids, params, tools, lora = await asyncio.to_thread(self.prepare, body)
@@ -114,6 +115,8 @@ class _Api:
             return _bad(str(err), 404, param="model")
         except (NotSupported, RequestError, ValueError) as err:
             return _bad(str(err))
+        finally:
+            self.loop.preparing -= 1
         if self.active >= self.engine.config.max_num_seqs + self.options.max_queued_requests:
             message = f"the server is busy ({self.active} requests in flight); retry later"
             return _bad(message, 503, headers={"Retry-After": "1"})
@@ -378,6 +381,8 @@ def serve(engine: Engine, options: ServerOptions, local: tuple[int, int] = (0, 1
     host, port = options.host, options.port
     load_lora_modules(engine, options)
     bound, cpus = bind_threads(engine, options, local)
+    kept = heap.keep_freed() if engine.runner.device.type == "cpu" else None
+    bound = ", ".join(filter(None, (bound, kept)))
     exposed = exposure_warning(options)
     if exposed is not None:
         warnings.warn(exposed, ServerWarning, stacklevel=2)
@@ -449,6 +454,8 @@ def serve_worker(model_path: str, options: ServerOptions, config: EngineConfig) 
         return {"steps": engine.stats["steps"]}
     load_lora_modules(engine, options)  # the first rank's adapters in the same slots
     bind_threads(engine, options, local)
+    if engine.runner.device.type == "cpu":
+        heap.keep_freed()
     # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -87,6 +87,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def waiting_fill_a_step(self) -> bool:
+        """Whether the waiting sequences alone fill the next step (its token budget or its sequences)."""
+        if len(self.waiting) + len(self.running) >= self.max_num_seqs:
+            return True
+        return sum(len(seq.tokens) - seq.computed for seq in self.waiting) >= self.max_num_batched_tokens
+
     def schedule(self) -> Batch:
         """Choose this step's tokens within the budget; preempt the newest sequences if blocks run out."""
         budget = self.max_num_batched_tokens

@@ -30,13 +30,18 @@ from zerotron.serve.engine import Engine, RequestOutput
 
 Sink = Callable[[Union[RequestOutput, Exception]], None]
 
-# An idle engine that gets a request waits for the requests arriving with it, until arrivals pause
-# for ARRIVAL_GAP_S (at most ARRIVAL_WAIT_S in all), and prefills them in one step: a burst's first
+# An engine with no sequence computing (idle, or holding only requests that arrived since its last step)
+# waits for the requests arriving with the first, and prefills them in one step: a burst's first
 # request alone in a step would cost everyone a whole step (traced: of 32 requests sent at once the
 # first reached the idle engine alone and was prefilled alone, a step ahead of the other 31, and its
-# TPOT carried their prefill). A lone request waits ARRIVAL_GAP_S; a busy engine never waits.
+# TPOT carried their prefill). It waits while requests are still being read and tokenised by the HTTP
+# side (EngineLoop.preparing; polled every ARRIVAL_POLL_S) and until arrivals pause for ARRIVAL_GAP_S,
+# at most ARRIVAL_WAIT_S in all, and never once the waiting requests fill a step (its token budget or
+# its sequences: waiting longer could only delay them). A lone request waits ARRIVAL_GAP_S; an engine
+# with sequences computing never waits.
 ARRIVAL_GAP_S = 0.002
-ARRIVAL_WAIT_S = 0.025
+ARRIVAL_POLL_S = 0.001
+ARRIVAL_WAIT_S = 0.05
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -81,6 +86,9 @@ class EngineLoop:
         self.weights = weight_bytes(engine.model)
         self.thread: Optional[threading.Thread] = None
         self.running = True  # until its loop ends
+        # requests the HTTP side has received and is still reading or preparing (the event loop's
+        # thread alone counts them, the engine's reads them: see ARRIVAL_GAP_S)
+        self.preparing = 0
         if start:
             self.thread = threading.Thread(target=self.run, name="zerotron-engine", daemon=True)
             self.thread.start()
@@ -120,20 +128,26 @@ class EngineLoop:
         return self.running
 
     def _drain(self) -> bool:
-        """Take queued commands (when idle: waiting for one, then for those arriving with it, see
-        ARRIVAL_GAP_S); False once told to stop."""
+        """Take queued commands; when no sequence is computing, wait for the requests arriving with the
+        first (see ARRIVAL_GAP_S). False once told to stop."""
         idle = not self.engine.has_unfinished()
-        timeout: Optional[float] = 0.5 if idle else None
-        deadline = 0.0
+        gather = not self.engine.scheduler.running  # the next step would only start new requests
+        last = time.monotonic()
+        # requests already waiting (arrived during the last step) and more on their way: wait for them
+        deadline = last + ARRIVAL_WAIT_S if gather and not idle and self.preparing else None
         while True:
+            timeout = self._wait(idle, deadline, last)
             try:
                 command = self.commands.get(block=timeout is not None, timeout=timeout)
             except queue.Empty:
-                return True
-            if idle:  # from the first command on: wait while requests keep arriving
-                now = time.monotonic()
-                deadline = deadline or now + ARRIVAL_WAIT_S
-                timeout = min(ARRIVAL_GAP_S, deadline - now) if deadline > now else None
+                if deadline is None or self._wait(False, deadline, last) is None:
+                    return True
+                if self.preparing:  # the last one's submission follows its preparation
+                    last = time.monotonic()
+                continue
+            if gather:  # from the first command on: wait while requests keep arriving
+                last = time.monotonic()
+                deadline = deadline or last + ARRIVAL_WAIT_S
             if command[0] == "stop":
                 self.engine.runner.publish(None, stop=True)
                 return False
@@ -153,6 +167,21 @@ class EngineLoop:
             else:
                 self.engine.abort(command[1])
                 self.sinks.pop(command[1], None)
+
+    def _wait(self, idle: bool, deadline: Optional[float], last: float) -> Optional[float]:
+        """How long the next command may be waited for (None: take only what is queued): an idle
+        engine half a second; one gathering arrivals (``deadline`` set) while requests are being
+        prepared, or until ARRIVAL_GAP_S after the ``last`` arrival, never past ``deadline`` or once the
+        waiting requests fill a step."""
+        if deadline is None:
+            return 0.5 if idle else None
+        now = time.monotonic()
+        if now >= deadline or self.engine.scheduler.waiting_fill_a_step():
+            return None
+        if self.preparing:
+            return min(ARRIVAL_POLL_S, deadline - now)
+        wait = min(last + ARRIVAL_GAP_S, deadline) - now
+        return wait if wait > 0 else None
 
     def run(self) -> None:
         """Step the engine until told to stop."""
@@ -211,6 +240,7 @@ class EngineLoop:
         values = [
             ("num_requests_running", "gauge", "sequences running", len(e.scheduler.running)),
             ("num_requests_waiting", "gauge", "sequences waiting", len(e.scheduler.waiting)),
+            ("num_requests_preparing", "gauge", "requests being read and tokenised", self.preparing),
             ("kv_blocks_in_use", "gauge", "KV cache blocks held by sequences", pool.usable - pool.num_free),
             ("kv_blocks_total", "gauge", "KV cache blocks", pool.usable),
             ("kv_cache_usage_ratio", "gauge", "fraction of KV blocks in use", pool.in_use / pool.usable),
