@@ -100,10 +100,15 @@ class _Served:
                 not self.engine.has_unfinished()
                 and self.engine.pool.in_use == 0
                 and self.app.state.api.active == 0
+                and self.app.state.engine_loop.preparing.count == 0  # every request counted back out
             ):
                 return
             time.sleep(0.01)
-        pytest.fail(f"not idle: {self.engine.pool.in_use} blocks, {self.app.state.api.active} active")
+        loop = self.app.state.engine_loop
+        pytest.fail(
+            f"not idle: {self.engine.pool.in_use} blocks, {self.app.state.api.active} active, "
+            f"{loop.preparing.count} preparing"
+        )
 
 
 @pytest.fixture

@@ -326,13 +326,13 @@ def test_a_gathering_loop_waits_for_requests_still_being_prepared(
     def late(prompt: list[int], name: str) -> None:
         time.sleep(0.3)
         loop.submit(name, prompt, GREEDY, lambda out: None)
-        loop.preparing -= 1
+        loop.preparing.count -= 1
         submitted.set()
 
     def gather(first: list[int], second: list[int], preparing: int) -> int:
         """Requests waiting after one drain: ``first`` at once, ``second`` 0.3 s later."""
         submitted.clear()
-        loop.preparing = preparing
+        loop.preparing.count = preparing
         loop.submit(f"a{len(engine.requests)}", first, GREEDY, lambda out: None)
         threading.Thread(target=late, args=(second, f"b{len(engine.requests)}")).start()
         assert loop._drain()
@@ -347,7 +347,7 @@ def test_a_gathering_loop_waits_for_requests_still_being_prepared(
     assert gather(small[0], small[1], preparing=0) == 1  # nothing prepared: ARRIVAL_GAP_S alone
     assert gather(large, small[1], preparing=1) == 1  # the first fills a step (20 tokens): no wait
     # requests that arrived during a step, none computing, more being prepared: the step waits too
-    loop.preparing = 1
+    loop.preparing.count = 1
     engine.add_request("c0", small[0], GREEDY)
     threading.Thread(target=late, args=(small[1], "c1")).start()
     assert loop._drain()

@@ -105,8 +105,7 @@ class _Api:
         return prompt_ids, params, tools, lora
 
     async def respond(self, request: Request, kind: type[Body]) -> Any:
-        self.loop.preparing += 1  # the engine, gathering a burst, waits for it (server.ARRIVAL_GAP_S)
-        try:
+        try:  # counted as preparing from the edge on (a gathering engine waits for it) until here
             body = await parse(kind, await request.body())
             prompt_ids, params, tools, lora = await asyncio.to_thread(self.prepare, body)
         except BadRequest as err:
@@ -116,7 +115,7 @@ class _Api:
         except (NotSupported, RequestError, ValueError) as err:
             return _bad(str(err))
         finally:
-            self.loop.preparing -= 1
+            self.loop.preparing.end(request.scope)
         if self.active >= self.engine.config.max_num_seqs + self.options.max_queued_requests:
             message = f"the server is busy ({self.active} requests in flight); retry later"
             return _bad(message, 503, headers={"Retry-After": "1"})
@@ -156,7 +155,7 @@ def build_app(engine: Engine, options: ServerOptions, start_engine: bool = True)
     api = _Api(engine, loop_, options)
     app.state.api = api
     _answer_errors(app)
-    app.add_middleware(Edge, options=options)
+    app.add_middleware(Edge, options=options, preparing=loop_.preparing)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -7,7 +7,8 @@
   body itself, chunk by chunk as the event loop gets it, and answers 413 once it passes
   ``max_request_bytes`` (a declared ``Content-Length`` beyond it is refused before a byte is read), so a
   huge body never blocks other requests; and writes one access line per API request (id, status,
-  tokens, latency).
+  tokens, latency); and counts the completion requests it has let in that the app has not yet handed
+  to the engine or refused (:class:`Preparing`: a gathering engine waits for them).
 - :func:`parse`: a request body into its pydantic model off the event loop (a large body's JSON and
   validation never stall ``/health``), with the field-naming 400 of every other error.
 """
@@ -129,13 +130,37 @@ def error_kind(status: int) -> str:
     )
 
 
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+
+
+class Preparing:
+    """The completion requests between the edge and the engine: let in by the edge and not yet handed to
+    the engine or refused (their bodies read, parsed, templated, tokenised). An engine that gathers a
+    burst waits while there are any (``zerotron.serve.server.ARRIVAL_GAP_S``). The event loop's thread
+    alone changes the count; :meth:`end` is idempotent, so the app and the edge may both call it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def begin(self, scope: Scope) -> None:
+        scope.setdefault("state", {})["preparing"] = True
+        self.count += 1
+
+    def end(self, scope: Scope) -> None:
+        if (scope.get("state") or {}).pop("preparing", False):
+            self.count -= 1
+
+
 class Edge:
     """The ASGI middleware of the module docstring."""
 
     def __init__(
-        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], options: ServerOptions
+        self,
+        app: Callable[[Scope, Receive, Send], Awaitable[None]],
+        options: ServerOptions,
+        preparing: Optional[Preparing] = None,
     ) -> None:
-        self.app, self.options = app, options
+        self.app, self.options, self.preparing = app, options, preparing or Preparing()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -149,6 +174,8 @@ class Edge:
                 status[0] = int(message["status"])
             await send(message)
 
+        if path in COMPLETIONS and scope.get("method") == "POST":
+            self.preparing.begin(scope)
         try:
             if self._needs_key(path) and not self._authorised(scope):
                 raise BadRequest(
@@ -156,9 +183,13 @@ class Edge:
                 )
             body = await self._body(scope, receive)
         except BadRequest as err:
+            self.preparing.end(scope)
             await _answer(sending, err)
         else:
-            await self.app(scope, _replay(body, receive), sending)
+            try:
+                await self.app(scope, _replay(body, receive), sending)
+            finally:
+                self.preparing.end(scope)  # where the app did not (e.g. it failed before preparing)
         if self.options.access_log and path.startswith("/v1/") and scope.get("method") == "POST":
             self._log(scope, status[0], time.perf_counter() - started)
 

@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 
 from zerotron.components.sampling import SamplingParams
 from zerotron.models.quant import weight_bytes
+from zerotron.serve.edge import Preparing
 from zerotron.serve.engine import Engine, RequestOutput
 
 Sink = Callable[[Union[RequestOutput, Exception]], None]
@@ -34,11 +35,11 @@ Sink = Callable[[Union[RequestOutput, Exception]], None]
 # waits for the requests arriving with the first, and prefills them in one step: a burst's first
 # request alone in a step would cost everyone a whole step (traced: of 32 requests sent at once the
 # first reached the idle engine alone and was prefilled alone, a step ahead of the other 31, and its
-# TPOT carried their prefill). It waits while requests are still being read and tokenised by the HTTP
-# side (EngineLoop.preparing; polled every ARRIVAL_POLL_S) and until arrivals pause for ARRIVAL_GAP_S,
-# at most ARRIVAL_WAIT_S in all, and never once the waiting requests fill a step (its token budget or
-# its sequences: waiting longer could only delay them). A lone request waits ARRIVAL_GAP_S; an engine
-# with sequences computing never waits.
+# TPOT carried their prefill). It waits while requests are between the edge and the engine (being
+# read, parsed and tokenised: EngineLoop.preparing, polled every ARRIVAL_POLL_S) and until arrivals
+# pause for ARRIVAL_GAP_S, at most ARRIVAL_WAIT_S in all, and never once the waiting requests fill a
+# step (its token budget or its sequences: waiting longer could only delay them). A lone request waits
+# ARRIVAL_GAP_S; an engine with sequences computing never waits.
 ARRIVAL_GAP_S = 0.002
 ARRIVAL_POLL_S = 0.001
 ARRIVAL_WAIT_S = 0.05
@@ -86,9 +87,9 @@ class EngineLoop:
         self.weights = weight_bytes(engine.model)
         self.thread: Optional[threading.Thread] = None
         self.running = True  # until its loop ends
-        # requests the HTTP side has received and is still reading or preparing (the event loop's
-        # thread alone counts them, the engine's reads them: see ARRIVAL_GAP_S)
-        self.preparing = 0
+        # requests the HTTP side has let in and is still reading or preparing (the event loop's thread
+        # alone counts them, the engine's reads them: see ARRIVAL_GAP_S)
+        self.preparing = Preparing()
         if start:
             self.thread = threading.Thread(target=self.run, name="zerotron-engine", daemon=True)
             self.thread.start()
@@ -134,7 +135,7 @@ class EngineLoop:
         gather = not self.engine.scheduler.running  # the next step would only start new requests
         last = time.monotonic()
         # requests already waiting (arrived during the last step) and more on their way: wait for them
-        deadline = last + ARRIVAL_WAIT_S if gather and not idle and self.preparing else None
+        deadline = last + ARRIVAL_WAIT_S if gather and not idle and self.preparing.count else None
         while True:
             timeout = self._wait(idle, deadline, last)
             try:
@@ -142,7 +143,7 @@ class EngineLoop:
             except queue.Empty:
                 if deadline is None or self._wait(False, deadline, last) is None:
                     return True
-                if self.preparing:  # the last one's submission follows its preparation
+                if self.preparing.count:  # the last one's submission follows its preparation
                     last = time.monotonic()
                 continue
             if gather:  # from the first command on: wait while requests keep arriving
@@ -178,7 +179,7 @@ class EngineLoop:
         now = time.monotonic()
         if now >= deadline or self.engine.scheduler.waiting_fill_a_step():
             return None
-        if self.preparing:
+        if self.preparing.count:
             return min(ARRIVAL_POLL_S, deadline - now)
         wait = min(last + ARRIVAL_GAP_S, deadline) - now
         return wait if wait > 0 else None
@@ -240,7 +241,7 @@ class EngineLoop:
         values = [
             ("num_requests_running", "gauge", "sequences running", len(e.scheduler.running)),
             ("num_requests_waiting", "gauge", "sequences waiting", len(e.scheduler.waiting)),
-            ("num_requests_preparing", "gauge", "requests being read and tokenised", self.preparing),
+            ("num_requests_preparing", "gauge", "requests being read and tokenised", self.preparing.count),
             ("kv_blocks_in_use", "gauge", "KV cache blocks held by sequences", pool.usable - pool.num_free),
             ("kv_blocks_total", "gauge", "KV cache blocks", pool.usable),
             ("kv_cache_usage_ratio", "gauge", "fraction of KV blocks in use", pool.in_use / pool.usable),
