@@ -50,3 +50,29 @@ def test_keep_freed_says_why_not_off_glibc(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(heap.platform, "libc_ver", lambda: ("musl", "1.2"))
     assert heap.keep_freed() == "freed memory not kept (the C library is not glibc)"
+
+
+SETTLE = """
+import gc, sys
+from zerotron.serve import heap
+held = [[i] for i in range(100_000)]  # objects that live as long as the server (tracked: lists)
+frozen = heap.settle_objects() if sys.argv[1] == "settle" else (gc.collect(), 0)[1]
+scanned = len(gc.get_objects())  # what a full collection walks
+cycle: list = []
+cycle.append(cycle)
+del cycle  # garbage made afterwards
+print(frozen, scanned, gc.collect())
+"""
+
+
+@pytest.mark.parametrize("mode", ["settle", "plain"])
+def test_settled_objects_leave_full_collections_and_later_garbage_is_still_collected(mode: str) -> None:
+    """After settle_objects a full collection walks only the objects made since (a plain process walks
+    all 100,000 held ones), and garbage made afterwards is still collected."""
+    out = subprocess.run([sys.executable, "-c", SETTLE, mode], capture_output=True, text=True, check=True)
+    frozen, scanned, collected = (int(v) for v in out.stdout.split())
+    if mode == "settle":
+        assert frozen >= 100_000 and scanned < 1_000
+    else:
+        assert frozen == 0 and scanned >= 100_000
+    assert collected >= 1

@@ -387,6 +387,7 @@ def serve(engine: Engine, options: ServerOptions, local: tuple[int, int] = (0, 1
         warnings.warn(exposed, ServerWarning, stacklevel=2)
     app = build_app(engine, options, start_engine=False)
     loop_: EngineLoop = app.state.engine_loop
+    heap.settle_objects()  # the start-up heap out of Python's full collections
     print(_startup_line(engine, options, bound), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     failure: list[BaseException] = []
@@ -455,6 +456,7 @@ def serve_worker(model_path: str, options: ServerOptions, config: EngineConfig) 
     bind_threads(engine, options, local)
     if engine.runner.device.type == "cpu":
         heap.keep_freed()
+    heap.settle_objects()
     # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
