@@ -7,15 +7,16 @@ threshold back to the kernel when they are freed and trims its heap's top once m
 threshold lies free there; either way the next step's activations come back as new pages, each
 faulted in and zeroed by the kernel. Measured on SmolLM2 in bf16 (2-core AMD Zen 5): a step of one
 2,048-token prompt took ~60,000 page faults (~240 MB of fresh pages) and 0.93-0.98 s; with the heap
-kept, 0-11 faults and 0.86-0.89 s (BENCHMARKS.md, "The heap kept between steps").
+kept, 2-69 faults and 0.86-0.89 s (BENCHMARKS.md, "Bursts gathered from the edge on, and the heap
+kept between steps").
 
 :func:`keep_freed` raises both thresholds, as a long-running server wants: blocks below 1 GiB come from
 the heap, and the heap is not trimmed below 2 GiB of free top. The process then holds its largest
 step's activations between steps, and the fragments glibc's aligned allocations leave at first (the
 same three large blocks a step: the heap grew for three steps, then served every later one from what
 it held; the serving engine over 30 steps of mixed prompts: 140 MB more resident than without, flat
-from its first step). It changes where memory comes from, never a number a step computes. On a C library other than glibc it does nothing
-(and ``zerotron serve``'s start-up line says so).
+from its first step). It changes where memory comes from, never a number a step computes. On a C
+library other than glibc it does nothing (and ``zerotron serve``'s start-up line says so).
 
 :func:`settle_objects` freezes the objects alive when the server starts (the model's modules, the
 tokenizer, the web framework: ~340,000 for SmolLM2): Python's full collections, which come now and
