@@ -19,10 +19,10 @@ def faults():
 def step():  # a step's activations (fp32: 96, 8 and 40 MiB), alive together, freed at its end
     held = [torch.ones(size) for size in (96 << 18, 8 << 18, 40 << 18)]
     del held
-for _ in range(4):  # glibc's memalign leaves fragments at first; they come back together
+for _ in range(8):  # glibc's aligned allocations leave fragments at first (bounded; see heap.py)
     step()
 before = faults()
-for _ in range(4):  # the next steps, the same sizes
+for _ in range(8):  # the next steps, the same sizes
     step()
 print(faults() - before)
 """
@@ -37,12 +37,14 @@ def _faults(mode: str) -> int:
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt"
 )
 def test_a_kept_heap_serves_the_next_step_without_new_pages() -> None:
-    """Four more rounds of the same allocations: tens of thousands of page faults (new pages from the
-    kernel) in a plain process, almost none once the heap keeps freed blocks."""
+    """Eight more rounds of the same allocations: every round's large blocks faulted in afresh (new
+    pages from the kernel) in a plain process; with the heap kept, a fifth of that at most (none once
+    the fragments of glibc's aligned allocations have settled: on this project's machines 0, or one
+    96 MiB block's pages in a run where they settled late)."""
     plain, kept = _faults("plain"), _faults("keep")
-    pages = 4 * (96 + 40) * 2**20 // 4096  # the blocks above glibc's largest dynamic mmap threshold (32 MiB)
+    pages = 8 * (96 + 40) * 2**20 // 4096  # the blocks above glibc's largest dynamic mmap threshold (32 MiB)
     assert plain >= pages // 2
-    assert kept < pages // 20
+    assert kept < plain // 5
 
 
 def test_keep_freed_says_why_not_off_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
