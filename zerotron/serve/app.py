@@ -367,6 +367,14 @@ def bind_threads(
     return affinity.bind(options.cpu_bind, *local)
 
 
+def settle_process(engine: Engine) -> Optional[str]:
+    """A serving rank's heaps (:mod:`zerotron.serve.heap`): on a CPU freed memory kept for the next
+    step, and the objects alive now frozen out of full collections. Why memory is not kept, or None."""
+    kept = heap.keep_freed() if engine.runner.device.type == "cpu" else None
+    heap.settle_objects()
+    return kept
+
+
 def serve(engine: Engine, options: ServerOptions, local: tuple[int, int] = (0, 1)) -> None:
     """Serve ``engine`` over HTTP until interrupted, then stop its loop (and its followers).
 
@@ -380,14 +388,13 @@ def serve(engine: Engine, options: ServerOptions, local: tuple[int, int] = (0, 1
     host, port = options.host, options.port
     load_lora_modules(engine, options)
     bound, cpus = bind_threads(engine, options, local)
-    kept = heap.keep_freed() if engine.runner.device.type == "cpu" else None
-    bound = ", ".join(filter(None, (bound, kept)))
+    bound = ", ".join(filter(None, (bound, settle_process(engine))))
     exposed = exposure_warning(options)
     if exposed is not None:
         warnings.warn(exposed, ServerWarning, stacklevel=2)
     app = build_app(engine, options, start_engine=False)
     loop_: EngineLoop = app.state.engine_loop
-    heap.settle_objects()  # the start-up heap out of Python's full collections
+    heap.settle_objects()  # the app's objects too
     print(_startup_line(engine, options, bound), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     failure: list[BaseException] = []
@@ -454,9 +461,7 @@ def serve_worker(model_path: str, options: ServerOptions, config: EngineConfig) 
         return {"steps": engine.stats["steps"]}
     load_lora_modules(engine, options)  # the first rank's adapters in the same slots
     bind_threads(engine, options, local)
-    if engine.runner.device.type == "cpu":
-        heap.keep_freed()
-    heap.settle_objects()
+    settle_process(engine)
     # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
