@@ -51,10 +51,12 @@ def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     # if the kernel ignored the quantisation)
     plain = _reference(x[:3], values, scales, mins, offset, add)
     assert (y[:3].double() - plain).abs().max() / plain.abs().max() > 1e-4
-    # a row's numbers are its own at any batch (4-row blocks, single rows, threads)
+    # a row's numbers are its own at any batch (4-row blocks, single rows, threads; up to 4 rows read
+    # the factors chunk by chunk where their tables allow, more rows from a table made per task)
     alone = [linear_kernels.q8a8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
     assert torch.equal(torch.cat(alone), y)
-    assert torch.equal(linear_kernels.q8a8_linear(x[5:14], values, scales, mins, offset, add), y[5:14])
+    for lo, hi in ((5, 14), (8, 12), (8, 11)):
+        assert torch.equal(linear_kernels.q8a8_linear(x[lo:hi], values, scales, mins, offset, add), y[lo:hi])
 
 
 def test_quantize_rows_is_llamacpp_q8_0() -> None:
@@ -128,21 +130,43 @@ def test_llamacpp_files_with_quantised_activations(name: str) -> None:
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
 
 
-def test_the_engine_serves_with_quantised_activations() -> None:
+@pytest.mark.parametrize("serve_kernels", [False, True], ids=["plain", "serve-kernels"])
+def test_the_engine_serves_with_quantised_activations(serve_kernels: bool) -> None:
     """``quantize_activations`` through the engine: the dense reference's greedy tokens (quantised rows
-    in PyTorch), alone and batched."""
+    in PyTorch), alone and batched; ``serve_kernels``: with the kernels ``zerotron serve`` picks on this
+    CPU (native attention and linears), where every decoder layer runs lean on its quantised products."""
     from tests.test_serve_engine import _run
     from zerotron.components.sampling import SamplingParams
+    from zerotron.models.llama import DecoderLayer
+    from zerotron.serve import kernels
     from zerotron.serve.engine import Engine
+    from zerotron.serve.linears import _LeanLayer
 
-    kept, dense, tokenizer, _, ids = _llamacpp("k96-Q4_K_M.gguf")
+    kept, dense, tokenizer, _, ids = _llamacpp("k256-Q4_K_M.gguf" if serve_kernels else "k96-Q4_K_M.gguf")
     tokens = ids[0].tolist()
     prompts = [tokens, tokens[:7], tokens[5:16]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    engine = Engine(
-        kept, tokenizer, EngineConfig(quantization="gguf", max_model_len=64, quantize_activations=True)
+    native = serve_kernels and linear_kernels.why_no_native_matmul(torch.float32) is None
+    config = EngineConfig(
+        quantization="gguf",
+        max_model_len=64,
+        quantize_activations=True,
+        native_attention=serve_kernels and kernels.available(),
+        native_matmul=native,
     )
+    engine = Engine(kept, tokenizer, config)
     assert engine.runner.int8_native > 0
+    layers = [m for m in kept.modules() if isinstance(m, DecoderLayer)]
+    lean = [isinstance(m.__dict__.get("forward"), _LeanLayer) for m in layers]
+    assert lean and (all(lean) if native else not any(lean))
+    if native:  # the lean layers compute the module's bits (its SiLU too: 8-bit rows would amplify a change)
+        with torch.no_grad():
+            fast = kept(ids)
+            saved = [m.__dict__.pop("forward") for m in layers]
+            plain = kept(ids)
+        for m, forward in zip(layers, saved):
+            m.forward = forward
+        assert torch.equal(fast, plain)
     _quantised_rows_reference(dense, kept)
     ours = _run(engine, prompts, params)
     ref = _run(Engine(dense, tokenizer, EngineConfig(max_model_len=64)), prompts, params)

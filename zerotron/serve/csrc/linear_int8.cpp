@@ -144,6 +144,29 @@ ZT_Q8_TARGET inline void q8_factors(const Q8Problem& t, int64_t o, const int64_t
     for (int64_t c = 0; c < count; ++c) m[c] = -m[c];
 }
 
+// Output o's values and its factors' entries fetched into L1 ahead of their use (nothing past the last
+// output): a decode's row or two reads each output's few hundred bytes once, too few for the loads of
+// one output to hide their latency. An output's values lie together here (q8_direct, va_output DIRECT).
+constexpr int64_t Q8_AHEAD = 8;  // outputs ahead
+inline void q8_prefetch_factor(const Factor& f, int64_t o, int64_t groups) {
+  if (f.kind == 0) return;
+  const int64_t size = f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2;
+  const char* p = static_cast<const char*>(f.p) + o * f.so * size;
+  const int64_t bytes = ((groups - 1) / f.per * f.sg + 1) * size;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+inline void q8_prefetch_output(const Q8Problem& t, int64_t o) {
+  if (o >= t.n) return;
+  const int64_t size = t.kind == 2 ? 2 : 1, groups = (t.k + t.group - 1) / t.group;
+  const int64_t bytes = ((groups - 1) * t.qg + (t.kind == 1 ? t.group / 2 : t.group)) * size;
+  const char* p = reinterpret_cast<const char*>(t.q) + o * t.qo * size;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  q8_prefetch_factor(t.s1, o, groups);
+  q8_prefetch_factor(t.s2, o, groups);
+  q8_prefetch_factor(t.m1, o, groups);
+  q8_prefetch_factor(t.m2, o, groups);
+}
+
 // e0 and r0 of q8_factors for a slice starting at group g0 (computed: q8_linear_run's table of them).
 inline void q8_slice(const Q8Problem& t, int64_t g0, int64_t* e0, int64_t* r0) {
   const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
@@ -235,6 +258,7 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
   const bool mins = t.m1.kind != 0;
   for (int64_t j0 = 0; j0 < width; j0 += 4) {
     const int jn = static_cast<int>(std::min<int64_t>(4, width - j0));
+    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD);
     __m256 acc[MR][4];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();

@@ -93,15 +93,42 @@ ZT_VNNI_TARGET inline __m512i va_gather(const Q8Problem& t, int64_t o, int64_t k
   return _mm512_load_si512(buf);
 }
 
+// Up to 16 consecutive entries of a factor's table from p (left of them; the rest 0), as fp32.
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_entries(int kind, const void* p, int64_t left) {
+  const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+  switch (kind) {
+    case 1: return _mm512_maskz_loadu_ps(m, p);
+    case 2: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    case 3: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+    case 4: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
+    default: return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  }
+}
+
+// Up to 16 entries of output o's factor f from group g (left of them; the rest 0) where its table has an
+// entry per group (per 1, unit group stride), as fp32; all ones where the factor is absent.
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_entries(const Factor& f, int64_t o, int64_t g, int64_t left) {
+  if (f.kind == 0) return _mm512_set1_ps(1.0f);
+  const int64_t size = f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2;
+  return va_entries(f.kind, static_cast<const char*>(f.p) + (o * f.so + g) * size, left);
+}
+
+// Whether a factor's entries can be read as va_row_entries reads them.
+inline bool va_per_group(const Factor& f) { return f.kind == 0 || (f.per == 1 && f.sg == 1); }
+
 // Rows m0 .. m0 + MR - 1 times output o: s and m are the output's group scales and mins (all groups,
 // 16 zeros after). TOGETHER: a chunk's 64 bytes lie together (an output's values contiguous, or a
 // group of whole chunks); ALIGNED: a chunk holds whole groups or a group whole chunks, so one
 // permutation (idx) of the 16 scales from the chunk's first group gives the lanes' (else a gather).
-template <int KIND, int MR, bool TOGETHER, bool ALIGNED>
+// DIRECT (ALIGNED, every factor per group): the scales and mins read from the tables chunk by chunk
+// instead (s and m unused): the same products (f1 · f2, negated where the mins are added), so the same
+// bits, without computing every group's for a chunk of rows too short to reuse them.
+template <int KIND, int MR, bool TOGETHER, bool ALIGNED, bool DIRECT = false>
 ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
                               const VaChunks& ch, __m512i idx) {
   constexpr int64_t chunk = KIND == 1 ? 128 : 64;  // 16 lanes a chunk
   const int8_t* base = t.q + o * t.qo;
+  if constexpr (DIRECT) q8_prefetch_output(t, o + Q8_AHEAD);  // one row-block: latency-bound; fetch ahead
   const int8_t* xq[MR];
   const int32_t* corr[MR];
   const float* dl[MR];
@@ -122,7 +149,12 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
     else
       b = va_gather(t, o, c * chunk, group[c]);
     __m512 sl;
-    if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + group[c]));
+    if constexpr (DIRECT) {
+      const int64_t left = std::min<int64_t>(16, ch.groups - group[c]);
+      __m512 e = va_row_entries(t.s1, o, group[c], left);
+      if (t.s2.kind != 0) e = _mm512_mul_ps(e, va_row_entries(t.s2, o, group[c], left));
+      sl = _mm512_permutexvar_ps(idx, e);
+    } else if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + group[c]));
     else sl = _mm512_i32gather_ps(_mm512_loadu_si512(ch.lane_group.data() + c * 16), s, 4);
     for (int r = 0; r < MR; ++r) {
       __m512i a = _mm512_loadu_si512(corr[r] + c * 16);
@@ -137,13 +169,22 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
   }
   for (int r = 0; r < MR; ++r) {
     float y = _mm512_reduce_add_ps(acc[r]);
-    if (m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
+    if (DIRECT ? t.m1.kind != 0 : m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
       const float* xs = v.xs.data() + (m0 + r) * ch.groups;
       __m512 ms = _mm512_setzero_ps();
       for (int64_t g = 0; g < ch.groups; g += 16) {
         const int64_t left = std::min<int64_t>(16, ch.groups - g);
         const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-        ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + g), _mm512_maskz_loadu_ps(k, xs + g), ms);
+        __m512 mg;
+        if constexpr (DIRECT) {
+          mg = va_row_entries(t.m1, o, g, left);
+          if (t.m2.kind != 0) mg = _mm512_mul_ps(mg, va_row_entries(t.m2, o, g, left));
+          if (t.add_mins) mg = _mm512_xor_ps(mg, _mm512_set1_ps(-0.0f));  // exactly -m, as the buffer's
+          mg = _mm512_maskz_mov_ps(k, mg);
+        } else {
+          mg = _mm512_maskz_loadu_ps(k, m + g);
+        }
+        ms = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(k, xs + g), ms);
       }
       y -= _mm512_reduce_add_ps(ms);
     }
@@ -154,7 +195,12 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
 // va_output for the problem's kind and the chunks' layout, MR rows (4 or 1).
 template <int MR>
 ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
-                            const VaChunks& ch, __m512i idx) {
+                            const VaChunks& ch, __m512i idx, bool direct) {
+  if (direct) {  // ALIGNED, TOGETHER (va_tasks' condition)
+    if (t.kind == 1) va_output<1, MR, true, true, true>(t, v, m0, o, s, m, ch, idx);
+    else va_output<0, MR, true, true, true>(t, v, m0, o, s, m, ch, idx);
+    return;
+  }
   const int which = (t.kind == 1 ? 4 : 0) + (ch.together ? 2 : 0) + (ch.aligned ? 1 : 0);
   switch (which) {
     case 0: va_output<0, MR, false, false>(t, v, m0, o, s, m, ch, idx); break;
@@ -165,18 +211,6 @@ ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, i
     case 5: va_output<1, MR, false, true>(t, v, m0, o, s, m, ch, idx); break;
     case 6: va_output<1, MR, true, false>(t, v, m0, o, s, m, ch, idx); break;
     default: va_output<1, MR, true, true>(t, v, m0, o, s, m, ch, idx); break;
-  }
-}
-
-// Up to 16 consecutive entries of a factor's table from p (left of them; the rest 0), as fp32.
-ZT_VNNI_TARGET inline __m512 va_entries(int kind, const void* p, int64_t left) {
-  const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-  switch (kind) {
-    case 1: return _mm512_maskz_loadu_ps(m, p);
-    case 2: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-    case 3: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-    case 4: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
-    default: return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
   }
 }
 
@@ -225,12 +259,16 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   const __m512i idx = _mm512_load_si512(first);
   const int64_t groups = t.k / t.group, stride = groups + 16;  // a tile's outputs' scales, 16 zeros after each
   const bool mins = t.m1.kind != 0;
-  std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
+  // a chunk of one row-block reads its factors chunk by chunk where it can (va_output's DIRECT)
+  const bool direct = t.chunk <= 4 && ch.aligned && ch.together && va_per_group(t.s1) && va_per_group(t.s2) &&
+                      va_per_group(t.m1) && va_per_group(t.m2);
+  std::vector<float> s(direct ? 0 : static_cast<size_t>(VA_TILE * stride), 0.0f),
+      m(direct ? 0 : static_cast<size_t>(VA_TILE * stride), 0.0f);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
     const int64_t o0 = tile * VA_TILE, o1 = std::min(t.n, o0 + VA_TILE);
-    for (int64_t o = o0; o < o1; ++o) {  // the outputs' scales and mins, all groups
+    for (int64_t o = o0; o < o1 && !direct; ++o) {  // the outputs' scales and mins, all groups
       float* so = s.data() + (o - o0) * stride;
       float* mo = m.data() + (o - o0) * stride;
       va_factor(t.s1, o, groups, so, true);
@@ -247,10 +285,10 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
     for (int64_t r = r0; r < r1;) {
       const int64_t mr = r1 - r >= 4 ? 4 : 1;
       for (int64_t o = o0; o < o1; ++o) {
-        const float* so = s.data() + (o - o0) * stride;
-        const float* mp = mins ? m.data() + (o - o0) * stride : nullptr;
-        if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx);
-        else va_rows<1>(t, v, r, o, so, mp, ch, idx);
+        const float* so = direct ? nullptr : s.data() + (o - o0) * stride;
+        const float* mp = mins && !direct ? m.data() + (o - o0) * stride : nullptr;
+        if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx, direct);
+        else va_rows<1>(t, v, r, o, so, mp, ch, idx, direct);
       }
       r += mr;
     }
