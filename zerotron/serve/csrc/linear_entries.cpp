@@ -215,6 +215,7 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
     TORCH_CHECK(false, "this build has no AMX tile kernels");
 #endif
   }
+  t.wide = !a8 && vnni_cpu();  // AVX-512 (with BW, VL, DQ): q8_direct_wide
   pybind11::gil_scoped_release no_gil;
   if (a8) q8a8_linear_run(t);
   else q8_linear_run(t);

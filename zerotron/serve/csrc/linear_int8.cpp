@@ -89,6 +89,7 @@ struct Q8Problem {
   bool add_mins;          // w = q * s + m instead (GGUF Q4_1's)
   int64_t ldx, rows, n, k, group, tiles, chunk;
   const int64_t* slices = nullptr;  // q8_slice's e0 and r0 (8 numbers) of each QKS-input slice, made once a call
+  bool wide = false;                // one row's outputs two a register on AVX-512 (q8_direct_wide)
 };
 
 // 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): q * s - m, or q * s
@@ -315,6 +316,8 @@ ZT_Q8_TARGET void q8_direct_rows(const Q8Problem& t, int64_t m0, int64_t rows, i
   else q8_direct<KIND, 1>(t, m0, o0, width);
 }
 
+void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width);  // linear_vnni.cpp
+
 // Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major.
 ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
   alignas(32) float buf[QOT * QKS];
@@ -326,7 +329,8 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
     // a decode's row or two: no buffer, where an output's values lie together (GGUF, bf16 and 4-bit
     // rows; GPTQ's group-major values, 4 outputs' apart per group, stay on the buffered path)
     if (m1 - m0 <= 2 && (t.kind == 2 || t.qo >= t.qg)) {
-      if (t.kind == 2) q8_direct_rows<2>(t, m0, m1 - m0, o0, width);
+      if (t.wide && m1 - m0 == 1 && t.kind != 2) q8_direct_wide(t, m0, o0, width);
+      else if (t.kind == 2) q8_direct_rows<2>(t, m0, m1 - m0, o0, width);
       else if (t.kind == 1) q8_direct_rows<1>(t, m0, m1 - m0, o0, width);
       else q8_direct_rows<0>(t, m0, m1 - m0, o0, width);
       continue;

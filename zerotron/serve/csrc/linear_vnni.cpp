@@ -295,6 +295,106 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   }
 }
 
+// q8_direct's one row on AVX-512, two outputs a register: lanes 0-7 carry the first output's 8 chains,
+// lanes 8-15 the second's, each fed the same weights (q8_weights8's arithmetic: the values widened,
+// less the offset, times the scale less the min in one fused step) and the same inputs in the same
+// order, and summed by the same tree, so every output has q8_direct's bits (and the buffered path's)
+// in about half the instructions. 8 outputs (4 registers) at a time; an odd last output is paired
+// with itself and its copy dropped.
+// q8_factors for output o and the slice's groups g0 .. g0 + count - 1 where every factor has an entry
+// per group (va_per_group): 16 groups a step, the same products (f1 · f2, the mins negated where added).
+ZT_VNNI_TARGET inline void va_slice_factors(const Q8Problem& t, int64_t o, int64_t g0, int64_t count, float* s, float* m) {
+  const bool mins = t.m1.kind != 0;
+  for (int64_t c = 0; c < count; c += 16) {
+    const int64_t left = std::min<int64_t>(16, count - c);
+    const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+    __m512 e = va_row_entries(t.s1, o, g0 + c, left);
+    if (t.s2.kind != 0) e = _mm512_mul_ps(e, va_row_entries(t.s2, o, g0 + c, left));
+    _mm512_mask_storeu_ps(s + c, k, e);
+    if (!mins) continue;
+    e = va_row_entries(t.m1, o, g0 + c, left);
+    if (t.m2.kind != 0) e = _mm512_mul_ps(e, va_row_entries(t.m2, o, g0 + c, left));
+    if (t.add_mins) e = _mm512_xor_ps(e, _mm512_set1_ps(-0.0f));
+    _mm512_mask_storeu_ps(m + c, k, e);
+  }
+}
+
+// q8_sum's tree over 8 lanes (0+4, 1+5, 2+6, 3+7, then pairs, then the last two).
+ZT_VNNI_TARGET inline float va_sum8(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+
+template <int KIND>
+ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width) {
+  const bool mins = t.m1.kind != 0;
+  const bool per_group = va_per_group(t.s1) && va_per_group(t.s2) && va_per_group(t.m1) && va_per_group(t.m2);
+  const float* x = t.x + m0 * t.ldx;
+  const __m128i low = _mm_set1_epi8(15);
+  const __m512i offset = _mm512_set1_epi32(t.offset);
+  for (int64_t j0 = 0; j0 < width; j0 += 8) {
+    const int jn = static_cast<int>(std::min<int64_t>(8, width - j0)), pairs = (jn + 1) / 2;
+    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD);
+    __m512 acc[4];
+    for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+    float s[8][QKS / 8], m[8][QKS / 8];
+    for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
+      const int64_t k1 = std::min(t.k, k0 + QKS), g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;
+      const int64_t* e0 = t.slices + (k0 / QKS) * 8;
+      const int64_t* r0 = e0 + 4;
+      for (int j = 0; j < jn; ++j) {
+        if (per_group) va_slice_factors(t, o0 + j0 + j, g0, count, s[j], m[j]);
+        else q8_factors(t, o0 + j0 + j, e0, r0, count, s[j], m[j]);
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
+        __m512 sv[4], mv[4];
+        const int8_t* qa[4];
+        const int8_t* qb[4];
+        for (int p = 0; p < pairs; ++p) {
+          const int ja = 2 * p, jb = std::min(2 * p + 1, jn - 1);
+          sv[p] = _mm512_insertf32x8(_mm512_set1_ps(s[ja][c]), _mm256_set1_ps(s[jb][c]), 1);
+          mv[p] = _mm512_insertf32x8(_mm512_set1_ps(m[ja][c]), _mm256_set1_ps(m[jb][c]), 1);
+          qa[p] = t.q + (o0 + j0 + ja) * t.qo + gi * t.qg;
+          qb[p] = t.q + (o0 + j0 + jb) * t.qo + gi * t.qg;
+        }
+        for (int64_t k = start; k < end; k += 8) {
+          const __m512 a = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k));
+          const int64_t kk = k - gi * t.group;
+          for (int p = 0; p < pairs; ++p) {
+            __m512i v;
+            if constexpr (KIND == 1) {  // 4 bytes an output: input 2i the low half of byte i, 2i + 1 the high
+              int32_t fa, fb;
+              std::memcpy(&fa, qa[p] + kk / 2, 4);
+              std::memcpy(&fb, qb[p] + kk / 2, 4);
+              const __m128i ba = _mm_cvtsi32_si128(fa), bb = _mm_cvtsi32_si128(fb);
+              const __m128i pa = _mm_unpacklo_epi8(_mm_and_si128(ba, low), _mm_and_si128(_mm_srli_epi16(ba, 4), low));
+              const __m128i pb = _mm_unpacklo_epi8(_mm_and_si128(bb, low), _mm_and_si128(_mm_srli_epi16(bb, 4), low));
+              v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(pa, pb)), offset);
+            } else {
+              v = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qa[p] + kk)),
+                                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb[p] + kk))));
+            }
+            const __m512 f = _mm512_cvtepi32_ps(v);
+            const __m512 w = mins ? _mm512_fmsub_ps(f, sv[p], mv[p]) : _mm512_mul_ps(f, sv[p]);
+            acc[p] = _mm512_fmadd_ps(a, w, acc[p]);
+          }
+        }
+      }
+    }
+    for (int p = 0; p < pairs; ++p) {
+      t.y[m0 * t.n + o0 + j0 + 2 * p] = va_sum8(_mm512_castps512_ps256(acc[p]));
+      if (2 * p + 1 < jn) t.y[m0 * t.n + o0 + j0 + 2 * p + 1] = va_sum8(_mm512_extractf32x8_ps(acc[p], 1));
+    }
+  }
+}
+
+void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width) {
+  if (t.kind == 1) q8_direct_wide_kind<1>(t, m0, o0, width);
+  else q8_direct_wide_kind<0>(t, m0, o0, width);
+}
+
 void q8a8_linear_run(Q8Problem t) {
   const bool mins = t.m1.kind != 0;
   VnniRows v;
