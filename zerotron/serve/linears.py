@@ -302,14 +302,15 @@ def _joined(forwards: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Ten
 def _quantized_siblings(
     layer: DecoderLayer,
 ) -> Optional[tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
-    """A decoder layer's q/k/v and gate/up products where every projection is a quantised linear (their
+    """A decoder layer's q/k/v and gate/up products where those projections are quantised linears (their
     weights kept as blocks, each on its own kernel, so not fused into one product): each product
-    computed module by module and joined, for :class:`_LeanLayer`; None for any other layer."""
+    computed module by module and joined, for :class:`_LeanLayer` (o and down keep whatever forward
+    they have); None for any other layer."""
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(mlp, MLP) or not mlp.gated:
         return None
     qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-    if not all(isinstance(m, QUANTIZED) for m in (*qkv, *gate_up, attn.o_proj, mlp.down_proj)):
+    if not all(isinstance(m, QUANTIZED) for m in (*qkv, *gate_up)):  # o and down: any forward
         return None
     return (
         functools.partial(_joined, [m.forward for m in qkv]),
