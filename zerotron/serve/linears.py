@@ -221,8 +221,8 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     then on. Returns False, packing nothing, when oneDNN lacks kernels for the model's dtype or the
     model has tensor-parallel linears (they run :func:`chunk_linears`' way). ``lean``: decoder layers
     whose attention and gated MLP were fused (without q/k norms or experts) run :class:`_LeanLayer`, and
-    so do those whose projections are all quantised linears (each on its own kernel, the q/k/v and
-    gate/up outputs joined: a decode of one sequence spent about half its time in the modules' Python).
+    so do those whose q/k/v and gate/up projections are quantised linears (each on its own kernel, their
+    outputs joined: a decode of one sequence spent about half its time in the modules' Python).
     ``max_rows`` (16 bits): the most rows a forward will have (the step's token budget); the decoder
     layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
