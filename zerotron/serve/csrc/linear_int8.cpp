@@ -157,7 +157,7 @@ inline void q8_prefetch_factor(const Factor& f, int64_t o, int64_t groups) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 inline void q8_prefetch_output(const Q8Problem& t, int64_t o) {
-  if (o >= t.n) return;
+  if (o >= t.n || t.qg > t.qo) return;  // past the last output, or values group-major (GPTQ's): not together
   const int64_t size = t.kind == 2 ? 2 : 1, groups = (t.k + t.group - 1) / t.group;
   const int64_t bytes = ((groups - 1) * t.qg + (t.kind == 1 ? t.group / 2 : t.group)) * size;
   const char* p = reinterpret_cast<const char*>(t.q) + o * t.qo * size;
