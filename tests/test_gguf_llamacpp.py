@@ -113,8 +113,8 @@ def test_llamacpp_logits_of_the_sources_match_zerotron_in_fp32(name: str, tmp_pa
 )
 def test_the_engine_serves_llamacpp_files_on_its_kernels(name: str) -> None:
     """Through the serving engine with the kernels ``zerotron serve`` picks on this CPU (the grouped
-    kernel for the blocks; native attention and packed linears for the matrices not kept, as IQ4_XS's,
-    beside a kept embedding), alone and batched: the greedy tokens of the model the ``gguf`` package
+    kernel for the blocks; native attention and packed linears for any matrices not kept, beside a
+    kept embedding), alone and batched: the greedy tokens of the model the ``gguf`` package
     dequantises, and llama.cpp's first token."""
     from tests.test_serve_engine import _run
     from zerotron.components.sampling import SamplingParams

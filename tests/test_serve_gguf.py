@@ -43,7 +43,7 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     # gguf has no K-quant (or IQ4_NL) quantiser: random bits, with finite f16 scales where the format keeps them
     k_scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}
     k_scales |= {"Q3_K": (110, slice(108, 110)), "Q2_K": (84, slice(80, 84))}
-    k_scales["IQ4_NL"] = (18, slice(0, 2))
+    k_scales |= {"IQ4_NL": (18, slice(0, 2)), "IQ4_XS": (136, slice(0, 2))}
     if kind in k_scales:
         size, where = k_scales[kind]
         per = 32 if kind == "IQ4_NL" else 256
@@ -59,6 +59,7 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 KEPT = {"Q4_0": BlockInt4Linear, "Q4_1": BlockInt4Linear, "Q4_K": BlockInt4Linear, "Q8_0": BlockInt8Linear}
 KEPT |= {"Q5_0": BlockInt8Linear, "Q5_1": BlockInt8Linear, "IQ4_NL": BlockInt8Linear}
 KEPT |= {"Q5_K": BlockKLinear, "Q6_K": BlockKLinear, "Q3_K": BlockKLinear, "Q2_K": BlockKLinear}
+KEPT |= {"IQ4_XS": BlockKLinear}
 
 
 @pytest.mark.parametrize("kind", list(KEPT))
@@ -72,7 +73,7 @@ def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str
     else:
         assert torch.equal(got, torch.from_numpy(want))
     held = sum(t.nbytes for t in layer.buffers())
-    if kind in ("Q5_K", "Q6_K"):  # a byte a value, and the file's scales (at most 20 bytes per 256 values)
+    if kind in ("Q5_K", "Q6_K", "IQ4_XS"):  # a byte a value, and the file's scales (at most 20 bytes per 256)
         assert held <= OUT * IN * (1 + 20 / 256)
     elif kind in ("Q5_0", "Q5_1", "IQ4_NL"):  # a byte a value, and the file's f16 scales (and Q5_1's mins)
         assert held <= OUT * IN * (1 + 4 / 32)
@@ -101,7 +102,7 @@ def test_embedding_looks_up_the_files_rows_and_pads_the_vocabulary(kind: str) ->
     assert embed.head() is table and table.out_features == OUT + 8
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "IQ4_XS"])
 def test_k_type_embedding_looks_up_the_files_rows(kind: str) -> None:
     raw, want = _blocks(kind, seed=3)
     table = block_linear(kind, raw, IN)

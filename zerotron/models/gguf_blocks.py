@@ -24,7 +24,9 @@ invariance):
   become :class:`BlockKLinear`: one int8 per value (the 6 or 5 bits unpacked at load: 8 bits a value
   where the file packs 6.6 or 5.5) and the file's f16 and small-integer scales as they are; a call
   dequantises a chunk of output rows as :class:`BlockInt8Linear` does, with the ``gguf`` package's
-  arithmetic, so the weights are its ``dequantize`` values bit for bit.
+  arithmetic, so the weights are its ``dequantize`` values bit for bit. So does **IQ4_XS** (each 32 of
+  256 ``w = d·(ls − 32)·kv[q]``, 4-bit indices into IQ4_NL's table, 6-bit ``ls``): its table's values
+  as int8 (8 bits a value where the file packs 4.25), ``ls − 32`` as an int8 ``sc``.
 - **Q3_K** (each 16 of 256 ``w = d·(sc − 32)·q``, 3-bit ``q − 4``, 6-bit ``sc``) and **Q2_K** (each 16
   ``w = d·sc·q − dmin·mn``, 2-bit ``q``, 4-bit ``sc``, ``mn``) become :class:`BlockKLinear` too, their
   values two to a byte (4 bits a value where the file packs 3.4 or 2.6), dequantised the same way.
@@ -233,10 +235,10 @@ class BlockInt8Linear(nn.Module):
 
 class BlockKLinear(BlockInt8Linear):
     """A linear layer of K-quant blocks (super-blocks of 256 inputs): the values unpacked to int8
-    ``(out, in)`` (Q6_K's ``q − 32``, Q5_K's ``q``), or for the 2- and 3-bit types two to a byte
+    ``(out, in)`` (Q6_K's ``q − 32``, Q5_K's ``q``, IQ4_XS's ``kv[q]``), or for the 2- and 3-bit types two to a byte
     ``(out, in / 2)`` (Q2_K's ``q``, Q3_K's ``q + 4``; input 2j in the low half, 2j + 1 in the high),
     and the file's scales: ``d`` (and Q5_K's and Q2_K's ``dmin``), f16 per super-block; ``sc`` (and
-    ``mn``) per group of 16 (Q6_K, Q3_K, Q2_K) or 32 (Q5_K) inputs."""
+    ``mn``) per group of 16 (Q6_K, Q3_K, Q2_K) or 32 (Q5_K, IQ4_XS) inputs."""
 
     sc: torch.Tensor
     dmin: torch.Tensor  # Q5_K, Q2_K
@@ -264,8 +266,16 @@ class BlockKLinear(BlockInt8Linear):
             sc = torch.from_numpy(scales.reshape(out, -1).copy())
             d, group = _f16(b[..., 0:2]), 32
             extra = {"dmin": _f16(b[..., 2:4]), "mn": torch.from_numpy(mins.reshape(out, -1).copy())}
+        elif kind == "IQ4_XS":  # d (f16), scales_h (u16), scales_l (4 bytes), qs (128): d·(ls − 32)·kv[q]
+            b = blocks.reshape(out, in_features // 256, 136)
+            q = np.array(IQ4_NL_VALUES, np.int8)[_nibbles(b[..., 8:136].reshape(out, -1, 8, 16))]
+            high = b[..., 2:4].copy().view(np.uint16)  # (out, supers, 1): 2 bits a group
+            hi = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+            lo = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(out, -1, 8) & 0x0F
+            sc = torch.from_numpy(((lo | (hi << 4)).astype(np.int8) - np.int8(32)).reshape(out, -1).copy())
+            d, group = _f16(b[..., 0:2]), 32
         else:
-            raise ValueError(f"{kind} blocks are not Q2_K, Q3_K, Q5_K or Q6_K blocks")
+            raise ValueError(f"{kind} blocks are not Q2_K, Q3_K, Q5_K, Q6_K or IQ4_XS blocks")
         super().__init__(torch.from_numpy(q.reshape(out, -1).copy()), d, kind)
         self.in_features, self.group = in_features, group
         self.register_buffer("sc", sc)
@@ -341,7 +351,7 @@ class BlockInt8Embedding(nn.Module):
 
 def block_inputs(kind: str) -> int:
     """Inputs per block of a GGUF type as the file stores it (the K types: per 256-input super-block)."""
-    return 256 if kind in (*LOW_BITS, "Q4_K", "Q5_K", "Q6_K") else BLOCK
+    return 256 if kind in (*LOW_BITS, "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else BLOCK
 
 
 def block_linear(
@@ -355,6 +365,6 @@ def block_linear(
         return BlockInt4Linear(kind, blocks, in_features, dtype)
     if kind in INT8_KINDS and whole:
         return BlockInt8Linear.of(blocks, in_features, kind=kind)
-    if kind in ("Q6_K", "Q5_K", *LOW_BITS) and whole:
+    if kind in ("Q6_K", "Q5_K", "IQ4_XS", *LOW_BITS) and whole:
         return BlockKLinear(kind, blocks, in_features)
     return None
