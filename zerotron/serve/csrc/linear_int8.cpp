@@ -149,9 +149,10 @@ ZT_Q8_TARGET inline void q8_factors(const Q8Problem& t, int64_t o, const int64_t
 // output): a decode's row or two reads each output's few hundred bytes once, too few for the loads of
 // one output to hide their latency. An output's values lie together here (q8_direct, va_output DIRECT).
 constexpr int64_t Q8_AHEAD = 8;  // outputs ahead
+inline int64_t factor_bytes(const Factor& f) { return f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2; }  // an entry's
 inline void q8_prefetch_factor(const Factor& f, int64_t o, int64_t groups) {
   if (f.kind == 0) return;
-  const int64_t size = f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2;
+  const int64_t size = factor_bytes(f);
   const char* p = static_cast<const char*>(f.p) + o * f.so * size;
   const int64_t bytes = ((groups - 1) / f.per * f.sg + 1) * size;
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);

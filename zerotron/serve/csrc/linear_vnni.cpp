@@ -109,8 +109,19 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_entries(int kind,
 // entry per group (per 1, unit group stride), as fp32; all ones where the factor is absent.
 ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_entries(const Factor& f, int64_t o, int64_t g, int64_t left) {
   if (f.kind == 0) return _mm512_set1_ps(1.0f);
-  const int64_t size = f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2;
-  return va_entries(f.kind, static_cast<const char*>(f.p) + (o * f.so + g) * size, left);
+  return va_entries(f.kind, static_cast<const char*>(f.p) + (o * f.so + g) * factor_bytes(f), left);
+}
+
+// Output o's scales (s1 · s2) and mins (m1 · m2, negated where they are added) of groups g .. g + left - 1,
+// where every factor has an entry per group: the products q8_factors and va_factor make, so their bits.
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_scales(const Q8Problem& t, int64_t o, int64_t g, int64_t left) {
+  const __m512 e = va_row_entries(t.s1, o, g, left);
+  return t.s2.kind != 0 ? _mm512_mul_ps(e, va_row_entries(t.s2, o, g, left)) : e;
+}
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_mins(const Q8Problem& t, int64_t o, int64_t g, int64_t left) {
+  __m512 e = va_row_entries(t.m1, o, g, left);
+  if (t.m2.kind != 0) e = _mm512_mul_ps(e, va_row_entries(t.m2, o, g, left));
+  return t.add_mins ? _mm512_xor_ps(e, _mm512_set1_ps(-0.0f)) : e;  // exactly -m
 }
 
 // Whether a factor's entries can be read as va_row_entries reads them.
@@ -150,10 +161,7 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
       b = va_gather(t, o, c * chunk, group[c]);
     __m512 sl;
     if constexpr (DIRECT) {
-      const int64_t left = std::min<int64_t>(16, ch.groups - group[c]);
-      __m512 e = va_row_entries(t.s1, o, group[c], left);
-      if (t.s2.kind != 0) e = _mm512_mul_ps(e, va_row_entries(t.s2, o, group[c], left));
-      sl = _mm512_permutexvar_ps(idx, e);
+      sl = _mm512_permutexvar_ps(idx, va_row_scales(t, o, group[c], std::min<int64_t>(16, ch.groups - group[c])));
     } else if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + group[c]));
     else sl = _mm512_i32gather_ps(_mm512_loadu_si512(ch.lane_group.data() + c * 16), s, 4);
     for (int r = 0; r < MR; ++r) {
@@ -175,15 +183,7 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
       for (int64_t g = 0; g < ch.groups; g += 16) {
         const int64_t left = std::min<int64_t>(16, ch.groups - g);
         const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-        __m512 mg;
-        if constexpr (DIRECT) {
-          mg = va_row_entries(t.m1, o, g, left);
-          if (t.m2.kind != 0) mg = _mm512_mul_ps(mg, va_row_entries(t.m2, o, g, left));
-          if (t.add_mins) mg = _mm512_xor_ps(mg, _mm512_set1_ps(-0.0f));  // exactly -m, as the buffer's
-          mg = _mm512_maskz_mov_ps(k, mg);
-        } else {
-          mg = _mm512_maskz_loadu_ps(k, m + g);
-        }
+        const __m512 mg = DIRECT ? _mm512_maskz_mov_ps(k, va_row_mins(t, o, g, left)) : _mm512_maskz_loadu_ps(k, m + g);
         ms = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(k, xs + g), ms);
       }
       y -= _mm512_reduce_add_ps(ms);
@@ -230,7 +230,7 @@ ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float*
     }
     return;
   }
-  const int64_t size = f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2;
+  const int64_t size = factor_bytes(f);
   const char* row = static_cast<const char*>(f.p) + o * f.so * size;
   // lane l's entry: l / per (per 1, 2, 4, 8 or 16: a shift), or the one entry (per a multiple of 16)
   const __m512i idx = f.per <= 16 ? _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -295,12 +295,6 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   }
 }
 
-// q8_direct's one row on AVX-512, two outputs a register: lanes 0-7 carry the first output's 8 chains,
-// lanes 8-15 the second's, each fed the same weights (q8_weights8's arithmetic: the values widened,
-// less the offset, times the scale less the min in one fused step) and the same inputs in the same
-// order, and summed by the same tree, so every output has q8_direct's bits (and the buffered path's)
-// in about half the instructions. 8 outputs (4 registers) at a time; an odd last output is paired
-// with itself and its copy dropped.
 // q8_factors for output o and the slice's groups g0 .. g0 + count - 1 where every factor has an entry
 // per group (va_per_group): 16 groups a step, the same products (f1 · f2, the mins negated where added).
 ZT_VNNI_TARGET inline void va_slice_factors(const Q8Problem& t, int64_t o, int64_t g0, int64_t count, float* s, float* m) {
@@ -308,14 +302,8 @@ ZT_VNNI_TARGET inline void va_slice_factors(const Q8Problem& t, int64_t o, int64
   for (int64_t c = 0; c < count; c += 16) {
     const int64_t left = std::min<int64_t>(16, count - c);
     const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-    __m512 e = va_row_entries(t.s1, o, g0 + c, left);
-    if (t.s2.kind != 0) e = _mm512_mul_ps(e, va_row_entries(t.s2, o, g0 + c, left));
-    _mm512_mask_storeu_ps(s + c, k, e);
-    if (!mins) continue;
-    e = va_row_entries(t.m1, o, g0 + c, left);
-    if (t.m2.kind != 0) e = _mm512_mul_ps(e, va_row_entries(t.m2, o, g0 + c, left));
-    if (t.add_mins) e = _mm512_xor_ps(e, _mm512_set1_ps(-0.0f));
-    _mm512_mask_storeu_ps(m + c, k, e);
+    _mm512_mask_storeu_ps(s + c, k, va_row_scales(t, o, g0 + c, left));
+    if (mins) _mm512_mask_storeu_ps(m + c, k, va_row_mins(t, o, g0 + c, left));
   }
 }
 
@@ -326,6 +314,12 @@ ZT_VNNI_TARGET inline float va_sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
 }
 
+// q8_direct's one row on AVX-512, two outputs a register: lanes 0-7 carry the first output's 8 chains,
+// lanes 8-15 the second's, each fed the same weights (q8_weights8's arithmetic: the values widened,
+// less the offset, times the scale less the min in one fused step) and the same inputs in the same
+// order, and summed by the same tree, so every output has q8_direct's bits (and the buffered path's)
+// in about half the instructions. 8 outputs (4 registers) at a time; an odd last output is paired
+// with itself and its copy dropped.
 template <int KIND>
 ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width) {
   const bool mins = t.m1.kind != 0;
