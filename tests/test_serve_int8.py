@@ -127,6 +127,37 @@ def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> 
     )
 
 
+@pytest.mark.parametrize("k", [512, 256])
+@pytest.mark.parametrize("activations", [False, True], ids=["fp32-rows", "int8-rows"])
+def test_products_side_by_side_are_each_products_own(activations: bool, k: int) -> None:
+    """``q8_linears`` (a decoder layer's q, k and v, or gate and up, in one call): the K = 512 and the
+    K = 256 cases of :data:`CASES` (int8 and two-a-byte values, offsets, mins added or taken, strided
+    and group-major tables) side by side, two products sharing a kind of values, offset and group (their rows quantised
+    once under int8 activations), against each product's own call bit for bit at 1 to 23 rows — and
+    against float64 (the quantised rows' products under int8 activations)."""
+    if activations and not linear_kernels.q8a8_available():
+        pytest.skip(f"no 8-bit-activation kernel here: {linear_kernels.why_no_q8a8()}")
+    from zerotron.serve import kernel_definitions
+
+    gen = torch.Generator().manual_seed(11)
+    names = {
+        512: ["gptq-asym", "q6_k", "q5_k", "q3_k-nibbles", "q2_k-nibbles", "q6_k"],
+        256: ["q4_0-nibbles", "int4-bf16-nibbles", "q4_1-nibbles", "q4_0-nibbles"],
+    }[k]
+    tables = [_operands(name, gen, group_major=activations) for name in names]
+    single = linear_kernels.q8a8_linear if activations else linear_kernels.q8_linear
+    x = torch.randn(23, k, generator=gen) * torch.rand(23, 1, generator=gen) * 4
+    y = linear_kernels.q8_linears(x, tables, activations)
+    assert y.shape == (23, sum(t[0].shape[0] for t in tables))
+    rows = kernel_definitions.quantize_rows(x) if activations else x
+    ref = torch.cat([_reference(rows, *t) for t in tables], -1)
+    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    for lo, hi in ((0, 1), (3, 4), (5, 7), (8, 11), (8, 12), (0, 23)):
+        alone = torch.cat([single(x[lo:hi], *t) for t in tables], -1)
+        assert torch.equal(linear_kernels.q8_linears(x[lo:hi], tables, activations), alone)
+        assert torch.equal(y[lo:hi], alone)
+
+
 def test_kernel_changes_with_each_part() -> None:
     """A negative control: each operand moves the result (the kernel reads every table)."""
     gen = torch.Generator().manual_seed(4)

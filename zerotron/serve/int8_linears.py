@@ -23,7 +23,7 @@ in fp32 a GGUF file's own f16 scales (Q4_0 ``d·(q − 8)``, Q4_1 ``d·q + m``, 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -149,9 +149,42 @@ def int8_kernels(
                 )
             continue
         setattr(module, "q8_tables", tables)  # noqa: B010 - a plain attribute, not a tensor or module
+        setattr(module, "q8_kernel", linear)  # noqa: B010 - which kernel runs it (joined_forward reads it)
         if isinstance(module, (PackedInt8Linear, PackedInt4Linear, Int4Linear)):
             module.forward = functools.partial(_packed_forward, linear, module, tables)  # type: ignore[method-assign]
         else:
             module.forward = functools.partial(_block_forward, linear, module, tables)
         count += 1
     return count
+
+
+def joined_forward(modules: Sequence[nn.Module]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The products of ``modules`` (one input's q, k and v; gate and up) side by side in one call of the
+    grouped kernel (:func:`~zerotron.serve.linear_kernels.q8_linears`: one parallel region, and with
+    8-bit activations the rows quantised once), where :func:`int8_kernels` put every one on the same
+    kernel, fp32 rows or 8-bit activations, with its inputs in order (not act-order or padded GPTQ
+    parts) and a bias on all or none, of one dtype; None otherwise. Each output's bits are those of its
+    module's own forward (the kernel's arithmetic per output, the bias added after the same cast)."""
+    kernel = getattr(modules[0], "q8_kernel", None)
+    if kernel not in (linear_kernels.q8_linear, linear_kernels.q8a8_linear):
+        return None
+    biases: list[Optional[torch.Tensor]] = [getattr(m, "bias", None) for m in modules]
+    for module in modules:
+        if getattr(module, "q8_kernel", None) is not kernel or getattr(module, "padded", False):
+            return None
+        if getattr(module, "order", None) is not None:
+            return None
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    if len({b.dtype for b in biases if b is not None}) > 1:
+        return None
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+    tables: list[Tables] = [getattr(m, "q8_tables") for m in modules]  # noqa: B009 - set by int8_kernels
+    return functools.partial(_joined_forward, kernel is linear_kernels.q8a8_linear, tables, bias)
+
+
+def _joined_forward(
+    activations: bool, tables: list[Tables], bias: Optional[torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
+    out = linear_kernels.q8_linears(x, tables, activations).to(x.dtype)
+    return out if bias is None else out + bias

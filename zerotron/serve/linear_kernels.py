@@ -19,7 +19,7 @@ none can run).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -28,6 +28,8 @@ from zerotron.serve import kernels
 
 # a scale's or a min's factors (the grouped kernels' tables: the second None for one factor)
 Factors = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+# one product's operands: values, scale factors, min factors, offset, add_mins
+Tables = tuple[torch.Tensor, Factors, Factors, int, bool]
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -179,6 +181,30 @@ def q8a8_linear(
     multiply-adds in k order, added in a fixed tree: a row's result is the same in any batch. The
     same operands as :func:`q8_linear` but bf16 weights. Returns (..., n) fp32."""
     return _grouped("q8a8_linear", x, values, scales, mins, offset, add_mins)
+
+
+def q8_linears(x: torch.Tensor, tables: Sequence[Tables], activations: bool = False) -> torch.Tensor:
+    """Several products of the same rows ``x`` (..., K) side by side, (..., sum of their n) fp32: each
+    ``tables`` entry ``(values, scales, mins, offset, add_mins)`` as :func:`q8_linear` (or, where
+    ``activations``, :func:`q8a8_linear`) takes them, all in one call of the kernel (one parallel
+    region; with ``activations`` the rows quantised once for the products that share a kind of values,
+    offset and group). Each output's bits are those of its product's own call (a decoder layer's q, k and
+    v, or gate and up, in one call instead of three or two)."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y: torch.Tensor = kernels.built().q8_linears(
+        rows,
+        [t[0] for t in tables],
+        [t[1][0] for t in tables],
+        [t[1][1] for t in tables],
+        [t[2][0] for t in tables],
+        [t[2][1] for t in tables],
+        [t[3] for t in tables],
+        [int(t[4]) for t in tables],
+        activations,
+    )
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def pack_wide(weight: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from zerotron.parallel.float8 import Float8Linear
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_region
 from zerotron.parallel.tensor_comm import apply_function
 from zerotron.serve import kernels, linear_kernels
-from zerotron.serve.int8_linears import QUANTIZED
+from zerotron.serve.int8_linears import QUANTIZED, joined_forward
 from zerotron.serve.paged import PagedAttention
 
 # Every forward has at least MIN_ROWS rows (padding rows are ignored; zerotron.models.quant, where
@@ -313,8 +313,8 @@ def _quantized_siblings(
     if not all(isinstance(m, QUANTIZED) for m in (*qkv, *gate_up)):  # o and down: any forward
         return None
     return (
-        functools.partial(_joined, [m.forward for m in qkv]),
-        functools.partial(_joined, [m.forward for m in gate_up]),
+        joined_forward(qkv) or functools.partial(_joined, [m.forward for m in qkv]),
+        joined_forward(gate_up) or functools.partial(_joined, [m.forward for m in gate_up]),
     )
 
 

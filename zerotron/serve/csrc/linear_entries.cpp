@@ -168,13 +168,13 @@ bool vnni_cpu() {
 // stride (K = groups * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a
 // byte, each less offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows,
 // n) in x's dtype: y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. mode 0: x as it is
-// (q8_linear_run; bf16 weights too, no scales); 1: x quantised to int8 per 32 inputs first
-// (q8a8_linear_run, not bf16 weights); 2: bf16 x times the weights rounded to bf16 on AMX tiles
-// (qtile_linear_run, K a multiple of 32).
-torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1, std::optional<torch::Tensor> s2,
-                       std::optional<torch::Tensor> m1, std::optional<torch::Tensor> m2, int64_t offset, bool add_mins,
-                       int mode) {
-  const bool a8 = mode == 1, tiles = mode == 2;
+// (q8_linear_many; bf16 weights too, no scales); 1: x quantised to int8 per 32 inputs first
+// (q8a8_linear_many, not bf16 weights); 2: bf16 x times the weights rounded to bf16 on AMX tiles
+// (qtile_linear_run, K a multiple of 32). q8_check checks one product's operands (x's too).
+void q8_check(const torch::Tensor& x, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
+              const std::optional<torch::Tensor>& s2, const std::optional<torch::Tensor>& m1,
+              const std::optional<torch::Tensor>& m2, int64_t offset, int mode) {
+  const bool tiles = mode == 2;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (tiles ? torch::kBFloat16 : torch::kFloat) && x.stride(1) == 1,
               tiles ? "bf16 rows" : "fp32 rows");
   const bool nibbles = q.scalar_type() == torch::kByte, bf16 = mode == 0 && q.scalar_type() == torch::kBFloat16;
@@ -184,20 +184,43 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
   TORCH_CHECK(nibbles || offset == 0, "an offset for values two a byte only");
   TORCH_CHECK(offset >= 0 && offset < 16, "an offset of 0 to 15");
   TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
-  const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
+  const int64_t groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1);
   TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
   TORCH_CHECK(!tiles || x.size(1) % 32 == 0, "K a multiple of 32 on tiles");
   TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
+}
+
+#if defined(ZT_Q8)
+// One checked product's problem, its outputs written at y (row stride ldy).
+Q8Problem q8_problem(const torch::Tensor& x, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
+                     const std::optional<torch::Tensor>& s2, const std::optional<torch::Tensor>& m1,
+                     const std::optional<torch::Tensor>& m2, int64_t offset, bool add_mins, int mode, float* y, int64_t ldy) {
+  const bool tiles = mode == 2, nibbles = q.scalar_type() == torch::kByte;
+  const bool bf16 = mode == 0 && q.scalar_type() == torch::kBFloat16;
+  const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
+  Q8Problem t{tiles ? nullptr : x.data_ptr<float>(), y,
+              static_cast<const int8_t*>(q.data_ptr()), q.stride(0), q.stride(1), bf16 ? 2 : nibbles ? 1 : 0,
+              static_cast<int32_t>(offset), q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"),
+              q8_factor(m1, n, groups, "m1"), q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n,
+              x.size(1), group, (n + QOT - 1) / QOT, even_chunk(rows, QMC, 4)};
+  t.wide = mode == 0 && vnni_cpu();  // AVX-512 (with BW, VL, DQ): q8_direct_wide
+  t.ldy = ldy;
+  return t;
+}
+#endif
+
+torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1, std::optional<torch::Tensor> s2,
+                       std::optional<torch::Tensor> m1, std::optional<torch::Tensor> m2, int64_t offset, bool add_mins,
+                       int mode) {
+  const bool a8 = mode == 1, tiles = mode == 2;
+  q8_check(x, q, s1, s2, m1, m2, offset, mode);
+  const int64_t n = q.size(0), rows = x.size(0);
   if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
 #if defined(ZT_Q8)
   TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
-  Q8Problem t{tiles ? nullptr : x.data_ptr<float>(), tiles ? nullptr : y.data_ptr<float>(),
-              static_cast<const int8_t*>(q.data_ptr()), q.stride(0), q.stride(1), bf16 ? 2 : nibbles ? 1 : 0,
-              static_cast<int32_t>(offset), q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"),
-              q8_factor(m1, n, groups, "m1"), q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n,
-              x.size(1), group, (n + QOT - 1) / QOT, even_chunk(rows, QMC, 4)};
+  std::vector<Q8Problem> ts{q8_problem(x, q, s1, s2, m1, m2, offset, add_mins, mode, tiles ? nullptr : y.data_ptr<float>(), n)};
   if (tiles) {
 #if defined(ZT_QTILES)
     // the rows packed as pack_tiles packs a weight: B tiles of 16 rows and 32 inputs
@@ -206,7 +229,7 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
                   .reshape({blocks, 16, kblocks, 16, 2})
                   .permute({0, 2, 3, 1, 4})
                   .contiguous();
-    QTileProblem qt{t, reinterpret_cast<const uint16_t*>(xp.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()),
+    QTileProblem qt{ts[0], reinterpret_cast<const uint16_t*>(xp.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()),
                     kblocks, chunk, (rows + chunk - 1) / chunk};
     pybind11::gil_scoped_release no_gil;
     qtile_linear_run(qt);
@@ -215,10 +238,51 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
     TORCH_CHECK(false, "this build has no AMX tile kernels");
 #endif
   }
-  t.wide = !a8 && vnni_cpu();  // AVX-512 (with BW, VL, DQ): q8_direct_wide
   pybind11::gil_scoped_release no_gil;
-  if (a8) q8a8_linear_run(t);
-  else q8_linear_run(t);
+  if (a8) q8a8_linear_many(ts);
+  else q8_linear_many(ts);
+  return y;
+#else
+  TORCH_CHECK(false, "this build has no 8-bit linear kernel");
+#endif
+}
+
+// Several products of the same fp32 rows x (q8_entry's operands each, modes 0 and 1; the tables are
+// lists, one entry a product) side by side in one (rows, sum of n) result, in one parallel region;
+// with a8 the rows quantised once for the products that share a kind of values, offset and group.
+// Each output's arithmetic is the one a call for its product alone does: the same bits.
+torch::Tensor q8_linears(torch::Tensor x, std::vector<torch::Tensor> q, std::vector<std::optional<torch::Tensor>> s1,
+                         std::vector<std::optional<torch::Tensor>> s2, std::vector<std::optional<torch::Tensor>> m1,
+                         std::vector<std::optional<torch::Tensor>> m2, std::vector<int64_t> offset,
+                         std::vector<int64_t> add_mins, bool a8) {
+  const size_t count = q.size();
+  TORCH_CHECK(count > 0 && s1.size() == count && s2.size() == count && m1.size() == count && m2.size() == count &&
+                  offset.size() == count && add_mins.size() == count,
+              "one entry of each list a product");
+  const int mode = a8 ? 1 : 0;
+  int64_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    q8_check(x, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], mode);
+    TORCH_CHECK(q[i].scalar_type() != torch::kBFloat16, "8- and 4-bit values");
+    total += q[i].size(0);
+  }
+  const int64_t rows = x.size(0);
+  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
+  auto y = torch::empty({rows, total}, x.options());
+  if (rows == 0 || total == 0) return y;
+#if defined(ZT_Q8)
+  TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
+  std::vector<Q8Problem> ts;
+  int64_t column = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (q[i].size(0) > 0)
+      ts.push_back(q8_problem(x, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], add_mins[i] != 0, mode,
+                              y.data_ptr<float>() + column, total));
+    column += q[i].size(0);
+  }
+  pybind11::gil_scoped_release no_gil;
+  if (a8) q8a8_linear_many(ts);
+  else q8_linear_many(ts);
   return y;
 #else
   TORCH_CHECK(false, "this build has no 8-bit linear kernel");

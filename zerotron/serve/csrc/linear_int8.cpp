@@ -90,6 +90,7 @@ struct Q8Problem {
   int64_t ldx, rows, n, k, group, tiles, chunk;
   const int64_t* slices = nullptr;  // q8_slice's e0 and r0 (8 numbers) of each QKS-input slice, made once a call
   bool wide = false;                // one row's outputs two a register on AVX-512 (q8_direct_wide)
+  int64_t ldy = 0;                  // output (m, o) at y[m * ldy + o]: n, or wider where several products share y
 };
 
 // 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): q * s - m, or q * s
@@ -306,7 +307,7 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < jn; ++j) {
         _mm256_store_ps(lanes, acc[r][j]);
-        t.y[(m0 + r) * t.n + o0 + j0 + j] = q8_sum(lanes);
+        t.y[(m0 + r) * t.ldy + o0 + j0 + j] = q8_sum(lanes);
       }
   }
 }
@@ -347,7 +348,7 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
                   std::min<int64_t>(4, m1 - m));
     }
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t j = 0; j < width; ++j) t.y[m * t.n + o0 + j] = q8_sum(c + ((m - m0) * QOT + j) * 8);
+      for (int64_t j = 0; j < width; ++j) t.y[m * t.ldy + o0 + j] = q8_sum(c + ((m - m0) * QOT + j) * 8);
   }
 }
 
@@ -363,10 +364,22 @@ std::vector<int64_t> q8_slices(const Q8Problem& t) {
   return slices;
 }
 
-void q8_linear_run(Q8Problem t) {
-  const std::vector<int64_t> slices = q8_slices(t);
-  t.slices = slices.data();
-  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
-  at::parallel_for(0, chunks * t.tiles, 1, [&](int64_t begin, int64_t end) { q8_tasks(t, begin, end); });
+// Several products of the same rows (q, k and v; gate and up) in one parallel region: problem i's
+// tasks numbered after those of the problems before it, the threads dealt the whole range. Each task
+// is what a call for its problem alone runs (an output's arithmetic never depends on the others).
+void q8_linear_many(std::vector<Q8Problem>& ts) {
+  std::vector<std::vector<int64_t>> slices(ts.size());
+  std::vector<int64_t> first(ts.size() + 1, 0);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    slices[i] = q8_slices(ts[i]);
+    ts[i].slices = slices[i].data();
+    first[i + 1] = first[i] + (ts[i].rows + ts[i].chunk - 1) / ts[i].chunk * ts[i].tiles;
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]);
+      if (lo < hi) q8_tasks(ts[i], lo - first[i], hi - first[i]);
+    }
+  });
 }
 #endif

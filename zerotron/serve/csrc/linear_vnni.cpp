@@ -188,7 +188,7 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
       }
       y -= _mm512_reduce_add_ps(ms);
     }
-    t.y[(m0 + r) * t.n + o] = y;
+    t.y[(m0 + r) * t.ldy + o] = y;
   }
 }
 
@@ -378,8 +378,8 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
       }
     }
     for (int p = 0; p < pairs; ++p) {
-      t.y[m0 * t.n + o0 + j0 + 2 * p] = va_sum8(_mm512_castps512_ps256(acc[p]));
-      if (2 * p + 1 < jn) t.y[m0 * t.n + o0 + j0 + 2 * p + 1] = va_sum8(_mm512_extractf32x8_ps(acc[p], 1));
+      t.y[m0 * t.ldy + o0 + j0 + 2 * p] = va_sum8(_mm512_castps512_ps256(acc[p]));
+      if (2 * p + 1 < jn) t.y[m0 * t.ldy + o0 + j0 + 2 * p + 1] = va_sum8(_mm512_extractf32x8_ps(acc[p], 1));
     }
   }
 }
@@ -389,43 +389,78 @@ void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width) {
   else q8_direct_wide_kind<0>(t, m0, o0, width);
 }
 
-void q8a8_linear_run(Q8Problem t) {
-  const bool mins = t.m1.kind != 0;
-  VnniRows v;
+// The rows quantised for the products ts[i] with i in same (one kind of values, offset and group).
+void va_quantize_rows(const Q8Problem& t, VnniRows& v, bool mins) {
   v.width = t.kind == 1 ? 8 : 4;
   v.kp = (t.k + VA_SLICE - 1) / VA_SLICE * VA_SLICE;
   v.lanes = v.kp / v.width;
-  const int64_t groups = t.k / t.group, chunk = 16 * v.width;
   v.xq.assign(static_cast<size_t>(t.rows * v.kp), 0);
   v.corr.assign(static_cast<size_t>(t.rows * v.lanes), 0);
   v.dl.assign(static_cast<size_t>(t.rows * v.lanes), 0.0f);
-  if (mins) v.xs.assign(static_cast<size_t>(t.rows * groups), 0.0f);
+  if (mins) v.xs.assign(static_cast<size_t>(t.rows * (t.k / t.group)), 0.0f);
   at::parallel_for(0, t.rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) va_quantize(t, v, r, mins);
   });
+}
+
+// A problem's chunks of inputs (VaChunks) and its lanes' first groups; sets its tiles and row chunk.
+struct VaPlan {
+  VaChunks ch;
+  alignas(64) int32_t first[16];
+};
+
+void va_plan(Q8Problem& t, int64_t width, VaPlan& p) {
   // a lane's group; where a chunk holds whole groups (or a group whole chunks) the same permutation
   // of the chunk's first 16 group scales serves every chunk
-  VaChunks ch;
+  VaChunks& ch = p.ch;
+  const int64_t groups = t.k / t.group, chunk = 16 * width, lanes = (t.k + VA_SLICE - 1) / VA_SLICE * VA_SLICE / width;
   const int64_t shift = t.kind == 1 ? 1 : 0;
   for (int64_t kc = 0; kc < t.k; kc += chunk) {
     ch.group.push_back(kc / t.group);
     ch.at.push_back((kc / t.group) * t.qg + ((kc % t.group) >> shift));
   }
-  ch.lane_group.resize(static_cast<size_t>(v.lanes));
-  for (int64_t l = 0; l < v.lanes; ++l) ch.lane_group[l] = static_cast<int32_t>(std::min(groups - 1, l * v.width / t.group));
+  ch.lane_group.resize(static_cast<size_t>(lanes));
+  for (int64_t l = 0; l < lanes; ++l) ch.lane_group[l] = static_cast<int32_t>(std::min(groups - 1, l * width / t.group));
   ch.groups = groups;
   ch.chunks = static_cast<int64_t>(ch.group.size());
   ch.full = (t.k >> shift) / 64;
   ch.tail = ((t.k >> shift) % 64) ? (1ULL << ((t.k >> shift) % 64)) - 1 : ~0ULL;
   ch.aligned = chunk % t.group == 0 || t.group % chunk == 0;
   ch.together = t.qg == (t.group >> shift) || t.group % chunk == 0;
-  alignas(64) int32_t first[16];
-  for (int l = 0; l < 16; ++l) first[l] = static_cast<int32_t>(t.group >= chunk ? 0 : l * v.width / t.group);
+  for (int l = 0; l < 16; ++l) p.first[l] = static_cast<int32_t>(t.group >= chunk ? 0 : l * width / t.group);
   t.tiles = (t.n + VA_TILE - 1) / VA_TILE;
   t.chunk = std::min<int64_t>(VA_MC, t.rows);
-  const int64_t chunks = (t.rows + t.chunk - 1) / t.chunk;
-  at::parallel_for(0, chunks * t.tiles, 1, [&](int64_t begin, int64_t end) {
-    va_tasks(t, v, ch, first, begin, end);
+}
+
+// Several products of the same rows (q8_linear_many's) in one parallel region, the rows quantised
+// once for all the products with the same kind of values, offset and group (what each would quantise).
+void q8a8_linear_many(std::vector<Q8Problem>& ts) {
+  const size_t count = ts.size();
+  std::vector<size_t> rows_of(count);  // the problem whose quantised rows problem i reads
+  std::vector<bool> mins(count, false);
+  for (size_t i = 0; i < count; ++i) {
+    rows_of[i] = i;
+    for (size_t j = 0; j < i; ++j)
+      if (ts[j].kind == ts[i].kind && ts[j].offset == ts[i].offset && ts[j].group == ts[i].group) {
+        rows_of[i] = j;
+        break;
+      }
+    mins[rows_of[i]] = mins[rows_of[i]] || ts[i].m1.kind != 0;
+  }
+  std::vector<VnniRows> v(count);
+  for (size_t i = 0; i < count; ++i)
+    if (rows_of[i] == i) va_quantize_rows(ts[i], v[i], mins[i]);
+  std::vector<VaPlan> plans(count);
+  std::vector<int64_t> first(count + 1, 0);
+  for (size_t i = 0; i < count; ++i) {
+    va_plan(ts[i], v[rows_of[i]].width, plans[i]);
+    first[i + 1] = first[i] + (ts[i].rows + ts[i].chunk - 1) / ts[i].chunk * ts[i].tiles;
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]);
+      if (lo < hi) va_tasks(ts[i], v[rows_of[i]], plans[i].ch, plans[i].first, lo - first[i], hi - first[i]);
+    }
   });
 }
 #endif
