@@ -140,7 +140,7 @@ def test_the_engine_serves_with_quantised_activations(serve_kernels: bool) -> No
     from zerotron.models.llama import DecoderLayer
     from zerotron.serve import kernels
     from zerotron.serve.engine import Engine
-    from zerotron.serve.int8_linears import _joined_forward
+    from zerotron.serve.int8_linears import _prepared_forward
     from zerotron.serve.linears import _LeanLayer
 
     kept, dense, tokenizer, _, ids = _llamacpp("k256-Q4_K_M.gguf" if serve_kernels else "k96-Q4_K_M.gguf")
@@ -162,7 +162,8 @@ def test_the_engine_serves_with_quantised_activations(serve_kernels: bool) -> No
     assert lean and (all(isinstance(f, _LeanLayer) for f in lean) if native else not any(lean))
     if native:  # q, k and v (gate and up) in one call of the kernel each
         joined = [(f.qkv.func, f.gate_up.func) for f in lean]
-        assert set(joined) == {(_joined_forward, _joined_forward)}
+        assert set(joined) == {(_prepared_forward, _prepared_forward)}
+        assert {len(f.qkv.args[0].tables) + len(f.gate_up.args[0].tables) for f in lean} == {5}
     if native:  # the lean layers compute the module's bits (its SiLU too: 8-bit rows would amplify a change)
         with torch.no_grad():
             fast = kept(ids)

@@ -150,7 +150,10 @@ def int8_kernels(
             continue
         setattr(module, "q8_tables", tables)  # noqa: B010 - a plain attribute, not a tensor or module
         setattr(module, "q8_kernel", linear)  # noqa: B010 - which kernel runs it (joined_forward reads it)
-        if isinstance(module, (PackedInt8Linear, PackedInt4Linear, Int4Linear)):
+        if not tiles and not _reordered(module):  # prepared once: one call of the kernel, no per-call checks
+            product = linear_kernels.Prepared([tables], activations)
+            module.forward = functools.partial(_prepared_forward, product, getattr(module, "bias", None))
+        elif isinstance(module, (PackedInt8Linear, PackedInt4Linear, Int4Linear)):
             module.forward = functools.partial(_packed_forward, linear, module, tables)  # type: ignore[method-assign]
         else:
             module.forward = functools.partial(_block_forward, linear, module, tables)
@@ -169,22 +172,27 @@ def joined_forward(modules: Sequence[nn.Module]) -> Optional[Callable[[torch.Ten
     if kernel not in (linear_kernels.q8_linear, linear_kernels.q8a8_linear):
         return None
     biases: list[Optional[torch.Tensor]] = [getattr(m, "bias", None) for m in modules]
-    for module in modules:
-        if getattr(module, "q8_kernel", None) is not kernel or getattr(module, "padded", False):
-            return None
-        if getattr(module, "order", None) is not None:
-            return None
+    if any(getattr(m, "q8_kernel", None) is not kernel or _reordered(m) for m in modules):
+        return None
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
     if len({b.dtype for b in biases if b is not None}) > 1:
         return None
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
     tables: list[Tables] = [getattr(m, "q8_tables") for m in modules]  # noqa: B009 - set by int8_kernels
-    return functools.partial(_joined_forward, kernel is linear_kernels.q8a8_linear, tables, bias)
+    product = linear_kernels.Prepared(tables, kernel is linear_kernels.q8a8_linear)
+    return functools.partial(_prepared_forward, product, bias)
 
 
-def _joined_forward(
-    activations: bool, tables: list[Tables], bias: Optional[torch.Tensor], x: torch.Tensor
+def _reordered(module: nn.Module) -> bool:
+    """Whether ``module``'s inputs are reordered or padded before its kernel (act-order GPTQ parts)."""
+    return getattr(module, "padded", False) or getattr(module, "order", None) is not None
+
+
+def _prepared_forward(
+    product: linear_kernels.Prepared, bias: Optional[torch.Tensor], x: torch.Tensor
 ) -> torch.Tensor:
-    out = linear_kernels.q8_linears(x, tables, activations).to(x.dtype)
+    """A quantised linear's (or side-by-side linears') forward on its prepared kernel call: the module's
+    own forward on the kernel, the same bits (the product, cast to the rows' dtype, then the bias)."""
+    out = product(x).to(x.dtype)
     return out if bias is None else out + bias

@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v51"
+_NAME = "zerotron_kernels_v52"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -83,7 +83,9 @@ _FUNCTIONS = [
     "q8_linear",
     "vnni_cpu",
     "q8a8_linear",
-    "q8_linears",
+    "q8_prepare",
+    "q8_release",
+    "q8_run",
     "q8t_linear",
     "rms_norm",
     "silu_mul",

@@ -19,6 +19,7 @@ none can run).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -183,28 +184,50 @@ def q8a8_linear(
     return _grouped("q8a8_linear", x, values, scales, mins, offset, add_mins)
 
 
+class Prepared:
+    """Products of the same rows side by side, prepared once for the grouped kernel: each ``tables``
+    entry ``(values, scales, mins, offset, add_mins)`` as :func:`q8_linear` (or, where ``activations``,
+    :func:`q8a8_linear`) takes them, ``k`` inputs each. Called with rows ``x`` (..., k), returns (...,
+    sum of their n) fp32 from one call of the kernel (one parallel region; with ``activations`` the rows
+    quantised once for the products that share a kind of values, offset and group). Each output's bits
+    are those of its product's own call. The served quantised linears run this way (a decoder layer's
+    q, k and v, or gate and up, in one call; each other linear alone), the operands checked and their
+    layout worked out once instead of at every call. Holds the tables (the kernel reads them in place)."""
+
+    def __init__(self, tables: Sequence[Tables], activations: bool = False) -> None:
+        self.tables = list(tables)
+        if not self.tables:
+            raise ValueError("Prepared takes one product at least")
+        k = (
+            self.tables[0][0].shape[1]
+            * self.tables[0][0].shape[2]
+            * (2 if self.tables[0][0].dtype == torch.uint8 else 1)
+        )
+        module = kernels.built()
+        self.n = sum(t[0].shape[0] for t in self.tables)
+        self.activations = activations
+        self.handle: int = module.q8_prepare(
+            k,
+            [t[0] for t in self.tables],
+            [t[1][0] for t in self.tables],
+            [t[1][1] for t in self.tables],
+            [t[2][0] for t in self.tables],
+            [t[2][1] for t in self.tables],
+            [t[3] for t in self.tables],
+            [int(t[4]) for t in self.tables],
+            activations,
+        )
+        self._run = module.q8_run
+        weakref.finalize(self, module.q8_release, self.handle)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self._run(x, self.handle)
+        return y
+
+
 def q8_linears(x: torch.Tensor, tables: Sequence[Tables], activations: bool = False) -> torch.Tensor:
-    """Several products of the same rows ``x`` (..., K) side by side, (..., sum of their n) fp32: each
-    ``tables`` entry ``(values, scales, mins, offset, add_mins)`` as :func:`q8_linear` (or, where
-    ``activations``, :func:`q8a8_linear`) takes them, all in one call of the kernel (one parallel
-    region; with ``activations`` the rows quantised once for the products that share a kind of values,
-    offset and group). Each output's bits are those of its product's own call (a decoder layer's q, k and
-    v, or gate and up, in one call instead of three or two)."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y: torch.Tensor = kernels.built().q8_linears(
-        rows,
-        [t[0] for t in tables],
-        [t[1][0] for t in tables],
-        [t[1][1] for t in tables],
-        [t[2][0] for t in tables],
-        [t[2][1] for t in tables],
-        [t[3] for t in tables],
-        [int(t[4]) for t in tables],
-        activations,
-    )
-    return y.view(*x.shape[:-1], y.shape[-1])
+    """:class:`Prepared` ``tables`` run once on ``x``: (..., sum of their n) fp32."""
+    return Prepared(tables, activations)(x)
 
 
 def pack_wide(weight: torch.Tensor) -> torch.Tensor:

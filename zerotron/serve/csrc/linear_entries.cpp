@@ -170,13 +170,10 @@ bool vnni_cpu() {
 // n) in x's dtype: y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. mode 0: x as it is
 // (q8_linear_many; bf16 weights too, no scales); 1: x quantised to int8 per 32 inputs first
 // (q8a8_linear_many, not bf16 weights); 2: bf16 x times the weights rounded to bf16 on AMX tiles
-// (qtile_linear_run, K a multiple of 32). q8_check checks one product's operands (x's too).
-void q8_check(const torch::Tensor& x, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
-              const std::optional<torch::Tensor>& s2, const std::optional<torch::Tensor>& m1,
-              const std::optional<torch::Tensor>& m2, int64_t offset, int mode) {
-  const bool tiles = mode == 2;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (tiles ? torch::kBFloat16 : torch::kFloat) && x.stride(1) == 1,
-              tiles ? "bf16 rows" : "fp32 rows");
+// (qtile_linear_run, K a multiple of 32). q8_check_operands checks one product's operands for K inputs.
+void q8_check_operands(int64_t k, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
+                       const std::optional<torch::Tensor>& s2, const std::optional<torch::Tensor>& m1,
+                       const std::optional<torch::Tensor>& m2, int64_t offset, int mode) {
   const bool nibbles = q.scalar_type() == torch::kByte, bf16 = mode == 0 && q.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(q.dim() == 3 && (nibbles || bf16 || q.scalar_type() == torch::kChar) && q.stride(2) == 1,
               mode ? "int8 values (n, groups, group) or uint8 pairs (n, groups, group / 2)"
@@ -185,27 +182,41 @@ void q8_check(const torch::Tensor& x, const torch::Tensor& q, const std::optiona
   TORCH_CHECK(offset >= 0 && offset < 16, "an offset of 0 to 15");
   TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
   const int64_t groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1);
-  TORCH_CHECK(group % 8 == 0 && x.size(1) == groups * group, "groups of a multiple of 8 inputs, K of them");
-  TORCH_CHECK(!tiles || x.size(1) % 32 == 0, "K a multiple of 32 on tiles");
+  TORCH_CHECK(group % 8 == 0 && k == groups * group, "groups of a multiple of 8 inputs, K of them");
+  TORCH_CHECK(mode != 2 || k % 32 == 0, "K a multiple of 32 on tiles");
   TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
 }
 
+void q8_check_rows(const torch::Tensor& x, int mode) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (mode == 2 ? torch::kBFloat16 : torch::kFloat) && x.stride(1) == 1,
+              mode == 2 ? "bf16 rows" : "fp32 rows");
+}
+
 #if defined(ZT_Q8)
-// One checked product's problem, its outputs written at y (row stride ldy).
-Q8Problem q8_problem(const torch::Tensor& x, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
+// One checked product's problem for rows of K inputs, its outputs written at y (row stride ldy); the
+// rows (x, ldx, rows, chunk) set by q8_set_rows.
+Q8Problem q8_problem(int64_t k, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
                      const std::optional<torch::Tensor>& s2, const std::optional<torch::Tensor>& m1,
-                     const std::optional<torch::Tensor>& m2, int64_t offset, bool add_mins, int mode, float* y, int64_t ldy) {
-  const bool tiles = mode == 2, nibbles = q.scalar_type() == torch::kByte;
-  const bool bf16 = mode == 0 && q.scalar_type() == torch::kBFloat16;
-  const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1), rows = x.size(0);
-  Q8Problem t{tiles ? nullptr : x.data_ptr<float>(), y,
+                     const std::optional<torch::Tensor>& m2, int64_t offset, bool add_mins, int mode) {
+  const bool nibbles = q.scalar_type() == torch::kByte, bf16 = mode == 0 && q.scalar_type() == torch::kBFloat16;
+  const int64_t n = q.size(0), groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1);
+  Q8Problem t{nullptr, nullptr,
               static_cast<const int8_t*>(q.data_ptr()), q.stride(0), q.stride(1), bf16 ? 2 : nibbles ? 1 : 0,
               static_cast<int32_t>(offset), q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"),
-              q8_factor(m1, n, groups, "m1"), q8_factor(m2, n, groups, "m2"), add_mins, x.stride(0), rows, n,
-              x.size(1), group, (n + QOT - 1) / QOT, even_chunk(rows, QMC, 4)};
+              q8_factor(m1, n, groups, "m1"), q8_factor(m2, n, groups, "m2"), add_mins, 0, 0, n,
+              k, group, (n + QOT - 1) / QOT, 0};
   t.wide = mode == 0 && vnni_cpu();  // AVX-512 (with BW, VL, DQ): q8_direct_wide
-  t.ldy = ldy;
+  q8_ahead_bytes(t);
   return t;
+}
+
+void q8_set_rows(Q8Problem& t, const torch::Tensor& x, float* y, int64_t ldy) {
+  t.x = x.scalar_type() == torch::kFloat ? x.data_ptr<float>() : nullptr;  // bf16 on tiles: packed apart
+  t.ldx = x.stride(0);
+  t.rows = x.size(0);
+  t.chunk = even_chunk(t.rows, QMC, 4);
+  t.y = y;
+  t.ldy = ldy;
 }
 #endif
 
@@ -213,14 +224,16 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
                        std::optional<torch::Tensor> m1, std::optional<torch::Tensor> m2, int64_t offset, bool add_mins,
                        int mode) {
   const bool a8 = mode == 1, tiles = mode == 2;
-  q8_check(x, q, s1, s2, m1, m2, offset, mode);
+  q8_check_rows(x, mode);
+  q8_check_operands(x.size(1), q, s1, s2, m1, m2, offset, mode);
   const int64_t n = q.size(0), rows = x.size(0);
   if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
 #if defined(ZT_Q8)
   TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
-  std::vector<Q8Problem> ts{q8_problem(x, q, s1, s2, m1, m2, offset, add_mins, mode, tiles ? nullptr : y.data_ptr<float>(), n)};
+  std::vector<Q8Problem> ts{q8_problem(x.size(1), q, s1, s2, m1, m2, offset, add_mins, mode)};
+  q8_set_rows(ts[0], x, tiles ? nullptr : y.data_ptr<float>(), n);
   if (tiles) {
 #if defined(ZT_QTILES)
     // the rows packed as pack_tiles packs a weight: B tiles of 16 rows and 32 inputs
@@ -247,43 +260,101 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
 #endif
 }
 
-// Several products of the same fp32 rows x (q8_entry's operands each, modes 0 and 1; the tables are
-// lists, one entry a product) side by side in one (rows, sum of n) result, in one parallel region;
-// with a8 the rows quantised once for the products that share a kind of values, offset and group.
-// Each output's arithmetic is the one a call for its product alone does: the same bits.
-torch::Tensor q8_linears(torch::Tensor x, std::vector<torch::Tensor> q, std::vector<std::optional<torch::Tensor>> s1,
-                         std::vector<std::optional<torch::Tensor>> s2, std::vector<std::optional<torch::Tensor>> m1,
-                         std::vector<std::optional<torch::Tensor>> m2, std::vector<int64_t> offset,
-                         std::vector<int64_t> add_mins, bool a8) {
+// Several products of rows of K inputs (q8_entry's operands each, modes 0 and 1, not bf16 weights),
+// prepared once (q8_prepare: the tables are lists, one entry a product; the caller keeps the tensors
+// alive until q8_release) and run side by side by q8_run into one (rows, sum of n) result in one
+// parallel region; with a8 the rows quantised once for the products that share a kind of values,
+// offset and group. Each output's arithmetic is the one a call for its product alone does: the same bits.
+struct Q8Prepared {
+  std::vector<Q8Problem> ts;
+  int64_t k = 0, total = 0;
+  bool a8 = false;
+};
+
+std::mutex& q8_prepared_lock() {
+  static std::mutex lock;
+  return lock;
+}
+std::vector<std::unique_ptr<Q8Prepared>>& q8_prepared() {
+  static std::vector<std::unique_ptr<Q8Prepared>> all;
+  return all;
+}
+
+int64_t q8_prepare(int64_t k, std::vector<torch::Tensor> q, std::vector<std::optional<torch::Tensor>> s1,
+                   std::vector<std::optional<torch::Tensor>> s2, std::vector<std::optional<torch::Tensor>> m1,
+                   std::vector<std::optional<torch::Tensor>> m2, std::vector<int64_t> offset,
+                   std::vector<int64_t> add_mins, bool a8) {
   const size_t count = q.size();
   TORCH_CHECK(count > 0 && s1.size() == count && s2.size() == count && m1.size() == count && m2.size() == count &&
                   offset.size() == count && add_mins.size() == count,
               "one entry of each list a product");
-  const int mode = a8 ? 1 : 0;
-  int64_t total = 0;
-  for (size_t i = 0; i < count; ++i) {
-    q8_check(x, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], mode);
-    TORCH_CHECK(q[i].scalar_type() != torch::kBFloat16, "8- and 4-bit values");
-    total += q[i].size(0);
-  }
-  const int64_t rows = x.size(0);
-  if (rows > 1 && x.stride(0) < x.size(1)) x = x.contiguous();
-  auto y = torch::empty({rows, total}, x.options());
-  if (rows == 0 || total == 0) return y;
 #if defined(ZT_Q8)
   TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
-  std::vector<Q8Problem> ts;
-  int64_t column = 0;
+  auto prepared = std::make_unique<Q8Prepared>();
+  prepared->k = k;
+  prepared->a8 = a8;
   for (size_t i = 0; i < count; ++i) {
-    if (q[i].size(0) > 0)
-      ts.push_back(q8_problem(x, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], add_mins[i] != 0, mode,
-                              y.data_ptr<float>() + column, total));
-    column += q[i].size(0);
+    q8_check_operands(k, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], a8 ? 1 : 0);
+    TORCH_CHECK(q[i].scalar_type() != torch::kBFloat16, "8- and 4-bit values");
+    prepared->ts.push_back(q8_problem(k, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], add_mins[i] != 0, a8 ? 1 : 0));
+    prepared->total += q[i].size(0);
   }
-  pybind11::gil_scoped_release no_gil;
-  if (a8) q8a8_linear_many(ts);
-  else q8_linear_many(ts);
-  return y;
+  std::lock_guard<std::mutex> hold(q8_prepared_lock());
+  auto& all = q8_prepared();
+  for (size_t h = 0; h < all.size(); ++h)
+    if (!all[h]) {
+      all[h] = std::move(prepared);
+      return static_cast<int64_t>(h);
+    }
+  all.push_back(std::move(prepared));
+  return static_cast<int64_t>(all.size() - 1);
+#else
+  TORCH_CHECK(false, "this build has no 8-bit linear kernel");
+#endif
+}
+
+void q8_release(int64_t handle) {
+  std::lock_guard<std::mutex> hold(q8_prepared_lock());
+  auto& all = q8_prepared();
+  if (handle >= 0 && handle < static_cast<int64_t>(all.size())) all[handle].reset();
+}
+
+// x (..., K) fp32 (or bf16, read widened) -> (..., sum of n) fp32: the prepared products of handle.
+torch::Tensor q8_run(torch::Tensor x, int64_t handle) {
+#if defined(ZT_Q8)
+  std::vector<Q8Problem> ts;
+  int64_t k = 0, total = 0;
+  bool a8 = false;
+  {
+    std::lock_guard<std::mutex> hold(q8_prepared_lock());
+    auto& all = q8_prepared();
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(all.size()) && all[handle], "no such prepared products");
+    ts = all[handle]->ts;
+    k = all[handle]->k;
+    total = all[handle]->total;
+    a8 = all[handle]->a8;
+  }
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "rows of K inputs");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = total;
+  auto rows = x.reshape({-1, k});
+  if (rows.scalar_type() != torch::kFloat) rows = rows.to(torch::kFloat);
+  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) < k)) rows = rows.contiguous();
+  auto y = torch::empty({rows.size(0), total}, rows.options());
+  if (rows.size(0) > 0) {
+    int64_t column = 0;
+    for (auto& t : ts) {
+      q8_set_rows(t, rows, y.data_ptr<float>() + column, total);
+      column += t.n;
+    }
+    std::vector<Q8Problem> nonempty;
+    for (auto& t : ts)
+      if (t.n > 0) nonempty.push_back(t);
+    pybind11::gil_scoped_release no_gil;
+    if (a8) q8a8_linear_many(nonempty);
+    else q8_linear_many(nonempty);
+  }
+  return y.view(shape);
 #else
   TORCH_CHECK(false, "this build has no 8-bit linear kernel");
 #endif

@@ -91,6 +91,7 @@ struct Q8Problem {
   const int64_t* slices = nullptr;  // q8_slice's e0 and r0 (8 numbers) of each QKS-input slice, made once a call
   bool wide = false;                // one row's outputs two a register on AVX-512 (q8_direct_wide)
   int64_t ldy = 0;                  // output (m, o) at y[m * ldy + o]: n, or wider where several products share y
+  int64_t ahead[5] = {0, 0, 0, 0, 0};  // bytes an output's values, s1, s2, m1, m2 take (q8_ahead_bytes)
 };
 
 // 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): q * s - m, or q * s
@@ -151,23 +152,24 @@ ZT_Q8_TARGET inline void q8_factors(const Q8Problem& t, int64_t o, const int64_t
 // one output to hide their latency. An output's values lie together here (q8_direct, va_output DIRECT).
 constexpr int64_t Q8_AHEAD = 8;  // outputs ahead
 inline int64_t factor_bytes(const Factor& f) { return f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2; }  // an entry's
-inline void q8_prefetch_factor(const Factor& f, int64_t o, int64_t groups) {
-  if (f.kind == 0) return;
-  const int64_t size = factor_bytes(f);
-  const char* p = static_cast<const char*>(f.p) + o * f.so * size;
-  const int64_t bytes = ((groups - 1) / f.per * f.sg + 1) * size;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+// The bytes q8_prefetch_output fetches of an output: its values (none where they are group-major,
+// GPTQ's: not together) and each factor's entries; made once a call (divisions).
+inline void q8_ahead_bytes(Q8Problem& t) {
+  const int64_t size = t.kind == 2 ? 2 : 1, groups = (t.k + t.group - 1) / t.group;
+  t.ahead[0] = t.qg > t.qo ? 0 : ((groups - 1) * t.qg + (t.kind == 1 ? t.group / 2 : t.group)) * size;
+  const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
+  for (int i = 0; i < 4; ++i)
+    t.ahead[i + 1] = fs[i]->kind == 0 ? 0 : ((groups - 1) / fs[i]->per * fs[i]->sg + 1) * factor_bytes(*fs[i]);
+}
+inline void q8_prefetch_bytes(const void* at, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(at) + b, _MM_HINT_T0);
 }
 inline void q8_prefetch_output(const Q8Problem& t, int64_t o) {
-  if (o >= t.n || t.qg > t.qo) return;  // past the last output, or values group-major (GPTQ's): not together
-  const int64_t size = t.kind == 2 ? 2 : 1, groups = (t.k + t.group - 1) / t.group;
-  const int64_t bytes = ((groups - 1) * t.qg + (t.kind == 1 ? t.group / 2 : t.group)) * size;
-  const char* p = reinterpret_cast<const char*>(t.q) + o * t.qo * size;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-  q8_prefetch_factor(t.s1, o, groups);
-  q8_prefetch_factor(t.s2, o, groups);
-  q8_prefetch_factor(t.m1, o, groups);
-  q8_prefetch_factor(t.m2, o, groups);
+  if (o >= t.n || t.ahead[0] == 0) return;  // past the last output, or values not together
+  q8_prefetch_bytes(reinterpret_cast<const char*>(t.q) + o * t.qo * (t.kind == 2 ? 2 : 1), t.ahead[0]);
+  const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
+  for (int i = 0; i < 4; ++i)
+    if (t.ahead[i + 1]) q8_prefetch_bytes(static_cast<const char*>(fs[i]->p) + o * fs[i]->so * factor_bytes(*fs[i]), t.ahead[i + 1]);
 }
 
 // e0 and r0 of q8_factors for a slice starting at group g0 (computed: q8_linear_run's table of them).

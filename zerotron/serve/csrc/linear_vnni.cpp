@@ -131,15 +131,14 @@ inline bool va_per_group(const Factor& f) { return f.kind == 0 || (f.per == 1 &&
 // 16 zeros after). TOGETHER: a chunk's 64 bytes lie together (an output's values contiguous, or a
 // group of whole chunks); ALIGNED: a chunk holds whole groups or a group whole chunks, so one
 // permutation (idx) of the 16 scales from the chunk's first group gives the lanes' (else a gather).
-// DIRECT (ALIGNED, every factor per group): the scales and mins read from the tables chunk by chunk
-// instead (s and m unused): the same products (f1 · f2, negated where the mins are added), so the same
-// bits, without computing every group's for a chunk of rows too short to reuse them.
-template <int KIND, int MR, bool TOGETHER, bool ALIGNED, bool DIRECT = false>
+// AHEAD: fetch the values and factors of output o + Q8_AHEAD first (a chunk of a few rows reads each
+// output once: latency-bound).
+template <int KIND, int MR, bool TOGETHER, bool ALIGNED, bool AHEAD = false>
 ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
                               const VaChunks& ch, __m512i idx) {
   constexpr int64_t chunk = KIND == 1 ? 128 : 64;  // 16 lanes a chunk
   const int8_t* base = t.q + o * t.qo;
-  if constexpr (DIRECT) q8_prefetch_output(t, o + Q8_AHEAD);  // one row-block: latency-bound; fetch ahead
+  if constexpr (AHEAD) q8_prefetch_output(t, o + Q8_AHEAD);
   const int8_t* xq[MR];
   const int32_t* corr[MR];
   const float* dl[MR];
@@ -160,9 +159,7 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
     else
       b = va_gather(t, o, c * chunk, group[c]);
     __m512 sl;
-    if constexpr (DIRECT) {
-      sl = _mm512_permutexvar_ps(idx, va_row_scales(t, o, group[c], std::min<int64_t>(16, ch.groups - group[c])));
-    } else if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + group[c]));
+    if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + group[c]));
     else sl = _mm512_i32gather_ps(_mm512_loadu_si512(ch.lane_group.data() + c * 16), s, 4);
     for (int r = 0; r < MR; ++r) {
       __m512i a = _mm512_loadu_si512(corr[r] + c * 16);
@@ -177,13 +174,13 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
   }
   for (int r = 0; r < MR; ++r) {
     float y = _mm512_reduce_add_ps(acc[r]);
-    if (DIRECT ? t.m1.kind != 0 : m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
+    if (m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
       const float* xs = v.xs.data() + (m0 + r) * ch.groups;
       __m512 ms = _mm512_setzero_ps();
       for (int64_t g = 0; g < ch.groups; g += 16) {
         const int64_t left = std::min<int64_t>(16, ch.groups - g);
         const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-        const __m512 mg = DIRECT ? _mm512_maskz_mov_ps(k, va_row_mins(t, o, g, left)) : _mm512_maskz_loadu_ps(k, m + g);
+        const __m512 mg = _mm512_maskz_loadu_ps(k, m + g);
         ms = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(k, xs + g), ms);
       }
       y -= _mm512_reduce_add_ps(ms);
@@ -195,8 +192,8 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
 // va_output for the problem's kind and the chunks' layout, MR rows (4 or 1).
 template <int MR>
 ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
-                            const VaChunks& ch, __m512i idx, bool direct) {
-  if (direct) {  // ALIGNED, TOGETHER (va_tasks' condition)
+                            const VaChunks& ch, __m512i idx, bool ahead) {
+  if (ahead) {  // ALIGNED, TOGETHER (va_tasks' condition)
     if (t.kind == 1) va_output<1, MR, true, true, true>(t, v, m0, o, s, m, ch, idx);
     else va_output<0, MR, true, true, true>(t, v, m0, o, s, m, ch, idx);
     return;
@@ -251,6 +248,17 @@ ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float*
   }
 }
 
+// Output o's scales (and mins: m, unless null) of every group where each factor has an entry per
+// group (va_per_group): va_row_scales' and va_row_mins' products 16 groups a step, so va_factor's bits.
+ZT_VNNI_TARGET void va_row_factors(const Q8Problem& t, int64_t o, int64_t groups, float* s, float* m) {
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t left = std::min<int64_t>(16, groups - g);
+    const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+    _mm512_mask_storeu_ps(s + g, k, va_row_scales(t, o, g, left));
+    if (m != nullptr) _mm512_mask_storeu_ps(m + g, k, va_row_mins(t, o, g, left));
+  }
+}
+
 // Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major; ``first``:
 // the 16 lanes' first groups (loaded here: a 512-bit value may not cross into code built without
 // AVX-512, as q8a8_linear_run is on an AVX2 build).
@@ -259,18 +267,22 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   const __m512i idx = _mm512_load_si512(first);
   const int64_t groups = t.k / t.group, stride = groups + 16;  // a tile's outputs' scales, 16 zeros after each
   const bool mins = t.m1.kind != 0;
-  // a chunk of one row-block reads its factors chunk by chunk where it can (va_output's DIRECT)
+  // a chunk of one row-block (a decode): the factors' tables read 16 groups a step where each has an
+  // entry per group, and each output's values and factors fetched ahead (va_output's AHEAD)
   const bool direct = t.chunk <= 4 && ch.aligned && ch.together && va_per_group(t.s1) && va_per_group(t.s2) &&
                       va_per_group(t.m1) && va_per_group(t.m2);
-  std::vector<float> s(direct ? 0 : static_cast<size_t>(VA_TILE * stride), 0.0f),
-      m(direct ? 0 : static_cast<size_t>(VA_TILE * stride), 0.0f);
+  std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
     const int64_t o0 = tile * VA_TILE, o1 = std::min(t.n, o0 + VA_TILE);
-    for (int64_t o = o0; o < o1 && !direct; ++o) {  // the outputs' scales and mins, all groups
+    for (int64_t o = o0; o < o1; ++o) {  // the outputs' scales and mins, all groups
       float* so = s.data() + (o - o0) * stride;
       float* mo = m.data() + (o - o0) * stride;
+      if (direct) {
+        va_row_factors(t, o, groups, so, mins ? mo : nullptr);
+        continue;
+      }
       va_factor(t.s1, o, groups, so, true);
       va_factor(t.s2, o, groups, so, false);
       if (mins) {
@@ -285,8 +297,8 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
     for (int64_t r = r0; r < r1;) {
       const int64_t mr = r1 - r >= 4 ? 4 : 1;
       for (int64_t o = o0; o < o1; ++o) {
-        const float* so = direct ? nullptr : s.data() + (o - o0) * stride;
-        const float* mp = mins && !direct ? m.data() + (o - o0) * stride : nullptr;
+        const float* so = s.data() + (o - o0) * stride;
+        const float* mp = mins ? m.data() + (o - o0) * stride : nullptr;
         if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx, direct);
         else va_rows<1>(t, v, r, o, so, mp, ch, idx, direct);
       }
