@@ -131,7 +131,9 @@ def test_llamacpp_files_with_quantised_activations(name: str) -> None:
 
 
 @pytest.mark.parametrize("serve_kernels", [False, True], ids=["plain", "serve-kernels"])
-def test_the_engine_serves_with_quantised_activations(serve_kernels: bool) -> None:
+def test_the_engine_serves_with_quantised_activations(
+    serve_kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``quantize_activations`` through the engine: the dense reference's greedy tokens (quantised rows
     in PyTorch), alone and batched; ``serve_kernels``: with the kernels ``zerotron serve`` picks on this
     CPU (native attention and linears), where every decoder layer runs lean on its quantised products."""
@@ -172,6 +174,20 @@ def test_the_engine_serves_with_quantised_activations(serve_kernels: bool) -> No
         for m, forward in zip(layers, saved):
             m.forward = forward
         assert torch.equal(fast, plain)
+        # a packed step runs each layer in one native call (kernels.q8_layer): the Python path's bits
+        assert all(f.whole is not None for f in lean)
+        calls = []
+        whole_layer = kernels.q8_layer
+        monkeypatch.setattr(kernels, "q8_layer", lambda *a: calls.append(1) or whole_layer(*a))
+        whole = _run(engine, prompts, params)
+        assert len(calls) >= len(layers) * params.max_tokens
+        saved_whole = [f.whole for f in lean]
+        for f in lean:
+            f.whole = None
+        calls.clear()
+        assert _run(engine, prompts, params) == whole and not calls
+        for f, w in zip(lean, saved_whole):
+            f.whole = w
     _quantised_rows_reference(dense, kept)
     ours = _run(engine, prompts, params)
     ref = _run(Engine(dense, tokenizer, EngineConfig(max_model_len=64)), prompts, params)

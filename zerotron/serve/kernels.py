@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v52"
+_NAME = "zerotron_kernels_v53"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -91,6 +91,7 @@ _FUNCTIONS = [
     "silu_mul",
     "rope_store",
     "bind_threads",
+    "q8_layer",
 ]
 
 
@@ -299,6 +300,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = rows.contiguous()
     y: torch.Tensor = built().rms_norm(rows, weight, eps)
     return y.view(x.shape)
+
+
+def q8_layer(
+    x: torch.Tensor,
+    norm1: torch.Tensor,
+    eps1: float,
+    norm2: torch.Tensor,
+    eps2: float,
+    products: list[int],
+    gate: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    key_slots: torch.Tensor,
+    lens: torch.Tensor,
+    seq: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """A decoder layer's step of fp32 rows ``x`` (1, rows, hidden) in one native call, for a layer whose
+    four products are prepared quantised linears (``products``: the handles of
+    :class:`~zerotron.serve.linear_kernels.Prepared` q/k/v, o, gate/up and down, without biases) and
+    whose attention reads a dense pool on the fp32 kernel: RMSNorm (``norm1``, ``eps1``), q/k/v,
+    :func:`rope_store` (the rows' k and v written at ``slots``), :func:`paged_attention` (``key_slots``,
+    ``lens``, ``seq`` as it takes them), o and the residual, RMSNorm (``norm2``, ``eps2``), gate/up
+    (``gate`` columns each), SiLU(gate)·up as torch computes ``F.silu(gate) * up``, down and the
+    residual: the calls ``linears._LeanLayer`` makes from Python, in the same order, so the same bits,
+    without a dozen Python calls a layer."""
+    out: torch.Tensor = built().q8_layer(
+        x,
+        norm1,
+        eps1,
+        norm2,
+        eps2,
+        products,
+        gate,
+        cos,
+        sin,
+        k_pool,
+        v_pool,
+        slots,
+        key_slots,
+        lens,
+        seq,
+        heads,
+        k_pool.shape[-1] ** -0.5,
+    )
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from zerotron.parallel.float8 import Float8Linear
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_region
 from zerotron.parallel.tensor_comm import apply_function
 from zerotron.serve import kernels, linear_kernels
-from zerotron.serve.int8_linears import QUANTIZED, joined_forward
+from zerotron.serve.int8_linears import QUANTIZED, _prepared_forward, joined_forward
 from zerotron.serve.paged import PagedAttention
 
 # Every forward has at least MIN_ROWS rows (padding rows are ignored; zerotron.models.quant, where
@@ -167,6 +167,10 @@ class _LeanLayer:
         self.layer_idx, self.core = attn.layer_idx, attn.core
         self.gate = mlp.gate_proj.out_features
         self.native = native  # SiLU(gate) * up in one native pass (kernels.silu_mul)
+        # a quantised layer whose products and norms are all native: a packed step in one native call
+        self.whole = (
+            None if native else _whole_layer(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down])
+        )
 
     def __call__(
         self,
@@ -178,6 +182,18 @@ class _LeanLayer:
     ) -> torch.Tensor:
         b, s, _ = x.shape
         nh, kvh, d = self.heads, self.kv_heads, self.head_dim
+        if (
+            self.whole is not None
+            and isinstance(kv_cache, PagedAttention)
+            and b == 1
+            and x.dtype == torch.float32
+        ):
+            operands = kv_cache.packed_operands(self.layer_idx)
+            if operands is not None:  # the steps below in one native call (kernels.q8_layer), the same bits
+                norm1, eps1, norm2, eps2, products = self.whole
+                return kernels.q8_layer(
+                    x, norm1, eps1, norm2, eps2, products, self.gate, cos[0, 0], sin[0, 0], *operands, nh
+                )
         y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)
         if isinstance(kv_cache, PagedAttention) and kv_cache.packed:  # rotary, store, attention: native
             rows = kv_cache.attend_packed(self.layer_idx, y[0], cos[0, 0], sin[0, 0], nh)  # (s, nh, d)
@@ -196,6 +212,31 @@ class _LeanLayer:
         if self.native:
             return x + self.down(kernels.silu_mul(gu, self.gate))
         return x + self.down(F.silu(gu[..., : self.gate]) * gu[..., self.gate :])
+
+
+def _whole_layer(
+    norm1: Callable[[torch.Tensor], torch.Tensor],
+    norm2: Callable[[torch.Tensor], torch.Tensor],
+    products: list[Callable[[torch.Tensor], torch.Tensor]],
+) -> Optional[tuple[torch.Tensor, float, torch.Tensor, float, list[int]]]:
+    """A lean layer's norms' weights and epsilons and its four products' handles (q/k/v, o, gate/up,
+    down) where the norms are the native RMSNorm and every product a prepared quantised linear without a
+    bias (:class:`~zerotron.serve.linear_kernels.Prepared`): what :func:`~zerotron.serve.kernels.q8_layer`
+    takes; None otherwise."""
+    norms = []
+    for norm in (norm1, norm2):
+        if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
+            return None
+        norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
+    handles = []
+    for product in products:
+        if not (isinstance(product, functools.partial) and product.func is _prepared_forward):
+            return None
+        prepared, bias = product.args
+        if bias is not None:
+            return None
+        handles.append(prepared.handle)
+    return norms[0][0], norms[0][1], norms[1][0], norms[1][1], handles
 
 
 def _packable(module: nn.Module, dtype: torch.dtype) -> TypeGuard[nn.Linear]:

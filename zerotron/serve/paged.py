@@ -336,6 +336,7 @@ class PagedAttention:
             if triton
             else functools.partial(kernels.paged_attention, kernel=kernel)
         )
+        self.kernel_name = kernel
         native = native or triton
         bs = pool.block_size
         slots = [0] * rows  # padding rows: slot 0 of the scratch block
@@ -450,6 +451,20 @@ class PagedAttention:
         q = kernels.rope_store(y, cos, sin, kp, vp, self.slots, heads)
         g = self.groups[0]
         return self.kernel(q, kp, vp, g.key_slots, g.keys, g.seq)
+
+    def packed_operands(
+        self, layer: int
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """What :meth:`attend_packed` passes the native calls for ``layer`` (its pools, the rows' slots,
+        the native group's key slots, key counts and sequences), for a decoder layer whose step runs in
+        one native call (:func:`~zerotron.serve.kernels.q8_layer`); None unless :attr:`packed` with the
+        fp32 attention kernel (the one such a layer's fp32 rows take)."""
+        if not self.packed or self.kernel_name not in (None, "fp32"):
+            return None
+        g = self.groups[0]
+        if g.seq is None:
+            return None
+        return self.pool.k[layer], self.pool.v[layer], self.slots, g.key_slots, g.keys, g.seq
 
     @staticmethod
     def _attend_group(
