@@ -18,6 +18,11 @@ Where :func:`int8_kernels` is asked for them (``four_bit``), it reads each modul
 (:func:`~zerotron.models.quant.int4pack_values`) and keeps them two a byte in the kernel's order
 instead (the same bytes), with the module's scales and zeros (``w = (q − 8)·s + z``) as they are, or
 in fp32 a GGUF file's own f16 scales (Q4_0 ``d·(q − 8)``, Q4_1 ``d·q + m``, Q4_K ``d·sc·q − dmin·mn``).
+
+On the fp32-row and 8-bit-activation kernels each module's product is prepared once
+(:class:`~zerotron.serve.linear_kernels.Prepared`: its operands checked and laid out in the kernel
+module, a call then passing the rows and a handle), and :func:`joined_forward` prepares a decoder
+layer's q, k and v (gate and up) side by side, one call of the kernel for the three (two).
 """
 
 from __future__ import annotations

@@ -23,8 +23,11 @@ order, byte for byte:
   ``linear.cpp`` and those of ``attention_dot.cpp``);
 - ``layer.cpp``: the decoder layer's elementwise steps (RMSNorm, SiLU(gate)·up, RoPE and the cache
   store), the namespace's end, the attention entry point;
-- ``linear_entries.cpp``: the linear kernels' entry points;
-- ``entries.cpp``: the elementwise steps' entry points.
+- ``linear_entries.cpp``: the linear kernels' entry points, and the prepared products of the grouped
+  kernels (``q8_prepare``/``q8_run``: several products of the same rows, checked once, run in one
+  parallel region);
+- ``entries.cpp``: the elementwise steps' entry points, and ``q8_layer`` (a quantised decoder layer's
+  step in one call, from the entry points above).
 
 What each kernel computes and why is documented in :mod:`zerotron.serve.kernels` and beside each
 function in the files.

@@ -262,8 +262,11 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     then on. Returns False, packing nothing, when oneDNN lacks kernels for the model's dtype or the
     model has tensor-parallel linears (they run :func:`chunk_linears`' way). ``lean``: decoder layers
     whose attention and gated MLP were fused (without q/k norms or experts) run :class:`_LeanLayer`, and
-    so do those whose q/k/v and gate/up projections are quantised linears (each on its own kernel, their
-    outputs joined: a decode of one sequence spent about half its time in the modules' Python).
+    so do those whose q/k/v and gate/up projections are quantised linears (one prepared call of the
+    grouped kernel for q/k/v and one for gate/up where all sit on the same kernel, else each on its own
+    and joined: a decode of one sequence spent about half its time in the modules' Python); where all
+    four products are prepared and the norms native, a packed step of fp32 rows runs such a layer in one
+    native call (:func:`~zerotron.serve.kernels.q8_layer`).
     ``max_rows`` (16 bits): the most rows a forward will have (the step's token budget); the decoder
     layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
@@ -344,9 +347,10 @@ def _quantized_siblings(
     layer: DecoderLayer,
 ) -> Optional[tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
     """A decoder layer's q/k/v and gate/up products where those projections are quantised linears (their
-    weights kept as blocks, each on its own kernel, so not fused into one product): each product
-    computed module by module and joined, for :class:`_LeanLayer` (o and down keep whatever forward
-    they have); None for any other layer."""
+    weights kept as blocks, not fused into one matrix): the projections of each in one prepared call of
+    the grouped kernel where :func:`~zerotron.serve.int8_linears.joined_forward` can, else module by
+    module and joined, for :class:`_LeanLayer` (o and down keep whatever forward they have); None for
+    any other layer."""
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(mlp, MLP) or not mlp.gated:
         return None
