@@ -12,6 +12,8 @@ of inputs, read from the files' own tables; :func:`q8a8_linear` multiplies the s
 rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI), as llama.cpp does (``zerotron serve
 --quantize-activations``); :func:`q8t_linear` by bf16 rows on AMX tiles, the weights dequantised to
 bf16 once per call (``--quantized-tiles``). All give a row the same result in any batch.
+:class:`Prepared` runs the first two on operands checked and laid out once (the served linears' way),
+several products of the same rows side by side in one call (:func:`q8_linears`).
 
 :func:`native_linear` picks the kernel for a dtype on this CPU (:func:`why_no_native_matmul` says why
 none can run).

@@ -172,7 +172,7 @@ inline void q8_prefetch_output(const Q8Problem& t, int64_t o) {
     if (t.ahead[i + 1]) q8_prefetch_bytes(static_cast<const char*>(fs[i]->p) + o * fs[i]->so * factor_bytes(*fs[i]), t.ahead[i + 1]);
 }
 
-// e0 and r0 of q8_factors for a slice starting at group g0 (computed: q8_linear_run's table of them).
+// e0 and r0 of q8_factors for a slice starting at group g0 (computed: q8_linear_many's table of them).
 inline void q8_slice(const Q8Problem& t, int64_t g0, int64_t* e0, int64_t* r0) {
   const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
   for (int i = 0; i < 4; ++i) {

@@ -261,7 +261,7 @@ ZT_VNNI_TARGET void va_row_factors(const Q8Problem& t, int64_t o, int64_t groups
 
 // Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major; ``first``:
 // the 16 lanes' first groups (loaded here: a 512-bit value may not cross into code built without
-// AVX-512, as q8a8_linear_run is on an AVX2 build).
+// AVX-512, as q8a8_linear_many is on an AVX2 build).
 ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChunks& ch, const int32_t* first, int64_t begin,
                              int64_t end) {
   const __m512i idx = _mm512_load_si512(first);
@@ -401,7 +401,7 @@ void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width) {
   else q8_direct_wide_kind<0>(t, m0, o0, width);
 }
 
-// The rows quantised for the products ts[i] with i in same (one kind of values, offset and group).
+// The rows of t quantised into v (read by every product with t's kind of values, offset and group).
 void va_quantize_rows(const Q8Problem& t, VnniRows& v, bool mins) {
   v.width = t.kind == 1 ? 8 : 4;
   v.kp = (t.k + VA_SLICE - 1) / VA_SLICE * VA_SLICE;
