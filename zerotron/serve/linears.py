@@ -190,10 +190,7 @@ class _LeanLayer:
         ):
             operands = kv_cache.packed_operands(self.layer_idx)
             if operands is not None:  # the steps below in one native call (kernels.q8_layer), the same bits
-                norm1, eps1, norm2, eps2, products = self.whole
-                return kernels.q8_layer(
-                    x, norm1, eps1, norm2, eps2, products, self.gate, cos[0, 0], sin[0, 0], *operands, nh
-                )
+                return kernels.q8_layer(x, (*self.whole, self.gate, nh), cos[0, 0], sin[0, 0], operands)
         y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)
         if isinstance(kv_cache, PagedAttention) and kv_cache.packed:  # rotary, store, attention: native
             rows = kv_cache.attend_packed(self.layer_idx, y[0], cos[0, 0], sin[0, 0], nh)  # (s, nh, d)
@@ -262,11 +259,8 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     then on. Returns False, packing nothing, when oneDNN lacks kernels for the model's dtype or the
     model has tensor-parallel linears (they run :func:`chunk_linears`' way). ``lean``: decoder layers
     whose attention and gated MLP were fused (without q/k norms or experts) run :class:`_LeanLayer`, and
-    so do those whose q/k/v and gate/up projections are quantised linears (one prepared call of the
-    grouped kernel for q/k/v and one for gate/up where all sit on the same kernel, else each on its own
-    and joined: a decode of one sequence spent about half its time in the modules' Python); where all
-    four products are prepared and the norms native, a packed step of fp32 rows runs such a layer in one
-    native call (:func:`~zerotron.serve.kernels.q8_layer`).
+    so do those whose q/k/v and gate/up projections are quantised linears (:func:`_quantized_siblings`;
+    a packed step of fp32 rows may run such a layer in one native call, :attr:`_LeanLayer.whole`).
     ``max_rows`` (16 bits): the most rows a forward will have (the step's token budget); the decoder
     layers' linears then also run whole at the row counts up to it that :func:`wide_rows` finds for
     their shapes (tried once per shape, with the process's thread count), fewer calls than 32-row
