@@ -111,7 +111,9 @@ def _rms(x: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
 
 
-@pytest.mark.parametrize("name", ["k96-Q4_K_M.gguf", "k256-Q3_K_M.gguf", "k96-Q5_K_M.gguf", "k256-Q6_K.gguf"])
+@pytest.mark.parametrize(
+    "name", ["k96-Q4_K_M.gguf", "k256-Q3_K_M.gguf", "k96-Q5_K_M.gguf", "k256-Q6_K.gguf", "k96-IQ4_XS.gguf"]
+)
 def test_llamacpp_files_with_quantised_activations(name: str) -> None:
     """llama.cpp's files on the kernel: the model equals the dense one whose linears see the quantised
     rows (PyTorch), and its logits stay within llama.cpp's own 8-bit-activation noise of llama.cpp's."""

@@ -12,9 +12,9 @@ invariance):
   bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can round).
 - **Q8_0** (``w = d·q``, 32 int8 values and one f16 scale a block) becomes :class:`BlockInt8Linear`
   (torch's int8 kernel takes one scale per row, not per block: each call dequantises a chunk of output
-  rows at a time to fp32 and multiplies on at least 16 rows), and so do **Q5_0** (``d·(q − 16)``),
-  **Q5_1** (``d·q + m``) and **IQ4_NL** (``d·kv[q]``, llama.cpp's table of 16 values), their values
-  unpacked to a byte each at load: the types llama.cpp's quantiser falls back to where a matrix's
+  rows at a time to fp32 and multiplies on at least 16 rows), and so do **Q5_0** (``d·(q − 16)``)
+  and **Q5_1** (``d·q + m``), their values unpacked to a byte each at load, and **IQ4_NL**
+  (``d·kv[q]``, llama.cpp's table of 16 values), its 4-bit indices kept two a byte: the types llama.cpp's quantiser falls back to where a matrix's
   inputs are not whole 256-input super-blocks (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, the IQ
   types → IQ4_NL; Q2_K and Q3_K → Q4_0, above). Any of these, and the K types below, serve as a
   (tied) embedding (:class:`BlockInt8Embedding`, which dequantises the rows it looks up).
@@ -25,8 +25,8 @@ invariance):
   where the file packs 6.6 or 5.5) and the file's f16 and small-integer scales as they are; a call
   dequantises a chunk of output rows as :class:`BlockInt8Linear` does, with the ``gguf`` package's
   arithmetic, so the weights are its ``dequantize`` values bit for bit. So does **IQ4_XS** (each 32 of
-  256 ``w = d·(ls − 32)·kv[q]``, 4-bit indices into IQ4_NL's table, 6-bit ``ls``): its table's values
-  as int8 (8 bits a value where the file packs 4.25), ``ls − 32`` as an int8 ``sc``.
+  256 ``w = d·(ls − 32)·kv[q]``, 4-bit indices into IQ4_NL's table, 6-bit ``ls``): its indices two a
+  byte (as the file holds them, in the kernels' order), ``ls − 32`` as an int8 ``sc``.
 - **Q3_K** (each 16 of 256 ``w = d·(sc − 32)·q``, 3-bit ``q − 4``, 6-bit ``sc``) and **Q2_K** (each 16
   ``w = d·sc·q − dmin·mn``, 2-bit ``q``, 4-bit ``sc``, ``mn``) become :class:`BlockKLinear` too, their
   values two to a byte (4 bits a value where the file packs 3.4 or 2.6), dequantised the same way.
@@ -52,6 +52,14 @@ INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 INT8_KINDS = ("Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # blocks of 32 held a byte a value (BlockInt8Linear)
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's
 LOW_BITS = ("Q2_K", "Q3_K")  # kept two values a byte (BlockKLinear)
+TABLE_KINDS = ("IQ4_NL", "IQ4_XS")  # kept two 4-bit indices into IQ4_NL_VALUES a byte
+TWO_A_BYTE = (*LOW_BITS, *TABLE_KINDS)
+
+
+def _pairs(q: np.ndarray) -> np.ndarray:
+    """Values (out, in) below 16 two a byte, (out, in / 2) uint8: input 2j in the low half."""
+    flat = q.reshape(q.shape[0], -1).astype(np.uint8)
+    return flat[:, 0::2] | (flat[:, 1::2] << 4)
 
 
 def _f16(raw: np.ndarray) -> torch.Tensor:
@@ -152,9 +160,9 @@ def _scale_zero(kind: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
 class BlockInt8Linear(nn.Module):
     """A linear layer of 32-input blocks held one int8 a value, ``(out, in)``, with the file's f16
     scales ``d`` ``(out, in / 32)``: Q8_0 (``w = d·q``) as the file holds it; Q5_0 (``d·(q − 16)``,
-    the 5-bit values unpacked to ``q − 16``), Q5_1 (``d·q + m``, its f16 ``m`` kept too) and IQ4_NL
-    (``d·kv[q]``, each 4-bit index replaced at load by its entry of llama.cpp's 16-value table) at a
-    byte a value where the file packs 5.5, 6 or 4.5 bits.
+    the 5-bit values unpacked to ``q − 16``) and Q5_1 (``d·q + m``, its f16 ``m`` kept too) at a byte
+    a value where the file packs 5.5 or 6 bits; IQ4_NL (``d·kv[q]``, ``kv`` llama.cpp's 16-value
+    table) as the file's 4-bit indices, two a byte ``(out, in / 2)`` (input 2j in the low half).
 
     torch's int8 kernel takes one scale per row, not per block, so a call dequantises
     :data:`CHUNK_ROWS` output rows at a time to fp32 (``d·q``: exact) and multiplies them through
@@ -170,7 +178,7 @@ class BlockInt8Linear(nn.Module):
         self, q: torch.Tensor, d: torch.Tensor, kind: str = "Q8_0", m: Optional[torch.Tensor] = None
     ) -> None:
         super().__init__()
-        self.out_features, self.in_features = q.shape
+        self.out_features, self.in_features = q.shape[0], q.shape[1] * (2 if kind in TWO_A_BYTE else 1)
         self.kind = kind
         self.register_buffer("qweight", q)
         self.register_buffer("d", d)
@@ -189,8 +197,8 @@ class BlockInt8Linear(nn.Module):
         m = None
         if kind == "Q8_0":  # d (f16), 32 int8
             values = np.ascontiguousarray(b[..., 2:]).view(np.int8)
-        elif kind == "IQ4_NL":  # d (f16), 16 bytes of 4-bit indices
-            values = np.array(IQ4_NL_VALUES, np.int8)[_nibbles(b[..., 2:18])]
+        elif kind == "IQ4_NL":  # d (f16), 16 bytes of 4-bit indices: kept as indices, two a byte
+            values = _pairs(_nibbles(b[..., 2:18]))
         elif kind in ("Q5_0", "Q5_1"):  # d (and Q5_1's m) f16, qh (4 bytes: bit i of value i), qs (16)
             at = 2 if kind == "Q5_0" else 4
             qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)  # (out, blocks, 1)
@@ -202,18 +210,30 @@ class BlockInt8Linear(nn.Module):
                 m = _f16(b[..., 2:4])
         else:
             raise ValueError(f"{kind} blocks are not {', '.join(INT8_KINDS)} blocks")
-        q = torch.from_numpy(np.ascontiguousarray(values).reshape(out, in_features))
+        q = torch.from_numpy(np.ascontiguousarray(values).reshape(out, -1))
         d = _f16(b[..., 0:2])
         if rows is not None and rows > out:
-            q = torch.cat([q, q.new_zeros(rows - out, in_features)])
+            q = torch.cat([q, q.new_zeros(rows - out, q.shape[1])])
             d = torch.cat([d, d.new_zeros(rows - out, d.shape[1])])
             m = None if m is None else torch.cat([m, m.new_zeros(rows - out, m.shape[1])])
         return cls(q, d, kind, m)
 
+    def values(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """The values ``q`` of the output rows ``index`` (``(n, in)``, int8): those held a byte a value
+        as they are; two a byte unpacked (Q2_K's ``q``, Q3_K's ``q + 4`` less 4; IQ4_NL's and IQ4_XS's
+        indices looked up in llama.cpp's table)."""
+        q = self.qweight[index]
+        if self.kind not in TWO_A_BYTE:
+            return q
+        both = torch.stack([q & 0x0F, q >> 4], dim=-1).view(q.shape[0], self.in_features)
+        if self.kind in TABLE_KINDS:
+            return torch.tensor(IQ4_NL_VALUES, dtype=torch.int8)[both.long()]
+        return both.to(torch.int8) - 4 if self.kind == "Q3_K" else both.to(torch.int8)
+
     def take(self, index: slice | torch.Tensor) -> torch.Tensor:
         """The output rows ``index`` (a slice, or a tensor of row numbers) of the weight, dequantised
         to fp32 as the ``gguf`` package computes them: ``d·q``, plus ``m`` for Q5_1."""
-        q = self.qweight[index]
+        q = self.values(index)
         n = q.shape[0]
         w = q.view(n, -1, BLOCK).float() * self.d[index].float()[..., None]
         if self.kind == "Q5_1":
@@ -235,8 +255,9 @@ class BlockInt8Linear(nn.Module):
 
 class BlockKLinear(BlockInt8Linear):
     """A linear layer of K-quant blocks (super-blocks of 256 inputs): the values unpacked to int8
-    ``(out, in)`` (Q6_K's ``q − 32``, Q5_K's ``q``, IQ4_XS's ``kv[q]``), or for the 2- and 3-bit types two to a byte
-    ``(out, in / 2)`` (Q2_K's ``q``, Q3_K's ``q + 4``; input 2j in the low half, 2j + 1 in the high),
+    ``(out, in)`` (Q6_K's ``q − 32``, Q5_K's ``q``), or for the 2- and 3-bit types and IQ4_XS two to a
+    byte ``(out, in / 2)`` (Q2_K's ``q``, Q3_K's ``q + 4``, IQ4_XS's 4-bit indices into llama.cpp's
+    table ``kv``; input 2j in the low half, 2j + 1 in the high),
     and the file's scales: ``d`` (and Q5_K's and Q2_K's ``dmin``), f16 per super-block; ``sc`` (and
     ``mn``) per group of 16 (Q6_K, Q3_K, Q2_K) or 32 (Q5_K, IQ4_XS) inputs."""
 
@@ -268,7 +289,7 @@ class BlockKLinear(BlockInt8Linear):
             extra = {"dmin": _f16(b[..., 2:4]), "mn": torch.from_numpy(mins.reshape(out, -1).copy())}
         elif kind == "IQ4_XS":  # d (f16), scales_h (u16), scales_l (4 bytes), qs (128): d·(ls − 32)·kv[q]
             b = blocks.reshape(out, in_features // 256, 136)
-            q = np.array(IQ4_NL_VALUES, np.int8)[_nibbles(b[..., 8:136].reshape(out, -1, 8, 16))]
+            q = _pairs(_nibbles(b[..., 8:136].reshape(out, -1, 8, 16)))  # the indices, two a byte
             high = b[..., 2:4].copy().view(np.uint16)  # (out, supers, 1): 2 bits a group
             hi = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
             lo = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(out, -1, 8) & 0x0F
@@ -281,14 +302,6 @@ class BlockKLinear(BlockInt8Linear):
         self.register_buffer("sc", sc)
         for name, part in extra.items():  # Q5_K's and Q2_K's mins
             self.register_buffer(name, part)
-
-    def values(self, index: slice | torch.Tensor) -> torch.Tensor:
-        """The values ``q`` of the output rows ``index`` (``(n, in)``, int8)."""
-        q = self.qweight[index]
-        if self.kind not in LOW_BITS:
-            return q
-        both = torch.stack([q & 0x0F, q >> 4], dim=-1).view(q.shape[0], self.in_features).to(torch.int8)
-        return both - 4 if self.kind == "Q3_K" else both
 
     def take(self, index: slice | torch.Tensor) -> torch.Tensor:
         """The output rows ``index`` in fp32, as the ``gguf`` package computes them: ``(d·sc)·q``, and

@@ -1,8 +1,8 @@
 """Served 8- and 4-bit weights on zerotron's grouped kernel (:func:`zerotron.serve.linear_kernels.q8_linear`).
 
 The loaders keep a file's 8-bit weights as they are: a GGUF file's Q8_0, Q5_K and Q6_K blocks (and
-Q5_0's, Q5_1's and IQ4_NL's unpacked to a byte a value), and
-Q3_K's and Q2_K's at 4 bits a value (:mod:`zerotron.models.gguf_blocks`), and 8-bit GPTQ and
+Q5_0's and Q5_1's unpacked to a byte a value), and Q3_K's and Q2_K's at 4 bits a value, IQ4_NL's and
+IQ4_XS's 4-bit indices into llama.cpp's table two a byte (:mod:`zerotron.models.gguf_blocks`), and 8-bit GPTQ and
 compressed-tensors checkpoints
 (:class:`~zerotron.models.hf_packed.PackedInt8Linear`). Their own forwards multiply through torch's
 kernels, which take one scale per output row, not per group of inputs: a chunk of rows dequantised to
@@ -34,7 +34,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zerotron.models.gguf_blocks import LOW_BITS, BlockInt4Linear, BlockInt8Linear, BlockKLinear
+from zerotron.models.gguf_blocks import (
+    TABLE_KINDS,
+    TWO_A_BYTE,
+    BlockInt4Linear,
+    BlockInt8Linear,
+    BlockKLinear,
+)
 from zerotron.models.hf_packed import PackedInt4Linear, PackedInt8Linear
 from zerotron.models.quant import Int4Linear, Int8Linear, int4pack_values
 from zerotron.serve import linear_kernels
@@ -80,17 +86,20 @@ def _tables(module: nn.Module, four_bit: bool, activations: bool = False) -> Opt
         values = module.qweight.transpose(0, 1)  # (groups, out, group) -> (out, groups, group)
         return values, (module.scales.T, None), (module.zero_term, None), 0, False
     if type(module) is BlockInt8Linear:  # Q8_0, Q5_0, IQ4_NL: d·q per 32 inputs; Q5_1: d·q + m
-        n, k = module.qweight.shape
+        n, k = module.out_features, module.in_features
+        if module.kind in TABLE_KINDS:  # 4-bit indices into IQ4_NL's table, two a byte: offset -1
+            return module.qweight.view(n, k // 32, 16), (module.d, None), (None, None), -1, False
         values = module.qweight.view(n, k // 32, 32)
         if module.kind == "Q5_1":
             return values, (module.d, None), (module.m, None), 0, True
         return values, (module.d, None), (None, None), 0, False
     if isinstance(module, BlockKLinear):  # (d·sc)·q, less dmin·mn for Q5_K and Q2_K
         n, groups = module.out_features, module.in_features // module.group
-        low = module.kind in LOW_BITS  # Q2_K's q and Q3_K's q + 4, two a byte
+        low = module.kind in TWO_A_BYTE  # Q2_K's q, Q3_K's q + 4 and IQ4_XS's indices, two a byte
         values = module.qweight.view(n, groups, module.group // 2 if low else module.group)
         mins = (module.dmin, module.mn) if module.kind in ("Q5_K", "Q2_K") else (None, None)
-        return values, (module.d, module.sc), mins, 4 if module.kind == "Q3_K" else 0, False
+        offset = {"Q3_K": 4, "IQ4_XS": -1}.get(module.kind, 0)  # -1: the indices' table
+        return values, (module.d, module.sc), mins, offset, False
     return None
 
 

@@ -7,6 +7,20 @@ from typing import Optional
 
 import torch
 
+from zerotron.models.gguf_blocks import IQ4_NL_VALUES
+
+
+def nibble_values(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """Values kept two a byte (n, groups, group / 2) uint8, input 2j in the low half, as the integers
+    (n, groups, group) int32 the grouped kernels read: each nibble less ``offset``, or with ``offset``
+    -1 its entry of llama.cpp's IQ4_NL table (GGUF IQ4_NL and IQ4_XS)."""
+    n, groups = values.shape[:2]
+    low, high = (values & 15).to(torch.int64), (values >> 4).to(torch.int64)
+    q = torch.stack([low, high], -1).reshape(n, groups, -1)
+    if offset == -1:
+        return torch.tensor(IQ4_NL_VALUES, dtype=torch.int32)[q]
+    return (q - offset).to(torch.int32)
+
 
 def dequantized_bf16(
     values: torch.Tensor,
@@ -20,11 +34,7 @@ def dequantized_bf16(
     fp32 (in the kernel's order: the first factor times the second), ``q·s − m`` one fused rounding
     (``q·s`` is exact), then rounded to bf16 — for references."""
     n, groups = values.shape[:2]
-    if values.dtype == torch.uint8:  # two a byte: input 2j in the low half
-        low, high = (values & 15).to(torch.int32), (values >> 4).to(torch.int32)
-        q = torch.stack([low, high], -1).reshape(n, groups, -1) - offset
-    else:
-        q = values.to(torch.int32)
+    q = nibble_values(values, offset) if values.dtype == torch.uint8 else values.to(torch.int32)
 
     def product(factors: tuple[Optional[torch.Tensor], Optional[torch.Tensor]]) -> torch.Tensor:
         out = torch.ones(n, groups)

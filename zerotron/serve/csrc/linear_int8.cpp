@@ -81,7 +81,8 @@ struct Q8Problem {
   const int8_t* q;  // value (o, k) at q[o * qo + (k / group) * qg + k % group] (elements)
   int64_t qo, qg;
   // kind 0: int8 values; 1: two values a byte instead (input 2j in the low half, 2j + 1 in the high:
-  // byte (k % group) / 2), each less offset (GGUF Q2_K's and Q3_K's values as zerotron keeps them);
+  // byte (k % group) / 2), each less offset (GGUF Q2_K's and Q3_K's values as zerotron keeps them), or
+  // with offset -1 each an index into llama.cpp's IQ4_NL table (IQ4_NL and IQ4_XS): lut[nibble];
   // 2: bf16 values (the weights themselves: no scales)
   int kind;
   int32_t offset;
@@ -92,7 +93,16 @@ struct Q8Problem {
   bool wide = false;                // one row's outputs two a register on AVX-512 (q8_direct_wide)
   int64_t ldy = 0;                  // output (m, o) at y[m * ldy + o]: n, or wider where several products share y
   int64_t ahead[5] = {0, 0, 0, 0, 0};  // bytes an output's values, s1, s2, m1, m2 take (q8_ahead_bytes)
+  alignas(16) int8_t lut[16] = {};     // kind 1: a nibble's value (nibble - offset, or IQ4_NL's table)
 };
+
+// llama.cpp's IQ4_NL values (kvalues_iq4nl), the weights' 4-bit indices' table (offset -1).
+constexpr int8_t IQ4_NL_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// A problem's nibble table from its offset.
+inline void q8_lut(Q8Problem& t) {
+  for (int i = 0; i < 16; ++i) t.lut[i] = t.offset < 0 ? IQ4_NL_TABLE[i] : static_cast<int8_t>(i - t.offset);
+}
 
 // 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): q * s - m, or q * s
 // without mins (q * s is exact: a small integer times a scale of at most 19 significant bits, so one
@@ -112,7 +122,7 @@ ZT_Q8_TARGET inline __m256 q8_weights8(const Q8Problem& t, int64_t o, int64_t gi
       std::memcpy(&four, qg + kk / 2, 4);
       const __m128i b = _mm_cvtsi32_si128(four), low = _mm_set1_epi8(15);
       const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-      v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pairs), _mm256_set1_epi32(t.offset));
+      v = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut)), pairs));
     } else {
       v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + kk)));
     }
@@ -122,12 +132,12 @@ ZT_Q8_TARGET inline __m256 q8_weights8(const Q8Problem& t, int64_t o, int64_t gi
 }
 
 // 16 weights of output o, inputs k .. k + 15 of group gi, from values two a byte (a group of a
-// multiple of 16 inputs): split, interleave, less the offset, 8 bytes at a time.
+// multiple of 16 inputs): split, interleave, each nibble's value (lut), 8 bytes at a time.
 ZT_Q8_TARGET inline void q8_weights16(const Q8Problem& t, int64_t o, int64_t gi, int64_t k, __m256 sv, __m256 mv, bool mins, __m256* w) {
   const __m128i low = _mm_set1_epi8(15);
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t.q + o * t.qo + gi * t.qg + (k - gi * t.group) / 2));
-  const __m128i pairs = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
-                                     _mm_set1_epi8(static_cast<char>(t.offset)));
+  const __m128i pairs = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut)),
+                                         _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)));
   const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pairs));
   const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(pairs, 8)));
   w[0] = mins ? _mm256_fmsub_ps(f0, sv, mv) : _mm256_mul_ps(f0, sv);

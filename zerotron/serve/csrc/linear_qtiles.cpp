@@ -31,8 +31,8 @@ ZT_QTILE_TARGET inline void qtile_16(const Q8Problem& q, int64_t o, int64_t gi, 
   if constexpr (KIND == 1) {
     const __m128i low = _mm_set1_epi8(15);
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group) / 2));
-    v8 = _mm_sub_epi8(_mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)),
-                      _mm_set1_epi8(static_cast<char>(q.offset)));
+    v8 = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(q.lut)),
+                          _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)));
   } else {
     v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (k - gi * q.group)));
   }

@@ -63,7 +63,7 @@ ZT_VNNI_TARGET void va_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool
         xq[c + j] = plain[c + 2 * j];
         xq[c + 64 + j] = plain[c + 2 * j + 1];
       }
-  const int32_t lift = t.kind == 1 ? t.offset : 128;
+  const int32_t lift = t.kind == 1 && t.offset >= 0 ? t.offset : 128;  // a table's values go in as value + 128
   for (int64_t l = 0; l < v.lanes; ++l) {
     int32_t sum = 0;
     for (int64_t i = 0; i < v.width; ++i) sum += plain[l * v.width + i];
@@ -150,6 +150,9 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
     acc[r] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  // values two a byte indexing IQ4_NL's table (offset -1): each nibble's value + 128, as int8 values go in
+  const bool table = KIND == 1 && t.offset < 0;
+  const __m512i ulut = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut))), top);
   const int64_t* at = ch.at.data();
   const int64_t* group = ch.group.data();
   for (int64_t c = 0; c < ch.chunks; ++c) {
@@ -164,8 +167,13 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
     for (int r = 0; r < MR; ++r) {
       __m512i a = _mm512_loadu_si512(corr[r] + c * 16);
       if constexpr (KIND == 1) {
-        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(b, low), _mm512_loadu_si512(xq[r] + c * 128));
-        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_loadu_si512(xq[r] + c * 128 + 64));
+        __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+        if (table) {
+          lo = _mm512_shuffle_epi8(ulut, lo);
+          hi = _mm512_shuffle_epi8(ulut, hi);
+        }
+        a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512(xq[r] + c * 128));
+        a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xq[r] + c * 128 + 64));
       } else {
         a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(b, top), _mm512_loadu_si512(xq[r] + c * 64));
       }
@@ -338,7 +346,7 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
   const bool per_group = va_per_group(t.s1) && va_per_group(t.s2) && va_per_group(t.m1) && va_per_group(t.m2);
   const float* x = t.x + m0 * t.ldx;
   const __m128i low = _mm_set1_epi8(15);
-  const __m512i offset = _mm512_set1_epi32(t.offset);
+  const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(t.lut));
   for (int64_t j0 = 0; j0 < width; j0 += 8) {
     const int jn = static_cast<int>(std::min<int64_t>(8, width - j0)), pairs = (jn + 1) / 2;
     for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD);
@@ -377,7 +385,7 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
               const __m128i ba = _mm_cvtsi32_si128(fa), bb = _mm_cvtsi32_si128(fb);
               const __m128i pa = _mm_unpacklo_epi8(_mm_and_si128(ba, low), _mm_and_si128(_mm_srli_epi16(ba, 4), low));
               const __m128i pb = _mm_unpacklo_epi8(_mm_and_si128(bb, low), _mm_and_si128(_mm_srli_epi16(bb, 4), low));
-              v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(pa, pb)), offset);
+              v = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(lut, _mm_unpacklo_epi64(pa, pb)));
             } else {
               v = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qa[p] + kk)),
                                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb[p] + kk))));
