@@ -447,10 +447,16 @@ class PagedAttention:
         and their cos/sin (N, d), when :attr:`packed`: q and k rotated and k and v stored in one
         native pass (:func:`~zerotron.serve.kernels.rope_store`, the model's roundings), then every
         row attended by the native kernel -> (N, h, d)."""
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        q = kernels.rope_store(y, cos, sin, kp, vp, self.slots, heads)
+        kp, vp, slots, key_slots, keys, seq = self._native_operands(layer)
+        q = kernels.rope_store(y, cos, sin, kp, vp, slots, heads)
+        return self.kernel(q, kp, vp, key_slots, keys, seq)
+
+    def _native_operands(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``layer``'s pools, the rows' slots, and the native group's key slots, key counts and sequences."""
         g = self.groups[0]
-        return self.kernel(q, kp, vp, g.key_slots, g.keys, g.seq)
+        return self.pool.k[layer], self.pool.v[layer], self.slots, g.key_slots, g.keys, g.seq
 
     def packed_operands(
         self, layer: int
@@ -461,10 +467,8 @@ class PagedAttention:
         fp32 attention kernel (the one such a layer's fp32 rows take)."""
         if not self.packed or self.kernel_name not in (None, "fp32"):
             return None
-        g = self.groups[0]
-        if g.seq is None:
-            return None
-        return self.pool.k[layer], self.pool.v[layer], self.slots, g.key_slots, g.keys, g.seq
+        kp, vp, slots, key_slots, keys, seq = self._native_operands(layer)
+        return None if seq is None else (kp, vp, slots, key_slots, keys, seq)
 
     @staticmethod
     def _attend_group(

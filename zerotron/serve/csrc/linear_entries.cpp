@@ -297,7 +297,8 @@ int64_t q8_prepare(int64_t k, std::vector<torch::Tensor> q, std::vector<std::opt
   for (size_t i = 0; i < count; ++i) {
     q8_check_operands(k, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], a8 ? 1 : 0);
     TORCH_CHECK(q[i].scalar_type() != torch::kBFloat16, "8- and 4-bit values");
-    prepared->ts.push_back(q8_problem(k, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], add_mins[i] != 0, a8 ? 1 : 0));
+    if (q[i].size(0) > 0)  // a product of no outputs adds no columns and no tasks
+      prepared->ts.push_back(q8_problem(k, q[i], s1[i], s2[i], m1[i], m2[i], offset[i], add_mins[i] != 0, a8 ? 1 : 0));
     prepared->total += q[i].size(0);
   }
   std::lock_guard<std::mutex> hold(q8_prepared_lock());
@@ -348,12 +349,9 @@ torch::Tensor q8_run(torch::Tensor x, int64_t handle) {
       q8_set_rows(t, rows, y.data_ptr<float>() + column, total);
       column += t.n;
     }
-    std::vector<Q8Problem> nonempty;
-    for (auto& t : ts)
-      if (t.n > 0) nonempty.push_back(t);
     pybind11::gil_scoped_release no_gil;
-    if (a8) q8a8_linear_many(nonempty);
-    else q8_linear_many(nonempty);
+    if (a8) q8a8_linear_many(ts);
+    else q8_linear_many(ts);
   }
   return y.view(shape);
 #else

@@ -377,21 +377,29 @@ std::vector<int64_t> q8_slices(const Q8Problem& t) {
 }
 
 // Several products of the same rows (q, k and v; gate and up) in one parallel region: problem i's
-// tasks numbered after those of the problems before it, the threads dealt the whole range. Each task
-// is what a call for its problem alone runs (an output's arithmetic never depends on the others).
-void q8_linear_many(std::vector<Q8Problem>& ts) {
-  std::vector<std::vector<int64_t>> slices(ts.size());
+// tasks (chunks of rows times tiles of outputs, its chunk and tiles set) numbered after those of the
+// problems before it, the threads dealt the whole range; run(i, begin, end) runs problem i's tasks
+// [begin, end). Each task is what a call for its problem alone runs (an output's arithmetic never
+// depends on the others).
+template <typename Run>
+void q8_deal(const std::vector<Q8Problem>& ts, const Run& run) {
   std::vector<int64_t> first(ts.size() + 1, 0);
-  for (size_t i = 0; i < ts.size(); ++i) {
-    slices[i] = q8_slices(ts[i]);
-    ts[i].slices = slices[i].data();
+  for (size_t i = 0; i < ts.size(); ++i)
     first[i + 1] = first[i] + (ts[i].rows + ts[i].chunk - 1) / ts[i].chunk * ts[i].tiles;
-  }
   at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
     for (size_t i = 0; i < ts.size(); ++i) {
       const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]);
-      if (lo < hi) q8_tasks(ts[i], lo - first[i], hi - first[i]);
+      if (lo < hi) run(i, lo - first[i], hi - first[i]);
     }
   });
+}
+
+void q8_linear_many(std::vector<Q8Problem>& ts) {
+  std::vector<std::vector<int64_t>> slices(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    slices[i] = q8_slices(ts[i]);
+    ts[i].slices = slices[i].data();
+  }
+  q8_deal(ts, [&](size_t i, int64_t lo, int64_t hi) { q8_tasks(ts[i], lo, hi); });
 }
 #endif

@@ -256,14 +256,16 @@ ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float*
   }
 }
 
-// Output o's scales (and mins: m, unless null) of every group where each factor has an entry per
-// group (va_per_group): va_row_scales' and va_row_mins' products 16 groups a step, so va_factor's bits.
-ZT_VNNI_TARGET void va_row_factors(const Q8Problem& t, int64_t o, int64_t groups, float* s, float* m) {
-  for (int64_t g = 0; g < groups; g += 16) {
-    const int64_t left = std::min<int64_t>(16, groups - g);
+// q8_factors (va_factor's) for output o and groups g0 .. g0 + count - 1 (a slice, or every group) where
+// every factor has an entry per group (va_per_group): 16 groups a step, the same products (f1 · f2, the
+// mins negated where added), so their bits; m untouched without mins.
+ZT_VNNI_TARGET inline void va_slice_factors(const Q8Problem& t, int64_t o, int64_t g0, int64_t count, float* s, float* m) {
+  const bool mins = t.m1.kind != 0;
+  for (int64_t c = 0; c < count; c += 16) {
+    const int64_t left = std::min<int64_t>(16, count - c);
     const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-    _mm512_mask_storeu_ps(s + g, k, va_row_scales(t, o, g, left));
-    if (m != nullptr) _mm512_mask_storeu_ps(m + g, k, va_row_mins(t, o, g, left));
+    _mm512_mask_storeu_ps(s + c, k, va_row_scales(t, o, g0 + c, left));
+    if (mins) _mm512_mask_storeu_ps(m + c, k, va_row_mins(t, o, g0 + c, left));
   }
 }
 
@@ -288,7 +290,7 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
       float* so = s.data() + (o - o0) * stride;
       float* mo = m.data() + (o - o0) * stride;
       if (direct) {
-        va_row_factors(t, o, groups, so, mins ? mo : nullptr);
+        va_slice_factors(t, o, 0, groups, so, mo);
         continue;
       }
       va_factor(t.s1, o, groups, so, true);
@@ -312,18 +314,6 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
       }
       r += mr;
     }
-  }
-}
-
-// q8_factors for output o and the slice's groups g0 .. g0 + count - 1 where every factor has an entry
-// per group (va_per_group): 16 groups a step, the same products (f1 · f2, the mins negated where added).
-ZT_VNNI_TARGET inline void va_slice_factors(const Q8Problem& t, int64_t o, int64_t g0, int64_t count, float* s, float* m) {
-  const bool mins = t.m1.kind != 0;
-  for (int64_t c = 0; c < count; c += 16) {
-    const int64_t left = std::min<int64_t>(16, count - c);
-    const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-    _mm512_mask_storeu_ps(s + c, k, va_row_scales(t, o, g0 + c, left));
-    if (mins) _mm512_mask_storeu_ps(m + c, k, va_row_mins(t, o, g0 + c, left));
   }
 }
 
@@ -471,16 +461,7 @@ void q8a8_linear_many(std::vector<Q8Problem>& ts) {
   for (size_t i = 0; i < count; ++i)
     if (rows_of[i] == i) va_quantize_rows(ts[i], v[i], mins[i]);
   std::vector<VaPlan> plans(count);
-  std::vector<int64_t> first(count + 1, 0);
-  for (size_t i = 0; i < count; ++i) {
-    va_plan(ts[i], v[rows_of[i]].width, plans[i]);
-    first[i + 1] = first[i] + (ts[i].rows + ts[i].chunk - 1) / ts[i].chunk * ts[i].tiles;
-  }
-  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
-    for (size_t i = 0; i < count; ++i) {
-      const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]);
-      if (lo < hi) va_tasks(ts[i], v[rows_of[i]], plans[i].ch, plans[i].first, lo - first[i], hi - first[i]);
-    }
-  });
+  for (size_t i = 0; i < count; ++i) va_plan(ts[i], v[rows_of[i]].width, plans[i]);
+  q8_deal(ts, [&](size_t i, int64_t lo, int64_t hi) { va_tasks(ts[i], v[rows_of[i]], plans[i].ch, plans[i].first, lo, hi); });
 }
 #endif
