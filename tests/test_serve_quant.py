@@ -171,3 +171,46 @@ def test_smollm2_perplexity_int8_within_1_percent_and_int4_within_5_percent_of_b
     int4 = perplexity(int4_model)
     assert after < before * 0.34
     assert abs(int4 / bf16 - 1) <= 0.05, (bf16, int4)
+
+
+@pytest.mark.parametrize("activations", [False, True], ids=["fp32-rows", "int8-rows"])
+def test_a_biased_quantised_layer_in_one_native_call_has_the_python_paths_bits(
+    activations: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen2's q/k/v biases on quantised weights: a packed step runs each decoder layer in one native
+    call (``kernels.q8_layer``) that adds every product's bias as the module's forward adds it, so the
+    tokens and log-probabilities are the Python lean path's; without q/k/v's biases they are not."""
+    from tests.test_serve_engine import _biased_model
+    from zerotron.models.llama import DecoderLayer
+    from zerotron.serve import kernels, linear_kernels
+    from zerotron.serve.linears import _LeanLayer
+
+    if not kernels.available() or linear_kernels.why_no_native_matmul(torch.float32) is not None:
+        pytest.skip("the lean quantised layers need the native kernels (AVX-512)")
+    if activations and linear_kernels.why_no_q8a8() is not None:
+        pytest.skip(str(linear_kernels.why_no_q8a8()))
+    config = EngineConfig(
+        num_blocks=128,
+        quantization="int4",  # on the grouped kernel (int8's per-channel linears run torch's)
+        quantize_activations=activations,
+        native_attention=True,
+        native_matmul=True,
+    )
+    engine = Engine(_biased_model(seed=5), None, config)
+    lean = [m.__dict__.get("forward") for m in engine.model.modules() if isinstance(m, DecoderLayer)]
+    assert lean and all(isinstance(f, _LeanLayer) and f.whole is not None for f in lean)
+    assert all(f.whole[5][0].numel() == f.whole[5][0].shape[0] > 0 for f in lean)  # q/k/v's biases
+    prompts = _prompts([5, 17, 9], seed=13)
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    calls: list[int] = []
+    whole_layer = kernels.q8_layer
+    monkeypatch.setattr(kernels, "q8_layer", lambda *a: calls.append(1) or whole_layer(*a))
+    fast = _run(engine, prompts, params)
+    assert len(calls) >= len(lean) * params.max_tokens
+    saved = [f.whole for f in lean]
+    for f in lean:
+        f.whole = None
+    assert _run(engine, prompts, params) == fast
+    for f, w in zip(lean, saved):  # the control: the one call without q/k/v's biases
+        f.whole = (*w[:5], [torch.empty(0), *w[5][1:]])
+    assert _run(engine, prompts, params) != fast

@@ -215,25 +215,24 @@ def _whole_layer(
     norm1: Callable[[torch.Tensor], torch.Tensor],
     norm2: Callable[[torch.Tensor], torch.Tensor],
     products: list[Callable[[torch.Tensor], torch.Tensor]],
-) -> Optional[tuple[torch.Tensor, float, torch.Tensor, float, list[int]]]:
+) -> Optional[tuple[torch.Tensor, float, torch.Tensor, float, list[int], list[torch.Tensor]]]:
     """A lean layer's norms' weights and epsilons and its four products' handles (q/k/v, o, gate/up,
-    down) where the norms are the native RMSNorm and every product a prepared quantised linear without a
-    bias (:class:`~zerotron.serve.linear_kernels.Prepared`): what :func:`~zerotron.serve.kernels.q8_layer`
-    takes; None otherwise."""
+    down) and biases (an empty tensor for none) where the norms are the native RMSNorm and every product
+    a prepared quantised linear (:class:`~zerotron.serve.linear_kernels.Prepared`): what
+    :func:`~zerotron.serve.kernels.q8_layer` takes; None otherwise."""
     norms = []
     for norm in (norm1, norm2):
         if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
             return None
         norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
-    handles = []
+    handles, biases = [], []
     for product in products:
         if not (isinstance(product, functools.partial) and product.func is _prepared_forward):
             return None
         prepared, bias = product.args
-        if bias is not None:
-            return None
         handles.append(prepared.handle)
-    return norms[0][0], norms[0][1], norms[1][0], norms[1][1], handles
+        biases.append(torch.empty(0) if bias is None else bias)
+    return norms[0][0], norms[0][1], norms[1][0], norms[1][1], handles, biases
 
 
 def _packable(module: nn.Module, dtype: torch.dtype) -> TypeGuard[nn.Linear]:

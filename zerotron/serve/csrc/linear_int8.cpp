@@ -174,12 +174,18 @@ inline void q8_ahead_bytes(Q8Problem& t) {
 inline void q8_prefetch_bytes(const void* at, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(at) + b, _MM_HINT_T0);
 }
-inline void q8_prefetch_output(const Q8Problem& t, int64_t o) {
+inline void q8_prefetch_output(const Q8Problem& t, int64_t o, bool values = true) {
   if (o >= t.n || t.ahead[0] == 0) return;  // past the last output, or values not together
-  q8_prefetch_bytes(reinterpret_cast<const char*>(t.q) + o * t.qo * (t.kind == 2 ? 2 : 1), t.ahead[0]);
+  if (values) q8_prefetch_bytes(reinterpret_cast<const char*>(t.q) + o * t.qo * (t.kind == 2 ? 2 : 1), t.ahead[0]);
   const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
   for (int i = 0; i < 4; ++i)
     if (t.ahead[i + 1]) q8_prefetch_bytes(static_cast<const char*>(fs[i]->p) + o * fs[i]->so * factor_bytes(*fs[i]), t.ahead[i + 1]);
+}
+
+// The line of output o's values holding input kk of group gi fetched into L1 (values together).
+inline void q8_prefetch_value(const Q8Problem& t, int64_t o, int64_t gi, int64_t kk) {
+  const int64_t e = o * t.qo + gi * t.qg + (t.kind == 1 ? kk / 2 : kk);
+  _mm_prefetch(reinterpret_cast<const char*>(t.q) + e * (t.kind == 2 ? 2 : 1), _MM_HINT_T0);
 }
 
 // e0 and r0 of q8_factors for a slice starting at group g0 (computed: q8_linear_many's table of them).
@@ -273,7 +279,10 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
   const bool mins = t.m1.kind != 0;
   for (int64_t j0 = 0; j0 < width; j0 += 4) {
     const int jn = static_cast<int>(std::min<int64_t>(4, width - j0));
-    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD);
+    // the factors of the outputs Q8_AHEAD on now, their values a line at a time as the same inputs of
+    // these outputs are read (q8_direct_wide's way: a burst of every line at once stalls the loads)
+    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD, false);
+    const bool ahead = t.ahead[0] != 0;
     __m256 acc[MR][4];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -292,6 +301,8 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
         }
         if (KIND == 1 && t.group % 16 == 0) {
           for (int64_t k = start; k < end; k += 16) {
+            if (ahead && ((k - gi * t.group) & 127) == 0)
+              for (int j = 0; j < jn; ++j) q8_prefetch_value(t, o0 + j0 + j + Q8_AHEAD, gi, k - gi * t.group);
             __m256 a[MR][2];
             for (int r = 0; r < MR; ++r) {
               a[r][0] = _mm256_loadu_ps(t.x + (m0 + r) * t.ldx + k);
@@ -306,6 +317,8 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
           continue;
         }
         for (int64_t k = start; k < end; k += 8) {
+          if (ahead && ((k - gi * t.group) & (KIND == 1 ? 127 : KIND == 2 ? 31 : 63)) == 0)
+            for (int j = 0; j < jn; ++j) q8_prefetch_value(t, o0 + j0 + j + Q8_AHEAD, gi, k - gi * t.group);
           __m256 a[MR];
           for (int r = 0; r < MR; ++r) a[r] = _mm256_loadu_ps(t.x + (m0 + r) * t.ldx + k);
           for (int j = 0; j < jn; ++j) {

@@ -324,6 +324,26 @@ ZT_VNNI_TARGET inline float va_sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
 }
 
+// 32 inputs of two outputs' 4-bit values (16 bytes each from a and b: input 2i the low half of byte i,
+// 2i + 1 the high) through the 16-byte table lut, as four 8-input steps: v[i] holds a's inputs
+// 8i .. 8i + 7 then b's, the bytes q8_direct_wide_kind's one-step unpacking gives.
+ZT_VNNI_TARGET __attribute__((always_inline)) inline void q8_unpack32(const int8_t* a, const int8_t* b, __m128i lut,
+                                                                      __m128i* v) {
+  const __m256i low = _mm256_set1_epi8(15), table = _mm256_broadcastsi128_si256(lut);
+  const __m256i both = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  const __m256i lo = _mm256_and_si256(both, low), hi = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
+  // each 128-bit lane (a's, b's): inputs 0-15 in `first`, 16-31 in `second`; then the quadwords ordered
+  // a 0-7, b 0-7, a 8-15, b 8-15
+  const __m256i first = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(table, _mm256_unpacklo_epi8(lo, hi)), 0xD8);
+  const __m256i second = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(table, _mm256_unpackhi_epi8(lo, hi)), 0xD8);
+  v[0] = _mm256_castsi256_si128(first);
+  v[1] = _mm256_extracti128_si256(first, 1);
+  v[2] = _mm256_castsi256_si128(second);
+  v[3] = _mm256_extracti128_si256(second, 1);
+}
+
 // q8_direct's one row on AVX-512, two outputs a register: lanes 0-7 carry the first output's 8 chains,
 // lanes 8-15 the second's, each fed the same weights (q8_weights8's arithmetic: the values widened,
 // less the offset, times the scale less the min in one fused step) and the same inputs in the same
@@ -339,7 +359,10 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
   const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(t.lut));
   for (int64_t j0 = 0; j0 < width; j0 += 8) {
     const int jn = static_cast<int>(std::min<int64_t>(8, width - j0)), pairs = (jn + 1) / 2;
-    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD);
+    // the factors of the outputs Q8_AHEAD on fetched now, their values a line at a time as the same
+    // inputs of these outputs are read (a burst of every line at once stalls the loads behind it)
+    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD, false);
+    const int64_t ahead = t.ahead[0] ? Q8_AHEAD * t.qo : 0;  // bytes to the same input of an output ahead
     __m512 acc[4];
     for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
     float s[8][QKS / 8], m[8][QKS / 8];
@@ -363,10 +386,36 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
           qa[p] = t.q + (o0 + j0 + ja) * t.qo + gi * t.qg;
           qb[p] = t.q + (o0 + j0 + jb) * t.qo + gi * t.qg;
         }
-        for (int64_t k = start; k < end; k += 8) {
+        int64_t k = start;
+        if constexpr (KIND == 1) {  // 32 inputs a pass: 16 bytes an output, unpacked for four steps at once
+          for (; k + 32 <= end; k += 32) {
+            __m512 a[4];
+            for (int i = 0; i < 4; ++i) a[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
+            const int64_t kk = k - gi * t.group;
+            for (int p = 0; p < pairs; ++p) {
+              if (ahead && (kk & 127) == 0) {
+                _mm_prefetch(reinterpret_cast<const char*>(qa[p] + ahead + kk / 2), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(qb[p] + ahead + kk / 2), _MM_HINT_T0);
+              }
+              __m128i v[4];
+              q8_unpack32(qa[p] + kk / 2, qb[p] + kk / 2, lut, v);
+              for (int i = 0; i < 4; ++i) {  // the 8-input steps in k order: the loop below's products
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v[i]));
+                const __m512 w = mins ? _mm512_fmsub_ps(f, sv[p], mv[p]) : _mm512_mul_ps(f, sv[p]);
+                acc[p] = _mm512_fmadd_ps(a[i], w, acc[p]);
+              }
+            }
+          }
+        }
+        for (; k < end; k += 8) {
           const __m512 a = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k));
           const int64_t kk = k - gi * t.group;
+          const bool fetch = ahead && (KIND == 1 ? (kk & 127) == 0 : (kk & 63) == 0);
           for (int p = 0; p < pairs; ++p) {
+            if (fetch) {
+              _mm_prefetch(reinterpret_cast<const char*>(qa[p] + ahead + (KIND == 1 ? kk / 2 : kk)), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(qb[p] + ahead + (KIND == 1 ? kk / 2 : kk)), _MM_HINT_T0);
+            }
             __m512i v;
             if constexpr (KIND == 1) {  // 4 bytes an output: input 2i the low half of byte i, 2i + 1 the high
               int32_t fa, fb;
