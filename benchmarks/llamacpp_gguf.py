@@ -9,13 +9,16 @@ once to (re)make the test data, or for the benchmark beside llama.cpp:
     python benchmarks/llamacpp_gguf.py tiny tests/data/llamacpp
     python benchmarks/llamacpp_gguf.py quantize SMOL_F32.gguf OUTDIR --types Q2_K,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K
     python benchmarks/llamacpp_gguf.py compare OUTDIR/*.gguf --llama-python VENV/bin/python --json results.json
+    python benchmarks/llamacpp_gguf.py large SMOL.gguf BIG-F16.gguf   # then quantize it as above
 
 ``tiny`` writes two small random Llama models in f32 with the ``gguf`` package (one with 256 inputs
 to every matrix, so the K types apply throughout; one with 96, where llama.cpp falls back to Q5_0,
 Q5_1, IQ4_NL and Q8_0), quantises each with ``llama_model_quantize`` to the file types listed in
 TINY_TYPES, and evaluates llama.cpp on one token sequence over every file (the f32 ones too), saving
 its logits as ``logits.npz`` (no pickle) beside the ``.gguf`` files it keeps (not the f32 sources).
-``quantize`` makes real model files from an f32 GGUF (llama.cpp's ``convert_hf_to_gguf.py
+``large`` writes a random model of a larger shape (SmolLM2-1.7B's by default) in f16 with another
+file's tokenizer and settings, for speed beside llama.cpp where no larger model is at hand (its
+perplexity means nothing). ``quantize`` makes real model files from an f32 GGUF (llama.cpp's ``convert_hf_to_gguf.py
 --outtype f32``). ``compare`` runs each file in zerotron (``--quantization gguf``: its blocks kept, on
 the native kernels, as ``zerotron serve`` runs it) and in llama.cpp, each in a process of its own, two
 threads each: perplexity on a held text (the same token ids), the tokens per second of one greedy
@@ -116,6 +119,60 @@ def write_tiny(path: Path, hidden: int, heads: int, kv: int, ffn: int, vocab: in
     w.add_tensor("blk.0.ffn_down.weight", matrix(hidden, ffn))
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     w.add_tensor("output.weight", matrix(vocab, hidden) * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# SmolLM2-1.7B's shape (its config.json): layers, hidden, heads, kv heads, ffn
+LARGE_SHAPE = (24, 2048, 32, 32, 8192)
+
+
+def write_large(src: Path, out: Path, shape: tuple[int, ...] = LARGE_SHAPE, seed: int = 0) -> None:
+    """A random Llama of ``shape`` (layers, hidden, heads, kv heads, ffn) in f16 with ``src``'s
+    tokenizer, chat template and rotary settings, its head tied to the embedding as SmolLM2's is."""
+    layers, hidden, heads, kv, ffn = shape
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), arch="llama")
+    dims = {"block_count": layers, "embedding_length": hidden, "feed_forward_length": ffn}
+    dims |= {"attention.head_count": heads, "attention.head_count_kv": kv}
+    dims |= {"rope.dimension_count": hidden // heads}
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
+            continue  # written below, or by the writer itself
+        kind = field.types[0]
+        key = field.name.removeprefix("llama.")
+        value = dims.pop(key) if key in dims else field.contents()
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, value, kind, sub_type=sub_type)
+    if dims:
+        raise SystemExit(f"{src}: no llama.{', llama.'.join(dims)} to replace")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    vocab = int(reader.fields["llama.vocab_size"].contents())
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+
+    def matrix(rows: int, inputs: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, inputs), dtype=np.float32) * scale * inputs**-0.5).astype(
+            np.float16
+        )
+
+    w.add_tensor("token_embd.weight", matrix(vocab, hidden, hidden**0.5 * 0.02))
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+        for name, rows, inputs in (
+            ("attn_q", heads * head_dim, hidden),
+            ("attn_k", kv * head_dim, hidden),
+            ("attn_v", kv * head_dim, hidden),
+            ("attn_output", hidden, heads * head_dim),
+            ("ffn_gate", ffn, hidden),
+            ("ffn_up", ffn, hidden),
+            ("ffn_down", hidden, ffn),
+        ):
+            w.add_tensor(f"blk.{i}.{name}.weight", matrix(rows, inputs))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -298,6 +355,9 @@ def main() -> None:
     q.add_argument("src", type=Path)
     q.add_argument("out", type=Path)
     q.add_argument("--types", default="Q2_K,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K")
+    big = sub.add_parser("large", help="a random model of SmolLM2-1.7B's shape, another file's tokenizer")
+    big.add_argument("src", type=Path)
+    big.add_argument("out", type=Path)
     c = sub.add_parser("compare", help="zerotron beside llama.cpp on each file")
     c.add_argument("files", type=Path, nargs="+")
     c.add_argument("--json", type=Path, default=None)
@@ -316,6 +376,9 @@ def main() -> None:
     if args.cmd == "tiny":
         tiny(args.out)
         return
+    if args.cmd == "large":
+        write_large(args.src, args.out)
+        return
     if args.cmd == "compare":
         compare(args.files, args.json, args.llama_python, args.dtype, args.quantize_activations)
         return
@@ -330,7 +393,10 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     for ftype in args.types.split(","):
-        file = args.out / f"{args.src.stem.removesuffix('-F32').removesuffix('_f32')}-{ftype}.gguf"
+        file = (
+            args.out
+            / f"{args.src.stem.removesuffix('-F32').removesuffix('-F16').removesuffix('_f32')}-{ftype}.gguf"
+        )
         quantize(args.src, file, ftype)
         kinds = tensor_types(file)
         print(
