@@ -178,23 +178,36 @@ def test_the_engine_serves_with_quantised_activations(
         assert torch.equal(fast, plain)
         # a packed step runs each layer in one native call (kernels.q8_layer): the Python path's bits
         assert all(f.whole is not None for f in lean)
-        calls = []
-        whole_layer = kernels.q8_layer
-        monkeypatch.setattr(kernels, "q8_layer", lambda *a: calls.append(1) or whole_layer(*a))
-        whole = _run(engine, prompts, params)
-        assert len(calls) >= len(layers) * params.max_tokens
-        saved_whole = [f.whole for f in lean]
-        for f in lean:
-            f.whole = None
-        calls.clear()
-        assert _run(engine, prompts, params) == whole and not calls
-        for f, w in zip(lean, saved_whole):
-            f.whole = w
+        one_call_layers_run(engine, lean, prompts, params, monkeypatch)
     _quantised_rows_reference(dense, kept)
     ours = _run(engine, prompts, params)
     ref = _run(Engine(dense, tokenizer, EngineConfig(max_model_len=64)), prompts, params)
     assert [t for t, _ in ours] == [t for t, _ in ref]
     assert _run(engine, prompts[1:2], params)[0][0] == ours[1][0]
+
+
+def one_call_layers_run(
+    engine: Any, lean: list[Any], prompts: list[list[int]], params: Any, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[list[int], list[float]]]:
+    """The engine's run of ``prompts`` with its lean layers ``lean`` each stepping in one native call
+    (``kernels.q8_layer``, counted: at least one a layer a token), asserted equal to the run on their
+    Python path (no such call); returns it, the one-call layers restored."""
+    from tests.test_serve_engine import _run
+    from zerotron.serve import kernels
+
+    calls: list[int] = []
+    whole_layer = kernels.q8_layer
+    monkeypatch.setattr(kernels, "q8_layer", lambda *a: calls.append(1) or whole_layer(*a))
+    whole = _run(engine, prompts, params)
+    assert len(calls) >= len(lean) * params.max_tokens
+    saved = [f.whole for f in lean]
+    for f in lean:
+        f.whole = None
+    calls.clear()
+    assert _run(engine, prompts, params) == whole and not calls
+    for f, w in zip(lean, saved):
+        f.whole = w
+    return whole
 
 
 def test_quantize_activations_needs_quantised_weights() -> None:

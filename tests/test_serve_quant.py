@@ -181,6 +181,7 @@ def test_a_biased_quantised_layer_in_one_native_call_has_the_python_paths_bits(
     call (``kernels.q8_layer``) that adds every product's bias as the module's forward adds it, so the
     tokens and log-probabilities are the Python lean path's; without q/k/v's biases they are not."""
     from tests.test_serve_engine import _biased_model
+    from tests.test_serve_q8a8 import one_call_layers_run
     from zerotron.models.llama import DecoderLayer
     from zerotron.serve import kernels, linear_kernels
     from zerotron.serve.linears import _LeanLayer
@@ -202,15 +203,7 @@ def test_a_biased_quantised_layer_in_one_native_call_has_the_python_paths_bits(
     assert all(f.whole[5][0].numel() == f.whole[5][0].shape[0] > 0 for f in lean)  # q/k/v's biases
     prompts = _prompts([5, 17, 9], seed=13)
     params = dataclasses.replace(GREEDY, max_tokens=12)
-    calls: list[int] = []
-    whole_layer = kernels.q8_layer
-    monkeypatch.setattr(kernels, "q8_layer", lambda *a: calls.append(1) or whole_layer(*a))
-    fast = _run(engine, prompts, params)
-    assert len(calls) >= len(lean) * params.max_tokens
-    saved = [f.whole for f in lean]
-    for f in lean:
-        f.whole = None
-    assert _run(engine, prompts, params) == fast
-    for f, w in zip(lean, saved):  # the control: the one call without q/k/v's biases
-        f.whole = (*w[:5], [torch.empty(0), *w[5][1:]])
+    fast = one_call_layers_run(engine, lean, prompts, params, monkeypatch)
+    for f in lean:  # the control: the one call without q/k/v's biases
+        f.whole = (*f.whole[:5], [torch.empty(0), *f.whole[5][1:]])
     assert _run(engine, prompts, params) != fast

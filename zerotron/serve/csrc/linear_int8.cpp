@@ -182,7 +182,10 @@ inline void q8_prefetch_output(const Q8Problem& t, int64_t o, bool values = true
     if (t.ahead[i + 1]) q8_prefetch_bytes(static_cast<const char*>(fs[i]->p) + o * fs[i]->so * factor_bytes(*fs[i]), t.ahead[i + 1]);
 }
 
-// The line of output o's values holding input kk of group gi fetched into L1 (values together).
+// The one-/two-row paths' fetch of the values ahead, a line at a time: at input kk of group gi (kk a
+// multiple of a line's inputs: q8_line_start), output o's line holding it into L1 (values together;
+// an o past the last output fetches nothing that faults).
+inline bool q8_line_start(int kind, int64_t kk) { return (kk & (kind == 1 ? 127 : kind == 2 ? 31 : 63)) == 0; }
 inline void q8_prefetch_value(const Q8Problem& t, int64_t o, int64_t gi, int64_t kk) {
   const int64_t e = o * t.qo + gi * t.qg + (t.kind == 1 ? kk / 2 : kk);
   _mm_prefetch(reinterpret_cast<const char*>(t.q) + e * (t.kind == 2 ? 2 : 1), _MM_HINT_T0);
@@ -301,7 +304,7 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
         }
         if (KIND == 1 && t.group % 16 == 0) {
           for (int64_t k = start; k < end; k += 16) {
-            if (ahead && ((k - gi * t.group) & 127) == 0)
+            if (ahead && q8_line_start(KIND, k - gi * t.group))
               for (int j = 0; j < jn; ++j) q8_prefetch_value(t, o0 + j0 + j + Q8_AHEAD, gi, k - gi * t.group);
             __m256 a[MR][2];
             for (int r = 0; r < MR; ++r) {
@@ -317,7 +320,7 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
           continue;
         }
         for (int64_t k = start; k < end; k += 8) {
-          if (ahead && ((k - gi * t.group) & (KIND == 1 ? 127 : KIND == 2 ? 31 : 63)) == 0)
+          if (ahead && q8_line_start(KIND, k - gi * t.group))
             for (int j = 0; j < jn; ++j) q8_prefetch_value(t, o0 + j0 + j + Q8_AHEAD, gi, k - gi * t.group);
           __m256 a[MR];
           for (int r = 0; r < MR; ++r) a[r] = _mm256_loadu_ps(t.x + (m0 + r) * t.ldx + k);

@@ -362,7 +362,7 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
     // the factors of the outputs Q8_AHEAD on fetched now, their values a line at a time as the same
     // inputs of these outputs are read (a burst of every line at once stalls the loads behind it)
     for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD, false);
-    const int64_t ahead = t.ahead[0] ? Q8_AHEAD * t.qo : 0;  // bytes to the same input of an output ahead
+    const bool ahead = t.ahead[0] != 0;
     __m512 acc[4];
     for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
     float s[8][QKS / 8], m[8][QKS / 8];
@@ -393,9 +393,9 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
             for (int i = 0; i < 4; ++i) a[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
             const int64_t kk = k - gi * t.group;
             for (int p = 0; p < pairs; ++p) {
-              if (ahead && (kk & 127) == 0) {
-                _mm_prefetch(reinterpret_cast<const char*>(qa[p] + ahead + kk / 2), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(qb[p] + ahead + kk / 2), _MM_HINT_T0);
+              if (ahead && q8_line_start(KIND, kk)) {
+                q8_prefetch_value(t, o0 + j0 + 2 * p + Q8_AHEAD, gi, kk);
+                q8_prefetch_value(t, o0 + j0 + 2 * p + 1 + Q8_AHEAD, gi, kk);
               }
               __m128i v[4];
               q8_unpack32(qa[p] + kk / 2, qb[p] + kk / 2, lut, v);
@@ -410,11 +410,11 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
         for (; k < end; k += 8) {
           const __m512 a = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k));
           const int64_t kk = k - gi * t.group;
-          const bool fetch = ahead && (KIND == 1 ? (kk & 127) == 0 : (kk & 63) == 0);
+          const bool fetch = ahead && q8_line_start(KIND, kk);
           for (int p = 0; p < pairs; ++p) {
             if (fetch) {
-              _mm_prefetch(reinterpret_cast<const char*>(qa[p] + ahead + (KIND == 1 ? kk / 2 : kk)), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(qb[p] + ahead + (KIND == 1 ? kk / 2 : kk)), _MM_HINT_T0);
+              q8_prefetch_value(t, o0 + j0 + 2 * p + Q8_AHEAD, gi, kk);
+              q8_prefetch_value(t, o0 + j0 + 2 * p + 1 + Q8_AHEAD, gi, kk);
             }
             __m512i v;
             if constexpr (KIND == 1) {  // 4 bytes an output: input 2i the low half of byte i, 2i + 1 the high
