@@ -43,7 +43,7 @@ import numpy as np
 # name -> (hidden, heads, kv heads, ffn, vocab): every matrix's inputs a multiple of 256, or of 32 only
 TINY_MODELS = {"k256": (256, 4, 2, 256, 272), "k96": (96, 3, 1, 256, 272)}
 TINY_TYPES = {
-    "k256": ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K"),
+    "k256": ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ3_S"),
     "k96": ("Q2_K", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"),
 }
 TOKENS = [

@@ -3,7 +3,8 @@
 The files in ``tests/data/llamacpp`` were made by ``benchmarks/llamacpp_gguf.py tiny`` with
 llama-cpp-python 0.3.36: two one-layer random Llama models written in f32 by the ``gguf`` package,
 quantised by ``llama_model_quantize`` to llama.cpp's file types (Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K: a
-mix of the K types per tensor, as llama.cpp chooses them; IQ4_XS), and ``logits.npz`` holds llama.cpp's
+mix of the K types per tensor, as llama.cpp chooses them; IQ4_XS; IQ3_S, the one grid type its
+quantiser makes without an importance matrix), and ``logits.npz`` holds llama.cpp's
 logits for one token sequence on every file and on the f32 sources (``types.json``: each file's
 tensor types). In the 96-wide model no matrix but the down projection has whole 256-input
 super-blocks, so llama.cpp wrote its fallback types there (Q4_0, Q5_0, Q5_1, IQ4_NL, Q8_0).
@@ -49,6 +50,7 @@ def test_the_files_hold_what_llamacpp_chose() -> None:
     """The data is what the docstring says: K types where inputs are whole super-blocks, fallbacks else."""
     kinds = {file: set(types.values()) for file, types in TYPES.items()}
     assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"} <= set().union(*(kinds[f] for f in FILES if "k256" in f))
+    assert "IQ3_S" in set().union(*(kinds[f] for f in FILES if "k256" in f))
     assert {"Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q8_0"} <= set().union(*(kinds[f] for f in FILES if "k96" in f))
 
 
@@ -109,7 +111,7 @@ def test_llamacpp_logits_of_the_sources_match_zerotron_in_fp32(name: str, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "name", ["k256-Q3_K_M.gguf", "k96-Q4_K_M.gguf", "k96-Q5_K_M.gguf", "k96-IQ4_XS.gguf"]
+    "name", ["k256-Q3_K_M.gguf", "k96-Q4_K_M.gguf", "k96-Q5_K_M.gguf", "k96-IQ4_XS.gguf", "k256-IQ3_S.gguf"]
 )
 def test_the_engine_serves_llamacpp_files_on_its_kernels(name: str) -> None:
     """Through the serving engine with the kernels ``zerotron serve`` picks on this CPU (the grouped

@@ -19,6 +19,7 @@ from zerotron.build.builder import load_model
 from zerotron.components.sampling import SamplingParams
 from zerotron.config_load import ConfigError
 from zerotron.models.gguf_blocks import (
+    IQ_GRIDS,
     BlockInt4Linear,
     BlockInt8Embedding,
     BlockInt8Linear,
@@ -44,7 +45,15 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     k_scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}
     k_scales |= {"Q3_K": (110, slice(108, 110)), "Q2_K": (84, slice(80, 84))}
     k_scales |= {"IQ4_NL": (18, slice(0, 2)), "IQ4_XS": (136, slice(0, 2))}
-    if kind in k_scales:
+    k_scales |= {k: (grid[0], slice(0, 2)) for k, grid in IQ_GRIDS.items() if k != "IQ1_M"}
+    if kind == "IQ1_M":  # its f16 d in the top 4 bits of its four u16 scales (bits 4j-4j+3 in the jth)
+        raw = rng.integers(0, 256, (OUT, IN // 256, 56), dtype=np.uint8)
+        d = rng.uniform(1e-3, 2e-2, (OUT, IN // 256, 1)).astype(np.float16).view(np.uint16)
+        words = raw[..., 48:56].copy().view(np.uint16)
+        words = (words & 0x0FFF) | (((d >> np.array([0, 4, 8, 12], np.uint16)) & 0xF) << 12)
+        raw[..., 48:56] = words.astype(np.uint16).view(np.uint8)
+        raw = raw.reshape(OUT, -1)
+    elif kind in k_scales:
         size, where = k_scales[kind]
         per = 32 if kind == "IQ4_NL" else 256
         raw = rng.integers(0, 256, (OUT, IN // per, size), dtype=np.uint8)
@@ -59,7 +68,7 @@ def _blocks(kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 KEPT = {"Q4_0": BlockInt4Linear, "Q4_1": BlockInt4Linear, "Q4_K": BlockInt4Linear, "Q8_0": BlockInt8Linear}
 KEPT |= {"Q5_0": BlockInt8Linear, "Q5_1": BlockInt8Linear, "IQ4_NL": BlockInt8Linear}
 KEPT |= {"Q5_K": BlockKLinear, "Q6_K": BlockKLinear, "Q3_K": BlockKLinear, "Q2_K": BlockKLinear}
-KEPT |= {"IQ4_XS": BlockKLinear}
+KEPT |= {"IQ4_XS": BlockKLinear} | {kind: BlockKLinear for kind in IQ_GRIDS}
 
 
 @pytest.mark.parametrize("kind", list(KEPT))
@@ -81,6 +90,8 @@ def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str
         assert held <= OUT * IN * (0.5 + 36 / 256)
     elif kind in ("IQ4_NL", "IQ4_XS"):  # the file's 4-bit indices, two a byte; its f16 d (and IQ4_XS's
         assert held <= raw.nbytes * (1 + 8 / 136)  # 6-bit scales held a byte each: 8 more bytes per 256)
+    elif kind in IQ_GRIDS:  # 4-bit indices into the grid's values, d / D in fp32, a byte per scale
+        assert held <= OUT * IN * (0.5 + 20 / 256)
     else:
         assert held <= raw.nbytes * 1.03  # the file's bytes, no copy
     x = torch.randn(21, IN)
@@ -91,6 +102,20 @@ def test_kept_blocks_are_the_files_values_and_rows_are_batch_invariant(kind: str
     xb = x.bfloat16()
     assert layer(xb).dtype == torch.bfloat16
     assert all(torch.equal(layer(xb[:n]), layer(xb)[:n]) for n in (1, 3, 17))
+
+
+def test_grid_weights_that_are_not_their_tables_values_stop_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An IQ grid type's indices come from the ``gguf`` package's values divided by their scales: a
+    value off its table (a misread scale, a changed format) is refused naming the type, not rounded."""
+    raw, _ = _blocks("IQ3_S", seed=4)
+    plain = quants.dequantize
+
+    def off(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+        return plain(data, qtype) * np.float32(1.001)
+
+    monkeypatch.setattr(quants, "dequantize", off)
+    with pytest.raises(ValueError, match="IQ3_S"):
+        block_linear("IQ3_S", raw, IN)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "IQ4_NL"])
@@ -104,7 +129,7 @@ def test_embedding_looks_up_the_files_rows_and_pads_the_vocabulary(kind: str) ->
     assert embed.head() is table and table.out_features == OUT + 8
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ1_M"])
 def test_k_type_embedding_looks_up_the_files_rows(kind: str) -> None:
     raw, want = _blocks(kind, seed=3)
     table = block_linear(kind, raw, IN)
@@ -114,7 +139,8 @@ def test_k_type_embedding_looks_up_the_files_rows(kind: str) -> None:
 
 
 def test_other_types_are_not_kept() -> None:
-    assert block_linear("IQ2_XXS", np.zeros((4, 66), np.uint8), 256) is None
+    assert block_linear("IQ2_XXS", np.zeros((4, 33), np.uint8), 128) is None  # not whole super-blocks
+    assert block_linear("TQ1_0", np.zeros((4, 54), np.uint8), 256) is None
     assert block_linear("Q6_K", np.zeros((4, 105), np.uint8), 128) is None  # not whole super-blocks
     assert block_linear("F16", np.zeros((4, 64), np.uint8), 32) is None
     assert block_linear("Q4_1", np.zeros((40, 20), np.uint8), 32) is None  # 40 outputs: no int4 tiles

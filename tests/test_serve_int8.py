@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from tests.test_serve_gguf import IN, OUT, _blocks
 from zerotron.models.gguf_blocks import (
-    IQ4_NL_VALUES,
+    IQ_GRIDS,
+    NIBBLE_TABLES,
     BlockInt4Linear,
     BlockInt8Linear,
     BlockKLinear,
@@ -41,12 +42,12 @@ def _expand(table: Optional[torch.Tensor], groups: int) -> torch.Tensor:
 
 def _values(values: torch.Tensor, offset: int) -> torch.Tensor:
     """The values as integers (n, groups, group): int8 as they are; uint8 bytes as their two halves
-    (input 2j the low half), each less ``offset`` (or, offset -1, its IQ4_NL table entry)."""
+    (input 2j the low half), each less ``offset`` (or, offset -1 to -5, its table's entry)."""
     if values.dtype == torch.int8:
         return values.int()
     pairs = torch.stack([values & 15, values >> 4], dim=-1).long()
-    if offset == -1:  # indices into llama.cpp's IQ4_NL table (GGUF IQ4_NL, IQ4_XS)
-        return torch.tensor(IQ4_NL_VALUES, dtype=torch.int32)[pairs].reshape(*values.shape[:2], -1)
+    if offset < 0:  # indices into a table (llama.cpp's IQ4_NL values, the IQ1-IQ3 grids' values)
+        return torch.tensor(NIBBLE_TABLES[offset], dtype=torch.int32)[pairs].reshape(*values.shape[:2], -1)
     return (pairs - offset).int().reshape(*values.shape[:2], -1)
 
 
@@ -75,6 +76,9 @@ CASES = {
     "g24-nibbles": (17, 8, 24, [(torch.float32, 8)], [(torch.float32, 8)]),  # 8 values at a time
     "q4_1-nibbles": (19, 8, 32, [(torch.float16, 8)], [(torch.float16, 8)]),
     "iq4_xs-nibbles": (23, 16, 32, [(torch.float16, 2), (torch.int8, 16)], []),  # IQ4_NL's table
+    "iq2_xs-nibbles": (22, 16, 16, [(torch.float32, 1), (torch.int8, 16)], []),  # the IQ2 grids' values
+    "iq3_xxs-nibbles": (20, 16, 32, [(torch.float32, 2), (torch.int8, 16)], []),  # IQ3_XXS's grid's
+    "iq1_m-nibbles": (18, 32, 16, [(torch.float32, 2), (torch.int8, 32)], []),  # IQ1's, in eighths
     "int4-bf16-nibbles": (35, 4, 64, [(torch.bfloat16, 4)], [(torch.bfloat16, 4)]),
     "q2_k-nibbles": (
         14,
@@ -98,7 +102,8 @@ def _operands(case: str, gen: torch.Generator, group_major: bool = False) -> tup
     ``group_major``: GPTQ's values (groups, out, group) read through a transposed view too."""
     n, groups, group, scale_spec, min_spec = CASES[case]
     values = torch.randint(-128, 128, (n, groups, group), generator=gen, dtype=torch.int8)
-    offset = {"q3_k": 4, "q4_0": 8, "int4-bf16": 8, "iq4_xs": -1}.get(case.rsplit("-", 1)[0], 0)
+    tables = {"iq4_xs": -1, "iq2_xs": -2, "iq3_xxs": -3, "iq1_m": -5}
+    offset = {"q3_k": 4, "q4_0": 8, "int4-bf16": 8, **tables}.get(case.rsplit("-", 1)[0], 0)
     add = case in ("q4_1-nibbles", "int4-bf16-nibbles")  # w = q·s + m (GGUF Q4_1, torch's int4 zeros)
     if case.endswith("nibbles"):  # two values a byte
         values = torch.randint(0, 256, (n, groups, group // 2), generator=gen, dtype=torch.uint8)
@@ -207,7 +212,9 @@ def test_kernel_refuses_groups_it_cannot_read() -> None:
         )
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "kind", ["Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", *IQ_GRIDS]
+)
 def test_gguf_blocks_on_the_kernel_are_the_files_weights(kind: str) -> None:
     raw, want = _blocks(kind, seed=2)
     layer = block_linear(kind, raw, IN)

@@ -112,7 +112,15 @@ def _rms(x: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize(
-    "name", ["k96-Q4_K_M.gguf", "k256-Q3_K_M.gguf", "k96-Q5_K_M.gguf", "k256-Q6_K.gguf", "k96-IQ4_XS.gguf"]
+    "name",
+    [
+        "k96-Q4_K_M.gguf",
+        "k256-Q3_K_M.gguf",
+        "k96-Q5_K_M.gguf",
+        "k256-Q6_K.gguf",
+        "k96-IQ4_XS.gguf",
+        "k256-IQ3_S.gguf",
+    ],
 )
 def test_llamacpp_files_with_quantised_activations(name: str) -> None:
     """llama.cpp's files on the kernel: the model equals the dense one whose linears see the quantised

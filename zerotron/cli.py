@@ -350,7 +350,8 @@ def _add_serve_lora(srv: Any) -> None:
         default=None,
         help="the decoder layers' weights quantised as they are loaded: int8 with per-row scales, or int4 "
         "in groups of 32 (64/128) inputs (also each tensor-parallel rank's shard); gguf: a GGUF file's "
-        "Q2_K/Q3_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0/IQ4_NL/IQ4_XS blocks served as they are (llama.cpp's quantiser's "
+        "Q2_K/Q3_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0/IQ4_NL/IQ4_XS blocks served as they are, IQ1_S/IQ1_M/IQ2_XXS/"
+        "IQ2_XS/IQ2_S/IQ3_XXS/IQ3_S as 4-bit indices into their grids' values (llama.cpp's quantiser's "
         "files, the types it falls back to included); gptq, awq, compressed-tensors: such a "
         "checkpoint's 4-bit (gptq, compressed-tensors: or 8-bit; gptq: or 2-, 3-bit, held in 4) weights as they are (chosen for such a "
         "checkpoint where they run; elsewhere it is read dequantised). Under --nproc each rank keeps its "

@@ -30,6 +30,12 @@ invariance):
 - **Q3_K** (each 16 of 256 ``w = d·(sc − 32)·q``, 3-bit ``q − 4``, 6-bit ``sc``) and **Q2_K** (each 16
   ``w = d·sc·q − dmin·mn``, 2-bit ``q``, 4-bit ``sc``, ``mn``) become :class:`BlockKLinear` too, their
   values two to a byte (4 bits a value where the file packs 3.4 or 2.6), dequantised the same way.
+- The 1- to 3-bit IQ types (**IQ1_S**, **IQ1_M**, **IQ2_XXS**, **IQ2_XS**, **IQ2_S**, **IQ3_XXS**,
+  **IQ3_S**: each 8 or 4 weights an entry of a grid, with signs and a scale per 16 or 32) become
+  :class:`BlockKLinear` too: a grid holds few values (:data:`IQ_GRIDS`, :data:`NIBBLE_TABLES`), so each
+  weight is ``(d / D)·sc·table[q]`` with a 4-bit index ``q`` (two a byte, 4 bits a value where the
+  file packs 1.56 to 3.44), ``d / D`` in fp32 per super-block and the odd ``sc`` an int8 per group:
+  bit for bit the ``gguf`` package's values, from which the indices are made at load.
 
 The 4-bit kernel multiplies in the activations' dtype when it is bf16 (its fast path: the scales and
 zeros are then rounded to bf16), else in fp32; the 8-bit forms multiply in fp32. Results come back in
@@ -52,7 +58,27 @@ INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 INT8_KINDS = ("Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # blocks of 32 held a byte a value (BlockInt8Linear)
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's
 LOW_BITS = ("Q2_K", "Q3_K")  # kept two values a byte (BlockKLinear)
-TABLE_KINDS = ("IQ4_NL", "IQ4_XS")  # kept two 4-bit indices into IQ4_NL_VALUES a byte
+# The values the 1-, 2- and 3-bit IQ types' grids hold, times either sign (IQ1's: its grid's -1, 0, 1
+# plus or less its delta of 1/8, in eighths), padded to 16 with zeros no index points at: each such
+# weight is kept as a 4-bit index into its type's table (exact: w = (d / D)·sc·table[q], D below).
+IQ2_VALUES = (-43, -25, -8, 8, 25, 43, *(0,) * 10)  # iq2xxs/iq2xs/iq2s grids: 0x08, 0x19, 0x2b
+IQ3XXS_VALUES = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
+IQ3S_VALUES = (-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15)
+IQ1_VALUES = (-9, -7, -1, 1, 7, 9, *(0,) * 10)  # 8·(g ± 1/8), g in -1, 0, 1
+# a table's number: the kernels' ``offset`` for values that are indices into it (-1 to -5)
+NIBBLE_TABLES = {-1: IQ4_NL_VALUES, -2: IQ2_VALUES, -3: IQ3XXS_VALUES, -4: IQ3S_VALUES, -5: IQ1_VALUES}
+# kind: (bytes a 256-input super-block, inputs a scale, the divisor D of d, its table's number)
+IQ_GRIDS = {
+    "IQ2_XXS": (66, 32, 8, -2),
+    "IQ2_XS": (74, 16, 8, -2),
+    "IQ2_S": (82, 16, 8, -2),
+    "IQ3_XXS": (98, 32, 4, -3),
+    "IQ3_S": (110, 32, 1, -4),
+    "IQ1_S": (50, 32, 8, -5),
+    "IQ1_M": (56, 16, 8, -5),
+}
+TABLES = {"IQ4_NL": -1, "IQ4_XS": -1} | {kind: grid[3] for kind, grid in IQ_GRIDS.items()}
+TABLE_KINDS = tuple(TABLES)  # kept two 4-bit indices into a table a byte
 TWO_A_BYTE = (*LOW_BITS, *TABLE_KINDS)
 
 
@@ -227,7 +253,7 @@ class BlockInt8Linear(nn.Module):
             return q
         both = torch.stack([q & 0x0F, q >> 4], dim=-1).view(q.shape[0], self.in_features)
         if self.kind in TABLE_KINDS:
-            return torch.tensor(IQ4_NL_VALUES, dtype=torch.int8)[both.long()]
+            return torch.tensor(NIBBLE_TABLES[TABLES[self.kind]], dtype=torch.int8)[both.long()]
         return both.to(torch.int8) - 4 if self.kind == "Q3_K" else both.to(torch.int8)
 
     def take(self, index: slice | torch.Tensor) -> torch.Tensor:
@@ -295,8 +321,10 @@ class BlockKLinear(BlockInt8Linear):
             lo = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(out, -1, 8) & 0x0F
             sc = torch.from_numpy(((lo | (hi << 4)).astype(np.int8) - np.int8(32)).reshape(out, -1).copy())
             d, group = _f16(b[..., 0:2]), 32
+        elif kind in IQ_GRIDS:
+            q, d, sc, group = _grid_indices(kind, blocks, in_features)
         else:
-            raise ValueError(f"{kind} blocks are not Q2_K, Q3_K, Q5_K, Q6_K or IQ4_XS blocks")
+            raise ValueError(f"{kind} blocks are not Q2_K, Q3_K, Q5_K, Q6_K or IQ blocks")
         super().__init__(torch.from_numpy(q.reshape(out, -1).copy()), d, kind)
         self.in_features, self.group = in_features, group
         self.register_buffer("sc", sc)
@@ -315,6 +343,65 @@ class BlockKLinear(BlockInt8Linear):
             mins = self.dmin[index].float().repeat_interleave(per, dim=1) * self.mn[index].float()
             w = w - mins[..., None]
         return w.view(n, self.in_features)
+
+
+def _grid_scales(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An IQ grid type's super-blocks ``b`` (out, supers, bytes) -> (``d / D`` fp32 (out, supers), each
+    group's odd integer scale ``sc`` (out, groups) int8): llama.cpp's ``d·(0.5 + ls)·0.25`` is
+    ``(d / 8)·(2·ls + 1)``, IQ3_XXS's ``·0.5`` ``(d / 4)·(2·ls + 1)``, IQ3_S's ``d·(1 + 2·ls)``, IQ1's
+    ``d·(2·ls + 1)`` with its values in eighths."""
+    out, supers = b.shape[:2]
+    d16 = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    if kind in ("IQ2_XXS", "IQ3_XXS"):  # the top 4 bits of every 32 inputs' second (or only) u32
+        words = np.ascontiguousarray(b[..., 66:98] if kind == "IQ3_XXS" else b[..., 2:66]).view(np.uint32)
+        ls = words.reshape(out, supers, 8, -1)[..., -1] >> 28
+    elif kind in ("IQ2_XS", "IQ2_S", "IQ3_S"):  # two 4-bit scales a byte, the low one first
+        at = {"IQ2_XS": 66, "IQ2_S": 74, "IQ3_S": 106}[kind]
+        raw = b[..., at : at + (4 if kind == "IQ3_S" else 8)]
+        ls = np.stack([raw & 0x0F, raw >> 4], axis=-1)
+    elif kind == "IQ1_S":  # bits 12-14 of each 32 inputs' u16 qh
+        ls = (np.ascontiguousarray(b[..., 34:50]).view(np.uint16) >> 12) & 7
+    else:  # IQ1_M: 3-bit scales four to a u16, d's 16 bits in the u16s' top 4
+        words = np.ascontiguousarray(b[..., 48:56]).view(np.uint16)
+        ls = (words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7
+        top = (words & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)
+        d16 = np.bitwise_or.reduce(top, axis=-1).astype(np.uint16).view(np.float16)
+    sc = (2 * ls.reshape(out, -1).astype(np.int16) + 1).astype(np.int8)
+    return d16.astype(np.float32) / np.float32(IQ_GRIDS[kind][2]), sc
+
+
+GRID_ROWS = 1024  # output rows decoded at a time at load (a few fp32 copies of them)
+
+
+def _grid_indices(
+    kind: str, blocks: np.ndarray, in_features: int
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, int]:
+    """An IQ grid type's rows of blocks -> (the 4-bit indices into its table two a byte, (out, in / 2)
+    uint8; ``d / D`` fp32 (out, supers); ``sc`` int8 (out, groups); the group). Each weight of the
+    ``gguf`` package's ``dequantize`` divided by its group's scale is a value of the table (exactly:
+    both are exact products), whose index is kept; a weight that is not is a ValueError."""
+    from gguf import GGMLQuantizationType, quants
+
+    out = blocks.shape[0]
+    _, group, _, table = IQ_GRIDS[kind]
+    d, sc = _grid_scales(kind, blocks.reshape(out, in_features // 256, -1))
+    index = np.full(256, -1, np.int16)
+    for i, v in enumerate(NIBBLE_TABLES[table]):
+        if v:  # no table holds 0 (the padding's)
+            index[v + 128] = i
+    q = np.empty((out, in_features // group, group), np.int16)
+    for r in range(0, out, GRID_ROWS):
+        rows = slice(r, r + GRID_ROWS)
+        w = quants.dequantize(np.ascontiguousarray(blocks[rows]), GGMLQuantizationType[kind])
+        w = w.reshape(-1, in_features // group, group)
+        scale = (np.repeat(d[rows], 256 // group, axis=1) * sc[rows].astype(np.float32))[..., None]
+        values = np.full_like(w, NIBBLE_TABLES[table][0])  # a zero scale's weights are zeros: any index
+        np.divide(w, scale, out=values, where=scale != 0)
+        whole = np.rint(values)
+        q[rows] = index[np.clip(whole, -128, 127).astype(np.int16) + 128]
+        if (whole != values).any() or (q[rows] < 0).any():
+            raise ValueError(f"{kind} blocks whose values are not their table's: not an {kind} tensor")
+    return _pairs(q.astype(np.uint8)), torch.from_numpy(d.copy()), torch.from_numpy(sc.copy()), group
 
 
 def _low_bits(
@@ -364,7 +451,7 @@ class BlockInt8Embedding(nn.Module):
 
 def block_inputs(kind: str) -> int:
     """Inputs per block of a GGUF type as the file stores it (the K types: per 256-input super-block)."""
-    return 256 if kind in (*LOW_BITS, "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else BLOCK
+    return 256 if kind in (*LOW_BITS, "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", *IQ_GRIDS) else BLOCK
 
 
 def block_linear(
@@ -378,6 +465,6 @@ def block_linear(
         return BlockInt4Linear(kind, blocks, in_features, dtype)
     if kind in INT8_KINDS and whole:
         return BlockInt8Linear.of(blocks, in_features, kind=kind)
-    if kind in ("Q6_K", "Q5_K", "IQ4_XS", *LOW_BITS) and whole:
+    if kind in ("Q6_K", "Q5_K", "IQ4_XS", *LOW_BITS, *IQ_GRIDS) and whole:
         return BlockKLinear(kind, blocks, in_features)
     return None

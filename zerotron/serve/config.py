@@ -210,7 +210,7 @@ class EngineConfig:
             raise EngineConfigError(
                 "quantization",
                 f"{self.quantization!r} is not built; int8 (per-row scales), int4 (grouped), gguf (a GGUF "
-                "file's Q2_K to Q8_0 and IQ4_NL blocks as they are), gptq, awq and compressed-tensors (such a "
+                "file's Q2_K to Q8_0 and IQ blocks as they are), gptq, awq and compressed-tensors (such a "
                 "checkpoint's 4- or 8-bit weights as they are) are (fp8 is not)",
             )
         why = (

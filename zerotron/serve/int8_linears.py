@@ -36,6 +36,7 @@ from torch import nn
 
 from zerotron.models.gguf_blocks import (
     TABLE_KINDS,
+    TABLES,
     TWO_A_BYTE,
     BlockInt4Linear,
     BlockInt8Linear,
@@ -95,10 +96,10 @@ def _tables(module: nn.Module, four_bit: bool, activations: bool = False) -> Opt
         return values, (module.d, None), (None, None), 0, False
     if isinstance(module, BlockKLinear):  # (d·sc)·q, less dmin·mn for Q5_K and Q2_K
         n, groups = module.out_features, module.in_features // module.group
-        low = module.kind in TWO_A_BYTE  # Q2_K's q, Q3_K's q + 4 and IQ4_XS's indices, two a byte
+        low = module.kind in TWO_A_BYTE  # Q2_K's q, Q3_K's q + 4 and the IQ types' indices, two a byte
         values = module.qweight.view(n, groups, module.group // 2 if low else module.group)
         mins = (module.dmin, module.mn) if module.kind in ("Q5_K", "Q2_K") else (None, None)
-        offset = {"Q3_K": 4, "IQ4_XS": -1}.get(module.kind, 0)  # -1: the indices' table
+        offset = {"Q3_K": 4, **TABLES}.get(module.kind, 0)  # below 0: the indices' table
         return values, (module.d, module.sc), mins, offset, False
     return None
 

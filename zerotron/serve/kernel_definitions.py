@@ -7,18 +7,19 @@ from typing import Optional
 
 import torch
 
-from zerotron.models.gguf_blocks import IQ4_NL_VALUES
+from zerotron.models.gguf_blocks import NIBBLE_TABLES
 
 
 def nibble_values(values: torch.Tensor, offset: int) -> torch.Tensor:
     """Values kept two a byte (n, groups, group / 2) uint8, input 2j in the low half, as the integers
     (n, groups, group) int32 the grouped kernels read: each nibble less ``offset``, or with ``offset``
-    -1 its entry of llama.cpp's IQ4_NL table (GGUF IQ4_NL and IQ4_XS)."""
+    -1 to -5 its entry of that table of :data:`~zerotron.models.gguf_blocks.NIBBLE_TABLES` (GGUF's
+    IQ types)."""
     n, groups = values.shape[:2]
     low, high = (values & 15).to(torch.int64), (values >> 4).to(torch.int64)
     q = torch.stack([low, high], -1).reshape(n, groups, -1)
-    if offset == -1:
-        return torch.tensor(IQ4_NL_VALUES, dtype=torch.int32)[q]
+    if offset < 0:
+        return torch.tensor(NIBBLE_TABLES[offset], dtype=torch.int32)[q]
     return (q - offset).to(torch.int32)
 
 

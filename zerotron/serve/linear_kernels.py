@@ -102,8 +102,9 @@ def q8_linear(
     """``x @ w.T`` for rows ``x`` (..., K) and a weight ``w`` (n, K) of 8-bit ``values`` (n, groups,
     group) int8, any strides but the last, ``group`` a multiple of 8 — or 4-bit ones two a byte,
     (n, groups, group / 2) uint8, input 2j in the low half, each value the nibble less ``offset``
-    (the 4-bit formats and GGUF Q2_K's and Q3_K's as zerotron keeps them), or with ``offset`` -1 the
-    nibble's entry of llama.cpp's IQ4_NL table (GGUF IQ4_NL and IQ4_XS) — : ``w = q·s − m`` (``q·s
+    (the 4-bit formats and GGUF Q2_K's and Q3_K's as zerotron keeps them), or with ``offset`` -1 to -5
+    the nibble's entry of that table of :data:`~zerotron.models.gguf_blocks.NIBBLE_TABLES` (llama.cpp's
+    IQ4_NL values; the IQ1, IQ2 and IQ3 grids' values) — : ``w = q·s − m`` (``q·s
     + m`` where ``add_mins``: GGUF Q4_1's), each group's scale ``s`` the product of the factors
     ``scales`` and its min ``m`` that of ``mins`` (none when the first is None). A factor is a table
     (n, groups / per) of f32, f16, bf16, int8 or uint8, any strides, its entry per ``per``

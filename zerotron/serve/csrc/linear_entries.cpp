@@ -179,7 +179,7 @@ void q8_check_operands(int64_t k, const torch::Tensor& q, const std::optional<to
               mode ? "int8 values (n, groups, group) or uint8 pairs (n, groups, group / 2)"
                    : "int8 values (n, groups, group), uint8 pairs (n, groups, group / 2) or bf16 weights (n, groups, group)");
   TORCH_CHECK(nibbles || offset == 0, "an offset for values two a byte only");
-  TORCH_CHECK(offset >= -1 && offset < 16, "an offset of 0 to 15, or -1 (IQ4_NL's table)");
+  TORCH_CHECK(offset >= -Q8_TABLES && offset < 16, "an offset of 0 to 15, or -1 to -5 (a table's)");
   TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
   const int64_t groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1);
   TORCH_CHECK(group % 8 == 0 && k == groups * group, "groups of a multiple of 8 inputs, K of them");

@@ -82,7 +82,8 @@ struct Q8Problem {
   int64_t qo, qg;
   // kind 0: int8 values; 1: two values a byte instead (input 2j in the low half, 2j + 1 in the high:
   // byte (k % group) / 2), each less offset (GGUF Q2_K's and Q3_K's values as zerotron keeps them), or
-  // with offset -1 each an index into llama.cpp's IQ4_NL table (IQ4_NL and IQ4_XS): lut[nibble];
+  // with offset -1 to -5 each an index into a table (Q8_TABLES: llama.cpp's IQ4_NL values, or the values
+  // of the 1- to 3-bit IQ types' grids): lut[nibble];
   // 2: bf16 values (the weights themselves: no scales)
   int kind;
   int32_t offset;
@@ -93,15 +94,24 @@ struct Q8Problem {
   bool wide = false;                // one row's outputs two a register on AVX-512 (q8_direct_wide)
   int64_t ldy = 0;                  // output (m, o) at y[m * ldy + o]: n, or wider where several products share y
   int64_t ahead[5] = {0, 0, 0, 0, 0};  // bytes an output's values, s1, s2, m1, m2 take (q8_ahead_bytes)
-  alignas(16) int8_t lut[16] = {};     // kind 1: a nibble's value (nibble - offset, or IQ4_NL's table)
+  alignas(16) int8_t lut[16] = {};     // kind 1: a nibble's value (nibble - offset, or its table's entry)
 };
 
-// llama.cpp's IQ4_NL values (kvalues_iq4nl), the weights' 4-bit indices' table (offset -1).
-constexpr int8_t IQ4_NL_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The weights' 4-bit indices' tables, offset -1 to -5 (zerotron.models.gguf_blocks.NIBBLE_TABLES):
+// llama.cpp's IQ4_NL values (kvalues_iq4nl); the values of the IQ2 grids, of IQ3_XXS's and IQ3_S's,
+// times either sign; IQ1's grid values plus or less their delta, in eighths (zeros: padding).
+constexpr int Q8_TABLES = 5;
+constexpr int8_t Q8_TABLE[Q8_TABLES][16] = {
+    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
+    {-43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62},
+    {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15},
+    {-9, -7, -1, 1, 7, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+};
 
 // A problem's nibble table from its offset.
 inline void q8_lut(Q8Problem& t) {
-  for (int i = 0; i < 16; ++i) t.lut[i] = t.offset < 0 ? IQ4_NL_TABLE[i] : static_cast<int8_t>(i - t.offset);
+  for (int i = 0; i < 16; ++i) t.lut[i] = t.offset < 0 ? Q8_TABLE[-t.offset - 1][i] : static_cast<int8_t>(i - t.offset);
 }
 
 // 8 weights of output o, inputs k .. k + 7 of group gi (scale sv, min mv): q * s - m, or q * s
