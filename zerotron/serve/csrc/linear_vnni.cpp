@@ -105,11 +105,22 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_entries(int kind,
   }
 }
 
-// Up to 16 entries of output o's factor f from group g (left of them; the rest 0) where its table has an
-// entry per group (per 1, unit group stride), as fp32; all ones where the factor is absent.
+// Output o's factor f for groups g .. g + left - 1 (left up to 16; the rest 0) where its table has an
+// entry per `per` groups, per a power of two, unit stride (va_per_group): per 1 the entries as they
+// lie, else the (r + left - 1) / per + 1 entries they take, each repeated per times from the lane of
+// the group's place r = g % per (a permutation); as fp32, all ones where the factor is absent.
 ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_entries(const Factor& f, int64_t o, int64_t g, int64_t left) {
   if (f.kind == 0) return _mm512_set1_ps(1.0f);
-  return va_entries(f.kind, static_cast<const char*>(f.p) + (o * f.so + g) * factor_bytes(f), left);
+  const int64_t size = factor_bytes(f);
+  const char* row = static_cast<const char*>(f.p) + o * f.so * size;
+  if (f.per == 1) return va_entries(f.kind, row + g * size, left);
+  const unsigned shift = static_cast<unsigned>(__builtin_ctzll(static_cast<uint64_t>(f.per)));
+  const int64_t r = g & (f.per - 1);
+  const __m512i idx = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                       _mm512_set1_epi32(static_cast<int32_t>(r))),
+      shift);
+  return _mm512_permutexvar_ps(idx, va_entries(f.kind, row + (g >> shift) * size, ((r + left - 1) >> shift) + 1));
 }
 
 // Output o's scales (s1 · s2) and mins (m1 · m2, negated where they are added) of groups g .. g + left - 1,
@@ -124,8 +135,9 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_mins(const Q8
   return t.add_mins ? _mm512_xor_ps(e, _mm512_set1_ps(-0.0f)) : e;  // exactly -m
 }
 
-// Whether a factor's entries can be read as va_row_entries reads them.
-inline bool va_per_group(const Factor& f) { return f.kind == 0 || (f.per == 1 && f.sg == 1); }
+// Whether a factor's entries can be read as va_row_entries reads them: an entry per group, or per a
+// power of two of groups (a K type's super-block scale), at unit stride.
+inline bool va_per_group(const Factor& f) { return f.kind == 0 || (f.sg == 1 && f.per > 0 && (f.per & (f.per - 1)) == 0); }
 
 // Rows m0 .. m0 + MR - 1 times output o: s and m are the output's group scales and mins (all groups,
 // 16 zeros after). TOGETHER: a chunk's 64 bytes lie together (an output's values contiguous, or a
@@ -278,7 +290,8 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   const int64_t groups = t.k / t.group, stride = groups + 16;  // a tile's outputs' scales, 16 zeros after each
   const bool mins = t.m1.kind != 0;
   // a chunk of one row-block (a decode): the factors' tables read 16 groups a step where each has an
-  // entry per group, and each output's values and factors fetched ahead (va_output's AHEAD)
+  // entry per group or per a power of two of groups, and each output's values and factors fetched
+  // ahead (va_output's AHEAD)
   const bool direct = t.chunk <= 4 && ch.aligned && ch.together && va_per_group(t.s1) && va_per_group(t.s2) &&
                       va_per_group(t.m1) && va_per_group(t.m2);
   std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
