@@ -378,14 +378,31 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
     const bool ahead = t.ahead[0] != 0;
     __m512 acc[4];
     for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+    // the block's outputs' scales and mins of every group at once where their tables allow (16 groups
+    // a step: a slice holds only 8 or 16), else each slice's through q8_factors
     float s[8][QKS / 8], m[8][QKS / 8];
+    thread_local std::vector<float> every;
+    const int64_t groups = t.k / t.group;
+    if (per_group) {
+      every.resize(static_cast<size_t>(16 * groups));
+      for (int j = 0; j < jn; ++j)
+        va_slice_factors(t, o0 + j0 + j, 0, groups, every.data() + j * groups, every.data() + (8 + j) * groups);
+    }
     for (int64_t k0 = 0; k0 < t.k; k0 += QKS) {
       const int64_t k1 = std::min(t.k, k0 + QKS), g0 = k0 / t.group, count = (k1 - 1) / t.group - g0 + 1;
       const int64_t* e0 = t.slices + (k0 / QKS) * 8;
       const int64_t* r0 = e0 + 4;
+      const float* sj[8];
+      const float* mj[8];
       for (int j = 0; j < jn; ++j) {
-        if (per_group) va_slice_factors(t, o0 + j0 + j, g0, count, s[j], m[j]);
-        else q8_factors(t, o0 + j0 + j, e0, r0, count, s[j], m[j]);
+        if (per_group) {
+          sj[j] = every.data() + j * groups + g0;
+          mj[j] = every.data() + (8 + j) * groups + g0;
+        } else {
+          q8_factors(t, o0 + j0 + j, e0, r0, count, s[j], m[j]);
+          sj[j] = s[j];
+          mj[j] = m[j];
+        }
       }
       for (int64_t c = 0; c < count; ++c) {
         const int64_t gi = g0 + c, start = std::max(k0, gi * t.group), end = std::min(k1, (gi + 1) * t.group);
@@ -394,8 +411,8 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
         const int8_t* qb[4];
         for (int p = 0; p < pairs; ++p) {
           const int ja = 2 * p, jb = std::min(2 * p + 1, jn - 1);
-          sv[p] = _mm512_insertf32x8(_mm512_set1_ps(s[ja][c]), _mm256_set1_ps(s[jb][c]), 1);
-          mv[p] = _mm512_insertf32x8(_mm512_set1_ps(m[ja][c]), _mm256_set1_ps(m[jb][c]), 1);
+          sv[p] = _mm512_insertf32x8(_mm512_set1_ps(sj[ja][c]), _mm256_set1_ps(sj[jb][c]), 1);
+          mv[p] = _mm512_insertf32x8(_mm512_set1_ps(mj[ja][c]), _mm256_set1_ps(mj[jb][c]), 1);
           qa[p] = t.q + (o0 + j0 + ja) * t.qo + gi * t.qg;
           qb[p] = t.q + (o0 + j0 + jb) * t.qo + gi * t.qg;
         }
