@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from tests.test_serve_gguf import IN, OUT, _blocks
 from zerotron.models.gguf_blocks import (
     IQ_GRIDS,
-    NIBBLE_TABLES,
     BlockInt4Linear,
     BlockInt8Linear,
     BlockKLinear,
@@ -25,7 +24,7 @@ from zerotron.models.gguf_blocks import (
 )
 from zerotron.models.hf_packed import PackedInt4Linear, Unpacked, dequantize
 from zerotron.models.quant import Int4Linear
-from zerotron.serve import linear_kernels
+from zerotron.serve import kernel_definitions, linear_kernels
 from zerotron.serve.int8_linears import int8_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -42,13 +41,8 @@ def _expand(table: Optional[torch.Tensor], groups: int) -> torch.Tensor:
 
 def _values(values: torch.Tensor, offset: int) -> torch.Tensor:
     """The values as integers (n, groups, group): int8 as they are; uint8 bytes as their two halves
-    (input 2j the low half), each less ``offset`` (or, offset -1 to -5, its table's entry)."""
-    if values.dtype == torch.int8:
-        return values.int()
-    pairs = torch.stack([values & 15, values >> 4], dim=-1).long()
-    if offset < 0:  # indices into a table (llama.cpp's IQ4_NL values, the IQ1-IQ3 grids' values)
-        return torch.tensor(NIBBLE_TABLES[offset], dtype=torch.int32)[pairs].reshape(*values.shape[:2], -1)
-    return (pairs - offset).int().reshape(*values.shape[:2], -1)
+    (:func:`~zerotron.serve.kernel_definitions.nibble_values`: less ``offset``, or a table's entry)."""
+    return values.int() if values.dtype == torch.int8 else kernel_definitions.nibble_values(values, offset)
 
 
 def _reference(
