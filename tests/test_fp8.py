@@ -349,6 +349,27 @@ def test_split_linears_scale_as_the_whole_tensor(kind: str, recipe: str) -> None
         assert per_shard > 1e-3, per_shard
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_linear_compiles_as_one_graph(recipe: str) -> None:
+    """``torch.compile(fullgraph=True)`` traces a float8 linear's forward and backward without a graph
+    break (a break at each cast once left a compiled fp8 step slower than the eager one on a GPU), with
+    the eager layer's numbers."""
+    torch.manual_seed(0)
+    layer = float8.Float8Linear.from_linear(
+        torch.nn.Linear(64, 32, bias=False), float8.Float8Spec.create(recipe, emulate=True)
+    )
+    x = torch.randn(48, 64)
+    grads = []
+    for run in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+        xin = x.clone().requires_grad_()
+        layer.weight.grad = None
+        y = run(xin)
+        y.square().sum().backward()
+        grads.append((y.detach(), xin.grad, layer.weight.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -70,9 +70,21 @@ X_AXES, W_AXES, G_AXES = ("tokens", "in"), ("in", "out"), ("tokens", "out")
 GATHERED = "_zerotron_float8_gathered"
 
 
-@functools.cache
+_AO: SimpleNamespace | None = None
+
+
 def _ao() -> SimpleNamespace:
-    """torchao's pieces the casts use, resolved once (the casts run on the training step's hot path)."""
+    """torchao's pieces the casts use, resolved once (the casts run on the training step's hot path).
+    A plain global, not ``functools.cache``: ``torch.compile`` traces through a cache wrapper into the
+    resolution, whose logging calls break the graph at every cast (a compiled float8 block ran as
+    dozens of small graphs, slower than eager)."""
+    global _AO
+    if _AO is None:
+        _AO = _resolve_ao()
+    return _AO
+
+
+def _resolve_ao() -> SimpleNamespace:
     torchao_float8()
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_training_tensor import (
@@ -129,6 +141,7 @@ class Float8Spec:
         if recipe not in RECIPES:
             raise ValueError(f"train.fp8_recipe={recipe!r}: use one of {', '.join(RECIPES)}")
         f8 = torchao_float8()
+        _ao()  # resolved here, outside any compiled region (see _ao)
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
         config = f8.Float8LinearConfig.from_recipe_name(recipe)
