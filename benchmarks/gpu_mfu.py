@@ -7,8 +7,9 @@ Run:  python benchmarks/gpu_mfu.py [--steps 14] [--variants eager:4,compile:4,co
    device-to-device copy (bytes read + written per second).
 2. zerotron's trainer in this process (world size 1, ``model.preset=llama3.2-1b``, ``train.precision=bf16``:
    16-bit working weights, fp32 master weights and AdamW state, fp32 gradient accumulation; byte-level
-   text of Python's standard library), one row per variant ``eager|compile:MICRO``
-   (``train.compile``, ``train.micro_batch``), ``train.global_batch`` 8 sequences of ``--seq`` tokens.
+   text of Python's standard library), one row per variant ``eager|compile|fp8|fp8c:MICRO``
+   (``train.compile``, ``train.micro_batch``; ``fp8``: ``train.precision=fp8``, torchao's float8
+   GEMMs, ``fp8c`` compiled too; their MFU is still counted against the bf16 peak), ``train.global_batch`` 8 sequences of ``--seq`` tokens.
    The step time is the median of the steps after the first three; MFU is the trainer's own figure
    (zerotron.shapes.flops_per_token: 6 FLOPs per matrix weight plus the attention scores, causal mask
    not halved, over the card's dense bf16 peak from the planner's hardware profile).
@@ -94,10 +95,10 @@ def ceilings() -> dict[str, float]:
 PRESET = "llama3.2-1b"
 
 
-def overrides(micro: int, seq: int, steps: int, compiled: bool) -> list[str]:
+def overrides(micro: int, seq: int, steps: int, compiled: bool, precision: str = "bf16") -> list[str]:
     return [
         f"model.preset={PRESET}",
-        "train.precision=bf16",
+        f"train.precision={precision}",
         f"train.seq_len={seq}",
         "train.global_batch=8",
         f"train.micro_batch={micro}",
@@ -130,16 +131,22 @@ def one_rank_trainer(args: list[str]) -> Any:
 
 
 def run_zerotron(
-    micro: int, seq: int, steps: int, compiled: bool, profile: Path | None, peak: float
+    micro: int,
+    seq: int,
+    steps: int,
+    compiled: bool,
+    profile: Path | None,
+    peak: float,
+    precision: str = "bf16",
 ) -> dict[str, Any]:
     _reset_peak()
     built = time.perf_counter()
-    trainer = one_rank_trainer(overrides(micro, seq, steps, compiled))
+    trainer = one_rank_trainer(overrides(micro, seq, steps, compiled, precision))
     built = time.perf_counter() - built
     records = [trainer.train_step() for _ in range(steps)]
     times = [r["step_time_s"] for r in records[WARMUP:]]
     out: dict[str, Any] = {
-        "framework": "zerotron" + (" compile" if compiled else ""),
+        "framework": "zerotron" + (" fp8" if precision == "fp8" else "") + (" compile" if compiled else ""),
         "micro_batch": micro,
         "build_s": built,
         "first_step_s": records[0]["step_time_s"],
@@ -267,7 +274,8 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="eager:4,compile:4",
-        help="comma-separated eager|compile|peerc:MICRO (peerc: the peer under torch.compile)",
+        help="comma-separated eager|compile|fp8|fp8c|peerc:MICRO (fp8: train.precision=fp8, fp8c: and "
+        "train.compile; peerc: the peer under torch.compile)",
     )
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--profile", action="store_true")
@@ -318,9 +326,10 @@ def main() -> int:
                 int(micro),
                 args.seq,
                 args.steps,
-                kind == "compile",
+                kind in ("compile", "fp8c"),
                 out / "profile.txt" if (args.profile and first and kind == "eager") else None,
                 peak,
+                "fp8" if kind in ("fp8", "fp8c") else "bf16",
             )
             first = first and kind != "eager"
         except Exception as e:  # noqa: BLE001 - one variant's failure is reported, the others still run

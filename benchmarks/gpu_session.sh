@@ -20,9 +20,15 @@
 # 4. That job in fp8 (train.precision=fp8: torchao's float8 GEMMs), eager and compiled, beside part 3's
 #    bf16 (needs torchao in the GPU image: `pip install --no-deps torchao-*.whl` if it is not there).
 #    With FP8_ONLY=1 only this part runs (the whole session is over 10 minutes with it).
+# 5. (gemm) the planner's GEMM law against the card: a tensor-parallel GPT layer's bf16 and fp8
+#    products by shape (benchmarks/gpu_gemm.py).
+# 6. (mfu8) the ~1B Llama of benchmarks/gpu_mfu.py in bf16 and fp8, compiled, and fp8 eager.
+#
+# PARTS (default "triton serve offload zero3 fp8", parts 0-4) names the parts to run, in the order
+# given: triton, serve, offload, zero3, fp8, gemm, mfu8. A 10-minute call holds about four.
 #
 # Each part has its own time limit, so one that hangs cannot take the others' time; every result is a
-# file in OUT_DIR (at most 9) and the log is printed.
+# file in OUT_DIR (serve/ and mfu/ hold their results.json) and the log is printed.
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [BEFORE_DIR]}
 before=${2:-}
@@ -30,38 +36,60 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
 none="parallel.offload_params=none parallel.offload_optimizer=none"
-if [ "${FP8_ONLY:-0}" != 1 ]; then
-echo "== the Triton paged-attention kernel's tests, compiled on the GPU"
-timeout 100 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_serve_triton.py >"$out/triton_tests.log" 2>&1
-echo "triton tests: rc $?"
-tail -15 "$out/triton_tests.log"
-echo "== serve engine on the GPU"
-PYTHONPATH=. timeout 230 python3 benchmarks/gpu_serve.py --out "$out" || echo "gpu_serve: rc $?"
-echo "== ZeRO-3 + host offload, this code"
-PYTHONPATH=. timeout 90 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/offload_now.json" ||
-    echo "offload now: rc $?"
-if [ -n "$before" ]; then
-    echo "== ZeRO-3 + host offload, $before"
-    PYTHONPATH="$before" timeout 90 python3 "$before/benchmarks/gpu_offload.py" --steps 6 \
-        --out "$out/offload_before.json" || echo "offload before: rc $?"
-fi
-echo "== ZeRO-3 on the GPU, eager and compiled"
-# shellcheck disable=SC2086
-PYTHONPATH=. timeout 70 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_eager.json" $none ||
-    echo "zero3 eager: rc $?"
-# shellcheck disable=SC2086
-PYTHONPATH=. timeout 110 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_compile.json" \
-    $none train.compile=true || echo "zero3 compile: rc $?"
-fi
-echo "== FP8 on the GPU: the ZeRO-3 job in float8, eager and compiled (bf16: zero3_eager, zero3_compile)"
-if python3 -c "import torchao.float8" 2>/dev/null; then
+parts=${PARTS:-triton serve offload zero3 fp8}
+[ "${FP8_ONLY:-0}" = 1 ] && parts=fp8
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+for part in $parts; do
+case $part in
+triton)
+    echo "== the Triton paged-attention kernel's tests, compiled on the GPU"
+    # the CPU kernels build first (73 s on an H200 host), inside this limit
+    timeout 180 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_serve_triton.py \
+        >"$out/triton_tests.log" 2>&1
+    echo "triton tests: rc $?"
+    tail -15 "$out/triton_tests.log" ;;
+serve)
+    echo "== serve engine on the GPU"
+    mkdir -p "$out/serve"
+    timeout "${SERVE_S:-230}" python3 benchmarks/gpu_serve.py --out "$out/serve" || echo "gpu_serve: rc $?" ;;
+offload)
+    echo "== ZeRO-3 + host offload, this code"
+    timeout 90 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/offload_now.json" ||
+        echo "offload now: rc $?"
+    if [ -n "$before" ]; then
+        echo "== ZeRO-3 + host offload, $before"
+        PYTHONPATH="$before" timeout 90 python3 "$before/benchmarks/gpu_offload.py" --steps 6 \
+            --out "$out/offload_before.json" || echo "offload before: rc $?"
+    fi ;;
+zero3)
+    echo "== ZeRO-3 on the GPU, eager and compiled"
     # shellcheck disable=SC2086
-    PYTHONPATH=. timeout 80 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_fp8.json" $none \
-        train.precision=fp8 || echo "zero3 fp8: rc $?"
+    timeout 70 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_eager.json" $none ||
+        echo "zero3 eager: rc $?"
     # shellcheck disable=SC2086
-    PYTHONPATH=. timeout 120 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_fp8_compile.json" \
-        $none train.precision=fp8 train.compile=true || echo "zero3 fp8 compile: rc $?"
-else
-    echo "torchao is not installed here: the fp8 part is not run"
-fi
+    timeout 110 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_compile.json" \
+        $none train.compile=true || echo "zero3 compile: rc $?" ;;
+fp8)
+    echo "== FP8 on the GPU: the ZeRO-3 job in float8, eager and compiled (bf16: zero3_eager, zero3_compile)"
+    if python3 -c "import torchao.float8" 2>/dev/null; then
+        # shellcheck disable=SC2086
+        timeout 80 python3 benchmarks/gpu_offload.py --steps 6 --out "$out/zero3_fp8.json" $none \
+            train.precision=fp8 || echo "zero3 fp8: rc $?"
+        # shellcheck disable=SC2086
+        timeout 120 python3 benchmarks/gpu_offload.py --steps 8 --out "$out/zero3_fp8_compile.json" \
+            $none train.precision=fp8 train.compile=true || echo "zero3 fp8 compile: rc $?"
+    else
+        echo "torchao is not installed here: the fp8 part is not run"
+    fi ;;
+gemm)
+    echo "== the planner's GEMM law: a tensor-parallel GPT layer's products, bf16 and fp8"
+    timeout "${GEMM_S:-90}" python3 benchmarks/gpu_gemm.py --fp8 --out "$out/gemm.json" || echo "gemm: rc $?" ;;
+mfu8)
+    echo "== a ~1B Llama in bf16 and fp8: compiled, and fp8 eager"
+    mkdir -p "$out/mfu"
+    timeout "${MFU_S:-200}" python3 benchmarks/gpu_mfu.py --steps 12 --variants compile:4,fp8c:4,fp8:4 \
+        --out "$out/mfu" || echo "mfu8: rc $?" ;;
+*) echo "unknown part $part (triton serve offload zero3 fp8 gemm mfu8)" ;;
+esac
+done
 echo "== done"
