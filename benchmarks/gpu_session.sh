@@ -23,9 +23,13 @@
 # 5. (gemm) the planner's GEMM law against the card: a tensor-parallel GPT layer's bf16 and fp8
 #    products by shape (benchmarks/gpu_gemm.py).
 # 6. (mfu8) the ~1B Llama of benchmarks/gpu_mfu.py in bf16 and fp8, compiled, and fp8 eager.
+# 7. (invariance) which of the engine's operations change a row's bits with its batch, fp32 and bf16
+#    (benchmarks/gpu_invariance.py; seconds).
 #
 # PARTS (default "triton serve offload zero3 fp8", parts 0-4) names the parts to run, in the order
-# given: triton, serve, offload, zero3, fp8, gemm, mfu8. A 10-minute call holds about four.
+# given: triton, serve, offload, zero3, fp8, gemm, mfu8, invariance. A 10-minute call holds about
+# four. The 2026-12-04 H200 session left open: "invariance mfu8" (fp32 serving's batch dependence;
+# compiled fp8 after its graph-break fix), then "serve" with SERVE_S=300.
 #
 # Each part has its own time limit, so one that hangs cannot take the others' time; every result is a
 # file in OUT_DIR (serve/ and mfu/ hold their results.json) and the log is printed.
@@ -89,7 +93,10 @@ mfu8)
     mkdir -p "$out/mfu"
     timeout "${MFU_S:-200}" python3 benchmarks/gpu_mfu.py --steps 12 --variants compile:4,fp8c:4,fp8:4 \
         --out "$out/mfu" || echo "mfu8: rc $?" ;;
-*) echo "unknown part $part (triton serve offload zero3 fp8 gemm mfu8)" ;;
+invariance)
+    echo "== batch invariance of the engine's operations, one by one"
+    timeout 120 python3 benchmarks/gpu_invariance.py --out "$out/invariance.json" || echo "invariance: rc $?" ;;
+*) echo "unknown part $part (triton serve offload zero3 fp8 gemm mfu8 invariance)" ;;
 esac
 done
 echo "== done"
