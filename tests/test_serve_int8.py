@@ -74,6 +74,16 @@ CASES = {
     "iq3_xxs-nibbles": (20, 16, 32, [(torch.float32, 2), (torch.int8, 16)], []),  # IQ3_XXS's grid's
     "iq1_m-nibbles": (18, 32, 16, [(torch.float32, 2), (torch.int8, 32)], []),  # IQ1's, in eighths
     "int4-bf16-nibbles": (35, 4, 64, [(torch.bfloat16, 4)], [(torch.bfloat16, 4)]),
+    # every factor read through a transposed view (an entry's row stride 1, its group stride n): each
+    # kind of table gathered, not read in a run
+    "q5_k-strided": (
+        30,
+        16,
+        32,
+        [(torch.float16, 2), (torch.uint8, 16)],
+        [(torch.float16, 2), (torch.uint8, 16)],
+    ),
+    "q6_k-strided": (25, 32, 16, [(torch.float16, 2), (torch.int8, 32)], []),
     "q2_k-nibbles": (
         14,
         32,
@@ -107,6 +117,8 @@ def _operands(case: str, gen: torch.Generator, group_major: bool = False) -> tup
         scales = (scales[0].T.contiguous().T, None)
         if group_major:
             values = values.transpose(0, 1).contiguous().transpose(0, 1)
+    if case.endswith("strided"):
+        scales, mins = (tuple(None if f is None else f.T.contiguous().T for f in fs) for fs in (scales, mins))
     if case == "int4-bf16-nibbles":  # torch's int4 scales and zeros (groups, out, 2): strided views
         pairs = torch.stack([scales[0].T, mins[0].T], -1).contiguous()
         scales, mins = (pairs[..., 0].T, None), (pairs[..., 1].T, None)

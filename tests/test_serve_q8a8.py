@@ -194,6 +194,41 @@ def test_the_engine_serves_with_quantised_activations(
     assert _run(engine, prompts[1:2], params)[0][0] == ours[1][0]
 
 
+@pytest.mark.parametrize("activations", [False, True], ids=["bf16-rows", "int8-rows"])
+def test_bf16_rows_step_each_layer_in_one_native_call(
+    activations: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 rows on quantised weights (llama.cpp's IQ4_XS file, its blocks kept, served in bf16; with
+    ``activations`` the rows quantised to int8): a packed step runs each decoder layer in one native
+    call (``kernels.q8_layer``, with the bf16 attention kernel this CPU picks) with the Python lean
+    path's tokens and log-probabilities."""
+    from zerotron.components.sampling import SamplingParams
+    from zerotron.models.llama import DecoderLayer
+    from zerotron.serve import kernels
+    from zerotron.serve.engine import Engine
+    from zerotron.serve.linears import _LeanLayer
+
+    if not kernels.available() or linear_kernels.why_no_native_matmul(torch.bfloat16) is not None:
+        pytest.skip("the lean quantised layers need the native kernels")
+    if activations and linear_kernels.why_no_q8a8() is not None:
+        pytest.skip(str(linear_kernels.why_no_q8a8()))
+    kept, tokenizer = load_model(str(DATA / "k96-IQ4_XS.gguf"), torch.bfloat16, "cpu", quantization="gguf")
+    config = EngineConfig(
+        quantization="gguf",
+        max_model_len=64,
+        quantize_activations=activations,
+        native_attention=True,
+        native_matmul=True,
+    )
+    engine = Engine(kept, tokenizer, config)
+    lean = [m.__dict__.get("forward") for m in kept.modules() if isinstance(m, DecoderLayer)]
+    assert lean and all(isinstance(f, _LeanLayer) and f.whole is not None for f in lean)
+    tokens = np.load(DATA / "logits.npz", allow_pickle=False)["tokens"].tolist()
+    prompts = [tokens, tokens[:7], tokens[5:16]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one_call_layers_run(engine, lean, prompts, params, monkeypatch)
+
+
 def one_call_layers_run(
     engine: Any, lean: list[Any], prompts: list[list[int]], params: Any, monkeypatch: pytest.MonkeyPatch
 ) -> list[tuple[list[int], list[float]]]:

@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v59"
+_NAME = "zerotron_kernels_v61"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -307,21 +307,21 @@ def q8_layer(
     layer: tuple[torch.Tensor, float, torch.Tensor, float, list[int], list[torch.Tensor], int, int],
     cos: torch.Tensor,
     sin: torch.Tensor,
-    attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str],
 ) -> torch.Tensor:
-    """A decoder layer's step of fp32 rows ``x`` (1, rows, hidden) in one native call, for a layer whose
-    four products are prepared quantised linears and whose attention reads a dense pool on the fp32
-    kernel. ``layer``: the first norm's weight and epsilon, the second's, the handles of the
+    """A decoder layer's step of fp32 or bf16 rows ``x`` (1, rows, hidden) in one native call, for a
+    layer whose four products are prepared quantised linears and whose attention reads a dense pool.
+    ``layer``: the first norm's weight and epsilon, the second's, the handles of the
     :class:`~zerotron.serve.linear_kernels.Prepared` q/k/v, o, gate/up and down, their biases (an
     empty tensor for none: added to the product as the module adds it), the gate's columns and the
-    query heads; ``attention``: the k and v pools, the rows' slots, and the key
-    slots, key counts and sequences :func:`paged_attention` takes. The steps: RMSNorm, q/k/v,
+    query heads; ``attention``: the k and v pools, the rows' slots, the key slots, key counts and
+    sequences :func:`paged_attention` takes, and its kernel (one of :data:`ATTENTION_KERNELS`). The steps: RMSNorm, q/k/v,
     :func:`rope_store` (the rows' k and v written at their slots), :func:`paged_attention`, o and the
     residual, RMSNorm, gate/up, SiLU(gate)·up as torch computes ``F.silu(gate) * up``, down and the
     residual: the calls ``linears._LeanLayer`` makes from Python, in the same order, so the same bits,
     without a dozen Python calls a layer."""
     norm1, eps1, norm2, eps2, products, biases, gate, heads = layer
-    k_pool, v_pool, slots, key_slots, lens, seq = attention
+    k_pool, v_pool, slots, key_slots, lens, seq, kernel = attention
     out: torch.Tensor = built().q8_layer(
         x,
         norm1,
@@ -341,6 +341,7 @@ def q8_layer(
         seq,
         heads,
         k_pool.shape[-1] ** -0.5,
+        ATTENTION_KERNELS.index(kernel),
     )
     return out
 

@@ -186,9 +186,9 @@ class _LeanLayer:
             self.whole is not None
             and isinstance(kv_cache, PagedAttention)
             and b == 1
-            and x.dtype == torch.float32
+            and x.dtype in (torch.float32, torch.bfloat16)
         ):
-            operands = kv_cache.packed_operands(self.layer_idx)
+            operands = kv_cache.packed_operands(self.layer_idx, x.dtype)
             if operands is not None:  # the steps below in one native call (kernels.q8_layer), the same bits
                 return kernels.q8_layer(x, (*self.whole, self.gate, nh), cos[0, 0], sin[0, 0], operands)
         y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)

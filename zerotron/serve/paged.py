@@ -459,16 +459,22 @@ class PagedAttention:
         return self.pool.k[layer], self.pool.v[layer], self.slots, g.key_slots, g.keys, g.seq
 
     def packed_operands(
-        self, layer: int
-    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self, layer: int, dtype: torch.dtype
+    ) -> Optional[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]
+    ]:
         """What :meth:`attend_packed` passes the native calls for ``layer`` (its pools, the rows' slots,
-        the native group's key slots, key counts and sequences), for a decoder layer whose step runs in
-        one native call (:func:`~zerotron.serve.kernels.q8_layer`); None unless :attr:`packed` with the
-        fp32 attention kernel (the one such a layer's fp32 rows take)."""
-        if not self.packed or self.kernel_name not in (None, "fp32"):
+        the native group's key slots, key counts and sequences, and the C++ attention kernel that rows of
+        ``dtype`` take), for a decoder layer whose step runs in one native call
+        (:func:`~zerotron.serve.kernels.q8_layer`); None unless :attr:`packed` (a dense pool, the C++
+        kernels)."""
+        if not self.packed:
             return None
         kp, vp, slots, key_slots, keys, seq = self._native_operands(layer)
-        return None if seq is None else (kp, vp, slots, key_slots, keys, seq)
+        if seq is None:
+            return None
+        kernel = self.kernel_name or kernels.attention_kernel(dtype, kp.shape[-1])
+        return kp, vp, slots, key_slots, keys, seq, kernel
 
     @staticmethod
     def _attend_group(

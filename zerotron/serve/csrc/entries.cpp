@@ -73,30 +73,34 @@ std::vector<int64_t> bind_threads(std::vector<std::vector<int64_t>> cpus) {
   return bound;
 }
 
-// A decoder layer's step of fp32 rows whose four products are prepared quantised linears (q8_prepare:
-// q/k/v side by side, o, gate/up side by side, down; each with its bias, or an empty tensor for none),
-// its attention on the native kernel over a dense pool (linears._LeanLayer's packed path, the same
-// calls in the same order, so its bits): x (1, rows, hidden) -> x + o(attention(rope(q/k/v(norm1 x))))
-// = h, then h + down(silu(gate) * up) of norm2 h, SiLU and the product as torch computes
-// F.silu(gate) * up. The rotated k and v of the rows are stored at their slots. One call instead of a
-// dozen from Python.
+// A decoder layer's step of fp32 or bf16 rows whose four products are prepared quantised linears
+// (q8_prepare: q/k/v side by side, o, gate/up side by side, down; each with its bias, or an empty tensor
+// for none), its attention on native kernel `kernel` (paged_attention's index) over a dense pool
+// (linears._LeanLayer's packed path, the same calls in the same order, so its bits): x (1, rows,
+// hidden) -> x + o(attention(rope(q/k/v(norm1 x)))) = h, then h + down(silu(gate) * up) of norm2 h,
+// SiLU and the product as torch computes F.silu(gate) * up. The rotated k and v of the rows are stored
+// at their slots. One call instead of a dozen from Python.
 torch::Tensor q8_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2,
                        std::vector<int64_t> products, std::vector<torch::Tensor> biases, int64_t gate,
                        torch::Tensor cos, torch::Tensor sin,
                        torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor key_slots,
-                       torch::Tensor lens, torch::Tensor seq, int64_t heads, double scale) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == torch::kFloat, "x: fp32 (1, rows, hidden)");
+                       torch::Tensor lens, torch::Tensor seq, int64_t heads, double scale, int64_t kernel) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 &&
+                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "x: fp32 or bf16 (1, rows, hidden)");
   TORCH_CHECK(products.size() == 4 && biases.size() == 4, "the q/k/v, o, gate/up and down products, biases");
-  // a product and its bias as the module adds it (int8_linears._prepared_forward: out + bias)
+  // a product and its bias as the module adds it (int8_linears._prepared_forward: the fp32 product
+  // cast to the rows' dtype, then + bias)
   auto product = [&](const torch::Tensor& rows, size_t i) {
     auto y = q8_run(rows, products[i]);
+    if (y.scalar_type() != rows.scalar_type()) y = y.to(rows.scalar_type());
     return biases[i].numel() ? y + biases[i] : y;
   };
   auto h = x.reshape({x.size(1), x.size(2)});
   if (h.stride(1) != 1) h = h.contiguous();
   auto y = product(rms_norm(h, norm1, eps1), 0);
   auto q = rope_store(y, cos, sin, k_pool, v_pool, slots, heads);
-  auto rows = paged_attention(q, k_pool, v_pool, key_slots, seq, lens, scale, 0);
+  auto rows = paged_attention(q, k_pool, v_pool, key_slots, seq, lens, scale, kernel);
   h = h + product(rows.view({rows.size(0), -1}), 1);
   auto gu = product(rms_norm(h, norm2, eps2), 2);
   TORCH_CHECK(gu.size(1) == 2 * gate, "gate and up of gate columns each");

@@ -231,24 +231,74 @@ ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, i
   }
 }
 
+// Whether va_factor reads a factor's table 16 groups at a time from consecutive entries: unit group
+// stride and a `per` that divides 16 (or 16 divides it).
+inline bool va_consecutive(const Factor& f) {
+  return f.sg == 1 && (f.per <= 16 ? 16 % f.per == 0 : f.per % 16 == 0);
+}
+
+// The byte offset, from an output's row, of each group's entry of a factor's table that va_factor
+// does not read consecutively ((g / per) · sg entries): made once a call, none for the others.
+inline std::vector<int32_t> va_offsets(const Factor& f, int64_t groups) {
+  std::vector<int32_t> off;
+  if (f.kind == 0 || va_consecutive(f)) return off;
+  if (((groups - 1) / f.per) * f.sg * factor_bytes(f) > INT32_MAX - 4) return off;  // entry by entry instead
+  off.resize(static_cast<size_t>(groups));
+  for (int64_t g = 0; g < groups; ++g) off[g] = static_cast<int32_t>((g / f.per) * f.sg * factor_bytes(f));
+  return off;
+}
+
+// Up to 16 entries of a factor's table at byte offsets off from row (left of them; the rest 0), as
+// fp32: each gathered as the aligned 4 bytes that hold it (which lie in the entry's page: no read
+// can fault), then its bytes taken out of them. The same values factor_entry gives.
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_gathered(int kind, const char* row, const int32_t* off,
+                                                                        int64_t left) {
+  const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+  const __m512i o = _mm512_maskz_loadu_epi32(m, off);
+  if (kind == 1) return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, o, row, 1);
+  const __m512i at = _mm512_add_epi32(o, _mm512_set1_epi32(static_cast<int32_t>(reinterpret_cast<uintptr_t>(row) & 3)));
+  const __m512i aligned = _mm512_sub_epi32(_mm512_andnot_si512(_mm512_set1_epi32(3), at),
+                                           _mm512_set1_epi32(static_cast<int32_t>(reinterpret_cast<uintptr_t>(row) & 3)));
+  const __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, aligned, row, 1);
+  const __m512i bits = _mm512_slli_epi32(_mm512_and_si512(at, _mm512_set1_epi32(3)), 3);  // the entry's bit offset
+  const __m512i low = _mm512_srlv_epi32(word, bits);  // the entry in the low bits
+  switch (kind) {
+    case 2: return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(low, _mm512_set1_epi32(0xFFFF))));
+    case 3: return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(low, 24), 24));
+    case 4: return _mm512_cvtepi32_ps(_mm512_and_si512(low, _mm512_set1_epi32(0xFF)));
+    default: return _mm512_castsi512_ps(_mm512_slli_epi32(low, 16));
+  }
+}
+
 // Output o's factor f for every group, into out (first) or multiplied into it: the same fp32
 // products as q8_factors (1 · f1 · f2). Tables of unit group stride whose `per` divides 16 (or 16
-// divides it) 16 groups at a time, others entry by entry.
-ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float* out, bool first) {
+// divides it) 16 groups at a time from consecutive entries; others 16 groups at a time through their
+// offsets (va_offsets), or entry by entry without them.
+ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float* out, bool first,
+                              const int32_t* offsets = nullptr) {
   if (f.kind == 0) {
     if (first) std::fill(out, out + groups, 1.0f);
     return;
   }
-  const bool vec = f.sg == 1 && (f.per <= 16 ? 16 % f.per == 0 : f.per % 16 == 0);
-  if (!vec) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float e = factor_entry(f, o * f.so + (g / f.per) * f.sg);
-      out[g] = first ? e : out[g] * e;
+  const int64_t size = factor_bytes(f);
+  const char* row = static_cast<const char*>(f.p) + o * f.so * size;
+  if (!va_consecutive(f)) {
+    if (offsets == nullptr) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float e = factor_entry(f, o * f.so + (g / f.per) * f.sg);
+        out[g] = first ? e : out[g] * e;
+      }
+      return;
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t left = std::min<int64_t>(16, groups - g0);
+      const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+      __m512 v = va_gathered(f.kind, row, offsets + g0, left);
+      if (!first) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + g0), v);
+      _mm512_mask_storeu_ps(out + g0, m, v);
     }
     return;
   }
-  const int64_t size = factor_bytes(f);
-  const char* row = static_cast<const char*>(f.p) + o * f.so * size;
   // lane l's entry: l / per (per 1, 2, 4, 8 or 16: a shift), or the one entry (per a multiple of 16)
   const __m512i idx = f.per <= 16 ? _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                       static_cast<unsigned>(__builtin_ctzll(static_cast<uint64_t>(f.per))))
@@ -295,6 +345,12 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   const bool direct = t.chunk <= 4 && ch.aligned && ch.together && va_per_group(t.s1) && va_per_group(t.s2) &&
                       va_per_group(t.m1) && va_per_group(t.m2);
   std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
+  // the groups' offsets in the tables va_factor does not read consecutively (bf16 scale_zero, say)
+  const std::vector<int32_t> off_s1 = direct ? std::vector<int32_t>() : va_offsets(t.s1, groups),
+                             off_s2 = direct ? std::vector<int32_t>() : va_offsets(t.s2, groups),
+                             off_m1 = direct || !mins ? std::vector<int32_t>() : va_offsets(t.m1, groups),
+                             off_m2 = direct || !mins ? std::vector<int32_t>() : va_offsets(t.m2, groups);
+  auto offsets = [](const std::vector<int32_t>& v) { return v.empty() ? nullptr : v.data(); };
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
@@ -306,11 +362,11 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
         va_slice_factors(t, o, 0, groups, so, mo);
         continue;
       }
-      va_factor(t.s1, o, groups, so, true);
-      va_factor(t.s2, o, groups, so, false);
+      va_factor(t.s1, o, groups, so, true, offsets(off_s1));
+      va_factor(t.s2, o, groups, so, false, offsets(off_s2));
       if (mins) {
-        va_factor(t.m1, o, groups, mo, true);
-        va_factor(t.m2, o, groups, mo, false);
+        va_factor(t.m1, o, groups, mo, true, offsets(off_m1));
+        va_factor(t.m2, o, groups, mo, false, offsets(off_m2));
         if (t.add_mins)
           for (int64_t g = 0; g < groups; ++g) mo[g] = -mo[g];
       }
