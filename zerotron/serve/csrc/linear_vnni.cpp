@@ -231,17 +231,11 @@ ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, i
   }
 }
 
-// Whether va_factor reads a factor's table 16 groups at a time from consecutive entries: unit group
-// stride and a `per` that divides 16 (or 16 divides it).
-inline bool va_consecutive(const Factor& f) {
-  return f.sg == 1 && (f.per <= 16 ? 16 % f.per == 0 : f.per % 16 == 0);
-}
-
-// The byte offset, from an output's row, of each group's entry of a factor's table that va_factor
-// does not read consecutively ((g / per) · sg entries): made once a call, none for the others.
+// The byte offset, from an output's row, of each group's entry of a factor's table that va_row_entries
+// does not read ((g / per) · sg entries): made once a call, none for the others.
 inline std::vector<int32_t> va_offsets(const Factor& f, int64_t groups) {
   std::vector<int32_t> off;
-  if (f.kind == 0 || va_consecutive(f)) return off;
+  if (va_per_group(f)) return off;
   if (((groups - 1) / f.per) * f.sg * factor_bytes(f) > INT32_MAX - 4) return off;  // entry by entry instead
   off.resize(static_cast<size_t>(groups));
   for (int64_t g = 0; g < groups; ++g) off[g] = static_cast<int32_t>((g / f.per) * f.sg * factor_bytes(f));
@@ -271,47 +265,26 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_gathered(int kind
 }
 
 // Output o's factor f for every group, into out (first) or multiplied into it: the same fp32
-// products as q8_factors (1 · f1 · f2). Tables of unit group stride whose `per` divides 16 (or 16
-// divides it) 16 groups at a time from consecutive entries; others 16 groups at a time through their
-// offsets (va_offsets), or entry by entry without them.
+// products as q8_factors (1 · f1 · f2), 16 groups at a time: read as they lie where va_row_entries
+// reads them (va_per_group), else through their offsets (va_offsets); entry by entry without them.
 ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float* out, bool first,
                               const int32_t* offsets = nullptr) {
   if (f.kind == 0) {
     if (first) std::fill(out, out + groups, 1.0f);
     return;
   }
-  const int64_t size = factor_bytes(f);
-  const char* row = static_cast<const char*>(f.p) + o * f.so * size;
-  if (!va_consecutive(f)) {
-    if (offsets == nullptr) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const float e = factor_entry(f, o * f.so + (g / f.per) * f.sg);
-        out[g] = first ? e : out[g] * e;
-      }
-      return;
-    }
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const int64_t left = std::min<int64_t>(16, groups - g0);
-      const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-      __m512 v = va_gathered(f.kind, row, offsets + g0, left);
-      if (!first) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + g0), v);
-      _mm512_mask_storeu_ps(out + g0, m, v);
+  const bool lie = va_per_group(f);
+  if (!lie && offsets == nullptr) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float e = factor_entry(f, o * f.so + (g / f.per) * f.sg);
+      out[g] = first ? e : out[g] * e;
     }
     return;
   }
-  // lane l's entry: l / per (per 1, 2, 4, 8 or 16: a shift), or the one entry (per a multiple of 16)
-  const __m512i idx = f.per <= 16 ? _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                      static_cast<unsigned>(__builtin_ctzll(static_cast<uint64_t>(f.per))))
-                                  : _mm512_setzero_si512();
+  const char* row = static_cast<const char*>(f.p) + o * f.so * factor_bytes(f);
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t left = std::min<int64_t>(16, groups - g0);
-    __m512 v;
-    if (f.per == 1) {
-      v = va_entries(f.kind, row + g0 * size, left);
-    } else {
-      const int64_t e0 = g0 / f.per, entries = f.per <= 16 ? (left + f.per - 1) / f.per : 1;
-      v = _mm512_permutexvar_ps(idx, va_entries(f.kind, row + e0 * size, entries));
-    }
+    __m512 v = lie ? va_row_entries(f, o, g0, left) : va_gathered(f.kind, row, offsets + g0, left);
     const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
     if (!first) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + g0), v);
     _mm512_mask_storeu_ps(out + g0, m, v);
@@ -319,8 +292,8 @@ ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float*
 }
 
 // q8_factors (va_factor's) for output o and groups g0 .. g0 + count - 1 (a slice, or every group) where
-// every factor has an entry per group (va_per_group): 16 groups a step, the same products (f1 · f2, the
-// mins negated where added), so their bits; m untouched without mins.
+// every factor has an entry per group, or per a power of two of them (va_per_group): 16 groups a step,
+// the same products (f1 · f2, the mins negated where added), so their bits; m untouched without mins.
 ZT_VNNI_TARGET inline void va_slice_factors(const Q8Problem& t, int64_t o, int64_t g0, int64_t count, float* s, float* m) {
   const bool mins = t.m1.kind != 0;
   for (int64_t c = 0; c < count; c += 16) {
@@ -345,12 +318,12 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   const bool direct = t.chunk <= 4 && ch.aligned && ch.together && va_per_group(t.s1) && va_per_group(t.s2) &&
                       va_per_group(t.m1) && va_per_group(t.m2);
   std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
-  // the groups' offsets in the tables va_factor does not read consecutively (bf16 scale_zero, say)
-  const std::vector<int32_t> off_s1 = direct ? std::vector<int32_t>() : va_offsets(t.s1, groups),
-                             off_s2 = direct ? std::vector<int32_t>() : va_offsets(t.s2, groups),
-                             off_m1 = direct || !mins ? std::vector<int32_t>() : va_offsets(t.m1, groups),
-                             off_m2 = direct || !mins ? std::vector<int32_t>() : va_offsets(t.m2, groups);
-  auto offsets = [](const std::vector<int32_t>& v) { return v.empty() ? nullptr : v.data(); };
+  // the groups' offsets in the tables va_row_entries does not read (a bf16 model's scale_zero, say);
+  // a direct chunk's tables are all read by it
+  std::vector<int32_t> off[4];
+  const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
+  for (int i = 0; i < 4 && !direct; ++i) off[i] = va_offsets(*fs[i], groups);
+  auto offsets = [&](int i) { return off[i].empty() ? nullptr : off[i].data(); };
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
@@ -362,11 +335,11 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
         va_slice_factors(t, o, 0, groups, so, mo);
         continue;
       }
-      va_factor(t.s1, o, groups, so, true, offsets(off_s1));
-      va_factor(t.s2, o, groups, so, false, offsets(off_s2));
+      va_factor(t.s1, o, groups, so, true, offsets(0));
+      va_factor(t.s2, o, groups, so, false, offsets(1));
       if (mins) {
-        va_factor(t.m1, o, groups, mo, true, offsets(off_m1));
-        va_factor(t.m2, o, groups, mo, false, offsets(off_m2));
+        va_factor(t.m1, o, groups, mo, true, offsets(2));
+        va_factor(t.m2, o, groups, mo, false, offsets(3));
         if (t.add_mins)
           for (int64_t g = 0; g < groups; ++g) mo[g] = -mo[g];
       }
