@@ -203,6 +203,95 @@ def test_native_kernel_reads_the_codes_in_place(
     assert torch.equal(changed, reads) and reads.any()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 128), (2, 1, 24)])
+def test_native_pass_stores_the_codes_torch_rounds(
+    fmt: str, dtype: torch.dtype, shape: tuple[int, int, int]
+) -> None:
+    """The native pass of a packed step (``kernels.rope_store`` over an 8-bit pool: rotary embedding,
+    then each k and v vector quantised and stored at its row's slot) stores the vectors torch's own
+    rotation and casts give: the dequantised codes equal the test's rounding of torch's rotated k and
+    of v bit for bit (vectors of amax 1e-30 to 1e5, fp8's subnormal codes included, and all-zero ones),
+    the rotated q equals torch's, and the slots no row names keep their codes."""
+    from zerotron.models.llama import apply_rotary
+
+    if not kernels.available():
+        pytest.skip(f"the native attention kernel is not built here ({kernels.why_unavailable()})")
+    heads, kv_heads, dim = shape
+    g = torch.Generator().manual_seed(dim + heads)
+    rows, pool_slots = 37, 100
+    y = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * torch.logspace(-30, 5, rows)[:, None]
+    y[3] = 0
+    y[4, heads * dim : (heads + 1) * dim] = 0  # one k vector all zero
+    y = y.to(dtype)
+    angle = torch.rand(rows, dim // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angle), f(angle)], 1).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.randperm(pool_slots, generator=g)[:rows]
+    k = QuantizedKV(pool_slots, kv_heads, dim, fmt, dtype, "cpu")
+    v = QuantizedKV(pool_slots, kv_heads, dim, fmt, dtype, "cpu")
+    q = kernels.rope_store(y, cos, sin, k, v, slots, heads)
+    qk = apply_rotary(
+        y[:, : (heads + kv_heads) * dim].view(1, rows, -1, dim), cos[None, :, None], sin[None, :, None]
+    )
+    assert torch.equal(q, qk[0, :, :heads])
+    want_k = _rounded(qk[0, :, heads:], fmt)
+    want_v = _rounded(y[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim), fmt)
+    for pool, want in ((k, want_k), (v, want_v)):
+        got = dequantize(pool.codes[slots], pool.scales[slots], fmt, torch.float32)
+        assert torch.equal(got, want)
+        untouched = torch.ones(pool_slots, dtype=torch.bool)
+        untouched[slots] = False
+        assert not pool.codes[untouched].any() and torch.equal(
+            pool.scales[untouched], torch.ones(63, kv_heads)
+        )
+    assert torch.equal(k.scales[slots[3]], torch.ones(kv_heads))  # all-zero vectors keep scale 1
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("activations", [False, True], ids=["fp32-rows", "int8-rows"])
+def test_quantised_layers_step_in_one_native_call_over_an_8bit_pool(
+    model: torch.nn.Module, fmt: str, activations: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model of quantised linears (int4, on the native kernels) over an 8-bit cache runs each decoder
+    layer of a packed step in one native call (``kernels.q8_layer``, its keys and values quantised
+    there), and gives the tokens and log-probabilities of the same quantised model's whole-sequence
+    forward over the test's rounded cache (torch's casts, causal SDPA), alone and batched."""
+    from zerotron.models.llama import DecoderLayer
+    from zerotron.serve import linear_kernels
+    from zerotron.serve.linears import _LeanLayer
+
+    if not kernels.available() or linear_kernels.why_no_native_matmul(torch.float32) is not None:
+        pytest.skip("the lean quantised layers need the native kernels (AVX-512)")
+    if activations and linear_kernels.why_no_q8a8() is not None:
+        pytest.skip(str(linear_kernels.why_no_q8a8()))
+    config = EngineConfig(
+        num_blocks=64,
+        kv_cache_dtype=fmt,
+        quantization="int4",
+        quantize_activations=activations,
+        native_attention=True,
+        native_matmul=True,
+    )
+    engine = Engine(copy.deepcopy(model), None, config)
+    lean = [m.__dict__.get("forward") for m in engine.model.modules() if isinstance(m, DecoderLayer)]
+    assert lean and all(isinstance(f, _LeanLayer) and f.whole is not None for f in lean)
+    calls: list[int] = []
+    whole_layer = kernels.q8_layer
+    monkeypatch.setattr(kernels, "q8_layer", lambda *a: calls.append(1) or whole_layer(*a))
+    prompts = _prompts([5, 17, 40, 9], seed=23)
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    together = _run(engine, prompts, params)
+    assert len(calls) >= len(lean) * params.max_tokens
+    assert together == [_run(engine, [p], params)[0] for p in prompts]
+    for prompt, (tokens, logps) in zip(prompts, together):
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([prompt + tokens]), kv_cache=RoundedCache(fmt))[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+        assert ref.argmax(-1).tolist() == tokens
+        torch.testing.assert_close(torch.tensor(logps), ref.max(-1).values, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_a_long_decode_on_tiles_reads_the_codes_in_place(fmt: str) -> None:
     """At 1,024 keys or more a decode on the tile kernel is streamed chunk by chunk instead of packed

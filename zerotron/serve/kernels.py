@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v62"
+_NAME = "zerotron_kernels_v63"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -90,6 +90,7 @@ _FUNCTIONS = [
     "rms_norm",
     "silu_mul",
     "rope_store",
+    "rope_store_q8",
     "bind_threads",
     "q8_layer",
 ]
@@ -307,21 +308,23 @@ def q8_layer(
     layer: tuple[torch.Tensor, float, torch.Tensor, float, list[int], list[torch.Tensor], int, int],
     cos: torch.Tensor,
     sin: torch.Tensor,
-    attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str],
+    attention: tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str],
 ) -> torch.Tensor:
     """A decoder layer's step of fp32 or bf16 rows ``x`` (1, rows, hidden) in one native call, for a
-    layer whose four products are prepared quantised linears and whose attention reads a dense pool.
+    layer whose four products are prepared quantised linears and whose attention reads the paged pool.
     ``layer``: the first norm's weight and epsilon, the second's, the handles of the
     :class:`~zerotron.serve.linear_kernels.Prepared` q/k/v, o, gate/up and down, their biases (an
     empty tensor for none: added to the product as the module adds it), the gate's columns and the
     query heads; ``attention``: the k and v pools, the rows' slots, the key slots, key counts and
-    sequences :func:`paged_attention` takes, and its kernel (one of :data:`ATTENTION_KERNELS`). The steps: RMSNorm, q/k/v,
+    sequences :func:`paged_attention` takes, and its kernel (one of :data:`ATTENTION_KERNELS`); the
+    pools dense or 8-bit (:class:`~zerotron.serve.kv_quant.QuantizedKV` each). The steps: RMSNorm, q/k/v,
     :func:`rope_store` (the rows' k and v written at their slots), :func:`paged_attention`, o and the
     residual, RMSNorm, gate/up, SiLU(gate)·up as torch computes ``F.silu(gate) * up``, down and the
     residual: the calls ``linears._LeanLayer`` makes from Python, in the same order, so the same bits,
     without a dozen Python calls a layer."""
     norm1, eps1, norm2, eps2, products, biases, gate, heads = layer
     k_pool, v_pool, slots, key_slots, lens, seq, kernel = attention
+    pools = _pool_operands(k_pool, v_pool)
     out: torch.Tensor = built().q8_layer(
         x,
         norm1,
@@ -333,17 +336,31 @@ def q8_layer(
         gate,
         cos,
         sin,
-        k_pool,
-        v_pool,
+        *pools,
         slots,
         key_slots,
         lens,
         seq,
         heads,
-        k_pool.shape[-1] ** -0.5,
+        pools[0].shape[-1] ** -0.5,
         ATTENTION_KERNELS.index(kernel),
     )
     return out
+
+
+_NO_SCALES = torch.empty(0)
+
+
+def _pool_operands(
+    k_pool: Any, v_pool: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A layer's pools as the native calls take them: a dense pool's k and v with no scales (format
+    0), or an 8-bit pool's (:class:`~zerotron.serve.kv_quant.QuantizedKV`) codes and scales and its
+    format's code."""
+    if isinstance(k_pool, torch.Tensor):
+        return k_pool, v_pool, _NO_SCALES, _NO_SCALES, 0
+    fmt = kv_quant.KERNEL_FORMATS[k_pool.fmt]
+    return k_pool.codes, v_pool.codes, k_pool.scales, v_pool.scales, fmt
 
 
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
@@ -360,8 +377,8 @@ def rope_store(
     y: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Any,
+    v_pool: Any,
     slots: torch.Tensor,
     heads: int,
 ) -> torch.Tensor:
@@ -369,6 +386,12 @@ def rope_store(
     (rows, heads, d), in one pass per row that also rotates the k heads and writes them and the v
     heads to the pools at ``slots`` (rows,); cos/sin (rows, d). The model's roundings
     (:func:`~zerotron.models.llama.apply_rotary`: each product rounded to the dtype, then the sum), so
-    the same bits as its torch operators; each row's result is its own."""
-    q: torch.Tensor = built().rope_store(y, cos, sin, k_pool, v_pool, slots, heads)
+    the same bits as its torch operators; each row's result is its own. An 8-bit pool's
+    (:class:`~zerotron.serve.kv_quant.QuantizedKV` each, heads up to 256 wide) k and v are stored
+    quantised, the codes and scales :meth:`~zerotron.serve.kv_quant.QuantizedKV.store` stores."""
+    if isinstance(k_pool, torch.Tensor):
+        q: torch.Tensor = built().rope_store(y, cos, sin, k_pool, v_pool, slots, heads)
+        return q
+    k_codes, v_codes, k_scales, v_scales, fmt = _pool_operands(k_pool, v_pool)
+    q = built().rope_store_q8(y, cos, sin, k_codes, k_scales, v_codes, v_scales, fmt, slots, heads)
     return q

@@ -209,7 +209,7 @@ class KVPool:
         quantized = [] if self.fmt is None else [(*shape, self.fmt, dtype, device) for _ in range(layers)]
         self.qk = [kv_quant.QuantizedKV(*args) for args in quantized]
         self.qv = [kv_quant.QuantizedKV(*args) for args in quantized]
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.head_dim = block_size, num_blocks, head_dim
         self.token_bytes = kv_quant.bytes_per_token(layers, kv_heads, head_dim, dtype, self.fmt)
 
     @staticmethod
@@ -363,9 +363,10 @@ class PagedAttention:
         self.in_order = whole and bool(torch.equal(self.groups[0].rows, torch.arange(rows)))
         # A step whose rows all go to the native kernel in order can take a layer's q/k/v product
         # whole (attend_packed): rotary embedding and the store of k and v in one native pass.
-        # A quantised pool: read in place by the paged kernels; on SDPA each group reads the slots it
-        # attends to dequantised (kv_quant).
-        self.packed = native and self.in_order and not triton and pool.fmt is None
+        # A quantised pool: read in place by the paged kernels (and written by the native pass, each
+        # key and value quantised there); on SDPA each group reads the slots it attends to dequantised
+        # (kv_quant).
+        self.packed = native and self.in_order and not triton and (pool.fmt is None or pool.head_dim <= 256)
         if gathers(pool, native):
             self.groups = [g.compact() for g in self.groups]
         device = pool.device
@@ -445,7 +446,8 @@ class PagedAttention:
     ) -> torch.Tensor:
         """A layer's attention from its fused q/k/v product ``y`` (N, (h + 2 kvh) d) of this step's rows
         and their cos/sin (N, d), when :attr:`packed`: q and k rotated and k and v stored in one
-        native pass (:func:`~zerotron.serve.kernels.rope_store`, the model's roundings), then every
+        native pass (:func:`~zerotron.serve.kernels.rope_store`, the model's roundings; an 8-bit
+        pool's k and v quantised as :meth:`~zerotron.serve.kv_quant.QuantizedKV.store` does), then every
         row attended by the native kernel -> (N, h, d)."""
         kp, vp, slots, key_slots, keys, seq = self._native_operands(layer)
         q = kernels.rope_store(y, cos, sin, kp, vp, slots, heads)
@@ -453,27 +455,26 @@ class PagedAttention:
 
     def _native_operands(
         self, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """``layer``'s pools, the rows' slots, and the native group's key slots, key counts and sequences."""
+    ) -> tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``layer``'s pools (an 8-bit pool's :class:`~zerotron.serve.kv_quant.QuantizedKV` each), the
+        rows' slots, and the native group's key slots, key counts and sequences."""
         g = self.groups[0]
-        return self.pool.k[layer], self.pool.v[layer], self.slots, g.key_slots, g.keys, g.seq
+        kp, vp = self._keys(layer, g)
+        return kp, vp, self.slots, g.key_slots, g.keys, g.seq
 
     def packed_operands(
         self, layer: int, dtype: torch.dtype
-    ) -> Optional[
-        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]
-    ]:
+    ) -> Optional[tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]]:
         """What :meth:`attend_packed` passes the native calls for ``layer`` (its pools, the rows' slots,
         the native group's key slots, key counts and sequences, and the C++ attention kernel that rows of
         ``dtype`` take), for a decoder layer whose step runs in one native call
-        (:func:`~zerotron.serve.kernels.q8_layer`); None unless :attr:`packed` (a dense pool, the C++
-        kernels)."""
+        (:func:`~zerotron.serve.kernels.q8_layer`); None unless :attr:`packed` (the C++ kernels)."""
         if not self.packed:
             return None
         kp, vp, slots, key_slots, keys, seq = self._native_operands(layer)
         if seq is None:
             return None
-        kernel = self.kernel_name or kernels.attention_kernel(dtype, kp.shape[-1])
+        kernel = self.kernel_name or kernels.attention_kernel(dtype, self.pool.head_dim)
         return kp, vp, slots, key_slots, keys, seq, kernel
 
     @staticmethod

@@ -52,6 +52,51 @@ torch::Tensor rope_store(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, 
   return q;
 }
 
+// rope_store over an 8-bit pool (kv_quant.py): k_codes, v_codes (slots, kv_heads, dim) 8-bit;
+// k_scales, v_scales (slots, kv_heads) float32; fmt 1 fp8 e4m3, 2 fp8 e5m2, 3 int8. The rotated k
+// heads and the v heads are stored as kv_quant.QuantizedKV.store stores them (the same codes and
+// scales) -> q (rows, heads, dim) rotated
+torch::Tensor rope_store_q8(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_codes,
+                            torch::Tensor k_scales, torch::Tensor v_codes, torch::Tensor v_scales, int64_t fmt,
+                            torch::Tensor slots, int64_t heads) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "rows of q, k and v columns with unit column stride");
+  TORCH_CHECK(fmt >= 1 && fmt <= 3, "fmt: 1 (fp8 e4m3), 2 (fp8 e5m2) or 3 (int8)");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
+                  v_scales.is_contiguous() && k_codes.dim() == 3 && k_codes.element_size() == 1 &&
+                  v_codes.sizes() == k_codes.sizes() && v_codes.element_size() == 1,
+              "contiguous 8-bit codes");
+  const int64_t rows = y.size(0), kv_heads = k_codes.size(1), dim = k_codes.size(2);
+  TORCH_CHECK(k_scales.scalar_type() == torch::kFloat && v_scales.scalar_type() == torch::kFloat &&
+                  k_scales.dim() == 2 && k_scales.size(0) == k_codes.size(0) && k_scales.size(1) == kv_heads &&
+                  v_scales.sizes() == k_scales.sizes(),
+              "float32 scales, one per slot and KV head");
+  TORCH_CHECK(dim % 2 == 0 && dim <= 256 && y.size(1) == (heads + 2 * kv_heads) * dim,
+              "q, k and v columns of the pools' heads (at most 256 wide)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows && cos.size(1) == dim &&
+                  sin.sizes() == cos.sizes() && cos.scalar_type() == y.scalar_type() &&
+                  sin.scalar_type() == y.scalar_type(),
+              "a cos and sin row per row in the rows' dtype");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.size(0) == rows, "a slot per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<int64_t> seen(slot, slot + rows);
+  for (int64_t v : seen) TORCH_CHECK(v >= 0 && v < k_codes.size(0), "slots outside the pool");
+  std::sort(seen.begin(), seen.end());
+  const bool distinct = std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+  KVSource k, v;
+  k.codes = static_cast<const uint8_t*>(k_codes.data_ptr());
+  v.codes = static_cast<const uint8_t*>(v_codes.data_ptr());
+  k.scales = k_scales.data_ptr<float>();
+  v.scales = v_scales.data_ptr<float>();
+  k.fmt = v.fmt = static_cast<int>(fmt);
+  auto q = torch::empty({rows, heads, dim}, y.options());
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "rope_store_q8", [&] {
+    rope_store_q8_rows<scalar_t>(y.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), k, v,
+                                 slot, q.data_ptr<scalar_t>(), rows, y.stride(0), heads, kv_heads, dim, distinct);
+  });
+  return q;
+}
+
 // cpus: one list of CPU ids per OpenMP thread of this thread's team -> for each thread, whether it now
 // runs on its list only. Thread t of the team (at::get_thread_num(), the calling thread being 0) binds
 // itself, inside one parallel region of as many items as threads, as vLLM's CPU worker does; the team's
@@ -75,16 +120,19 @@ std::vector<int64_t> bind_threads(std::vector<std::vector<int64_t>> cpus) {
 
 // A decoder layer's step of fp32 or bf16 rows whose four products are prepared quantised linears
 // (q8_prepare: q/k/v side by side, o, gate/up side by side, down; each with its bias, or an empty tensor
-// for none), its attention on native kernel `kernel` (paged_attention's index) over a dense pool
-// (linears._LeanLayer's packed path, the same calls in the same order, so its bits): x (1, rows,
+// for none), its attention on native kernel `kernel` (paged_attention's index) over a dense pool (fmt
+// 0, the scales empty) or an 8-bit one (fmt 1-3: k_pool, v_pool its codes, k_scales, v_scales its
+// scales; rope_store_q8, paged_attention_q8) (linears._LeanLayer's packed path, the same calls in the
+// same order, so its bits): x (1, rows,
 // hidden) -> x + o(attention(rope(q/k/v(norm1 x)))) = h, then h + down(silu(gate) * up) of norm2 h,
 // SiLU and the product as torch computes F.silu(gate) * up. The rotated k and v of the rows are stored
 // at their slots. One call instead of a dozen from Python.
 torch::Tensor q8_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2,
                        std::vector<int64_t> products, std::vector<torch::Tensor> biases, int64_t gate,
                        torch::Tensor cos, torch::Tensor sin,
-                       torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor key_slots,
-                       torch::Tensor lens, torch::Tensor seq, int64_t heads, double scale, int64_t kernel) {
+                       torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor k_scales, torch::Tensor v_scales,
+                       int64_t fmt, torch::Tensor slots, torch::Tensor key_slots, torch::Tensor lens,
+                       torch::Tensor seq, int64_t heads, double scale, int64_t kernel) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 &&
                   (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "x: fp32 or bf16 (1, rows, hidden)");
@@ -99,8 +147,14 @@ torch::Tensor q8_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch:
   auto h = x.reshape({x.size(1), x.size(2)});
   if (h.stride(1) != 1) h = h.contiguous();
   auto y = product(rms_norm(h, norm1, eps1), 0);
-  auto q = rope_store(y, cos, sin, k_pool, v_pool, slots, heads);
-  auto rows = paged_attention(q, k_pool, v_pool, key_slots, seq, lens, scale, kernel);
+  torch::Tensor rows;
+  if (fmt == 0) {
+    auto q = rope_store(y, cos, sin, k_pool, v_pool, slots, heads);
+    rows = paged_attention(q, k_pool, v_pool, key_slots, seq, lens, scale, kernel);
+  } else {  // an 8-bit pool: k_pool, v_pool its codes
+    auto q = rope_store_q8(y, cos, sin, k_pool, k_scales, v_pool, v_scales, fmt, slots, heads);
+    rows = paged_attention_q8(q, k_pool, k_scales, v_pool, v_scales, fmt, key_slots, seq, lens, scale, kernel);
+  }
   h = h + product(rows.view({rows.size(0), -1}), 1);
   auto gu = product(rms_norm(h, norm2, eps2), 2);
   TORCH_CHECK(gu.size(1) == 2 * gate, "gate and up of gate columns each");

@@ -82,6 +82,58 @@ void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const
     for (int64_t r = begin; r < end; ++r) row(r);
   });
 }
+
+// One key or value vector quantised as kv_quant.quantize quantises it (fmt 1 fp8 e4m3, 2 fp8 e5m2,
+// 3 int8): its scale the largest magnitude over the format's largest code (1 for an all-zero
+// vector), each value over the scale in fp32, then int8 rounded to nearest even and clamped to 127,
+// fp8 clamped to the format's largest value and rounded by c10's conversion (torch's own cast).
+template <typename T>
+inline void quantize_vec(const T* x, int64_t dim, int fmt, uint8_t* codes, float* scale) {
+  const float top = fmt == 1 ? 448.0f : fmt == 2 ? 57344.0f : 127.0f;
+  float amax = 0.0f;
+  for (int64_t j = 0; j < dim; ++j) amax = std::max(amax, std::fabs(static_cast<float>(x[j])));
+  const float s = amax > 0.0f ? amax / top : 1.0f;
+  *scale = s;
+  for (int64_t j = 0; j < dim; ++j) {
+    const float y = std::min(std::max(static_cast<float>(x[j]) / s, -top), top);
+    if (fmt == 3)
+      codes[j] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
+    else
+      codes[j] = fmt == 1 ? c10::Float8_e4m3fn(y).x : c10::Float8_e5m2(y).x;
+  }
+}
+
+// rope_store_rows over an 8-bit pool: the rotated k heads and the v heads quantised (quantize_vec) to
+// the pools' codes and scales at the row's slot.
+template <typename T>
+void rope_store_q8_rows(const T* y, const T* cos, const T* sin, const KVSource& kp, const KVSource& vp,
+                        const int64_t* slots, T* q, int64_t rows, int64_t ld, int64_t heads, int64_t kv_heads,
+                        int64_t dim, bool parallel) {
+  uint8_t* k_codes = const_cast<uint8_t*>(kp.codes);
+  uint8_t* v_codes = const_cast<uint8_t*>(vp.codes);
+  float* k_scales = const_cast<float*>(kp.scales);
+  float* v_scales = const_cast<float*>(vp.scales);
+  const auto row = [&](int64_t r) {
+    const T* yr = y + r * ld;
+    const T* c = cos + r * dim;
+    const T* s = sin + r * dim;
+    for (int64_t h = 0; h < heads; ++h) rotate<T>(yr + h * dim, c, s, q + (r * heads + h) * dim, dim);
+    T k[256];
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t vec = slots[r] * kv_heads + h;
+      rotate<T>(yr + (heads + h) * dim, c, s, k, dim);
+      quantize_vec<T>(k, dim, kp.fmt, k_codes + vec * dim, k_scales + vec);
+      quantize_vec<T>(yr + (heads + kv_heads + h) * dim, dim, vp.fmt, v_codes + vec * dim, v_scales + vec);
+    }
+  };
+  if (!parallel) {  // rows sharing a slot (padding rows): written in row order, as index_copy_ would
+    for (int64_t r = 0; r < rows; ++r) row(r);
+    return;
+  }
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row(r);
+  });
+}
 }  // namespace
 
 // The entry points below compute without Python's GIL, as torch's own operators do: a bound C++
