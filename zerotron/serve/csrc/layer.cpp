@@ -83,23 +83,106 @@ void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const
   });
 }
 
+// fp32 -> fp8 bits (FMT 1 e4m3fn, 2 e5m2) as c10's Float8_e4m3fn / Float8_e5m2 conversions give them
+// (torch's own casts: round to nearest even, subnormals through a float add, overflow saturated or
+// NaN as they make it), written without branches so that a loop over a vector's values vectorises.
+template <int FMT>
+inline uint8_t fp8_bits(float f) {
+  constexpr uint32_t top = FMT == 1 ? UINT32_C(1087) << 20 : UINT32_C(143) << 23;  // the first value out
+  constexpr uint32_t small = FMT == 1 ? UINT32_C(121) << 23 : UINT32_C(113) << 23;  // the smallest normal
+  constexpr uint32_t denorm = FMT == 1 ? UINT32_C(141) << 23 : UINT32_C(134) << 23;
+  constexpr int shift = FMT == 1 ? 20 : 21;
+  constexpr uint32_t bias = FMT == 1 ? (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFF
+                                     : (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFF;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & UINT32_C(0x80000000);
+  bits ^= sign;
+  float mag, magic;
+  std::memcpy(&mag, &bits, 4);
+  std::memcpy(&magic, &denorm, 4);
+  const float shifted = mag + magic;
+  uint32_t sub;
+  std::memcpy(&sub, &shifted, 4);
+  sub -= denorm;
+  uint32_t normal = (bits + bias + ((bits >> shift) & 1)) >> shift;
+  if (FMT == 1) normal = normal == 0x7F ? 0x7E : normal;  // a carry into NaN's pattern: the largest
+  const uint32_t nan = bits > UINT32_C(0x7F800000);
+  const uint32_t over = FMT == 1 ? (nan ? 0x7F : 0x7E) : (nan ? 0x7F : 0x7C);
+  const uint32_t r = bits >= top ? over : bits < small ? sub : normal;
+  return static_cast<uint8_t>((r & 0xFF) | (sign >> 24));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// fp8_bits on 16 values at once: the same integer and float steps, lane by lane.
+template <int FMT>
+inline __m128i fp8_bits16(__m512 f) {
+  constexpr uint32_t top = FMT == 1 ? UINT32_C(1087) << 20 : UINT32_C(143) << 23;
+  constexpr uint32_t small = FMT == 1 ? UINT32_C(121) << 23 : UINT32_C(113) << 23;
+  constexpr uint32_t denorm = FMT == 1 ? UINT32_C(141) << 23 : UINT32_C(134) << 23;
+  constexpr int shift = FMT == 1 ? 20 : 21;
+  constexpr uint32_t bias = FMT == 1 ? (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFF
+                                     : (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFF;
+  const __m512i all = _mm512_castps_si512(f);
+  const __m512i sign = _mm512_and_si512(all, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  const __m512i bits = _mm512_xor_si512(all, sign);
+  const __m512i magic = _mm512_set1_epi32(static_cast<int32_t>(denorm));
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(magic))), magic);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, shift), _mm512_set1_epi32(1));
+  __m512i normal = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(static_cast<int32_t>(bias))), odd), shift);
+  if (FMT == 1)
+    normal = _mm512_mask_mov_epi32(normal, _mm512_cmpeq_epi32_mask(normal, _mm512_set1_epi32(0x7F)),
+                                   _mm512_set1_epi32(0x7E));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(bits, _mm512_set1_epi32(0x7F800000));
+  const __m512i over = _mm512_mask_mov_epi32(_mm512_set1_epi32(FMT == 1 ? 0x7E : 0x7C), nan, _mm512_set1_epi32(0x7F));
+  __m512i r = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(bits, _mm512_set1_epi32(static_cast<int32_t>(small))), sub);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(bits, _mm512_set1_epi32(static_cast<int32_t>(top))), over);
+  r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xFF)), _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(r);
+}
+#endif
+
 // One key or value vector quantised as kv_quant.quantize quantises it (fmt 1 fp8 e4m3, 2 fp8 e5m2,
-// 3 int8): its scale the largest magnitude over the format's largest code (1 for an all-zero
-// vector), each value over the scale in fp32, then int8 rounded to nearest even and clamped to 127,
-// fp8 clamped to the format's largest value and rounded by c10's conversion (torch's own cast).
+// 3 int8; dim at most 256): its scale the largest magnitude over the format's largest code (1 for an
+// all-zero vector), each value over the scale in fp32, then int8 rounded to nearest even and
+// clamped to 127, fp8 clamped to the format's largest value and rounded as torch's cast rounds.
 template <typename T>
 inline void quantize_vec(const T* x, int64_t dim, int fmt, uint8_t* codes, float* scale) {
   const float top = fmt == 1 ? 448.0f : fmt == 2 ? 57344.0f : 127.0f;
+  float v[256];
+  for (int64_t j = 0; j < dim; ++j) v[j] = static_cast<float>(x[j]);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (dim % 16 == 0) {  // the same steps 16 values at a time
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t j = 0; j < dim; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+    const float amax = _mm512_reduce_max_ps(m);
+    const float s = amax > 0.0f ? amax / top : 1.0f;
+    *scale = s;
+    const __m512 sv = _mm512_set1_ps(s), hi = _mm512_set1_ps(top), lo = _mm512_set1_ps(-top);
+    for (int64_t j = 0; j < dim; j += 16) {
+      const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(v + j), sv), lo), hi);
+      __m128i c;
+      if (fmt == 3)
+        c = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      else
+        c = fmt == 1 ? fp8_bits16<1>(y) : fp8_bits16<2>(y);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), c);
+    }
+    return;
+  }
+#endif
   float amax = 0.0f;
-  for (int64_t j = 0; j < dim; ++j) amax = std::max(amax, std::fabs(static_cast<float>(x[j])));
+  for (int64_t j = 0; j < dim; ++j) amax = std::max(amax, std::fabs(v[j]));
   const float s = amax > 0.0f ? amax / top : 1.0f;
   *scale = s;
   for (int64_t j = 0; j < dim; ++j) {
-    const float y = std::min(std::max(static_cast<float>(x[j]) / s, -top), top);
+    const float y = std::min(std::max(v[j] / s, -top), top);
     if (fmt == 3)
       codes[j] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
     else
-      codes[j] = fmt == 1 ? c10::Float8_e4m3fn(y).x : c10::Float8_e5m2(y).x;
+      codes[j] = fmt == 1 ? fp8_bits<1>(y) : fp8_bits<2>(y);
   }
 }
 
