@@ -11,7 +11,9 @@ many for values, instead of ``2 * head_dim`` (0.53× at head_dim 64, 0.52× at 1
 model's 0.27×. The paged attention kernels read the codes and scales where they lie, each value
 dequantised as it is read (:func:`zerotron.serve.kernels.paged_attention`: the bf16 tile and
 AVX512-BF16 kernels as they pack keys and values into their tiles, the fp32 kernel on AVX-512, AVX2
-or in its generic loop; :func:`zerotron.serve.triton_attention.paged_attention` on a GPU); SDPA reads
+or in its generic loop; :func:`zerotron.serve.triton_attention.paged_attention` on a GPU), and a step
+whose rows all go to the native kernels writes them in the native pass that rotates its keys
+(:func:`zerotron.serve.kernels.rope_store`: the codes and scales :func:`quantize` gives); SDPA reads
 the step's keys and values dequantised to the model's dtype (:meth:`QuantizedKV.read`, one gather of
 the slots the step attends to), then runs as over a 16-bit cache. Every path gives the attention the
 same bits: each reads the values :func:`dequantize` gives (the tile and dot kernels flush products

@@ -82,17 +82,16 @@ torch::Tensor rope_store_q8(torch::Tensor y, torch::Tensor cos, torch::Tensor si
   for (int64_t v : seen) TORCH_CHECK(v >= 0 && v < k_codes.size(0), "slots outside the pool");
   std::sort(seen.begin(), seen.end());
   const bool distinct = std::adjacent_find(seen.begin(), seen.end()) == seen.end();
-  KVSource k, v;
-  k.codes = static_cast<const uint8_t*>(k_codes.data_ptr());
-  v.codes = static_cast<const uint8_t*>(v_codes.data_ptr());
-  k.scales = k_scales.data_ptr<float>();
-  v.scales = v_scales.data_ptr<float>();
-  k.fmt = v.fmt = static_cast<int>(fmt);
+  auto* kc = static_cast<uint8_t*>(k_codes.data_ptr());
+  auto* vc = static_cast<uint8_t*>(v_codes.data_ptr());
+  float* ks = k_scales.data_ptr<float>();
+  float* vs = v_scales.data_ptr<float>();
   auto q = torch::empty({rows, heads, dim}, y.options());
   pybind11::gil_scoped_release no_gil;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "rope_store_q8", [&] {
-    rope_store_q8_rows<scalar_t>(y.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), k, v,
-                                 slot, q.data_ptr<scalar_t>(), rows, y.stride(0), heads, kv_heads, dim, distinct);
+    rope_store_q8_rows<scalar_t>(y.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), kc, ks, vc,
+                                 vs, static_cast<int>(fmt), slot, q.data_ptr<scalar_t>(), rows, y.stride(0), heads,
+                                 kv_heads, dim, distinct);
   });
   return q;
 }

@@ -187,15 +187,11 @@ inline void quantize_vec(const T* x, int64_t dim, int fmt, uint8_t* codes, float
 }
 
 // rope_store_rows over an 8-bit pool: the rotated k heads and the v heads quantised (quantize_vec) to
-// the pools' codes and scales at the row's slot.
+// the pools' codes (slots, kv_heads, dim) and scales (slots, kv_heads) at the row's slot.
 template <typename T>
-void rope_store_q8_rows(const T* y, const T* cos, const T* sin, const KVSource& kp, const KVSource& vp,
-                        const int64_t* slots, T* q, int64_t rows, int64_t ld, int64_t heads, int64_t kv_heads,
-                        int64_t dim, bool parallel) {
-  uint8_t* k_codes = const_cast<uint8_t*>(kp.codes);
-  uint8_t* v_codes = const_cast<uint8_t*>(vp.codes);
-  float* k_scales = const_cast<float*>(kp.scales);
-  float* v_scales = const_cast<float*>(vp.scales);
+void rope_store_q8_rows(const T* y, const T* cos, const T* sin, uint8_t* k_codes, float* k_scales, uint8_t* v_codes,
+                        float* v_scales, int fmt, const int64_t* slots, T* q, int64_t rows, int64_t ld, int64_t heads,
+                        int64_t kv_heads, int64_t dim, bool parallel) {
   const auto row = [&](int64_t r) {
     const T* yr = y + r * ld;
     const T* c = cos + r * dim;
@@ -205,8 +201,8 @@ void rope_store_q8_rows(const T* y, const T* cos, const T* sin, const KVSource& 
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t vec = slots[r] * kv_heads + h;
       rotate<T>(yr + (heads + h) * dim, c, s, k, dim);
-      quantize_vec<T>(k, dim, kp.fmt, k_codes + vec * dim, k_scales + vec);
-      quantize_vec<T>(yr + (heads + kv_heads + h) * dim, dim, vp.fmt, v_codes + vec * dim, v_scales + vec);
+      quantize_vec<T>(k, dim, fmt, k_codes + vec * dim, k_scales + vec);
+      quantize_vec<T>(yr + (heads + kv_heads + h) * dim, dim, fmt, v_codes + vec * dim, v_scales + vec);
     }
   };
   if (!parallel) {  // rows sharing a slot (padding rows): written in row order, as index_copy_ would
