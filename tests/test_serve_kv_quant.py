@@ -204,7 +204,7 @@ def test_native_kernel_reads_the_codes_in_place(
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 128), (2, 1, 24)])
 def test_native_pass_stores_the_codes_torch_rounds(
     fmt: str, dtype: torch.dtype, shape: tuple[int, int, int]
@@ -212,8 +212,9 @@ def test_native_pass_stores_the_codes_torch_rounds(
     """The native pass of a packed step (``kernels.rope_store`` over an 8-bit pool: rotary embedding,
     then each k and v vector quantised and stored at its row's slot) stores the vectors torch's own
     rotation and casts give: the dequantised codes equal the test's rounding of torch's rotated k and
-    of v bit for bit (vectors of amax 1e-30 to 1e5, fp8's subnormal codes included, and all-zero ones),
-    the rotated q equals torch's, and the slots no row names keep their codes."""
+    of v bit for bit (vectors of amax 1e-30 to 1e5, 1e-7 to 1e3 in fp16, fp8's subnormal codes
+    included, and all-zero ones),
+    the rotated q equals torch's, and the slots no row names keep their codes; fp32, bf16 and fp16 rows."""
     from zerotron.models.llama import apply_rotary
 
     if not kernels.available():
@@ -221,7 +222,11 @@ def test_native_pass_stores_the_codes_torch_rounds(
     heads, kv_heads, dim = shape
     g = torch.Generator().manual_seed(dim + heads)
     rows, pool_slots = 37, 100
-    y = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * torch.logspace(-30, 5, rows)[:, None]
+    low, high = (-7, 3) if dtype == torch.float16 else (-30, 5)  # inside fp16's range
+    y = (
+        torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+        * torch.logspace(low, high, rows)[:, None]
+    )
     y[3] = 0
     y[4, heads * dim : (heads + 1) * dim] = 0  # one k vector all zero
     y = y.to(dtype)
