@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v65"
+_NAME = "zerotron_kernels_v66"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -206,12 +206,11 @@ def paged_attention(
         if why is not None:  # the tiles' check also asks the kernel for the tile registers
             raise RuntimeError(f"no {kernel} attention here: {why}")
     scale, index = q.shape[-1] ** -0.5, ATTENTION_KERNELS.index(kernel)
-    if isinstance(k_pool, torch.Tensor):
-        out: torch.Tensor = built().paged_attention(q, k_pool, v_pool, slots, seq, lens, scale, index)
+    k, v, k_scales, v_scales, fmt = _pool_operands(k_pool, v_pool)
+    if fmt == 0:
+        out: torch.Tensor = built().paged_attention(q, k, v, slots, seq, lens, scale, index)
     else:
-        k, v = (k_pool.codes, k_pool.scales), (v_pool.codes, v_pool.scales)
-        fmt = kv_quant.KERNEL_FORMATS[k_pool.fmt]
-        out = built().paged_attention_q8(q, *k, *v, fmt, slots, seq, lens, scale, index)
+        out = built().paged_attention_q8(q, k, k_scales, v, v_scales, fmt, slots, seq, lens, scale, index)
     return out
 
 
@@ -389,9 +388,9 @@ def rope_store(
     the same bits as its torch operators; each row's result is its own. An 8-bit pool's
     (:class:`~zerotron.serve.kv_quant.QuantizedKV` each, heads up to 256 wide) k and v are stored
     quantised, the codes and scales :meth:`~zerotron.serve.kv_quant.QuantizedKV.store` stores."""
-    if isinstance(k_pool, torch.Tensor):
-        q: torch.Tensor = built().rope_store(y, cos, sin, k_pool, v_pool, slots, heads)
-        return q
-    k_codes, v_codes, k_scales, v_scales, fmt = _pool_operands(k_pool, v_pool)
-    q = built().rope_store_q8(y, cos, sin, k_codes, k_scales, v_codes, v_scales, fmt, slots, heads)
+    k, v, k_scales, v_scales, fmt = _pool_operands(k_pool, v_pool)
+    if fmt == 0:
+        q: torch.Tensor = built().rope_store(y, cos, sin, k, v, slots, heads)
+    else:
+        q = built().rope_store_q8(y, cos, sin, k, k_scales, v, v_scales, fmt, slots, heads)
     return q

@@ -23,31 +23,45 @@ torch::Tensor silu_mul(torch::Tensor gu, int64_t width) {
   });
   return y;
 }
+// The checks rope_store and rope_store_q8 make of the rows: y (rows, (heads + 2 kv_heads) dim) with
+// unit column stride, cos and sin (rows, dim) contiguous in y's dtype, dim even.
+void check_rope_rows(const torch::Tensor& y, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                     int64_t kv_heads, int64_t dim) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "rows of q, k and v columns with unit column stride");
+  TORCH_CHECK(dim % 2 == 0 && y.size(1) == (heads + 2 * kv_heads) * dim, "q, k and v columns of the pools' heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == y.size(0) && cos.size(1) == dim &&
+                  sin.sizes() == cos.sizes() && cos.scalar_type() == y.scalar_type() &&
+                  sin.scalar_type() == y.scalar_type(),
+              "a cos and sin row per row in the rows' dtype");
+}
+
+// slots (rows,) int64, each inside a pool of pool_slots slots -> whether they are distinct (the rows
+// then stored in parallel; rows sharing a slot, padding rows, in row order)
+bool distinct_slots(const torch::Tensor& slots, int64_t rows, int64_t pool_slots) {
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.size(0) == rows, "a slot per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<int64_t> seen(slot, slot + rows);
+  for (int64_t v : seen) TORCH_CHECK(v >= 0 && v < pool_slots, "slots outside the pool");
+  std::sort(seen.begin(), seen.end());
+  return std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+}
+
 // y (rows, (heads + 2 kv_heads) dim) with unit column stride, a layer's q, k and v products; cos, sin
 // (rows, dim) contiguous in y's dtype; k_pool, v_pool (slots, kv_heads, dim); slots (rows,) int64 ->
 // q (rows, heads, dim) rotated; k rotated and v written to the pools at the rows' slots
 torch::Tensor rope_store(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
                          torch::Tensor v_pool, torch::Tensor slots, int64_t heads) {
-  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "rows of q, k and v columns with unit column stride");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(), "pools");
+  TORCH_CHECK(y.scalar_type() == k_pool.scalar_type() && v_pool.scalar_type() == y.scalar_type(), "one dtype");
   const int64_t rows = y.size(0), kv_heads = k_pool.size(1), dim = k_pool.size(2);
-  TORCH_CHECK(dim % 2 == 0 && y.size(1) == (heads + 2 * kv_heads) * dim, "q, k and v columns of the pools' heads");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows && cos.size(1) == dim &&
-                  sin.sizes() == cos.sizes(), "a cos and sin row per row");
-  TORCH_CHECK(y.scalar_type() == k_pool.scalar_type() && cos.scalar_type() == y.scalar_type() &&
-                  sin.scalar_type() == y.scalar_type() && v_pool.scalar_type() == y.scalar_type(), "one dtype");
-  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.size(0) == rows, "a slot per row");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  std::vector<int64_t> seen(slot, slot + rows);
-  for (int64_t v : seen) TORCH_CHECK(v >= 0 && v < k_pool.size(0), "slots outside the pool");
-  std::sort(seen.begin(), seen.end());
-  const bool distinct = std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+  check_rope_rows(y, cos, sin, heads, kv_heads, dim);
+  const bool distinct = distinct_slots(slots, rows, k_pool.size(0));
   auto q = torch::empty({rows, heads, dim}, y.options());
   pybind11::gil_scoped_release no_gil;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "rope_store", [&] {
     rope_store_rows<scalar_t>(y.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                              k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slot, q.data_ptr<scalar_t>(),
-                              rows, y.stride(0), heads, kv_heads, dim, distinct);
+                              k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                              q.data_ptr<scalar_t>(), rows, y.stride(0), heads, kv_heads, dim, distinct);
   });
   return q;
 }
@@ -59,7 +73,6 @@ torch::Tensor rope_store(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, 
 torch::Tensor rope_store_q8(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_codes,
                             torch::Tensor k_scales, torch::Tensor v_codes, torch::Tensor v_scales, int64_t fmt,
                             torch::Tensor slots, int64_t heads) {
-  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "rows of q, k and v columns with unit column stride");
   TORCH_CHECK(fmt >= 1 && fmt <= 3, "fmt: 1 (fp8 e4m3), 2 (fp8 e5m2) or 3 (int8)");
   TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
                   v_scales.is_contiguous() && k_codes.dim() == 3 && k_codes.element_size() == 1 &&
@@ -70,18 +83,9 @@ torch::Tensor rope_store_q8(torch::Tensor y, torch::Tensor cos, torch::Tensor si
                   k_scales.dim() == 2 && k_scales.size(0) == k_codes.size(0) && k_scales.size(1) == kv_heads &&
                   v_scales.sizes() == k_scales.sizes(),
               "float32 scales, one per slot and KV head");
-  TORCH_CHECK(dim % 2 == 0 && dim <= 256 && y.size(1) == (heads + 2 * kv_heads) * dim,
-              "q, k and v columns of the pools' heads (at most 256 wide)");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows && cos.size(1) == dim &&
-                  sin.sizes() == cos.sizes() && cos.scalar_type() == y.scalar_type() &&
-                  sin.scalar_type() == y.scalar_type(),
-              "a cos and sin row per row in the rows' dtype");
-  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kLong && slots.size(0) == rows, "a slot per row");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  std::vector<int64_t> seen(slot, slot + rows);
-  for (int64_t v : seen) TORCH_CHECK(v >= 0 && v < k_codes.size(0), "slots outside the pool");
-  std::sort(seen.begin(), seen.end());
-  const bool distinct = std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+  TORCH_CHECK(dim <= 256, "heads at most 256 wide");
+  check_rope_rows(y, cos, sin, heads, kv_heads, dim);
+  const bool distinct = distinct_slots(slots, rows, k_codes.size(0));
   auto* kc = static_cast<uint8_t*>(k_codes.data_ptr());
   auto* vc = static_cast<uint8_t*>(v_codes.data_ptr());
   float* ks = k_scales.data_ptr<float>();
@@ -90,8 +94,8 @@ torch::Tensor rope_store_q8(torch::Tensor y, torch::Tensor cos, torch::Tensor si
   pybind11::gil_scoped_release no_gil;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "rope_store_q8", [&] {
     rope_store_q8_rows<scalar_t>(y.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), kc, ks, vc,
-                                 vs, static_cast<int>(fmt), slot, q.data_ptr<scalar_t>(), rows, y.stride(0), heads,
-                                 kv_heads, dim, distinct);
+                                 vs, static_cast<int>(fmt), slots.data_ptr<int64_t>(), q.data_ptr<scalar_t>(), rows,
+                                 y.stride(0), heads, kv_heads, dim, distinct);
   });
   return q;
 }

@@ -62,10 +62,23 @@ inline void rotate(const T* x, const T* c, const T* s, T* o, int64_t dim) {
 }
 #pragma GCC pop_options
 
+// row(r) for every row: in parallel where the rows' slots are distinct, else in row order (rows sharing
+// a slot, padding rows: the last one's store kept, as index_copy_ would keep it).
+template <typename Row>
+void store_rows(int64_t rows, bool parallel, const Row& row) {
+  if (!parallel) {
+    for (int64_t r = 0; r < rows; ++r) row(r);
+    return;
+  }
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row(r);
+  });
+}
+
 template <typename T>
 void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const int64_t* slots, T* q,
                      int64_t rows, int64_t ld, int64_t heads, int64_t kv_heads, int64_t dim, bool parallel) {
-  const auto row = [&](int64_t r) {
+  store_rows(rows, parallel, [&](int64_t r) {
     const T* yr = y + r * ld;
     const T* c = cos + r * dim;
     const T* s = sin + r * dim;
@@ -73,13 +86,6 @@ void rope_store_rows(const T* y, const T* cos, const T* sin, T* kp, T* vp, const
     T* k = kp + slots[r] * kv_heads * dim;
     for (int64_t h = 0; h < kv_heads; ++h) rotate<T>(yr + (heads + h) * dim, c, s, k + h * dim, dim);
     std::memcpy(vp + slots[r] * kv_heads * dim, yr + (heads + kv_heads) * dim, kv_heads * dim * sizeof(T));
-  };
-  if (!parallel) {  // rows sharing a slot (padding rows): written in row order, as index_copy_ would
-    for (int64_t r = 0; r < rows; ++r) row(r);
-    return;
-  }
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) row(r);
   });
 }
 
@@ -192,7 +198,7 @@ template <typename T>
 void rope_store_q8_rows(const T* y, const T* cos, const T* sin, uint8_t* k_codes, float* k_scales, uint8_t* v_codes,
                         float* v_scales, int fmt, const int64_t* slots, T* q, int64_t rows, int64_t ld, int64_t heads,
                         int64_t kv_heads, int64_t dim, bool parallel) {
-  const auto row = [&](int64_t r) {
+  store_rows(rows, parallel, [&](int64_t r) {
     const T* yr = y + r * ld;
     const T* c = cos + r * dim;
     const T* s = sin + r * dim;
@@ -204,13 +210,6 @@ void rope_store_q8_rows(const T* y, const T* cos, const T* sin, uint8_t* k_codes
       quantize_vec<T>(k, dim, fmt, k_codes + vec * dim, k_scales + vec);
       quantize_vec<T>(yr + (heads + kv_heads + h) * dim, dim, fmt, v_codes + vec * dim, v_scales + vec);
     }
-  };
-  if (!parallel) {  // rows sharing a slot (padding rows): written in row order, as index_copy_ would
-    for (int64_t r = 0; r < rows; ++r) row(r);
-    return;
-  }
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) row(r);
   });
 }
 }  // namespace
