@@ -213,8 +213,8 @@ def test_native_pass_stores_the_codes_torch_rounds(
     then each k and v vector quantised and stored at its row's slot) stores the vectors torch's own
     rotation and casts give: the dequantised codes equal the test's rounding of torch's rotated k and
     of v bit for bit (vectors of amax 1e-30 to 1e5, 1e-7 to 1e3 in fp16, fp8's subnormal codes
-    included, and all-zero ones),
-    the rotated q equals torch's, and the slots no row names keep their codes; fp32, bf16 and fp16 rows."""
+    included, and all-zero ones), the rotated q equals torch's, and the slots no row names keep their
+    codes; fp32, bf16 and fp16 rows."""
     from zerotron.models.llama import apply_rotary
 
     if not kernels.available():
