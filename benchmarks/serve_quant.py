@@ -13,7 +13,7 @@ computes in a child process) after the run, and zerotron's ``zerotron_weight_byt
     python benchmarks/serve_quant.py MODEL_HF_DIR --vllm-python VLLM_VENV/bin/python [--gguf FILE.gguf]
 
 ``--tiles``: every quantised zerotron case again with ``--quantized-tiles`` (bf16 rows times the
-dequantised weights on AMX tiles).
+dequantised weights on AMX tiles, or AVX512-BF16 where the CPU has no AMX).
 """
 
 from __future__ import annotations

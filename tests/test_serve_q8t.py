@@ -1,5 +1,7 @@
-"""Quantised weights times bf16 rows on AMX tiles (``linear_kernels.q8t_linear``: what ``zerotron serve``
-runs every 8- and 4-bit linear on in bf16 on a CPU with AMX).
+"""Quantised weights times bf16 rows, each weight dequantised once a call (``linear_kernels.q8t_linear``:
+what ``zerotron serve --quantized-tiles`` runs every 8- and 4-bit linear on in bf16): on AMX tiles
+where the CPU has them, and on AVX512-BF16 (``linear_kernels.q8d_linear``) where it has that; each
+kernel the CPU can run is tested.
 
 References: the weights computed from their parts in float64 (``tests.test_serve_int8._reference``:
 values times the factors, less the mins), rounded to bf16 (what the kernel multiplies: checked against
@@ -18,14 +20,23 @@ import torch
 
 from tests.test_serve_engine import _each_row_alone
 from tests.test_serve_int8 import CASES, _operands, _reference
-from zerotron.serve import kernel_definitions, linear_kernels
+from zerotron.serve import kernel_definitions, kernels, linear_kernels
 
 pytestmark = pytest.mark.skipif(
     not linear_kernels.q8t_available(),
-    reason=f"no AMX tiles for quantised weights here: {linear_kernels.why_no_q8t()}",
+    reason=f"no kernel for quantised weights times bf16 rows here: {linear_kernels.why_no_q8t()}",
 )
 
 TILE_CASES = [c for c in CASES if CASES[c][1] * CASES[c][2] % 32 == 0]
+# each kernel this CPU runs: the tiles (q8t_linear where AMX is) and the AVX512-BF16 one
+KERNELS = {
+    name: kernel
+    for name, kernel, here in (
+        ("tiles", linear_kernels.q8t_linear, kernels.tiles_available()),
+        ("dot", linear_kernels.q8d_linear, linear_kernels.q8d_available()),
+    )
+    if here
+}
 
 
 def _weight64(values: torch.Tensor, scales: tuple, mins: tuple, offset: int, add: bool) -> torch.Tensor:
@@ -34,8 +45,9 @@ def _weight64(values: torch.Tensor, scales: tuple, mins: tuple, offset: int, add
     return _reference(torch.eye(k), values, scales, mins, offset, add).T
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("case", TILE_CASES)
-def test_kernel_is_the_rows_times_the_bf16_weights_and_a_row_is_its_own(case: str) -> None:
+def test_kernel_is_the_rows_times_the_bf16_weights_and_a_row_is_its_own(case: str, kernel: str) -> None:
     """Every table layout of the 8-bit kernel: the bf16 weight definition within one bf16 rounding of
     the exact weight; the kernel's product within the fp32 sum's rounding and one bf16 rounding of
     the rows times that weight in float64; every row the same bits in calls of any row count (1 to
@@ -48,26 +60,27 @@ def test_kernel_is_the_rows_times_the_bf16_weights_and_a_row_is_its_own(case: st
     assert w.dtype == torch.bfloat16 and w.shape == exact.shape
     assert ((w.double() - exact).abs() <= exact.abs() * 2**-8).all()
     x = (torch.randn(300, exact.shape[1], generator=gen) * 2).bfloat16()
-    y = linear_kernels.q8t_linear(x, values, scales, mins, offset, add)
+    y = KERNELS[kernel](x, values, scales, mins, offset, add)
     assert y.shape == (300, n) and y.dtype == torch.bfloat16
     want = x.double() @ w.double().T
     size = x.double().abs() @ w.double().abs().T  # the sum's own size, for its fp32 rounding
     assert ((y.double() - want).abs() <= want.abs() * 2**-8 + size * 2**-20).all()
     counts = (1, 2, 15, 16, 17, 31, 32, 33, 78, 128, 129, 255, 300)
     linear = functools.partial(
-        linear_kernels.q8t_linear, values=values, scales=scales, mins=mins, offset=offset, add_mins=add
+        KERNELS[kernel], values=values, scales=scales, mins=mins, offset=offset, add_mins=add
     )
     _each_row_alone(linear, x, y, counts, gen)
 
 
-def test_kernel_rounds_the_weights_to_bf16_and_reads_every_table() -> None:
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernel_rounds_the_weights_to_bf16_and_reads_every_table(kernel: str) -> None:
     """Negative controls: the outputs are those of the bf16-rounded weight (rounded once to bf16, all
     but a few that the fp32 sum's order moves across a rounding boundary), not those of the exact
     weight (about half of them differ); and each operand moves the result."""
     gen = torch.Generator().manual_seed(12)
     values, scales, mins, offset, add = _operands("q5_k", gen)
     x = torch.randn(40, values.shape[1] * values.shape[2], generator=gen).bfloat16()
-    y = linear_kernels.q8t_linear(x, values, scales, mins, offset, add)
+    y = KERNELS[kernel](x, values, scales, mins, offset, add)
     unrounded = (x.double() @ _weight64(values, scales, mins, offset, add).T).bfloat16()
     rounded = (
         x.double() @ kernel_definitions.dequantized_bf16(values, scales, mins, offset, add).double().T
@@ -80,20 +93,21 @@ def test_kernel_rounds_the_weights_to_bf16_and_reads_every_table() -> None:
     s2[7, 2] += 1
     m2[9, 4] += 1
     for changed in (
-        linear_kernels.q8t_linear(x, v2, scales, mins, offset, add),
-        linear_kernels.q8t_linear(x, values, (scales[0], s2), mins, offset, add),
-        linear_kernels.q8t_linear(x, values, scales, (mins[0], m2), offset, add),
+        KERNELS[kernel](x, v2, scales, mins, offset, add),
+        KERNELS[kernel](x, values, (scales[0], s2), mins, offset, add),
+        KERNELS[kernel](x, values, scales, (mins[0], m2), offset, add),
     ):
         assert not torch.equal(changed.double(), y)
 
 
-def test_kernel_refuses_what_it_cannot_take() -> None:
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernel_refuses_what_it_cannot_take(kernel: str) -> None:
     gen = torch.Generator().manual_seed(13)
     values, scales, mins, offset, add = _operands("g24-nibbles", gen)  # K = 192: fine
     x = torch.randn(3, 192, generator=gen).bfloat16()
-    linear_kernels.q8t_linear(x, values, scales, mins, offset, add)
+    KERNELS[kernel](x, values, scales, mins, offset, add)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        linear_kernels.q8t_linear(
+        KERNELS[kernel](
             x[:, :168], values[:, :7], (scales[0][:, :7], None), (mins[0][:, :7], None), offset, add
         )
 
@@ -170,8 +184,11 @@ def test_quantized_tiles_refused_where_they_do_not_apply(monkeypatch: pytest.Mon
     assert EngineConfig(quantization="int8", quantized_tiles=True, tp=2).quantized_tiles  # see below
     with pytest.raises(EngineConfigError, match="one of the two"):
         EngineConfig(quantization="int8", quantized_tiles=True, quantize_activations=True)
-    monkeypatch.setattr(linear_kernels, "why_no_q8t", lambda: "this CPU has no AMX tiles")
-    with pytest.raises((ConfigError, EngineConfigError), match="quantized.tiles.*AMX"):
+    monkeypatch.setattr(kernels, "why_no_tiles", lambda: "this CPU has no AMX tiles")
+    monkeypatch.setattr(kernels, "why_no_dot", lambda: None)
+    assert linear_kernels.why_no_q8t() is None and linear_kernels.q8t_kind() == "AVX512-BF16"
+    monkeypatch.setattr(kernels, "why_no_dot", lambda: "this CPU has no AVX512-BF16")
+    with pytest.raises((ConfigError, EngineConfigError), match="quantized.tiles.*AMX tiles.*AVX512-BF16"):
         engine_config(args, 1)
 
 
@@ -188,7 +205,7 @@ def test_quantized_tiles_under_tensor_parallelism() -> None:
     from zerotron.serve.engine import Engine
 
     if not linear_kernels.q8t_available():
-        pytest.skip(f"no AMX tiles for quantised weights here: {linear_kernels.why_no_q8t()}")
+        pytest.skip(f"no kernel for quantised weights times bf16 rows here: {linear_kernels.why_no_q8t()}")
     path = str(DATA / "k256-Q4_K_M.gguf")
     tokens = np.load(DATA / "logits.npz", allow_pickle=False)["tokens"].tolist()
     prompts = [tokens[:12], tokens[3:9], tokens[6:20]]

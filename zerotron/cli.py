@@ -368,10 +368,11 @@ def _add_serve_lora(srv: Any) -> None:
     srv.add_argument(
         "--quantized-tiles",
         action="store_true",
-        help="in bf16, multiply the quantised weights (--quantization or a quantised checkpoint) on AMX "
-        "tiles, each weight dequantised to bf16 once per call: products of hundreds of rows 2-6x faster "
-        "than torch's weight-only kernels (1.4-2.5x the output throughput at 16 sequences on a 1.7B "
-        "model), one-sequence decode 2-3x slower; a CPU with AMX (under --nproc each rank's parts)",
+        help="in bf16, multiply the quantised weights (--quantization or a quantised checkpoint) with "
+        "each weight dequantised to bf16 once per call, on AMX tiles or else on AVX512-BF16: products of "
+        "hundreds of rows 2-6x faster than torch's weight-only kernels (1.3-2.5x the output throughput "
+        "at 16 sequences), one-sequence decode about 2x slower; a CPU with AMX or AVX512-BF16 (under "
+        "--nproc each rank's parts)",
     )
     srv.add_argument(
         "--kv-cache-dtype",

@@ -32,7 +32,7 @@ from zerotron.distributed.launch import current_rank_and_world
 from zerotron.distributed.mesh import Mesh, ParallelDims
 from zerotron.models.hf import ModelLoadError
 from zerotron.models.quant import weight_bytes
-from zerotron.serve import affinity, heap
+from zerotron.serve import affinity, heap, linear_kernels
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.devices import rank_device
 from zerotron.serve.edge import BadRequest, Edge, ServerOptions, error_body, error_kind, parse
@@ -344,7 +344,7 @@ def _startup_line(engine: Engine, options: ServerOptions, bound: str) -> str:
             + (
                 f"; {engine.runner.int8_native} linears on the native 8/4-bit kernel"
                 + (", int8 activations" if engine.config.quantize_activations else "")
-                + (", bf16 rows on AMX tiles" if engine.config.quantized_tiles else "")
+                + (f", bf16 rows on {linear_kernels.q8t_kind()}" if engine.config.quantized_tiles else "")
                 if engine.runner.int8_native
                 else ""
             )

@@ -76,8 +76,9 @@ class EngineConfig:
     )
     # the quantised weights times activations quantised to int8 per 32 inputs (linear_kernels.q8a8_linear)
     quantize_activations: bool = False
-    # bf16 rows times the quantised weights on AMX tiles, each weight dequantised to bf16 once per call
-    # (linear_kernels.q8t_linear): prompts several times faster, one-row decode slower than torch's kernels
+    # bf16 rows times the quantised weights, each weight dequantised to bf16 once per call, on AMX tiles
+    # or AVX512-BF16 (linear_kernels.q8t_linear): prompts several times faster, one-row decode slower
+    # than torch's kernels
     quantized_tiles: bool = False
 
     def __post_init__(self) -> None:

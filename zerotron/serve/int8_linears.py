@@ -139,7 +139,7 @@ def int8_kernels(
     ones and ``--quantization int8``'s too) on :func:`~zerotron.serve.linear_kernels.q8a8_linear`, the rows
     quantised to int8, or a ValueError naming the first it cannot take. ``tiles``: every quantised
     linear with a multiple of 32 inputs on :func:`~zerotron.serve.linear_kernels.q8t_linear` (bf16 rows on
-    AMX tiles), the rest on their own kernels. Call only where
+    AMX tiles or AVX512-BF16), the rest on their own kernels. Call only where
     :func:`~zerotron.serve.linear_kernels.q8_available` (and ``q8a8_available`` for ``activations``,
     ``q8t_available`` for ``tiles``)."""
     count = 0

@@ -14,8 +14,9 @@ order, byte for byte:
 - ``linear_vnni.cpp``: the linear layers of those weights times 8-bit-quantised activations, on
   AVX512-VNNI, and the fp32-activation kernel's one-row path on AVX-512 (two outputs a register),
   inside the namespace;
-- ``linear_qtiles.cpp``: the same weights times bf16 rows on AMX tiles (it uses the tile helpers of
-  ``linear.cpp`` and the dequantisation of ``linear_int8.cpp``), inside the namespace;
+- ``linear_qtiles.cpp``: the same weights dequantised to bf16 times bf16 rows, on AVX512-BF16 (it uses
+  the blocks of ``linear.cpp``'s AVX512-BF16 kernel) and on AMX tiles (its tile helpers), both with the
+  dequantisation of ``linear_int8.cpp``, inside the namespace;
 - ``attention_dot.cpp``: the paged attention of bf16 rows on AVX512-BF16 (it uses the row blocks and
   their dealing to threads of ``attention.cpp``; its packing and softmax helpers serve the tile kernel
   too);

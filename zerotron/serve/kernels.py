@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v66"
+_NAME = "zerotron_kernels_v67"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -87,6 +87,7 @@ _FUNCTIONS = [
     "q8_release",
     "q8_run",
     "q8t_linear",
+    "q8d_linear",
     "rms_norm",
     "silu_mul",
     "rope_store",

@@ -10,8 +10,9 @@ AVX512-BF16 without AMX (VDPBF16PS steps over pairs of k in order, rounded once 
 :func:`q8_linear` multiplies fp32 rows by 8-bit (or 4-bit) weights with a scale and a min per group
 of inputs, read from the files' own tables; :func:`q8a8_linear` multiplies the same weights by the
 rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI), as llama.cpp does (``zerotron serve
---quantize-activations``); :func:`q8t_linear` by bf16 rows on AMX tiles, the weights dequantised to
-bf16 once per call (``--quantized-tiles``). All give a row the same result in any batch.
+--quantize-activations``); :func:`q8t_linear` by bf16 rows on AMX tiles (or :func:`q8d_linear` on
+AVX512-BF16 where the CPU has no AMX), the weights dequantised to bf16 once per call
+(``--quantized-tiles``). All give a row the same result in any batch.
 :class:`Prepared` runs the first two on operands checked and laid out once (the served linears' way),
 several products of the same rows side by side in one call (:func:`q8_linears`).
 
@@ -117,9 +118,11 @@ def q8_linear(
 
 
 def _grouped(entry: str, x: torch.Tensor, values: torch.Tensor, *tables: Any) -> torch.Tensor:
-    """``x``'s rows (fp32; bf16 for q8t) through the grouped kernel ``entry`` (scales, mins, offset, add_mins)."""
+    """``x``'s rows (fp32; bf16 for q8t and q8d) through the grouped kernel ``entry`` (scales, mins,
+    offset, add_mins)."""
     scales, mins, offset, add_mins = tables
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if entry == "q8t_linear" else torch.float32)
+    bf16 = entry in ("q8t_linear", "q8d_linear")
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if bf16 else torch.float32)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y: torch.Tensor = getattr(kernels.built(), entry)(
@@ -145,12 +148,31 @@ def why_no_q8a8() -> Optional[str]:
 
 
 def q8t_available() -> bool:
-    """Whether :func:`q8t_linear` runs here (:func:`q8_available` and :func:`tiles_available`)."""
+    """Whether :func:`q8t_linear` runs here: :func:`q8_available`, and AMX tiles
+    (:func:`~zerotron.serve.kernels.tiles_available`) or AVX512-BF16 (:func:`q8d_available`)."""
     return why_no_q8t() is None
 
 
 def why_no_q8t() -> Optional[str]:
-    return why_no_q8() or kernels.why_no_tiles()
+    """Why :func:`q8t_available` is False (None when it is True)."""
+    why, tiles, dot = why_no_q8(), kernels.why_no_tiles(), kernels.why_no_dot()
+    return why or (None if tiles is None or dot is None else f"{tiles}, and {dot}")
+
+
+def q8t_kind() -> str:
+    """Where :func:`q8t_linear` multiplies here (where :func:`q8t_available`)."""
+    return "AMX tiles" if kernels.tiles_available() else "AVX512-BF16"
+
+
+def q8d_available() -> bool:
+    """Whether :func:`q8d_linear` runs here: :func:`q8_available` and AVX512-BF16
+    (:func:`~zerotron.serve.kernels.dot_available`)."""
+    return why_no_q8d() is None
+
+
+def why_no_q8d() -> Optional[str]:
+    """Why :func:`q8d_available` is False (None when it is True)."""
+    return why_no_q8() or kernels.why_no_dot()
 
 
 def q8t_linear(
@@ -161,12 +183,30 @@ def q8t_linear(
     offset: int = 0,
     add_mins: bool = False,
 ) -> torch.Tensor:
-    """:func:`q8_linear`'s weights times bf16 rows on AMX tiles, K a multiple of 32: per 32 outputs the
-    weights are dequantised as :func:`q8_linear` dequantises them and rounded once to bf16
-    (``kernel_definitions.dequantized_bf16``), then multiplied by every row of the call in 32-deep
-    tile products, each output summed in fp32 over k in order, rounded once to bf16: a row's result is
-    its own at any batch. Each weight is dequantised once a call. Returns (..., n) bf16."""
-    return _grouped("q8t_linear", x, values, scales, mins, offset, add_mins)
+    """:func:`q8_linear`'s weights times bf16 rows, K a multiple of 32, each weight dequantised once a
+    call: per 32 outputs on AMX tiles where the CPU has them, else per 48 outputs on AVX512-BF16
+    (:func:`q8d_linear`). On tiles the weights are dequantised as :func:`q8_linear` dequantises them
+    and rounded once to bf16 (``kernel_definitions.dequantized_bf16``), then multiplied by every row of
+    the call in 32-deep tile products, each output summed in fp32 over k in order, rounded once to
+    bf16: a row's result is its own at any batch. Returns (..., n) bf16."""
+    entry = "q8t_linear" if kernels.tiles_available() else "q8d_linear"
+    return _grouped(entry, x, values, scales, mins, offset, add_mins)
+
+
+def q8d_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: Factors,
+    mins: Factors = (None, None),
+    offset: int = 0,
+    add_mins: bool = False,
+) -> torch.Tensor:
+    """:func:`q8t_linear`'s product on AVX512-BF16 (VDPBF16PS, no AMX): per 48 outputs the same bf16
+    weights (``kernel_definitions.dequantized_bf16``), laid out as :func:`dot_linear`'s packed weight,
+    multiplied by every row of the call by :func:`dot_linear`'s blocks, each output summed in fp32
+    over the pairs of k in order from zero, rounded once to bf16: a row's result is its own at any
+    batch. Returns (..., n) bf16."""
+    return _grouped("q8d_linear", x, values, scales, mins, offset, add_mins)
 
 
 def q8a8_linear(

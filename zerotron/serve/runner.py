@@ -224,8 +224,8 @@ class StepRunner:
                 "it multiplies quantised weights: give --quantization (int8, int4, gguf) or a packed "
                 "checkpoint",
             )
-        # on AMX tiles: every quantised linear of 32k inputs, dequantised once per call (torch's kernels
-        # and the grouped one convert the weights again for every few rows of a prompt)
+        # on AMX tiles or AVX512-BF16: every quantised linear of 32k inputs, dequantised once per call
+        # (torch's kernels and the grouped one convert the weights again for every few rows of a prompt)
         tiles = cfg.quantized_tiles
         if tiles and not (self.quantized and dtype == torch.bfloat16):
             raise EngineConfigError(

@@ -296,6 +296,22 @@ ZT_DOT_TARGET void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, i
   }
 }
 
+// Rows m0 .. m1 - 1 of a panel's sums c (48 a row) to y's columns col .. col + width - 1 (rows ldy
+// apart), the bias (fp32, or null) added, rounded once to bf16.
+ZT_DOT_TARGET inline void dot_store(const float* c, int64_t m0, int64_t m1, int64_t col, int64_t width,
+                                    const float* bias, uint16_t* y, int64_t ldy) {
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t cnt = std::min<int64_t>(16, width - j);
+    const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + col + j) : _mm512_setzero_ps();
+    for (int64_t m = m0; m < m1; ++m) {
+      __m512 v = _mm512_loadu_ps(c + (m - m0) * DNR + j);
+      if (bias) v = _mm512_add_ps(v, b);
+      _mm256_mask_storeu_epi16(y + m * ldy + col + j, keep, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
 // Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
 ZT_DOT_TARGET void dot_tasks(const DotProblem& t, int64_t begin, int64_t end) {
   alignas(64) float c[DMC * DNR];
@@ -309,17 +325,7 @@ ZT_DOT_TARGET void dot_tasks(const DotProblem& t, int64_t begin, int64_t end) {
         dot_rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * DNR, k0 == 0,
                  m == m0 ? w + k1 * DNR * 2 : nullptr, std::min<int64_t>(8, m1 - m));
     }
-    const int64_t col = p * DNR, width = std::min(DNR, t.n - col);
-    for (int64_t j = 0; j < width; j += 16) {
-      const int64_t cnt = std::min<int64_t>(16, width - j);
-      const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
-      const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col + j) : _mm512_setzero_ps();
-      for (int64_t m = m0; m < m1; ++m) {
-        __m512 v = _mm512_loadu_ps(c + (m - m0) * DNR + j);
-        if (t.bias) v = _mm512_add_ps(v, b);
-        _mm256_mask_storeu_epi16(t.y + m * t.n + col + j, keep, (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
+    dot_store(c, m0, m1, p * DNR, std::min(DNR, t.n - p * DNR), t.bias, t.y, t.n);
   }
 }
 

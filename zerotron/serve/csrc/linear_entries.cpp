@@ -164,13 +164,13 @@ bool vnni_cpu() {
 #endif
 }
 
-// x (rows, K) fp32 with unit column stride (bf16 on tiles); q (n, groups, group) int8 with unit last
+// x (rows, K) fp32 with unit column stride (bf16 in modes 2 and 3); q (n, groups, group) int8 with unit last
 // stride (K = groups * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a
 // byte, each less offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows,
 // n) in x's dtype: y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. mode 0: x as it is
 // (q8_linear_many; bf16 weights too, no scales); 1: x quantised to int8 per 32 inputs first
 // (q8a8_linear_many, not bf16 weights); 2: bf16 x times the weights rounded to bf16 on AMX tiles
-// (qtile_linear_run, K a multiple of 32). q8_check_operands checks one product's operands for K inputs.
+// (qtile_linear_run, K a multiple of 32); 3: the same on AVX512-BF16 (qdot_linear_run). q8_check_operands checks one product's operands for K inputs.
 void q8_check_operands(int64_t k, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
                        const std::optional<torch::Tensor>& s2, const std::optional<torch::Tensor>& m1,
                        const std::optional<torch::Tensor>& m2, int64_t offset, int mode) {
@@ -183,13 +183,13 @@ void q8_check_operands(int64_t k, const torch::Tensor& q, const std::optional<to
   TORCH_CHECK(bf16 ? !s1 && !s2 && !m1 && !m2 : s1.has_value(), "scales for 8- and 4-bit values only (and then s1)");
   const int64_t groups = q.size(1), group = q.size(2) * (nibbles ? 2 : 1);
   TORCH_CHECK(group % 8 == 0 && k == groups * group, "groups of a multiple of 8 inputs, K of them");
-  TORCH_CHECK(mode != 2 || k % 32 == 0, "K a multiple of 32 on tiles");
+  TORCH_CHECK(mode < 2 || k % 32 == 0, "K a multiple of 32 for bf16 rows");
   TORCH_CHECK(!m2 || m1, "a min's second factor without its first");
 }
 
 void q8_check_rows(const torch::Tensor& x, int mode) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (mode == 2 ? torch::kBFloat16 : torch::kFloat) && x.stride(1) == 1,
-              mode == 2 ? "bf16 rows" : "fp32 rows");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (mode >= 2 ? torch::kBFloat16 : torch::kFloat) && x.stride(1) == 1,
+              mode >= 2 ? "bf16 rows" : "fp32 rows");
 }
 
 #if defined(ZT_Q8)
@@ -212,7 +212,7 @@ Q8Problem q8_problem(int64_t k, const torch::Tensor& q, const std::optional<torc
 }
 
 void q8_set_rows(Q8Problem& t, const torch::Tensor& x, float* y, int64_t ldy) {
-  t.x = x.scalar_type() == torch::kFloat ? x.data_ptr<float>() : nullptr;  // bf16 on tiles: packed apart
+  t.x = x.scalar_type() == torch::kFloat ? x.data_ptr<float>() : nullptr;  // bf16 rows: read apart
   t.ldx = x.stride(0);
   t.rows = x.size(0);
   t.chunk = even_chunk(t.rows, QMC, 4);
@@ -234,7 +234,19 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
 #if defined(ZT_Q8)
   TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
   std::vector<Q8Problem> ts{q8_problem(x.size(1), q, s1, s2, m1, m2, offset, add_mins, mode)};
-  q8_set_rows(ts[0], x, tiles ? nullptr : y.data_ptr<float>(), n);
+  q8_set_rows(ts[0], x, mode >= 2 ? nullptr : y.data_ptr<float>(), n);
+  if (mode == 3) {
+#if defined(ZT_QDOT)
+    const int64_t chunk = even_chunk(rows, DMC, 8);
+    QDotProblem qd{ts[0], reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()),
+                   x.stride(0), chunk, (rows + chunk - 1) / chunk};
+    pybind11::gil_scoped_release no_gil;
+    qdot_linear_run(qd);
+    return y;
+#else
+    TORCH_CHECK(false, "this build has no AVX512-BF16 kernels for quantised weights");
+#endif
+  }
   if (tiles) {
 #if defined(ZT_QTILES)
     // the rows packed as pack_tiles packs a weight: B tiles of 16 rows and 32 inputs
@@ -377,4 +389,11 @@ torch::Tensor q8t_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::
                          std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
                          std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
   return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, 2);
+}
+
+// q8_linear's operands (not bf16 weights) times bf16 rows on AVX512-BF16, the weights rounded to bf16.
+torch::Tensor q8d_linear(torch::Tensor x, torch::Tensor q, std::optional<torch::Tensor> s1,
+                         std::optional<torch::Tensor> s2, std::optional<torch::Tensor> m1,
+                         std::optional<torch::Tensor> m2, int64_t offset, bool add_mins) {
+  return q8_entry(x, q, s1, s2, m1, m2, offset, add_mins, 3);
 }

@@ -1,30 +1,14 @@
-// ---- 8- and 4-bit weights times bf16 rows on AMX tiles ----------------------------------------------
-// y = x w^T for bf16 x (rows, K) and the weights of the 8-bit kernel above (Q8Problem: any of its
-// tables), on CPUs with AMX. Per task (a chunk of rows, 32 outputs) the outputs' weights are
-// dequantised as the 8-bit kernel dequantises them (q8_dequant: fp32, q * s - m) and rounded once to
-// bf16 into a panel (32 x K), which tile products then multiply by every 16-row block of the chunk.
-// The weights are the A tiles (16 outputs of 32 inputs each: the panel's rows as they are, no
-// transpose) and the rows the B tiles (x packed as pack_tiles packs a weight). An output element is its
-// row of x times its panel row summed in fp32 over k in 32-deep tile products in k order, rounded once
-// to bf16: a row's numbers never depend on the other rows, on the chunks or on the threads. Tasks run
-// output-major, so a thread dequantises each of its panels once per call whatever the row count: a
-// prompt's hundreds of rows pay the dequantisation once, where a row-at-a-time kernel pays per row.
-#if defined(ZT_TILES) && defined(ZT_Q8)
-#define ZT_QTILES 1
-#define ZT_QTILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
-struct QTileProblem {
-  Q8Problem q;         // the weights (q.x, q.y and q.ldx unused)
-  const uint16_t* xp;  // x packed: (row blocks of 16, kblocks, 16 pairs of k, 16 rows, 2)
-  uint16_t* y;         // (rows, n) bf16
-  int64_t kblocks, chunk, chunks;
-};
-
-constexpr int64_t QTO = 32;  // outputs per task: two A tiles
-
+// ---- 8- and 4-bit weights dequantised to bf16 (the two kernels below) ---------------------------------
+// Both multiply bf16 rows by the 8-bit kernel's weights (Q8Problem: any of its tables) dequantised as
+// that kernel dequantises them (q8_dequant: fp32, q * s - m) and rounded once to bf16, the same bf16
+// weights on either (kernel_definitions.dequantized_bf16 in PyTorch).
+#if defined(ZT_DOT) && defined(ZT_Q8)
+#define ZT_QBF16 1
+#define ZT_QBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 // The 16 values of output o from input k (in group gi, scale sv, min mv) as bf16 at out: q8_dequant's
 // q * s - m on 16 lanes instead of 8, rounded to nearest even.
 template <int KIND>
-ZT_QTILE_TARGET inline void qtile_16(const Q8Problem& q, int64_t o, int64_t gi, int64_t k, __m512 sv, __m512 mv,
+ZT_QBF16_TARGET inline void qbf16_16(const Q8Problem& q, int64_t o, int64_t gi, int64_t k, __m512 sv, __m512 mv,
                                      bool mins, uint16_t* out) {
   const int8_t* qg = q.q + o * q.qo + gi * q.qg;
   __m128i v8;
@@ -44,15 +28,217 @@ ZT_QTILE_TARGET inline void qtile_16(const Q8Problem& q, int64_t o, int64_t gi, 
 // Output o's weights of inputs [k0, k1) straight to bf16 at out, 16 at a time (groups of a multiple
 // of 16 inputs), with no fp32 buffer between. s and m: the slice's groups' scales and mins (q8_factors).
 template <int KIND>
-ZT_QTILE_TARGET inline void qtile_row(const Q8Problem& q, int64_t o, int64_t k0, int64_t k1, const float* s,
+ZT_QBF16_TARGET inline void qbf16_row(const Q8Problem& q, int64_t o, int64_t k0, int64_t k1, const float* s,
                                       const float* m, bool mins, uint16_t* out) {
   const int64_t g0 = k0 / q.group, count = (k1 - 1) / q.group - g0 + 1;
   for (int64_t c = 0; c < count; ++c) {
     const int64_t gi = g0 + c, start = std::max(k0, gi * q.group), end = std::min(k1, (gi + 1) * q.group);
     const __m512 sv = _mm512_set1_ps(s[c]), mv = _mm512_set1_ps(m[c]);
-    for (int64_t k = start; k < end; k += 16) qtile_16<KIND>(q, o, gi, k, sv, mv, mins, out + (k - k0));
+    for (int64_t k = start; k < end; k += 16) qbf16_16<KIND>(q, o, gi, k, sv, mv, mins, out + (k - k0));
   }
 }
+
+#endif
+
+// ---- the same weights times bf16 rows on AVX512-BF16 (no AMX) ------------------------------------------
+// y = x w^T on CPUs with AVX512-BF16 but without AMX tiles. Per task (48 outputs, a chunk of rows) the
+// outputs' weights are dequantised to bf16 (qbf16_row, 16 outputs of 256 inputs at a time) and laid
+// out as pack_dot lays out a weight (pairs of k, 48 outputs to a pair: 16 x 16 pairs transposed at a
+// time), and dot_linear's blocks (dot_rows) multiply that panel by every 8 rows of the chunk. An output
+// element is its row of x times its panel column summed in fp32 over the pairs of k in order from
+// zero (VDPBF16PS), rounded once to bf16: a row's numbers never depend on the other rows, on the
+// chunks or on the threads. Tasks run output-major: a thread dequantises each panel once per call.
+#if defined(ZT_QBF16)
+#define ZT_QDOT 1
+struct QDotProblem {
+  Q8Problem q;        // the weights (q.x, q.y and q.ldx unused)
+  const uint16_t* x;  // (rows, K) bf16, rows ldx apart
+  uint16_t* y;        // (rows, n) bf16
+  int64_t ldx, chunk, chunks;
+};
+
+// r[i] (16 pairs of row i) -> r[p] (pair p of the 16 rows): a 16 x 16 transpose of 32-bit elements.
+ZT_QBF16_TARGET inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // t[i] lane L: r[i][4L], r[i+1][4L], r[i][4L+1], r[i+1][4L+1]
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c] lane L: column 4L + c of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i a0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), a1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i b0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), b1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+  }
+}
+
+// A group's 16 weights of 4-bit values (lut: the values of the 16 nibbles in fp32; scale sv, min mv)
+// in bf16: q8_dequant's q * s - m for each value that a nibble can hold, rounded to nearest even.
+ZT_QBF16_TARGET inline __m512i qbf16_table(__m512 lut, __m512 sv, __m512 mv, bool mins) {
+  const __m512 w = mins ? _mm512_fmsub_ps(lut, sv, mv) : _mm512_mul_ps(lut, sv);
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w));
+}
+
+// 16 outputs' 4-bit weights of inputs [k0, k1) (a slice, groups of a multiple of 16) into the panel's
+// columns 16 b .. 16 b + 15: per output and 32 inputs, its 16 bytes (16 pairs of nibbles) widened to
+// a pair per 32-bit lane and looked up in its group's table of 16 bf16 weights (qbf16_table: the
+// same bits as qbf16_16), then the 16 outputs' rows of 16 pairs transposed into 16 panel rows.
+ZT_QBF16_TARGET void qdot_nibbles(const Q8Problem& q, int64_t ob, int64_t b, int64_t k0, int64_t k1, uint16_t* panel) {
+  const bool mins = q.m1.kind != 0, split = q.group % 32 != 0;  // split: a group ends mid-way through 32 inputs
+  const int64_t g0 = k0 / q.group, count = (k1 - 1) / q.group - g0 + 1;
+  const int64_t* e0 = q.slices + (k0 / QKS) * 8;
+  const __m512 lut = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q.lut))));
+  const __m512i low = _mm512_set1_epi32(0xF), high = _mm512_set1_epi32(0xF0);
+  float s[16][QKS / 8], m[16][QKS / 8];
+  const int64_t ow = std::min<int64_t>(16, q.n - ob);
+  for (int64_t j = 0; j < ow; ++j) q8_factors(q, ob + j, e0, e0 + 4, count, s[j], m[j]);
+  for (int64_t k = k0; k < k1; k += 32) {
+    const int64_t gi = k / q.group, c = gi - g0, at = (k - gi * q.group) / 2;
+    __m512i r[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= ow) {
+        r[j] = _mm512_setzero_si512();
+        continue;
+      }
+      const int8_t* qo = q.q + (ob + j) * q.qo;
+      __m128i bytes;
+      if (!split || at + 16 <= q.group / 2) {
+        bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qo + gi * q.qg + at));
+      } else {  // the first 8 bytes in group gi, the last 8 in the next
+        bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qo + gi * q.qg + at)),
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qo + (gi + 1) * q.qg)));
+      }
+      const __m512i v = _mm512_cvtepu8_epi32(bytes);  // lane p: pair p's byte
+      const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_slli_epi32(_mm512_and_si512(v, high), 12));
+      const __m512i t0 = qbf16_table(lut, _mm512_set1_ps(s[j][c]), _mm512_set1_ps(m[j][c]), mins);
+      r[j] = _mm512_permutexvar_epi16(idx, t0);
+      if (split && at + 16 > q.group / 2) {  // the upper pairs from the next group's table
+        const __m512i t1 = qbf16_table(lut, _mm512_set1_ps(s[j][c + 1]), _mm512_set1_ps(m[j][c + 1]), mins);
+        const __mmask32 upper = ~((1u << (2 * (q.group / 2 - at))) - 1);
+        r[j] = _mm512_mask_permutexvar_epi16(r[j], upper, idx, t1);
+      }
+    }
+    transpose16(r);
+    for (int pp = 0; pp < 16; ++pp) _mm512_store_si512(panel + (k / 2 + pp) * DNR * 2 + 32 * b, r[pp]);
+  }
+}
+
+// The panel of outputs o0 .. o0 + 47 (zero columns past n) as dot_rows reads it: pair P's 48 outputs'
+// two values at panel + 96 P. rows: a 16 x 256 bf16 buffer, f: 16 x 256 fp32 (groups of 8 or 24).
+template <int KIND>
+ZT_QBF16_TARGET void qdot_panel(const Q8Problem& q, int64_t o0, uint16_t* panel, uint16_t* rows, float* f) {
+  const bool mins = q.m1.kind != 0;
+  // inputs a line of values holds (a line per group where an output's groups are not side by side)
+  const int64_t per_line = KIND == 1 ? 128 : 64, line = q.qg * (KIND == 1 ? 2 : 1) == q.group ? per_line : std::min(per_line, q.group);
+  float s[QKS / 8], m[QKS / 8];
+  for (int64_t b = 0; b < DNR / 16; ++b) {
+    const int64_t ob = o0 + 16 * b;
+    for (int64_t k0 = 0; k0 < q.k; k0 += QKS) {
+      const int64_t k1 = std::min(q.k, k0 + QKS);
+      // the next slice's values (or the next 16 outputs' first) fetched meanwhile: 16 outputs' few
+      // lines a slice are too short a stream for the hardware to fetch ahead
+      const int64_t nk = k1 < q.k ? k1 : 0, no = k1 < q.k ? ob : ob + 16, nk1 = std::min(q.k, nk + QKS);
+      for (int64_t j = 0; j < 16 && no + j < q.n; ++j)
+        for (int64_t k = nk; k < nk1; k += line) q8_prefetch_value(q, no + j, k / q.group, k % q.group);
+      if (KIND == 1 && q.group % 16 == 0) {
+        qdot_nibbles(q, ob, b, k0, k1, panel);
+        continue;
+      }
+      if (q.group % 16 == 0) {  // output by output
+        const int64_t count = (k1 - 1) / q.group - k0 / q.group + 1;
+        const int64_t* e0 = q.slices + (k0 / QKS) * 8;
+        for (int64_t j = 0; j < 16; ++j) {
+          if (ob + j >= q.n) {
+            std::memset(rows + j * QKS, 0, (k1 - k0) * 2);
+            continue;
+          }
+          q8_factors(q, ob + j, e0, e0 + 4, count, s, m);
+          qbf16_row<KIND>(q, ob + j, k0, k1, s, m, mins, rows + j * QKS);
+        }
+      } else {
+        q8_dequant<KIND>(q, ob, k0, k1, f, 16, QKS);  // groups of 8 or 24: 8 values at a time
+        for (int64_t j = 0; j < 16; ++j)
+          for (int64_t kk = 0; kk < k1 - k0; kk += 32) {
+            const __m512 lo = _mm512_load_ps(f + j * QKS + kk), hi = _mm512_load_ps(f + j * QKS + kk + 16);
+            _mm512_store_si512(rows + j * QKS + kk, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          }
+      }
+      for (int64_t kk = 0; kk < k1 - k0; kk += 32) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(rows + j * QKS + kk);
+        transpose16(r);
+        for (int pp = 0; pp < 16; ++pp) _mm512_store_si512(panel + ((k0 + kk) / 2 + pp) * DNR * 2 + 32 * b, r[pp]);
+      }
+    }
+  }
+}
+
+// Tasks [begin, end) of one thread: task = (48 outputs, chunk of rows), output-major. dot_linear's
+// target, so that its blocks are inlined here as in dot_tasks (called, they keep their sums on the stack).
+ZT_DOT_TARGET void qdot_tasks(const QDotProblem& t, int64_t begin, int64_t end) {
+  const Q8Problem& q = t.q;
+  const int64_t pairs = q.k / 2, size = pairs * DNR * 2;
+  thread_local std::vector<uint16_t> held;  // the panel, then the rows' buffer, from a 64-byte boundary
+  if (static_cast<int64_t>(held.size()) < size + 16 * QKS + 32) held.resize(size + 16 * QKS + 32);
+  uint16_t* panel = held.data() + (-(reinterpret_cast<uintptr_t>(held.data()) / 2) & 31);
+  uint16_t* rows = panel + size;
+  alignas(64) float f[16 * QKS];
+  alignas(64) float c[DMC * DNR];
+  int64_t have = -1;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t p = task / t.chunks, mc = task % t.chunks, o0 = p * DNR;
+    if (p != have) {
+      if (q.kind == 1) qdot_panel<1>(q, o0, panel, rows, f);  // never kind 2: q8_entry refuses bf16 values
+      else qdot_panel<0>(q, o0, panel, rows, f);
+      have = p;
+    }
+    const int64_t m0 = mc * t.chunk, m1 = std::min(q.rows, m0 + t.chunk);
+    for (int64_t k0 = 0; k0 < pairs; k0 += DKC) {
+      const int64_t k1 = std::min(pairs, k0 + DKC);
+      for (int64_t m = m0; m < m1; m += 8)
+        dot_rows(t.x + m * t.ldx, t.ldx, panel, k0, k1, c + (m - m0) * DNR, k0 == 0,
+                 m == m0 ? panel + k1 * DNR * 2 : nullptr, std::min<int64_t>(8, m1 - m));
+    }
+    dot_store(c, m0, m1, o0, std::min(DNR, q.n - o0), nullptr, t.y, q.n);
+  }
+}
+
+void qdot_linear_run(QDotProblem t) {
+  const std::vector<int64_t> slices = q8_slices(t.q);
+  t.q.slices = slices.data();
+  const int64_t tasks = (t.q.n + DNR - 1) / DNR * t.chunks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { qdot_tasks(t, begin, end); });
+}
+#endif
+
+// ---- 8- and 4-bit weights times bf16 rows on AMX tiles ----------------------------------------------
+// y = x w^T for bf16 x (rows, K) and the weights above, on CPUs with AMX. Per task (a chunk of rows, 32
+// outputs) the outputs' weights are dequantised to bf16 into a panel (32 x K), which tile products then multiply by every 16-row block of the chunk.
+// The weights are the A tiles (16 outputs of 32 inputs each: the panel's rows as they are, no
+// transpose) and the rows the B tiles (x packed as pack_tiles packs a weight). An output element is its
+// row of x times its panel row summed in fp32 over k in 32-deep tile products in k order, rounded once
+// to bf16: a row's numbers never depend on the other rows, on the chunks or on the threads. Tasks run
+// output-major, so a thread dequantises each of its panels once per call whatever the row count: a
+// prompt's hundreds of rows pay the dequantisation once, where a row-at-a-time kernel pays per row.
+#if defined(ZT_TILES) && defined(ZT_QBF16)
+#define ZT_QTILES 1
+#define ZT_QTILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+struct QTileProblem {
+  Q8Problem q;         // the weights (q.x, q.y and q.ldx unused)
+  const uint16_t* xp;  // x packed: (row blocks of 16, kblocks, 16 pairs of k, 16 rows, 2)
+  uint16_t* y;         // (rows, n) bf16
+  int64_t kblocks, chunk, chunks;
+};
+
+constexpr int64_t QTO = 32;  // outputs per task: two A tiles
 
 // The panel of outputs o0 .. o0 + 31 (zero rows past n), rows kp values apart: each
 // weight q8_dequant's fp32 value rounded to bf16 (round to nearest even), 256 inputs at a time.
@@ -70,7 +256,7 @@ ZT_QTILE_TARGET void qtile_panel(const Q8Problem& q, int64_t o0, int64_t kp, uin
         const int64_t k1 = std::min(q.k, k0 + QKS), count = (k1 - 1) / q.group - k0 / q.group + 1;
         const int64_t* e0 = q.slices + (k0 / QKS) * 8;
         q8_factors(q, o0 + j, e0, e0 + 4, count, s, m);
-        qtile_row<KIND>(q, o0 + j, k0, k1, s, m, mins, panel + j * kp + k0);
+        qbf16_row<KIND>(q, o0 + j, k0, k1, s, m, mins, panel + j * kp + k0);
       }
     }
     return;
@@ -115,7 +301,7 @@ ZT_QTILE_TARGET void qtile_small(const QTileProblem& t, int64_t o0, int ma, int 
       for (int64_t j = 0; j < ow; ++j)
         for (int64_t h = 0; h < 2; ++h) {
           const int64_t k = kb * 32 + 16 * h, gc = group_of[(k - k0) / 16];
-          qtile_16<KIND>(q, o0 + j, g0 + gc, k, _mm512_set1_ps(s[j][gc]), _mm512_set1_ps(m[j][gc]), mins,
+          qbf16_16<KIND>(q, o0 + j, g0 + gc, k, _mm512_set1_ps(s[j][gc]), _mm512_set1_ps(m[j][gc]), mins,
                          a + j * 32 + 16 * h);
         }
       _tile_loadd(4, a, 64);
