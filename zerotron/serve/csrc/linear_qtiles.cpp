@@ -80,11 +80,13 @@ ZT_QBF16_TARGET inline void transpose16(__m512i* r) {
   }
 }
 
-// A group's 16 weights of 4-bit values (lut: the values of the 16 nibbles in fp32; scale sv, min mv)
-// in bf16: q8_dequant's q * s - m for each value that a nibble can hold, rounded to nearest even.
-ZT_QBF16_TARGET inline __m512i qbf16_table(__m512 lut, __m512 sv, __m512 mv, bool mins) {
-  const __m512 w = mins ? _mm512_fmsub_ps(lut, sv, mv) : _mm512_mul_ps(lut, sv);
-  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w));
+// A group's 16 weights of 4-bit values (lut: the values of the 16 nibbles in fp32; scale s, min m) in
+// bf16: q8_dequant's q * s - m for each value that a nibble can hold, rounded to nearest even; twice
+// (entries 16-31 those of 0-15), so that an index's fifth bit does not matter.
+ZT_QBF16_TARGET inline __m512i qbf16_table(__m512 lut, float s, float m, bool mins) {
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512 w = mins ? _mm512_fmsub_ps(lut, sv, _mm512_set1_ps(m)) : _mm512_mul_ps(lut, sv);
+  return _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(w));
 }
 
 // 16 outputs' 4-bit weights of inputs [k0, k1) (a slice, groups of a multiple of 16) into the panel's
@@ -96,12 +98,13 @@ ZT_QBF16_TARGET void qdot_nibbles(const Q8Problem& q, int64_t ob, int64_t b, int
   const int64_t g0 = k0 / q.group, count = (k1 - 1) / q.group - g0 + 1;
   const int64_t* e0 = q.slices + (k0 / QKS) * 8;
   const __m512 lut = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q.lut))));
-  const __m512i low = _mm512_set1_epi32(0xF), high = _mm512_set1_epi32(0xF0);
   float s[16][QKS / 8], m[16][QKS / 8];
+  __m512i tables[16];  // each output's table of its group gi (made where a group starts)
   const int64_t ow = std::min<int64_t>(16, q.n - ob);
   for (int64_t j = 0; j < ow; ++j) q8_factors(q, ob + j, e0, e0 + 4, count, s[j], m[j]);
   for (int64_t k = k0; k < k1; k += 32) {
     const int64_t gi = k / q.group, c = gi - g0, at = (k - gi * q.group) / 2;
+    const bool across = split && at + 16 > q.group / 2, start = at == 0 || k == k0;
     __m512i r[16];
     for (int64_t j = 0; j < 16; ++j) {
       if (j >= ow) {
@@ -110,20 +113,22 @@ ZT_QBF16_TARGET void qdot_nibbles(const Q8Problem& q, int64_t ob, int64_t b, int
       }
       const int8_t* qo = q.q + (ob + j) * q.qo;
       __m128i bytes;
-      if (!split || at + 16 <= q.group / 2) {
+      if (!across) {
         bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qo + gi * q.qg + at));
       } else {  // the first 8 bytes in group gi, the last 8 in the next
         bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qo + gi * q.qg + at)),
                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qo + (gi + 1) * q.qg)));
       }
-      const __m512i v = _mm512_cvtepu8_epi32(bytes);  // lane p: pair p's byte
-      const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_slli_epi32(_mm512_and_si512(v, high), 12));
-      const __m512i t0 = qbf16_table(lut, _mm512_set1_ps(s[j][c]), _mm512_set1_ps(m[j][c]), mins);
-      r[j] = _mm512_permutexvar_epi16(idx, t0);
-      if (split && at + 16 > q.group / 2) {  // the upper pairs from the next group's table
-        const __m512i t1 = qbf16_table(lut, _mm512_set1_ps(s[j][c + 1]), _mm512_set1_ps(m[j][c + 1]), mins);
+      // lane p: pair p's byte b, as the indices b (low half: bits 0-3, the first input's nibble) and
+      // b << 12 (high half: bits 16-19, the second's); vpermw reads an index's five low bits
+      const __m512i v = _mm512_cvtepu8_epi32(bytes);
+      const __m512i idx = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));
+      if (start) tables[j] = qbf16_table(lut, s[j][c], m[j][c], mins);
+      r[j] = _mm512_permutexvar_epi16(idx, tables[j]);
+      if (across) {  // the upper pairs from the next group's table
+        tables[j] = qbf16_table(lut, s[j][c + 1], m[j][c + 1], mins);
         const __mmask32 upper = ~((1u << (2 * (q.group / 2 - at))) - 1);
-        r[j] = _mm512_mask_permutexvar_epi16(r[j], upper, idx, t1);
+        r[j] = _mm512_mask_permutexvar_epi16(r[j], upper, idx, tables[j]);
       }
     }
     transpose16(r);
