@@ -298,16 +298,18 @@ def test_quantised_layers_step_in_one_native_call_over_an_8bit_pool(
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_a_long_decode_on_tiles_reads_the_codes_in_place(fmt: str) -> None:
-    """At 1,024 keys or more a decode on the tile kernel is streamed chunk by chunk instead of packed
-    for its whole slot list; from an 8-bit pool it reads the codes where they lie: bit for bit the
-    decode over the bf16 pool of the rounded vectors (which is copied chunk by chunk), and the bits
-    the same row gets as one of its prompt's rows (packed)."""
+@pytest.mark.parametrize("kernel", ["tiles", "dot"])
+def test_a_long_decode_on_tiles_reads_the_codes_in_place(fmt: str, kernel: str) -> None:
+    """At 1,024 keys or more a decode on the tile kernel (64 or more on the dot kernel) is streamed
+    chunk by chunk instead of packed for its whole slot list; from an 8-bit pool its codes and scales
+    are copied chunk by chunk, runs of consecutive slots at once (half the slots here lie in runs):
+    bit for bit the decode over the bf16 pool of the rounded vectors (which is copied the same way),
+    and the bits the same row gets as one of its prompt's rows (packed)."""
     if not kernels.available():
         pytest.skip(f"the native attention kernel is not built here ({kernels.why_unavailable()})")
-    why = kernels.why_no_tiles()
+    why = kernels.why_no_tiles() if kernel == "tiles" else kernels.why_no_dot()
     if why is not None:
-        pytest.skip(f"no tile attention here: {why}")
+        pytest.skip(f"no {kernel} attention here: {why}")
     heads, kv_heads, dim, n, pool_slots = 9, 3, 64, 1100, 1200
     g = torch.Generator().manual_seed(n)
     pools = []
@@ -317,15 +319,18 @@ def test_a_long_decode_on_tiles_reads_the_codes_in_place(fmt: str) -> None:
         pool.store(torch.arange(pool_slots), x.bfloat16())
         pools.append((pool, _rounded(x.bfloat16(), fmt).bfloat16()))
     (k, k_dense), (v, v_dense) = pools
-    slots = torch.randperm(pool_slots, generator=g)[:n].view(1, n).contiguous()
+    run = torch.arange(50, 50 + n // 2)  # a run of consecutive slots, then scattered ones
+    rest = torch.randperm(pool_slots, generator=g)
+    rest = rest[(rest < 50) | (rest >= 50 + n // 2)][: n - n // 2]
+    slots = torch.cat([run, rest]).view(1, n).contiguous()
     q = torch.randn(n, heads, dim, generator=g).bfloat16()
     lens, seq = torch.arange(1, n + 1), torch.zeros(n, dtype=torch.long)
-    prompt = kernels.paged_attention(q, k, v, slots, lens, seq, kernel="tiles")
-    for r in (1023, n - 1):  # decodes on the stream path
+    prompt = kernels.paged_attention(q, k, v, slots, lens, seq, kernel=kernel)
+    for r in (70, 1023, n - 1):  # decodes on the stream path (the dot kernel's from 64 keys)
         row = slice(r, r + 1)
-        alone = kernels.paged_attention(q[row], k, v, slots, lens[row], seq[row], kernel="tiles")
+        alone = kernels.paged_attention(q[row], k, v, slots, lens[row], seq[row], kernel=kernel)
         assert torch.equal(alone, prompt[row])
-        dense = kernels.paged_attention(q[row], k_dense, v_dense, slots, lens[row], seq[row], kernel="tiles")
+        dense = kernels.paged_attention(q[row], k_dense, v_dense, slots, lens[row], seq[row], kernel=kernel)
         assert torch.equal(alone, dense)
 
 

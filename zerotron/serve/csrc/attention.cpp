@@ -202,7 +202,7 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 // to 16 bits and shifted into place (e5m2 is fp16's top byte; e4m3's exponent and mantissa go 7 bits
 // up, the sign's copy in bit 14 cleared), converted exactly: e4m3's value 2^-8 the code's (exponent
 // bias 15 against 7), which kv_scale folds into the scale.
-inline __m512 kv_codes16(__m128i x, int fmt) {
+__attribute__((always_inline)) inline __m512 kv_codes16(__m128i x, int fmt) {
   if (fmt == 3) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
   const __m256i h = _mm256_cvtepi8_epi16(x);
   return _mm512_cvtph_ps(fmt == 2 ? _mm256_slli_epi16(h, 8)
@@ -211,7 +211,7 @@ inline __m512 kv_codes16(__m128i x, int fmt) {
 
 // The factor kv_codes16's values are multiplied by: the scale (times 256 for e4m3, exact: a power of
 // two, and the product code x scale is rounded once either way).
-inline __m512 kv_scale(float scale, int fmt) { return _mm512_set1_ps(fmt == 1 ? scale * 256.0f : scale); }
+__attribute__((always_inline)) inline __m512 kv_scale(float scale, int fmt) { return _mm512_set1_ps(fmt == 1 ? scale * 256.0f : scale); }
 
 // 16 fp32 values rounded to T as torch rounds (bf16: to nearest even on the bits, subnormals
 // included; the 8-bit pools' values are finite), back in fp32.

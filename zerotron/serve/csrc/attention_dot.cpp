@@ -61,12 +61,14 @@ ZT_DOT_TARGET inline __m512i kv_load32(const KVSource& src, int64_t vec, int64_t
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// The next keys' vectors requested into L1 (the slots are scattered).
+// The next keys' vectors requested into L1 (the slots are scattered), an 8-bit pool's scales too.
 ZT_DOT_TARGET inline void kv_prefetch(const KVSource& src, int64_t vec, int64_t dim) {
-  if (src.bf16 != nullptr)
+  if (src.bf16 != nullptr) {
     prefetch_slot(src.bf16 + vec * dim, dim);
-  else
+  } else {
     prefetch_slot(src.codes + vec * dim, dim);
+    _mm_prefetch(reinterpret_cast<const char*>(src.scales + vec), _MM_HINT_T0);
+  }
 }
 
 // Keys j0 .. j0 + 15 of KV head kh as B tiles of S = Q K^T, one per 32 dims (pairs of dims down, the
@@ -411,6 +413,8 @@ constexpr int64_t kStreamKeys = 64, kStreamValues = 128;
 
 struct StreamBuffers {
   std::vector<uint16_t> q, p, stage;  // (KV head, m rows, dim), (KV head x m rows, lp), a chunk's slots
+  std::vector<uint8_t> stage_codes;   // a chunk's slots of an 8-bit pool: codes, scales
+  std::vector<float> stage_scales;
   std::vector<int64_t> iota;  // 0, 1, .. (the staged slots' numbers)
   std::vector<uint32_t> keys, values;  // one chunk's
   std::vector<float> s, o, total;  // (KV head x m, ls), (KV head x m, dim), (KV head x m)
@@ -424,16 +428,21 @@ struct Staged {
   int64_t from, n;
 };
 
-// Slots j0 .. j1 (below n) of a bf16 pool, every KV head, copied whole and in order into b.stage (slot
+// Slots j0 .. j1 (below n) of a pool, every KV head, copied whole and in order into b's stage (slot
 // j0 + c at c): read as the pool lies, not one head's vector at a slot's stride, each run of
 // consecutive slots (a block's) in one copy (16 decodes of 2,048 keys over 30 layers' pools, out of
-// cache as in the engine: 0.94-0.96x the time of a copy per slot, tile kernel). An 8-bit pool is
-// packed from as it is.
+// cache as in the engine: 0.94-0.96x the time of a copy per slot, tile kernel); an 8-bit pool's codes
+// and scales alike.
 inline Staged stage_slots(StreamBuffers& b, const KVSource& src, const int64_t* slot, int64_t j0, int64_t j1, int64_t n,
                           int64_t kv_heads, int64_t dim) {
-  if (src.bf16 == nullptr) return Staged{src, slot, j0, n};
   const int64_t width = kv_heads * dim;
-  b.stage.resize((j1 - j0) * width);
+  const bool dense = src.bf16 != nullptr;
+  if (dense) {
+    b.stage.resize((j1 - j0) * width);
+  } else {
+    b.stage_codes.resize((j1 - j0) * width);
+    b.stage_scales.resize((j1 - j0) * kv_heads);
+  }
   if (static_cast<int64_t>(b.iota.size()) < 2 * (j1 - j0)) {  // pack_keys names the next 16 slots too
     b.iota.resize(2 * (j1 - j0));
     for (size_t i = 0; i < b.iota.size(); ++i) b.iota[i] = static_cast<int64_t>(i);
@@ -441,20 +450,38 @@ inline Staged stage_slots(StreamBuffers& b, const KVSource& src, const int64_t* 
   for (int64_t c = j0, end = std::min(j1, n); c < end;) {
     int64_t e = c + 1;
     while (e < end && slot[e] == slot[e - 1] + 1) ++e;
-    std::memcpy(b.stage.data() + (c - j0) * width, src.bf16 + slot[c] * width, (e - c) * width * 2);
+    if (dense) {
+      std::memcpy(b.stage.data() + (c - j0) * width, src.bf16 + slot[c] * width, (e - c) * width * 2);
+    } else {
+      std::memcpy(b.stage_codes.data() + (c - j0) * width, src.codes + slot[c] * width, (e - c) * width);
+      std::memcpy(b.stage_scales.data() + (c - j0) * kv_heads, src.scales + slot[c] * kv_heads, (e - c) * kv_heads * 4);
+    }
     c = e;
   }
   KVSource staged;
-  staged.bf16 = b.stage.data();
+  if (dense) {
+    staged.bf16 = b.stage.data();
+  } else {
+    staged.codes = b.stage_codes.data();
+    staged.scales = b.stage_scales.data();
+    staged.fmt = src.fmt;
+  }
   return Staged{staged, b.iota.data(), 0, n - j0};
 }
 
-// Slots a .. b (below n) of a bf16 pool, every KV head, requested into L2.
-inline void prefetch_slots(const KVSource& src, const int64_t* slot, int64_t a, int64_t b, int64_t n, int64_t width) {
-  if (src.bf16 == nullptr) return;
+// Slots a .. b (below n) of a pool, every KV head, requested into L2 (an 8-bit pool's codes and scales).
+inline void prefetch_slots(const KVSource& src, const int64_t* slot, int64_t a, int64_t b, int64_t n, int64_t kv,
+                           int64_t dim) {
   for (int64_t c = a, end = std::min(b, n); c < end; ++c) {
-    const char* from = reinterpret_cast<const char*>(src.bf16 + slot[c] * width);
-    for (int64_t off = 0; off < width * 2; off += 64) _mm_prefetch(from + off, _MM_HINT_T1);
+    if (src.bf16 != nullptr) {
+      const char* from = reinterpret_cast<const char*>(src.bf16 + slot[c] * kv * dim);
+      for (int64_t off = 0; off < kv * dim * 2; off += 64) _mm_prefetch(from + off, _MM_HINT_T1);
+      continue;
+    }
+    const char* codes = reinterpret_cast<const char*>(src.codes + slot[c] * kv * dim);
+    for (int64_t off = 0; off < kv * dim; off += 64) _mm_prefetch(codes + off, _MM_HINT_T1);
+    const char* scales = reinterpret_cast<const char*>(src.scales + slot[c] * kv);
+    for (int64_t off = 0; off < kv * 4; off += 64) _mm_prefetch(scales + off, _MM_HINT_T1);
   }
 }
 
@@ -536,7 +563,7 @@ ZT_DOT_TARGET void dot_stream_block(StreamBuffers& b, const AttentionProblem& pr
                     for (int64_t i = 0; i < kStreamKeys / 16; ++i) {
                       const int64_t part = kh * kStreamKeys / 16 + i;
                       prefetch_slots(pr.kp, slot, next + kStreamKeys * part / parts, next + kStreamKeys * (part + 1) / parts, n,
-                                     kv * dim);
+                                     kv, dim);
                       pack_keys(st.src, st.slot, st.from + 16 * i, st.n, kv, kh, dim, b.keys.data() + i * halves * 256);
                     }
                     for (int64_t i0 = 0; i0 < m; i0 += kScoreRows)
@@ -555,7 +582,7 @@ ZT_DOT_TARGET void dot_stream_block(StreamBuffers& b, const AttentionProblem& pr
                     for (int64_t c = 0; c < kStreamValues / 32; ++c) {
                       const int64_t part = kh * kStreamValues / 32 + c;
                       prefetch_slots(pr.vp, slot, next + kStreamValues * part / parts, next + kStreamValues * (part + 1) / parts,
-                                     n, kv * dim);
+                                     n, kv, dim);
                       if (c < chunks)
                         pack_values(st.src, st.slot, st.from + 32 * c, st.n, kv, kh, dim, b.values.data() + c * tiles * 256);
                     }
