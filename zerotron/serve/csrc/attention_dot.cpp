@@ -17,30 +17,6 @@
 // the tile kernel's too.
 #if defined(ZT_DOT) && defined(__AVX512F__)
 #define ZT_DOT_ATTENTION 1
-// A 16 x 16 matrix of 32-bit elements, row i in r[i], transposed in place (r[i] becomes column i).
-ZT_DOT_TARGET inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
-
 // kv_codes16 and kv_scale: attention.cpp's.
 
 // Vector ``vec`` (slot * kv_heads + KV head) of a pool, dims d0 .. d0 + 15 (16) or d0 .. d0 + 31 (32)

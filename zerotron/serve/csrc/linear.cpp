@@ -312,6 +312,32 @@ ZT_DOT_TARGET inline void dot_store(const float* c, int64_t m0, int64_t m1, int6
   }
 }
 
+// A 16 x 16 matrix of 32-bit elements, row i in r[i], transposed in place (r[i] becomes column i): the
+// dot attention's key packing and the AVX512-BF16 kernel of quantised weights. Always inlined (its
+// callers' targets differ).
+ZT_DOT_TARGET __attribute__((always_inline)) inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
 ZT_DOT_TARGET void dot_tasks(const DotProblem& t, int64_t begin, int64_t end) {
   alignas(64) float c[DMC * DNR];

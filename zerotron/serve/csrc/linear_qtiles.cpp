@@ -42,9 +42,10 @@ ZT_QBF16_TARGET inline void qbf16_row(const Q8Problem& q, int64_t o, int64_t k0,
 
 // ---- the same weights times bf16 rows on AVX512-BF16 (no AMX) ------------------------------------------
 // y = x w^T on CPUs with AVX512-BF16 but without AMX tiles. Per task (48 outputs, a chunk of rows) the
-// outputs' weights are dequantised to bf16 (qbf16_row, 16 outputs of 256 inputs at a time) and laid
-// out as pack_dot lays out a weight (pairs of k, 48 outputs to a pair: 16 x 16 pairs transposed at a
-// time), and dot_linear's blocks (dot_rows) multiply that panel by every 8 rows of the chunk. An output
+// outputs' weights are dequantised to bf16 (16 outputs of 256 inputs at a time: 4-bit values looked up
+// in their group's table, qdot_nibbles; others qbf16_row) and laid out as pack_dot lays out a weight
+// (pairs of k, 48 outputs to a pair: 16 x 16 pairs transposed at a time, transpose16), and
+// dot_linear's blocks (dot_rows) multiply that panel by every 8 rows of the chunk. An output
 // element is its row of x times its panel column summed in fp32 over the pairs of k in order from
 // zero (VDPBF16PS), rounded once to bf16: a row's numbers never depend on the other rows, on the
 // chunks or on the threads. Tasks run output-major: a thread dequantises each panel once per call.
@@ -56,29 +57,6 @@ struct QDotProblem {
   uint16_t* y;        // (rows, n) bf16
   int64_t ldx, chunk, chunks;
 };
-
-// r[i] (16 pairs of row i) -> r[p] (pair p of the 16 rows): a 16 x 16 transpose of 32-bit elements.
-ZT_QBF16_TARGET inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {  // t[i] lane L: r[i][4L], r[i+1][4L], r[i][4L+1], r[i+1][4L+1]
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + c] lane L: column 4L + c of rows i .. i + 3
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
-    const __m512i a0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), a1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i b0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), b1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(a0, b0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(a1, b1, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
-  }
-}
 
 // A group's 16 weights of 4-bit values (lut: the values of the 16 nibbles in fp32; scale s, min m) in
 // bf16: q8_dequant's q * s - m for each value that a nibble can hold, rounded to nearest even; twice
@@ -226,7 +204,8 @@ void qdot_linear_run(QDotProblem t) {
 
 // ---- 8- and 4-bit weights times bf16 rows on AMX tiles ----------------------------------------------
 // y = x w^T for bf16 x (rows, K) and the weights above, on CPUs with AMX. Per task (a chunk of rows, 32
-// outputs) the outputs' weights are dequantised to bf16 into a panel (32 x K), which tile products then multiply by every 16-row block of the chunk.
+// outputs) the outputs' weights are dequantised to bf16 into a panel (32 x K), which tile products
+// then multiply by every 16-row block of the chunk.
 // The weights are the A tiles (16 outputs of 32 inputs each: the panel's rows as they are, no
 // transpose) and the rows the B tiles (x packed as pack_tiles packs a weight). An output element is its
 // row of x times its panel row summed in fp32 over k in 32-deep tile products in k order, rounded once
