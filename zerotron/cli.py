@@ -371,7 +371,7 @@ def _add_serve_lora(srv: Any) -> None:
         help="in bf16, multiply the quantised weights (--quantization or a quantised checkpoint) with "
         "each weight dequantised to bf16 once per call, on AMX tiles or else on AVX512-BF16: products of "
         "hundreds of rows 2-6x faster than torch's weight-only kernels (1.3-2.5x the output throughput "
-        "at 16 sequences), one-sequence decode about 2x slower; a CPU with AMX or AVX512-BF16 (under "
+        "at 16 sequences), one-sequence decode 1.4-2.8x slower; a CPU with AMX or AVX512-BF16 (under "
         "--nproc each rank's parts)",
     )
     srv.add_argument(
