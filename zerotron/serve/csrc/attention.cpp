@@ -201,7 +201,8 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 // 16 codes (a 128-bit lane) as fp32: int8 converted directly; fp8 through fp16's bits, sign-extended
 // to 16 bits and shifted into place (e5m2 is fp16's top byte; e4m3's exponent and mantissa go 7 bits
 // up, the sign's copy in bit 14 cleared), converted exactly: e4m3's value 2^-8 the code's (exponent
-// bias 15 against 7), which kv_scale folds into the scale.
+// bias 15 against 7), which kv_scale folds into the scale. Both always inlined: the AVX512-BF16 and
+// tile kernels' functions, of other targets, otherwise call them per 16 codes.
 __attribute__((always_inline)) inline __m512 kv_codes16(__m128i x, int fmt) {
   if (fmt == 3) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
   const __m256i h = _mm256_cvtepi8_epi16(x);
@@ -211,7 +212,9 @@ __attribute__((always_inline)) inline __m512 kv_codes16(__m128i x, int fmt) {
 
 // The factor kv_codes16's values are multiplied by: the scale (times 256 for e4m3, exact: a power of
 // two, and the product code x scale is rounded once either way).
-__attribute__((always_inline)) inline __m512 kv_scale(float scale, int fmt) { return _mm512_set1_ps(fmt == 1 ? scale * 256.0f : scale); }
+__attribute__((always_inline)) inline __m512 kv_scale(float scale, int fmt) {
+  return _mm512_set1_ps(fmt == 1 ? scale * 256.0f : scale);
+}
 
 // 16 fp32 values rounded to T as torch rounds (bf16: to nearest even on the bits, subnormals
 // included; the 8-bit pools' values are finite), back in fp32.

@@ -164,13 +164,14 @@ bool vnni_cpu() {
 #endif
 }
 
-// x (rows, K) fp32 with unit column stride (bf16 in modes 2 and 3); q (n, groups, group) int8 with unit last
-// stride (K = groups * group, group a multiple of 8), or uint8 (n, groups, group / 2): two values a
-// byte, each less offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per) -> (rows,
-// n) in x's dtype: y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. mode 0: x as it is
-// (q8_linear_many; bf16 weights too, no scales); 1: x quantised to int8 per 32 inputs first
+// x (rows, K) fp32 with unit column stride (bf16 in modes 2 and 3); q (n, groups, group) int8 with
+// unit last stride (K = groups * group, group a multiple of 8), or uint8 (n, groups, group / 2): two
+// values a byte, each less offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per)
+// -> (rows, n) in x's dtype: y = x (q * s - m)^T, or x (q * s + m)^T where add_mins. mode 0: x as it
+// is (q8_linear_many; bf16 weights too, no scales); 1: x quantised to int8 per 32 inputs first
 // (q8a8_linear_many, not bf16 weights); 2: bf16 x times the weights rounded to bf16 on AMX tiles
-// (qtile_linear_run, K a multiple of 32); 3: the same on AVX512-BF16 (qdot_linear_run). q8_check_operands checks one product's operands for K inputs.
+// (qtile_linear_run, K a multiple of 32); 3: the same on AVX512-BF16 (qdot_linear_run).
+// q8_check_operands checks one product's operands for K inputs.
 void q8_check_operands(int64_t k, const torch::Tensor& q, const std::optional<torch::Tensor>& s1,
                        const std::optional<torch::Tensor>& s2, const std::optional<torch::Tensor>& m1,
                        const std::optional<torch::Tensor>& m2, int64_t offset, int mode) {
