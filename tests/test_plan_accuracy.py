@@ -15,12 +15,12 @@ import pytest
 from zerotron.cli import main
 from zerotron.config_load import load_config, save_config
 from zerotron.layout import ParallelDims
-from zerotron.plan import PROFILES, PlanError, plan_config, plan_layout, timing
+from zerotron.plan import PROFILES, PlanError, plan_config, plan_layout, tensor_parallel, timing
 from zerotron.plan.accuracy import errors, fit_profiles, predict, run_inputs, summary
 from zerotron.plan.hardware import MEASURED
 from zerotron.plan.interval import step_range
 from zerotron.plan.layout import Layout, Workload, from_config
-from zerotron.plan.published import CALIBRATION, VALIDATION
+from zerotron.plan.published import CALIBRATION, HELD_OUT, VALIDATION
 from zerotron.shapes import ModelShape, flops_per_token
 
 
@@ -173,20 +173,76 @@ def _llama70b(precision: str, hw: object = None, **layout: object) -> float:
 
 
 def test_fp8_and_tp_comm_overlap() -> None:
-    """FP8 GEMMs make a step faster; overlapping tp collectives hides what the profile's contention
-    lets it hide (all of it at 0, none at 1: the H100's fitted value); no FP8 on A100."""
+    """FP8 GEMMs make a step faster; overlapping tp collectives makes it faster too; no FP8 on A100."""
     assert _llama70b("fp8") < 0.8 * _llama70b("bf16")
-    h100 = PROFILES["h100-sxm"]
-    assert _llama70b("bf16", tp_comm_overlap=True) <= _llama70b("bf16")
-    free = dataclasses.replace(h100, overlap_contention=0.0)
-    half = dataclasses.replace(h100, overlap_contention=0.5)
-    hidden = _llama70b("bf16", free) - _llama70b("bf16", free, tp_comm_overlap=True)
-    assert hidden > 0
-    half_hidden = _llama70b("bf16", half) - _llama70b("bf16", half, tp_comm_overlap=True)
-    assert half_hidden == pytest.approx(hidden / 2, rel=0.01)
+    assert _llama70b("bf16", tp_comm_overlap=True) < _llama70b("bf16")
     run = next(r for r in VALIDATION if r.precision == "fp8")
     with pytest.raises(PlanError, match="no peak FLOP/s for fp8"):
         predict(run, PROFILES["a100-80g"])
+
+
+def test_tp_overlap_follows_transformer_engines_userbuffers_design() -> None:
+    """``tp_comm_overlap`` as Transformer Engine's defaults run it (initialize_ub): per block and
+    micro-batch, the two pipelined reduce-scatters after the row-parallel GEMMs leave their last of 4
+    chunks exposed; the four copy-engine all-gathers hide under their GEMMs; and the GEMMs beside a
+    reduce-scatter (attention out and MLP out forward; q/k/v and MLP in, dgrad and wgrad, backward)
+    run on the 116 of an H100's 132 SMs that the collective's 16 leave. The NCCL contention fitted on
+    FSDP runs does not apply (these collectives run on copy engines or on SMs set aside)."""
+    h100 = PROFILES["h100-sxm"]
+    m = ModelShape(8192, 80, 64, 64, 128, 32768, 51200, False, False, False)  # GPT, 4h MLP, MHA
+    layout = Layout(ParallelDims.of(1, tp=4), sequence_parallel=True, tp_comm_overlap=True)
+    work = Workload(4096, 8, "bf16")
+    t, h, tp = 4096, 8192, 4
+    ag = timing.collective_time("all_gather", t * h * 2, tp, 1, h100)
+    shapes = (("qkv", 3 * h / tp, h), ("out", h, h / tp), ("fc1", 4 * h / tp, h), ("fc2", h, 4 * h / tp))
+    gemm = {name: 2 * t * c * k / (989e12 * timing.gemm_efficiency(h100, t, c, k)) for name, c, k in shapes}
+    assert min(gemm.values()) > ag  # every all-gather shorter than its GEMM here
+    # the all-gathers' GEMMs (q/k/v and MLP in forward, attention out and MLP out dgrad) in tp chunks
+    chunks = sum(2 * t * c * k / (989e12 * timing.gemm_efficiency(h100, t / tp, c, k)) - gemm[name]
+                 for name, c, k in shapes)  # fmt: skip
+    slowed = gemm["out"] + gemm["fc2"] + 2 * gemm["qkv"] + 2 * gemm["fc1"]
+    expected = 2 * ag / 4 + 16 / 116 * slowed + chunks
+    assert tensor_parallel.tensor_parallel_time(m, layout, work, h100, 1) == pytest.approx(expected, rel=1e-9)
+    # without the SM split (a profile with no SM count) only the last chunks and the chunking remain
+    bare = dataclasses.replace(h100, sms=0)
+    assert tensor_parallel.tensor_parallel_time(m, layout, work, bare, 1) == pytest.approx(
+        2 * ag / 4 + chunks, rel=1e-9
+    )
+    # far less than the eight collectives exposed, and no function of the NCCL contention
+    exposed = tensor_parallel.tensor_parallel_time(
+        m, dataclasses.replace(layout, tp_comm_overlap=False), work, h100, 1
+    )
+    assert exposed == pytest.approx(4 * timing.collective_time("all_reduce", t * h * 2, tp, 1, h100))
+    assert tensor_parallel.tensor_parallel_time(m, layout, work, h100, 1) < 0.5 * exposed
+    for contention in (0.0, 1.0):
+        other = dataclasses.replace(h100, overlap_contention=contention)
+        assert tensor_parallel.tensor_parallel_time(
+            m, layout, work, other, 1
+        ) == tensor_parallel.tensor_parallel_time(m, layout, work, h100, 1)
+    # CPU ranks overlap nothing
+    cpu = PROFILES["cpu"]
+    assert tensor_parallel.tensor_parallel_time(m, layout, work, cpu, 1) == pytest.approx(
+        4 * timing.collective_time("all_reduce", t * h * 2, tp, 1, cpu)
+    )
+
+
+def test_overlapped_collectives_contend_by_their_bytes_not_their_link_time() -> None:
+    """An overlapped NCCL collective takes GPU time in proportion to the bytes it moves (its kernels'
+    memory traffic and SMs), not to how long a slower link keeps it waiting: its floor is
+    ``overlap_contention`` of its time at the node's link speed. Across nodes an H100's share is its
+    400 Gb/s NIC against 450 GB/s of NVLink."""
+    h100 = PROFILES["h100-sxm"]
+    assert timing.node_share(1, 8, h100) == 1.0  # inside a node
+    assert timing.node_share(8, 48, h100) == pytest.approx(50 / 450)  # one rank per node
+    assert timing.node_share(1, 16, h100) == pytest.approx(8 * 50 / 450)  # eight per node: eight NICs
+    assert timing.node_share(4, 16, h100) == pytest.approx(2 * 50 / 450)
+    layout = Layout(ParallelDims.of(48, zero=1), micro_batch=1)
+    grads = 8e9
+    for stride, share in ((1, 8 * 50 / 450), (8, 50 / 450)):
+        group = timing.DataGroup(48, 48, stride)
+        times = timing.data_parallel_time(layout, h100, group, grads, grads, t_mb=100.0, n_mb=4)
+        reduce = timing.collective_time("reduce_scatter", grads, 48, stride, h100)
+        assert times["dp_grad_reduce"] == pytest.approx(h100.overlap_contention * share * reduce)
 
 
 def test_shared_host_splits_the_node_and_overlaps_nothing() -> None:
@@ -304,9 +360,31 @@ def test_fused_blocks_reproduce_the_compiled_h100_run() -> None:
 def test_cli_accuracy_prints_both_sets(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--accuracy"]) == 0
     out = capsys.readouterr().out
-    assert out.count("| run | hardware |") == 3  # calibration, validation, out of model
+    assert out.count("| run | hardware |") == 4  # calibration, validation, held out, out of model
     assert f"calibration: {len(CALIBRATION)} runs" in out and f"validation: {len(VALIDATION)} runs" in out
+    held = "held out (Megatron-Core's H100 weak scaling; never fitted, assumptions in published.py)"
+    assert f"{held}: {len(HELD_OUT)} runs" in out
     assert "out of model (in neither set): 6 runs" in out
+
+
+def test_held_out_megatron_h100_runs() -> None:
+    """Megatron-Core r0.8.0's H100 weak-scaling table, the runs an outside check measured the planner
+    on: in no other set and no fit, its per-GPU teraFLOP/s turned into steps that give the table's own
+    MFU column under zerotron's independent FLOP count (41, 47, 49, 46, 42, 43, 44, 48, 47%); and the
+    planner's error on them (BENCHMARKS.md) held: worst under the issue's 25% (it was 34%, 2.3x before
+    the H100 changes, when tp overlap was fitted, not modelled), mean as measured."""
+    key = lambda r: (r.hardware, r.gpus, r.hidden, r.layers, r.seq_len, r.global_batch)  # noqa: E731
+    assert not {key(r) for r in HELD_OUT} & {key(r) for r in (*CALIBRATION, *VALIDATION)}
+    mfus = []
+    for run in HELD_OUT:
+        m, _, work = run_inputs(run)
+        mfus.append(
+            flops_per_token(m, work.seq_len) * work.tokens / run.published_step_s() / (run.gpus * 989e12)
+        )
+    assert [round(100 * x) for x in mfus] == [41, 47, 49, 46, 42, 43, 44, 48, 47]
+    s = summary(errors(HELD_OUT))
+    assert s["worst"] < 0.25, s
+    assert s["mean"] < 0.14, s
 
 
 def _synthetic_run(tmp_path: Path, name: str, overrides: list[str], world: int, hw: object) -> str:

@@ -7,6 +7,7 @@ Imports the config layer only, never torch: plans run anywhere in milliseconds.
 - :mod:`~zerotron.plan.memory`: model states (ZeRO 0–3, offload), buffers;
   :mod:`~zerotron.plan.activations`: what backward saves, micro-batches in flight;
 - :mod:`~zerotron.plan.timing`: compute, α–β collectives, overlap, bubble, offload;
+  :mod:`~zerotron.plan.tensor_parallel`: tp collectives, exposed or overlapped as Transformer Engine does;
 - :mod:`~zerotron.plan.layout`: the layout, its workload and every validity check;
 - :mod:`~zerotron.plan.planner`: one layout's plan; :mod:`~zerotron.plan.search`: the best layouts;
 - :mod:`~zerotron.plan.calibrate`: fit a profile to a run; :mod:`~zerotron.plan.report`: output.

@@ -71,6 +71,14 @@ def uncertainty(
     return sorted(out, key=lambda x: -abs(x[2]))
 
 
+_TP_EXPOSED = "(4, or 6 with full recompute) all-reduces of b*s/cp*h*bytes over tp: 2(n-1)a + 2S(n-1)/n / (bw*comm_efficiency)"
+_TP_OVERLAPPED = (
+    "Transformer Engine's overlap (tp_comm_overlap) of the all-gathers and reduce-scatters of b*s/cp*h*bytes "
+    "over tp: copy-engine all-gathers beyond their GEMMs and their GEMMs in tp chunks, each reduce-scatter's "
+    "last of 4 chunks, and the GEMMs beside them on sms-16 SMs"
+)
+
+
 def explain(
     m: ModelShape,
     layout: Layout,
@@ -116,9 +124,7 @@ def explain(
         + f") / memory bandwidth; the loss {timing.LOSS_BYTES_PER_LOGIT:g} bytes per logit",
     ]
     formulas = {
-        "tp_comm": "micro-batches x blocks x (4, or 6 with full recompute) all-reduces of b*s/cp*h*bytes over "
-        "tp: 2(n-1)a + 2S(n-1)/n / (bw*comm_efficiency)"
-        + (" minus the block's GEMM time they overlap (tp_comm_overlap)" if layout.tp_comm_overlap else ""),
+        "tp_comm": "micro-batches x blocks x " + (_TP_OVERLAPPED if layout.tp_comm_overlap else _TP_EXPOSED),
         "cp_comm": "ring attention: 3(cp-1) K/V sends per block not hidden under the attention core",
         "ep_comm": "4 (6) all-to-alls of b*s/cp*k*h*bytes per block over ep",
         "pipeline_bubble": f"(pp-1)/(v*m) x m x micro-batch time, pp={layout.pp}, v={layout.virtual_stages}, "

@@ -73,11 +73,14 @@ class Hardware:
     of such kernels per step against 25.6 ms modelled for the fused block: 5.2-5.6, taken as 5 (part of
     that time is per-parameter traffic the model counts elsewhere)."""
     overlap_contention: float = 0.0
-    """Fraction of an overlapped collective's time (tensor-parallel overlap, data-parallel reduction under
-    backward, ZeRO-3's per-block traffic, ring attention) that lengthens the step even when compute
-    could hide it: the collective kernels take SMs and memory bandwidth from the kernels they run
-    beside. Fitted per chip on the calibration runs (host-to-device copies run on copy engines and are
-    not affected)."""
+    """Fraction of an overlapped NCCL collective's time (data-parallel reduction under backward,
+    ZeRO-3's per-block traffic, ring attention) that lengthens the step even when compute could hide
+    it: the collective kernels take SMs and memory bandwidth from the kernels they run beside. Fitted
+    per chip on the calibration runs (host-to-device copies and Transformer Engine's tensor-parallel
+    overlap, modelled from its design with ``sms``, are not affected)."""
+    sms: int = 0
+    """Streaming multiprocessors: an overlapped tensor-parallel reduce-scatter runs on 16 of them and the
+    GEMM beside it on the rest (``tensor_parallel.UB_SMS``); 0: unknown, no such slowdown."""
     shared_host: bool = False
     """Ranks on a node share one host's peak FLOP/s and memory bandwidth (CPU processes): the profile
     gives the node's figures and each rank gets 1/(ranks on the node) of them."""
@@ -148,7 +151,7 @@ MEASURED: dict[str, dict[str, float]] = {
     "h100-sxm": dict(gemm_efficiency=0.82, gemm_knee=128.0, eager_elementwise=5.0)
 }
 _H100_FIT: dict[str, float] = dict(
-    attention_efficiency=0.2, fp8_efficiency=0.8, overlap_contention=1.0, **MEASURED["h100-sxm"]
+    attention_efficiency=0.225, fp8_efficiency=0.69, overlap_contention=1.0, **MEASURED["h100-sxm"]
 )
 
 # The ``cpu`` profile's collective constants and attention efficiency are measured by
@@ -160,30 +163,30 @@ _H100_FIT: dict[str, float] = dict(
 PROFILES: dict[str, Hardware] = {
     p.name: p
     for p in (
-        _gpu("a100-40g", 312, 19.5, 156, 40 * GiB, 1.555e12, gpus_per_node=8, intra_bw=300 * GB,
+        _gpu("a100-40g", 312, 19.5, 156, 40 * GiB, 1.555e12, sms=108, gpus_per_node=8, intra_bw=300 * GB,
              inter_bw=25 * GB, host_memory_bytes=1024 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
              **_A100_FIT, notes="DGX A100: NVSwitch 600 GB/s bidirectional, 8x200 Gb/s IB"),
-        _gpu("a100-80g", 312, 19.5, 156, 80 * GiB, 2.039e12, gpus_per_node=8, intra_bw=300 * GB,
+        _gpu("a100-80g", 312, 19.5, 156, 80 * GiB, 2.039e12, sms=108, gpus_per_node=8, intra_bw=300 * GB,
              inter_bw=25 * GB, host_memory_bytes=2048 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
              **_A100_FIT, notes="DGX A100 80GB (Selene): NVSwitch, 8x200 Gb/s IB"),
-        _gpu("h100-sxm", 989, 67, 494.5, 80 * GiB, 3.35e12, 1979, gpus_per_node=8, intra_bw=450 * GB,
+        _gpu("h100-sxm", 989, 67, 494.5, 80 * GiB, 3.35e12, 1979, sms=132, gpus_per_node=8, intra_bw=450 * GB,
              inter_bw=50 * GB, host_memory_bytes=2048 * GiB, pcie_bw=55 * GB, nvme_bw=5 * GB,
              cpu_adam_params_per_s=1.5e9, **_H100_FIT,
              notes="DGX H100: NVLink 900 GB/s bidirectional, 8x400 Gb/s IB"),
-        _gpu("h200", 989, 67, 494.5, 141e9, 4.8e12, 1979, gpus_per_node=8, intra_bw=450 * GB, inter_bw=50 * GB,
-             host_memory_bytes=2048 * GiB, pcie_bw=55 * GB, nvme_bw=5 * GB, cpu_adam_params_per_s=1.5e9,
-             **_H100_FIT, notes="HGX H200: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
-        _gpu("h100-pcie", 756, 51, 378, 80 * GiB, 2.0e12, 1513, gpus_per_node=8, intra_bw=25 * GB,
+        _gpu("h200", 989, 67, 494.5, 141e9, 4.8e12, 1979, sms=132, gpus_per_node=8, intra_bw=450 * GB,
+             inter_bw=50 * GB, host_memory_bytes=2048 * GiB, pcie_bw=55 * GB, nvme_bw=5 * GB,
+             cpu_adam_params_per_s=1.5e9, **_H100_FIT, notes="HGX H200: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
+        _gpu("h100-pcie", 756, 51, 378, 80 * GiB, 2.0e12, 1513, sms=114, gpus_per_node=8, intra_bw=25 * GB,
              inter_bw=12.5 * GB, host_memory_bytes=1024 * GiB, pcie_bw=50 * GB, nvme_bw=4 * GB,
              **_H100_FIT, notes="PCIe Gen5 peers through host switches, 100 Gb/s network per GPU"),
-        _gpu("l40s", 362, 91.6, 183, 48 * GiB, 0.864e12, 733, gpus_per_node=8, intra_bw=25 * GB,
+        _gpu("l40s", 362, 91.6, 183, 48 * GiB, 0.864e12, 733, sms=142, gpus_per_node=8, intra_bw=25 * GB,
              inter_bw=12.5 * GB, host_memory_bytes=1024 * GiB, pcie_bw=25 * GB, nvme_bw=3 * GB,
              **_A100_FIT, notes="no NVLink: PCIe Gen4 peer traffic"),
-        _gpu("rtx4090", 165, 82.6, 82.6, 24 * GiB, 1.008e12, 330, gpus_per_node=4, intra_bw=12 * GB,
+        _gpu("rtx4090", 165, 82.6, 82.6, 24 * GiB, 1.008e12, 330, sms=128, gpus_per_node=4, intra_bw=12 * GB,
              inter_bw=1.25 * GB, inter_latency_s=50e-6, host_memory_bytes=128 * GiB, pcie_bw=25 * GB,
              nvme_bw=3 * GB, cpu_adam_params_per_s=0.5e9, **_A100_FIT,
              notes="workstation: no P2P, PCIe Gen4 through the host, 10 GbE between boxes"),
-        _gpu("mi250x-gcd", 191.5, 47.9, 47.9, 64 * GiB, 1.6e12, gpus_per_node=8, intra_bw=50 * GB,
+        _gpu("mi250x-gcd", 191.5, 47.9, 47.9, 64 * GiB, 1.6e12, sms=110, gpus_per_node=8, intra_bw=50 * GB,
              inter_bw=12.5 * GB, host_memory_bytes=512 * GiB, pcie_bw=36 * GB, nvme_bw=2 * GB,
              **_A100_FIT, notes="one GCD of an MI250X (Frontier node: 8 GCDs, 4x200 Gb/s Slingshot)"),
         Hardware(name="cpu", peak_flops={"fp32": 1.0e12, "tf32": 1.0e12, "bf16": 1.0e12, "fp16": 0.5e12,

@@ -16,7 +16,7 @@ from zerotron.config import Config
 from zerotron.layout import ONEBIT_BLOCK, hybrid_block, onebit_sizes, qgz_node, quantized_wire
 from zerotron.plan import activations as act
 from zerotron.plan import memory as mem
-from zerotron.plan import timing
+from zerotron.plan import tensor_parallel, timing
 from zerotron.plan.errors import PlanError
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import (
@@ -496,7 +496,7 @@ def step_times(
         (timing.microbatch_compute(m, layout, work, hw, layers[r], r == last, flash), r)
         for r in {busiest, last}
     )
-    t_tp = timing.tensor_parallel_time(m, layout, work, hw, max(layers))
+    t_tp = tensor_parallel.tensor_parallel_time(m, layout, work, hw, max(layers))
     t_cp = timing.context_parallel_time(m, layout, work, hw, max(layers))
     t_ep = timing.expert_parallel_time(m, layout, work, hw, max(layers))
     t_mb = t_compute + t_tp + t_cp + t_ep

@@ -11,13 +11,15 @@
   NCCL's bus convention (all-reduce 2S(n−1)/n, all-gather and reduce-scatter S(n−1)/n). Its link is the
   node's (``intra_bw``) when the group fits in a node, else the network: ``k × inter_bw`` for k group
   members per node (NCCL drives one NIC per GPU), capped by the intra-node link.
-- Overlap: tensor-parallel collectives are exposed unless ``tp_comm_overlap`` (then only what the
-  block's GEMMs cannot cover); data-parallel gradient reduction runs under the backward of the last
-  micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter all-gathers are prefetched under each
-  micro-batch's compute; context-parallel K/V exchange under the attention core; every such
-  overlapped collective still lengthens the step by at least ``overlap_contention`` of its time
-  (:func:`_exposed`: its kernels take SMs and memory bandwidth from the compute they hide under);
-  pipeline sends are exposed. On a ``shared_host`` (CPU ranks) nothing overlaps: the same cores run both.
+- Overlap: tensor-parallel collectives are exposed unless ``tp_comm_overlap``: then as Transformer
+  Engine's userbuffers run them (copy-engine all-gathers under their GEMMs, reduce-scatters in chunks
+  on 16 SMs that the GEMM gives up: :mod:`zerotron.plan.tensor_parallel`); data-parallel gradient reduction runs
+  under the backward of the last micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter
+  all-gathers are prefetched under each micro-batch's compute; context-parallel K/V exchange under the
+  attention core; every such NCCL collective still lengthens the step by at least
+  ``overlap_contention`` of its time (:func:`_exposed`: its kernels take SMs and memory bandwidth from
+  the compute they hide under); pipeline sends are exposed. On a ``shared_host`` (CPU ranks) nothing
+  overlaps: the same cores run both.
 - Pipeline sends: a stage's output, split over its tp ranks (Megatron's scatter/gather) unless
   ``pp_scatter_gather`` is off (DeepSpeed's pipeline engine: every tp rank sends all of it).
 - Pipeline bubble: ``(p − 1)/m`` of the stage time for GPipe and 1F1B, ``(p − 1)/(v·m)`` interleaved,
@@ -53,11 +55,22 @@ def _cover(hw: Hardware, seconds: float) -> float:
     return 0.0 if hw.shared_host else seconds
 
 
-def _exposed(hw: Hardware, traffic: float, compute: float) -> float:
+def _exposed(hw: Hardware, traffic: float, compute: float, share: float = 1.0) -> float:
     """Seconds a collective of ``traffic`` seconds adds to a step when it runs under ``compute`` seconds
-    of kernels: what the compute cannot cover, and at least ``overlap_contention`` of it (its kernels
-    take SMs and memory bandwidth from the ones it hides under)."""
-    return max(0.0, traffic - _cover(hw, compute), hw.overlap_contention * traffic)
+    of kernels: what the compute cannot cover, and at least ``overlap_contention`` of the time it would
+    take at the node's link speed (``share`` of its time: :func:`node_share`). Its kernels take SMs and
+    memory bandwidth from the ones it hides under in proportion to the bytes they move, not to how long
+    the link makes them wait."""
+    return max(0.0, traffic - _cover(hw, compute), hw.overlap_contention * share * traffic)
+
+
+def node_share(stride: int, size: int, hw: Hardware) -> float:
+    """A group's link bandwidth as a fraction of the node's (1 inside a node; the network's share of
+    it across nodes): the part of an overlapped collective's time in which it loads the GPU as a
+    collective inside a node would."""
+    if size <= 1:
+        return 1.0
+    return min(1.0, link(stride, size, hw)[0] / (hw.intra_bw * hw.comm_efficiency))
 
 
 def members_per_node(stride: int, size: int, hw: Hardware) -> int:
@@ -243,26 +256,6 @@ def elementwise_bytes_per_token(
     return (hidden + ffn + scores) * a * repeat * (eager if layout.kernels == "eager" else 1.0)
 
 
-def tensor_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Hardware, layers: int) -> float:
-    """Exposed TP (+SP) collectives of one micro-batch on one stage: 2 forward + 2 backward per layer.
-
-    Full recomputation repeats the forward pair. Sequence parallelism replaces each all-reduce by an
-    all-gather and a reduce-scatter of the same bus bytes. With ``tp_comm_overlap`` (Megatron's
-    userbuffers) each collective runs in chunks under the GEMM it feeds: only what the block's GEMMs
-    cannot cover is exposed.
-    """
-    if layout.tp == 1:
-        return 0.0
-    nbytes = layout.micro_batch * work.seq_len / layout.cp * m.hidden * ACT_BYTES[work.precision]
-    per = collective_time("all_reduce", nbytes, layout.tp, 1, hw)
-    count = 4 + (2 if layout.recompute == "full" else 0)
-    if layout.tp_comm_overlap:
-        passes = 4.0 if layout.recompute == "full" else 3.0
-        gemms = passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work))
-        return _exposed(hw, count * per, gemms) * layers
-    return count * per * layers
-
-
 def _cp_groups(layout: Layout) -> tuple[int, int]:
     """(all-to-all group size, ring size) of the layout's ``cp_comm``."""
     u = ulysses_size(layout.cp_comm, layout.cp, layout.cp_ulysses_size)
@@ -337,7 +330,8 @@ def context_parallel_time(m: ModelShape, layout: Layout, work: Workload, hw: Har
         else:
             other_s += collective_time(op, nbytes, size, stride, hw)
     attn = 3.0 * attention_seconds(m, layout, work, hw, flash=True)
-    return (_exposed(hw, ring_s, attn) + other_s) * layers
+    ring = max(1, layout.cp // u)
+    return (_exposed(hw, ring_s, attn, node_share(stride * u, ring, hw)) + other_s) * layers
 
 
 def all_to_all_time(nbytes: float, size: int, stride: int, hw: Hardware) -> float:
@@ -497,12 +491,12 @@ def _zero_times(
         else:
             reduce = _reduce_scatter(layout, grads, n, stride, hw)
         if not layout.onebit_adam:  # 1-bit Adam averages the momentum after backward, not under it
-            reduce = _exposed(hw, reduce, backward)
+            reduce = _exposed(hw, reduce, backward, node_share(stride, n, hw))
         gather = collective_time("all_gather", params, n, stride, hw) if layout.zero == 1 else 0.0
         return {"dp_grad_reduce": reduce, "dp_param_gather": gather}
     per_mb_reduce = _reduce_scatter(layout, grads, n, stride, hw)
     if layout.zero == 2:
-        reduce = n_mb * _exposed(hw, per_mb_reduce, backward)
+        reduce = n_mb * _exposed(hw, per_mb_reduce, backward, node_share(stride, n, hw))
         return {
             "dp_grad_reduce": reduce,
             "dp_param_gather": collective_time("all_gather", params, n, stride, hw),
@@ -513,7 +507,11 @@ def _zero_times(
         inside = collective_time("all_gather", secondary / layers, layout.zero_hpz_size, stride, hw)
         gathers = layers * per_layer + layers * inside
     per_mb_reduce = layers * _reduce_scatter(layout, grads / layers, n, stride, hw)
-    return {"dp_grad_reduce": 0.0, "dp_param_gather": n_mb * _exposed(hw, gathers + per_mb_reduce, t_mb)}
+    share = node_share(stride, n, hw)
+    return {
+        "dp_grad_reduce": 0.0,
+        "dp_param_gather": n_mb * _exposed(hw, gathers + per_mb_reduce, t_mb, share),
+    }
 
 
 def _reduce_scatter(layout: Layout, grads: float, n: int, stride: int, hw: Hardware) -> float:
