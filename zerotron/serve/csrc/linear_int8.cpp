@@ -49,7 +49,7 @@ ZT_Q8_TARGET inline float factor_entry(const Factor& f, int64_t i) {
 
 // Output o's factor for groups g0, g0 + 1, ... (count of them) multiplied into out; e0 = g0 / per and
 // r0 = g0 % per are the slice's, the same for every output (no division per output).
-ZT_Q8_TARGET inline void factor_times(const Factor& f, int64_t o, int64_t e0, int64_t r0, int64_t count, float* out) {
+ZT_Q8_TARGET __attribute__((always_inline)) inline void factor_times(const Factor& f, int64_t o, int64_t e0, int64_t r0, int64_t count, float* out) {
   if (f.kind == 0) return;
   if (f.per == 1) {  // an entry per group (most tables): one kind per loop, no counting
     const int64_t at = o * f.so + e0 * f.sg, sg = f.sg;
@@ -59,6 +59,14 @@ ZT_Q8_TARGET inline void factor_times(const Factor& f, int64_t o, int64_t e0, in
         return;
       case 2:
         for (int64_t c = 0; c < count; ++c) out[c] *= _cvtsh_ss(static_cast<const uint16_t*>(f.p)[at + c * sg]);
+        return;
+      case 5:  // bf16 (torch's int4 scales and zeros): the entry's bits are a float's upper half
+        for (int64_t c = 0; c < count; ++c) {
+          const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(f.p)[at + c * sg]) << 16;
+          float v;
+          std::memcpy(&v, &bits, 4);
+          out[c] *= v;
+        }
         return;
       default:
         for (int64_t c = 0; c < count; ++c) out[c] *= factor_entry(f, at + c * sg);
@@ -156,15 +164,19 @@ ZT_Q8_TARGET inline void q8_weights16(const Q8Problem& t, int64_t o, int64_t gi,
 
 // Output o's scales s and mins m (negated where add_mins) of the slice's groups g0 .. g0 + count - 1;
 // e0[i], r0[i]: g0 / per and g0 % per of factor i (s1, s2, m1, m2), the same for every output.
-ZT_Q8_TARGET inline void q8_factors(const Q8Problem& t, int64_t o, const int64_t* e0, const int64_t* r0, int64_t count, float* s, float* m) {
-  for (int64_t c = 0; c < count; ++c) s[c] = m[c] = 1.0f;
+ZT_Q8_TARGET __attribute__((always_inline)) inline void q8_factors(const Q8Problem& t, int64_t o, const int64_t* e0, const int64_t* r0, int64_t count, float* s, float* m) {
+  // the mins' sign in their first factor (-1 times a product is its negation, exactly): negated after
+  // the scalar products, a vector load of them would wait on their stores
+  const float sign = t.add_mins ? -1.0f : 1.0f;
+  for (int64_t c = 0; c < count; ++c) {
+    s[c] = 1.0f;
+    m[c] = sign;
+  }
   factor_times(t.s1, o, e0[0], r0[0], count, s);
   factor_times(t.s2, o, e0[1], r0[1], count, s);
   if (t.m1.kind == 0) return;
   factor_times(t.m1, o, e0[2], r0[2], count, m);
   factor_times(t.m2, o, e0[3], r0[3], count, m);
-  if (t.add_mins)
-    for (int64_t c = 0; c < count; ++c) m[c] = -m[c];
 }
 
 // Output o's values and its factors' entries fetched into L1 ahead of their use (nothing past the last
