@@ -1,7 +1,7 @@
 """bf16 training MFU of a ~1B Llama (Llama-3.2-1B's shape) on one GPU: zerotron beside a plain PyTorch loop.
 
 Run:  python benchmarks/gpu_mfu.py [--steps 14] [--variants eager:4,compile:4,compile:8] [--peer]
-                                   [--profile] [--out DIR]      (on a machine with a CUDA GPU)
+                                   [--profile] [--model KEY=VALUE,...] [--out DIR]   (a CUDA GPU)
 
 1. The card's two ceilings: an 8192³ bf16 matrix product on random data (TFLOP/s) and a large
    device-to-device copy (bytes read + written per second).
@@ -18,7 +18,12 @@ Run:  python benchmarks/gpu_mfu.py [--steps 14] [--variants eager:4,compile:4,co
    clipping at 1.0, the same micro-batches and accumulation, its MFU counted with zerotron's formula;
    variant ``peerc:MICRO`` runs it with its forward (loss included) through ``torch.compile``.
 4. ``--profile``: the CUDA kernel time of two eager zerotron steps by kind (matrix products, attention,
-   the rest), and the top kernels, into ``--out``/profile.txt.
+   the rest), and the top kernels, into ``--out``/profile.txt; with the matrix products' rate in the
+   step (6 FLOPs per matrix weight and token over their kernel time), the figure the planner's GEMM
+   law is checked against.
+5. ``--model``: overrides of the preset's shape (``model.hidden_size=8192,model.num_hidden_layers=4``):
+   a large model's step, whose GEMMs run back to back as a large model's do (docs/planning.md, "What
+   the H100 runs taught": do they run at the law of short bursts or at the sustained products' rate?).
 
 Prints one table at the end and writes results.json into ``--out``.
 """
@@ -93,10 +98,11 @@ def ceilings() -> dict[str, float]:
 
 
 PRESET = "llama3.2-1b"
+MODEL: list[str] = []  # --model: overrides of the preset's shape
 
 
 def overrides(micro: int, seq: int, steps: int, compiled: bool, precision: str = "bf16") -> list[str]:
-    return [
+    return MODEL + [
         f"model.preset={PRESET}",
         f"train.precision={precision}",
         f"train.seq_len={seq}",
@@ -172,7 +178,8 @@ def run_zerotron(
 
 
 def profile_steps(trainer: Any, path: Path) -> dict[str, float]:
-    """CUDA time of two steps by kind (ms per step) and the top kernels table."""
+    """CUDA time of two steps by kind (ms per step), the matrix products' rate (TFLOP/s) and the top
+    kernels table."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
@@ -192,6 +199,14 @@ def profile_steps(trainer: Any, path: Path) -> dict[str, float]:
             kinds["attention"] += cuda_us / 2e3
         else:
             kinds["other"] += cuda_us / 2e3
+    from zerotron.shapes import ModelShape
+
+    m = ModelShape.from_config(trainer.cfg.model)
+    seq = trainer.cfg.train.seq_len
+    matrix_flops = trainer.flops_per_token - 6.0 * m.layers * seq * m.core_width  # shapes.flops_per_token
+    tokens = trainer.cfg.train.global_batch * seq
+    if kinds["gemm"] > 0:
+        kinds["gemm_tflops"] = matrix_flops * tokens / (kinds["gemm"] / 1e3) / 1e12
     table = prof.key_averages().table(
         sort_by="self_device_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=40
     )
@@ -280,9 +295,13 @@ def main() -> int:
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="mfu_out")
+    ap.add_argument(
+        "--model", default="", help="comma-separated model.KEY=VALUE overrides of the preset's shape"
+    )
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: checks the script only")
     args = ap.parse_args()
     global DEV, PRESET
+    MODEL.extend(x for x in args.model.split(",") if x)
     if args.cpu_smoke:
         DEV, PRESET = "cpu", "tiny"
     elif not torch.cuda.is_available():

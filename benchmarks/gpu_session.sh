@@ -25,11 +25,16 @@
 # 6. (mfu8) the ~1B Llama of benchmarks/gpu_mfu.py in bf16 and fp8, compiled, and fp8 eager.
 # 7. (invariance) which of the engine's operations change a row's bits with its batch, fp32 and bf16
 #    (benchmarks/gpu_invariance.py; seconds).
+# 8. (bigstep) the profile of an eager training step of a large-hidden Llama (hidden 8192, 3 blocks,
+#    sequence 4096): the rate its matrix products reach back to back (`gemm_tflops` in
+#    bigstep/results.json), against the planner's law (0.82 x peak x g/(g + 128), ~790 TFLOP/s at
+#    these shapes) and the sustained random-data products of part 5 (~670): the open question of
+#    issue 58's held-out Megatron runs (docs/planning.md, "What the H100 runs taught").
 #
 # PARTS (default "triton serve offload zero3 fp8", parts 0-4) names the parts to run, in the order
-# given: triton, serve, offload, zero3, fp8, gemm, mfu8, invariance. A 10-minute call holds about
-# four. The 2026-12-04 H200 session left open: "invariance mfu8" (fp32 serving's batch dependence;
-# compiled fp8 after its graph-break fix), then "serve" with SERVE_S=300.
+# given: triton, serve, offload, zero3, fp8, gemm, mfu8, invariance, bigstep. A 10-minute call holds
+# about four. Open after 2026-12-05: "bigstep invariance mfu8" (a large model's GEMM rate; fp32
+# serving's batch dependence; compiled fp8 after its graph-break fix), then "serve" with SERVE_S=300.
 #
 # Each part has its own time limit, so one that hangs cannot take the others' time; every result is a
 # file in OUT_DIR (serve/ and mfu/ hold their results.json) and the log is printed.
@@ -93,10 +98,16 @@ mfu8)
     mkdir -p "$out/mfu"
     timeout "${MFU_S:-200}" python3 benchmarks/gpu_mfu.py --steps 12 --variants compile:4,fp8c:4,fp8:4 \
         --out "$out/mfu" || echo "mfu8: rc $?" ;;
+bigstep)
+    echo "== a large-hidden Llama's eager step, profiled: its matrix products' rate"
+    mkdir -p "$out/bigstep"
+    timeout "${BIGSTEP_S:-240}" python3 benchmarks/gpu_mfu.py --steps 5 --seq 4096 --variants eager:1 --profile \
+        --model model.hidden_size=8192,model.num_attention_heads=64,model.num_key_value_heads=8,model.head_dim=128,model.intermediate_size=28672,model.num_hidden_layers=3,model.vocab_size=32768 \
+        --out "$out/bigstep" || echo "bigstep: rc $?" ;;
 invariance)
     echo "== batch invariance of the engine's operations, one by one"
     timeout 120 python3 benchmarks/gpu_invariance.py --out "$out/invariance.json" || echo "invariance: rc $?" ;;
-*) echo "unknown part $part (triton serve offload zero3 fp8 gemm mfu8 invariance)" ;;
+*) echo "unknown part $part (triton serve offload zero3 fp8 gemm mfu8 invariance bigstep)" ;;
 esac
 done
 echo "== done"
