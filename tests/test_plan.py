@@ -238,6 +238,11 @@ def test_user_profile_file(tmp_path: Path) -> None:
         get_hardware(str(tmp_path / "bad.yaml"))
     with pytest.raises(PlanError, match="no such profile file"):
         get_hardware(str(tmp_path / "missing.yaml"))
+    (tmp_path / "sms.yaml").write_text("base: h100-sxm\nsms: 114\n")  # an H100 PCIe's, say
+    assert get_hardware(str(tmp_path / "sms.yaml")).sms == 114
+    (tmp_path / "neg.yaml").write_text("base: h100-sxm\nsms: -1\n")
+    with pytest.raises(PlanError, match="sms .* must be >= 0"):
+        get_hardware(str(tmp_path / "neg.yaml"))
 
 
 # -- the plan and its JSON ---------------------------------------------------------------------------------

@@ -104,8 +104,8 @@ def test_h100_gemm_law_reproduces_the_matmul_microbenchmarks() -> None:
     m = ModelShape(2048, 16, 32, 8, 64, 8192, 128256, True, True, False)  # Llama-3.2-1B
     layout = Layout(ParallelDims.of(1), micro_batch=4, kernels="eager")
     work = Workload(2048, 8, "bf16")
-    block = timing._gemm_seconds(hw, "bf16", timing.block_gemms(m, layout, work))
-    head = timing._gemm_seconds(hw, "bf16", [(4 * 2048, m.vocab, m.hidden, 1.0)])
+    block = timing.gemm_seconds(hw, "bf16", timing.block_gemms(m, layout, work))
+    head = timing.gemm_seconds(hw, "bf16", [(4 * 2048, m.vocab, m.hidden, 1.0)])
     gemm_s = 2 * 3 * (16 * block + head)  # two micro-batches, forward and two backward GEMMs
     assert gemm_s == pytest.approx(0.152, rel=0.08)
 

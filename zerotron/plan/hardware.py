@@ -305,7 +305,7 @@ def _number(key: str, value: Any, source: str) -> Any:
             return value
         raise PlanError(f"{source}: shared_host must be true or false, got {value!r}")
     try:
-        return int(value) if key == "gpus_per_node" else float(value)
+        return int(value) if key in ("gpus_per_node", "sms") else float(value)
     except (TypeError, ValueError):
         raise PlanError(f"{source}: {key} must be a number, got {value!r}") from None
 
@@ -329,6 +329,8 @@ def _check(hw: Hardware, source: str) -> None:
             raise PlanError(f"{source}: {key} must be > 0")
     if hw.gpus_per_node < 1:
         raise PlanError(f"{source}: gpus_per_node must be >= 1")
+    if hw.sms < 0:
+        raise PlanError(f"{source}: sms (streaming multiprocessors) must be >= 0 (0: unknown)")
     if not 0 <= hw.overlap_contention <= 1:
         raise PlanError(f"{source}: overlap_contention is a fraction (0 to 1)")
     if max(hw.gemm_efficiency, hw.attention_efficiency, hw.fp8_efficiency, hw.comm_efficiency) > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from zerotron.plan.hardware import Hardware
 from zerotron.plan.layout import ACT_BYTES, Layout, Workload
-from zerotron.plan.timing import _attention_gemms, _gemm_seconds, block_gemms, collective_time
+from zerotron.plan.timing import attention_gemms, block_gemms, collective_time, gemm_seconds
 from zerotron.shapes import ModelShape
 
 # Transformer Engine's userbuffers overlap as Megatron runs it (``--tp-comm-overlap``), from TE's
@@ -48,13 +48,11 @@ def _userbuffers_block(m: ModelShape, layout: Layout, work: Workload, hw: Hardwa
     tp = layout.tp
     ag = collective_time("all_gather", nbytes, tp, 1, hw)
     shapes = block_gemms(m, layout, work)
-    attention = len(_attention_gemms(m, 1.0, 1))
+    attention = len(attention_gemms(m, 1.0, 1))
     groups = [shapes[: attention - 1], shapes[attention - 1 : attention], shapes[attention : attention + 1]]
     groups.append(shapes[attention + 1 :])
-    whole = [_gemm_seconds(hw, work.precision, g) for g in groups]
-    chunked = [
-        _gemm_seconds(hw, work.precision, [(r / tp, c, k, n * tp) for r, c, k, n in g]) for g in groups
-    ]
+    whole = [gemm_seconds(hw, work.precision, g) for g in groups]
+    chunked = [gemm_seconds(hw, work.precision, [(r / tp, c, k, n * tp) for r, c, k, n in g]) for g in groups]
     qkv, out, fc1, fc2 = whole
     margin = UB_SMS / (hw.sms - UB_SMS) if hw.sms > UB_SMS else 0.0
 

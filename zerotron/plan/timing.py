@@ -131,7 +131,7 @@ def block_gemms(m: ModelShape, layout: Layout, work: Workload) -> list[tuple[flo
     """
     t, tp, h = layout.micro_batch * work.seq_len / layout.cp, layout.tp, m.hidden
     width = m.intermediate * (2 if m.gated else 1)
-    shapes = _attention_gemms(m, t, tp)
+    shapes = attention_gemms(m, t, tp)
     if m.experts:  # whole experts on every tp rank, on its sequence shard under SP (all tokens without)
         routed = t / tp if layout.sequence_parallel else t
         etp = layout.etp  # expert tp: a 1/tp slice of every expert on all the tp group's tokens
@@ -154,7 +154,7 @@ def block_gemm_names(m: ModelShape) -> list[str]:
     return attn + ["mlp-in", "mlp-out"] + (["router"] if m.experts else [])
 
 
-def _attention_gemms(m: ModelShape, t: float, tp: int) -> list[tuple[float, float, float, float]]:
+def attention_gemms(m: ModelShape, t: float, tp: int) -> list[tuple[float, float, float, float]]:
     """The attention projections of one block: q/k/v fused and o, split by heads; MLA's replicated
     down-projections (queries, then the joint key/value latent with the rotary key) and its split
     up-projections and o."""
@@ -170,7 +170,7 @@ def _attention_gemms(m: ModelShape, t: float, tp: int) -> list[tuple[float, floa
     return shapes + [(t, h, m.o_width / tp, 1.0)]
 
 
-def _gemm_seconds(hw: Hardware, precision: str, shapes: list[tuple[float, float, float, float]]) -> float:
+def gemm_seconds(hw: Hardware, precision: str, shapes: list[tuple[float, float, float, float]]) -> float:
     """Seconds of the forward GEMMs ``shapes`` (2·rows·cols·inner FLOPs each)."""
     peak = hw.flops(precision)
     return sum(
@@ -213,12 +213,12 @@ def microbatch_compute(
     s = work.seq_len
     passes = 4.0 if layout.recompute == "full" else 3.0
     attn_passes = 3.0 if layout.recompute == "none" else 4.0
-    block = passes * _gemm_seconds(hw, work.precision, block_gemms(m, layout, work))
+    block = passes * gemm_seconds(hw, work.precision, block_gemms(m, layout, work))
     block += attn_passes * attention_seconds(m, layout, work, hw, flash)
     tokens = layout.micro_batch * s / layout.cp
     seconds = block * layers
     if head:
-        seconds += 3.0 * _gemm_seconds(hw, work.precision, [(tokens, m.vocab / layout.tp, m.hidden, 1.0)])
+        seconds += 3.0 * gemm_seconds(hw, work.precision, [(tokens, m.vocab / layout.tp, m.hidden, 1.0)])
         # the loss's fp32 log-softmax over the logits, forward and backward
         seconds += tokens * m.vocab / layout.tp * LOSS_BYTES_PER_LOGIT / hw.memory_bw
     mem_bytes = elementwise_bytes_per_token(m, layout, work, flash, hw.eager_elementwise) * tokens * layers
