@@ -13,13 +13,13 @@
   members per node (NCCL drives one NIC per GPU), capped by the intra-node link.
 - Overlap: tensor-parallel collectives are exposed unless ``tp_comm_overlap``: then as Transformer
   Engine's userbuffers run them (copy-engine all-gathers under their GEMMs, reduce-scatters in chunks
-  on 16 SMs that the GEMM gives up: :mod:`zerotron.plan.tensor_parallel`); data-parallel gradient reduction runs
-  under the backward of the last micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's parameter
-  all-gathers are prefetched under each micro-batch's compute; context-parallel K/V exchange under the
-  attention core; every such NCCL collective still lengthens the step by at least
-  ``overlap_contention`` of its time (:func:`_exposed`: its kernels take SMs and memory bandwidth from
-  the compute they hide under); pipeline sends are exposed. On a ``shared_host`` (CPU ranks) nothing
-  overlaps: the same cores run both.
+  on 16 SMs that the GEMM gives up: :mod:`zerotron.plan.tensor_parallel`); data-parallel gradient
+  reduction runs under the backward of the last micro-batch (ZeRO-2: of every micro-batch); ZeRO-3's
+  parameter all-gathers are prefetched under each micro-batch's compute; context-parallel K/V exchange
+  under the attention core; every such NCCL collective still lengthens the step by at least
+  ``overlap_contention`` of its time at the node's link speed (:func:`_exposed`: its kernels take SMs
+  and memory bandwidth from the compute they hide under); pipeline sends are exposed. On a
+  ``shared_host`` (CPU ranks) nothing overlaps: the same cores run both.
 - Pipeline sends: a stage's output, split over its tp ranks (Megatron's scatter/gather) unless
   ``pp_scatter_gather`` is off (DeepSpeed's pipeline engine: every tp rank sends all of it).
 - Pipeline bubble: ``(p − 1)/m`` of the stage time for GPipe and 1F1B, ``(p − 1)/(v·m)`` interleaved,
