@@ -30,6 +30,14 @@ struct Factor {
   int64_t so = 0, sg = 0, per = 1;
 };
 
+// A bf16 value's bits as the float whose upper half they are.
+__attribute__((always_inline)) inline float bf16_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
 // Entry i of a factor's table as a float.
 ZT_Q8_TARGET inline float factor_entry(const Factor& f, int64_t i) {
   switch (f.kind) {
@@ -37,12 +45,7 @@ ZT_Q8_TARGET inline float factor_entry(const Factor& f, int64_t i) {
     case 2: return _cvtsh_ss(static_cast<const uint16_t*>(f.p)[i]);
     case 3: return static_cast<float>(static_cast<const int8_t*>(f.p)[i]);
     case 4: return static_cast<float>(static_cast<const uint8_t*>(f.p)[i]);
-    case 5: {
-      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(f.p)[i]) << 16;
-      float v;
-      std::memcpy(&v, &bits, 4);
-      return v;
-    }
+    case 5: return bf16_float(static_cast<const uint16_t*>(f.p)[i]);
     default: return 1.0f;
   }
 }
@@ -60,13 +63,8 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline void factor_times(const Facto
       case 2:
         for (int64_t c = 0; c < count; ++c) out[c] *= _cvtsh_ss(static_cast<const uint16_t*>(f.p)[at + c * sg]);
         return;
-      case 5:  // bf16 (torch's int4 scales and zeros): the entry's bits are a float's upper half
-        for (int64_t c = 0; c < count; ++c) {
-          const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(f.p)[at + c * sg]) << 16;
-          float v;
-          std::memcpy(&v, &bits, 4);
-          out[c] *= v;
-        }
+      case 5:  // bf16 (torch's int4 scales and zeros)
+        for (int64_t c = 0; c < count; ++c) out[c] *= bf16_float(static_cast<const uint16_t*>(f.p)[at + c * sg]);
         return;
       default:
         for (int64_t c = 0; c < count; ++c) out[c] *= factor_entry(f, at + c * sg);
