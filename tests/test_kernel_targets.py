@@ -50,3 +50,36 @@ def test_kernels_build_for_a_cpu_without_avx512(tmp_path: Path, march: str) -> N
     built = subprocess.run([*command, "-o", str(tmp_path / "kernels.o")], capture_output=True, text=True)
     errors = [line for line in built.stderr.splitlines() if "error" in line]
     assert built.returncode == 0, "\n".join(errors[:20]) or built.stderr[-3000:]
+
+
+# Kernels that fetch ahead through a helper (q8_prefetch_output, prefetch_slot, prefetch_slots): each
+# is built for an AVX-512 target the plain helpers are not, and GCC, which does not inline across
+# targets unless told to, counted a helper that only prefetches as pure and dropped its call — the
+# one-row 8-bit-activation products and the AVX512-BF16 attention's streamed decodes ran without their
+# fetches ahead, and their benchmarks measured no fetch at all.
+FETCHING_KERNELS = ("va_tasks", "pack_keys", "pack_values", "dot_stream_block")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 prefetch instructions")
+def test_kernels_keep_their_fetches_ahead() -> None:
+    if not kernels.available():
+        pytest.skip(f"the native kernels are not built here: {kernels.why_unavailable()}")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) to read the built module")
+    listing = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", "-C", kernels.built().__file__], capture_output=True, text=True
+    ).stdout
+    fetches: dict[str, int] = {}
+    name = ""
+    for line in listing.splitlines():
+        if line.endswith(">:"):  # a function's first line: "<address> <name(args)>:"
+            head = line.split("<", 1)[1].replace("(anonymous namespace)::", "").split("(", 1)[0]
+            name = head if head in FETCHING_KERNELS else ""
+            if name:
+                fetches.setdefault(name, 0)
+        elif name and "prefetch" in line:
+            fetches[name] += 1
+    if not fetches:
+        pytest.skip("this CPU's build has none of the kernels that fetch ahead (AVX512-VNNI, AVX512-BF16)")
+    assert all(fetches.values()), f"prefetch instructions per kernel: {fetches}"

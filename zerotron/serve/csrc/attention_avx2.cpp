@@ -147,7 +147,7 @@ inline void transpose8(__m256* r) {
 
 // The slots of positions j0 .. j0 + 15 (up to n) requested: each slot's vectors of all KV heads.
 template <typename T>
-inline void prefetch_slots(const T* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t elements) {
+__attribute__((always_inline)) inline void prefetch_slots(const T* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t elements) {
   for (int64_t j = j0; j < std::min<int64_t>(j0 + kChunk, n); ++j) prefetch_slot(pool + slot[j] * elements, elements);
 }
 

@@ -38,7 +38,7 @@ ZT_DOT_TARGET inline __m512i kv_load32(const KVSource& src, int64_t vec, int64_t
 }
 
 // The next keys' vectors requested into L1 (the slots are scattered), an 8-bit pool's scales too.
-ZT_DOT_TARGET inline void kv_prefetch(const KVSource& src, int64_t vec, int64_t dim) {
+ZT_DOT_TARGET __attribute__((always_inline)) inline void kv_prefetch(const KVSource& src, int64_t vec, int64_t dim) {
   if (src.bf16 != nullptr) {
     prefetch_slot(src.bf16 + vec * dim, dim);
   } else {
@@ -446,8 +446,8 @@ inline Staged stage_slots(StreamBuffers& b, const KVSource& src, const int64_t* 
 }
 
 // Slots a .. b (below n) of a pool, every KV head, requested into L2 (an 8-bit pool's codes and scales).
-inline void prefetch_slots(const KVSource& src, const int64_t* slot, int64_t a, int64_t b, int64_t n, int64_t kv,
-                           int64_t dim) {
+__attribute__((always_inline)) inline void prefetch_slots(const KVSource& src, const int64_t* slot, int64_t a, int64_t b,
+                                                           int64_t n, int64_t kv, int64_t dim) {
   for (int64_t c = a, end = std::min(b, n); c < end; ++c) {
     if (src.bf16 != nullptr) {
       const char* from = reinterpret_cast<const char*>(src.bf16 + slot[c] * kv * dim);

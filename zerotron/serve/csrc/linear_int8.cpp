@@ -181,7 +181,7 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline void q8_factors(const Q8Probl
 // output): a decode's row or two reads each output's few hundred bytes once, too few for the loads of
 // one output to hide their latency. An output's values lie together here (q8_direct, va_output DIRECT).
 constexpr int64_t Q8_AHEAD = 8;  // outputs ahead
-inline int64_t factor_bytes(const Factor& f) { return f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2; }  // an entry's
+__attribute__((always_inline)) inline int64_t factor_bytes(const Factor& f) { return f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2; }  // an entry's
 // The bytes q8_prefetch_output fetches of an output: its values (none where they are group-major,
 // GPTQ's: not together) and each factor's entries; made once a call (divisions).
 inline void q8_ahead_bytes(Q8Problem& t) {
@@ -191,10 +191,14 @@ inline void q8_ahead_bytes(Q8Problem& t) {
   for (int i = 0; i < 4; ++i)
     t.ahead[i + 1] = fs[i]->kind == 0 ? 0 : ((groups - 1) / fs[i]->per * fs[i]->sg + 1) * factor_bytes(*fs[i]);
 }
-inline void q8_prefetch_bytes(const void* at, int64_t bytes) {
+// The fetches below are always inlined: the AVX-512 kernels that call them are built for another
+// target, which GCC does not inline plain functions into, and a call it cannot inline to a function
+// that only prefetches it counts as pure and drops (the one-row 8-bit-activation kernel ran without
+// its fetch ahead that way).
+__attribute__((always_inline)) inline void q8_prefetch_bytes(const void* at, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(at) + b, _MM_HINT_T0);
 }
-inline void q8_prefetch_output(const Q8Problem& t, int64_t o, bool values = true) {
+__attribute__((always_inline)) inline void q8_prefetch_output(const Q8Problem& t, int64_t o, bool values = true) {
   if (o >= t.n || t.ahead[0] == 0) return;  // past the last output, or values not together
   if (values) q8_prefetch_bytes(reinterpret_cast<const char*>(t.q) + o * t.qo * (t.kind == 2 ? 2 : 1), t.ahead[0]);
   const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
@@ -206,7 +210,7 @@ inline void q8_prefetch_output(const Q8Problem& t, int64_t o, bool values = true
 // multiple of a line's inputs: q8_line_start), output o's line holding it into L1 (values together;
 // an o past the last output fetches nothing that faults).
 inline bool q8_line_start(int kind, int64_t kk) { return (kk & (kind == 1 ? 127 : kind == 2 ? 31 : 63)) == 0; }
-inline void q8_prefetch_value(const Q8Problem& t, int64_t o, int64_t gi, int64_t kk) {
+__attribute__((always_inline)) inline void q8_prefetch_value(const Q8Problem& t, int64_t o, int64_t gi, int64_t kk) {
   const int64_t e = o * t.qo + gi * t.qg + (t.kind == 1 ? kk / 2 : kk);
   _mm_prefetch(reinterpret_cast<const char*>(t.q) + e * (t.kind == 2 ? 2 : 1), _MM_HINT_T0);
 }

@@ -18,6 +18,9 @@
 #define ZT_VNNI 1
 #define ZT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 constexpr int64_t VA_SLICE = 256, VA_TILE = 16, VA_MC = 64;  // K padded to slices; outputs, rows a task
+// Outputs ahead whose values a decode fetches a line a chunk into L2 (SmolLM2's one-row Q8_0 products
+// on a Zen 4: 0.77x the time of every line of the output 8 on at once into L1; 8 on 0.81x, 48 on 0.77x)
+constexpr int64_t VA_AHEAD = 16;
 
 struct VaChunks {  // per chunk of inputs, the same for every output and row
   std::vector<int64_t> group, at;  // the chunk's first group; its first byte in an output's values
@@ -139,27 +142,34 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_mins(const Q8
 // power of two of groups (a K type's super-block scale), at unit stride.
 inline bool va_per_group(const Factor& f) { return f.kind == 0 || (f.sg == 1 && f.per > 0 && (f.per & (f.per - 1)) == 0); }
 
-// Rows m0 .. m0 + MR - 1 times output o: s and m are the output's group scales and mins (all groups,
-// 16 zeros after). TOGETHER: a chunk's 64 bytes lie together (an output's values contiguous, or a
-// group of whole chunks); ALIGNED: a chunk holds whole groups or a group whole chunks, so one
-// permutation (idx) of the 16 scales from the chunk's first group gives the lanes' (else a gather).
-// AHEAD: fetch the values and factors of output o + Q8_AHEAD first (a chunk of a few rows reads each
-// output once: latency-bound).
-template <int KIND, int MR, bool TOGETHER, bool ALIGNED, bool AHEAD = false>
+// Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1: s and m are output o's group scales and mins
+// (all groups, 16 zeros after; output o + j's ls floats on). TOGETHER: a chunk's 64 bytes lie together
+// (an output's values contiguous, or a group of whole chunks); ALIGNED: a chunk holds whole groups or a
+// group whole chunks, so one permutation (idx) of the 16 scales from the chunk's first group gives the
+// lanes' (else a gather). AHEAD: fetch outputs o + VA_AHEAD on (a few rows read each output once).
+// Outputs of one row (a decode) share its loads; each (row, output) has its arithmetic at any MR, NO.
+template <int KIND, int MR, bool TOGETHER, bool ALIGNED, bool AHEAD = false, int NO = 1>
 ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
-                              const VaChunks& ch, __m512i idx) {
+                              const VaChunks& ch, __m512i idx, int64_t ls = 0) {
   constexpr int64_t chunk = KIND == 1 ? 128 : 64;  // 16 lanes a chunk
-  const int8_t* base = t.q + o * t.qo;
-  if constexpr (AHEAD) q8_prefetch_output(t, o + Q8_AHEAD);
+  // AHEAD: the factors of each output VA_AHEAD on now, its values a line a chunk into L2 (past the
+  // last output: this output's line again)
+  const int8_t *base[NO], *ahead[NO];
+  for (int j = 0; j < NO; ++j) {
+    base[j] = t.q + (o + j) * t.qo;
+    ahead[j] = o + j + VA_AHEAD < t.n ? base[j] + VA_AHEAD * t.qo : base[j];
+    if constexpr (AHEAD) q8_prefetch_output(t, o + j + VA_AHEAD, false);
+  }
   const int8_t* xq[MR];
   const int32_t* corr[MR];
   const float* dl[MR];
-  __m512 acc[MR];
+  __m512 acc[MR][NO];
   for (int r = 0; r < MR; ++r) {
     xq[r] = v.xq.data() + (m0 + r) * v.kp;
     corr[r] = v.corr.data() + (m0 + r) * v.lanes;
     dl[r] = v.dl.data() + (m0 + r) * v.lanes;
-    acc[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
   // values two a byte indexing IQ4_NL's table (offset -1): each nibble's value + 128, as int8 values go in
@@ -168,45 +178,53 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
   const int64_t* at = ch.at.data();
   const int64_t* group = ch.group.data();
   for (int64_t c = 0; c < ch.chunks; ++c) {
-    __m512i b;
-    if constexpr (TOGETHER)
-      b = c < ch.full ? _mm512_loadu_si512(base + at[c]) : _mm512_maskz_loadu_epi8(ch.tail, base + at[c]);
-    else
-      b = va_gather(t, o, c * chunk, group[c]);
-    __m512 sl;
-    if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + group[c]));
-    else sl = _mm512_i32gather_ps(_mm512_loadu_si512(ch.lane_group.data() + c * 16), s, 4);
-    for (int r = 0; r < MR; ++r) {
-      __m512i a = _mm512_loadu_si512(corr[r] + c * 16);
-      if constexpr (KIND == 1) {
-        __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-        if (table) {
-          lo = _mm512_shuffle_epi8(ulut, lo);
-          hi = _mm512_shuffle_epi8(ulut, hi);
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) {
+      __m512i b;
+      if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + at[c]), _MM_HINT_T1);
+      if constexpr (TOGETHER)
+        b = c < ch.full ? _mm512_loadu_si512(base[j] + at[c]) : _mm512_maskz_loadu_epi8(ch.tail, base[j] + at[c]);
+      else
+        b = va_gather(t, o + j, c * chunk, group[c]);
+      __m512 sl;
+      if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + j * ls + group[c]));
+      else sl = _mm512_i32gather_ps(_mm512_loadu_si512(ch.lane_group.data() + c * 16), s + j * ls, 4);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        __m512i a = _mm512_loadu_si512(corr[r] + c * 16);
+        if constexpr (KIND == 1) {
+          __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+          if (table) {
+            lo = _mm512_shuffle_epi8(ulut, lo);
+            hi = _mm512_shuffle_epi8(ulut, hi);
+          }
+          a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512(xq[r] + c * 128));
+          a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xq[r] + c * 128 + 64));
+        } else {
+          a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(b, top), _mm512_loadu_si512(xq[r] + c * 64));
         }
-        a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512(xq[r] + c * 128));
-        a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xq[r] + c * 128 + 64));
-      } else {
-        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(b, top), _mm512_loadu_si512(xq[r] + c * 64));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl, _mm512_loadu_ps(dl[r] + c * 16)), acc[r][j]);
       }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl, _mm512_loadu_ps(dl[r] + c * 16)), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    float y = _mm512_reduce_add_ps(acc[r]);
-    if (m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
-      const float* xs = v.xs.data() + (m0 + r) * ch.groups;
-      __m512 ms = _mm512_setzero_ps();
-      for (int64_t g = 0; g < ch.groups; g += 16) {
-        const int64_t left = std::min<int64_t>(16, ch.groups - g);
-        const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-        const __m512 mg = _mm512_maskz_loadu_ps(k, m + g);
-        ms = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(k, xs + g), ms);
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) {
+      float y = _mm512_reduce_add_ps(acc[r][j]);
+      if (m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
+        const float* xs = v.xs.data() + (m0 + r) * ch.groups;
+        __m512 ms = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ch.groups; g += 16) {
+          const int64_t left = std::min<int64_t>(16, ch.groups - g);
+          const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+          const __m512 mg = _mm512_maskz_loadu_ps(k, m + j * ls + g);
+          ms = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(k, xs + g), ms);
+        }
+        y -= _mm512_reduce_add_ps(ms);
       }
-      y -= _mm512_reduce_add_ps(ms);
+      t.y[(m0 + r) * t.ldy + o + j] = y;
     }
-    t.y[(m0 + r) * t.ldy + o] = y;
-  }
 }
 
 // va_output for the problem's kind and the chunks' layout, MR rows (4 or 1).
@@ -294,7 +312,7 @@ ZT_VNNI_TARGET void va_factor(const Factor& f, int64_t o, int64_t groups, float*
 // q8_factors (va_factor's) for output o and groups g0 .. g0 + count - 1 (a slice, or every group) where
 // every factor has an entry per group, or per a power of two of them (va_per_group): 16 groups a step,
 // the same products (f1 · f2, the mins negated where added), so their bits; m untouched without mins.
-ZT_VNNI_TARGET inline void va_slice_factors(const Q8Problem& t, int64_t o, int64_t g0, int64_t count, float* s, float* m) {
+ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_slice_factors(const Q8Problem& t, int64_t o, int64_t g0, int64_t count, float* s, float* m) {
   const bool mins = t.m1.kind != 0;
   for (int64_t c = 0; c < count; c += 16) {
     const int64_t left = std::min<int64_t>(16, count - c);
@@ -348,11 +366,18 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
     // weights both stay in L1 across the other's loop
     for (int64_t r = r0; r < r1;) {
       const int64_t mr = r1 - r >= 4 ? 4 : 1;
-      for (int64_t o = o0; o < o1; ++o) {
+      for (int64_t o = o0; o < o1;) {
         const float* so = s.data() + (o - o0) * stride;
         const float* mp = mins ? m.data() + (o - o0) * stride : nullptr;
+        if (mr == 1 && direct && o1 - o >= 4) {  // one row: four outputs a pass over its chunks
+          if (t.kind == 1) va_output<1, 1, true, true, true, 4>(t, v, r, o, so, mp, ch, idx, stride);
+          else va_output<0, 1, true, true, true, 4>(t, v, r, o, so, mp, ch, idx, stride);
+          o += 4;
+          continue;
+        }
         if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx, direct);
         else va_rows<1>(t, v, r, o, so, mp, ch, idx, direct);
+        ++o;
       }
       r += mr;
     }
