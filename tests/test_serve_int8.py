@@ -284,8 +284,14 @@ def test_int4_and_packed_4bit_linears_on_the_kernel(dtype: torch.dtype) -> None:
     for name, layer in layers.items():
         x = torch.randn(11, 256, generator=gen).to(dtype)
         before = layer(x).double()
+        scale_zero = layer.scale_zero.clone()
         assert int8_kernels(layer, four_bit=True) == 1
         got = layer(x)
+        # the scales and zeros laid out output by output (each output's at unit stride, as a decode's
+        # direct path reads them), the buffer's values as they were
+        assert torch.equal(layer.scale_zero, scale_zero)
+        tables = layer.q8_tables
+        assert tables[1][0].stride(-1) == 1 and tables[2][0].stride(-1) == 1
         assert got.dtype == dtype and got.shape == (11, 48)
         if name == "gptq" and dtype == torch.float32:  # the file's weights, in float64
             ref = F.linear(x.double(), dequantize(u).double(), bias.double())
