@@ -177,13 +177,14 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline void q8_factors(const Q8Probl
   factor_times(t.m2, o, e0[3], r0[3], count, m);
 }
 
-// Output o's values and its factors' entries fetched into L1 ahead of their use (nothing past the last
+// An output's values and its factors' entries fetched ahead of their use (nothing past the last
 // output): a decode's row or two reads each output's few hundred bytes once, too few for the loads of
-// one output to hide their latency. An output's values lie together here (q8_direct, va_output DIRECT).
+// one output to hide their latency. The fp32-activation kernels' one-row paths (q8_direct,
+// q8_direct_wide) fetch the output Q8_AHEAD on; the 8-bit-activation one has its own distance (VA_AHEAD).
 constexpr int64_t Q8_AHEAD = 8;  // outputs ahead
 __attribute__((always_inline)) inline int64_t factor_bytes(const Factor& f) { return f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2; }  // an entry's
-// The bytes q8_prefetch_output fetches of an output: its values (none where they are group-major,
-// GPTQ's: not together) and each factor's entries; made once a call (divisions).
+// The bytes of an output's values (0 where they are group-major, GPTQ's: not together, and no output
+// is fetched ahead) and of each factor's entries, for q8_prefetch_factors; made once a call (divisions).
 inline void q8_ahead_bytes(Q8Problem& t) {
   const int64_t size = t.kind == 2 ? 2 : 1, groups = (t.k + t.group - 1) / t.group;
   t.ahead[0] = t.qg > t.qo ? 0 : ((groups - 1) * t.qg + (t.kind == 1 ? t.group / 2 : t.group)) * size;
@@ -198,9 +199,9 @@ inline void q8_ahead_bytes(Q8Problem& t) {
 __attribute__((always_inline)) inline void q8_prefetch_bytes(const void* at, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(at) + b, _MM_HINT_T0);
 }
-__attribute__((always_inline)) inline void q8_prefetch_output(const Q8Problem& t, int64_t o, bool values = true) {
+// Output o's factors' entries into L1 (its values are fetched a line at a time as they are reached).
+__attribute__((always_inline)) inline void q8_prefetch_factors(const Q8Problem& t, int64_t o) {
   if (o >= t.n || t.ahead[0] == 0) return;  // past the last output, or values not together
-  if (values) q8_prefetch_bytes(reinterpret_cast<const char*>(t.q) + o * t.qo * (t.kind == 2 ? 2 : 1), t.ahead[0]);
   const Factor* fs[4] = {&t.s1, &t.s2, &t.m1, &t.m2};
   for (int i = 0; i < 4; ++i)
     if (t.ahead[i + 1]) q8_prefetch_bytes(static_cast<const char*>(fs[i]->p) + o * fs[i]->so * factor_bytes(*fs[i]), t.ahead[i + 1]);
@@ -308,7 +309,7 @@ ZT_Q8_TARGET void q8_direct(const Q8Problem& t, int64_t m0, int64_t o0, int64_t 
     const int jn = static_cast<int>(std::min<int64_t>(4, width - j0));
     // the factors of the outputs Q8_AHEAD on now, their values a line at a time as the same inputs of
     // these outputs are read (q8_direct_wide's way: a burst of every line at once stalls the loads)
-    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD, false);
+    for (int j = 0; j < jn; ++j) q8_prefetch_factors(t, o0 + j0 + j + Q8_AHEAD);
     const bool ahead = t.ahead[0] != 0;
     __m256 acc[MR][4];
     for (int r = 0; r < MR; ++r)

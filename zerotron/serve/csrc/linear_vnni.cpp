@@ -18,9 +18,7 @@
 #define ZT_VNNI 1
 #define ZT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 constexpr int64_t VA_SLICE = 256, VA_TILE = 16, VA_MC = 64;  // K padded to slices; outputs, rows a task
-// Outputs ahead whose values a decode fetches a line a chunk into L2 (SmolLM2's one-row Q8_0 products
-// on a Zen 4: 0.77x the time of every line of the output 8 on at once into L1; 8 on 0.81x, 48 on 0.77x)
-constexpr int64_t VA_AHEAD = 16;
+constexpr int64_t VA_AHEAD = 16;  // outputs ahead a decode fetches, a line a chunk into L2 (BENCHMARKS.md)
 
 struct VaChunks {  // per chunk of inputs, the same for every output and row
   std::vector<int64_t> group, at;  // the chunk's first group; its first byte in an output's values
@@ -154,11 +152,11 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
   constexpr int64_t chunk = KIND == 1 ? 128 : 64;  // 16 lanes a chunk
   // AHEAD: the factors of each output VA_AHEAD on now, its values a line a chunk into L2 (past the
   // last output: this output's line again)
-  const int8_t *base[NO], *ahead[NO];
+  const int8_t *base[NO], *ahead[NO] = {};
   for (int j = 0; j < NO; ++j) {
     base[j] = t.q + (o + j) * t.qo;
-    ahead[j] = o + j + VA_AHEAD < t.n ? base[j] + VA_AHEAD * t.qo : base[j];
-    if constexpr (AHEAD) q8_prefetch_output(t, o + j + VA_AHEAD, false);
+    if constexpr (AHEAD) ahead[j] = o + j + VA_AHEAD < t.n ? base[j] + VA_AHEAD * t.qo : base[j];
+    if constexpr (AHEAD) q8_prefetch_factors(t, o + j + VA_AHEAD);
   }
   const int8_t* xq[MR];
   const int32_t* corr[MR];
@@ -428,7 +426,7 @@ ZT_VNNI_TARGET void q8_direct_wide_kind(const Q8Problem& t, int64_t m0, int64_t 
     const int jn = static_cast<int>(std::min<int64_t>(8, width - j0)), pairs = (jn + 1) / 2;
     // the factors of the outputs Q8_AHEAD on fetched now, their values a line at a time as the same
     // inputs of these outputs are read (a burst of every line at once stalls the loads behind it)
-    for (int j = 0; j < jn; ++j) q8_prefetch_output(t, o0 + j0 + j + Q8_AHEAD, false);
+    for (int j = 0; j < jn; ++j) q8_prefetch_factors(t, o0 + j0 + j + Q8_AHEAD);
     const bool ahead = t.ahead[0] != 0;
     __m512 acc[4];
     for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
