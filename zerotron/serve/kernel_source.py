@@ -1,6 +1,6 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in eleven files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in twelve files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
 - ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels (the
@@ -12,8 +12,9 @@ order, byte for byte:
 - ``linear_int8.cpp``: the linear layers of 8-bit weights with a scale (and a min) per group of
   inputs, on AVX2, inside the namespace;
 - ``linear_vnni.cpp``: the linear layers of those weights times 8-bit-quantised activations, on
-  AVX512-VNNI, and the fp32-activation kernel's one-row path on AVX-512 (two outputs a register),
-  inside the namespace;
+  AVX512-VNNI, inside the namespace;
+- ``linear_wide.cpp``: the fp32-activation kernel's one-row path on AVX-512 (two outputs a register,
+  blocks of up to 8 outputs), inside the namespace;
 - ``linear_qtiles.cpp``: the same weights dequantised to bf16 times bf16 rows, on AVX512-BF16 (it uses
   the blocks of ``linear.cpp``'s AVX512-BF16 kernel) and on AMX tiles (its tile helpers), both with the
   dequantisation of ``linear_int8.cpp``, inside the namespace;
@@ -44,6 +45,7 @@ PARTS = (
     "linear.cpp",
     "linear_int8.cpp",
     "linear_vnni.cpp",
+    "linear_wide.cpp",
     "linear_qtiles.cpp",
     "attention_dot.cpp",
     "attention_tiles.cpp",
