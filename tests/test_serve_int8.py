@@ -139,6 +139,8 @@ def test_kernel_matches_float64_and_a_row_is_its_own_at_any_batch(case: str) -> 
     alone = [linear_kernels.q8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
     assert torch.equal(torch.cat(alone), y)
     assert torch.equal(linear_kernels.q8_linear(x[5:17], values, scales, mins, offset, add), y[5:17])
+    for lo, hi in ((0, 2), (3, 6), (6, 10), (9, 14), (13, 21)):  # 2 to 8 rows: the one-row path's blocks
+        assert torch.equal(linear_kernels.q8_linear(x[lo:hi], values, scales, mins, offset, add), y[lo:hi])
     # bf16 rows are read exactly (widened to fp32)
     xb = x.bfloat16()
     assert torch.equal(
@@ -172,7 +174,7 @@ def test_products_side_by_side_are_each_products_own(activations: bool, k: int) 
     rows = kernel_definitions.quantize_rows(x) if activations else x
     ref = torch.cat([_reference(rows, *t) for t in tables], -1)
     assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
-    for lo, hi in ((0, 1), (3, 4), (5, 7), (8, 11), (8, 12), (0, 23)):
+    for lo, hi in ((0, 1), (3, 4), (5, 7), (8, 11), (8, 12), (2, 7), (0, 8), (0, 23)):
         alone = torch.cat([single(x[lo:hi], *t) for t in tables], -1)
         assert torch.equal(linear_kernels.q8_linears(x[lo:hi], tables, activations), alone)
         assert torch.equal(y[lo:hi], alone)

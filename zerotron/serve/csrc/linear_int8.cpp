@@ -371,7 +371,7 @@ ZT_Q8_TARGET void q8_direct_rows(const Q8Problem& t, int64_t m0, int64_t rows, i
   else q8_direct<KIND, 1>(t, m0, o0, width);
 }
 
-void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width);  // linear_vnni.cpp
+void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t rows, int64_t o0, int64_t width);  // linear_wide.cpp
 
 // Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major.
 ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
@@ -381,10 +381,11 @@ ZT_Q8_TARGET void q8_tasks(const Q8Problem& t, int64_t begin, int64_t end) {
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
     const int64_t o0 = tile * QOT, width = std::min(QOT, t.n - o0);
-    // a decode's row or two: no buffer, where an output's values lie together (GGUF, bf16 and 4-bit
-    // rows; GPTQ's group-major values, 4 outputs' apart per group, stay on the buffered path)
-    if (m1 - m0 <= 2 && (t.kind == 2 || t.qo >= t.qg)) {
-      if (t.wide && m1 - m0 == 1 && t.kind != 2) q8_direct_wide(t, m0, o0, width);
+    // a decode's row or two (up to 8 on AVX-512: q8_direct_wide): no buffer, where an output's values
+    // lie together (GGUF, bf16 and 4-bit rows; GPTQ's group-major values, 4 outputs' apart per group,
+    // stay on the buffered path)
+    if (m1 - m0 <= (t.wide && t.kind != 2 ? 8 : 2) && (t.kind == 2 || t.qo >= t.qg)) {
+      if (t.wide && t.kind != 2) q8_direct_wide(t, m0, m1 - m0, o0, width);
       else if (t.kind == 2) q8_direct_rows<2>(t, m0, m1 - m0, o0, width);
       else if (t.kind == 1) q8_direct_rows<1>(t, m0, m1 - m0, o0, width);
       else q8_direct_rows<0>(t, m0, m1 - m0, o0, width);

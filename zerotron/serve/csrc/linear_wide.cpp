@@ -75,42 +75,54 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 wide_weights(__m128i
   return MINS ? _mm512_fmsub_ps(f, s, m) : _mm512_mul_ps(f, s);
 }
 
-// Inputs 0 .. len - 1 of a group (x its inputs, q[j] lane half j's values there, sv and mv the pairs'
-// scales and mins) into the pairs' sums: 32 inputs a pass, each pair's values unpacked for the four
-// 8-input steps at once; the last inputs (fewer than 32) one step at a time.
-template <int KIND, int P, bool MINS>
-ZT_VNNI_TARGET __attribute__((always_inline)) inline void wide_group(const float* x, const int8_t* const* q,
-                                                                     int64_t len, const __m512* sv, const __m512* mv,
-                                                                     __m128i lut, __m512* acc) {
+// Inputs 0 .. len - 1 of a group (x its inputs in row 0, ldx apart for the MR rows, q[j] lane half j's
+// values there, sv and mv the pairs' scales and mins) into the sums (row r's of pair p at acc[r * P +
+// p]): 32 inputs a pass, each pair's values unpacked for the four 8-input steps at once and each step's
+// weights made once for the MR rows; the last inputs (fewer than 32) one step at a time.
+template <int KIND, int P, bool MINS, int MR>
+ZT_VNNI_TARGET __attribute__((always_inline)) inline void wide_group(const float* x, int64_t ldx,
+                                                                     const int8_t* const* q, int64_t len,
+                                                                     const __m512* sv, const __m512* mv, __m128i lut,
+                                                                     __m512* acc) {
   int64_t k = 0;
   for (; k + 32 <= len; k += 32) {
     const int64_t at = KIND == 1 ? k / 2 : k;
-    __m512 a[4];
+    __m512 a[MR][4];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) a[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + k + 8 * i));
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       __m128i v[4];
       if constexpr (KIND == 1) q8_unpack32(q[2 * p] + at, q[2 * p + 1] + at, lut, v);
       else wide_unpack32(q[2 * p] + at, q[2 * p + 1] + at, v);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) acc[p] = _mm512_fmadd_ps(a[i], wide_weights<MINS>(v[i], sv[p], mv[p]), acc[p]);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 w = wide_weights<MINS>(v[i], sv[p], mv[p]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) acc[r * P + p] = _mm512_fmadd_ps(a[r][i], w, acc[r * P + p]);
+      }
     }
   }
   for (; k < len; k += 8) {
-    const __m512 a = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k));
+    __m512 a[MR];
 #pragma GCC unroll 4
-    for (int p = 0; p < P; ++p)
-      acc[p] = _mm512_fmadd_ps(a, wide_weights<MINS>(wide_unpack8<KIND>(q[2 * p], q[2 * p + 1], k, lut), sv[p], mv[p]),
-                               acc[p]);
+    for (int r = 0; r < MR; ++r) a[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + k));
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const __m512 w = wide_weights<MINS>(wide_unpack8<KIND>(q[2 * p], q[2 * p + 1], k, lut), sv[p], mv[p]);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) acc[r * P + p] = _mm512_fmadd_ps(a[r], w, acc[r * P + p]);
+    }
   }
 }
 
-// Group gi's inputs [k0, k1) (within it) of outputs o .. o + jn - 1 of row m0 (values q[j], lane half
-// j's), the pairs' scales and mins read from s and m (lane half j's at s[j][c]); at its start, its lines
-// of the values of the outputs Q8_AHEAD on fetched (a burst of every line at once stalls the loads
-// behind it).
-template <int KIND, int P, bool MINS>
+// Group gi's inputs [k0, k1) (within it) of outputs o .. o + jn - 1 of rows m0 .. m0 + MR - 1 (values
+// q[j], lane half j's), the pairs' scales and mins read from s and m (lane half j's at s[j][c]); at its
+// start, its lines of the values of the outputs Q8_AHEAD on fetched (a burst of every line at once
+// stalls the loads behind it).
+template <int KIND, int P, bool MINS, int MR>
 ZT_VNNI_TARGET __attribute__((always_inline)) inline void wide_run(const Q8Problem& t, int64_t m0, int64_t o, int jn,
                                                                    int64_t gi, int64_t k0, int64_t k1,
                                                                    const float* const* s, const float* const* m,
@@ -128,25 +140,25 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline void wide_run(const Q8Probl
   const int8_t* qg[2 * P];
   for (int j = 0; j < 2 * P; ++j) qg[j] = q[j] + gi * t.qg + (KIND == 1 ? k0 / 2 : k0);
   const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(t.lut));
-  wide_group<KIND, P, MINS>(t.x + m0 * t.ldx + gi * t.group + k0, qg, k1 - k0, sv, mv, lut, acc);
+  wide_group<KIND, P, MINS, MR>(t.x + m0 * t.ldx + gi * t.group + k0, t.ldx, qg, k1 - k0, sv, mv, lut, acc);
 }
 
-// Outputs o .. o + jn - 1 (2P - 1 or 2P of them) of row m0. The factors of the outputs Q8_AHEAD on are
-// fetched now, and at each group's start its lines of those outputs' values (a burst of every line at
-// once stalls the loads behind it). Where the factors' tables allow (va_per_group), the block's scales
-// and mins of every group are made at once (`every`: 16 groups a step) and the groups run in order;
-// else slice by slice (QKS inputs), each slice's through q8_factors. Either way each output's inputs
-// run in k order.
-template <int KIND, int P, bool MINS>
+// Outputs o .. o + jn - 1 (2P - 1 or 2P of them) of rows m0 .. m0 + MR - 1. The factors of the outputs
+// Q8_AHEAD on are fetched now, and at each group's start its lines of those outputs' values (a burst of
+// every line at once stalls the loads behind it). Where the factors' tables allow (va_per_group), the
+// block's scales and mins of every group are made at once (`every`: 16 groups a step) and the groups
+// run in order; else slice by slice (QKS inputs), each slice's through q8_factors. Either way each
+// output's inputs run in k order, the same for every row.
+template <int KIND, int P, bool MINS, int MR>
 ZT_VNNI_TARGET void wide_block(const Q8Problem& t, int64_t m0, int64_t o, int jn, bool per_group,
                                std::vector<float>& every) {
   for (int j = 0; j < jn; ++j) q8_prefetch_factors(t, o + j + Q8_AHEAD);
   const int64_t groups = t.k / t.group;
   const int8_t* q[2 * P];  // each lane half's output's values (an odd last output twice)
   for (int j = 0; j < 2 * P; ++j) q[j] = t.q + (o + std::min(j, jn - 1)) * t.qo;
-  __m512 acc[P];
-#pragma GCC unroll 4
-  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  __m512 acc[MR * P];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR * P; ++i) acc[i] = _mm512_setzero_ps();
   const float* sj[2 * P];
   const float* mj[2 * P];
   if (per_group) {
@@ -157,7 +169,8 @@ ZT_VNNI_TARGET void wide_block(const Q8Problem& t, int64_t m0, int64_t o, int jn
       sj[j] = every.data() + std::min(j, jn - 1) * groups;
       mj[j] = every.data() + (2 * P + std::min(j, jn - 1)) * groups;
     }
-    for (int64_t gi = 0; gi < groups; ++gi) wide_run<KIND, P, MINS>(t, m0, o, jn, gi, 0, t.group, sj, mj, gi, q, acc);
+    for (int64_t gi = 0; gi < groups; ++gi)
+      wide_run<KIND, P, MINS, MR>(t, m0, o, jn, gi, 0, t.group, sj, mj, gi, q, acc);
   } else {
     float s[2 * P][QKS / 8], m[2 * P][QKS / 8];
     for (int j = 0; j < 2 * P; ++j) {
@@ -170,33 +183,48 @@ ZT_VNNI_TARGET void wide_block(const Q8Problem& t, int64_t m0, int64_t o, int jn
         q8_factors(t, o + j, t.slices + (k0 / QKS) * 8, t.slices + (k0 / QKS) * 8 + 4, count, s[j], m[j]);
       for (int64_t c = 0; c < count; ++c) {
         const int64_t gi = g0 + c;
-        wide_run<KIND, P, MINS>(t, m0, o, jn, gi, std::max(k0, gi * t.group) - gi * t.group,
-                                std::min(k1, (gi + 1) * t.group) - gi * t.group, sj, mj, c, q, acc);
+        wide_run<KIND, P, MINS, MR>(t, m0, o, jn, gi, std::max(k0, gi * t.group) - gi * t.group,
+                                    std::min(k1, (gi + 1) * t.group) - gi * t.group, sj, mj, c, q, acc);
       }
     }
   }
-  for (int p = 0; p < P; ++p) {
-    t.y[m0 * t.ldy + o + 2 * p] = va_sum8(_mm512_castps512_ps256(acc[p]));
-    if (2 * p + 1 < jn) t.y[m0 * t.ldy + o + 2 * p + 1] = va_sum8(_mm512_extractf32x8_ps(acc[p], 1));
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < P; ++p) {
+      float* y = t.y + (m0 + r) * t.ldy + o + 2 * p;
+      y[0] = va_sum8(_mm512_castps512_ps256(acc[r * P + p]));
+      if (2 * p + 1 < jn) y[1] = va_sum8(_mm512_extractf32x8_ps(acc[r * P + p], 1));
+    }
 }
 
-constexpr int WIDE_PAIRS = 3;  // a block's registers of sums
-// wide_block's instantiations: [kind][pairs - 1][mins].
+// A block's pairs of outputs for MR rows (the registers of sums: with more rows, fewer pairs; 8 outputs
+// a block on one row spilled them).
+constexpr int wide_pairs(int mr) { return mr == 1 ? 3 : 2; }
 using WideBlock = void (*)(const Q8Problem&, int64_t, int64_t, int, bool, std::vector<float>&);
+// wide_block's instantiations for MR rows: [pairs - 1].
+template <int KIND, bool MINS, int MR, int... Ps>
+constexpr WideBlock wide_set[sizeof...(Ps)] = {wide_block<KIND, Ps, MINS, MR>...};
 template <int KIND, bool MINS>
-constexpr WideBlock wide_blocks[4] = {wide_block<KIND, 1, MINS>, wide_block<KIND, 2, MINS>, wide_block<KIND, 3, MINS>,
-                                      wide_block<KIND, 4, MINS>};
+const WideBlock* wide_blocks(int64_t rows) {
+  if (rows == 1) return wide_set<KIND, MINS, 1, 1, 2, 3>;  // (pairs 1 and 2: a last row of a block of 4)
+  if (rows == 2) return wide_set<KIND, MINS, 2, 1, 2>;
+  return rows == 3 ? wide_set<KIND, MINS, 3, 1, 2> : wide_set<KIND, MINS, 4, 1, 2>;
+}
 
-void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t o0, int64_t width) {
+// Rows m0 .. m0 + rows - 1 (1 to 8) times outputs o0 .. o0 + width - 1: each block of outputs for the
+// rows 4 at a time (its values read again from L1 for the next 4).
+void q8_direct_wide(const Q8Problem& t, int64_t m0, int64_t rows, int64_t o0, int64_t width) {
   const bool mins = t.m1.kind != 0;
   const bool per_group = va_per_group(t.s1) && va_per_group(t.s2) && va_per_group(t.m1) && va_per_group(t.m2);
-  const WideBlock* blocks = t.kind == 1 ? (mins ? wide_blocks<1, true> : wide_blocks<1, false>)
-                                        : (mins ? wide_blocks<0, true> : wide_blocks<0, false>);
+  const WideBlock* blocks[5];
+  for (int64_t mr = 1; mr <= 4; ++mr)
+    blocks[mr] = t.kind == 1 ? (mins ? wide_blocks<1, true>(mr) : wide_blocks<1, false>(mr))
+                             : (mins ? wide_blocks<0, true>(mr) : wide_blocks<0, false>(mr));
+  const int step = 2 * wide_pairs(static_cast<int>(std::min<int64_t>(4, rows)));
   thread_local std::vector<float> every;
-  for (int64_t j0 = 0; j0 < width; j0 += 2 * WIDE_PAIRS) {
-    const int jn = static_cast<int>(std::min<int64_t>(2 * WIDE_PAIRS, width - j0));
-    blocks[(jn + 1) / 2 - 1](t, m0, o0 + j0, jn, per_group, every);
+  for (int64_t j0 = 0; j0 < width; j0 += step) {
+    const int jn = static_cast<int>(std::min<int64_t>(step, width - j0));
+    for (int64_t r = m0; r < m0 + rows; r += 4)
+      blocks[std::min<int64_t>(4, m0 + rows - r)][(jn + 1) / 2 - 1](t, r, o0 + j0, jn, per_group, every);
   }
 }
 #endif
