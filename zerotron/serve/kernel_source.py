@@ -13,8 +13,8 @@ order, byte for byte:
   inputs, on AVX2, inside the namespace;
 - ``linear_vnni.cpp``: the linear layers of those weights times 8-bit-quantised activations, on
   AVX512-VNNI, inside the namespace;
-- ``linear_wide.cpp``: the fp32-activation kernel's one-row path on AVX-512 (two outputs a register,
-  blocks of up to 8 outputs), inside the namespace;
+- ``linear_wide.cpp``: the fp32-activation kernel's direct path of 1 to 8 rows on AVX-512 (two
+  outputs a register, blocks of up to 6 outputs), inside the namespace;
 - ``linear_qtiles.cpp``: the same weights dequantised to bf16 times bf16 rows, on AVX512-BF16 (it uses
   the blocks of ``linear.cpp``'s AVX512-BF16 kernel) and on AMX tiles (its tile helpers), both with the
   dequantisation of ``linear_int8.cpp``, inside the namespace;

@@ -1,11 +1,12 @@
-// ---- the fp32-activation kernel's one row on AVX-512, two outputs a register ---------------------
-// q8_direct's one row (a decode of one sequence, the default path of a GGUF or int8/int4 model): lanes
-// 0-7 of a register carry the first output's 8 chains, lanes 8-15 the second's, each fed the same
+// ---- the fp32-activation kernel's direct path on AVX-512, two outputs a register --------------------
+// q8_direct's rows (a decode of one to eight sequences, the default path of a GGUF or int8/int4 model):
+// lanes 0-7 of a register carry the first output's 8 chains, lanes 8-15 the second's, each fed the same
 // weights (q8_weights8's arithmetic: the values widened, times the scale less the min in one fused
 // step) and the same inputs in the same order, and summed by the same tree, so every output has
-// q8_direct's bits (and the buffered path's). Blocks of up to 6 outputs (P registers, P a template
-// argument, so the pairs' loops unroll and their pointers, scales and sums stay in registers: 8 outputs
-// a block spilled them, BENCHMARKS.md); an odd last output is paired with itself and its copy dropped.
+// q8_direct's bits (and the buffered path's). Blocks of up to 6 outputs on one row, 4 on 2 to 4 rows (P
+// pairs, a template argument with the rows, so the loops unroll and the pointers, scales and sums stay
+// in registers: 8 outputs a block on one row spilled them, BENCHMARKS.md); each step's weights are
+// made once for the block's rows; an odd last output is paired with itself and its copy dropped.
 // Int8 values are read 32 inputs of both outputs a pass and split into the four 8-input steps with two
 // unpacks (not four 8-byte loads and an interleave a step), 4-bit ones through q8_unpack32; where the
 // factors' tables allow, the groups run in order without the QKS-input slices.
