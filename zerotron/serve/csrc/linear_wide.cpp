@@ -1,5 +1,5 @@
 // ---- the fp32-activation kernel's direct path on AVX-512, two outputs a register --------------------
-// q8_direct's rows (a decode of one to eight sequences, the default path of a GGUF or int8/int4 model):
+// q8_direct's rows (a decode of one to eight sequences, the default path of a GGUF or int4 model):
 // lanes 0-7 of a register carry the first output's 8 chains, lanes 8-15 the second's, each fed the same
 // weights (q8_weights8's arithmetic: the values widened, times the scale less the min in one fused
 // step) and the same inputs in the same order, and summed by the same tree, so every output has
