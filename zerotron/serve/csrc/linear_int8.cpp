@@ -97,7 +97,7 @@ struct Q8Problem {
   bool add_mins;          // w = q * s + m instead (GGUF Q4_1's)
   int64_t ldx, rows, n, k, group, tiles, chunk;
   const int64_t* slices = nullptr;  // q8_slice's e0 and r0 (8 numbers) of each QKS-input slice, made once a call
-  bool wide = false;                // one row's outputs two a register on AVX-512 (q8_direct_wide)
+  bool wide = false;                // 1 to 8 rows' outputs two a register on AVX-512 (q8_direct_wide)
   int64_t ldy = 0;                  // output (m, o) at y[m * ldy + o]: n, or wider where several products share y
   int64_t ahead[5] = {0, 0, 0, 0, 0};  // bytes an output's values, s1, s2, m1, m2 take (q8_ahead_bytes)
   alignas(16) int8_t lut[16] = {};     // kind 1: a nibble's value (nibble - offset, or its table's entry)
@@ -179,7 +179,7 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline void q8_factors(const Q8Probl
 
 // An output's values and its factors' entries fetched ahead of their use (nothing past the last
 // output): a decode's row or two reads each output's few hundred bytes once, too few for the loads of
-// one output to hide their latency. The fp32-activation kernels' one-row paths (q8_direct,
+// one output to hide their latency. The fp32-activation kernels' direct paths (q8_direct,
 // q8_direct_wide) fetch the output Q8_AHEAD on; the 8-bit-activation one has its own distance (VA_AHEAD).
 constexpr int64_t Q8_AHEAD = 8;  // outputs ahead
 __attribute__((always_inline)) inline int64_t factor_bytes(const Factor& f) { return f.kind == 1 ? 4 : (f.kind == 3 || f.kind == 4) ? 1 : 2; }  // an entry's
