@@ -197,7 +197,9 @@ inline void q8_ahead_bytes(Q8Problem& t) {
 // that only prefetches it counts as pure and drops (the one-row 8-bit-activation kernel ran without
 // its fetch ahead that way).
 __attribute__((always_inline)) inline void q8_prefetch_bytes(const void* at, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(at) + b, _MM_HINT_T0);
+  const char* p = static_cast<const char*>(at);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  _mm_prefetch(p + bytes - 1, _MM_HINT_T0);  // the last line, where the bytes do not start one
 }
 // Output o's factors' entries into L1 (its values are fetched a line at a time as they are reached).
 __attribute__((always_inline)) inline void q8_prefetch_factors(const Q8Problem& t, int64_t o) {

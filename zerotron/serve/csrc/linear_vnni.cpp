@@ -320,6 +320,129 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_slice_factors(const
   }
 }
 
+// A factor's table as va_row_entries reads it, its kind a template argument and what the reads of its
+// entries need made once a call: a decode's direct paths make every output's scales this way (with the
+// kind and the entries' spacing found entry by entry, those reads took a third of a one-row Q4_K
+// product's time on AVX512-VNNI).
+struct VaTable {
+  const char* p = nullptr;
+  int64_t row = 0;     // an output's bytes on
+  int64_t spare = 0;   // per - 1: a group's place in its entry's run of per
+  int64_t size = 0;    // an entry's bytes (0: absent)
+  int32_t shift = 0;   // log2 per
+};
+inline VaTable va_table(const Factor& f) {
+  VaTable v;
+  v.p = static_cast<const char*>(f.p);
+  v.size = f.kind == 0 ? 0 : factor_bytes(f);
+  v.row = f.so * v.size;
+  v.shift = f.kind == 0 ? 0 : __builtin_ctzll(static_cast<uint64_t>(f.per));
+  v.spare = (int64_t{1} << v.shift) - 1;
+  return v;
+}
+// va_row_entries for a table of kind KIND (per 1 read through the identity permutation: no branch).
+template <int KIND>
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_table_entries(const VaTable& f, int64_t o, int64_t g, int64_t left) {
+  if constexpr (KIND == 0) return _mm512_set1_ps(1.0f);
+  constexpr int64_t size = KIND == 1 ? 4 : (KIND == 3 || KIND == 4) ? 1 : 2;
+  const int64_t r = g & f.spare;
+  const __m512i idx = _mm512_srl_epi32(
+      _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                       _mm512_set1_epi32(static_cast<int32_t>(r))),
+      _mm_cvtsi32_si128(f.shift));
+  const char* at = f.p + o * f.row + (g >> f.shift) * size;
+  return _mm512_permutexvar_ps(idx, va_entries(KIND, at, ((r + left - 1) >> f.shift) + 1));
+}
+
+// A table's 16 >> shift entries from p under mask k, as fp32, spread over 16 groups by idx (their
+// places' entries: 16 whole groups from a multiple of 16, per dividing 16, read by one permutation).
+template <int KIND>
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_spread(const char* p, __mmask16 k, __m512i idx) {
+  if constexpr (KIND == 0) return _mm512_set1_ps(1.0f);
+  __m512 e;
+  if constexpr (KIND == 1) e = _mm512_maskz_loadu_ps(k, p);
+  else if constexpr (KIND == 2) e = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+  else if constexpr (KIND == 3) e = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)));
+  else if constexpr (KIND == 4) e = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, p)));
+  else e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+  return _mm512_permutexvar_ps(idx, e);
+}
+
+// va_slice_factors of every group for outputs o .. o + count - 1 (output j's scales at s + j * stride,
+// its mins at m + j * stride), the factors' kinds template arguments: the same products, so their bits.
+// Where every table has an entry per 1, 2, 4, 8 or 16 groups, each whole 16 groups' entries lie in the
+// same places of the same permutation (made once), read under one mask; the rest through
+// va_table_entries.
+template <int S1, int S2, int M1, int M2>
+ZT_VNNI_TARGET void va_outputs_kinds(const Q8Problem& t, int64_t o, int64_t count, int64_t groups, float* s, float* m,
+                                     int64_t stride) {
+  const VaTable f[4] = {va_table(t.s1), va_table(t.s2), va_table(t.m1), va_table(t.m2)};
+  // exactly -m where added: the sign bit as an integer (a float -0.0 and 0.0 may fold as one)
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(t.add_mins ? INT32_MIN : 0));
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512i idx[4];
+  __mmask16 k[4];
+  int64_t step[4];  // a whole 16 groups' bytes in a table
+  bool spread = true;
+  for (int i = 0; i < 4; ++i) {
+    spread = spread && f[i].shift <= 4;
+    idx[i] = _mm512_srl_epi32(iota, _mm_cvtsi32_si128(f[i].shift));
+    k[i] = static_cast<__mmask16>((1u << (16 >> std::min(f[i].shift, 4))) - 1);
+    step[i] = (16 >> std::min(f[i].shift, 4)) * f[i].size;
+  }
+  const int64_t whole = spread ? groups / 16 * 16 : 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const char* at[4];
+    for (int i = 0; i < 4; ++i) at[i] = f[i].p + (o + j) * f[i].row;
+    for (int64_t g = 0; g < whole; g += 16) {
+      __m512 e = va_spread<S1>(at[0], k[0], idx[0]);
+      if constexpr (S2 != 0) e = _mm512_mul_ps(e, va_spread<S2>(at[1], k[1], idx[1]));
+      _mm512_storeu_ps(s + j * stride + g, e);
+      if constexpr (M1 != 0) {
+        __m512 n = va_spread<M1>(at[2], k[2], idx[2]);
+        if constexpr (M2 != 0) n = _mm512_mul_ps(n, va_spread<M2>(at[3], k[3], idx[3]));
+        _mm512_storeu_ps(m + j * stride + g, _mm512_xor_ps(n, sign));
+      }
+      for (int i = 0; i < 4; ++i) at[i] += step[i];
+    }
+    for (int64_t g = whole; g < groups; g += 16) {
+      const int64_t left = std::min<int64_t>(16, groups - g);
+      const __mmask16 kl = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+      __m512 e = va_table_entries<S1>(f[0], o + j, g, left);
+      if constexpr (S2 != 0) e = _mm512_mul_ps(e, va_table_entries<S2>(f[1], o + j, g, left));
+      _mm512_mask_storeu_ps(s + j * stride + g, kl, e);
+      if constexpr (M1 != 0) {
+        __m512 n = va_table_entries<M1>(f[2], o + j, g, left);
+        if constexpr (M2 != 0) n = _mm512_mul_ps(n, va_table_entries<M2>(f[3], o + j, g, left));
+        _mm512_mask_storeu_ps(m + j * stride + g, kl, _mm512_xor_ps(n, sign));
+      }
+    }
+  }
+}
+
+// Outputs o .. o + count - 1's scales and mins of every group, as va_slice_factors makes them, where
+// every factor's table is read as va_row_entries reads it (va_per_group): the kinds the loaders give
+// (a file's f16 scale with or without a min, a K type's f16 super-block scale times its int8 or
+// uint8 sub-block scales and mins, a model's f32, f16 or bf16 scales and zeros) through
+// va_outputs_kinds, any other output by output.
+ZT_VNNI_TARGET void va_outputs_factors(const Q8Problem& t, int64_t o, int64_t count, int64_t groups, float* s, float* m,
+                                       int64_t stride) {
+  const int code = t.s1.kind | t.s2.kind << 4 | t.m1.kind << 8 | t.m2.kind << 12;
+  switch (code) {
+    case 0x0001: return va_outputs_kinds<1, 0, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0002: return va_outputs_kinds<2, 0, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0005: return va_outputs_kinds<5, 0, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0101: return va_outputs_kinds<1, 0, 1, 0>(t, o, count, groups, s, m, stride);
+    case 0x0202: return va_outputs_kinds<2, 0, 2, 0>(t, o, count, groups, s, m, stride);
+    case 0x0505: return va_outputs_kinds<5, 0, 5, 0>(t, o, count, groups, s, m, stride);
+    case 0x0032: return va_outputs_kinds<2, 3, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0042: return va_outputs_kinds<2, 4, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x4242: return va_outputs_kinds<2, 4, 2, 4>(t, o, count, groups, s, m, stride);
+    default:
+      for (int64_t j = 0; j < count; ++j) va_slice_factors(t, o + j, 0, groups, s + j * stride, m + j * stride);
+  }
+}
+
 // Tasks [begin, end) of one thread: task = (chunk of rows, tile of outputs), chunk-major; ``first``:
 // the 16 lanes' first groups (loaded here: a 512-bit value may not cross into code built without
 // AVX-512, as q8a8_linear_many is on an AVX2 build).
@@ -344,13 +467,14 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
     const int64_t tile = task % t.tiles, mc = task / t.tiles;
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
     const int64_t o0 = tile * VA_TILE, o1 = std::min(t.n, o0 + VA_TILE);
+    // one row: each pass's outputs' factors made just before it (the tile's at once were evicted by its
+    // weights before their use); rows of a block: the tile's at once
+    const bool each = direct && r1 - r0 == 1;
+    if (direct && !each) va_outputs_factors(t, o0, o1 - o0, groups, s.data(), m.data(), stride);
     for (int64_t o = o0; o < o1; ++o) {  // the outputs' scales and mins, all groups
       float* so = s.data() + (o - o0) * stride;
       float* mo = m.data() + (o - o0) * stride;
-      if (direct) {
-        va_slice_factors(t, o, 0, groups, so, mo);
-        continue;
-      }
+      if (direct) continue;  // made above or below
       va_factor(t.s1, o, groups, so, true, offsets(0));
       va_factor(t.s2, o, groups, so, false, offsets(1));
       if (mins) {
@@ -365,8 +489,10 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
     for (int64_t r = r0; r < r1;) {
       const int64_t mr = r1 - r >= 4 ? 4 : 1;
       for (int64_t o = o0; o < o1;) {
-        const float* so = s.data() + (o - o0) * stride;
-        const float* mp = mins ? m.data() + (o - o0) * stride : nullptr;
+        const int64_t at = each ? 0 : (o - o0) * stride;
+        if (each) va_outputs_factors(t, o, std::min<int64_t>(4, o1 - o), groups, s.data(), m.data(), stride);
+        const float* so = s.data() + at;
+        const float* mp = mins ? m.data() + at : nullptr;
         if (mr == 1 && direct && o1 - o >= 4) {  // one row: four outputs a pass over its chunks
           if (t.kind == 1) va_output<1, 1, true, true, true, 4>(t, v, r, o, so, mp, ch, idx, stride);
           else va_output<0, 1, true, true, true, 4>(t, v, r, o, so, mp, ch, idx, stride);

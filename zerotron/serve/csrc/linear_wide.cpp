@@ -164,8 +164,7 @@ ZT_VNNI_TARGET void wide_block(const Q8Problem& t, int64_t m0, int64_t o, int jn
   const float* mj[2 * P];
   if (per_group) {
     every.resize(static_cast<size_t>(4 * P * groups));
-    for (int j = 0; j < jn; ++j)
-      va_slice_factors(t, o + j, 0, groups, every.data() + j * groups, every.data() + (2 * P + j) * groups);
+    va_outputs_factors(t, o, jn, groups, every.data(), every.data() + 2 * P * groups, groups);
     for (int j = 0; j < 2 * P; ++j) {
       sj[j] = every.data() + std::min(j, jn - 1) * groups;
       mj[j] = every.data() + (2 * P + std::min(j, jn - 1)) * groups;
