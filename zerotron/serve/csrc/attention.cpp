@@ -168,6 +168,40 @@ inline std::vector<std::vector<int64_t>> deal(const std::vector<int64_t>& start,
   return share;
 }
 
+// A block's KV heads kh0 .. kh1 - 1 (and their query heads): the task of one thread.
+struct Part {
+  int64_t block, kh0, kh1;
+};
+
+// deal's dealing where there are fewer blocks than threads (a decode of one or a few sequences):
+// each block's KV heads split into as many even parts as the threads allow, each part's work the
+// block's times its share of the heads. A head's numbers are the same in any part.
+inline std::vector<std::vector<Part>> deal_parts(const std::vector<int64_t>& start, const int64_t* lens, int64_t threads,
+                                                 int64_t kv_heads) {
+  const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
+  const int64_t parts = blocks >= threads ? 1 : std::min(kv_heads, (threads + blocks - 1) / blocks);
+  std::vector<Part> items;
+  std::vector<int64_t> work;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t keys = 0;
+    for (int64_t r = start[b]; r < start[b + 1]; ++r) keys += lens[r];
+    for (int64_t p = 0; p < parts; ++p) {
+      items.push_back({b, p * kv_heads / parts, (p + 1) * kv_heads / parts});
+      work.push_back(keys * (items.back().kh1 - items.back().kh0));
+    }
+  }
+  std::vector<int64_t> order(items.size()), load(std::max<int64_t>(1, std::min<int64_t>(threads, items.size())), 0);
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  std::vector<std::vector<Part>> share(load.size());
+  for (int64_t i : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    share[t].push_back(items[i]);
+    load[t] += work[i];
+  }
+  return share;
+}
+
 #if defined(__x86_64__)
 // ``elements`` values from p requested into L1, 64 bytes at a time.
 // Always inlined (as every fetch helper here): GCC does not inline a plain function into the AVX-512,
@@ -290,17 +324,18 @@ inline __m512 reduce16(const __m512* x) {
                        _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Positions j0 .. j0 + 15 (fewer at the end, n) of a slot list: each slot's vectors of all KV heads
-// converted to fp32 into ``chunk`` (KV head kh, position c at (kh * kChunk + c) * dim), the next
-// chunk's slots requested meanwhile. Returns how many positions it loaded.
+// Positions j0 .. j0 + 15 (fewer at the end, n) of a slot list: each slot's vectors of KV heads
+// kh0 .. kh1 - 1 converted to fp32 into ``chunk`` (KV head kh, position c at (kh * kChunk + c) * dim),
+// the next chunk's slots requested meanwhile. Returns how many positions it loaded.
 template <typename T, int V>
-inline int64_t load_chunk(const T* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t kv_heads, float* chunk) {
+inline int64_t load_chunk(const T* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t kv_heads, int64_t kh0,
+                          int64_t kh1, float* chunk) {
   constexpr int64_t dim = V * 16;
   const int64_t cn = std::min<int64_t>(kChunk, n - j0);
   for (int64_t c = 0; c < cn; ++c) {
-    if (j0 + c + kChunk < n) prefetch_slot(pool + slot[j0 + c + kChunk] * kv_heads * dim, kv_heads * dim);
+    if (j0 + c + kChunk < n) prefetch_slot(pool + (slot[j0 + c + kChunk] * kv_heads + kh0) * dim, (kh1 - kh0) * dim);
     const T* x = pool + slot[j0 + c] * kv_heads * dim;
-    for (int64_t kh = 0; kh < kv_heads; ++kh)
+    for (int64_t kh = kh0; kh < kh1; ++kh)
       for (int v = 0; v < V; ++v) _mm512_storeu_ps(chunk + (kh * kChunk + c) * dim + 16 * v, load16<T>(x + kh * dim + 16 * v));
   }
   return cn;
@@ -309,16 +344,17 @@ inline int64_t load_chunk(const T* pool, const int64_t* slot, int64_t j0, int64_
 // The same from an 8-bit pool: each value its code times its scale in fp32 (kv_codes16, kv_scale),
 // rounded to T (round_to): kv_quant.dequantize's values, widened.
 template <typename T, int V>
-inline int64_t load_chunk(const KVSource& src, const int64_t* slot, int64_t j0, int64_t n, int64_t kv_heads, float* chunk) {
+inline int64_t load_chunk(const KVSource& src, const int64_t* slot, int64_t j0, int64_t n, int64_t kv_heads, int64_t kh0,
+                          int64_t kh1, float* chunk) {
   constexpr int64_t dim = V * 16;
   const int64_t cn = std::min<int64_t>(kChunk, n - j0);
   for (int64_t c = 0; c < cn; ++c) {
     if (j0 + c + kChunk < n) {
-      prefetch_slot(src.codes + slot[j0 + c + kChunk] * kv_heads * dim, kv_heads * dim);
-      prefetch_slot(src.scales + slot[j0 + c + kChunk] * kv_heads, kv_heads);
+      prefetch_slot(src.codes + (slot[j0 + c + kChunk] * kv_heads + kh0) * dim, (kh1 - kh0) * dim);
+      prefetch_slot(src.scales + slot[j0 + c + kChunk] * kv_heads + kh0, kh1 - kh0);
     }
     const int64_t vec = slot[j0 + c] * kv_heads;
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
       const __m512 f = kv_scale(src.scales[vec + kh], src.fmt);
       const uint8_t* x = src.codes + (vec + kh) * dim;
       for (int v = 0; v < V; ++v) {
@@ -330,9 +366,10 @@ inline int64_t load_chunk(const KVSource& src, const int64_t* slot, int64_t j0, 
   return cn;
 }
 
-// One task per block of rows: their keys, then their values, 16 at a time. A row's numbers
-// are those of the same row alone: its scores, softmax and weighted sum in the same order whatever
-// block it is in, and the blocks' threads never share a row. The pools: dense or 8-bit (load_chunk's).
+// One task per block of rows (or per part of its KV heads where there are fewer blocks than threads:
+// deal_parts): their keys, then their values, 16 at a time. A row's numbers are those of the same row
+// alone: each head's scores, softmax and weighted sum in the same order whatever block or part it is
+// in, and no two threads share a row's head. The pools: dense or 8-bit (load_chunk's).
 template <typename T, int V, int G, typename Pool>
 void attend_avx512(const T* q, const Pool& kp, const Pool& vp, const int64_t* slots, const int64_t* seq,
                    const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t width,
@@ -340,15 +377,16 @@ void attend_avx512(const T* q, const Pool& kp, const Pool& vp, const int64_t* sl
   constexpr int64_t dim = V * 16;
   const std::vector<int64_t> start = row_blocks(seq, rows);
   const int64_t blocks = static_cast<int64_t>(start.size()) - 1;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  const std::vector<std::vector<int64_t>> share = deal(start, lens, threads);
+  const std::vector<std::vector<Part>> share = deal_parts(start, lens, at::get_num_threads(), kv_heads);
+  const int64_t threads = static_cast<int64_t>(share.size());
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> score, total(kBlock * heads), chunk(kChunk * kv_heads * dim, 0.0f);
     std::vector<__m512> qv(kBlock * heads * V), acc(kBlock * heads * V);
     int64_t offset[kBlock + 1];
     alignas(64) float buffer[dim];
     for (int64_t t = first; t < last; ++t) {
-      for (int64_t b : share[t]) {
+      for (const Part& part : share[t]) {
+        const int64_t b = part.block, kh0 = part.kh0, kh1 = part.kh1, h0 = kh0 * G, h1 = kh1 * G;
         const int64_t r0 = start[b], nr = start[b + 1] - r0;
         const int64_t* slot = slots + seq[r0] * width;
         const int64_t* len = lens + r0;
@@ -360,19 +398,19 @@ void attend_avx512(const T* q, const Pool& kp, const Pool& vp, const int64_t* sl
         }
         score.resize(offset[nr]);
         for (int64_t w = 0; w < nr; ++w)
-          for (int64_t h = 0; h < heads; ++h)
+          for (int64_t h = h0; h < h1; ++h)
             for (int v = 0; v < V; ++v)
               qv[(w * heads + h) * V + v] =
                   _mm512_mul_ps(load16<T>(q + ((r0 + w) * heads + h) * dim + 16 * v), _mm512_set1_ps(scale));
         // Scores 16 keys at a time: the keys converted to fp32 once (load_chunk), each query's 16 dot
         // products reduced together (reduce16: the bits of reducing each alone).
         for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
-          load_chunk<T, V>(kp, slot, j0, n, kv_heads, chunk.data());
+          load_chunk<T, V>(kp, slot, j0, n, kv_heads, kh0, kh1, chunk.data());
           for (int64_t w = 0; w < nr; ++w) {
             if (j0 >= len[w]) continue;
             float* s = score.data() + offset[w];
             const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kChunk, len[w] - j0)) - 1u);
-            for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t h = h0; h < h1; ++h) {
               const __m512* qh = qv.data() + (w * heads + h) * V;
               const float* kb = chunk.data() + (h / G) * kChunk * dim;
               __m512 dot[kChunk];
@@ -385,17 +423,18 @@ void attend_avx512(const T* q, const Pool& kp, const Pool& vp, const int64_t* sl
             }
           }
         }
-        for (int64_t w = 0; w < nr; ++w) softmax16(score.data() + offset[w], total.data() + w * heads, heads, len[w]);
+        for (int64_t w = 0; w < nr; ++w)
+          softmax16(score.data() + offset[w] + h0 * len[w], total.data() + w * heads + h0, h1 - h0, len[w]);
         // Values 16 keys at a time, converted to fp32 once (load_chunk); each query's sums stay in
         // registers over the chunk's keys, in key order.
         for (int64_t a = 0; a < nr * heads * V; ++a) acc[a] = _mm512_setzero_ps();
         for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
-          const int64_t cn = load_chunk<T, V>(vp, slot, j0, n, kv_heads, chunk.data());
+          const int64_t cn = load_chunk<T, V>(vp, slot, j0, n, kv_heads, kh0, kh1, chunk.data());
           for (int64_t w = 0; w < nr; ++w) {
             if (j0 >= len[w]) continue;
             const int64_t m = std::min<int64_t>(cn, len[w] - j0);
             const float* s = score.data() + offset[w] + j0;
-            for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t h = h0; h < h1; ++h) {
               const float* vb = chunk.data() + (h / G) * kChunk * dim;
               const float* p = s + h * len[w];
               __m512* a = acc.data() + (w * heads + h) * V;
@@ -410,7 +449,7 @@ void attend_avx512(const T* q, const Pool& kp, const Pool& vp, const int64_t* sl
           }
         }
         for (int64_t w = 0; w < nr; ++w) {
-          for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t h = h0; h < h1; ++h) {
             T* o = out + ((r0 + w) * heads + h) * dim;
             const __m512 inv = _mm512_set1_ps(1.0f / total[w * heads + h]);
             for (int v = 0; v < V; ++v)
