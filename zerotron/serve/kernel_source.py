@@ -1,6 +1,6 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in twelve files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in thirteen files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
 - ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels (the
@@ -13,6 +13,9 @@ order, byte for byte:
   inputs, on AVX2, inside the namespace;
 - ``linear_vnni.cpp``: the linear layers of those weights times 8-bit-quantised activations, on
   AVX512-VNNI, inside the namespace;
+- ``linear_vnni_tasks.cpp``: their decode's factors read with the tables' kinds as template
+  arguments (the next file's path reads them too), the one-row kernel of a decode, and the products'
+  tasks and entry, inside the namespace;
 - ``linear_wide.cpp``: the fp32-activation kernel's direct path of 1 to 8 rows on AVX-512 (two
   outputs a register, blocks of up to 6 outputs), inside the namespace;
 - ``linear_qtiles.cpp``: the same weights dequantised to bf16 times bf16 rows, on AVX512-BF16 (it uses
@@ -45,6 +48,7 @@ PARTS = (
     "linear.cpp",
     "linear_int8.cpp",
     "linear_vnni.cpp",
+    "linear_vnni_tasks.cpp",
     "linear_wide.cpp",
     "linear_qtiles.cpp",
     "attention_dot.cpp",
