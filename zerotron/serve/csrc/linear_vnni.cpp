@@ -140,6 +140,23 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_row_mins(const Q8
 // power of two of groups (a K type's super-block scale), at unit stride.
 inline bool va_per_group(const Factor& f) { return f.kind == 0 || (f.sg == 1 && f.per > 0 && (f.per & (f.per - 1)) == 0); }
 
+// An output's sum y from its lanes' sums acc (the end of va_output and va_decode4): the 16 lanes added
+// in a fixed tree, less its mins mj (none: nullptr) times row r's groups' sums, 16 lanes of groups, a
+// fixed tree.
+ZT_VNNI_TARGET __attribute__((always_inline)) inline float va_finish(const VnniRows& v, int64_t r, const VaChunks& ch,
+                                                                     __m512 acc, const float* mj) {
+  float y = _mm512_reduce_add_ps(acc);
+  if (mj == nullptr) return y;
+  const float* xs = v.xs.data() + r * ch.groups;
+  __m512 ms = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ch.groups; g += 16) {
+    const int64_t left = std::min<int64_t>(16, ch.groups - g);
+    const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+    ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mj + g), _mm512_maskz_loadu_ps(k, xs + g), ms);
+  }
+  return y - _mm512_reduce_add_ps(ms);
+}
+
 // Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1: s and m are output o's group scales and mins
 // (all groups, 16 zeros after; output o + j's ls floats on). TOGETHER: a chunk's 64 bytes lie together
 // (an output's values contiguous, or a group of whole chunks); ALIGNED: a chunk holds whole groups or a
@@ -208,21 +225,8 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j) {
-      float y = _mm512_reduce_add_ps(acc[r][j]);
-      if (m != nullptr) {  // less the mins times the groups' sums: 16 lanes of groups, a fixed tree
-        const float* xs = v.xs.data() + (m0 + r) * ch.groups;
-        __m512 ms = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ch.groups; g += 16) {
-          const int64_t left = std::min<int64_t>(16, ch.groups - g);
-          const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-          const __m512 mg = _mm512_maskz_loadu_ps(k, m + j * ls + g);
-          ms = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(k, xs + g), ms);
-        }
-        y -= _mm512_reduce_add_ps(ms);
-      }
-      t.y[(m0 + r) * t.ldy + o + j] = y;
-    }
+    for (int j = 0; j < NO; ++j)
+      t.y[(m0 + r) * t.ldy + o + j] = va_finish(v, m0 + r, ch, acc[r][j], m == nullptr ? nullptr : m + j * ls);
 }
 
 // va_output for the problem's kind and the chunks' layout, MR rows (4 or 1).

@@ -131,22 +131,6 @@ ZT_VNNI_TARGET void va_outputs_factors(const Q8Problem& t, int64_t o, int64_t co
   }
 }
 
-// Output o + j's sum y from its lanes' sums acc (va_output's end: the 16 lanes added in a fixed tree,
-// less its mins mj times row r's groups' sums, 16 lanes of groups, a fixed tree).
-ZT_VNNI_TARGET __attribute__((always_inline)) inline float va_finish(const VnniRows& v, int64_t r, const VaChunks& ch,
-                                                                     __m512 acc, const float* mj) {
-  float y = _mm512_reduce_add_ps(acc);
-  if (mj == nullptr) return y;
-  const float* xs = v.xs.data() + r * ch.groups;
-  __m512 ms = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ch.groups; g += 16) {
-    const int64_t left = std::min<int64_t>(16, ch.groups - g);
-    const __mmask16 k = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
-    ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mj + g), _mm512_maskz_loadu_ps(k, xs + g), ms);
-  }
-  return y - _mm512_reduce_add_ps(ms);
-}
-
 // One chunk of va_decode4: the four outputs' 64 bytes b against the row's quantised inputs xc (lane
 // sums from a0, block scales d), each output's 16 lanes' scales permuted (idx) from sg + j * ls.
 template <int KIND, bool TABLE>
