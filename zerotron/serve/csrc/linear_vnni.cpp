@@ -19,6 +19,8 @@
 #define ZT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 constexpr int64_t VA_SLICE = 256, VA_TILE = 16, VA_MC = 64;  // K padded to slices; outputs, rows a task
 constexpr int64_t VA_AHEAD = 16;  // outputs ahead a decode fetches, a line a chunk into L2 (BENCHMARKS.md)
+// outputs of a prompt's block (va_block): int8 values, 4-bit ones (their two halves take twice the registers)
+constexpr int VA_BLOCK[2] = {4, 2};
 
 struct VaChunks {  // per chunk of inputs, the same for every output and row
   std::vector<int64_t> group, at;  // the chunk's first group; its first byte in an output's values
@@ -249,6 +251,67 @@ ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, i
     case 6: va_output<1, MR, true, false>(t, v, m0, o, s, m, ch, idx); break;
     default: va_output<1, MR, true, true>(t, v, m0, o, s, m, ch, idx); break;
   }
+}
+
+// Rows m0 .. m0 + 3 times outputs o .. o + NO - 1 where a chunk's 64 bytes lie together and hold whole
+// groups (a prompt's block of a task): each chunk's values and scales loaded once for the 4 rows, each
+// row's quantised inputs, corrections and block scales once for the NO outputs. Each (row, output) has
+// va_output's arithmetic (the same chains in the same order), so its bits.
+template <int KIND, int NO>
+ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
+                             const VaChunks& ch, __m512i idx, int64_t ls) {
+  constexpr int MR = 4;
+  const int8_t* base[NO];
+  for (int j = 0; j < NO; ++j) base[j] = t.q + (o + j) * t.qo;
+  __m512 acc[MR][NO];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  const bool table = KIND == 1 && t.offset < 0;  // IQ4_NL's indices: each nibble's value + 128 (va_output)
+  const __m512i ulut = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut))), top);
+  const int64_t* at = ch.at.data();
+  const int64_t* group = ch.group.data();
+  for (int64_t c = 0; c < ch.chunks; ++c) {
+    __m512i b[NO], h[NO];  // int8 values + 128, or the low and high nibbles
+    __m512 sl[NO];
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) {
+      const __m512i w = c < ch.full ? _mm512_loadu_si512(base[j] + at[c]) : _mm512_maskz_loadu_epi8(ch.tail, base[j] + at[c]);
+      if constexpr (KIND == 1) {
+        b[j] = _mm512_and_si512(w, low);
+        h[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        if (table) {
+          b[j] = _mm512_shuffle_epi8(ulut, b[j]);
+          h[j] = _mm512_shuffle_epi8(ulut, h[j]);
+        }
+      } else {
+        b[j] = _mm512_xor_si512(w, top);
+      }
+      sl[j] = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + j * ls + group[c]));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = (m0 + r);
+      const __m512i corr = _mm512_loadu_si512(v.corr.data() + row * v.lanes + c * 16);
+      const __m512 dl = _mm512_loadu_ps(v.dl.data() + row * v.lanes + c * 16);
+      const int8_t* xq = v.xq.data() + row * v.kp + c * (KIND == 1 ? 128 : 64);
+      const __m512i x0 = _mm512_loadu_si512(xq);
+      const __m512i x1 = KIND == 1 ? _mm512_loadu_si512(xq + 64) : x0;
+#pragma GCC unroll 4
+      for (int j = 0; j < NO; ++j) {
+        __m512i a = _mm512_dpbusd_epi32(corr, b[j], x0);
+        if constexpr (KIND == 1) a = _mm512_dpbusd_epi32(a, h[j], x1);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl[j], dl), acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j)
+      t.y[(m0 + r) * t.ldy + o + j] = va_finish(v, m0 + r, ch, acc[r][j], m == nullptr ? nullptr : m + j * ls);
 }
 
 // The byte offset, from an output's row, of each group's entry of a factor's table that va_row_entries

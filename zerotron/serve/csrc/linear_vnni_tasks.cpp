@@ -258,6 +258,13 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
           o += 4;
           continue;
         }
+        const int block = VA_BLOCK[t.kind == 1];
+        if (mr == 4 && !direct && ch.together && ch.aligned && o1 - o >= block) {  // a prompt's block
+          if (t.kind == 1) va_block<1, VA_BLOCK[1]>(t, v, r, o, so, mp, ch, idx, stride);
+          else va_block<0, VA_BLOCK[0]>(t, v, r, o, so, mp, ch, idx, stride);
+          o += block;
+          continue;
+        }
         if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx, direct);
         else va_rows<1>(t, v, r, o, so, mp, ch, idx, direct);
         ++o;
