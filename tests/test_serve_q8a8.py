@@ -275,8 +275,14 @@ def test_the_serve_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> N
     from zerotron.serve.command import engine_config
 
     args = build_parser().parse_args(["serve", "m.gguf", "--quantization", "gguf", "--quantize-activations"])
-    assert engine_config(args, 1).quantize_activations
-    assert not engine_config(build_parser().parse_args(["serve", "m.gguf"]), 1).quantize_activations
+    assert engine_config(args, 1).quantize_activations is True
+    # the default: where it runs (the engine decides, test_the_default_runs_a_gguf_file_on_int8_rows)
+    default = build_parser().parse_args(["serve", "m.gguf", "--quantization", "gguf"])
+    assert engine_config(default, 1).quantize_activations is None
+    off = build_parser().parse_args(
+        ["serve", "m.gguf", "--quantization", "gguf", "--no-quantize-activations"]
+    )
+    assert engine_config(off, 1).quantize_activations is False
     plain = build_parser().parse_args(["serve", "m.gguf", "--quantize-activations"])
     with pytest.raises(ConfigError, match="--quantize-activations: it multiplies quantised weights"):
         engine_config(plain, 1)
@@ -286,6 +292,39 @@ def test_the_serve_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
     with pytest.raises((ConfigError, EngineConfigError), match="quantize.activations.*AVX512-VNNI"):
         engine_config(args, 1)
+
+
+def test_the_default_runs_a_gguf_file_on_int8_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``zerotron serve``'s default (``quantize_activations=None``): a GGUF file's blocks in float32 on
+    8-bit activations where the kernel runs, the same tokens as asking for them; fp32 rows (the tokens
+    of ``--no-quantize-activations``) where it does not: no kernel on this CPU, bf16, a dense model."""
+    import dataclasses
+
+    from tests.test_serve_engine import GREEDY, _run
+    from zerotron.serve.engine import Engine
+
+    path = str(DATA / "k96-Q4_K_M.gguf")
+    tokens = np.load(DATA / "logits.npz", allow_pickle=False)["tokens"].tolist()
+    prompts = [tokens[:12], tokens[3:9]]
+    params = dataclasses.replace(GREEDY, max_tokens=8)  # with log-probabilities
+
+    def serve(
+        acts: bool | None, dtype: torch.dtype = torch.float32, quantization: str | None = "gguf"
+    ) -> Engine:
+        model, tokenizer = load_model(path, dtype, "cpu", quantization=quantization)
+        config = EngineConfig(max_model_len=64, quantization=quantization, quantize_activations=acts)
+        return Engine(model, tokenizer, config)
+
+    auto, on, off = serve(None), serve(True), serve(False)
+    assert auto.runner.activations and on.runner.activations and not off.runner.activations
+    ran = {name: _run(e, prompts, params) for name, e in (("auto", auto), ("on", on), ("off", off))}
+    assert ran["auto"] == ran["on"]
+    assert ran["on"] != ran["off"]  # the log-probabilities tell 8-bit rows from fp32 ones
+    assert not serve(None, torch.bfloat16).runner.activations
+    assert not serve(None, quantization=None).runner.activations  # dense: no error, fp32 rows
+    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
+    plain = serve(None)
+    assert not plain.runner.activations and _run(plain, prompts, params) == ran["off"]
 
 
 def tp_gguf_worker(path: str, prompts: list[list[int]], dtype: str, flag: str) -> dict[str, object]:

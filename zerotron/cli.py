@@ -359,11 +359,14 @@ def _add_serve_lora(srv: Any) -> None:
     )
     srv.add_argument(
         "--quantize-activations",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="multiply the quantised weights (--quantization or a quantised checkpoint) by activations "
         "quantised to int8 per 32 inputs, as llama.cpp and vLLM's GGUF kernels do (integer products "
         "on AVX512-VNNI; 2-3x faster decode matrix products than fp32 activations, outputs within "
-        "about 1%% of them); a CPU with AVX512-VNNI",
+        "about 1%% of them); a CPU with AVX512-VNNI. Default: on for --quantization gguf in float32 "
+        "where the CPU has AVX512-VNNI and the kernel takes every quantised linear, else off; "
+        "--no-quantize-activations keeps fp32 activations",
     )
     srv.add_argument(
         "--quantized-tiles",

@@ -343,7 +343,7 @@ def _startup_line(engine: Engine, options: ServerOptions, bound: str) -> str:
             f"{engine.runner.quantized.before / 2**20:.1f} MiB unquantized"
             + (
                 f"; {engine.runner.int8_native} linears on the native 8/4-bit kernel"
-                + (", int8 activations" if engine.config.quantize_activations else "")
+                + (", int8 activations" if engine.runner.activations else "")
                 + (f", bf16 rows on {linear_kernels.q8t_kind()}" if engine.config.quantized_tiles else "")
                 if engine.runner.int8_native
                 else ""

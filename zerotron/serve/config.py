@@ -74,8 +74,10 @@ class EngineConfig:
     kv_cache_dtype: str = (
         "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 | int8 (serve.kv_quant)
     )
-    # the quantised weights times activations quantised to int8 per 32 inputs (linear_kernels.q8a8_linear)
-    quantize_activations: bool = False
+    # the quantised weights times activations quantised to int8 per 32 inputs (linear_kernels.q8a8_linear);
+    # None: where it runs (`zerotron serve`'s default), a GGUF file's blocks times fp32 rows on a CPU with
+    # AVX512-VNNI whose kernel takes every quantised linear (StepRunner resolves it)
+    quantize_activations: Optional[bool] = False
     # bf16 rows times the quantised weights, each weight dequantised to bf16 once per call, on AMX tiles
     # or AVX512-BF16 (linear_kernels.q8t_linear): prompts several times faster, one-row decode slower
     # than torch's kernels

@@ -76,18 +76,41 @@ def _int4_tables(module: Int4Linear | BlockInt4Linear | PackedInt4Linear) -> Tab
     return values, (by_output[:, 0], None), (by_output[:, 1], None), 8, True
 
 
+def kernel_takes(module: nn.Module, four_bit: bool, activations: bool = False) -> bool:
+    """Whether the kernel runs ``module`` (what :func:`_tables` gives operands for), without touching it:
+    not ``--quantization int8``'s per-row linears (torch's kernel, but with 8-bit activations one group
+    of all inputs), 4-bit ones only where ``four_bit`` and not a padded part of act-order groups (torch's
+    kernel), nor a packed 8-bit one whose groups are not whole 8s."""
+    if type(module) is Int8Linear:
+        return activations
+    if isinstance(module, INT4):
+        return four_bit and not getattr(module, "padded", False)
+    if isinstance(module, PackedInt8Linear):
+        return module.group % 8 == 0
+    return isinstance(module, (BlockInt8Linear, BlockKLinear))
+
+
+def takes_every_linear(model: nn.Module) -> bool:
+    """Whether the 8-bit-activation kernel takes every quantised linear of ``model`` (where
+    :func:`int8_kernels` with ``activations`` would not refuse one)."""
+    return all(
+        getattr(m, "q8_tables", None) is not None or kernel_takes(m, True, True)
+        for m in model.modules()
+        if isinstance(m, QUANTIZED)
+    )
+
+
 def _tables(module: nn.Module, four_bit: bool, activations: bool = False) -> Optional[Tables]:
     """The kernel's operands of ``module``: values (n, groups, group), scale and min factors; None
-    for a module the kernel does not run (``--quantization int8``'s per-row linears: torch's kernel,
-    but with 8-bit activations, one group of all inputs)."""
-    if activations and type(module) is Int8Linear:
+    for a module the kernel does not run (:func:`kernel_takes`)."""
+    if not kernel_takes(module, four_bit, activations):
+        return None
+    if type(module) is Int8Linear:
         n, k = module.qweight.shape
         return module.qweight.view(n, 1, k), (module.scales.view(n, 1), None), (None, None), 0, False
-    if isinstance(module, INT4):  # a padded part of act-order groups stays on torch's kernel
-        return _int4_tables(module) if four_bit and not getattr(module, "padded", False) else None
+    if isinstance(module, INT4):
+        return _int4_tables(module)
     if isinstance(module, PackedInt8Linear):
-        if module.group % 8:
-            return None
         values = module.qweight.transpose(0, 1)  # (groups, out, group) -> (out, groups, group)
         return values, (module.scales.T, None), (module.zero_term, None), 0, False
     if type(module) is BlockInt8Linear:  # Q8_0, Q5_0, IQ4_NL: d·q per 32 inputs; Q5_1: d·q + m

@@ -28,7 +28,7 @@ from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from zerotron.parallel.tensor_comm import gather_last_dim
 from zerotron.serve import linear_kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
-from zerotron.serve.int8_linears import int8_kernels
+from zerotron.serve.int8_linears import int8_kernels, takes_every_linear
 from zerotron.serve.linears import (
     MIN_ROWS_ONEDNN,
     chunk_linears,
@@ -218,6 +218,16 @@ class StepRunner:
         # in fp32: SmolLM2's Q2_K file decoded 4.3 tok/s on it, 18.1 on ours); else torch's kernels
         grouped = bool(self.quantized) and device.type == "cpu" and linear_kernels.q8_available()
         acts = cfg.quantize_activations  # every quantised linear on the 8-bit-activation kernel
+        if acts is None:  # where it runs: a GGUF file's blocks times fp32 rows, as llama.cpp multiplies
+            acts = (
+                cfg.quantization == "gguf"
+                and grouped
+                and dtype == torch.float32
+                and not cfg.quantized_tiles
+                and linear_kernels.why_no_q8a8() is None
+                and takes_every_linear(model)
+            )
+        self.activations = bool(acts)  # what the engine runs (the start-up line reports it)
         if acts and not self.quantized:
             raise EngineConfigError(
                 "quantize_activations",
