@@ -253,16 +253,21 @@ ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, i
   }
 }
 
-// Rows m0 .. m0 + 3 times outputs o .. o + NO - 1 where a chunk's 64 bytes lie together and hold whole
-// groups (a prompt's block of a task): each chunk's values and scales loaded once for the 4 rows, each
-// row's quantised inputs, corrections and block scales once for the NO outputs. Each (row, output) has
-// va_output's arithmetic (the same chains in the same order), so its bits.
-template <int KIND, int NO>
+// Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1 where a chunk's 64 bytes lie together and hold
+// whole groups (a prompt's block of a task, or a few rows of a decode): each chunk's values and scales
+// loaded once for the MR rows, each row's quantised inputs, corrections and block scales once for the
+// NO outputs. Each (row, output) has va_output's arithmetic (the same chains in the same order), so
+// its bits.
+template <int KIND, int NO, bool AHEAD, int MR>
 ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
                              const VaChunks& ch, __m512i idx, int64_t ls) {
-  constexpr int MR = 4;
-  const int8_t* base[NO];
-  for (int j = 0; j < NO; ++j) base[j] = t.q + (o + j) * t.qo;
+  const int8_t *base[NO], *ahead[NO] = {};
+  for (int j = 0; j < NO; ++j) {
+    base[j] = t.q + (o + j) * t.qo;
+    // AHEAD (4 rows of a decode): va_output's fetches of the outputs VA_AHEAD on
+    if constexpr (AHEAD) ahead[j] = o + j + VA_AHEAD < t.n ? base[j] + VA_AHEAD * t.qo : base[j];
+    if constexpr (AHEAD) q8_prefetch_factors(t, o + j + VA_AHEAD);
+  }
   __m512 acc[MR][NO];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
@@ -278,6 +283,7 @@ ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, 
     __m512 sl[NO];
 #pragma GCC unroll 4
     for (int j = 0; j < NO; ++j) {
+      if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + at[c]), _MM_HINT_T1);
       const __m512i w = c < ch.full ? _mm512_loadu_si512(base[j] + at[c]) : _mm512_maskz_loadu_epi8(ch.tail, base[j] + at[c]);
       if constexpr (KIND == 1) {
         b[j] = _mm512_and_si512(w, low);
@@ -293,7 +299,7 @@ ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, 
     }
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
-      const int64_t row = (m0 + r);
+      const int64_t row = m0 + r;
       const __m512i corr = _mm512_loadu_si512(v.corr.data() + row * v.lanes + c * 16);
       const __m512 dl = _mm512_loadu_ps(v.dl.data() + row * v.lanes + c * 16);
       const int8_t* xq = v.xq.data() + row * v.kp + c * (KIND == 1 ? 128 : 64);
@@ -312,6 +318,20 @@ ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, 
 #pragma GCC unroll 4
     for (int j = 0; j < NO; ++j)
       t.y[(m0 + r) * t.ldy + o + j] = va_finish(v, m0 + r, ch, acc[r][j], m == nullptr ? nullptr : m + j * ls);
+}
+
+// va_block for the problem's kind at MR rows (4 or 2), with a decode's fetches ahead (ahead: a chunk
+// of a few rows); false, nothing done, where the chunks' layout takes no blocks or fewer than a
+// block's outputs are left.
+template <int MR>
+ZT_VNNI_TARGET bool va_blocks(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, int64_t left, const float* s,
+                              const float* m, const VaChunks& ch, __m512i idx, int64_t ls, bool ahead) {
+  if (!ch.together || !ch.aligned || left < VA_BLOCK[t.kind == 1]) return false;
+  if (t.kind == 1 && ahead) va_block<1, VA_BLOCK[1], true, MR>(t, v, m0, o, s, m, ch, idx, ls);
+  else if (t.kind == 1) va_block<1, VA_BLOCK[1], false, MR>(t, v, m0, o, s, m, ch, idx, ls);
+  else if (ahead) va_block<0, VA_BLOCK[0], true, MR>(t, v, m0, o, s, m, ch, idx, ls);
+  else va_block<0, VA_BLOCK[0], false, MR>(t, v, m0, o, s, m, ch, idx, ls);
+  return true;
 }
 
 // The byte offset, from an output's row, of each group's entry of a factor's table that va_row_entries

@@ -243,7 +243,7 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
     // a block of rows against each of the tile's outputs: the block's quantised rows and the tile's
     // weights both stay in L1 across the other's loop
     for (int64_t r = r0; r < r1;) {
-      const int64_t mr = r1 - r >= 4 ? 4 : 1;
+      const int64_t mr = r1 - r >= 4 ? 4 : r1 - r >= 2 && ch.together && ch.aligned ? 2 : 1;
       for (int64_t o = o0; o < o1;) {
         const int64_t at = each ? 0 : (o - o0) * stride;
         if (each) va_outputs_factors(t, o, std::min<int64_t>(4, o1 - o), groups, s.data(), m.data(), stride);
@@ -258,15 +258,14 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
           o += 4;
           continue;
         }
-        const int block = VA_BLOCK[t.kind == 1];
-        if (mr == 4 && !direct && ch.together && ch.aligned && o1 - o >= block) {  // a prompt's block
-          if (t.kind == 1) va_block<1, VA_BLOCK[1]>(t, v, r, o, so, mp, ch, idx, stride);
-          else va_block<0, VA_BLOCK[0]>(t, v, r, o, so, mp, ch, idx, stride);
-          o += block;
+        // rows in blocks of 4 (or 2) times a few outputs, where the layout takes them
+        if (mr == 4 ? va_blocks<4>(t, v, r, o, o1 - o, so, mp, ch, idx, stride, direct)
+                    : mr == 2 && va_blocks<2>(t, v, r, o, o1 - o, so, mp, ch, idx, stride, direct)) {
+          o += VA_BLOCK[t.kind == 1];
           continue;
         }
         if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx, direct);
-        else va_rows<1>(t, v, r, o, so, mp, ch, idx, direct);
+        for (int64_t i = 0; i < mr && mr < 4; ++i) va_rows<1>(t, v, r + i, o, so, mp, ch, idx, direct);
         ++o;
       }
       r += mr;
