@@ -159,6 +159,19 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline float va_finish(const VnniR
   return y - _mm512_reduce_add_ps(ms);
 }
 
+// Rows m0 .. m0 + MR - 1's sums of outputs o .. o + NO - 1 from their lanes (va_finish; output o + j's
+// mins ls floats on from m), stored (the end of va_output and va_block).
+template <int MR, int NO>
+ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_store(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o,
+                                                                   const VaChunks& ch, const __m512 (&acc)[MR][NO],
+                                                                   const float* m, int64_t ls) {
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j)
+      t.y[(m0 + r) * t.ldy + o + j] = va_finish(v, m0 + r, ch, acc[r][j], m == nullptr ? nullptr : m + j * ls);
+}
+
 // Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1: s and m are output o's group scales and mins
 // (all groups, 16 zeros after; output o + j's ls floats on). TOGETHER: a chunk's 64 bytes lie together
 // (an output's values contiguous, or a group of whole chunks); ALIGNED: a chunk holds whole groups or a
@@ -224,11 +237,7 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j)
-      t.y[(m0 + r) * t.ldy + o + j] = va_finish(v, m0 + r, ch, acc[r][j], m == nullptr ? nullptr : m + j * ls);
+  va_store<MR, NO>(t, v, m0, o, ch, acc, m, ls);
 }
 
 // va_output for the problem's kind and the chunks' layout, MR rows (4 or 1).
@@ -313,11 +322,7 @@ ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, 
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j)
-      t.y[(m0 + r) * t.ldy + o + j] = va_finish(v, m0 + r, ch, acc[r][j], m == nullptr ? nullptr : m + j * ls);
+  va_store<MR, NO>(t, v, m0, o, ch, acc, m, ls);
 }
 
 // va_block for the problem's kind at MR rows (4 or 2), with a decode's fetches ahead (ahead: a chunk
