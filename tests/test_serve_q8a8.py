@@ -51,8 +51,8 @@ def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     # if the kernel ignored the quantisation)
     plain = _reference(x[:3], values, scales, mins, offset, add)
     assert (y[:3].double() - plain).abs().max() / plain.abs().max() > 1e-4
-    # a row's numbers are its own at any batch (4-row blocks, single rows, threads; up to 4 rows read
-    # the factors chunk by chunk where their tables allow, more rows from a table made per task)
+    # a row's numbers are its own at any batch (4-row blocks, single rows, threads; up to 16 rows read
+    # the factors' tables direct and fetch ahead where the tables allow, more rows make them per output)
     alone = [linear_kernels.q8a8_linear(x[i : i + 1], values, scales, mins, offset, add) for i in range(23)]
     assert torch.equal(torch.cat(alone), y)
     for lo, hi in ((5, 14), (8, 12), (8, 11)):

@@ -18,6 +18,7 @@
 #define ZT_VNNI 1
 #define ZT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 constexpr int64_t VA_SLICE = 256, VA_TILE = 16, VA_MC = 64;  // K padded to slices; outputs, rows a task
+constexpr int64_t VA_DIRECT = 16;  // rows of a chunk up to which it reads the tables direct and fetches ahead
 constexpr int64_t VA_AHEAD = 16;  // outputs ahead a decode fetches, a line a chunk into L2 (BENCHMARKS.md)
 // outputs of a prompt's block (va_block): int8 values, 4-bit ones (their two halves take twice the registers)
 constexpr int VA_BLOCK[2] = {4, 2};

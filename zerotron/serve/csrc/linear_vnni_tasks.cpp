@@ -207,10 +207,11 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
   const __m512i idx = _mm512_load_si512(first);
   const int64_t groups = t.k / t.group, stride = groups + 16;  // a tile's outputs' scales, 16 zeros after each
   const bool mins = t.m1.kind != 0;
-  // a chunk of one row-block (a decode): the factors' tables read 16 groups a step where each has an
-  // entry per group or per a power of two of groups, and each output's values and factors fetched
-  // ahead (va_output's AHEAD)
-  const bool direct = t.chunk <= 4 && ch.aligned && ch.together && va_per_group(t.s1) && va_per_group(t.s2) &&
+  // a chunk of up to VA_DIRECT rows (a decode of up to 16 sequences): the factors' tables read 16
+  // groups a step where each has an entry per group or per a power of two of groups, and each output's
+  // values and factors fetched ahead (va_output's AHEAD) by the chunk's first block of rows (16
+  // sequences of the 1.7B shape's Q8_0 fetched nothing ahead and decoded slower than 4, BENCHMARKS.md)
+  const bool direct = t.chunk <= VA_DIRECT && ch.aligned && ch.together && va_per_group(t.s1) && va_per_group(t.s2) &&
                       va_per_group(t.m1) && va_per_group(t.m2);
   std::vector<float> s(static_cast<size_t>(VA_TILE * stride), 0.0f), m(static_cast<size_t>(VA_TILE * stride), 0.0f);
   // the groups' offsets in the tables va_row_entries does not read (a bf16 model's scale_zero, say);
@@ -259,13 +260,15 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
           continue;
         }
         // rows in blocks of 4 (or 2) times a few outputs, where the layout takes them
-        if (mr == 4 ? va_blocks<4>(t, v, r, o, o1 - o, so, mp, ch, idx, stride, direct)
-                    : mr == 2 && va_blocks<2>(t, v, r, o, o1 - o, so, mp, ch, idx, stride, direct)) {
+        // the weights come from memory for the chunk's first block of rows, from cache for the others
+        const bool ahead = direct && r == r0;
+        if (mr == 4 ? va_blocks<4>(t, v, r, o, o1 - o, so, mp, ch, idx, stride, ahead)
+                    : mr == 2 && va_blocks<2>(t, v, r, o, o1 - o, so, mp, ch, idx, stride, ahead)) {
           o += VA_BLOCK[t.kind == 1];
           continue;
         }
-        if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx, direct);
-        for (int64_t i = 0; i < mr && mr < 4; ++i) va_rows<1>(t, v, r + i, o, so, mp, ch, idx, direct);
+        if (mr == 4) va_rows<4>(t, v, r, o, so, mp, ch, idx, ahead);
+        for (int64_t i = 0; i < mr && mr < 4; ++i) va_rows<1>(t, v, r + i, o, so, mp, ch, idx, ahead);
         ++o;
       }
       r += mr;
