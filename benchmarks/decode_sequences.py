@@ -4,7 +4,8 @@
 ``--tokens`` tokens (ignoring EOS, greedy) after ``--prompt``-token random prompts, the median of
 ``--calls`` calls after one. One process per run: to compare two builds of the kernel module, put each
 build's module in the extension cache in turn and run this once per build, alternating (a second
-build swapped in within one process is not what the prompt path runs).
+build swapped in within one process is not what the prompt path runs). ``load_s``: the engine's
+load, from the file to the kernels' operands.
 
     python benchmarks/decode_sequences.py FILE.gguf [--sequences 4,8,16] [--no-quantize-activations]
 """
@@ -46,7 +47,9 @@ def main() -> None:
         native_matmul=True,
         quantize_activations=a.quantize_activations,
     )
+    start = time.perf_counter()
     engine = load_engine(a.file, config)
+    load = time.perf_counter() - start
     rng = random.Random(0)
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
     result = {}
@@ -58,7 +61,7 @@ def main() -> None:
             out = engine.generate(prompts, params)
             rates.append(sum(len(o) for o in out) / (time.perf_counter() - start))
         result[count] = round(statistics.median(rates[1:]), 1)
-    print(json.dumps({"file": a.file, "output_tokens_per_s": result}))
+    print(json.dumps({"file": a.file, "load_s": round(load, 1), "output_tokens_per_s": result}))
 
 
 if __name__ == "__main__":

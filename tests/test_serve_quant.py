@@ -19,8 +19,10 @@ from tests.test_serve_engine import CFG, GREEDY, _prompts, _run, sharpened_pair
 from zerotron.models.quant import (
     Int4Linear,
     Int8Linear,
+    Orders,
     dequantize_groups,
     dequantized,
+    int4pack_values,
     quantize,
     quantize_groups,
     quantize_rows,
@@ -207,3 +209,21 @@ def test_a_biased_quantised_layer_in_one_native_call_has_the_python_paths_bits(
     for f in lean:  # the control: the one call without q/k/v's biases
         f.whole = (*f.whole[:5], [torch.empty(0), *f.whole[5][1:]])
     assert _run(engine, prompts, params) != fast
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (48, 96), (576, 1536)])
+def test_int4pack_values_are_the_values_torch_packed(shape: tuple[int, int]) -> None:
+    """The 4-bit values read back from torch's packed form (what the native kernels run on) are the
+    values packed: through the nibbles' order found by packing index digits, and through the unit-row
+    products where no order is found or a wrong one is given (the repacking check catches it)."""
+    n, k = shape
+    values = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n + k), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    orders: Orders = {}
+    got = int4pack_values(packed, k, n, 32, orders)
+    assert orders[(n, k)] is not None, "the packed form is a rearrangement of the nibbles on this CPU"
+    assert got.dtype == torch.uint8 and torch.equal(got.int(), values)
+    assert torch.equal(int4pack_values(packed, k, n, 32, orders).int(), values)  # the order reused
+    assert torch.equal(int4pack_values(packed, k, n, 32, {(n, k): None}).int(), values)
+    wrong = {(n, k): orders[(n, k)].roll(1)}  # type: ignore[union-attr]
+    assert torch.equal(int4pack_values(packed, k, n, 32, wrong).int(), values)

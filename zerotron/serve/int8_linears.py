@@ -43,7 +43,7 @@ from zerotron.models.gguf_blocks import (
     BlockKLinear,
 )
 from zerotron.models.hf_packed import PackedInt4Linear, PackedInt8Linear
-from zerotron.models.quant import Int4Linear, Int8Linear, int4pack_values
+from zerotron.models.quant import Int4Linear, Int8Linear, Orders, int4pack_values
 from zerotron.serve import linear_kernels
 
 Scales = tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -52,12 +52,15 @@ Tables = tuple[torch.Tensor, Scales, Mins, int, bool]  # values, scale and min f
 INT4 = (Int4Linear, BlockInt4Linear, PackedInt4Linear)
 
 
-def _int4_tables(module: Int4Linear | BlockInt4Linear | PackedInt4Linear) -> Tables:
+def _int4_tables(
+    module: Int4Linear | BlockInt4Linear | PackedInt4Linear, orders: Optional[Orders] = None
+) -> Tables:
     """A 4-bit module's operands: its values read back from torch's packed form and kept two a byte
-    (the module's ``qweight`` replaced by them: the same bytes), its scales and zeros."""
+    (the module's ``qweight`` replaced by them: the same bytes), its scales and zeros. ``orders``: the
+    packed form's orders found so far (:func:`~zerotron.models.quant.int4pack_values`)."""
     n, k = module.out_features, module.in_features
     group = 32 if isinstance(module, BlockInt4Linear) else module.group
-    q = int4pack_values(module.qweight, k, n, group)
+    q = int4pack_values(module.qweight, k, n, group, orders)
     values = (q[:, 0::2] | (q[:, 1::2] << 4)).view(n, k // group, group // 2)
     module.qweight = values
     if isinstance(module, BlockInt4Linear) and not module.kept:  # the file's own f16 scales
@@ -100,16 +103,18 @@ def takes_every_linear(model: nn.Module) -> bool:
     )
 
 
-def _tables(module: nn.Module, four_bit: bool, activations: bool = False) -> Optional[Tables]:
+def _tables(
+    module: nn.Module, four_bit: bool, activations: bool = False, orders: Optional[Orders] = None
+) -> Optional[Tables]:
     """The kernel's operands of ``module``: values (n, groups, group), scale and min factors; None
-    for a module the kernel does not run (:func:`kernel_takes`)."""
+    for a module the kernel does not run (:func:`kernel_takes`). ``orders``: :func:`_int4_tables`'."""
     if not kernel_takes(module, four_bit, activations):
         return None
     if type(module) is Int8Linear:
         n, k = module.qweight.shape
         return module.qweight.view(n, 1, k), (module.scales.view(n, 1), None), (None, None), 0, False
     if isinstance(module, INT4):
-        return _int4_tables(module)
+        return _int4_tables(module, orders)
     if isinstance(module, PackedInt8Linear):
         values = module.qweight.transpose(0, 1)  # (groups, out, group) -> (out, groups, group)
         return values, (module.scales.T, None), (module.zero_term, None), 0, False
@@ -178,11 +183,12 @@ def int8_kernels(
         else linear_kernels.q8_linear
     )
     every = activations or tiles
+    orders: Orders = {}  # the 4-bit packed form's orders by shape, for this model's linears
     for name, module in model.named_modules():
         if tiles and isinstance(module, QUANTIZED) and getattr(module, "in_features", 0) % 32:
             continue  # the tiles take 32 inputs at a time: on its own kernel (its values untouched)
         # once moved, a module keeps its operands (a 4-bit one's values are no longer torch's packed form)
-        tables = getattr(module, "q8_tables", None) or _tables(module, four_bit or every, every)
+        tables = getattr(module, "q8_tables", None) or _tables(module, four_bit or every, every, orders)
         if tables is None:
             if activations and isinstance(module, QUANTIZED):
                 raise ValueError(
