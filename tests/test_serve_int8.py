@@ -265,6 +265,12 @@ def test_gguf_4bit_blocks_on_the_kernel_are_the_modules_weights(kind: str, dtype
     assert (got.double() - file).abs().max() <= tolerance * file.abs().max()
     torch.testing.assert_close(got.double(), own, rtol=10 * tolerance, atol=10 * tolerance * own.abs().max())
     assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(19)]), got)
+    # a module the kernel takes before torch's ran it: its values moved as the file holds them, never
+    # through torch's packing, and the same products
+    fresh = block_linear(kind, raw, IN, dtype)
+    assert isinstance(fresh, BlockInt4Linear) and not fresh.packed
+    assert int8_kernels(fresh, four_bit=True) == 1 and fresh.qweight.nbytes == held
+    assert torch.equal(fresh(x), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -115,8 +115,9 @@ class BlockInt4Linear(nn.Module):
     6-bit ones) are kept as they are and the kernel's fp32 scales and zeros made from them at each call,
     so the weights are the file's values."""
 
-    qweight: torch.Tensor
+    qweight: torch.Tensor  # the values two a byte until pack(), then torch's int4 packed form
     scale_zero: torch.Tensor  # bf16 only
+    packed: bool
 
     def __init__(
         self, kind: str, blocks: np.ndarray, in_features: int, dtype: torch.dtype = torch.float32
@@ -142,8 +143,14 @@ class BlockInt4Linear(nn.Module):
             if kind == "Q4_1":
                 parts["m"] = _f16(b[..., 2:4])
             q = _nibbles(b[..., size - 16 :]).reshape(out, in_features)
-        values = torch.from_numpy(q.astype(np.int32))
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1))
+        # the values two a byte in input order (the native kernels' form, the bytes torch's packing
+        # would hold); torch's packed form is made at the first forward through torch's kernel
+        # (pack()), never where the native kernels take the module (reading torch's form back was a
+        # third of a 1.7B Q4_K_M file's load, BENCHMARKS.md)
+        self.register_buffer(
+            "qweight", torch.from_numpy(np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)))
+        )
+        self.packed = False
         self.kept = dtype == torch.bfloat16
         if self.kept:
             self.register_buffer("scale_zero", _scale_zero(kind, parts).to(dtype))
@@ -157,7 +164,17 @@ class BlockInt4Linear(nn.Module):
             return self.scale_zero
         return _scale_zero(self.kind, dict(self.named_buffers()))
 
+    def pack(self) -> None:
+        """``qweight`` in torch's int4 packed form (once; a CPU-dependent layout) from the values two
+        a byte, for torch's kernel."""
+        if not self.packed:
+            q = self.qweight
+            values = torch.stack([q & 15, q >> 4], dim=-1).reshape(self.out_features, self.in_features)
+            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1)
+            self.packed = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.pack()
         scales = self.scales()
         rows = x.reshape(-1, self.in_features).to(scales.dtype).contiguous()
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, BLOCK, scales)

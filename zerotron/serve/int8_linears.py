@@ -56,13 +56,19 @@ def _int4_tables(
     module: Int4Linear | BlockInt4Linear | PackedInt4Linear, orders: Optional[Orders] = None
 ) -> Tables:
     """A 4-bit module's operands: its values read back from torch's packed form and kept two a byte
-    (the module's ``qweight`` replaced by them: the same bytes), its scales and zeros. ``orders``: the
+    (the module's ``qweight`` replaced by them: the same bytes; a GGUF file's blocks hold them so
+    until torch's kernel first runs them), its scales and zeros. ``orders``: the
     packed form's orders found so far (:func:`~zerotron.models.quant.int4pack_values`)."""
     n, k = module.out_features, module.in_features
     group = 32 if isinstance(module, BlockInt4Linear) else module.group
-    q = int4pack_values(module.qweight, k, n, group, orders)
-    values = (q[:, 0::2] | (q[:, 1::2] << 4)).view(n, k // group, group // 2)
-    module.qweight = values
+    if isinstance(module, BlockInt4Linear) and not module.packed:  # already two a byte
+        values = module.qweight.view(n, k // group, group // 2)
+    else:
+        q = int4pack_values(module.qweight, k, n, group, orders)
+        values = (q[:, 0::2] | (q[:, 1::2] << 4)).view(n, k // group, group // 2)
+        module.qweight = values
+        if isinstance(module, BlockInt4Linear):
+            module.packed = False
     if isinstance(module, BlockInt4Linear) and not module.kept:  # the file's own f16 scales
         b = dict(module.named_buffers())
         if module.kind == "Q4_0":

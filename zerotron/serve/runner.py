@@ -19,6 +19,7 @@ from torch import nn
 from zerotron.build.quantize import Quantized
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
+from zerotron.models.gguf_blocks import BlockInt4Linear
 from zerotron.models.hf_packed import METHODS as PACKED_METHODS
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.quant import METHODS as QUANT_METHODS
@@ -249,6 +250,9 @@ class StepRunner:
             )
         except ValueError as err:
             raise EngineConfigError("quantize_activations", str(err)) from None
+        for module in model.modules():  # a GGUF file's 4-bit blocks left on torch's kernel: packed now
+            if isinstance(module, BlockInt4Linear) and not hasattr(module, "q8_tables"):
+                module.pack()
 
     @classmethod
     def sharing(cls, runner: StepRunner, model: LlamaForCausalLM, kv: KVPool) -> StepRunner:
