@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from zerotron.serve import heap
+
 STEPS = """
 import resource, sys, torch
 from zerotron.serve import heap
@@ -78,3 +80,28 @@ def test_settled_objects_leave_full_collections_and_later_garbage_is_still_colle
     else:
         assert frozen == 0 and scanned >= 100_000
     assert collected >= 1
+
+
+def test_collections_paused_while_a_model_loads() -> None:
+    """Inside the block Python's collections are off (none runs however many objects are made), after
+    it as they were before; an error inside still restores them."""
+    import gc
+
+    assert gc.isenabled()
+    before = [g["collections"] for g in gc.get_stats()]
+    with heap.collections_paused():
+        assert not gc.isenabled()
+        junk = [[i] for i in range(300_000)]  # enough allocations to start collections if on
+        assert [g["collections"] for g in gc.get_stats()] == before
+    del junk
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), heap.collections_paused():
+        raise RuntimeError("a load that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with heap.collections_paused():
+            pass
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()

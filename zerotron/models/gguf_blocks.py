@@ -45,6 +45,7 @@ loader dequantises them as it does without ``--quantization``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import numpy as np
@@ -107,6 +108,39 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _by_rows(make: Callable[[slice], np.ndarray], out: int, rows: int = 256) -> np.ndarray:
+    """``make`` of outputs ``rows`` at a time, into one array: the unpacking's temporaries stay a
+    few hundred outputs' (a whole matrix's, each on fresh pages the kernel zeroes, took a third of a
+    1.7B GGUF file's load)."""
+    first = make(slice(0, min(rows, out)))
+    whole = np.empty((out, *first.shape[1:]), first.dtype)
+    whole[: first.shape[0]] = first
+    for start in range(rows, out, rows):
+        whole[start : start + rows] = make(slice(start, start + rows))
+    return whole
+
+
+def _q6_k(b: np.ndarray) -> np.ndarray:
+    """Q6_K's values ``q − 32`` as int8 from super-blocks b (outputs, supers, 210 bytes): ql's low
+    4 bits and qh's 2 high ones."""
+    n = b.shape[0]
+    ql = (b[..., 0:128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
+    qh = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    q: np.ndarray = (ql.reshape(n, -1, 2, 4, 32) | (qh.reshape(n, -1, 2, 4, 32) << 4)).astype(np.int8) - 32
+    return q.reshape(n, -1)
+
+
+def _q5_k(b: np.ndarray) -> np.ndarray:
+    """Q5_K's values ``q`` as int8 from super-blocks b (outputs, supers, 176 bytes)."""
+    n = b.shape[0]
+    ql = (b[..., 48:176].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
+    qh = (
+        b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    ) & 1  # (n, super, 8, 32)
+    q: np.ndarray = (ql.reshape(n, -1, 8, 32) | (qh << 4)).astype(np.int8)
+    return q.reshape(n, -1)
+
+
 class BlockInt4Linear(nn.Module):
     """A linear layer of a GGUF file's Q4_0, Q4_1 or Q4_K blocks (no bias: llama.cpp's have none).
 
@@ -134,22 +168,26 @@ class BlockInt4Linear(nn.Module):
             parts["d"], parts["dmin"] = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # (out, super-blocks)
             sc, mn = _k_scales(b[..., 4:16])  # (out, groups) uint8 each
             parts["sc"], parts["mn"] = (torch.from_numpy(a.reshape(out, -1).copy()) for a in (sc, mn))
-            qs = b[..., 16:].reshape(out, -1, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
-            q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(out, in_features)
+
+            def values(r: slice) -> np.ndarray:
+                qs = b[r, :, 16:].reshape(-1, in_features // 256, 4, 32)  # 4 chunks of 64: low nibbles, high
+                return np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(-1, in_features)
+
         else:
             size = 18 if kind == "Q4_0" else 20
             b = blocks.reshape(out, in_features // BLOCK, size)
             parts["d"] = _f16(b[..., 0:2])  # (out, groups)
             if kind == "Q4_1":
                 parts["m"] = _f16(b[..., 2:4])
-            q = _nibbles(b[..., size - 16 :]).reshape(out, in_features)
+
+            def values(r: slice) -> np.ndarray:
+                return _nibbles(b[r, :, size - 16 :]).reshape(-1, in_features)
+
         # the values two a byte in input order (the native kernels' form, the bytes torch's packing
         # would hold); torch's packed form is made at the first forward through torch's kernel
         # (pack()), never where the native kernels take the module (reading torch's form back was a
         # third of a 1.7B Q4_K_M file's load, BENCHMARKS.md)
-        self.register_buffer(
-            "qweight", torch.from_numpy(np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)))
-        )
+        self.register_buffer("qweight", torch.from_numpy(_by_rows(lambda r: _pairs(values(r)), out)))
         self.packed = False
         self.kept = dtype == torch.bfloat16
         if self.kept:
@@ -315,17 +353,12 @@ class BlockKLinear(BlockInt8Linear):
             group = 16
         elif kind == "Q6_K":  # ql (128 bytes), qh (64), scales (16 int8), d (f16)
             b = blocks.reshape(out, in_features // 256, 210)
-            ql = (b[..., 0:128].reshape(out, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
-            qh = (b[..., 128:192].reshape(out, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-            q = (ql.reshape(out, -1, 2, 4, 32) | (qh.reshape(out, -1, 2, 4, 32) << 4)).astype(np.int8) - 32
+            q = _by_rows(lambda r: _q6_k(b[r]), out)
             sc = torch.from_numpy(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(out, -1).copy())
             d, group = _f16(b[..., 208:210]), 16
         elif kind == "Q5_K":  # d, dmin (f16), scales (12 bytes), qh (32), qs (128)
             b = blocks.reshape(out, in_features // 256, 176)
-            ql = (b[..., 48:176].reshape(out, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
-            bits = np.arange(8, dtype=np.uint8)[:, None]
-            qh = (b[..., 16:48].reshape(out, -1, 1, 32) >> bits) & 1  # (out, super, 8, 32)
-            q = (ql.reshape(out, -1, 8, 32) | (qh << 4)).astype(np.int8)
+            q = _by_rows(lambda r: _q5_k(b[r]), out)
             scales, mins = _k_scales(b[..., 4:16])
             sc = torch.from_numpy(scales.reshape(out, -1).copy())
             d, group = _f16(b[..., 0:2]), 32
@@ -342,7 +375,7 @@ class BlockKLinear(BlockInt8Linear):
             q, d, sc, group = _grid_indices(kind, blocks, in_features)
         else:
             raise ValueError(f"{kind} blocks are not Q2_K, Q3_K, Q5_K, Q6_K or IQ blocks")
-        super().__init__(torch.from_numpy(q.reshape(out, -1).copy()), d, kind)
+        super().__init__(torch.from_numpy(np.ascontiguousarray(q.reshape(out, -1))), d, kind)
         self.in_features, self.group = in_features, group
         self.register_buffer("sc", sc)
         for name, part in extra.items():  # Q5_K's and Q2_K's mins

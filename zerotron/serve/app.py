@@ -252,7 +252,13 @@ def _answer_errors(app: FastAPI) -> None:
 
 def load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[Mesh] = None) -> Engine:
     """The model at ``model_path`` (in ``config.dtype``: fp32 by default) in an engine; with a ``mesh``
-    of tensor parallelism, this rank's shard (loaded shard by shard) over its tp group."""
+    of tensor parallelism, this rank's shard (loaded shard by shard) over its tp group. Python's
+    collections are paused while it loads (:func:`heap.collections_paused`)."""
+    with heap.collections_paused():
+        return _load_engine(model_path, config, mesh)
+
+
+def _load_engine(model_path: str, config: Optional[EngineConfig], mesh: Optional[Mesh]) -> Engine:
     dtype = getattr(torch, (config or EngineConfig()).dtype or "float32")
     quantization = (config or EngineConfig()).quantization
     device = (config or EngineConfig()).device or "cpu"

@@ -27,10 +27,12 @@ start-up heap in the same way. Objects made later are collected as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import platform
+from collections.abc import Iterator
 from typing import Optional
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
@@ -56,3 +58,18 @@ def settle_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def collections_paused() -> Iterator[None]:
+    """Python's garbage collections paused inside the block (a model's load: the GGUF reader's
+    ~150,000 metadata objects alive made each of its collections long, 8.7% of a 1.7B Q4_K_M file's
+    load on the Zen 4), resumed after it as they were; what the block leaves in cycles is collected
+    later as usual."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
