@@ -1,9 +1,10 @@
 """GGUF files (llama.cpp): metadata -> ModelConfig, tensors -> zerotron names, dequantisation.
 
-Read with the ``gguf`` package's :class:`gguf.GGUFReader`; quantised tensors (Q4_1, Q8_0, K-quants, ...)
-are expanded with :func:`gguf.quants.dequantize`. llama.cpp's converter permutes the rows of the Q and
-K projections of ``llama`` models (it pairs rotary halves as interleaved pairs); :func:`unpermute_qk`
-undoes it exactly as transformers' ``LlamaTensorProcessor._reverse_permute_weights`` does, so the
+Read with :class:`~zerotron.models.gguf_reader.GGUFFile` (the ``gguf`` package's reader for the files
+it leaves to it); quantised tensors (Q4_1, Q8_0, K-quants, ...) are expanded with
+:func:`gguf.quants.dequantize`. llama.cpp's converter permutes the rows of the Q and K projections of
+``llama`` models (it pairs rotary halves as interleaved pairs); :func:`unpermute_qk` undoes it exactly
+as transformers' ``LlamaTensorProcessor._reverse_permute_weights`` does, so the
 result equals the original Hugging Face weights (up to quantisation).
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from zerotron.config import ModelConfig
+from zerotron.models.gguf_reader import GGUFFile, Unsupported
 from zerotron.models.hf import ModelLoadError, checked_architecture
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -60,7 +62,9 @@ def read_once(path: str | Path) -> Iterator[None]:
 
 
 def open_gguf(path: str | Path) -> Any:
-    """A :class:`gguf.GGUFReader` of ``path``; a missing, truncated or corrupt file is a ModelLoadError."""
+    """A reader of ``path``: :class:`~zerotron.models.gguf_reader.GGUFFile`, or the ``gguf`` package's
+    :class:`gguf.GGUFReader` for a file that one leaves to it; a missing, truncated or corrupt file is
+    a ModelLoadError."""
     from gguf import GGUFReader
 
     p = Path(path)
@@ -70,8 +74,11 @@ def open_gguf(path: str | Path) -> Any:
     if _SHARED.get(key) is not None:
         return _SHARED[key]
     try:
-        reader = GGUFReader(str(p))
-    except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files
+        try:
+            reader: Any = GGUFFile(p)
+        except Unsupported:
+            reader = GGUFReader(str(p))
+    except Exception as e:  # the readers raise ValueError/IndexError/struct.error/... on damaged files
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelLoadError(f"{p}: not a readable GGUF file, truncated or corrupt ({reason})") from e
     if key in _SHARED:
