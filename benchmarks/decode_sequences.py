@@ -5,7 +5,7 @@
 ``--calls`` calls after one. One process per run: to compare two builds of the kernel module, put each
 build's module in the extension cache in turn and run this once per build, alternating (a second
 build swapped in within one process is not what the prompt path runs). ``load_s``: the engine's
-load, from the file to the kernels' operands.
+load, from the file to the kernels' operands (``--sequences ''``: that alone).
 
     python benchmarks/decode_sequences.py FILE.gguf [--sequences 4,8,16] [--no-quantize-activations]
 """
@@ -37,10 +37,10 @@ def main() -> None:
     p.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction, default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    counts = [int(c) for c in a.sequences.split(",")]
+    counts = [int(c) for c in a.sequences.split(",") if c]  # none ("--sequences ''"): the load alone
     config = EngineConfig(
         quantization="gguf",
-        max_num_seqs=max(counts),
+        max_num_seqs=max(counts, default=1),
         max_model_len=a.prompt + a.tokens + 16,
         dtype="float32",
         native_attention=kernels.available(),

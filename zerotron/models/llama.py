@@ -381,7 +381,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"vocab_rows={self.vocab_rows} < vocab_size={cfg.vocab_size}")
         layers = range(cfg.num_hidden_layers) if layers is None else layers
         if embed:
-            self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size)
+            # nn.Embedding's own N(0, 1) where there are values to draw; none on the meta device
+            # (torch's meta normal_ imports torch._dynamo: 1.2 s of a served model's start-up)
+            weight = torch.empty(self.vocab_rows, cfg.hidden_size)
+            if weight.device.type != "meta":
+                nn.init.normal_(weight)
+            self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size, _weight=weight)
         self.layers = LayerStack({i: DecoderLayer(cfg, i) for i in layers})
         if head:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
