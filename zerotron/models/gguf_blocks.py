@@ -108,6 +108,14 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _halves_paired(qs: np.ndarray) -> np.ndarray:
+    """Bytes qs (..., 2m) holding values 0 .. 2m - 1 in their low nibbles and 2m .. 4m - 1 in their
+    high ones (a Q4 block's layout) as the values two a byte in order (input 2j low, 2j + 1 high):
+    the pairs of the first 2m from the low nibbles of neighbouring bytes, the rest from the high."""
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    return np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+
+
 def _by_rows(make: Callable[[slice], np.ndarray], out: int, rows: int = 256) -> np.ndarray:
     """``make`` of outputs ``rows`` at a time, into one array: the unpacking's temporaries stay a
     few hundred outputs' (a whole matrix's, each on fresh pages the kernel zeroes, took a third of a
@@ -169,9 +177,8 @@ class BlockInt4Linear(nn.Module):
             sc, mn = _k_scales(b[..., 4:16])  # (out, groups) uint8 each
             parts["sc"], parts["mn"] = (torch.from_numpy(a.reshape(out, -1).copy()) for a in (sc, mn))
 
-            def values(r: slice) -> np.ndarray:
-                qs = b[r, :, 16:].reshape(-1, in_features // 256, 4, 32)  # 4 chunks of 64: low nibbles, high
-                return np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(-1, in_features)
+            def values(r: slice) -> np.ndarray:  # 4 chunks of 64 values a super-block: low nibbles, high
+                return _halves_paired(b[r, :, 16:].reshape(-1, in_features // 256, 4, 32))
 
         else:
             size = 18 if kind == "Q4_0" else 20
@@ -181,13 +188,15 @@ class BlockInt4Linear(nn.Module):
                 parts["m"] = _f16(b[..., 2:4])
 
             def values(r: slice) -> np.ndarray:
-                return _nibbles(b[r, :, size - 16 :]).reshape(-1, in_features)
+                return _halves_paired(b[r, :, size - 16 :])
 
         # the values two a byte in input order (the native kernels' form, the bytes torch's packing
         # would hold); torch's packed form is made at the first forward through torch's kernel
         # (pack()), never where the native kernels take the module (reading torch's form back was a
         # third of a 1.7B Q4_K_M file's load, BENCHMARKS.md)
-        self.register_buffer("qweight", torch.from_numpy(_by_rows(lambda r: _pairs(values(r)), out)))
+        self.register_buffer(
+            "qweight", torch.from_numpy(_by_rows(lambda r: values(r).reshape(-1, in_features // 2), out))
+        )
         self.packed = False
         self.kept = dtype == torch.bfloat16
         if self.kept:
