@@ -7,8 +7,10 @@ invariance):
 
 - **Q4_0** (``w = d·(q − 8)``), **Q4_1** (``w = d·q + m``) and **Q4_K** (super-blocks of 256 inputs,
   each 32 of them ``w = d·sc·q − dmin·mn`` with 6-bit ``sc``, ``mn``) become :class:`BlockInt4Linear`:
-  4-bit values in torch's packed int4 form and per-32-input scales and zeros, ``w = (q − 8)·s + z``, the
-  form of ``aten._weight_int4pack_mm_for_cpu``. In fp32 the weights are the file's values: bit for
+  4-bit values two a byte in input order (the native kernels' form, paired straight from the file's
+  bytes; put in torch's packed int4 form, a CPU-dependent layout of the same bytes, only where torch's
+  kernel runs them) and per-32-input scales and zeros, ``w = (q − 8)·s + z``, the form of
+  ``aten._weight_int4pack_mm_for_cpu``. In fp32 the weights are the file's values: bit for
   bit what the ``gguf`` package's ``dequantize`` gives (Q4_0, Q4_1; Q4_K's zero can round).
 - **Q8_0** (``w = d·q``, 32 int8 values and one f16 scale a block) becomes :class:`BlockInt8Linear`
   (torch's int8 kernel takes one scale per row, not per block: each call dequantises a chunk of output
