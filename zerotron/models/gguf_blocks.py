@@ -290,7 +290,7 @@ class BlockInt8Linear(nn.Module):
         if kind == "Q8_0":  # d (f16), 32 int8
             values = np.ascontiguousarray(b[..., 2:]).view(np.int8)
         elif kind == "IQ4_NL":  # d (f16), 16 bytes of 4-bit indices: kept as indices, two a byte
-            values = _pairs(_nibbles(b[..., 2:18]))
+            values = _halves_paired(b[..., 2:18]).reshape(out, -1)
         elif kind in ("Q5_0", "Q5_1"):  # d (and Q5_1's m) f16, qh (4 bytes: bit i of value i), qs (16)
             at = 2 if kind == "Q5_0" else 4
             qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)  # (out, blocks, 1)
@@ -376,7 +376,9 @@ class BlockKLinear(BlockInt8Linear):
             extra = {"dmin": _f16(b[..., 2:4]), "mn": torch.from_numpy(mins.reshape(out, -1).copy())}
         elif kind == "IQ4_XS":  # d (f16), scales_h (u16), scales_l (4 bytes), qs (128): d·(ls − 32)·kv[q]
             b = blocks.reshape(out, in_features // 256, 136)
-            q = _pairs(_nibbles(b[..., 8:136].reshape(out, -1, 8, 16)))  # the indices, two a byte
+            q = _halves_paired(b[..., 8:136].reshape(out, -1, 8, 16)).reshape(
+                out, -1
+            )  # the indices, two a byte
             high = b[..., 2:4].copy().view(np.uint16)  # (out, supers, 1): 2 bits a group
             hi = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
             lo = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(out, -1, 8) & 0x0F
