@@ -197,13 +197,13 @@ Orders = dict[tuple[int, int], Optional[torch.Tensor]]  # int4pack_order's, by (
 
 def int4pack_order(out_features: int, in_features: int) -> Optional[torch.Tensor]:
     """Where each nibble of ``aten._convert_weight_to_int4pack_for_cpu``'s packed form of an
-    (out, in) matrix comes from: a flat int32 index into the matrix per packed nibble (byte by byte,
-    low nibble first), or None where the packed form is not a rearrangement of the nibbles that
-    this finds (int64, for a scatter). The packing moves values without looking at them (a CPU-dependent order), so packing
-    the base-16 digits of every position's index, one digit at a time, spells each packed nibble's
-    source: six packs of the matrix for 16M values, against the k-times-larger product of
-    :func:`int4pack_values`' unit rows (1.7 s for an 2048 × 8192 matrix on 2 cores, 50 s of a 1.7B
-    GGUF Q4_K_M file's load)."""
+    (out, in) matrix comes from: a flat index (int64, for a scatter) into the matrix per packed
+    nibble, byte by byte, low nibble first; None where the packed form is not a rearrangement of
+    the nibbles this finds. The packing moves values without looking at them (in a CPU-dependent
+    order), so packing the base-16 digits of every position's index, one digit at a time, spells
+    each packed nibble's source: six packs of the matrix for 16M values, against the k-times-larger
+    product of :func:`int4pack_values`' unit rows (1.7 s for a 2048 × 8192 matrix on 2 cores, 50 s
+    of a 1.7B GGUF Q4_K_M file's load)."""
     size = out_features * in_features
     if size >= 2**31 or size % 2:
         return None
@@ -218,6 +218,8 @@ def int4pack_order(out_features: int, in_features: int) -> Optional[torch.Tensor
         nibbles = torch.stack([packed.reshape(-1) & 15, packed.reshape(-1) >> 4], dim=1).reshape(-1)
         source |= nibbles.int() << shift
         shift += 4
+    if int(source.max()) >= size:  # not a rearrangement (int4pack_values checks the rest by repacking)
+        return None
     return source.long()
 
 
