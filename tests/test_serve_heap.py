@@ -3,9 +3,11 @@ counted in the page faults the kernel reports (getrusage), against a process tha
 
 from __future__ import annotations
 
+import gc
 import platform
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -85,8 +87,6 @@ def test_settled_objects_leave_full_collections_and_later_garbage_is_still_colle
 def test_collections_paused_while_a_model_loads() -> None:
     """Inside the block Python's collections are off (none runs however many objects are made), after
     it as they were before; an error inside still restores them."""
-    import gc
-
     assert gc.isenabled()
     before = [g["collections"] for g in gc.get_stats()]
     with heap.collections_paused():
@@ -105,3 +105,26 @@ def test_collections_paused_while_a_model_loads() -> None:
         assert not gc.isenabled()  # left as it was
     finally:
         gc.enable()
+
+
+def test_released_objects_are_collected_again() -> None:
+    """release_objects (a server's stop) hands the frozen objects back: a cycle frozen at start is
+    collected after it, as the interpreter's teardown then finds it."""
+
+    class Node:
+        other: object
+
+    gc.collect()
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    alive = weakref.ref(a)
+    gc.freeze()  # frozen while reachable (as the served model's objects are)
+    try:
+        del a, b
+        gc.collect()
+        assert alive() is not None  # frozen: no collection looks at it
+        heap.release_objects()
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()

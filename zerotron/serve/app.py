@@ -429,6 +429,7 @@ def serve(engine: Engine, options: ServerOptions, local: tuple[int, int] = (0, 1
         server.should_exit = True
         thread.join(timeout=60)
         sys.setswitchinterval(switch)
+        heap.release_objects()
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     if failure or not server.started:
@@ -471,4 +472,6 @@ def serve_worker(model_path: str, options: ServerOptions, config: EngineConfig) 
     # Shutdown comes from the first rank (its stop message), never half-way through one of its steps.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return {"steps": engine.runner.follow()}
+    steps = engine.runner.follow()
+    heap.release_objects()
+    return {"steps": steps}

@@ -22,7 +22,8 @@ library other than glibc it does nothing (and ``zerotron serve``'s start-up line
 tokenizer, the web framework: ~340,000 for SmolLM2): Python's full collections, which come now and
 then as requests make and drop objects, scanned them all, holding the GIL for ~185 ms each (measured
 on the same Zen 5), a pause of every request in flight and of the engine's steps. vLLM freezes its
-start-up heap in the same way. Objects made later are collected as before.
+start-up heap in the same way. Objects made later are collected as before, and :func:`release_objects`
+hands the frozen ones back as the server stops.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def settle_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def release_objects() -> None:
+    """The frozen objects handed back to the collections, as a server stops: frozen ones outlive the
+    interpreter's teardown, where the compiler bindings torch loads (triton's) report each of theirs
+    as leaked, a screen of warnings after every Ctrl-C."""
+    gc.unfreeze()
 
 
 @contextlib.contextmanager
