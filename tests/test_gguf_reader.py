@@ -6,6 +6,7 @@ other byte order left to the ``gguf`` package."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -104,3 +105,31 @@ def test_damaged_files_are_refused_and_the_other_byte_order_left_to_the_gguf_pac
         GGUFFile(big)
     reader = open_gguf(big)
     assert isinstance(reader, gguf.GGUFReader) and reader.fields["t.u32"].contents() == 4_000_000_000
+
+
+def test_hostile_counts_are_refused_without_reading_past_the_file(tmp_path: Path) -> None:
+    """Counts and lengths far past the file's size (a huge number of fields, a string or an array
+    longer than the file, a tensor larger than it) end in the one-line error, not a long loop or a
+    read beyond the map."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62)  # 2**62 fields in a 24-byte file
+    string = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**62) + b"key"
+    array = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", 1)
+        + b"k"
+        + struct.pack("<IIQ", 9, 6, 2**61)
+    )
+    tensor = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 1, 0)
+        + struct.pack("<Q", 1)
+        + b"t"
+        + struct.pack("<IQQ", 2, 2**20, 2**20)
+        + struct.pack("<IQ", 0, 0)  # F32 at offset 0: 4 TiB of data
+    )
+    for i, raw in enumerate((head, string, array, tensor)):
+        path = tmp_path / f"hostile{i}.gguf"
+        path.write_bytes(raw)
+        with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+            open_gguf(path)
