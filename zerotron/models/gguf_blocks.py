@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from zerotron.models.quant import padded_linear
+from zerotron.models.quant import padded_linear, unpaired
 
 BLOCK = 32  # inputs per scale in every kept form (Q4_K: per sub-block of its 256-input super-block)
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
@@ -217,8 +217,7 @@ class BlockInt4Linear(nn.Module):
         """``qweight`` in torch's int4 packed form (once; a CPU-dependent layout) from the values two
         a byte, for torch's kernel."""
         if not self.packed:
-            q = self.qweight
-            values = torch.stack([q & 15, q >> 4], dim=-1).reshape(self.out_features, self.in_features)
+            values = unpaired(self.qweight).reshape(self.out_features, self.in_features)
             self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1)
             self.packed = True
 

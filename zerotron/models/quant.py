@@ -195,6 +195,12 @@ def padded_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.T
 Orders = dict[tuple[int, int], Optional[torch.Tensor]]  # int4pack_order's, by (out, in)
 
 
+def unpaired(q: torch.Tensor) -> torch.Tensor:
+    """Bytes holding two 4-bit values each (the first in the low half) as those values, uint8, each
+    byte's two in turn along the last dimension (twice its length)."""
+    return torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)
+
+
 def int4pack_order(out_features: int, in_features: int) -> Optional[torch.Tensor]:
     """Where each nibble of ``aten._convert_weight_to_int4pack_for_cpu``'s packed form of an
     (out, in) matrix comes from: a flat index (int64, for a scatter) into the matrix per packed
@@ -215,8 +221,7 @@ def int4pack_order(out_features: int, in_features: int) -> Optional[torch.Tensor
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digit, 1)
         if packed.dtype != torch.uint8 or packed.numel() * 2 != size:
             return None
-        nibbles = torch.stack([packed.reshape(-1) & 15, packed.reshape(-1) >> 4], dim=1).reshape(-1)
-        source |= nibbles.int() << shift
+        source |= unpaired(packed.reshape(-1)).int() << shift
         shift += 4
     if int(source.max()) >= size:  # not a rearrangement (int4pack_values checks the rest by repacking)
         return None
@@ -244,9 +249,8 @@ def int4pack_values(
         orders[key] = int4pack_order(out_features, in_features)
     order = orders[key]
     if order is not None and qweight.dtype == torch.uint8 and qweight.numel() * 2 == order.numel():
-        flat = qweight.reshape(-1)
         values = torch.empty(order.numel(), dtype=torch.uint8)
-        values[order] = torch.stack([flat & 15, flat >> 4], dim=1).reshape(-1)
+        values[order] = unpaired(qweight.reshape(-1))
         values = values.view(out_features, in_features)
         if torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1), qweight):
             return values
