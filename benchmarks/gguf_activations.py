@@ -9,7 +9,12 @@ Prompts are random token ids (seeded), so nothing is cached between rounds. Seco
 the rounds.
 
     python benchmarks/gguf_activations.py FILE.gguf [FILE.gguf ...] [--llama-python PY] [--rounds 3]
-        [--prefill 512,2000] [--json out.json]
+        [--prefill 512,2000] [--json out.json] [--avx2]
+
+``--avx2``: the linears on the 8-bit kernels' AVX2 code alone (what a CPU without AVX512-VNNI runs;
+8-bit activations give the same bits as on VNNI), fp32 and 8-bit activations, beside 8-bit ones on
+AVX512-VNNI, round by round (the attention stays on this CPU's kernel); give ``--llama-python`` a
+llama.cpp built for AVX2 alone to compare like with like.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ def _prompts(seed: int, count: int, length: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def run_zerotron(path: str, rounds: int, prefill: list[int]) -> dict[str, dict[str, float]]:
+def run_zerotron(
+    path: str, rounds: int, prefill: list[int], avx2: bool = False
+) -> dict[str, dict[str, float]]:
     import torch
 
     from zerotron.components.sampling import SamplingParams
@@ -53,13 +60,21 @@ def run_zerotron(path: str, rounds: int, prefill: list[int]) -> dict[str, dict[s
         )
         return load_engine(path, config)
 
-    engines = {"fp32": engine(False), "int8": engine(True)}
+    # avx2: the engines' linears on the 8-bit kernels' AVX2 code alone (kernels' q8_avx2: what a CPU
+    # without AVX512-VNNI runs), fp32 and 8-bit activations, beside the 8-bit ones on AVX512-VNNI; an
+    # engine each (one engine's prefix cache would hand a second turn the first one's prompts)
+    if avx2:
+        kernels.built().q8_avx2(True)  # the fp32 products prepared now: AVX2 alone
+        engines = {"fp32 AVX2": engine(False), "int8 AVX2": engine(True), "int8": engine(True)}
+    else:
+        engines = {"fp32": engine(False), "int8": engine(True)}
     times: dict[str, dict[str, list[float]]] = {k: {} for k in engines}
     one = SamplingParams(max_tokens=1, temperature=0.0)
     many = SamplingParams(max_tokens=DECODE, temperature=0.0, ignore_eos=True)
     for r in range(rounds):
         for name, e in engines.items():
             got = times[name]
+            kernels.built().q8_avx2(name.endswith("AVX2"))
             for n in prefill:
                 start = time.perf_counter()
                 e.generate(_prompts(r * 100 + n, 1, n), one)  # type: ignore[attr-defined]
@@ -101,6 +116,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prefill", default="512,2000", help="prompt lengths whose prefill is timed")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--avx2", action="store_true", help="8-bit activations on the AVX2 code and on VNNI's")
     p.add_argument("--only", choices=["zerotron", "llamacpp"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     prefill = [int(n) for n in args.prefill.split(",")]
@@ -109,7 +125,7 @@ def main() -> None:
         return
     results: dict[str, dict[str, object]] = {}
     for f in args.files:
-        results[f] = dict(run_zerotron(f, args.rounds, prefill))
+        results[f] = dict(run_zerotron(f, args.rounds, prefill, args.avx2))
         if args.llama_python:
             cmd = [args.llama_python, __file__, f, "--only", "llamacpp", "--rounds", str(args.rounds)]
             out = subprocess.run(

@@ -10,7 +10,9 @@ a dense model (the ``gguf`` package's dequantised weights) whose linears see the
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from tests.test_serve_int8 import CASES, _operands, _reference
 from zerotron.build.builder import load_model
-from zerotron.serve import kernel_definitions, linear_kernels
+from zerotron.serve import kernel_definitions, kernels, linear_kernels
 from zerotron.serve.config import EngineConfig, EngineConfigError
 from zerotron.serve.int8_linears import QUANTIZED, int8_kernels
 
@@ -33,8 +35,27 @@ pytestmark = pytest.mark.skipif(
 DATA = Path(__file__).parent / "data" / "llamacpp"
 
 
+@contextlib.contextmanager
+def _on_avx2(on: bool = True) -> Iterator[None]:
+    """The 8-bit kernels on their AVX2 code alone (``kernels.q8_avx2``: what a CPU without AVX512-VNNI
+    runs) inside the block, where ``on``; as before after it."""
+    module = kernels.built()
+    before = module.q8_avx2(on)
+    try:
+        yield
+    finally:
+        module.q8_avx2(before)
+
+
+@pytest.mark.parametrize("avx2", [False, True], ids=["native", "avx2"])
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1] * CASES[c][2] % 32 == 0])
-def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
+def test_kernel_is_the_quantised_rows_times_the_weights(case: str, avx2: bool) -> None:
+    """The kernel against the reference, on this CPU's code and on the AVX2 code alone."""
+    with _on_avx2(avx2):
+        _kernel_is_the_quantised_rows_times_the_weights(case)
+
+
+def _kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     gen = torch.Generator().manual_seed(5)
     values, scales, mins, offset, add = _operands(case, gen, group_major=True)
     k = CASES[case][1] * CASES[case][2]
@@ -57,6 +78,61 @@ def test_kernel_is_the_quantised_rows_times_the_weights(case: str) -> None:
     assert torch.equal(torch.cat(alone), y)
     for lo, hi in ((5, 14), (8, 12), (8, 11)):
         assert torch.equal(linear_kernels.q8a8_linear(x[lo:hi], values, scales, mins, offset, add), y[lo:hi])
+
+
+def _wide_operands(gen: torch.Generator) -> list[tuple[str, tuple]]:
+    """Operands beyond CASES' shapes: a Q4_K-shaped matrix of 2,304 inputs (whole 128-input chunks,
+    flat, fetched ahead, two outputs a pass) and of 2,336 (a chunk's tail), Q8_0's of 2,080, and 4-bit
+    values in groups of 8 (a chunk's lanes take 16 groups' scales)."""
+    out = []
+    for name, k, nibbles, group in (
+        ("q4_k", 2304, True, 32),
+        ("q4_k-tail", 2336, True, 32),
+        ("q8_0", 2080, False, 32),
+        ("g8", 256, True, 8),
+    ):
+        n, groups = 37, k // group
+        if nibbles:
+            values = torch.randint(0, 256, (n, groups, group // 2), generator=gen, dtype=torch.uint8)
+        else:
+            values = torch.randint(-128, 128, (n, groups, group), generator=gen, dtype=torch.int8)
+        supers = groups // 8 if groups % 8 == 0 else 1  # the tail's: one super-block scale (73 groups)
+        scale = (torch.rand(n, supers, generator=gen) * 0.02 + 1e-3).half()
+        sub = torch.randint(0, 64, (n, groups), generator=gen).to(torch.uint8)
+        if name == "g8":  # fp32 scales and mins, a group each
+            scales = (torch.rand(n, groups, generator=gen) * 0.01, None)
+            mins = (torch.rand(n, groups, generator=gen) * 0.01, None)
+        elif nibbles:  # a K type's super-block scale times 6-bit sub-block scales, and its mins
+            scales, mins = (scale, sub), (scale, sub.flip(-1).contiguous())
+        else:  # Q8_0: an f16 scale a group
+            scales, mins = ((torch.rand(n, groups, generator=gen) * 0.02 + 1e-3).half(), None), (None, None)
+        out.append((name, (values, scales, mins, 0, False)))
+    return out
+
+
+@pytest.mark.skipif(
+    not kernels.available() or not kernels.built().vnni_cpu(), reason="no AVX512-VNNI code to compare with"
+)
+def test_the_avx2_code_gives_the_vnni_bits() -> None:
+    """The AVX2 code (a CPU without AVX512-VNNI) and the AVX512-VNNI code: the same rows quantised, the
+    same exact integer sums and the same fp32 arithmetic in the same order, so equal outputs, at any
+    batch (1 to 23 rows: a decode's one-row passes, blocks of rows, a prompt's tiles)."""
+    gen = torch.Generator().manual_seed(11)
+    operands = [
+        (c, _operands(c, gen, group_major=True)) for c in CASES if CASES[c][1] * CASES[c][2] % 32 == 0
+    ]
+    for case, (values, scales, mins, offset, add) in operands + _wide_operands(gen):
+        k = values.shape[1] * values.shape[2] * (2 if values.dtype == torch.uint8 else 1)
+        x = torch.randn(23, k, generator=gen) * torch.rand(23, 1, generator=gen) * 4
+        x[3] = 0
+        x[6, 7] = 1e4
+        for rows in (1, 2, 3, 4, 17, 23):
+            vnni = linear_kernels.q8a8_linear(x[:rows], values, scales, mins, offset, add)
+            with _on_avx2():
+                avx2 = linear_kernels.q8a8_linear(x[:rows], values, scales, mins, offset, add)
+            assert torch.equal(avx2, vnni), (case, rows, (avx2 - vnni).abs().max())
+        ref = _reference(kernel_definitions.quantize_rows(x), values, scales, mins, offset, add)
+        assert ((avx2.double() - ref).abs().max() / ref.abs().max()) <= 1e-6, case
 
 
 def test_quantize_rows_is_llamacpp_q8_0() -> None:
@@ -194,6 +270,42 @@ def test_the_engine_serves_with_quantised_activations(
     assert _run(engine, prompts[1:2], params)[0][0] == ours[1][0]
 
 
+def test_the_engine_on_the_avx2_code() -> None:
+    """A GGUF file served on 8-bit activations (the kernels ``zerotron serve`` picks) on the 8-bit
+    kernels' AVX2 code alone, as a CPU without AVX512-VNNI serves it: the tokens and log-probabilities
+    of this CPU's own code, prompts and decodes, alone and batched."""
+    import dataclasses
+
+    from tests.test_serve_engine import GREEDY, _run
+    from zerotron.serve.engine import Engine
+
+    _, _, tokenizer, _, ids = _llamacpp("k256-Q4_K_M.gguf")
+    tokens = ids[0].tolist()
+    prompts = [tokens, tokens[:7], tokens[5:16]]
+    params = dataclasses.replace(GREEDY, max_tokens=12)  # with log-probabilities
+    native = linear_kernels.why_no_native_matmul(torch.float32) is None
+
+    def served() -> list:
+        config = EngineConfig(
+            quantization="gguf",
+            max_model_len=64,
+            native_attention=kernels.available(),
+            native_matmul=native,
+            quantize_activations=True,
+        )
+        engine = Engine(
+            load_model(str(DATA / "k256-Q4_K_M.gguf"), torch.float32, "cpu", quantization="gguf")[0],
+            tokenizer,
+            config,
+        )
+        assert engine.runner.activations and engine.runner.int8_native > 0
+        return _run(engine, prompts, params) + _run(engine, prompts[1:2], params)
+
+    here = served()
+    with _on_avx2():
+        assert served() == here
+
+
 @pytest.mark.parametrize("activations", [False, True], ids=["bf16-rows", "int8-rows"])
 def test_bf16_rows_step_each_layer_in_one_native_call(
     activations: bool, monkeypatch: pytest.MonkeyPatch
@@ -264,8 +376,8 @@ def test_quantize_activations_needs_quantised_weights() -> None:
 def test_quantize_activations_refused_where_the_kernel_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(EngineConfigError, match="runs on the CPU"):
         EngineConfig(quantize_activations=True, device="cuda")
-    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
-    with pytest.raises(EngineConfigError, match="AVX512-VNNI"):
+    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX2, FMA and F16C")
+    with pytest.raises(EngineConfigError, match="AVX2"):
         EngineConfig(quantize_activations=True)
 
 
@@ -289,8 +401,8 @@ def test_the_serve_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> N
     plain = build_parser().parse_args(["serve", "m.gguf", "--quantize-activations"])
     with pytest.raises(ConfigError, match="--quantize-activations: it multiplies quantised weights"):
         engine_config(plain, 1)
-    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
-    with pytest.raises((ConfigError, EngineConfigError), match="quantize.activations.*AVX512-VNNI"):
+    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX2, FMA and F16C")
+    with pytest.raises((ConfigError, EngineConfigError), match="quantize.activations.*AVX2"):
         engine_config(args, 1)
 
 
@@ -322,7 +434,7 @@ def test_the_default_runs_a_gguf_file_on_int8_rows(monkeypatch: pytest.MonkeyPat
     assert ran["on"] != ran["off"]  # the log-probabilities tell 8-bit rows from fp32 ones
     assert not serve(None, torch.bfloat16).runner.activations
     assert not serve(None, quantization=None).runner.activations  # dense: no error, fp32 rows
-    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(linear_kernels, "why_no_q8a8", lambda: "this CPU has no AVX2, FMA and F16C")
     plain = serve(None)
     assert not plain.runner.activations and _run(plain, prompts, params) == ran["off"]
 

@@ -48,6 +48,7 @@ PARTS = (
     "linear.cpp",
     "linear_int8.cpp",
     "linear_vnni.cpp",
+    "linear_a8_avx2.cpp",
     "linear_vnni_tasks.cpp",
     "linear_wide.cpp",
     "linear_qtiles.cpp",

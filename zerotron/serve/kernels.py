@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v91"
+_NAME = "zerotron_kernels_v92"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -83,6 +83,7 @@ _FUNCTIONS = [
     "q8_linear",
     "vnni_cpu",
     "q8a8_linear",
+    "q8_avx2",
     "q8_prepare",
     "q8_release",
     "q8_run",

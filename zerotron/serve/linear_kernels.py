@@ -9,8 +9,8 @@ AVX512-BF16 without AMX (VDPBF16PS steps over pairs of k in order, rounded once 
 
 :func:`q8_linear` multiplies fp32 rows by 8-bit (or 4-bit) weights with a scale and a min per group
 of inputs, read from the files' own tables; :func:`q8a8_linear` multiplies the same weights by the
-rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI), as llama.cpp does (``zerotron serve
---quantize-activations``); :func:`q8t_linear` by bf16 rows on AMX tiles (or :func:`q8d_linear` on
+rows quantised to int8 per 32 inputs, in integers (AVX512-VNNI, or AVX2 where the CPU has no VNNI:
+the same bits), as llama.cpp does (``zerotron serve --quantize-activations``); :func:`q8t_linear` by bf16 rows on AMX tiles (or :func:`q8d_linear` on
 AVX512-BF16 where the CPU has no AMX), the weights dequantised to bf16 once per call
 (``--quantized-tiles``). All give a row the same result in any batch.
 :class:`Prepared` runs the first two on operands checked and laid out once (the served linears' way),
@@ -133,7 +133,8 @@ def _grouped(entry: str, x: torch.Tensor, values: torch.Tensor, *tables: Any) ->
 
 def q8a8_available() -> bool:
     """Whether :func:`q8a8_linear` runs here: the kernels built with its code (x86-64) and a CPU with
-    AVX512-VNNI (with AVX512-BW, -VL and -DQ)."""
+    AVX2, FMA and F16C (AVX512-VNNI, with AVX512-BW, -VL and -DQ, where it has them; the AVX2 code
+    gives the same bits)."""
     return why_no_q8a8() is None
 
 
@@ -141,9 +142,9 @@ def why_no_q8a8() -> Optional[str]:
     """Why :func:`q8a8_available` is False (None when it is True)."""
     return kernels.why_no_kernel(
         "q8_built",
-        lambda m: bool(m.vnni_cpu()),
+        lambda m: bool(m.q8_cpu()),
         "8-bit linear code (an x86-64 CPU and GCC or clang are needed)",
-        "this CPU has no AVX512-VNNI (with AVX512-BW, -VL and -DQ)",
+        "this CPU has no AVX2, FMA and F16C",
     )
 
 
@@ -220,7 +221,8 @@ def q8a8_linear(
     """:func:`q8_linear`'s product with the rows quantised to 8 bits, as llama.cpp and vLLM's GGUF
     kernels multiply: each row's blocks of 32 inputs as
     :func:`~zerotron.serve.kernel_definitions.quantize_rows` defines them, the
-    integer products of those and the weights' values summed exactly (AVX512-VNNI), scaled by the
+    integer products of those and the weights' values summed exactly (AVX512-VNNI, or AVX2: the same
+    bits), scaled by the
     groups' scales times the blocks' ``d``, less the mins times the quantised inputs' sums. In real
     arithmetic it is ``quantize_rows(x) @ w.T``; in fp32 each output is 16 lanes of fused
     multiply-adds in k order, added in a fixed tree: a row's result is the same in any batch. The

@@ -6,6 +6,7 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -164,6 +164,31 @@ bool vnni_cpu() {
 #endif
 }
 
+// Whether the 8-bit kernels run their AVX2 code alone: the 8-bit-activation products on
+// linear_a8_avx2.cpp's, the fp32-activation ones prepared now without q8_direct_wide (a CPU without
+// AVX512-VNNI, or asked for: q8_avx2).
+bool va_on_avx2() {
+#if defined(ZT_Q8)
+  static const bool without = !vnni_cpu();
+  return without || g_va_avx2.load();
+#else
+  return false;
+#endif
+}
+
+// The 8-bit kernels on their AVX2 code alone (va_on_avx2) even where the CPU has AVX512-VNNI (on:
+// true; a CPU without it runs them there anyway), as a CPU with AVX2 alone runs them: the
+// 8-bit-activation products from the next call on (the same bits, so tests compare the two paths),
+// the fp32-activation ones prepared from now on; benchmarks time an AVX2 CPU's linears this way.
+// Returns the previous setting.
+bool q8_avx2(bool on) {
+#if defined(ZT_Q8)
+  return g_va_avx2.exchange(on);
+#else
+  return on && false;
+#endif
+}
+
 // x (rows, K) fp32 with unit column stride (bf16 in modes 2 and 3); q (n, groups, group) int8 with
 // unit last stride (K = groups * group, group a multiple of 8), or uint8 (n, groups, group / 2): two
 // values a byte, each less offset; the scales s1 (* s2) and mins m1 (* m2): tables (n, groups / per)
@@ -206,7 +231,7 @@ Q8Problem q8_problem(int64_t k, const torch::Tensor& q, const std::optional<torc
               static_cast<int32_t>(offset), q8_factor(s1, n, groups, "s1"), q8_factor(s2, n, groups, "s2"),
               q8_factor(m1, n, groups, "m1"), q8_factor(m2, n, groups, "m2"), add_mins, 0, 0, n,
               k, group, (n + QOT - 1) / QOT, 0};
-  t.wide = mode == 0 && vnni_cpu();  // AVX-512 (with BW, VL, DQ): q8_direct_wide
+  t.wide = mode == 0 && !va_on_avx2();  // AVX-512 (with BW, VL, DQ): q8_direct_wide
   q8_ahead_bytes(t);
   q8_lut(t);
   return t;
@@ -233,7 +258,7 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
 #if defined(ZT_Q8)
-  TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
+  TORCH_CHECK(!a8 || q8_cpu(), "this CPU has no AVX2, FMA and F16C");
   std::vector<Q8Problem> ts{q8_problem(x.size(1), q, s1, s2, m1, m2, offset, add_mins, mode)};
   q8_set_rows(ts[0], x, mode >= 2 ? nullptr : y.data_ptr<float>(), n);
   if (mode == 3) {
@@ -266,7 +291,7 @@ torch::Tensor q8_entry(torch::Tensor x, torch::Tensor q, std::optional<torch::Te
 #endif
   }
   pybind11::gil_scoped_release no_gil;
-  if (a8) q8a8_linear_many(ts);
+  if (a8) q8a8_linear_many(ts, va_on_avx2());
   else q8_linear_many(ts);
   return y;
 #else
@@ -303,7 +328,7 @@ int64_t q8_prepare(int64_t k, std::vector<torch::Tensor> q, std::vector<std::opt
                   offset.size() == count && add_mins.size() == count,
               "one entry of each list a product");
 #if defined(ZT_Q8)
-  TORCH_CHECK(!a8 || vnni_cpu(), "this CPU has no AVX512-VNNI");
+  TORCH_CHECK(!a8 || q8_cpu(), "this CPU has no AVX2, FMA and F16C");
   auto prepared = std::make_unique<Q8Prepared>();
   prepared->k = k;
   prepared->a8 = a8;
@@ -363,7 +388,7 @@ torch::Tensor q8_run(torch::Tensor x, int64_t handle) {
       column += t.n;
     }
     pybind11::gil_scoped_release no_gil;
-    if (a8) q8a8_linear_many(ts);
+    if (a8) q8a8_linear_many(ts, va_on_avx2());
     else q8_linear_many(ts);
   }
   return y.view(shape);

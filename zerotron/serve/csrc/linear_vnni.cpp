@@ -39,6 +39,35 @@ struct VnniRows {  // the rows quantised, row r's entries at r * (kp, lanes, gro
   int64_t kp = 0, lanes = 0, width = 4;
 };
 
+// Row r's quantised inputs in input order (plain) and its blocks' scales d into v: kind 1's chunks
+// interleaved (each 128-input chunk's even inputs, then its odd ones), the lanes' starting sums and
+// scales, the groups' sums for the mins. Shared by the AVX512-VNNI and AVX2 quantisers (va_quantize,
+// va2_quantize), so both give v the same numbers; no reassociation (ZT_Q8_TARGET).
+ZT_Q8_TARGET void va_rows_finish(const Q8Problem& t, VnniRows& v, int64_t r, const int8_t* plain, const float* d, bool mins) {
+  ZT_Q8_ORDER
+  int8_t* xq = v.xq.data() + r * v.kp;
+  if (t.kind == 1)
+    for (int64_t c = 0; c < v.kp; c += 128)
+      for (int64_t j = 0; j < 64; ++j) {
+        xq[c + j] = plain[c + 2 * j];
+        xq[c + 64 + j] = plain[c + 2 * j + 1];
+      }
+  const int32_t lift = t.kind == 1 && t.offset >= 0 ? t.offset : 128;  // a table's values go in as value + 128
+  for (int64_t l = 0; l < v.lanes; ++l) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < v.width; ++i) sum += plain[l * v.width + i];
+    v.corr[r * v.lanes + l] = -lift * sum;
+    v.dl[r * v.lanes + l] = d[l * v.width / 32];
+  }
+  if (!mins) return;
+  const int64_t groups = t.k / t.group;
+  for (int64_t g = 0; g < groups; ++g) {
+    float s = 0.0f;
+    for (int64_t k = g * t.group; k < (g + 1) * t.group; ++k) s += d[k / 32] * static_cast<float>(plain[k]);
+    v.xs[r * groups + g] = s;
+  }
+}
+
 // Row r of t.x quantised into v (blocks of 32 inputs), and its lanes' and groups' sums.
 ZT_VNNI_TARGET void va_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool mins) {
   const float* x = t.x + r * t.ldx;
@@ -61,39 +90,24 @@ ZT_VNNI_TARGET void va_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool
     _mm_storeu_si128(reinterpret_cast<__m128i*>(plain + b * 32 + 16),
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(c, dv))));
   }
-  if (t.kind == 1)  // each 128-input chunk: its even inputs, then its odd ones
-    for (int64_t c = 0; c < v.kp; c += 128)
-      for (int64_t j = 0; j < 64; ++j) {
-        xq[c + j] = plain[c + 2 * j];
-        xq[c + 64 + j] = plain[c + 2 * j + 1];
-      }
-  const int32_t lift = t.kind == 1 && t.offset >= 0 ? t.offset : 128;  // a table's values go in as value + 128
-  for (int64_t l = 0; l < v.lanes; ++l) {
-    int32_t sum = 0;
-    for (int64_t i = 0; i < v.width; ++i) sum += plain[l * v.width + i];
-    v.corr[r * v.lanes + l] = -lift * sum;
-    v.dl[r * v.lanes + l] = d[l * v.width / 32];
-  }
-  if (!mins) return;
-  const int64_t groups = t.k / t.group;
-  for (int64_t g = 0; g < groups; ++g) {
-    float s = 0.0f;
-    for (int64_t k = g * t.group; k < (g + 1) * t.group; ++k) s += d[k / 32] * static_cast<float>(plain[k]);
-    v.xs[r * groups + g] = s;
-  }
+  va_rows_finish(t, v, r, plain, d.data(), mins);
 }
 
 // The 64 bytes of output o's values from input kc (a chunk's start, in group g) where they do not lie
-// together: gathered group by group; bytes past K are zeros.
-ZT_VNNI_TARGET inline __m512i va_gather(const Q8Problem& t, int64_t o, int64_t kc, int64_t g) {
+// together, into buf: gathered group by group; bytes past K are zeros.
+inline void va_gather_bytes(const Q8Problem& t, int64_t o, int64_t kc, int64_t g, int8_t* buf) {
   const int64_t shift = t.kind == 1 ? 1 : 0, nb = std::min<int64_t>(64, (t.k - kc) >> shift);
-  alignas(64) int8_t buf[64] = {};
+  std::memset(buf, 0, 64);
   for (int64_t b = 0, k = kc; b < nb; ++g) {  // byte b holds input kc + (b << shift)
     const int64_t take = std::min(nb - b, ((g + 1) * t.group - k) >> shift);
     std::memcpy(buf + b, t.q + o * t.qo + g * t.qg + ((k - g * t.group) >> shift), static_cast<size_t>(take));
     b += take;
     k = (g + 1) * t.group;
   }
+}
+ZT_VNNI_TARGET inline __m512i va_gather(const Q8Problem& t, int64_t o, int64_t kc, int64_t g) {
+  alignas(64) int8_t buf[64];
+  va_gather_bytes(t, o, kc, g, buf);
   return _mm512_load_si512(buf);
 }
 

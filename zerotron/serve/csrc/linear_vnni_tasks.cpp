@@ -277,7 +277,7 @@ ZT_VNNI_TARGET void va_tasks(const Q8Problem& t, const VnniRows& v, const VaChun
 }
 
 // The rows of t quantised into v (read by every product with t's kind of values, offset and group).
-void va_quantize_rows(const Q8Problem& t, VnniRows& v, bool mins) {
+void va_quantize_rows(const Q8Problem& t, VnniRows& v, bool mins, bool avx2) {
   v.width = t.kind == 1 ? 8 : 4;
   v.kp = (t.k + VA_SLICE - 1) / VA_SLICE * VA_SLICE;
   v.lanes = v.kp / v.width;
@@ -286,7 +286,7 @@ void va_quantize_rows(const Q8Problem& t, VnniRows& v, bool mins) {
   v.dl.assign(static_cast<size_t>(t.rows * v.lanes), 0.0f);
   if (mins) v.xs.assign(static_cast<size_t>(t.rows * (t.k / t.group)), 0.0f);
   at::parallel_for(0, t.rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) va_quantize(t, v, r, mins);
+    for (int64_t r = begin; r < end; ++r) avx2 ? va2_quantize(t, v, r, mins) : va_quantize(t, v, r, mins);
   });
 }
 
@@ -321,8 +321,9 @@ void va_plan(Q8Problem& t, int64_t width, VaPlan& p) {
 }
 
 // Several products of the same rows (q8_linear_many's) in one parallel region, the rows quantised
-// once for all the products with the same kind of values, offset and group (what each would quantise).
-void q8a8_linear_many(std::vector<Q8Problem>& ts) {
+// once for all the products with the same kind of values, offset and group (what each would quantise);
+// avx2: on the AVX2 code (linear_a8_avx2.cpp: a CPU without AVX512-VNNI, or asked for), the same bits.
+void q8a8_linear_many(std::vector<Q8Problem>& ts, bool avx2) {
   const size_t count = ts.size();
   std::vector<size_t> rows_of(count);  // the problem whose quantised rows problem i reads
   std::vector<bool> mins(count, false);
@@ -337,9 +338,12 @@ void q8a8_linear_many(std::vector<Q8Problem>& ts) {
   }
   std::vector<VnniRows> v(count);
   for (size_t i = 0; i < count; ++i)
-    if (rows_of[i] == i) va_quantize_rows(ts[i], v[i], mins[i]);
+    if (rows_of[i] == i) va_quantize_rows(ts[i], v[i], mins[i], avx2);
   std::vector<VaPlan> plans(count);
   for (size_t i = 0; i < count; ++i) va_plan(ts[i], v[rows_of[i]].width, plans[i]);
-  q8_deal(ts, [&](size_t i, int64_t lo, int64_t hi) { va_tasks(ts[i], v[rows_of[i]], plans[i].ch, plans[i].first, lo, hi); });
+  q8_deal(ts, [&](size_t i, int64_t lo, int64_t hi) {
+    if (avx2) va2_tasks(ts[i], v[rows_of[i]], plans[i].ch, plans[i].first, lo, hi);
+    else va_tasks(ts[i], v[rows_of[i]], plans[i].ch, plans[i].first, lo, hi);
+  });
 }
 #endif
