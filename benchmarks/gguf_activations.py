@@ -13,8 +13,9 @@ the rounds.
 
 ``--avx2``: the linears on the 8-bit kernels' AVX2 code alone (what a CPU without AVX512-VNNI runs;
 8-bit activations give the same bits as on VNNI), fp32 and 8-bit activations, beside 8-bit ones on
-AVX512-VNNI, round by round (the attention stays on this CPU's kernel); give ``--llama-python`` a
-llama.cpp built for AVX2 alone to compare like with like.
+AVX512-VNNI, round by round; ``--march znver3`` builds zerotron's kernels as an AVX2 CPU (AMD Zen 3)
+builds them (its attention and elementwise kernels too; ``kernels.build_for``). Give
+``--llama-python`` a llama.cpp built for AVX2 alone to compare like with like.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _prompts(seed: int, count: int, length: int) -> list[list[int]]:
 
 
 def run_zerotron(
-    path: str, rounds: int, prefill: list[int], avx2: bool = False
+    path: str, rounds: int, prefill: list[int], avx2: bool = False, march: str | None = None
 ) -> dict[str, dict[str, float]]:
     import torch
 
@@ -48,6 +49,8 @@ def run_zerotron(
     from zerotron.serve.engine import EngineConfig
 
     torch.set_num_threads(2)
+    if march:  # the kernels as that CPU builds them (kernels.build_for)
+        kernels.build_for(march)
 
     def engine(acts: bool) -> object:
         config = EngineConfig(
@@ -116,7 +119,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prefill", default="512,2000", help="prompt lengths whose prefill is timed")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--avx2", action="store_true", help="8-bit activations on the AVX2 code and on VNNI's")
+    p.add_argument("--avx2", action="store_true", help="the 8-bit kernels' AVX2 code beside VNNI's")
+    p.add_argument("--march", default=None, help="zerotron's kernels built for this CPU (znver3: AVX2 alone)")
     p.add_argument("--only", choices=["zerotron", "llamacpp"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     prefill = [int(n) for n in args.prefill.split(",")]
@@ -125,7 +129,7 @@ def main() -> None:
         return
     results: dict[str, dict[str, object]] = {}
     for f in args.files:
-        results[f] = dict(run_zerotron(f, args.rounds, prefill, args.avx2))
+        results[f] = dict(run_zerotron(f, args.rounds, prefill, args.avx2, args.march))
         if args.llama_python:
             cmd = [args.llama_python, __file__, f, "--only", "llamacpp", "--rounds", str(args.rounds)]
             out = subprocess.run(

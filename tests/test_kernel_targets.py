@@ -83,3 +83,27 @@ def test_kernels_keep_their_fetches_ahead() -> None:
     if not fetches:
         pytest.skip("this CPU's build has none of the kernels that fetch ahead (AVX512-VNNI, AVX512-BF16)")
     assert all(fetches.values()), f"prefetch instructions per kernel: {fetches}"
+
+
+def test_build_for_another_cpu_builds_with_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kernels.build_for`` (benchmarks time an AVX2 CPU's code on this one): the source built with
+    ``-march=MARCH`` in place of this CPU's flags, under its own name (never this CPU's build), and
+    that module used from then on."""
+    from torch.utils import cpp_extension
+
+    calls: list[dict] = []
+    made = object()
+
+    def load_inline(**kw: object) -> object:
+        calls.append(kw)
+        return made
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_error", None)
+    assert kernels.build_for("znver3") is made and kernels.built() is made
+    flags = calls[0]["extra_cflags"]
+    assert "-march=znver3" in flags and "-march=native" not in flags  # type: ignore[operator]
+    assert "-mprefer-vector-width=512" not in flags  # type: ignore[operator]
+    assert str(calls[0]["name"]).startswith(f"{kernels._NAME}_znver3_")
+    assert calls[0]["cpp_sources"] == [kernel_source.SOURCE]

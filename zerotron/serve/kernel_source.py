@@ -1,6 +1,6 @@
 """The C++ source of :mod:`zerotron.serve.kernels`, compiled there on first use into one extension.
 
-The source is one translation unit kept in thirteen files under ``csrc/`` (package data), joined in this
+The source is one translation unit kept in fourteen files under ``csrc/`` (package data), joined in this
 order, byte for byte:
 
 - ``attention.cpp``: the includes, the anonymous namespace's start, the paged-attention kernels (the
@@ -13,6 +13,8 @@ order, byte for byte:
   inputs, on AVX2, inside the namespace;
 - ``linear_vnni.cpp``: the linear layers of those weights times 8-bit-quantised activations, on
   AVX512-VNNI, inside the namespace;
+- ``linear_a8_avx2.cpp``: the same products on AVX2 (a CPU without AVX512-VNNI), with the VNNI
+  kernel's bits, inside the namespace;
 - ``linear_vnni_tasks.cpp``: their decode's factors read with the tables' kinds as template
   arguments (the next file's path reads them too), the one-row kernel of a decode, and the products'
   tasks and entry, inside the namespace;

@@ -98,15 +98,20 @@ _FUNCTIONS = [
 ]
 
 
-def _load() -> Any:
+def _load(march: str = "native") -> Any:
     """Build (or load from torch's extension cache) the module. torch's own build lock is a file that
     a builder killed mid-build (a Ctrl-C during the first ``zerotron serve``, a test's timeout) leaves
     behind, and every later build then waits on it forever; so builds here also take an advisory lock
     (``flock``, which the system releases with its holder) and, holding it, remove a torch lock that
-    no live builder can own."""
+    no live builder can own. ``march``: the CPU to build for (:func:`build_for`)."""
     from torch.utils import cpp_extension
 
-    name = f"{_NAME}_{_cpu_tag()}"
+    name = f"{_NAME}_{_cpu_tag()}" if march == "native" else f"{_NAME}_{march}_{_cpu_tag()}"
+    flags = _FLAGS
+    if march != "native":
+        flags = [f for f in _FLAGS if f not in ("-march=native", "-mprefer-vector-width=512")] + [
+            f"-march={march}"
+        ]
     build_dir = cpp_extension._get_build_directory(name, verbose=False)
     with open(os.path.join(build_dir, "zerotron.flock"), "w") as held:
         try:
@@ -122,7 +127,7 @@ def _load() -> Any:
             name=name,
             cpp_sources=[_SOURCE],
             functions=_FUNCTIONS,
-            extra_cflags=_FLAGS,
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
             build_directory=build_dir,
             verbose=False,
@@ -147,6 +152,18 @@ def _build() -> Optional[Any]:
                     f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
                 )
         return _module
+
+
+def build_for(march: str) -> Any:
+    """Build the kernels for another x86-64 CPU (``-march=MARCH``: ``znver3`` for an AMD Zen 3, AVX2 and
+    no AVX-512; ``haswell``) and use them in this process from now on, in place of this CPU's build:
+    benchmarks time on this machine the code that CPU runs (this CPU must run its instructions). Code
+    chosen at run time by the CPU's flags (AVX512-VNNI, AVX512-BF16, AMX) still finds this CPU's;
+    ``q8_avx2(True)`` sends the 8-bit kernels to their AVX2 code too."""
+    global _module, _error
+    with _lock:
+        _module, _error = _load(march), None
+    return _module
 
 
 def built() -> Any:

@@ -139,13 +139,9 @@ def q8a8_available() -> bool:
 
 
 def why_no_q8a8() -> Optional[str]:
-    """Why :func:`q8a8_available` is False (None when it is True)."""
-    return kernels.why_no_kernel(
-        "q8_built",
-        lambda m: bool(m.q8_cpu()),
-        "8-bit linear code (an x86-64 CPU and GCC or clang are needed)",
-        "this CPU has no AVX2, FMA and F16C",
-    )
+    """Why :func:`q8a8_available` is False (None when it is True): where :func:`q8_linear` runs, this
+    kernel runs too (its AVX2 code where the CPU has no AVX512-VNNI)."""
+    return why_no_q8()
 
 
 def q8t_available() -> bool:

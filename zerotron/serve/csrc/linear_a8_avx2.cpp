@@ -51,53 +51,106 @@ ZT_Q8_TARGET void va2_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool 
   va_rows_finish(t, v, r, plain, d.data(), mins);
 }
 
-// 8 groups' entries of a factor's table from group g of output o (g + 8 <= groups), as fp32: read as
-// they lie where the table has an entry per group at unit stride, one entry spread where it has one per
-// 8 or more groups (a K type's super-block scale), else entry by entry. factor_entry's values.
-ZT_Q8_TARGET __attribute__((always_inline)) inline __m256 va2_entries(const Factor& f, int64_t o, int64_t g) {
-  if (f.kind == 0) return _mm256_set1_ps(1.0f);
-  const int64_t at = o * f.so + (g / f.per) * f.sg;
-  if (f.per >= 8 && (f.per & (f.per - 1)) == 0) return _mm256_set1_ps(factor_entry(f, at));
-  if (f.per == 1 && f.sg == 1) {
-    const char* p = static_cast<const char*>(f.p) + at * factor_bytes(f);
-    switch (f.kind) {
-      case 1: return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-      case 2: return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      case 3: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-      case 4: return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-      default:
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-    }
-  }
-  alignas(32) float e[8];
-  for (int i = 0; i < 8; ++i) e[i] = factor_entry(f, o * f.so + ((g + i) / f.per) * f.sg);
-  return _mm256_load_ps(e);
+// A factor's table read 8 groups at a time (va2_entries), made once a call: its entries' bytes and
+// an output's, and how they spread over groups (an entry a group, or one per 8 or more).
+struct Va2Table {
+  const char* p = nullptr;
+  int64_t row = 0, size = 0, per = 1;
+  bool spread = false;  // one entry per 8 or more groups (a power of two of them)
+};
+inline Va2Table va2_table(const Factor& f) {
+  Va2Table v;
+  v.p = static_cast<const char*>(f.p);
+  v.size = f.kind == 0 ? 0 : factor_bytes(f);
+  v.row = f.so * v.size;
+  v.per = f.per;
+  v.spread = f.per >= 8 && (f.per & (f.per - 1)) == 0;
+  return v;
+}
+// Whether va2_entries reads a factor's table (else factor_entry, entry by entry).
+inline bool va2_reads(const Factor& f) {
+  return f.kind == 0 || (f.sg == 1 && (f.per == 1 || (f.per >= 8 && (f.per & (f.per - 1)) == 0)));
 }
 
-// Output o's scales (s1 · s2) and mins (m1 · m2, negated where added; untouched without mins) of
-// every group into s and m: va_factor's and va_outputs_factors' products, so their bits.
-ZT_Q8_TARGET void va2_factors(const Q8Problem& t, int64_t o, int64_t groups, float* s, float* m) {
-  const bool mins = t.m1.kind != 0;
-  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(t.add_mins ? INT32_MIN : 0));
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    __m256 e = va2_entries(t.s1, o, g);
-    if (t.s2.kind != 0) e = _mm256_mul_ps(e, va2_entries(t.s2, o, g));
-    _mm256_storeu_ps(s + g, e);
-    if (!mins) continue;
-    __m256 n = va2_entries(t.m1, o, g);
-    if (t.m2.kind != 0) n = _mm256_mul_ps(n, va2_entries(t.m2, o, g));
-    _mm256_storeu_ps(m + g, _mm256_xor_ps(n, sign));
+// 8 groups' entries of a table of kind KIND from group g of output o (g + 8 <= groups), as fp32:
+// factor_entry's values, read as they lie (an entry a group) or one entry spread.
+template <int KIND>
+ZT_Q8_TARGET __attribute__((always_inline)) inline __m256 va2_entries(const Va2Table& f, int64_t o, int64_t g) {
+  if constexpr (KIND == 0) return _mm256_set1_ps(1.0f);
+  const char* p = f.p + o * f.row + (f.spread ? g / f.per : g) * f.size;
+  if (f.spread) {
+    if constexpr (KIND == 1) return _mm256_set1_ps(*reinterpret_cast<const float*>(p));
+    else if constexpr (KIND == 2) return _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)));
+    else if constexpr (KIND == 3) return _mm256_set1_ps(static_cast<float>(*reinterpret_cast<const int8_t*>(p)));
+    else if constexpr (KIND == 4) return _mm256_set1_ps(static_cast<float>(*reinterpret_cast<const uint8_t*>(p)));
+    else return _mm256_set1_ps(bf16_float(*reinterpret_cast<const uint16_t*>(p)));
   }
-  for (; g < groups; ++g) {
-    float e = factor_entry(t.s1, o * t.s1.so + (g / t.s1.per) * t.s1.sg);
-    if (t.s2.kind != 0) e *= factor_entry(t.s2, o * t.s2.so + (g / t.s2.per) * t.s2.sg);
-    s[g] = e;
-    if (!mins) continue;
-    float n = factor_entry(t.m1, o * t.m1.so + (g / t.m1.per) * t.m1.sg);
-    if (t.m2.kind != 0) n *= factor_entry(t.m2, o * t.m2.so + (g / t.m2.per) * t.m2.sg);
-    m[g] = t.add_mins ? -n : n;
+  if constexpr (KIND == 1) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  else if constexpr (KIND == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else if constexpr (KIND == 3) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  else if constexpr (KIND == 4) return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  else
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// Output o's scale and min (where it has mins) of group g into *s and *m, entry by entry
+// (factor_entry): the same products as 8 groups at a time.
+ZT_Q8_TARGET __attribute__((always_inline)) inline void va2_group_factors(const Q8Problem& t, int64_t o, int64_t g, float* s, float* m) {
+  float e = factor_entry(t.s1, o * t.s1.so + (g / t.s1.per) * t.s1.sg);
+  if (t.s2.kind != 0) e *= factor_entry(t.s2, o * t.s2.so + (g / t.s2.per) * t.s2.sg);
+  *s = e;
+  if (t.m1.kind == 0) return;
+  float n = factor_entry(t.m1, o * t.m1.so + (g / t.m1.per) * t.m1.sg);
+  if (t.m2.kind != 0) n *= factor_entry(t.m2, o * t.m2.so + (g / t.m2.per) * t.m2.sg);
+  *m = t.add_mins ? -n : n;
+}
+
+// Outputs o .. o + count - 1's scales (s1 · s2) and mins (m1 · m2, negated where added; untouched
+// without mins) of every group, output j's at s + j * stride and m + j * stride: va_factor's and
+// va_outputs_factors' products, so their bits, the tables' kinds template arguments. The groups past
+// the last whole 8 (and every group of a table va2_entries does not read) entry by entry.
+template <int S1, int S2, int M1, int M2>
+ZT_Q8_TARGET void va2_outputs_kinds(const Q8Problem& t, int64_t o, int64_t count, int64_t groups, float* s, float* m,
+                                    int64_t stride) {
+  const Va2Table f[4] = {va2_table(t.s1), va2_table(t.s2), va2_table(t.m1), va2_table(t.m2)};
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(t.add_mins ? INT32_MIN : 0));
+  const bool reads = va2_reads(t.s1) && va2_reads(t.s2) && va2_reads(t.m1) && va2_reads(t.m2);
+  const int64_t whole = reads ? groups / 8 * 8 : 0;
+  for (int64_t j = 0; j < count; ++j) {
+    float* sj = s + j * stride;
+    float* mj = m + j * stride;
+    for (int64_t g = 0; g < whole; g += 8) {
+      __m256 e = va2_entries<S1>(f[0], o + j, g);
+      if constexpr (S2 != 0) e = _mm256_mul_ps(e, va2_entries<S2>(f[1], o + j, g));
+      _mm256_storeu_ps(sj + g, e);
+      if constexpr (M1 != 0) {
+        __m256 n = va2_entries<M1>(f[2], o + j, g);
+        if constexpr (M2 != 0) n = _mm256_mul_ps(n, va2_entries<M2>(f[3], o + j, g));
+        _mm256_storeu_ps(mj + g, _mm256_xor_ps(n, sign));
+      }
+    }
+    for (int64_t g = whole; g < groups; ++g) va2_group_factors(t, o + j, g, sj + g, mj + g);
+  }
+}
+
+// va2_outputs_kinds for the problem's tables: the kinds the loaders give (va_outputs_factors' list)
+// as template arguments, any other through a kind read entry by entry.
+ZT_Q8_TARGET void va2_factors(const Q8Problem& t, int64_t o, int64_t count, int64_t groups, float* s, float* m,
+                              int64_t stride) {
+  switch (t.s1.kind | t.s2.kind << 4 | t.m1.kind << 8 | t.m2.kind << 12) {
+    case 0x0001: return va2_outputs_kinds<1, 0, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0002: return va2_outputs_kinds<2, 0, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0005: return va2_outputs_kinds<5, 0, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0101: return va2_outputs_kinds<1, 0, 1, 0>(t, o, count, groups, s, m, stride);
+    case 0x0202: return va2_outputs_kinds<2, 0, 2, 0>(t, o, count, groups, s, m, stride);
+    case 0x0505: return va2_outputs_kinds<5, 0, 5, 0>(t, o, count, groups, s, m, stride);
+    case 0x0032: return va2_outputs_kinds<2, 3, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0031: return va2_outputs_kinds<1, 3, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x0042: return va2_outputs_kinds<2, 4, 0, 0>(t, o, count, groups, s, m, stride);
+    case 0x4242: return va2_outputs_kinds<2, 4, 2, 4>(t, o, count, groups, s, m, stride);
+    default:  // other kinds: entry by entry
+      for (int64_t j = 0; j < count; ++j)
+        for (int64_t g = 0; g < groups; ++g) va2_group_factors(t, o + j, g, s + j * stride + g, m + j * stride + g);
   }
 }
 
@@ -116,11 +169,15 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline float va2_finish(const VnniRo
   if (mj == nullptr) return y;
   const float* xs = v.xs.data() + r * ch.groups;
   __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ch.groups; g += 16) {
+  int64_t g = 0;
+  for (; g + 16 <= ch.groups; g += 16) {
+    m0 = _mm256_fmadd_ps(_mm256_loadu_ps(mj + g), _mm256_loadu_ps(xs + g), m0);
+    m1 = _mm256_fmadd_ps(_mm256_loadu_ps(mj + g + 8), _mm256_loadu_ps(xs + g + 8), m1);
+  }
+  if (g < ch.groups) {  // the last groups, zeros after them
     alignas(32) float a[16] = {}, b[16] = {};
-    const size_t left = static_cast<size_t>(std::min<int64_t>(16, ch.groups - g));
-    std::memcpy(a, mj + g, left * sizeof(float));
-    std::memcpy(b, xs + g, left * sizeof(float));
+    std::memcpy(a, mj + g, static_cast<size_t>(ch.groups - g) * sizeof(float));
+    std::memcpy(b, xs + g, static_cast<size_t>(ch.groups - g) * sizeof(float));
     m0 = _mm256_fmadd_ps(_mm256_load_ps(a), _mm256_load_ps(b), m0);
     m1 = _mm256_fmadd_ps(_mm256_load_ps(a + 8), _mm256_load_ps(b + 8), m1);
   }
@@ -136,17 +193,18 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline __m256 va2_scales(const float
   return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7))));
 }
 
-// One half's exact integer lane sums: weights w (int8: q; kind 1: the low and high nibbles lo, hi, or
-// a table's entries) against the quantised inputs x0 (and x1, kind 1's odd inputs), from corr.
-template <int KIND, bool SIGNED>
+// One half's exact integer lane sums, by the values' mode: 0 int8 values q (lo), 1 nibbles less an
+// offset (lo, hi: the low and high nibbles; from corr), 2 nibbles of offset 0 (corr is 0: left out),
+// 3 a table's entries (lo, hi), against the quantised inputs x0 (and x1, the odd inputs).
+template <int MODE>
 ZT_Q8_TARGET __attribute__((always_inline)) inline __m256i va2_sums(__m256i lo, __m256i hi, __m256i x0, __m256i x1, __m256i corr) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (KIND == 1 && !SIGNED) {  // nibbles: the two halves' pairs fit int16 together
+  if constexpr (MODE == 1 || MODE == 2) {  // nibbles: the two halves' pairs fit int16 together
     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-    return _mm256_add_epi32(corr, _mm256_madd_epi16(p, ones));
+    return MODE == 1 ? _mm256_add_epi32(corr, _mm256_madd_epi16(p, ones)) : _mm256_madd_epi16(p, ones);
   } else {  // |w| against x with w's sign: the sum of w * x (corr, for values + 128, left out)
     __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(x0, lo)), ones);
-    if constexpr (KIND == 1)
+    if constexpr (MODE == 3)
       a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(x1, hi)), ones));
     return a;
   }
@@ -156,11 +214,11 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline __m256i va2_sums(__m256i lo, 
 // output o's group scales and mins (output o + j's ls floats on), idx the lanes' permutation of a
 // chunk's group scales (the chunk's bytes lie together and hold whole groups, or a group whole
 // chunks). AHEAD: the outputs VA_AHEAD on fetched a line a chunk (a decode).
-template <int KIND, int MR, int NO, bool AHEAD>
+template <int MODE, int MR, int NO, bool AHEAD>
 ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
                             const VaChunks& ch, const __m256i (&idx)[2], const bool (&wide)[2], int64_t ls) {
+  constexpr int KIND = MODE == 0 ? 0 : 1;
   constexpr int64_t width = KIND == 1 ? 128 : 64;  // a chunk's inputs
-  const bool table = KIND == 1 && t.offset < 0;
   const int8_t *base[NO], *ahead[NO] = {};
   for (int j = 0; j < NO; ++j) {
     base[j] = t.q + (o + j) * t.qo;
@@ -185,32 +243,36 @@ ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, i
         p[j] = last[j];
       }
     }
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // lanes 8h .. 8h + 7: each output's values and scales, then the rows
       __m256i lo[NO], hi[NO];  // int8 values, or the low and high nibbles (a table's entries)
       __m256 sl[NO];
+#pragma GCC unroll 2
       for (int j = 0; j < NO; ++j) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[j] + 32 * h));
         lo[j] = hi[j] = b;
         if constexpr (KIND == 1) {
           lo[j] = _mm256_and_si256(b, low);
           hi[j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-          if (table) {
+          if constexpr (MODE == 3) {
             lo[j] = _mm256_shuffle_epi8(lut, lo[j]);
             hi[j] = _mm256_shuffle_epi8(lut, hi[j]);
           }
         }
         sl[j] = va2_scales(s + j * ls + ch.group[c], idx[h], wide[h]);
       }
+#pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const int64_t row = m0 + r, lane = row * v.lanes + c * 16 + 8 * h;
         const int8_t* xq = v.xq.data() + row * v.kp + c * width + 32 * h;
-        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.corr.data() + lane));
+        const __m256i corr =
+            MODE == 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.corr.data() + lane)) : _mm256_setzero_si256();
         const __m256 dl = _mm256_loadu_ps(v.dl.data() + lane);
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
         const __m256i x1 = KIND == 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64)) : x0;
+#pragma GCC unroll 2
         for (int j = 0; j < NO; ++j) {
-          const __m256i a = table ? va2_sums<KIND, true>(lo[j], hi[j], x0, x1, corr)
-                                  : va2_sums<KIND, KIND == 0>(lo[j], hi[j], x0, x1, corr);
+          const __m256i a = va2_sums<MODE>(lo[j], hi[j], x0, x1, corr);
           acc[r][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(sl[j], dl), acc[r][j][h]);
         }
       }
@@ -224,11 +286,11 @@ ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, i
 
 // One row times output o where a chunk's bytes do not lie together or hold whole groups: the bytes
 // gathered (va_gather_bytes), each lane's scale its group's (ch.lane_group), va_output's arithmetic.
-template <int KIND>
+template <int MODE>
 ZT_Q8_TARGET void va2_any(const Q8Problem& t, const VnniRows& v, int64_t r, int64_t o, const float* s, const float* m,
                           const VaChunks& ch) {
+  constexpr int KIND = MODE == 0 ? 0 : 1;
   constexpr int64_t width = KIND == 1 ? 128 : 64;
-  const bool table = KIND == 1 && t.offset < 0;
   const __m256i low = _mm256_set1_epi8(15);
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut)));
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -244,7 +306,7 @@ ZT_Q8_TARGET void va2_any(const Q8Problem& t, const VnniRows& v, int64_t r, int6
       if constexpr (KIND == 1) {
         lo = _mm256_and_si256(b, low);
         hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-        if (table) {
+        if constexpr (MODE == 3) {
           lo = _mm256_shuffle_epi8(lut, lo);
           hi = _mm256_shuffle_epi8(lut, hi);
         }
@@ -253,7 +315,7 @@ ZT_Q8_TARGET void va2_any(const Q8Problem& t, const VnniRows& v, int64_t r, int6
       const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.corr.data() + lane));
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
       const __m256i x1 = KIND == 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 + 32 * h)) : x0;
-      const __m256i a = table ? va2_sums<KIND, true>(lo, hi, x0, x1, corr) : va2_sums<KIND, KIND == 0>(lo, hi, x0, x1, corr);
+      const __m256i a = va2_sums<MODE>(lo, hi, x0, x1, corr);
       acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_load_ps(sc), _mm256_loadu_ps(v.dl.data() + lane)),
                                acc[h]);
     }
@@ -261,14 +323,23 @@ ZT_Q8_TARGET void va2_any(const Q8Problem& t, const VnniRows& v, int64_t r, int6
   t.y[r * t.ldy + o] = va2_finish(v, r, ch, acc[0], acc[1], m);
 }
 
-// va2_block for the problem's kind: MR rows (4, 2 or 1) times NO outputs (2 or 1).
+// The values' mode of va2_sums: int8 (0), nibbles less an offset (1) or of none (2), a table's (3).
+inline int va2_mode(const Q8Problem& t) { return t.kind == 0 ? 0 : t.offset < 0 ? 3 : t.offset == 0 ? 2 : 1; }
+
+// va2_block for the problem's values: MR rows (2 or 1) times NO outputs (2 or 1).
 template <int MR, int NO>
 ZT_Q8_TARGET void va2_blocks(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
                              const VaChunks& ch, const __m256i (&idx)[2], const bool (&wide)[2], int64_t ls, bool ahead) {
-  if (t.kind == 1 && ahead) va2_block<1, MR, NO, true>(t, v, m0, o, s, m, ch, idx, wide, ls);
-  else if (t.kind == 1) va2_block<1, MR, NO, false>(t, v, m0, o, s, m, ch, idx, wide, ls);
-  else if (ahead) va2_block<0, MR, NO, true>(t, v, m0, o, s, m, ch, idx, wide, ls);
-  else va2_block<0, MR, NO, false>(t, v, m0, o, s, m, ch, idx, wide, ls);
+  switch (va2_mode(t) * 2 + (ahead ? 1 : 0)) {
+    case 0: return va2_block<0, MR, NO, false>(t, v, m0, o, s, m, ch, idx, wide, ls);
+    case 1: return va2_block<0, MR, NO, true>(t, v, m0, o, s, m, ch, idx, wide, ls);
+    case 2: return va2_block<1, MR, NO, false>(t, v, m0, o, s, m, ch, idx, wide, ls);
+    case 3: return va2_block<1, MR, NO, true>(t, v, m0, o, s, m, ch, idx, wide, ls);
+    case 4: return va2_block<2, MR, NO, false>(t, v, m0, o, s, m, ch, idx, wide, ls);
+    case 5: return va2_block<2, MR, NO, true>(t, v, m0, o, s, m, ch, idx, wide, ls);
+    case 6: return va2_block<3, MR, NO, false>(t, v, m0, o, s, m, ch, idx, wide, ls);
+    default: return va2_block<3, MR, NO, true>(t, v, m0, o, s, m, ch, idx, wide, ls);
+  }
 }
 
 // va_tasks on AVX2: tasks [begin, end) of one thread, (chunk of rows, tile of outputs) chunk-major;
@@ -291,20 +362,20 @@ ZT_Q8_TARGET void va2_tasks(const Q8Problem& t, const VnniRows& v, const VaChunk
     const int64_t r0 = mc * t.chunk, r1 = std::min(t.rows, r0 + t.chunk);
     const int64_t o0 = tile * VA_TILE, o1 = std::min(t.n, o0 + VA_TILE);
     const bool each = r1 - r0 == 1;  // one row: each pass's outputs' factors just before it
-    for (int64_t o = o0; o < o1 && !each; ++o)
-      va2_factors(t, o, groups, s.data() + (o - o0) * stride, m.data() + (o - o0) * stride);
+    if (!each) va2_factors(t, o0, o1 - o0, groups, s.data(), m.data(), stride);
     for (int64_t r = r0; r < r1;) {
       const int64_t mr = blocks && r1 - r >= 2 ? 2 : 1;
       for (int64_t o = o0; o < o1;) {
         const int64_t no = blocks && o1 - o >= 2 ? 2 : 1;
         const int64_t at = each ? 0 : (o - o0) * stride;
-        if (each)
-          for (int64_t j = 0; j < no; ++j) va2_factors(t, o + j, groups, s.data() + j * stride, m.data() + j * stride);
+        if (each) va2_factors(t, o, no, groups, s.data(), m.data(), stride);
         const float* so = s.data() + at;
         const float* mp = mins ? m.data() + at : nullptr;
         if (!blocks) {  // one row, one output at a time
-          if (t.kind == 1) va2_any<1>(t, v, r, o, so, mp, ch);
-          else va2_any<0>(t, v, r, o, so, mp, ch);
+          const int mode = va2_mode(t);
+          if (mode == 0) va2_any<0>(t, v, r, o, so, mp, ch);
+          else if (mode == 3) va2_any<3>(t, v, r, o, so, mp, ch);
+          else va2_any<1>(t, v, r, o, so, mp, ch);  // from corr (0 where the offset is)
           ++o;
           continue;
         }
