@@ -240,3 +240,26 @@ def test_gguf_needs_a_gguf_file_and_its_loader(tmp_path: Path) -> None:
     engine = load_engine(str(tmp_path), EngineConfig(quantization="int8"))  # quantised as it is read
     assert engine.runner.quantized is not None and engine.runner.quantized.method == "int8"
     assert sum(isinstance(m, Int8Linear) for m in engine.model.modules()) == 7 * CFG.num_hidden_layers
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_unpacking_by_rows_on_several_threads_gives_every_row(threads: int) -> None:
+    """A file's blocks unpacked a few hundred outputs at a time (``_by_rows``), the slices on torch's
+    threads at once: every row made once, in its place, whatever the threads (a last short slice too)."""
+    from zerotron.models.gguf_blocks import _by_rows
+
+    rows = np.arange(1000 * 6, dtype=np.int32).reshape(1000, 6)
+    made: list[int] = []
+
+    def make(r: slice) -> np.ndarray:
+        made.append(r.start)
+        return rows[r] * 3 - 1
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _by_rows(make, 1000, rows=64)
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(got, rows * 3 - 1) and got.dtype == np.int32
+    assert sorted(made) == list(range(0, 1000, 64))
