@@ -289,12 +289,16 @@ def test_quantised_layers_step_in_one_native_call_over_an_8bit_pool(
     together = _run(engine, prompts, params)
     assert len(calls) >= len(lean) * params.max_tokens
     assert together == [_run(engine, [p], params)[0] for p in prompts]
+    # 8-bit rows: the native attention and SDPA differ in fp32 rounding, and an input within that of a
+    # rounding boundary of its block of 32 rounds to the next integer on one side alone (a quantum of
+    # the block: about 1% of a log-probability here); fp32 rows agree to fp32 rounding
+    atol = 3e-2 if activations else 1e-5
     for prompt, (tokens, logps) in zip(prompts, together):
         with torch.no_grad():
             logits = engine.model(torch.tensor([prompt + tokens]), kv_cache=RoundedCache(fmt))[0].float()
         ref = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
         assert ref.argmax(-1).tolist() == tokens
-        torch.testing.assert_close(torch.tensor(logps), ref.max(-1).values, rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(logps), ref.max(-1).values, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])

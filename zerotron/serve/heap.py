@@ -24,6 +24,10 @@ then as requests make and drop objects, scanned them all, holding the GIL for ~1
 on the same Zen 5), a pause of every request in flight and of the engine's steps. vLLM freezes its
 start-up heap in the same way. Objects made later are collected as before, and :func:`release_objects`
 hands the frozen ones back as the server stops.
+
+:func:`zeroed` makes the KV pool's zeros on the CPU from ``calloc``: pages the kernel zeroes as they
+are first touched, so a pool of gigabytes costs nothing to make and holds memory only where tokens
+are written (``torch.zeros`` writes every byte at start-up: 0.56 s for a 1 GB pool on a Zen 4).
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import math
 import platform
 from collections.abc import Iterator
 from typing import Optional
+
+import numpy as np
+import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 1 << 30  # blocks at least this large still come from (and go back to) the kernel
@@ -81,3 +89,15 @@ def collections_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype, device=device)``; on the CPU its bytes from ``calloc`` (numpy's
+    zeros), 64-byte aligned as torch aligns its own: the kernel zeroes each page as it is first
+    touched, not all of them now."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(size + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[skip : skip + size]).view(dtype).view(shape)

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from zerotron.serve import heap
+
 # --kv-cache-dtype -> (the stored code's dtype, the largest code magnitude); fp8 is e4m3 (vLLM's)
 FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "fp8": (torch.float8_e4m3fn, 448.0),
@@ -73,7 +75,7 @@ class QuantizedKV:
         device: torch.device | str,
     ) -> None:
         stored = torch.int8 if FORMATS[fmt][0] == torch.int8 else torch.uint8
-        self.codes = torch.zeros((slots, kv_heads, head_dim), dtype=stored, device=device)
+        self.codes = heap.zeroed((slots, kv_heads, head_dim), stored, device)
         self.scales = torch.ones((slots, kv_heads), dtype=SCALE_DTYPE, device=device)
         self.fmt, self.dtype = fmt, dtype
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerotron.serve import kernels, kv_quant, triton_attention
+from zerotron.serve import heap, kernels, kv_quant, triton_attention
 
 # Keys are gathered in multiples of these many positions, masked past each query: a run of several
 # query rows starting at position p attends to a key window of (p // KEY_BUCKET + 1) * KEY_BUCKET slots
@@ -204,8 +204,9 @@ class KVPool:
         shape = (slots, kv_heads, head_dim)
         self.fmt, self.dtype, self.device = kv_quant.check(fmt), dtype, torch.device(device)
         plain = self.fmt is None
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] if plain else []
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] if plain else []
+        # zeros the kernel makes as the pages are first written (heap.zeroed): no start-up cost
+        self.k = [heap.zeroed(shape, dtype, device) for _ in range(layers)] if plain else []
+        self.v = [heap.zeroed(shape, dtype, device) for _ in range(layers)] if plain else []
         quantized = [] if self.fmt is None else [(*shape, self.fmt, dtype, device) for _ in range(layers)]
         self.qk = [kv_quant.QuantizedKV(*args) for args in quantized]
         self.qv = [kv_quant.QuantizedKV(*args) for args in quantized]
