@@ -386,9 +386,8 @@ class BlockKLinear(BlockInt8Linear):
             extra = {"dmin": _f16(b[..., 2:4]), "mn": torch.from_numpy(mins.reshape(out, -1).copy())}
         elif kind == "IQ4_XS":  # d (f16), scales_h (u16), scales_l (4 bytes), qs (128): d·(ls − 32)·kv[q]
             b = blocks.reshape(out, in_features // 256, 136)
-            q = _halves_paired(b[..., 8:136].reshape(out, -1, 8, 16)).reshape(
-                out, -1
-            )  # the indices, two a byte
+            # the indices, two a byte
+            q = _halves_paired(b[..., 8:136].reshape(out, -1, 8, 16)).reshape(out, -1)
             high = b[..., 2:4].copy().view(np.uint16)  # (out, supers, 1): 2 bits a group
             hi = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
             lo = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(out, -1, 8) & 0x0F

@@ -97,7 +97,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     touched, not all of them now."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     raw = np.zeros(size + 64, np.uint8)
     skip = -raw.ctypes.data % 64
     return torch.from_numpy(raw[skip : skip + size]).view(dtype).view(shape)
