@@ -4,7 +4,8 @@
 AVX-512, AVX512-BF16, AVX512-VNNI and AMX is compiled under target attributes or ``#if`` blocks, so a
 build for an x86-64 CPU with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel client cores) takes other
 paths than the one the tests run on an AVX-512 machine: a 512-bit value outside an AVX-512 target
-breaks that build alone (it did once, unseen here). Compiled at -O0 (the check is the build, not
+breaks that build alone (it did once, unseen here); ``alderlake`` (an Intel client core: AVX2 with
+AVX-VNNI, no AVX-512) takes the 8-bit-activation kernel's AVX-VNNI sums. Compiled at -O0 (the check is the build, not
 the speed: the always-inline target checks run at any level).
 """
 
@@ -23,7 +24,7 @@ from zerotron.serve import kernel_source, kernels
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
-@pytest.mark.parametrize("march", ["haswell"])
+@pytest.mark.parametrize("march", ["haswell", "alderlake"])
 def test_kernels_build_for_a_cpu_without_avx512(tmp_path: Path, march: str) -> None:
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
@@ -83,6 +84,45 @@ def test_kernels_keep_their_fetches_ahead() -> None:
     if not fetches:
         pytest.skip("this CPU's build has none of the kernels that fetch ahead (AVX512-VNNI, AVX512-BF16)")
     assert all(fetches.values()), f"prefetch instructions per kernel: {fetches}"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {
+        f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()
+    }
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 instructions")
+def test_the_avx2_products_take_vpdpbusd_where_the_cpu_has_avx_vnni() -> None:
+    """The 8-bit-activation kernel's AVX2 code (``va2_block``, what an Intel client core runs) sums a
+    lane's byte products with AVX-VNNI's 256-bit VPDPBUSD where the build's CPU has it, and with
+    VPMADDUBSW and VPMADDWD where it has not (the bits are the same: tests/test_serve_q8a8.py)."""
+    if not kernels.available():
+        pytest.skip(f"the native kernels are not built here: {kernels.why_unavailable()}")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) to read the built module")
+    listing = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", "-C", kernels.built().__file__], capture_output=True, text=True
+    ).stdout
+    ops: dict[str, int] = {"vpdpbusd": 0, "vpmaddubsw": 0}
+    inside = False
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            inside = "va2_block<" in line
+        elif inside and "ymm" in line:
+            for op in ops:
+                ops[op] += f"\t{op}" in line or f" {op} " in line
+    if not any(ops.values()):
+        pytest.skip("this build has no AVX2 8-bit-activation kernel (no AVX2)")
+    if "avx_vnni" in _cpu_flags():
+        assert ops["vpdpbusd"] > 0 and ops["vpmaddubsw"] == 0, ops
+    else:
+        assert ops["vpdpbusd"] == 0 and ops["vpmaddubsw"] > 0, ops
 
 
 def test_build_for_another_cpu_builds_with_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v92"
+_NAME = "zerotron_kernels_v93"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -156,9 +156,9 @@ def _build() -> Optional[Any]:
 
 def build_for(march: str) -> Any:
     """Build the kernels for another x86-64 CPU (``-march=MARCH``: ``znver3`` for an AMD Zen 3, AVX2 and
-    no AVX-512; ``haswell``) and use them in this process from now on, in place of this CPU's build:
-    benchmarks time on this machine the code that CPU runs (this CPU must run its instructions). Code
-    chosen at run time by the CPU's flags (AVX512-VNNI, AVX512-BF16, AMX) still finds this CPU's;
+    no AVX-512; ``alderlake`` for an Intel client core, AVX2 with AVX-VNNI; ``haswell``) and use them
+    in this process from now on, in place of this CPU's build: benchmarks time on this machine the
+    code that CPU runs (this CPU must run its instructions). Code chosen at run time by the CPU's flags (AVX512-VNNI, AVX512-BF16, AMX) still finds this CPU's;
     ``q8_avx2(True)`` sends the 8-bit kernels to their AVX2 code too."""
     global _module, _error
     with _lock:

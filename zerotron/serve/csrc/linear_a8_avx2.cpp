@@ -10,7 +10,8 @@
 // start from -128 times the inputs' sum (its values go in as q + 128) is left out. Each lane's fp32
 // chain (a fused multiply-add of its integer sum times its scale times the block's scale, chunk by
 // chunk) and the final tree (_mm512_reduce_add_ps's: the halves added lane-wise, then 128-bit halves,
-// then pairs) are the VNNI kernel's.
+// then pairs) are the VNNI kernel's. Built for a CPU with AVX-VNNI (its 256-bit VPDPBUSD), the lanes'
+// sums take it in place of the two instructions (va2_sums).
 #if defined(ZT_Q8)
 std::atomic<bool> g_va_avx2{false};  // the AVX2 products on an AVX512-VNNI CPU too (tests, benchmarks)
 
@@ -31,10 +32,14 @@ ZT_Q8_TARGET void va2_quantize(const Q8Problem& t, VnniRows& v, int64_t r, bool 
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b * 32 < t.k; ++b) {
     alignas(32) float block[32] = {};
-    std::memcpy(block, x + b * 32, static_cast<size_t>(std::min<int64_t>(32, t.k - b * 32)) * sizeof(float));
+    const float* from = x + b * 32;
+    if (t.k - b * 32 < 32) {  // the last inputs, zeros after them
+      std::memcpy(block, from, static_cast<size_t>(t.k - b * 32) * sizeof(float));
+      from = block;
+    }
     __m256 a[4], top = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      a[i] = _mm256_load_ps(block + 8 * i);
+      a[i] = _mm256_loadu_ps(from + 8 * i);
       top = _mm256_max_ps(top, _mm256_and_ps(a[i], abs));
     }
     alignas(32) float tops[8];
@@ -174,12 +179,13 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline float va2_finish(const VnniRo
     m0 = _mm256_fmadd_ps(_mm256_loadu_ps(mj + g), _mm256_loadu_ps(xs + g), m0);
     m1 = _mm256_fmadd_ps(_mm256_loadu_ps(mj + g + 8), _mm256_loadu_ps(xs + g + 8), m1);
   }
-  if (g < ch.groups) {  // the last groups, zeros after them
-    alignas(32) float a[16] = {}, b[16] = {};
-    std::memcpy(a, mj + g, static_cast<size_t>(ch.groups - g) * sizeof(float));
-    std::memcpy(b, xs + g, static_cast<size_t>(ch.groups - g) * sizeof(float));
-    m0 = _mm256_fmadd_ps(_mm256_load_ps(a), _mm256_load_ps(b), m0);
-    m1 = _mm256_fmadd_ps(_mm256_load_ps(a + 8), _mm256_load_ps(b + 8), m1);
+  if (g < ch.groups) {  // the last groups, zeros after them (masked loads: no copy to stall on)
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int left = static_cast<int>(ch.groups - g);
+    const __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), iota);
+    const __m256i k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left - 8), iota);
+    m0 = _mm256_fmadd_ps(_mm256_maskload_ps(mj + g, k0), _mm256_maskload_ps(xs + g, k0), m0);
+    m1 = _mm256_fmadd_ps(_mm256_maskload_ps(mj + g + 8, k1), _mm256_maskload_ps(xs + g + 8, k1), m1);
   }
   return y - va2_reduce(m0, m1);
 }
@@ -195,9 +201,28 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline __m256 va2_scales(const float
 
 // One half's exact integer lane sums, by the values' mode: 0 int8 values q (lo), 1 nibbles less an
 // offset (lo, hi: the low and high nibbles; from corr), 2 nibbles of offset 0 (corr is 0: left out),
-// 3 a table's entries (lo, hi), against the quantised inputs x0 (and x1, the odd inputs).
+// 3 a table's entries (lo, hi), against the quantised inputs x0 (and x1, the odd inputs). Where the
+// build's CPU has AVX-VNNI (the VEX-encoded 256-bit VPDPBUSD of Intel client cores since Alder Lake, and
+// of AVX-512 CPUs since Sapphire Rapids and Zen 5) a lane's four byte products are summed into its int32
+// by one instruction, as in the VNNI kernel: int8 values and a table's entries go in as value + 128
+// from corr (-128 times the lane's inputs' sum), so the sum is the same exact sum of values times
+// inputs (no saturation in either), and the bits are the same.
+#if defined(__AVXVNNI__)
+constexpr bool kVa2Lifted = true;  // modes 0 and 3 start from corr
+#else
+constexpr bool kVa2Lifted = false;
+#endif
 template <int MODE>
 ZT_Q8_TARGET __attribute__((always_inline)) inline __m256i va2_sums(__m256i lo, __m256i hi, __m256i x0, __m256i x1, __m256i corr) {
+#if defined(__AVXVNNI__)
+  const __m256i lift = _mm256_set1_epi8(static_cast<char>(0x80));  // q + 128 as an unsigned byte
+  if constexpr (MODE == 0) return _mm256_dpbusd_avx_epi32(corr, _mm256_xor_si256(lo, lift), x0);
+  if constexpr (MODE == 3) {
+    lo = _mm256_xor_si256(lo, lift);
+    hi = _mm256_xor_si256(hi, lift);
+  }
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, lo, x0), hi, x1);  // nibbles: from corr (0: none)
+#else
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (MODE == 1 || MODE == 2) {  // nibbles: the two halves' pairs fit int16 together
     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
@@ -208,6 +233,7 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline __m256i va2_sums(__m256i lo, 
       a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(x1, hi)), ones));
     return a;
   }
+#endif
 }
 
 // Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1 (va_block's product, by halves): s and m are
@@ -234,10 +260,13 @@ ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, i
   for (int64_t c = 0; c < ch.chunks; ++c) {
     const int8_t* p[NO];
     alignas(32) int8_t last[NO][64];
+    // the last chunk: the bytes within K, zeros after them, by masked loads of whole words (a copy
+    // read back at once stalls on its stores) or, where K's bytes end within a word, copied
+    const bool part = c >= ch.full, copy = part && tail % 4 != 0, masked = part && !copy;
     for (int j = 0; j < NO; ++j) {
       p[j] = base[j] + ch.at[c];
       if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + ch.at[c]), _MM_HINT_T1);
-      if (c >= ch.full) {  // the bytes within K, the rest zeros
+      if (copy) {
         std::memset(last[j], 0, 64);
         std::memcpy(last[j], p[j], static_cast<size_t>(tail));
         p[j] = last[j];
@@ -247,9 +276,12 @@ ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, i
     for (int h = 0; h < 2; ++h) {  // lanes 8h .. 8h + 7: each output's values and scales, then the rows
       __m256i lo[NO], hi[NO];  // int8 values, or the low and high nibbles (a table's entries)
       __m256 sl[NO];
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail / 4 - 8 * h)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 #pragma GCC unroll 2
       for (int j = 0; j < NO; ++j) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[j] + 32 * h));
+        const __m256i* at = reinterpret_cast<const __m256i*>(p[j] + 32 * h);
+        const __m256i b = masked ? _mm256_maskload_epi32(reinterpret_cast<const int*>(at), keep) : _mm256_loadu_si256(at);
         lo[j] = hi[j] = b;
         if constexpr (KIND == 1) {
           lo[j] = _mm256_and_si256(b, low);
@@ -266,7 +298,8 @@ ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, i
         const int64_t row = m0 + r, lane = row * v.lanes + c * 16 + 8 * h;
         const int8_t* xq = v.xq.data() + row * v.kp + c * width + 32 * h;
         const __m256i corr =
-            MODE == 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.corr.data() + lane)) : _mm256_setzero_si256();
+            MODE == 1 || (kVa2Lifted && MODE != 2) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.corr.data() + lane))
+                                                   : _mm256_setzero_si256();
         const __m256 dl = _mm256_loadu_ps(v.dl.data() + lane);
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
         const __m256i x1 = KIND == 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64)) : x0;
