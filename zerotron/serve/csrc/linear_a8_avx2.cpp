@@ -236,6 +236,77 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline __m256i va2_sums(__m256i lo, 
 #endif
 }
 
+// Chunk c of rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1 (their values at base), into acc.
+// PART: the last chunk, whose bytes end within K (zeros after them): read by masked loads of whole
+// words (a copy read back at once stalls on its stores) or, where K's bytes end within a word, copied;
+// a template argument, so the whole chunks' loop has no test of it.
+template <int MODE, int MR, int NO, bool AHEAD, bool PART>
+ZT_Q8_TARGET __attribute__((always_inline)) inline void va2_chunk(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t c,
+                                                                  const int8_t* const (&base)[NO], const int8_t* const (&ahead)[NO],
+                                                                  const float* s, const VaChunks& ch, const __m256i (&idx)[2],
+                                                                  const bool (&wide)[2], int64_t ls, __m256 (&acc)[MR][NO][2]) {
+  constexpr int KIND = MODE == 0 ? 0 : 1;
+  constexpr int64_t width = KIND == 1 ? 128 : 64;  // a chunk's inputs
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut)));
+  const int64_t tail = (t.k >> (KIND == 1 ? 1 : 0)) % 64;
+  const bool copy = PART && tail % 4 != 0;
+  const int8_t* p[NO];
+  alignas(32) int8_t last[NO][64];
+  for (int j = 0; j < NO; ++j) {
+    p[j] = base[j] + ch.at[c];
+    if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + ch.at[c]), _MM_HINT_T1);
+    if (copy) {
+      std::memset(last[j], 0, 64);
+      std::memcpy(last[j], p[j], static_cast<size_t>(tail));
+      p[j] = last[j];
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {  // lanes 8h .. 8h + 7: each output's values and scales, then the rows
+    __m256i lo[NO], hi[NO];  // int8 values, or the low and high nibbles (a table's entries)
+    __m256 sl[NO];
+#pragma GCC unroll 2
+    for (int j = 0; j < NO; ++j) {
+      const __m256i* at = reinterpret_cast<const __m256i*>(p[j] + 32 * h);
+      __m256i b;
+      if constexpr (PART) {
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(copy ? 8 : static_cast<int>(tail / 4 - 8 * h)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        b = _mm256_maskload_epi32(reinterpret_cast<const int*>(at), keep);
+      } else {
+        b = _mm256_loadu_si256(at);
+      }
+      lo[j] = hi[j] = b;
+      if constexpr (KIND == 1) {
+        lo[j] = _mm256_and_si256(b, low);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        if constexpr (MODE == 3) {
+          lo[j] = _mm256_shuffle_epi8(lut, lo[j]);
+          hi[j] = _mm256_shuffle_epi8(lut, hi[j]);
+        }
+      }
+      sl[j] = va2_scales(s + j * ls + ch.group[c], idx[h], wide[h]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = m0 + r, lane = row * v.lanes + c * 16 + 8 * h;
+      const int8_t* xq = v.xq.data() + row * v.kp + c * width + 32 * h;
+      const __m256i corr =
+          MODE == 1 || (kVa2Lifted && MODE != 2) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.corr.data() + lane))
+                                                 : _mm256_setzero_si256();
+      const __m256 dl = _mm256_loadu_ps(v.dl.data() + lane);
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      const __m256i x1 = KIND == 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64)) : x0;
+#pragma GCC unroll 2
+      for (int j = 0; j < NO; ++j) {
+        const __m256i a = va2_sums<MODE>(lo[j], hi[j], x0, x1, corr);
+        acc[r][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(sl[j], dl), acc[r][j][h]);
+      }
+    }
+  }
+}
+
 // Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1 (va_block's product, by halves): s and m are
 // output o's group scales and mins (output o + j's ls floats on), idx the lanes' permutation of a
 // chunk's group scales (the chunk's bytes lie together and hold whole groups, or a group whole
@@ -243,8 +314,6 @@ ZT_Q8_TARGET __attribute__((always_inline)) inline __m256i va2_sums(__m256i lo, 
 template <int MODE, int MR, int NO, bool AHEAD>
 ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
                             const VaChunks& ch, const __m256i (&idx)[2], const bool (&wide)[2], int64_t ls) {
-  constexpr int KIND = MODE == 0 ? 0 : 1;
-  constexpr int64_t width = KIND == 1 ? 128 : 64;  // a chunk's inputs
   const int8_t *base[NO], *ahead[NO] = {};
   for (int j = 0; j < NO; ++j) {
     base[j] = t.q + (o + j) * t.qo;
@@ -254,63 +323,9 @@ ZT_Q8_TARGET void va2_block(const Q8Problem& t, const VnniRows& v, int64_t m0, i
   __m256 acc[MR][NO][2];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NO; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(15);
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut)));
-  const int64_t tail = (t.k >> (KIND == 1 ? 1 : 0)) % 64;
-  for (int64_t c = 0; c < ch.chunks; ++c) {
-    const int8_t* p[NO];
-    alignas(32) int8_t last[NO][64];
-    // the last chunk: the bytes within K, zeros after them, by masked loads of whole words (a copy
-    // read back at once stalls on its stores) or, where K's bytes end within a word, copied
-    const bool part = c >= ch.full, copy = part && tail % 4 != 0, masked = part && !copy;
-    for (int j = 0; j < NO; ++j) {
-      p[j] = base[j] + ch.at[c];
-      if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + ch.at[c]), _MM_HINT_T1);
-      if (copy) {
-        std::memset(last[j], 0, 64);
-        std::memcpy(last[j], p[j], static_cast<size_t>(tail));
-        p[j] = last[j];
-      }
-    }
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {  // lanes 8h .. 8h + 7: each output's values and scales, then the rows
-      __m256i lo[NO], hi[NO];  // int8 values, or the low and high nibbles (a table's entries)
-      __m256 sl[NO];
-      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail / 4 - 8 * h)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-#pragma GCC unroll 2
-      for (int j = 0; j < NO; ++j) {
-        const __m256i* at = reinterpret_cast<const __m256i*>(p[j] + 32 * h);
-        const __m256i b = masked ? _mm256_maskload_epi32(reinterpret_cast<const int*>(at), keep) : _mm256_loadu_si256(at);
-        lo[j] = hi[j] = b;
-        if constexpr (KIND == 1) {
-          lo[j] = _mm256_and_si256(b, low);
-          hi[j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-          if constexpr (MODE == 3) {
-            lo[j] = _mm256_shuffle_epi8(lut, lo[j]);
-            hi[j] = _mm256_shuffle_epi8(lut, hi[j]);
-          }
-        }
-        sl[j] = va2_scales(s + j * ls + ch.group[c], idx[h], wide[h]);
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) {
-        const int64_t row = m0 + r, lane = row * v.lanes + c * 16 + 8 * h;
-        const int8_t* xq = v.xq.data() + row * v.kp + c * width + 32 * h;
-        const __m256i corr =
-            MODE == 1 || (kVa2Lifted && MODE != 2) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.corr.data() + lane))
-                                                   : _mm256_setzero_si256();
-        const __m256 dl = _mm256_loadu_ps(v.dl.data() + lane);
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i x1 = KIND == 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64)) : x0;
-#pragma GCC unroll 2
-        for (int j = 0; j < NO; ++j) {
-          const __m256i a = va2_sums<MODE>(lo[j], hi[j], x0, x1, corr);
-          acc[r][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(sl[j], dl), acc[r][j][h]);
-        }
-      }
-    }
-  }
+  int64_t c = 0;
+  for (; c < ch.full; ++c) va2_chunk<MODE, MR, NO, AHEAD, false>(t, v, m0, c, base, ahead, s, ch, idx, wide, ls, acc);
+  for (; c < ch.chunks; ++c) va2_chunk<MODE, MR, NO, AHEAD, true>(t, v, m0, c, base, ahead, s, ch, idx, wide, ls, acc);
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NO; ++j)
       t.y[(m0 + r) * t.ldy + o + j] =
