@@ -61,16 +61,21 @@ def test_kernels_build_for_a_cpu_without_avx512(tmp_path: Path, march: str) -> N
 FETCHING_KERNELS = ("va_tasks", "pack_keys", "pack_values", "dot_stream_block")
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 prefetch instructions")
-def test_kernels_keep_their_fetches_ahead() -> None:
+def _disassembly() -> str:
+    """The built module's instructions (``objdump -d``), or a skip where it cannot be read."""
     if not kernels.available():
         pytest.skip(f"the native kernels are not built here: {kernels.why_unavailable()}")
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump (binutils) to read the built module")
-    listing = subprocess.run(
+    return subprocess.run(
         [objdump, "-d", "--no-show-raw-insn", "-C", kernels.built().__file__], capture_output=True, text=True
     ).stdout
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 prefetch instructions")
+def test_kernels_keep_their_fetches_ahead() -> None:
+    listing = _disassembly()
     fetches: dict[str, int] = {}
     name = ""
     for line in listing.splitlines():
@@ -101,14 +106,7 @@ def test_the_avx2_products_take_vpdpbusd_where_the_cpu_has_avx_vnni() -> None:
     """The 8-bit-activation kernel's AVX2 code (``va2_block``, what an Intel client core runs) sums a
     lane's byte products with AVX-VNNI's 256-bit VPDPBUSD where the build's CPU has it, and with
     VPMADDUBSW and VPMADDWD where it has not (the bits are the same: tests/test_serve_q8a8.py)."""
-    if not kernels.available():
-        pytest.skip(f"the native kernels are not built here: {kernels.why_unavailable()}")
-    objdump = shutil.which("objdump")
-    if objdump is None:
-        pytest.skip("no objdump (binutils) to read the built module")
-    listing = subprocess.run(
-        [objdump, "-d", "--no-show-raw-insn", "-C", kernels.built().__file__], capture_output=True, text=True
-    ).stdout
+    listing = _disassembly()
     ops: dict[str, int] = {"vpdpbusd": 0, "vpmaddubsw": 0}
     inside = False
     for line in listing.splitlines():
