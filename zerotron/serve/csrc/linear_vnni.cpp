@@ -277,12 +277,56 @@ ZT_VNNI_TARGET void va_rows(const Q8Problem& t, const VnniRows& v, int64_t m0, i
   }
 }
 
+// One chunk c of va_block: each output's values (MASKED: the last chunk's bytes within K alone) and
+// scales loaded once for the MR rows, each row's quantised inputs, corrections and block scales once for
+// the NO outputs (rows' entries at xq[r], corr[r], dl[r] for chunk 0).
+template <int KIND, int NO, bool AHEAD, int MR, bool TABLE, bool MASKED>
+ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_block_chunk(const VaChunks& ch, int64_t c, const int8_t* const (&base)[NO],
+                                                                         const int8_t* const (&ahead)[NO], const float* s, int64_t ls,
+                                                                         __m512i idx, __m512i ulut, const int8_t* const (&xq)[MR],
+                                                                         const int32_t* const (&corr)[MR], const float* const (&dl)[MR],
+                                                                         __m512 (&acc)[MR][NO]) {
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t at = ch.at[c], group = ch.group[c];
+  __m512i b[NO], h[NO];  // int8 values + 128, or the low and high nibbles
+  __m512 sl[NO];
+#pragma GCC unroll 4
+  for (int j = 0; j < NO; ++j) {
+    if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + at), _MM_HINT_T1);
+    const __m512i w = MASKED ? _mm512_maskz_loadu_epi8(ch.tail, base[j] + at) : _mm512_loadu_si512(base[j] + at);
+    if constexpr (KIND == 1) {
+      b[j] = _mm512_and_si512(w, low);
+      h[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      if constexpr (TABLE) {
+        b[j] = _mm512_shuffle_epi8(ulut, b[j]);
+        h[j] = _mm512_shuffle_epi8(ulut, h[j]);
+      }
+    } else {
+      b[j] = _mm512_xor_si512(w, top);
+    }
+    sl[j] = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + j * ls + group));
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    const __m512i cr = _mm512_loadu_si512(corr[r] + c * 16);
+    const __m512 d = _mm512_loadu_ps(dl[r] + c * 16);
+    const int8_t* x = xq[r] + c * (KIND == 1 ? 128 : 64);
+    const __m512i x0 = _mm512_loadu_si512(x);
+    const __m512i x1 = KIND == 1 ? _mm512_loadu_si512(x + 64) : x0;
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) {
+      __m512i a = _mm512_dpbusd_epi32(cr, b[j], x0);
+      if constexpr (KIND == 1) a = _mm512_dpbusd_epi32(a, h[j], x1);
+      acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl[j], d), acc[r][j]);
+    }
+  }
+}
+
 // Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1 where a chunk's 64 bytes lie together and hold
-// whole groups (a prompt's block of a task, or a few rows of a decode): each chunk's values and scales
-// loaded once for the MR rows, each row's quantised inputs, corrections and block scales once for the
-// NO outputs. Each (row, output) has va_output's arithmetic (the same chains in the same order), so
-// its bits.
-template <int KIND, int NO, bool AHEAD, int MR>
+// whole groups (a prompt's block of a task, or a few rows of a decode): va_block_chunk chunk by chunk,
+// the whole chunks' loop free of the last chunk's mask and IQ4_NL's table a template argument (TABLE).
+// Each (row, output) has va_output's arithmetic (the same chains in the same order), so its bits.
+template <int KIND, int NO, bool AHEAD, int MR, bool TABLE = false>
 ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, const float* s, const float* m,
                              const VaChunks& ch, __m512i idx, int64_t ls) {
   const int8_t *base[NO], *ahead[NO] = {};
@@ -292,51 +336,26 @@ ZT_VNNI_TARGET void va_block(const Q8Problem& t, const VnniRows& v, int64_t m0, 
     if constexpr (AHEAD) ahead[j] = o + j + VA_AHEAD < t.n ? base[j] + VA_AHEAD * t.qo : base[j];
     if constexpr (AHEAD) q8_prefetch_factors(t, o + j + VA_AHEAD);
   }
+  const int8_t* xq[MR];
+  const int32_t* corr[MR];
+  const float* dl[MR];
   __m512 acc[MR][NO];
 #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r)
+  for (int r = 0; r < MR; ++r) {
+    xq[r] = v.xq.data() + (m0 + r) * v.kp;
+    corr[r] = v.corr.data() + (m0 + r) * v.lanes;
+    dl[r] = v.dl.data() + (m0 + r) * v.lanes;
 #pragma GCC unroll 4
     for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
-  const bool table = KIND == 1 && t.offset < 0;  // IQ4_NL's indices: each nibble's value + 128 (va_output)
-  const __m512i ulut = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut))), top);
-  const int64_t* at = ch.at.data();
-  const int64_t* group = ch.group.data();
-  for (int64_t c = 0; c < ch.chunks; ++c) {
-    __m512i b[NO], h[NO];  // int8 values + 128, or the low and high nibbles
-    __m512 sl[NO];
-#pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j) {
-      if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + at[c]), _MM_HINT_T1);
-      const __m512i w = c < ch.full ? _mm512_loadu_si512(base[j] + at[c]) : _mm512_maskz_loadu_epi8(ch.tail, base[j] + at[c]);
-      if constexpr (KIND == 1) {
-        b[j] = _mm512_and_si512(w, low);
-        h[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-        if (table) {
-          b[j] = _mm512_shuffle_epi8(ulut, b[j]);
-          h[j] = _mm512_shuffle_epi8(ulut, h[j]);
-        }
-      } else {
-        b[j] = _mm512_xor_si512(w, top);
-      }
-      sl[j] = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + j * ls + group[c]));
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const int64_t row = m0 + r;
-      const __m512i corr = _mm512_loadu_si512(v.corr.data() + row * v.lanes + c * 16);
-      const __m512 dl = _mm512_loadu_ps(v.dl.data() + row * v.lanes + c * 16);
-      const int8_t* xq = v.xq.data() + row * v.kp + c * (KIND == 1 ? 128 : 64);
-      const __m512i x0 = _mm512_loadu_si512(xq);
-      const __m512i x1 = KIND == 1 ? _mm512_loadu_si512(xq + 64) : x0;
-#pragma GCC unroll 4
-      for (int j = 0; j < NO; ++j) {
-        __m512i a = _mm512_dpbusd_epi32(corr, b[j], x0);
-        if constexpr (KIND == 1) a = _mm512_dpbusd_epi32(a, h[j], x1);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl[j], dl), acc[r][j]);
-      }
-    }
   }
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+  // IQ4_NL's indices: each nibble's value + 128 (va_output)
+  const __m512i ulut = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut))), top);
+  const int64_t full = ch.full;
+  for (int64_t c = 0; c < full; ++c)
+    va_block_chunk<KIND, NO, AHEAD, MR, TABLE, false>(ch, c, base, ahead, s, ls, idx, ulut, xq, corr, dl, acc);
+  if (full < ch.chunks)
+    va_block_chunk<KIND, NO, AHEAD, MR, TABLE, true>(ch, full, base, ahead, s, ls, idx, ulut, xq, corr, dl, acc);
   va_store<MR, NO>(t, v, m0, o, ch, acc, m, ls);
 }
 
@@ -347,7 +366,10 @@ template <int MR>
 ZT_VNNI_TARGET bool va_blocks(const Q8Problem& t, const VnniRows& v, int64_t m0, int64_t o, int64_t left, const float* s,
                               const float* m, const VaChunks& ch, __m512i idx, int64_t ls, bool ahead) {
   if (!ch.together || !ch.aligned || left < VA_BLOCK[t.kind == 1]) return false;
-  if (t.kind == 1 && ahead) va_block<1, VA_BLOCK[1], true, MR>(t, v, m0, o, s, m, ch, idx, ls);
+  const bool table = t.kind == 1 && t.offset < 0;  // IQ4_NL's indices
+  if (table && ahead) va_block<1, VA_BLOCK[1], true, MR, true>(t, v, m0, o, s, m, ch, idx, ls);
+  else if (table) va_block<1, VA_BLOCK[1], false, MR, true>(t, v, m0, o, s, m, ch, idx, ls);
+  else if (t.kind == 1 && ahead) va_block<1, VA_BLOCK[1], true, MR>(t, v, m0, o, s, m, ch, idx, ls);
   else if (t.kind == 1) va_block<1, VA_BLOCK[1], false, MR>(t, v, m0, o, s, m, ch, idx, ls);
   else if (ahead) va_block<0, VA_BLOCK[0], true, MR>(t, v, m0, o, s, m, ch, idx, ls);
   else va_block<0, VA_BLOCK[0], false, MR>(t, v, m0, o, s, m, ch, idx, ls);
