@@ -33,6 +33,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+# vLLM's environment in every benchmark: both cores compute, as zerotron serve's do (by default vLLM
+# keeps one for its front end and computes on the other), in 1 GiB of KV cache
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -178,14 +182,7 @@ def serve_vllm(model_dir: str, port: int, args: argparse.Namespace) -> subproces
     ]
     cmd += ["--served-model-name", "m", "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
     cmd += ["--max-num-seqs", str(args.max_concurrency)]
-    # Both cores for vLLM's compute, as zerotron serve has them (by default vLLM keeps one for its
-    # front end and computes on the other).
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    }
+    env = {**os.environ, **VLLM_ENV}
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
@@ -265,8 +262,7 @@ def launch(
     else:
         cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
         cmd += ["--port", str(port), *flags]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
+        env = {**os.environ, **VLLM_ENV}
     log = open(log_path, "w")  # noqa: SIM115 - the server's, closed when it exits
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 

@@ -9,12 +9,11 @@ vLLM runs with its defaults (on the CPU, the model compiled by inductor), both o
     python benchmarks/serve_decode.py MODEL_HF_DIR --dtype float32
     VLLM_VENV/bin/python benchmarks/serve_decode.py MODEL_HF_DIR --dtype float32 --vllm
 
-(the second in vLLM's virtual environment: PEERS.md; its compute bound to every core,
-``VLLM_CPU_OMP_THREADS_BIND=0-N`` set here where the environment leaves it unset, as
-``benchmarks/serve.py`` starts vLLM's server: vLLM's default keeps a core apart, and the prefill of
-8 prompts of 2,048 tokens took it 7.8-8.2 s against 4.05 s with both cores of a 2-core machine). ``--profile`` prints torch's operator table of
-ten zerotron steps of the same sequences (one of them their prefill). ``--prefill`` times the prompts'
-prefill instead: all ``--seqs`` prompts generated to their first token, fresh prompts each repeat.
+(the second in vLLM's virtual environment: PEERS.md; vLLM gets ``benchmarks/serve.py``'s
+``VLLM_ENV`` where the environment leaves a variable unset, its compute on both cores: by default it
+keeps a core apart, and prefilled 8 prompts of 2,048 tokens in 7.8-8.2 s against 4.05 s on both).
+``--profile`` prints torch's operator table of ten zerotron steps of the same sequences (one of
+them their prefill). ``--prefill`` times the prompts' prefill instead: all ``--seqs`` prompts generated to their first token, fresh prompts each repeat.
 """
 
 from __future__ import annotations
@@ -47,9 +46,10 @@ def zerotron_runner(args: argparse.Namespace) -> tuple[Run, str]:
 
 
 def vllm_runner(args: argparse.Namespace) -> tuple[Run, str]:
-    # every core computes, as in benchmarks/serve.py's vLLM server (zerotron's engine has them all)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from serve import VLLM_ENV  # benchmarks/serve.py (this script's folder)
+
+    for name, value in VLLM_ENV.items():  # as the benchmarks' vLLM servers run
+        os.environ.setdefault(name, value)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
