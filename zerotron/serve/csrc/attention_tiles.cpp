@@ -48,6 +48,38 @@ ZT_TILE_TARGET inline void score_tiles(const uint16_t* q, const uint32_t* k, int
   _tile_stored(3, out + 192, ls * 4);
 }
 
+// S for R (2 or 3) 16-row tiles of q (rows dim apart, 16 dim apart tile to tile) times all n64 keys k
+// (pack_keys groups), 16 keys at a time: each key tile loaded once for the R row tiles (C tiles 0 ..
+// R - 1, the row tiles in A tiles 4, 6, 7 from L1), not once per row tile as score_tiles does: the keys
+// (256 KB for 2,048 keys of 64 dims) come from L2. Each element the same sum over the head's dims in
+// order as score_tiles's.
+template <int R>
+ZT_TILE_TARGET inline void score_rows(const uint16_t* q, const uint32_t* k, int64_t dim, int64_t n64, float* s,
+                                      int64_t ls) {
+  const int64_t halves = dim / 32, rows = 16 * dim;
+  char* out = reinterpret_cast<char*>(s);
+  for (int64_t j = 0; j < n64 / 16; ++j) {
+    const uint32_t* kj = k + j * halves * 256;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (R == 3) _tile_zero(2);
+    for (int64_t h = 0; h < halves; ++h) {
+      _tile_loadd(5, kj + h * 256, 64);
+      _tile_loadd(4, q + 32 * h, dim * 2);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, q + rows + 32 * h, dim * 2);
+      _tile_dpbf16ps(1, 6, 5);
+      if (R == 3) {
+        _tile_loadd(7, q + 2 * rows + 32 * h, dim * 2);
+        _tile_dpbf16ps(2, 7, 5);
+      }
+    }
+    _tile_stored(0, out + 64 * j, ls * 4);
+    _tile_stored(1, out + 64 * j + 16 * ls * 4, ls * 4);
+    if (R == 3) _tile_stored(2, out + 64 * j + 32 * ls * 4, ls * 4);
+  }
+}
+
 // O's dims 16 t0 .. 16 t0 + 63 for the rows of p (lp apart) over ``chunks`` 32-key chunks of values
 // (pack_values: dim / 16 tiles a chunk), in key order: added to the sums in o (rows dim floats apart)
 // where ``more``, else from zero, and stored back to o.
@@ -101,9 +133,15 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
     std::memcpy(b.q.data() + i * dim, q + ((r0 + i / group) * heads + kh * group + i % group) * dim, dim * 2);
   const int64_t ls = n64 + 16, lp = n32 + 32;  // rows one cache line past a power of two apart
   b.s.resize(mp * ls);
-  for (int64_t m0 = 0; m0 < mp; m0 += 16)  // S = Q K^T, 64 keys at a time (keys from n on are zeros)
-    for (int64_t j0 = 0; j0 < n64; j0 += 64)
-      score_tiles(b.q.data() + m0 * dim, keys + j0 / 16 * (dim / 32) * 256, dim, b.s.data() + m0 * ls + j0, ls);
+  for (int64_t m0 = 0; m0 < mp;) {  // S = Q K^T (keys from n on are zeros): 2 or 3 row tiles at a time
+    const int64_t left = (mp - m0) / 16, r = left == 4 ? 2 : std::min<int64_t>(left, 3);
+    if (r == 3) score_rows<3>(b.q.data() + m0 * dim, keys, dim, n64, b.s.data() + m0 * ls, ls);
+    if (r == 2) score_rows<2>(b.q.data() + m0 * dim, keys, dim, n64, b.s.data() + m0 * ls, ls);
+    if (r == 1)  // a lone row tile: 64 keys at a time
+      for (int64_t j0 = 0; j0 < n64; j0 += 64)
+        score_tiles(b.q.data() + m0 * dim, keys + j0 / 16 * (dim / 32) * 256, dim, b.s.data() + m0 * ls + j0, ls);
+    m0 += 16 * r;
+  }
   b.p.resize(mp * lp);  // softmax_row writes each row to n32, the width value_tiles reads
   std::fill(b.p.begin() + m * lp, b.p.begin() + mp * lp, 0);
   b.total.resize(mp);
