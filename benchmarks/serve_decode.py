@@ -4,8 +4,9 @@
 1 + ``--tokens`` tokens; a decode step is the difference over ``--tokens`` (the prefill cancels out).
 Each repeat changes every prompt's first token (no prefix-cache hits); the median of ``--repeats``.
 zerotron runs the engine ``zerotron serve`` builds on this CPU (its default kernels for the dtype),
-freed memory kept between steps as the server keeps it (``heap.keep_freed``: without it, 8 prompts of
-2,048 tokens took 5.9-6.2 s against 5.2-5.6 s on the AMX Xeon, the kernel zeroing fresh pages);
+its process settled as the server's is (freed memory kept between steps, ``heap.keep_freed``: without
+it 8 prompts of 2,048 tokens took 5.9-6.2 s against 5.2-5.6 s on the AMX Xeon; the KV pool faulted
+in, ``heap.prefault``, here before the first repeat);
 vLLM runs with its defaults (on the CPU, the model compiled by inductor), both on the machine's cores.
 
     python benchmarks/serve_decode.py MODEL_HF_DIR --dtype float32
@@ -40,7 +41,10 @@ def zerotron_runner(args: argparse.Namespace) -> tuple[Run, str]:
 
     flags = ["serve", args.model_dir, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     engine = load_engine(args.model_dir, engine_config(parse_args(flags), 1))  # zerotron serve's choices
-    heap.keep_freed()  # as the server keeps them: freed activations for the next step
+    heap.keep_freed()  # as the server settles its process: freed activations kept for the next step,
+    faulting = heap.prefault(engine.kv.tensors())  # the KV pool's pages faulted in (waited for here)
+    if faulting is not None:
+        faulting.join()
 
     def run(n: int, prompts: list[list[int]]) -> None:
         engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))

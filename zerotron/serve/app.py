@@ -375,8 +375,12 @@ def bind_threads(
 
 def settle_process(engine: Engine) -> Optional[str]:
     """A serving rank's heaps (:mod:`zerotron.serve.heap`): on a CPU freed memory kept for the next
-    step, and the objects alive now frozen out of full collections. Why memory is not kept, or None."""
-    kept = heap.keep_freed() if engine.runner.device.type == "cpu" else None
+    step and the KV pool faulted in behind the start, and the objects alive now frozen out of full
+    collections. Why memory is not kept, or None."""
+    kept = None
+    if engine.runner.device.type == "cpu":
+        kept = heap.keep_freed()
+        heap.prefault(engine.kv.tensors())
     heap.settle_objects()
     return kept
 

@@ -26,8 +26,15 @@ start-up heap in the same way. Objects made later are collected as before, and :
 hands the frozen ones back as the server stops.
 
 :func:`zeroed` makes the KV pool's zeros on the CPU from ``calloc``: pages the kernel zeroes as they
-are first touched, so a pool of gigabytes costs nothing to make and holds memory only where tokens
-are written (``torch.zeros`` writes every byte at start-up: 0.56 s for a 1 GB pool on a Zen 4).
+are first touched, so a pool of gigabytes costs nothing to make (``torch.zeros`` writes every byte at
+start-up: 0.56 s for a 1 GB pool on a Zen 4). A server then faults the pool in behind its start
+(:func:`prefault`: one thread in the kernel, no Python). Without it the pages a step writes are
+fresh until the pool has been gone through once (the blocks a request frees are kept for prefix
+caching, so new requests take untouched blocks first): SmolLM2 bf16 on the AMX Xeon prefilled 8
+prompts of 2,048 tokens in 5.5-6.1 s over the first 46,000 tokens of a 1 GiB pool, in 4.6-5.0 s once
+it had been written through, and in 4.7-4.9 s from the first over a pool faulted in. The thread costs
+about a second of one core per GiB (its time varies with the host); the pool then holds its memory
+from the start, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ import ctypes
 import ctypes.util
 import gc
 import math
+import mmap
 import platform
+import threading
 from collections.abc import Iterator
 from typing import Optional
 
@@ -45,6 +54,7 @@ import numpy as np
 import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MADV_POPULATE_WRITE = 23  # madvise: fault pages in writable (Linux 5.14 on; EINVAL before)
 MMAP_THRESHOLD = 1 << 30  # blocks at least this large still come from (and go back to) the kernel
 TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt takes (an int)
 
@@ -101,3 +111,30 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     raw = np.zeros(size + 64, np.uint8)
     skip = -raw.ctypes.data % 64
     return torch.from_numpy(raw[skip : skip + size]).view(dtype).view(shape)
+
+
+def prefault(tensors: list[torch.Tensor]) -> Optional[threading.Thread]:
+    """Fault in the pages of CPU ``tensors`` (the KV pool's, from :func:`zeroed`) in a background
+    thread: ``madvise(MADV_POPULATE_WRITE)`` over each, the kernel's zeroing without the GIL (ctypes
+    releases it), never writing a byte (a page a step has written meanwhile is left as it is). The
+    thread (a daemon), or None where there is nothing to do or the system is not Linux."""
+    held = [t for t in tensors if t.device.type == "cpu" and t.nbytes > 0]
+    if not held or platform.system() != "Linux":
+        return None
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+
+    def run(held: list[torch.Tensor]) -> None:  # the tensors held (mapped) until it is done
+        for t in held:
+            start = t.data_ptr() // page * page  # whole pages (the first may hold other bytes: left alone)
+            size = -(-(t.data_ptr() + t.nbytes - start) // page) * page
+            if madvise(start, size, MADV_POPULATE_WRITE) != 0:
+                return  # a kernel before 5.14 (EINVAL): pages come as they are written, as before
+
+    thread = threading.Thread(target=run, args=(held,), name="kv-prefault", daemon=True)
+    thread.start()
+    return thread

@@ -219,6 +219,11 @@ class KVPool:
     ) -> int:
         return kv_quant.bytes_per_token(layers, kv_heads, head_dim, dtype, kv_quant.check(fmt))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The pool's tensors that :func:`~zerotron.serve.heap.zeroed` made (keys and values, or
+        their codes): what :func:`~zerotron.serve.heap.prefault` faults in."""
+        return [*self.k, *self.v, *(q.codes for q in (*self.qk, *self.qv))]
+
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds (keys, values and scales of every layer)."""
