@@ -187,6 +187,36 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_store(const Q8Probl
       t.y[(m0 + r) * t.ldy + o + j] = va_finish(v, m0 + r, ch, acc[r][j], m == nullptr ? nullptr : m + j * ls);
 }
 
+// An output's 64 bytes w as VPDPBUSD's unsigned operands: KIND 1 its low nibbles in b and high ones
+// in h (where ``table``, IQ4_NL's: each nibble's value + 128 from ulut), else its int8 values + 128 in
+// b (h then b too). Always inlined: a constant ``table`` leaves no test behind.
+template <int KIND>
+ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_operands(__m512i w, bool table, __m512i ulut, __m512i& b,
+                                                                      __m512i& h) {
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  if constexpr (KIND == 1) {
+    b = _mm512_and_si512(w, low);
+    h = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+    if (table) {
+      b = _mm512_shuffle_epi8(ulut, b);
+      h = _mm512_shuffle_epi8(ulut, h);
+    }
+  } else {
+    b = h = _mm512_xor_si512(w, top);
+  }
+}
+
+// One (row, output) step of a chunk, the arithmetic every 8-bit kernel here shares (so their bits): the
+// 16 lanes' integer sums from the row's corrections cr over b x x0 (KIND 1: then h x x1), to fp32,
+// times the output's lane scales sl times the row's block scales d, added to acc.
+template <int KIND>
+ZT_VNNI_TARGET __attribute__((always_inline)) inline __m512 va_step(__m512 acc, __m512i cr, __m512i b, __m512i h, __m512i x0,
+                                                                    __m512i x1, __m512 sl, __m512 d) {
+  __m512i a = _mm512_dpbusd_epi32(cr, b, x0);
+  if constexpr (KIND == 1) a = _mm512_dpbusd_epi32(a, h, x1);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl, d), acc);
+}
+
 // Rows m0 .. m0 + MR - 1 times outputs o .. o + NO - 1: s and m are output o's group scales and mins
 // (all groups, 16 zeros after; output o + j's ls floats on). TOGETHER: a chunk's 64 bytes lie together
 // (an output's values contiguous, or a group of whole chunks); ALIGNED: a chunk holds whole groups or a
@@ -216,7 +246,7 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
 #pragma GCC unroll 4
     for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
   }
-  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
   // values two a byte indexing IQ4_NL's table (offset -1): each nibble's value + 128, as int8 values go in
   const bool table = KIND == 1 && t.offset < 0;
   const __m512i ulut = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut))), top);
@@ -234,21 +264,14 @@ ZT_VNNI_TARGET void va_output(const Q8Problem& t, const VnniRows& v, int64_t m0,
       __m512 sl;
       if constexpr (ALIGNED) sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + j * ls + group[c]));
       else sl = _mm512_i32gather_ps(_mm512_loadu_si512(ch.lane_group.data() + c * 16), s + j * ls, 4);
+      __m512i lo, hi;
+      va_operands<KIND>(b, table, ulut, lo, hi);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        __m512i a = _mm512_loadu_si512(corr[r] + c * 16);
-        if constexpr (KIND == 1) {
-          __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-          if (table) {
-            lo = _mm512_shuffle_epi8(ulut, lo);
-            hi = _mm512_shuffle_epi8(ulut, hi);
-          }
-          a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512(xq[r] + c * 128));
-          a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xq[r] + c * 128 + 64));
-        } else {
-          a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(b, top), _mm512_loadu_si512(xq[r] + c * 64));
-        }
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl, _mm512_loadu_ps(dl[r] + c * 16)), acc[r][j]);
+        const int8_t* x = xq[r] + c * chunk;
+        const __m512i x0 = _mm512_loadu_si512(x), x1 = KIND == 1 ? _mm512_loadu_si512(x + 64) : x0;
+        acc[r][j] = va_step<KIND>(acc[r][j], _mm512_loadu_si512(corr[r] + c * 16), lo, hi, x0, x1, sl,
+                                  _mm512_loadu_ps(dl[r] + c * 16));
       }
     }
   }
@@ -286,24 +309,14 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_block_chunk(const V
                                                                          __m512i idx, __m512i ulut, const int8_t* const (&xq)[MR],
                                                                          const int32_t* const (&corr)[MR], const float* const (&dl)[MR],
                                                                          __m512 (&acc)[MR][NO]) {
-  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t at = ch.at[c], group = ch.group[c];
-  __m512i b[NO], h[NO];  // int8 values + 128, or the low and high nibbles
+  __m512i b[NO], h[NO];  // va_operands
   __m512 sl[NO];
 #pragma GCC unroll 4
   for (int j = 0; j < NO; ++j) {
     if constexpr (AHEAD) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + at), _MM_HINT_T1);
     const __m512i w = MASKED ? _mm512_maskz_loadu_epi8(ch.tail, base[j] + at) : _mm512_loadu_si512(base[j] + at);
-    if constexpr (KIND == 1) {
-      b[j] = _mm512_and_si512(w, low);
-      h[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-      if constexpr (TABLE) {
-        b[j] = _mm512_shuffle_epi8(ulut, b[j]);
-        h[j] = _mm512_shuffle_epi8(ulut, h[j]);
-      }
-    } else {
-      b[j] = _mm512_xor_si512(w, top);
-    }
+    va_operands<KIND>(w, TABLE, ulut, b[j], h[j]);
     sl[j] = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s + j * ls + group));
   }
 #pragma GCC unroll 4
@@ -314,11 +327,7 @@ ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_block_chunk(const V
     const __m512i x0 = _mm512_loadu_si512(x);
     const __m512i x1 = KIND == 1 ? _mm512_loadu_si512(x + 64) : x0;
 #pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j) {
-      __m512i a = _mm512_dpbusd_epi32(cr, b[j], x0);
-      if constexpr (KIND == 1) a = _mm512_dpbusd_epi32(a, h[j], x1);
-      acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl[j], d), acc[r][j]);
-    }
+    for (int j = 0; j < NO; ++j) acc[r][j] = va_step<KIND>(acc[r][j], cr, b[j], h[j], x0, x1, sl[j], d);
   }
 }
 

@@ -137,23 +137,12 @@ template <int KIND, bool TABLE>
 ZT_VNNI_TARGET __attribute__((always_inline)) inline void va_decode_chunk(const __m512i (&b)[4], __m512i a0, __m512 d,
                                                                           const int8_t* xc, const float* sg, int64_t ls,
                                                                           __m512i idx, __m512i ulut, __m512 (&acc)[4]) {
-  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i x0 = _mm512_loadu_si512(xc), x1 = KIND == 1 ? _mm512_loadu_si512(xc + 64) : x0;
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
-    __m512i a;
-    if constexpr (KIND == 1) {
-      __m512i lo = _mm512_and_si512(b[j], low), hi = _mm512_and_si512(_mm512_srli_epi16(b[j], 4), low);
-      if constexpr (TABLE) {
-        lo = _mm512_shuffle_epi8(ulut, lo);
-        hi = _mm512_shuffle_epi8(ulut, hi);
-      }
-      a = _mm512_dpbusd_epi32(a0, lo, _mm512_loadu_si512(xc));
-      a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xc + 64));
-    } else {
-      a = _mm512_dpbusd_epi32(a0, _mm512_xor_si512(b[j], top), _mm512_loadu_si512(xc));
-    }
-    const __m512 sl = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sg + j * ls));
-    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sl, d), acc[j]);
+    __m512i lo, hi;
+    va_operands<KIND>(b[j], TABLE, ulut, lo, hi);
+    acc[j] = va_step<KIND>(acc[j], a0, lo, hi, x0, x1, _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sg + j * ls)), d);
   }
 }
 
