@@ -10,6 +10,7 @@ import sys
 import weakref
 
 import pytest
+import torch
 
 from zerotron.serve import heap
 
@@ -213,3 +214,33 @@ def test_a_prefaulted_pool_takes_its_first_writes_without_faults_and_keeps_its_b
 
 def test_prefault_has_nothing_to_do_without_cpu_tensors() -> None:
     assert heap.prefault([]) is None
+
+
+def test_prefault_stops_at_the_memory_the_system_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool given more than the machine holds is faulted in only up to four fifths of the available
+    memory (here told to be 8 MiB: 6.4 MiB of a 32 MiB pool), the rest left to be faulted as written."""
+    if platform.system() != "Linux" or not _kernel_at_least(5, 14):
+        pytest.skip("MADV_POPULATE_WRITE (Linux 5.14)")
+    monkeypatch.setattr(heap, "available_bytes", lambda: 8 << 20)
+    pool = [heap.zeroed((1 << 20, 16), torch.bfloat16)]  # 32 MiB, none of it resident yet
+    assert _resident(pool[0]) <= 2 << 20
+    thread = heap.prefault(pool)
+    assert thread is not None
+    thread.join()
+    resident = _resident(pool[0])
+    assert (8 << 20) * 4 // 5 - (2 << 20) <= resident <= (8 << 20) * 4 // 5 + (2 << 20), resident
+
+
+def _resident(t: torch.Tensor) -> int:
+    """Bytes of ``t`` in memory now (mincore over its pages)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    pages = -(-(t.data_ptr() + t.nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, pages * page, vec) == 0
+    return sum(b & 1 for b in vec) * page

@@ -116,8 +116,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 def prefault(tensors: list[torch.Tensor]) -> Optional[threading.Thread]:
     """Fault in the pages of CPU ``tensors`` (the KV pool's, from :func:`zeroed`) in a background
     thread: ``madvise(MADV_POPULATE_WRITE)`` over each, the kernel's zeroing without the GIL (ctypes
-    releases it), never writing a byte (a page a step has written meanwhile is left as it is). The
-    thread (a daemon), or None where there is nothing to do or the system is not Linux."""
+    releases it), never writing a byte (a page a step has written meanwhile is left as it is), and no
+    more than four fifths of the memory the system has available (a pool given more than the machine
+    holds keeps the rest lazy, as before, instead of the kernel killing the server for it). The thread
+    (a daemon), or None where there is nothing to do or the system is not Linux."""
     held = [t for t in tensors if t.device.type == "cpu" and t.nbytes > 0]
     if not held or platform.system() != "Linux":
         return None
@@ -128,13 +130,29 @@ def prefault(tensors: list[torch.Tensor]) -> Optional[threading.Thread]:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
 
+    budget = [available_bytes() * 4 // 5]  # a pool larger than the free memory: its first part only
+
     def run(held: list[torch.Tensor]) -> None:  # the tensors held (mapped) until it is done
         for t in held:
             start = t.data_ptr() // page * page  # whole pages (the first may hold other bytes: left alone)
-            size = -(-(t.data_ptr() + t.nbytes - start) // page) * page
-            if madvise(start, size, MADV_POPULATE_WRITE) != 0:
+            size = min(-(-(t.data_ptr() + t.nbytes - start) // page) * page, budget[0] // page * page)
+            if size <= 0 or madvise(start, size, MADV_POPULATE_WRITE) != 0:
                 return  # a kernel before 5.14 (EINVAL): pages come as they are written, as before
+            budget[0] -= size
 
     thread = threading.Thread(target=run, args=(held,), name="kv-prefault", daemon=True)
     thread.start()
     return thread
+
+
+def available_bytes() -> int:
+    """The memory Linux says a new allocation can have without swapping (``MemAvailable``); 0 if
+    unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
