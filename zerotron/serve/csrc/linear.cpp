@@ -34,6 +34,9 @@ ZT_TILE_TARGET inline void load_tile_config(int64_t rows = 16) {
 
 // One block of MA x 16 rows (A tiles 4, 5: 16 rows each from a0, a1, lda0/lda1 bytes apart) times
 // NB x 16 columns (B tiles 6, 7), summed into C tiles 0-3 over all k, stored to c (32 x 32 fp32).
+// Each product follows the loads it needs, the next tile's load behind it (as the quantised tiles'
+// loop is ordered): with the four loads first, SmolLM2's gate/up product at 2,048 rows ran at
+// 1.45-1.67 TFLOP/s (2 threads), 1.70-2.13 this way; each C tile's sum over k the same, so its bits.
 template <int MA, int NB>
 ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const uint16_t* a1, int64_t lda1,
                                       const uint16_t* b0, const uint16_t* b1, int64_t kblocks, float* c) {
@@ -43,13 +46,17 @@ ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const ui
   if (MA == 2 && NB == 2) _tile_zero(3);
   for (int64_t kb = 0; kb < kblocks; ++kb) {
     _tile_loadd(4, a0 + kb * 32, lda0);
-    if (MA == 2) _tile_loadd(5, a1 + kb * 32, lda1);
     _tile_loadd(6, b0 + kb * 512, 64);
-    if (NB == 2) _tile_loadd(7, b1 + kb * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if (NB == 2) _tile_dpbf16ps(1, 4, 7);
-    if (MA == 2) _tile_dpbf16ps(2, 5, 6);
-    if (MA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+    if (NB == 2) {
+      _tile_loadd(7, b1 + kb * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (MA == 2) {
+      _tile_loadd(5, a1 + kb * 32, lda1);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
   }
   char* cc = reinterpret_cast<char*>(c);
   _tile_stored(0, cc, 128);
