@@ -193,9 +193,12 @@ def _kernel_at_least(major: int, minor: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(
+needs_populate = pytest.mark.skipif(
     platform.system() != "Linux" or not _kernel_at_least(5, 14), reason="MADV_POPULATE_WRITE (Linux 5.14)"
 )
+
+
+@needs_populate
 def test_a_prefaulted_pool_takes_its_first_writes_without_faults_and_keeps_its_bytes() -> None:
     """prefault (the server's KV pool behind its start) leaves the pages in place: a step's writes over
     two 64 MiB pools take (almost) no page fault where a pool not faulted in takes one per page (or
@@ -216,11 +219,10 @@ def test_prefault_has_nothing_to_do_without_cpu_tensors() -> None:
     assert heap.prefault([]) is None
 
 
+@needs_populate
 def test_prefault_stops_at_the_memory_the_system_has(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool given more than the machine holds is faulted in only up to four fifths of the available
     memory (here told to be 8 MiB: 6.4 MiB of a 32 MiB pool), the rest left to be faulted as written."""
-    if platform.system() != "Linux" or not _kernel_at_least(5, 14):
-        pytest.skip("MADV_POPULATE_WRITE (Linux 5.14)")
     monkeypatch.setattr(heap, "available_bytes", lambda: 8 << 20)
     pool = [heap.zeroed((1 << 20, 16), torch.bfloat16)]  # 32 MiB, none of it resident yet
     assert _resident(pool[0]) <= 2 << 20

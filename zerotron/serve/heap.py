@@ -130,15 +130,14 @@ def prefault(tensors: list[torch.Tensor]) -> Optional[threading.Thread]:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
 
-    budget = [available_bytes() * 4 // 5]  # a pool larger than the free memory: its first part only
-
     def run(held: list[torch.Tensor]) -> None:  # the tensors held (mapped) until it is done
+        left = available_bytes() * 4 // 5 // page * page  # a pool larger than that: its first part only
         for t in held:
             start = t.data_ptr() // page * page  # whole pages (the first may hold other bytes: left alone)
-            size = min(-(-(t.data_ptr() + t.nbytes - start) // page) * page, budget[0] // page * page)
+            size = min(-(-(t.data_ptr() + t.nbytes - start) // page) * page, left)
             if size <= 0 or madvise(start, size, MADV_POPULATE_WRITE) != 0:
                 return  # a kernel before 5.14 (EINVAL): pages come as they are written, as before
-            budget[0] -= size
+            left -= size
 
     thread = threading.Thread(target=run, args=(held,), name="kv-prefault", daemon=True)
     thread.start()

@@ -135,9 +135,11 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
   b.s.resize(mp * ls);
   for (int64_t m0 = 0; m0 < mp;) {  // S = Q K^T (keys from n on are zeros): 2 or 3 row tiles at a time
     const int64_t left = (mp - m0) / 16, r = left == 4 ? 2 : std::min<int64_t>(left, 3);
-    if (r == 3) score_rows<3>(b.q.data() + m0 * dim, keys, dim, n64, b.s.data() + m0 * ls, ls);
-    if (r == 2) score_rows<2>(b.q.data() + m0 * dim, keys, dim, n64, b.s.data() + m0 * ls, ls);
-    if (r == 1)  // a lone row tile: 64 keys at a time
+    if (r == 3)
+      score_rows<3>(b.q.data() + m0 * dim, keys, dim, n64, b.s.data() + m0 * ls, ls);
+    else if (r == 2)
+      score_rows<2>(b.q.data() + m0 * dim, keys, dim, n64, b.s.data() + m0 * ls, ls);
+    else  // a lone row tile: 64 keys at a time
       for (int64_t j0 = 0; j0 < n64; j0 += 64)
         score_tiles(b.q.data() + m0 * dim, keys + j0 / 16 * (dim / 32) * 256, dim, b.s.data() + m0 * ls + j0, ls);
     m0 += 16 * r;
