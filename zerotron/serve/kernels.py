@@ -67,12 +67,13 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v98"
+_NAME = "zerotron_kernels_v99"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
     "tiles_built",
     "tile_linear",
+    "tile_gated",
     "vec_built",
     "vec_linear",
     "dot_built",

@@ -48,16 +48,40 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+def tile_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    n: int,
+    residual: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for bf16 rows ``x`` (..., K) on AMX tiles, ``packed`` from
     :func:`pack_tiles`, ``bias`` fp32 (n,) or None; (..., n) in bf16. Each output is its row times
     its column summed in fp32 over k in 32-deep tile products in k order, the bias added, rounded once:
-    a row's result is the same in any batch (any row count, any threads)."""
+    a row's result is the same in any batch (any row count, any threads). ``residual`` (..., n) bf16:
+    ``residual + product`` instead, added as torch adds two bf16 tensors (in fp32, rounded), in the
+    product's pass over its output."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:  # the kernel reads each row's k in place
         rows = rows.contiguous()
-    y: torch.Tensor = kernels.built().tile_linear(rows, packed, bias, n)
+    res = None if residual is None else residual.reshape(-1, n).contiguous()
+    y: torch.Tensor = kernels.built().tile_linear(rows, packed, bias, n, res)
     return y.view(*x.shape[:-1], n)
+
+
+def tile_gated(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], gate: int
+) -> torch.Tensor:
+    """A gated MLP's ``SiLU(x @ gate.T) * (x @ up.T)`` on AMX tiles, ``packed`` from :func:`pack_tiles`
+    of the gate's and the up projection's weights stacked (2 ``gate`` rows, ``gate`` a multiple of 16),
+    ``bias`` fp32 (2 gate,) or None: each product :func:`tile_linear`'s bits, the gate as
+    :func:`~zerotron.serve.kernels.silu_mul` computes it, in the products' pass (the two products of a
+    16-column block side by side in one tile task); (..., gate) bf16."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y: torch.Tensor = kernels.built().tile_gated(rows, packed, bias, gate)
+    return y.view(*x.shape[:-1], gate)
 
 
 def vec_available() -> bool:

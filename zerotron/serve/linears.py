@@ -167,6 +167,9 @@ class _LeanLayer:
         self.layer_idx, self.core = attn.layer_idx, attn.core
         self.gate = mlp.gate_proj.out_features
         self.native = native  # SiLU(gate) * up in one native pass (kernels.silu_mul)
+        # on AMX tiles: the gate in the gate/up product's pass, the residual adds in o's and down's
+        self.gated = _tile_gated(gate_up, self.gate) if native else None
+        self.o_add, self.down_add = _tile_residual(self.o), _tile_residual(self.down)
         # a quantised layer whose products and norms are all native: a packed step in one native call
         self.whole = (
             None if native else _whole_layer(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down])
@@ -194,7 +197,7 @@ class _LeanLayer:
         y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)
         if isinstance(kv_cache, PagedAttention) and kv_cache.packed:  # rotary, store, attention: native
             rows = kv_cache.attend_packed(self.layer_idx, y[0], cos[0, 0], sin[0, 0], nh)  # (s, nh, d)
-            x = x + self.o(rows.view(b, s, nh * d))
+            x = self.o_add(rows.view(b, s, nh * d), x)
         else:
             qk = y[..., : (nh + kvh) * d].view(b, s, nh + kvh, d)  # q's heads, then k's
             qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos/sin (b, s, 1, d)
@@ -204,11 +207,51 @@ class _LeanLayer:
                 out = kv_cache.attend(self.layer_idx, q, k, v, attn_mask, self.core)
             else:
                 out = self.core(q, k, v, attn_mask)
-            x = x + self.o(out.transpose(1, 2).reshape(b, s, nh * d))
+            x = self.o_add(out.transpose(1, 2).reshape(b, s, nh * d), x)
+        if self.gated is not None:
+            return self.down_add(self.gated(self.norm2(x)), x)
         gu = self.gate_up(self.norm2(x))
         if self.native:
-            return x + self.down(kernels.silu_mul(gu, self.gate))
-        return x + self.down(F.silu(gu[..., : self.gate]) * gu[..., self.gate :])
+            return self.down_add(kernels.silu_mul(gu, self.gate), x)
+        return self.down_add(F.silu(gu[..., : self.gate]) * gu[..., self.gate :], x)
+
+
+def _add_after(
+    linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    return residual + linear(x)
+
+
+def _tile_add(linear: Callable[..., torch.Tensor], x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return linear(x, residual=residual)
+
+
+def _tile_residual(
+    linear: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(x, residual) -> residual + linear(x)``: on AMX tiles (a bf16 :func:`pack_linears` native
+    product) the add in the product's pass over its output, the same bits."""
+    if isinstance(linear, functools.partial) and linear.func is linear_kernels.tile_linear:
+        return functools.partial(_tile_add, linear)
+    return functools.partial(_add_after, linear)
+
+
+def _tile_gated(
+    gate_up: Callable[[torch.Tensor], torch.Tensor], gate: int
+) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """``x -> SiLU(gate) * up`` of a gate/up product on AMX tiles in one pass
+    (:func:`~zerotron.serve.linear_kernels.tile_gated`, the bits of the product and
+    :func:`~zerotron.serve.kernels.silu_mul`); None for other products or a gate width not a multiple
+    of 16."""
+    if (
+        not (isinstance(gate_up, functools.partial) and gate_up.func is linear_kernels.tile_linear)
+        or gate % 16
+    ):
+        return None
+    keywords = gate_up.keywords
+    return functools.partial(
+        linear_kernels.tile_gated, packed=keywords["packed"], bias=keywords["bias"], gate=gate
+    )
 
 
 def _whole_layer(

@@ -218,6 +218,43 @@ __attribute__((always_inline)) inline void prefetch_slot(const T* p, int64_t ele
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// The AVX-512 helpers the generic AVX-512 kernels and the AMX kernels (built for other targets) share:
+// always inlined, of a target every caller's includes.
+#define ZT_AVX512_HELPER __attribute__((target("avx512f"), always_inline)) inline
+
+// 16 fp32 values rounded to bf16 as torch rounds (to nearest even on the bits, subnormals included),
+// back in fp32.
+ZT_AVX512_HELPER __m512 round_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// exp_neg on 16 lanes (the same reduction and polynomial, in fused multiply-adds).
+ZT_AVX512_HELPER __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fmadd_ps(fx, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Hi), x));
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// The gated MLP's SiLU(g) * u on 16 lanes of bf16 values g and u (in fp32), with the model's roundings:
+// silu(g) = g / (1 + e^-g) through exp_neg16 of -|g| (g >= 0: g / (1 + t), g < 0: g t / (1 + t),
+// t = e^-|g|), rounded to bf16, times u, rounded again.
+ZT_AVX512_HELPER __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 t = exp_neg16(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g)));
+  const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, t);
+  const __m512 silu = round_bf16(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), t)));
+  return round_bf16(_mm512_mul_ps(silu, u));
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -260,26 +297,7 @@ inline __m512 round_to(__m512 x);
 template <>
 inline __m512 round_to<float>(__m512 x) { return x; }
 template <>
-inline __m512 round_to<c10::BFloat16>(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// exp_neg on 16 lanes (the same reduction and polynomial, in fused multiply-adds).
-inline __m512 exp_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
-                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fmadd_ps(fx, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Hi), x));
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
+inline __m512 round_to<c10::BFloat16>(__m512 x) { return round_bf16(x); }
 
 // softmax's work on 16 lanes: each of ``group`` rows of ``n`` scores replaced by exp(score - max),
 // ``total`` the row sums (16 running sums over the row's positions j % 16, then added up).

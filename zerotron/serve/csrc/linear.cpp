@@ -66,26 +66,76 @@ ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const ui
 }
 
 // A linear's operands: x rows of `ldx` elements (the first `full` rows, a multiple of 16, read in
-// place), tail the rest (under 16) zero-padded to 16 rows of kblocks * 32; y (rows, n).
+// place), tail the rest (under 16) zero-padded to 16 rows of kblocks * 32; y (rows, n). Two
+// epilogues fused: `res` (rows, n) added to the rounded product and the sum rounded (torch's
+// `res + y` in bf16), or, `gate` > 0, a gated MLP's gate and up columns side by side (n = 2 gate,
+// gate a multiple of 16): y (rows, gate) is SiLU(gate) * up of the rounded products (silu_mul16).
 struct TileProblem {
   const uint16_t *x, *tail, *w;
   const float* bias;
   uint16_t* y;
   int64_t ldx, full, rows, n, nblocks, kblocks, chunk;
+  const uint16_t* res = nullptr;
+  int64_t gate = 0;
 };
 
 constexpr int64_t MCHUNK = 128;  // most rows of x a thread keeps in cache while it walks its columns
 
-// Tasks [begin, end) of one thread: task = (chunk of rows, pair of 16-column blocks), chunk-major.
+// 16 fp32 values as bf16 (TDPBF16PS's products are stored so: VCVTNEPS2BF16), back in fp32.
+ZT_TILE_TARGET inline __m512 tile_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// The sums c (mr rows of 32 fp32) of 16-column blocks nb (columns col0..) and nb2 stored to y: each
+// plus its bias, rounded to bf16 (plus t.res's value, rounded again), or for a gated product
+// SiLU(the first) * the second.
+ZT_TILE_TARGET inline void tile_store(const TileProblem& t, const float* c, int64_t m0, int64_t mr, int64_t col0,
+                                      int64_t col1, int64_t nbs) {
+  if (t.gate) {
+    const __m512 bg = t.bias ? _mm512_loadu_ps(t.bias + col0) : _mm512_setzero_ps();
+    const __m512 bu = t.bias ? _mm512_loadu_ps(t.bias + col1) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < mr; ++r) {
+      const __m512 g = tile_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32), bg));
+      const __m512 u = tile_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32 + 16), bu));
+      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(silu_mul16(g, u)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.y + (m0 + r) * t.gate + col0), _mm512_cvtepi32_epi16(bits));
+    }
+    return;
+  }
+  for (int64_t half = 0; half < nbs; ++half) {
+    const int64_t col = half ? col1 : col0;
+    if (col >= t.n) break;
+    const __mmask16 keep = t.n - col >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                           : static_cast<__mmask16>((1u << (t.n - col)) - 1);
+    const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < mr; ++r) {
+      __m512 v = _mm512_loadu_ps(c + r * 32 + half * 16);
+      if (t.bias) v = _mm512_add_ps(v, b);
+      uint16_t* out = t.y + (m0 + r) * t.n + col;
+      if (t.res) {
+        const __m256i x = _mm256_maskz_loadu_epi16(keep, t.res + (m0 + r) * t.n + col);
+        v = _mm512_add_ps(tile_round(v), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+        _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+      } else {
+        _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+// Tasks [begin, end) of one thread: task = (chunk of rows, pair of 16-column blocks), chunk-major; a
+// gated product's pairs are a gate block and its up block (gate / 16 blocks on).
 ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end) {
   load_tile_config();
   alignas(64) float c[32 * 32];
-  const int64_t pairs = (t.nblocks + 1) / 2, kblocks = t.kblocks, rows = t.rows, full = t.full;
+  const int64_t pairs = t.gate ? t.gate / 16 : (t.nblocks + 1) / 2, kblocks = t.kblocks, rows = t.rows;
+  const int64_t full = t.full;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t p = task % pairs, mc = task / pairs;
-    const int64_t nb = 2 * p, nbs = std::min<int64_t>(2, t.nblocks - nb);
+    const int64_t nb = t.gate ? p : 2 * p, nb2 = t.gate ? t.gate / 16 + p : nb + 1;
+    const int64_t nbs = std::min<int64_t>(2, t.nblocks - nb);
     const uint16_t* b0 = t.w + nb * kblocks * 512;
-    const uint16_t* b1 = b0 + kblocks * 512;
+    const uint16_t* b1 = t.w + nb2 * kblocks * 512;
     for (int64_t m0 = mc * t.chunk; m0 < std::min(rows, (mc + 1) * t.chunk); m0 += 32) {
       const uint16_t* a0 = m0 < full ? t.x + m0 * t.ldx : t.tail;
       const uint16_t* a1 = m0 + 16 < full ? t.x + (m0 + 16) * t.ldx : t.tail;
@@ -95,26 +145,14 @@ ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end)
       else if (rows - m0 > 16) tile_block<2, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
       else if (nbs == 2) tile_block<1, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
       else tile_block<1, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
-      const int64_t mr = std::min<int64_t>(32, rows - m0);
-      for (int64_t half = 0; half < nbs; ++half) {
-        const int64_t col = nb * 16 + half * 16;
-        if (col >= t.n) break;
-        const __mmask16 keep = t.n - col >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                               : static_cast<__mmask16>((1u << (t.n - col)) - 1);
-        const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < mr; ++r) {
-          __m512 v = _mm512_loadu_ps(c + r * 32 + half * 16);
-          if (t.bias) v = _mm512_add_ps(v, b);
-          _mm256_mask_storeu_epi16(t.y + (m0 + r) * t.n + col, keep, (__m256i)_mm512_cvtneps_pbh(v));
-        }
-      }
+      tile_store(t, c, m0, std::min<int64_t>(32, rows - m0), nb * 16, nb2 * 16, nbs);
     }
   }
   _tile_release();
 }
 
 void tile_linear_run(const TileProblem& t) {
-  const int64_t pairs = (t.nblocks + 1) / 2, chunks = (t.rows + t.chunk - 1) / t.chunk;
+  const int64_t pairs = t.gate ? t.gate / 16 : (t.nblocks + 1) / 2, chunks = (t.rows + t.chunk - 1) / t.chunk;
   at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) { tile_tasks(t, begin, end); });
 }
 #endif

@@ -7,16 +7,23 @@ bool tiles_built() {
 }
 
 // x (rows, K) bf16 with unit column stride; w from pack_tiles (N/16 blocks of 16 columns, K/32
-// blocks of 32: K rounded up to 32 with zero weights); bias (n,) fp32 or empty -> (rows, n) bf16
-torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n) {
+// blocks of 32: K rounded up to 32 with zero weights); bias (n,) fp32 or empty; residual (rows, n)
+// bf16 contiguous or empty -> (rows, n) bf16: the product (plus residual, as torch adds them); gate > 0:
+// n = 2 gate columns, gate's then up's, gate a multiple of 16 -> (rows, gate) SiLU(gate) * up
+torch::Tensor tile_product(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n,
+                           std::optional<torch::Tensor> residual, int64_t gate) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "bf16 rows");
   TORCH_CHECK(w.dim() == 5 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "packed weight");
   TORCH_CHECK(w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2 && n <= w.size(0) * 16 && n > w.size(0) * 16 - 16, "packed shape");
   TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous()), "fp32 bias of n");
+  TORCH_CHECK(gate == 0 || (gate % 16 == 0 && n == 2 * gate && !residual), "a gated product of 2 x gate columns, gate a multiple of 16");
   const int64_t rows = x.size(0), k = x.size(1), kblocks = w.size(1);
+  TORCH_CHECK(!residual || (residual->scalar_type() == torch::kBFloat16 && residual->is_contiguous() &&
+                            residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == n),
+              "a contiguous bf16 residual of the output's shape");
   TORCH_CHECK(k <= kblocks * 32 && k > kblocks * 32 - 32, "input features");
   if (rows > 1 && x.stride(0) < k) x = x.contiguous();
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = torch::empty({rows, gate ? gate : n}, x.options());
   if (rows == 0) return y;
 #if defined(ZT_TILES)
   // rows are read in place when K is a multiple of 32 (else from a zero-padded copy), the last
@@ -28,13 +35,23 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch:
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   TileProblem t{reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(tail.data_ptr()),
                 reinterpret_cast<const uint16_t*>(w.data_ptr()), b, reinterpret_cast<uint16_t*>(y.data_ptr()),
-                x.stride(0), full, rows, n, w.size(0), kblocks, even_chunk(rows, MCHUNK, 32)};
+                x.stride(0), full, rows, n, w.size(0), kblocks, even_chunk(rows, MCHUNK, 32),
+                residual ? reinterpret_cast<const uint16_t*>(residual->data_ptr()) : nullptr, gate};
   pybind11::gil_scoped_release no_gil;
   tile_linear_run(t);
   return y;
 #else
   TORCH_CHECK(false, "this build has no AMX tile kernels");
 #endif
+}
+
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t n,
+                          std::optional<torch::Tensor> residual) {
+  return tile_product(x, w, bias, n, residual, 0);
+}
+
+torch::Tensor tile_gated(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t gate) {
+  return tile_product(x, w, bias, 2 * gate, std::nullopt, gate);
 }
 bool vec_built() {
 #if defined(ZT_VEC)
