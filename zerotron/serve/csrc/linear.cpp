@@ -37,9 +37,16 @@ ZT_TILE_TARGET inline void load_tile_config(int64_t rows = 16) {
 // Each product follows the loads it needs, the next tile's load behind it (as the quantised tiles'
 // loop is ordered): with the four loads first, SmolLM2's gate/up product at 2,048 rows ran at
 // 1.45-1.67 TFLOP/s (2 threads), 1.70-2.13 this way; each C tile's sum over k the same, so its bits.
-template <int MA, int NB>
+// `work(kb)` runs after each k step's products are issued: vector work of another block (its
+// epilogue) that the core then does while the tile unit multiplies.
+struct NoWork {
+  inline void operator()(int64_t) const {}
+};
+
+template <int MA, int NB, typename Work = NoWork>
 ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const uint16_t* a1, int64_t lda1,
-                                      const uint16_t* b0, const uint16_t* b1, int64_t kblocks, float* c) {
+                                      const uint16_t* b0, const uint16_t* b1, int64_t kblocks, float* c,
+                                      const Work& work = Work()) {
   _tile_zero(0);
   if (NB == 2) _tile_zero(1);
   if (MA == 2) _tile_zero(2);
@@ -57,6 +64,7 @@ ZT_TILE_TARGET inline void tile_block(const uint16_t* a0, int64_t lda0, const ui
       _tile_dpbf16ps(2, 5, 6);
       if (NB == 2) _tile_dpbf16ps(3, 5, 7);
     }
+    work(kb);
   }
   char* cc = reinterpret_cast<char*>(c);
   _tile_stored(0, cc, 128);
@@ -86,15 +94,15 @@ ZT_TILE_TARGET inline __m512 tile_round(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
-// The sums c (mr rows of 32 fp32) of 16-column blocks nb (columns col0..) and nb2 stored to y: each
-// plus its bias, rounded to bf16 (plus t.res's value, rounded again), or for a gated product
-// SiLU(the first) * the second.
-ZT_TILE_TARGET inline void tile_store(const TileProblem& t, const float* c, int64_t m0, int64_t mr, int64_t col0,
-                                      int64_t col1, int64_t nbs) {
+// Rows r0 .. r1 - 1 of the sums c (rows of 32 fp32, output rows m0 on) of the 16-column blocks at
+// columns col0 and col1 stored to y: each plus its bias, rounded to bf16 (plus t.res's value, rounded
+// again), or for a gated product SiLU(the first) * the second.
+ZT_TILE_TARGET inline void tile_store(const TileProblem& t, const float* c, int64_t m0, int64_t r0, int64_t r1,
+                                      int64_t col0, int64_t col1, int64_t nbs) {
   if (t.gate) {
     const __m512 bg = t.bias ? _mm512_loadu_ps(t.bias + col0) : _mm512_setzero_ps();
     const __m512 bu = t.bias ? _mm512_loadu_ps(t.bias + col1) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < mr; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const __m512 g = tile_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32), bg));
       const __m512 u = tile_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32 + 16), bu));
       const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(silu_mul16(g, u)), 16);
@@ -108,7 +116,7 @@ ZT_TILE_TARGET inline void tile_store(const TileProblem& t, const float* c, int6
     const __mmask16 keep = t.n - col >= 16 ? static_cast<__mmask16>(0xFFFF)
                                            : static_cast<__mmask16>((1u << (t.n - col)) - 1);
     const __m512 b = t.bias ? _mm512_maskz_loadu_ps(keep, t.bias + col) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < mr; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       __m512 v = _mm512_loadu_ps(c + r * 32 + half * 16);
       if (t.bias) v = _mm512_add_ps(v, b);
       uint16_t* out = t.y + (m0 + r) * t.n + col;
@@ -123,13 +131,28 @@ ZT_TILE_TARGET inline void tile_store(const TileProblem& t, const float* c, int6
   }
 }
 
+// A block's epilogue (tile_store) spread over the next block's k steps, `per` rows a step: the
+// stores' vector work beside the next products instead of between them.
+struct TileEpilogue {
+  const TileProblem* t = nullptr;
+  const float* c = nullptr;
+  int64_t m0 = 0, mr = 0, col0 = 0, col1 = 0, nbs = 0, per = 0;
+  ZT_TILE_TARGET inline void operator()(int64_t kb) const {
+    const int64_t r0 = kb * per;
+    if (r0 < mr) tile_store(*t, c, m0, r0, std::min(mr, r0 + per), col0, col1, nbs);
+  }
+};
+
 // Tasks [begin, end) of one thread: task = (chunk of rows, pair of 16-column blocks), chunk-major; a
-// gated product's pairs are a gate block and its up block (gate / 16 blocks on).
+// gated product's pairs are a gate block and its up block (gate / 16 blocks on). Each block's sums
+// go to one of two buffers and are stored during the next block's products.
 ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end) {
   load_tile_config();
-  alignas(64) float c[32 * 32];
+  alignas(64) float c[2][32 * 32];
   const int64_t pairs = t.gate ? t.gate / 16 : (t.nblocks + 1) / 2, kblocks = t.kblocks, rows = t.rows;
   const int64_t full = t.full;
+  TileEpilogue pending;  // the previous block's stores (none yet)
+  int cur = 0;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t p = task % pairs, mc = task / pairs;
     const int64_t nb = t.gate ? p : 2 * p, nb2 = t.gate ? t.gate / 16 + p : nb + 1;
@@ -141,13 +164,17 @@ ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end)
       const uint16_t* a1 = m0 + 16 < full ? t.x + (m0 + 16) * t.ldx : t.tail;
       const int64_t lda0 = (m0 < full ? t.ldx : kblocks * 32) * 2;
       const int64_t lda1 = (m0 + 16 < full ? t.ldx : kblocks * 32) * 2;
-      if (rows - m0 > 16 && nbs == 2) tile_block<2, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
-      else if (rows - m0 > 16) tile_block<2, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
-      else if (nbs == 2) tile_block<1, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
-      else tile_block<1, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, c);
-      tile_store(t, c, m0, std::min<int64_t>(32, rows - m0), nb * 16, nb2 * 16, nbs);
+      float* cc = c[cur];
+      if (rows - m0 > 16 && nbs == 2) tile_block<2, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, cc, pending);
+      else if (rows - m0 > 16) tile_block<2, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, cc, pending);
+      else if (nbs == 2) tile_block<1, 2>(a0, lda0, a1, lda1, b0, b1, kblocks, cc, pending);
+      else tile_block<1, 1>(a0, lda0, a1, lda1, b0, b1, kblocks, cc, pending);
+      const int64_t mr = std::min<int64_t>(32, rows - m0);
+      pending = TileEpilogue{&t, cc, m0, mr, nb * 16, nb2 * 16, nbs, (mr + kblocks - 1) / kblocks};
+      cur ^= 1;
     }
   }
+  if (pending.t) tile_store(t, pending.c, pending.m0, 0, pending.mr, pending.col0, pending.col1, pending.nbs);
   _tile_release();
 }
 
