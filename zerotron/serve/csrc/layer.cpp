@@ -5,6 +5,21 @@
 // alone, so a row's bits never depend on its company; the roundings are the model's own (RMSNorm: the
 // statistic in fp32, the normalised row rounded to the dtype, then times the weight, rounded again;
 // SiLU rounded to the dtype before the product).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The lanes `keep` names of 16 bf16 values widened to fp32 (the others 0); of fp32 bf16 values `v`, stored.
+inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 keep) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+}
+inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 keep) {
+  _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#define ZT_BF16_ROWS 1
+// 16 lanes of a row of n (the lanes from j on that the row has).
+inline __mmask16 lanes_from(int64_t j, int64_t n) {
+  return n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+}
+#endif
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, int64_t ldx, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -25,15 +40,6 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, int64_
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// The lanes `keep` names of 16 bf16 values widened to fp32 (the others 0); of fp32 bf16 values `v`, stored.
-inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 keep) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
-}
-inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 keep) {
-  _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-#endif
 
 // silu(g) = g / (1 + e^-g), through exp_neg of -|g| on both sides of zero: g >= 0 as g / (1 + t),
 // g < 0 as g t / (1 + t), t = e^-|g|. bf16 rows on AVX-512: silu_mul16, the same arithmetic.
@@ -44,11 +50,10 @@ void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t width, int64_t ld) {
       const T* g = gu + r * ld;
       const T* u = g + width;
       T* yr = y + r * width;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(ZT_BF16_ROWS)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {  // silu_mul16: the bf16 tile products' own gate
         for (int64_t j = 0; j < width; j += 16) {
-          const __mmask16 keep = width - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                                 : static_cast<__mmask16>((1u << (width - j)) - 1);
+          const __mmask16 keep = lanes_from(j, width);
           store_bf16(yr + j, silu_mul16(load_bf16(g + j, keep), load_bf16(u + j, keep)), keep);
         }
         continue;
@@ -73,6 +78,21 @@ void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t width, int64_t ld) {
 template <typename T>
 inline void rotate(const T* x, const T* c, const T* s, T* o, int64_t dim) {
   const int64_t half = dim / 2;
+#if defined(ZT_BF16_ROWS)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (half % 16 == 0) {  // 16 lanes at a time, the same roundings (bf16's, exact in fp32)
+      const __mmask16 all = 0xFFFF;
+      for (int64_t j = 0; j < dim; j += 16) {
+        const __m512 other = load_bf16(x + (j < half ? j + half : j - half), all);
+        const __m512 rot = j < half ? _mm512_sub_ps(_mm512_setzero_ps(), other) : other;
+        const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(x + j, all), load_bf16(c + j, all)));
+        const __m512 b = round_bf16(_mm512_mul_ps(rot, load_bf16(s + j, all)));
+        store_bf16(o + j, round_bf16(_mm512_add_ps(a, b)), all);
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t j = 0; j < dim; ++j) {
     const float rot = j < half ? -static_cast<float>(x[j + half]) : static_cast<float>(x[j - half]);
     const float a = static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(c[j])));
