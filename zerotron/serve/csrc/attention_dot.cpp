@@ -384,7 +384,8 @@ ZT_DOT_TARGET inline void share_blocks(DotGroup& g, const AttentionProblem& pr, 
 // (kStreamKeys, kStreamValues): the chunk's slots copied whole, every KV head, as the pool lies
 // (stage_slots), then each head's keys or values packed from the copy and used at once. Each element
 // is the one the packed walk gives: the same products added in the same order (O's sums stored
-// between chunks in fp32 and loaded again). The dot and tile kernels' stream.
+// between chunks in fp32 and loaded again). The dot and tile kernels' stream (the tile kernel's chunks
+// packed straight from the pool, without the copy: kStreamFrom in attention_tiles.cpp).
 constexpr int64_t kStreamKeys = 64, kStreamValues = 128;
 
 struct StreamBuffers {
