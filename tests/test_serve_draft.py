@@ -238,3 +238,23 @@ def test_serve_with_a_speculative_model_from_the_command_line(tmp_path: object) 
         if x.startswith("zerotron_spec_decode_num_draft_tokens_total")
     )
     assert drafted > 0
+
+
+def test_the_server_faults_in_the_drafts_pool_too(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """settle_process (the server's start) hands heap.prefault the draft's KV pool beside the served
+    model's: a draft writes its pool every step, and its first pages would otherwise be faulted in then."""
+    from zerotron.serve import app, heap
+
+    engine = _engine(model, None, LAYERS)
+    assert engine.drafter is not None
+    seen: list[torch.Tensor] = []
+    monkeypatch.setattr(heap, "keep_freed", lambda: None)
+    monkeypatch.setattr(heap, "settle_objects", lambda: None)
+    monkeypatch.setattr(heap, "prefault", lambda tensors: seen.extend(tensors))
+    app.settle_process(engine)
+    ids = {t.data_ptr() for t in seen}
+    assert {t.data_ptr() for t in engine.kv.tensors()} <= ids
+    assert {t.data_ptr() for t in engine.drafter.kv.tensors()} <= ids
+    assert len(ids) == len(engine.kv.tensors()) + len(engine.drafter.kv.tensors())

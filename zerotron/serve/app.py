@@ -375,12 +375,15 @@ def bind_threads(
 
 def settle_process(engine: Engine) -> Optional[str]:
     """A serving rank's heaps (:mod:`zerotron.serve.heap`): on a CPU freed memory kept for the next
-    step and the KV pool faulted in behind the start, and the objects alive now frozen out of full
-    collections. Why memory is not kept, or None."""
+    step and the KV pools (the served model's, a draft model's) faulted in behind the start, and the
+    objects alive now frozen out of full collections. Why memory is not kept, or None."""
     kept = None
     if engine.runner.device.type == "cpu":
         kept = heap.keep_freed()
-        heap.prefault(engine.kv.tensors())
+        pools = engine.kv.tensors()
+        if engine.drafter is not None:  # the draft's own pool, written as often as the served one's
+            pools += engine.drafter.kv.tensors()
+        heap.prefault(pools)
     heap.settle_objects()
     return kept
 
