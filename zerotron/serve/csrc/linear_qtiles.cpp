@@ -309,13 +309,14 @@ ZT_QTILE_TARGET void qtile_small(const QTileProblem& t, int64_t o0, int ma, int 
   if (ma == 2 && nb == 2) _tile_stored(3, cc + 16 * 128 + 64, 128);
 }
 
-// Rows m0 .. m0 + mr - 1 of outputs o0 .. o0 + ow - 1 from c[output][row] (as tile_block stores it),
-// rounded to bf16: each row's outputs, 16 at a time, gathered down a column of c.
-ZT_QTILE_TARGET inline void qtile_store(const QTileProblem& t, const float* c, int64_t m0, int64_t mr, int64_t o0,
-                                        int64_t ow) {
+// Rows m0 + r0 .. m0 + r1 - 1 of outputs o0 .. o0 + ow - 1 from c[output][row] (as tile_block stores
+// it), rounded to bf16: each row's outputs, 16 at a time, gathered down a column of c. (The bf16 tile
+// target: its callers include tile_block's work, run inside tile_block.)
+ZT_TILE_TARGET inline void qtile_store(const QTileProblem& t, const float* c, int64_t m0, int64_t r0, int64_t r1,
+                                       int64_t o0, int64_t ow) {
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(32));
-  for (int64_t r = 0; r < mr; ++r)
+  for (int64_t r = r0; r < r1; ++r)
     for (int64_t j = 0; j < ow; j += 16) {
       const __mmask16 keep = ow - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (ow - j)) - 1);
       const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, column, c + j * 32 + r, 4);
@@ -323,7 +324,23 @@ ZT_QTILE_TARGET inline void qtile_store(const QTileProblem& t, const float* c, i
     }
 }
 
-// Tasks [begin, end) of one thread: task = (32 outputs, chunk of rows), output-major.
+// A block's stores (qtile_store) spread over the next block's k steps, `per` rows a step (as the bf16
+// tile linear's TileEpilogue).
+struct QTileEpilogue {
+  const QTileProblem* t = nullptr;
+  const float* c = nullptr;
+  int64_t m0 = 0, mr = 0, o0 = 0, ow = 0, per = 0;
+  ZT_TILE_TARGET inline void operator()(int64_t kb) const {
+    const int64_t r0 = kb * per;
+    if (r0 < mr) qtile_store(*t, c, m0, r0, std::min(mr, r0 + per), o0, ow);
+  }
+  ZT_TILE_TARGET inline void finish() const {
+    if (t) qtile_store(*t, c, m0, 0, mr, o0, ow);
+  }
+};
+
+// Tasks [begin, end) of one thread: task = (32 outputs, chunk of rows), output-major. Each block's
+// sums go to one of two buffers and are stored during the next block's products.
 ZT_QTILE_TARGET void qtile_tasks(const QTileProblem& t, int64_t begin, int64_t end) {
   load_tile_config();
   const Q8Problem& q = t.q;
@@ -332,16 +349,18 @@ ZT_QTILE_TARGET void qtile_tasks(const QTileProblem& t, int64_t begin, int64_t e
   const int64_t kp = t.kblocks * 32 + 32, rows = q.rows, n = q.n;
   thread_local std::vector<uint16_t> panel;
   if (static_cast<int64_t>(panel.size()) < QTO * kp) panel.resize(QTO * kp);
-  alignas(64) float c[32 * 32];
+  alignas(64) float c[2][32 * 32];
   const bool small = rows <= 32 && q.group % 16 == 0;
   int64_t have = -1;
+  QTileEpilogue pending;  // the previous block's stores (none yet; never in small calls)
+  int cur = 0;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t p = task / t.chunks, mc = task % t.chunks, o0 = p * QTO;
     if (small) {
       const int ma = n - o0 > 16 ? 2 : 1, nb = rows > 16 ? 2 : 1;
-      if (q.kind == 1) qtile_small<1>(t, o0, ma, nb, c);
-      else qtile_small<0>(t, o0, ma, nb, c);
-      qtile_store(t, c, 0, rows, o0, std::min(QTO, n - o0));
+      if (q.kind == 1) qtile_small<1>(t, o0, ma, nb, c[0]);
+      else qtile_small<0>(t, o0, ma, nb, c[0]);
+      qtile_store(t, c[0], 0, 0, rows, o0, std::min(QTO, n - o0));
       continue;
     }
     if (p != have) {
@@ -356,13 +375,16 @@ ZT_QTILE_TARGET void qtile_tasks(const QTileProblem& t, int64_t begin, int64_t e
       const uint16_t* b0 = t.xp + (m0 / 16) * t.kblocks * 512;
       const uint16_t* b1 = b0 + t.kblocks * 512;
       const int64_t mr = std::min<int64_t>(32, rows - m0);
-      if (ow > 16 && mr > 16) tile_block<2, 2>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
-      else if (ow > 16) tile_block<2, 1>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
-      else if (mr > 16) tile_block<1, 2>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
-      else tile_block<1, 1>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, c);
-      qtile_store(t, c, m0, mr, o0, ow);
+      float* cc = c[cur];
+      if (ow > 16 && mr > 16) tile_block<2, 2>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, cc, pending);
+      else if (ow > 16) tile_block<2, 1>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, cc, pending);
+      else if (mr > 16) tile_block<1, 2>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, cc, pending);
+      else tile_block<1, 1>(a0, kp * 2, a1, kp * 2, b0, b1, t.kblocks, cc, pending);
+      pending = QTileEpilogue{&t, cc, m0, mr, o0, ow, (mr + t.kblocks - 1) / t.kblocks};
+      cur ^= 1;
     }
   }
+  pending.finish();
   _tile_release();
 }
 
