@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_serve_engine import _each_row_alone
 from zerotron.serve import kernels, linear_kernels
 
 
@@ -26,7 +27,7 @@ COUNTS = (1, 2, 15, 16, 17, 31, 32, 33, 129, 300)
 def test_tile_gated_is_silu_of_the_product_times_up(gate: int, k: int, bias: bool) -> None:
     """tile_gated against torch's ``F.silu(gate) * up`` of the tile product: within two bf16 roundings
     (torch's exp is not ours), the same bits as the product followed by kernels.silu_mul (one gate
-    arithmetic), every row alone at any row count and with one thread."""
+    arithmetic), every row alone at any row count, leading shape, row stride and with one thread."""
     _tiles_or_skip()
     g = torch.Generator().manual_seed(gate + k)
     weight = (torch.randn(2 * gate, k, generator=g) * 2 / k**0.5).bfloat16()  # gates far into both tails
@@ -40,14 +41,7 @@ def test_tile_gated_is_silu_of_the_product_times_up(gate: int, k: int, bias: boo
     assert ((y.float() - want.float()).abs() <= want.float().abs() * 2**-6 + 1e-6).all()
     assert torch.equal(y, kernels.silu_mul(gu, gate))
     fused = functools.partial(linear_kernels.tile_gated, packed=packed, bias=b, gate=gate)
-    for rows in COUNTS:
-        assert torch.equal(fused(x[:rows]), y[:rows]), rows
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(fused(x), y)
-    finally:
-        torch.set_num_threads(threads)
+    _each_row_alone(fused, x, y, COUNTS, g)
 
 
 def test_tile_gated_refuses_a_gate_not_of_whole_blocks() -> None:
