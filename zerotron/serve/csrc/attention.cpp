@@ -232,6 +232,14 @@ ZT_AVX512_HELPER __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// 16 bf16 values (their bits) widened to fp32; fp32 values that are bf16 values narrowed to their bits.
+ZT_AVX512_HELPER __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+ZT_AVX512_HELPER __m256i narrow_bf16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+}
+
 // exp_neg on 16 lanes (the same reduction and polynomial, in fused multiply-adds).
 ZT_AVX512_HELPER __m512 exp_neg16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

@@ -8,10 +8,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // The lanes `keep` names of 16 bf16 values widened to fp32 (the others 0); of fp32 bf16 values `v`, stored.
 inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 keep) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+  return widen_bf16(_mm256_maskz_loadu_epi16(keep, p));
 }
 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 keep) {
-  _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+  _mm256_mask_storeu_epi16(p, keep, narrow_bf16(v));
 }
 #define ZT_BF16_ROWS 1
 // 16 lanes of a row of n (the lanes from j on that the row has).

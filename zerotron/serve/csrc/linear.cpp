@@ -91,7 +91,7 @@ constexpr int64_t MCHUNK = 128;  // most rows of x a thread keeps in cache while
 
 // 16 fp32 values as bf16 (TDPBF16PS's products are stored so: VCVTNEPS2BF16), back in fp32.
 ZT_TILE_TARGET inline __m512 tile_round(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // Rows r0 .. r1 - 1 of the sums c (rows of 32 fp32, output rows m0 on) of the 16-column blocks at
@@ -105,8 +105,7 @@ ZT_TILE_TARGET inline void tile_store(const TileProblem& t, const float* c, int6
     for (int64_t r = r0; r < r1; ++r) {
       const __m512 g = tile_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32), bg));
       const __m512 u = tile_round(_mm512_add_ps(_mm512_loadu_ps(c + r * 32 + 16), bu));
-      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(silu_mul16(g, u)), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.y + (m0 + r) * t.gate + col0), _mm512_cvtepi32_epi16(bits));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.y + (m0 + r) * t.gate + col0), narrow_bf16(silu_mul16(g, u)));
     }
     return;
   }
@@ -121,9 +120,8 @@ ZT_TILE_TARGET inline void tile_store(const TileProblem& t, const float* c, int6
       if (t.bias) v = _mm512_add_ps(v, b);
       uint16_t* out = t.y + (m0 + r) * t.n + col;
       if (t.res) {
-        const __m256i x = _mm256_maskz_loadu_epi16(keep, t.res + (m0 + r) * t.n + col);
-        v = _mm512_add_ps(tile_round(v), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
-        _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+        v = _mm512_add_ps(tile_round(v), widen_bf16(_mm256_maskz_loadu_epi16(keep, t.res + (m0 + r) * t.n + col)));
+        _mm256_mask_storeu_epi16(out, keep, narrow_bf16(round_bf16(v)));
       } else {
         _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
       }
@@ -140,6 +138,9 @@ struct TileEpilogue {
   ZT_TILE_TARGET inline void operator()(int64_t kb) const {
     const int64_t r0 = kb * per;
     if (r0 < mr) tile_store(*t, c, m0, r0, std::min(mr, r0 + per), col0, col1, nbs);
+  }
+  ZT_TILE_TARGET inline void finish() const {
+    if (t) tile_store(*t, c, m0, 0, mr, col0, col1, nbs);
   }
 };
 
@@ -174,7 +175,7 @@ ZT_TILE_TARGET void tile_tasks(const TileProblem& t, int64_t begin, int64_t end)
       cur ^= 1;
     }
   }
-  if (pending.t) tile_store(t, pending.c, pending.m0, 0, pending.mr, pending.col0, pending.col1, pending.nbs);
+  pending.finish();
   _tile_release();
 }
 
