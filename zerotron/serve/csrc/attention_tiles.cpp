@@ -165,7 +165,9 @@ ZT_TILE_TARGET void tile_block_head(TileAttention& b, const AttentionProblem& pr
 // below 1,024 keys packing the list was the faster (1.3-1.5x against 1.6-1.9x at 128 keys). Each
 // chunk's keys and values are packed straight from the pool, not from a copy of the chunk's slots
 // (stage_slots, the dot kernel's way): 16 decodes of 2,048 keys over 30 layers' pools on the AMX Xeon,
-// 2.13-2.17 ms a layer against 2.44-2.52 (the copy stalled on memory with nothing else to do).
+// 2.13-2.17 ms a layer against 2.44-2.52 (the copy stalled on memory with nothing else to do). A bf16
+// pool's keys are not packed at all (key_scores): 1.90-1.93 ms against 2.13-2.17; requesting the next
+// 64 keys' slots into L2 meanwhile, 2.00-2.09 (not kept).
 constexpr int64_t kStreamFrom = 1024;
 
 struct TileStream : StreamBuffers {
@@ -184,6 +186,93 @@ ZT_TILE_TARGET void stream_scores(TileStream& b, const AttentionProblem& pr, con
       score_tiles(b.q.data() + kh * m * dim, b.keys.data(), dim, b.s.data() + kh * m * ls + j0, ls);
     }
   }
+}
+
+// The tile config of key_scores: tiles 0-4 16 rows of m fp32 (C: 16 keys x m rows) or m pairs of
+// bf16 (B: the rows' dims), 5-7 16 rows of 64 bytes (A: 16 keys' 32 dims).
+ZT_TILE_TARGET inline void load_key_config(int64_t m) {
+  TileConfig cfg;
+  const uint16_t narrow = static_cast<uint16_t>(4 * m);
+  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[4] = narrow;
+  cfg.colsb[5] = cfg.colsb[6] = cfg.colsb[7] = 64;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16;
+  load_config(cfg);
+}
+
+// Where 16 keys j0 .. j0 + 15 of KV head kh are read as an A tile: the pool itself where the 16 slots
+// are consecutive (a block's) and below n, slot stride apart; else copied into stage (dim apart, zeros
+// at or past n). Returns the first key's vector; stride set in bytes.
+inline const uint16_t* key_rows(const KVSource& kp, const int64_t* slot, int64_t j0, int64_t n, int64_t kv,
+                                int64_t kh, int64_t dim, uint16_t* stage, int64_t& stride) {
+  bool direct = j0 + 16 <= n;
+  for (int64_t c = 1; direct && c < 16; ++c) direct = slot[j0 + c] == slot[j0] + c;
+  if (direct) {
+    stride = kv * dim * 2;
+    return kp.bf16 + (slot[j0] * kv + kh) * dim;
+  }
+  for (int64_t c = 0; c < 16; ++c) {
+    if (j0 + c < n)
+      std::memcpy(stage + c * dim, kp.bf16 + (slot[j0 + c] * kv + kh) * dim, dim * 2);
+    else
+      std::memset(stage + c * dim, 0, dim * 2);
+  }
+  stride = dim * 2;
+  return stage;
+}
+
+// S = Q K^T of a bf16 pool for every KV head's m rows without packing the keys: S^T = K Q^T, 16 keys
+// of the pool an A tile (their dims in pairs as they lie) and the rows' dims a B tile (qt: pairs of
+// dims down, the m rows across), the 16 x m tiles transposed into s. Each element the product
+// score_tiles forms (the same pairs of bf16 products, TDPBF16PS over the head's dims in order): the
+// same bits as a row scored on packed keys. Packing the keys was half the streamed decode's time;
+// transposing each 16 x m tile of S is a quarter of the shuffles the packing took.
+ZT_TILE_TARGET void key_scores(TileStream& b, const AttentionProblem& pr, const int64_t* slot, int64_t n, int64_t m,
+                               int64_t n64, int64_t ls) {
+  const int64_t dim = pr.dim, kv = pr.kv_heads, halves = dim / 32;
+  b.keys.resize(kv * halves * 256 + 4 * 16 * dim / 2 + 64 * 16);
+  uint32_t* qt = b.keys.data();  // (KV head, half, pair of dims k, row i) at ((kh * halves + h) * 16 + k) * 16 + i
+  uint16_t* stage = reinterpret_cast<uint16_t*>(qt + kv * halves * 256);  // 4 x 16 keys of dim
+  float* t = reinterpret_cast<float*>(qt + kv * halves * 256 + 4 * 16 * dim / 2);  // 64 keys x 16
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(b.q.data());
+  for (int64_t kh = 0; kh < kv; ++kh)
+    for (int64_t h = 0; h < halves; ++h)
+      for (int64_t k = 0; k < 16; ++k)
+        for (int64_t i = 0; i < m; ++i) qt[((kh * halves + h) * 16 + k) * 16 + i] = q32[((kh * m + i) * dim + 32 * h) / 2 + k];
+  load_key_config(m);
+  for (int64_t j0 = 0; j0 < n64; j0 += 64) {
+    for (int64_t kh = 0; kh < kv; ++kh) {
+      int64_t st[4];
+      const char* a[4];
+      for (int g = 0; g < 4; ++g)
+        a[g] = reinterpret_cast<const char*>(key_rows(pr.kp, slot, j0 + 16 * g, n, kv, kh, dim, stage + g * 16 * dim, st[g]));
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t h = 0; h < halves; ++h) {
+        _tile_loadd(4, qt + (kh * halves + h) * 256, 64);
+        _tile_loadd(5, a[0] + 64 * h, st[0]);
+        _tile_dpbf16ps(0, 5, 4);
+        _tile_loadd(6, a[1] + 64 * h, st[1]);
+        _tile_dpbf16ps(1, 6, 4);
+        _tile_loadd(7, a[2] + 64 * h, st[2]);
+        _tile_dpbf16ps(2, 7, 4);
+        _tile_loadd(5, a[3] + 64 * h, st[3]);
+        _tile_dpbf16ps(3, 5, 4);
+      }
+      _tile_stored(0, t, 64);
+      _tile_stored(1, t + 256, 64);
+      _tile_stored(2, t + 512, 64);
+      _tile_stored(3, t + 768, 64);
+      for (int g = 0; g < 4; ++g) {
+        __m512i r[16];
+        for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_si512(t + (16 * g + c) * 16);
+        transpose16(r);
+        for (int64_t i = 0; i < m; ++i) _mm512_storeu_si512(b.s.data() + (kh * m + i) * ls + j0 + 16 * g, r[i]);
+      }
+    }
+  }
+  load_tile_config(m);
 }
 
 // O = P V for every KV head's m rows over keys 0 .. n32, kStreamValues keys at a time, key order from
@@ -210,7 +299,13 @@ ZT_TILE_TARGET void stream_block(TileStream& b, const AttentionProblem& pr, cons
   const int64_t m = nr * (pr.heads / pr.kv_heads);
   if (b.config != m) load_tile_config(m);  // A and C tiles of the block's m rows
   b.config = m;
-  stream_rows(b, pr, len, r0, nr, [&](int64_t n, int64_t m, int64_t n64, int64_t ls) { stream_scores(b, pr, slot, n, m, n64, ls); },
+  stream_rows(b, pr, len, r0, nr,
+              [&](int64_t n, int64_t m, int64_t n64, int64_t ls) {
+                if (pr.kp.bf16 != nullptr)
+                  key_scores(b, pr, slot, n, m, n64, ls);
+                else
+                  stream_scores(b, pr, slot, n, m, n64, ls);
+              },
               [&](int64_t n, int64_t m, int64_t n32, int64_t lp) { stream_values(b, pr, slot, n, m, n32, lp); });
 }
 

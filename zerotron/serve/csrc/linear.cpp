@@ -21,6 +21,14 @@ struct TileConfig {
   uint8_t rows[16] = {0};
 };
 
+// A config loaded for this thread. The config's bytes are handed to an empty asm that reads memory
+// first: gcc 12 does not count LDTILECFG as reading the whole 64 bytes, and inlined into a caller it
+// dropped the stores of the rows and widths (a zero config, and the fault that loading it raises).
+ZT_TILE_TARGET __attribute__((always_inline)) inline void load_config(const TileConfig& cfg) {
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 // Every tile 64 bytes wide, for this thread: tiles 0-4 (the C and A tiles) of ``rows`` rows, 5-7 (B)
 // of 16; the linear kernels' one shape is 16 rows of every tile.
 ZT_TILE_TARGET inline void load_tile_config(int64_t rows = 16) {
@@ -29,7 +37,7 @@ ZT_TILE_TARGET inline void load_tile_config(int64_t rows = 16) {
     cfg.rows[i] = i < 5 ? static_cast<uint8_t>(rows) : 16;
     cfg.colsb[i] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // One block of MA x 16 rows (A tiles 4, 5: 16 rows each from a0, a1, lda0/lda1 bytes apart) times
