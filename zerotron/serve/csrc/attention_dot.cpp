@@ -385,7 +385,8 @@ ZT_DOT_TARGET inline void share_blocks(DotGroup& g, const AttentionProblem& pr, 
 // (stage_slots), then each head's keys or values packed from the copy and used at once. Each element
 // is the one the packed walk gives: the same products added in the same order (O's sums stored
 // between chunks in fp32 and loaded again). The dot and tile kernels' stream (the tile kernel's chunks
-// packed straight from the pool, without the copy: kStreamFrom in attention_tiles.cpp).
+// packed straight from the pool, without the copy, and a bf16 pool's keys not packed at all:
+// kStreamFrom and key_scores in attention_tiles.cpp).
 constexpr int64_t kStreamKeys = 64, kStreamValues = 128;
 
 struct StreamBuffers {
