@@ -22,8 +22,8 @@ struct TileConfig {
 };
 
 // A config loaded for this thread. The config's bytes are handed to an empty asm that reads memory
-// first: gcc 12 does not count LDTILECFG as reading the whole 64 bytes, and inlined into a caller it
-// dropped the stores of the rows and widths (a zero config, and the fault that loading it raises).
+// first: gcc 12.2.0 inlined a config built in a loop into its caller and dropped the stores of the rows
+// and widths before LDTILECFG (a zero config, and the fault that loading it raises).
 ZT_TILE_TARGET __attribute__((always_inline)) inline void load_config(const TileConfig& cfg) {
   __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
