@@ -199,14 +199,19 @@ ZT_TILE_TARGET inline void load_key_config(int64_t m) {
   load_config(cfg);
 }
 
-// Where 16 keys j0 .. j0 + 15 of KV head kh are read as an A tile: the pool itself where the 16 slots
-// are consecutive (a block's) and below n, slot stride apart; else copied into stage (dim apart, zeros
-// at or past n). Returns the first key's vector; stride set in bytes.
+// Whether keys j0 .. j0 + 15 lie in 16 consecutive slots (a block's) below n: read where they lie.
+inline bool slot_run(const int64_t* slot, int64_t j0, int64_t n) {
+  bool run = j0 + 16 <= n;
+  for (int64_t c = 1; run && c < 16; ++c) run = slot[j0 + c] == slot[j0] + c;
+  return run;
+}
+
+// Where 16 keys j0 .. j0 + 15 of KV head kh are read as an A tile: the pool itself where they are a
+// slot_run, slot stride apart; else copied into stage (dim apart, zeros at or past n). Returns the
+// first key's vector; stride set in bytes.
 inline const uint16_t* key_rows(const KVSource& kp, const int64_t* slot, int64_t j0, int64_t n, int64_t kv,
-                                int64_t kh, int64_t dim, uint16_t* stage, int64_t& stride) {
-  bool direct = j0 + 16 <= n;
-  for (int64_t c = 1; direct && c < 16; ++c) direct = slot[j0 + c] == slot[j0] + c;
-  if (direct) {
+                                int64_t kh, int64_t dim, bool run, uint16_t* stage, int64_t& stride) {
+  if (run) {
     stride = kv * dim * 2;
     return kp.bf16 + (slot[j0] * kv + kh) * dim;
   }
@@ -240,11 +245,14 @@ ZT_TILE_TARGET void key_scores(TileStream& b, const AttentionProblem& pr, const 
         for (int64_t i = 0; i < m; ++i) qt[((kh * halves + h) * 16 + k) * 16 + i] = q32[((kh * m + i) * dim + 32 * h) / 2 + k];
   load_key_config(m);
   for (int64_t j0 = 0; j0 < n64; j0 += 64) {
+    bool run[4];  // the same for every KV head
+    for (int g = 0; g < 4; ++g) run[g] = slot_run(slot, j0 + 16 * g, n);
     for (int64_t kh = 0; kh < kv; ++kh) {
       int64_t st[4];
       const char* a[4];
       for (int g = 0; g < 4; ++g)
-        a[g] = reinterpret_cast<const char*>(key_rows(pr.kp, slot, j0 + 16 * g, n, kv, kh, dim, stage + g * 16 * dim, st[g]));
+        a[g] = reinterpret_cast<const char*>(
+            key_rows(pr.kp, slot, j0 + 16 * g, n, kv, kh, dim, run[g], stage + g * 16 * dim, st[g]));
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -272,7 +280,7 @@ ZT_TILE_TARGET void key_scores(TileStream& b, const AttentionProblem& pr, const 
       }
     }
   }
-  load_tile_config(m);
+  load_tile_config(m);  // back to the m-row config stream_block keeps loaded (its b.config)
 }
 
 // O = P V for every KV head's m rows over keys 0 .. n32, kStreamValues keys at a time, key order from
