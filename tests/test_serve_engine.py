@@ -741,6 +741,17 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
         assert torch.equal(alone[0], out[r])
     with pytest.raises(RuntimeError, match="sequence outside"):
         kernels.paged_attention(q, k_pool, v_pool, slots, lens, seq.clamp(max=6) + 1, kernel=kernel)
+    longest = torch.zeros(slots.shape[0], dtype=torch.long).scatter_reduce_(0, seq, lens, "amax")
+    s = int(seq[-1])
+    for bad in (k_pool.shape[0], -1):  # a slot a row reads, past the pool or negative
+        wrong = slots.clone()
+        wrong[s, int(longest[s]) - 1] = bad
+        with pytest.raises(RuntimeError, match="slots outside the pool"):
+            kernels.paged_attention(q, k_pool, v_pool, wrong, lens, seq, kernel=kernel)
+    if int(longest[s]) < slots.shape[1]:  # past every row's keys the list is not read, nor checked
+        unread = slots.clone()
+        unread[s, int(longest[s]) :] = -1
+        assert torch.equal(kernels.paged_attention(q, k_pool, v_pool, unread, lens, seq, kernel=kernel), out)
 
 
 @pytest.mark.parametrize("kernel", ["tiles", "dot"])

@@ -278,9 +278,15 @@ void check_attention_rows(const torch::Tensor& q, const torch::Tensor& slots, co
     TORCH_CHECK(len[r] >= 1 && len[r] <= width, "a row's length outside 1..slot list width");
     longest[which[r]] = std::max(longest[which[r]], len[r]);
   }
-  for (int64_t s = 0; s < sequences; ++s)
+  // a slot outside the pool is one at or past it as an unsigned number: one compare a slot, in a loop
+  // without a branch (vectorised) instead of a check per slot (the same slot lists each layer of a step)
+  uint64_t outside = 0;
+  for (int64_t s = 0; s < sequences; ++s) {
+    const int64_t* list = slot + s * width;
     for (int64_t j = 0; j < longest[s]; ++j)
-      TORCH_CHECK(slot[s * width + j] >= 0 && slot[s * width + j] < pool_slots, "slots outside the pool");
+      outside |= static_cast<uint64_t>(static_cast<uint64_t>(list[j]) >= static_cast<uint64_t>(pool_slots));
+  }
+  TORCH_CHECK(outside == 0, "slots outside the pool");
 }
 
 // The bf16 matrix-product kernels: 1 on AMX tiles, 2 on AVX512-BF16 (null where not built).
