@@ -12,6 +12,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -219,6 +220,14 @@ def test_batch_invariance_alone_batched_chunked_and_cached(
     rope_calls: list[int] = []
     rope = kernels.rope_store
     monkeypatch.setattr(kernels, "rope_store", lambda y, *a: rope_calls.append(len(y)) or rope(y, *a))
+    layer = kernels.native_layer  # a lean layer's step in one native call: its rotary and attention too
+
+    def one_call(x: torch.Tensor, *a: Any) -> torch.Tensor:
+        calls.append(x.shape[1])
+        rope_calls.append(x.shape[1])
+        return layer(x, *a)
+
+    monkeypatch.setattr(kernels, "native_layer", one_call)
     prompts = _prompts([150, 9, 64, 33, 90], seed=1)
     make = functools.partial(  # type: ignore[call-overload]
         engine_factory,
@@ -1143,6 +1152,67 @@ def test_packed_fused_linears_equal_the_models_own(
         want, got = plain(ids).float(), packed(ids).float()
     tol = 1e-4 if dtype == torch.float32 else 0.15
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("linears", "kv_cache_dtype", "bias"),
+    [
+        ("tiles", "auto", False),
+        ("tiles", "fp8", True),
+        ("tiles", "int8", False),
+        ("dot", "auto", True),
+        ("dot", "int8", False),
+        ("vec", "auto", True),
+        ("vec", "fp8", False),
+    ],
+)
+def test_lean_layers_step_in_one_native_call(
+    pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    linears: str,
+    kv_cache_dtype: str,
+    bias: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine whose linears run on a native kernel (bf16 on AMX tiles or AVX512-BF16, fp32 on
+    AVX-512) runs each decoder layer of a packed step in one native call (``kernels.native_layer``,
+    counted: at least one a layer a token), over a bf16 (fp32) or an 8-bit pool, with q/k/v biases or
+    without, and gives the tokens and log-probabilities of its layers' Python path (a native call per
+    step of the layer, no ``native_layer``), batched and alone."""
+    from zerotron.models.llama import DecoderLayer
+    from zerotron.serve import kernels
+    from zerotron.serve.linears import _LeanLayer
+
+    if linears == "tiles":
+        _tiles_or_skip()
+    elif linears == "dot":
+        _dot_or_skip()
+        monkeypatch.setattr(kernels, "tiles_available", lambda: False)  # on an AMX CPU too
+    else:
+        _vec_or_skip()
+    model = _biased_model(seed=7) if bias else pair[1]
+    dtype = torch.float32 if linears == "vec" else torch.bfloat16
+    cfg = EngineConfig(
+        num_blocks=128,
+        native_attention=True,
+        native_matmul=True,
+        kv_cache_dtype=kv_cache_dtype,
+        dtype="float32" if dtype == torch.float32 else "bfloat16",
+    )
+    engine = Engine(copy.deepcopy(model).to(dtype), None, cfg)
+    lean = [m.__dict__.get("forward") for m in engine.model.modules() if isinstance(m, DecoderLayer)]
+    assert lean and all(isinstance(f, _LeanLayer) and f.native_layer is not None for f in lean)
+    assert {f.native_layer[4] for f in lean} == {linears}
+    calls: list[int] = []
+    whole_layer = kernels.native_layer
+    monkeypatch.setattr(kernels, "native_layer", lambda *a: calls.append(1) or whole_layer(*a))
+    prompts = _prompts([150, 9, 64, 33], seed=5)
+    one_call = _run(engine, prompts, GREEDY)
+    assert len(calls) >= len(lean) * GREEDY.max_tokens
+    assert [_run(engine, [p], GREEDY)[0] for p in prompts] == one_call
+    for f in lean:
+        f.native_layer = None
+    calls.clear()
+    assert _run(engine, prompts, GREEDY) == one_call and not calls
 
 
 @pytest.mark.parametrize("bias", [False, True])

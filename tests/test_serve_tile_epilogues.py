@@ -104,39 +104,3 @@ def test_an_engine_on_tiles_gives_the_unfused_layers_bits(monkeypatch: pytest.Mo
         linears, "_tile_residual", lambda linear: functools.partial(linears._add_after, linear)
     )
     assert run(batched=True) == got
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
-def test_an_engine_on_tiles_steps_each_layer_in_one_native_call(
-    kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A bf16 engine on AMX tiles runs each decoder layer of a packed step in one native call
-    (``kernels.tile_layer``, counted: at least one a layer a token) over a bf16 or an 8-bit pool, with
-    the tokens and log-probabilities of its layers' Python path (seven native calls a layer, no
-    ``tile_layer``), batched and alone."""
-    import copy
-
-    from tests.test_serve_engine import CFG, GREEDY, _prompts, _run, sharpened_pair
-    from zerotron.models.llama import DecoderLayer
-    from zerotron.serve import linears
-    from zerotron.serve.engine import Engine, EngineConfig
-
-    _tiles_or_skip()
-    model = sharpened_pair(CFG)[1].to(torch.bfloat16)
-    prompts = _prompts([150, 9, 64, 33], seed=5)
-    cfg = EngineConfig(
-        num_blocks=128, native_attention=True, native_matmul=True, kv_cache_dtype=kv_cache_dtype
-    )
-    engine = Engine(copy.deepcopy(model), None, cfg)
-    lean = [m.__dict__.get("forward") for m in engine.model.modules() if isinstance(m, DecoderLayer)]
-    assert lean and all(isinstance(f, linears._LeanLayer) and f.tiles is not None for f in lean)
-    calls: list[int] = []
-    whole_layer = kernels.tile_layer
-    monkeypatch.setattr(kernels, "tile_layer", lambda *a: calls.append(1) or whole_layer(*a))
-    one_call = _run(engine, prompts, GREEDY)
-    assert len(calls) >= len(lean) * GREEDY.max_tokens
-    assert [_run(engine, [p], GREEDY)[0] for p in prompts] == one_call
-    for f in lean:
-        f.tiles = None
-    calls.clear()
-    assert _run(engine, prompts, GREEDY) == one_call and not calls

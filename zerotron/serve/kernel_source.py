@@ -34,7 +34,7 @@ order, byte for byte:
   kernels (``q8_prepare``/``q8_run``: several products of the same rows, checked once, run in one
   parallel region);
 - ``entries.cpp``: the elementwise steps' entry points, ``q8_layer`` (a quantised decoder layer's
-  step in one call, from the entry points above) and ``tile_layer`` (a bf16 layer's on AMX tiles).
+  step in one call, from the entry points above) and ``native_layer`` (a layer's on the native linears).
 
 What each kernel computes and why is documented in :mod:`zerotron.serve.kernels` and beside each
 function in the files.

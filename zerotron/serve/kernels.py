@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v114"
+_NAME = "zerotron_kernels_v116"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -96,7 +96,7 @@ _FUNCTIONS = [
     "rope_store_q8",
     "bind_threads",
     "q8_layer",
-    "tile_layer",
+    "native_layer",
 ]
 
 
@@ -368,34 +368,50 @@ def q8_layer(
     return out
 
 
-def tile_layer(
+NATIVE_LINEARS = ("tiles", "dot", "vec")
+
+
+def native_layer(
     x: torch.Tensor,
     layer: tuple[
-        torch.Tensor, float, torch.Tensor, float, list[torch.Tensor], list[torch.Tensor], list[int], int, int
+        torch.Tensor,
+        float,
+        torch.Tensor,
+        float,
+        str,
+        list[torch.Tensor],
+        list[torch.Tensor],
+        list[int],
+        int,
+        int,
     ],
     cos: torch.Tensor,
     sin: torch.Tensor,
     attention: tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str],
 ) -> torch.Tensor:
-    """A decoder layer's step of bf16 rows ``x`` (1, rows, hidden) in one native call, for a layer
-    whose four products run on AMX tiles (:func:`~zerotron.serve.linear_kernels.tile_linear`) and whose
-    attention reads the paged pool. ``layer``: the first norm's weight and epsilon, the second's, the
-    q/k/v, o, gate/up and down products' packed weights (:func:`~zerotron.serve.linear_kernels.pack_tiles`),
-    their fp32 biases (an empty tensor for none) and widths, the gate's columns and the query heads;
-    ``attention`` as :func:`q8_layer` takes it. The steps: RMSNorm, q/k/v, :func:`rope_store`,
-    :func:`paged_attention`, o with the residual added in its pass, RMSNorm, SiLU(gate)·up in the
-    gate/up product's pass (:func:`~zerotron.serve.linear_kernels.tile_gated`), down with the residual:
-    the calls ``linears._LeanLayer`` makes from Python on AMX tiles, in the same order, so the same
-    bits, without seven Python calls a layer and their glue."""
-    norm1, eps1, norm2, eps2, packed, biases, widths, gate, heads = layer
+    """A decoder layer's step of rows ``x`` (1, rows, hidden) in one native call, for a layer whose four
+    products run on one of the native linear kernels (one of :data:`NATIVE_LINEARS`: bf16 on AMX tiles,
+    :func:`~zerotron.serve.linear_kernels.tile_linear`; bf16 on AVX512-BF16,
+    :func:`~zerotron.serve.linear_kernels.dot_linear`; fp32 on AVX-512,
+    :func:`~zerotron.serve.linear_kernels.vec_linear`) and whose attention reads the paged pool.
+    ``layer``: the first norm's weight and epsilon, the second's, the linears' kernel, the q/k/v, o,
+    gate/up and down products' packed weights, their fp32 biases (an empty tensor for none) and
+    widths, the gate's columns and the query heads; ``attention`` as :func:`q8_layer` takes it. The
+    steps: RMSNorm, q/k/v, :func:`rope_store`, :func:`paged_attention`, o and the residual, RMSNorm,
+    gate/up and SiLU(gate)·up (:func:`silu_mul`; on tiles in the product's pass,
+    :func:`~zerotron.serve.linear_kernels.tile_gated`), down and the residual (on tiles added in the
+    product's pass): the calls ``linears._LeanLayer`` makes from Python, in the same order, so the
+    same bits, without seven to nine Python calls a layer and their glue."""
+    norm1, eps1, norm2, eps2, linears, packed, biases, widths, gate, heads = layer
     k_pool, v_pool, slots, key_slots, lens, seq, kernel = attention
     pools = _pool_operands(k_pool, v_pool)
-    out: torch.Tensor = built().tile_layer(
+    out: torch.Tensor = built().native_layer(
         x,
         norm1,
         eps1,
         norm2,
         eps2,
+        NATIVE_LINEARS.index(linears),
         packed,
         biases,
         widths,

@@ -174,8 +174,13 @@ class _LeanLayer:
         self.whole = (
             None if native else _whole_layer(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down])
         )
-        # a bf16 layer on AMX tiles, its norms native: a packed step in one native call too
-        self.tiles = _tile_layer(self.norm1, self.norm2, [qkv, self.o, self.down], self.gated)
+        # a layer whose products run on a native linear kernel and whose norms and gate are native: a
+        # packed step in one native call too
+        self.native_layer = (
+            _native_layer(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down], self.gated)
+            if native
+            else None
+        )
 
     def __call__(
         self,
@@ -196,15 +201,13 @@ class _LeanLayer:
             operands = kv_cache.packed_operands(self.layer_idx, x.dtype)
             if operands is not None:  # the steps below in one native call (kernels.q8_layer), the same bits
                 return kernels.q8_layer(x, (*self.whole, self.gate, nh), cos[0, 0], sin[0, 0], operands)
-        if (
-            self.tiles is not None
-            and isinstance(kv_cache, PagedAttention)
-            and b == 1
-            and x.dtype == torch.bfloat16
-        ):
+        if self.native_layer is not None and isinstance(kv_cache, PagedAttention) and b == 1:
             operands = kv_cache.packed_operands(self.layer_idx, x.dtype)
-            if operands is not None:  # the steps below in one native call (kernels.tile_layer), the same bits
-                return kernels.tile_layer(x, (*self.tiles, self.gate, nh), cos[0, 0], sin[0, 0], operands)
+            if (
+                operands is not None
+            ):  # the steps below in one native call (kernels.native_layer), the same bits
+                step = (*self.native_layer, self.gate, nh)
+                return kernels.native_layer(x, step, cos[0, 0], sin[0, 0], operands)
         y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)
         if isinstance(kv_cache, PagedAttention) and kv_cache.packed:  # rotary, store, attention: native
             rows = kv_cache.attend_packed(self.layer_idx, y[0], cos[0, 0], sin[0, 0], nh)  # (s, nh, d)
@@ -289,38 +292,48 @@ def _whole_layer(
     return norms[0][0], norms[0][1], norms[1][0], norms[1][1], handles, biases
 
 
-def _tile_layer(
+_NATIVE_PRODUCTS = {
+    linear_kernels.tile_linear: "tiles",
+    linear_kernels.dot_linear: "dot",
+    linear_kernels.vec_linear: "vec",
+}
+
+
+def _native_layer(
     norm1: Callable[[torch.Tensor], torch.Tensor],
     norm2: Callable[[torch.Tensor], torch.Tensor],
     products: list[Callable[..., torch.Tensor]],
     gated: Optional[Callable[[torch.Tensor], torch.Tensor]],
 ) -> Optional[
-    tuple[torch.Tensor, float, torch.Tensor, float, list[torch.Tensor], list[torch.Tensor], list[int]]
+    tuple[torch.Tensor, float, torch.Tensor, float, str, list[torch.Tensor], list[torch.Tensor], list[int]]
 ]:
-    """A lean layer's norms' weights and epsilons, and its q/k/v, o, gate/up and down products' packed
-    weights, biases (an empty tensor for none) and widths, where the norms are the native RMSNorm, the
-    q/k/v, o and down products (``products``) bf16 linears on AMX tiles and ``gated`` the gate/up
-    product's pass with SiLU (:func:`_tile_gated`): what :func:`~zerotron.serve.kernels.tile_layer`
-    takes; None otherwise."""
+    """A lean layer's norms' weights and epsilons, its linears' kernel (one of
+    :data:`~zerotron.serve.kernels.NATIVE_LINEARS`) and its q/k/v, o, gate/up and down products' packed
+    weights, biases (an empty tensor for none) and widths, where the norms are the native RMSNorm and
+    the four products (``products``) run on one native linear kernel (on AMX tiles with the gate in
+    the gate/up product's pass, ``gated``: :func:`_tile_gated`): what
+    :func:`~zerotron.serve.kernels.native_layer` takes; None otherwise."""
     norms = []
     for norm in (norm1, norm2):
         if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
             return None
         norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
-    if not (isinstance(gated, functools.partial) and gated.func is linear_kernels.tile_gated):
+    if not all(isinstance(p, functools.partial) and not p.args for p in products):
         return None
-    tiles = [
-        product.keywords
-        for product in products
-        if isinstance(product, functools.partial) and product.func is linear_kernels.tile_linear
-    ]
-    if len(tiles) != 3:
+    kinds = [_NATIVE_PRODUCTS.get(p.func) for p in products]  # type: ignore[attr-defined]
+    kind = kinds[0]
+    if kind is None or any(k != kind for k in kinds):
         return None
-    gu = gated.keywords
-    parts = [tiles[0], tiles[1], {**gu, "n": 2 * gu["gate"]}, tiles[2]]
+    parts = [p.keywords for p in products]  # type: ignore[attr-defined]
+    if kind == "tiles":  # the gate in the gate/up product's pass: the gate/up product tile_gated's
+        if not (isinstance(gated, functools.partial) and gated.func is linear_kernels.tile_gated):
+            return None
+        gu = gated.keywords
+        parts[2] = {**gu, "n": 2 * gu["gate"]}
     packed = [p["packed"] for p in parts]
     biases = [torch.empty(0) if p["bias"] is None else p["bias"] for p in parts]
-    return norms[0][0], norms[0][1], norms[1][0], norms[1][1], packed, biases, [int(p["n"]) for p in parts]
+    widths = [int(p["n"]) for p in parts]
+    return norms[0][0], norms[0][1], norms[1][0], norms[1][1], kind, packed, biases, widths
 
 
 def _packable(module: nn.Module, dtype: torch.dtype) -> TypeGuard[nn.Linear]:

@@ -165,29 +165,44 @@ torch::Tensor q8_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch:
   return h.view(x.sizes());
 }
 
-// A decoder layer's step of bf16 rows whose four products run on AMX tiles (pack_tiles' weights: q/k/v
-// side by side, o, gate/up side by side as tile_gated takes them, down; each bias fp32, or an empty
-// tensor for none; widths the products' columns), its attention q8_layer's (a dense or an 8-bit pool):
-// the calls linears._LeanLayer makes on its native path, in the same order on the same values, so its
-// bits: RMSNorm, q/k/v (tile_linear), rope_store, paged_attention, o with the residual added in its pass,
-// RMSNorm, SiLU(gate) * up (tile_gated), down with the residual. One call instead of seven from Python
-// and their glue: 16 decodes of SmolLM2 on the AMX Xeon (the two ways alternating in one process),
-// 24.2 against 25.3 ms a step at 64 tokens, 74.4 against 76.3 at 2,000.
-torch::Tensor tile_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2,
-                         std::vector<torch::Tensor> packed, std::vector<torch::Tensor> biases,
-                         std::vector<int64_t> widths, int64_t gate, torch::Tensor cos, torch::Tensor sin,
-                         torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor k_scales, torch::Tensor v_scales,
-                         int64_t fmt, torch::Tensor slots, torch::Tensor key_slots, torch::Tensor lens,
-                         torch::Tensor seq, int64_t heads, double scale, int64_t kernel) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == torch::kBFloat16, "x: bf16 (1, rows, hidden)");
+// A decoder layer's step whose four products run on a native linear kernel (linears: 0 bf16 on AMX tiles,
+// tile_linear's packed weights; 1 bf16 on AVX512-BF16, dot_linear's; 2 fp32 on AVX-512, vec_linear's:
+// q/k/v side by side, o, gate/up side by side, down; each bias fp32, or an empty tensor for none; widths
+// the products' columns), its attention q8_layer's (a dense or an 8-bit pool): the calls
+// linears._LeanLayer makes on its native path, in the same order on the same values, so its bits:
+// RMSNorm, q/k/v, rope_store, paged_attention, o and the residual, RMSNorm, gate/up and SiLU(gate) * up
+// (silu_mul; on tiles in the product's pass, tile_gated), down and the residual (added as torch adds
+// two tensors; on tiles in the product's pass). One call instead of seven to nine from Python and their
+// glue. 16 decodes of SmolLM2 on the AMX Xeon (the two ways alternating in one process): on tiles 24.2-25.0
+// against 25.3-27.9 ms a step at 64 tokens, 72.3-74.4 against 74.5-76.3 at 2,000; on AVX512-BF16 41.7
+// against 44.7 at 64; in fp32 46.5 against 49.5 at 64.
+torch::Tensor native_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2,
+                           int64_t linears, std::vector<torch::Tensor> packed, std::vector<torch::Tensor> biases,
+                           std::vector<int64_t> widths, int64_t gate, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor k_scales, torch::Tensor v_scales,
+                           int64_t fmt, torch::Tensor slots, torch::Tensor key_slots, torch::Tensor lens,
+                           torch::Tensor seq, int64_t heads, double scale, int64_t kernel) {
+  TORCH_CHECK(linears >= 0 && linears <= 2, "linears: 0 (AMX tiles), 1 (AVX512-BF16) or 2 (fp32 on AVX-512)");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 &&
+                  x.scalar_type() == (linears == 2 ? torch::kFloat : torch::kBFloat16),
+              "x: (1, rows, hidden), bf16 on the tile and AVX512-BF16 linears, fp32 on the AVX-512 one");
   TORCH_CHECK(packed.size() == 4 && biases.size() == 4 && widths.size() == 4,
               "the q/k/v, o, gate/up and down products' packed weights, biases and widths");
+  TORCH_CHECK(widths[2] == 2 * gate, "gate and up of gate columns each");
   const auto bias = [&](size_t i) {
     return biases[i].numel() ? std::optional<torch::Tensor>(biases[i]) : std::optional<torch::Tensor>();
   };
+  // product i of rows, the residual (when given) added as the Python path adds it
+  const auto product = [&](const torch::Tensor& rows, size_t i, const torch::Tensor* residual) {
+    if (linears == 0)
+      return tile_linear(rows, packed[i], bias(i), widths[i],
+                         residual ? std::optional<torch::Tensor>(residual->contiguous()) : std::nullopt);
+    auto y = linears == 1 ? dot_linear(rows, packed[i], bias(i), widths[i]) : vec_linear(rows, packed[i], bias(i), widths[i]);
+    return residual ? *residual + y : y;
+  };
   auto h = x.reshape({x.size(1), x.size(2)});
   if (h.stride(1) != 1) h = h.contiguous();
-  auto y = tile_linear(rms_norm(h, norm1, eps1), packed[0], bias(0), widths[0], std::nullopt);
+  auto y = product(rms_norm(h, norm1, eps1), 0, nullptr);
   torch::Tensor rows;
   if (fmt == 0) {
     auto q = rope_store(y, cos, sin, k_pool, v_pool, slots, heads);
@@ -196,9 +211,9 @@ torch::Tensor tile_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torc
     auto q = rope_store_q8(y, cos, sin, k_pool, k_scales, v_pool, v_scales, fmt, slots, heads);
     rows = paged_attention_q8(q, k_pool, k_scales, v_pool, v_scales, fmt, key_slots, seq, lens, scale, kernel);
   }
-  h = tile_linear(rows.view({rows.size(0), -1}), packed[1], bias(1), widths[1], h.contiguous());
-  TORCH_CHECK(widths[2] == 2 * gate, "gate and up of gate columns each");
-  auto g = tile_gated(rms_norm(h, norm2, eps2), packed[2], bias(2), gate);
-  h = tile_linear(g, packed[3], bias(3), widths[3], h);
+  h = product(rows.view({rows.size(0), -1}), 1, &h);
+  auto normed = rms_norm(h, norm2, eps2);
+  auto g = linears == 0 ? tile_gated(normed, packed[2], bias(2), gate) : silu_mul(product(normed, 2, nullptr), gate);
+  h = product(g, 3, &h);
   return h.view(x.sizes());
 }
