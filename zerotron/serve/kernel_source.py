@@ -34,7 +34,8 @@ order, byte for byte:
   kernels (``q8_prepare``/``q8_run``: several products of the same rows, checked once, run in one
   parallel region);
 - ``entries.cpp``: the elementwise steps' entry points, ``q8_layer`` (a quantised decoder layer's
-  step in one call, from the entry points above) and ``native_layer`` (a layer's on the native linears).
+  step in one call, from the entry points above) and ``native_layer`` (the same for a layer whose
+  products run on the native bf16 or fp32 linear kernels).
 
 What each kernel computes and why is documented in :mod:`zerotron.serve.kernels` and beside each
 function in the files.

@@ -203,9 +203,8 @@ class _LeanLayer:
                 return kernels.q8_layer(x, (*self.whole, self.gate, nh), cos[0, 0], sin[0, 0], operands)
         if self.native_layer is not None and isinstance(kv_cache, PagedAttention) and b == 1:
             operands = kv_cache.packed_operands(self.layer_idx, x.dtype)
-            if (
-                operands is not None
-            ):  # the steps below in one native call (kernels.native_layer), the same bits
+            # the steps below in one native call (kernels.native_layer), the same bits
+            if operands is not None:
                 step = (*self.native_layer, self.gate, nh)
                 return kernels.native_layer(x, step, cos[0, 0], sin[0, 0], operands)
         y = self.qkv(self.norm1(x))  # (b, s, (nh + 2 kvh) d)
