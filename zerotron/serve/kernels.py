@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v116"
+_NAME = "zerotron_kernels_v117"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -401,7 +401,7 @@ def native_layer(
     gate/up and SiLU(gate)·up (:func:`silu_mul`; on tiles in the product's pass,
     :func:`~zerotron.serve.linear_kernels.tile_gated`), down and the residual (on tiles added in the
     product's pass): the calls ``linears._LeanLayer`` makes from Python, in the same order, so the
-    same bits, without seven to nine Python calls a layer and their glue."""
+    same bits, without a layer's eight to eleven calls from Python and their glue."""
     norm1, eps1, norm2, eps2, linears, packed, biases, widths, gate, heads = layer
     k_pool, v_pool, slots, key_slots, lens, seq, kernel = attention
     pools = _pool_operands(k_pool, v_pool)

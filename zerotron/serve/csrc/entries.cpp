@@ -172,10 +172,11 @@ torch::Tensor q8_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch:
 // linears._LeanLayer makes on its native path, in the same order on the same values, so its bits:
 // RMSNorm, q/k/v, rope_store, paged_attention, o and the residual, RMSNorm, gate/up and SiLU(gate) * up
 // (silu_mul; on tiles in the product's pass, tile_gated), down and the residual (added as torch adds
-// two tensors; on tiles in the product's pass). One call instead of seven to nine from Python and their
-// glue. 16 decodes of SmolLM2 on the AMX Xeon (the two ways alternating in one process): on tiles 24.2-25.0
-// against 25.3-27.9 ms a step at 64 tokens, 72.3-74.4 against 74.5-76.3 at 2,000; on AVX512-BF16 41.7
-// against 44.7 at 64; in fp32 46.5 against 49.5 at 64.
+// two tensors; on tiles in the product's pass). One call instead of eight native calls from Python
+// (nine and two torch adds on the other kernels) and their glue. 16 decodes of SmolLM2 on the AMX Xeon
+// (the two ways alternating in one process): on tiles 24.2-25.0 against 25.3-27.9 ms a step at 64
+// tokens, 72.3-74.4 against 74.5-76.3 at 2,000; on AVX512-BF16 41.7 against 44.7 at 64; in fp32 46.5
+// against 49.5 at 64.
 torch::Tensor native_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2,
                            int64_t linears, std::vector<torch::Tensor> packed, std::vector<torch::Tensor> biases,
                            std::vector<int64_t> widths, int64_t gate, torch::Tensor cos, torch::Tensor sin,
@@ -197,7 +198,8 @@ torch::Tensor native_layer(torch::Tensor x, torch::Tensor norm1, double eps1, to
     if (linears == 0)
       return tile_linear(rows, packed[i], bias(i), widths[i],
                          residual ? std::optional<torch::Tensor>(residual->contiguous()) : std::nullopt);
-    auto y = linears == 1 ? dot_linear(rows, packed[i], bias(i), widths[i]) : vec_linear(rows, packed[i], bias(i), widths[i]);
+    auto y = linears == 1 ? dot_linear(rows, packed[i], bias(i), widths[i])
+                          : vec_linear(rows, packed[i], bias(i), widths[i]);
     return residual ? *residual + y : y;
   };
   auto h = x.reshape({x.size(1), x.size(2)});
