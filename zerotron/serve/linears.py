@@ -28,7 +28,8 @@ from zerotron.parallel.float8 import Float8Linear
 from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_region
 from zerotron.parallel.tensor_comm import apply_function
 from zerotron.serve import kernels, linear_kernels
-from zerotron.serve.int8_linears import QUANTIZED, _prepared_forward, joined_forward
+from zerotron.serve.int8_linears import QUANTIZED, joined_forward
+from zerotron.serve.layer_calls import native_operands, q8_operands
 from zerotron.serve.paged import PagedAttention
 
 # Every forward has at least MIN_ROWS rows (padding rows are ignored; zerotron.models.quant, where
@@ -172,12 +173,12 @@ class _LeanLayer:
         self.o_add, self.down_add = _tile_residual(self.o), _tile_residual(self.down)
         # a quantised layer whose products and norms are all native: a packed step in one native call
         self.whole = (
-            None if native else _whole_layer(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down])
+            None if native else q8_operands(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down])
         )
         # a layer whose products run on a native linear kernel and whose norms and gate are native: a
         # packed step in one native call too
         self.native_layer = (
-            _native_layer(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down], self.gated)
+            native_operands(self.norm1, self.norm2, [qkv, self.o, gate_up, self.down], self.gated)
             if native
             else None
         )
@@ -265,74 +266,6 @@ def _tile_gated(
     return functools.partial(
         linear_kernels.tile_gated, packed=keywords["packed"], bias=keywords["bias"], gate=gate
     )
-
-
-def _whole_layer(
-    norm1: Callable[[torch.Tensor], torch.Tensor],
-    norm2: Callable[[torch.Tensor], torch.Tensor],
-    products: list[Callable[[torch.Tensor], torch.Tensor]],
-) -> Optional[tuple[torch.Tensor, float, torch.Tensor, float, list[int], list[torch.Tensor]]]:
-    """A lean layer's norms' weights and epsilons and its four products' handles (q/k/v, o, gate/up,
-    down) and biases (an empty tensor for none) where the norms are the native RMSNorm and every product
-    a prepared quantised linear (:class:`~zerotron.serve.linear_kernels.Prepared`): what
-    :func:`~zerotron.serve.kernels.q8_layer` takes; None otherwise."""
-    norms = []
-    for norm in (norm1, norm2):
-        if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
-            return None
-        norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
-    handles, biases = [], []
-    for product in products:
-        if not (isinstance(product, functools.partial) and product.func is _prepared_forward):
-            return None
-        prepared, bias = product.args
-        handles.append(prepared.handle)
-        biases.append(torch.empty(0) if bias is None else bias)
-    return norms[0][0], norms[0][1], norms[1][0], norms[1][1], handles, biases
-
-
-_NATIVE_PRODUCTS = {
-    linear_kernels.tile_linear: "tiles",
-    linear_kernels.dot_linear: "dot",
-    linear_kernels.vec_linear: "vec",
-}
-
-
-def _native_layer(
-    norm1: Callable[[torch.Tensor], torch.Tensor],
-    norm2: Callable[[torch.Tensor], torch.Tensor],
-    products: list[Callable[..., torch.Tensor]],
-    gated: Optional[Callable[[torch.Tensor], torch.Tensor]],
-) -> Optional[
-    tuple[torch.Tensor, float, torch.Tensor, float, str, list[torch.Tensor], list[torch.Tensor], list[int]]
-]:
-    """A lean layer's norms' weights and epsilons, its linears' kernel (one of
-    :data:`~zerotron.serve.kernels.NATIVE_LINEARS`) and its q/k/v, o, gate/up and down products' packed
-    weights, biases (an empty tensor for none) and widths, where the norms are the native RMSNorm and
-    the four products (``products``) run on one native linear kernel (on AMX tiles with the gate in
-    the gate/up product's pass, ``gated``: :func:`_tile_gated`): what
-    :func:`~zerotron.serve.kernels.native_layer` takes; None otherwise."""
-    norms = []
-    for norm in (norm1, norm2):
-        if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
-            return None
-        norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
-    if not all(isinstance(p, functools.partial) and not p.args for p in products):
-        return None
-    kinds = [_NATIVE_PRODUCTS.get(p.func) for p in products]  # type: ignore[attr-defined]
-    kind = kinds[0]
-    if kind is None or any(k != kind for k in kinds):
-        return None
-    parts = [p.keywords for p in products]  # type: ignore[attr-defined]
-    if kind == "tiles":  # the gate in the gate/up product's pass: the gate/up product tile_gated's
-        if not (isinstance(gated, functools.partial) and gated.func is linear_kernels.tile_gated):
-            return None
-        gu = gated.keywords
-        parts[2] = {**gu, "n": 2 * gu["gate"]}
-    packed = [p["packed"] for p in parts]
-    biases = [torch.empty(0) if p["bias"] is None else p["bias"] for p in parts]
-    widths = [int(p["n"]) for p in parts]
-    return norms[0][0], norms[0][1], norms[1][0], norms[1][1], kind, packed, biases, widths
 
 
 def _packable(module: nn.Module, dtype: torch.dtype) -> TypeGuard[nn.Linear]:
