@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v117"
+_NAME = "zerotron_kernels_v118"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -343,8 +343,6 @@ def q8_layer(
     residual: the calls ``linears._LeanLayer`` makes from Python, in the same order, so the same bits,
     without a dozen Python calls a layer."""
     norm1, eps1, norm2, eps2, products, biases, gate, heads = layer
-    k_pool, v_pool, slots, key_slots, lens, seq, kernel = attention
-    pools = _pool_operands(k_pool, v_pool)
     out: torch.Tensor = built().q8_layer(
         x,
         norm1,
@@ -356,14 +354,7 @@ def q8_layer(
         gate,
         cos,
         sin,
-        *pools,
-        slots,
-        key_slots,
-        lens,
-        seq,
-        heads,
-        pools[0].shape[-1] ** -0.5,
-        ATTENTION_KERNELS.index(kernel),
+        *_layer_attention(attention, heads),
     )
     return out
 
@@ -403,8 +394,6 @@ def native_layer(
     product's pass): the calls ``linears._LeanLayer`` makes from Python, in the same order, so the
     same bits, without a layer's eight to eleven calls from Python and their glue."""
     norm1, eps1, norm2, eps2, linears, packed, biases, widths, gate, heads = layer
-    k_pool, v_pool, slots, key_slots, lens, seq, kernel = attention
-    pools = _pool_operands(k_pool, v_pool)
     out: torch.Tensor = built().native_layer(
         x,
         norm1,
@@ -418,16 +407,21 @@ def native_layer(
         gate,
         cos,
         sin,
-        *pools,
-        slots,
-        key_slots,
-        lens,
-        seq,
-        heads,
-        pools[0].shape[-1] ** -0.5,
-        ATTENTION_KERNELS.index(kernel),
+        *_layer_attention(attention, heads),
     )
     return out
+
+
+def _layer_attention(
+    attention: tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], heads: int
+) -> tuple[Any, ...]:
+    """The one-call layers' attention arguments (the C++ ``layer_attention``'s): the pools as the native
+    calls take them, the rows' slots, the key slots, key counts and sequences, the query heads, the
+    softmax scale and the kernel's index."""
+    k_pool, v_pool, slots, key_slots, lens, seq, kernel = attention
+    pools = _pool_operands(k_pool, v_pool)
+    scale = pools[0].shape[-1] ** -0.5
+    return (*pools, slots, key_slots, lens, seq, heads, scale, ATTENTION_KERNELS.index(kernel))
 
 
 _NO_SCALES = torch.empty(0)

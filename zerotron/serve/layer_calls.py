@@ -17,6 +17,18 @@ from zerotron.serve import kernels, linear_kernels
 from zerotron.serve.int8_linears import _prepared_forward
 
 
+def _native_norms(
+    norm1: Callable[[torch.Tensor], torch.Tensor], norm2: Callable[[torch.Tensor], torch.Tensor]
+) -> Optional[list[tuple[torch.Tensor, float]]]:
+    """The two norms' weights and epsilons where both are the native RMSNorm; None otherwise."""
+    norms = []
+    for norm in (norm1, norm2):
+        if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
+            return None
+        norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
+    return norms
+
+
 def q8_operands(
     norm1: Callable[[torch.Tensor], torch.Tensor],
     norm2: Callable[[torch.Tensor], torch.Tensor],
@@ -26,11 +38,9 @@ def q8_operands(
     down) and biases (an empty tensor for none) where the norms are the native RMSNorm and every product
     a prepared quantised linear (:class:`~zerotron.serve.linear_kernels.Prepared`): what
     :func:`~zerotron.serve.kernels.q8_layer` takes; None otherwise."""
-    norms = []
-    for norm in (norm1, norm2):
-        if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
-            return None
-        norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
+    norms = _native_norms(norm1, norm2)
+    if norms is None:
+        return None
     handles, biases = [], []
     for product in products:
         if not (isinstance(product, functools.partial) and product.func is _prepared_forward):
@@ -62,11 +72,9 @@ def native_operands(
     the four products (``products``) run on one native linear kernel (on AMX tiles with the gate in
     the gate/up product's pass, ``gated``: :func:`~zerotron.serve.linears._tile_gated`): what
     :func:`~zerotron.serve.kernels.native_layer` takes; None otherwise."""
-    norms = []
-    for norm in (norm1, norm2):
-        if not (isinstance(norm, functools.partial) and norm.func is kernels.rms_norm):
-            return None
-        norms.append((norm.keywords["weight"], float(norm.keywords["eps"])))
+    norms = _native_norms(norm1, norm2)
+    if norms is None:
+        return None
     if not all(isinstance(p, functools.partial) and not p.args for p in products):
         return None
     kinds = [NATIVE_PRODUCTS.get(p.func) for p in products]  # type: ignore[attr-defined]

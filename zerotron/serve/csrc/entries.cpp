@@ -121,6 +121,22 @@ std::vector<int64_t> bind_threads(std::vector<std::vector<int64_t>> cpus) {
   return bound;
 }
 
+// A layer's fused q/k/v product y rotated, its k and v stored at the rows' slots and every row attended
+// (rope_store, paged_attention; over an 8-bit pool, fmt 1-3 with k_pool, v_pool its codes,
+// rope_store_q8, paged_attention_q8): the one-call layers' attention -> (rows, heads, dim).
+torch::Tensor layer_attention(const torch::Tensor& y, const torch::Tensor& cos, const torch::Tensor& sin,
+                              const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& k_scales,
+                              const torch::Tensor& v_scales, int64_t fmt, const torch::Tensor& slots,
+                              const torch::Tensor& key_slots, const torch::Tensor& lens, const torch::Tensor& seq,
+                              int64_t heads, double scale, int64_t kernel) {
+  if (fmt == 0) {
+    auto q = rope_store(y, cos, sin, k_pool, v_pool, slots, heads);
+    return paged_attention(q, k_pool, v_pool, key_slots, seq, lens, scale, kernel);
+  }
+  auto q = rope_store_q8(y, cos, sin, k_pool, k_scales, v_pool, v_scales, fmt, slots, heads);
+  return paged_attention_q8(q, k_pool, k_scales, v_pool, v_scales, fmt, key_slots, seq, lens, scale, kernel);
+}
+
 // A decoder layer's step of fp32 or bf16 rows whose four products are prepared quantised linears
 // (q8_prepare: q/k/v side by side, o, gate/up side by side, down; each with its bias, or an empty tensor
 // for none), its attention on native kernel `kernel` (paged_attention's index) over a dense pool (fmt
@@ -150,14 +166,8 @@ torch::Tensor q8_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch:
   auto h = x.reshape({x.size(1), x.size(2)});
   if (h.stride(1) != 1) h = h.contiguous();
   auto y = product(rms_norm(h, norm1, eps1), 0);
-  torch::Tensor rows;
-  if (fmt == 0) {
-    auto q = rope_store(y, cos, sin, k_pool, v_pool, slots, heads);
-    rows = paged_attention(q, k_pool, v_pool, key_slots, seq, lens, scale, kernel);
-  } else {  // an 8-bit pool: k_pool, v_pool its codes
-    auto q = rope_store_q8(y, cos, sin, k_pool, k_scales, v_pool, v_scales, fmt, slots, heads);
-    rows = paged_attention_q8(q, k_pool, k_scales, v_pool, v_scales, fmt, key_slots, seq, lens, scale, kernel);
-  }
+  const torch::Tensor rows = layer_attention(y, cos, sin, k_pool, v_pool, k_scales, v_scales, fmt, slots, key_slots,
+                                             lens, seq, heads, scale, kernel);
   h = h + product(rows.view({rows.size(0), -1}), 1);
   auto gu = product(rms_norm(h, norm2, eps2), 2);
   TORCH_CHECK(gu.size(1) == 2 * gate, "gate and up of gate columns each");
@@ -205,14 +215,8 @@ torch::Tensor native_layer(torch::Tensor x, torch::Tensor norm1, double eps1, to
   auto h = x.reshape({x.size(1), x.size(2)});
   if (h.stride(1) != 1) h = h.contiguous();
   auto y = product(rms_norm(h, norm1, eps1), 0, nullptr);
-  torch::Tensor rows;
-  if (fmt == 0) {
-    auto q = rope_store(y, cos, sin, k_pool, v_pool, slots, heads);
-    rows = paged_attention(q, k_pool, v_pool, key_slots, seq, lens, scale, kernel);
-  } else {  // an 8-bit pool: k_pool, v_pool its codes
-    auto q = rope_store_q8(y, cos, sin, k_pool, k_scales, v_pool, v_scales, fmt, slots, heads);
-    rows = paged_attention_q8(q, k_pool, k_scales, v_pool, v_scales, fmt, key_slots, seq, lens, scale, kernel);
-  }
+  const torch::Tensor rows = layer_attention(y, cos, sin, k_pool, v_pool, k_scales, v_scales, fmt, slots, key_slots,
+                                             lens, seq, heads, scale, kernel);
   h = product(rows.view({rows.size(0), -1}), 1, &h);
   auto normed = rms_norm(h, norm2, eps2);
   auto g = linears == 0 ? tile_gated(normed, packed[2], bias(2), gate) : silu_mul(product(normed, 2, nullptr), gate);
