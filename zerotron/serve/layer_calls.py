@@ -75,13 +75,12 @@ def native_operands(
     norms = _native_norms(norm1, norm2)
     if norms is None:
         return None
-    if not all(isinstance(p, functools.partial) and not p.args for p in products):
+    partials = [p for p in products if isinstance(p, functools.partial) and not p.args]
+    kinds = {NATIVE_PRODUCTS.get(p.func) for p in partials}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if len(partials) != len(products) or kind is None:
         return None
-    kinds = [NATIVE_PRODUCTS.get(p.func) for p in products]  # type: ignore[attr-defined]
-    kind = kinds[0]
-    if kind is None or any(k != kind for k in kinds):
-        return None
-    parts = [p.keywords for p in products]  # type: ignore[attr-defined]
+    parts = [p.keywords for p in partials]
     if kind == "tiles":  # the gate in the gate/up product's pass: the gate/up product tile_gated's
         if not (isinstance(gated, functools.partial) and gated.func is linear_kernels.tile_gated):
             return None

@@ -150,7 +150,11 @@ class _LeanLayer:
     product (one rotation's kernels instead of two) and without the eleven module calls a layer makes
     for its projections, norms, attention and MLP. On a step whose rows all go to the native attention
     kernel (:attr:`PagedAttention.packed`) the rotation, the store of k and v and the attention take the
-    q/k/v product whole in two native calls (:meth:`PagedAttention.attend_packed`), the same roundings."""
+    q/k/v product whole in two native calls (:meth:`PagedAttention.attend_packed`), the same roundings;
+    and where the layer's products and norms are native too, such a step runs the whole layer in one
+    native call (:func:`~zerotron.serve.kernels.q8_layer` on quantised products,
+    :func:`~zerotron.serve.kernels.native_layer` on the bf16 and fp32 native linears; operands from
+    :mod:`zerotron.serve.layer_calls`), the same calls in the same order."""
 
     def __init__(
         self,
