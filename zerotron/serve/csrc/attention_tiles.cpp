@@ -283,21 +283,63 @@ ZT_TILE_TARGET void key_scores(TileStream& b, const AttentionProblem& pr, const 
   load_tile_config(m);  // back to the m-row config stream_block keeps loaded (its b.config)
 }
 
+// Values j0 .. j0 + 31 of KV head kh of a bf16 pool as pack_values's B tiles, but with each tile's
+// columns in another order: per 32 dims, VPUNPCKLWD and VPUNPCKHWD of the pair's two vectors, as they
+// come, 128-bit lane by lane (tile 2z: dims 32z + 8L + 0..3 of lane L, tile 2z + 1: 32z + 8L + 4..7),
+// four shuffles a pair of keys of 64 dims where pack_values widens and merges with eight. A column of
+// O is one dim's sum over the keys whichever tile column holds it: unpair_row puts the dims back.
+ZT_TILE_TARGET inline void pair_values(const uint16_t* pool, const int64_t* slot, int64_t j0, int64_t n, int64_t kv,
+                                       int64_t kh, int64_t dim, uint32_t* out) {
+  for (int64_t c = j0 + 32; c < std::min(j0 + 64, n); ++c) prefetch_slot(pool + (slot[c] * kv + kh) * dim, dim);
+  for (int64_t k = 0; k < 16; ++k) {
+    const int64_t a = j0 + 2 * k, b = a + 1;
+    const uint16_t* va = a < n ? pool + (slot[a] * kv + kh) * dim : nullptr;
+    const uint16_t* vb = b < n ? pool + (slot[b] * kv + kh) * dim : nullptr;
+    for (int64_t z = 0; z < dim / 32; ++z) {
+      const __m512i x = va != nullptr ? _mm512_loadu_si512(va + 32 * z) : _mm512_setzero_si512();
+      const __m512i y = vb != nullptr ? _mm512_loadu_si512(vb + 32 * z) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * z * 256 + k * 16, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(out + (2 * z + 1) * 256 + k * 16, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// One row of O summed on pair_values's tiles (column 16t + c holds dim 32(t / 2) + 8(c / 4) + 4(t % 2)
+// + c % 4), its dims put back in order in place.
+ZT_TILE_TARGET inline void unpair_row(float* o, int64_t dim) {
+  alignas(64) static const int32_t lo[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t hi[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __m512 x = _mm512_loadu_ps(o + d), y = _mm512_loadu_ps(o + d + 16);
+    _mm512_storeu_ps(o + d, _mm512_permutex2var_ps(x, ilo, y));
+    _mm512_storeu_ps(o + d + 16, _mm512_permutex2var_ps(x, ihi, y));
+  }
+}
+
 // O = P V for every KV head's m rows over keys 0 .. n32, kStreamValues keys at a time, key order from
-// key 0: b.o (kv_heads x m, dim), the sums stored between chunks.
+// key 0: b.o (kv_heads x m, dim), the sums stored between chunks. A bf16 pool's values are paired as
+// they lie (pair_values), an 8-bit pool's packed (pack_values).
 ZT_TILE_TARGET void stream_values(TileStream& b, const AttentionProblem& pr, const int64_t* slot, int64_t n, int64_t m,
                                   int64_t n32, int64_t lp) {
   const int64_t dim = pr.dim, kv = pr.kv_heads, tiles = dim / 16;
+  const uint16_t* pool = pr.vp.bf16;
   b.values.resize(kStreamValues / 32 * tiles * 256);
   for (int64_t j0 = 0; j0 < n32; j0 += kStreamValues) {
     const int64_t chunks = std::min(kStreamValues, n32 - j0) / 32;
     for (int64_t kh = 0; kh < kv; ++kh) {
-      for (int64_t c = 0; c < chunks; ++c)
-        pack_values(pr.vp, slot, j0 + 32 * c, n, kv, kh, dim, b.values.data() + c * tiles * 256);
+      for (int64_t c = 0; c < chunks; ++c) {
+        if (pool != nullptr)
+          pair_values(pool, slot, j0 + 32 * c, n, kv, kh, dim, b.values.data() + c * tiles * 256);
+        else
+          pack_values(pr.vp, slot, j0 + 32 * c, n, kv, kh, dim, b.values.data() + c * tiles * 256);
+      }
       for (int64_t t0 = 0; t0 < tiles; t0 += 4)
         value_tiles(b.p.data() + kh * m * lp + j0, lp, b.values.data(), t0, dim, chunks, b.o.data() + kh * m * dim, j0 > 0);
     }
   }
+  if (pool != nullptr)
+    for (int64_t i = 0; i < kv * m; ++i) unpair_row(b.o.data() + i * dim, dim);
 }
 
 // One block of rows r0 .. r0 + nr - 1 (m = nr x group <= 16), every KV head, streamed (stream_rows)
