@@ -774,8 +774,9 @@ def test_a_long_prompts_rows_are_their_own_however_the_blocks_fall(
     lists of their own: every row the same bits in one call, in two chunks of the prompt, on one
     thread, and (some rows, and four rows together) alone, where both kernels stream a block of at
     most 16 query rows instead of packing (copying each run of consecutive slots at once; the tile
-    kernel reads a bf16 pool's 16 consecutive slots as they lie, scattered or short ones copied); and
-    attention over its keys in float64 within bf16's rounding."""
+    kernel reads a bf16 pool's 16 consecutive slots as they lie, scattered or short ones copied, and
+    pairs its values as they lie, the dims put back after the sums); and attention over its keys in
+    float64 within bf16's rounding."""
     from zerotron.serve import kernels
 
     _native_or_skip()
