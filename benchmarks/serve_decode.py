@@ -40,6 +40,7 @@ def zerotron_runner(args: argparse.Namespace) -> tuple[Run, str]:
     from zerotron.serve.command import engine_config
 
     flags = ["serve", args.model_dir, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    flags += args.zerotron_args.split()
     engine = load_engine(args.model_dir, engine_config(parse_args(flags), 1))  # zerotron serve's choices
     heap.keep_freed()  # as the server settles its process: freed activations kept for the next step,
     faulting = heap.prefault(engine.kv.tensors())  # the KV pool's pages faulted in (waited for here)
@@ -114,6 +115,9 @@ def main() -> None:
     p.add_argument("--vllm", action="store_true", help="run vLLM's offline LLM (in vLLM's venv)")
     p.add_argument("--profile", action="store_true", help="zerotron: torch's operator table of 10 steps")
     p.add_argument("--prefill", action="store_true", help="time the prompts' prefill instead (to 1 token)")
+    p.add_argument(
+        "--zerotron-args", default="", help="extra arguments of zerotron serve (e.g. --matmul onednn)"
+    )
     args = p.parse_args()
     run, name = (vllm_runner if args.vllm else zerotron_runner)(args)
     g = torch.Generator().manual_seed(0)

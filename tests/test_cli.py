@@ -24,7 +24,7 @@ def test_serve_refuses_a_native_matmul_it_cannot_run(
 ) -> None:
     """An explicit --matmul native is refused in one line, before any load, where it cannot run: under
     tensor parallelism (it packs whole weights) and on a CPU without the instructions of the dtype's
-    kernel (AVX-512 for fp32, AMX, AVX512-BF16 or AVX2 for bf16; such a CPU is simulated here)."""
+    kernel (AVX-512 or AVX2 for fp32, AMX, AVX512-BF16 or AVX2 for bf16; such a CPU is simulated here)."""
     from zerotron.serve import kernels, linear_kernels
 
     for dtype in ("float32", "bfloat16"):
@@ -34,7 +34,10 @@ def test_serve_refuses_a_native_matmul_it_cannot_run(
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(kernels, "why_no_dot", lambda: "this CPU has no AVX512-BF16")
     monkeypatch.setattr(linear_kernels, "why_no_q8", lambda: "this CPU has no AVX2 (with FMA and F16C)")
-    for dtype, missing in (("float32", "AVX-512"), ("bfloat16", "AVX2")):
+    monkeypatch.setattr(
+        linear_kernels, "why_no_vec", lambda: "this CPU has neither AVX-512F nor AVX2 with FMA"
+    )
+    for dtype, missing in (("float32", "AVX2"), ("bfloat16", "AVX2")):
         err = _error(capsys, ["serve", "model.gguf", "--matmul", "native", "--dtype", dtype])
         assert "--matmul native" in err and (missing in err or "not available" in err), err
 

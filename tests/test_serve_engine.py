@@ -6,6 +6,7 @@ whole sequence without any cache. Every engine test ends with all KV blocks free
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -130,7 +131,7 @@ ENGINE_KINDS = [
     (False, True, True, False),
     (False, False, False, True),
 ]
-ENGINE_IDS = ["mkl", "onednn", "onednn-native", "avx512-native", "fixed-32"]
+ENGINE_IDS = ["mkl", "onednn", "onednn-native", "native", "fixed-32"]
 
 
 @pytest.mark.parametrize(("onednn", "native", "matmul", "fixed"), ENGINE_KINDS, ids=ENGINE_IDS)
@@ -156,7 +157,9 @@ def test_greedy_equals_transformers_generate(
         fixed_rows=CHUNK_ROWS if fixed else 0,
     )
     assert engine.runner.min_rows == (1 if matmul or fixed else MIN_ROWS_ONEDNN if onednn else MIN_ROWS)
-    kind = "native AVX-512" if matmul else "oneDNN" if onednn else "F.linear"
+    from zerotron.serve.linear_kernels import vec_kind
+
+    kind = f"native {vec_kind()}" if matmul else "oneDNN" if onednn else "F.linear"
     assert engine.runner.matmul == (f"F.linear in {CHUNK_ROWS}-row calls" if fixed else kind)
     got = _run(engine, prompts, GREEDY)
     for prompt, (tokens, _) in zip(prompts, got):
@@ -1066,20 +1069,63 @@ def test_native_rotary_and_store_are_the_models(dtype: torch.dtype) -> None:
 
 
 def _vec_or_skip() -> None:
-    _linear_or_skip("AVX-512", "why_no_vec")
+    _linear_or_skip("fp32", "why_no_vec")
 
 
-@pytest.mark.parametrize(
-    ("n", "k", "bias"), [(960, 576, False), (3072, 576, True), (577, 1000, True), (30, 20, False)]
-)
-def test_native_vec_linear_is_the_product_and_each_row_alone(n: int, k: int, bias: bool) -> None:
-    """The AVX-512 kernel's fp32 linear against x w^T + b in float64: within a k-term fp32 sum's
-    rounding (shapes with N not a multiple of 48 padded by pack_vec); every row the same bits in
-    forwards of any row count (1 to 300: partial 8-row blocks, several 128-row chunks), one row at a
-    time, with rows not contiguous or further apart than k, and with one thread or two."""
+@contextlib.contextmanager
+def _vec_code(avx2: bool) -> Iterator[None]:
+    """The fp32 linear on its AVX2 code (``avx2``: on a CPU with AVX-512 too, through
+    ``linear_kernels.vec_avx2``) or its AVX-512 code (skipped on a CPU without AVX-512)."""
     from zerotron.serve import linear_kernels
 
     _vec_or_skip()
+    if not avx2 and not torch.cpu._is_avx512_supported():
+        pytest.skip("no AVX-512 here: the fp32 linear runs its AVX2 code (the avx2 case)")
+    before = linear_kernels.vec_avx2(avx2)
+    try:
+        yield
+    finally:
+        linear_kernels.vec_avx2(before)
+
+
+@pytest.mark.parametrize("avx2", [False, True], ids=["avx512", "avx2"])
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(960, 576, False), (3072, 576, True), (577, 1000, True), (30, 20, False)]
+)
+def test_native_vec_linear_is_the_product_and_each_row_alone(n: int, k: int, bias: bool, avx2: bool) -> None:
+    """The fp32 linear's AVX-512 code and its AVX2 code (what AMD Zen 1-3 and Intel client cores run)
+    against x w^T + b in float64: within a k-term fp32 sum's rounding (shapes with N not a multiple of
+    48 padded by pack_vec); every row the same bits in forwards of any row count (1 to 300: the AVX2
+    code's one- and two-row blocks over a whole panel and its 6-row blocks over 16-column thirds,
+    partial 8-row blocks, several 128-row chunks), one row at a time, with rows not contiguous or
+    further apart than k, and with one thread or two."""
+    with _vec_code(avx2):
+        _check_vec_linear(n, k, bias)
+
+
+def test_native_vec_linear_avx2_code_gives_the_avx512_bits() -> None:
+    """On a CPU with AVX-512 the fp32 linear's AVX2 code gives its AVX-512 code's bits (one fused
+    multiply-add chain per output over k in order, the bias after: the same arithmetic), at the row
+    counts each code blocks differently."""
+    from zerotron.serve import linear_kernels
+
+    g = torch.Generator().manual_seed(3)
+    weight, b, x = (
+        torch.randn(577, 300, generator=g),
+        torch.randn(577, generator=g),
+        torch.randn(40, 300, generator=g),
+    )
+    packed = linear_kernels.pack_vec(weight)
+    with _vec_code(False):
+        want = linear_kernels.vec_linear(x, packed, b, 577)
+    with _vec_code(True):
+        for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 40):
+            assert torch.equal(linear_kernels.vec_linear(x[:rows], packed, b, 577), want[:rows]), rows
+
+
+def _check_vec_linear(n: int, k: int, bias: bool) -> None:
+    from zerotron.serve import linear_kernels
+
     g = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None
@@ -1124,7 +1170,7 @@ def test_packed_fused_linears_equal_the_models_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """pack_linears (q/k/v and gate/up fused into one product each, oneDNN on packed weights or the
-    native kernels: bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512) gives the logits of the
+    native kernels: bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512 or AVX2) gives the logits of the
     model's own nn.Linear forward to rounding, q/k/v biases (Qwen2) included, and frees the dense
     weights."""
     from zerotron.serve import kernels

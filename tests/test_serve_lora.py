@@ -95,7 +95,7 @@ def test_mixed_batch_logits_equal_peft_for_each_adapter_and_the_base(served: tup
     ref, model, paths = served
     if kind == "native" and linear_kernels.why_no_native_matmul(torch.float32) is not None:
         pytest.skip(
-            f"zerotron's native fp32 linears need AVX-512: {linear_kernels.why_no_native_matmul(torch.float32)}"
+            f"zerotron's native fp32 linears need AVX-512 or AVX2: {linear_kernels.why_no_native_matmul(torch.float32)}"
         )
     engine = _engine(model, paths, **ENGINES[kind])
     captured: list[torch.Tensor] = []

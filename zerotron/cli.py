@@ -245,7 +245,7 @@ def _add_serve(sub: Any) -> None:
         choices=["native", "onednn", "mkl"],
         default=None,
         help="linear layers on weights packed once, q/k/v and gate/up fused: through zerotron's native "
-        "kernels, bf16 on AMX tiles or else AVX512-BF16 or else AVX2, fp32 on AVX-512 (the default on one rank "
+        "kernels, bf16 on AMX tiles or else AVX512-BF16 or else AVX2, fp32 on AVX-512 or AVX2 (the default on one rank "
         "where the CPU has them), or through oneDNN (the default otherwise on one rank; fp16); or through torch's "
         "F.linear (MKL in fp32, >= 16 rows; 16-bit in row chunks; what tensor-parallel shards run)",
     )

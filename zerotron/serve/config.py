@@ -57,7 +57,7 @@ class EngineConfig:
     native_attention: bool = False  # every row through the native paged kernel (zerotron.serve.kernels)
     # that kernel's code: fp32 | dot (AVX512-BF16) | tiles (AMX); None: kernels.attention_kernel's choice
     attention_kernel: Optional[str] = None
-    # linears on zerotron's kernels: bf16 on AMX tiles, AVX512-BF16 or AVX2, fp32 on AVX-512 (CPU)
+    # linears on zerotron's kernels: bf16 on AMX tiles, AVX512-BF16 or AVX2, fp32 on AVX-512 or AVX2 (CPU)
     native_matmul: bool = False
     dtype: Optional[str] = None  # the model's dtype (float32 | bfloat16 | float16); None: the model's
     device: Optional[str] = None  # where the model and the KV cache live (cpu | cuda[:N]); None: the model's

@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v119"
+_NAME = "zerotron_kernels_v123"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -75,6 +75,8 @@ _FUNCTIONS = [
     "tile_linear",
     "tile_gated",
     "vec_built",
+    "vec_cpu",
+    "vec_avx2",
     "vec_linear",
     "dot_built",
     "dot_cpu",
@@ -383,7 +385,7 @@ def native_layer(
     """A decoder layer's step of rows ``x`` (1, rows, hidden) in one native call, for a layer whose four
     products run on one of the native linear kernels (one of :data:`NATIVE_LINEARS`: bf16 on AMX tiles,
     :func:`~zerotron.serve.linear_kernels.tile_linear`; bf16 on AVX512-BF16,
-    :func:`~zerotron.serve.linear_kernels.dot_linear`; fp32 on AVX-512,
+    :func:`~zerotron.serve.linear_kernels.dot_linear`; fp32 on AVX-512 or AVX2,
     :func:`~zerotron.serve.linear_kernels.vec_linear`) and whose attention reads the paged pool.
     ``layer``: the first norm's weight and epsilon, the second's, the linears' kernel, the q/k/v, o,
     gate/up and down products' packed weights, their fp32 biases (an empty tensor for none) and

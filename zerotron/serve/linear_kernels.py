@@ -4,7 +4,7 @@ module, on first use, where that module says they can run).
 :func:`tile_linear` is a bf16 linear layer on AMX tiles (the weight packed once by :func:`pack_tiles`),
 each output its row times its column summed in fp32 over 32-deep tile products in k order, so a row's
 result never depends on the call's row count (oneDNN's does); :func:`vec_linear` the fp32 one on
-AVX-512 (one fused multiply-add chain over k in order per output), :func:`dot_linear` the bf16 one on
+AVX-512 or AVX2 (one fused multiply-add chain over k in order per output), :func:`dot_linear` the bf16 one on
 AVX512-BF16 without AMX (VDPBF16PS steps over pairs of k in order, rounded once to bf16).
 
 :func:`q8_linear` multiplies fp32 rows by 8-bit (or 4-bit) weights with a scale and a min per group
@@ -85,8 +85,8 @@ def tile_gated(
 
 
 def vec_available() -> bool:
-    """Whether fp32 linears can run on AVX-512 here (:func:`vec_linear`): the kernels built with its
-    code (x86-64) and a CPU with AVX-512F."""
+    """Whether fp32 linears can run natively here (:func:`vec_linear`): the kernels built with its
+    code (x86-64) and a CPU with AVX-512F, or AVX2 and FMA (:func:`vec_kind`)."""
     return why_no_vec() is None
 
 
@@ -94,10 +94,21 @@ def why_no_vec() -> Optional[str]:
     """Why :func:`vec_available` is False (None when it is True)."""
     return kernels.why_no_kernel(
         "vec_built",
-        lambda m: bool(torch.cpu._is_avx512_supported()),
-        "AVX-512 linear code (an x86-64 CPU and GCC or clang are needed)",
-        "this CPU has no AVX-512",
+        lambda m: bool(m.vec_cpu()),
+        "fp32 linear code (an x86-64 CPU and GCC or clang are needed)",
+        "this CPU has neither AVX-512F nor AVX2 with FMA",
     )
+
+
+def vec_kind() -> str:
+    """Where :func:`vec_linear` multiplies here (where :func:`vec_available`): AVX-512 or AVX2."""
+    return "AVX-512" if torch.cpu._is_avx512_supported() else "AVX2"
+
+
+def vec_avx2(on: bool) -> bool:
+    """:func:`vec_linear` on its AVX2 code even on a CPU with AVX-512 (``on``; the same bits: tests
+    compare the two, benchmarks time an AVX2 CPU's linears this way); the previous setting."""
+    return bool(kernels.built().vec_avx2(on))
 
 
 def q8_available() -> bool:
@@ -323,7 +334,7 @@ def wide_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
 def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:
     """Why linears of ``dtype`` cannot run on a native kernel here (None when they can): bf16 on AMX
     tiles (:func:`tile_linear`) or, without AMX, on AVX512-BF16 (:func:`dot_linear`), or without
-    either on AVX2 (:func:`wide_linear`); fp32 on AVX-512 (:func:`vec_linear`), no other dtype."""
+    either on AVX2 (:func:`wide_linear`); fp32 on AVX-512 or AVX2 (:func:`vec_linear`), no other dtype."""
     if dtype == torch.bfloat16:
         no_tiles = kernels.why_no_tiles()
         if no_tiles is None:
@@ -335,7 +346,7 @@ def why_no_native_matmul(dtype: torch.dtype) -> Optional[str]:
         return None if no_wide is None else f"{no_tiles}; {no_dot}; {no_wide}"
     if dtype == torch.float32:
         return why_no_vec()
-    return f"the native linears are bf16 (AMX, AVX512-BF16 or AVX2) and fp32 (AVX-512), not {dtype}"
+    return f"the native linears are bf16 (AMX, AVX512-BF16 or AVX2) and fp32 (AVX-512 or AVX2), not {dtype}"
 
 
 def native_linear(
@@ -343,13 +354,13 @@ def native_linear(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor], str]:
     """The native kernel for linears of ``dtype`` here: (pack, run, name), ``pack`` the weight's
     packing, ``run(x, packed=, bias=, n=)`` the product; bf16 on AMX tiles where the CPU has them,
-    else on AVX512-BF16, else on AVX2; fp32 on AVX-512. Raises where :func:`why_no_native_matmul`
-    says why not."""
+    else on AVX512-BF16, else on AVX2; fp32 on AVX-512 or AVX2. Raises where
+    :func:`why_no_native_matmul` says why not."""
     why = why_no_native_matmul(dtype)
     if why is not None:
         raise RuntimeError(f"the native matmul is not available: {why}")
     if dtype == torch.float32:
-        return pack_vec, vec_linear, "native AVX-512"
+        return pack_vec, vec_linear, f"native {vec_kind()}"
     if kernels.tiles_available():
         return pack_tiles, tile_linear, "native tiles"
     if kernels.dot_available():
@@ -371,9 +382,10 @@ def pack_vec(weight: torch.Tensor) -> torch.Tensor:
 
 
 def vec_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` for fp32 rows ``x`` (..., K) on AVX-512, ``packed`` from :func:`pack_vec`,
-    ``bias`` fp32 (n,) or None; (..., n). Each output is one fused multiply-add chain over k in order,
-    then the bias: a row's result is the same in any batch (any row count, any threads)."""
+    """``x @ weight.T + bias`` for fp32 rows ``x`` (..., K) on AVX-512 or AVX2 (the same bits),
+    ``packed`` from :func:`pack_vec`, ``bias`` fp32 (n,) or None; (..., n). Each output is one fused
+    multiply-add chain over k in order, then the bias: a row's result is the same in any batch (any
+    row count, any threads)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:  # the kernel reads each row's k in place
         rows = rows.contiguous()

@@ -4,7 +4,7 @@ A served sequence must get the same bits whatever batch it shares a step with (b
 the CPU's matrix kernels change their arithmetic with the row count, and so do a GPU's. The functions
 here route every linear layer of a model (plain, or a tensor-parallel rank's column and row parts)
 through a call that keeps its rows' arithmetic fixed: oneDNN packed weights with a row floor
-(:func:`pack_linears`, also zerotron's native AVX-512 kernels and leaner decoder layers), 16-bit
+(:func:`pack_linears`, also zerotron's native kernels and leaner decoder layers), 16-bit
 row chunks (:func:`chunk_linears`), fixed-shape calls off the CPU (:func:`fixed_linears`), or plain
 F.linear with rank-ordered row-parallel sums (:func:`route_linears`).
 :class:`~zerotron.serve.runner.StepRunner` picks one per engine.
@@ -303,7 +303,7 @@ def pack_linears(model: nn.Module, lean: bool = True, max_rows: int = 0, native:
     chunks for long prefills. ``native``: every linear runs on zerotron's own kernel instead, bf16 on
     AMX tiles (:func:`~zerotron.serve.linear_kernels.tile_linear`) or, without AMX, on AVX512-BF16
     (:func:`~zerotron.serve.linear_kernels.dot_linear`) or, without either, on AVX2
-    (:func:`~zerotron.serve.linear_kernels.wide_linear`), fp32 on AVX-512
+    (:func:`~zerotron.serve.linear_kernels.wide_linear`), fp32 on AVX-512 or AVX2
     (:func:`~zerotron.serve.linear_kernels.vec_linear`), whole at any row count (a row's result depends on the
     row alone, from one row up), its weight read once per call; the RMSNorms and the lean layers' SiLU
     gates then run on native kernels too (:func:`~zerotron.serve.kernels.rms_norm`,

@@ -146,7 +146,7 @@ class StepRunner:
         ``onednn``: the linears packed for oneDNN (:func:`pack_linears`, for forwards of up to
         ``max_num_batched_tokens`` rows). ``native_attention``: every row through the native
         paged-attention kernel (:mod:`zerotron.serve.kernels`). ``native_matmul``: the linears packed
-        for and run by zerotron's own kernel, bf16 on AMX tiles, AVX512-BF16 or AVX2, fp32 on AVX-512; every
+        for and run by zerotron's own kernel, bf16 on AMX tiles, AVX512-BF16 or AVX2, fp32 on AVX-512 or AVX2; every
         forward then runs its rows as they are, from one row up. ``fixed_rows``: every linear in calls
         of exactly that many rows (:func:`fixed_linears`; 0: off; by default :data:`FIXED_ROWS` off
         the CPU). ``triton_attention``: every row through the Triton paged-attention kernel

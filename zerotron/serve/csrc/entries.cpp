@@ -176,7 +176,7 @@ torch::Tensor q8_layer(torch::Tensor x, torch::Tensor norm1, double eps1, torch:
 }
 
 // A decoder layer's step whose four products run on a native linear kernel (linears: 0 bf16 on AMX tiles,
-// tile_linear's packed weights; 1 bf16 on AVX512-BF16, dot_linear's; 2 fp32 on AVX-512, vec_linear's:
+// tile_linear's packed weights; 1 bf16 on AVX512-BF16, dot_linear's; 2 fp32 on AVX-512 or AVX2, vec_linear's:
 // q/k/v side by side, o, gate/up side by side, down; each bias fp32, or an empty tensor for none; widths
 // the products' columns), its attention q8_layer's (a dense or an 8-bit pool): the calls
 // linears._LeanLayer makes on its native path, in the same order on the same values, so its bits:
@@ -193,7 +193,7 @@ torch::Tensor native_layer(torch::Tensor x, torch::Tensor norm1, double eps1, to
                            torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor k_scales, torch::Tensor v_scales,
                            int64_t fmt, torch::Tensor slots, torch::Tensor key_slots, torch::Tensor lens,
                            torch::Tensor seq, int64_t heads, double scale, int64_t kernel) {
-  TORCH_CHECK(linears >= 0 && linears <= 2, "linears: 0 (AMX tiles), 1 (AVX512-BF16) or 2 (fp32 on AVX-512)");
+  TORCH_CHECK(linears >= 0 && linears <= 2, "linears: 0 (AMX tiles), 1 (AVX512-BF16) or 2 (fp32 on AVX-512 or AVX2)");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 &&
                   x.scalar_type() == (linears == 2 ? torch::kFloat : torch::kBFloat16),
               "x: (1, rows, hidden), bf16 on the tile and AVX512-BF16 linears, fp32 on the AVX-512 one");

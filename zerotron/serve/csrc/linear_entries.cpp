@@ -53,6 +53,33 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor w, std::optional<torch:
 torch::Tensor tile_gated(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, int64_t gate) {
   return tile_product(x, w, bias, 2 * gate, std::nullopt, gate);
 }
+// Whether this CPU runs vec_linear's AVX-512 code; its AVX2 code (with FMA).
+bool vec512_cpu() {
+#if defined(ZT_VEC)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+bool vec2_cpu() {
+#if defined(ZT_VEC)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// Whether vec_linear runs on this CPU (on AVX-512 or on AVX2).
+bool vec_cpu() { return vec512_cpu() || vec2_cpu(); }
+
+// vec_linear on its AVX2 code even where the CPU has AVX-512 (the same bits: tests compare the two,
+// benchmarks time an AVX2 CPU's linears this way); returns the previous setting.
+std::atomic<bool> g_vec_avx2{false};
+bool vec_avx2(bool on) { return g_vec_avx2.exchange(on); }
+
 bool vec_built() {
 #if defined(ZT_VEC)
   return true;
@@ -74,10 +101,15 @@ torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0) return y;
 #if defined(ZT_VEC)
+  static const bool has512 = vec512_cpu();
+  const bool avx512 = has512 && !g_vec_avx2.load();
+  TORCH_CHECK(avx512 || vec2_cpu(), "this CPU has neither AVX-512F nor AVX2 with FMA");
   VecProblem t{x.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0), even_chunk(rows, VMC, 8)};
+               y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0),
+               avx512 ? even_chunk(rows, VMC, 8) : vec2_chunk(rows)};
   pybind11::gil_scoped_release no_gil;
-  vec_linear_run(t);
+  if (avx512) vec_linear_run(t);
+  else vec2_linear_run(t);  // the same bits
   return y;
 #else
   TORCH_CHECK(false, "this build has no AVX-512 linear kernel");
