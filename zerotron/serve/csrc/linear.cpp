@@ -219,6 +219,17 @@ struct VecProblem {
   int64_t ldx, rows, n, k, panels, chunk;
 };
 
+// One k's row of the next slice's panel (at) into L1, and the row VAHEAD on into L2 (vec_block's and
+// vec2_block's fetches; inlined into either target).
+__attribute__((always_inline)) inline void vec_fetch_ahead(const float* at) {
+  const char* p = reinterpret_cast<const char*>(at);
+  const char* q = reinterpret_cast<const char*>(at + VAHEAD);
+  for (int i = 0; i < 3; ++i) {
+    _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+    _mm_prefetch(q + 64 * i, _MM_HINT_T1);
+  }
+}
+
 // MR rows of x (ldx apart) times one panel over k in [k0, k1), the sums carried in c (48 per row);
 // pf: where the next slice starts (prefetched into L1 while this one is multiplied, and the weights four
 // slices further on into L2: from memory, one slice ahead is too late to keep the FMA units fed), or null
@@ -232,16 +243,7 @@ ZT_VEC_TARGET inline void vec_block(const float* x, int64_t ldx, const float* w,
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * VNR;
     const __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32);
-    if (pf) {
-      const char* p = reinterpret_cast<const char*>(pf + (k - k0) * VNR);
-      _mm_prefetch(p, _MM_HINT_T0);
-      _mm_prefetch(p + 64, _MM_HINT_T0);
-      _mm_prefetch(p + 128, _MM_HINT_T0);
-      const char* q = reinterpret_cast<const char*>(pf + (k - k0) * VNR + VAHEAD);
-      _mm_prefetch(q, _MM_HINT_T1);
-      _mm_prefetch(q + 64, _MM_HINT_T1);
-      _mm_prefetch(q + 128, _MM_HINT_T1);
-    }
+    if (pf) vec_fetch_ahead(pf + (k - k0) * VNR);
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
       acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
@@ -334,14 +336,7 @@ ZT_VEC2_TARGET inline void vec2_block(const float* x, int64_t ldx, const float* 
     for (int j = 0; j < NV; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * VNR + col + j * 8);
   if (pf) {
     for (int64_t k = k0; k < k1; ++k) {
-      const char* p = reinterpret_cast<const char*>(pf + (k - k0) * VNR);
-      _mm_prefetch(p, _MM_HINT_T0);
-      _mm_prefetch(p + 64, _MM_HINT_T0);
-      _mm_prefetch(p + 128, _MM_HINT_T0);
-      const char* q = reinterpret_cast<const char*>(pf + (k - k0) * VNR + VAHEAD);
-      _mm_prefetch(q, _MM_HINT_T1);
-      _mm_prefetch(q + 64, _MM_HINT_T1);
-      _mm_prefetch(q + 128, _MM_HINT_T1);
+      vec_fetch_ahead(pf + (k - k0) * VNR);
       vec2_step<MR, NV>(x, ldx, w + k * VNR + col, k, acc);
     }
   } else {

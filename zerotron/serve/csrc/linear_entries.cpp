@@ -112,7 +112,7 @@ torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
   else vec2_linear_run(t);  // the same bits
   return y;
 #else
-  TORCH_CHECK(false, "this build has no AVX-512 linear kernel");
+  TORCH_CHECK(false, "this build has no fp32 linear kernel (x86-64 only)");
 #endif
 }
 
