@@ -25,6 +25,7 @@ from zerotron.config_load import ConfigError
 from zerotron.distributed import collectives
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import KVCache, LlamaForCausalLM
+from zerotron.models.tokenizer import IncrementalDecoder
 from zerotron.parallel.tensor_comm import gather_last_dim
 
 
@@ -176,11 +177,12 @@ class TextStream:
         self.tokenizer, self.out = tokenizer, out
         self.ids: list[int] = []
         self.printed = 0
+        self.decoder = IncrementalDecoder(tokenizer)
 
     def __call__(self, token: int) -> None:
         """Add one id and print what became final."""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.decoder.text(self.ids)
         if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for its remaining bytes
             return
         self._emit(text)

@@ -7,6 +7,7 @@ jinja2's ``ImmutableSandboxedEnvironment`` (a template cannot reach Python objec
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -312,6 +313,13 @@ class HFTokenizer(Tokenizer):
         """Text of ``ids``."""
         return cast(str, self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    @functools.cached_property
+    def byte_pieces(self) -> frozenset[int]:
+        """The ids of byte-fallback pieces (``<0x41>``): a run of them is decoded as one UTF-8 string,
+        every byte of it shown as U+FFFD if any is invalid (so a run's text can change after it)."""
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for piece, i in vocab.items() if len(piece) == 6 and piece.startswith("<0x"))
+
     def to_files(self) -> dict[str, str]:
         """tokenizer.json and tokenizer_config.json texts for a Hugging Face directory."""
         conf: dict[str, Any] = {
@@ -341,3 +349,47 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
         return HFTokenizer.from_gguf(open_gguf(p), p)
     return HFTokenizer.from_file(p)
+
+
+class IncrementalDecoder:
+    """The text of a growing list of token ids, each call decoding only a short tail of it.
+
+    Decoding the whole output every token costs O(n) a token (O(n^2) a sequence). This keeps a
+    settled head (the text of the first ``at`` ids) and decodes only the ids after it. A split
+    settles only where it is seen to be clean: the tail's text equals its first part's text plus the
+    rest's (so a decoder that strips a leading space, joins words with spaces or assembles bytes
+    into UTF-8 characters is split only where that makes no difference), the first part does not
+    end in half a character nor split a run of byte-fallback pieces, and at least ``window`` ids stay
+    behind it. ``text(ids)`` therefore
+    equals ``tokenizer.decode(ids, skip_special_tokens=True)`` for the decoders tokenizers ship
+    (each id's text depends on itself and its neighbours, not on ids far away).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, window: int = 8) -> None:
+        self.tokenizer, self.window = tokenizer, window
+        self.head, self.at = "", 0
+        self.glued: frozenset[int] = getattr(tokenizer, "byte_pieces", frozenset())
+
+    def text(self, ids: list[int]) -> str:
+        """The text of ``ids``, which extend the ids of the previous call."""
+        tail_ids = ids[self.at :]
+        tail = self._decode(tail_ids)
+        text = self.head + tail
+        if len(tail_ids) >= 2 * self.window:
+            self._settle(tail_ids, tail)
+        return text
+
+    def _settle(self, tail_ids: list[int], tail: str) -> None:
+        last = len(tail_ids) - self.window
+        for k in range(last, max(0, last - 4), -1):  # a few split points a call; the tail waits otherwise
+            if tail_ids[k - 1] in self.glued and tail_ids[k] in self.glued:
+                continue  # never inside a run of byte pieces
+            first = self._decode(tail_ids[:k])
+            if first.endswith("\ufffd") or not tail.startswith(first):
+                continue
+            if first + self._decode(tail_ids[k:]) == tail:
+                self.head, self.at = self.head + first, self.at + k
+                return
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -21,6 +21,7 @@ from zerotron.components.sampling import Choice, SamplingParams, sample
 from zerotron.distributed.mesh import Group
 from zerotron.models.llama import LlamaForCausalLM
 from zerotron.models.quant import MIN_ROWS
+from zerotron.models.tokenizer import IncrementalDecoder
 from zerotron.serve.config import EngineConfig
 from zerotron.serve.draft import Drafter, truncated
 from zerotron.serve.lora import LoraError, MultiLora, ServedAdapter, UnknownAdapter
@@ -433,7 +434,9 @@ class Engine:
         if seq.matcher is not None and seq.matcher.done:
             reason = "stop"
         if self.tokenizer is not None:  # an engine without tokenizer works in token ids only
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            if seq.decoder is None:
+                seq.decoder = IncrementalDecoder(self.tokenizer)
+            seq.text = seq.decoder.text(seq.output_ids)
         for stop in params.stop:
             at = seq.text.find(stop, max(0, seq.sent - len(stop)))
             if at >= 0:

@@ -46,6 +46,7 @@ class Sequence:
     preemptions: int = 0
     text: str = ""  # decoded output (stop strings cut)
     sent: int = 0  # characters of ``text`` already returned
+    decoder: Any = None  # its IncrementalDecoder (models.tokenizer): ``text`` without re-decoding it all
     reported: int = 0  # output tokens already returned
     matcher: Any = None  # structured output: the sequence's place in its grammar (serve.structured)
     lora: Any = None  # multi-LoRA: the adapter it runs under (serve.lora.ServedAdapter); None: the base
