@@ -269,8 +269,11 @@ ZT_VEC_TARGET void vec_rows(const float* x, int64_t ldx, const float* w, int64_t
   }
 }
 
-// Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major.
-ZT_VEC_TARGET void vec_tasks(const VecProblem& t, int64_t begin, int64_t end) {
+// Tasks [begin, end) of one thread: task = (chunk of rows, panel), chunk-major; each slice of k through
+// all the chunk's blocks of up to MR rows (Rows: vec_rows or vec2_rows), then Store puts a row's sums
+// and the bias into y. Inlined into vec_tasks and vec2_tasks, each compiled for its own target.
+template <int64_t MR, auto Rows, auto Store>
+__attribute__((always_inline)) inline void vec_task_loop(const VecProblem& t, int64_t begin, int64_t end) {
   alignas(64) float c[VMC * VNR];
   for (int64_t task = begin; task < end; ++task) {
     const int64_t p = task % t.panels, mc = task / t.panels;
@@ -278,21 +281,28 @@ ZT_VEC_TARGET void vec_tasks(const VecProblem& t, int64_t begin, int64_t end) {
     const float* w = t.w + p * t.k * VNR;
     for (int64_t k0 = 0; k0 < t.k; k0 += VKC) {
       const int64_t k1 = std::min(t.k, k0 + VKC);
-      for (int64_t m = m0; m < m1; m += 8)
-        vec_rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * VNR, k0 == 0,
-                 m == m0 ? w + k1 * VNR : nullptr, std::min<int64_t>(8, m1 - m));
+      for (int64_t m = m0; m < m1; m += MR)
+        Rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * VNR, k0 == 0, m == m0 ? w + k1 * VNR : nullptr,
+             std::min<int64_t>(MR, m1 - m));
     }
     const int64_t col = p * VNR, width = std::min(VNR, t.n - col);
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t j = 0; j < width; j += 16) {
-        const int64_t cnt = std::min<int64_t>(16, width - j);
-        const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
-        __m512 v = _mm512_loadu_ps(c + (m - m0) * VNR + j);
-        if (t.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, t.bias + col + j));
-        _mm512_mask_storeu_ps(t.y + m * t.n + col + j, keep, v);
-      }
-    }
+    for (int64_t m = m0; m < m1; ++m) Store(c + (m - m0) * VNR, t.y + m * t.n + col, t.bias ? t.bias + col : nullptr, width);
   }
+}
+
+// One row's sums (48) plus the bias into y's `width` columns, 16 at a time under a mask.
+ZT_VEC_TARGET inline void vec_store(const float* c, float* y, const float* bias, int64_t width) {
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t cnt = std::min<int64_t>(16, width - j);
+    const __mmask16 keep = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
+    __m512 v = _mm512_loadu_ps(c + j);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + j));
+    _mm512_mask_storeu_ps(y + j, keep, v);
+  }
+}
+
+ZT_VEC_TARGET void vec_tasks(const VecProblem& t, int64_t begin, int64_t end) {
+  vec_task_loop<8, vec_rows, vec_store>(t, begin, end);
 }
 
 void vec_linear_run(const VecProblem& t) {
@@ -364,26 +374,14 @@ ZT_VEC2_TARGET void vec2_rows(const float* x, int64_t ldx, const float* w, int64
   }
 }
 
-// vec_tasks on AVX2: tasks [begin, end) of one thread, (chunk of rows, panel), chunk-major.
+// One row's sums plus the bias into y (AVX2: no masked stores; the compiler vectorises it).
+ZT_VEC2_TARGET inline void vec2_store(const float* c, float* y, const float* bias, int64_t width) {
+  for (int64_t j = 0; j < width; ++j) y[j] = bias ? c[j] + bias[j] : c[j];
+}
+
+// vec_tasks on AVX2.
 ZT_VEC2_TARGET void vec2_tasks(const VecProblem& t, int64_t begin, int64_t end) {
-  alignas(64) float c[VMC * VNR];
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t p = task % t.panels, mc = task / t.panels;
-    const int64_t m0 = mc * t.chunk, m1 = std::min(t.rows, m0 + t.chunk);
-    const float* w = t.w + p * t.k * VNR;
-    for (int64_t k0 = 0; k0 < t.k; k0 += VKC) {
-      const int64_t k1 = std::min(t.k, k0 + VKC);
-      for (int64_t m = m0; m < m1; m += V2MR)
-        vec2_rows(t.x + m * t.ldx, t.ldx, w, k0, k1, c + (m - m0) * VNR, k0 == 0,
-                  m == m0 ? w + k1 * VNR : nullptr, std::min<int64_t>(V2MR, m1 - m));
-    }
-    const int64_t col = p * VNR, width = std::min(VNR, t.n - col);
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t j = 0; j < width; ++j) {
-        const float v = c[(m - m0) * VNR + j];
-        t.y[m * t.n + col + j] = t.bias ? v + t.bias[col + j] : v;
-      }
-  }
+  vec_task_loop<V2MR, vec2_rows, vec2_store>(t, begin, end);
 }
 
 // Rows per task on AVX2: vec_linear's chunks in blocks of V2MR rows.
