@@ -286,7 +286,8 @@ __attribute__((always_inline)) inline void vec_task_loop(const VecProblem& t, in
              std::min<int64_t>(MR, m1 - m));
     }
     const int64_t col = p * VNR, width = std::min(VNR, t.n - col);
-    for (int64_t m = m0; m < m1; ++m) Store(c + (m - m0) * VNR, t.y + m * t.n + col, t.bias ? t.bias + col : nullptr, width);
+    for (int64_t m = m0; m < m1; ++m)
+      Store(c + (m - m0) * VNR, t.y + m * t.n + col, t.bias ? t.bias + col : nullptr, width);
   }
 }
 
