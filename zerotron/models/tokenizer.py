@@ -360,9 +360,9 @@ class IncrementalDecoder:
     rest's (so a decoder that strips a leading space, joins words with spaces or assembles bytes
     into UTF-8 characters is split only where that makes no difference), the first part does not
     end in half a character nor split a run of byte-fallback pieces, and at least ``window`` ids stay
-    behind it. ``text(ids)`` therefore
-    equals ``tokenizer.decode(ids, skip_special_tokens=True)`` for the decoders tokenizers ship
-    (each id's text depends on itself and its neighbours, not on ids far away).
+    behind it. ``text(ids)`` therefore equals ``tokenizer.decode(ids, skip_special_tokens=True)`` for
+    the decoders tokenizers ship (each id's text depends on itself and its neighbours, not on ids far
+    away); a tail that never settles is decoded whole, as before, never wrongly.
     """
 
     def __init__(self, tokenizer: Tokenizer, window: int = 8) -> None:
