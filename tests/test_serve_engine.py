@@ -695,7 +695,7 @@ def test_wide_16_bit_linear_calls_give_each_row_the_chunks_bits() -> None:
         assert not torch.equal(_pointwise(x[:m], handle, None), want[:m]), m
 
 
-_ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 24)]
+_ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 24), (10, 2, 40)]
 
 
 @pytest.mark.parametrize(
@@ -717,7 +717,8 @@ def test_native_paged_attention_is_attention_over_each_rows_slots(
     batch. Covers, on a CPU with AVX-512, the AVX-512 code (head size 64 and 128, up to 8 query heads
     per KV head, rows in blocks) and the generic one (head size 24, 12 query heads per KV head); on a
     CPU with AVX2 but not AVX-512, the AVX2 code (every shape here in float32 and bfloat16: heads of
-    64, 128 and 24, panels of 16 keys, rows in blocks); float16 always the generic one; and, where the CPU has
+    64, 128, 24 and 40, panels of 16 keys, rows in blocks, the values of 32 keys weighed for 1, 2 or 3
+    heads of a group at once); float16 always the generic one; and, where the CPU has
     AMX, the tile code, or, where it has AVX512-BF16, the VDPBF16PS code (bf16, head size 64 and 128:
     scores and weighted sums as matrix products)."""
     from zerotron.serve import kernels
@@ -1083,6 +1084,7 @@ def _vec_code(avx2: bool) -> Iterator[None]:
         pytest.skip("no AVX-512 here: the fp32 linear runs its AVX2 code (the avx2 case)")
     before = linear_kernels.vec_avx2(avx2)
     try:
+        assert linear_kernels.vec_kind() == ("AVX2" if avx2 else "AVX-512")  # the kernel's own choice
         yield
     finally:
         linear_kernels.vec_avx2(before)

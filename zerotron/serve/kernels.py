@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v125"
+_NAME = "zerotron_kernels_v126"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
@@ -77,6 +77,7 @@ _FUNCTIONS = [
     "vec_built",
     "vec_cpu",
     "vec_avx2",
+    "vec_code",
     "vec_linear",
     "dot_built",
     "dot_cpu",

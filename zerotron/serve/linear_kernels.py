@@ -100,19 +100,15 @@ def why_no_vec() -> Optional[str]:
     )
 
 
-_vec_on_avx2 = False  # vec_avx2's setting, for vec_kind
-
-
 def vec_kind() -> str:
-    """Where :func:`vec_linear` multiplies here (where :func:`vec_available`): AVX-512 or AVX2."""
-    return "AVX-512" if torch.cpu._is_avx512_supported() and not _vec_on_avx2 else "AVX2"
+    """Where :func:`vec_linear` multiplies here (where :func:`vec_available`): AVX-512 or AVX2, as the
+    kernel chooses (its CPU check and :func:`vec_avx2`'s setting)."""
+    return str(kernels.built().vec_code())
 
 
 def vec_avx2(on: bool) -> bool:
     """:func:`vec_linear` on its AVX2 code even on a CPU with AVX-512 (``on``; the same bits: tests
     compare the two, benchmarks time an AVX2 CPU's linears this way); the previous setting."""
-    global _vec_on_avx2
-    _vec_on_avx2 = bool(on)
     return bool(kernels.built().vec_avx2(on))
 
 

@@ -80,6 +80,12 @@ bool vec_cpu() { return vec512_cpu() || vec2_cpu(); }
 std::atomic<bool> g_vec_avx2{false};
 bool vec_avx2(bool on) { return g_vec_avx2.exchange(on); }
 
+// The code vec_linear multiplies on now, as it chooses: "AVX-512", "AVX2", or "" (neither here).
+std::string vec_code() {
+  if (vec512_cpu() && !g_vec_avx2.load()) return "AVX-512";
+  return vec2_cpu() ? "AVX2" : "";
+}
+
 bool vec_built() {
 #if defined(ZT_VEC)
   return true;
