@@ -352,8 +352,8 @@ void attend_avx2(const T* q, const Pool& kp, const Pool& vp, const int64_t* slot
             total[w * heads + h] = softmax8(score.data() + offset[w] + h * stride[w], len[w]);
         std::fill(acc.begin(), acc.begin() + nr * heads * dim, 0.0f);
         // a prompt's rows: 32 keys at a time, each value weighed for up to 3 heads at once (a 2,048-token
-        // prompt's attention 11-13% faster on a Zen 3); a decode (a block of one row): 16 keys, head by
-        // head (its stream of values from memory ran 4-10% slower grouped)
+        // prompt's attention 9-11% faster on a Zen 3); a decode (a block of one row): 16 keys, head by
+        // head (its stream of values from memory ran 4-12% slower grouped)
         const bool prompt = nr > 1;
         const int64_t step = std::is_pointer_v<Pool> && prompt ? kValueChunk : kChunk;
         const int64_t at_once = prompt ? group : 1;
