@@ -80,9 +80,15 @@ bool vec_cpu() { return vec512_cpu() || vec2_cpu(); }
 std::atomic<bool> g_vec_avx2{false};
 bool vec_avx2(bool on) { return g_vec_avx2.exchange(on); }
 
-// The code vec_linear multiplies on now, as it chooses: "AVX-512", "AVX2", or "" (neither here).
+// Whether vec_linear multiplies on its AVX-512 code now (the CPU has it and vec_avx2 is off).
+bool vec_on512() {
+  static const bool has512 = vec512_cpu();
+  return has512 && !g_vec_avx2.load();
+}
+
+// The code vec_linear multiplies on now: "AVX-512", "AVX2", or "" (neither here).
 std::string vec_code() {
-  if (vec512_cpu() && !g_vec_avx2.load()) return "AVX-512";
+  if (vec_on512()) return "AVX-512";
   return vec2_cpu() ? "AVX2" : "";
 }
 
@@ -107,8 +113,7 @@ torch::Tensor vec_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0) return y;
 #if defined(ZT_VEC)
-  static const bool has512 = vec512_cpu();
-  const bool avx512 = has512 && !g_vec_avx2.load();
+  const bool avx512 = vec_on512();
   TORCH_CHECK(avx512 || vec2_cpu(), "this CPU has neither AVX-512F nor AVX2 with FMA");
   VecProblem t{x.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<float>(), x.stride(0), rows, n, x.size(1), w.size(0),
