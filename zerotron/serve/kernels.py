@@ -67,7 +67,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
-_NAME = "zerotron_kernels_v126"
+_NAME = "zerotron_kernels_v127"
 _FUNCTIONS = [
     "paged_attention",
     "paged_attention_q8",
