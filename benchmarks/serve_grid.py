@@ -56,17 +56,25 @@ def run_client(args: argparse.Namespace, base: str, cell: dict[str, Any], out_di
     cmd += ["--request-rate", str(cell["rate"]), "--max-concurrency", str(args.max_concurrency)]
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     cmd += ["--save-result", "--result-dir", out_dir, "--result-filename", name, "--disable-tqdm"]
+    if args.detail_dir and cell["arrivals"] != "warm":
+        cmd += ["--save-detailed"]  # per request: prompt and output lengths, TTFT, every inter-token gap
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     with open(os.path.join(out_dir, name)) as f:
         saved = json.load(f)
+    if args.detail_dir and cell["arrivals"] != "warm":
+        kept = os.path.join(args.detail_dir, f"{name[:-5]}-seed{cell['seed']}.json")
+        with open(kept, "w") as f:
+            json.dump(saved, f)
     return {k: float(saved[k]) for k in KEYS} | {"completed": float(saved["completed"])}
 
 
 def cells(args: argparse.Namespace) -> list[dict[str, Any]]:
     shapes = itertools.product(args.prompt_lens, args.output_lens, ("burst", "poisson"))
+    # a cell's seed is its place in the whole grid, so a cell run alone (--arrivals) draws its prompts
     return [
         {"prompt": p, "output": o, "arrivals": a, "seed": args.seed + i, "rate": "inf"}
         for i, (p, o, a) in enumerate(shapes)
+        if a in args.arrivals
     ]
 
 
@@ -174,8 +182,21 @@ def main() -> None:
         "--repeats", type=int, default=1, help="runs of each cell per server, the servers taking turns"
     )
     p.add_argument("--pause", type=float, default=2.0, help="seconds between runs (the last server idles)")
+    p.add_argument(
+        "--arrivals",
+        type=lambda s: s.split(","),
+        default=["burst", "poisson"],
+        help="burst, poisson or both (poisson's rate comes from the burst cell: it needs burst)",
+    )
+    p.add_argument("--detail-dir", default=None, help="keep each run's per-request timings here")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if not set(args.arrivals) <= {"burst", "poisson"} or args.arrivals == ["poisson"]:
+        p.error(
+            "--arrivals takes burst or burst,poisson (a Poisson cell's rate is --load x its burst cell's)"
+        )
+    if args.detail_dir:
+        os.makedirs(args.detail_dir, exist_ok=True)
     grid = cells(args)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as out_dir, contextlib.ExitStack() as stack:

@@ -280,6 +280,32 @@ def test_preemption_and_resume_give_the_same_output(
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
 
 
+def test_admission_counts_the_growth_ahead_so_a_full_pool_does_not_preempt(engine_factory: object) -> None:
+    """Three requests whose prompts fit the pool together but whose outputs do not: the third waits
+    for the first to finish instead of starting and then being preempted (admission on the prompt
+    alone, as vLLM's, starts it), and every request's tokens are those of a roomy pool."""
+    prompts = _prompts([16, 16, 16], seed=3)
+    params = dataclasses.replace(GREEDY, max_tokens=16)
+    # blocks of 4: each sequence ends at 8 blocks; 18 usable blocks hold two of them and all 3 prompts
+    tight = engine_factory(num_blocks=19, block_size=4, max_num_seqs=3, max_model_len=64)  # type: ignore[operator]
+    for i, prompt in enumerate(prompts):
+        tight.add_request(f"r{i}", prompt, params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    first: dict[str, int] = {}
+    finished: dict[str, int] = {}
+    step = 0
+    while tight.has_unfinished():
+        step += 1
+        for out in tight.step():
+            got[out.request_id].extend(out.outputs[0].token_ids)
+            first.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = step
+    assert tight.scheduler.preemptions == 0
+    assert first["r0"] == first["r1"] == 1 and first["r2"] > finished["r0"]
+    assert [got[f"r{i}"] for i in range(3)] == [t for t, _ in _run(engine_factory(), prompts, params)]  # type: ignore[operator]
+
+
 def test_an_idle_server_loop_takes_a_burst_into_one_step(
     engine_factory: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,6 +6,13 @@ first served, while fewer than ``max_num_seqs`` run. A sequence's blocks are res
 scheduled; when the pool runs dry the newest running sequence is preempted (its blocks freed, its
 tokens recomputed when it is admitted again: prompt and output so far, through the prefix cache).
 Requests join and leave between steps.
+
+Admission looks ahead so that preemption stays the exception: a waiting sequence starts only if the
+free blocks hold its whole prompt and the growth still ahead of it and of every running sequence,
+each growth counted up to its ``max_tokens`` but at most a fair share of the pool (its tokens over
+``max_num_seqs``), so that requests without a small ``max_tokens`` do not hold the pool back. vLLM
+admits on the prompt alone; a burst that overfills the pool then preempts its newest sequences
+(their whole prompts recomputed, their time per output token the trace's worst).
 """
 
 from __future__ import annotations
@@ -115,14 +122,17 @@ class Scheduler:
             batch.pieces.append((seq, seq.computed, take))
             budget -= take
             i += 1
+        ahead = sum(self._ahead(seq) for seq in self.running) if self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.prefix_caching and seq.computed == 0:
                 self._match_prefix(seq)
             take = self._chunk(seq, budget, batch)
-            if take == 0 or not self._reserve(seq, take, batch.copies):
+            fits = not self.running or ahead + self._ahead(seq) <= self.pool.num_free
+            if take == 0 or not fits or not self._reserve(seq, take, batch.copies):
                 self._free(seq)
                 break
+            ahead += self._ahead(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -144,6 +154,15 @@ class Scheduler:
                 return left
         aligned = (seq.computed + budget) // Q_ALIGN * Q_ALIGN - seq.computed
         return aligned if aligned > 0 or batch.pieces else budget
+
+    def _ahead(self, seq: Sequence) -> int:
+        """Blocks ``seq`` may still claim: the rest of its prompt and its output to come, counted up to
+        ``max_tokens`` but at most the pool's tokens over ``max_num_seqs`` (see the module's doc)."""
+        bs = self.pool.block_size
+        share = self.pool.usable * bs // self.max_num_seqs
+        limit = seq.params.max_tokens
+        growth = share if limit is None else min(limit - len(seq.output_ids), share)
+        return max(-(-(len(seq.tokens) + max(growth, 0)) // bs) - len(seq.table), 0)
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Take the cached blocks of the sequence's longest cached prefix (its last token is always
