@@ -56,12 +56,13 @@ def run_client(args: argparse.Namespace, base: str, cell: dict[str, Any], out_di
     cmd += ["--request-rate", str(cell["rate"]), "--max-concurrency", str(args.max_concurrency)]
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     cmd += ["--save-result", "--result-dir", out_dir, "--result-filename", name, "--disable-tqdm"]
-    if args.detail_dir and cell["arrivals"] != "warm":
+    keep = args.detail_dir and cell["arrivals"] != "warm"
+    if keep:
         cmd += ["--save-detailed"]  # per request: prompt and output lengths, TTFT, every inter-token gap
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     with open(os.path.join(out_dir, name)) as f:
         saved = json.load(f)
-    if args.detail_dir and cell["arrivals"] != "warm":
+    if keep:
         kept = os.path.join(args.detail_dir, f"{name[:-5]}-seed{cell['seed']}.json")
         with open(kept, "w") as f:
             json.dump(saved, f)

@@ -158,11 +158,14 @@ class Scheduler:
     def _ahead(self, seq: Sequence) -> int:
         """Blocks ``seq`` may still claim: the rest of its prompt and its output to come, counted up to
         ``max_tokens`` but at most the pool's tokens over ``max_num_seqs`` (see the module's doc)."""
-        bs = self.pool.block_size
-        share = self.pool.usable * bs // self.max_num_seqs
+        share = self.pool.usable * self.pool.block_size // self.max_num_seqs
         limit = seq.params.max_tokens
         growth = share if limit is None else min(limit - len(seq.output_ids), share)
-        return max(-(-(len(seq.tokens) + max(growth, 0)) // bs) - len(seq.table), 0)
+        return max(self._blocks_to(seq, len(seq.tokens) + max(growth, 0)), 0)
+
+    def _blocks_to(self, seq: Sequence, end: int) -> int:
+        """Blocks ``seq`` lacks to hold positions [0, end)."""
+        return -(-end // self.pool.block_size) - len(seq.table)
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Take the cached blocks of the sequence's longest cached prefix (its last token is always
@@ -184,7 +187,7 @@ class Scheduler:
         """Blocks for positions [computed, computed + take): the new ones, and a private copy of a
         shared block about to be written. False (nothing taken) if the pool lacks them."""
         bs = self.pool.block_size
-        new = -(-(seq.computed + take) // bs) - len(seq.table)
+        new = self._blocks_to(seq, seq.computed + take)
         partial = seq.computed // bs if seq.computed % bs else None
         shared = partial is not None and self.pool.ref[seq.table[partial]] > 1
         if self.pool.num_free < max(new, 0) + int(shared):
