@@ -76,6 +76,7 @@ def test_bad_keys_and_values(overrides: list[str], message: str) -> None:
             "rowwise casts the weight along a different axis for each GEMM",
         ),
         (["parallel.tp_comm_overlap=true"], 1, "does not overlap tensor-parallel collectives"),
+        (["parallel.zero=1", "parallel.overlap_param_gather=true"], 1, "not under the next forward"),
         (["train.global_batch=15"], 2, "not divisible by the data-parallel size 2"),
         (["train.global_batch=16", "train.micro_batch=3"], 2, "not a multiple of train.micro_batch=3"),
         (["train.beta2=1.0"], 1, "train.beta2=1.0 must be in"),

@@ -19,7 +19,7 @@ from zerotron.plan import PROFILES, PlanError, plan_config, plan_layout, tensor_
 from zerotron.plan.accuracy import errors, fit_profiles, predict, run_inputs, summary
 from zerotron.plan.hardware import MEASURED
 from zerotron.plan.interval import step_range
-from zerotron.plan.layout import Layout, Workload, from_config
+from zerotron.plan.layout import Layout, Workload, check, from_config
 from zerotron.plan.published import CALIBRATION, HELD_OUT, VALIDATION
 from zerotron.shapes import ModelShape, flops_per_token
 
@@ -243,6 +243,52 @@ def test_overlapped_collectives_contend_by_their_bytes_not_their_link_time() -> 
         times = timing.data_parallel_time(layout, h100, group, grads, grads, t_mb=100.0, n_mb=4)
         reduce = timing.collective_time("reduce_scatter", grads, 48, stride, h100)
         assert times["dp_grad_reduce"] == pytest.approx(h100.overlap_contention * share * reduce)
+
+
+def test_overlap_param_gather_hides_zero1_gathers_under_the_first_forward() -> None:
+    """Megatron-Core's ``--overlap-param-gather`` (distrib_optimizer.py: one bucket's all-gather at a time,
+    each launched from the forward pre-hook of the bucket before it): ZeRO-1/2's gather of the updated
+    shards runs under the next step's first micro-batch's forward (a third of its compute), what that
+    forward cannot cover exposed, and never less than the contention floor of overlapped collectives.
+    Without it the gather follows the step, exposed whole. ZeRO-3 and ZeRO-0 are refused with it."""
+    h100 = PROFILES["h100-sxm"]
+    grads = params = 8e9
+    for zero in (1, 2):
+        plain = Layout(ParallelDims.of(48, zero=zero))
+        overlap = dataclasses.replace(plain, overlap_param_gather=True)
+        group = timing.DataGroup(48, 48, 8)  # one rank per node: the NIC's pace
+        gather = timing.collective_time("all_gather", params, 48, 8, h100)
+        floor = h100.overlap_contention * timing.node_share(8, 48, h100) * gather
+        for t_mb in (0.03, 0.3, 30.0):
+            whole = timing.data_parallel_time(plain, h100, group, grads, params, t_mb, 4)
+            hidden = timing.data_parallel_time(overlap, h100, group, grads, params, t_mb, 4)
+            assert whole["dp_param_gather"] == pytest.approx(gather)
+            assert hidden["dp_param_gather"] == pytest.approx(max(gather - t_mb / 3, floor))
+            assert hidden["dp_grad_reduce"] == whole["dp_grad_reduce"]
+    m = ModelShape(64, 2, 4, 4, 16, 256, 128, gated=True, tied=True, qkv_bias=False)
+    for zero in (0, 3):
+        layout = Layout(ParallelDims.of(8, zero=zero), overlap_param_gather=True)
+        with pytest.raises(PlanError, match="overlap_param_gather=true with zero="):
+            check(m, layout, Workload(64, 8), h100, 8)
+
+
+def test_megatron_bf16_runs_reduce_fp32_gradients() -> None:
+    """Megatron under --bf16 reduces its fp32 gradient buffer (r0.8.0's arguments.py forces
+    accumulate_allreduce_grads_in_fp32; its docs' distributed-optimizer table: 'float16 param, fp32
+    grads'): the held-out runs say so, and their data-parallel reduction moves 4 bytes an element where
+    the mixed convention's default moves 2; with no overlap to hide it (a CPU profile) the reduction of a
+    dp-only layout's gradients takes the time of twice the bytes."""
+    assert all(r.grad_bytes == 4 and r.overlap_param_gather for r in HELD_OUT)
+    assert not any(r.grad_bytes or r.overlap_param_gather for r in (*CALIBRATION, *VALIDATION))
+    cpu = PROFILES["cpu"]
+    m = ModelShape(64, 2, 4, 4, 16, 256, 128, gated=True, tied=True, qkv_bias=False)
+    layout, work = Layout(ParallelDims.of(4, zero=1)), Workload(64, 8)
+    t16 = plan_layout(m, layout, work, cpu, convention="mixed").time["dp_grad_reduce"]
+    t32 = plan_layout(m, dataclasses.replace(layout, mixed_grad_bytes=4), work, cpu, convention="mixed").time[
+        "dp_grad_reduce"
+    ]
+    alpha = 3 * timing.link(1, 4, cpu.per_rank(4))[1]  # the ring's latency, paid once either way
+    assert t32 - alpha == pytest.approx(2 * (t16 - alpha))
 
 
 def test_shared_host_splits_the_node_and_overlaps_nothing() -> None:

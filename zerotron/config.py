@@ -189,6 +189,11 @@ class ParallelConfig:
         "overlap tp collectives with the GEMMs (Megatron/Transformer Engine userbuffers); modelled by "
         "`zerotron plan`, not built in the trainer",
     )
+    overlap_param_gather: bool = _f(
+        False,
+        "ZeRO-1/2: gather the updated shards under the next step's first forward, bucket by bucket "
+        "(Megatron-Core's --overlap-param-gather); modelled by `zerotron plan`, not built in the trainer",
+    )
     pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb")
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
     pp_layers: Optional[list] = _f(

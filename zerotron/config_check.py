@@ -419,6 +419,11 @@ def _check_built(cfg: Config) -> None:
             "parallel.tp_comm_overlap=true: the trainer does not overlap tensor-parallel collectives with "
             "GEMMs yet (`zerotron plan` models it); set parallel.tp_comm_overlap=false"
         )
+    if p.overlap_param_gather:
+        raise ConfigError(
+            "parallel.overlap_param_gather=true: the trainer gathers ZeRO-1/2's updated shards after the "
+            "step, not under the next forward (`zerotron plan` models it); set parallel.overlap_param_gather=false"
+        )
     m = cfg.model
     if m.kv_lora_rank or m.q_lora_rank or m.qk_rope_head_dim or m.qk_nope_head_dim or m.v_head_dim:
         raise ConfigError(

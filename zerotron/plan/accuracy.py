@@ -45,6 +45,8 @@ def run_inputs(run: PublishedRun) -> tuple[ModelShape, Layout, Workload]:
         recompute=run.recompute,
         sequence_parallel=run.sequence_parallel,
         tp_comm_overlap=run.tp_comm_overlap,
+        overlap_param_gather=run.overlap_param_gather,
+        mixed_grad_bytes=run.grad_bytes,
         pp_schedule=run.schedule,
         virtual_stages=run.virtual_stages,
         kernels=run.kernels,

@@ -132,8 +132,10 @@ def explain(
         "pipeline_p2p": "2 x v x m sends of b*s/cp*h*bytes (/tp: scatter-gather) between stages",
         "dp_grad_reduce": "gradient all-reduce (ZeRO-1/2: reduce-scatter) over dp not hidden under the "
         "backward of the last micro-batch (ZeRO-2: of each)",
-        "dp_param_gather": "ZeRO-1/2: all-gather of the updated shard; ZeRO-3: per block gathers (forward, "
-        "backward) and reduce-scatters not hidden under each micro-batch's compute",
+        "dp_param_gather": "ZeRO-1/2: all-gather of the updated shard"
+        + (" not hidden under the next step's first forward" if layout.overlap_param_gather else "")
+        + "; ZeRO-3: per block gathers (forward, backward) and reduce-scatters not hidden under each "
+        "micro-batch's compute",
         "optimizer_step": "2 x state bytes / memory bandwidth (device Adam), or shard / cpu_adam_params_per_s",
         "offload_transfer": "gradients down and parameters up over PCIe (and NVMe reads/writes)",
         "param_offload": "ZeRO-3 parameter fetches from host/NVMe not hidden under compute",

@@ -33,6 +33,8 @@ class Layout(shared.HoldsDims):
     recompute: str = "none"
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
+    # ZeRO-1/2: the updated shards gathered under the next step's first forward (Megatron-Core)
+    overlap_param_gather: bool = False
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     offload_optimizer: str = "none"
@@ -41,6 +43,9 @@ class Layout(shared.HoldsDims):
     bucket_mb: float = 25.0
     pp_layers: tuple[int, ...] | None = None
     grad_reduce_dtype: str = "fp32"  # what gradients travel in over the data-parallel group (fp32, bf16)
+    # the mixed convention's gradient bytes on that wire: 0 the working dtype's (DeepSpeed, Megatron under
+    # fp16), 4 for Megatron under bf16 (its fp32 gradient buffer is what it reduces)
+    mixed_grad_bytes: int = 0
     reshard_after_forward: bool = (
         True  # ZeRO-3: free each unit after its forward (gathered again in backward)
     )
@@ -70,6 +75,7 @@ class Layout(shared.HoldsDims):
         """A compact one-line description (search tables)."""
         extra = " sp" if self.sequence_parallel and self.tp > 1 else ""
         extra += " tpo" if self.tp_comm_overlap and self.tp > 1 else ""
+        extra += " opg" if self.overlap_param_gather and self.zero in (1, 2) and self.dp > 1 else ""
         if self.pp > 1:
             extra += f" {self.pp_schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.offload_optimizer != "none" or self.offload_params != "none":
@@ -124,6 +130,7 @@ def from_config(cfg: Config, gpus: int) -> tuple[ModelShape, Layout, Workload]:
         recompute=t.recompute,
         sequence_parallel=p.sequence_parallel,
         tp_comm_overlap=p.tp_comm_overlap,
+        overlap_param_gather=p.overlap_param_gather,
         pp_schedule=p.pp_schedule,
         virtual_stages=p.virtual_stages,
         offload_optimizer=p.offload_optimizer,
@@ -273,6 +280,11 @@ def _check_choices(layout: Layout, work: Workload) -> None:
 
 
 def _check_limits(layout: Layout) -> None:
+    if layout.overlap_param_gather and layout.zero not in (1, 2):
+        raise PlanError(
+            f"parallel.overlap_param_gather=true with zero={layout.zero}: it overlaps ZeRO-1/2's gather of "
+            "the updated shards (ZeRO-3 already gathers under the compute); set parallel.zero=1 or 2"
+        )
     if layout.zero >= 2 and layout.pp > 1:
         raise PlanError(
             f"zero={layout.zero} with pp={layout.pp}: zerotron plan does not model ZeRO-2/3 under pipeline "

@@ -463,7 +463,7 @@ def _wires(layout: Layout, work: Workload, convention: str, pb: int, gb: int) ->
     grad_wire = (
         (2 if layout.grad_reduce_dtype == "bf16" else gb)
         if convention == "zerotron"
-        else ACT_BYTES[work.precision]
+        else layout.mixed_grad_bytes or ACT_BYTES[work.precision]
     )
     param_wire = (
         (2 if working_weights16(layout, work) else pb)

@@ -68,6 +68,8 @@ class PublishedRun:
     precision: str = "bf16"
     kernels: str = "fused"  # element-wise kernels: fused (Megatron, NeMo) or eager (llm-foundry's MPT)
     pp_scatter_gather: bool = True  # False: every tp rank sends a stage's whole output (DeepSpeed)
+    grad_bytes: int = 0  # gradient bytes on the data-parallel wire; 0: 16-bit (the mixed convention's)
+    overlap_param_gather: bool = False  # ZeRO-1's gather of the updated shards under the next forward
     published: float = 0.0
     unit: str = "step_s"  # step_s | tflops | tflops_selective | tokens_per_s
 
@@ -287,6 +289,11 @@ VALIDATION: tuple[PublishedRun, ...] = (
 # README is silent: micro-batch 1, no recomputation (the layouts fit in 80 GB without it), flash
 # attention, sequence parallelism with tp, the distributed optimizer (ZeRO-1), untied embeddings (the
 # 1.7B and 7.1B names count the output layer), and the plain 1F1B schedule (no virtual stages given).
+# Known from the release's code, not assumed: under --bf16 its arguments.py forces
+# accumulate_allreduce_grads_in_fp32, so the gradients are reduced from their fp32 buffer, 4 bytes an
+# element; --overlap-param-gather gathers the updated shards under the next step's first forward
+# (megatron/core/optimizer/distrib_optimizer.py: one bucket's all-gather at a time, each launched from
+# the forward pre-hook of the bucket before it).
 _MEG_H100 = "Megatron-LM README (Megatron-Core r0.8.0 weak scaling, images/model_table.png)"
 
 
@@ -300,7 +307,7 @@ def _weak(
         name=name, source=_MEG_H100, hardware="h100-sxm", gpus=gpus, hidden=h, layers=layers, heads=heads,
         vocab=131072, seq_len=4096, global_batch=batch, tp=tp, pp=pp, zero=1, recompute="none",
         sequence_parallel=tp > 1, tp_comm_overlap=tp > 1, flash=True, tied=False, published=tflops,
-        unit="tflops_selective",
+        unit="tflops_selective", grad_bytes=4, overlap_param_gather=True,
     )  # fmt: skip
 
 

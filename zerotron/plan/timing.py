@@ -492,15 +492,12 @@ def _zero_times(
             reduce = _reduce_scatter(layout, grads, n, stride, hw)
         if not layout.onebit_adam:  # 1-bit Adam averages the momentum after backward, not under it
             reduce = _exposed(hw, reduce, backward, node_share(stride, n, hw))
-        gather = collective_time("all_gather", params, n, stride, hw) if layout.zero == 1 else 0.0
+        gather = _shard_gather(layout, hw, params, block, t_mb) if layout.zero == 1 else 0.0
         return {"dp_grad_reduce": reduce, "dp_param_gather": gather}
     per_mb_reduce = _reduce_scatter(layout, grads, n, stride, hw)
     if layout.zero == 2:
         reduce = n_mb * _exposed(hw, per_mb_reduce, backward, node_share(stride, n, hw))
-        return {
-            "dp_grad_reduce": reduce,
-            "dp_param_gather": collective_time("all_gather", params, n, stride, hw),
-        }
+        return {"dp_grad_reduce": reduce, "dp_param_gather": _shard_gather(layout, hw, params, block, t_mb)}
     per_layer = collective_time("all_gather", params / layers, n, stride, hw)
     gathers = (2 if layout.reshard_after_forward else 1) * layers * per_layer  # forward (and backward)
     if layout.zero_hpz_size > 1:  # hpZ: backward's gathers inside blocks of that many ranks
@@ -512,6 +509,17 @@ def _zero_times(
         "dp_grad_reduce": 0.0,
         "dp_param_gather": n_mb * _exposed(hw, gathers + per_mb_reduce, t_mb, share),
     }
+
+
+def _shard_gather(layout: Layout, hw: Hardware, params: float, block: DataGroup, t_mb: float) -> float:
+    """ZeRO-1/2's all-gather of the updated shards after the step: exposed whole, or under
+    ``overlap_param_gather`` (Megatron-Core's distributed optimizer: each bucket's gather launched when
+    the forward reaches the bucket before it) hidden under the next step's first micro-batch's forward,
+    what that forward cannot cover and at least the contention floor (:func:`_exposed`) exposed."""
+    gather = collective_time("all_gather", params, block.ranks, block.stride, hw)
+    if not layout.overlap_param_gather:
+        return gather
+    return _exposed(hw, gather, t_mb / 3.0, node_share(block.stride, block.ranks, hw))
 
 
 def _reduce_scatter(layout: Layout, grads: float, n: int, stride: int, hw: Hardware) -> float:
